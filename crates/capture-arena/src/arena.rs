@@ -1,0 +1,457 @@
+//! The arena: one region, one allocator, one object table (key -> offset, length, shape, dtype).
+//!
+//! Batches are placed atomically: every object of every sample, or none. Only the writer thread
+//! owns an `Arena`, so nothing here locks.
+
+use std::collections::HashMap;
+
+use crate::alloc::{Allocator, Extent};
+use crate::error::{Error, Result};
+use crate::memory::Region;
+use crate::sample::{check_unique, ArenaRef, Feature, Published, Sample};
+use crate::tensor::Dtype;
+
+/// A resident object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Object {
+    /// Where it lives (aligned length).
+    pub extent: Extent,
+    /// Its true byte length (`shape × item size`).
+    pub len: u64,
+    /// Its shape.
+    pub shape: Vec<u64>,
+    /// Its dtype.
+    pub dtype: Dtype,
+}
+
+/// The arena's occupancy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ArenaReport {
+    /// Usable bytes.
+    pub capacity: u64,
+    /// Bytes not allocated.
+    pub free_bytes: u64,
+    /// The largest free extent.
+    pub largest_free: u64,
+    /// Free extents (1 when empty).
+    pub free_extents: u64,
+    /// Objects resident.
+    pub resident_objects: u64,
+    /// Bytes of resident objects (aligned).
+    pub resident_bytes: u64,
+}
+
+/// What a successful [`Arena::publish`] did.
+#[derive(Debug)]
+pub struct Publication {
+    /// One result per sample, in order.
+    pub published: Vec<Published>,
+    /// Objects (and their aligned bytes) published.
+    pub objects: u64,
+    /// Bytes copied (true tensor bytes).
+    pub bytes: u64,
+    /// Objects freed because their samples asked for `replace`.
+    pub replaced: u64,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Arena {
+    region: Box<dyn Region>,
+    alloc: Allocator,
+    objects: HashMap<String, Object>,
+    arena_ref: ArenaRef,
+}
+
+impl Arena {
+    /// An empty arena over `region`, every object aligned to `alignment`; `control` is the
+    /// endpoint published in results.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a non-power-of-two alignment or a region smaller than one unit.
+    pub fn new(region: Box<dyn Region>, alignment: u64, control: String) -> Result<Arena> {
+        let alloc = Allocator::new(region.len(), alignment)?;
+        let arena_ref = ArenaRef {
+            session: region.session().to_owned(),
+            control,
+        };
+        Ok(Arena {
+            region,
+            alloc,
+            objects: HashMap::new(),
+            arena_ref,
+        })
+    }
+
+    /// Usable bytes.
+    pub fn capacity(&self) -> u64 {
+        self.alloc.capacity()
+    }
+
+    /// The session and control endpoint every result carries.
+    pub fn arena_ref(&self) -> &ArenaRef {
+        &self.arena_ref
+    }
+
+    /// The region.
+    pub fn region(&self) -> &dyn Region {
+        &*self.region
+    }
+
+    /// A resident object by key.
+    pub fn object(&self, key: &str) -> Option<&Object> {
+        self.objects.get(key)
+    }
+
+    /// The address of a resident object.
+    pub fn address(&self, key: &str) -> Option<u64> {
+        self.objects
+            .get(key)
+            .map(|o| self.region.base_address() + o.extent.offset)
+    }
+
+    /// Occupancy figures.
+    pub fn report(&self) -> ArenaReport {
+        let r = self.alloc.report();
+        ArenaReport {
+            capacity: r.capacity,
+            free_bytes: r.free_bytes,
+            largest_free: r.largest_free,
+            free_extents: r.free_extents,
+            resident_objects: self.objects.len() as u64,
+            resident_bytes: r.capacity - r.free_bytes,
+        }
+    }
+
+    /// Bytes the batch takes after alignment.
+    ///
+    /// # Errors
+    /// [`Error::BatchTooLarge`] on arithmetic overflow.
+    pub fn needed_bytes(&self, samples: &[Sample]) -> Result<u64> {
+        samples
+            .iter()
+            .flat_map(|s| s.tensors.iter())
+            .try_fold(0u64, |acc, (_, t)| {
+                self.alloc
+                    .aligned_len(t.byte_len())
+                    .and_then(|l| acc.checked_add(l))
+            })
+            .ok_or(Error::BatchTooLarge {
+                needed: u64::MAX,
+                capacity: self.capacity(),
+            })
+    }
+
+    /// Checks a batch without placing it: unique keys, no resident key without `replace`, and a
+    /// total that can fit in the whole arena. Returns the bytes it needs.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSample`] for a key repeated in the batch, [`Error::KeyExists`],
+    /// [`Error::BatchTooLarge`].
+    pub fn check(&self, samples: &[Sample]) -> Result<u64> {
+        check_unique(samples)?;
+        for s in samples {
+            if s.replace {
+                continue;
+            }
+            if let Some(k) = s.keys().find(|k| self.objects.contains_key(&k.to_string())) {
+                return Err(Error::KeyExists { key: k.to_string() });
+            }
+        }
+        let needed = self.needed_bytes(samples)?;
+        if needed > self.capacity() {
+            return Err(Error::BatchTooLarge {
+                needed,
+                capacity: self.capacity(),
+            });
+        }
+        Ok(needed)
+    }
+
+    /// Places a whole batch and copies its bytes: every object of every sample, or none.
+    ///
+    /// Objects resident under the keys of a sample with `replace` are freed first; if the batch
+    /// then does not fit, they are put back exactly where they were.
+    ///
+    /// Returns `Ok(None)` when the batch does not fit now (the arena is unchanged: wait for frees
+    /// and try again).
+    ///
+    /// # Errors
+    /// As [`Arena::check`], plus a failed copy; the arena is unchanged on every error.
+    pub fn publish(&mut self, samples: &[Sample]) -> Result<Option<Publication>> {
+        self.check(samples)?;
+        // Free what `replace` replaces, keeping it aside to restore on failure.
+        let mut replaced: Vec<(String, Object)> = Vec::new();
+        for s in samples.iter().filter(|s| s.replace) {
+            for k in s.keys() {
+                let k = k.to_string();
+                if let Some(o) = self.objects.remove(&k) {
+                    self.alloc.free(o.extent);
+                    replaced.push((k, o));
+                }
+            }
+        }
+        // Largest first: best fit then leaves the least fragmentation.
+        let mut order: Vec<(usize, usize)> = samples
+            .iter()
+            .enumerate()
+            .flat_map(|(si, s)| (0..s.tensors.len()).map(move |ti| (si, ti)))
+            .collect();
+        order.sort_by_key(|&(si, ti)| std::cmp::Reverse(samples[si].tensors[ti].1.byte_len()));
+        let mut placed: Vec<((usize, usize), Extent)> = Vec::with_capacity(order.len());
+        let mut failure: Option<Error> = None;
+        for &(si, ti) in &order {
+            let t = &samples[si].tensors[ti].1;
+            match self.alloc.allocate(t.byte_len()) {
+                Some(e) => placed.push(((si, ti), e)),
+                None => break,
+            }
+        }
+        if placed.len() == order.len() {
+            for &((si, ti), e) in &placed {
+                if let Err(err) = self.region.write(e.offset, &samples[si].tensors[ti].1.data) {
+                    failure = Some(err);
+                    break;
+                }
+            }
+        }
+        if placed.len() < order.len() || failure.is_some() {
+            for (_, e) in placed {
+                self.alloc.free(e);
+            }
+            for (k, o) in replaced {
+                let restored = self.alloc.reserve_exact(o.extent);
+                debug_assert!(restored, "the space of a replaced object is free again");
+                self.objects.insert(k, o);
+            }
+            return failure.map_or(Ok(None), Err);
+        }
+        // Commit: every byte is in place.
+        let base = self.region.base_address();
+        let mut published: Vec<Published> = samples
+            .iter()
+            .map(|s| Published {
+                sample_id: s.sample_id.clone(),
+                store_id: s.store_id.clone(),
+                gen: s.gen,
+                aux_layer_ids: s.aux_layer_ids.clone(),
+                features: Default::default(),
+                arena: self.arena_ref.clone(),
+            })
+            .collect();
+        let mut bytes = 0;
+        for ((si, ti), extent) in placed.iter().copied() {
+            let (key, t) = &samples[si].tensors[ti];
+            bytes += t.byte_len();
+            published[si].features.insert(
+                t.name.clone(),
+                Feature {
+                    shape: t.shape.clone(),
+                    dtype: t.dtype,
+                    address: base + extent.offset,
+                },
+            );
+            self.objects.insert(
+                key.to_string(),
+                Object {
+                    extent,
+                    len: t.byte_len(),
+                    shape: t.shape.clone(),
+                    dtype: t.dtype,
+                },
+            );
+        }
+        Ok(Some(Publication {
+            published,
+            objects: placed.len() as u64,
+            bytes,
+            replaced: replaced.len() as u64,
+        }))
+    }
+
+    /// Frees the object under `key`. Returns its aligned bytes, or `None` for a key that is not
+    /// resident (already freed, never published): freeing is idempotent.
+    ///
+    /// # Complexity
+    /// O(log n) in the number of free extents.
+    pub fn free(&mut self, key: &str) -> Option<u64> {
+        let o = self.objects.remove(key)?;
+        let freed = self.alloc.free(o.extent);
+        debug_assert!(freed, "a resident object's extent is live");
+        Some(o.extent.len)
+    }
+
+    /// Checks the allocator's invariants and that the object table matches it; for tests.
+    pub fn check_invariants(&self) {
+        self.alloc.check();
+        assert_eq!(self.alloc.report().live_extents, self.objects.len() as u64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::{ShmRegion, ShmSession, ShmView};
+    use crate::tensor::{Tensor, TensorData};
+
+    fn sample(id: &str, sizes: &[usize], fill: u8, replace: bool) -> Sample {
+        let mut s = Sample::new("st", id, 1).unwrap().with_replace(replace);
+        for (i, &n) in sizes.iter().enumerate() {
+            let t = Tensor::new(
+                format!("t{i}"),
+                vec![n as u64],
+                Dtype::Uint8,
+                TensorData::host(vec![fill; n]),
+            )
+            .unwrap();
+            s.push(t).unwrap();
+        }
+        s
+    }
+
+    fn arena(bytes: u64) -> Arena {
+        Arena::new(
+            Box::new(ShmRegion::create(bytes).unwrap()),
+            256,
+            "127.0.0.1:1".into(),
+        )
+        .unwrap()
+    }
+
+    fn read(a: &Arena, key: &str) -> Vec<u8> {
+        let s: ShmSession = a.arena_ref().session.parse().unwrap();
+        let v = ShmView::open(&s).unwrap();
+        let o = a.object(key).unwrap();
+        let mut out = vec![0; o.len as usize];
+        v.read(a.address(key).unwrap(), &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn publishes_reads_and_frees() {
+        let mut a = arena(4096);
+        let p = a
+            .publish(&[sample("s0", &[1000, 10], 7, false)])
+            .unwrap()
+            .unwrap();
+        assert_eq!((p.objects, p.bytes, p.replaced), (2, 1010, 0));
+        let r = &p.published[0];
+        assert_eq!(r.features["t0"].shape, [1000]);
+        assert_eq!(
+            r.features["t0"].address,
+            a.region().base_address(),
+            "largest first, at 0"
+        );
+        assert_eq!(read(&a, "st/s0/g1/t0"), vec![7; 1000]);
+        assert_eq!(a.report().free_bytes, 4096 - 1024 - 256);
+        assert_eq!(a.free("st/s0/g1/t0"), Some(1024));
+        assert_eq!(a.free("st/s0/g1/t0"), None, "idempotent");
+        assert_eq!(a.free("st/s0/g1/t1"), Some(256));
+        let rep = a.report();
+        assert_eq!(
+            (rep.free_bytes, rep.free_extents, rep.resident_objects),
+            (4096, 1, 0)
+        );
+    }
+
+    #[test]
+    fn batch_is_all_or_nothing() {
+        let mut a = arena(4096);
+        a.publish(&[sample("a", &[2048], 1, false)])
+            .unwrap()
+            .unwrap();
+        // Two samples, the second does not fit: nothing of the first stays.
+        let r = a
+            .publish(&[
+                sample("b", &[1024], 2, false),
+                sample("c", &[2048], 3, false),
+            ])
+            .unwrap();
+        assert!(r.is_none());
+        assert_eq!(a.report().resident_objects, 1);
+        assert!(a.object("st/b/g1/t0").is_none());
+        a.check_invariants();
+        // Too big for the whole arena: an error at once.
+        let e = a.publish(&[sample("d", &[4097], 1, false)]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::BatchTooLarge {
+                    needed: 4352,
+                    capacity: 4096
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn duplicate_key_and_replace() {
+        let mut a = arena(4096);
+        a.publish(&[sample("a", &[1000], 1, false)])
+            .unwrap()
+            .unwrap();
+        let before = a.report();
+        let e = a
+            .publish(&[sample("b", &[10], 1, false), sample("a", &[10], 2, false)])
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::KeyExists { key } if key == "st/a/g1/t0"),
+            "{e}"
+        );
+        assert_eq!(a.report(), before, "unchanged");
+        let e = a
+            .publish(&[sample("b", &[10], 1, false), sample("b", &[10], 2, false)])
+            .unwrap_err();
+        assert!(e.to_string().contains("appears twice in one batch"), "{e}");
+        // Replace: the old object goes, the new one takes its place; one copy only.
+        let p = a
+            .publish(&[sample("a", &[1000], 9, true)])
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.replaced, 1);
+        assert_eq!(a.report().resident_objects, 1);
+        assert_eq!(read(&a, "st/a/g1/t0"), vec![9; 1000]);
+        // A replace that does not fit restores the old object exactly.
+        a.publish(&[sample("x", &[2048], 5, false)])
+            .unwrap()
+            .unwrap();
+        let before = a.report();
+        let addr = a.address("st/a/g1/t0");
+        assert!(a
+            .publish(&[sample("a", &[3000], 4, true)])
+            .unwrap()
+            .is_none());
+        assert_eq!(a.report(), before);
+        assert_eq!(a.address("st/a/g1/t0"), addr);
+        assert_eq!(read(&a, "st/a/g1/t0"), vec![9; 1000]);
+        a.check_invariants();
+    }
+
+    #[test]
+    fn reuse_after_free_and_coalescing() {
+        let mut a = arena(8192);
+        for i in 0..8 {
+            a.publish(&[sample(&format!("s{i}"), &[1024], i as u8, false)])
+                .unwrap()
+                .unwrap();
+        }
+        assert!(a
+            .publish(&[sample("big", &[4096], 1, false)])
+            .unwrap()
+            .is_none());
+        for i in [2, 3, 4, 5] {
+            a.free(&format!("st/s{i}/g1/t0")).unwrap();
+        }
+        // Four neighbours coalesced into one 4096-byte hole, and the big one fits exactly there.
+        let p = a
+            .publish(&[sample("big", &[4096], 1, false)])
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            p.published[0].features["t0"].address,
+            a.region().base_address() + 2048
+        );
+        a.check_invariants();
+    }
+}

@@ -1,0 +1,397 @@
+//! Configuration in one place: every environment variable of the capture sink, its typed field,
+//! its default, and the one function that decides placement.
+//!
+//! | variable | field | default |
+//! |---|---|---|
+//! | `SGLANG_SPEC_CAPTURE_ARENA_BYTES` | `arena_bytes` | none: required when the arena is used |
+//! | `SGLANG_SPEC_CAPTURE_ARENA_ALIGN` | `alignment` | 256 |
+//! | `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S` | `arena_wait` | 30 s |
+//! | `SGLANG_SPEC_CAPTURE_CONTROL_HOST`, else `MOONCAKE_LOCAL_HOSTNAME` | `control_host` | 127.0.0.1 |
+//! | `SGLANG_SPEC_CAPTURE_CONTROL_PORT` | `control_port` | 0 (ephemeral) |
+//! | `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES` | `max_pending_batches` | 2 |
+//! | `SGLANG_SPEC_CAPTURE_TIMING` | `timing` | off |
+//! | `MOONCAKE_PROTOCOL` | `protocol` | unset (store placement) |
+//! | `SGLANG_SPEC_CAPTURE_GPU_PUT` | `gpu_put` | unset (on under `nvlink`) |
+
+use std::time::Duration;
+
+use crate::alloc::DEFAULT_ALIGNMENT;
+use crate::error::{Error, Result};
+
+/// `SGLANG_SPEC_CAPTURE_ARENA_BYTES`: arena size; plain bytes or with a `KiB`/`MiB`/`GiB`/`TiB`
+/// suffix.
+pub const ENV_ARENA_BYTES: &str = "SGLANG_SPEC_CAPTURE_ARENA_BYTES";
+/// `SGLANG_SPEC_CAPTURE_ARENA_ALIGN`: alignment of every object, a power of two.
+pub const ENV_ARENA_ALIGN: &str = "SGLANG_SPEC_CAPTURE_ARENA_ALIGN";
+/// `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S`: how long a batch that does not fit waits for frees.
+pub const ENV_ARENA_WAIT_S: &str = "SGLANG_SPEC_CAPTURE_ARENA_WAIT_S";
+/// `SGLANG_SPEC_CAPTURE_CONTROL_HOST`: the host the control endpoint binds and advertises.
+pub const ENV_CONTROL_HOST: &str = "SGLANG_SPEC_CAPTURE_CONTROL_HOST";
+/// `MOONCAKE_LOCAL_HOSTNAME`: the fallback for the control host.
+pub const ENV_LOCAL_HOSTNAME: &str = "MOONCAKE_LOCAL_HOSTNAME";
+/// `SGLANG_SPEC_CAPTURE_CONTROL_PORT`: the control port; unset or 0 = ephemeral.
+pub const ENV_CONTROL_PORT: &str = "SGLANG_SPEC_CAPTURE_CONTROL_PORT";
+/// `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES`: batches the writer's queue holds (>= 1).
+pub const ENV_MAX_PENDING: &str = "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES";
+/// `SGLANG_SPEC_CAPTURE_TIMING`: `1` logs one line per batch.
+pub const ENV_TIMING: &str = "SGLANG_SPEC_CAPTURE_TIMING";
+/// `MOONCAKE_PROTOCOL`: `nvlink` selects the arena placement and device publication.
+pub const ENV_PROTOCOL: &str = "MOONCAKE_PROTOCOL";
+/// `SGLANG_SPEC_CAPTURE_GPU_PUT`: `1` publish device tensors, `0` from host (an error under
+/// `nvlink`).
+pub const ENV_GPU_PUT: &str = "SGLANG_SPEC_CAPTURE_GPU_PUT";
+
+/// Default wait for frees.
+pub const DEFAULT_ARENA_WAIT: Duration = Duration::from_secs(30);
+/// Default writer queue capacity.
+pub const DEFAULT_MAX_PENDING_BATCHES: usize = 2;
+/// Default control host: loopback, never all interfaces.
+pub const DEFAULT_CONTROL_HOST: &str = "127.0.0.1";
+
+/// Where captured samples wait for trainers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    /// In memory the capture server owns: this crate.
+    Arena,
+    /// In a Mooncake store (every protocol but `nvlink`).
+    Store,
+}
+
+/// Decides placement from a `MOONCAKE_PROTOCOL` value: `nvlink` (any case) -> arena. This is the
+/// one place the decision is made.
+pub fn placement(protocol: Option<&str>) -> Placement {
+    match protocol {
+        Some(p) if p.trim().eq_ignore_ascii_case("nvlink") => Placement::Arena,
+        _ => Placement::Store,
+    }
+}
+
+/// True when `MOONCAKE_PROTOCOL` in this process's environment selects the arena.
+pub fn arena_enabled() -> bool {
+    placement(std::env::var(ENV_PROTOCOL).ok().as_deref()) == Placement::Arena
+}
+
+/// Every setting, typed. Build it with struct-update syntax over [`Config::default`] or read it
+/// from the environment with [`Config::from_env`]; [`Config::validate`] checks it (the writer
+/// calls it when it starts).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Arena size in bytes (`SGLANG_SPEC_CAPTURE_ARENA_BYTES`). Required to start an arena.
+    pub arena_bytes: Option<u64>,
+    /// Alignment of every object (power of two).
+    pub alignment: u64,
+    /// How long a batch that does not fit waits for frees before failing.
+    pub arena_wait: Duration,
+    /// Host the control endpoint binds and advertises.
+    pub control_host: String,
+    /// Control port; 0 = ephemeral.
+    pub control_port: u16,
+    /// Capacity of the writer's queue of pending batches (>= 1).
+    pub max_pending_batches: usize,
+    /// Log one line per batch with its timing.
+    pub timing: bool,
+    /// `MOONCAKE_PROTOCOL`.
+    pub protocol: Option<String>,
+    /// `SGLANG_SPEC_CAPTURE_GPU_PUT`: `Some(false)` is an error under `nvlink`.
+    pub gpu_put: Option<bool>,
+    /// Target layers of the aux hidden states, echoed in every result.
+    pub aux_layer_ids: Option<Vec<i64>>,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            arena_bytes: None,
+            alignment: DEFAULT_ALIGNMENT,
+            arena_wait: DEFAULT_ARENA_WAIT,
+            control_host: DEFAULT_CONTROL_HOST.to_owned(),
+            control_port: 0,
+            max_pending_batches: DEFAULT_MAX_PENDING_BATCHES,
+            timing: false,
+            protocol: None,
+            gpu_put: None,
+            aux_layer_ids: None,
+        }
+    }
+}
+
+impl Config {
+    /// Reads every variable from this process's environment.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable whose value is invalid.
+    pub fn from_env() -> Result<Config> {
+        Config::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Reads every variable through `get` (for tests and embedders without an environment).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable whose value is invalid.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+        let mut c = Config::default();
+        if let Some(v) = get(ENV_ARENA_BYTES) {
+            c.arena_bytes = Some(parse_bytes(&v).map_err(|r| Error::config(ENV_ARENA_BYTES, r))?);
+        }
+        if let Some(v) = get(ENV_ARENA_ALIGN) {
+            c.alignment = parse_bytes(&v).map_err(|r| Error::config(ENV_ARENA_ALIGN, r))?;
+        }
+        if let Some(v) = get(ENV_ARENA_WAIT_S) {
+            c.arena_wait = v
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .and_then(|s| Duration::try_from_secs_f64(s).ok())
+                .ok_or_else(|| {
+                    Error::config(
+                        ENV_ARENA_WAIT_S,
+                        format!("{v:?} is not a number of seconds >= 0"),
+                    )
+                })?;
+        }
+        if let Some(h) = get(ENV_CONTROL_HOST).or_else(|| get(ENV_LOCAL_HOSTNAME)) {
+            c.control_host = h.trim().to_owned();
+        }
+        if let Some(v) = get(ENV_CONTROL_PORT) {
+            c.control_port = v.trim().parse().map_err(|_| {
+                Error::config(
+                    ENV_CONTROL_PORT,
+                    format!("{v:?} is not a port (0-65535; 0 = ephemeral)"),
+                )
+            })?;
+        }
+        if let Some(v) = get(ENV_MAX_PENDING) {
+            c.max_pending_batches = v.trim().parse().map_err(|_| {
+                Error::config(ENV_MAX_PENDING, format!("{v:?} is not a whole number >= 1"))
+            })?;
+        }
+        if let Some(v) = get(ENV_TIMING) {
+            c.timing = parse_flag(&v).map_err(|r| Error::config(ENV_TIMING, r))?;
+        }
+        c.protocol = get(ENV_PROTOCOL).map(|p| p.trim().to_owned());
+        if let Some(v) = get(ENV_GPU_PUT) {
+            c.gpu_put = Some(parse_flag(&v).map_err(|r| Error::config(ENV_GPU_PUT, r))?);
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// The placement `protocol` selects.
+    pub fn placement(&self) -> Placement {
+        placement(self.protocol.as_deref())
+    }
+
+    /// True when `protocol` selects the arena (`nvlink`).
+    pub fn arena_enabled(&self) -> bool {
+        self.placement() == Placement::Arena
+    }
+
+    /// True when tensors are published from the device: always under `nvlink`, else as
+    /// `gpu_put` says (default host).
+    pub fn device_publication(&self) -> bool {
+        self.arena_enabled() || self.gpu_put == Some(true)
+    }
+
+    /// The arena size, which has no default so memory is never taken silently.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `arena_bytes` is unset or zero.
+    pub fn required_arena_bytes(&self) -> Result<u64> {
+        match self.arena_bytes {
+            Some(b) if b > 0 => Ok(b),
+            _ => Err(Error::config(
+                ENV_ARENA_BYTES,
+                "the arena size is required when the arena is used and has no default; set \
+                 SGLANG_SPEC_CAPTURE_ARENA_BYTES (e.g. 8GiB) or Config::arena_bytes",
+            )),
+        }
+    }
+
+    /// Checks every field.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable of the first invalid field.
+    pub fn validate(&self) -> Result<()> {
+        if self.max_pending_batches < 1 {
+            return Err(Error::config(
+                ENV_MAX_PENDING,
+                format!(
+                    "{} is < 1: the writer must be able to hold one batch",
+                    self.max_pending_batches
+                ),
+            ));
+        }
+        if !self.alignment.is_power_of_two() {
+            return Err(Error::config(
+                ENV_ARENA_ALIGN,
+                format!(
+                    "{} is not a power of two (default {DEFAULT_ALIGNMENT})",
+                    self.alignment
+                ),
+            ));
+        }
+        if self.arena_enabled() && self.gpu_put == Some(false) {
+            return Err(Error::config(
+                ENV_GPU_PUT,
+                "MOONCAKE_PROTOCOL=nvlink always publishes from the device; \
+                 SGLANG_SPEC_CAPTURE_GPU_PUT=0 is not supported with it (unset it or set 1)",
+            ));
+        }
+        if self.control_host.is_empty() {
+            return Err(Error::config(ENV_CONTROL_HOST, "empty host"));
+        }
+        Ok(())
+    }
+}
+
+/// Parses `8GiB`, `512 MiB`, `4096`, `1.5GiB` (binary suffixes, case-insensitive `B` optional
+/// on `K`/`M`/`G`/`T` + `i`). Decimal `GB` is refused to avoid a silent 7% difference.
+pub fn parse_bytes(v: &str) -> Result<u64, String> {
+    let s = v.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = (&s[..split], s[split..].trim());
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "kib" | "ki" | "k" => 1 << 10,
+        "mib" | "mi" | "m" => 1 << 20,
+        "gib" | "gi" | "g" => 1 << 30,
+        "tib" | "ti" | "t" => 1 << 40,
+        _ => {
+            return Err(format!(
+                "{v:?}: unknown unit {unit:?}; use plain bytes or KiB, MiB, GiB, TiB"
+            ))
+        }
+    };
+    let bad = || format!("{v:?} is not a size (plain bytes, or a number with KiB, MiB, GiB, TiB)");
+    if num.contains('.') {
+        let f: f64 = num.parse().map_err(|_| bad())?;
+        let b = f * mult as f64;
+        if !(b.is_finite() && b >= 0.0 && b < u64::MAX as f64) {
+            return Err(bad());
+        }
+        Ok(b as u64)
+    } else {
+        num.parse::<u64>()
+            .ok()
+            .and_then(|n| n.checked_mul(mult))
+            .ok_or_else(bad)
+    }
+}
+
+fn parse_flag(v: &str) -> Result<bool, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" => Ok(false),
+        _ => Err(format!("{v:?} is not a flag (1 or 0)")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(vars: &[(&str, &str)]) -> Result<Config> {
+        let m: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_bytes(" 512 MiB "), Ok(512 << 20));
+        assert_eq!(parse_bytes("1.5gib"), Ok(3 << 29));
+        assert!(parse_bytes("8GB").unwrap_err().contains("unknown unit"));
+        assert!(parse_bytes("-1").is_err());
+        assert!(parse_bytes("99999999999TiB").is_err());
+        assert!(parse_bytes("").is_err());
+    }
+
+    #[test]
+    fn defaults_and_env() {
+        let c = cfg(&[]).unwrap();
+        assert_eq!(c, Config::default());
+        assert_eq!(c.control_host, "127.0.0.1");
+        let e = c.required_arena_bytes().unwrap_err();
+        assert!(
+            e.to_string().contains("SGLANG_SPEC_CAPTURE_ARENA_BYTES"),
+            "{e}"
+        );
+        let c = cfg(&[
+            (ENV_ARENA_BYTES, "2GiB"),
+            (ENV_ARENA_WAIT_S, "0.5"),
+            (ENV_CONTROL_PORT, "5555"),
+            (ENV_MAX_PENDING, "4"),
+            (ENV_TIMING, "1"),
+            (ENV_LOCAL_HOSTNAME, "10.1.2.3"),
+        ])
+        .unwrap();
+        assert_eq!(c.required_arena_bytes().unwrap(), 2 << 30);
+        assert_eq!(c.arena_wait, Duration::from_millis(500));
+        assert_eq!(
+            (c.control_port, c.max_pending_batches, c.timing),
+            (5555, 4, true)
+        );
+        assert_eq!(c.control_host, "10.1.2.3");
+        let c = cfg(&[
+            (ENV_CONTROL_HOST, "127.0.0.2"),
+            (ENV_LOCAL_HOSTNAME, "10.1.2.3"),
+        ])
+        .unwrap();
+        assert_eq!(c.control_host, "127.0.0.2", "the explicit host wins");
+    }
+
+    #[test]
+    fn invalid_values_name_their_variable() {
+        for (k, v) in [
+            (ENV_MAX_PENDING, "0"),
+            (ENV_MAX_PENDING, "-1"),
+            (ENV_CONTROL_PORT, "70000"),
+            (ENV_ARENA_WAIT_S, "soon"),
+            (ENV_ARENA_WAIT_S, "-1"),
+            (ENV_ARENA_BYTES, "lots"),
+            (ENV_ARENA_ALIGN, "3"),
+            (ENV_TIMING, "maybe"),
+        ] {
+            let e = cfg(&[(k, v)]).unwrap_err();
+            assert!(e.to_string().contains(k), "{e} should name {k}");
+        }
+    }
+
+    #[test]
+    fn nvlink_selects_arena_and_device_publication() {
+        assert_eq!(placement(Some("nvlink")), Placement::Arena);
+        assert_eq!(placement(Some(" NVLink ")), Placement::Arena);
+        assert_eq!(placement(Some("tcp")), Placement::Store);
+        assert_eq!(placement(Some("rdma")), Placement::Store);
+        assert_eq!(placement(None), Placement::Store);
+        let c = cfg(&[(ENV_PROTOCOL, "nvlink")]).unwrap();
+        assert!(c.arena_enabled() && c.device_publication());
+        let c = cfg(&[(ENV_PROTOCOL, "nvlink"), (ENV_GPU_PUT, "1")]).unwrap();
+        assert!(c.device_publication());
+        let e = cfg(&[(ENV_PROTOCOL, "nvlink"), (ENV_GPU_PUT, "0")]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("SGLANG_SPEC_CAPTURE_GPU_PUT=0 is not supported"),
+            "{e}"
+        );
+        let c = cfg(&[(ENV_PROTOCOL, "tcp"), (ENV_GPU_PUT, "0")]).unwrap();
+        assert!(!c.arena_enabled() && !c.device_publication());
+        let typed = Config {
+            protocol: Some("nvlink".into()),
+            gpu_put: Some(false),
+            ..Config::default()
+        };
+        assert!(
+            typed.validate().is_err(),
+            "the typed field is checked the same way"
+        );
+    }
+}

@@ -1,0 +1,257 @@
+//! The control protocol: clients free objects by writing lines to a TCP endpoint, each line a JSON
+//! array of key strings followed by `\n`. The server never writes back.
+//!
+//! This module holds the parts that do not depend on the event loop: binding the listener, the
+//! per-connection line buffer and the line parser. The writer's loop (in `writer`) drives them.
+//!
+//! Rules:
+//! - a line is everything up to `\n` (a trailing `\r` and surrounding whitespace are ignored;
+//!   blank lines are skipped);
+//! - a line that is not a JSON array of strings is counted as bad and logged; other lines and
+//!   connections go on;
+//! - a line longer than [`MAX_LINE_BYTES`] closes its connection;
+//! - bytes after the last `\n` of a closed connection are a partial line: discarded and counted.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+
+use crate::error::{Error, Result};
+
+/// The longest line accepted; a longer one closes its connection. One MiB holds ~15k keys.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// Parses one line (without its `\n`). `Ok(None)` for a blank line.
+///
+/// # Errors
+/// A description of why the line is not a JSON array of strings.
+pub fn parse_line(line: &[u8]) -> Result<Option<Vec<String>>, String> {
+    let line = line.trim_ascii();
+    if line.is_empty() {
+        return Ok(None);
+    }
+    serde_json::from_slice::<Vec<String>>(line)
+        .map(Some)
+        .map_err(|e| e.to_string())
+}
+
+/// Splits a byte stream into lines, buffering a partial last line.
+#[derive(Debug, Default)]
+pub struct LineBuffer {
+    buf: Vec<u8>,
+}
+
+/// A line grew past [`MAX_LINE_BYTES`] without a `\n`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Oversized {
+    /// Bytes buffered when the limit was hit.
+    pub bytes: usize,
+}
+
+impl LineBuffer {
+    /// Feeds `data`, calling `on_line` for each complete line in order.
+    ///
+    /// # Errors
+    /// [`Oversized`] when the unterminated tail exceeds [`MAX_LINE_BYTES`]; the connection should
+    /// be closed (the lines completed before it were still delivered).
+    pub fn push(&mut self, data: &[u8], mut on_line: impl FnMut(&[u8])) -> Result<(), Oversized> {
+        let mut rest = data;
+        // Complete the buffered partial line first.
+        if !self.buf.is_empty() {
+            match memchr(rest) {
+                Some(i) => {
+                    self.buf.extend_from_slice(&rest[..i]);
+                    if self.buf.len() > MAX_LINE_BYTES {
+                        return Err(Oversized {
+                            bytes: self.buf.len(),
+                        });
+                    }
+                    on_line(&self.buf);
+                    self.buf.clear();
+                    rest = &rest[i + 1..];
+                }
+                None => {
+                    self.buf.extend_from_slice(rest);
+                    return self.check();
+                }
+            }
+        }
+        // Whole lines straight from the read buffer, no copy.
+        while let Some(i) = memchr(rest) {
+            if i > MAX_LINE_BYTES {
+                return Err(Oversized { bytes: i });
+            }
+            on_line(&rest[..i]);
+            rest = &rest[i + 1..];
+        }
+        self.buf.extend_from_slice(rest);
+        self.check()
+    }
+
+    fn check(&self) -> Result<(), Oversized> {
+        if self.buf.len() > MAX_LINE_BYTES {
+            Err(Oversized {
+                bytes: self.buf.len(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Bytes of an unterminated line buffered (a partial line if the connection now closes).
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+fn memchr(b: &[u8]) -> Option<usize> {
+    b.iter().position(|&c| c == b'\n')
+}
+
+/// Binds the control listener on `host:port` (port 0 = ephemeral) and returns it with the
+/// endpoint to advertise (`host:actual_port`; IPv6 in brackets).
+///
+/// # Errors
+/// [`Error::Io`] naming the host and port if the name does not resolve or binding fails.
+pub fn bind(host: &str, port: u16) -> Result<(mio::net::TcpListener, String)> {
+    let addr: SocketAddr = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            Error::io(
+                format!("resolving control host {host:?} (SGLANG_SPEC_CAPTURE_CONTROL_HOST)"),
+                e,
+            )
+        })?
+        .next()
+        .ok_or_else(|| {
+            Error::io(
+                format!("control host {host:?} resolves to no address"),
+                std::io::Error::from(std::io::ErrorKind::AddrNotAvailable),
+            )
+        })?;
+    let listener = mio::net::TcpListener::bind(addr).map_err(|e| {
+        Error::io(
+            format!(
+                "binding the control endpoint {addr} (SGLANG_SPEC_CAPTURE_CONTROL_HOST / \
+                 SGLANG_SPEC_CAPTURE_CONTROL_PORT; 0 = ephemeral)"
+            ),
+            e,
+        )
+    })?;
+    let port = listener
+        .local_addr()
+        .map_err(|e| Error::io("control listener address", e))?
+        .port();
+    let advertised = if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    };
+    Ok((listener, advertised))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lines(chunks: &[&[u8]]) -> (Vec<Vec<u8>>, usize) {
+        let mut b = LineBuffer::default();
+        let mut out = Vec::new();
+        for c in chunks {
+            b.push(c, |l| out.push(l.to_vec())).unwrap();
+        }
+        (out, b.pending())
+    }
+
+    #[test]
+    fn splits_across_and_within_reads() {
+        let (l, p) = lines(&[b"[\"a\",", b"\"b\"]\n[\"c\"]\n[", b"\"d\"]\n[\"e"]);
+        assert_eq!(
+            l,
+            [
+                b"[\"a\",\"b\"]".to_vec(),
+                b"[\"c\"]".to_vec(),
+                b"[\"d\"]".to_vec()
+            ]
+        );
+        assert_eq!(p, 3, "partial last line stays buffered");
+    }
+
+    #[test]
+    fn parses_lines() {
+        assert_eq!(
+            parse_line(b" [\"a\", \"b\"] \r"),
+            Ok(Some(vec!["a".into(), "b".into()]))
+        );
+        assert_eq!(parse_line(b"[]"), Ok(Some(vec![])));
+        assert_eq!(parse_line(b"  "), Ok(None));
+        for bad in [
+            &b"nope"[..],
+            b"{\"a\": 1}",
+            b"[1, 2]",
+            b"[\"a\"",
+            b"\"a\"",
+            b"[\"\xff\"]",
+        ] {
+            assert!(
+                parse_line(bad).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn oversized_lines_are_refused() {
+        let mut b = LineBuffer::default();
+        let big = vec![b'x'; MAX_LINE_BYTES + 1];
+        assert!(b.push(&big, |_| {}).is_err());
+        let mut b = LineBuffer::default();
+        b.push(&big[..MAX_LINE_BYTES], |_| {}).unwrap();
+        assert!(b.push(b"yy\n", |_| {}).is_err(), "split across reads too");
+        let mut b = LineBuffer::default();
+        let mut ok = big[..MAX_LINE_BYTES].to_vec();
+        ok.push(b'\n');
+        let mut n = 0;
+        b.push(&ok, |_| n += 1).unwrap();
+        assert_eq!(n, 1, "exactly the limit is fine");
+    }
+
+    #[test]
+    fn binds_loopback_ephemeral() {
+        let (l, adv) = bind("127.0.0.1", 0).unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert_eq!(adv, format!("127.0.0.1:{port}"));
+        assert!(bind("no-such-host.invalid", 0).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(chunks in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..64), 0..8)) {
+            let mut b = LineBuffer::default();
+            for c in &chunks {
+                let _ = b.push(c, |l| { let _ = parse_line(l); });
+            }
+        }
+
+        #[test]
+        fn any_split_gives_the_same_lines(keys in proptest::collection::vec("[a-z0-9/:]{1,12}", 1..20),
+                                           cuts in proptest::collection::vec(any::<usize>(), 0..6)) {
+            let mut stream = Vec::new();
+            for k in &keys {
+                stream.extend_from_slice(serde_json::to_string(&vec![k]).unwrap().as_bytes());
+                stream.push(b'\n');
+            }
+            let mut at: Vec<usize> = cuts.iter().map(|c| c % (stream.len() + 1)).collect();
+            at.sort_unstable();
+            let mut b = LineBuffer::default();
+            let mut got = Vec::new();
+            let mut prev = 0;
+            for a in at.into_iter().chain([stream.len()]) {
+                b.push(&stream[prev..a], |l| got.extend(parse_line(l).unwrap().unwrap())).unwrap();
+                prev = a;
+            }
+            prop_assert_eq!(got, keys);
+            prop_assert_eq!(b.pending(), 0);
+        }
+    }
+}

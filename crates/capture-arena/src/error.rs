@@ -1,0 +1,198 @@
+//! The one error type of the core crate.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Everything that can go wrong in capture-arena. Each variant carries what a user needs to act:
+/// what failed, the numbers involved and, where there is one, the setting to change.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error {
+    /// A key (or one of its parts) breaks the `{store_id}/{sample_id}/g{gen}/{name}` rules.
+    InvalidKey {
+        /// The offending key or part, escaped.
+        key: String,
+        /// Which rule it breaks.
+        reason: String,
+    },
+    /// A configuration value (environment variable or builder field) is missing or invalid.
+    Config {
+        /// The environment variable (or builder field) at fault.
+        var: &'static str,
+        /// What is wrong and what to set instead.
+        reason: String,
+    },
+    /// A sample's request is inconsistent: a feature requested but not captured, an unsupported
+    /// dtype, data that does not match its shape, a duplicate name.
+    InvalidSample {
+        /// The sample at fault.
+        sample_id: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A key is already resident and the sample did not ask for `replace`.
+    KeyExists {
+        /// The resident key.
+        key: String,
+    },
+    /// The batch can never fit: it needs more than the whole arena.
+    BatchTooLarge {
+        /// Bytes the batch needs (after alignment).
+        needed: u64,
+        /// The arena's capacity.
+        capacity: u64,
+    },
+    /// The batch did not fit before the wait for frees ran out.
+    ArenaFull {
+        /// Bytes the batch needs (after alignment).
+        needed: u64,
+        /// Free bytes at the end of the wait.
+        free: u64,
+        /// The largest free extent at the end of the wait.
+        largest_free: u64,
+        /// Objects still resident.
+        resident_objects: u64,
+        /// The arena's capacity.
+        capacity: u64,
+        /// How long the batch waited.
+        waited: Duration,
+    },
+    /// The writer's queue of pending batches is full (only from non-blocking submission).
+    QueueFull {
+        /// The queue's capacity (`SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES`).
+        capacity: usize,
+    },
+    /// The writer thread has stopped; nothing more can be published.
+    WriterStopped,
+    /// A session string cannot be parsed.
+    InvalidSession {
+        /// The session string.
+        session: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A session names an arena that no longer exists or is a different one (the producer
+    /// exited or restarted): reading it would return someone else's bytes.
+    StaleSession {
+        /// The session string.
+        session: String,
+        /// What did not match.
+        reason: String,
+    },
+    /// An address range falls outside the arena it claims to be in.
+    OutOfRange {
+        /// First byte asked for.
+        address: u64,
+        /// Bytes asked for.
+        len: u64,
+        /// The arena's base address.
+        base: u64,
+        /// The arena's length.
+        region_len: u64,
+    },
+    /// An operating-system call failed.
+    Io {
+        /// What we were doing.
+        what: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+impl Error {
+    pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Error {
+        Error::Io {
+            what: what.into(),
+            source,
+        }
+    }
+
+    pub(crate) fn config(var: &'static str, reason: impl Into<String>) -> Error {
+        Error::Config {
+            var,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn sample(sample_id: &str, reason: impl Into<String>) -> Error {
+        Error::InvalidSample {
+            sample_id: sample_id.to_owned(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::InvalidKey { key, reason } => write!(f, "invalid key {key:?}: {reason}"),
+            Error::Config { var, reason } => write!(f, "invalid configuration {var}: {reason}"),
+            Error::InvalidSample { sample_id, reason } => {
+                write!(f, "sample {sample_id:?}: {reason}")
+            }
+            Error::KeyExists { key } => write!(
+                f,
+                "key {key} is already resident; free it first or publish with \"replace\": true"
+            ),
+            Error::BatchTooLarge { needed, capacity } => write!(
+                f,
+                "batch needs {needed} bytes but the whole arena holds {capacity} bytes; \
+                 raise SGLANG_SPEC_CAPTURE_ARENA_BYTES above {needed} or send smaller batches"
+            ),
+            Error::ArenaFull {
+                needed,
+                free,
+                largest_free,
+                resident_objects,
+                capacity,
+                waited,
+            } => write!(
+                f,
+                "arena full: batch needs {needed} bytes, {free} of {capacity} bytes are free \
+                 (largest free extent {largest_free} bytes) with {resident_objects} objects \
+                 resident after waiting {:.1} s for frees; raise SGLANG_SPEC_CAPTURE_ARENA_BYTES \
+                 or lower the producer's resident watermark (fewer unfreed samples in flight), \
+                 or check that trainers free what they read \
+                 (SGLANG_SPEC_CAPTURE_ARENA_WAIT_S sets the wait)",
+                waited.as_secs_f64()
+            ),
+            Error::QueueFull { capacity } => write!(
+                f,
+                "the writer already holds {capacity} pending batches; wait, or raise \
+                 SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"
+            ),
+            Error::WriterStopped => write!(f, "the arena's writer thread has stopped"),
+            Error::InvalidSession { session, reason } => {
+                write!(f, "invalid session {session:?}: {reason}")
+            }
+            Error::StaleSession { session, reason } => write!(
+                f,
+                "stale session {session}: {reason}; the producer that published this result has \
+                 exited or restarted, so its objects are gone"
+            ),
+            Error::OutOfRange {
+                address,
+                len,
+                base,
+                region_len,
+            } => write!(
+                f,
+                "address range {address:#x}+{len} lies outside the arena [{base:#x}, {:#x})",
+                base.saturating_add(*region_len)
+            ),
+            Error::Io { what, source } => write!(f, "{what}: {source}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! capture-arena: the capture server's arena.
+//!
+//! An inference server captures hidden states per sample during prefill. A [`Sink`] hands each
+//! batch to a [`Writer`] thread, the only thread that touches the [`Arena`]: it places every
+//! tensor as an object in one region of memory (host shared memory today), copies the bytes, and
+//! returns per-sample results with every feature's address. Trainers read the bytes by
+//! (session, address) and free objects by writing JSON lists of keys to the control endpoint,
+//! which the same writer thread serves.
+//!
+//! Data flows one way:
+//! `sink -> writer -> arena (alloc + memory) -> result -> reader -> control -> writer`.
+//!
+//! | module | noun |
+//! |---|---|
+//! | [`key`] | object keys `{store_id}/{sample_id}/g{gen}/{name}` |
+//! | [`alloc`] | best-fit extent allocator over `[0, capacity)` (offsets only) |
+//! | [`memory`] | regions: host shared memory, later GPU and transfer-engine memory |
+//! | [`arena`] | region + allocator + object table; atomic batches |
+//! | [`writer`] | the writer thread and its event loop |
+//! | [`control`] | the free protocol: line buffer and parser |
+//! | [`sample`], [`tensor`] | requests, tensors, results |
+//! | [`config`] | every setting and its environment variable |
+//! | [`stats`] | the writer's counters |
+#![deny(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
+pub mod alloc;
+pub mod arena;
+pub mod config;
+pub mod control;
+mod error;
+pub mod key;
+pub mod memory;
+pub mod sample;
+pub mod sink;
+pub mod stats;
+pub mod tensor;
+pub mod writer;
+
+pub use arena::Arena;
+pub use config::{arena_enabled, Config, Placement};
+pub use error::{Error, Result};
+pub use key::Key;
+pub use sample::{ArenaRef, Feature, Published, Sample, SampleResult, SampleSpec};
+pub use sink::Sink;
+pub use stats::StatsSnapshot;
+pub use tensor::{Dtype, Tensor, TensorData};
+pub use writer::{BatchHandle, Writer};

@@ -1,0 +1,536 @@
+//! Samples in and results out: the capture contract's request (`spec`), the validated [`Sample`]
+//! the writer publishes, and the per-sample result JSON.
+
+use std::collections::{BTreeMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::key::Key;
+use crate::tensor::{byte_len, Dtype, Tensor, TensorData};
+
+/// The per-sample request of the capture contract, as the inference server sends it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampleSpec {
+    /// Trainer store namespace.
+    pub store_id: String,
+    /// Unique per sample.
+    pub sample_id: String,
+    /// Generation; server capture always uses 1.
+    #[serde(default = "one")]
+    pub gen: u64,
+    /// True on a retry: existing objects under the same keys are freed first.
+    #[serde(default)]
+    pub replace: bool,
+    /// Which captured artifacts to store, under which feature name.
+    #[serde(default)]
+    pub features: SpecFeatures,
+    /// Tensors built from the request itself (`input_ids`, `loss_mask`).
+    #[serde(default)]
+    pub passthrough: Vec<PassthroughSpec>,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// Artifact -> feature name. Either may be absent.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SpecFeatures {
+    /// Feature name for the aux hidden states (`[L, k*H]`, stored as `[1, L, k*H]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aux: Option<String>,
+    /// Feature name for the last hidden state (`[L, H]`, stored as `[1, L, H]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_hidden: Option<String>,
+}
+
+/// A tensor carried in the request: flat (or nested) list of numbers, shape and dtype name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PassthroughSpec {
+    /// Feature name.
+    pub name: String,
+    /// The values, row-major; nested lists are flattened.
+    pub data: Value,
+    /// The declared shape.
+    pub shape: Vec<u64>,
+    /// A contract dtype name.
+    pub dtype: String,
+}
+
+/// A tensor captured by the server (`aux` or `last_hidden`), without the leading batch dimension.
+#[derive(Debug)]
+pub struct Captured {
+    /// `[L, W]` as captured.
+    pub shape: Vec<u64>,
+    /// Element type.
+    pub dtype: Dtype,
+    /// The bytes.
+    pub data: TensorData,
+}
+
+/// One sample ready to publish: validated keys, unique names, lengths matching shapes.
+#[derive(Debug)]
+pub struct Sample {
+    pub(crate) store_id: String,
+    pub(crate) sample_id: String,
+    pub(crate) gen: u64,
+    pub(crate) replace: bool,
+    pub(crate) aux_layer_ids: Option<Vec<i64>>,
+    pub(crate) tensors: Vec<(Key, Tensor)>,
+}
+
+impl Sample {
+    /// An empty sample. Its ids are checked here (as parts of a key).
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] for an empty id, a `/` or control character in it, or `gen < 1`.
+    pub fn new(store_id: &str, sample_id: &str, gen: u64) -> Result<Sample> {
+        Key::new(store_id, sample_id, gen, "_")?;
+        Ok(Sample {
+            store_id: store_id.to_owned(),
+            sample_id: sample_id.to_owned(),
+            gen,
+            replace: false,
+            aux_layer_ids: None,
+            tensors: Vec::new(),
+        })
+    }
+
+    /// Frees objects already resident under this sample's keys before publishing (a retry).
+    pub fn with_replace(mut self, replace: bool) -> Sample {
+        self.replace = replace;
+        self
+    }
+
+    /// The target layers the aux hidden states came from, echoed in the result.
+    pub fn with_aux_layer_ids(mut self, ids: Option<Vec<i64>>) -> Sample {
+        self.aux_layer_ids = ids;
+        self
+    }
+
+    /// Adds a tensor.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] for a bad name, [`Error::InvalidSample`] for a duplicate name.
+    pub fn push(&mut self, tensor: Tensor) -> Result<()> {
+        let key = Key::new(&self.store_id, &self.sample_id, self.gen, &tensor.name)?;
+        if self.tensors.iter().any(|(k, _)| k == &key) {
+            return Err(Error::sample(
+                &self.sample_id,
+                format!("feature {:?} appears twice", tensor.name),
+            ));
+        }
+        self.tensors.push((key, tensor));
+        Ok(())
+    }
+
+    /// Builds a sample from the contract's request and the captured tensors, checking everything
+    /// before anything is written.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSample`] when `aux` (or `last_hidden`) is requested but not captured, a
+    /// passthrough dtype is outside the contract, or data does not match its shape;
+    /// [`Error::InvalidKey`] for bad ids or names.
+    pub fn from_spec(
+        spec: &SampleSpec,
+        aux: Option<Captured>,
+        last_hidden: Option<Captured>,
+        aux_layer_ids: Option<Vec<i64>>,
+    ) -> Result<Sample> {
+        let mut s = Sample::new(&spec.store_id, &spec.sample_id, spec.gen)?
+            .with_replace(spec.replace)
+            .with_aux_layer_ids(aux_layer_ids);
+        let id = spec.sample_id.as_str();
+        for (artifact, name, captured) in [
+            ("aux", &spec.features.aux, aux),
+            ("last_hidden", &spec.features.last_hidden, last_hidden),
+        ] {
+            let Some(name) = name else { continue };
+            let Some(c) = captured else {
+                return Err(Error::sample(
+                    id,
+                    format!("{artifact} requested as feature {name:?} but not captured"),
+                ));
+            };
+            let mut shape = Vec::with_capacity(c.shape.len() + 1);
+            shape.push(1);
+            shape.extend_from_slice(&c.shape);
+            s.push(
+                Tensor::new(name.clone(), shape, c.dtype, c.data)
+                    .map_err(|r| Error::sample(id, r))?,
+            )?;
+        }
+        for p in &spec.passthrough {
+            let dtype = Dtype::from_name(&p.dtype).ok_or_else(|| {
+                Error::sample(
+                    id,
+                    format!(
+                        "passthrough {:?}: unsupported dtype {:?} (supported: {})",
+                        p.name,
+                        p.dtype,
+                        Dtype::ALL.map(Dtype::name).join(", ")
+                    ),
+                )
+            })?;
+            let bytes = encode_values(&p.data, &p.shape, dtype)
+                .map_err(|r| Error::sample(id, format!("passthrough {:?}: {r}", p.name)))?;
+            s.push(
+                Tensor::new(
+                    p.name.clone(),
+                    p.shape.clone(),
+                    dtype,
+                    TensorData::host(bytes),
+                )
+                .map_err(|r| Error::sample(id, r))?,
+            )?;
+        }
+        Ok(s)
+    }
+
+    /// The sample id.
+    pub fn sample_id(&self) -> &str {
+        &self.sample_id
+    }
+
+    /// The keys of this sample's objects.
+    pub fn keys(&self) -> impl Iterator<Item = &Key> {
+        self.tensors.iter().map(|(k, _)| k)
+    }
+
+    /// Total tensor bytes (before alignment).
+    pub fn byte_len(&self) -> u64 {
+        self.tensors.iter().map(|(_, t)| t.byte_len()).sum()
+    }
+}
+
+/// Encodes JSON numbers (a flat or nested list) into little-endian bytes of `dtype`, checking the
+/// count against `shape`.
+fn encode_values(data: &Value, shape: &[u64], dtype: Dtype) -> Result<Vec<u8>, String> {
+    let want = byte_len(shape, dtype).ok_or_else(|| format!("shape {shape:?} overflows"))?;
+    let mut out = Vec::with_capacity(usize::try_from(want).map_err(|_| "too large")?);
+    let mut stack = vec![data];
+    let mut count = 0u64;
+    // Depth-first, left to right: push children reversed.
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Array(items) => stack.extend(items.iter().rev()),
+            v => {
+                encode_one(v, dtype, &mut out).map_err(|r| format!("element {count}: {r}"))?;
+                count += 1;
+            }
+        }
+    }
+    if out.len() as u64 != want {
+        return Err(format!(
+            "data has {count} elements but shape {shape:?} needs {}",
+            want / dtype.item_size()
+        ));
+    }
+    Ok(out)
+}
+
+fn encode_one(v: &Value, dtype: Dtype, out: &mut Vec<u8>) -> Result<(), String> {
+    let int = || -> Result<i128, String> {
+        match v {
+            Value::Bool(b) => Ok(i128::from(*b)),
+            Value::Number(n) => n
+                .as_i64()
+                .map(i128::from)
+                .or_else(|| n.as_u64().map(i128::from))
+                .ok_or_else(|| format!("{n} is not an integer")),
+            other => Err(format!("{other} is not a number")),
+        }
+    };
+    let float = || -> Result<f64, String> {
+        match v {
+            Value::Bool(b) => Ok(f64::from(u8::from(*b))),
+            Value::Number(n) => n.as_f64().ok_or_else(|| format!("{n} is not a number")),
+            other => Err(format!("{other} is not a number")),
+        }
+    };
+    macro_rules! int_as {
+        ($t:ty) => {{
+            let i = int()?;
+            let x = <$t>::try_from(i).map_err(|_| format!("{i} out of range for {dtype}"))?;
+            out.extend_from_slice(&x.to_le_bytes());
+        }};
+    }
+    match dtype {
+        Dtype::Int64 => int_as!(i64),
+        Dtype::Int32 => int_as!(i32),
+        Dtype::Int16 => int_as!(i16),
+        Dtype::Int8 => int_as!(i8),
+        Dtype::Uint8 => int_as!(u8),
+        Dtype::Bool => match int()? {
+            b @ (0 | 1) => out.push(b as u8),
+            i => return Err(format!("{i} is not a bool (0/1/true/false)")),
+        },
+        Dtype::Float64 => out.extend_from_slice(&float()?.to_le_bytes()),
+        Dtype::Float32 => out.extend_from_slice(&(float()? as f32).to_le_bytes()),
+        Dtype::Float16 => out.extend_from_slice(&half::f16::from_f64(float()?).to_le_bytes()),
+        Dtype::Bfloat16 => out.extend_from_slice(&half::bf16::from_f64(float()?).to_le_bytes()),
+    }
+    Ok(())
+}
+
+/// Where a published sample lives: what a reader opens, and where to send frees.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArenaRef {
+    /// What a reader opens (see `memory::ShmSession` for the shared-memory form).
+    pub session: String,
+    /// The control endpoint, `host:port`.
+    pub control: String,
+}
+
+/// One feature of a published sample.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Feature {
+    /// Shape, with the leading batch dimension for captured tensors.
+    pub shape: Vec<u64>,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Absolute address of the first byte: the session's base address plus the object's offset
+    /// in the region.
+    pub address: u64,
+}
+
+impl Feature {
+    /// Bytes of this feature (`shape × item size`), `None` on overflow.
+    pub fn byte_len(&self) -> Option<u64> {
+        byte_len(&self.shape, self.dtype)
+    }
+}
+
+/// The result of a published sample, exactly as the contract shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Published {
+    /// The sample.
+    pub sample_id: String,
+    /// Its store namespace.
+    pub store_id: String,
+    /// Its generation.
+    pub gen: u64,
+    /// The target layers of the aux hidden states, or null.
+    pub aux_layer_ids: Option<Vec<i64>>,
+    /// Feature name -> where it is.
+    pub features: BTreeMap<String, Feature>,
+    /// The arena holding them.
+    pub arena: ArenaRef,
+}
+
+impl Published {
+    /// The object key of each feature.
+    pub fn keys(&self) -> impl Iterator<Item = String> + '_ {
+        self.features
+            .keys()
+            .map(move |n| format!("{}/{}/g{}/{}", self.store_id, self.sample_id, self.gen, n))
+    }
+}
+
+/// A failed sample: `{"sample_id", "error"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failed {
+    /// The sample.
+    pub sample_id: String,
+    /// Why its batch failed.
+    pub error: String,
+}
+
+/// One line of results: a published sample or a failed one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SampleResult {
+    /// Published: every feature has an address.
+    Published(Published),
+    /// The batch failed; nothing of it was written.
+    Failed(Failed),
+}
+
+/// Turns a batch's outcome into one result per sample: on failure each sample gets the error.
+pub fn batch_results(
+    sample_ids: &[String],
+    outcome: Result<Vec<Published>, &Error>,
+) -> Vec<SampleResult> {
+    match outcome {
+        Ok(published) => published.into_iter().map(SampleResult::Published).collect(),
+        Err(e) => sample_ids
+            .iter()
+            .map(|id| {
+                SampleResult::Failed(Failed {
+                    sample_id: id.clone(),
+                    error: e.to_string(),
+                })
+            })
+            .collect(),
+    }
+}
+
+/// Checks that no key repeats across the samples of a batch.
+pub(crate) fn check_unique(samples: &[Sample]) -> Result<()> {
+    let mut seen = HashSet::new();
+    for s in samples {
+        for k in s.keys() {
+            if !seen.insert(k) {
+                return Err(Error::sample(
+                    &s.sample_id,
+                    format!("key {k} appears twice in one batch"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn spec(v: Value) -> SampleSpec {
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn cap(l: u64, w: u64) -> Captured {
+        Captured {
+            shape: vec![l, w],
+            dtype: Dtype::Bfloat16,
+            data: TensorData::host(vec![0u8; (l * w * 2) as usize]),
+        }
+    }
+
+    #[test]
+    fn builds_from_contract_spec() {
+        let sp = spec(json!({"store_id": "a1", "sample_id": "run0:t17",
+            "features": {"aux": "hidden_state", "last_hidden": "target"},
+            "passthrough": [{"name": "input_ids", "data": [1, 2, 3], "shape": [1, 3], "dtype": "int64"},
+                            {"name": "loss_mask", "data": [[0, 1, 1]], "shape": [1, 3], "dtype": "int64"}]}));
+        assert_eq!((sp.gen, sp.replace), (1, false));
+        let s = Sample::from_spec(
+            &sp,
+            Some(cap(3, 12)),
+            Some(cap(3, 4)),
+            Some(vec![2, 18, 33]),
+        )
+        .unwrap();
+        let shapes: Vec<_> = s
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.to_string(), t.shape.clone()))
+            .collect();
+        assert_eq!(
+            shapes,
+            [
+                ("a1/run0:t17/g1/hidden_state".to_string(), vec![1, 3, 12]),
+                ("a1/run0:t17/g1/target".to_string(), vec![1, 3, 4]),
+                ("a1/run0:t17/g1/input_ids".to_string(), vec![1, 3]),
+                ("a1/run0:t17/g1/loss_mask".to_string(), vec![1, 3]),
+            ]
+        );
+        let TensorData::Host(b) = &s.tensors[2].1.data;
+        assert_eq!(
+            &(**b).as_ref()[..16],
+            &[1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
+    #[test]
+    fn contract_errors() {
+        let base = json!({"store_id": "a", "sample_id": "s", "features": {"aux": "h"}});
+        let e = Sample::from_spec(&spec(base.clone()), None, None, None).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("aux requested as feature \"h\" but not captured"),
+            "{e}"
+        );
+        let e = Sample::from_spec(
+            &spec(json!({"store_id": "a", "sample_id": "s", "features": {"last_hidden": "t"}})),
+            Some(cap(1, 1)),
+            None,
+            None,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("last_hidden requested"), "{e}");
+        let pt = |data: Value, shape: Value, dtype: &str| {
+            spec(json!({"store_id": "a", "sample_id": "s",
+                "passthrough": [{"name": "x", "data": data, "shape": shape, "dtype": dtype}]}))
+        };
+        for (sp, msg) in [
+            (pt(json!([1]), json!([1]), "complex64"), "unsupported dtype"),
+            (
+                pt(json!([1, 2]), json!([1, 3]), "int64"),
+                "data has 2 elements but shape [1, 3] needs 3",
+            ),
+            (pt(json!([300]), json!([1]), "uint8"), "out of range"),
+            (pt(json!([1.5]), json!([1]), "int32"), "not an integer"),
+            (pt(json!(["x"]), json!([1]), "float32"), "not a number"),
+            (pt(json!([2]), json!([1]), "bool"), "not a bool"),
+        ] {
+            let e = Sample::from_spec(&sp, None, None, None).unwrap_err();
+            assert!(e.to_string().contains(msg), "{e} should contain {msg}");
+        }
+        // A captured tensor whose bytes do not match its shape.
+        let bad = Captured {
+            shape: vec![2, 2],
+            dtype: Dtype::Bfloat16,
+            data: TensorData::host(vec![0u8; 7]),
+        };
+        assert!(Sample::from_spec(&spec(base), Some(bad), None, None).is_err());
+    }
+
+    #[test]
+    fn encodes_every_dtype() {
+        let d = json!([0, 1, true]);
+        for dt in Dtype::ALL {
+            let b = encode_values(&d, &[3], dt).unwrap();
+            assert_eq!(b.len() as u64, 3 * dt.item_size());
+        }
+        assert_eq!(
+            encode_values(&json!([1.0]), &[1], Dtype::Bfloat16).unwrap(),
+            [0x80, 0x3f]
+        );
+        assert_eq!(
+            encode_values(&json!([1.0]), &[1], Dtype::Float16).unwrap(),
+            [0x00, 0x3c]
+        );
+        assert_eq!(
+            encode_values(&json!([-1]), &[1], Dtype::Int16).unwrap(),
+            [0xff, 0xff]
+        );
+    }
+
+    #[test]
+    fn results_serialise_as_the_contract() {
+        let p = Published {
+            sample_id: "s".into(),
+            store_id: "a".into(),
+            gen: 1,
+            aux_layer_ids: None,
+            features: BTreeMap::from([(
+                "input_ids".to_string(),
+                Feature {
+                    shape: vec![1, 3],
+                    dtype: Dtype::Int64,
+                    address: 4096,
+                },
+            )]),
+            arena: ArenaRef {
+                session: "shm://x".into(),
+                control: "127.0.0.1:1".into(),
+            },
+        };
+        let v = serde_json::to_value(SampleResult::Published(p.clone())).unwrap();
+        assert_eq!(
+            v,
+            json!({"sample_id": "s", "store_id": "a", "gen": 1, "aux_layer_ids": null,
+                   "features": {"input_ids": {"shape": [1, 3], "dtype": "int64", "address": 4096}},
+                   "arena": {"session": "shm://x", "control": "127.0.0.1:1"}})
+        );
+        let back: SampleResult = serde_json::from_value(v).unwrap();
+        assert_eq!(back, SampleResult::Published(p));
+        let f: SampleResult =
+            serde_json::from_value(json!({"sample_id": "s", "error": "x"})).unwrap();
+        assert!(matches!(f, SampleResult::Failed(_)));
+    }
+}

@@ -1,0 +1,108 @@
+//! The sink: what an inference server's capture hook holds. It owns a [`Config`] and starts the
+//! writer (region and control listener included) on the first capture, so a server that never
+//! captures takes no memory and opens no port.
+
+use std::sync::{Mutex, OnceLock};
+
+use crate::config::Config;
+use crate::error::Result;
+use crate::sample::{Captured, Sample, SampleSpec};
+use crate::stats::StatsSnapshot;
+use crate::writer::{BatchHandle, Outcome, Writer};
+
+/// A lazily started arena writer. See the module docs.
+#[derive(Debug)]
+pub struct Sink {
+    config: Config,
+    writer: OnceLock<Writer>,
+    starting: Mutex<()>,
+}
+
+impl Sink {
+    /// A sink with `config`, checked now; nothing is allocated until the first submission.
+    ///
+    /// # Errors
+    /// [`Error::Config`](crate::Error::Config) for an invalid setting.
+    pub fn new(config: Config) -> Result<Sink> {
+        config.validate()?;
+        Ok(Sink {
+            config,
+            writer: OnceLock::new(),
+            starting: Mutex::new(()),
+        })
+    }
+
+    /// A sink configured from the environment.
+    ///
+    /// # Errors
+    /// As [`Config::from_env`].
+    pub fn from_env() -> Result<Sink> {
+        Sink::new(Config::from_env()?)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The writer, started on first use.
+    ///
+    /// # Errors
+    /// As [`Writer::start`] (the arena size is required then); a failed start is retried on the
+    /// next call.
+    pub fn writer(&self) -> Result<&Writer> {
+        if let Some(w) = self.writer.get() {
+            return Ok(w);
+        }
+        let _guard = self.starting.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(w) = self.writer.get() {
+            return Ok(w);
+        }
+        let w = Writer::start(&self.config)?;
+        Ok(self.writer.get_or_init(|| w))
+    }
+
+    /// The writer if it has started.
+    pub fn started(&self) -> Option<&Writer> {
+        self.writer.get()
+    }
+
+    /// Builds a sample from a contract request and its captured tensors, with this sink's
+    /// `aux_layer_ids`.
+    ///
+    /// # Errors
+    /// As [`Sample::from_spec`].
+    pub fn sample(
+        &self,
+        spec: &SampleSpec,
+        aux: Option<Captured>,
+        last_hidden: Option<Captured>,
+    ) -> Result<Sample> {
+        Sample::from_spec(spec, aux, last_hidden, self.config.aux_layer_ids.clone())
+    }
+
+    /// Queues a batch (starting the writer if needed), blocking while the queue is full.
+    ///
+    /// # Errors
+    /// As [`Sink::writer`] and [`Writer::submit`].
+    pub fn submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
+        self.writer()?.submit(samples)
+    }
+
+    /// Queues a batch and calls `done` on the writer thread when it completes.
+    ///
+    /// # Errors
+    /// As [`Sink::writer`] and [`Writer::submit_with`].
+    pub fn submit_with(
+        &self,
+        samples: Vec<Sample>,
+        done: impl FnOnce(Outcome) + Send + 'static,
+    ) -> Result<()> {
+        self.writer()?.submit_with(samples, done)
+    }
+
+    /// The writer's counters (all zero before the first capture).
+    pub fn stats(&self) -> StatsSnapshot {
+        self.writer.get().map(Writer::stats).unwrap_or_default()
+    }
+}

@@ -1,0 +1,93 @@
+//! Counters the writer keeps, readable from any thread without touching the arena: plain atomics
+//! that only the writer stores, so a reader sees each counter exact and a snapshot consistent to
+//! within one batch or one control line.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+use serde::{Deserialize, Serialize};
+
+use crate::arena::ArenaReport;
+
+macro_rules! stats {
+    ($( $(#[$doc:meta])* $field:ident ),* $(,)?) => {
+        /// The writer's live counters (see [`StatsSnapshot`] for their meaning).
+        #[derive(Debug, Default)]
+        pub struct Stats {
+            $( pub(crate) $field: AtomicU64, )*
+        }
+
+        /// A copy of the writer's counters.
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+        pub struct StatsSnapshot {
+            $( $(#[$doc])* pub $field: u64, )*
+        }
+
+        impl Stats {
+            /// Reads every counter.
+            pub fn snapshot(&self) -> StatsSnapshot {
+                StatsSnapshot { $( $field: self.$field.load(Relaxed), )* }
+            }
+        }
+    };
+}
+
+stats! {
+    /// Batches published.
+    published_batches,
+    /// Samples published.
+    published_samples,
+    /// Objects published.
+    published_objects,
+    /// Tensor bytes published (before alignment).
+    published_bytes,
+    /// Objects freed through the control endpoint.
+    freed_objects,
+    /// Aligned bytes freed through the control endpoint.
+    freed_bytes,
+    /// Objects freed because a sample asked for `replace`.
+    replaced_objects,
+    /// Keys freed that were not resident (already freed or never published).
+    unknown_frees,
+    /// Control lines that were not a JSON array of strings.
+    bad_lines,
+    /// Unterminated lines discarded when their connection closed.
+    partial_lines,
+    /// Lines over the length limit (their connection was closed).
+    oversized_lines,
+    /// Control connections accepted.
+    control_connections,
+    /// Batches that had to wait for frees.
+    waits,
+    /// Total time batches waited for frees, in nanoseconds.
+    wait_ns,
+    /// Batches that failed (nothing of them was written).
+    failed_batches,
+    /// Usable bytes of the arena (0 until it exists).
+    capacity,
+    /// Free bytes.
+    free_bytes,
+    /// The largest free extent.
+    largest_free,
+    /// Free extents.
+    free_extents,
+    /// Objects resident.
+    resident_objects,
+    /// Aligned bytes resident.
+    resident_bytes,
+}
+
+impl Stats {
+    pub(crate) fn set_report(&self, r: &ArenaReport) {
+        self.capacity.store(r.capacity, Relaxed);
+        self.free_bytes.store(r.free_bytes, Relaxed);
+        self.largest_free.store(r.largest_free, Relaxed);
+        self.free_extents.store(r.free_extents, Relaxed);
+        self.resident_objects.store(r.resident_objects, Relaxed);
+        self.resident_bytes.store(r.resident_bytes, Relaxed);
+    }
+}
+
+/// Adds `n` to a counter (only the writer calls this).
+pub(crate) fn bump(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Relaxed);
+}

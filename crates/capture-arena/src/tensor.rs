@@ -1,0 +1,227 @@
+//! Tensors as the writer receives them: a name, a shape, a dtype and the caller's bytes, held
+//! until the writer has copied them into the arena.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The dtypes of the capture contract, with their item sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// IEEE binary32.
+    Float32,
+    /// IEEE binary64.
+    Float64,
+    /// IEEE binary16.
+    Float16,
+    /// bfloat16 (the hidden states' dtype in practice).
+    Bfloat16,
+    /// Signed 64-bit integer (`input_ids`, `loss_mask`).
+    Int64,
+    /// Signed 32-bit integer.
+    Int32,
+    /// Signed 16-bit integer.
+    Int16,
+    /// Signed 8-bit integer.
+    Int8,
+    /// Unsigned 8-bit integer.
+    Uint8,
+    /// One byte, 0 or 1.
+    Bool,
+}
+
+impl Dtype {
+    /// Every dtype, in the contract's order.
+    pub const ALL: [Dtype; 10] = [
+        Dtype::Float32,
+        Dtype::Float64,
+        Dtype::Float16,
+        Dtype::Bfloat16,
+        Dtype::Int64,
+        Dtype::Int32,
+        Dtype::Int16,
+        Dtype::Int8,
+        Dtype::Uint8,
+        Dtype::Bool,
+    ];
+
+    /// The contract's name (`"bfloat16"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Float64 => "float64",
+            Dtype::Float16 => "float16",
+            Dtype::Bfloat16 => "bfloat16",
+            Dtype::Int64 => "int64",
+            Dtype::Int32 => "int32",
+            Dtype::Int16 => "int16",
+            Dtype::Int8 => "int8",
+            Dtype::Uint8 => "uint8",
+            Dtype::Bool => "bool",
+        }
+    }
+
+    /// Looks a dtype up by its contract name.
+    pub fn from_name(name: &str) -> Option<Dtype> {
+        Dtype::ALL.into_iter().find(|d| d.name() == name)
+    }
+
+    /// Bytes per element.
+    pub fn item_size(self) -> u64 {
+        match self {
+            Dtype::Float64 | Dtype::Int64 => 8,
+            Dtype::Float32 | Dtype::Int32 => 4,
+            Dtype::Float16 | Dtype::Bfloat16 | Dtype::Int16 => 2,
+            Dtype::Int8 | Dtype::Uint8 | Dtype::Bool => 1,
+        }
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Bytes of a tensor of `shape` and `dtype`, or `None` on overflow.
+pub fn byte_len(shape: &[u64], dtype: Dtype) -> Option<u64> {
+    shape
+        .iter()
+        .try_fold(dtype.item_size(), |acc, &d| acc.checked_mul(d))
+}
+
+/// Where a tensor's bytes are. The caller's buffer is owned here until the writer has copied it,
+/// then dropped on the writer thread.
+#[non_exhaustive]
+pub enum TensorData {
+    /// Host memory: anything that can lend a byte slice (a `Vec<u8>`, an `Arc<[u8]>`, a wrapper
+    /// around a Python buffer).
+    Host(Box<dyn AsRef<[u8]> + Send>),
+}
+
+impl TensorData {
+    /// Wraps a host buffer.
+    pub fn host(bytes: impl AsRef<[u8]> + Send + 'static) -> TensorData {
+        TensorData::Host(Box::new(bytes))
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        match self {
+            TensorData::Host(b) => (**b).as_ref().len() as u64,
+        }
+    }
+
+    /// True if there are no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl fmt::Debug for TensorData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TensorData::Host(_) => write!(f, "Host({} bytes)", self.len()),
+        }
+    }
+}
+
+/// One named tensor of a sample, validated: `data.len() == shape × item_size`.
+#[derive(Debug)]
+pub struct Tensor {
+    pub(crate) name: String,
+    pub(crate) shape: Vec<u64>,
+    pub(crate) dtype: Dtype,
+    pub(crate) data: TensorData,
+}
+
+impl Tensor {
+    /// A tensor whose byte length must equal `product(shape) × dtype.item_size()`.
+    ///
+    /// # Errors
+    /// A `String` saying what does not match (the caller wraps it with the sample id).
+    pub fn new(
+        name: impl Into<String>,
+        shape: Vec<u64>,
+        dtype: Dtype,
+        data: TensorData,
+    ) -> Result<Tensor, String> {
+        let name = name.into();
+        let want = byte_len(&shape, dtype)
+            .ok_or_else(|| format!("tensor {name:?}: shape {shape:?} overflows"))?;
+        if want != data.len() {
+            return Err(format!(
+                "tensor {name:?}: shape {shape:?} of {dtype} needs {want} bytes, got {}",
+                data.len()
+            ));
+        }
+        Ok(Tensor {
+            name,
+            shape,
+            dtype,
+            data,
+        })
+    }
+
+    /// The feature name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// The shape.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape
+    }
+    /// The dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    /// Length in bytes.
+    pub fn byte_len(&self) -> u64 {
+        self.data.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dtype_names_and_sizes() {
+        let sizes: Vec<u64> = Dtype::ALL.iter().map(|d| d.item_size()).collect();
+        assert_eq!(sizes, [4, 8, 2, 2, 8, 4, 2, 1, 1, 1]);
+        for d in Dtype::ALL {
+            assert_eq!(Dtype::from_name(d.name()), Some(d));
+            assert_eq!(
+                serde_json::to_string(&d).unwrap(),
+                format!("\"{}\"", d.name())
+            );
+        }
+        assert_eq!(Dtype::from_name("float8"), None);
+    }
+
+    #[test]
+    fn tensor_checks_length() {
+        assert!(Tensor::new(
+            "x",
+            vec![1, 4],
+            Dtype::Int64,
+            TensorData::host(vec![0u8; 32])
+        )
+        .is_ok());
+        let e = Tensor::new(
+            "x",
+            vec![1, 4],
+            Dtype::Int64,
+            TensorData::host(vec![0u8; 31]),
+        );
+        assert!(e.unwrap_err().contains("needs 32 bytes, got 31"));
+        let e = Tensor::new(
+            "x",
+            vec![u64::MAX, 2],
+            Dtype::Int64,
+            TensorData::host(vec![]),
+        );
+        assert!(e.unwrap_err().contains("overflows"));
+    }
+}
