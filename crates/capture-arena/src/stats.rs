@@ -1,8 +1,11 @@
 //! Counters the writer keeps, readable from any thread without touching the arena: plain atomics
-//! that only the writer stores, so a reader sees each counter exact and a snapshot consistent to
-//! within one batch or one control line.
+//! that only the writer stores. Gauges (free bytes, resident objects) are declared last so a
+//! snapshot reads them after the counters.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU64,
+    Ordering::{Acquire, Relaxed, Release},
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -25,7 +28,7 @@ macro_rules! stats {
         impl Stats {
             /// Reads every counter.
             pub fn snapshot(&self) -> StatsSnapshot {
-                StatsSnapshot { $( $field: self.$field.load(Relaxed), )* }
+                StatsSnapshot { $( $field: self.$field.load(Acquire), )* }
             }
         }
     };
@@ -87,7 +90,11 @@ impl Stats {
     }
 }
 
-/// Adds `n` to a counter (only the writer calls this).
+/// Adds `n` to a counter (only the writer calls this). The writer updates the gauges first and
+/// the counters after them (release), and snapshots read counters before gauges (acquire): a
+/// reader that sees a free counted also sees the free space it made.
 pub(crate) fn bump(counter: &AtomicU64, n: u64) {
-    counter.fetch_add(n, Relaxed);
+    if n > 0 {
+        counter.fetch_add(n, Release);
+    }
 }

@@ -383,13 +383,12 @@ impl Loop {
         let mut changed = false;
         for ev in events.iter() {
             match ev.token() {
-                LISTENER => self.accept(),
+                LISTENER => changed |= self.accept(),
                 WAKER => {} // the queue is drained by the caller
                 token => changed |= self.read_conn(token),
             }
         }
         if changed {
-            self.shared.stats.set_report(&self.arena.report());
             self.shared.notify();
         }
         changed
@@ -407,7 +406,9 @@ impl Loop {
         }
     }
 
-    fn accept(&mut self) {
+    /// Accepts every pending connection. Returns true if their first bytes freed anything.
+    fn accept(&mut self) -> bool {
+        let mut changed = false;
         loop {
             match self.listener.accept() {
                 Ok((mut stream, peer)) => {
@@ -431,14 +432,14 @@ impl Loop {
                         },
                     );
                     // Data may already be waiting (edge-triggered): read it now.
-                    self.read_conn(token);
+                    changed |= self.read_conn(token);
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return changed,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     // Out of file descriptors and the like: log and try again on the next event.
                     tracing::warn!(error = %e, "accepting a control connection failed");
-                    return;
+                    return changed;
                 }
             }
         }
@@ -455,16 +456,23 @@ impl Loop {
         let mut freed_any = false;
         let mut on_line = |line: &[u8]| match control::parse_line(line) {
             Ok(Some(keys)) => {
+                let (mut objects, mut bytes, mut unknown) = (0, 0, 0);
                 for key in keys {
                     match arena.free(&key) {
-                        Some(bytes) => {
-                            bump(&stats.freed_objects, 1);
-                            bump(&stats.freed_bytes, bytes);
-                            freed_any = true;
+                        Some(b) => {
+                            objects += 1;
+                            bytes += b;
                         }
-                        None => bump(&stats.unknown_frees, 1),
+                        None => unknown += 1,
                     }
                 }
+                if objects > 0 {
+                    stats.set_report(&arena.report());
+                    freed_any = true;
+                }
+                bump(&stats.freed_bytes, bytes);
+                bump(&stats.unknown_frees, unknown);
+                bump(&stats.freed_objects, objects);
             }
             Ok(None) => {}
             Err(why) => {
@@ -518,6 +526,7 @@ impl Loop {
         let Job { samples, done } = job;
         let result = self.place(&samples, t0);
         let stats = &self.shared.stats;
+        stats.set_report(&self.arena.report());
         let outcome = match result {
             Ok((p, waited, copy)) => {
                 bump(&stats.published_batches, 1);
@@ -544,7 +553,6 @@ impl Loop {
                 Err(e)
             }
         };
-        stats.set_report(&self.arena.report());
         // The caller's buffers go before the caller hears back.
         drop(samples);
         done(outcome);

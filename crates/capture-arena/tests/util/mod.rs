@@ -1,0 +1,75 @@
+//! Helpers shared by the integration tests: configs, samples, a control client, read-back.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use capture_arena::memory::{ShmSession, ShmView};
+use capture_arena::{Config, Dtype, Published, Sample, Tensor, TensorData, Writer};
+
+/// A config with an arena of `bytes` and a short wait for frees.
+pub fn config(bytes: u64, wait: Duration) -> Config {
+    Config {
+        arena_bytes: Some(bytes),
+        arena_wait: wait,
+        ..Config::default()
+    }
+}
+
+/// The byte at `i` of the tensor `name` of sample `id` (a pattern a reader can check).
+pub fn pattern(id: &str, name: &str, i: usize) -> u8 {
+    let h = id
+        .bytes()
+        .chain(name.bytes())
+        .fold(0u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
+    h.wrapping_add(i as u8).wrapping_mul(7)
+}
+
+/// A sample of uint8 tensors `t0, t1, ...` of the given sizes, filled with [`pattern`].
+pub fn sample(id: &str, sizes: &[usize]) -> Sample {
+    let mut s = Sample::new("st", id, 1).unwrap();
+    for (i, &n) in sizes.iter().enumerate() {
+        let name = format!("t{i}");
+        let data: Vec<u8> = (0..n).map(|j| pattern(id, &name, j)).collect();
+        s.push(Tensor::new(name, vec![n as u64], Dtype::Uint8, TensorData::host(data)).unwrap())
+            .unwrap();
+    }
+    s
+}
+
+/// Reads every feature of a result back through a read-only mapping and checks the pattern.
+pub fn verify(p: &Published) {
+    let session: ShmSession = p.arena.session.parse().unwrap();
+    let view = ShmView::open(&session).unwrap();
+    for (name, f) in &p.features {
+        let n = f.byte_len().unwrap() as usize;
+        let mut out = vec![0u8; n];
+        view.read(f.address, &mut out).unwrap();
+        for (j, b) in out.iter().enumerate() {
+            assert_eq!(
+                *b,
+                pattern(&p.sample_id, name, j),
+                "{}/{name} byte {j}",
+                p.sample_id
+            );
+        }
+    }
+}
+
+/// Sends one free line with `keys` on a new connection and closes it.
+pub fn free(control: &str, keys: &[String]) {
+    let mut c = TcpStream::connect(control).unwrap();
+    writeln!(c, "{}", serde_json::to_string(keys).unwrap()).unwrap();
+}
+
+/// Every key of a batch's results.
+pub fn keys(results: &[Published]) -> Vec<String> {
+    results.iter().flat_map(|p| p.keys()).collect()
+}
+
+/// Waits (up to 10 s) until the writer reports `n` objects freed.
+pub fn wait_freed(w: &Writer, n: u64) {
+    let (s, ok) = w.wait_for(Duration::from_secs(10), |s| s.freed_objects >= n);
+    assert!(ok, "only {} of {n} frees applied: {s:?}", s.freed_objects);
+}
