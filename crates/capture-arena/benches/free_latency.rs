@@ -1,1 +1,65 @@
-fn main() {}
+//! Time from a client's free line leaving its socket to the space being allocatable again, while
+//! the writer is idle (issue target: within 1 ms). Prints p50/p99/max over many frees.
+//!
+//! `cargo bench -p capture-arena --bench free_latency`
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use capture_arena::{Config, Dtype, Sample, Tensor, TensorData, Writer};
+
+const ROUNDS: usize = 2000;
+
+fn main() {
+    // `cargo test --benches` runs this with --bench absent: keep that run short.
+    let quick = !std::env::args().any(|a| a == "--bench");
+    let rounds = if quick { 20 } else { ROUNDS };
+    let w = Writer::start(&Config {
+        arena_bytes: Some(1 << 20),
+        ..Config::default()
+    })
+    .unwrap();
+    let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
+    c.set_nodelay(true).unwrap();
+    let mut lat = Vec::with_capacity(rounds);
+    for i in 0..rounds {
+        let mut s = Sample::new("bench", &format!("s{i}"), 1).unwrap();
+        s.push(
+            Tensor::new(
+                "x",
+                vec![4096],
+                Dtype::Uint8,
+                TensorData::host(vec![1u8; 4096]),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let p = w.submit(vec![s]).unwrap().wait().unwrap();
+        let line = format!(
+            "{}\n",
+            serde_json::to_string(&p[0].keys().collect::<Vec<_>>()).unwrap()
+        );
+        // Let the writer go idle, blocked in poll.
+        std::thread::sleep(Duration::from_micros(500));
+        let before = w.stats().freed_objects;
+        let t0 = Instant::now();
+        c.write_all(line.as_bytes()).unwrap();
+        while w.stats().freed_objects == before {
+            std::hint::spin_loop();
+            assert!(t0.elapsed() < Duration::from_secs(5), "free never applied");
+        }
+        lat.push(t0.elapsed());
+    }
+    lat.sort();
+    let q = |p: f64| lat[((lat.len() - 1) as f64 * p) as usize];
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    println!(
+        "free applied while idle ({rounds} frees): p50 {:.1} us, p99 {:.1} us, max {:.1} us",
+        us(q(0.5)),
+        us(q(0.99)),
+        us(*lat.last().unwrap())
+    );
+    let s = w.stats();
+    assert_eq!((s.resident_objects, s.free_extents), (0, 1));
+}

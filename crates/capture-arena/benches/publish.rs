@@ -1,1 +1,127 @@
-fn main() {}
+//! Publishing a batch from host buffers vs memcpy of the same bytes, side by side in one run
+//! (issue target: publish >= 0.9 x memcpy).
+//!
+//! `cargo bench -p capture-arena --bench publish`
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use capture_arena::memory::ShmRegion;
+use capture_arena::{Arena, Config, Dtype, Sample, Tensor, TensorData, Writer};
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+
+/// A shared source buffer, so each iteration's samples borrow the same bytes without copying.
+#[derive(Clone)]
+struct Src(Arc<Vec<u8>>);
+impl AsRef<[u8]> for Src {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+struct Shape {
+    label: &'static str,
+    samples: usize,
+    tensors: Vec<(&'static str, Vec<u64>, Dtype)>,
+}
+
+fn shapes() -> Vec<Shape> {
+    let l = 512u64;
+    vec![
+        Shape {
+            label: "16 samples x 4 x 1MiB",
+            samples: 16,
+            tensors: (0..4)
+                .map(|i| (["a", "b", "c", "d"][i], vec![1, 512, 1024], Dtype::Bfloat16))
+                .collect(),
+        },
+        Shape {
+            label: "16 samples EAGLE3-8B L=512",
+            samples: 16,
+            tensors: vec![
+                ("hidden_state", vec![1, l, 3 * 4096], Dtype::Bfloat16),
+                ("target", vec![1, l, 4096], Dtype::Bfloat16),
+                ("input_ids", vec![1, l], Dtype::Int64),
+                ("loss_mask", vec![1, l], Dtype::Int64),
+            ],
+        },
+    ]
+}
+
+fn sources(s: &Shape) -> Vec<Vec<Src>> {
+    (0..s.samples)
+        .map(|i| {
+            s.tensors
+                .iter()
+                .map(|(_, shape, dt)| {
+                    let n = capture_arena::tensor::byte_len(shape, *dt).unwrap() as usize;
+                    Src(Arc::new(vec![i as u8 + 1; n]))
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn batch(s: &Shape, src: &[Vec<Src>], replace: bool) -> Vec<Sample> {
+    src.iter()
+        .enumerate()
+        .map(|(i, bufs)| {
+            let mut smp = Sample::new("bench", &format!("s{i}"), 1)
+                .unwrap()
+                .with_replace(replace);
+            for ((name, shape, dt), b) in s.tensors.iter().zip(bufs) {
+                smp.push(
+                    Tensor::new(*name, shape.clone(), *dt, TensorData::host(b.clone())).unwrap(),
+                )
+                .unwrap();
+            }
+            smp
+        })
+        .collect()
+}
+
+fn publish(c: &mut Criterion) {
+    for shape in shapes() {
+        let src = sources(&shape);
+        let total: u64 = src.iter().flatten().map(|b| b.0.len() as u64).sum();
+        let mut g = c.benchmark_group(shape.label);
+        g.throughput(Throughput::Bytes(total))
+            .sample_size(20)
+            .measurement_time(Duration::from_secs(6));
+        // The limit: the same bytes copied into one pre-faulted buffer.
+        let mut dst = vec![1u8; total as usize];
+        g.bench_function("memcpy", |b| {
+            b.iter(|| {
+                let mut at = 0;
+                for buf in src.iter().flatten() {
+                    dst[at..at + buf.0.len()].copy_from_slice(&buf.0);
+                    at += buf.0.len();
+                }
+            })
+        });
+        // The arena alone: validate, allocate, copy, build results (replace frees the last copy).
+        let region = ShmRegion::create(total * 2).unwrap();
+        let mut arena = Arena::new(Box::new(region), 256, "127.0.0.1:0".into()).unwrap();
+        arena.publish(&batch(&shape, &src, false)).unwrap().unwrap();
+        g.bench_function("arena publish", |b| {
+            b.iter(|| arena.publish(&batch(&shape, &src, true)).unwrap().unwrap())
+        });
+        // Through the writer thread: submit, copy on the writer, wait for the results.
+        let w = Writer::start(&Config {
+            arena_bytes: Some(total * 2),
+            ..Config::default()
+        })
+        .unwrap();
+        w.submit(batch(&shape, &src, false))
+            .unwrap()
+            .wait()
+            .unwrap();
+        g.bench_function("writer submit+wait", |b| {
+            b.iter(|| w.submit(batch(&shape, &src, true)).unwrap().wait().unwrap())
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, publish);
+criterion_main!(benches);

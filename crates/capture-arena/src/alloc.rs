@@ -9,11 +9,13 @@
 //! ```
 //!
 //! Free extents live in two ordered indexes: by offset (to find both neighbours when an extent is
-//! freed, so free space is always fully coalesced) and by `(len, offset)` (best fit: the smallest
-//! free extent that holds the request, lowest offset among equals). Every operation is a handful
-//! of B-tree operations: O(log n) in the number of free extents.
+//! freed, so free space is always fully coalesced) and by `(len, offset)` packed into one `u128`
+//! (best fit: the smallest free extent that holds the request, lowest offset among equals). An
+//! allocation takes the *end* of the chosen extent, so the remainder keeps its offset and its
+//! by-offset entry is updated in place. Every operation is four to seven B-tree operations:
+//! O(log n) in the number of free extents.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use crate::error::{Error, Result};
 
@@ -57,15 +59,17 @@ pub struct Report {
 /// - `by_offset` and `by_size` hold the same extents;
 /// - free extents are disjoint, non-empty, aligned, inside `[0, capacity)`, and no two touch
 ///   (they are coalesced);
-/// - free extents and `live` extents tile `[0, capacity)` exactly;
-/// - `free_bytes` is the sum of free extent lengths.
+/// - `free_bytes` is the sum of free extent lengths; `live` counts allocated extents.
+///
+/// The allocator does not keep a table of live extents (it would cost a hash-table miss on every
+/// operation): the caller keeps the [`Extent`]s it was given, as the arena's object table does.
 #[derive(Debug, Clone)]
 pub struct Allocator {
     capacity: u64,
     alignment: u64,
     by_offset: BTreeMap<u64, u64>,
-    by_size: BTreeSet<(u64, u64)>,
-    live: HashMap<u64, u64>,
+    by_size: BTreeSet<u128>,
+    live: u64,
     free_bytes: u64,
 }
 
@@ -94,7 +98,7 @@ impl Allocator {
             alignment,
             by_offset: BTreeMap::new(),
             by_size: BTreeSet::new(),
-            live: HashMap::new(),
+            live: 0,
             free_bytes: 0,
         };
         a.insert_free(0, capacity);
@@ -119,20 +123,32 @@ impl Allocator {
         len.max(1).checked_add(a).map(|l| l & !a)
     }
 
-    /// Allocates `len` bytes at the lowest offset of the smallest free extent that holds them.
-    /// Returns `None` when no free extent is large enough (nothing changes then).
+    /// Allocates `len` bytes from the smallest free extent that holds them (the lowest-offset one
+    /// among equals), taking that extent's end. Returns `None` when no free extent is large
+    /// enough (nothing changes then).
     ///
     /// # Complexity
     /// O(log n) in the number of free extents.
     pub fn allocate(&mut self, len: u64) -> Option<Extent> {
         let need = self.aligned_len(len)?;
-        let &(size, offset) = self.by_size.range((need, 0)..).next()?;
-        self.remove_free(offset, size);
-        if size > need {
-            self.insert_free(offset + need, size - need);
+        let &k = self.by_size.range(size_key(need, 0)..).next()?;
+        let (size, offset) = unkey(k);
+        self.by_size.remove(&k);
+        if size == need {
+            self.by_offset.remove(&offset);
+        } else {
+            let rest = size - need;
+            if let Some(l) = self.by_offset.get_mut(&offset) {
+                *l = rest;
+            }
+            self.by_size.insert(size_key(rest, offset));
         }
-        self.live.insert(offset, need);
-        Some(Extent { offset, len: need })
+        self.free_bytes -= need;
+        self.live += 1;
+        Some(Extent {
+            offset: offset + size - need,
+            len: need,
+        })
     }
 
     /// Takes exactly `extent`, which must lie inside one free extent. Used to put back the
@@ -155,36 +171,66 @@ impl Allocator {
         if off + size > extent.end() {
             self.insert_free(extent.end(), off + size - extent.end());
         }
-        self.live.insert(extent.offset, extent.len);
+        self.live += 1;
         true
     }
 
     /// Returns a live extent to the free space, merging it with free neighbours on both sides.
     ///
-    /// Freeing an extent that is not live (a double free, or an extent this allocator never
-    /// returned) changes nothing and returns false: the allocator's metadata stays consistent,
-    /// and no other live extent is affected.
+    /// `extent` must be one that [`Allocator::allocate`] or [`Allocator::reserve_exact`]
+    /// returned and that has not been freed since. A double free (or any extent that overlaps free
+    /// space, or lies outside the region) is detected, changes nothing and returns false. Freeing
+    /// a made-up extent that covers only live space cannot be detected: the caller owns that
+    /// bookkeeping (the arena's object table holds each object's exact extent). Either way the
+    /// allocator's own metadata stays consistent and no memory is touched.
     ///
     /// # Complexity
     /// O(log n).
     pub fn free(&mut self, extent: Extent) -> bool {
-        if self.live.get(&extent.offset) != Some(&extent.len) {
+        let (start, end) = (extent.offset, extent.offset.wrapping_add(extent.len));
+        if extent.len == 0 || end < start || end > self.capacity || start % self.alignment != 0 {
             return false;
         }
-        self.live.remove(&extent.offset);
-        let mut start = extent.offset;
-        let mut end = extent.end();
-        if let Some((&prev, &plen)) = self.by_offset.range(..start).next_back() {
-            if prev + plen == start {
-                self.remove_free(prev, plen);
-                start = prev;
+        let prev = self
+            .by_offset
+            .range(..=start)
+            .next_back()
+            .map(|(&o, &l)| (o, l));
+        let next = self.by_offset.range(start..).next().map(|(&o, &l)| (o, l));
+        if prev.is_some_and(|(o, l)| o + l > start) || next.is_some_and(|(o, _)| o < end) {
+            return false; // overlaps free space: a double free
+        }
+        match (
+            prev.filter(|&(o, l)| o + l == start),
+            next.filter(|&(o, _)| o == end),
+        ) {
+            (Some((po, pl)), next) => {
+                // Grow the left neighbour in place (its offset, the by-offset key, stays).
+                self.by_size.remove(&size_key(pl, po));
+                let mut len = pl + extent.len;
+                if let Some((no, nl)) = next {
+                    self.by_offset.remove(&no);
+                    self.by_size.remove(&size_key(nl, no));
+                    len += nl;
+                }
+                if let Some(l) = self.by_offset.get_mut(&po) {
+                    *l = len;
+                }
+                self.by_size.insert(size_key(len, po));
+            }
+            (None, Some((no, nl))) => {
+                self.by_offset.remove(&no);
+                self.by_size.remove(&size_key(nl, no));
+                self.by_offset.insert(start, extent.len + nl);
+                self.by_size.insert(size_key(extent.len + nl, start));
+            }
+            (None, None) => {
+                self.by_offset.insert(start, extent.len);
+                self.by_size.insert(size_key(extent.len, start));
             }
         }
-        if let Some(&nlen) = self.by_offset.get(&end) {
-            self.remove_free(end, nlen);
-            end += nlen;
-        }
-        self.insert_free(start, end - start);
+        self.free_bytes += extent.len;
+        self.live -= 1;
         true
     }
 
@@ -195,7 +241,7 @@ impl Allocator {
 
     /// The largest free extent (0 when full).
     pub fn largest_free(&self) -> u64 {
-        self.by_size.last().map_or(0, |&(len, _)| len)
+        self.by_size.last().map_or(0, |&k| unkey(k).0)
     }
 
     /// Free-space figures.
@@ -205,7 +251,7 @@ impl Allocator {
             free_bytes: self.free_bytes,
             largest_free: self.largest_free(),
             free_extents: self.by_offset.len() as u64,
-            live_extents: self.live.len() as u64,
+            live_extents: self.live,
         }
     }
 
@@ -216,26 +262,27 @@ impl Allocator {
             .map(|(&offset, &len)| Extent { offset, len })
     }
 
-    /// Checks every invariant listed on the type; panics with a description on the first broken
-    /// one. O(n log n); for tests.
-    pub fn check(&self) {
+    /// Checks every invariant listed on the type, given the caller's live extents; panics with a
+    /// description on the first broken one. O(n log n); for tests.
+    pub fn check(&self, live: &[Extent]) {
         assert_eq!(
             self.by_offset.len(),
             self.by_size.len(),
             "index sizes differ"
         );
+        assert_eq!(self.live, live.len() as u64, "live extent count");
         let mut tiles: Vec<(u64, u64, bool)> = Vec::new();
         let mut sum = 0;
         for (&o, &l) in &self.by_offset {
             assert!(
-                self.by_size.contains(&(l, o)),
+                self.by_size.contains(&size_key(l, o)),
                 "free {o}+{l} missing by size"
             );
             tiles.push((o, l, true));
             sum += l;
         }
         assert_eq!(sum, self.free_bytes, "free byte count");
-        tiles.extend(self.live.iter().map(|(&o, &l)| (o, l, false)));
+        tiles.extend(live.iter().map(|e| (e.offset, e.len, false)));
         tiles.sort_unstable();
         let mut at = 0;
         let mut prev_free = false;
@@ -251,15 +298,24 @@ impl Allocator {
 
     fn insert_free(&mut self, offset: u64, len: u64) {
         self.by_offset.insert(offset, len);
-        self.by_size.insert((len, offset));
+        self.by_size.insert(size_key(len, offset));
         self.free_bytes += len;
     }
 
     fn remove_free(&mut self, offset: u64, len: u64) {
         self.by_offset.remove(&offset);
-        self.by_size.remove(&(len, offset));
+        self.by_size.remove(&size_key(len, offset));
         self.free_bytes -= len;
     }
+}
+
+/// `(len, offset)` as one integer, ordered by length, then offset.
+fn size_key(len: u64, offset: u64) -> u128 {
+    (u128::from(len) << 64) | u128::from(offset)
+}
+
+fn unkey(k: u128) -> (u64, u64) {
+    ((k >> 64) as u64, k as u64)
 }
 
 #[cfg(test)]
@@ -281,45 +337,59 @@ mod tests {
     #[test]
     fn exact_offsets_and_coalescing() {
         let mut a = Allocator::new(4096, 256).unwrap();
+        // Each allocation takes the end of the (only) free extent.
         let x = a.allocate(1).unwrap();
         let y = a.allocate(256).unwrap();
         let z = a.allocate(257).unwrap();
-        assert_eq!((x, y, z), (ext(0, 256), ext(256, 256), ext(512, 512)));
+        assert_eq!((x, y, z), (ext(3840, 256), ext(3584, 256), ext(3072, 512)));
         assert_eq!(
             a.allocate(0),
-            Some(ext(1024, 256)),
+            Some(ext(2816, 256)),
             "empty objects take one unit"
         );
-        a.free(ext(1024, 256));
-        // Free the middle, then the left: they coalesce, and the right neighbour stays live.
+        assert!(a.free(ext(2816, 256)));
+        // Free the middle, then the right: they coalesce, and the left neighbour stays live.
         assert!(a.free(y));
         assert!(a.free(x));
         assert_eq!(
             a.free_extents().collect::<Vec<_>>(),
-            [ext(0, 512), ext(1024, 3072)]
+            [ext(0, 3072), ext(3584, 512)]
         );
-        // Best fit: a 512-byte request takes the 512-byte hole, not the big tail.
-        assert_eq!(a.allocate(400), Some(ext(0, 512)));
-        a.free(ext(0, 512));
+        // Best fit: a 512-byte request takes the 512-byte hole, not the big extent.
+        assert_eq!(a.allocate(400), Some(ext(3584, 512)));
+        assert!(a.free(ext(3584, 512)));
         // Free the last live extent: both neighbours merge into one extent of the capacity.
         assert!(a.free(z));
         assert_eq!(a.free_extents().collect::<Vec<_>>(), [ext(0, 4096)]);
-        a.check();
+        a.check(&[]);
         // The whole region is allocatable at offset 0: zero fragmentation left.
         assert_eq!(a.allocate(4096), Some(ext(0, 4096)));
         assert_eq!(a.allocate(1), None);
     }
 
     #[test]
+    fn best_fit_prefers_the_lowest_offset_among_equal_holes() {
+        let mut a = Allocator::new(8 * 256, 256).unwrap();
+        let e: Vec<Extent> = (0..8).map(|_| a.allocate(256).unwrap()).collect();
+        // e[i] is at (7 - i) * 256. Open holes at offsets 256 and 1280, both one unit.
+        assert!(a.free(e[6]) && a.free(e[2]));
+        assert_eq!(a.allocate(1), Some(ext(256, 256)));
+        assert_eq!(a.allocate(1), Some(ext(1280, 256)));
+        assert_eq!(a.allocate(1), None);
+    }
+
+    #[test]
     fn double_free_is_refused_and_harmless() {
         let mut a = Allocator::new(1024, 256).unwrap();
-        let x = a.allocate(256).unwrap();
-        let y = a.allocate(256).unwrap();
+        let x = a.allocate(256).unwrap(); // 768
+        let y = a.allocate(256).unwrap(); // 512
         assert!(a.free(x));
         assert!(!a.free(x));
-        assert!(!a.free(ext(512, 256)), "never allocated");
-        assert!(!a.free(ext(256, 512)), "wrong length");
-        a.check();
+        assert!(!a.free(ext(0, 256)), "never allocated (free space)");
+        assert!(!a.free(ext(256, 512)), "overlaps free space");
+        assert!(!a.free(ext(1024, 256)), "outside the region");
+        assert!(!a.free(ext(1, 256)), "misaligned");
+        a.check(&[y]);
         assert_eq!(a.report().live_extents, 1);
         assert!(a.free(y));
         assert_eq!(a.report().free_extents, 1);
@@ -328,15 +398,15 @@ mod tests {
     #[test]
     fn reserve_exact_restores_a_freed_extent() {
         let mut a = Allocator::new(4096, 256).unwrap();
-        let x = a.allocate(512).unwrap();
-        let y = a.allocate(512).unwrap();
+        let x = a.allocate(512).unwrap(); // 3584
+        let y = a.allocate(512).unwrap(); // 3072
         assert!(a.free(y));
-        assert!(!a.reserve_exact(ext(256, 512)), "overlaps live x");
+        assert!(!a.reserve_exact(ext(3328, 512)), "overlaps live x");
         assert!(a.reserve_exact(y));
-        a.check();
+        a.check(&[x, y]);
         assert!(a.free(x) && a.free(y));
         assert!(a.reserve_exact(ext(1024, 256)));
-        a.check();
+        a.check(&[ext(1024, 256)]);
         assert_eq!(a.report().free_extents, 2);
     }
 
@@ -410,7 +480,7 @@ mod tests {
                     }
                     Op::Free(_) => {}
                 }
-                a.check();
+                a.check(&held);
             }
             for e in held.drain(..) {
                 prop_assert!(a.free(e));

@@ -381,14 +381,17 @@ impl Loop {
             return false;
         }
         let mut changed = false;
+        let mut control = false;
         for ev in events.iter() {
             match ev.token() {
                 LISTENER => changed |= self.accept(),
-                WAKER => {} // the queue is drained by the caller
+                WAKER => continue, // the queue is drained by the caller
                 token => changed |= self.read_conn(token),
             }
+            control = true;
         }
-        if changed {
+        if control {
+            // Counters (frees, bad lines, connections) may have moved: wake `wait_for`.
             self.shared.notify();
         }
         changed
