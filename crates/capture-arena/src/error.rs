@@ -90,6 +90,24 @@ pub enum Error {
         /// The arena's length.
         region_len: u64,
     },
+    /// A read was refused before touching memory: unknown feature, a buffer of the wrong size,
+    /// a result that was already released, or an operation the transport cannot do.
+    InvalidRead {
+        /// The key (or session) concerned.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+    /// Frees could not be sent to a control endpoint; they stay pending and are retried on the
+    /// next call (frees are idempotent).
+    FreeNotSent {
+        /// The control endpoint.
+        endpoint: String,
+        /// Keys still pending for it.
+        pending: usize,
+        /// The underlying error.
+        source: std::io::Error,
+    },
     /// An operating-system call failed.
     Io {
         /// What we were doing.
@@ -183,6 +201,16 @@ impl fmt::Display for Error {
                 "address range {address:#x}+{len} lies outside the arena [{base:#x}, {:#x})",
                 base.saturating_add(*region_len)
             ),
+            Error::InvalidRead { key, reason } => write!(f, "cannot read {key}: {reason}"),
+            Error::FreeNotSent {
+                endpoint,
+                pending,
+                source,
+            } => write!(
+                f,
+                "could not send frees to control endpoint {endpoint} ({source}); {pending} keys \
+                 stay pending and are retried on the next free or flush"
+            ),
             Error::Io { what, source } => write!(f, "{what}: {source}"),
         }
     }
@@ -191,7 +219,7 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Error::Io { source, .. } => Some(source),
+            Error::Io { source, .. } | Error::FreeNotSent { source, .. } => Some(source),
             _ => None,
         }
     }

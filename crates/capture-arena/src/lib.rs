@@ -8,7 +8,8 @@
 //! which the same writer thread serves.
 //!
 //! Data flows one way:
-//! `sink -> writer -> arena (alloc + memory) -> result -> reader -> control -> writer`.
+//! `sink -> writer -> arena (alloc + memory) -> result -> client (transport) -> control ->
+//! writer`.
 //!
 //! | module | noun |
 //! |---|---|
@@ -21,11 +22,14 @@
 //! | [`sample`], [`tensor`] | requests, tensors, results |
 //! | [`config`] | every setting and its environment variable |
 //! | [`stats`] | the writer's counters |
+//! | [`transport`] | how a reader reaches an arena, chosen from the session |
+//! | [`client`] | the trainer side: reader, frees, store |
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod alloc;
 pub mod arena;
+pub mod client;
 pub mod config;
 pub mod control;
 mod error;
@@ -35,9 +39,11 @@ pub mod sample;
 pub mod sink;
 pub mod stats;
 pub mod tensor;
+pub mod transport;
 pub mod writer;
 
 pub use arena::Arena;
+pub use client::{ControlClient, Reader, Store};
 pub use config::{arena_enabled, Config, Placement};
 pub use error::{Error, Result};
 pub use key::Key;
@@ -45,4 +51,5 @@ pub use sample::{ArenaRef, Feature, Published, Sample, SampleResult, SampleSpec}
 pub use sink::Sink;
 pub use stats::StatsSnapshot;
 pub use tensor::{Dtype, Tensor, TensorData};
+pub use transport::Transport;
 pub use writer::{BatchHandle, Writer};

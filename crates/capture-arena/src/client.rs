@@ -1,0 +1,447 @@
+//! The trainer side: read published features by (session, address) and free them.
+//!
+//! - [`Reader`] opens sessions (cached) and reads or views features, validating every address and
+//!   length against the arena and against `shape × dtype` before touching memory.
+//! - [`ControlClient`] sends frees: one persistent connection per control endpoint, batched lines,
+//!   reconnecting on the next call after an error; unsent keys stay pending and are retried.
+//! - [`Store`] is what a trainer holds: `get` a result's tensors, `release` it, with
+//!   use-after-release protection.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::control::MAX_LINE_BYTES;
+use crate::error::{Error, Result};
+use crate::sample::{Feature, Published};
+use crate::tensor::Dtype;
+use crate::transport::{Transport, View};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Opens and caches sessions; reads and views features.
+#[derive(Debug, Default)]
+pub struct Reader {
+    sessions: Mutex<HashMap<String, Transport>>,
+}
+
+impl Reader {
+    /// A reader with no open session.
+    pub fn new() -> Reader {
+        Reader::default()
+    }
+
+    /// The transport for `session`, opened on first use and cached.
+    ///
+    /// # Errors
+    /// As [`Transport::open`]: unknown scheme, or a stale session.
+    pub fn open(&self, session: &str) -> Result<Transport> {
+        if let Some(t) = lock(&self.sessions).get(session) {
+            return Ok(t.clone());
+        }
+        // Open without holding the lock (mapping a large region can take a moment).
+        let t = Transport::open(session)?;
+        Ok(lock(&self.sessions)
+            .entry(session.to_owned())
+            .or_insert(t)
+            .clone())
+    }
+
+    /// Forgets a cached session (its mapping is released once no view holds it).
+    pub fn close(&self, session: &str) {
+        lock(&self.sessions).remove(session);
+    }
+
+    fn checked_len(key: &str, f: &Feature) -> Result<u64> {
+        f.byte_len().ok_or_else(|| Error::InvalidRead {
+            key: key.to_owned(),
+            reason: format!("shape {:?} of {} overflows", f.shape, f.dtype),
+        })
+    }
+
+    /// Copies feature `name` of `result` into `out`, which must be exactly `shape × item size`
+    /// bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRead`] for an unknown name or a buffer of the wrong size,
+    /// [`Error::OutOfRange`] for an address outside the arena, [`Error::StaleSession`].
+    pub fn read(&self, result: &Published, name: &str, out: &mut [u8]) -> Result<()> {
+        let (key, f) = feature(result, name)?;
+        let len = Reader::checked_len(&key, f)?;
+        if out.len() as u64 != len {
+            return Err(Error::InvalidRead {
+                key,
+                reason: format!(
+                    "buffer holds {} bytes but shape {:?} of {} is {len} bytes",
+                    out.len(),
+                    f.shape,
+                    f.dtype
+                ),
+            });
+        }
+        self.open(&result.arena.session)?.read(f.address, out)
+    }
+
+    /// Borrows feature `name` of `result` without copying.
+    ///
+    /// # Errors
+    /// As [`Reader::read`].
+    pub fn view(&self, result: &Published, name: &str) -> Result<View> {
+        let (key, f) = feature(result, name)?;
+        let len = Reader::checked_len(&key, f)?;
+        self.open(&result.arena.session)?.view(f.address, len)
+    }
+}
+
+fn feature<'a>(result: &'a Published, name: &str) -> Result<(String, &'a Feature)> {
+    let key = format!(
+        "{}/{}/g{}/{name}",
+        result.store_id, result.sample_id, result.gen
+    );
+    match result.features.get(name) {
+        Some(f) => Ok((key, f)),
+        None => Err(Error::InvalidRead {
+            key,
+            reason: format!(
+                "no feature {name:?} in this result (it has: {})",
+                result
+                    .features
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }),
+    }
+}
+
+/// Keys per free line: well under [`MAX_LINE_BYTES`] for any sane key length.
+const KEYS_PER_LINE: usize = 1024;
+
+/// Sends frees to control endpoints. See the module docs.
+#[derive(Debug)]
+pub struct ControlClient {
+    conns: Mutex<HashMap<String, TcpStream>>,
+    /// Keys not yet sent, per endpoint, in order.
+    pending: Mutex<BTreeMap<String, Vec<String>>>,
+    timeout: Duration,
+}
+
+impl Default for ControlClient {
+    fn default() -> ControlClient {
+        ControlClient::new(Duration::from_secs(5))
+    }
+}
+
+impl ControlClient {
+    /// A client whose connects and writes give up after `timeout`.
+    pub fn new(timeout: Duration) -> ControlClient {
+        ControlClient {
+            conns: Mutex::new(HashMap::new()),
+            pending: Mutex::new(BTreeMap::new()),
+            timeout,
+        }
+    }
+
+    /// Remembers an endpoint (so keys with no known endpoint reach it too).
+    pub fn learn(&self, endpoint: &str) {
+        lock(&self.pending).entry(endpoint.to_owned()).or_default();
+    }
+
+    /// Endpoints known so far.
+    pub fn endpoints(&self) -> Vec<String> {
+        lock(&self.pending).keys().cloned().collect()
+    }
+
+    /// Keys waiting to be sent.
+    pub fn pending(&self) -> usize {
+        lock(&self.pending).values().map(Vec::len).sum()
+    }
+
+    /// Queues `keys` for `endpoint` (or, if `None`, for every known endpoint) and sends
+    /// everything pending.
+    ///
+    /// # Errors
+    /// [`Error::FreeNotSent`] for the first endpoint that could not be reached; its keys stay
+    /// pending and the next call retries them on a new connection.
+    pub fn free<I, S>(&self, endpoint: Option<&str>, keys: I) -> Result<()>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        {
+            let mut pending = lock(&self.pending);
+            match endpoint {
+                Some(e) => pending
+                    .entry(e.to_owned())
+                    .or_default()
+                    .extend(keys.into_iter().map(Into::into)),
+                None => {
+                    let keys: Vec<String> = keys.into_iter().map(Into::into).collect();
+                    for v in pending.values_mut() {
+                        v.extend(keys.iter().cloned());
+                    }
+                }
+            }
+        }
+        self.flush()
+    }
+
+    /// Sends every pending key.
+    ///
+    /// # Errors
+    /// As [`ControlClient::free`].
+    pub fn flush(&self) -> Result<()> {
+        let batches: Vec<(String, Vec<String>)> = lock(&self.pending)
+            .iter_mut()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(e, v)| (e.clone(), std::mem::take(v)))
+            .collect();
+        let mut first_err = None;
+        for (endpoint, keys) in batches {
+            if let Err(source) = self.send(&endpoint, &keys) {
+                lock(&self.conns).remove(&endpoint);
+                let mut pending = lock(&self.pending);
+                let slot = pending.entry(endpoint.clone()).or_default();
+                // Put them back in front of anything queued meanwhile.
+                let newer = std::mem::replace(slot, keys);
+                slot.extend(newer);
+                tracing::warn!(%endpoint, error = %source, pending = slot.len(), "free not sent; will retry");
+                if first_err.is_none() {
+                    first_err = Some(Error::FreeNotSent {
+                        endpoint,
+                        pending: slot.len(),
+                        source,
+                    });
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn send(&self, endpoint: &str, keys: &[String]) -> std::io::Result<()> {
+        let mut buf = Vec::new();
+        for chunk in keys.chunks(KEYS_PER_LINE) {
+            let line = serde_json::to_vec(chunk).map_err(std::io::Error::other)?;
+            if line.len() >= MAX_LINE_BYTES {
+                // Absurdly long keys: fall back to one key per line.
+                for k in chunk {
+                    serde_json::to_writer(&mut buf, &[k]).map_err(std::io::Error::other)?;
+                    buf.push(b'\n');
+                }
+            } else {
+                buf.extend_from_slice(&line);
+                buf.push(b'\n');
+            }
+        }
+        let mut conns = lock(&self.conns);
+        if let Some(c) = conns.get(endpoint) {
+            if !alive(c) {
+                tracing::debug!(%endpoint, "control connection closed by the server; reconnecting");
+                conns.remove(endpoint);
+            }
+        }
+        let stream = match conns.entry(endpoint.to_owned()) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.connect(endpoint)?),
+        };
+        stream.write_all(&buf)
+    }
+
+    fn connect(&self, endpoint: &str) -> std::io::Result<TcpStream> {
+        let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
+        for addr in endpoint.to_socket_addrs()? {
+            match TcpStream::connect_timeout(&addr, self.timeout) {
+                Ok(s) => {
+                    s.set_write_timeout(Some(self.timeout))?;
+                    s.set_nodelay(true)?;
+                    return Ok(s);
+                }
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+}
+
+/// The server never writes, so a readable control socket is a closed (or broken) one.
+fn alive(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let mut b = [0u8; 1];
+    let r = (&*s).read(&mut b);
+    let ok = s.set_nonblocking(false).is_ok();
+    ok && matches!(r, Err(ref e) if e.kind() == ErrorKind::WouldBlock)
+}
+
+/// A tensor copied out of the arena.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedTensor {
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Row-major bytes.
+    pub data: Vec<u8>,
+}
+
+/// Health figures of a [`Store`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Health {
+    /// Samples read (`get`) and not yet released.
+    pub resident_samples: u64,
+    /// Their bytes.
+    pub resident_bytes: u64,
+    /// Keys whose free has not been sent yet.
+    pub pending_frees: u64,
+}
+
+/// How many released samples a store remembers for use-after-release errors.
+pub const RELEASED_MEMORY: usize = 1 << 20;
+
+/// The trainer-facing store: read a result's tensors, release them.
+#[derive(Debug, Default)]
+pub struct Store {
+    reader: Reader,
+    control: ControlClient,
+    state: Mutex<StoreState>,
+}
+
+#[derive(Debug, Default)]
+struct StoreState {
+    resident: HashMap<String, u64>,
+    released: HashSet<String>,
+    released_order: VecDeque<String>,
+}
+
+fn sample_key(r: &Published) -> String {
+    format!(
+        "{}\n{}/{}/g{}",
+        r.arena.session, r.store_id, r.sample_id, r.gen
+    )
+}
+
+impl Store {
+    /// An empty store.
+    pub fn new() -> Store {
+        Store::default()
+    }
+
+    /// The reader underneath (for zero-copy views).
+    pub fn reader(&self) -> &Reader {
+        &self.reader
+    }
+
+    /// The control client underneath.
+    pub fn control(&self) -> &ControlClient {
+        &self.control
+    }
+
+    fn check_not_released(&self, r: &Published) -> Result<()> {
+        if lock(&self.state).released.contains(&sample_key(r)) {
+            return Err(Error::InvalidRead {
+                key: format!("{}/{}/g{}", r.store_id, r.sample_id, r.gen),
+                reason: "already released: its objects were freed and the space may hold other \
+                         samples now"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies every feature of `result` (or those in `names`) out of the arena.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRead`] after `release` or for an unknown name; as [`Reader::read`].
+    pub fn get(
+        &self,
+        result: &Published,
+        names: Option<&[&str]>,
+    ) -> Result<BTreeMap<String, OwnedTensor>> {
+        self.check_not_released(result)?;
+        self.control.learn(&result.arena.control);
+        let wanted: Vec<&str> = match names {
+            Some(n) => n.to_vec(),
+            None => result.features.keys().map(String::as_str).collect(),
+        };
+        let mut out = BTreeMap::new();
+        let mut bytes = 0;
+        for name in wanted {
+            let (key, f) = feature(result, name)?;
+            let len = Reader::checked_len(&key, f)?;
+            let len = usize::try_from(len).map_err(|_| Error::InvalidRead {
+                key: key.clone(),
+                reason: format!("{len} bytes do not fit in memory"),
+            })?;
+            let mut data = vec![0u8; len];
+            self.reader.read(result, name, &mut data)?;
+            bytes += len as u64;
+            out.insert(
+                name.to_owned(),
+                OwnedTensor {
+                    shape: f.shape.clone(),
+                    dtype: f.dtype,
+                    data,
+                },
+            );
+        }
+        lock(&self.state).resident.insert(sample_key(result), bytes);
+        Ok(out)
+    }
+
+    /// Copies feature `name` of `result` into `out` (exactly its size).
+    ///
+    /// # Errors
+    /// As [`Store::get`] and [`Reader::read`].
+    pub fn get_into(&self, result: &Published, name: &str, out: &mut [u8]) -> Result<()> {
+        self.check_not_released(result)?;
+        self.control.learn(&result.arena.control);
+        self.reader.read(result, name, out)
+    }
+
+    /// Frees every object of `result` over its control endpoint; later `get`s of it fail.
+    ///
+    /// # Errors
+    /// [`Error::FreeNotSent`] if the endpoint cannot be reached now: the sample is released all
+    /// the same and its keys stay pending, retried by the next `release` or `flush`.
+    pub fn release(&self, result: &Published) -> Result<()> {
+        let sk = sample_key(result);
+        {
+            let mut st = lock(&self.state);
+            st.resident.remove(&sk);
+            if st.released.insert(sk.clone()) {
+                st.released_order.push_back(sk);
+                if st.released_order.len() > RELEASED_MEMORY {
+                    if let Some(old) = st.released_order.pop_front() {
+                        st.released.remove(&old);
+                    }
+                }
+            }
+        }
+        self.control
+            .free(Some(&result.arena.control), result.keys())
+    }
+
+    /// Retries frees that could not be sent.
+    ///
+    /// # Errors
+    /// As [`ControlClient::flush`].
+    pub fn flush(&self) -> Result<()> {
+        self.control.flush()
+    }
+
+    /// Resident samples and bytes, and frees not yet sent.
+    pub fn health(&self) -> Health {
+        let st = lock(&self.state);
+        Health {
+            resident_samples: st.resident.len() as u64,
+            resident_bytes: st.resident.values().sum(),
+            pending_frees: self.control.pending() as u64,
+        }
+    }
+}
