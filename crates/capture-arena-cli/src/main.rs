@@ -1,1 +1,59 @@
-fn main() {}
+//! `capture-arena`: the main job (`demo`), its two halves (`produce`, `consume`) and `bench`.
+//!
+//! `cargo run --release -p capture-arena-cli -- demo`
+
+mod bench;
+mod consume;
+mod demo;
+mod produce;
+mod workload;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// capture-arena: move captured hidden states from an inference server's arena to trainers.
+#[derive(Debug, Parser)]
+#[command(version, about, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// End-to-end capture -> read -> free run: starts a producer and a trainer process, checks
+    /// every byte, and ends with the arena completely free.
+    Demo(demo::Args),
+    /// Run an arena and publish synthetic capture-shaped samples: one result JSON per line on
+    /// stdout; serve frees until every object is freed; a final stats JSON line.
+    Produce(produce::Args),
+    /// Read result lines on stdin, read and verify every byte, free each sample.
+    Consume(consume::Args),
+    /// Measure memcpy, publish, read, view and end-to-end bandwidth side by side.
+    Bench(bench::Args),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(a) => demo::run(a),
+        Command::Produce(a) => produce::run(a),
+        Command::Consume(a) => consume::run(a),
+        Command::Bench(a) => bench::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

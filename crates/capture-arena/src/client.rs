@@ -56,9 +56,9 @@ impl Reader {
         lock(&self.sessions).remove(session);
     }
 
-    fn checked_len(key: &str, f: &Feature) -> Result<u64> {
+    fn checked_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {
         f.byte_len().ok_or_else(|| Error::InvalidRead {
-            key: key.to_owned(),
+            key: key_of(result, name),
             reason: format!("shape {:?} of {} overflows", f.shape, f.dtype),
         })
     }
@@ -70,11 +70,11 @@ impl Reader {
     /// [`Error::InvalidRead`] for an unknown name or a buffer of the wrong size,
     /// [`Error::OutOfRange`] for an address outside the arena, [`Error::StaleSession`].
     pub fn read(&self, result: &Published, name: &str, out: &mut [u8]) -> Result<()> {
-        let (key, f) = feature(result, name)?;
-        let len = Reader::checked_len(&key, f)?;
+        let f = feature(result, name)?;
+        let len = Reader::checked_len(result, name, f)?;
         if out.len() as u64 != len {
             return Err(Error::InvalidRead {
-                key,
+                key: key_of(result, name),
                 reason: format!(
                     "buffer holds {} bytes but shape {:?} of {} is {len} bytes",
                     out.len(),
@@ -91,32 +91,33 @@ impl Reader {
     /// # Errors
     /// As [`Reader::read`].
     pub fn view(&self, result: &Published, name: &str) -> Result<View> {
-        let (key, f) = feature(result, name)?;
-        let len = Reader::checked_len(&key, f)?;
+        let f = feature(result, name)?;
+        let len = Reader::checked_len(result, name, f)?;
         self.open(&result.arena.session)?.view(f.address, len)
     }
 }
 
-fn feature<'a>(result: &'a Published, name: &str) -> Result<(String, &'a Feature)> {
-    let key = format!(
+/// The key of feature `name` of `result` (built only for error messages).
+fn key_of(result: &Published, name: &str) -> String {
+    format!(
         "{}/{}/g{}/{name}",
         result.store_id, result.sample_id, result.gen
-    );
-    match result.features.get(name) {
-        Some(f) => Ok((key, f)),
-        None => Err(Error::InvalidRead {
-            key,
-            reason: format!(
-                "no feature {name:?} in this result (it has: {})",
-                result
-                    .features
-                    .keys()
-                    .cloned()
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        }),
-    }
+    )
+}
+
+fn feature<'a>(result: &'a Published, name: &str) -> Result<&'a Feature> {
+    result.features.get(name).ok_or_else(|| Error::InvalidRead {
+        key: key_of(result, name),
+        reason: format!(
+            "no feature {name:?} in this result (it has: {})",
+            result
+                .features
+                .keys()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    })
 }
 
 /// Keys per free line: well under [`MAX_LINE_BYTES`] for any sane key length.
@@ -372,10 +373,10 @@ impl Store {
         let mut out = BTreeMap::new();
         let mut bytes = 0;
         for name in wanted {
-            let (key, f) = feature(result, name)?;
-            let len = Reader::checked_len(&key, f)?;
+            let f = feature(result, name)?;
+            let len = Reader::checked_len(result, name, f)?;
             let len = usize::try_from(len).map_err(|_| Error::InvalidRead {
-                key: key.clone(),
+                key: key_of(result, name),
                 reason: format!("{len} bytes do not fit in memory"),
             })?;
             let mut data = vec![0u8; len];

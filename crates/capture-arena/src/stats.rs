@@ -65,6 +65,9 @@ stats! {
     wait_ns,
     /// Batches that failed (nothing of them was written).
     failed_batches,
+    /// Time spent placing and copying published batches (excluding waits), in nanoseconds:
+    /// `published_bytes / copy_ns` is the writer's publish bandwidth.
+    copy_ns,
     /// Usable bytes of the arena (0 until it exists).
     capacity,
     /// Free bytes.

@@ -537,6 +537,7 @@ impl Loop {
                 bump(&stats.published_objects, p.objects);
                 bump(&stats.published_bytes, p.bytes);
                 bump(&stats.replaced_objects, p.replaced);
+                bump(&stats.copy_ns, copy.as_nanos() as u64);
                 if self.timing {
                     tracing::info!(
                         samples = p.published.len(),

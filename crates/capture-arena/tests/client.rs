@@ -15,14 +15,24 @@ fn writer() -> Writer {
 #[test]
 fn read_view_and_get_return_the_published_bytes() {
     let w = writer();
-    let r = &w.submit(vec![sample("a", &[5000, 17])]).unwrap().wait().unwrap()[0];
+    let r = &w
+        .submit(vec![sample("a", &[5000, 17])])
+        .unwrap()
+        .wait()
+        .unwrap()[0];
     let reader = Reader::new();
     let mut out = vec![0u8; 5000];
     reader.read(r, "t0", &mut out).unwrap();
-    assert!(out.iter().enumerate().all(|(j, b)| *b == pattern("a", "t0", j)));
+    assert!(out
+        .iter()
+        .enumerate()
+        .all(|(j, b)| *b == pattern("a", "t0", j)));
     let v = reader.view(r, "t1").unwrap();
     assert_eq!(v.len(), 17);
-    assert!(v.iter().enumerate().all(|(j, b)| *b == pattern("a", "t1", j)));
+    assert!(v
+        .iter()
+        .enumerate()
+        .all(|(j, b)| *b == pattern("a", "t1", j)));
     let store = Store::new();
     let got = store.get(r, None).unwrap();
     assert_eq!(got["t0"].data, out);
@@ -34,11 +44,20 @@ fn read_view_and_get_return_the_published_bytes() {
 #[test]
 fn bad_addresses_and_lengths_are_refused_before_touching_memory() {
     let w = writer();
-    let good = w.submit(vec![sample("a", &[100])]).unwrap().wait().unwrap().remove(0);
+    let good = w
+        .submit(vec![sample("a", &[100])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
     let reader = Reader::new();
     let mut out = vec![0u8; 99];
     let e = reader.read(&good, "t0", &mut out).unwrap_err();
-    assert!(e.to_string().contains("buffer holds 99 bytes but shape [100] of uint8 is 100 bytes"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("buffer holds 99 bytes but shape [100] of uint8 is 100 bytes"),
+        "{e}"
+    );
     let e = reader.read(&good, "nope", &mut out).unwrap_err();
     assert!(e.to_string().contains("no feature \"nope\""), "{e}");
     let mut forged = good.clone();
@@ -46,23 +65,40 @@ fn bad_addresses_and_lengths_are_refused_before_touching_memory() {
     let e = reader.read(&forged, "t0", &mut [0u8; 100]).unwrap_err();
     assert!(matches!(e, Error::OutOfRange { len: 100, .. }), "{e}");
     forged.features.get_mut("t0").unwrap().address = 12;
-    assert!(matches!(reader.view(&forged, "t0").unwrap_err(), Error::OutOfRange { .. }));
+    assert!(matches!(
+        reader.view(&forged, "t0").unwrap_err(),
+        Error::OutOfRange { .. }
+    ));
     // A shape that claims more bytes than the arena holds past the address.
     let mut big = good.clone();
     big.features.get_mut("t0").unwrap().shape = vec![1 << 21];
-    assert!(matches!(reader.view(&big, "t0").unwrap_err(), Error::OutOfRange { .. }));
+    assert!(matches!(
+        reader.view(&big, "t0").unwrap_err(),
+        Error::OutOfRange { .. }
+    ));
     big.features.get_mut("t0").unwrap().shape = vec![u64::MAX, 4];
-    assert!(reader.view(&big, "t0").unwrap_err().to_string().contains("overflows"));
+    assert!(reader
+        .view(&big, "t0")
+        .unwrap_err()
+        .to_string()
+        .contains("overflows"));
     let mut odd = good.clone();
     odd.arena.session = "nixl://somewhere".into();
-    assert!(matches!(Reader::new().view(&odd, "t0").unwrap_err(), Error::InvalidSession { .. }));
+    assert!(matches!(
+        Reader::new().view(&odd, "t0").unwrap_err(),
+        Error::InvalidSession { .. }
+    ));
 }
 
 #[test]
 fn a_restarted_producer_gives_a_stale_session_error() {
     let old = {
         let w = writer();
-        w.submit(vec![sample("a", &[100])]).unwrap().wait().unwrap().remove(0)
+        w.submit(vec![sample("a", &[100])])
+            .unwrap()
+            .wait()
+            .unwrap()
+            .remove(0)
     };
     let _new = writer();
     let e = Reader::new().view(&old, "t0").unwrap_err();
@@ -73,7 +109,11 @@ fn a_restarted_producer_gives_a_stale_session_error() {
 #[test]
 fn get_after_release_fails_and_release_frees_everything() {
     let w = writer();
-    let rs = w.submit(vec![sample("a", &[100, 200]), sample("b", &[300])]).unwrap().wait().unwrap();
+    let rs = w
+        .submit(vec![sample("a", &[100, 200]), sample("b", &[300])])
+        .unwrap()
+        .wait()
+        .unwrap();
     let store = Store::new();
     for r in &rs {
         store.get(r, None).unwrap();
@@ -84,7 +124,10 @@ fn get_after_release_fails_and_release_frees_everything() {
     }
     wait_freed(&w, 3);
     let s = w.stats();
-    assert_eq!((s.resident_objects, s.free_bytes, s.unknown_frees), (0, s.capacity, 0));
+    assert_eq!(
+        (s.resident_objects, s.free_bytes, s.unknown_frees),
+        (0, s.capacity, 0)
+    );
     assert_eq!(store.health(), Default::default());
     // Control connections are persistent: one for all three releases.
     assert_eq!(s.control_connections, 1);
@@ -94,15 +137,35 @@ fn get_after_release_fails_and_release_frees_everything() {
 fn frees_reconnect_after_the_endpoint_drops_the_connection() {
     let store = Store::new();
     let first = writer();
-    let port: u16 = first.arena_ref().control.rsplit(':').next().unwrap().parse().unwrap();
-    let r1 = first.submit(vec![sample("a", &[10])]).unwrap().wait().unwrap().remove(0);
+    let port: u16 = first
+        .arena_ref()
+        .control
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let r1 = first
+        .submit(vec![sample("a", &[10])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
     store.release(&r1).unwrap();
     wait_freed(&first, 1);
     // The producer restarts on the same control port: the old connection is dead.
     drop(first);
-    let c = Config { control_port: port, ..config(1 << 20, Duration::from_secs(2)) };
+    let c = Config {
+        control_port: port,
+        ..config(1 << 20, Duration::from_secs(2))
+    };
     let second = Writer::start(&c).unwrap();
-    let r2 = second.submit(vec![sample("b", &[10])]).unwrap().wait().unwrap().remove(0);
+    let r2 = second
+        .submit(vec![sample("b", &[10])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
     store.release(&r2).unwrap();
     wait_freed(&second, 1);
     assert_eq!(store.health().pending_frees, 0);

@@ -1,0 +1,157 @@
+//! `capture-arena produce`: run an arena, publish synthetic samples, serve frees until every
+//! object is freed.
+//!
+//! stdout: one result JSON per line (flushed per line), then one final line
+//! `{"stats": {...}, "ok": bool, "error": null | "...", "elapsed_s": f, "publish_gbps": f}`.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use capture_arena::{BatchHandle, Config, SampleResult, Writer};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::workload::{gib, size_arg, Pool, Workload};
+
+/// Flags of `produce`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub workload: Workload,
+    /// Arena size, e.g. 2GiB (default: $SGLANG_SPEC_CAPTURE_ARENA_BYTES). Other settings come
+    /// from the SGLANG_SPEC_CAPTURE_* variables.
+    #[arg(long, value_parser = size_arg)]
+    pub arena_bytes: Option<u64>,
+    /// Fail if, once everything is published, no free arrives for this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub idle_timeout: f64,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+fn bar(quiet: bool, n: u64, what: &str) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let b = ProgressBar::new(n).with_message(what.to_owned());
+    b.set_style(
+        ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} {per_sec}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    b
+}
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let w = args.workload.resolved()?;
+    let mut config = Config::from_env()?;
+    if let Some(b) = args.arena_bytes {
+        config.arena_bytes = Some(b);
+    }
+    let capacity = config
+        .required_arena_bytes()
+        .context("pass --arena-bytes or set SGLANG_SPEC_CAPTURE_ARENA_BYTES")?;
+    let need = w.max_batch_bytes() + (w.batch as u64) * 4 * config.alignment;
+    anyhow::ensure!(
+        need <= capacity,
+        "the largest batch needs {need} bytes but the arena holds {capacity}; raise --arena-bytes \
+         (SGLANG_SPEC_CAPTURE_ARENA_BYTES) or lower --batch / --max-len"
+    );
+    let writer = Writer::start(&config).context("starting the arena")?;
+    tracing::info!(
+        samples = w.samples,
+        total = %gib(w.total_bytes()),
+        arena = %gib(capacity),
+        "producing"
+    );
+    let t0 = Instant::now();
+    let published = bar(args.quiet, w.samples as u64, "published");
+    let mut out = std::io::stdout().lock();
+    let mut error: Option<String> = None;
+    let mut inflight: VecDeque<BatchHandle> = VecDeque::new();
+    let mut emit = |h: BatchHandle, error: &mut Option<String>| -> anyhow::Result<()> {
+        for r in h.wait_results() {
+            if let SampleResult::Failed(f) = &r {
+                error.get_or_insert_with(|| f.error.clone());
+            }
+            serde_json::to_writer(&mut out, &r)?;
+            out.write_all(b"\n")?;
+            out.flush().context("writing results to stdout")?;
+            published.inc(1);
+        }
+        Ok(())
+    };
+    let ids: Vec<usize> = (0..w.samples).collect();
+    let pool = Pool::default();
+    for chunk in ids.chunks(w.batch) {
+        if error.is_some() {
+            break;
+        }
+        let samples = chunk
+            .iter()
+            .map(|&i| w.sample(i, &pool))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        inflight.push_back(writer.submit(samples)?);
+        while inflight.len() > config.max_pending_batches {
+            if let Some(h) = inflight.pop_front() {
+                emit(h, &mut error)?;
+            }
+        }
+    }
+    while let Some(h) = inflight.pop_front() {
+        emit(h, &mut error)?;
+    }
+    published.finish_and_clear();
+    // Serve frees until every published object is freed, or none arrives for idle_timeout.
+    let idle = Duration::from_secs_f64(args.idle_timeout.max(0.0));
+    let freed = bar(args.quiet, writer.stats().published_objects, "freed");
+    let mut last = u64::MAX;
+    let stats = loop {
+        let (s, _) = writer.wait_for(idle, |s| {
+            s.freed_objects >= s.published_objects || s.freed_objects != last
+        });
+        freed.set_position(s.freed_objects);
+        if s.freed_objects >= s.published_objects {
+            break s;
+        }
+        if s.freed_objects == last {
+            error.get_or_insert_with(|| {
+                format!(
+                    "no free arrived for {:.0} s with {} of {} objects still resident; is a \
+                     trainer reading and freeing? (--idle-timeout)",
+                    idle.as_secs_f64(),
+                    s.resident_objects,
+                    s.published_objects
+                )
+            });
+            break s;
+        }
+        last = s.freed_objects;
+    };
+    freed.finish_and_clear();
+    let ok = error.is_none() && stats.free_bytes == stats.capacity;
+    let line = serde_json::json!({
+        "stats": stats,
+        "ok": ok,
+        "error": error,
+        "elapsed_s": t0.elapsed().as_secs_f64(),
+        "publish_gbps": stats.published_bytes as f64 / (stats.copy_ns.max(1) as f64),
+        "capacity": capacity,
+        "session": writer.arena_ref().session,
+        "control": writer.arena_ref().control,
+    });
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")?;
+    out.flush()?;
+    if let Some(e) = &error {
+        eprintln!("produce failed: {e}");
+    }
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,299 @@
+//! Synthetic capture-shaped samples and the content pattern a consumer verifies.
+//!
+//! # The content pattern
+//! Byte `i` of the object with key `k` is byte `i % 8` (little-endian) of
+//! `word(i / 8) = h XOR (w << 32 | w)` with `w = i / 8`, where `h` is the 64-bit FNV-1a hash of
+//! the key's UTF-8 bytes. Any reader can check it from the key alone; a misplaced, shifted or
+//! swapped object fails. (Shifts and XORs only, so filling and checking run at memory speed.)
+
+use std::sync::{Arc, Mutex};
+
+use capture_arena::config::parse_bytes;
+use capture_arena::{Dtype, Sample, Tensor, TensorData};
+
+/// 64-bit FNV-1a of the key.
+pub fn key_hash(key: &str) -> u64 {
+    key.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[inline]
+fn word(h: u64, w: u64) -> u64 {
+    h ^ (w << 32 | w)
+}
+
+/// Fills `buf` with the pattern of `key`.
+pub fn fill(key: &str, buf: &mut [u8]) {
+    let h = key_hash(key);
+    let mut chunks = buf.chunks_exact_mut(8);
+    for (w, c) in (&mut chunks).enumerate() {
+        c.copy_from_slice(&word(h, w as u64).to_le_bytes());
+    }
+    let n = (buf.len() / 8) as u64;
+    let tail = buf.chunks_exact_mut(8).into_remainder();
+    tail.copy_from_slice(&word(h, n).to_le_bytes()[..tail.len()]);
+}
+
+/// The offset of the first byte of `buf` that breaks the pattern of `key`, if any.
+pub fn verify(key: &str, buf: &[u8]) -> Option<usize> {
+    let h = key_hash(key);
+    let chunks = buf.chunks_exact(8);
+    let tail = chunks.remainder();
+    // Branch-free accumulate (vectorises); locate the byte only on failure.
+    let diff = chunks.enumerate().fold(0u64, |acc, (w, c)| {
+        let got = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
+        acc | (got ^ word(h, w as u64))
+    });
+    let n = (buf.len() / 8) as u64;
+    if diff == 0 && tail == &word(h, n).to_le_bytes()[..tail.len()] {
+        return None;
+    }
+    let mut want = vec![0u8; buf.len()];
+    fill(key, &mut want);
+    buf.iter().zip(&want).position(|(a, b)| a != b)
+}
+
+/// Buffers the writer hands back when it drops a tensor it has copied, so the producer reuses
+/// memory that is already faulted in instead of taking fresh pages for every sample.
+#[derive(Debug, Clone, Default)]
+pub struct Pool(Arc<Mutex<Vec<Vec<u8>>>>);
+
+/// The most buffers a pool keeps.
+const POOL_MAX: usize = 256;
+
+impl Pool {
+    /// A buffer of exactly `n` bytes (contents unspecified).
+    fn take(&self, n: usize) -> Vec<u8> {
+        let mut pool = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // The smallest buffer that holds n bytes, else the largest one (it grows once).
+        let pick = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= n)
+            .min_by_key(|(_, b)| b.capacity())
+            .or_else(|| pool.iter().enumerate().max_by_key(|(_, b)| b.capacity()))
+            .map(|(i, _)| i);
+        let mut b = pick.map(|i| pool.swap_remove(i)).unwrap_or_default();
+        drop(pool);
+        // Grow to exactly n (no doubling), then resize within capacity.
+        b.reserve_exact(n.saturating_sub(b.len()));
+        b.resize(n, 0);
+        b
+    }
+}
+
+/// A pooled buffer: back to its pool on drop.
+#[derive(Debug)]
+pub struct Pooled {
+    buf: Vec<u8>,
+    pool: Pool,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        let mut p = self.pool.0.lock().unwrap_or_else(|p| p.into_inner());
+        if p.len() < POOL_MAX {
+            p.push(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+/// The shape of the synthetic workload (shared by `demo` and `produce`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct Workload {
+    /// Samples to publish.
+    #[arg(long, default_value_t = 128)]
+    pub samples: usize,
+    /// Shortest sequence length L.
+    #[arg(long, default_value_t = 512)]
+    pub min_len: u64,
+    /// Longest sequence length L.
+    #[arg(long, default_value_t = 4096)]
+    pub max_len: u64,
+    /// Hidden size H of the target model.
+    #[arg(long, default_value_t = 4096)]
+    pub hidden: u64,
+    /// Aux layers k (aux hidden states are [1, L, k*H]).
+    #[arg(long, default_value_t = 3)]
+    pub aux_layers: u64,
+    /// Samples per batch (a prefill batch).
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Seed for the sequence lengths.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Trainer store namespace in the keys.
+    #[arg(long, default_value = "demo")]
+    pub store_id: String,
+    /// The seed PR's hardware run: 64 samples of ~100 MiB (6.47 GiB), L = 3310, H = 4096, k = 3.
+    #[arg(long)]
+    pub seed_scenario: bool,
+}
+
+impl Workload {
+    /// Applies `--seed-scenario` and checks the numbers.
+    pub fn resolved(&self) -> anyhow::Result<Workload> {
+        let mut w = self.clone();
+        if w.seed_scenario {
+            w.samples = 64;
+            w.min_len = 3310;
+            w.max_len = 3310;
+            w.hidden = 4096;
+            w.aux_layers = 3;
+        }
+        anyhow::ensure!(
+            w.min_len >= 1 && w.min_len <= w.max_len,
+            "need 1 <= --min-len <= --max-len"
+        );
+        anyhow::ensure!(
+            w.batch >= 1 && w.hidden >= 1,
+            "--batch and --hidden must be >= 1"
+        );
+        Ok(w)
+    }
+
+    /// Sequence length of sample `i` (deterministic from the seed).
+    pub fn len_of(&self, i: usize) -> u64 {
+        let mut x = self
+            .seed
+            .wrapping_add(i as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        x ^= x >> 31;
+        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x ^= x >> 29;
+        self.min_len + x % (self.max_len - self.min_len + 1)
+    }
+
+    /// Bytes of sample `i`.
+    pub fn bytes_of(&self, i: usize) -> u64 {
+        self.len_of(i) * ((self.aux_layers + 1) * self.hidden * 2 + 16)
+    }
+
+    /// Total bytes of the workload.
+    pub fn total_bytes(&self) -> u64 {
+        (0..self.samples).map(|i| self.bytes_of(i)).sum()
+    }
+
+    /// Bytes of the largest batch.
+    pub fn max_batch_bytes(&self) -> u64 {
+        (0..self.samples)
+            .collect::<Vec<_>>()
+            .chunks(self.batch)
+            .map(|c| c.iter().map(|&i| self.bytes_of(i)).sum())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Sample id of sample `i`.
+    pub fn sample_id(&self, i: usize) -> String {
+        format!("run0:t{i}")
+    }
+
+    /// Builds sample `i` with every tensor filled with its key's pattern: aux `[1, L, k*H]` and
+    /// last hidden `[1, L, H]` in bf16, `input_ids` and `loss_mask` `[1, L]` int64.
+    pub fn sample(&self, i: usize, pool: &Pool) -> anyhow::Result<Sample> {
+        let l = self.len_of(i);
+        let id = self.sample_id(i);
+        let mut s = Sample::new(&self.store_id, &id, 1)?;
+        let tensors = [
+            (
+                "hidden_state",
+                vec![1, l, self.aux_layers * self.hidden],
+                Dtype::Bfloat16,
+            ),
+            ("target", vec![1, l, self.hidden], Dtype::Bfloat16),
+            ("input_ids", vec![1, l], Dtype::Int64),
+            ("loss_mask", vec![1, l], Dtype::Int64),
+        ];
+        for (name, shape, dtype) in tensors {
+            if name == "hidden_state" && self.aux_layers == 0 {
+                continue;
+            }
+            let n = capture_arena::tensor::byte_len(&shape, dtype)
+                .ok_or_else(|| anyhow::anyhow!("shape {shape:?} overflows"))?;
+            let mut buf = pool.take(usize::try_from(n)?);
+            fill(&format!("{}/{id}/g1/{name}", self.store_id), &mut buf);
+            let data = TensorData::host(Pooled {
+                buf,
+                pool: pool.clone(),
+            });
+            s.push(Tensor::new(name, shape, dtype, data).map_err(anyhow::Error::msg)?)?;
+        }
+        Ok(s)
+    }
+}
+
+/// Parses a size flag (`2GiB`, `512MiB`, `1048576`).
+pub fn size_arg(s: &str) -> Result<u64, String> {
+    parse_bytes(s)
+}
+
+/// Formats bytes as GiB with two decimals.
+pub fn gib(b: u64) -> String {
+    format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_round_trips_and_catches_shifts() {
+        for n in [0, 1, 7, 8, 9, 1000] {
+            let mut b = vec![0u8; n];
+            fill("a/b/g1/c", &mut b);
+            assert_eq!(verify("a/b/g1/c", &b), None);
+            if n > 0 {
+                assert!(
+                    verify("a/b/g1/d", &b).is_some(),
+                    "another key's pattern differs"
+                );
+            }
+        }
+        let mut b = vec![0u8; 64];
+        fill("k", &mut b);
+        b[37] ^= 1;
+        assert_eq!(verify("k", &b), Some(37));
+        // Documented formula, first word.
+        let mut one = [0u8; 8];
+        fill("k", &mut one);
+        assert_eq!(u64::from_le_bytes(one), key_hash("k"));
+        let mut two = [0u8; 16];
+        fill("k", &mut two);
+        assert_eq!(
+            u64::from_le_bytes(two[8..].try_into().unwrap()),
+            key_hash("k") ^ (1 << 32 | 1)
+        );
+    }
+
+    #[test]
+    fn lengths_stay_in_range_and_seed_scenario_matches_the_seed() {
+        let w = Workload {
+            samples: 1000,
+            min_len: 512,
+            max_len: 4096,
+            hidden: 4096,
+            aux_layers: 3,
+            batch: 8,
+            seed: 1,
+            store_id: "d".into(),
+            seed_scenario: false,
+        };
+        assert!((0..1000).all(|i| (512..=4096).contains(&w.len_of(i))));
+        let s = Workload {
+            seed_scenario: true,
+            ..w
+        }
+        .resolved()
+        .unwrap();
+        let total = s.total_bytes() as f64 / (1u64 << 30) as f64;
+        assert!((total - 6.47).abs() < 0.01, "{total}");
+    }
+}

@@ -1,0 +1,220 @@
+//! The CLI's halves as real processes: a producer process publishes, a trainer process reads
+//! every byte and frees, and the arena returns to fully free; the demo itself; stale sessions.
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+const EXE: &str = env!("CARGO_BIN_EXE_capture-arena");
+
+/// A small workload: 12 samples, L in [16, 256], H = 256, k = 3 (at most ~0.8 MiB a sample).
+const SMALL: &[&str] = &[
+    "--samples",
+    "12",
+    "--min-len",
+    "16",
+    "--max-len",
+    "256",
+    "--hidden",
+    "256",
+    "--aux-layers",
+    "3",
+    "--batch",
+    "3",
+];
+
+fn last_json(out: &[u8], key: &str) -> Value {
+    String::from_utf8_lossy(out)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .rfind(|v| v.get(key).is_some())
+        .unwrap_or_else(|| panic!("no {key} line in {}", String::from_utf8_lossy(out)))
+}
+
+#[test]
+fn producer_and_trainer_processes_move_every_byte_and_the_arena_ends_free() {
+    // An arena of 2 MiB, smaller than the ~5 MiB published: frees must flow back.
+    let mut producer = Command::new(EXE)
+        .arg("produce")
+        .args(SMALL)
+        .args(["--arena-bytes", "2MiB", "--idle-timeout", "20", "--quiet"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let trainer = Command::new(EXE)
+        .args(["consume", "--quiet"])
+        .stdin(producer.stdout.take().unwrap())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = trainer.wait_with_output().unwrap();
+    let p = producer.wait().unwrap();
+    let summary = &last_json(&t.stdout, "summary")["summary"];
+    assert!(t.status.success(), "{summary}");
+    assert!(p.success());
+    assert_eq!(summary["samples"], 12);
+    assert_eq!(summary["mismatches"], 0);
+    assert!(
+        summary["bytes"].as_u64().unwrap() > 2 << 20,
+        "more data than the arena holds"
+    );
+}
+
+#[test]
+fn producer_reports_its_final_stats_and_the_arena_is_fully_free() {
+    // Here the producer's stdout comes back to the test: results go to a consumer by hand.
+    let mut producer = Command::new(EXE)
+        .arg("produce")
+        .args(SMALL)
+        .args(["--arena-bytes", "2MiB", "--idle-timeout", "20", "--quiet"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut trainer = Command::new(EXE)
+        .args(["consume", "--quiet"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut to_trainer = trainer.stdin.take().unwrap();
+    let mut producer_final = None;
+    use std::io::BufRead;
+    for line in std::io::BufReader::new(producer.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        if v.get("stats").is_some() {
+            producer_final = Some(v);
+        } else {
+            assert!(v["arena"]["session"]
+                .as_str()
+                .unwrap()
+                .starts_with("shm://"));
+            assert_eq!(v["features"]["hidden_state"]["dtype"], "bfloat16");
+            writeln!(to_trainer, "{line}").unwrap();
+        }
+    }
+    drop(to_trainer);
+    assert!(producer.wait().unwrap().success());
+    assert!(trainer.wait().unwrap().success());
+    let f = producer_final.expect("final stats line");
+    let s = &f["stats"];
+    assert_eq!(f["ok"], true);
+    assert_eq!(s["published_samples"], 12);
+    assert_eq!(s["freed_objects"], s["published_objects"]);
+    assert_eq!(s["free_bytes"], s["capacity"]);
+    assert_eq!(s["resident_objects"], 0);
+    assert_eq!(s["bad_lines"], 0);
+}
+
+#[test]
+fn results_of_an_exited_producer_are_refused_as_stale() {
+    // Nobody frees: the producer gives up after its idle timeout, exits non-zero and removes
+    // its arena. Its results, fed to a trainer afterwards, must be refused, not read.
+    let producer = Command::new(EXE)
+        .arg("produce")
+        .args([
+            "--samples",
+            "2",
+            "--min-len",
+            "8",
+            "--max-len",
+            "8",
+            "--hidden",
+            "64",
+            "--batch",
+            "1",
+        ])
+        .args(["--arena-bytes", "1MiB", "--idle-timeout", "0.2", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(
+        !producer.status.success(),
+        "nobody freed: the producer must fail"
+    );
+    let f = last_json(&producer.stdout, "stats");
+    assert!(
+        f["error"].as_str().unwrap().contains("no free arrived"),
+        "{f}"
+    );
+    // A second producer is running now (the "restarted" server).
+    let mut restarted = Command::new(EXE)
+        .arg("produce")
+        .args([
+            "--samples",
+            "1",
+            "--min-len",
+            "8",
+            "--max-len",
+            "8",
+            "--hidden",
+            "64",
+        ])
+        .args(["--arena-bytes", "1MiB", "--idle-timeout", "5", "--quiet"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut trainer = Command::new(EXE)
+        .args(["consume", "--quiet"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    trainer
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(&producer.stdout)
+        .unwrap();
+    let t = trainer.wait_with_output().unwrap();
+    assert!(!t.status.success());
+    let s = &last_json(&t.stdout, "summary")["summary"];
+    assert_eq!(s["mismatches"], 2, "{s}");
+    assert!(
+        s["first_error"].as_str().unwrap().contains("stale session"),
+        "{s}"
+    );
+    let _ = restarted.kill();
+    let _ = restarted.wait();
+}
+
+#[test]
+fn the_demo_runs_end_to_end_with_a_small_configuration() {
+    let out = Command::new(EXE)
+        .arg("demo")
+        .args(SMALL)
+        .args(["--arena-bytes", "2MiB", "--quiet"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "12 published, 12 read and verified",
+        "arena completely free            ok",
+        "publish",
+        "read latency / sample",
+        "waits for frees",
+        "result                           OK",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from\n{text}");
+    }
+}
+
+#[test]
+fn produce_without_an_arena_size_says_what_to_set() {
+    let out = Command::new(EXE)
+        .args(["produce", "--samples", "1"])
+        .env_remove("SGLANG_SPEC_CAPTURE_ARENA_BYTES")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--arena-bytes") && err.contains("SGLANG_SPEC_CAPTURE_ARENA_BYTES"),
+        "{err}"
+    );
+}
