@@ -52,10 +52,12 @@ impl AsRef<[u8]> for Src {
 fn sample(id: usize, src: &Src, replace: bool) -> anyhow::Result<Sample> {
     let mut s = Sample::new("bench", &format!("s{id}"), 1)?.with_replace(replace);
     let n = src.0.len() as u64;
-    s.push(
-        Tensor::new("x", vec![n], Dtype::Uint8, TensorData::host(src.clone()))
-            .map_err(anyhow::Error::msg)?,
-    )?;
+    s.push(Tensor::new(
+        "x",
+        vec![n],
+        Dtype::Uint8,
+        TensorData::host(src.clone()),
+    )?)?;
     Ok(s)
 }
 

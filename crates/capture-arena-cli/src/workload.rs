@@ -224,7 +224,7 @@ impl Workload {
                 buf,
                 pool: pool.clone(),
             });
-            s.push(Tensor::new(name, shape, dtype, data).map_err(anyhow::Error::msg)?)?;
+            s.push(Tensor::new(name, shape, dtype, data)?)?;
         }
         Ok(s)
     }

@@ -30,6 +30,13 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A tensor's bytes do not match its shape and dtype.
+    InvalidTensor {
+        /// The tensor's name.
+        name: String,
+        /// What does not match.
+        reason: String,
+    },
     /// A key is already resident and the sample did not ask for `replace`.
     KeyExists {
         /// The resident key.
@@ -151,6 +158,7 @@ impl fmt::Display for Error {
             Error::InvalidSample { sample_id, reason } => {
                 write!(f, "sample {sample_id:?}: {reason}")
             }
+            Error::InvalidTensor { name, reason } => write!(f, "tensor {name:?}: {reason}"),
             Error::KeyExists { key } => write!(
                 f,
                 "key {key} is already resident; free it first or publish with \"replace\": true"

@@ -42,6 +42,11 @@ pub mod tensor;
 pub mod transport;
 pub mod writer;
 
+// The README's Rust examples run as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+mod readme {}
+
 pub use arena::Arena;
 pub use client::{ControlClient, Reader, Store};
 pub use config::{arena_enabled, Config, Placement};

@@ -159,7 +159,7 @@ impl Sample {
             shape.extend_from_slice(&c.shape);
             s.push(
                 Tensor::new(name.clone(), shape, c.dtype, c.data)
-                    .map_err(|r| Error::sample(id, r))?,
+                    .map_err(|e| Error::sample(id, e.to_string()))?,
             )?;
         }
         for p in &spec.passthrough {
@@ -183,7 +183,7 @@ impl Sample {
                     dtype,
                     TensorData::host(bytes),
                 )
-                .map_err(|r| Error::sample(id, r))?,
+                .map_err(|e| Error::sample(id, e.to_string()))?,
             )?;
         }
         Ok(s)

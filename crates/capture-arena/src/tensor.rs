@@ -5,6 +5,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Error, Result};
+
 /// The dtypes of the capture contract, with their item sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -140,21 +142,24 @@ impl Tensor {
     /// A tensor whose byte length must equal `product(shape) × dtype.item_size()`.
     ///
     /// # Errors
-    /// A `String` saying what does not match (the caller wraps it with the sample id).
+    /// [`Error::InvalidTensor`] saying what does not match.
     pub fn new(
         name: impl Into<String>,
         shape: Vec<u64>,
         dtype: Dtype,
         data: TensorData,
-    ) -> Result<Tensor, String> {
+    ) -> Result<Tensor> {
         let name = name.into();
-        let want = byte_len(&shape, dtype)
-            .ok_or_else(|| format!("tensor {name:?}: shape {shape:?} overflows"))?;
+        let Some(want) = byte_len(&shape, dtype) else {
+            let reason = format!("shape {shape:?} overflows");
+            return Err(Error::InvalidTensor { name, reason });
+        };
         if want != data.len() {
-            return Err(format!(
-                "tensor {name:?}: shape {shape:?} of {dtype} needs {want} bytes, got {}",
+            let reason = format!(
+                "shape {shape:?} of {dtype} needs {want} bytes, got {}",
                 data.len()
-            ));
+            );
+            return Err(Error::InvalidTensor { name, reason });
         }
         Ok(Tensor {
             name,
@@ -215,13 +220,16 @@ mod tests {
             Dtype::Int64,
             TensorData::host(vec![0u8; 31]),
         );
-        assert!(e.unwrap_err().contains("needs 32 bytes, got 31"));
+        assert!(e
+            .unwrap_err()
+            .to_string()
+            .contains("needs 32 bytes, got 31"));
         let e = Tensor::new(
             "x",
             vec![u64::MAX, 2],
             Dtype::Int64,
             TensorData::host(vec![]),
         );
-        assert!(e.unwrap_err().contains("overflows"));
+        assert!(e.unwrap_err().to_string().contains("overflows"));
     }
 }
