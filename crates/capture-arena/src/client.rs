@@ -106,18 +106,13 @@ fn key_of(result: &Published, name: &str) -> String {
 }
 
 fn feature<'a>(result: &'a Published, name: &str) -> Result<&'a Feature> {
-    result.features.get(name).ok_or_else(|| Error::InvalidRead {
-        key: key_of(result, name),
-        reason: format!(
-            "no feature {name:?} in this result (it has: {})",
-            result
-                .features
-                .keys()
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-    })
+    result
+        .features
+        .get(name)
+        .ok_or_else(|| Error::UnknownFeature {
+            key: key_of(result, name),
+            available: result.features.keys().cloned().collect(),
+        })
 }
 
 /// Keys per free line: well under [`MAX_LINE_BYTES`] for any sane key length.
@@ -126,7 +121,8 @@ const KEYS_PER_LINE: usize = 1024;
 /// Sends frees to control endpoints. See the module docs.
 #[derive(Debug)]
 pub struct ControlClient {
-    conns: Mutex<HashMap<String, TcpStream>>,
+    /// Connections of process `.0`; a forked child starts over with its own.
+    conns: Mutex<(u32, HashMap<String, TcpStream>)>,
     /// Keys not yet sent, per endpoint, in order.
     pending: Mutex<BTreeMap<String, Vec<String>>>,
     timeout: Duration,
@@ -142,7 +138,7 @@ impl ControlClient {
     /// A client whose connects and writes give up after `timeout`.
     pub fn new(timeout: Duration) -> ControlClient {
         ControlClient {
-            conns: Mutex::new(HashMap::new()),
+            conns: Mutex::new((std::process::id(), HashMap::new())),
             pending: Mutex::new(BTreeMap::new()),
             timeout,
         }
@@ -205,7 +201,7 @@ impl ControlClient {
         let mut first_err = None;
         for (endpoint, keys) in batches {
             if let Err(source) = self.send(&endpoint, &keys) {
-                lock(&self.conns).remove(&endpoint);
+                lock(&self.conns).1.remove(&endpoint);
                 let mut pending = lock(&self.pending);
                 let slot = pending.entry(endpoint.clone()).or_default();
                 // Put them back in front of anything queued meanwhile.
@@ -239,7 +235,14 @@ impl ControlClient {
                 buf.push(b'\n');
             }
         }
-        let mut conns = lock(&self.conns);
+        let mut guard = lock(&self.conns);
+        let pid = std::process::id();
+        if guard.0 != pid {
+            // Forked: the inherited sockets are the parent's; closing our copies leaves its
+            // connections open.
+            *guard = (pid, HashMap::new());
+        }
+        let conns = &mut guard.1;
         if let Some(c) = conns.get(endpoint) {
             if !alive(c) {
                 tracing::debug!(%endpoint, "control connection closed by the server; reconnecting");
@@ -343,13 +346,14 @@ impl Store {
         &self.control
     }
 
-    fn check_not_released(&self, r: &Published) -> Result<()> {
+    /// Fails with [`Error::Released`] if `r` was released by this store.
+    ///
+    /// # Errors
+    /// As described.
+    pub fn check(&self, r: &Published) -> Result<()> {
         if lock(&self.state).released.contains(&sample_key(r)) {
-            return Err(Error::InvalidRead {
-                key: format!("{}/{}/g{}", r.store_id, r.sample_id, r.gen),
-                reason: "already released: its objects were freed and the space may hold other \
-                         samples now"
-                    .into(),
+            return Err(Error::Released {
+                sample: format!("{}/{}/g{}", r.store_id, r.sample_id, r.gen),
             });
         }
         Ok(())
@@ -364,7 +368,7 @@ impl Store {
         result: &Published,
         names: Option<&[&str]>,
     ) -> Result<BTreeMap<String, OwnedTensor>> {
-        self.check_not_released(result)?;
+        self.check(result)?;
         self.control.learn(&result.arena.control);
         let wanted: Vec<&str> = match names {
             Some(n) => n.to_vec(),
@@ -395,12 +399,32 @@ impl Store {
         Ok(out)
     }
 
+    /// Copies several features of `result` into caller buffers (each exactly its feature's
+    /// size), counting the sample as resident until it is released.
+    ///
+    /// # Errors
+    /// As [`Store::get_into`].
+    pub fn get_many_into(&self, result: &Published, outs: &mut [(&str, &mut [u8])]) -> Result<()> {
+        self.check(result)?;
+        self.control.learn(&result.arena.control);
+        let mut bytes = 0;
+        for (name, out) in outs.iter_mut() {
+            self.reader.read(result, name, out)?;
+            bytes += out.len() as u64;
+        }
+        *lock(&self.state)
+            .resident
+            .entry(sample_key(result))
+            .or_default() += bytes;
+        Ok(())
+    }
+
     /// Copies feature `name` of `result` into `out` (exactly its size).
     ///
     /// # Errors
     /// As [`Store::get`] and [`Reader::read`].
     pub fn get_into(&self, result: &Published, name: &str, out: &mut [u8]) -> Result<()> {
-        self.check_not_released(result)?;
+        self.check(result)?;
         self.control.learn(&result.arena.control);
         self.reader.read(result, name, out)
     }

@@ -97,8 +97,21 @@ pub enum Error {
         /// The arena's length.
         region_len: u64,
     },
-    /// A read was refused before touching memory: unknown feature, a buffer of the wrong size,
-    /// a result that was already released, or an operation the transport cannot do.
+    /// A result names no feature of that name.
+    UnknownFeature {
+        /// The key asked for.
+        key: String,
+        /// The features the result has.
+        available: Vec<String>,
+    },
+    /// A sample was read after its release: its objects were freed and the space may hold other
+    /// samples now.
+    Released {
+        /// `{store_id}/{sample_id}/g{gen}`.
+        sample: String,
+    },
+    /// A read was refused before touching memory: a buffer of the wrong size, a shape that
+    /// overflows.
     InvalidRead {
         /// The key (or session) concerned.
         key: String,
@@ -208,6 +221,16 @@ impl fmt::Display for Error {
                 f,
                 "address range {address:#x}+{len} lies outside the arena [{base:#x}, {:#x})",
                 base.saturating_add(*region_len)
+            ),
+            Error::UnknownFeature { key, available } => write!(
+                f,
+                "no feature {key}: the result has {}",
+                available.join(", ")
+            ),
+            Error::Released { sample } => write!(
+                f,
+                "sample {sample} was already released: its objects were freed and the space may \
+                 hold other samples now"
             ),
             Error::InvalidRead { key, reason } => write!(f, "cannot read {key}: {reason}"),
             Error::FreeNotSent {

@@ -1,7 +1,7 @@
 //! Samples in and results out: the capture contract's request (`spec`), the validated [`Sample`]
 //! the writer publishes, and the per-sample result JSON.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -51,7 +51,9 @@ pub struct SpecFeatures {
 pub struct PassthroughSpec {
     /// Feature name.
     pub name: String,
-    /// The values, row-major; nested lists are flattened.
+    /// The values, row-major; nested lists are flattened. May be null when the bytes come
+    /// separately (see [`Sample::from_spec_parts`]).
+    #[serde(default)]
     pub data: Value,
     /// The declared shape.
     pub shape: Vec<u64>,
@@ -139,6 +141,24 @@ impl Sample {
         last_hidden: Option<Captured>,
         aux_layer_ids: Option<Vec<i64>>,
     ) -> Result<Sample> {
+        Sample::from_spec_parts(spec, aux, last_hidden, aux_layer_ids, HashMap::new())
+    }
+
+    /// As [`Sample::from_spec`], with the bytes of some passthrough tensors given directly
+    /// (`name -> bytes`, e.g. an array the server already holds) instead of as JSON numbers in
+    /// their `data`. Such bytes must have the declared dtype and as many elements as the declared
+    /// shape.
+    ///
+    /// # Errors
+    /// As [`Sample::from_spec`], plus a dtype or element count that differs from the declaration,
+    /// or bytes for a name that is not a passthrough of the spec.
+    pub fn from_spec_parts(
+        spec: &SampleSpec,
+        aux: Option<Captured>,
+        last_hidden: Option<Captured>,
+        aux_layer_ids: Option<Vec<i64>>,
+        mut passthrough_bytes: HashMap<String, Captured>,
+    ) -> Result<Sample> {
         let mut s = Sample::new(&spec.store_id, &spec.sample_id, spec.gen)?
             .with_replace(spec.replace)
             .with_aux_layer_ids(aux_layer_ids);
@@ -174,17 +194,36 @@ impl Sample {
                     ),
                 )
             })?;
-            let bytes = encode_values(&p.data, &p.shape, dtype)
-                .map_err(|r| Error::sample(id, format!("passthrough {:?}: {r}", p.name)))?;
+            let data = match passthrough_bytes.remove(&p.name) {
+                Some(c) => {
+                    let count =
+                        |shape: &[u64]| shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                    if c.dtype != dtype || count(&c.shape) != count(&p.shape) {
+                        return Err(Error::sample(
+                            id,
+                            format!(
+                                "passthrough {:?}: data is {:?} of {} but the spec declares {:?} of {}",
+                                p.name, c.shape, c.dtype, p.shape, p.dtype
+                            ),
+                        ));
+                    }
+                    c.data
+                }
+                None => TensorData::host(
+                    encode_values(&p.data, &p.shape, dtype)
+                        .map_err(|r| Error::sample(id, format!("passthrough {:?}: {r}", p.name)))?,
+                ),
+            };
             s.push(
-                Tensor::new(
-                    p.name.clone(),
-                    p.shape.clone(),
-                    dtype,
-                    TensorData::host(bytes),
-                )
-                .map_err(|e| Error::sample(id, e.to_string()))?,
+                Tensor::new(p.name.clone(), p.shape.clone(), dtype, data)
+                    .map_err(|e| Error::sample(id, e.to_string()))?,
             )?;
+        }
+        if let Some(name) = passthrough_bytes.keys().next() {
+            return Err(Error::sample(
+                id,
+                format!("bytes given for {name:?}, which is not a passthrough of this spec"),
+            ));
         }
         Ok(s)
     }
@@ -477,6 +516,33 @@ mod tests {
             data: TensorData::host(vec![0u8; 7]),
         };
         assert!(Sample::from_spec(&spec(base), Some(bad), None, None).is_err());
+    }
+
+    #[test]
+    fn passthrough_bytes_replace_json_data() {
+        let sp = spec(json!({"store_id": "a", "sample_id": "s",
+            "passthrough": [{"name": "ids", "data": null, "shape": [1, 2], "dtype": "int64"}]}));
+        let bytes = |dtype, n: usize| Captured {
+            shape: vec![2],
+            dtype,
+            data: TensorData::host(vec![7u8; n]),
+        };
+        let parts = |c| HashMap::from([("ids".to_string(), c)]);
+        let s =
+            Sample::from_spec_parts(&sp, None, None, None, parts(bytes(Dtype::Int64, 16))).unwrap();
+        assert_eq!(s.tensors[0].1.shape, [1, 2]);
+        let e = Sample::from_spec_parts(&sp, None, None, None, parts(bytes(Dtype::Int32, 8)))
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("spec declares [1, 2] of int64"),
+            "{e}"
+        );
+        let e = Sample::from_spec_parts(&sp, None, None, None, parts(bytes(Dtype::Int64, 15)))
+            .unwrap_err();
+        assert!(e.to_string().contains("needs 16 bytes, got 15"), "{e}");
+        let stray = HashMap::from([("other".to_string(), bytes(Dtype::Int64, 16))]);
+        let e = Sample::from_spec_parts(&sp, None, None, None, stray).unwrap_err();
+        assert!(e.to_string().contains("not a passthrough"), "{e}");
     }
 
     #[test]

@@ -101,6 +101,18 @@ impl Sink {
         self.writer()?.submit_with(samples, done)
     }
 
+    /// As [`Sink::submit_with`] but never blocks.
+    ///
+    /// # Errors
+    /// As [`Sink::writer`] and [`Writer::try_submit_with`] ([`crate::Error::QueueFull`]).
+    pub fn try_submit_with(
+        &self,
+        samples: Vec<Sample>,
+        done: impl FnOnce(Outcome) + Send + 'static,
+    ) -> Result<()> {
+        self.writer()?.try_submit_with(samples, done)
+    }
+
     /// The writer's counters (all zero before the first capture).
     pub fn stats(&self) -> StatsSnapshot {
         self.writer.get().map(Writer::stats).unwrap_or_default()

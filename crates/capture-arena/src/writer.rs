@@ -244,6 +244,25 @@ impl Writer {
         )
     }
 
+    /// As [`Writer::submit_with`] but never blocks.
+    ///
+    /// # Errors
+    /// [`Error::QueueFull`] when `max_pending_batches` batches are already queued (`done` is not
+    /// called then), [`Error::WriterStopped`].
+    pub fn try_submit_with(
+        &self,
+        samples: Vec<Sample>,
+        done: impl FnOnce(Outcome) + Send + 'static,
+    ) -> Result<()> {
+        self.send(
+            Job {
+                samples,
+                done: Box::new(done),
+            },
+            false,
+        )
+    }
+
     fn job(samples: Vec<Sample>) -> (BatchHandle, Job) {
         let (tx, rx) = mpsc::sync_channel(1);
         let sample_ids = samples.iter().map(|s| s.sample_id.clone()).collect();

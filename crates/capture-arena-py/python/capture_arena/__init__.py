@@ -1,0 +1,178 @@
+"""capture_arena: the capture server's arena, from Python.
+
+- :class:`ArenaSink` is what an inference server's capture hook calls: it publishes each batch of
+  captured samples into the arena and returns one result dict per sample.
+- :class:`ArenaFeatureStore` is what a trainer uses, usually in another process: it reads a
+  result's tensors and releases them.
+
+Everything runs in the Rust core; this module only converts arguments. The GIL is released
+while waiting and while copying.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from . import errors
+from ._capture_arena import __version__, _ArenaSink, _Store, arena_enabled
+from ._tensors import HostBytes, host_bytes, numpy_dtype, writable_bytes
+from .errors import *  # noqa: F401,F403
+
+__all__ = [
+    "ArenaSink",
+    "ArenaFeatureStore",
+    "arena_enabled",
+    "errors",
+    "__version__",
+    *errors.__all__,
+]
+
+Result = dict[str, Any]
+"""A per-sample result: ``{"sample_id", "store_id", "gen", "aux_layer_ids", "features",
+"arena"}``, or ``{"sample_id", "error"}`` for a sample of a failed batch."""
+
+Sample = tuple[Mapping[str, Any], Any, Any]
+"""``(spec, aux, last_hidden)`` exactly as the existing sink receives them."""
+
+
+def _convert(samples: Iterable[Sample]) -> list[tuple[Any, Optional[HostBytes], Optional[HostBytes], Optional[dict[str, HostBytes]]]]:
+    out = []
+    for item in samples:
+        spec, aux, last_hidden = item
+        spec = dict(spec)
+        arrays: Optional[dict[str, HostBytes]] = None
+        passthrough = spec.get("passthrough") or []
+        if any(not isinstance(p.get("data"), (list, tuple, type(None))) for p in passthrough):
+            # Array data (numpy, torch, ...) travels as bytes, not as a list of numbers.
+            arrays = {}
+            new = []
+            for p in passthrough:
+                data = p.get("data")
+                if isinstance(data, (list, tuple, type(None))):
+                    new.append(p)
+                else:
+                    arrays[p["name"]] = host_bytes(data)
+                    new.append({**p, "data": None})
+            spec["passthrough"] = new
+        out.append((
+            spec,
+            None if aux is None else host_bytes(aux),
+            None if last_hidden is None else host_bytes(last_hidden),
+            arrays,
+        ))
+    return out
+
+
+class ArenaSink(_ArenaSink):
+    """The sink an inference server's capture hook calls.
+
+    Every keyword argument defaults to its environment variable:
+
+    ==========================  ============================================  =========
+    argument                    variable                                      default
+    ==========================  ============================================  =========
+    ``arena_bytes``             ``SGLANG_SPEC_CAPTURE_ARENA_BYTES``            required
+    ``control_host``            ``SGLANG_SPEC_CAPTURE_CONTROL_HOST``,          127.0.0.1
+                                else ``MOONCAKE_LOCAL_HOSTNAME``
+    ``control_port``            ``SGLANG_SPEC_CAPTURE_CONTROL_PORT``           0
+    ``alignment``               ``SGLANG_SPEC_CAPTURE_ARENA_ALIGN``            256
+    ``wait_s``                  ``SGLANG_SPEC_CAPTURE_ARENA_WAIT_S``           30
+    ``max_pending_batches``     ``SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES``    2
+    ``timing``                  ``SGLANG_SPEC_CAPTURE_TIMING``                 off
+    ``protocol``                ``MOONCAKE_PROTOCOL``                          unset
+    ``gpu_put``                 ``SGLANG_SPEC_CAPTURE_GPU_PUT``                unset
+    ``aux_layer_ids``           (none; echoed in every result)                None
+    ==========================  ============================================  =========
+
+    Nothing is allocated until the first capture. A tensor handed to the sink must not be
+    modified until its batch's results are back.
+    """
+
+    @classmethod
+    def from_env(cls) -> "ArenaSink":
+        """A sink configured from the environment alone."""
+        return cls()
+
+    def submit_samples(self, samples: Sequence[Sample], *, block: bool = True) -> "concurrent.futures.Future[list[Result]]":
+        """Queues a batch and returns a future of its results, one dict per sample.
+
+        Blocks (with the GIL released) while the writer already holds ``max_pending_batches``
+        batches; with ``block=False`` raises :class:`QueueFullError` instead. Invalid samples
+        raise :class:`InvalidSampleError` here, before anything is written. A batch that fails
+        later (arena full) completes with ``{"sample_id", "error"}`` for every sample.
+        """
+        fut: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        self._submit(_convert(samples), fut, block)
+        return fut
+
+    def put_samples(self, samples: Sequence[Sample]) -> list[Result]:
+        """Publishes a batch and waits for its results (GIL released while waiting)."""
+        return self._put(_convert(samples))
+
+    def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> Result:
+        """Publishes one sample and returns its result."""
+        return self.put_samples([(spec, aux, last_hidden)])[0]
+
+    def __enter__(self) -> "ArenaSink":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ArenaFeatureStore(_Store):
+    """What a trainer uses: read a result's tensors, then release them.
+
+    Works in any process on the producer's host (the result's ``arena.session`` names the shared
+    memory to map).
+    """
+
+    def get(
+        self,
+        result: Mapping[str, Any],
+        names: Optional[Iterable[str]] = None,
+        out: Optional[Mapping[str, Any]] = None,
+        *,
+        torch: bool = False,
+    ) -> dict[str, Any]:
+        """Reads the result's features (all, or ``names``) into fresh arrays of the result's shape
+        and dtype (numpy; bfloat16 via ``ml_dtypes``), or into the caller's ``out`` arrays or
+        tensors without allocating. ``torch=True`` returns torch tensors (``torch.bfloat16``).
+
+        Raises :class:`ReleasedError` (a ``KeyError``) after :meth:`release`,
+        :class:`UnknownFeatureError` (a ``KeyError``) for a name the result lacks, and
+        :class:`StaleSessionError` if the producer is gone.
+        """
+        self._check(result)
+        feats = result["features"]
+        wanted = list(feats) if names is None else list(names)
+        arrays: dict[str, Any] = {}
+        targets = []
+        for name in wanted:
+            if name not in feats:
+                raise errors.UnknownFeatureError(f"no feature {name!r}: the result has {', '.join(feats)}")
+            f = feats[name]
+            if out is not None and name in out:
+                arr = out[name]
+            elif torch:
+                import torch as _torch
+
+                arr = _torch.empty(f["shape"], dtype=getattr(_torch, f["dtype"]))
+            else:
+                arr = np.empty(f["shape"], dtype=numpy_dtype(f["dtype"]))
+            owner, addr, nbytes = writable_bytes(arr)
+            targets.append((name, owner, addr, nbytes))
+            arrays[name] = arr
+        self._read_into(result, targets)
+        return arrays
+
+    def __enter__(self) -> "ArenaFeatureStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.flush()

@@ -1,0 +1,55 @@
+"""Stubs of the compiled module (capture_arena._capture_arena)."""
+
+from typing import Any, Optional
+
+__version__: str
+
+def arena_enabled() -> bool:
+    """True when MOONCAKE_PROTOCOL selects the arena placement (nvlink)."""
+
+def _bench_rust_put(
+    n_samples: int, n_tensors: int, tensor_bytes: int, reps: int, arena_bytes: int
+) -> list[float]: ...
+
+class _ArenaSink:
+    def __new__(
+        cls,
+        *,
+        arena_bytes: Optional[int | str] = None,
+        control_host: Optional[str] = None,
+        control_port: Optional[int] = None,
+        alignment: Optional[int] = None,
+        wait_s: Optional[float] = None,
+        max_pending_batches: Optional[int] = None,
+        aux_layer_ids: Optional[list[int]] = None,
+        timing: Optional[bool] = None,
+        protocol: Optional[str] = None,
+        gpu_put: Optional[bool] = None,
+    ) -> "_ArenaSink": ...
+    def _submit(self, samples: Any, future: Any, block: bool = True) -> None: ...
+    def _put(self, samples: Any) -> list[dict[str, Any]]: ...
+    def stats(self) -> dict[str, int]:
+        """The writer's counters (all zero before the first capture)."""
+    @property
+    def started(self) -> bool: ...
+    @property
+    def session(self) -> Optional[str]: ...
+    @property
+    def control(self) -> Optional[str]: ...
+    @property
+    def arena_bytes(self) -> Optional[int]: ...
+    @property
+    def device_publication(self) -> bool: ...
+    def close(self) -> None:
+        """Stops the writer and removes the arena. Idempotent."""
+
+class _Store:
+    def __new__(cls) -> "_Store": ...
+    def _read_into(self, result: Any, targets: list[tuple[str, Any, int, int]]) -> None: ...
+    def _check(self, result: Any) -> None: ...
+    def release(self, result: Any) -> None:
+        """Frees every object of `result`; later reads of it raise ReleasedError."""
+    def flush(self) -> None:
+        """Retries frees that could not be sent."""
+    def health(self) -> dict[str, int]:
+        """{"resident_samples", "resident_bytes", "pending_frees"}."""

@@ -1,0 +1,91 @@
+"""Exceptions raised by capture_arena.
+
+Every exception is a :class:`CaptureArenaError` and also the standard exception that fits, so
+``except KeyError`` or ``except ValueError`` keep working in code written for the existing sink.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureArenaError",
+    "ConfigError",
+    "InvalidSampleError",
+    "KeyExistsError",
+    "ArenaFullError",
+    "QueueFullError",
+    "WriterStoppedError",
+    "InvalidSessionError",
+    "StaleSessionError",
+    "InvalidReadError",
+    "UnknownFeatureError",
+    "ReleasedError",
+    "FreeNotSentError",
+    "ArenaOSError",
+]
+
+
+class CaptureArenaError(Exception):
+    """Base class of every capture_arena error."""
+
+
+class ConfigError(CaptureArenaError, ValueError):
+    """A setting (keyword argument or environment variable) is missing or invalid."""
+
+
+class InvalidSampleError(CaptureArenaError, ValueError):
+    """A sample is inconsistent: a feature requested but not captured, an unsupported dtype,
+    data that does not match its shape. Raised before anything is written."""
+
+
+class KeyExistsError(CaptureArenaError, KeyError):
+    """A key is already resident and the sample did not ask for ``replace``."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class ArenaFullError(CaptureArenaError, RuntimeError):
+    """A batch did not fit in the arena (in time, or at all)."""
+
+
+class QueueFullError(CaptureArenaError, RuntimeError):
+    """The writer's queue of pending batches is full (``block=False`` only)."""
+
+
+class WriterStoppedError(CaptureArenaError, RuntimeError):
+    """The writer thread has stopped (the sink was closed)."""
+
+
+class InvalidSessionError(CaptureArenaError, ValueError):
+    """A result's session string cannot be read by this build."""
+
+
+class StaleSessionError(CaptureArenaError, RuntimeError):
+    """A result's producer exited or restarted: its objects are gone."""
+
+
+class InvalidReadError(CaptureArenaError, ValueError):
+    """A read was refused before touching memory (bad address, wrong buffer size, a failed
+    result)."""
+
+
+class UnknownFeatureError(CaptureArenaError, KeyError):
+    """A result has no feature of that name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ReleasedError(CaptureArenaError, KeyError):
+    """A sample was read after :meth:`ArenaFeatureStore.release`."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class FreeNotSentError(CaptureArenaError, ConnectionError):
+    """Frees could not reach a control endpoint; they stay pending and are retried."""
+
+
+class ArenaOSError(CaptureArenaError, OSError):
+    """An operating-system call failed (shared memory, sockets)."""

@@ -1,0 +1,80 @@
+"""Drop-in sink module for SGLang's capture patch.
+
+The scheduler hooks call ``maybe_init_sink(server_args)`` once and ``get_sink()`` per capture;
+switching them to capture-arena is changing one import::
+
+    from capture_arena.sglang import get_sink, maybe_init_sink
+
+Capture is enabled by ``server_args.enable_spec_capture``; ``aux_layer_ids`` come from
+``server_args.spec_capture_aux_layer_ids``. Nothing is allocated until the first capture.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from . import ArenaSink, arena_enabled
+from .errors import ConfigError
+
+__all__ = ["maybe_init_sink", "get_sink", "reset_sink"]
+
+_SINK: Optional[ArenaSink] = None
+
+
+def _layer_ids(v: Any) -> Optional[list[int]]:
+    if v is None:
+        return None
+    if isinstance(v, str):
+        v = v.replace(",", " ").split()
+    return [int(x) for x in v]
+
+
+def maybe_init_sink(server_args: Any) -> Optional[ArenaSink]:
+    """Creates the process's sink if ``server_args.enable_spec_capture`` is set (once), and
+    returns it; returns None when capture is off.
+
+    The arena placement is used under ``MOONCAKE_PROTOCOL=nvlink`` (``arena_enabled()``) or when
+    ``SGLANG_SPEC_CAPTURE_ARENA_BYTES`` is set explicitly; the Mooncake store placement of other
+    protocols is not part of this package, and asking for it raises :class:`ConfigError`.
+    """
+    global _SINK
+    if not getattr(server_args, "enable_spec_capture", False):
+        return None
+    if _SINK is None:
+        if not (arena_enabled() or os.environ.get("SGLANG_SPEC_CAPTURE_ARENA_BYTES")):
+            proto = os.environ.get("MOONCAKE_PROTOCOL", "<unset>")
+            raise ConfigError(
+                f"MOONCAKE_PROTOCOL={proto} selects the Mooncake store placement, which "
+                "capture_arena does not provide; set MOONCAKE_PROTOCOL=nvlink, or set "
+                "SGLANG_SPEC_CAPTURE_ARENA_BYTES to use the arena anyway"
+            )
+        ids = _layer_ids(getattr(server_args, "spec_capture_aux_layer_ids", None))
+        _SINK = ArenaSink(aux_layer_ids=ids)
+    return _SINK
+
+
+def get_sink() -> Optional[ArenaSink]:
+    """The sink :func:`maybe_init_sink` created, or None."""
+    return _SINK
+
+
+def reset_sink() -> None:
+    """Forgets the sink (closing it). A forked child does this automatically: the writer thread
+    does not survive a fork."""
+    global _SINK
+    if _SINK is not None and os.getpid() == _PID:
+        _SINK.close()
+    _SINK = None
+
+
+_PID = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _SINK, _PID
+    _SINK = None  # the parent's; its destructor leaves the parent's arena alone
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,113 @@
+//! `_Store`: the trainer side (wrapped by `capture_arena.ArenaFeatureStore`, which allocates the
+//! output arrays).
+
+use capture_arena::client::Store;
+use capture_arena::{Error, Published};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pythonize::{depythonize, pythonize};
+
+use crate::error::{to_py, IntoPy};
+
+/// A published result from its dict; a failed one (`{"sample_id", "error"}`) is refused with its
+/// error.
+fn published(result: &Bound<'_, PyAny>) -> PyResult<Published> {
+    if let Ok(err) = result.get_item("error") {
+        let id = result
+            .get_item("sample_id")
+            .map(|v| v.to_string())
+            .unwrap_or_default();
+        return Err(to_py(Error::InvalidRead {
+            key: id,
+            reason: format!("this sample failed to publish: {err}"),
+        }));
+    }
+    depythonize(result).map_err(|e| {
+        to_py(Error::InvalidRead {
+            key: "result".into(),
+            reason: format!("not a published-sample result: {e}"),
+        })
+    })
+}
+
+/// The compiled store. Use `capture_arena.ArenaFeatureStore`.
+#[pyclass(name = "_Store", module = "capture_arena._capture_arena", subclass)]
+pub struct PyStore {
+    store: Store,
+}
+
+#[pymethods]
+impl PyStore {
+    #[new]
+    fn new() -> Self {
+        PyStore {
+            store: Store::new(),
+        }
+    }
+
+    /// Copies features of `result` into caller memory: `targets` is a list of
+    /// `(name, owner, address, nbytes)` where `owner` is a writable C-contiguous array the
+    /// wrapper made (kept alive by this call). The copy runs with the GIL released.
+    fn _read_into(
+        &self,
+        py: Python<'_>,
+        result: &Bound<'_, PyAny>,
+        targets: Vec<(String, Bound<'_, PyAny>, usize, usize)>,
+    ) -> PyResult<()> {
+        let p = published(result)?;
+        let ptrs: Vec<(String, usize, usize)> = targets
+            .iter()
+            .map(|(n, _, ptr, len)| (n.clone(), *ptr, *len))
+            .collect();
+        py.detach(|| {
+            let mut outs: Vec<(&str, &mut [u8])> = ptrs
+                .iter()
+                .map(|(n, ptr, len)| {
+                    let s: &mut [u8] = if *len == 0 {
+                        &mut []
+                    } else {
+                        // SAFETY: (ptr, len) are the data address and size of a writable
+                        // C-contiguous array in `targets`, which this call keeps referenced (so
+                        // allocated and unmoved) until it returns; each target is a distinct
+                        // array the wrapper just made or the caller passed as `out`.
+                        unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *len) }
+                    };
+                    (n.as_str(), s)
+                })
+                .collect();
+            self.store.get_many_into(&p, &mut outs)
+        })
+        .py_err()?;
+        drop(targets);
+        Ok(())
+    }
+
+    /// Frees every object of `result` over its control endpoint; later reads of it raise
+    /// `ReleasedError` (a `KeyError`).
+    fn release(&self, py: Python<'_>, result: &Bound<'_, PyAny>) -> PyResult<()> {
+        let p = published(result)?;
+        py.detach(|| self.store.release(&p)).py_err()
+    }
+
+    /// Raises `ReleasedError` if `result` was released.
+    fn _check(&self, result: &Bound<'_, PyAny>) -> PyResult<()> {
+        let p = published(result)?;
+        self.store.check(&p).py_err()
+    }
+
+    /// Retries frees that could not be sent.
+    fn flush(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.store.flush()).py_err()
+    }
+
+    /// `{"resident_samples", "resident_bytes", "pending_frees"}`.
+    fn health<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let h = self.store.health();
+        let d = serde_json::json!({
+            "resident_samples": h.resident_samples,
+            "resident_bytes": h.resident_bytes,
+            "pending_frees": h.pending_frees,
+        });
+        pythonize(py, &d).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+}
