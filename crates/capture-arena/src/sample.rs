@@ -540,9 +540,13 @@ mod tests {
         let e = Sample::from_spec_parts(&sp, None, None, None, parts(bytes(Dtype::Int64, 15)))
             .unwrap_err();
         assert!(e.to_string().contains("needs 16 bytes, got 15"), "{e}");
+        let with_data = spec(json!({"store_id": "a", "sample_id": "s",
+            "passthrough": [{"name": "ids", "data": [1, 2], "shape": [1, 2], "dtype": "int64"}]}));
         let stray = HashMap::from([("other".to_string(), bytes(Dtype::Int64, 16))]);
-        let e = Sample::from_spec_parts(&sp, None, None, None, stray).unwrap_err();
+        let e = Sample::from_spec_parts(&with_data, None, None, None, stray).unwrap_err();
         assert!(e.to_string().contains("not a passthrough"), "{e}");
+        let e = Sample::from_spec(&sp, None, None, None).unwrap_err();
+        assert!(e.to_string().contains("null is not a number"), "{e}");
     }
 
     #[test]
