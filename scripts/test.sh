@@ -20,8 +20,30 @@ cargo fmt --all --check
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets -- -D warnings
 
-step "cargo test (unit, property, integration, benches once)"
+step "cargo test (unit, property, integration, process-level, benches once)"
 cargo test --workspace --all-targets
 
 step "cargo test --doc"
 cargo test --workspace --doc
+
+step "python: virtual environment (.venv) and the capture_arena package"
+PY=${PYTHON:-python3}
+SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+if [ ! -x .venv/bin/python ]; then
+  if ! "$PY" -m venv .venv; then
+    rm -rf .venv
+    echo "python3 -m venv failed: installing Debian's python3-venv"
+    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq python3-venv
+    "$PY" -m venv .venv
+  fi
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q maturin numpy ml_dtypes pytest mypy typing_extensions
+.venv/bin/python -m pip install -q --force-reinstall --no-deps ./crates/capture-arena-py
+
+step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
+(cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
+  && ../../.venv/bin/python -m mypy --strict -p capture_arena)
+
+step "python: pytest"
+.venv/bin/python -m pytest crates/capture-arena-py/tests -q -rs

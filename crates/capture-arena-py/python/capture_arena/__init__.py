@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import errors
+from . import _tensors, errors
 from ._capture_arena import __version__, _ArenaSink, _Store, arena_enabled
 from ._tensors import HostBytes, host_bytes, numpy_dtype, writable_bytes
 from .errors import *  # noqa: F401,F403
@@ -160,8 +160,7 @@ class ArenaFeatureStore(_Store):
             if out is not None and name in out:
                 arr = out[name]
             elif torch:
-                import torch as _torch
-
+                _torch = _tensors._torch()
                 arr = _torch.empty(f["shape"], dtype=getattr(_torch, f["dtype"]))
             else:
                 arr = np.empty(f["shape"], dtype=numpy_dtype(f["dtype"]))

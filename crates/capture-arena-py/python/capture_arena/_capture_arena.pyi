@@ -2,6 +2,10 @@
 
 from typing import Any, Optional
 
+from typing_extensions import disjoint_base
+
+__all__ = ["_ArenaSink", "_Store", "arena_enabled", "_bench_rust_put", "__version__"]
+
 __version__: str
 
 def arena_enabled() -> bool:
@@ -11,6 +15,7 @@ def _bench_rust_put(
     n_samples: int, n_tensors: int, tensor_bytes: int, reps: int, arena_bytes: int
 ) -> list[float]: ...
 
+@disjoint_base
 class _ArenaSink:
     def __new__(
         cls,
@@ -43,6 +48,7 @@ class _ArenaSink:
     def close(self) -> None:
         """Stops the writer and removes the arena. Idempotent."""
 
+@disjoint_base
 class _Store:
     def __new__(cls) -> "_Store": ...
     def _read_into(self, result: Any, targets: list[tuple[str, Any, int, int]]) -> None: ...

@@ -5,6 +5,7 @@ Nothing here copies data except making a non-contiguous input contiguous (once).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers numpy's bfloat16)
@@ -30,7 +31,8 @@ _NP_DTYPES = {
 def numpy_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype of a contract dtype name (bfloat16 through ml_dtypes)."""
     try:
-        return np.dtype(_NP_DTYPES[name])
+        dt: np.dtype[Any] = np.dtype(_NP_DTYPES[name])
+        return dt
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r} (supported: {', '.join(_NP_DTYPES)})") from None
 
@@ -39,8 +41,13 @@ def _is_torch(t: object) -> bool:
     return type(t).__module__.split(".")[0] == "torch"
 
 
+def _torch() -> Any:
+    """torch, imported only when a torch tensor shows up (it is optional)."""
+    return importlib.import_module("torch")
+
+
 def _torch_bytes(t: Any) -> HostBytes:
-    import torch
+    torch = _torch()
 
     if t.device.type != "cpu":
         raise ValueError(

@@ -1,0 +1,71 @@
+"""capture_arena.sglang: the drop-in sink module for SGLang's capture hooks."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+import capture_arena as ca
+from capture_arena import sglang
+from conftest import hidden, spec
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    sglang.reset_sink()
+    yield
+    sglang.reset_sink()
+
+
+def test_capture_off_means_no_sink():
+    assert sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=False)) is None
+    assert sglang.maybe_init_sink(SimpleNamespace()) is None
+    assert sglang.get_sink() is None
+
+
+def test_nvlink_creates_one_lazy_sink_with_the_layer_ids(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "8MiB")
+    args = SimpleNamespace(enable_spec_capture=True, spec_capture_aux_layer_ids="2,18,33")
+    sink = sglang.maybe_init_sink(args)
+    assert sink is not None and sglang.get_sink() is sink and sglang.maybe_init_sink(args) is sink
+    assert not sink.started, "nothing allocated until the first capture"
+    r = sink.put_sample(spec("x"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    assert r["aux_layer_ids"] == [2, 18, 33]
+
+
+def test_store_protocols_are_refused_with_a_clear_message(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    monkeypatch.delenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", raising=False)
+    with pytest.raises(ca.ConfigError, match="MOONCAKE_PROTOCOL=tcp selects the Mooncake store"):
+        sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True))
+
+
+def test_a_forked_child_cannot_use_the_parents_sink(monkeypatch):
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "8MiB")
+    sink = sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True))
+    assert sink is not None
+    sink.put_sample(spec("p"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            if sglang.get_sink() is not None:
+                code = 2
+            try:
+                sink.put_sample(spec("c"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+                code = 3
+            except RuntimeError as e:
+                if "belongs to process" not in str(e):
+                    code = 4
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"\x00"
+    # The parent's sink and arena are untouched by the child's exit.
+    got = sink.put_sample(spec("p2"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    assert ca.ArenaFeatureStore().get(got)["target"].shape == (1, 8, 4)

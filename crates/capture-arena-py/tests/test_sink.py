@@ -1,0 +1,195 @@
+"""ArenaSink: the contract's request in, the contract's results out, errors before writing."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import capture_arena as ca
+from conftest import hidden, spec, wait_stats
+
+
+def test_nothing_is_allocated_until_the_first_capture(make_sink):
+    sink = make_sink()
+    assert not sink.started
+    assert sink.session is None and sink.control is None
+    assert sink.stats()["capacity"] == 0
+    r = sink.put_sample(spec("a"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    assert sink.started
+    assert r["arena"] == {"session": sink.session, "control": sink.control}
+    assert sink.stats()["capacity"] == 16 << 20
+
+
+def test_results_follow_the_contract(make_sink):
+    sink = make_sink(aux_layer_ids=[2, 18, 33])
+    r = sink.put_sample(spec("run0:t17", 8), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    assert set(r) == {"sample_id", "store_id", "gen", "aux_layer_ids", "features", "arena"}
+    assert (r["sample_id"], r["store_id"], r["gen"], r["aux_layer_ids"]) == ("run0:t17", "st", 1, [2, 18, 33])
+    f = r["features"]
+    assert f["hidden_state"]["shape"] == [1, 8, 12] and f["hidden_state"]["dtype"] == "bfloat16"
+    assert f["target"]["shape"] == [1, 8, 4]
+    assert f["input_ids"] == {"shape": [1, 8], "dtype": "int64", "address": f["input_ids"]["address"]}
+    assert r["arena"]["session"].startswith("shm://capture-arena-")
+    assert r["arena"]["control"].startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"aux": None, "last_hidden": hidden(8, 4)}, "aux requested"),
+        ({"aux": hidden(8, 12), "last_hidden": None}, "last_hidden requested"),
+    ],
+)
+def test_requested_but_not_captured_raises_before_writing(make_sink, kwargs, message):
+    sink = make_sink()
+    sink.put_sample(spec("warm"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    before = sink.stats()
+    with pytest.raises(ca.InvalidSampleError, match=message) as e:
+        sink.put_sample(spec("x"), **kwargs)
+    assert isinstance(e.value, ValueError)
+    assert sink.stats() == before
+
+
+def test_bad_passthrough_raises_before_writing(make_sink):
+    sink = make_sink()
+    bad_dtype = spec("x", aux=False, last=False)
+    bad_dtype["passthrough"][0]["dtype"] = "complex64"
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        sink.put_sample(bad_dtype)
+    bad_len = spec("y", aux=False, last=False)
+    bad_len["passthrough"][1]["data"] = [1, 2, 3]
+    with pytest.raises(ValueError, match="data has 3 elements but shape"):
+        sink.put_sample(bad_len)
+    bad_array = spec("z", aux=False, last=False)
+    bad_array["passthrough"][0]["data"] = np.zeros((1, 8), dtype=np.int32)
+    with pytest.raises(ValueError, match="spec declares"):
+        sink.put_sample(bad_array)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        sink.put_sample(spec("c"), aux=np.zeros((8, 12), dtype=np.complex64), last_hidden=hidden(8, 4))
+    assert not sink.started, "nothing was written, not even the arena"
+
+
+def test_passthrough_arrays_travel_as_bytes(make_sink):
+    sink = make_sink()
+    s = spec("arr", aux=False, last=False)
+    s["passthrough"][0]["data"] = np.arange(8, dtype=np.int64).reshape(1, 8)
+    r = sink.put_sample(s)
+    got = ca.ArenaFeatureStore().get(r)
+    assert got["input_ids"].tolist() == [list(range(8))]
+
+
+def test_replace_on_retry_keeps_g1_and_leaves_no_second_copy(make_sink):
+    sink = make_sink()
+    first = sink.put_sample(spec("r"), aux=hidden(8, 12, 1), last_hidden=hidden(8, 4, 1))
+    # Without replace the batch fails (every sample gets an error result) and nothing changes.
+    dup = sink.put_sample(spec("r"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    assert set(dup) == {"sample_id", "error"} and "already resident" in dup["error"]
+    again = sink.put_sample(spec("r", replace=True), aux=hidden(8, 12, 2), last_hidden=hidden(8, 4, 2))
+    assert again["gen"] == 1 and set(again["features"]) == set(first["features"])
+    s = sink.stats()
+    assert s["resident_objects"] == 4 and s["replaced_objects"] == 4
+    got = ca.ArenaFeatureStore().get(again)
+    assert (got["hidden_state"][0] == hidden(8, 12, 2)).all()
+
+
+def test_a_failed_batch_gives_every_sample_an_error_and_leaves_the_arena_as_before(make_sink):
+    sink = make_sink(arena_bytes="1MiB", wait_s=0.2)
+    sink.put_sample(spec("big", 16), aux=hidden(16, 16384), last_hidden=hidden(16, 4))  # 512 KiB
+    before = sink.stats()
+    batch = [(spec(f"b{i}", 16), hidden(16, 8192), hidden(16, 4)) for i in range(3)]  # 3 x 256 KiB
+    results = sink.put_samples(batch)
+    assert [r["sample_id"] for r in results] == ["b0", "b1", "b2"]
+    for r in results:
+        assert set(r) == {"sample_id", "error"}
+        assert "arena full" in r["error"] and "SGLANG_SPEC_CAPTURE_ARENA_BYTES" in r["error"]
+    after = sink.stats()
+    assert (after["resident_objects"], after["free_bytes"]) == (before["resident_objects"], before["free_bytes"])
+    assert after["failed_batches"] == 1
+    fut = sink.submit_samples(batch)
+    assert all("error" in r for r in fut.result(timeout=10))
+
+
+def test_submit_samples_returns_a_future(make_sink):
+    sink = make_sink()
+    fut = sink.submit_samples([(spec(f"f{i}"), hidden(8, 12), hidden(8, 4)) for i in range(4)])
+    assert isinstance(fut, concurrent.futures.Future)
+    results = fut.result(timeout=10)
+    assert [r["sample_id"] for r in results] == ["f0", "f1", "f2", "f3"]
+
+
+def test_a_full_queue_blocks_or_signals_instead_of_dropping(make_sink):
+    sink = make_sink(arena_bytes="1MiB", wait_s=20.0, max_pending_batches=1)
+    first = sink.put_sample(spec("a", 16), aux=hidden(16, 24576), last_hidden=hidden(16, 4))
+    # The writer takes "b" and waits for space; "c" fills the one-slot queue.
+    fb = sink.submit_samples([(spec("b", 16), hidden(16, 24576), hidden(16, 4))])
+    time.sleep(0.1)
+    fc = sink.submit_samples([(spec("c", 4), hidden(4, 4), hidden(4, 4))])
+    with pytest.raises(ca.QueueFullError, match="SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"):
+        sink.submit_samples([(spec("d", 4), hidden(4, 4), hidden(4, 4))], block=False)
+    # A blocking submit waits (GIL released) until there is room, and is not dropped.
+    done = threading.Event()
+
+    def blocked() -> None:
+        sink.submit_samples([(spec("e", 4), hidden(4, 4), hidden(4, 4))]).result(timeout=20)
+        done.set()
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)
+    assert not done.is_set()
+    ca.ArenaFeatureStore().release(first)
+    for f in (fb, fc):
+        assert "error" not in f.result(timeout=20)[0]
+    t.join(timeout=20)
+    assert done.is_set()
+    assert sink.stats()["published_batches"] == 4
+
+
+def test_stats_and_arena_enabled(make_sink, monkeypatch):
+    monkeypatch.delenv("MOONCAKE_PROTOCOL", raising=False)
+    assert ca.arena_enabled() is False
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink")
+    assert ca.arena_enabled() is True
+    sink = make_sink()
+    assert sink.device_publication
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "0")
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_GPU_PUT=0"):
+        ca.ArenaSink(arena_bytes=1 << 20)
+    keys = set(sink.stats())
+    assert {"published_objects", "freed_objects", "free_bytes", "capacity", "bad_lines", "waits"} <= keys
+
+
+def test_configuration_errors_name_what_to_set(monkeypatch):
+    monkeypatch.delenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", raising=False)
+    sink = ca.ArenaSink()
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_ARENA_BYTES"):
+        sink.put_sample(spec("x", aux=False, last=False))
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"):
+        ca.ArenaSink(arena_bytes=1 << 20, max_pending_batches=0)
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "lots")
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_ARENA_BYTES"):
+        ca.ArenaSink()
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "2MiB")
+    assert ca.ArenaSink.from_env().arena_bytes == 2 << 20
+
+
+def test_non_contiguous_input_is_made_contiguous(make_sink):
+    sink = make_sink()
+    base = hidden(12, 8)
+    aux = base.T  # [8, 12], not contiguous
+    assert not aux.flags.c_contiguous
+    r = sink.put_sample(spec("nc"), aux=aux, last_hidden=hidden(8, 4))
+    got = ca.ArenaFeatureStore().get(r, ["hidden_state"])
+    assert (got["hidden_state"][0] == aux).all()
+
+
+def test_closed_sink_refuses_work(make_sink):
+    sink = make_sink()
+    sink.close()
+    sink.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        sink.put_sample(spec("x"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

@@ -1,0 +1,119 @@
+"""ArenaFeatureStore: bit-exact reads from another process, release, health, out=."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import capture_arena as ca
+from conftest import hidden, spec, wait_stats
+
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"]
+
+
+def random_tensor(dtype: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Random bit patterns of `dtype` (every bit of floats too: bit-exactness, not values)."""
+    rng = np.random.default_rng(seed)
+    dt = ca._tensors.numpy_dtype(dtype)
+    if dtype == "bool":
+        return rng.integers(0, 2, size=shape).astype(np.bool_)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * dt.itemsize, dtype=np.uint8)
+    return raw.view(dt).reshape(shape)
+
+
+def test_every_dtype_round_trips_bit_exact_to_another_process(make_sink):
+    sink = make_sink(arena_bytes="8MiB")
+    batch, sent = [], []
+    for i, dt in enumerate(DTYPES):
+        L, W = 5 + i, 3 + 2 * i
+        aux, last = random_tensor(dt, (L, W), i), random_tensor(dt, (L, 4), 100 + i)
+        batch.append((spec(f"d{i}-{dt}", L), aux, last))
+        sent.append({"hidden_state": aux, "target": last,
+                     "input_ids": np.arange(L, dtype=np.int64).reshape(1, L),
+                     "loss_mask": np.ones((1, L), dtype=np.int64)})
+    results = sink.put_samples(batch)
+    for r, dt in zip(results, DTYPES):
+        assert r["features"]["hidden_state"]["dtype"] == dt
+        assert r["features"]["hidden_state"]["shape"][0] == 1
+    ctx = mp.get_context("spawn")
+    import _reader
+
+    with ctx.Pool(1) as pool:
+        got = pool.apply(_reader.read_all, (results,))
+    for want, have in zip(sent, got):
+        for name, arr in want.items():
+            assert have[name] == np.ascontiguousarray(arr).view(np.uint8).tobytes(), name
+    s = wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    assert s["free_bytes"] == s["capacity"] and s["freed_objects"] == 4 * len(DTYPES)
+    assert s["free_extents"] == 1 and s["unknown_frees"] == 0
+
+
+def test_get_after_release_raises_key_error(make_sink):
+    sink = make_sink()
+    r = sink.put_sample(spec("a"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    store = ca.ArenaFeatureStore()
+    assert store.get(r)["hidden_state"].dtype == ml_dtypes.bfloat16
+    assert store.health() == {"resident_samples": 1, "resident_bytes": 8 * 12 * 2 + 8 * 4 * 2 + 128, "pending_frees": 0}
+    store.release(r)
+    with pytest.raises(KeyError, match="already released"):
+        store.get(r)
+    with pytest.raises(ca.ReleasedError):
+        store.get(r, ["target"])
+    assert store.health()["resident_samples"] == 0
+    wait_stats(sink, lambda s: s["resident_objects"] == 0)
+
+
+def test_out_reads_into_caller_arrays_without_allocating(make_sink):
+    sink = make_sink()
+    aux = hidden(8, 12, 3)
+    r = sink.put_sample(spec("o"), aux=aux, last_hidden=hidden(8, 4))
+    store = ca.ArenaFeatureStore()
+    buf = np.zeros((1, 8, 12), dtype=ml_dtypes.bfloat16)
+    got = store.get(r, ["hidden_state"], out={"hidden_state": buf})
+    assert got["hidden_state"] is buf
+    assert (buf[0] == aux).all()
+    with pytest.raises(ca.InvalidReadError, match="buffer holds"):
+        store.get(r, ["hidden_state"], out={"hidden_state": np.zeros((1, 8, 11), dtype=ml_dtypes.bfloat16)})
+    with pytest.raises(ValueError, match="writable"):
+        ro = np.zeros((1, 8, 12), dtype=ml_dtypes.bfloat16)
+        ro.flags.writeable = False
+        store.get(r, ["hidden_state"], out={"hidden_state": ro})
+
+
+def test_unknown_features_failed_results_and_forged_addresses(make_sink):
+    sink = make_sink()
+    r = sink.put_sample(spec("u"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    store = ca.ArenaFeatureStore()
+    with pytest.raises(KeyError, match="no feature 'nope'"):
+        store.get(r, ["nope"])
+    with pytest.raises(ca.InvalidReadError, match="failed to publish"):
+        store.get({"sample_id": "x", "error": "arena full"})
+    forged = {**r, "features": {"target": {**r["features"]["target"], "address": 12}}}
+    with pytest.raises(ca.InvalidReadError, match="outside the arena"):
+        store.get(forged)
+
+
+def test_results_of_a_closed_sink_are_stale(make_sink):
+    sink = make_sink()
+    r = sink.put_sample(spec("s"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    sink.close()
+    with pytest.raises(ca.StaleSessionError, match="exited or restarted"):
+        ca.ArenaFeatureStore().get(r)
+
+
+def test_a_store_frees_over_the_control_endpoint_until_every_byte_is_free(make_sink):
+    sink = make_sink(arena_bytes="2MiB", wait_s=10.0)
+    store = ca.ArenaFeatureStore()
+    # 3 x 48 batches of ~100 KiB through a 2 MiB arena: frees must flow back.
+    for b in range(3):
+        rs = sink.put_samples([(spec(f"b{b}s{i}", 32), hidden(32, 1536), hidden(32, 64)) for i in range(8)])
+        for r in rs:
+            assert "error" not in r, r
+            store.get(r)
+            store.release(r)
+    s = wait_stats(sink, lambda s: s["freed_objects"] == s["published_objects"])
+    assert (s["free_bytes"], s["resident_objects"], s["free_extents"]) == (s["capacity"], 0, 1)
+    assert s["control_connections"] == 1, "one persistent connection"
