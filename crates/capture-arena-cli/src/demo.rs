@@ -4,7 +4,7 @@
 //! response). Ends with a table and a check that the arena is completely free.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::Instant;
 
 use anyhow::{bail, Context};
@@ -27,6 +27,34 @@ pub struct Args {
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// A child process that is killed and reaped if the demo returns early (an error), so a failed
+/// run leaves no producer holding its arena until its idle timeout.
+struct Reaped(Option<Child>);
+
+impl Reaped {
+    fn new(c: Child) -> Reaped {
+        Reaped(Some(c))
+    }
+
+    fn get(&mut self) -> &mut Child {
+        self.0.as_mut().expect("present until wait")
+    }
+
+    fn wait(mut self) -> std::io::Result<std::process::ExitStatus> {
+        let mut c = self.0.take().expect("present until wait");
+        c.wait()
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 fn style() -> ProgressStyle {
@@ -80,12 +108,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .args(["--idle-timeout", &args.idle_timeout.to_string(), "--quiet"])
         .stdout(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .context("starting the producer process")?;
     let mut trainer = Command::new(&exe)
         .args(["consume", "--progress", "--quiet"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
+        .map(Reaped::new)
         .context("starting the trainer process")?;
     let t0 = Instant::now();
     let bars = if args.quiet {
@@ -107,8 +137,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     );
 
     // Producer stdout -> trainer stdin, counting results; keep the producer's final line.
-    let p_out = producer.stdout.take().context("producer stdout")?;
-    let mut t_in = trainer.stdin.take().context("trainer stdin")?;
+    let p_out = producer.get().stdout.take().context("producer stdout")?;
+    let mut t_in = trainer.get().stdin.take().context("trainer stdin")?;
     let pub_bar = published.clone();
     let forward = std::thread::spawn(move || -> anyhow::Result<Option<Value>> {
         let mut last = None;
@@ -130,7 +160,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
     let mut summary = None;
     let mut lat_ok = true;
-    for line in BufReader::new(trainer.stdout.take().context("trainer stdout")?).lines() {
+    let t_out = trainer.get().stdout.take().context("trainer stdout")?;
+    for line in BufReader::new(t_out).lines() {
         let v: Value = serde_json::from_str(&line?).context("trainer wrote a non-JSON line")?;
         if let Some(s) = v.get("summary") {
             summary = Some(s.clone());

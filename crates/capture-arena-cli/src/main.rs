@@ -37,8 +37,11 @@ enum Command {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                // Warnings, plus the per-batch timing line when SGLANG_SPEC_CAPTURE_TIMING=1.
+                let timing = capture_arena::writer::TIMING_TARGET;
+                tracing_subscriber::EnvFilter::new(format!("warn,{timing}=info"))
+            }),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -47,6 +47,12 @@ fn bar(quiet: bool, n: u64, what: &str) -> ProgressBar {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let w = args.workload.resolved()?;
+    let idle = Duration::try_from_secs_f64(args.idle_timeout).map_err(|_| {
+        anyhow::anyhow!(
+            "--idle-timeout {} is not a number of seconds >= 0",
+            args.idle_timeout
+        )
+    })?;
     let mut config = Config::from_env()?;
     if let Some(b) = args.arena_bytes {
         config.arena_bytes = Some(b);
@@ -106,7 +112,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     published.finish_and_clear();
     // Serve frees until every published object is freed, or none arrives for idle_timeout.
-    let idle = Duration::from_secs_f64(args.idle_timeout.max(0.0));
     let freed = bar(args.quiet, writer.stats().published_objects, "freed");
     let mut last = u64::MAX;
     let stats = loop {

@@ -82,17 +82,21 @@ impl Allocator {
     pub fn new(capacity: u64, alignment: u64) -> Result<Allocator> {
         if !alignment.is_power_of_two() {
             return Err(Error::config(
-                "alignment",
+                "SGLANG_SPEC_CAPTURE_ARENA_ALIGN",
                 format!("{alignment} is not a power of two (default {DEFAULT_ALIGNMENT})"),
             ));
         }
-        let capacity = capacity & !(alignment - 1);
-        if capacity == 0 {
+        let usable = capacity & !(alignment - 1);
+        if usable == 0 {
             return Err(Error::config(
                 "SGLANG_SPEC_CAPTURE_ARENA_BYTES",
-                format!("the arena must hold at least one {alignment}-byte aligned extent"),
+                format!(
+                    "{capacity} bytes do not hold one {alignment}-byte aligned extent; set at \
+                     least {alignment}"
+                ),
             ));
         }
+        let capacity = usable;
         let mut a = Allocator {
             capacity,
             alignment,

@@ -52,6 +52,8 @@ pub struct Publication {
     pub bytes: u64,
     /// Objects freed because their samples asked for `replace`.
     pub replaced: u64,
+    /// Their bytes (tensor bytes, as `bytes`).
+    pub replaced_bytes: u64,
 }
 
 /// See the module docs.
@@ -219,10 +221,22 @@ impl Arena {
             for (_, e) in placed {
                 self.alloc.free(e);
             }
-            for (k, o) in replaced {
-                let restored = self.alloc.reserve_exact(o.extent);
-                debug_assert!(restored, "the space of a replaced object is free again");
-                self.objects.insert(k, o);
+            if failure.is_some() {
+                // A copy failed after others may have landed in the replaced objects' old
+                // space: their bytes cannot be trusted any more, so they stay freed (their
+                // samples asked to be replaced anyway). The error says the batch failed.
+                if !replaced.is_empty() {
+                    tracing::warn!(
+                        objects = replaced.len(),
+                        "a failed copy leaves the objects it was replacing freed"
+                    );
+                }
+            } else {
+                for (k, o) in replaced {
+                    let restored = self.alloc.reserve_exact(o.extent);
+                    debug_assert!(restored, "the space of a replaced object is free again");
+                    self.objects.insert(k, o);
+                }
             }
             return failure.map_or(Ok(None), Err);
         }
@@ -266,11 +280,13 @@ impl Arena {
             objects: placed.len() as u64,
             bytes,
             replaced: replaced.len() as u64,
+            replaced_bytes: replaced.iter().map(|(_, o)| o.len).sum(),
         }))
     }
 
-    /// Frees the object under `key`. Returns its aligned bytes, or `None` for a key that is not
-    /// resident (already freed, never published): freeing is idempotent.
+    /// Frees the object under `key`. Returns its bytes (`shape × item size`, as published), or
+    /// `None` for a key that is not resident (already freed, never published): freeing is
+    /// idempotent.
     ///
     /// # Complexity
     /// O(log n) in the number of free extents.
@@ -278,7 +294,7 @@ impl Arena {
         let o = self.objects.remove(key)?;
         let freed = self.alloc.free(o.extent);
         debug_assert!(freed, "a resident object's extent is live");
-        Some(o.extent.len)
+        Some(o.len)
     }
 
     /// Checks the allocator's invariants and that the object table matches it; for tests.
@@ -343,9 +359,9 @@ mod tests {
         assert_eq!(r.features["t1"].address, base + 4096 - 1024 - 256);
         assert_eq!(read(&a, "st/s0/g1/t0"), vec![7; 1000]);
         assert_eq!(a.report().free_bytes, 4096 - 1024 - 256);
-        assert_eq!(a.free("st/s0/g1/t0"), Some(1024));
+        assert_eq!(a.free("st/s0/g1/t0"), Some(1000));
         assert_eq!(a.free("st/s0/g1/t0"), None, "idempotent");
-        assert_eq!(a.free("st/s0/g1/t1"), Some(256));
+        assert_eq!(a.free("st/s0/g1/t1"), Some(10));
         let rep = a.report();
         assert_eq!(
             (rep.free_bytes, rep.free_extents, rep.resident_objects),

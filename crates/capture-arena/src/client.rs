@@ -40,8 +40,18 @@ impl Reader {
     /// # Errors
     /// As [`Transport::open`]: unknown scheme, or a stale session.
     pub fn open(&self, session: &str) -> Result<Transport> {
-        if let Some(t) = lock(&self.sessions).get(session) {
-            return Ok(t.clone());
+        let cached = lock(&self.sessions).get(session).cloned();
+        if let Some(t) = cached {
+            if t.is_live() {
+                return Ok(t);
+            }
+            // The producer exited or restarted since we mapped it: forget the mapping (its
+            // memory goes once no view holds it) and say so.
+            lock(&self.sessions).remove(session);
+            return Err(Error::StaleSession {
+                session: session.to_owned(),
+                reason: "the producer removed its arena after this reader opened it".into(),
+            });
         }
         // Open without holding the lock (mapping a large region can take a moment).
         let t = Transport::open(session)?;
@@ -56,11 +66,24 @@ impl Reader {
         lock(&self.sessions).remove(session);
     }
 
-    fn checked_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {
+    fn byte_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {
         f.byte_len().ok_or_else(|| Error::InvalidRead {
             key: key_of(result, name),
             reason: format!("shape {:?} of {} overflows", f.shape, f.dtype),
         })
+    }
+
+    /// The byte length of feature `name` of `result`, checked against the arena it claims to be
+    /// in (so a forged shape or address is refused before anything is allocated for it).
+    ///
+    /// # Errors
+    /// [`Error::UnknownFeature`], [`Error::InvalidRead`] (shape overflows),
+    /// [`Error::OutOfRange`], [`Error::StaleSession`].
+    pub fn checked_len(&self, result: &Published, name: &str) -> Result<u64> {
+        let f = feature(result, name)?;
+        let len = Reader::byte_len(result, name, f)?;
+        self.open(&result.arena.session)?.check(f.address, len)?;
+        Ok(len)
     }
 
     /// Copies feature `name` of `result` into `out`, which must be exactly `shape × item size`
@@ -71,7 +94,7 @@ impl Reader {
     /// [`Error::OutOfRange`] for an address outside the arena, [`Error::StaleSession`].
     pub fn read(&self, result: &Published, name: &str, out: &mut [u8]) -> Result<()> {
         let f = feature(result, name)?;
-        let len = Reader::checked_len(result, name, f)?;
+        let len = Reader::byte_len(result, name, f)?;
         if out.len() as u64 != len {
             return Err(Error::InvalidRead {
                 key: key_of(result, name),
@@ -92,7 +115,7 @@ impl Reader {
     /// As [`Reader::read`].
     pub fn view(&self, result: &Published, name: &str) -> Result<View> {
         let f = feature(result, name)?;
-        let len = Reader::checked_len(result, name, f)?;
+        let len = Reader::byte_len(result, name, f)?;
         self.open(&result.arena.session)?.view(f.address, len)
     }
 }
@@ -123,9 +146,16 @@ const KEYS_PER_LINE: usize = 1024;
 pub struct ControlClient {
     /// Connections of process `.0`; a forked child starts over with its own.
     conns: Mutex<(u32, HashMap<String, TcpStream>)>,
-    /// Keys not yet sent, per endpoint, in order.
-    pending: Mutex<BTreeMap<String, Vec<String>>>,
+    pending: Mutex<Pending>,
     timeout: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    /// Keys not yet sent, per known endpoint, in order.
+    by_endpoint: BTreeMap<String, Vec<String>>,
+    /// Keys with no endpoint while none was known: they go to the first endpoint learned.
+    unrouted: Vec<String>,
 }
 
 impl Default for ControlClient {
@@ -139,82 +169,114 @@ impl ControlClient {
     pub fn new(timeout: Duration) -> ControlClient {
         ControlClient {
             conns: Mutex::new((std::process::id(), HashMap::new())),
-            pending: Mutex::new(BTreeMap::new()),
+            pending: Mutex::new(Pending::default()),
             timeout,
         }
     }
 
-    /// Remembers an endpoint (so keys with no known endpoint reach it too).
+    /// Remembers an endpoint, so keys with no known endpoint reach it too.
     pub fn learn(&self, endpoint: &str) {
-        lock(&self.pending).entry(endpoint.to_owned()).or_default();
+        let mut p = lock(&self.pending);
+        if !p.by_endpoint.contains_key(endpoint) {
+            let unrouted = std::mem::take(&mut p.unrouted);
+            p.by_endpoint.insert(endpoint.to_owned(), unrouted);
+        }
     }
 
     /// Endpoints known so far.
     pub fn endpoints(&self) -> Vec<String> {
-        lock(&self.pending).keys().cloned().collect()
+        lock(&self.pending).by_endpoint.keys().cloned().collect()
     }
 
     /// Keys waiting to be sent.
     pub fn pending(&self) -> usize {
-        lock(&self.pending).values().map(Vec::len).sum()
+        let p = lock(&self.pending);
+        p.unrouted.len() + p.by_endpoint.values().map(Vec::len).sum::<usize>()
     }
 
-    /// Queues `keys` for `endpoint` (or, if `None`, for every known endpoint) and sends
-    /// everything pending.
+    /// Queues `keys` for `endpoint` (or, if `None`, for every known endpoint; with none known
+    /// yet, for the first one learned) and sends everything pending.
+    ///
+    /// An endpoint that refuses connections has no producer behind it any more: its keys are
+    /// dropped (with a warning), since frees to an arena that is gone have nothing to free.
     ///
     /// # Errors
-    /// [`Error::FreeNotSent`] for the first endpoint that could not be reached; its keys stay
-    /// pending and the next call retries them on a new connection.
+    /// [`Error::FreeNotSent`] if an endpoint this call queued keys for could not be reached;
+    /// its keys stay pending and the next call retries them on a new connection. Failures of
+    /// other endpoints are logged and retried, not reported here.
     pub fn free<I, S>(&self, endpoint: Option<&str>, keys: I) -> Result<()>
     where
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        {
-            let mut pending = lock(&self.pending);
+        let touched: Vec<String> = {
+            let mut p = lock(&self.pending);
             match endpoint {
-                Some(e) => pending
-                    .entry(e.to_owned())
-                    .or_default()
-                    .extend(keys.into_iter().map(Into::into)),
+                Some(e) => {
+                    p.by_endpoint
+                        .entry(e.to_owned())
+                        .or_default()
+                        .extend(keys.into_iter().map(Into::into));
+                    vec![e.to_owned()]
+                }
+                None if p.by_endpoint.is_empty() => {
+                    p.unrouted.extend(keys.into_iter().map(Into::into));
+                    vec![]
+                }
                 None => {
                     let keys: Vec<String> = keys.into_iter().map(Into::into).collect();
-                    for v in pending.values_mut() {
+                    for v in p.by_endpoint.values_mut() {
                         v.extend(keys.iter().cloned());
                     }
+                    p.by_endpoint.keys().cloned().collect()
                 }
             }
-        }
-        self.flush()
+        };
+        self.send_pending(Some(&touched))
     }
 
     /// Sends every pending key.
     ///
     /// # Errors
-    /// As [`ControlClient::free`].
+    /// [`Error::FreeNotSent`] for the first endpoint that could not be reached.
     pub fn flush(&self) -> Result<()> {
+        self.send_pending(None)
+    }
+
+    fn send_pending(&self, report: Option<&[String]>) -> Result<()> {
         let batches: Vec<(String, Vec<String>)> = lock(&self.pending)
+            .by_endpoint
             .iter_mut()
             .filter(|(_, v)| !v.is_empty())
             .map(|(e, v)| (e.clone(), std::mem::take(v)))
             .collect();
         let mut first_err = None;
         for (endpoint, keys) in batches {
-            if let Err(source) = self.send(&endpoint, &keys) {
-                lock(&self.conns).1.remove(&endpoint);
-                let mut pending = lock(&self.pending);
-                let slot = pending.entry(endpoint.clone()).or_default();
-                // Put them back in front of anything queued meanwhile.
-                let newer = std::mem::replace(slot, keys);
-                slot.extend(newer);
-                tracing::warn!(%endpoint, error = %source, pending = slot.len(), "free not sent; will retry");
-                if first_err.is_none() {
-                    first_err = Some(Error::FreeNotSent {
-                        endpoint,
-                        pending: slot.len(),
-                        source,
-                    });
-                }
+            let Err(source) = self.send(&endpoint, &keys) else {
+                continue;
+            };
+            if source.kind() == ErrorKind::ConnectionRefused {
+                tracing::warn!(
+                    %endpoint,
+                    dropped = keys.len(),
+                    "control endpoint refuses connections (its producer is gone); dropping its frees"
+                );
+                continue;
+            }
+            let mut p = lock(&self.pending);
+            let slot = p.by_endpoint.entry(endpoint.clone()).or_default();
+            // Put them back in front of anything queued meanwhile.
+            let newer = std::mem::replace(slot, keys);
+            slot.extend(newer);
+            let pending = slot.len();
+            tracing::warn!(%endpoint, error = %source, pending, "frees not sent; will retry");
+            let reported = report.is_none_or(|r| r.contains(&endpoint));
+            if reported && first_err.is_none() {
+                first_err = Some(Error::FreeNotSent {
+                    endpoint,
+                    pending,
+                    source,
+                });
             }
         }
         first_err.map_or(Ok(()), Err)
@@ -235,25 +297,28 @@ impl ControlClient {
                 buf.push(b'\n');
             }
         }
-        let mut guard = lock(&self.conns);
-        let pid = std::process::id();
-        if guard.0 != pid {
-            // Forked: the inherited sockets are the parent's; closing our copies leaves its
-            // connections open.
-            *guard = (pid, HashMap::new());
-        }
-        let conns = &mut guard.1;
-        if let Some(c) = conns.get(endpoint) {
-            if !alive(c) {
-                tracing::debug!(%endpoint, "control connection closed by the server; reconnecting");
-                conns.remove(endpoint);
+        // Take the connection out so no lock is held while connecting or writing.
+        let cached = {
+            let mut guard = lock(&self.conns);
+            let pid = std::process::id();
+            if guard.0 != pid {
+                // Forked: the inherited sockets are the parent's; closing our copies leaves
+                // its connections open.
+                *guard = (pid, HashMap::new());
             }
-        }
-        let stream = match conns.entry(endpoint.to_owned()) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.connect(endpoint)?),
+            guard.1.remove(endpoint)
         };
-        stream.write_all(&buf)
+        let mut stream = match cached {
+            Some(c) if alive(&c) => c,
+            Some(_) => {
+                tracing::debug!(%endpoint, "control connection closed by the server; reconnecting");
+                self.connect(endpoint)?
+            }
+            None => self.connect(endpoint)?,
+        };
+        stream.write_all(&buf)?;
+        lock(&self.conns).1.insert(endpoint.to_owned(), stream);
+        Ok(())
     }
 
     fn connect(&self, endpoint: &str) -> std::io::Result<TcpStream> {
@@ -318,7 +383,8 @@ pub struct Store {
 
 #[derive(Debug, Default)]
 struct StoreState {
-    resident: HashMap<String, u64>,
+    /// Sample -> feature -> bytes read (a feature read twice counts once).
+    resident: HashMap<String, HashMap<String, u64>>,
     released: HashSet<String>,
     released_order: VecDeque<String>,
 }
@@ -375,17 +441,15 @@ impl Store {
             None => result.features.keys().map(String::as_str).collect(),
         };
         let mut out = BTreeMap::new();
-        let mut bytes = 0;
         for name in wanted {
             let f = feature(result, name)?;
-            let len = Reader::checked_len(result, name, f)?;
+            let len = self.reader.checked_len(result, name)?;
             let len = usize::try_from(len).map_err(|_| Error::InvalidRead {
                 key: key_of(result, name),
                 reason: format!("{len} bytes do not fit in memory"),
             })?;
             let mut data = vec![0u8; len];
             self.reader.read(result, name, &mut data)?;
-            bytes += len as u64;
             out.insert(
                 name.to_owned(),
                 OwnedTensor {
@@ -395,7 +459,7 @@ impl Store {
                 },
             );
         }
-        lock(&self.state).resident.insert(sample_key(result), bytes);
+        self.note_resident(result, out.iter().map(|(n, t)| (n.as_str(), t.data.len())));
         Ok(out)
     }
 
@@ -407,16 +471,19 @@ impl Store {
     pub fn get_many_into(&self, result: &Published, outs: &mut [(&str, &mut [u8])]) -> Result<()> {
         self.check(result)?;
         self.control.learn(&result.arena.control);
-        let mut bytes = 0;
         for (name, out) in outs.iter_mut() {
             self.reader.read(result, name, out)?;
-            bytes += out.len() as u64;
         }
-        *lock(&self.state)
-            .resident
-            .entry(sample_key(result))
-            .or_default() += bytes;
+        self.note_resident(result, outs.iter().map(|(n, o)| (*n, o.len())));
         Ok(())
+    }
+
+    fn note_resident<'a>(&self, result: &Published, read: impl Iterator<Item = (&'a str, usize)>) {
+        let mut st = lock(&self.state);
+        let features = st.resident.entry(sample_key(result)).or_default();
+        for (name, len) in read {
+            features.insert(name.to_owned(), len as u64);
+        }
     }
 
     /// Copies feature `name` of `result` into `out` (exactly its size).
@@ -465,7 +532,7 @@ impl Store {
         let st = lock(&self.state);
         Health {
             resident_samples: st.resident.len() as u64,
-            resident_bytes: st.resident.values().sum(),
+            resident_bytes: st.resident.values().flat_map(|f| f.values()).sum(),
             pending_frees: self.control.pending() as u64,
         }
     }

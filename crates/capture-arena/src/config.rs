@@ -41,6 +41,10 @@ pub const ENV_PROTOCOL: &str = "MOONCAKE_PROTOCOL";
 /// `nvlink`).
 pub const ENV_GPU_PUT: &str = "SGLANG_SPEC_CAPTURE_GPU_PUT";
 
+/// The largest alignment: the page size regions are mapped with (addresses are `base + offset`
+/// and `base` is page-aligned).
+pub const MAX_ALIGNMENT: u64 = 4096;
+
 /// Default wait for frees.
 pub const DEFAULT_ARENA_WAIT: Duration = Duration::from_secs(30);
 /// Default writer queue capacity.
@@ -222,11 +226,12 @@ impl Config {
                 ),
             ));
         }
-        if !self.alignment.is_power_of_two() {
+        if !self.alignment.is_power_of_two() || self.alignment > MAX_ALIGNMENT {
             return Err(Error::config(
                 ENV_ARENA_ALIGN,
                 format!(
-                    "{} is not a power of two (default {DEFAULT_ALIGNMENT})",
+                    "{} is not a power of two up to {MAX_ALIGNMENT} (the page size the region is \
+                     mapped with); default {DEFAULT_ALIGNMENT}",
                     self.alignment
                 ),
             ));
@@ -358,6 +363,7 @@ mod tests {
             (ENV_ARENA_WAIT_S, "-1"),
             (ENV_ARENA_BYTES, "lots"),
             (ENV_ARENA_ALIGN, "3"),
+            (ENV_ARENA_ALIGN, "8192"),
             (ENV_TIMING, "maybe"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();

@@ -248,6 +248,15 @@ impl Sample {
 /// count against `shape`.
 fn encode_values(data: &Value, shape: &[u64], dtype: Dtype) -> Result<Vec<u8>, String> {
     let want = byte_len(shape, dtype).ok_or_else(|| format!("shape {shape:?} overflows"))?;
+    // Count first: a shape that claims far more than the data provides fails here, before any
+    // allocation of its size.
+    let elements = count_leaves(data);
+    let needed = want / dtype.item_size();
+    if elements != needed {
+        return Err(format!(
+            "data has {elements} elements but shape {shape:?} needs {needed}"
+        ));
+    }
     let mut out = Vec::with_capacity(usize::try_from(want).map_err(|_| "too large")?);
     let mut stack = vec![data];
     let mut count = 0u64;
@@ -261,13 +270,21 @@ fn encode_values(data: &Value, shape: &[u64], dtype: Dtype) -> Result<Vec<u8>, S
             }
         }
     }
-    if out.len() as u64 != want {
-        return Err(format!(
-            "data has {count} elements but shape {shape:?} needs {}",
-            want / dtype.item_size()
-        ));
-    }
+    debug_assert_eq!(out.len() as u64, want);
     Ok(out)
+}
+
+/// Numbers in a (nested) JSON list; a scalar counts as one.
+fn count_leaves(v: &Value) -> u64 {
+    let mut n = 0;
+    let mut stack = vec![v];
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::Array(items) => stack.extend(items.iter()),
+            _ => n += 1,
+        }
+    }
+    n
 }
 
 fn encode_one(v: &Value, dtype: Dtype, out: &mut Vec<u8>) -> Result<(), String> {
@@ -546,7 +563,11 @@ mod tests {
         let e = Sample::from_spec_parts(&with_data, None, None, None, stray).unwrap_err();
         assert!(e.to_string().contains("not a passthrough"), "{e}");
         let e = Sample::from_spec(&sp, None, None, None).unwrap_err();
-        assert!(e.to_string().contains("null is not a number"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("data has 1 elements but shape [1, 2] needs 2"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -45,10 +45,12 @@ stats! {
     published_bytes,
     /// Objects freed through the control endpoint.
     freed_objects,
-    /// Aligned bytes freed through the control endpoint.
+    /// Bytes freed through the control endpoint (tensor bytes, as `published_bytes`).
     freed_bytes,
     /// Objects freed because a sample asked for `replace`.
     replaced_objects,
+    /// Their bytes. Resident bytes = published - freed - replaced.
+    replaced_bytes,
     /// Keys freed that were not resident (already freed or never published).
     unknown_frees,
     /// Control lines that were not a JSON array of strings.

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -35,6 +35,10 @@ use crate::error::{Error, Result};
 use crate::memory::{Region, ShmRegion};
 use crate::sample::{batch_results, ArenaRef, Published, Sample, SampleResult};
 use crate::stats::{bump, Stats, StatsSnapshot};
+
+/// The log target of the per-batch timing line (`SGLANG_SPEC_CAPTURE_TIMING=1`); log filters
+/// that show warnings only should still let it through (the CLI's and the Python module's do).
+pub const TIMING_TARGET: &str = "capture_arena::timing";
 
 /// The control listener's token.
 const LISTENER: Token = Token(0);
@@ -61,9 +65,20 @@ struct Shared {
     /// Bumped by the writer after every change of state; waiters sleep on `changed`.
     version: Mutex<u64>,
     changed: Condvar,
+    /// Batches submitted and not yet completed (queued or being placed): at most
+    /// `max_pending_batches`. Submitters wait on `room`.
+    held: Mutex<usize>,
+    room: Condvar,
 }
 
 impl Shared {
+    /// A batch completed: one more may be submitted.
+    fn release_hold(&self) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        *held = held.saturating_sub(1);
+        self.room.notify_one();
+    }
+
     fn notify(&self) {
         let mut v = self.version.lock().unwrap_or_else(|p| p.into_inner());
         *v += 1;
@@ -117,7 +132,7 @@ impl BatchHandle {
 /// batches already queued) and removes the region.
 #[derive(Debug)]
 pub struct Writer {
-    tx: Option<SyncSender<Job>>,
+    tx: Option<Sender<Job>>,
     waker: Arc<Waker>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
@@ -166,7 +181,8 @@ impl Writer {
         let waker = Arc::new(
             Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the waker", e))?,
         );
-        let (tx, rx) = mpsc::sync_channel(config.max_pending_batches);
+        // Unbounded: the bound is the `held` count, which also counts the batch being placed.
+        let (tx, rx) = mpsc::channel();
         let shared = Arc::new(Shared::default());
         shared.stats.set_report(&arena.report());
         let arena_ref = arena.arena_ref().clone();
@@ -188,6 +204,7 @@ impl Writer {
             wait: config.arena_wait,
             timing: config.timing,
             scratch: vec![0; 64 * 1024],
+            accept_retry: false,
         };
         let thread = std::thread::Builder::new()
             .name("capture-arena-writer".into())
@@ -226,7 +243,10 @@ impl Writer {
     }
 
     /// Queues a batch (blocking while the queue is full) and calls `done` on the writer thread
-    /// when it is copied or failed. `done` must be quick: it runs before the next batch.
+    /// when it is copied or failed. `done` must be quick (it runs before the next batch) and
+    /// must not submit to this writer with blocking submission: only the writer thread makes
+    /// room in the queue, so that would deadlock. If the writer stops first, `done` is dropped
+    /// without being called.
     ///
     /// # Errors
     /// [`Error::WriterStopped`] if the writer has stopped (`done` is not called then).
@@ -277,15 +297,30 @@ impl Writer {
 
     fn send(&self, job: Job, block: bool) -> Result<()> {
         let tx = self.tx.as_ref().ok_or(Error::WriterStopped)?;
-        if block {
-            tx.send(job).map_err(|_| Error::WriterStopped)?;
-        } else {
-            tx.try_send(job).map_err(|e| match e {
-                TrySendError::Full(_) => Error::QueueFull {
-                    capacity: self.max_pending,
-                },
-                TrySendError::Disconnected(_) => Error::WriterStopped,
-            })?;
+        {
+            let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
+            while *held >= self.max_pending {
+                if !block {
+                    return Err(Error::QueueFull {
+                        capacity: self.max_pending,
+                    });
+                }
+                if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+                    return Err(Error::WriterStopped);
+                }
+                // Re-check the writer now and then: a stopped writer makes no room.
+                held = self
+                    .shared
+                    .room
+                    .wait_timeout(held, Duration::from_millis(100))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            *held += 1;
+        }
+        if tx.send(job).is_err() {
+            self.shared.release_hold();
+            return Err(Error::WriterStopped);
         }
         self.waker
             .wake()
@@ -314,7 +349,7 @@ impl Writer {
         timeout: Duration,
         mut pred: impl FnMut(&StatsSnapshot) -> bool,
     ) -> (StatsSnapshot, bool) {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now().checked_add(timeout);
         let mut v = self
             .shared
             .version
@@ -326,13 +361,17 @@ impl Writer {
                 return (s, true);
             }
             let now = Instant::now();
-            if now >= deadline || self.thread.as_ref().is_none_or(|t| t.is_finished()) {
+            let expired = deadline.is_some_and(|d| now >= d);
+            if expired || self.thread.as_ref().is_none_or(|t| t.is_finished()) {
                 return (s, false);
             }
+            // Wake at least every second to notice a writer that stopped.
+            let second = Duration::from_secs(1);
+            let step = deadline.map_or(second, |d| (d - now).min(second));
             v = self
                 .shared
                 .changed
-                .wait_timeout(v, deadline - now)
+                .wait_timeout(v, step)
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
@@ -354,6 +393,7 @@ impl Drop for Writer {
 
 struct Conn {
     stream: TcpStream,
+    peer: std::net::SocketAddr,
     lines: LineBuffer,
 }
 
@@ -369,6 +409,9 @@ struct Loop {
     wait: Duration,
     timing: bool,
     scratch: Vec<u8>,
+    /// `accept` failed (out of descriptors, ...) with connections possibly still queued: under
+    /// edge-triggered polling no new event comes for them, so retry on a short timer.
+    accept_retry: bool,
 }
 
 impl Loop {
@@ -392,6 +435,12 @@ impl Loop {
     /// One `poll` (blocking up to `timeout`, forever if `None`), then every event handled.
     /// Returns true if control input changed the arena.
     fn poll_once(&mut self, events: &mut Events, timeout: Option<Duration>) -> bool {
+        let retry_every = Duration::from_millis(10);
+        let timeout = if self.accept_retry {
+            Some(timeout.map_or(retry_every, |t| t.min(retry_every)))
+        } else {
+            timeout
+        };
         if let Err(e) = self.poll.poll(events, timeout) {
             if e.kind() != ErrorKind::Interrupted {
                 tracing::error!(error = %e, "writer poll failed");
@@ -401,6 +450,10 @@ impl Loop {
         }
         let mut changed = false;
         let mut control = false;
+        if std::mem::take(&mut self.accept_retry) {
+            changed |= self.accept();
+            control = true;
+        }
         for ev in events.iter() {
             match ev.token() {
                 LISTENER => changed |= self.accept(),
@@ -450,6 +503,7 @@ impl Loop {
                         token,
                         Conn {
                             stream,
+                            peer,
                             lines: LineBuffer::default(),
                         },
                     );
@@ -459,8 +513,9 @@ impl Loop {
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return changed,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // Out of file descriptors and the like: log and try again on the next event.
-                    tracing::warn!(error = %e, "accepting a control connection failed");
+                    // Out of file descriptors and the like: log and retry shortly.
+                    tracing::warn!(error = %e, "accepting a control connection failed; retrying");
+                    self.accept_retry = true;
                     return changed;
                 }
             }
@@ -473,6 +528,7 @@ impl Loop {
         let Some(conn) = self.conns.get_mut(&token) else {
             return false; // spurious: already closed
         };
+        let peer = conn.peer;
         let stats = &self.shared.stats;
         let arena = &mut self.arena;
         let mut freed_any = false;
@@ -499,7 +555,8 @@ impl Loop {
             Ok(None) => {}
             Err(why) => {
                 bump(&stats.bad_lines, 1);
-                tracing::warn!(?token, %why, bytes = line.len(), "bad control line ignored");
+                let start = String::from_utf8_lossy(&line[..line.len().min(80)]).into_owned();
+                tracing::warn!(%peer, %why, bytes = line.len(), %start, "bad control line ignored");
             }
         };
         let close = loop {
@@ -556,9 +613,11 @@ impl Loop {
                 bump(&stats.published_objects, p.objects);
                 bump(&stats.published_bytes, p.bytes);
                 bump(&stats.replaced_objects, p.replaced);
+                bump(&stats.replaced_bytes, p.replaced_bytes);
                 bump(&stats.copy_ns, copy.as_nanos() as u64);
                 if self.timing {
                     tracing::info!(
+                        target: TIMING_TARGET,
                         samples = p.published.len(),
                         objects = p.objects,
                         bytes = p.bytes,
@@ -578,6 +637,7 @@ impl Loop {
         };
         // The caller's buffers go before the caller hears back.
         drop(samples);
+        self.shared.release_hold();
         done(outcome);
         self.shared.notify();
     }
@@ -591,7 +651,8 @@ impl Loop {
     ) -> Result<(crate::arena::Publication, Duration, Duration)> {
         self.drain_control();
         let needed = self.arena.check(samples)?;
-        let deadline = t0 + self.wait;
+        // A wait too long to represent is no deadline at all.
+        let deadline = t0.checked_add(self.wait);
         let mut waiting_since: Option<Instant> = None;
         let mut events = Events::with_capacity(256);
         loop {
@@ -613,7 +674,8 @@ impl Loop {
                     *waiting_since.insert(now)
                 }
             };
-            if now >= deadline || self.shared.closing.load(Ordering::SeqCst) {
+            let expired = deadline.is_some_and(|d| now >= d);
+            if expired || self.shared.closing.load(Ordering::SeqCst) {
                 bump(&self.shared.stats.waits, 1);
                 bump(&self.shared.stats.wait_ns, (now - since).as_nanos() as u64);
                 if self.shared.closing.load(Ordering::SeqCst) {
@@ -621,8 +683,10 @@ impl Loop {
                 }
                 return Err(full(needed, &self.arena.report(), now - since));
             }
-            // Block until control input (or a new submission, or the deadline).
-            self.poll_once(&mut events, Some(deadline - now));
+            // Block until control input (or a new submission, or the deadline), then apply
+            // everything that has arrived before trying to allocate again.
+            self.poll_once(&mut events, deadline.map(|d| d - now));
+            self.drain_control();
         }
     }
 }

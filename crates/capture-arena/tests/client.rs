@@ -111,6 +111,33 @@ fn a_restarted_producer_gives_a_stale_session_error() {
 }
 
 #[test]
+fn a_cached_session_turns_stale_when_its_producer_goes() {
+    let reader = Reader::new();
+    let w = writer();
+    let r = w
+        .submit(vec![sample("a", &[100])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    reader.read(&r, "t0", &mut [0u8; 100]).unwrap(); // mapped and cached
+    drop(w);
+    let e = reader.read(&r, "t0", &mut [0u8; 100]).unwrap_err();
+    assert!(matches!(e, Error::StaleSession { .. }), "{e}");
+    // A result whose shape claims more than the arena holds is refused before allocating.
+    let w = writer();
+    let mut r = w
+        .submit(vec![sample("b", &[100])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    r.features.get_mut("t0").unwrap().shape = vec![1 << 40];
+    let e = Store::new().get(&r, None).unwrap_err();
+    assert!(matches!(e, Error::OutOfRange { .. }), "{e}");
+}
+
+#[test]
 fn get_after_release_fails_and_release_frees_everything() {
     let w = writer();
     let rs = w
@@ -177,17 +204,39 @@ fn frees_reconnect_after_the_endpoint_drops_the_connection() {
 
 #[test]
 fn unsent_frees_stay_pending_and_unknown_endpoints_get_every_key() {
-    // Nothing listens on a port we bound and closed.
+    // An endpoint that cannot be reached now (here: its name does not resolve) keeps its keys.
+    let c = ControlClient::new(Duration::from_secs(1));
+    let e = c
+        .free(Some("no-such-host.invalid:9"), ["x/y/g1/z"])
+        .unwrap_err();
+    assert!(matches!(e, Error::FreeNotSent { pending: 1, .. }), "{e}");
+    assert_eq!(c.pending(), 1);
+    assert!(c.flush().is_err(), "still unreachable");
+    assert_eq!(c.pending(), 1, "kept for the next try");
+
+    // An endpoint that refuses connections has no producer any more: its frees are dropped,
+    // and they do not make frees to other endpoints fail.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().to_string()
     };
     let c = ControlClient::new(Duration::from_secs(1));
-    let e = c.free(Some(&dead), ["x/y/g1/z"]).unwrap_err();
-    assert!(matches!(e, Error::FreeNotSent { pending: 1, .. }), "{e}");
+    c.free(Some(&dead), ["x/y/g1/z"]).unwrap();
+    assert_eq!(c.pending(), 0);
+
+    // Keys freed before any endpoint is known go to the first one learned.
+    let w = writer();
+    let r = w
+        .submit(vec![sample("early", &[10])])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let c = ControlClient::default();
+    c.free(None, keys(&r)).unwrap();
     assert_eq!(c.pending(), 1);
-    assert!(c.flush().is_err(), "still unreachable");
-    assert_eq!(c.pending(), 1, "kept for the next try");
+    c.learn(&w.arena_ref().control);
+    c.flush().unwrap();
+    wait_freed(&w, 1);
 
     let (a, b) = (writer(), writer());
     let ra = a.submit(vec![sample("a", &[10])]).unwrap().wait().unwrap();

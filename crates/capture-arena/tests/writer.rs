@@ -265,6 +265,7 @@ fn replace_on_retry_keeps_the_key_and_leaves_no_second_copy() {
 
 #[test]
 fn a_full_queue_blocks_or_signals_instead_of_dropping() {
+    // max_pending_batches counts every batch the writer holds: queued or being placed.
     let c = Config {
         max_pending_batches: 2,
         ..config(64 * KIB as u64, Duration::from_secs(20))
@@ -275,18 +276,25 @@ fn a_full_queue_blocks_or_signals_instead_of_dropping() {
         .unwrap()
         .wait()
         .unwrap();
-    // The writer takes "b" and waits for space; "c" and "d" fill the queue; "e" does not fit.
+    // The writer takes "b" and waits for space; "c" is queued: two held, so "d" does not fit.
     let hb = w.submit(vec![sample("b", &[60 * KIB])]).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
     let hc = w.try_submit(vec![sample("c", &[1])]).unwrap();
-    let hd = w.try_submit(vec![sample("d", &[1])]).unwrap();
-    let e = w.try_submit(vec![sample("e", &[1])]).unwrap_err();
+    let e = w.try_submit(vec![sample("d", &[1])]).unwrap_err();
     assert!(matches!(e, Error::QueueFull { capacity: 2 }), "{e}");
     assert!(e
         .to_string()
         .contains("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"));
-    free(&w.arena_ref().control, &keys(&first));
-    for h in [hb, hc, hd] {
+    // A blocking submit waits for room instead of dropping the batch.
+    let control = w.arena_ref().control.clone();
+    let ks = keys(&first);
+    std::thread::scope(|s| {
+        let blocked = s.spawn(|| w.submit(vec![sample("e", &[1])]).unwrap().wait());
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!blocked.is_finished(), "no room until a batch completes");
+        free(&control, &ks);
+        blocked.join().unwrap().unwrap();
+    });
+    for h in [hb, hc] {
         h.wait().unwrap();
     }
     assert_eq!(w.stats().published_batches, 4);

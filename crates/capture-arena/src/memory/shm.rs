@@ -17,6 +17,7 @@
 use std::ffi::CString;
 use std::fmt;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::str::FromStr;
 
 use crate::error::{Error, Result};
@@ -266,6 +267,18 @@ impl Drop for ShmRegion {
     }
 }
 
+/// `(size, link count)` of an open descriptor.
+fn fstat(fd: &OwnedFd) -> io::Result<(u64, u64)> {
+    // SAFETY: fstat fills a zeroed stat struct for a descriptor we own.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((st.st_size as u64, st.st_nlink as u64))
+    }
+}
+
 fn check_range(offset: u64, n: u64, base: u64, len: u64) -> Result<usize> {
     match offset.checked_add(n) {
         Some(end) if end <= len => Ok(offset as usize),
@@ -318,6 +331,8 @@ pub struct ShmView {
     ptr: *const u8,
     bytes: usize,
     session: ShmSession,
+    /// Kept open to tell whether the producer has removed the object (`st_nlink == 0`).
+    fd: OwnedFd,
 }
 
 // SAFETY: the mapping is read-only for this process and lives until drop; sharing the pointer
@@ -348,27 +363,19 @@ impl ShmView {
         let cname = CString::new(format!("/{}", session.name))
             .map_err(|_| stale("name contains NUL".into()))?;
         // SAFETY: plain FFI on a NUL-terminated name.
-        let fd = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
-        if fd < 0 {
+        let raw = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
+        if raw < 0 {
             return Err(stale(format!(
                 "cannot open /dev/shm/{} ({})",
                 session.name,
                 io::Error::last_os_error()
             )));
         }
-        // SAFETY: fstat fills a zeroed struct for our fd.
-        let size = unsafe {
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::fstat(fd, &mut st) != 0 {
-                -1
-            } else {
-                st.st_size
-            }
-        };
+        // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        let (size, _) = fstat(&fd).map_err(|e| Error::io(format!("fstat of {session}"), e))?;
         let want = session.len.saturating_add(HEADER_BYTES);
-        if size < 0 || size as u64 != want {
-            // SAFETY: our fd, closed once.
-            unsafe { libc::close(fd) };
+        if size != want {
             return Err(stale(format!(
                 "object is {size} bytes, session says {want}"
             )));
@@ -382,12 +389,10 @@ impl ShmView {
                 // Populate the page tables now (the pages exist: the producer reserved them), so
                 // reads run at memcpy speed instead of taking a fault every few pages.
                 libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd,
+                fd.as_raw_fd(),
                 0,
             )
         };
-        // SAFETY: our fd, closed once; the mapping stays valid after close.
-        unsafe { libc::close(fd) };
         if ptr == libc::MAP_FAILED {
             return Err(Error::io(
                 format!("mmap of {}", session),
@@ -398,6 +403,7 @@ impl ShmView {
             ptr: ptr as *const u8,
             bytes: want as usize,
             session: session.clone(),
+            fd,
         };
         let mut h = [0u8; 52];
         // SAFETY: the mapping is at least HEADER_BYTES long.
@@ -417,6 +423,13 @@ impl ShmView {
     /// The session this view was opened with.
     pub fn session(&self) -> &ShmSession {
         &self.session
+    }
+
+    /// True while the producer's object still exists. Once the producer has exited (or
+    /// restarted) the object is unlinked: this mapping still holds the old pages, but nothing
+    /// published from now on lands in them, so readers must treat the session as stale.
+    pub fn is_live(&self) -> bool {
+        fstat(&self.fd).is_ok_and(|(_, links)| links > 0)
     }
 
     /// Converts an address and length into a checked offset.
@@ -442,9 +455,11 @@ impl ShmView {
     /// If the range is outside the region.
     pub fn read(&self, address: u64, out: &mut [u8]) -> Result<()> {
         let off = self.offset_of(address, out.len() as u64)?;
-        // SAFETY: the range lies inside the read-only mapping (checked); out is a distinct
-        // buffer of this process. The producer never writes a resident object, so the bytes are
-        // stable while the object is not freed.
+        // SAFETY: the range lies inside this read-only mapping (checked), which lives as long as
+        // &self; `out` is a distinct buffer of this process, so they do not overlap. The bytes
+        // are what was published while the object is resident; after it is freed or replaced the
+        // producer (another process) may overwrite them, and this copy then returns whatever
+        // bytes are there: the caller's bookkeeping (Store) prevents reads after release.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.ptr.add(HEADER_BYTES as usize + off as usize),
@@ -457,14 +472,18 @@ impl ShmView {
 
     /// Borrows `n` bytes at `address` without copying.
     ///
-    /// The slice stays mapped as long as the view; its bytes stay what was published only until
-    /// the object is freed (the producer may then reuse the space).
+    /// The slice stays mapped as long as the view. Its bytes are what was published only while
+    /// the object is resident: once it is freed (or replaced by a retry with `replace`), the
+    /// producer process may write new objects there, and a slice still held then sees them
+    /// change. Drop views before releasing their sample.
     ///
     /// # Errors
     /// If the range is outside the region.
     pub fn view(&self, address: u64, n: u64) -> Result<&[u8]> {
         let off = self.offset_of(address, n)?;
-        // SAFETY: the range lies inside the mapping (checked), which lives as long as &self.
+        // SAFETY: the range lies inside the read-only mapping (checked), which lives as long as
+        // &self, so the pointer stays valid for the slice's lifetime. Another process may write
+        // the pages after the object is freed (see the method docs); this process never does.
         Ok(unsafe {
             std::slice::from_raw_parts(
                 self.ptr.add(HEADER_BYTES as usize + off as usize),

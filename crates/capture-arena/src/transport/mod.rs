@@ -40,6 +40,24 @@ impl Transport {
         })
     }
 
+    /// True while the producer's arena still exists (false once it exited or restarted).
+    pub fn is_live(&self) -> bool {
+        match self {
+            Transport::Shm(v) => v.is_live(),
+        }
+    }
+
+    /// Checks that `[address, address + len)` lies inside the arena, before anything is
+    /// allocated or touched for it.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`].
+    pub fn check(&self, address: u64, len: u64) -> Result<()> {
+        match self {
+            Transport::Shm(v) => v.offset_of(address, len).map(|_| ()),
+        }
+    }
+
     /// Copies `out.len()` bytes at `address` into `out`.
     ///
     /// # Errors
