@@ -35,11 +35,15 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Io { .. } => "ArenaOSError",
         _ => "CaptureArenaError",
     };
-    let msg = e.to_string();
-    Python::attach(|py| match class(py, name) {
+    Python::attach(|py| named(py, name, e.to_string()))
+}
+
+/// An exception of `capture_arena.errors` by class name.
+pub fn named(py: Python<'_>, name: &str, msg: String) -> PyErr {
+    match class(py, name) {
         Ok(cls) => PyErr::from_type(cls, msg),
         Err(lookup) => PyRuntimeError::new_err(format!("{msg} (and {name} is missing: {lookup})")),
-    })
+    }
 }
 
 /// `Result` with the error converted.

@@ -6,6 +6,7 @@
 //! attaches to the interpreter to complete futures and to release the Python buffers the writer
 //! has finished copying. Every wait and every copy runs with the GIL released.
 
+mod array;
 mod error;
 mod sink;
 mod store;

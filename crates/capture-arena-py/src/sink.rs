@@ -1,21 +1,23 @@
 //! `_ArenaSink`: the sink an inference server's capture hook calls (wrapped by
-//! `capture_arena.ArenaSink`, which turns tensors into byte buffers first).
+//! `capture_arena.ArenaSink`, which turns tensors into uint8 array views first).
 
 use std::collections::HashMap;
+use std::mem::ManuallyDrop;
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use capture_arena::config::parse_bytes;
+use capture_arena::config::{self, parse_bytes};
 use capture_arena::sample::{batch_results, Captured, SampleResult, SampleSpec};
 use capture_arena::writer::Outcome;
 use capture_arena::{Config, Dtype, Error, Sample, Sink, Tensor, TensorData};
-use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 use pythonize::{depythonize, pythonize};
 
-use crate::error::{to_py, IntoPy};
+use crate::array::bytes_of;
+use crate::error::{named, to_py, IntoPy};
 
 /// Work for the sink's helper thread, the only one of its threads that attaches to Python.
 enum Msg {
@@ -29,13 +31,10 @@ enum Msg {
     },
 }
 
-/// Bytes of a Python array lent to the writer: `owner` (a C-contiguous numpy array the Python
-/// wrapper made) is kept referenced, so its memory is neither freed nor moved, until the writer
-/// drops the tensor after copying it; then `owner` goes to the helper thread, so the writer never
-/// needs the GIL.
-///
-/// Not the buffer protocol: `PyBuffer` is outside the stable ABI before Python 3.11, and this
-/// module is built once for CPython >= 3.10.
+/// Bytes of a Python array lent to the writer. `owner` is the uint8 numpy view whose array
+/// interface gave `ptr` and `len`; holding it keeps the memory allocated and in place (numpy
+/// refuses to resize a referenced array) until the writer drops the tensor after copying it.
+/// Then `owner` goes to the helper thread, so the writer never needs the GIL.
 struct Lent {
     owner: Option<Py<PyAny>>,
     ptr: usize,
@@ -48,10 +47,10 @@ impl AsRef<[u8]> for Lent {
         if self.len == 0 {
             return &[];
         }
-        // SAFETY: ptr/len are the data address and byte size numpy reported for the C-contiguous
-        // array in `self.owner`, which stays referenced (so allocated and unmoved: numpy refuses
-        // to resize a referenced array) until `self` is dropped. Callers promise (ArenaSink docs)
-        // not to write the tensor until its batch completes.
+        // SAFETY: ptr/len come from the array interface of `self.owner`, a C-contiguous uint8
+        // array that stays referenced until `self` is dropped, so the memory is allocated and
+        // unmoved. Callers promise (ArenaSink docs) not to write, resize or free the tensor
+        // behind it until its batch completes.
         unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
     }
 }
@@ -68,23 +67,55 @@ impl Drop for Lent {
     }
 }
 
-/// `(owner, address, nbytes, shape, dtype name)` (from `capture_arena._tensors.host_bytes`) ->
-/// a captured tensor.
-fn captured(t: &Bound<'_, PyAny>, tx: &Sender<Msg>) -> PyResult<Captured> {
-    let (owner, ptr, len, shape, dtype): (Bound<'_, PyAny>, usize, usize, Vec<u64>, String) =
-        t.extract()?;
+/// Completes a future exactly once: with the batch's outcome, or, if the writer drops the batch
+/// without completing it (it stopped), with every sample failing as `WriterStopped`. Sending
+/// needs no GIL.
+struct Completion {
+    future: Option<Py<PyAny>>,
+    ids: Vec<String>,
+    tx: Sender<Msg>,
+}
+
+impl Completion {
+    fn complete(mut self, outcome: Outcome) {
+        self.send(outcome);
+    }
+
+    fn send(&mut self, outcome: Outcome) {
+        if let Some(future) = self.future.take() {
+            let ids = std::mem::take(&mut self.ids);
+            if let Err(mpsc::SendError(Msg::Done { future, .. })) = self.tx.send(Msg::Done {
+                future,
+                ids,
+                outcome,
+            }) {
+                std::mem::forget(future);
+            }
+        }
+    }
+}
+
+impl Drop for Completion {
+    fn drop(&mut self) {
+        self.send(Err(Error::WriterStopped));
+    }
+}
+
+/// `(owner, shape, dtype name)` from `capture_arena._tensors.host_bytes` -> a captured tensor.
+fn captured(t: &Bound<'_, PyAny>, tx: &Sender<Msg>, what: &str) -> PyResult<Captured> {
+    let (owner, shape, dtype): (Bound<'_, PyAny>, Vec<u64>, String) = t.extract()?;
     let dtype = Dtype::from_name(&dtype).ok_or_else(|| {
-        to_py(Error::InvalidTensor {
-            name: "?".into(),
-            reason: format!(
-                "unsupported dtype {dtype:?} (supported: {})",
+        named(
+            t.py(),
+            "InvalidSampleError",
+            format!(
+                "{what}: unsupported dtype {dtype:?} (supported: {})",
                 Dtype::ALL.map(Dtype::name).join(", ")
             ),
-        })
+        )
     })?;
-    if ptr == 0 && len > 0 {
-        return Err(PyValueError::new_err("tensor bytes have a null address"));
-    }
+    let (ptr, len) = bytes_of(&owner, false)
+        .map_err(|e| named(t.py(), "InvalidSampleError", format!("{what}: {e}")))?;
     let lent = Lent {
         owner: Some(owner.unbind()),
         ptr,
@@ -104,23 +135,31 @@ fn sample(
     tx: &Sender<Msg>,
     aux_ids: &Option<Vec<i64>>,
 ) -> PyResult<Sample> {
+    let py = item.py();
     let t = item.cast::<PyTuple>()?;
-    let spec: SampleSpec = depythonize(&t.get_item(0)?)
-        .map_err(|e| PyValueError::new_err(format!("invalid sample spec: {e}")))?;
-    let opt = |i: usize| -> PyResult<Option<Captured>> {
+    let spec: SampleSpec = depythonize(&t.get_item(0)?).map_err(|e| {
+        named(
+            py,
+            "InvalidSampleError",
+            format!("invalid sample spec: {e}"),
+        )
+    })?;
+    let id = spec.sample_id.as_str();
+    let opt = |i: usize, artifact: &str| -> PyResult<Option<Captured>> {
         let v = t.get_item(i)?;
         if v.is_none() {
             Ok(None)
         } else {
-            captured(&v, tx).map(Some)
+            captured(&v, tx, &format!("sample {id:?} {artifact}")).map(Some)
         }
     };
-    let (aux, last) = (opt(1)?, opt(2)?);
+    let (aux, last) = (opt(1, "aux")?, opt(2, "last_hidden")?);
     let mut parts = HashMap::new();
     let extra = t.get_item(3)?;
     if !extra.is_none() {
         for (k, v) in extra.extract::<HashMap<String, Bound<'_, PyAny>>>()? {
-            parts.insert(k, captured(&v, tx)?);
+            let c = captured(&v, tx, &format!("sample {id:?} passthrough {k:?}"))?;
+            parts.insert(k, c);
         }
     }
     Sample::from_spec_parts(&spec, aux, last, aux_ids.clone(), parts).py_err()
@@ -137,13 +176,15 @@ fn outcome_results(ids: &[String], outcome: Outcome) -> Vec<SampleResult> {
     }
 }
 
+/// The helper thread: releases lent arrays and completes futures, attaching to Python once per
+/// burst of messages. User callbacks on the futures run here: they should not block.
 fn helper(rx: Receiver<Msg>) {
     while let Ok(first) = rx.recv() {
         Python::attach(|py| {
             let mut next = Some(first);
             while let Some(msg) = next.take() {
                 match msg {
-                    Msg::Release(b) => drop(b),
+                    Msg::Release(o) => drop(o),
                     Msg::Done {
                         future,
                         ids,
@@ -165,11 +206,33 @@ fn helper(rx: Receiver<Msg>) {
     }
 }
 
+/// Keyword argument -> the environment variable it overrides.
+const OVERRIDES: [(&str, &str); 9] = [
+    ("arena_bytes", config::ENV_ARENA_BYTES),
+    ("control_host", config::ENV_CONTROL_HOST),
+    ("control_port", config::ENV_CONTROL_PORT),
+    ("alignment", config::ENV_ARENA_ALIGN),
+    ("wait_s", config::ENV_ARENA_WAIT_S),
+    ("max_pending_batches", config::ENV_MAX_PENDING),
+    ("timing", config::ENV_TIMING),
+    ("protocol", config::ENV_PROTOCOL),
+    ("gpu_put", config::ENV_GPU_PUT),
+];
+
 /// The compiled sink. Use `capture_arena.ArenaSink`.
-#[pyclass(name = "_ArenaSink", module = "capture_arena._capture_arena", subclass)]
+#[pyclass(
+    name = "_ArenaSink",
+    module = "capture_arena._capture_arena",
+    subclass,
+    frozen
+)]
 pub struct PySink {
-    sink: Option<Sink>,
-    tx: Sender<Msg>,
+    /// `None` once closed. Calls clone the `Arc` and run without the lock, so `close` never
+    /// waits for (or fails because of) a call blocked in another thread; the writer stops when
+    /// the last clone goes.
+    sink: Mutex<Option<Arc<Sink>>>,
+    /// Dropped only in the process that made it (see `Drop`).
+    tx: ManuallyDrop<Sender<Msg>>,
     pid: u32,
 }
 
@@ -188,22 +251,28 @@ fn opt_bytes(v: Option<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
 }
 
 impl PySink {
-    fn sink(&self) -> PyResult<&Sink> {
+    fn sink(&self, py: Python<'_>) -> PyResult<Arc<Sink>> {
         if self.pid != std::process::id() {
-            return Err(PyRuntimeError::new_err(format!(
-                "this ArenaSink belongs to process {} (its writer thread did not survive the \
-                 fork); create a new sink in process {}",
-                self.pid,
-                std::process::id()
-            )));
+            return Err(named(
+                py,
+                "WriterStoppedError",
+                format!(
+                    "this ArenaSink belongs to process {} (its writer thread did not survive the \
+                     fork); create a new sink in process {}",
+                    self.pid,
+                    std::process::id()
+                ),
+            ));
         }
         self.sink
-            .as_ref()
-            .ok_or_else(|| PyRuntimeError::new_err("the ArenaSink is closed"))
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| named(py, "WriterStoppedError", "the ArenaSink is closed".into()))
     }
 
-    fn samples(&self, samples: &Bound<'_, PyAny>) -> PyResult<Vec<Sample>> {
-        let aux_ids = self.sink()?.config().aux_layer_ids.clone();
+    fn samples(&self, sink: &Sink, samples: &Bound<'_, PyAny>) -> PyResult<Vec<Sample>> {
+        let aux_ids = sink.config().aux_layer_ids.clone();
         samples
             .try_iter()?
             .map(|item| sample(&item?, &self.tx, &aux_ids))
@@ -230,7 +299,33 @@ impl PySink {
         protocol: Option<String>,
         gpu_put: Option<bool>,
     ) -> PyResult<Self> {
-        let mut c = Config::from_env().py_err()?;
+        // Variables whose keyword argument is given are not read at all, so a keyword argument
+        // can correct a bad environment.
+        let given = [
+            arena_bytes.is_some(),
+            control_host.is_some(),
+            control_port.is_some(),
+            alignment.is_some(),
+            wait_s.is_some(),
+            max_pending_batches.is_some(),
+            timing.is_some(),
+            protocol.is_some(),
+            gpu_put.is_some(),
+        ];
+        let skip: Vec<&str> = OVERRIDES
+            .iter()
+            .zip(given)
+            .filter(|(_, g)| *g)
+            .map(|((_, var), _)| *var)
+            .collect();
+        let mut c = Config::from_lookup_unchecked(|k| {
+            if skip.contains(&k) {
+                None
+            } else {
+                std::env::var(k).ok()
+            }
+        })
+        .py_err()?;
         if let Some(b) = opt_bytes(arena_bytes)? {
             c.arena_bytes = Some(b);
         }
@@ -275,15 +370,15 @@ impl PySink {
                 PyRuntimeError::new_err(format!("spawning the sink's helper thread: {e}"))
             })?;
         Ok(PySink {
-            sink: Some(sink),
-            tx,
+            sink: Mutex::new(Some(Arc::new(sink))),
+            tx: ManuallyDrop::new(tx),
             pid: std::process::id(),
         })
     }
 
     /// Queues a batch; `future.set_result(list_of_results)` is called when it is done. Blocks
-    /// (GIL released) while the writer's queue is full, or raises QueueFullError if
-    /// `block=False`.
+    /// (GIL released) while the writer holds `max_pending_batches` batches, or raises
+    /// QueueFullError if `block=False`.
     #[pyo3(signature = (samples, future, block=true))]
     fn _submit(
         &self,
@@ -292,17 +387,14 @@ impl PySink {
         future: Py<PyAny>,
         block: bool,
     ) -> PyResult<()> {
-        let batch = self.samples(samples)?;
-        let ids: Vec<String> = batch.iter().map(|s| s.sample_id().to_owned()).collect();
-        let sink = self.sink()?;
-        let tx = self.tx.clone();
-        let done = move |outcome: Outcome| {
-            let _ = tx.send(Msg::Done {
-                future,
-                ids,
-                outcome,
-            });
+        let sink = self.sink(py)?;
+        let batch = self.samples(&sink, samples)?;
+        let completion = Completion {
+            future: Some(future),
+            ids: batch.iter().map(|s| s.sample_id().to_owned()).collect(),
+            tx: (*self.tx).clone(),
         };
+        let done = move |outcome: Outcome| completion.complete(outcome);
         py.detach(|| {
             if block {
                 sink.submit_with(batch, done)
@@ -319,9 +411,9 @@ impl PySink {
         py: Python<'py>,
         samples: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let batch = self.samples(samples)?;
+        let sink = self.sink(py)?;
+        let batch = self.samples(&sink, samples)?;
         let ids: Vec<String> = batch.iter().map(|s| s.sample_id().to_owned()).collect();
-        let sink = self.sink()?;
         let outcome = py.detach(|| sink.submit(batch).map(|h| h.wait()));
         let results = outcome_results(&ids, outcome.py_err()?);
         results_to_py(py, &results)
@@ -329,51 +421,54 @@ impl PySink {
 
     /// The writer's counters as a dict (all zero before the first capture).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        pythonize(py, &self.sink()?.stats()).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+        pythonize(py, &self.sink(py)?.stats()).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
     /// True once the first capture has created the arena.
     #[getter]
-    fn started(&self) -> PyResult<bool> {
-        Ok(self.sink()?.started().is_some())
+    fn started(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.sink(py)?.started().is_some())
     }
 
     /// The arena's session (what readers open), or None before the first capture.
     #[getter]
-    fn session(&self) -> PyResult<Option<String>> {
+    fn session(&self, py: Python<'_>) -> PyResult<Option<String>> {
         Ok(self
-            .sink()?
+            .sink(py)?
             .started()
             .map(|w| w.arena_ref().session.clone()))
     }
 
     /// The control endpoint `host:port`, or None before the first capture.
     #[getter]
-    fn control(&self) -> PyResult<Option<String>> {
+    fn control(&self, py: Python<'_>) -> PyResult<Option<String>> {
         Ok(self
-            .sink()?
+            .sink(py)?
             .started()
             .map(|w| w.arena_ref().control.clone()))
     }
 
     /// The arena size in bytes (`SGLANG_SPEC_CAPTURE_ARENA_BYTES` / `arena_bytes`), or None.
     #[getter]
-    fn arena_bytes(&self) -> PyResult<Option<u64>> {
-        Ok(self.sink()?.config().arena_bytes)
+    fn arena_bytes(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        Ok(self.sink(py)?.config().arena_bytes)
     }
 
-    /// True when tensors are published from the device (always under `nvlink`).
+    /// The configured publication mode: True under `nvlink` (or `gpu_put=True`). This build
+    /// copies host tensors only; device arenas come with the `cuda` feature.
     #[getter]
-    fn device_publication(&self) -> PyResult<bool> {
-        Ok(self.sink()?.config().device_publication())
+    fn device_publication(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.sink(py)?.config().device_publication())
     }
 
-    /// Stops the writer and removes the arena. Idempotent.
-    fn close(&mut self, py: Python<'_>) {
+    /// Stops the writer and removes the arena once calls in flight in other threads return.
+    /// Idempotent; the GIL is released while the writer stops.
+    fn close(&self, py: Python<'_>) {
         if self.pid != std::process::id() {
             return;
         }
-        if let Some(s) = self.sink.take() {
+        let s = self.sink.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(s) = s {
             py.detach(move || drop(s));
         }
     }
@@ -382,28 +477,43 @@ impl PySink {
 impl Drop for PySink {
     fn drop(&mut self) {
         if self.pid != std::process::id() {
-            // A forked child: the writer thread and the arena are the parent's. Running their
-            // destructors here would join a thread that does not exist and unlink the parent's
-            // shared memory.
-            if let Some(s) = self.sink.take() {
-                std::mem::forget(s);
-            }
+            // A forked child: the writer and helper threads and the arena are the parent's.
+            // Running their destructors here would join threads that do not exist, unlink the
+            // parent's shared memory, or take a channel lock the parent held at the fork.
+            let s = self
+                .sink
+                .get_mut()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            std::mem::forget(s);
+            return;
+        }
+        // SAFETY: `tx` is dropped exactly once, here, and never used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.tx) };
+        let s = self
+            .sink
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(s) = s {
+            // Stopping the writer waits for queued batches: do it without the GIL.
+            Python::attach(|py| py.detach(move || drop(s)));
         }
     }
 }
 
 /// The same batch through the Rust API, for the Python-overhead benchmark: `n_samples` samples
-/// of `n_tensors` bf16 tensors of `tensor_bytes` each, published `reps` times with replace.
-/// Returns seconds per batch (submit to results).
+/// of `n_tensors` bf16 tensors of `tensor_bytes` each, published `reps` times with replace into
+/// `sink`'s arena. Returns seconds per batch (submit to results).
 #[pyfunction]
-#[pyo3(signature = (n_samples, n_tensors, tensor_bytes, reps, arena_bytes))]
+#[pyo3(signature = (sink, n_samples, n_tensors, tensor_bytes, reps))]
 pub fn _bench_rust_put(
     py: Python<'_>,
+    sink: &Bound<'_, PySink>,
     n_samples: usize,
     n_tensors: usize,
     tensor_bytes: usize,
     reps: usize,
-    arena_bytes: u64,
 ) -> PyResult<Vec<f64>> {
     #[derive(Clone)]
     struct Shared(Arc<Vec<u8>>);
@@ -412,11 +522,8 @@ pub fn _bench_rust_put(
             &self.0
         }
     }
+    let sink = sink.get().sink(py)?;
     py.detach(|| -> capture_arena::Result<Vec<f64>> {
-        let sink = Sink::new(Config {
-            arena_bytes: Some(arena_bytes),
-            ..Config::default()
-        })?;
         let bufs: Vec<Shared> = (0..n_samples * n_tensors)
             .map(|i| Shared(Arc::new(vec![i as u8; tensor_bytes])))
             .collect();
@@ -425,7 +532,7 @@ pub fn _bench_rust_put(
             let t0 = Instant::now();
             let mut batch = Vec::with_capacity(n_samples);
             for i in 0..n_samples {
-                let mut s = Sample::new("bench", &format!("s{i}"), 1)?.with_replace(true);
+                let mut s = Sample::new("rust-bench", &format!("s{i}"), 1)?.with_replace(true);
                 for j in 0..n_tensors {
                     let data = TensorData::host(bufs[i * n_tensors + j].clone());
                     let shape = vec![1, (tensor_bytes / 2) as u64];

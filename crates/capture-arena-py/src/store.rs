@@ -7,6 +7,7 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pythonize::{depythonize, pythonize};
 
+use crate::array::{bytes_of, disjoint};
 use crate::error::{to_py, IntoPy};
 
 /// A published result from its dict; a failed one (`{"sample_id", "error"}`) is refused with its
@@ -45,20 +46,23 @@ impl PyStore {
         }
     }
 
-    /// Copies features of `result` into caller memory: `targets` is a list of
-    /// `(name, owner, address, nbytes)` where `owner` is a writable C-contiguous array the
-    /// wrapper made (kept alive by this call). The copy runs with the GIL released.
+    /// Copies features of `result` into caller memory: `targets` is a list of `(name, bytes)`
+    /// where `bytes` is a writable C-contiguous uint8 numpy view of the output array. The copy
+    /// runs with the GIL released.
     fn _read_into(
         &self,
         py: Python<'_>,
         result: &Bound<'_, PyAny>,
-        targets: Vec<(String, Bound<'_, PyAny>, usize, usize)>,
+        targets: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<()> {
         let p = published(result)?;
-        let ptrs: Vec<(String, usize, usize)> = targets
-            .iter()
-            .map(|(n, _, ptr, len)| (n.clone(), *ptr, *len))
-            .collect();
+        let mut ptrs: Vec<(String, usize, usize)> = Vec::with_capacity(targets.len());
+        for (name, owner) in &targets {
+            let (ptr, len) = bytes_of(owner, true)?;
+            ptrs.push((name.clone(), ptr, len));
+        }
+        let ranges: Vec<(usize, usize)> = ptrs.iter().map(|&(_, p, l)| (p, l)).collect();
+        disjoint(py, &ranges)?;
         py.detach(|| {
             let mut outs: Vec<(&str, &mut [u8])> = ptrs
                 .iter()
@@ -66,10 +70,10 @@ impl PyStore {
                     let s: &mut [u8] = if *len == 0 {
                         &mut []
                     } else {
-                        // SAFETY: (ptr, len) are the data address and size of a writable
-                        // C-contiguous array in `targets`, which this call keeps referenced (so
-                        // allocated and unmoved) until it returns; each target is a distinct
-                        // array the wrapper just made or the caller passed as `out`.
+                        // SAFETY: (ptr, len) come from the array interface of a writable,
+                        // C-contiguous uint8 array in `targets`, which this call keeps
+                        // referenced (so allocated and unmoved) until it returns; the ranges
+                        // were checked pairwise disjoint above, so no two slices alias.
                         unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *len) }
                     };
                     (n.as_str(), s)

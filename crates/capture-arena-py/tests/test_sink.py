@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -122,11 +124,11 @@ def test_submit_samples_returns_a_future(make_sink):
 
 
 def test_a_full_queue_blocks_or_signals_instead_of_dropping(make_sink):
-    sink = make_sink(arena_bytes="1MiB", wait_s=20.0, max_pending_batches=1)
+    # max_pending_batches counts every batch the writer holds, queued or being placed.
+    sink = make_sink(arena_bytes="1MiB", wait_s=20.0, max_pending_batches=2)
     first = sink.put_sample(spec("a", 16), aux=hidden(16, 24576), last_hidden=hidden(16, 4))
-    # The writer takes "b" and waits for space; "c" fills the one-slot queue.
+    # "b" waits for space (the arena is full), "c" is queued behind it: two held.
     fb = sink.submit_samples([(spec("b", 16), hidden(16, 24576), hidden(16, 4))])
-    time.sleep(0.1)
     fc = sink.submit_samples([(spec("c", 4), hidden(4, 4), hidden(4, 4))])
     with pytest.raises(ca.QueueFullError, match="SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"):
         sink.submit_samples([(spec("d", 4), hidden(4, 4), hidden(4, 4))], block=False)
@@ -139,8 +141,7 @@ def test_a_full_queue_blocks_or_signals_instead_of_dropping(make_sink):
 
     t = threading.Thread(target=blocked)
     t.start()
-    time.sleep(0.2)
-    assert not done.is_set()
+    assert not done.wait(0.3), "no room until a batch completes"
     ca.ArenaFeatureStore().release(first)
     for f in (fb, fc):
         assert "error" not in f.result(timeout=20)[0]
@@ -193,3 +194,71 @@ def test_closed_sink_refuses_work(make_sink):
     sink.close()
     with pytest.raises(RuntimeError, match="closed"):
         sink.put_sample(spec("x"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+
+
+def test_submitted_tensors_stay_alive_until_copied(make_sink):
+    sink = make_sink(arena_bytes="8MiB")
+    want = [(hidden(64, 96, 10 + i), hidden(64, 32, 20 + i)) for i in range(4)]
+    # Temporaries: only the sink holds them once this call returns.
+    fut = sink.submit_samples([(spec(f"k{i}", 64), a.copy(), l.copy()) for i, (a, l) in enumerate(want)])
+    gc.collect()
+    filler = [np.full(64 * 96, 0x7F, dtype=np.uint16) for _ in range(64)]  # reuse freed memory
+    results = fut.result(timeout=10)
+    store = ca.ArenaFeatureStore()
+    for r, (a, l) in zip(results, want):
+        got = store.get(r)
+        assert got["hidden_state"][0].tobytes() == a.tobytes()
+        assert got["target"][0].tobytes() == l.tobytes()
+    del filler
+
+
+def test_a_batch_failing_conversion_at_sample_k_writes_nothing_and_lets_go(make_sink):
+    sink = make_sink()
+    sink.put_sample(spec("warm"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    before = sink.stats()
+    ok = hidden(8, 12)
+    ref = weakref.ref(ok)
+    bad = np.zeros((8, 4), dtype=np.complex64)
+    with pytest.raises(ca.InvalidSampleError, match='sample "k1" last_hidden: unsupported dtype'):
+        sink.put_samples([(spec("k0"), ok, hidden(8, 4)), (spec("k1"), hidden(8, 12), bad)])
+    assert sink.stats() == before
+    del ok
+    deadline = time.monotonic() + 5
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert ref() is None, "the first sample's array was released"
+
+
+def test_close_while_another_thread_waits(make_sink):
+    sink = make_sink(arena_bytes="1MiB", wait_s=20.0)
+    first = sink.put_sample(spec("a", 16), aux=hidden(16, 24576), last_hidden=hidden(16, 4))
+    out: list[dict] = []
+    t = threading.Thread(target=lambda: out.append(sink.put_sample(spec("b", 16), aux=hidden(16, 24576), last_hidden=hidden(16, 4))))
+    t.start()
+    time.sleep(0.2)
+    sink.close()  # does not fail because of the call in flight
+    with pytest.raises(ca.WriterStoppedError, match="closed"):
+        sink.stats()
+    ca.ArenaFeatureStore().release(first)
+    t.join(timeout=20)
+    assert out and "error" not in out[0], out
+
+
+def test_keyword_arguments_override_a_bad_environment(monkeypatch):
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "0")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "lots")
+    with ca.ArenaSink(arena_bytes="1MiB", max_pending_batches=4) as sink:
+        assert sink.arena_bytes == 1 << 20
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "0")
+    with ca.ArenaSink(arena_bytes="1MiB", max_pending_batches=4, protocol="tcp") as sink:
+        assert not sink.device_publication
+
+
+def test_non_native_byte_order_is_converted(make_sink):
+    sink = make_sink()
+    aux = np.arange(8 * 12, dtype=">f4").reshape(8, 12)
+    r = sink.put_sample(spec("be", aux=True, last=False), aux=aux)
+    got = ca.ArenaFeatureStore().get(r, ["hidden_state"])["hidden_state"]
+    assert got.dtype == np.float32 and (got[0] == aux).all()

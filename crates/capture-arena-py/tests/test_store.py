@@ -75,8 +75,17 @@ def test_out_reads_into_caller_arrays_without_allocating(make_sink):
     got = store.get(r, ["hidden_state"], out={"hidden_state": buf})
     assert got["hidden_state"] is buf
     assert (buf[0] == aux).all()
-    with pytest.raises(ca.InvalidReadError, match="buffer holds"):
+    with pytest.raises(ca.InvalidReadError, match=r"out= array is \[1, 8, 11\] bfloat16"):
         store.get(r, ["hidden_state"], out={"hidden_state": np.zeros((1, 8, 11), dtype=ml_dtypes.bfloat16)})
+    # Same byte count, other dtype: refused rather than filled with reinterpreted bytes.
+    with pytest.raises(ca.InvalidReadError, match="float32"):
+        store.get(r, ["hidden_state"], out={"hidden_state": np.zeros((1, 8, 6), dtype=np.float32)})
+    # Two features into one array would alias: refused before any byte is written.
+    shared = np.zeros((1, 8), dtype=np.int64)
+    with pytest.raises(ca.InvalidReadError, match="share memory"):
+        store.get(r, ["input_ids", "loss_mask"], out={"input_ids": shared, "loss_mask": shared})
+    # A name asked for twice is read once.
+    assert list(store.get(r, ["target", "target"])) == ["target"]
     with pytest.raises(ValueError, match="writable"):
         ro = np.zeros((1, 8, 12), dtype=ml_dtypes.bfloat16)
         ro.flags.writeable = False

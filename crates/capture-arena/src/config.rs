@@ -133,6 +133,17 @@ impl Config {
     /// # Errors
     /// [`Error::Config`] naming the variable whose value is invalid.
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let c = Config::from_lookup_unchecked(get)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    /// As [`Config::from_lookup`] but without [`Config::validate`]: for callers that override
+    /// fields before validating (the Python keyword arguments).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the variable whose value does not parse.
+    pub fn from_lookup_unchecked(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
         let mut c = Config::default();
         if let Some(v) = get(ENV_ARENA_BYTES) {
@@ -177,7 +188,6 @@ impl Config {
         if let Some(v) = get(ENV_GPU_PUT) {
             c.gpu_put = Some(parse_flag(&v).map_err(|r| Error::config(ENV_GPU_PUT, r))?);
         }
-        c.validate()?;
         Ok(c)
     }
 

@@ -11,15 +11,17 @@ while waiting and while copying.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
 import numpy as np
 
-from . import _tensors, errors
+from . import errors
 from ._capture_arena import __version__, _ArenaSink, _Store, arena_enabled
-from ._tensors import HostBytes, host_bytes, numpy_dtype, writable_bytes
+from ._tensors import HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
 
 __all__ = [
@@ -41,11 +43,9 @@ Sample = tuple[Mapping[str, Any], Any, Any]
 
 def _convert(samples: Iterable[Sample]) -> list[tuple[Any, Optional[HostBytes], Optional[HostBytes], Optional[dict[str, HostBytes]]]]:
     out = []
-    for item in samples:
-        spec, aux, last_hidden = item
-        spec = dict(spec)
+    for spec, aux, last_hidden in samples:
         arrays: Optional[dict[str, HostBytes]] = None
-        passthrough = spec.get("passthrough") or []
+        passthrough = spec.get("passthrough") or ()
         if any(not isinstance(p.get("data"), (list, tuple, type(None))) for p in passthrough):
             # Array data (numpy, torch, ...) travels as bytes, not as a list of numbers.
             arrays = {}
@@ -57,7 +57,7 @@ def _convert(samples: Iterable[Sample]) -> list[tuple[Any, Optional[HostBytes], 
                 else:
                     arrays[p["name"]] = host_bytes(data)
                     new.append({**p, "data": None})
-            spec["passthrough"] = new
+            spec = {**spec, "passthrough": new}
         out.append((
             spec,
             None if aux is None else host_bytes(aux),
@@ -88,9 +88,15 @@ class ArenaSink(_ArenaSink):
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 
-    Nothing is allocated until the first capture. A tensor handed to the sink must not be
-    modified until its batch's results are back.
+    Nothing is allocated until the first capture. The sink reads tensors in place: a tensor
+    handed to it must not be written, resized or freed until its batch's results are back.
+    ``close()`` (or leaving a ``with`` block, or interpreter exit) stops the writer and removes
+    the arena.
     """
+
+    def __init__(self, **kwargs: Any) -> None:
+        # The arguments were taken by the compiled __new__; register for the close at exit.
+        _LIVE_SINKS.add(self)
 
     @classmethod
     def from_env(cls) -> "ArenaSink":
@@ -103,7 +109,10 @@ class ArenaSink(_ArenaSink):
         Blocks (with the GIL released) while the writer already holds ``max_pending_batches``
         batches; with ``block=False`` raises :class:`QueueFullError` instead. Invalid samples
         raise :class:`InvalidSampleError` here, before anything is written. A batch that fails
-        later (arena full) completes with ``{"sample_id", "error"}`` for every sample.
+        later (arena full, a resident key without ``replace``) completes with
+        ``{"sample_id", "error"}`` for every sample. Do not write, resize or free the tensors
+        until the future is done. Callbacks added to the future run on the sink's helper thread
+        and must not block.
         """
         fut: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()
@@ -111,7 +120,8 @@ class ArenaSink(_ArenaSink):
         return fut
 
     def put_samples(self, samples: Sequence[Sample]) -> list[Result]:
-        """Publishes a batch and waits for its results (GIL released while waiting)."""
+        """Publishes a batch and waits for its results (GIL released while waiting and copying);
+        errors as :meth:`submit_samples`."""
         return self._put(_convert(samples))
 
     def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> Result:
@@ -123,6 +133,16 @@ class ArenaSink(_ArenaSink):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_LIVE_SINKS: "weakref.WeakSet[ArenaSink]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_sinks_at_exit() -> None:
+    """Stops every live sink's writer and removes its arena when the interpreter exits."""
+    for sink in list(_LIVE_SINKS):
+        sink.close()
 
 
 class ArenaFeatureStore(_Store):
@@ -150,7 +170,7 @@ class ArenaFeatureStore(_Store):
         """
         self._check(result)
         feats = result["features"]
-        wanted = list(feats) if names is None else list(names)
+        wanted = list(feats) if names is None else list(dict.fromkeys(names))
         arrays: dict[str, Any] = {}
         targets = []
         for name in wanted:
@@ -158,14 +178,10 @@ class ArenaFeatureStore(_Store):
                 raise errors.UnknownFeatureError(f"no feature {name!r}: the result has {', '.join(feats)}")
             f = feats[name]
             if out is not None and name in out:
-                arr = out[name]
-            elif torch:
-                _torch = _tensors._torch()
-                arr = _torch.empty(f["shape"], dtype=getattr(_torch, f["dtype"]))
+                arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])
             else:
-                arr = np.empty(f["shape"], dtype=numpy_dtype(f["dtype"]))
-            owner, addr, nbytes = writable_bytes(arr)
-            targets.append((name, owner, addr, nbytes))
+                arr, view = new_array(list(f["shape"]), f["dtype"], torch)
+            targets.append((name, view))
             arrays[name] = arr
         self._read_into(result, targets)
         return arrays

@@ -12,7 +12,7 @@ def arena_enabled() -> bool:
     """True when MOONCAKE_PROTOCOL selects the arena placement (nvlink)."""
 
 def _bench_rust_put(
-    n_samples: int, n_tensors: int, tensor_bytes: int, reps: int, arena_bytes: int
+    sink: _ArenaSink, n_samples: int, n_tensors: int, tensor_bytes: int, reps: int
 ) -> list[float]: ...
 
 @disjoint_base
@@ -51,7 +51,7 @@ class _ArenaSink:
 @disjoint_base
 class _Store:
     def __new__(cls) -> "_Store": ...
-    def _read_into(self, result: Any, targets: list[tuple[str, Any, int, int]]) -> None: ...
+    def _read_into(self, result: Any, targets: list[tuple[str, Any]]) -> None: ...
     def _check(self, result: Any) -> None: ...
     def release(self, result: Any) -> None:
         """Frees every object of `result`; later reads of it raise ReleasedError."""

@@ -1,6 +1,8 @@
-"""Argument conversion: tensors and arrays to the byte views the compiled module copies from.
+"""Argument conversion: tensors and arrays to the uint8 views the compiled module copies from.
 
-Nothing here copies data except making a non-contiguous input contiguous (once).
+Nothing here copies data except making a non-contiguous (or non-native byte order) input
+contiguous and native, once. The compiled module reads each view's address and length from its
+``__array_interface__`` and keeps the view referenced while it uses the memory.
 """
 
 from __future__ import annotations
@@ -8,11 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers numpy's bfloat16)
+import ml_dtypes
 import numpy as np
 
-HostBytes = tuple[Any, int, int, list[int], str]
-"""``(owner, address, nbytes, shape, dtype name)``: ``owner`` keeps the memory alive."""
+from .errors import InvalidReadError, InvalidSampleError
+
+HostBytes = tuple[Any, list[int], str]
+"""``(uint8 view, shape, dtype name)``: the view keeps the tensor's memory alive."""
 
 _NP_DTYPES = {
     "float32": np.float32,
@@ -34,11 +38,7 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
         dt: np.dtype[Any] = np.dtype(_NP_DTYPES[name])
         return dt
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r} (supported: {', '.join(_NP_DTYPES)})") from None
-
-
-def _is_torch(t: object) -> bool:
-    return type(t).__module__.split(".")[0] == "torch"
+        raise InvalidSampleError(f"unsupported dtype {name!r} (supported: {', '.join(_NP_DTYPES)})") from None
 
 
 def _torch() -> Any:
@@ -46,11 +46,15 @@ def _torch() -> Any:
     return importlib.import_module("torch")
 
 
+def is_torch(t: object) -> bool:
+    """True for a torch tensor (without importing torch)."""
+    return type(t).__module__.split(".")[0] == "torch"
+
+
 def _torch_bytes(t: Any) -> HostBytes:
     torch = _torch()
-
     if t.device.type != "cpu":
-        raise ValueError(
+        raise InvalidSampleError(
             f"tensor on {t.device}: this build publishes host tensors; move it to the CPU "
             "(device arenas come with the cuda feature)"
         )
@@ -59,32 +63,54 @@ def _torch_bytes(t: Any) -> HostBytes:
         t = t.contiguous()
     shape = [int(d) for d in t.shape]
     dtype = str(t.dtype).removeprefix("torch.")
-    flat = t.reshape(-1).view(torch.uint8)
-    return flat, int(flat.data_ptr()), int(flat.numel()), shape, dtype
+    return t.reshape(-1).view(torch.uint8).numpy(), shape, dtype
 
 
 def host_bytes(t: Any) -> HostBytes:
     """Describes the bytes of a numpy array, a torch CPU tensor, or any object that offers DLPack
-    or the buffer protocol, without copying (unless it is not C-contiguous)."""
-    if _is_torch(t):
-        return _torch_bytes(t)
+    or the buffer protocol, without copying (unless it is not C-contiguous or not in native byte
+    order)."""
     if isinstance(t, np.ndarray):
+        if t.flags.c_contiguous and t.dtype.isnative:  # the common case, no conversion at all
+            return t.reshape(-1).view(np.uint8), list(t.shape), t.dtype.name
         a = t
+    elif is_torch(t):
+        return _torch_bytes(t)
     elif hasattr(t, "__dlpack__"):
         a = np.from_dlpack(t)
     else:
         a = np.asarray(t)
-    shape = [int(d) for d in a.shape]  # before ascontiguousarray, which makes 0-d arrays 1-d
+    shape = list(a.shape)  # before ascontiguousarray, which makes 0-d arrays 1-d
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
     a = np.ascontiguousarray(a)
-    return a, int(a.ctypes.data), int(a.nbytes), shape, a.dtype.name
+    return a.reshape(-1).view(np.uint8), shape, a.dtype.name
 
 
-def writable_bytes(a: Any) -> tuple[Any, int, int]:
-    """``(owner, address, nbytes)`` of a writable C-contiguous numpy array or torch CPU tensor."""
-    if _is_torch(a):
+def out_bytes(a: Any, shape: list[int], dtype: str) -> Any:
+    """The writable uint8 view of an ``out=`` array or tensor, which must have the feature's
+    shape and dtype and be C-contiguous."""
+    if is_torch(a):
+        torch = _torch()
         if a.device.type != "cpu" or not a.is_contiguous():
-            raise ValueError("out= tensors must be contiguous and on the CPU")
-        return a, int(a.data_ptr()), int(a.numel() * a.element_size())
-    if not isinstance(a, np.ndarray) or not a.flags.c_contiguous or not a.flags.writeable:
-        raise ValueError("out= arrays must be writable, C-contiguous numpy arrays")
-    return a, int(a.ctypes.data), int(a.nbytes)
+            raise InvalidReadError("out= tensors must be contiguous and on the CPU")
+        if list(a.shape) != shape or str(a.dtype).removeprefix("torch.") != dtype:
+            raise InvalidReadError(f"out= tensor is {list(a.shape)} {a.dtype}, the feature is {shape} {dtype}")
+        return a.reshape(-1).view(torch.uint8).numpy()
+    if not isinstance(a, np.ndarray):
+        raise InvalidReadError(f"out= must hold numpy arrays or torch tensors, not {type(a).__name__}")
+    if list(a.shape) != shape or a.dtype != numpy_dtype(dtype):
+        raise InvalidReadError(f"out= array is {list(a.shape)} {a.dtype}, the feature is {shape} {dtype}")
+    if not a.flags.c_contiguous or not a.flags.writeable:
+        raise InvalidReadError("out= arrays must be writable and C-contiguous")
+    return a.reshape(-1).view(np.uint8)
+
+
+def new_array(shape: list[int], dtype: str, torch: bool) -> tuple[Any, Any]:
+    """A fresh output array (numpy, or torch with ``torch=True``) and its writable uint8 view."""
+    if torch:
+        t = _torch()
+        arr = t.empty(shape, dtype=getattr(t, dtype))
+        return arr, arr.reshape(-1).view(t.uint8).numpy()
+    a = np.empty(shape, dtype=numpy_dtype(dtype))
+    return a, a.reshape(-1).view(np.uint8)
