@@ -2,7 +2,7 @@
 //! every byte and frees, and the arena returns to fully free; the demo itself; stale sessions.
 
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
@@ -24,6 +24,18 @@ const SMALL: &[&str] = &[
     "3",
 ];
 
+/// A producer of the small workload into a 2 MiB arena (smaller than the ~5 MiB it publishes),
+/// its results on a pipe.
+fn small_producer() -> Child {
+    Command::new(EXE)
+        .arg("produce")
+        .args(SMALL)
+        .args(["--arena-bytes", "2MiB", "--idle-timeout", "20", "--quiet"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn last_json(out: &[u8], key: &str) -> Value {
     String::from_utf8_lossy(out)
         .lines()
@@ -34,14 +46,8 @@ fn last_json(out: &[u8], key: &str) -> Value {
 
 #[test]
 fn producer_and_trainer_processes_move_every_byte_and_the_arena_ends_free() {
-    // An arena of 2 MiB, smaller than the ~5 MiB published: frees must flow back.
-    let mut producer = Command::new(EXE)
-        .arg("produce")
-        .args(SMALL)
-        .args(["--arena-bytes", "2MiB", "--idle-timeout", "20", "--quiet"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    // Frees must flow back for the producer to finish.
+    let mut producer = small_producer();
     let trainer = Command::new(EXE)
         .args(["consume", "--quiet"])
         .stdin(producer.stdout.take().unwrap())
@@ -64,13 +70,7 @@ fn producer_and_trainer_processes_move_every_byte_and_the_arena_ends_free() {
 #[test]
 fn producer_reports_its_final_stats_and_the_arena_is_fully_free() {
     // Here the producer's stdout comes back to the test: results go to a consumer by hand.
-    let mut producer = Command::new(EXE)
-        .arg("produce")
-        .args(SMALL)
-        .args(["--arena-bytes", "2MiB", "--idle-timeout", "20", "--quiet"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut producer = small_producer();
     let mut trainer = Command::new(EXE)
         .args(["consume", "--quiet"])
         .stdin(Stdio::piped())

@@ -374,6 +374,12 @@ pub struct Health {
 pub const RELEASED_MEMORY: usize = 1 << 20;
 
 /// The trainer-facing store: read a result's tensors, release them.
+///
+/// A released sample is remembered by (session, store id, sample id, gen), for the last
+/// [`RELEASED_MEMORY`] releases: reading it again is an error even though its bytes may still be
+/// in the region. A sample published again under the same key (a retry with `replace`) is
+/// therefore refused by a store that released the first one; a new `gen` is the contract's way
+/// to publish a sample again.
 #[derive(Debug, Default)]
 pub struct Store {
     reader: Reader,

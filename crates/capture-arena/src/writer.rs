@@ -227,18 +227,18 @@ impl Writer {
     /// # Errors
     /// [`Error::WriterStopped`] if the writer has stopped.
     pub fn submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
-        let (handle, job) = Self::job(samples);
-        self.send(job, true)?;
+        let (handle, done) = Self::handle(&samples);
+        self.send(samples, done, true)?;
         Ok(handle)
     }
 
     /// As [`Writer::submit`] but never blocks.
     ///
     /// # Errors
-    /// [`Error::QueueFull`] when `max_pending_batches` batches are already queued.
+    /// [`Error::QueueFull`] when the writer already holds `max_pending_batches` batches.
     pub fn try_submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
-        let (handle, job) = Self::job(samples);
-        self.send(job, false)?;
+        let (handle, done) = Self::handle(&samples);
+        self.send(samples, done, false)?;
         Ok(handle)
     }
 
@@ -255,47 +255,34 @@ impl Writer {
         samples: Vec<Sample>,
         done: impl FnOnce(Outcome) + Send + 'static,
     ) -> Result<()> {
-        self.send(
-            Job {
-                samples,
-                done: Box::new(done),
-            },
-            true,
-        )
+        self.send(samples, Box::new(done), true)
     }
 
     /// As [`Writer::submit_with`] but never blocks.
     ///
     /// # Errors
-    /// [`Error::QueueFull`] when `max_pending_batches` batches are already queued (`done` is not
-    /// called then), [`Error::WriterStopped`].
+    /// [`Error::QueueFull`] when the writer already holds `max_pending_batches` batches (`done`
+    /// is dropped, not called, then), [`Error::WriterStopped`].
     pub fn try_submit_with(
         &self,
         samples: Vec<Sample>,
         done: impl FnOnce(Outcome) + Send + 'static,
     ) -> Result<()> {
-        self.send(
-            Job {
-                samples,
-                done: Box::new(done),
-            },
-            false,
-        )
+        self.send(samples, Box::new(done), false)
     }
 
-    fn job(samples: Vec<Sample>) -> (BatchHandle, Job) {
+    /// A handle and the completion that feeds it.
+    fn handle(samples: &[Sample]) -> (BatchHandle, Done) {
         let (tx, rx) = mpsc::sync_channel(1);
         let sample_ids = samples.iter().map(|s| s.sample_id.clone()).collect();
-        let job = Job {
-            samples,
-            done: Box::new(move |o| {
-                let _ = tx.send(o);
-            }),
-        };
-        (BatchHandle { rx, sample_ids }, job)
+        let done: Done = Box::new(move |o| {
+            let _ = tx.send(o);
+        });
+        (BatchHandle { rx, sample_ids }, done)
     }
 
-    fn send(&self, job: Job, block: bool) -> Result<()> {
+    fn send(&self, samples: Vec<Sample>, done: Done, block: bool) -> Result<()> {
+        let job = Job { samples, done };
         let tx = self.tx.as_ref().ok_or(Error::WriterStopped)?;
         {
             let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
