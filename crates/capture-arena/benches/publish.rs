@@ -1,14 +1,15 @@
 //! Publishing a batch from host buffers vs memcpy of the same bytes, side by side in one run
-//! (issue target: publish >= 0.9 x memcpy).
+//! (issue target: publish >= 0.9 x memcpy): criterion groups, then the same three measured in
+//! interleaved rounds with their ratios.
 //!
 //! `cargo bench -p capture-arena --bench publish`
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use capture_arena::memory::ShmRegion;
 use capture_arena::{Arena, Config, Dtype, Sample, Tensor, TensorData, Writer};
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use criterion::{criterion_group, Criterion, Throughput};
 
 /// A shared source buffer, so each iteration's samples borrow the same bytes without copying.
 #[derive(Clone)]
@@ -123,5 +124,66 @@ fn publish(c: &mut Criterion) {
     }
 }
 
+/// The same three measurements, interleaved round by round (so a slow stretch of a shared
+/// machine hits all of them alike), with medians and ratios printed.
+fn interleaved(rounds: usize) {
+    for shape in shapes() {
+        let src = sources(&shape);
+        let total: u64 = src.iter().flatten().map(|b| b.0.len() as u64).sum();
+        let mut dst = vec![1u8; total as usize];
+        let region = ShmRegion::create(total * 2).unwrap();
+        let mut arena = Arena::new(Box::new(region), 256, "127.0.0.1:0".into()).unwrap();
+        arena.publish(&batch(&shape, &src, false)).unwrap().unwrap();
+        let w = Writer::start(&Config {
+            arena_bytes: Some(total * 2),
+            ..Config::default()
+        })
+        .unwrap();
+        w.submit(batch(&shape, &src, false)).unwrap().wait().unwrap();
+        let mut t: [Vec<Duration>; 3] = Default::default();
+        for _ in 0..rounds {
+            let t0 = Instant::now();
+            let mut at = 0;
+            for buf in src.iter().flatten() {
+                dst[at..at + buf.0.len()].copy_from_slice(&buf.0);
+                at += buf.0.len();
+            }
+            std::hint::black_box(&dst);
+            t[0].push(t0.elapsed());
+            let b = batch(&shape, &src, true);
+            let t0 = Instant::now();
+            arena.publish(&b).unwrap().unwrap();
+            t[1].push(t0.elapsed());
+            let b = batch(&shape, &src, true);
+            let t0 = Instant::now();
+            w.submit(b).unwrap().wait().unwrap();
+            t[2].push(t0.elapsed());
+        }
+        let [m, a, wr] = t.map(|mut v| {
+            v.sort();
+            v[v.len() / 2]
+        });
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        println!(
+            "interleaved {} ({} rounds): memcpy {:.2} ms, arena publish {:.2} ms ({:.3} x memcpy), \
+             writer submit+wait {:.2} ms ({:.3} x memcpy)",
+            shape.label,
+            rounds,
+            ms(m),
+            ms(a),
+            m.as_secs_f64() / a.as_secs_f64(),
+            ms(wr),
+            m.as_secs_f64() / wr.as_secs_f64()
+        );
+    }
+}
+
 criterion_group!(benches, publish);
-criterion_main!(benches);
+
+fn main() {
+    // `cargo test --benches` runs this without --bench: keep that run short.
+    let full = std::env::args().any(|a| a == "--bench");
+    benches();
+    interleaved(if full { 40 } else { 2 });
+    Criterion::default().configure_from_args().final_summary();
+}
