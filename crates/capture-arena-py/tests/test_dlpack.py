@@ -46,3 +46,18 @@ def test_torch_tensors_round_trip():
         out = {"target": torch.empty(1, 8, 4, dtype=torch.bfloat16)}
         ca.ArenaFeatureStore().get(r, ["target"], out=out)
         assert torch.equal(out["target"][0], last)
+
+
+def test_device_tensors_are_refused_before_anything_is_written():
+    torch = pytest.importorskip("torch", reason="torch is not installed here")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: this checks the GPU-machine path")
+    with ca.ArenaSink(arena_bytes="16MiB") as sink:
+        aux = torch.randn(8, 12, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(ca.InvalidSampleError, match="publishes host tensors"):
+            sink.put_sample(spec("gpu"), aux=aux, last_hidden=torch.randn(8, 4, dtype=torch.bfloat16))
+        assert not sink.started
+        # The same tensors, moved to the host, publish and read back bit-exact.
+        r = sink.put_sample(spec("gpu"), aux=aux.cpu(), last_hidden=torch.zeros(8, 4, dtype=torch.bfloat16))
+        got = ca.ArenaFeatureStore().get(r, ["hidden_state"], torch=True)["hidden_state"]
+        assert torch.equal(got[0], aux.cpu())
