@@ -3,6 +3,7 @@
 //! `cargo run --release -p capture-arena-cli -- demo`
 
 mod bench;
+mod clean;
 mod consume;
 mod demo;
 mod produce;
@@ -32,6 +33,8 @@ enum Command {
     Consume(consume::Args),
     /// Measure memcpy, publish, read, view and end-to-end bandwidth side by side.
     Bench(bench::Args),
+    /// Remove the shared memory of producers that died without removing their arena.
+    Clean(clean::Args),
 }
 
 fn main() -> ExitCode {
@@ -51,6 +54,7 @@ fn main() -> ExitCode {
         Command::Produce(a) => produce::run(a),
         Command::Consume(a) => consume::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Clean(a) => clean::run(a),
     };
     match result {
         Ok(code) => code,

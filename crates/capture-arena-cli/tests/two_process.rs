@@ -218,3 +218,43 @@ fn produce_without_an_arena_size_says_what_to_set() {
         "{err}"
     );
 }
+
+#[test]
+fn clean_removes_only_the_arenas_of_dead_producers() {
+    let dir = std::env::temp_dir().join(format!("capture-arena-clean-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dead = {
+        let mut c = Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        pid
+    };
+    let nonce = "0123456789abcdef0123456789abcdef";
+    let stale = dir.join(format!("capture-arena-{dead}-{nonce}"));
+    let live = dir.join(format!("capture-arena-{}-{nonce}", std::process::id()));
+    let other = dir.join("not-ours");
+    for p in [&stale, &live, &other] {
+        std::fs::write(p, b"x").unwrap();
+    }
+    let dry = Command::new(EXE)
+        .args(["clean", "--dry-run", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(dry.status.success());
+    assert!(String::from_utf8_lossy(&dry.stdout).contains("would remove 1 stale"));
+    assert!(stale.exists(), "a dry run removes nothing");
+    let out = Command::new(EXE)
+        .args(["clean", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!("pid {dead} is gone")) && text.contains("removed 1 stale"),
+        "{text}"
+    );
+    assert!(!stale.exists() && live.exists() && other.exists());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -139,7 +139,10 @@ fn interleaved(rounds: usize) {
             ..Config::default()
         })
         .unwrap();
-        w.submit(batch(&shape, &src, false)).unwrap().wait().unwrap();
+        w.submit(batch(&shape, &src, false))
+            .unwrap()
+            .wait()
+            .unwrap();
         let mut t: [Vec<Duration>; 3] = Default::default();
         for _ in 0..rounds {
             let t0 = Instant::now();

@@ -10,7 +10,7 @@
 //! transfer engine allocated or registered are further implementations of the same trait: the
 //! allocator, the arena and the writer do not change for them.
 
-mod shm;
+pub mod shm;
 
 pub use shm::{ShmRegion, ShmSession, ShmView};
 

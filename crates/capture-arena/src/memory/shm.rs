@@ -31,6 +31,15 @@ pub const HEADER_BYTES: u64 = 4096;
 /// The prefix of every arena's shared-memory name (`/dev/shm/capture-arena-*`).
 pub const NAME_PREFIX: &str = "capture-arena-";
 
+/// The pid in an arena's shared-memory name (`capture-arena-<pid>-<nonce>`), or `None` for
+/// any other name.
+pub fn owner_pid(name: &str) -> Option<u32> {
+    let (pid, nonce) = name.strip_prefix(NAME_PREFIX)?.split_once('-')?;
+    (nonce.len() == 32 && nonce.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| pid.parse().ok())
+        .flatten()
+}
+
 /// A parsed shared-memory session string.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ShmSession {
@@ -531,6 +540,20 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("stale session"));
+    }
+
+    #[test]
+    fn owner_pids() {
+        assert_eq!(
+            owner_pid("capture-arena-42-000000000000000000000000000000ff"),
+            Some(42)
+        );
+        assert_eq!(owner_pid("capture-arena-42-00ff"), None);
+        assert_eq!(
+            owner_pid("capture-arena-x-000000000000000000000000000000ff"),
+            None
+        );
+        assert_eq!(owner_pid("other-42-000000000000000000000000000000ff"), None);
     }
 
     #[test]

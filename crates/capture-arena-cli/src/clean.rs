@@ -1,0 +1,71 @@
+//! `capture-arena clean`: give back the shared memory of producers that died without removing
+//! their arena (killed outright, out of memory). A live producer's arena is never touched.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use capture_arena::memory::shm::{owner_pid, NAME_PREFIX};
+
+use crate::workload::gib;
+
+/// Flags of `clean`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Only list what would be removed.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// The shared-memory folder.
+    #[arg(long, default_value = "/dev/shm")]
+    pub dir: std::path::PathBuf,
+}
+
+/// Removes `/dev/shm/capture-arena-<pid>-*` objects whose pid is not a running process. Run it
+/// where the producers' pids are visible (the same PID namespace): a producer in another
+/// namespace that shares this `/dev/shm` would look dead.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let mut removed = (0u64, 0u64);
+    let mut failed = 0;
+    let entries = std::fs::read_dir(&args.dir)
+        .map_err(|e| anyhow::anyhow!("listing {}: {e}", args.dir.display()))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = owner_pid(&name) else {
+            continue;
+        };
+        let bytes = entry.metadata().map_or(0, |m| m.len());
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            println!("in use   {name} ({}, pid {pid} is running)", gib(bytes));
+            continue;
+        }
+        if args.dry_run {
+            println!("stale    {name} ({}, pid {pid} is gone)", gib(bytes));
+            removed = (removed.0 + 1, removed.1 + bytes);
+            continue;
+        }
+        match std::fs::remove_file(entry.path()) {
+            Ok(()) => {
+                println!("removed  {name} ({}, pid {pid} is gone)", gib(bytes));
+                removed = (removed.0 + 1, removed.1 + bytes);
+            }
+            Err(e) => {
+                eprintln!("cannot remove {name}: {e}");
+                failed += 1;
+            }
+        }
+    }
+    let verb = if args.dry_run {
+        "would remove"
+    } else {
+        "removed"
+    };
+    println!(
+        "{verb} {} stale {NAME_PREFIX}* objects, {}",
+        removed.0,
+        gib(removed.1)
+    );
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
