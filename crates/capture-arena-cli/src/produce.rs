@@ -67,6 +67,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
          (SGLANG_SPEC_CAPTURE_ARENA_BYTES) or lower --batch / --max-len"
     );
     let writer = Writer::start(&config).context("starting the arena")?;
+    remove_arena_on_signal(&writer.arena_ref().session)?;
     tracing::info!(
         samples = w.samples,
         total = %gib(w.total_bytes()),
@@ -159,4 +160,26 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// On SIGINT, SIGTERM or SIGHUP, remove the arena's shared memory and exit: a producer stopped by
+/// Ctrl-C or by its supervisor must not leave `arena_bytes` of `/dev/shm` behind.
+fn remove_arena_on_signal(session: &str) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("installing signal handlers")?;
+    let session: capture_arena::memory::ShmSession = session.parse()?;
+    std::thread::Builder::new()
+        .name("produce-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                if let Err(e) = capture_arena::memory::shm::remove(&session) {
+                    eprintln!("produce: {e}");
+                }
+                eprintln!("produce: stopped by signal {sig}; arena removed");
+                std::process::exit(128 + sig);
+            }
+        })
+        .context("starting the signal thread")?;
+    Ok(())
 }

@@ -150,7 +150,7 @@ fn results_of_an_exited_producer_are_refused_as_stale() {
             "--hidden",
             "64",
         ])
-        .args(["--arena-bytes", "1MiB", "--idle-timeout", "5", "--quiet"])
+        .args(["--arena-bytes", "1MiB", "--idle-timeout", "1", "--quiet"])
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -174,8 +174,9 @@ fn results_of_an_exited_producer_are_refused_as_stale() {
         s["first_error"].as_str().unwrap().contains("stale session"),
         "{s}"
     );
-    let _ = restarted.kill();
-    let _ = restarted.wait();
+    // Let it end by itself (nobody frees its sample: it fails after its idle timeout), so it
+    // removes its arena; a killed producer would leave it in /dev/shm.
+    assert!(!restarted.wait().unwrap().success());
 }
 
 #[test]
@@ -257,4 +258,47 @@ fn clean_removes_only_the_arenas_of_dead_producers() {
     );
     assert!(!stale.exists() && live.exists() && other.exists());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_producer_stopped_by_a_signal_removes_its_arena() {
+    let mut producer = Command::new(EXE)
+        .arg("produce")
+        .args([
+            "--samples",
+            "1",
+            "--min-len",
+            "8",
+            "--max-len",
+            "8",
+            "--hidden",
+            "64",
+        ])
+        .args(["--arena-bytes", "1MiB", "--idle-timeout", "60", "--quiet"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    use std::io::BufRead;
+    std::io::BufReader::new(producer.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let v: Value = serde_json::from_str(&first).unwrap();
+    let session = v["arena"]["session"].as_str().unwrap().to_owned();
+    let name = session
+        .trim_start_matches("shm://")
+        .split('?')
+        .next()
+        .unwrap()
+        .to_owned();
+    let path = std::path::Path::new("/dev/shm").join(&name);
+    assert!(path.exists(), "{path:?}");
+    let status = Command::new("kill")
+        .args(["-TERM", &producer.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let code = producer.wait().unwrap().code();
+    assert_eq!(code, Some(128 + 15));
+    assert!(!path.exists(), "the arena was removed on SIGTERM");
 }

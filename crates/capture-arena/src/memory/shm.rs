@@ -40,6 +40,27 @@ pub fn owner_pid(name: &str) -> Option<u32> {
         .flatten()
 }
 
+/// Removes the shared-memory object of `session` by name, for a process that is about to exit
+/// without running its destructors (a signal handler): the memory goes back once the last
+/// mapping closes. Readers that open the session afterwards get a stale-session error.
+///
+/// # Errors
+/// [`Error::Io`] if the object cannot be removed (already gone, not ours).
+pub fn remove(session: &ShmSession) -> Result<()> {
+    let name = CString::new(format!("/{}", session.name)).map_err(|_| Error::InvalidSession {
+        session: session.to_string(),
+        reason: "name contains NUL".into(),
+    })?;
+    // SAFETY: plain FFI on a NUL-terminated name.
+    if unsafe { libc::shm_unlink(name.as_ptr()) } != 0 {
+        return Err(Error::io(
+            format!("removing /dev/shm/{}", session.name),
+            io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
 /// A parsed shared-memory session string.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ShmSession {
