@@ -36,6 +36,34 @@ fn small_producer() -> Child {
         .unwrap()
 }
 
+/// A producer of `samples` tiny samples (L = 8, H = 64, one per batch) into a 1 MiB arena that
+/// gives up `idle` seconds after the last free; its results on a pipe.
+fn tiny_producer(samples: &str, idle: &str) -> Command {
+    let mut c = Command::new(EXE);
+    c.arg("produce")
+        .args([
+            "--samples",
+            samples,
+            "--min-len",
+            "8",
+            "--max-len",
+            "8",
+            "--hidden",
+            "64",
+        ])
+        .args([
+            "--batch",
+            "1",
+            "--arena-bytes",
+            "1MiB",
+            "--idle-timeout",
+            idle,
+            "--quiet",
+        ])
+        .stdout(Stdio::piped());
+    c
+}
+
 fn last_json(out: &[u8], key: &str) -> Value {
     String::from_utf8_lossy(out)
         .lines()
@@ -111,23 +139,7 @@ fn producer_reports_its_final_stats_and_the_arena_is_fully_free() {
 fn results_of_an_exited_producer_are_refused_as_stale() {
     // Nobody frees: the producer gives up after its idle timeout, exits non-zero and removes
     // its arena. Its results, fed to a trainer afterwards, must be refused, not read.
-    let producer = Command::new(EXE)
-        .arg("produce")
-        .args([
-            "--samples",
-            "2",
-            "--min-len",
-            "8",
-            "--max-len",
-            "8",
-            "--hidden",
-            "64",
-            "--batch",
-            "1",
-        ])
-        .args(["--arena-bytes", "1MiB", "--idle-timeout", "0.2", "--quiet"])
-        .output()
-        .unwrap();
+    let producer = tiny_producer("2", "0.2").output().unwrap();
     assert!(
         !producer.status.success(),
         "nobody freed: the producer must fail"
@@ -138,22 +150,7 @@ fn results_of_an_exited_producer_are_refused_as_stale() {
         "{f}"
     );
     // A second producer is running now (the "restarted" server).
-    let mut restarted = Command::new(EXE)
-        .arg("produce")
-        .args([
-            "--samples",
-            "1",
-            "--min-len",
-            "8",
-            "--max-len",
-            "8",
-            "--hidden",
-            "64",
-        ])
-        .args(["--arena-bytes", "1MiB", "--idle-timeout", "1", "--quiet"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut restarted = tiny_producer("1", "1").spawn().unwrap();
     let mut trainer = Command::new(EXE)
         .args(["consume", "--quiet"])
         .stdin(Stdio::piped())
@@ -262,22 +259,7 @@ fn clean_removes_only_the_arenas_of_dead_producers() {
 
 #[test]
 fn a_producer_stopped_by_a_signal_removes_its_arena() {
-    let mut producer = Command::new(EXE)
-        .arg("produce")
-        .args([
-            "--samples",
-            "1",
-            "--min-len",
-            "8",
-            "--max-len",
-            "8",
-            "--hidden",
-            "64",
-        ])
-        .args(["--arena-bytes", "1MiB", "--idle-timeout", "60", "--quiet"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut producer = tiny_producer("1", "60").spawn().unwrap();
     let mut first = String::new();
     use std::io::BufRead;
     std::io::BufReader::new(producer.stdout.take().unwrap())

@@ -81,44 +81,78 @@ fn batch(s: &Shape, src: &[Vec<Src>], replace: bool) -> Vec<Sample> {
         .collect()
 }
 
+/// What the three measurements need for one batch shape: the sources, a memcpy destination, an
+/// arena and a writer, each with the batch already resident (so every timed publish replaces).
+struct Setup {
+    src: Vec<Vec<Src>>,
+    total: u64,
+    dst: Vec<u8>,
+    arena: Arena,
+    writer: Writer,
+}
+
+fn setup(shape: &Shape) -> Setup {
+    let src = sources(shape);
+    let total: u64 = src.iter().flatten().map(|b| b.0.len() as u64).sum();
+    let region = ShmRegion::create(total * 2).unwrap();
+    let mut arena = Arena::new(Box::new(region), 256, "127.0.0.1:0".into()).unwrap();
+    arena.publish(&batch(shape, &src, false)).unwrap().unwrap();
+    let writer = Writer::start(&Config {
+        arena_bytes: Some(total * 2),
+        ..Config::default()
+    })
+    .unwrap();
+    writer
+        .submit(batch(shape, &src, false))
+        .unwrap()
+        .wait()
+        .unwrap();
+    Setup {
+        dst: vec![1u8; total as usize],
+        src,
+        total,
+        arena,
+        writer,
+    }
+}
+
+/// The limit: the same bytes copied into one pre-faulted buffer.
+fn memcpy(src: &[Vec<Src>], dst: &mut [u8]) {
+    let mut at = 0;
+    for buf in src.iter().flatten() {
+        dst[at..at + buf.0.len()].copy_from_slice(&buf.0);
+        at += buf.0.len();
+    }
+    std::hint::black_box(dst);
+}
+
 fn publish(c: &mut Criterion) {
     for shape in shapes() {
-        let src = sources(&shape);
-        let total: u64 = src.iter().flatten().map(|b| b.0.len() as u64).sum();
+        let Setup {
+            src,
+            total,
+            mut dst,
+            mut arena,
+            writer,
+        } = setup(&shape);
         let mut g = c.benchmark_group(shape.label);
         g.throughput(Throughput::Bytes(total))
             .sample_size(20)
             .measurement_time(Duration::from_secs(6));
-        // The limit: the same bytes copied into one pre-faulted buffer.
-        let mut dst = vec![1u8; total as usize];
-        g.bench_function("memcpy", |b| {
-            b.iter(|| {
-                let mut at = 0;
-                for buf in src.iter().flatten() {
-                    dst[at..at + buf.0.len()].copy_from_slice(&buf.0);
-                    at += buf.0.len();
-                }
-            })
-        });
+        g.bench_function("memcpy", |b| b.iter(|| memcpy(&src, &mut dst)));
         // The arena alone: validate, allocate, copy, build results (replace frees the last copy).
-        let region = ShmRegion::create(total * 2).unwrap();
-        let mut arena = Arena::new(Box::new(region), 256, "127.0.0.1:0".into()).unwrap();
-        arena.publish(&batch(&shape, &src, false)).unwrap().unwrap();
         g.bench_function("arena publish", |b| {
             b.iter(|| arena.publish(&batch(&shape, &src, true)).unwrap().unwrap())
         });
         // Through the writer thread: submit, copy on the writer, wait for the results.
-        let w = Writer::start(&Config {
-            arena_bytes: Some(total * 2),
-            ..Config::default()
-        })
-        .unwrap();
-        w.submit(batch(&shape, &src, false))
-            .unwrap()
-            .wait()
-            .unwrap();
         g.bench_function("writer submit+wait", |b| {
-            b.iter(|| w.submit(batch(&shape, &src, true)).unwrap().wait().unwrap())
+            b.iter(|| {
+                writer
+                    .submit(batch(&shape, &src, true))
+                    .unwrap()
+                    .wait()
+                    .unwrap()
+            })
         });
         g.finish();
     }
@@ -128,30 +162,17 @@ fn publish(c: &mut Criterion) {
 /// machine hits all of them alike), with medians and ratios printed.
 fn interleaved(rounds: usize) {
     for shape in shapes() {
-        let src = sources(&shape);
-        let total: u64 = src.iter().flatten().map(|b| b.0.len() as u64).sum();
-        let mut dst = vec![1u8; total as usize];
-        let region = ShmRegion::create(total * 2).unwrap();
-        let mut arena = Arena::new(Box::new(region), 256, "127.0.0.1:0".into()).unwrap();
-        arena.publish(&batch(&shape, &src, false)).unwrap().unwrap();
-        let w = Writer::start(&Config {
-            arena_bytes: Some(total * 2),
-            ..Config::default()
-        })
-        .unwrap();
-        w.submit(batch(&shape, &src, false))
-            .unwrap()
-            .wait()
-            .unwrap();
+        let Setup {
+            src,
+            mut dst,
+            mut arena,
+            writer: w,
+            ..
+        } = setup(&shape);
         let mut t: [Vec<Duration>; 3] = Default::default();
         for _ in 0..rounds {
             let t0 = Instant::now();
-            let mut at = 0;
-            for buf in src.iter().flatten() {
-                dst[at..at + buf.0.len()].copy_from_slice(&buf.0);
-                at += buf.0.len();
-            }
-            std::hint::black_box(&dst);
+            memcpy(&src, &mut dst);
             t[0].push(t0.elapsed());
             let b = batch(&shape, &src, true);
             let t0 = Instant::now();
