@@ -20,8 +20,24 @@ fn arena_enabled() -> bool {
     capture_arena::arena_enabled()
 }
 
+/// Logs go to stderr from whichever thread emits them (the writer thread never takes the GIL, so
+/// they cannot go through Python's `logging`). `CAPTURE_ARENA_LOG` (or `RUST_LOG`) sets the
+/// filter; by default warnings, plus the per-batch timing line when
+/// `SGLANG_SPEC_CAPTURE_TIMING=1`. Nothing is installed if the process already has a subscriber.
+fn init_logging() {
+    let filter = std::env::var("CAPTURE_ARENA_LOG")
+        .or_else(|_| std::env::var("RUST_LOG"))
+        .unwrap_or_else(|_| format!("warn,{}=info", capture_arena::writer::TIMING_TARGET));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}
+
 #[pymodule]
 fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    init_logging();
     m.add_class::<sink::PySink>()?;
     m.add_class::<store::PyStore>()?;
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;

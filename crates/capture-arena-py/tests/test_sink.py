@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
+import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -262,3 +265,27 @@ def test_non_native_byte_order_is_converted(make_sink):
     r = sink.put_sample(spec("be", aux=True, last=False), aux=aux)
     got = ca.ArenaFeatureStore().get(r, ["hidden_state"])["hidden_state"]
     assert got.dtype == np.float32 and (got[0] == aux).all()
+
+
+def test_timing_and_warnings_are_logged_to_stderr():
+    # A fresh interpreter: the log filter is read when the module is first imported.
+    code = (
+        "import capture_arena as ca, numpy as np\n"
+        "s = ca.ArenaSink(arena_bytes='1MiB')\n"
+        "spec = {'store_id': 'a', 'sample_id': 's', 'passthrough': "
+        "[{'name': 'x', 'data': [1, 2], 'shape': [2], 'dtype': 'int64'}]}\n"
+        "s.put_sample(spec)\n"
+        "import socket; host, port = s.control.rsplit(':', 1)\n"
+        "c = socket.create_connection((host, int(port)))\n"
+        "c.sendall(b'not json\\n'); c.close()\n"
+        "import time\n"
+        "while s.stats()['bad_lines'] == 0: time.sleep(0.01)\n"
+        "s.close()\n"
+    )
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_TIMING": "1"}
+    env.pop("RUST_LOG", None)
+    env.pop("CAPTURE_ARENA_LOG", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "capture batch published" in out.stderr and "samples=1" in out.stderr, out.stderr
+    assert "bad control line ignored" in out.stderr, out.stderr
