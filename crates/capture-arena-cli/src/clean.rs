@@ -1,10 +1,12 @@
 //! `capture-arena clean`: give back the shared memory of producers that died without removing
-//! their arena (killed outright, out of memory). A live producer's arena is never touched.
+//! their arena (killed outright, out of memory). A live producer's arena is never touched: its
+//! producer holds a lock on it for its whole life, which `clean` tests (this works across PID
+//! namespaces, unlike the pid in the name).
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use capture_arena::memory::shm::{owner_pid, NAME_PREFIX};
+use capture_arena::memory::shm::{is_abandoned, owner_pid, NAME_PREFIX};
 
 use crate::workload::gib;
 
@@ -19,9 +21,7 @@ pub struct Args {
     pub dir: std::path::PathBuf,
 }
 
-/// Removes `/dev/shm/capture-arena-<pid>-*` objects whose pid is not a running process. Run it
-/// where the producers' pids are visible (the same PID namespace): a producer in another
-/// namespace that shares this `/dev/shm` would look dead.
+/// Removes `/dev/shm/capture-arena-<pid>-*` objects that no producer holds any more.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut removed = (0u64, 0u64);
     let mut failed = 0;
@@ -33,18 +33,41 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             continue;
         };
         let bytes = entry.metadata().map_or(0, |m| m.len());
-        if Path::new(&format!("/proc/{pid}")).exists() {
-            println!("in use   {name} ({}, pid {pid} is running)", gib(bytes));
-            continue;
+        let gone = if Path::new(&format!("/proc/{pid}")).exists() {
+            format!("pid {pid} is running here")
+        } else {
+            format!("pid {pid} is not running here")
+        };
+        // An empty object is one being created this instant (before its producer locks it).
+        match is_abandoned(&entry.path()) {
+            Ok(true) if bytes > 0 => {}
+            Ok(_) => {
+                println!(
+                    "in use   {name} ({}, held by its producer; {gone})",
+                    gib(bytes)
+                );
+                continue;
+            }
+            Err(e) => {
+                eprintln!("cannot check {name}: {e}");
+                failed += 1;
+                continue;
+            }
         }
         if args.dry_run {
-            println!("stale    {name} ({}, pid {pid} is gone)", gib(bytes));
+            println!(
+                "stale    {name} ({}, no producer holds it; {gone})",
+                gib(bytes)
+            );
             removed = (removed.0 + 1, removed.1 + bytes);
             continue;
         }
         match std::fs::remove_file(entry.path()) {
             Ok(()) => {
-                println!("removed  {name} ({}, pid {pid} is gone)", gib(bytes));
+                println!(
+                    "removed  {name} ({}, no producer holds it; {gone})",
+                    gib(bytes)
+                );
                 removed = (removed.0 + 1, removed.1 + bytes);
             }
             Err(e) => {

@@ -29,8 +29,8 @@ pub struct Args {
     pub quiet: bool,
 }
 
-/// A child process that is killed and reaped if the demo returns early (an error), so a failed
-/// run leaves no producer holding its arena until its idle timeout.
+/// A child process that is stopped (SIGTERM, then SIGKILL after 5 s) and reaped if the demo
+/// returns early (an error), so a failed run leaves no producer holding its arena.
 struct Reaped(Option<Child>);
 
 impl Reaped {
@@ -50,10 +50,20 @@ impl Reaped {
 
 impl Drop for Reaped {
     fn drop(&mut self) {
-        if let Some(c) = &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
+        let Some(c) = &mut self.0 else { return };
+        // SIGTERM first, so a producer removes its arena; SIGKILL if it does not go.
+        if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+            // SAFETY: plain FFI; `pid` is our own child, not yet reaped, so not reused.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
         }
+        for _ in 0..50 {
+            if matches!(c.try_wait(), Ok(Some(_))) {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
     }
 }
 

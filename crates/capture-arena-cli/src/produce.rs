@@ -177,6 +177,8 @@ fn remove_arena_on_signal(session: &str) -> anyhow::Result<()> {
                     eprintln!("produce: {e}");
                 }
                 eprintln!("produce: stopped by signal {sig}; arena removed");
+                // Die by the signal itself, so a shell running us in a loop sees it.
+                let _ = signal_hook::low_level::emulate_default_handler(sig);
                 std::process::exit(128 + sig);
             }
         })

@@ -218,22 +218,26 @@ fn produce_without_an_arena_size_says_what_to_set() {
 }
 
 #[test]
-fn clean_removes_only_the_arenas_of_dead_producers() {
+fn clean_removes_only_the_arenas_no_producer_holds() {
     let dir = std::env::temp_dir().join(format!("capture-arena-clean-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let dead = {
-        let mut c = Command::new("true").spawn().unwrap();
-        let pid = c.id();
-        c.wait().unwrap();
-        pid
-    };
     let nonce = "0123456789abcdef0123456789abcdef";
-    let stale = dir.join(format!("capture-arena-{dead}-{nonce}"));
-    let live = dir.join(format!("capture-arena-{}-{nonce}", std::process::id()));
+    let stale = dir.join(format!("capture-arena-999999-{nonce}"));
+    let held = dir.join(format!("capture-arena-999998-{nonce}"));
     let other = dir.join("not-ours");
-    for p in [&stale, &live, &other] {
+    for p in [&stale, &held, &other] {
         std::fs::write(p, b"x").unwrap();
     }
+    // A producer holds a shared lock on its arena for its whole life; `flock -s` stands in.
+    let mut holder = Command::new("flock")
+        .arg("-s")
+        .arg(&held)
+        .args(["sleep", "5"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
     let dry = Command::new(EXE)
         .args(["clean", "--dry-run", "--dir"])
         .arg(&dir)
@@ -250,10 +254,12 @@ fn clean_removes_only_the_arenas_of_dead_producers() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(
-        text.contains(&format!("pid {dead} is gone")) && text.contains("removed 1 stale"),
+        text.contains("removed 1 stale") && text.contains("held by its producer"),
         "{text}"
     );
-    assert!(!stale.exists() && live.exists() && other.exists());
+    assert!(!stale.exists() && held.exists() && other.exists());
+    let _ = holder.kill();
+    let _ = holder.wait();
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -280,7 +286,11 @@ fn a_producer_stopped_by_a_signal_removes_its_arena() {
         .status()
         .unwrap();
     assert!(status.success());
-    let code = producer.wait().unwrap().code();
-    assert_eq!(code, Some(128 + 15));
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(
+        producer.wait().unwrap().signal(),
+        Some(15),
+        "it dies by the signal"
+    );
     assert!(!path.exists(), "the arena was removed on SIGTERM");
 }

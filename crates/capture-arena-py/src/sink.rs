@@ -250,8 +250,31 @@ fn opt_bytes(v: Option<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
     })
 }
 
+/// A call's hold on the sink. If `close()` ran meanwhile, this may be the last hold: then the
+/// writer stops when it is dropped, and that must not keep the GIL (it waits for queued copies
+/// and unmaps the region). All holds are dropped with the GIL held, so the count check is not
+/// racy.
+struct Held(Option<Arc<Sink>>);
+
+impl std::ops::Deref for Held {
+    type Target = Sink;
+    fn deref(&self) -> &Sink {
+        self.0.as_deref().expect("held until dropped")
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            if Arc::strong_count(&s) == 1 {
+                Python::attach(|py| py.detach(move || drop(s)));
+            }
+        }
+    }
+}
+
 impl PySink {
-    fn sink(&self, py: Python<'_>) -> PyResult<Arc<Sink>> {
+    fn sink(&self, py: Python<'_>) -> PyResult<Held> {
         if self.pid != std::process::id() {
             return Err(named(
                 py,
@@ -268,6 +291,7 @@ impl PySink {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+            .map(|s| Held(Some(s)))
             .ok_or_else(|| named(py, "WriterStoppedError", "the ArenaSink is closed".into()))
     }
 

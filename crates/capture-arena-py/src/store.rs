@@ -93,10 +93,16 @@ impl PyStore {
         py.detach(|| self.store.release(&p)).py_err()
     }
 
-    /// Raises `ReleasedError` if `result` was released.
-    fn _check(&self, result: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Raises `ReleasedError` if `result` was released, and checks each of `names` against
+    /// the arena (unknown name, shape or address outside it) before anything is allocated.
+    #[pyo3(signature = (result, names=None))]
+    fn _check(&self, result: &Bound<'_, PyAny>, names: Option<Vec<String>>) -> PyResult<()> {
         let p = published(result)?;
-        self.store.check(&p).py_err()
+        self.store.check(&p).py_err()?;
+        for name in names.unwrap_or_default() {
+            self.store.reader().checked_len(&p, &name).py_err()?;
+        }
+        Ok(())
     }
 
     /// Retries frees that could not be sent.

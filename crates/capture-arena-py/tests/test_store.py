@@ -96,13 +96,17 @@ def test_unknown_features_failed_results_and_forged_addresses(make_sink):
     sink = make_sink()
     r = sink.put_sample(spec("u"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
     store = ca.ArenaFeatureStore()
-    with pytest.raises(KeyError, match="no feature 'nope'"):
+    with pytest.raises(KeyError, match="no feature st/u/g1/nope: the result has hidden_state"):
         store.get(r, ["nope"])
     with pytest.raises(ca.InvalidReadError, match="failed to publish"):
         store.get({"sample_id": "x", "error": "arena full"})
     forged = {**r, "features": {"target": {**r["features"]["target"], "address": 12}}}
     with pytest.raises(ca.InvalidReadError, match="outside the arena"):
         store.get(forged)
+    # A shape far larger than the arena is refused before an array of its size is allocated.
+    huge = {**r, "features": {"target": {**r["features"]["target"], "shape": [1, 1 << 40, 4]}}}
+    with pytest.raises(ca.InvalidReadError, match="outside the arena"):
+        store.get(huge)
 
 
 def test_results_of_a_closed_sink_are_stale(make_sink):

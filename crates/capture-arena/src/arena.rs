@@ -179,7 +179,9 @@ impl Arena {
     /// and try again).
     ///
     /// # Errors
-    /// As [`Arena::check`], plus a failed copy; the arena is unchanged on every error.
+    /// As [`Arena::check`], plus a failed copy (device regions). The arena is unchanged on
+    /// every error, except that after a failed copy the objects the batch was replacing stay
+    /// freed (the copy may have overwritten them; the writer logs how many).
     pub fn publish(&mut self, samples: &[Sample]) -> Result<Option<Publication>> {
         self.check(samples)?;
         // Free what `replace` replaces, keeping it aside to restore on failure.

@@ -150,6 +150,17 @@ pub struct ControlClient {
     timeout: Duration,
 }
 
+impl Pending {
+    /// The queue of `endpoint`; a new endpoint takes over the keys that had no endpoint.
+    fn endpoint(&mut self, endpoint: &str) -> &mut Vec<String> {
+        if !self.by_endpoint.contains_key(endpoint) {
+            let unrouted = std::mem::take(&mut self.unrouted);
+            self.by_endpoint.insert(endpoint.to_owned(), unrouted);
+        }
+        self.by_endpoint.entry(endpoint.to_owned()).or_default()
+    }
+}
+
 #[derive(Debug, Default)]
 struct Pending {
     /// Keys not yet sent, per known endpoint, in order.
@@ -176,11 +187,7 @@ impl ControlClient {
 
     /// Remembers an endpoint, so keys with no known endpoint reach it too.
     pub fn learn(&self, endpoint: &str) {
-        let mut p = lock(&self.pending);
-        if !p.by_endpoint.contains_key(endpoint) {
-            let unrouted = std::mem::take(&mut p.unrouted);
-            p.by_endpoint.insert(endpoint.to_owned(), unrouted);
-        }
+        lock(&self.pending).endpoint(endpoint);
     }
 
     /// Endpoints known so far.
@@ -213,10 +220,7 @@ impl ControlClient {
             let mut p = lock(&self.pending);
             match endpoint {
                 Some(e) => {
-                    p.by_endpoint
-                        .entry(e.to_owned())
-                        .or_default()
-                        .extend(keys.into_iter().map(Into::into));
+                    p.endpoint(e).extend(keys.into_iter().map(Into::into));
                     vec![e.to_owned()]
                 }
                 None if p.by_endpoint.is_empty() => {

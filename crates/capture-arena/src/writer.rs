@@ -55,6 +55,19 @@ type Done = Box<dyn FnOnce(Outcome) + Send>;
 struct Job {
     samples: Vec<Sample>,
     done: Done,
+    /// The batch's place among the `max_pending_batches` the writer may hold: given back when
+    /// the job is dropped, however that happens (completed, refused, or dropped by a writer
+    /// that stopped), so no count is ever lost.
+    permit: Permit,
+}
+
+/// One held batch; see [`Job::permit`].
+struct Permit(Arc<Shared>);
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0.release_hold();
+    }
 }
 
 /// State shared between the writer thread and its handles.
@@ -204,7 +217,7 @@ impl Writer {
             wait: config.arena_wait,
             timing: config.timing,
             scratch: vec![0; 64 * 1024],
-            accept_retry: false,
+            accept_retry: None,
         };
         let thread = std::thread::Builder::new()
             .name("capture-arena-writer".into())
@@ -282,18 +295,18 @@ impl Writer {
     }
 
     fn send(&self, samples: Vec<Sample>, done: Done, block: bool) -> Result<()> {
-        let job = Job { samples, done };
         let tx = self.tx.as_ref().ok_or(Error::WriterStopped)?;
+        let stopped = || self.thread.as_ref().is_none_or(|t| t.is_finished());
         {
             let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
             while *held >= self.max_pending {
+                if stopped() {
+                    return Err(Error::WriterStopped);
+                }
                 if !block {
                     return Err(Error::QueueFull {
                         capacity: self.max_pending,
                     });
-                }
-                if self.thread.as_ref().is_none_or(|t| t.is_finished()) {
-                    return Err(Error::WriterStopped);
                 }
                 // Re-check the writer now and then: a stopped writer makes no room.
                 held = self
@@ -305,10 +318,13 @@ impl Writer {
             }
             *held += 1;
         }
-        if tx.send(job).is_err() {
-            self.shared.release_hold();
-            return Err(Error::WriterStopped);
-        }
+        let job = Job {
+            samples,
+            done,
+            permit: Permit(self.shared.clone()),
+        };
+        // On failure the job comes back inside the error and is dropped: its permit too.
+        tx.send(job).map_err(|_| Error::WriterStopped)?;
         self.waker
             .wake()
             .map_err(|e| Error::io("waking the writer", e))
@@ -397,8 +413,9 @@ struct Loop {
     timing: bool,
     scratch: Vec<u8>,
     /// `accept` failed (out of descriptors, ...) with connections possibly still queued: under
-    /// edge-triggered polling no new event comes for them, so retry on a short timer.
-    accept_retry: bool,
+    /// edge-triggered polling no new event comes for them, so retry after this delay, which
+    /// doubles (up to a second) while the failure lasts.
+    accept_retry: Option<Duration>,
 }
 
 impl Loop {
@@ -422,11 +439,9 @@ impl Loop {
     /// One `poll` (blocking up to `timeout`, forever if `None`), then every event handled.
     /// Returns true if control input changed the arena.
     fn poll_once(&mut self, events: &mut Events, timeout: Option<Duration>) -> bool {
-        let retry_every = Duration::from_millis(10);
-        let timeout = if self.accept_retry {
-            Some(timeout.map_or(retry_every, |t| t.min(retry_every)))
-        } else {
-            timeout
+        let timeout = match self.accept_retry {
+            Some(retry) => Some(timeout.map_or(retry, |t| t.min(retry))),
+            None => timeout,
         };
         if let Err(e) = self.poll.poll(events, timeout) {
             if e.kind() != ErrorKind::Interrupted {
@@ -437,7 +452,7 @@ impl Loop {
         }
         let mut changed = false;
         let mut control = false;
-        if std::mem::take(&mut self.accept_retry) {
+        if self.accept_retry.is_some() {
             changed |= self.accept();
             control = true;
         }
@@ -497,12 +512,24 @@ impl Loop {
                     // Data may already be waiting (edge-triggered): read it now.
                     changed |= self.read_conn(token);
                 }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => return changed,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    self.accept_retry = None;
+                    return changed;
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    // Out of file descriptors and the like: log and retry shortly.
-                    tracing::warn!(error = %e, "accepting a control connection failed; retrying");
-                    self.accept_retry = true;
+                    // Out of file descriptors and the like: retry on a timer that backs off;
+                    // warn once per episode, not on every retry.
+                    self.accept_retry = Some(match self.accept_retry {
+                        None => {
+                            tracing::warn!(error = %e, "accepting a control connection failed; retrying");
+                            Duration::from_millis(10)
+                        }
+                        Some(d) => {
+                            tracing::debug!(error = %e, "accepting a control connection still fails");
+                            (d * 2).min(Duration::from_secs(1))
+                        }
+                    });
                     return changed;
                 }
             }
@@ -543,7 +570,7 @@ impl Loop {
             Err(why) => {
                 bump(&stats.bad_lines, 1);
                 let start = String::from_utf8_lossy(&line[..line.len().min(80)]).into_owned();
-                tracing::warn!(%peer, %why, bytes = line.len(), %start, "bad control line ignored");
+                tracing::warn!(%peer, %why, bytes = line.len(), ?start, "bad control line ignored");
             }
         };
         let close = loop {
@@ -589,7 +616,11 @@ impl Loop {
 
     fn publish(&mut self, job: Job) {
         let t0 = Instant::now();
-        let Job { samples, done } = job;
+        let Job {
+            samples,
+            done,
+            permit,
+        } = job;
         let result = self.place(&samples, t0);
         let stats = &self.shared.stats;
         stats.set_report(&self.arena.report());
@@ -624,7 +655,7 @@ impl Loop {
         };
         // The caller's buffers go before the caller hears back.
         drop(samples);
-        self.shared.release_hold();
+        drop(permit);
         done(outcome);
         self.shared.notify();
     }

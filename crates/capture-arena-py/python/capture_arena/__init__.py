@@ -168,14 +168,15 @@ class ArenaFeatureStore(_Store):
         :class:`UnknownFeatureError` (a ``KeyError``) for a name the result lacks, and
         :class:`StaleSessionError` if the producer is gone.
         """
-        self._check(result)
+        if "features" not in result:
+            self._check(result)  # raises: a failed sample's result, or not a result at all
         feats = result["features"]
         wanted = list(feats) if names is None else list(dict.fromkeys(names))
+        # Released? Known names, shapes and addresses inside the arena? Before allocating.
+        self._check(result, wanted)
         arrays: dict[str, Any] = {}
         targets = []
         for name in wanted:
-            if name not in feats:
-                raise errors.UnknownFeatureError(f"no feature {name!r}: the result has {', '.join(feats)}")
             f = feats[name]
             if out is not None and name in out:
                 arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])

@@ -40,6 +40,31 @@ pub fn owner_pid(name: &str) -> Option<u32> {
         .flatten()
 }
 
+/// True when no producer holds the arena object at `path`: its creator keeps a shared `flock` on
+/// it for the arena's whole life, so an exclusive lock succeeds only once that process is gone.
+/// This works across PID namespaces, unlike the pid in the name.
+///
+/// # Errors
+/// If the object cannot be opened.
+pub fn is_abandoned(path: &std::path::Path) -> io::Result<bool> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)?;
+    // SAFETY: plain FFI on a descriptor `f` owns; the lock goes with it when `f` closes.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.kind() == io::ErrorKind::WouldBlock {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
 /// Removes the shared-memory object of `session` by name, for a process that is about to exit
 /// without running its destructors (a signal handler): the memory goes back once the last
 /// mapping closes. Readers that open the session afterwards get a stale-session error.
@@ -148,6 +173,8 @@ pub struct ShmRegion {
     len: u64,
     session: String,
     shm_name: CString,
+    /// Holds the shared `flock` that marks the object as in use (see [`is_abandoned`]).
+    _lock: OwnedFd,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; moving it to another thread moves the
@@ -202,31 +229,32 @@ impl ShmRegion {
                 )
             })?;
         // SAFETY: plain FFI; shm_name is NUL-terminated.
-        let fd = unsafe {
+        let raw = unsafe {
             libc::shm_open(
                 shm_name.as_ptr(),
                 libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
                 0o600,
             )
         };
-        if fd < 0 {
+        if raw < 0 {
             return Err(Error::io(
                 format!("shm_open /dev/shm/{name}"),
                 io::Error::last_os_error(),
             ));
         }
+        // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
         let unlink = || {
             // SAFETY: plain FFI on our own NUL-terminated name.
             unsafe { libc::shm_unlink(shm_name.as_ptr()) };
         };
-        let close = || {
-            // SAFETY: fd is ours and closed once: every path below calls this exactly once.
-            unsafe { libc::close(fd) };
-        };
-        // SAFETY: plain FFI on our fd.
-        let rc = unsafe { libc::posix_fallocate(fd, 0, total as libc::off_t) };
+        // A shared lock held for the arena's life says "in use" to `capture-arena clean`, also
+        // across PID namespaces (where the pid in the name means nothing).
+        // SAFETY: plain FFI on our descriptor.
+        unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_SH) };
+        // SAFETY: plain FFI on our descriptor.
+        let rc = unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, total as libc::off_t) };
         if rc != 0 {
-            close();
             unlink();
             let free = shm_free_bytes().map_or("unknown".to_owned(), |f| f.to_string());
             return Err(Error::io(
@@ -244,11 +272,10 @@ impl ShmRegion {
                 total,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd,
+                fd.as_raw_fd(),
                 0,
             )
         };
-        close();
         if ptr == libc::MAP_FAILED {
             let e = io::Error::last_os_error();
             unlink();
@@ -285,6 +312,7 @@ impl ShmRegion {
             len,
             session,
             shm_name,
+            _lock: fd,
         })
     }
 }
@@ -561,6 +589,19 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("stale session"));
+    }
+
+    #[test]
+    fn a_live_region_is_not_abandoned_and_a_dropped_one_is_gone() {
+        let r = ShmRegion::create(1 << 16).unwrap();
+        let s: ShmSession = r.session().parse().unwrap();
+        let path = std::path::Path::new("/dev/shm").join(&s.name);
+        assert!(!is_abandoned(&path).unwrap(), "its creator holds the lock");
+        // A reader's open (no lock) does not make it look abandoned or in use.
+        let _v = ShmView::open(&s).unwrap();
+        assert!(!is_abandoned(&path).unwrap());
+        drop(r);
+        assert!(is_abandoned(&path).is_err(), "unlinked");
     }
 
     #[test]
