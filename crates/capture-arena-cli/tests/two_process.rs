@@ -64,6 +64,16 @@ fn tiny_producer(samples: &str, idle: &str) -> Command {
     c
 }
 
+/// A trainer (`consume`) fed by the test through a pipe.
+fn piped_trainer() -> Child {
+    Command::new(EXE)
+        .args(["consume", "--quiet"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn last_json(out: &[u8], key: &str) -> Value {
     String::from_utf8_lossy(out)
         .lines()
@@ -99,12 +109,7 @@ fn producer_and_trainer_processes_move_every_byte_and_the_arena_ends_free() {
 fn producer_reports_its_final_stats_and_the_arena_is_fully_free() {
     // Here the producer's stdout comes back to the test: results go to a consumer by hand.
     let mut producer = small_producer();
-    let mut trainer = Command::new(EXE)
-        .args(["consume", "--quiet"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut trainer = piped_trainer();
     let mut to_trainer = trainer.stdin.take().unwrap();
     let mut producer_final = None;
     use std::io::BufRead;
@@ -151,12 +156,7 @@ fn results_of_an_exited_producer_are_refused_as_stale() {
     );
     // A second producer is running now (the "restarted" server).
     let mut restarted = tiny_producer("1", "1").spawn().unwrap();
-    let mut trainer = Command::new(EXE)
-        .args(["consume", "--quiet"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut trainer = piped_trainer();
     trainer
         .stdin
         .take()
