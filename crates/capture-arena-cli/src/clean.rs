@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::ExitCode;
 
-use capture_arena::memory::shm::{is_abandoned, owner_pid, NAME_PREFIX};
+use capture_arena::memory::shm::{remove_abandoned, SweptOutcome, NAME_PREFIX, SHM_DIR};
 
 use crate::workload::gib;
 
@@ -17,61 +17,41 @@ pub struct Args {
     #[arg(long)]
     pub dry_run: bool,
     /// The shared-memory folder.
-    #[arg(long, default_value = "/dev/shm")]
+    #[arg(long, default_value = SHM_DIR)]
     pub dir: std::path::PathBuf,
 }
 
-/// Removes `/dev/shm/capture-arena-<pid>-*` objects that no producer holds any more.
+/// Removes `/dev/shm/capture-arena-<pid>-*` objects that no producer holds any more (what every
+/// producer also does when it creates its arena).
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let mut removed = (0u64, 0u64);
-    let mut failed = 0;
-    let entries = std::fs::read_dir(&args.dir)
-        .map_err(|e| anyhow::anyhow!("listing {}: {e}", args.dir.display()))?;
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Some(pid) = owner_pid(&name) else {
-            continue;
-        };
-        let bytes = entry.metadata().map_or(0, |m| m.len());
-        let gone = if Path::new(&format!("/proc/{pid}")).exists() {
-            format!("pid {pid} is running here")
+    let seen = remove_abandoned(&args.dir, args.dry_run)?;
+    let (mut removed, mut bytes, mut failed) = (0u64, 0u64, 0u64);
+    for s in seen {
+        let here = if Path::new(&format!("/proc/{}", s.pid)).exists() {
+            "running here"
         } else {
-            format!("pid {pid} is not running here")
+            "not running here"
         };
-        // An empty object is one being created this instant (before its producer locks it).
-        match is_abandoned(&entry.path()) {
-            Ok(true) if bytes > 0 => {}
-            Ok(_) => {
+        match s.outcome {
+            SweptOutcome::InUse => println!(
+                "in use   {} ({}, held by its producer; pid {} is {here})",
+                s.name,
+                gib(s.bytes),
+                s.pid
+            ),
+            SweptOutcome::Removed => {
+                let verb = if args.dry_run { "stale   " } else { "removed " };
                 println!(
-                    "in use   {name} ({}, held by its producer; {gone})",
-                    gib(bytes)
+                    "{verb} {} ({}, no producer holds it; pid {} is {here})",
+                    s.name,
+                    gib(s.bytes),
+                    s.pid
                 );
-                continue;
+                removed += 1;
+                bytes += s.bytes;
             }
-            Err(e) => {
-                eprintln!("cannot check {name}: {e}");
-                failed += 1;
-                continue;
-            }
-        }
-        if args.dry_run {
-            println!(
-                "stale    {name} ({}, no producer holds it; {gone})",
-                gib(bytes)
-            );
-            removed = (removed.0 + 1, removed.1 + bytes);
-            continue;
-        }
-        match std::fs::remove_file(entry.path()) {
-            Ok(()) => {
-                println!(
-                    "removed  {name} ({}, no producer holds it; {gone})",
-                    gib(bytes)
-                );
-                removed = (removed.0 + 1, removed.1 + bytes);
-            }
-            Err(e) => {
-                eprintln!("cannot remove {name}: {e}");
+            SweptOutcome::Failed(why) => {
+                eprintln!("{}: {why}", s.name);
                 failed += 1;
             }
         }
@@ -82,9 +62,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "removed"
     };
     println!(
-        "{verb} {} stale {NAME_PREFIX}* objects, {}",
-        removed.0,
-        gib(removed.1)
+        "{verb} {removed} stale {NAME_PREFIX}* objects, {}",
+        gib(bytes)
     );
     Ok(if failed == 0 {
         ExitCode::SUCCESS

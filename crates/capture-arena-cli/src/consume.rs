@@ -4,14 +4,18 @@
 //!
 //! stdout: with `--progress`, one line per sample `{"sample_id", "bytes", "read_us", "ok"}`;
 //! always a final `{"summary": {...}}` line.
+//!
+//! Input is untrusted: a line longer than [`MAX_RESULT_LINE`] is skipped (counted as bad), and a
+//! result is validated, and each feature checked against its arena, before any buffer is sized
+//! from it.
 
 use std::collections::HashMap;
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use capture_arena::client::Store;
+use capture_arena::client::FeatureStore;
 use capture_arena::SampleResult;
 use serde::Serialize;
 
@@ -31,12 +35,57 @@ pub struct Args {
     pub quiet: bool,
 }
 
+/// The longest result line read (a result is about a kilobyte).
+pub const MAX_RESULT_LINE: usize = 1 << 20;
+
+/// Reads one line of at most `max` bytes into `buf` (without its newline). `Ok(None)` at the
+/// end of input; `Ok(Some(false))` for a line that was too long (the rest of it is skipped).
+fn read_line(r: &mut impl BufRead, buf: &mut Vec<u8>, max: usize) -> std::io::Result<Option<bool>> {
+    buf.clear();
+    let n = r.by_ref().take(max as u64 + 1).read_until(b'\n', buf)?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if buf.last() == Some(&b'\n') {
+        buf.pop();
+        return Ok(Some(true));
+    }
+    if buf.len() <= max {
+        return Ok(Some(true)); // the last line, without a newline
+    }
+    // Too long: skip to the end of the line without keeping it.
+    loop {
+        let chunk = r.fill_buf()?;
+        if chunk.is_empty() {
+            break;
+        }
+        match chunk.iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                r.consume(i + 1);
+                break;
+            }
+            None => {
+                let l = chunk.len();
+                r.consume(l);
+            }
+        }
+    }
+    buf.clear();
+    Ok(Some(false))
+}
+
 /// The final line of `consume`.
 #[derive(Debug, Default, Serialize)]
 pub struct Summary {
     pub samples: u64,
     pub bytes: u64,
     pub read_s: f64,
+    /// Seconds spent checking the content pattern (not the data path).
+    pub verify_s: f64,
+    /// Seconds spent in `release` (sending the frees).
+    pub free_s: f64,
+    pub free_p50_us: f64,
+    pub free_p99_us: f64,
     pub read_gbps: f64,
     pub read_p50_ms: f64,
     pub read_p99_ms: f64,
@@ -48,9 +97,10 @@ pub struct Summary {
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let store = Store::new();
+    let store = FeatureStore::new();
     let mut bufs: HashMap<String, Vec<u8>> = HashMap::new();
     let mut lat: Vec<Duration> = Vec::new();
+    let mut free_lat: Vec<Duration> = Vec::new();
     let mut s = Summary::default();
     let mut out = std::io::stdout().lock();
     let note = |s: &mut Summary, e: String| {
@@ -59,12 +109,23 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         s.first_error.get_or_insert(e);
     };
-    for line in std::io::stdin().lock().lines() {
-        let line = line.context("reading stdin")?;
-        if line.trim().is_empty() {
+    let mut input = std::io::stdin().lock();
+    let mut line = Vec::new();
+    while let Some(whole) =
+        read_line(&mut input, &mut line, MAX_RESULT_LINE).context("reading stdin")?
+    {
+        if !whole {
+            s.bad_lines += 1;
+            note(
+                &mut s,
+                format!("a line longer than {MAX_RESULT_LINE} bytes was skipped"),
+            );
             continue;
         }
-        let v: serde_json::Value = match serde_json::from_str(&line) {
+        if line.trim_ascii().is_empty() {
+            continue;
+        }
+        let v: serde_json::Value = match serde_json::from_slice(&line) {
             Ok(v) => v,
             Err(e) => {
                 s.bad_lines += 1;
@@ -94,11 +155,25 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let t0 = Instant::now();
         let mut bytes = 0u64;
         let mut read_err = None;
-        for (name, f) in &p.features {
-            let n = f
-                .byte_len()
-                .and_then(|n| usize::try_from(n).ok())
-                .unwrap_or(0);
+        for name in p.features.keys() {
+            // Checked against the arena (shape, address, released) before sizing a buffer.
+            let n = match store
+                .check(&p)
+                .and_then(|()| store.reader().checked_len(&p, name))
+            {
+                Ok(n) => n,
+                Err(e) => {
+                    read_err = Some(e);
+                    break;
+                }
+            };
+            let Ok(n) = usize::try_from(n) else {
+                read_err = Some(capture_arena::Error::InvalidRead {
+                    key: name.clone(),
+                    reason: format!("{n} bytes do not fit in memory"),
+                });
+                break;
+            };
             let buf = bufs.entry(name.clone()).or_default();
             buf.resize(n, 0);
             if let Err(e) = store.get_into(&p, name, buf) {
@@ -109,26 +184,42 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         let took = t0.elapsed();
         let mut ok = read_err.is_none();
-        // A producer that is gone has no objects left to free.
-        let stale = matches!(read_err, Some(capture_arena::Error::StaleSession { .. }));
+        // A producer that is gone has no objects left to free; a result refused as invalid
+        // names nothing this trainer may free.
+        let stale = matches!(
+            read_err,
+            Some(
+                capture_arena::Error::StaleSession { .. }
+                    | capture_arena::Error::InvalidRead { .. }
+                    | capture_arena::Error::InvalidKey { .. }
+                    | capture_arena::Error::OutOfRange { .. }
+                    | capture_arena::Error::InvalidSession { .. }
+            )
+        );
         if let Some(e) = read_err {
             note(&mut s, format!("sample {}: {e}", p.sample_id));
         } else if !args.no_verify {
+            let t_verify = Instant::now();
             for (name, buf) in p.features.keys().map(|n| (n, &bufs[n])) {
-                let key = format!("{}/{}/g{}/{name}", p.store_id, p.sample_id, p.gen);
+                let key = p.key(name).map(|k| k.to_string()).unwrap_or_default();
                 if let Some(at) = verify(&key, buf) {
                     ok = false;
                     note(&mut s, format!("{key}: byte {at} differs from the pattern"));
                 }
             }
+            s.verify_s += t_verify.elapsed().as_secs_f64();
         }
         if !ok {
             s.mismatches += 1;
         }
-        if stale {
-            // nothing to release
-        } else if let Err(e) = store.release(&p) {
-            tracing::warn!(error = %e, "free not sent yet; retrying later");
+        if !stale {
+            let t_free = Instant::now();
+            if let Err(e) = store.release(&p) {
+                tracing::warn!(error = %e, "free not sent yet; retrying later");
+            }
+            let took = t_free.elapsed();
+            s.free_s += took.as_secs_f64();
+            free_lat.push(took);
         }
         s.samples += 1;
         s.bytes += bytes;
@@ -141,10 +232,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             out.flush()?;
         }
     }
-    for _ in 0..50 {
-        if store.flush().is_ok() {
-            break;
-        }
+    // Frees that could not be sent yet: retry for a few seconds (each endpoint backs off).
+    let t_flush = Instant::now();
+    while store.flush().is_err() && t_flush.elapsed() < Duration::from_secs(5) {
         std::thread::sleep(Duration::from_millis(100));
     }
     let pending = store.health().pending_frees;
@@ -158,6 +248,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     s.read_p50_ms = q(0.5);
     s.read_p99_ms = q(0.99);
+    free_lat.sort();
+    let qf = |p: f64| {
+        free_lat
+            .get(((free_lat.len().max(1) - 1) as f64 * p) as usize)
+            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
+    };
+    s.free_p50_us = qf(0.5);
+    s.free_p99_us = qf(0.99);
     s.read_gbps = s.bytes as f64 / s.read_s.max(1e-9) / 1e9;
     s.ok = s.mismatches == 0 && s.failed_samples == 0 && s.bad_lines == 0 && pending == 0;
     writeln!(out, "{}", serde_json::json!({ "summary": &s }))?;

@@ -67,10 +67,64 @@ impl Drop for Reaped {
     }
 }
 
+/// A bar over bytes, with the sample count and rate in its message (see [`Progress`]).
 fn style() -> ProgressStyle {
-    ProgressStyle::with_template("{msg:>10} [{bar:40}] {pos}/{len} {per_sec:>12} {elapsed}")
-        .unwrap_or_else(|_| ProgressStyle::default_bar())
-        .progress_chars("=> ")
+    ProgressStyle::with_template(
+        "{prefix:>10} [{bar:32}] {bytes:>10}/{total_bytes:<10} {binary_bytes_per_sec:>12} {msg} {elapsed}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ")
+}
+
+/// One bar: bytes as its position, samples and samples/s in its message.
+#[derive(Clone)]
+struct Progress {
+    bar: ProgressBar,
+    samples: u64,
+    total: u64,
+    t0: Instant,
+}
+
+impl Progress {
+    fn new(bars: &MultiProgress, what: &str, bytes: u64, samples: u64) -> Progress {
+        let bar = bars.add(
+            ProgressBar::new(bytes)
+                .with_style(style())
+                .with_prefix(what.to_owned()),
+        );
+        Progress {
+            bar,
+            samples: 0,
+            total: samples,
+            t0: Instant::now(),
+        }
+    }
+
+    fn add(&mut self, bytes: u64) {
+        self.samples += 1;
+        self.bar.inc(bytes);
+        let rate = self.samples as f64 / self.t0.elapsed().as_secs_f64().max(1e-9);
+        self.bar.set_message(format!(
+            "{:>4}/{} samples {:>6.1}/s",
+            self.samples, self.total, rate
+        ));
+    }
+}
+
+/// Bytes of a result line's features.
+fn result_bytes(v: &Value) -> u64 {
+    let item =
+        |d: &str| capture_arena::Dtype::from_name(d).map_or(0, capture_arena::Dtype::item_size);
+    v["features"].as_object().map_or(0, |f| {
+        f.values()
+            .map(|x| {
+                let n: u64 = x["shape"]
+                    .as_array()
+                    .map_or(0, |s| s.iter().map(|d| d.as_u64().unwrap_or(0)).product());
+                n * item(x["dtype"].as_str().unwrap_or(""))
+            })
+            .sum()
+    })
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
@@ -134,22 +188,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         MultiProgress::new()
     };
     let n = w.samples as u64;
-    let published = bars.add(
-        ProgressBar::new(n)
-            .with_style(style())
-            .with_message("published"),
-    );
-    let read = bars.add(ProgressBar::new(n).with_style(style()).with_message("read"));
-    let freed = bars.add(
-        ProgressBar::new(n)
-            .with_style(style())
-            .with_message("freed"),
-    );
+    let published = Progress::new(&bars, "published", total, n);
+    let mut read = Progress::new(&bars, "read", total, n);
+    let mut freed = Progress::new(&bars, "freed", total, n);
 
     // Producer stdout -> trainer stdin, counting results; keep the producer's final line.
     let p_out = producer.get().stdout.take().context("producer stdout")?;
     let mut t_in = trainer.get().stdin.take().context("trainer stdin")?;
-    let pub_bar = published.clone();
+    let mut pub_bar = published.clone();
     let forward = std::thread::spawn(move || -> anyhow::Result<Option<Value>> {
         let mut last = None;
         for line in BufReader::new(p_out).lines() {
@@ -159,7 +205,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 last = Some(v);
                 continue;
             }
-            pub_bar.inc(1);
+            pub_bar.add(result_bytes(&v));
             t_in.write_all(line.as_bytes())?;
             t_in.write_all(b"\n")?;
             t_in.flush()?;
@@ -176,8 +222,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         if let Some(s) = v.get("summary") {
             summary = Some(s.clone());
         } else {
-            read.inc(1);
-            freed.inc(1);
+            let bytes = v["bytes"].as_u64().unwrap_or(0);
+            read.add(bytes);
+            freed.add(bytes);
             lat_ok &= v["ok"].as_bool().unwrap_or(false);
         }
     }
@@ -188,7 +235,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let t_status = trainer.wait()?;
     let elapsed = t0.elapsed();
     for b in [&published, &read, &freed] {
-        b.finish();
+        b.bar.finish();
     }
     drop(bars);
 
@@ -244,26 +291,66 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ),
     );
     row("moved", gib(moved));
+    // The data path: what capture-arena itself does with the bytes.
+    let publish_s = f(&pf, "publish_s");
+    let (read_s, free_s) = (f(&sm, "read_s"), f(&sm, "free_s"));
+    let gbps = |b: u64, secs: f64| b as f64 / secs.max(1e-9) / 1e9;
+    println!("  data path (what capture-arena does):");
     row(
-        "publish",
+        "  publish",
         format!(
-            "{:.2} GB/s  (writer copy into the arena)",
-            f(&pf, "publish_gbps")
+            "{:.2} GB/s  (writer copy into the arena, {publish_s:.2} s)",
+            gbps(moved, publish_s)
         ),
     );
     row(
-        "read",
+        "  read",
         format!(
-            "{:.2} GB/s  (trainer copy out of the arena)",
-            f(&sm, "read_gbps")
+            "{:.2} GB/s  (trainer copy out of the arena, {read_s:.2} s)",
+            gbps(moved, read_s)
         ),
     );
     row(
-        "end to end",
+        "  free",
         format!(
-            "{:.2} GB/s  (producer start to last free, {:.1} s)",
-            moved as f64 / elapsed.as_secs_f64() / 1e9,
-            elapsed.as_secs_f64()
+            "p50 {:.0} us, p99 {:.0} us per sample release ({free_s:.2} s in all)",
+            f(&sm, "free_p50_us"),
+            f(&sm, "free_p99_us")
+        ),
+    );
+    row(
+        "  publish + read + free",
+        format!(
+            "{:.2} GB/s  ({:.2} s)",
+            gbps(moved, publish_s + read_s + free_s),
+            publish_s + read_s + free_s
+        ),
+    );
+    // Around it: the demo's own work, and the wall clock.
+    let (gen_s, verify_s) = (f(&pf, "generate_s"), f(&sm, "verify_s"));
+    println!("  around it (the demo's own work):");
+    row(
+        "  generate",
+        format!(
+            "{:.2} GB/s  (producer fills synthetic samples, {gen_s:.2} s)",
+            gbps(moved, gen_s)
+        ),
+    );
+    row(
+        "  verify",
+        format!(
+            "{:.2} GB/s  (trainer checks every byte, {verify_s:.2} s)",
+            gbps(moved, verify_s)
+        ),
+    );
+    row(
+        "  wall clock",
+        format!(
+            "{:.2} GB/s  (producer start to last free, {:.1} s: process start, generate, \
+             publish, read, verify, free and waits, on {} cores)",
+            gbps(moved, elapsed.as_secs_f64()),
+            elapsed.as_secs_f64(),
+            std::thread::available_parallelism().map_or(0, |n| n.get())
         ),
     );
     row(

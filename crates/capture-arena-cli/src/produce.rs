@@ -2,7 +2,9 @@
 //! object is freed.
 //!
 //! stdout: one result JSON per line (flushed per line), then one final line
-//! `{"stats": {...}, "ok": bool, "error": null | "...", "elapsed_s": f, "publish_gbps": f}`.
+//! `{"stats": {...}, "ok": bool, "error": null | "...", "elapsed_s": f, "publish_gbps": f,
+//! "publish_s": f, "generate_s": f, ...}` (`generate_s`: filling the synthetic samples, which is
+//! not part of the data path).
 
 use std::collections::VecDeque;
 use std::io::Write;
@@ -93,14 +95,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let ids: Vec<usize> = (0..w.samples).collect();
     let pool = Pool::default();
+    let mut generate = Duration::ZERO;
     for chunk in ids.chunks(w.batch) {
         if error.is_some() {
             break;
         }
+        let t_gen = Instant::now();
         let samples = chunk
             .iter()
             .map(|&i| w.sample(i, &pool))
             .collect::<anyhow::Result<Vec<_>>>()?;
+        generate += t_gen.elapsed();
         inflight.push_back(writer.submit(samples)?);
         while inflight.len() > config.max_pending_batches {
             if let Some(h) = inflight.pop_front() {
@@ -145,6 +150,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "error": error,
         "elapsed_s": t0.elapsed().as_secs_f64(),
         "publish_gbps": stats.published_bytes as f64 / (stats.copy_ns.max(1) as f64),
+        "publish_s": stats.copy_ns as f64 / 1e9,
+        "generate_s": generate.as_secs_f64(),
         "capacity": capacity,
         "session": writer.arena_ref().session,
         "control": writer.arena_ref().control,

@@ -8,12 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use capture_arena::config::{self, parse_bytes};
-use capture_arena::sample::{batch_results, Captured, SampleResult, SampleSpec};
+use capture_arena::sample::{
+    batch_results, encode_ints, Captured, PassthroughSpec, SampleResult, SampleSpec, SpecFeatures,
+};
 use capture_arena::writer::Outcome;
 use capture_arena::{Config, Dtype, Error, Sample, Sink, Tensor, TensorData};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyDict, PyList, PyTuple};
 use pythonize::{depythonize, pythonize};
 
 use crate::array::bytes_of;
@@ -31,31 +33,16 @@ enum Msg {
     },
 }
 
-/// Bytes of a Python array lent to the writer. `owner` is the uint8 numpy view whose array
-/// interface gave `ptr` and `len`; holding it keeps the memory allocated and in place (numpy
-/// refuses to resize a referenced array) until the writer drops the tensor after copying it.
-/// Then `owner` goes to the helper thread, so the writer never needs the GIL.
-struct Lent {
+/// The owner of a Python array lent to the writer (the uint8 numpy view whose array interface
+/// gave the address and length). Holding it keeps the memory allocated and in place (numpy
+/// refuses to resize a referenced array) until the writer drops the tensor after copying it;
+/// then the reference goes to the helper thread, so the writer never needs the GIL.
+struct Owner {
     owner: Option<Py<PyAny>>,
-    ptr: usize,
-    len: usize,
     tx: Sender<Msg>,
 }
 
-impl AsRef<[u8]> for Lent {
-    fn as_ref(&self) -> &[u8] {
-        if self.len == 0 {
-            return &[];
-        }
-        // SAFETY: ptr/len come from the array interface of `self.owner`, a C-contiguous uint8
-        // array that stays referenced until `self` is dropped, so the memory is allocated and
-        // unmoved. Callers promise (ArenaSink docs) not to write, resize or free the tensor
-        // behind it until its batch completes.
-        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
-    }
-}
-
-impl Drop for Lent {
+impl Drop for Owner {
     fn drop(&mut self) {
         if let Some(o) = self.owner.take() {
             if let Err(mpsc::SendError(Msg::Release(o))) = self.tx.send(Msg::Release(o)) {
@@ -67,37 +54,25 @@ impl Drop for Lent {
     }
 }
 
-/// Completes a future exactly once: with the batch's outcome, or, if the writer drops the batch
-/// without completing it (it stopped), with every sample failing as `WriterStopped`. Sending
-/// needs no GIL.
+/// Completes a future with a batch's outcome. The core runs it exactly once for an accepted
+/// batch (with `WriterStopped` if the writer stops first) and never for a refused one: then the
+/// caller gets the exception and the future is left alone. Sending needs no GIL.
 struct Completion {
-    future: Option<Py<PyAny>>,
+    future: Py<PyAny>,
     ids: Vec<String>,
     tx: Sender<Msg>,
 }
 
 impl Completion {
-    fn complete(mut self, outcome: Outcome) {
-        self.send(outcome);
-    }
-
-    fn send(&mut self, outcome: Outcome) {
-        if let Some(future) = self.future.take() {
-            let ids = std::mem::take(&mut self.ids);
-            if let Err(mpsc::SendError(Msg::Done { future, .. })) = self.tx.send(Msg::Done {
-                future,
-                ids,
-                outcome,
-            }) {
-                std::mem::forget(future);
-            }
+    fn complete(self, outcome: Outcome) {
+        let Completion { future, ids, tx } = self;
+        if let Err(mpsc::SendError(Msg::Done { future, .. })) = tx.send(Msg::Done {
+            future,
+            ids,
+            outcome,
+        }) {
+            std::mem::forget(future);
         }
-    }
-}
-
-impl Drop for Completion {
-    fn drop(&mut self) {
-        self.send(Err(Error::WriterStopped));
     }
 }
 
@@ -116,16 +91,144 @@ fn captured(t: &Bound<'_, PyAny>, tx: &Sender<Msg>, what: &str) -> PyResult<Capt
     })?;
     let (ptr, len) = bytes_of(&owner, false)
         .map_err(|e| named(t.py(), "InvalidSampleError", format!("{what}: {e}")))?;
-    let lent = Lent {
+    let owner = Owner {
         owner: Some(owner.unbind()),
-        ptr,
-        len,
         tx: tx.clone(),
     };
-    Ok(Captured {
-        shape,
-        dtype,
-        data: TensorData::host(lent),
+    // SAFETY: (ptr, len) come from the array interface of `owner`, a C-contiguous uint8 array
+    // that `owner` keeps referenced (so allocated and unmoved) until the writer drops the
+    // tensor; ArenaSink's documented contract is that the caller neither writes, resizes nor
+    // frees the tensor behind it until its batch's results are back, which is after that drop.
+    let data = unsafe { TensorData::lent(ptr as *const u8, len, owner) };
+    Ok(Captured { shape, dtype, data })
+}
+
+/// The spec of one sample, read field by field: a passthrough whose `data` is a list of
+/// integers for an integer (or bool) dtype takes the typed path into bytes (`bytes` gets it,
+/// its spec entry gets `data: null`) instead of a generic JSON value per element.
+fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyResult<SampleSpec> {
+    let py = d.py();
+    let bad = |e: String| {
+        named(
+            py,
+            "InvalidSampleError",
+            format!("invalid sample spec: {e}"),
+        )
+    };
+    let d = d
+        .cast::<PyDict>()
+        .map_err(|_| bad("expected a dict".into()))?;
+    let get = |k: &str| d.get_item(k);
+    let req = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        get(k)?.ok_or_else(|| bad(format!("missing field `{k}`")))
+    };
+    let text = |k: &str| -> PyResult<String> {
+        req(k)?
+            .extract()
+            .map_err(|_| bad(format!("`{k}` must be a string")))
+    };
+    let mut passthrough = Vec::new();
+    if let Some(list) = get("passthrough")?.filter(|v| !v.is_none()) {
+        for p in list
+            .try_iter()
+            .map_err(|_| bad("`passthrough` must be a list".into()))?
+        {
+            let p = p?;
+            let p = p
+                .cast::<PyDict>()
+                .map_err(|_| bad("a passthrough must be a dict".into()))?;
+            let field = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+                p.get_item(k)?
+                    .ok_or_else(|| bad(format!("a passthrough lacks `{k}`")))
+            };
+            let name: String = field("name")?
+                .extract()
+                .map_err(|_| bad("passthrough `name` must be a string".into()))?;
+            let dtype: String = field("dtype")?
+                .extract()
+                .map_err(|_| bad(format!("passthrough {name:?}: `dtype` must be a string")))?;
+            let shape: Vec<u64> = field("shape")?.extract().map_err(|_| {
+                bad(format!(
+                    "passthrough {name:?}: `shape` must be a list of integers >= 0"
+                ))
+            })?;
+            let data = p.get_item("data")?;
+            let typed = match (&data, Dtype::from_name(&dtype)) {
+                (Some(v), Some(dt)) if v.is_instance_of::<PyList>() && !dt.is_float() => {
+                    // A flat list of Python ints (bools are ints): one typed read per element.
+                    v.extract::<Vec<i64>>().ok().map(|ints| (ints, dt))
+                }
+                _ => None,
+            };
+            let data = match typed {
+                Some((ints, dt)) => {
+                    let needed = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                    if needed != Some(ints.len() as u64) {
+                        return Err(named(
+                            py,
+                            "InvalidSampleError",
+                            format!(
+                                "sample {:?}: passthrough {name:?}: data has {} elements but \
+                                 shape {shape:?} needs {}",
+                                text("sample_id").unwrap_or_default(),
+                                ints.len(),
+                                needed.map_or("more than 2^64".into(), |n| n.to_string())
+                            ),
+                        ));
+                    }
+                    let encoded = py.detach(|| encode_ints(&ints, dt)).map_err(|e| {
+                        named(
+                            py,
+                            "InvalidSampleError",
+                            format!("passthrough {name:?}: {e}"),
+                        )
+                    })?;
+                    let n = ints.len() as u64;
+                    bytes.insert(
+                        name.clone(),
+                        Captured {
+                            shape: vec![n],
+                            dtype: dt,
+                            data: TensorData::host(encoded),
+                        },
+                    );
+                    serde_json::Value::Null
+                }
+                None => match data {
+                    Some(v) if !v.is_none() => depythonize(&v)
+                        .map_err(|e| bad(format!("passthrough {name:?}: `data`: {e}")))?,
+                    _ => serde_json::Value::Null,
+                },
+            };
+            passthrough.push(PassthroughSpec {
+                name,
+                data,
+                shape,
+                dtype,
+            });
+        }
+    }
+    let features: SpecFeatures = match get("features")? {
+        Some(f) if !f.is_none() => depythonize(&f).map_err(|e| bad(format!("`features`: {e}")))?,
+        _ => SpecFeatures::default(),
+    };
+    Ok(SampleSpec {
+        store_id: text("store_id")?,
+        sample_id: text("sample_id")?,
+        gen: match get("gen")? {
+            Some(g) if !g.is_none() => g
+                .extract()
+                .map_err(|_| bad("`gen` must be an integer >= 1".into()))?,
+            _ => 1,
+        },
+        replace: match get("replace")? {
+            Some(r) if !r.is_none() => r
+                .extract()
+                .map_err(|_| bad("`replace` must be a bool".into()))?,
+            _ => false,
+        },
+        features,
+        passthrough,
     })
 }
 
@@ -135,15 +238,9 @@ fn sample(
     tx: &Sender<Msg>,
     aux_ids: &Option<Vec<i64>>,
 ) -> PyResult<Sample> {
-    let py = item.py();
     let t = item.cast::<PyTuple>()?;
-    let spec: SampleSpec = depythonize(&t.get_item(0)?).map_err(|e| {
-        named(
-            py,
-            "InvalidSampleError",
-            format!("invalid sample spec: {e}"),
-        )
-    })?;
+    let mut parts = HashMap::new();
+    let spec = spec_of(&t.get_item(0)?, &mut parts)?;
     let id = spec.sample_id.as_str();
     let opt = |i: usize, artifact: &str| -> PyResult<Option<Captured>> {
         let v = t.get_item(i)?;
@@ -154,7 +251,6 @@ fn sample(
         }
     };
     let (aux, last) = (opt(1, "aux")?, opt(2, "last_hidden")?);
-    let mut parts = HashMap::new();
     let extra = t.get_item(3)?;
     if !extra.is_none() {
         for (k, v) in extra.extract::<HashMap<String, Bound<'_, PyAny>>>()? {
@@ -207,7 +303,7 @@ fn helper(rx: Receiver<Msg>) {
 }
 
 /// Keyword argument -> the environment variable it overrides.
-const OVERRIDES: [(&str, &str); 9] = [
+const OVERRIDES: [(&str, &str); 10] = [
     ("arena_bytes", config::ENV_ARENA_BYTES),
     ("control_host", config::ENV_CONTROL_HOST),
     ("control_port", config::ENV_CONTROL_PORT),
@@ -217,6 +313,7 @@ const OVERRIDES: [(&str, &str); 9] = [
     ("timing", config::ENV_TIMING),
     ("protocol", config::ENV_PROTOCOL),
     ("gpu_put", config::ENV_GPU_PUT),
+    ("eager", config::ENV_EAGER),
 ];
 
 /// The compiled sink. Use `capture_arena.ArenaSink`.
@@ -309,7 +406,7 @@ impl PySink {
     #[new]
     #[pyo3(signature = (*, arena_bytes=None, control_host=None, control_port=None, alignment=None,
                         wait_s=None, max_pending_batches=None, aux_layer_ids=None, timing=None,
-                        protocol=None, gpu_put=None))]
+                        protocol=None, gpu_put=None, eager=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         arena_bytes: Option<Bound<'_, PyAny>>,
@@ -322,6 +419,7 @@ impl PySink {
         timing: Option<bool>,
         protocol: Option<String>,
         gpu_put: Option<bool>,
+        eager: Option<bool>,
     ) -> PyResult<Self> {
         // Variables whose keyword argument is given are not read at all, so a keyword argument
         // can correct a bad environment.
@@ -335,6 +433,7 @@ impl PySink {
             timing.is_some(),
             protocol.is_some(),
             gpu_put.is_some(),
+            eager.is_some(),
         ];
         let skip: Vec<&str> = OVERRIDES
             .iter()
@@ -385,7 +484,11 @@ impl PySink {
         if gpu_put.is_some() {
             c.gpu_put = gpu_put;
         }
-        let sink = Sink::new(c).py_err()?;
+        if let Some(e) = eager {
+            c.eager = e;
+        }
+        // With `eager`, this creates and pre-faults the arena: without the GIL.
+        let sink = Python::attach(|py| py.detach(|| Sink::new(c))).py_err()?;
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("capture-arena-py".into())
@@ -414,7 +517,7 @@ impl PySink {
         let sink = self.sink(py)?;
         let batch = self.samples(&sink, samples)?;
         let completion = Completion {
-            future: Some(future),
+            future,
             ids: batch.iter().map(|s| s.sample_id().to_owned()).collect(),
             tx: (*self.tx).clone(),
         };

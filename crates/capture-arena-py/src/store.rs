@@ -1,7 +1,7 @@
 //! `_Store`: the trainer side (wrapped by `capture_arena.ArenaFeatureStore`, which allocates the
 //! output arrays).
 
-use capture_arena::client::Store;
+use capture_arena::client::FeatureStore;
 use capture_arena::{Error, Published};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -34,7 +34,7 @@ fn published(result: &Bound<'_, PyAny>) -> PyResult<Published> {
 /// The compiled store. Use `capture_arena.ArenaFeatureStore`.
 #[pyclass(name = "_Store", module = "capture_arena._capture_arena", subclass)]
 pub struct PyStore {
-    store: Store,
+    store: FeatureStore,
 }
 
 #[pymethods]
@@ -42,7 +42,7 @@ impl PyStore {
     #[new]
     fn new() -> Self {
         PyStore {
-            store: Store::new(),
+            store: FeatureStore::new(),
         }
     }
 
@@ -93,16 +93,26 @@ impl PyStore {
         py.detach(|| self.store.release(&p)).py_err()
     }
 
-    /// Raises `ReleasedError` if `result` was released, and checks each of `names` against
-    /// the arena (unknown name, shape or address outside it) before anything is allocated.
+    /// Validates `result`, raises `ReleasedError` if it was released, and checks each of
+    /// `names` against the arena (unknown name, shape or address outside it) before anything
+    /// is allocated. Opening (mapping and pre-faulting) a new arena runs without the GIL.
     #[pyo3(signature = (result, names=None))]
-    fn _check(&self, result: &Bound<'_, PyAny>, names: Option<Vec<String>>) -> PyResult<()> {
+    fn _check(
+        &self,
+        py: Python<'_>,
+        result: &Bound<'_, PyAny>,
+        names: Option<Vec<String>>,
+    ) -> PyResult<()> {
         let p = published(result)?;
-        self.store.check(&p).py_err()?;
-        for name in names.unwrap_or_default() {
-            self.store.reader().checked_len(&p, &name).py_err()?;
-        }
-        Ok(())
+        let names = names.unwrap_or_default();
+        py.detach(|| {
+            self.store.check(&p)?;
+            for name in &names {
+                self.store.reader().checked_len(&p, name)?;
+            }
+            Ok(())
+        })
+        .py_err()
     }
 
     /// Retries frees that could not be sent.
@@ -110,13 +120,16 @@ impl PyStore {
         py.detach(|| self.store.flush()).py_err()
     }
 
-    /// `{"resident_samples", "resident_bytes", "pending_frees"}`.
+    /// `{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",
+    /// "open_sessions"}`.
     fn health<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let h = self.store.health();
+        let h = py.detach(|| self.store.health());
         let d = serde_json::json!({
             "resident_samples": h.resident_samples,
             "resident_bytes": h.resident_bytes,
             "pending_frees": h.pending_frees,
+            "dropped_frees": h.dropped_frees,
+            "open_sessions": h.open_sessions,
         });
         pythonize(py, &d).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }

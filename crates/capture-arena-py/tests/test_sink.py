@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import capture_arena as ca
+from capture_arena import _convert
 from conftest import hidden, spec, wait_stats
 
 
@@ -135,6 +136,11 @@ def test_a_full_queue_blocks_or_signals_instead_of_dropping(make_sink):
     fc = sink.submit_samples([(spec("c", 4), hidden(4, 4), hidden(4, 4))])
     with pytest.raises(ca.QueueFullError, match="SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"):
         sink.submit_samples([(spec("d", 4), hidden(4, 4), hidden(4, 4))], block=False)
+    # A refused batch is refused only: the future it came with is never completed.
+    refused: concurrent.futures.Future[list[dict]] = concurrent.futures.Future()
+    refused.set_running_or_notify_cancel()
+    with pytest.raises(ca.QueueFullError):
+        sink._submit(_convert([(spec("d", 4), hidden(4, 4), hidden(4, 4))]), refused, False)
     # A blocking submit waits (GIL released) until there is room, and is not dropped.
     done = threading.Event()
 
@@ -151,6 +157,7 @@ def test_a_full_queue_blocks_or_signals_instead_of_dropping(make_sink):
     t.join(timeout=20)
     assert done.is_set()
     assert sink.stats()["published_batches"] == 4
+    assert not refused.done(), refused.exception() if refused.done() else None
 
 
 def test_stats_and_arena_enabled(make_sink, monkeypatch):
@@ -289,3 +296,52 @@ def test_timing_and_warnings_are_logged_to_stderr():
     assert out.returncode == 0, out.stderr
     assert "capture batch published" in out.stderr and "samples=1" in out.stderr, out.stderr
     assert "bad control line ignored" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "dtype, data, want",
+    [
+        ("int64", [0, -1, 2**62], np.array([0, -1, 2**62], dtype=np.int64)),
+        ("int32", [1, -2, 3], np.array([1, -2, 3], dtype=np.int32)),
+        ("uint8", [0, 255, 7], np.array([0, 255, 7], dtype=np.uint8)),
+        ("bool", [True, False, 1], np.array([True, False, True])),
+        ("int64", [[1, 2, 3]], np.array([1, 2, 3], dtype=np.int64)),  # nested: generic path
+        ("float32", [0.5, 1, -2.0], np.array([0.5, 1, -2.0], dtype=np.float32)),
+    ],
+)
+def test_passthrough_lists_of_every_kind_round_trip(make_sink, dtype, data, want):
+    sink = make_sink()
+    s = {"store_id": "st", "sample_id": f"pt-{dtype}-{len(str(data))}", "features": {},
+         "passthrough": [{"name": "x", "data": data, "shape": [1, 3], "dtype": dtype}]}
+    got = ca.ArenaFeatureStore().get(sink.put_sample(s))["x"]
+    assert got.dtype == want.dtype and (got.reshape(-1) == want).all()
+
+
+@pytest.mark.parametrize(
+    "dtype, data, message",
+    [
+        ("uint8", [1, 256, 3], "element 1: 256 out of range for uint8"),
+        ("bool", [0, 2, 1], "not a bool"),
+        ("int64", [1, 2**63, 3], "out of range"),
+        ("int64", [1, "two", 3], "not a number"),
+    ],
+)
+def test_bad_passthrough_values_raise_before_writing(make_sink, dtype, data, message):
+    sink = make_sink()
+    s = {"store_id": "st", "sample_id": "bad", "features": {},
+         "passthrough": [{"name": "x", "data": data, "shape": [1, 3], "dtype": dtype}]}
+    with pytest.raises(ca.InvalidSampleError, match=message):
+        sink.put_sample(s)
+    assert not sink.started
+
+
+def test_an_eager_sink_creates_its_arena_at_once(make_sink, monkeypatch):
+    sink = make_sink(eager=True)
+    assert sink.started and sink.session is not None
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_EAGER", "1")
+    from_env = make_sink()
+    assert from_env.started
+    # Eager without a size fails when the sink is made, saying what to set.
+    monkeypatch.delenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", raising=False)
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_ARENA_BYTES"):
+        ca.ArenaSink(eager=True)

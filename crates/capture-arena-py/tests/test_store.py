@@ -56,7 +56,13 @@ def test_get_after_release_raises_key_error(make_sink):
     r = sink.put_sample(spec("a"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
     store = ca.ArenaFeatureStore()
     assert store.get(r)["hidden_state"].dtype == ml_dtypes.bfloat16
-    assert store.health() == {"resident_samples": 1, "resident_bytes": 8 * 12 * 2 + 8 * 4 * 2 + 128, "pending_frees": 0}
+    assert store.health() == {
+        "resident_samples": 1,
+        "resident_bytes": 8 * 12 * 2 + 8 * 4 * 2 + 128,
+        "pending_frees": 0,
+        "dropped_frees": 0,
+        "open_sessions": 1,
+    }
     store.release(r)
     with pytest.raises(KeyError, match="already released"):
         store.get(r)

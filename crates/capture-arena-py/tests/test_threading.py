@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import capture_arena as ca
 from conftest import hidden, spec
@@ -52,3 +54,40 @@ def test_many_python_threads_submit_concurrently(make_sink):
         t.join()
     assert not errors, errors
     assert sink.stats()["published_samples"] == 80
+
+
+def _progress_while(fn: Callable[[], Any]) -> tuple[float, int, Any]:
+    """Runs `fn` in a thread; counts in this one (which needs the GIL) until it returns.
+    Returns (seconds, count, result)."""
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t0 = time.monotonic()
+    t.start()
+    count = 0
+    while t.is_alive():
+        count += 1
+    took = time.monotonic() - t0
+    t.join()
+    return took, count, out[0] if out else None
+
+
+def _rate() -> float:
+    """Counts per second of this loop with the GIL to itself."""
+    t0, count = time.monotonic(), 0
+    while time.monotonic() - t0 < 0.1:
+        count += 1
+    return count / 0.1
+
+
+def test_the_gil_is_released_while_an_eager_sink_creates_its_arena_and_a_store_maps_it(make_sink):
+    # If the GIL were held while the arena is created (fallocate, pre-fault) or mapped by a
+    # reader (pre-fault), this thread's count would stall for that long.
+    alone = _rate()
+    took, count, sink = _progress_while(lambda: make_sink(arena_bytes="512MiB", eager=True))
+    assert sink.started
+    assert took > 0.05 and count / took > 0.25 * alone, (took, count, alone)
+    r = sink.put_sample(spec("a", 8), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    store = ca.ArenaFeatureStore()
+    took, count, got = _progress_while(lambda: store.get(r))
+    assert (got["hidden_state"][0] == hidden(8, 12)).all()
+    assert took > 0.01 and count / took > 0.25 * alone, (took, count, alone)

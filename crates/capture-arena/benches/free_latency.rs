@@ -38,7 +38,7 @@ fn main() {
         let p = w.submit(vec![s]).unwrap().wait().unwrap();
         let line = format!(
             "{}\n",
-            serde_json::to_string(&p[0].keys().collect::<Vec<_>>()).unwrap()
+            serde_json::to_string(&p[0].keys().unwrap()).unwrap()
         );
         // Let the writer go idle, blocked in poll.
         std::thread::sleep(Duration::from_micros(500));

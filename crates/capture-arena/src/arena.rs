@@ -1,13 +1,19 @@
 //! The arena: one region, one allocator, one object table (key -> offset, length, shape, dtype).
 //!
-//! Batches are placed atomically: every object of every sample, or none. Only the writer thread
-//! owns an `Arena`, so nothing here locks.
+//! Batches are placed atomically: every object of every sample, or none. Placing is three steps,
+//! so that copies may run asynchronously while the writer serves frees:
+//! [`Arena::reserve`] allocates the whole batch (or nothing), the region copies the bytes
+//! ([`Arena::copy_ops`]), then [`Arena::commit`] enters the objects in the table (or
+//! [`Arena::abort`] gives the space back). Objects of a batch in flight are not in the table, so
+//! a free for them is an unknown key, never a free of space still being written. Only the writer
+//! thread owns an `Arena`, so nothing here locks.
 
 use std::collections::HashMap;
 
 use crate::alloc::{Allocator, Extent};
 use crate::error::{Error, Result};
-use crate::memory::Region;
+use crate::key::Key;
+use crate::memory::{CopyOp, Progress, Region};
 use crate::sample::{check_unique, ArenaRef, Feature, Published, Sample};
 use crate::tensor::Dtype;
 
@@ -37,16 +43,16 @@ pub struct ArenaReport {
     pub free_extents: u64,
     /// Objects resident.
     pub resident_objects: u64,
-    /// Bytes of resident objects (aligned).
+    /// Bytes of resident objects and of the batch in flight (aligned).
     pub resident_bytes: u64,
 }
 
-/// What a successful [`Arena::publish`] did.
+/// What a successful publication did.
 #[derive(Debug)]
 pub struct Publication {
     /// One result per sample, in order.
     pub published: Vec<Published>,
-    /// Objects (and their aligned bytes) published.
+    /// Objects published.
     pub objects: u64,
     /// Bytes copied (true tensor bytes).
     pub bytes: u64,
@@ -56,12 +62,23 @@ pub struct Publication {
     pub replaced_bytes: u64,
 }
 
+/// Space set aside for one batch whose bytes are being copied: allocated, not yet in the object
+/// table. Give it back to [`Arena::commit`] or [`Arena::abort`].
+#[derive(Debug)]
+#[must_use = "a reservation holds arena space until committed or aborted"]
+pub struct Reservation {
+    /// `(sample index, tensor index)` -> its extent, largest first.
+    placed: Vec<((usize, usize), Extent)>,
+    /// Objects freed for samples that asked for `replace`.
+    replaced: Vec<(Key, Object)>,
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct Arena {
     region: Box<dyn Region>,
     alloc: Allocator,
-    objects: HashMap<String, Object>,
+    objects: HashMap<Key, Object>,
     arena_ref: ArenaRef,
 }
 
@@ -98,6 +115,11 @@ impl Arena {
     /// The region.
     pub fn region(&self) -> &dyn Region {
         &*self.region
+    }
+
+    /// The region, for copies (the writer drives them).
+    pub fn region_mut(&mut self) -> &mut dyn Region {
+        &mut *self.region
     }
 
     /// A resident object by key.
@@ -156,7 +178,7 @@ impl Arena {
             if s.replace {
                 continue;
             }
-            if let Some(k) = s.keys().find(|k| self.objects.contains_key(&k.to_string())) {
+            if let Some(k) = s.keys().find(|k| self.objects.contains_key(*k)) {
                 return Err(Error::KeyExists { key: k.to_string() });
             }
         }
@@ -170,26 +192,21 @@ impl Arena {
         Ok(needed)
     }
 
-    /// Places a whole batch and copies its bytes: every object of every sample, or none.
-    ///
-    /// Objects resident under the keys of a sample with `replace` are freed first; if the batch
-    /// then does not fit, they are put back exactly where they were.
+    /// Allocates a whole batch: every object of every sample, or none. Objects resident under
+    /// the keys of a sample with `replace` are freed first; if the batch then does not fit, they
+    /// are put back exactly where they were.
     ///
     /// Returns `Ok(None)` when the batch does not fit now (the arena is unchanged: wait for frees
     /// and try again).
     ///
     /// # Errors
-    /// As [`Arena::check`], plus a failed copy (device regions). The arena is unchanged on
-    /// every error, except that after a failed copy the objects the batch was replacing stay
-    /// freed (the copy may have overwritten them; the writer logs how many).
-    pub fn publish(&mut self, samples: &[Sample]) -> Result<Option<Publication>> {
+    /// As [`Arena::check`]; the arena is unchanged.
+    pub fn reserve(&mut self, samples: &[Sample]) -> Result<Option<Reservation>> {
         self.check(samples)?;
-        // Free what `replace` replaces, keeping it aside to restore on failure.
-        let mut replaced: Vec<(String, Object)> = Vec::new();
+        let mut replaced: Vec<(Key, Object)> = Vec::new();
         for s in samples.iter().filter(|s| s.replace) {
             for k in s.keys() {
-                let k = k.to_string();
-                if let Some(o) = self.objects.remove(&k) {
+                if let Some((k, o)) = self.objects.remove_entry(k) {
                     self.alloc.free(o.extent);
                     replaced.push((k, o));
                 }
@@ -203,46 +220,39 @@ impl Arena {
             .collect();
         order.sort_by_key(|&(si, ti)| std::cmp::Reverse(samples[si].tensors[ti].1.byte_len()));
         let mut placed: Vec<((usize, usize), Extent)> = Vec::with_capacity(order.len());
-        let mut failure: Option<Error> = None;
         for &(si, ti) in &order {
-            let t = &samples[si].tensors[ti].1;
-            match self.alloc.allocate(t.byte_len()) {
+            match self.alloc.allocate(samples[si].tensors[ti].1.byte_len()) {
                 Some(e) => placed.push(((si, ti), e)),
                 None => break,
             }
         }
         if placed.len() == order.len() {
-            for &((si, ti), e) in &placed {
-                if let Err(err) = self.region.write(e.offset, &samples[si].tensors[ti].1.data) {
-                    failure = Some(err);
-                    break;
-                }
-            }
+            return Ok(Some(Reservation { placed, replaced }));
         }
-        if placed.len() < order.len() || failure.is_some() {
-            for (_, e) in placed {
-                self.alloc.free(e);
-            }
-            if failure.is_some() {
-                // A copy failed after others may have landed in the replaced objects' old
-                // space: their bytes cannot be trusted any more, so they stay freed (their
-                // samples asked to be replaced anyway). The error says the batch failed.
-                if !replaced.is_empty() {
-                    tracing::warn!(
-                        objects = replaced.len(),
-                        "a failed copy leaves the objects it was replacing freed"
-                    );
-                }
-            } else {
-                for (k, o) in replaced {
-                    let restored = self.alloc.reserve_exact(o.extent);
-                    debug_assert!(restored, "the space of a replaced object is free again");
-                    self.objects.insert(k, o);
-                }
-            }
-            return failure.map_or(Ok(None), Err);
+        for (_, e) in placed {
+            self.alloc.free(e);
         }
-        // Commit: every byte is in place.
+        for (k, o) in replaced {
+            let restored = self.alloc.reserve_exact(o.extent);
+            debug_assert!(restored, "the space of a replaced object is free again");
+            self.objects.insert(k, o);
+        }
+        Ok(None)
+    }
+
+    /// The copies that fill a reservation of `samples`.
+    pub fn copy_ops<'a>(r: &Reservation, samples: &'a [Sample]) -> Vec<CopyOp<'a>> {
+        r.placed
+            .iter()
+            .map(|&((si, ti), e)| CopyOp {
+                offset: e.offset,
+                data: &samples[si].tensors[ti].1.data,
+            })
+            .collect()
+    }
+
+    /// Enters a reserved batch whose bytes have all landed into the object table.
+    pub fn commit(&mut self, r: Reservation, samples: &[Sample]) -> Publication {
         let base = self.region.base_address();
         let mut published: Vec<Published> = samples
             .iter()
@@ -256,7 +266,7 @@ impl Arena {
             })
             .collect();
         let mut bytes = 0;
-        for ((si, ti), extent) in placed.iter().copied() {
+        for &((si, ti), extent) in &r.placed {
             let (key, t) = &samples[si].tensors[ti];
             bytes += t.byte_len();
             published[si].features.insert(
@@ -268,7 +278,7 @@ impl Arena {
                 },
             );
             self.objects.insert(
-                key.to_string(),
+                key.clone(),
                 Object {
                     extent,
                     len: t.byte_len(),
@@ -277,21 +287,67 @@ impl Arena {
                 },
             );
         }
-        Ok(Some(Publication {
+        Publication {
             published,
-            objects: placed.len() as u64,
+            objects: r.placed.len() as u64,
             bytes,
-            replaced: replaced.len() as u64,
-            replaced_bytes: replaced.iter().map(|(_, o)| o.len).sum(),
-        }))
+            replaced: r.replaced.len() as u64,
+            replaced_bytes: r.replaced.iter().map(|(_, o)| o.len).sum(),
+        }
+    }
+
+    /// Gives a reservation's space back after its copy failed. The objects it was replacing
+    /// stay freed: the copy may have overwritten their old space (their samples asked to be
+    /// replaced anyway). Returns how many there were and their bytes.
+    pub fn abort(&mut self, r: Reservation) -> (u64, u64) {
+        for (_, e) in r.placed {
+            self.alloc.free(e);
+        }
+        if !r.replaced.is_empty() {
+            tracing::warn!(
+                objects = r.replaced.len(),
+                "a failed copy leaves the objects it was replacing freed"
+            );
+        }
+        (
+            r.replaced.len() as u64,
+            r.replaced.iter().map(|(_, o)| o.len).sum(),
+        )
+    }
+
+    /// Places a whole batch and copies its bytes to completion on this thread: reserve, copy,
+    /// commit. `Ok(None)` when it does not fit now (nothing changed).
+    ///
+    /// # Errors
+    /// As [`Arena::check`], plus a failed copy (then as [`Arena::abort`]).
+    pub fn publish(&mut self, samples: &[Sample]) -> Result<Option<Publication>> {
+        let Some(r) = self.reserve(samples)? else {
+            return Ok(None);
+        };
+        let ops = Arena::copy_ops(&r, samples);
+        let copied = self.region.start(&ops).and_then(|()| loop {
+            match self.region.progress(&ops, u64::MAX)? {
+                Progress::Done => break Ok(()),
+                Progress::Again => {}
+                Progress::Waiting => std::thread::sleep(std::time::Duration::from_micros(50)),
+            }
+        });
+        drop(ops);
+        match copied {
+            Ok(()) => Ok(Some(self.commit(r, samples))),
+            Err(e) => {
+                self.abort(r);
+                Err(e)
+            }
+        }
     }
 
     /// Frees the object under `key`. Returns its bytes (`shape × item size`, as published), or
-    /// `None` for a key that is not resident (already freed, never published): freeing is
-    /// idempotent.
+    /// `None` for a key that is not resident (already freed, never published, or in a batch
+    /// still being copied): freeing is idempotent.
     ///
     /// # Complexity
-    /// O(log n) in the number of free extents.
+    /// O(1) for the table and O(log n) in the number of free extents.
     pub fn free(&mut self, key: &str) -> Option<u64> {
         let o = self.objects.remove(key)?;
         let freed = self.alloc.free(o.extent);
@@ -309,8 +365,9 @@ impl Arena {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::memory::{ShmRegion, ShmSession, ShmView};
+    use crate::memory::{ShmRegion, ShmSession};
     use crate::tensor::{Tensor, TensorData};
+    use crate::transport::{Destination, ReadOp, ShmTransport, Transport};
 
     fn sample(id: &str, sizes: &[usize], fill: u8, replace: bool) -> Sample {
         let mut s = Sample::new("st", id, 1).unwrap().with_replace(replace);
@@ -338,10 +395,14 @@ mod tests {
 
     fn read(a: &Arena, key: &str) -> Vec<u8> {
         let s: ShmSession = a.arena_ref().session.parse().unwrap();
-        let v = ShmView::open(&s).unwrap();
+        let v = ShmTransport::open(&s).unwrap();
         let o = a.object(key).unwrap();
         let mut out = vec![0; o.len as usize];
-        v.read(a.address(key).unwrap(), &mut out).unwrap();
+        v.read(&mut [ReadOp {
+            address: a.address(key).unwrap(),
+            into: Destination::Host(&mut out),
+        }])
+        .unwrap();
         out
     }
 

@@ -12,6 +12,10 @@
 //! | `SGLANG_SPEC_CAPTURE_TIMING` | `timing` | off |
 //! | `MOONCAKE_PROTOCOL` | `protocol` | unset (store placement) |
 //! | `SGLANG_SPEC_CAPTURE_GPU_PUT` | `gpu_put` | unset (on under `nvlink`) |
+//! | `SGLANG_SPEC_CAPTURE_ARENA_EAGER` | `eager` | off: the arena is created on the first capture |
+//! | `SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS` | `max_connections` | 1024 |
+//! | `SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES` | `control_buffer_bytes` | 16 MiB |
+//! | `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S` | `line_timeout` | 10 s |
 
 use std::time::Duration;
 
@@ -41,6 +45,18 @@ pub const ENV_PROTOCOL: &str = "MOONCAKE_PROTOCOL";
 /// `nvlink`).
 pub const ENV_GPU_PUT: &str = "SGLANG_SPEC_CAPTURE_GPU_PUT";
 
+/// `SGLANG_SPEC_CAPTURE_ARENA_EAGER`: `1` creates the arena when the sink starts instead of on
+/// the first capture.
+pub const ENV_EAGER: &str = "SGLANG_SPEC_CAPTURE_ARENA_EAGER";
+/// `SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS`: control (and reply) connections served at once.
+pub const ENV_MAX_CONNS: &str = "SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS";
+/// `SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES`: bytes of unfinished lines buffered across all
+/// control connections.
+pub const ENV_BUFFER_BYTES: &str = "SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES";
+/// `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S`: how long a connection may hold an unfinished
+/// line before it is closed.
+pub const ENV_LINE_TIMEOUT_S: &str = "SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S";
+
 /// The largest alignment: the page size regions are mapped with (addresses are `base + offset`
 /// and `base` is page-aligned).
 pub const MAX_ALIGNMENT: u64 = 4096;
@@ -51,6 +67,12 @@ pub const DEFAULT_ARENA_WAIT: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_PENDING_BATCHES: usize = 2;
 /// Default control host: loopback, never all interfaces.
 pub const DEFAULT_CONTROL_HOST: &str = "127.0.0.1";
+/// Default bound on control connections.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Default bound on bytes of unfinished control lines, across connections.
+pub const DEFAULT_CONTROL_BUFFER_BYTES: u64 = 16 << 20;
+/// Default time a connection may hold an unfinished line.
+pub const DEFAULT_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Where captured samples wait for trainers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +122,16 @@ pub struct Config {
     pub gpu_put: Option<bool>,
     /// Target layers of the aux hidden states, echoed in every result.
     pub aux_layer_ids: Option<Vec<i64>>,
+    /// Create the arena when the sink starts (instead of on the first capture, on the
+    /// scheduler's thread).
+    pub eager: bool,
+    /// Control (and reply) connections served at once; more are accepted and closed at once.
+    pub max_connections: usize,
+    /// Bytes of unfinished lines buffered across all control connections (at least one
+    /// maximal line, [`crate::control::MAX_LINE_BYTES`]).
+    pub control_buffer_bytes: u64,
+    /// How long a connection may hold an unfinished line before it is closed.
+    pub line_timeout: Duration,
 }
 
 impl Default for Config {
@@ -115,6 +147,10 @@ impl Default for Config {
             protocol: None,
             gpu_put: None,
             aux_layer_ids: None,
+            eager: false,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            control_buffer_bytes: DEFAULT_CONTROL_BUFFER_BYTES,
+            line_timeout: DEFAULT_LINE_TIMEOUT,
         }
     }
 }
@@ -153,17 +189,22 @@ impl Config {
             c.alignment = parse_bytes(&v).map_err(|r| Error::config(ENV_ARENA_ALIGN, r))?;
         }
         if let Some(v) = get(ENV_ARENA_WAIT_S) {
-            c.arena_wait = v
-                .trim()
-                .parse::<f64>()
-                .ok()
-                .and_then(|s| Duration::try_from_secs_f64(s).ok())
-                .ok_or_else(|| {
-                    Error::config(
-                        ENV_ARENA_WAIT_S,
-                        format!("{v:?} is not a number of seconds >= 0"),
-                    )
-                })?;
+            c.arena_wait = parse_seconds(&v).map_err(|r| Error::config(ENV_ARENA_WAIT_S, r))?;
+        }
+        if let Some(v) = get(ENV_LINE_TIMEOUT_S) {
+            c.line_timeout = parse_seconds(&v).map_err(|r| Error::config(ENV_LINE_TIMEOUT_S, r))?;
+        }
+        if let Some(v) = get(ENV_MAX_CONNS) {
+            c.max_connections = v.trim().parse().map_err(|_| {
+                Error::config(ENV_MAX_CONNS, format!("{v:?} is not a whole number >= 1"))
+            })?;
+        }
+        if let Some(v) = get(ENV_BUFFER_BYTES) {
+            c.control_buffer_bytes =
+                parse_bytes(&v).map_err(|r| Error::config(ENV_BUFFER_BYTES, r))?;
+        }
+        if let Some(v) = get(ENV_EAGER) {
+            c.eager = parse_flag(&v).map_err(|r| Error::config(ENV_EAGER, r))?;
         }
         if let Some(h) = get(ENV_CONTROL_HOST).or_else(|| get(ENV_LOCAL_HOSTNAME)) {
             c.control_host = h.trim().to_owned();
@@ -256,8 +297,40 @@ impl Config {
         if self.control_host.is_empty() {
             return Err(Error::config(ENV_CONTROL_HOST, "empty host"));
         }
+        if self.max_connections < 1 {
+            return Err(Error::config(
+                ENV_MAX_CONNS,
+                "0 connections would let no trainer free anything; at least 1",
+            ));
+        }
+        let min_buffer = crate::control::MAX_LINE_BYTES as u64;
+        if self.control_buffer_bytes < min_buffer {
+            return Err(Error::config(
+                ENV_BUFFER_BYTES,
+                format!(
+                    "{} bytes cannot hold one maximal control line ({min_buffer} bytes); \
+                     default {DEFAULT_CONTROL_BUFFER_BYTES}",
+                    self.control_buffer_bytes
+                ),
+            ));
+        }
+        if self.line_timeout.is_zero() {
+            return Err(Error::config(
+                ENV_LINE_TIMEOUT_S,
+                "0 s would close every connection mid-line; default 10",
+            ));
+        }
         Ok(())
     }
+}
+
+/// Parses a number of seconds (`30`, `0.5`).
+fn parse_seconds(v: &str) -> Result<Duration, String> {
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .ok_or_else(|| format!("{v:?} is not a number of seconds >= 0"))
 }
 
 /// Parses `8GiB`, `512 MiB`, `4096`, `1.5GiB` (binary suffixes, case-insensitive `B` optional
@@ -375,6 +448,12 @@ mod tests {
             (ENV_ARENA_ALIGN, "3"),
             (ENV_ARENA_ALIGN, "8192"),
             (ENV_TIMING, "maybe"),
+            (ENV_MAX_CONNS, "0"),
+            (ENV_MAX_CONNS, "many"),
+            (ENV_BUFFER_BYTES, "1KiB"),
+            (ENV_LINE_TIMEOUT_S, "0"),
+            (ENV_LINE_TIMEOUT_S, "-3"),
+            (ENV_EAGER, "2"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();
             assert!(e.to_string().contains(k), "{e} should name {k}");

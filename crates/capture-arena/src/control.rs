@@ -11,7 +11,11 @@
 //!   connections go on;
 //! - a line longer than [`MAX_LINE_BYTES`] closes its connection;
 //! - bytes after the last `\n` of a closed connection are a partial line: discarded and counted.
+//!
+//! The limits a server puts on its peers (connections, buffered bytes, idle partial lines, a
+//! budget per connection per turn) live with the event loop in `writer::control_server`.
 
+use std::borrow::Cow;
 use std::net::{SocketAddr, ToSocketAddrs};
 
 use crate::error::{Error, Result};
@@ -19,19 +23,30 @@ use crate::error::{Error, Result};
 /// The longest line accepted; a longer one closes its connection. One MiB holds ~15k keys.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 
-/// Parses one line (without its `\n`). `Ok(None)` for a blank line.
+/// Parses one line (without its `\n`). `Ok(None)` for a blank line. Keys without JSON escapes
+/// are borrowed from the line (no allocation per key).
 ///
 /// # Errors
 /// A description of why the line is not a JSON array of strings.
-pub fn parse_line(line: &[u8]) -> Result<Option<Vec<String>>, String> {
+pub fn parse_line(line: &[u8]) -> Result<Option<Vec<Cow<'_, str>>>, String> {
     let line = line.trim_ascii();
     if line.is_empty() {
         return Ok(None);
     }
-    serde_json::from_slice::<Vec<String>>(line)
-        .map(Some)
+    if line == b"[]" {
+        return Ok(Some(Vec::new()));
+    }
+    // `Cow` borrows only through a field marked `borrow`, not as an element of a `Vec`.
+    #[derive(serde::Deserialize)]
+    struct Text<'a>(#[serde(borrow)] Cow<'a, str>);
+    serde_json::from_slice::<Vec<Text<'_>>>(line)
+        .map(|k| Some(k.into_iter().map(|t| t.0).collect()))
         .map_err(|e| e.to_string())
 }
+
+/// Above this capacity, a line buffer gives its memory back once its line is complete, so a
+/// connection that once sent one long line does not keep a megabyte for the rest of its life.
+const KEEP_CAPACITY: usize = 4 * 1024;
 
 /// Splits a byte stream into lines, buffering a partial last line.
 #[derive(Debug, Default)]
@@ -52,13 +67,28 @@ impl LineBuffer {
     /// # Errors
     /// [`Oversized`] when the unterminated tail exceeds [`MAX_LINE_BYTES`]; the connection should
     /// be closed (the lines completed before it were still delivered).
-    pub fn push(&mut self, data: &[u8], mut on_line: impl FnMut(&[u8])) -> Result<(), Oversized> {
+    pub fn push(&mut self, data: &[u8], on_line: impl FnMut(&[u8])) -> Result<(), Oversized> {
+        self.push_capped(data, usize::MAX, on_line)
+    }
+
+    /// As [`LineBuffer::push`], growing the buffer's memory to at most `max_held` bytes (or what
+    /// the unfinished line needs, if more): a server that bounds the bytes it buffers reads at
+    /// most `max_held - pending()` bytes and keeps [`LineBuffer::held`] within its bound.
+    ///
+    /// # Errors
+    /// As [`LineBuffer::push`].
+    pub fn push_capped(
+        &mut self,
+        data: &[u8],
+        max_held: usize,
+        mut on_line: impl FnMut(&[u8]),
+    ) -> Result<(), Oversized> {
         let mut rest = data;
         // Complete the buffered partial line first.
         if !self.buf.is_empty() {
             match memchr(rest) {
                 Some(i) => {
-                    self.buf.extend_from_slice(&rest[..i]);
+                    self.append(&rest[..i], max_held);
                     if self.buf.len() > MAX_LINE_BYTES {
                         return Err(Oversized {
                             bytes: self.buf.len(),
@@ -66,10 +96,13 @@ impl LineBuffer {
                     }
                     on_line(&self.buf);
                     self.buf.clear();
+                    if self.buf.capacity() > KEEP_CAPACITY {
+                        self.buf = Vec::new();
+                    }
                     rest = &rest[i + 1..];
                 }
                 None => {
-                    self.buf.extend_from_slice(rest);
+                    self.append(rest, max_held);
                     return self.check();
                 }
             }
@@ -82,8 +115,18 @@ impl LineBuffer {
             on_line(&rest[..i]);
             rest = &rest[i + 1..];
         }
-        self.buf.extend_from_slice(rest);
+        self.append(rest, max_held);
         self.check()
+    }
+
+    /// Appends, growing capacity by doubling but not past `max_held` (unless the data needs it).
+    fn append(&mut self, data: &[u8], max_held: usize) {
+        let need = self.buf.len() + data.len();
+        if need > self.buf.capacity() {
+            let target = (self.buf.capacity() * 2).max(256).min(max_held).max(need);
+            self.buf.reserve_exact(target - self.buf.len());
+        }
+        self.buf.extend_from_slice(data);
     }
 
     fn check(&self) -> Result<(), Oversized> {
@@ -99,6 +142,11 @@ impl LineBuffer {
     /// Bytes of an unterminated line buffered (a partial line if the connection now closes).
     pub fn pending(&self) -> usize {
         self.buf.len()
+    }
+
+    /// Bytes of memory the buffer holds (its capacity).
+    pub fn held(&self) -> usize {
+        self.buf.capacity()
     }
 }
 
@@ -182,7 +230,17 @@ mod tests {
             parse_line(b" [\"a\", \"b\"] \r"),
             Ok(Some(vec!["a".into(), "b".into()]))
         );
+        assert!(matches!(
+            parse_line(b"[\"a\"]").unwrap().unwrap()[0],
+            Cow::Borrowed("a")
+        ));
+        assert_eq!(
+            parse_line(b"[\"a\\\"b\"]"),
+            Ok(Some(vec!["a\"b".into()])),
+            "escaped keys are unescaped"
+        );
         assert_eq!(parse_line(b"[]"), Ok(Some(vec![])));
+        assert_eq!(parse_line(b" [ ] "), Ok(Some(vec![])));
         assert_eq!(parse_line(b"  "), Ok(None));
         for bad in [
             &b"nope"[..],
@@ -217,6 +275,16 @@ mod tests {
     }
 
     #[test]
+    fn a_long_line_gives_its_memory_back() {
+        let mut b = LineBuffer::default();
+        let big = vec![b'x'; 512 * 1024];
+        b.push(&big, |_| {}).unwrap();
+        assert!(b.held() >= big.len());
+        b.push(b"\n", |_| {}).unwrap();
+        assert_eq!((b.pending(), b.held()), (0, 0));
+    }
+
+    #[test]
     fn binds_loopback_ephemeral() {
         let (l, adv) = bind("127.0.0.1", 0).unwrap();
         let port = l.local_addr().unwrap().port();
@@ -247,7 +315,7 @@ mod tests {
             let mut got = Vec::new();
             let mut prev = 0;
             for a in at.into_iter().chain([stream.len()]) {
-                b.push(&stream[prev..a], |l| got.extend(parse_line(l).unwrap().unwrap())).unwrap();
+                b.push(&stream[prev..a], |l| got.extend(parse_line(l).unwrap().unwrap().into_iter().map(|k| k.into_owned()))).unwrap();
                 prev = a;
             }
             prop_assert_eq!(got, keys);

@@ -1,69 +1,145 @@
-//! Object keys: `{store_id}/{sample_id}/g{gen}/{name}`, built and parsed here and nowhere else.
+//! Object keys: `{store_id}/{sample_id}/g{gen}/{name}`, built, parsed and formatted here and
+//! nowhere else.
 //!
 //! One object holds one tensor of one sample. The key format is the Mooncake store's, so a trainer
-//! that frees store objects frees arena objects with the same strings.
+//! that frees store objects frees arena objects with the same strings. A [`Key`] is one validated
+//! string (what the object table, results and the control protocol all carry) plus the positions
+//! of its parts, so it hashes and compares as that string ([`Borrow<str>`]): the writer looks a
+//! free line's strings up in its table without parsing or allocating.
 
+use std::borrow::Borrow;
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::str::FromStr;
 
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
 use crate::error::{Error, Result};
+
+/// The longest key, in bytes. A free line holds at least one key of any valid length (JSON
+/// escaping at most doubles it, well under [`crate::control::MAX_LINE_BYTES`]), so every key that
+/// can be published can also be freed.
+pub const MAX_KEY_BYTES: usize = 1024;
 
 /// A validated object key.
 ///
 /// Invariants: every part is non-empty and free of control characters; `store_id`, `sample_id`
-/// and `name` contain no `/`; `gen >= 1`. So `Key::from_str(&key.to_string()) == Ok(key)`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// and `name` contain no `/`; `gen >= 1`; the whole key is at most [`MAX_KEY_BYTES`] bytes. So
+/// `Key::from_str(key.as_str()) == Ok(key)`. Equality, hashing and ordering are the string's.
+#[derive(Clone)]
 pub struct Key {
-    store_id: String,
-    sample_id: String,
+    text: Box<str>,
+    /// Byte positions of the three `/` separators.
+    cuts: [u32; 3],
     gen: u64,
-    name: String,
 }
 
 impl Key {
     /// Builds a key from its parts.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`] if a part is empty, holds a `/` or a control character, or `gen < 1`.
+    /// [`Error::InvalidKey`] if a part is empty, holds a `/` or a control character, `gen < 1`,
+    /// or the key would be longer than [`MAX_KEY_BYTES`].
     pub fn new(store_id: &str, sample_id: &str, gen: u64, name: &str) -> Result<Key> {
-        check_part("store_id", store_id)?;
-        check_part("sample_id", sample_id)?;
+        check_sample(store_id, sample_id, gen)?;
         check_part("name", name)?;
-        if gen < 1 {
-            return Err(Error::InvalidKey {
-                key: format!("{store_id}/{sample_id}/g{gen}/{name}"),
-                reason: "gen must be >= 1".into(),
-            });
-        }
+        let text = format!("{store_id}/{sample_id}/g{gen}/{name}");
+        check_len(&text)?;
+        let a = store_id.len();
+        let b = a + 1 + sample_id.len();
+        let c = text.len() - name.len() - 1;
         Ok(Key {
-            store_id: store_id.to_owned(),
-            sample_id: sample_id.to_owned(),
+            text: text.into_boxed_str(),
+            // All below MAX_KEY_BYTES (checked), so they fit in u32.
+            cuts: [a as u32, b as u32, c as u32],
             gen,
-            name: name.to_owned(),
         })
+    }
+
+    /// The key as the string that results, free lines and the object table carry.
+    pub fn as_str(&self) -> &str {
+        &self.text
     }
 
     /// The trainer store namespace.
     pub fn store_id(&self) -> &str {
-        &self.store_id
+        &self.text[..self.cut(0)]
     }
+
     /// The sample this object belongs to.
     pub fn sample_id(&self) -> &str {
-        &self.sample_id
+        &self.text[self.cut(0) + 1..self.cut(1)]
     }
+
     /// The generation (server capture always uses 1).
     pub fn gen(&self) -> u64 {
         self.gen
     }
+
     /// The feature name (`hidden_state`, `input_ids`, ...).
     pub fn name(&self) -> &str {
-        &self.name
+        &self.text[self.cut(2) + 1..]
+    }
+
+    fn cut(&self, i: usize) -> usize {
+        self.cuts[i] as usize
+    }
+}
+
+/// Checks the parts every key of one sample shares.
+///
+/// # Errors
+/// As [`Key::new`].
+pub(crate) fn check_sample(store_id: &str, sample_id: &str, gen: u64) -> Result<()> {
+    check_part("store_id", store_id)?;
+    check_part("sample_id", sample_id)?;
+    if gen < 1 {
+        return Err(Error::InvalidKey {
+            key: format!("{store_id}/{sample_id}/g{gen}")
+                .escape_debug()
+                .to_string(),
+            reason: "gen must be >= 1".into(),
+        });
+    }
+    // The shortest key of this sample (a one-byte name) must fit.
+    let shortest = store_id.len() + sample_id.len() + digits(gen) + 5;
+    if shortest > MAX_KEY_BYTES {
+        return Err(too_long(
+            &format!("{store_id}/{sample_id}/g{gen}/"),
+            shortest,
+        ));
+    }
+    Ok(())
+}
+
+fn digits(n: u64) -> usize {
+    n.checked_ilog10().map_or(1, |d| d as usize + 1)
+}
+
+fn check_len(text: &str) -> Result<()> {
+    if text.len() > MAX_KEY_BYTES {
+        return Err(too_long(text, text.len()));
+    }
+    Ok(())
+}
+
+fn too_long(text: &str, len: usize) -> Error {
+    // Show the start only: the point is the length.
+    let start: String = text.chars().take(64).collect();
+    Error::InvalidKey {
+        key: format!("{}...", start.escape_debug()),
+        reason: format!(
+            "the key is {len} bytes, longer than the limit of {MAX_KEY_BYTES} bytes (so that \
+             every key fits in a free line); use shorter store or sample ids or names"
+        ),
     }
 }
 
 fn check_part(what: &str, part: &str) -> Result<()> {
     let reason = if part.is_empty() {
         format!("{what} is empty")
+    } else if part.len() > MAX_KEY_BYTES {
+        return Err(too_long(part, part.len()));
     } else if part.contains('/') {
         format!("{what} {part:?} contains '/'")
     } else if part.chars().any(char::is_control) {
@@ -77,13 +153,54 @@ fn check_part(what: &str, part: &str) -> Result<()> {
     })
 }
 
+impl PartialEq for Key {
+    fn eq(&self, other: &Key) -> bool {
+        self.text == other.text
+    }
+}
+
+impl Eq for Key {}
+
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Must hash exactly as `str` does: the object table is looked up by `&str`.
+        self.as_str().hash(state);
+    }
+}
+
+impl PartialOrd for Key {
+    fn partial_cmp(&self, other: &Key) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Key {
+    fn cmp(&self, other: &Key) -> std::cmp::Ordering {
+        self.text.cmp(&other.text)
+    }
+}
+
+impl Borrow<str> for Key {
+    fn borrow(&self) -> &str {
+        &self.text
+    }
+}
+
+impl AsRef<str> for Key {
+    fn as_ref(&self) -> &str {
+        &self.text
+    }
+}
+
 impl fmt::Display for Key {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}/{}/g{}/{}",
-            self.store_id, self.sample_id, self.gen, self.name
-        )
+        f.write_str(&self.text)
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.text, f)
     }
 }
 
@@ -91,10 +208,14 @@ impl FromStr for Key {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Key> {
-        let bad = |reason: &str| Error::InvalidKey {
-            key: s.escape_debug().to_string(),
-            reason: reason.to_owned(),
+        let bad = |reason: &str| {
+            let start: String = s.chars().take(80).collect();
+            Error::InvalidKey {
+                key: start.escape_debug().to_string(),
+                reason: reason.to_owned(),
+            }
         };
+        check_len(s)?;
         let mut parts = s.split('/');
         let (Some(store), Some(sample), Some(gen), Some(name), None) = (
             parts.next(),
@@ -107,12 +228,33 @@ impl FromStr for Key {
                 "expected exactly four '/'-separated parts: {store_id}/{sample_id}/g{gen}/{name}",
             ));
         };
-        let gen = gen
+        let gen_text = gen
             .strip_prefix('g')
             .filter(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()))
-            .and_then(|g| g.parse::<u64>().ok())
             .ok_or_else(|| bad("third part must be g<generation>, e.g. g1"))?;
-        Key::new(store, sample, gen, name)
+        let gen = gen_text
+            .parse::<u64>()
+            .map_err(|_| bad("third part must be g<generation>, e.g. g1"))?;
+        let key = Key::new(store, sample, gen, name)?;
+        // `g01` would make a different string for the same parts: only the canonical form is a
+        // key, so a key compares equal exactly when its string does.
+        if key.as_str() != s {
+            return Err(bad("the generation has leading zeros"));
+        }
+        Ok(key)
+    }
+}
+
+impl Serialize for Key {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        s.serialize_str(&self.text)
+    }
+}
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Key, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -120,17 +262,31 @@ impl FromStr for Key {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use std::collections::HashMap;
 
     #[test]
     fn builds_and_parses() {
         let k = Key::new("a1b2c3d4", "run0:t17", 1, "hidden_state").unwrap();
-        assert_eq!(k.to_string(), "a1b2c3d4/run0:t17/g1/hidden_state");
+        assert_eq!(k.as_str(), "a1b2c3d4/run0:t17/g1/hidden_state");
+        assert_eq!(k.to_string(), k.as_str());
         assert_eq!(
             "a1b2c3d4/run0:t17/g1/hidden_state".parse::<Key>().unwrap(),
             k
         );
-        assert_eq!(k.gen(), 1);
-        assert_eq!(k.name(), "hidden_state");
+        assert_eq!(
+            (k.store_id(), k.sample_id(), k.gen(), k.name()),
+            ("a1b2c3d4", "run0:t17", 1, "hidden_state")
+        );
+        let big = Key::new("s", "x", 12345, "n").unwrap();
+        assert_eq!((big.sample_id(), big.gen(), big.name()), ("x", 12345, "n"));
+    }
+
+    #[test]
+    fn looks_up_by_str() {
+        let k = Key::new("a", "b", 1, "c").unwrap();
+        let m = HashMap::from([(k.clone(), 7)]);
+        assert_eq!(m.get("a/b/g1/c"), Some(&7));
+        assert_eq!(m.get("a/b/g1/d"), None);
     }
 
     #[test]
@@ -155,6 +311,7 @@ mod tests {
             "a/s/1/n",
             "a/s/g/n",
             "a/s/g0/n",
+            "a/s/g01/n",
             "a/s/g+1/n",
             "a/s/gx/n",
             "/s/g1/n",
@@ -165,12 +322,44 @@ mod tests {
         }
     }
 
+    #[test]
+    fn keys_are_bounded_so_every_free_line_fits() {
+        let long = "x".repeat(MAX_KEY_BYTES);
+        let e = Key::new("a", &long, 1, "n").unwrap_err();
+        assert!(
+            e.to_string().contains("longer than the limit of 1024"),
+            "{e}"
+        );
+        assert!(check_sample("a", &long, 1).is_err());
+        let e = format!("a/{long}/g1/n").parse::<Key>().unwrap_err();
+        assert!(e.to_string().contains("1024"), "{e}");
+        // The longest key allowed, made of characters JSON escapes, still fits a free line.
+        let fill = MAX_KEY_BYTES - "a/b/g1/".len();
+        let k = Key::new("a", "b", 1, &"\"".repeat(fill)).unwrap();
+        assert_eq!(k.as_str().len(), MAX_KEY_BYTES);
+        let line = serde_json::to_vec(&[&k]).unwrap();
+        assert!(line.len() < crate::control::MAX_LINE_BYTES);
+        assert!(Key::new("a", "b", 1, &"\"".repeat(fill + 1)).is_err());
+    }
+
+    #[test]
+    fn serialises_as_its_string() {
+        let k = Key::new("a", "b", 2, "c").unwrap();
+        assert_eq!(serde_json::to_string(&k).unwrap(), "\"a/b/g2/c\"");
+        let back: Key = serde_json::from_str("\"a/b/g2/c\"").unwrap();
+        assert_eq!(back, k);
+        assert!(serde_json::from_str::<Key>("\"a/b/c\"").is_err());
+    }
+
     proptest! {
         #[test]
         fn round_trips(store in "[^/\\p{Cc}]{1,12}", sample in "[^/\\p{Cc}]{1,12}",
                        gen in 1u64.., name in "[^/\\p{Cc}]{1,12}") {
             let k = Key::new(&store, &sample, gen, &name).unwrap();
-            prop_assert_eq!(k.to_string().parse::<Key>().unwrap(), k);
+            let back = k.as_str().parse::<Key>().unwrap();
+            prop_assert_eq!(&back, &k);
+            prop_assert_eq!((back.store_id(), back.sample_id(), back.gen(), back.name()),
+                            (store.as_str(), sample.as_str(), gen, name.as_str()));
         }
 
         #[test]

@@ -8,22 +8,23 @@
 //! which the same writer thread serves.
 //!
 //! Data flows one way:
-//! `sink -> writer -> arena (alloc + memory) -> result -> client (transport) -> control ->
-//! writer`.
+//! `sink -> writer (queue -> placer) -> arena (alloc + memory) -> result -> client (reader ->
+//! transport) -> control client -> writer (control server) -> arena`.
 //!
 //! | module | noun |
 //! |---|---|
-//! | [`key`] | object keys `{store_id}/{sample_id}/g{gen}/{name}` |
+//! | [`key`] | object keys `{store_id}/{sample_id}/g{gen}/{name}`, one type everywhere |
 //! | [`alloc`] | best-fit extent allocator over `[0, capacity)` (offsets only) |
-//! | [`memory`] | regions: host shared memory, later GPU and transfer-engine memory |
-//! | [`arena`] | region + allocator + object table; atomic batches |
-//! | [`writer`] | the writer thread and its event loop |
+//! | [`memory`] | regions (batch copies that may complete later) and the one mapping type |
+//! | [`arena`] | region + allocator + object table; atomic batches, reserve → copy → commit |
+//! | [`writer`] | the writer thread: submit queue, control server, placer |
 //! | [`control`] | the free protocol: line buffer and parser |
+//! | [`reply`] | the local reply path: descriptors and metadata for readers on the host |
 //! | [`sample`], [`tensor`] | requests, tensors, results |
 //! | [`config`] | every setting and its environment variable |
 //! | [`stats`] | the writer's counters |
 //! | [`transport`] | how a reader reaches an arena, chosen from the session |
-//! | [`client`] | the trainer side: reader, frees, store |
+//! | [`client`] | the trainer side: reader, control client, feature store |
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
@@ -35,6 +36,7 @@ pub mod control;
 mod error;
 pub mod key;
 pub mod memory;
+pub mod reply;
 pub mod sample;
 pub mod sink;
 pub mod stats;
@@ -48,7 +50,7 @@ pub mod writer;
 mod readme {}
 
 pub use arena::Arena;
-pub use client::{ControlClient, Reader, Store};
+pub use client::{ControlClient, FeatureStore, Reader};
 pub use config::{arena_enabled, Config, Placement};
 pub use error::{Error, Result};
 pub use key::Key;
@@ -56,5 +58,5 @@ pub use sample::{ArenaRef, Feature, Published, Sample, SampleResult, SampleSpec}
 pub use sink::Sink;
 pub use stats::StatsSnapshot;
 pub use tensor::{Dtype, Tensor, TensorData};
-pub use transport::Transport;
+pub use transport::{Destination, ReadOp, Transport};
 pub use writer::{BatchHandle, Writer};

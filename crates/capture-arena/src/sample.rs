@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::key::Key;
-use crate::tensor::{byte_len, Dtype, Tensor, TensorData};
+use crate::key::{self, Key};
+use crate::tensor::{byte_len, Dtype, Tensor, TensorData, MAX_RANK};
 
 /// The per-sample request of the capture contract, as the inference server sends it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,7 +89,7 @@ impl Sample {
     /// # Errors
     /// [`Error::InvalidKey`] for an empty id, a `/` or control character in it, or `gen < 1`.
     pub fn new(store_id: &str, sample_id: &str, gen: u64) -> Result<Sample> {
-        Key::new(store_id, sample_id, gen, "_")?;
+        key::check_sample(store_id, sample_id, gen)?;
         Ok(Sample {
             store_id: store_id.to_owned(),
             sample_id: sample_id.to_owned(),
@@ -133,6 +133,7 @@ impl Sample {
     ///
     /// # Errors
     /// [`Error::InvalidSample`] when `aux` (or `last_hidden`) is requested but not captured, a
+    /// captured tensor is not `[L, width]`, `aux` and `last_hidden` disagree on `L`, a
     /// passthrough dtype is outside the contract, or data does not match its shape;
     /// [`Error::InvalidKey`] for bad ids or names.
     pub fn from_spec(
@@ -163,6 +164,7 @@ impl Sample {
             .with_replace(spec.replace)
             .with_aux_layer_ids(aux_layer_ids);
         let id = spec.sample_id.as_str();
+        check_captured(id, &aux, &last_hidden)?;
         for (artifact, name, captured) in [
             ("aux", &spec.features.aux, aux),
             ("last_hidden", &spec.features.last_hidden, last_hidden),
@@ -242,6 +244,77 @@ impl Sample {
     pub fn byte_len(&self) -> u64 {
         self.tensors.iter().map(|(_, t)| t.byte_len()).sum()
     }
+}
+
+/// Checks that captured tensors are `[L, width]` and agree on `L` (they come from one prefill).
+fn check_captured(id: &str, aux: &Option<Captured>, last: &Option<Captured>) -> Result<()> {
+    for (artifact, c, want) in [("aux", aux, "[L, k*H]"), ("last_hidden", last, "[L, H]")] {
+        if let Some(c) = c {
+            if c.shape.len() != 2 {
+                return Err(Error::sample(
+                    id,
+                    format!(
+                        "{artifact} must be {want} (2-D, stored as [1, ...]) but has shape {:?}",
+                        c.shape
+                    ),
+                ));
+            }
+        }
+    }
+    if let (Some(a), Some(l)) = (aux, last) {
+        if a.shape[0] != l.shape[0] {
+            return Err(Error::sample(
+                id,
+                format!(
+                    "aux has {} tokens ({:?}) but last_hidden has {} ({:?}); both come from one \
+                     prefill",
+                    a.shape[0], a.shape, l.shape[0], l.shape
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Encodes integers as little-endian bytes of `dtype` (an integer or bool dtype), checking each
+/// value's range: the typed path for passthrough lists that callers already hold as integers.
+///
+/// # Errors
+/// The first value out of range for `dtype` (with its index), or a float `dtype`.
+pub fn encode_ints(values: &[i64], dtype: Dtype) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(values.len() * dtype.item_size() as usize);
+    macro_rules! each {
+        ($t:ty) => {{
+            for (i, &v) in values.iter().enumerate() {
+                let x = <$t>::try_from(v)
+                    .map_err(|_| format!("element {i}: {v} out of range for {dtype}"))?;
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }};
+    }
+    match dtype {
+        Dtype::Int64 => {
+            for v in values {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        Dtype::Int32 => each!(i32),
+        Dtype::Int16 => each!(i16),
+        Dtype::Int8 => each!(i8),
+        Dtype::Uint8 => each!(u8),
+        Dtype::Bool => {
+            for (i, &v) in values.iter().enumerate() {
+                match v {
+                    0 | 1 => out.push(v as u8),
+                    _ => return Err(format!("element {i}: {v} is not a bool (0/1/true/false)")),
+                }
+            }
+        }
+        Dtype::Float32 | Dtype::Float64 | Dtype::Float16 | Dtype::Bfloat16 => {
+            return Err(format!("{dtype} is not an integer dtype"))
+        }
+    }
+    Ok(out)
 }
 
 /// Encodes JSON numbers (a flat or nested list) into little-endian bytes of `dtype`, checking the
@@ -376,12 +449,74 @@ pub struct Published {
     pub arena: ArenaRef,
 }
 
+/// The most features a result may name (a sample has four; room for extra passthroughs).
+pub const MAX_FEATURES: usize = 256;
+/// The longest control endpoint a result may name.
+pub const MAX_ENDPOINT_BYTES: usize = 256;
+/// The longest session string a result may carry.
+pub const MAX_SESSION_BYTES: usize = 1024;
+
 impl Published {
+    /// The object key of feature `name`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] if the ids and the name do not make a valid key.
+    pub fn key(&self, name: &str) -> Result<Key> {
+        Key::new(&self.store_id, &self.sample_id, self.gen, name)
+    }
+
     /// The object key of each feature.
-    pub fn keys(&self) -> impl Iterator<Item = String> + '_ {
-        self.features
-            .keys()
-            .map(move |n| format!("{}/{}/g{}/{}", self.store_id, self.sample_id, self.gen, n))
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] for a feature whose key is invalid.
+    pub fn keys(&self) -> Result<Vec<Key>> {
+        self.features.keys().map(|n| self.key(n)).collect()
+    }
+
+    /// Checks a result that came from outside this process (a JSON line, a Python dict) before
+    /// anything is allocated or mapped for it: valid keys, a bounded number of features of
+    /// bounded rank whose byte sizes do not overflow, bounded session and endpoint strings.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRead`] saying what is wrong, or [`Error::InvalidKey`].
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Error::InvalidRead {
+            key: format!("{}/{}/g{}", self.store_id, self.sample_id, self.gen)
+                .chars()
+                .take(200)
+                .collect(),
+            reason,
+        };
+        if self.features.len() > MAX_FEATURES {
+            return Err(bad(format!(
+                "{} features (at most {MAX_FEATURES})",
+                self.features.len()
+            )));
+        }
+        if self.arena.session.len() > MAX_SESSION_BYTES
+            || self.arena.control.len() > MAX_ENDPOINT_BYTES
+        {
+            return Err(bad(format!(
+                "session or control endpoint too long (at most {MAX_SESSION_BYTES} and \
+                 {MAX_ENDPOINT_BYTES} bytes)"
+            )));
+        }
+        for (name, f) in &self.features {
+            self.key(name)?;
+            if f.shape.len() > MAX_RANK {
+                return Err(bad(format!(
+                    "feature {name:?} has rank {} (at most {MAX_RANK})",
+                    f.shape.len()
+                )));
+            }
+            if f.byte_len().is_none() {
+                return Err(bad(format!(
+                    "shape {:?} of {} of feature {name:?} overflows",
+                    f.shape, f.dtype
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -484,11 +619,86 @@ mod tests {
                 ("a1/run0:t17/g1/loss_mask".to_string(), vec![1, 3]),
             ]
         );
-        let TensorData::Host(b) = &s.tensors[2].1.data;
+        let TensorData::Host(b) = &s.tensors[2].1.data else {
+            panic!("passthrough lists become owned bytes")
+        };
         assert_eq!(
             &(**b).as_ref()[..16],
             &[1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
         );
+    }
+
+    #[test]
+    fn captured_tensors_must_be_two_dimensional_and_agree_on_length() {
+        let sp = spec(json!({"store_id": "a", "sample_id": "s",
+            "features": {"aux": "h", "last_hidden": "t"}}));
+        let three_d = Captured {
+            shape: vec![2, 3, 4],
+            dtype: Dtype::Bfloat16,
+            data: TensorData::host(vec![0u8; 48]),
+        };
+        let e = Sample::from_spec(&sp, Some(three_d), Some(cap(2, 4)), None).unwrap_err();
+        assert!(e.to_string().contains("aux must be [L, k*H] (2-D"), "{e}");
+        let one_d = Captured {
+            shape: vec![8],
+            dtype: Dtype::Bfloat16,
+            data: TensorData::host(vec![0u8; 16]),
+        };
+        let e = Sample::from_spec(&sp, Some(cap(2, 4)), Some(one_d), None).unwrap_err();
+        assert!(e.to_string().contains("last_hidden must be [L, H]"), "{e}");
+        let e = Sample::from_spec(&sp, Some(cap(3, 12)), Some(cap(2, 4)), None).unwrap_err();
+        assert!(e.to_string().contains("aux has 3 tokens"), "{e}");
+        assert!(Sample::from_spec(&sp, Some(cap(2, 12)), Some(cap(2, 4)), None).is_ok());
+    }
+
+    #[test]
+    fn integer_lists_take_the_typed_path() {
+        assert_eq!(
+            encode_ints(&[1, -1], Dtype::Int16).unwrap(),
+            [1, 0, 0xff, 0xff]
+        );
+        assert_eq!(encode_ints(&[0, 1], Dtype::Bool).unwrap(), [0, 1]);
+        let e = encode_ints(&[1, 300], Dtype::Uint8).unwrap_err();
+        assert!(e.contains("element 1: 300 out of range for uint8"), "{e}");
+        assert!(encode_ints(&[2], Dtype::Bool).is_err());
+        assert!(encode_ints(&[2], Dtype::Float32).is_err());
+        let big: Vec<i64> = (0..1000).collect();
+        let b = encode_ints(&big, Dtype::Int64).unwrap();
+        assert_eq!(&b[8..16], &1i64.to_le_bytes());
+    }
+
+    #[test]
+    fn results_from_outside_are_validated() {
+        let mut p = Published {
+            sample_id: "s".into(),
+            store_id: "a".into(),
+            gen: 1,
+            aux_layer_ids: None,
+            features: BTreeMap::from([(
+                "x".to_string(),
+                Feature {
+                    shape: vec![1, 3],
+                    dtype: Dtype::Int64,
+                    address: 4096,
+                },
+            )]),
+            arena: ArenaRef {
+                session: "shm://x".into(),
+                control: "127.0.0.1:1".into(),
+            },
+        };
+        p.validate().unwrap();
+        assert_eq!(p.keys().unwrap()[0].as_str(), "a/s/g1/x");
+        p.features.get_mut("x").unwrap().shape = vec![1; 9];
+        assert!(p.validate().unwrap_err().to_string().contains("rank 9"));
+        p.features.get_mut("x").unwrap().shape = vec![u64::MAX, 2];
+        assert!(p.validate().unwrap_err().to_string().contains("overflows"));
+        p.features.get_mut("x").unwrap().shape = vec![1];
+        p.sample_id = "x".repeat(2000);
+        assert!(p.validate().is_err(), "a key too long to free is refused");
+        p.sample_id = "s".into();
+        p.arena.session = "s".repeat(5000);
+        assert!(p.validate().is_err());
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The sink: what an inference server's capture hook holds. It owns a [`Config`] and starts the
 //! writer (region and control listener included) on the first capture, so a server that never
-//! captures takes no memory and opens no port.
+//! captures takes no memory and opens no port; or, with `eager`
+//! (`SGLANG_SPEC_CAPTURE_ARENA_EAGER=1`), when it is made, so the first capture does not pay
+//! for creating and pre-faulting the arena (about a second per GiB of host memory).
 
 use std::sync::{Mutex, OnceLock};
 
@@ -19,17 +21,25 @@ pub struct Sink {
 }
 
 impl Sink {
-    /// A sink with `config`, checked now; nothing is allocated until the first submission.
+    /// A sink with `config`, checked now; nothing is allocated until the first submission,
+    /// unless `config.eager`.
     ///
     /// # Errors
-    /// [`Error::Config`](crate::Error::Config) for an invalid setting.
+    /// [`Error::Config`](crate::Error::Config) for an invalid setting; with `eager`, as
+    /// [`Writer::start`].
     pub fn new(config: Config) -> Result<Sink> {
         config.validate()?;
-        Ok(Sink {
+        let sink = Sink {
             config,
             writer: OnceLock::new(),
             starting: Mutex::new(()),
-        })
+        };
+        if sink.config.eager {
+            // SGLANG_SPEC_CAPTURE_ARENA_EAGER: pay for creating and pre-faulting the arena now,
+            // not on the scheduler's thread at the first capture.
+            sink.writer()?;
+        }
+        Ok(sink)
     }
 
     /// A sink configured from the environment.

@@ -61,6 +61,16 @@ stats! {
     oversized_lines,
     /// Control connections accepted.
     control_connections,
+    /// Connections closed at once because `max_connections` were open (or descriptors ran out).
+    refused_connections,
+    /// Connections closed because an unfinished line waited longer than `line_timeout`.
+    timed_out_lines,
+    /// `accept` failures (out of descriptors, ...); the listener is retried with a back-off.
+    accept_errors,
+    /// Requests answered on the local reply path.
+    reply_requests,
+    /// Requests refused on the reply path (another user, a malformed or unknown request).
+    reply_refused,
     /// Batches that had to wait for frees.
     waits,
     /// Total time batches waited for frees, in nanoseconds.
@@ -80,8 +90,12 @@ stats! {
     free_extents,
     /// Objects resident.
     resident_objects,
-    /// Aligned bytes resident.
+    /// Aligned bytes resident (and of the batch being copied).
     resident_bytes,
+    /// Control and reply connections open.
+    open_connections,
+    /// Bytes of memory held for unfinished control lines, across connections.
+    control_buffered_bytes,
 }
 
 impl Stats {

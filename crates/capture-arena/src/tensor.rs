@@ -69,6 +69,14 @@ impl Dtype {
         Dtype::ALL.into_iter().find(|d| d.name() == name)
     }
 
+    /// True for the floating-point dtypes.
+    pub fn is_float(self) -> bool {
+        matches!(
+            self,
+            Dtype::Float32 | Dtype::Float64 | Dtype::Float16 | Dtype::Bfloat16
+        )
+    }
+
     /// Bytes per element.
     pub fn item_size(self) -> u64 {
         match self {
@@ -86,6 +94,9 @@ impl fmt::Display for Dtype {
     }
 }
 
+/// The highest rank a tensor may have (captured tensors are 3-D, passthroughs 2-D).
+pub const MAX_RANK: usize = 8;
+
 /// Bytes of a tensor of `shape` and `dtype`, or `None` on overflow.
 pub fn byte_len(shape: &[u64], dtype: Dtype) -> Option<u64> {
     shape
@@ -97,21 +108,54 @@ pub fn byte_len(shape: &[u64], dtype: Dtype) -> Option<u64> {
 /// then dropped on the writer thread.
 #[non_exhaustive]
 pub enum TensorData {
-    /// Host memory: anything that can lend a byte slice (a `Vec<u8>`, an `Arc<[u8]>`, a wrapper
-    /// around a Python buffer).
+    /// Host memory owned by the tensor: anything that can lend a byte slice (a `Vec<u8>`, an
+    /// `Arc<[u8]>`, a pooled buffer).
     Host(Box<dyn AsRef<[u8]> + Send>),
+    /// Host memory lent by address by its owner (a Python array), with a promise that nobody
+    /// writes or frees it until the writer drops this value. See [`TensorData::lent`].
+    Lent(Lent),
 }
 
+/// Host bytes lent by address; see [`TensorData::lent`].
+pub struct Lent {
+    ptr: *const u8,
+    len: usize,
+    /// Keeps the memory allocated and in place; dropped (on the writer thread) after the copy.
+    _owner: Box<dyn Send>,
+}
+
+// SAFETY: `Lent` is a read-only loan of memory that its constructor's caller promised stays
+// valid and unchanged until the value is dropped, wherever that happens; the owner is `Send`.
+// Nothing here reads through the pointer except the region's copy (on the writer thread).
+unsafe impl Send for Lent {}
+
 impl TensorData {
-    /// Wraps a host buffer.
+    /// Wraps a host buffer the tensor owns.
     pub fn host(bytes: impl AsRef<[u8]> + Send + 'static) -> TensorData {
         TensorData::Host(Box::new(bytes))
+    }
+
+    /// Host memory lent by address: `len` bytes at `ptr`, kept alive by `owner`, which is
+    /// dropped once the writer has copied them (or the batch failed).
+    ///
+    /// # Safety
+    /// From this call until `owner` is dropped, `ptr` must be valid for reads of `len` bytes
+    /// (or `len` must be 0), and nothing may write or free that memory. This is the contract
+    /// the Python sink states to its callers: a tensor handed to it is not written, resized or
+    /// freed until its batch's results are back.
+    pub unsafe fn lent(ptr: *const u8, len: usize, owner: impl Send + 'static) -> TensorData {
+        TensorData::Lent(Lent {
+            ptr,
+            len,
+            _owner: Box::new(owner),
+        })
     }
 
     /// Length in bytes.
     pub fn len(&self) -> u64 {
         match self {
             TensorData::Host(b) => (**b).as_ref().len() as u64,
+            TensorData::Lent(l) => l.len as u64,
         }
     }
 
@@ -119,12 +163,26 @@ impl TensorData {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The host bytes to copy, as a pointer valid for reads of the returned length and unchanged
+    /// while `self` lives (owned bytes by construction; lent bytes by [`TensorData::lent`]'s
+    /// contract). Regions copy from it with raw copies, never through a `&[u8]` of lent memory.
+    pub(crate) fn host_source(&self) -> (*const u8, usize) {
+        match self {
+            TensorData::Host(b) => {
+                let s = (**b).as_ref();
+                (s.as_ptr(), s.len())
+            }
+            TensorData::Lent(l) => (l.ptr, l.len),
+        }
+    }
 }
 
 impl fmt::Debug for TensorData {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             TensorData::Host(_) => write!(f, "Host({} bytes)", self.len()),
+            TensorData::Lent(_) => write!(f, "Lent({} bytes)", self.len()),
         }
     }
 }
@@ -139,7 +197,8 @@ pub struct Tensor {
 }
 
 impl Tensor {
-    /// A tensor whose byte length must equal `product(shape) × dtype.item_size()`.
+    /// A tensor whose byte length must equal `product(shape) × dtype.item_size()`, of rank at
+    /// most [`MAX_RANK`].
     ///
     /// # Errors
     /// [`Error::InvalidTensor`] saying what does not match.
@@ -150,6 +209,10 @@ impl Tensor {
         data: TensorData,
     ) -> Result<Tensor> {
         let name = name.into();
+        if shape.len() > MAX_RANK {
+            let reason = format!("rank {} is above the limit of {MAX_RANK}", shape.len());
+            return Err(Error::InvalidTensor { name, reason });
+        }
         let Some(want) = byte_len(&shape, dtype) else {
             let reason = format!("shape {shape:?} overflows");
             return Err(Error::InvalidTensor { name, reason });

@@ -1,12 +1,22 @@
-//! The trainer side against a real writer: reads, views, validation, stale sessions, frees.
+//! The trainer side against a real writer: reads, views, validation, stale sessions, frees,
+//! producers that go away, endpoints that cannot be reached.
 
 mod util;
 
-use std::time::Duration;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
-use capture_arena::client::{ControlClient, Reader, Store};
-use capture_arena::{Config, Error, Writer};
+use capture_arena::client::{ControlClient, FeatureStore, Reader};
+use capture_arena::{Config, Error, Key, Writer};
 use util::*;
+
+fn key(s: &str) -> Key {
+    s.parse().unwrap()
+}
+
+fn keyed(v: Vec<String>) -> Vec<Key> {
+    v.iter().map(|s| key(s)).collect()
+}
 
 fn writer() -> Writer {
     Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap()
@@ -27,13 +37,14 @@ fn read_view_and_get_return_the_published_bytes() {
         .iter()
         .enumerate()
         .all(|(j, b)| *b == pattern("a", "t0", j)));
-    let v = reader.view(r, "t1").unwrap();
+    // SAFETY: nothing frees or replaces the sample while the view lives.
+    let v = unsafe { reader.view(r, "t1") }.unwrap();
     assert_eq!(v.len(), 17);
     assert!(v
         .iter()
         .enumerate()
         .all(|(j, b)| *b == pattern("a", "t1", j)));
-    let store = Store::new();
+    let store = FeatureStore::new();
     let got = store.get(r, None).unwrap();
     assert_eq!(got["t0"].data, out);
     assert_eq!(got["t1"].shape, [17]);
@@ -70,26 +81,26 @@ fn bad_addresses_and_lengths_are_refused_before_touching_memory() {
     assert!(matches!(e, Error::OutOfRange { len: 100, .. }), "{e}");
     forged.features.get_mut("t0").unwrap().address = 12;
     assert!(matches!(
-        reader.view(&forged, "t0").unwrap_err(),
+        reader.checked_len(&forged, "t0").unwrap_err(),
         Error::OutOfRange { .. }
     ));
     // A shape that claims more bytes than the arena holds past the address.
     let mut big = good.clone();
     big.features.get_mut("t0").unwrap().shape = vec![1 << 21];
     assert!(matches!(
-        reader.view(&big, "t0").unwrap_err(),
+        reader.checked_len(&big, "t0").unwrap_err(),
         Error::OutOfRange { .. }
     ));
     big.features.get_mut("t0").unwrap().shape = vec![u64::MAX, 4];
     assert!(reader
-        .view(&big, "t0")
+        .checked_len(&big, "t0")
         .unwrap_err()
         .to_string()
         .contains("overflows"));
     let mut odd = good.clone();
     odd.arena.session = "nixl://somewhere".into();
     assert!(matches!(
-        Reader::new().view(&odd, "t0").unwrap_err(),
+        Reader::new().checked_len(&odd, "t0").unwrap_err(),
         Error::InvalidSession { .. }
     ));
 }
@@ -105,7 +116,7 @@ fn a_restarted_producer_gives_a_stale_session_error() {
             .remove(0)
     };
     let _new = writer();
-    let e = Reader::new().view(&old, "t0").unwrap_err();
+    let e = Reader::new().checked_len(&old, "t0").unwrap_err();
     assert!(matches!(e, Error::StaleSession { .. }), "{e}");
     assert!(e.to_string().contains("exited or restarted"), "{e}");
 }
@@ -133,7 +144,7 @@ fn a_cached_session_turns_stale_when_its_producer_goes() {
         .unwrap()
         .remove(0);
     r.features.get_mut("t0").unwrap().shape = vec![1 << 40];
-    let e = Store::new().get(&r, None).unwrap_err();
+    let e = FeatureStore::new().get(&r, None).unwrap_err();
     assert!(matches!(e, Error::OutOfRange { .. }), "{e}");
 }
 
@@ -145,7 +156,7 @@ fn get_after_release_fails_and_release_frees_everything() {
         .unwrap()
         .wait()
         .unwrap();
-    let store = Store::new();
+    let store = FeatureStore::new();
     for r in &rs {
         store.get(r, None).unwrap();
         store.release(r).unwrap();
@@ -159,14 +170,24 @@ fn get_after_release_fails_and_release_frees_everything() {
         (s.resident_objects, s.free_bytes, s.unknown_frees),
         (0, s.capacity, 0)
     );
-    assert_eq!(store.health(), Default::default());
+    let h = store.health();
+    assert_eq!(
+        (
+            h.resident_samples,
+            h.resident_bytes,
+            h.pending_frees,
+            h.dropped_frees
+        ),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(h.open_sessions, 1);
     // Control connections are persistent: one for all three releases.
     assert_eq!(s.control_connections, 1);
 }
 
 #[test]
 fn frees_reconnect_after_the_endpoint_drops_the_connection() {
-    let store = Store::new();
+    let store = FeatureStore::new();
     let first = writer();
     let port: u16 = first
         .arena_ref()
@@ -207,11 +228,11 @@ fn unsent_frees_stay_pending_and_unknown_endpoints_get_every_key() {
     // An endpoint that cannot be reached now (here: its name does not resolve) keeps its keys.
     let c = ControlClient::new(Duration::from_secs(1));
     let e = c
-        .free(Some("no-such-host.invalid:9"), ["x/y/g1/z"])
+        .free(Some("no-such-host.invalid:9"), [key("x/y/g1/z")])
         .unwrap_err();
     assert!(matches!(e, Error::FreeNotSent { pending: 1, .. }), "{e}");
     assert_eq!(c.pending(), 1);
-    assert!(c.flush().is_err(), "still unreachable");
+    assert!(c.flush().is_err(), "still unreachable (or backing off)");
     assert_eq!(c.pending(), 1, "kept for the next try");
 
     // An endpoint that refuses connections has no producer any more: its frees are dropped,
@@ -221,7 +242,7 @@ fn unsent_frees_stay_pending_and_unknown_endpoints_get_every_key() {
         l.local_addr().unwrap().to_string()
     };
     let c = ControlClient::new(Duration::from_secs(1));
-    c.free(Some(&dead), ["x/y/g1/z"]).unwrap();
+    c.free(Some(&dead), [key("x/y/g1/z")]).unwrap();
     assert_eq!(c.pending(), 0);
 
     // Keys freed before any endpoint is known go to the first one learned.
@@ -232,7 +253,7 @@ fn unsent_frees_stay_pending_and_unknown_endpoints_get_every_key() {
         .wait()
         .unwrap();
     let c = ControlClient::default();
-    c.free(None, keys(&r)).unwrap();
+    c.free(None, keyed(keys(&r))).unwrap();
     assert_eq!(c.pending(), 1);
     c.learn(&w.arena_ref().control);
     c.flush().unwrap();
@@ -246,11 +267,233 @@ fn unsent_frees_stay_pending_and_unknown_endpoints_get_every_key() {
     c.learn(&b.arena_ref().control);
     let mut ks = keys(&ra);
     ks.extend(keys(&rb));
-    c.free(None, ks).unwrap();
+    c.free(None, keyed(ks)).unwrap();
     for w in [&a, &b] {
         wait_freed(w, 1);
         let (s, ok) = w.wait_for(Duration::from_secs(10), |s| s.unknown_frees == 1);
         assert!(ok, "{s:?}");
         assert_eq!(s.resident_objects, 0);
     }
+}
+
+/// A TCP endpoint on loopback that never completes a connection: a listener with a full
+/// backlog that never accepts. Connects to it hang until their timeout (a dead host, as seen from
+/// a trainer). Returns the address and what keeps the backlog full.
+fn unreachable_endpoint() -> (String, Vec<TcpStream>, std::net::TcpListener) {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain FFI creating, binding and listening on a socket we then own.
+    let listener = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0);
+        let mut a: libc::sockaddr_in = std::mem::zeroed();
+        a.sin_family = libc::AF_INET as libc::sa_family_t;
+        a.sin_addr.s_addr = u32::from_be_bytes([127, 0, 0, 1]).to_be();
+        let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        assert_eq!(
+            libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len),
+            0
+        );
+        assert_eq!(libc::listen(fd, 0), 0);
+        std::net::TcpListener::from_raw_fd(fd)
+    };
+    let addr = listener.local_addr().unwrap();
+    let held: Vec<TcpStream> = (0..4)
+        .filter_map(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
+        .collect();
+    assert!(
+        TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err(),
+        "the backlog is full"
+    );
+    (addr.to_string(), held, listener)
+}
+
+#[test]
+fn an_unreachable_endpoint_never_delays_frees_to_another() {
+    let (dead, _held, _l) = unreachable_endpoint();
+    let store = FeatureStore::new();
+    // One free to the dead endpoint costs its own caller one connect timeout (5 s by default)...
+    let t0 = Instant::now();
+    let e = store
+        .control()
+        .free(Some(&dead), [key("x/y/g1/z")])
+        .unwrap_err();
+    assert!(matches!(e, Error::FreeNotSent { pending: 1, .. }), "{e}");
+    assert!(t0.elapsed() >= Duration::from_secs(4), "{:?}", t0.elapsed());
+    // ... and then backs off: the next free to it returns at once, keys kept.
+    let t0 = Instant::now();
+    let e = store
+        .control()
+        .free(Some(&dead), [key("x/y/g1/w")])
+        .unwrap_err();
+    assert!(e.to_string().contains("retrying in"), "{e}");
+    assert!(
+        t0.elapsed() < Duration::from_millis(100),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(store.health().pending_frees, 2);
+    // Releases to a healthy producer never wait for the dead one.
+    let w = writer();
+    let rs = w
+        .submit((0..20).map(|i| sample(&format!("s{i}"), &[10])).collect())
+        .unwrap()
+        .wait()
+        .unwrap();
+    for r in &rs {
+        let t0 = Instant::now();
+        store.release(r).unwrap();
+        assert!(
+            t0.elapsed() < Duration::from_millis(500),
+            "a release took {:?}",
+            t0.elapsed()
+        );
+    }
+    wait_freed(&w, 20);
+    assert_eq!(
+        store.health().pending_frees,
+        2,
+        "the dead endpoint's keys wait"
+    );
+}
+
+#[test]
+fn waiting_frees_are_bounded_and_drops_are_counted() {
+    let (dead, _held, _l) = unreachable_endpoint();
+    let c = ControlClient::with_limit(Duration::from_millis(200), 100);
+    let many = |n: usize, tag: &str| -> Vec<Key> {
+        (0..n).map(|i| key(&format!("s/{tag}{i}/g1/x"))).collect()
+    };
+    assert!(c.free(Some(&dead), many(80, "a")).is_err());
+    assert!(c.free(Some(&dead), many(80, "b")).is_err());
+    assert_eq!(c.pending(), 100);
+    assert_eq!(c.dropped(), 60);
+}
+
+#[test]
+fn unlocated_keys_reach_endpoints_learned_later() {
+    let (a, b) = (writer(), writer());
+    let ra = a.submit(vec![sample("a", &[10])]).unwrap().wait().unwrap();
+    let rb = b.submit(vec![sample("b", &[10])]).unwrap().wait().unwrap();
+    let c = ControlClient::default();
+    c.learn(&a.arena_ref().control);
+    let mut ks = keyed(keys(&ra));
+    ks.extend(keyed(keys(&rb)));
+    // Neither key's endpoint is known: both go to `a` now and to `b` once it is learned.
+    c.free(None, ks).unwrap();
+    wait_freed(&a, 1);
+    c.learn(&b.arena_ref().control);
+    c.flush().unwrap();
+    wait_freed(&b, 1);
+    for w in [&a, &b] {
+        assert_eq!(w.stats().resident_objects, 0);
+    }
+}
+
+/// The mappings of this process whose path names `name`.
+fn mapped(name: &str) -> bool {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains(name))
+}
+
+#[test]
+fn a_reader_drops_the_mappings_of_producers_that_are_gone() {
+    let reader = Reader::new();
+    let mut names = Vec::new();
+    for round in 0..3 {
+        let w = writer();
+        let r = w
+            .submit(vec![sample(&format!("r{round}"), &[100])])
+            .unwrap()
+            .wait()
+            .unwrap()
+            .remove(0);
+        reader.read(&r, "t0", &mut [0u8; 100]).unwrap();
+        let name = r.arena.session.split(['/', '?']).nth(2).unwrap().to_owned();
+        assert!(mapped(&name));
+        names.push(name);
+        // The producer restarts: a new session, the old one gone.
+    }
+    let w = writer();
+    let r = w
+        .submit(vec![sample("last", &[100])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    reader.read(&r, "t0", &mut [0u8; 100]).unwrap();
+    for n in &names {
+        assert!(!mapped(n), "{n} is still mapped by the reader");
+    }
+    assert_eq!(reader.open_sessions(), 1);
+}
+
+#[test]
+fn released_samples_are_remembered_in_bounded_memory() {
+    // Remembering a release costs a fixed 16 bytes whatever the ids (the result is what a
+    // trainer was handed: here with 900-byte sample ids).
+    let w = writer();
+    let store = FeatureStore::new();
+    let long = "x".repeat(900);
+    let mut r = w
+        .submit(vec![sample(&long, &[10])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    store.release(&r).unwrap();
+    assert!(matches!(
+        store.get(&r, None).unwrap_err(),
+        Error::Released { .. }
+    ));
+    r.gen = 2;
+    assert!(
+        !matches!(store.get(&r, None), Err(Error::Released { .. })),
+        "another generation is another sample"
+    );
+}
+
+#[test]
+fn the_reply_path_hands_a_local_reader_the_region() {
+    let w = writer();
+    let r = w
+        .submit(vec![sample("a", &[1000])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    let reply =
+        capture_arena::reply::request(w.reply_endpoint(), "fd", Duration::from_secs(5)).unwrap();
+    assert_eq!(reply.bytes, r.arena.session.as_bytes());
+    assert_eq!(reply.fds.len(), 1);
+    // The descriptor maps the same bytes the result names.
+    let session: capture_arena::memory::ShmSession = r.arena.session.parse().unwrap();
+    let len = (session.len + capture_arena::memory::shm::HEADER_BYTES) as usize;
+    let m = capture_arena::memory::Mapping::map(
+        std::os::fd::AsFd::as_fd(&reply.fds[0]),
+        len,
+        capture_arena::memory::Access::ReadOnly,
+        false,
+        "test",
+    )
+    .unwrap();
+    let offset = r.features["t0"].address - session.base + capture_arena::memory::shm::HEADER_BYTES;
+    let mut out = vec![0u8; 1000];
+    m.copy_out(offset as usize, &mut out).unwrap();
+    assert!(out
+        .iter()
+        .enumerate()
+        .all(|(j, b)| *b == pattern("a", "t0", j)));
+    let d = capture_arena::reply::request(w.reply_endpoint(), "describe", Duration::from_secs(5))
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&d.bytes).unwrap();
+    assert_eq!(v["session"], r.arena.session.as_str());
+    let e = capture_arena::reply::request(w.reply_endpoint(), "secrets", Duration::from_secs(5))
+        .unwrap_err();
+    assert!(e.to_string().contains("refused"), "{e}");
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| {
+        s.reply_requests == 2 && s.reply_refused == 1
+    });
+    assert!(ok, "{s:?}");
 }

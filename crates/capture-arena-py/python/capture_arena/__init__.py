@@ -85,10 +85,13 @@ class ArenaSink(_ArenaSink):
     ``timing``                  ``SGLANG_SPEC_CAPTURE_TIMING``                 off
     ``protocol``                ``MOONCAKE_PROTOCOL``                          unset
     ``gpu_put``                 ``SGLANG_SPEC_CAPTURE_GPU_PUT``                unset
+    ``eager``                   ``SGLANG_SPEC_CAPTURE_ARENA_EAGER``            off
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 
-    Nothing is allocated until the first capture. The sink reads tensors in place: a tensor
+    Nothing is allocated until the first capture, unless ``eager=True``: then the arena is
+    created (and pre-faulted, about a second per GiB) here, with the GIL released, instead of on
+    the scheduler's thread at the first capture. The sink reads tensors in place: a tensor
     handed to it must not be written, resized or freed until its batch's results are back.
     ``close()`` (or leaving a ``with`` block, or interpreter exit) stops the writer and removes
     the arena.
@@ -107,7 +110,8 @@ class ArenaSink(_ArenaSink):
         """Queues a batch and returns a future of its results, one dict per sample.
 
         Blocks (with the GIL released) while the writer already holds ``max_pending_batches``
-        batches; with ``block=False`` raises :class:`QueueFullError` instead. Invalid samples
+        batches; with ``block=False`` raises :class:`QueueFullError` instead (and nothing is
+        queued: no future is returned or completed). Invalid samples
         raise :class:`InvalidSampleError` here, before anything is written. A batch that fails
         later (arena full, a resident key without ``replace``) completes with
         ``{"sample_id", "error"}`` for every sample. Do not write, resize or free the tensors

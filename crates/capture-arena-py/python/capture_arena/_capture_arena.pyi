@@ -30,6 +30,7 @@ class _ArenaSink:
         timing: Optional[bool] = None,
         protocol: Optional[str] = None,
         gpu_put: Optional[bool] = None,
+        eager: Optional[bool] = None,
     ) -> "_ArenaSink": ...
     def _submit(self, samples: Any, future: Any, block: bool = True) -> None: ...
     def _put(self, samples: Any) -> list[dict[str, Any]]: ...
@@ -58,4 +59,4 @@ class _Store:
     def flush(self) -> None:
         """Retries frees that could not be sent."""
     def health(self) -> dict[str, int]:
-        """{"resident_samples", "resident_bytes", "pending_frees"}."""
+        """{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees", "open_sessions"}."""

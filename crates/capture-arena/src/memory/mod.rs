@@ -1,25 +1,91 @@
 //! Regions: the memory an arena places objects in.
 //!
-//! A [`Region`] is `len` bytes that the writer copies tensors into, plus what a reader needs to
+//! A [`Region`] is `len` bytes that the writer copies batches into, plus what a reader needs to
 //! find them again: a session string and a base address. The allocator only deals in offsets
 //! `[0, len)`; an object at offset `o` is published at address `base_address() + o`, so a reader
 //! computes `offset = address - base` and checks `offset + bytes <= len` before touching memory.
+//! A region need not be addressable by this process at all (device memory, memory a transfer
+//! engine owns): the writer never dereferences `base_address`.
 //!
-//! Today there is one kind, [`ShmRegion`]: host shared memory that readers on the same host map
-//! read-only. GPU memory (CUDA virtual memory with fabric or POSIX-fd handles) and memory that a
-//! transfer engine allocated or registered are further implementations of the same trait: the
-//! allocator, the arena and the writer do not change for them.
+//! Copies are per batch and may complete later: the writer calls [`Region::start`] with every
+//! copy of a batch, then [`Region::progress`] until it reports [`Progress::Done`], serving control
+//! input in between; it keeps the batch's sources alive and commits its objects only then. A
+//! host region copies in slices of `budget` bytes per call (so frees keep flowing during a large
+//! copy); a device region enqueues asynchronous copies in `start` and wakes the writer through
+//! its [`Notifier`] when they finish.
+//!
+//! | region | memory | readers |
+//! |---|---|---|
+//! | [`ShmRegion`] | host POSIX shared memory | same host (`shm://` sessions) |
+//!
+//! GPU memory (CUDA virtual memory with fabric or POSIX-fd handles) and memory a transfer engine
+//! allocated are further implementations of the same trait: the allocator, the arena and the
+//! writer do not change for them.
 
+pub mod mapping;
 pub mod shm;
 
-pub use shm::{ShmRegion, ShmSession, ShmView};
+pub use mapping::{Access, Mapping};
+pub use shm::{ShmRegion, ShmSession};
 
 use std::fmt;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
 
 use crate::error::Result;
 use crate::tensor::TensorData;
 
-/// Memory an arena places objects in. Only the writer thread holds it (`&mut self` for writes).
+/// One copy of a batch: `data` to `[offset, offset + data.len())` of the region.
+#[derive(Debug, Clone, Copy)]
+pub struct CopyOp<'a> {
+    /// Offset in the region, inside `[0, len)` with room for the data (the arena checks).
+    pub offset: u64,
+    /// The source bytes, alive and unchanged until the batch completes or is abandoned.
+    pub data: &'a TensorData,
+}
+
+/// Wakes the writer's event loop from any thread (a device region's completion callback).
+#[derive(Clone)]
+pub struct Notifier(pub(crate) Arc<mio::Waker>);
+
+impl Notifier {
+    /// Wakes the writer; it then calls [`Region::progress`] again.
+    pub fn notify(&self) {
+        if let Err(e) = self.0.wake() {
+            tracing::warn!(error = %e, "waking the writer failed");
+        }
+    }
+}
+
+impl fmt::Debug for Notifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Notifier")
+    }
+}
+
+/// What the writer's local reply path hands a reader that asks a region for something: bytes
+/// (metadata) and descriptors (passed with `SCM_RIGHTS`).
+#[derive(Debug, Default)]
+pub struct Reply {
+    /// The answer's bytes (JSON by convention).
+    pub bytes: Vec<u8>,
+    /// Descriptors to pass along (duplicates the region keeps no claim on).
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Where a batch in flight stands after [`Region::progress`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Every byte has landed; nothing is in flight any more.
+    Done,
+    /// More copying to do on the writer thread: call again soon (after serving control input).
+    Again,
+    /// Copies run elsewhere (a device); the region's [`Notifier`] wakes the writer when there
+    /// is news.
+    Waiting,
+}
+
+/// Memory an arena places objects in. Only the writer thread holds it (`&mut self` for copies).
 pub trait Region: Send + fmt::Debug {
     /// Usable bytes, `[0, len)`.
     fn len(&self) -> u64;
@@ -35,10 +101,31 @@ pub trait Region: Send + fmt::Debug {
     /// What a reader opens to reach this region (the result's `arena.session`).
     fn session(&self) -> &str;
 
-    /// Copies `data` to `[offset, offset + data.len())`.
+    /// Gives the region the handle that wakes the writer (called once, before any copy).
+    fn set_notifier(&mut self, _notifier: Notifier) {}
+
+    /// Starts copying one batch. At most one batch is in flight: the writer calls
+    /// [`Region::progress`] with the same `ops` until it returns `Ready`.
     ///
     /// # Errors
-    /// If the range is outside the region, the data's kind cannot be copied into this region, or
-    /// the copy itself fails (device copies).
-    fn write(&mut self, offset: u64, data: &TensorData) -> Result<()>;
+    /// If a copy cannot even be started (its data's kind cannot be copied into this region, a
+    /// range outside the region); nothing is in flight then.
+    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()>;
+
+    /// Advances the batch in flight by about `budget` bytes of work (host copies) or checks
+    /// whether it finished (device copies).
+    ///
+    /// # Errors
+    /// A copy failed: nothing is in flight any more, and the batch fails.
+    fn progress(&mut self, ops: &[CopyOp<'_>], budget: u64) -> Result<Progress>;
+
+    /// Stops the batch in flight, waiting for copies already issued (so the caller may drop
+    /// the sources on return).
+    fn abandon(&mut self) {}
+
+    /// Answers a local reader's request on the reply path (`what` names the request), or
+    /// `None` if this region has no such answer.
+    fn reply(&self, _what: &str) -> Option<Result<Reply>> {
+        None
+    }
 }

@@ -13,44 +13,60 @@
 //! object read-only and checks the header against the session: a restarted producer has a new
 //! nonce (so a new name), and a result from the old one is refused as stale instead of reading
 //! someone else's bytes.
+//!
+//! **Liveness.** The creator holds a shared `flock` on the object for the arena's whole life.
+//! An exclusive lock succeeds only once that process is gone ([`is_abandoned`]), which works
+//! across PID namespaces. `fork`ed children do not keep the lock (their copy of the descriptor
+//! is pointed at `/dev/null` in the child) nor the mapping (`MADV_DONTFORK`), so a dead
+//! producer's arena is recognised as abandoned even while its children live on. Every new
+//! region first removes the abandoned arenas of producers killed outright
+//! ([`remove_abandoned`]), so crashes never accumulate in `/dev/shm`.
 
 use std::ffi::CString;
 use std::fmt;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::Path;
 use std::str::FromStr;
+use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, Result};
-use crate::memory::Region;
-use crate::tensor::TensorData;
+use crate::memory::mapping::{Access, Mapping};
+use crate::memory::{CopyOp, Progress, Region, Reply};
 
 const MAGIC: [u8; 8] = *b"CAPARENA";
 const VERSION: u32 = 1;
 /// Bytes before the data region: one page, so data stays aligned up to 4096.
 pub const HEADER_BYTES: u64 = 4096;
+/// Bytes of the header that carry fields.
+const HEADER_FIELDS: usize = 52;
 /// The prefix of every arena's shared-memory name (`/dev/shm/capture-arena-*`).
 pub const NAME_PREFIX: &str = "capture-arena-";
+/// Where POSIX shared-memory objects live.
+pub const SHM_DIR: &str = "/dev/shm";
+/// An empty object younger than this may be one being created this instant (before its
+/// producer locks it); older ones are abandoned.
+const CREATING_GRACE: Duration = Duration::from_secs(60);
 
 /// The pid in an arena's shared-memory name (`capture-arena-<pid>-<nonce>`), or `None` for
 /// any other name.
 pub fn owner_pid(name: &str) -> Option<u32> {
     let (pid, nonce) = name.strip_prefix(NAME_PREFIX)?.split_once('-')?;
-    (nonce.len() == 32 && nonce.bytes().all(|b| b.is_ascii_hexdigit()))
+    let digits = !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit());
+    (digits && nonce.len() == 32 && nonce.bytes().all(|b| b.is_ascii_hexdigit()))
         .then(|| pid.parse().ok())
         .flatten()
 }
 
-/// True when no producer holds the arena object at `path`: its creator keeps a shared `flock` on
-/// it for the arena's whole life, so an exclusive lock succeeds only once that process is gone.
-/// This works across PID namespaces, unlike the pid in the name.
+/// True when no producer holds the arena object at `path` (see the module docs).
 ///
 /// # Errors
-/// If the object cannot be opened.
-pub fn is_abandoned(path: &std::path::Path) -> io::Result<bool> {
+/// If the object cannot be opened or the lock attempt fails for another reason.
+pub fn is_abandoned(path: &Path) -> io::Result<bool> {
     use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_CLOEXEC)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
         .open(path)?;
     // SAFETY: plain FFI on a descriptor `f` owns; the lock goes with it when `f` closes.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
@@ -65,6 +81,72 @@ pub fn is_abandoned(path: &std::path::Path) -> io::Result<bool> {
     }
 }
 
+/// One arena object [`remove_abandoned`] looked at.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Swept {
+    /// The object's name in the folder.
+    pub name: String,
+    /// Its size in bytes.
+    pub bytes: u64,
+    /// The pid in its name.
+    pub pid: u32,
+    /// What happened to it.
+    pub outcome: SweptOutcome,
+}
+
+/// What [`remove_abandoned`] did with one object.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SweptOutcome {
+    /// Held by a live producer: left alone.
+    InUse,
+    /// Abandoned and removed (or, in a dry run, would be).
+    Removed,
+    /// Could not be checked or removed (another user's object, a race): the reason.
+    Failed(String),
+}
+
+/// Finds the arena objects in `dir` whose producer is gone and removes them (unless `dry_run`),
+/// returning one entry per arena object seen. A live producer's arena is never touched.
+///
+/// # Errors
+/// [`Error::Io`] if `dir` cannot be listed.
+pub fn remove_abandoned(dir: &Path, dry_run: bool) -> Result<Vec<Swept>> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = owner_pid(&name) else {
+            continue;
+        };
+        let meta = entry.metadata();
+        let bytes = meta.as_ref().map_or(0, |m| m.len());
+        let young = meta
+            .as_ref()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| SystemTime::now().duration_since(t).ok())
+            .is_none_or(|age| age < CREATING_GRACE);
+        let outcome = match is_abandoned(&entry.path()) {
+            Ok(true) if bytes == 0 && young => SweptOutcome::InUse,
+            Ok(true) if dry_run => SweptOutcome::Removed,
+            Ok(true) => match std::fs::remove_file(entry.path()) {
+                Ok(()) => SweptOutcome::Removed,
+                Err(e) => SweptOutcome::Failed(format!("cannot remove: {e}")),
+            },
+            Ok(false) => SweptOutcome::InUse,
+            Err(e) => SweptOutcome::Failed(format!("cannot check: {e}")),
+        };
+        out.push(Swept {
+            name,
+            bytes,
+            pid,
+            outcome,
+        });
+    }
+    Ok(out)
+}
+
 /// Removes the shared-memory object of `session` by name, for a process that is about to exit
 /// without running its destructors (a signal handler): the memory goes back once the last
 /// mapping closes. Readers that open the session afterwards get a stale-session error.
@@ -72,18 +154,22 @@ pub fn is_abandoned(path: &std::path::Path) -> io::Result<bool> {
 /// # Errors
 /// [`Error::Io`] if the object cannot be removed (already gone, not ours).
 pub fn remove(session: &ShmSession) -> Result<()> {
-    let name = CString::new(format!("/{}", session.name)).map_err(|_| Error::InvalidSession {
-        session: session.to_string(),
-        reason: "name contains NUL".into(),
-    })?;
+    let name = c_name(&session.name)?;
     // SAFETY: plain FFI on a NUL-terminated name.
     if unsafe { libc::shm_unlink(name.as_ptr()) } != 0 {
         return Err(Error::io(
-            format!("removing /dev/shm/{}", session.name),
+            format!("removing {SHM_DIR}/{}", session.name),
             io::Error::last_os_error(),
         ));
     }
     Ok(())
+}
+
+fn c_name(name: &str) -> Result<CString> {
+    CString::new(format!("/{name}")).map_err(|_| Error::InvalidSession {
+        session: name.escape_debug().to_string(),
+        reason: "name contains NUL".into(),
+    })
 }
 
 /// A parsed shared-memory session string.
@@ -109,59 +195,129 @@ impl fmt::Display for ShmSession {
     }
 }
 
+/// The longest session string accepted (a real one is under 120 bytes).
+pub const MAX_SESSION_BYTES: usize = 512;
+
 impl FromStr for ShmSession {
     type Err = Error;
     fn from_str(s: &str) -> Result<ShmSession> {
         let bad = |why: &str| Error::InvalidSession {
-            session: s.to_owned(),
+            session: s.chars().take(MAX_SESSION_BYTES).collect(),
             reason: format!(
                 "{why}; expected shm://{NAME_PREFIX}<pid>-<nonce>?len=<bytes>&base=<hex>"
             ),
         };
+        if s.len() > MAX_SESSION_BYTES {
+            return Err(bad("too long"));
+        }
         let rest = s
             .strip_prefix("shm://")
             .ok_or_else(|| bad("no shm:// prefix"))?;
         let (name, query) = rest.split_once('?').ok_or_else(|| bad("no ?len=&base="))?;
-        let nonce_hex = name
-            .strip_prefix(NAME_PREFIX)
-            .and_then(|n| n.rsplit_once('-'))
-            .map(|(_, nonce)| nonce)
-            .filter(|n| n.len() == 32)
-            .ok_or_else(|| bad("bad name"))?;
+        if owner_pid(name).is_none() {
+            return Err(bad("bad name"));
+        }
+        let nonce_hex = name.rsplit_once('-').map_or("", |(_, n)| n);
         let nonce = u128::from_str_radix(nonce_hex, 16).map_err(|_| bad("bad nonce"))?;
         let (mut len, mut base) = (None, None);
         for kv in query.split('&') {
             match kv.split_once('=') {
-                Some(("len", v)) => len = v.parse::<u64>().ok(),
-                Some(("base", v)) => {
-                    base = v
-                        .strip_prefix("0x")
-                        .and_then(|h| u64::from_str_radix(h, 16).ok())
+                Some(("len", v)) if len.is_none() => {
+                    len = Some(v.parse::<u64>().map_err(|_| bad("bad len"))?)
                 }
-                _ => return Err(bad("unknown parameter")),
+                Some(("base", v)) if base.is_none() => {
+                    base = Some(
+                        v.strip_prefix("0x")
+                            .and_then(|h| u64::from_str_radix(h, 16).ok())
+                            .ok_or_else(|| bad("bad base"))?,
+                    )
+                }
+                _ => return Err(bad("unknown or repeated parameter")),
             }
+        }
+        let (len, base) = (
+            len.ok_or_else(|| bad("no len"))?,
+            base.ok_or_else(|| bad("no base"))?,
+        );
+        if len == 0 || base.checked_add(len).is_none() {
+            return Err(bad("len and base do not describe a range of memory"));
         }
         Ok(ShmSession {
             name: name.to_owned(),
             nonce,
-            len: len.ok_or_else(|| bad("bad len"))?,
-            base: base.ok_or_else(|| bad("bad base"))?,
+            len,
+            base,
         })
     }
 }
 
-/// A read-write mapping of a shm object (the producer's).
-#[derive(Debug)]
-struct Mapping {
-    ptr: *mut u8,
-    bytes: usize,
+/// The fixed header fields of an arena object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub nonce: u128,
+    pub len: u64,
+    pub base: u64,
+    pub pid: u32,
 }
 
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: ptr/bytes are exactly what mmap returned and nothing uses the mapping after
-        // drop (all views borrow the owner).
-        unsafe { libc::munmap(self.ptr.cast(), self.bytes) };
+impl Header {
+    fn encode(&self) -> [u8; HEADER_FIELDS] {
+        let mut h = [0u8; HEADER_FIELDS];
+        h[0..8].copy_from_slice(&MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        h[12..16].copy_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
+        h[16..32].copy_from_slice(&self.nonce.to_le_bytes());
+        h[32..40].copy_from_slice(&self.len.to_le_bytes());
+        h[40..48].copy_from_slice(&self.base.to_le_bytes());
+        h[48..52].copy_from_slice(&self.pid.to_le_bytes());
+        h
+    }
+
+    /// Reads the header of a mapped object; `None` if it is not an arena header of this version.
+    pub(crate) fn read(m: &Mapping) -> Option<Header> {
+        let mut h = [0u8; HEADER_FIELDS];
+        m.copy_out(0, &mut h).ok()?;
+        let u32_at = |i: usize| u32::from_le_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[i..i + 8]);
+            u64::from_le_bytes(b)
+        };
+        let mut n = [0u8; 16];
+        n.copy_from_slice(&h[16..32]);
+        (h[0..8] == MAGIC && u32_at(8) == VERSION && u64::from(u32_at(12)) == HEADER_BYTES).then(
+            || Header {
+                nonce: u128::from_le_bytes(n),
+                len: u64_at(32),
+                base: u64_at(40),
+                pid: u32_at(48),
+            },
+        )
+    }
+}
+
+/// Opens a shared-memory object by name.
+pub(crate) fn open(name: &str, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
+    let cname = CString::new(format!("/{name}"))
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains NUL"))?;
+    // SAFETY: plain FFI on a NUL-terminated name.
+    let raw = unsafe { libc::shm_open(cname.as_ptr(), flags | libc::O_CLOEXEC, mode) };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+/// `(size, link count)` of an open descriptor.
+pub(crate) fn fstat(fd: &OwnedFd) -> io::Result<(u64, u64)> {
+    // SAFETY: fstat fills a zeroed stat struct for a descriptor we own.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((st.st_size as u64, st.st_nlink as u64))
     }
 }
 
@@ -172,14 +328,14 @@ pub struct ShmRegion {
     map: Mapping,
     len: u64,
     session: String,
-    shm_name: CString,
+    name: String,
     /// Holds the shared `flock` that marks the object as in use (see [`is_abandoned`]).
-    _lock: OwnedFd,
+    lock: OwnedFd,
+    /// The process that created it: only that one removes it.
+    pid: u32,
+    /// The batch in flight: `(op index, bytes of that op already copied)`.
+    cursor: Option<(usize, u64)>,
 }
-
-// SAFETY: the mapping is plain memory owned by this value; moving it to another thread moves the
-// only handle through which this process writes it.
-unsafe impl Send for ShmRegion {}
 
 fn random_nonce() -> Result<u128> {
     let mut buf = [0u8; 16];
@@ -200,7 +356,7 @@ fn random_nonce() -> Result<u128> {
 }
 
 fn shm_free_bytes() -> Option<u64> {
-    let path = CString::new("/dev/shm").ok()?;
+    let path = CString::new(SHM_DIR).ok()?;
     // SAFETY: statvfs fills the zeroed struct; path is NUL-terminated.
     unsafe {
         let mut s: libc::statvfs = std::mem::zeroed();
@@ -208,99 +364,121 @@ fn shm_free_bytes() -> Option<u64> {
     }
 }
 
+/// Removes the arenas of dead producers, logging what it did; never fails (a producer must start
+/// even if someone else's leftovers cannot be removed).
+fn sweep_before_create() {
+    match remove_abandoned(Path::new(SHM_DIR), false) {
+        Ok(seen) => {
+            for s in seen {
+                match s.outcome {
+                    SweptOutcome::Removed => tracing::info!(
+                        name = %s.name,
+                        bytes = s.bytes,
+                        pid = s.pid,
+                        "removed the arena of a producer that is gone"
+                    ),
+                    SweptOutcome::Failed(why) => {
+                        tracing::debug!(name = %s.name, %why, "left an arena object alone")
+                    }
+                    SweptOutcome::InUse => {}
+                }
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "could not look for abandoned arenas"),
+    }
+}
+
 impl ShmRegion {
-    /// Creates, reserves and maps a region of `len` data bytes. The memory is reserved in full
+    /// Creates, reserves and maps a region of `len` data bytes, after removing the arenas of
+    /// producers that died without removing theirs. The memory is reserved in full
     /// (`fallocate`) and pre-faulted, so a full `/dev/shm` fails here with a clear error rather
-    /// than as a `SIGBUS` in the middle of a copy later.
+    /// than as a `SIGBUS` in the middle of a copy later. This takes about a second per GiB.
     ///
     /// # Errors
-    /// [`Error::Io`] if the object cannot be created, reserved or mapped.
+    /// [`Error::Io`] if the object cannot be created, locked, reserved or mapped;
+    /// [`Error::Config`] for a size that cannot be mapped.
     pub fn create(len: u64) -> Result<ShmRegion> {
-        let nonce = random_nonce()?;
-        let name = format!("{NAME_PREFIX}{}-{nonce:032x}", std::process::id());
-        let shm_name = CString::new(format!("/{name}")).expect("no NUL in a formatted name");
+        sweep_before_create();
         let total = len
             .checked_add(HEADER_BYTES)
             .and_then(|t| usize::try_from(t).ok())
+            .filter(|&t| libc::off_t::try_from(t).is_ok())
             .ok_or_else(|| {
                 Error::config(
                     "SGLANG_SPEC_CAPTURE_ARENA_BYTES",
                     format!("{len} bytes is too large"),
                 )
             })?;
-        // SAFETY: plain FFI; shm_name is NUL-terminated.
-        let raw = unsafe {
-            libc::shm_open(
-                shm_name.as_ptr(),
-                libc::O_RDWR | libc::O_CREAT | libc::O_EXCL | libc::O_CLOEXEC,
-                0o600,
-            )
+        let nonce = random_nonce()?;
+        let pid = std::process::id();
+        let name = format!("{NAME_PREFIX}{pid}-{nonce:032x}");
+        let fd = open(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600)
+            .map_err(|e| Error::io(format!("shm_open {SHM_DIR}/{name}"), e))?;
+        // From here on, any failure removes the object again.
+        let unlink = |e: Error| {
+            if let Ok(c) = c_name(&name) {
+                // SAFETY: plain FFI on our own NUL-terminated name.
+                unsafe { libc::shm_unlink(c.as_ptr()) };
+            }
+            e
         };
-        if raw < 0 {
-            return Err(Error::io(
-                format!("shm_open /dev/shm/{name}"),
-                io::Error::last_os_error(),
-            ));
+        // A shared lock held for the arena's life says "in use" to `remove_abandoned`.
+        // Blocking: another producer's sweep may hold an exclusive lock on it for an instant.
+        loop {
+            // SAFETY: plain FFI on our descriptor.
+            if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_SH) } == 0 {
+                break;
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(unlink(Error::io(
+                    format!("locking {SHM_DIR}/{name} (flock)"),
+                    e,
+                )));
+            }
         }
-        // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let unlink = || {
-            // SAFETY: plain FFI on our own NUL-terminated name.
-            unsafe { libc::shm_unlink(shm_name.as_ptr()) };
-        };
-        // A shared lock held for the arena's life says "in use" to `capture-arena clean`, also
-        // across PID namespaces (where the pid in the name means nothing).
-        // SAFETY: plain FFI on our descriptor.
-        unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_SH) };
+        fork_guard::register(fd.as_raw_fd());
         // SAFETY: plain FFI on our descriptor.
         let rc = unsafe { libc::posix_fallocate(fd.as_raw_fd(), 0, total as libc::off_t) };
         if rc != 0 {
-            unlink();
+            fork_guard::unregister(fd.as_raw_fd());
             let free = shm_free_bytes().map_or("unknown".to_owned(), |f| f.to_string());
-            return Err(Error::io(
+            return Err(unlink(Error::io(
                 format!(
-                    "reserving {total} bytes of shared memory in /dev/shm ({free} bytes free); \
-                     lower SGLANG_SPEC_CAPTURE_ARENA_BYTES or enlarge /dev/shm (docker --shm-size)"
+                    "reserving {total} bytes of shared memory in {SHM_DIR} ({free} bytes free); \
+                     lower SGLANG_SPEC_CAPTURE_ARENA_BYTES or enlarge {SHM_DIR} (docker --shm-size)"
                 ),
                 io::Error::from_raw_os_error(rc),
-            ));
+            )));
         }
-        // SAFETY: a fresh shared mapping of the whole object; the kernel picks the address.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                total,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd.as_raw_fd(),
-                0,
-            )
+        let mut map = match Mapping::map(
+            fd.as_fd(),
+            total,
+            Access::ReadWrite,
+            true,
+            &format!("{SHM_DIR}/{name}"),
+        ) {
+            Ok(m) => m,
+            Err(e) => {
+                fork_guard::unregister(fd.as_raw_fd());
+                return Err(unlink(e));
+            }
         };
-        if ptr == libc::MAP_FAILED {
-            let e = io::Error::last_os_error();
-            unlink();
-            return Err(Error::io(
-                format!("mmap of {total} bytes of /dev/shm/{name}"),
-                e,
-            ));
+        let base = map.address() + HEADER_BYTES;
+        let header = Header {
+            nonce,
+            len,
+            base,
+            pid,
         }
-        let map = Mapping {
-            ptr: ptr.cast(),
-            bytes: total,
-        };
-        let base = map.ptr as u64 + HEADER_BYTES;
-        let mut header = [0u8; 52];
-        header[0..8].copy_from_slice(&MAGIC);
-        header[8..12].copy_from_slice(&VERSION.to_le_bytes());
-        header[12..16].copy_from_slice(&(HEADER_BYTES as u32).to_le_bytes());
-        header[16..32].copy_from_slice(&nonce.to_le_bytes());
-        header[32..40].copy_from_slice(&len.to_le_bytes());
-        header[40..48].copy_from_slice(&base.to_le_bytes());
-        header[48..52].copy_from_slice(&std::process::id().to_le_bytes());
-        // SAFETY: the mapping is at least HEADER_BYTES > 52 bytes long and writable.
-        unsafe { std::ptr::copy_nonoverlapping(header.as_ptr(), map.ptr, header.len()) };
+        .encode();
+        // SAFETY: a local array, unchanged during the call, outside the mapping.
+        if let Err(e) = unsafe { map.copy_in(0, header.as_ptr(), header.len()) } {
+            fork_guard::unregister(fd.as_raw_fd());
+            return Err(unlink(e));
+        }
         let session = ShmSession {
-            name,
+            name: name.clone(),
             nonce,
             len,
             base,
@@ -311,41 +489,62 @@ impl ShmRegion {
             map,
             len,
             session,
-            shm_name,
-            _lock: fd,
+            name,
+            lock: fd,
+            pid,
+            cursor: None,
         })
+    }
+
+    /// The object's name in `/dev/shm`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn copy_one(&mut self, op: &CopyOp<'_>, from: u64, n: u64) -> Result<()> {
+        let (src, len) = op.data.host_source();
+        if len as u64 != op.data.len() || from + n > len as u64 {
+            return Err(Error::io(
+                "copying into the arena",
+                io::Error::other(format!(
+                    "a tensor's bytes changed length after validation ({} != {len})",
+                    op.data.len()
+                )),
+            ));
+        }
+        let at = usize::try_from(HEADER_BYTES + op.offset + from).map_err(|_| {
+            Error::io(
+                "copying into the arena",
+                io::Error::other("offset overflows"),
+            )
+        })?;
+        if op.offset + from + n > self.len {
+            return Err(Error::OutOfRange {
+                address: self.base_address() + op.offset + from,
+                len: n,
+                base: self.base_address(),
+                region_len: self.len,
+            });
+        }
+        // SAFETY: `host_source` is valid for reads of `len` bytes and unchanged while the batch
+        // is in flight (the writer keeps its sources until the batch completes; lent memory by
+        // `TensorData::lent`'s contract); [from, from + n) lies inside it (checked). Caller
+        // memory is never inside this process's own arena mapping.
+        unsafe { self.map.copy_in(at, src.add(from as usize), n as usize) }
     }
 }
 
 impl Drop for ShmRegion {
     fn drop(&mut self) {
-        // SAFETY: plain FFI on our own NUL-terminated name. Readers that still map it keep their
-        // mapping; new opens fail, which they report as a stale session.
-        unsafe { libc::shm_unlink(self.shm_name.as_ptr()) };
-    }
-}
-
-/// `(size, link count)` of an open descriptor.
-fn fstat(fd: &OwnedFd) -> io::Result<(u64, u64)> {
-    // SAFETY: fstat fills a zeroed stat struct for a descriptor we own.
-    unsafe {
-        let mut st: libc::stat = std::mem::zeroed();
-        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
-            return Err(io::Error::last_os_error());
+        fork_guard::unregister(self.lock.as_raw_fd());
+        if std::process::id() != self.pid {
+            return; // a forked child: the object is its parent's
         }
-        Ok((st.st_size as u64, st.st_nlink as u64))
-    }
-}
-
-fn check_range(offset: u64, n: u64, base: u64, len: u64) -> Result<usize> {
-    match offset.checked_add(n) {
-        Some(end) if end <= len => Ok(offset as usize),
-        _ => Err(Error::OutOfRange {
-            address: base.wrapping_add(offset),
-            len: n,
-            base,
-            region_len: len,
-        }),
+        if let Ok(c) = c_name(&self.name) {
+            // SAFETY: plain FFI on our own NUL-terminated name. Readers that still map it keep
+            // their mapping; new opens fail, which they report as a stale session.
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+        }
     }
 }
 
@@ -355,253 +554,224 @@ impl Region for ShmRegion {
     }
 
     fn base_address(&self) -> u64 {
-        self.map.ptr as u64 + HEADER_BYTES
+        self.map.address() + HEADER_BYTES
     }
 
     fn session(&self) -> &str {
         &self.session
     }
 
-    fn write(&mut self, offset: u64, data: &TensorData) -> Result<()> {
-        match data {
-            TensorData::Host(b) => {
-                let src: &[u8] = (**b).as_ref();
-                let at = check_range(offset, src.len() as u64, self.base_address(), self.len)?;
-                // SAFETY: [HEADER + at, HEADER + at + src.len()) lies inside the mapping (checked
-                // above); the source is a separate buffer owned by the caller, so they do not
-                // overlap; only this thread writes the mapping.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.as_ptr(),
-                        self.map.ptr.add(HEADER_BYTES as usize + at),
-                        src.len(),
-                    )
-                };
-                Ok(())
+    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+        for op in ops {
+            let end = op.offset.checked_add(op.data.len());
+            if end.is_none_or(|e| e > self.len) {
+                return Err(Error::OutOfRange {
+                    address: self.base_address().wrapping_add(op.offset),
+                    len: op.data.len(),
+                    base: self.base_address(),
+                    region_len: self.len,
+                });
             }
         }
-    }
-}
-
-/// A reader's read-only mapping of a producer's region, checked against its session.
-#[derive(Debug)]
-pub struct ShmView {
-    ptr: *const u8,
-    bytes: usize,
-    session: ShmSession,
-    /// Kept open to tell whether the producer has removed the object (`st_nlink == 0`).
-    fd: OwnedFd,
-}
-
-// SAFETY: the mapping is read-only for this process and lives until drop; sharing the pointer
-// across threads only shares reads.
-unsafe impl Send for ShmView {}
-// SAFETY: as above; no method mutates through the pointer.
-unsafe impl Sync for ShmView {}
-
-impl Drop for ShmView {
-    fn drop(&mut self) {
-        // SAFETY: ptr/bytes are exactly what mmap returned; borrows of it end before drop.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.bytes) };
-    }
-}
-
-impl ShmView {
-    /// Maps the region a session names, read-only, and checks that it is the same arena: magic,
-    /// nonce, length and base address must all match the session.
-    ///
-    /// # Errors
-    /// [`Error::StaleSession`] when the object no longer exists or its header does not match;
-    /// [`Error::Io`] if mapping fails.
-    pub fn open(session: &ShmSession) -> Result<ShmView> {
-        let stale = |reason: String| Error::StaleSession {
-            session: session.to_string(),
-            reason,
-        };
-        let cname = CString::new(format!("/{}", session.name))
-            .map_err(|_| stale("name contains NUL".into()))?;
-        // SAFETY: plain FFI on a NUL-terminated name.
-        let raw = unsafe { libc::shm_open(cname.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC, 0) };
-        if raw < 0 {
-            return Err(stale(format!(
-                "cannot open /dev/shm/{} ({})",
-                session.name,
-                io::Error::last_os_error()
-            )));
-        }
-        // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        let (size, _) = fstat(&fd).map_err(|e| Error::io(format!("fstat of {session}"), e))?;
-        let want = session.len.saturating_add(HEADER_BYTES);
-        if size != want {
-            return Err(stale(format!(
-                "object is {size} bytes, session says {want}"
-            )));
-        }
-        // SAFETY: a fresh read-only shared mapping of the whole object.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                want as usize,
-                libc::PROT_READ,
-                // Populate the page tables now (the pages exist: the producer reserved them), so
-                // reads run at memcpy speed instead of taking a fault every few pages.
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(Error::io(
-                format!("mmap of {}", session),
-                io::Error::last_os_error(),
-            ));
-        }
-        let view = ShmView {
-            ptr: ptr as *const u8,
-            bytes: want as usize,
-            session: session.clone(),
-            fd,
-        };
-        let mut h = [0u8; 52];
-        // SAFETY: the mapping is at least HEADER_BYTES long.
-        unsafe { std::ptr::copy_nonoverlapping(view.ptr, h.as_mut_ptr(), h.len()) };
-        let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().expect("8 bytes"));
-        if h[0..8] != MAGIC
-            || u32::from_le_bytes(h[8..12].try_into().expect("4 bytes")) != VERSION
-            || u128::from_le_bytes(h[16..32].try_into().expect("16 bytes")) != session.nonce
-            || u64_at(32) != session.len
-            || u64_at(40) != session.base
-        {
-            return Err(stale("header does not match (different arena)".into()));
-        }
-        Ok(view)
-    }
-
-    /// The session this view was opened with.
-    pub fn session(&self) -> &ShmSession {
-        &self.session
-    }
-
-    /// True while the producer's object still exists. Once the producer has exited (or
-    /// restarted) the object is unlinked: this mapping still holds the old pages, but nothing
-    /// published from now on lands in them, so readers must treat the session as stale.
-    pub fn is_live(&self) -> bool {
-        fstat(&self.fd).is_ok_and(|(_, links)| links > 0)
-    }
-
-    /// Converts an address and length into a checked offset.
-    ///
-    /// # Errors
-    /// If `[address, address + n)` is not inside `[base, base + len)`.
-    pub fn offset_of(&self, address: u64, n: u64) -> Result<u64> {
-        let s = &self.session;
-        address
-            .checked_sub(s.base)
-            .filter(|&o| o.checked_add(n).is_some_and(|e| e <= s.len))
-            .ok_or(Error::OutOfRange {
-                address,
-                len: n,
-                base: s.base,
-                region_len: s.len,
-            })
-    }
-
-    /// Copies `out.len()` bytes at `address` into `out`.
-    ///
-    /// # Errors
-    /// If the range is outside the region.
-    pub fn read(&self, address: u64, out: &mut [u8]) -> Result<()> {
-        let off = self.offset_of(address, out.len() as u64)?;
-        // SAFETY: the range lies inside this read-only mapping (checked), which lives as long as
-        // &self; `out` is a distinct buffer of this process, so they do not overlap. The bytes
-        // are what was published while the object is resident; after it is freed or replaced the
-        // producer (another process) may overwrite them, and this copy then returns whatever
-        // bytes are there: the caller's bookkeeping (Store) prevents reads after release.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.add(HEADER_BYTES as usize + off as usize),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
+        self.cursor = Some((0, 0));
         Ok(())
     }
 
-    /// Borrows `n` bytes at `address` without copying.
-    ///
-    /// The slice stays mapped as long as the view. Its bytes are what was published only while
-    /// the object is resident: once it is freed (or replaced by a retry with `replace`), the
-    /// producer process may write new objects there, and a slice still held then sees them
-    /// change. Drop views before releasing their sample.
-    ///
-    /// # Errors
-    /// If the range is outside the region.
-    pub fn view(&self, address: u64, n: u64) -> Result<&[u8]> {
-        let off = self.offset_of(address, n)?;
-        // SAFETY: the range lies inside the read-only mapping (checked), which lives as long as
-        // &self, so the pointer stays valid for the slice's lifetime. Another process may write
-        // the pages after the object is freed (see the method docs); this process never does.
-        Ok(unsafe {
-            std::slice::from_raw_parts(
-                self.ptr.add(HEADER_BYTES as usize + off as usize),
-                n as usize,
-            )
-        })
+    fn progress(&mut self, ops: &[CopyOp<'_>], budget: u64) -> Result<Progress> {
+        let Some((mut i, mut done)) = self.cursor else {
+            return Ok(Progress::Done);
+        };
+        let mut left = budget.max(1);
+        while i < ops.len() && left > 0 {
+            let op = &ops[i];
+            let n = (op.data.len() - done).min(left);
+            if let Err(e) = self.copy_one(op, done, n) {
+                self.cursor = None;
+                return Err(e);
+            }
+            done += n;
+            left -= n;
+            if done == op.data.len() {
+                (i, done) = (i + 1, 0);
+            }
+        }
+        if i == ops.len() {
+            self.cursor = None;
+            Ok(Progress::Done)
+        } else {
+            self.cursor = Some((i, done));
+            Ok(Progress::Again)
+        }
+    }
+
+    fn abandon(&mut self) {
+        self.cursor = None;
+    }
+
+    /// `"fd"`: a read-only descriptor of the object; `"describe"`: the session as JSON.
+    fn reply(&self, what: &str) -> Option<Result<Reply>> {
+        match what {
+            "fd" => Some(
+                open(&self.name, libc::O_RDONLY, 0)
+                    .map(|fd| Reply {
+                        bytes: self.session.clone().into_bytes(),
+                        fds: vec![fd],
+                    })
+                    .map_err(|e| Error::io(format!("opening {SHM_DIR}/{}", self.name), e)),
+            ),
+            "describe" => Some(Ok(Reply {
+                bytes: serde_json::json!({
+                    "session": self.session,
+                    "len": self.len,
+                    "base": self.base_address(),
+                    "pid": self.pid,
+                })
+                .to_string()
+                .into_bytes(),
+                fds: Vec::new(),
+            })),
+            _ => None,
+        }
+    }
+}
+
+/// Keeps `fork`ed children from holding the arena locks of their parent: after a fork, each
+/// registered lock descriptor is pointed at `/dev/null` in the child (the child's copy of the
+/// descriptor would otherwise keep the shared lock alive after the parent dies). The handler only
+/// makes async-signal-safe calls.
+mod fork_guard {
+    use std::sync::atomic::{AtomicI32, Ordering};
+    use std::sync::Once;
+
+    use super::RawFd;
+
+    /// Arenas whose lock is guarded; a process rarely has more than one or two.
+    const SLOTS: usize = 64;
+    static FDS: [AtomicI32; SLOTS] = [const { AtomicI32::new(-1) }; SLOTS];
+    static INSTALL: Once = Once::new();
+
+    extern "C" fn in_child() {
+        for slot in &FDS {
+            let fd = slot.load(Ordering::Relaxed);
+            if fd < 0 {
+                continue;
+            }
+            // SAFETY: open, dup3 and close are async-signal-safe; the path is NUL-terminated.
+            unsafe {
+                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+                if null >= 0 {
+                    libc::dup3(null, fd, libc::O_CLOEXEC);
+                    libc::close(null);
+                }
+            }
+        }
+    }
+
+    pub(super) fn register(fd: RawFd) {
+        INSTALL.call_once(|| {
+            // SAFETY: registers a handler that only makes async-signal-safe calls.
+            let rc = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+            if rc != 0 {
+                tracing::warn!(
+                    rc,
+                    "pthread_atfork failed: forked children keep arena locks"
+                );
+            }
+        });
+        for slot in &FDS {
+            if slot
+                .compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                return;
+            }
+        }
+        tracing::warn!(
+            "more than {SLOTS} arenas in one process: a forked child keeps this one's lock"
+        );
+    }
+
+    pub(super) fn unregister(fd: RawFd) {
+        for slot in &FDS {
+            if slot
+                .compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                return;
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tensor::TensorData;
+
+    fn write(r: &mut ShmRegion, offset: u64, data: &TensorData) -> Result<()> {
+        let ops = [CopyOp { offset, data }];
+        r.start(&ops)?;
+        while r.progress(&ops, 7)? != Progress::Done {}
+        Ok(())
+    }
 
     #[test]
-    fn create_write_open_read() {
+    fn create_write_in_slices_and_read_back() {
         let mut r = ShmRegion::create(1 << 20).unwrap();
         let s: ShmSession = r.session().parse().unwrap();
         assert_eq!(s.to_string(), r.session());
         assert_eq!(s.base, r.base_address());
-        let path = format!("/dev/shm/{}", s.name);
+        let path = format!("{SHM_DIR}/{}", s.name);
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
-        r.write(4096, &TensorData::host(vec![7u8; 100])).unwrap();
-        assert!(r
-            .write((1 << 20) - 99, &TensorData::host(vec![7u8; 100]))
-            .is_err());
-        let v = ShmView::open(&s).unwrap();
-        let mut out = [0u8; 100];
-        v.read(s.base + 4096, &mut out).unwrap();
-        assert_eq!(out, [7u8; 100]);
-        assert_eq!(v.view(s.base + 4096, 3).unwrap(), &[7, 7, 7]);
-        assert!(v.read(s.base - 1, &mut out).is_err());
-        assert!(v.view(s.base + (1 << 20) - 2, 3).is_err());
-        assert!(v.view(u64::MAX, 3).is_err());
-        // A session with another nonce (a restarted producer) is refused.
-        let other = ShmSession {
-            nonce: s.nonce ^ 1,
-            ..s.clone()
-        };
-        assert!(ShmView::open(&other).is_err());
+        let data: Vec<u8> = (0..100u8).collect();
+        write(&mut r, 4096, &TensorData::host(data.clone())).unwrap();
+        let mut out = vec![0u8; 100];
+        r.map
+            .copy_out(HEADER_BYTES as usize + 4096, &mut out)
+            .unwrap();
+        assert_eq!(out, data);
+        assert!(write(&mut r, (1 << 20) - 99, &TensorData::host(vec![7u8; 100])).is_err());
+        let h = Header::read(&r.map).unwrap();
+        assert_eq!((h.nonce, h.len, h.base), (s.nonce, s.len, s.base));
         drop(r);
-        assert!(!std::path::Path::new(&path).exists(), "unlinked on drop");
-        assert!(ShmView::open(&s)
-            .unwrap_err()
-            .to_string()
-            .contains("stale session"));
+        assert!(!Path::new(&path).exists(), "unlinked on drop");
     }
 
     #[test]
     fn a_live_region_is_not_abandoned_and_a_dropped_one_is_gone() {
         let r = ShmRegion::create(1 << 16).unwrap();
-        let s: ShmSession = r.session().parse().unwrap();
-        let path = std::path::Path::new("/dev/shm").join(&s.name);
+        let path = Path::new(SHM_DIR).join(r.name());
         assert!(!is_abandoned(&path).unwrap(), "its creator holds the lock");
-        // A reader's open (no lock) does not make it look abandoned or in use.
-        let _v = ShmView::open(&s).unwrap();
-        assert!(!is_abandoned(&path).unwrap());
+        let seen = remove_abandoned(Path::new(SHM_DIR), true).unwrap();
+        let me = seen.iter().find(|s| s.name == r.name()).unwrap();
+        assert_eq!(me.outcome, SweptOutcome::InUse);
         drop(r);
         assert!(is_abandoned(&path).is_err(), "unlinked");
+    }
+
+    #[test]
+    fn the_reply_path_hands_out_a_read_only_descriptor() {
+        let mut r = ShmRegion::create(1 << 16).unwrap();
+        write(&mut r, 0, &TensorData::host(vec![9u8; 10])).unwrap();
+        let reply = r.reply("fd").unwrap().unwrap();
+        assert_eq!(reply.bytes, r.session().as_bytes());
+        let m = Mapping::map(
+            reply.fds[0].as_fd(),
+            4096 + 10,
+            Access::ReadOnly,
+            false,
+            "t",
+        )
+        .unwrap();
+        let mut out = [0u8; 10];
+        m.copy_out(HEADER_BYTES as usize, &mut out).unwrap();
+        assert_eq!(out, [9u8; 10]);
+        assert!(r.reply("nope").is_none());
+        let d: serde_json::Value =
+            serde_json::from_slice(&r.reply("describe").unwrap().unwrap().bytes).unwrap();
+        assert_eq!(d["len"], 1 << 16);
     }
 
     #[test]
@@ -615,22 +785,31 @@ mod tests {
             owner_pid("capture-arena-x-000000000000000000000000000000ff"),
             None
         );
+        assert_eq!(
+            owner_pid("capture-arena-/x-000000000000000000000000000000ff"),
+            None
+        );
         assert_eq!(owner_pid("other-42-000000000000000000000000000000ff"), None);
     }
 
     #[test]
     fn sessions_parse_strictly() {
+        let n = "capture-arena-1-000000000000000000000000000000ff";
         for bad in [
-            "tcp://x",
-            "shm://capture-arena-1-00?len=1&base=0x0",
-            "shm://capture-arena-1-0000000000000000000000000000000g?len=1&base=0x0",
-            "shm://capture-arena-1-00000000000000000000000000000000?len=1",
-            "shm://capture-arena-1-00000000000000000000000000000000?len=1&base=12&x=1",
+            "tcp://x".to_owned(),
+            "shm://capture-arena-1-00?len=1&base=0x0".into(),
+            "shm://capture-arena-1-0000000000000000000000000000000g?len=1&base=0x0".into(),
+            format!("shm://{n}?len=1"),
+            format!("shm://{n}?len=1&base=12&x=1"),
+            format!("shm://{n}?len=1&len=2&base=0x0"),
+            format!("shm://{n}?len=0&base=0x1000"),
+            format!("shm://{n}?len=2&base=0xffffffffffffffff"),
+            format!("shm://../etc/{n}?len=1&base=0x0"),
+            format!("shm://{n}?len=1&base=0x0{}", "&".repeat(600)),
         ] {
             assert!(bad.parse::<ShmSession>().is_err(), "{bad}");
         }
-        let ok = "shm://capture-arena-1-000000000000000000000000000000ff?len=1&base=0x1000";
-        let s: ShmSession = ok.parse().unwrap();
+        let s: ShmSession = format!("shm://{n}?len=1&base=0x1000").parse().unwrap();
         assert_eq!((s.nonce, s.len, s.base), (255, 1, 4096));
     }
 }

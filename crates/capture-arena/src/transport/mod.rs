@@ -1,113 +1,168 @@
-//! Transports: how a reader reaches the bytes of a published object, chosen from the result's
+//! Transports: how a reader reaches the bytes of published objects, chosen from the result's
 //! session string. The reader API ([`crate::client`]) does not change with the transport.
+//!
+//! A [`Transport`] reads objects into caller-provided buffers ([`ReadOp`]), several per call, so
+//! transports that batch requests (NIXL, a transfer engine) or write into registered or device
+//! memory are further implementations; [`open`] picks one by the session's scheme.
 //!
 //! | scheme | transport | reach |
 //! |---|---|---|
-//! | `shm://` | [`ShmView`]: the producer's shared memory mapped read-only | same host |
-//!
-//! Later transports (NIXL over UCX, Mooncake's TransferEngine, CUDA IPC / fabric handles) are
-//! further variants of [`Transport`], each opened from its own session scheme.
+//! | `shm://` | [`ShmTransport`]: the producer's shared memory mapped read-only | same host |
 
+pub mod shm;
+
+pub use shm::ShmTransport;
+
+use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::memory::{ShmSession, ShmView};
+use crate::memory::Mapping;
 
-/// An open session: one producer's arena, as this process reaches it.
-#[derive(Debug, Clone)]
+/// Where one read lands.
+#[derive(Debug)]
 #[non_exhaustive]
-pub enum Transport {
-    /// Same-host shared memory, mapped read-only.
-    Shm(Arc<ShmView>),
+pub enum Destination<'a> {
+    /// Host memory of this process.
+    Host(&'a mut [u8]),
 }
 
-impl Transport {
-    /// Opens the arena a session string names.
-    ///
-    /// # Errors
-    /// [`Error::InvalidSession`] for a scheme this build cannot read or a malformed session;
-    /// [`Error::StaleSession`] when the producer is gone or restarted.
-    pub fn open(session: &str) -> Result<Transport> {
-        if session.starts_with("shm://") {
-            let s: ShmSession = session.parse()?;
-            return Ok(Transport::Shm(Arc::new(ShmView::open(&s)?)));
+impl Destination<'_> {
+    /// Bytes this destination takes.
+    pub fn len(&self) -> u64 {
+        match self {
+            Destination::Host(b) => b.len() as u64,
         }
-        Err(Error::InvalidSession {
-            session: session.to_owned(),
-            reason: "unknown transport; this build reads shm:// sessions (same-host shared memory)"
-                .into(),
-        })
     }
 
-    /// True while the producer's arena still exists (false once it exited or restarted).
-    pub fn is_live(&self) -> bool {
-        match self {
-            Transport::Shm(v) => v.is_live(),
-        }
+    /// True for an empty destination.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
+}
+
+/// One read: `into.len()` bytes at `address` of the arena.
+#[derive(Debug)]
+pub struct ReadOp<'a> {
+    /// The published address of the first byte.
+    pub address: u64,
+    /// Where the bytes go.
+    pub into: Destination<'a>,
+}
+
+/// An open session: one producer's arena, as this process reaches it.
+pub trait Transport: Send + Sync + fmt::Debug {
+    /// The session string it was opened from.
+    fn session(&self) -> &str;
+
+    /// True while the producer's arena still exists (false once it exited or restarted). Cheap
+    /// enough to ask before every read.
+    fn is_live(&self) -> bool;
 
     /// Checks that `[address, address + len)` lies inside the arena, before anything is
     /// allocated or touched for it.
     ///
     /// # Errors
     /// [`Error::OutOfRange`].
-    pub fn check(&self, address: u64, len: u64) -> Result<()> {
-        match self {
-            Transport::Shm(v) => v.offset_of(address, len).map(|_| ()),
-        }
-    }
+    fn check(&self, address: u64, len: u64) -> Result<()>;
 
-    /// Copies `out.len()` bytes at `address` into `out`.
+    /// Performs every read, in any order; on error some destinations may be partly written.
     ///
     /// # Errors
-    /// [`Error::OutOfRange`] if the range is not inside the arena.
-    pub fn read(&self, address: u64, out: &mut [u8]) -> Result<()> {
-        match self {
-            Transport::Shm(v) => v.read(address, out),
-        }
-    }
+    /// [`Error::OutOfRange`] for a range outside the arena (checked for every read before any is
+    /// issued), [`Error::InvalidRead`] for a destination this transport cannot write,
+    /// transport failures.
+    fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()>;
 
-    /// Borrows `len` bytes at `address` without copying, for transports that map the arena.
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] if the range is not inside the arena.
-    pub fn view(&self, address: u64, len: u64) -> Result<View> {
-        match self {
-            Transport::Shm(v) => {
-                v.view(address, len)?;
-                Ok(View {
-                    map: v.clone(),
-                    address,
-                    len,
-                })
-            }
-        }
+    /// For transports that map the arena into this process: the mapping and the offset in it of
+    /// `address`, after checking `[address, address + len)`. `None` otherwise.
+    fn mapped(&self, _address: u64, _len: u64) -> Option<Result<(&Mapping, usize)>> {
+        None
     }
 }
 
-/// A zero-copy view of one object's bytes. It keeps the mapping alive; its bytes are what was
-/// published until the object is freed.
-#[derive(Debug, Clone)]
+/// Opens the arena a session string names.
+///
+/// # Errors
+/// [`Error::InvalidSession`] for a scheme this build cannot read or a malformed session;
+/// [`Error::StaleSession`] when the producer is gone or restarted.
+pub fn open(session: &str) -> Result<Arc<dyn Transport>> {
+    if session.starts_with("shm://") {
+        return Ok(Arc::new(ShmTransport::open(&session.parse()?)?));
+    }
+    Err(Error::InvalidSession {
+        session: session.chars().take(256).collect(),
+        reason: "unknown transport; this build reads shm:// sessions (same-host shared memory)"
+            .into(),
+    })
+}
+
+/// A zero-copy view of one object's bytes in a mapped arena. It keeps the mapping alive.
+///
+/// Made only by the unsafe [`View::new`], whose caller promises the bytes stay as published
+/// while the view lives.
 pub struct View {
-    map: Arc<ShmView>,
+    transport: Arc<dyn Transport>,
     address: u64,
     len: u64,
+}
+
+impl View {
+    /// A view of `len` bytes at `address`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`]; [`Error::InvalidRead`] if the transport does not map the arena
+    /// into this process (read into a buffer instead).
+    ///
+    /// # Safety
+    /// The object there must stay resident, neither freed nor replaced by anyone (this trainer,
+    /// another trainer, a retry with `replace`), until the view is dropped: the producer reuses
+    /// freed space, and another process writing the bytes under a live `&[u8]` breaks Rust's
+    /// aliasing rules.
+    pub unsafe fn new(transport: Arc<dyn Transport>, address: u64, len: u64) -> Result<View> {
+        match transport.mapped(address, len) {
+            Some(r) => r.map(|_| ())?,
+            None => {
+                return Err(Error::InvalidRead {
+                    key: transport.session().to_owned(),
+                    reason: "this transport does not map the arena; read into a buffer".into(),
+                })
+            }
+        }
+        Ok(View {
+            transport,
+            address,
+            len,
+        })
+    }
 }
 
 impl Deref for View {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // The range was checked against this very mapping when the view was made, and neither
-        // changes after: this cannot fail.
-        self.map
-            .view(self.address, self.len)
-            .expect("range checked when the view was made")
+        let Some(Ok((map, offset))) = self.transport.mapped(self.address, self.len) else {
+            // Checked against this very mapping when the view was made; it does not change.
+            unreachable!("a view's range was checked when it was made");
+        };
+        // SAFETY: the range is inside the mapping, which `self.transport` keeps alive; the
+        // creator of the view promised (View::new) that the bytes do not change while it lives.
+        unsafe { map.bytes(offset, self.len as usize) }.unwrap_or_default()
     }
 }
 
 impl AsRef<[u8]> for View {
     fn as_ref(&self) -> &[u8] {
         self
+    }
+}
+
+impl fmt::Debug for View {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("View")
+            .field("session", &self.transport.session())
+            .field("address", &self.address)
+            .field("len", &self.len)
+            .finish()
     }
 }

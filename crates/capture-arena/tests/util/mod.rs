@@ -5,8 +5,7 @@ use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
 
-use capture_arena::memory::{ShmSession, ShmView};
-use capture_arena::{Config, Dtype, Published, Sample, Tensor, TensorData, Writer};
+use capture_arena::{Config, Dtype, Published, Reader, Sample, Tensor, TensorData, Writer};
 
 /// A config with an arena of `bytes` and a short wait for frees.
 pub fn config(bytes: u64, wait: Duration) -> Config {
@@ -40,12 +39,11 @@ pub fn sample(id: &str, sizes: &[usize]) -> Sample {
 
 /// Reads every feature of a result back through a read-only mapping and checks the pattern.
 pub fn verify(p: &Published) {
-    let session: ShmSession = p.arena.session.parse().unwrap();
-    let view = ShmView::open(&session).unwrap();
+    let reader = Reader::new();
     for (name, f) in &p.features {
         let n = f.byte_len().unwrap() as usize;
         let mut out = vec![0u8; n];
-        view.read(f.address, &mut out).unwrap();
+        reader.read(p, name, &mut out).unwrap();
         for (j, b) in out.iter().enumerate() {
             assert_eq!(
                 *b,
@@ -65,7 +63,11 @@ pub fn free(control: &str, keys: &[String]) {
 
 /// Every key of a batch's results.
 pub fn keys(results: &[Published]) -> Vec<String> {
-    results.iter().flat_map(|p| p.keys()).collect()
+    results
+        .iter()
+        .flat_map(|p| p.keys().unwrap())
+        .map(|k| k.to_string())
+        .collect()
 }
 
 /// Waits (up to 10 s) until the writer reports `n` objects freed.

@@ -1,0 +1,262 @@
+//! The trainer-facing store: read a result's tensors, release them.
+
+use std::collections::hash_map::RandomState;
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::Mutex;
+
+use super::lock;
+use super::reader::{feature, key_of};
+use super::{ControlClient, Reader};
+use crate::error::{Error, Result};
+use crate::sample::Published;
+use crate::tensor::Dtype;
+
+/// A tensor copied out of the arena.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedTensor {
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Element type.
+    pub dtype: Dtype,
+    /// Row-major bytes.
+    pub data: Vec<u8>,
+}
+
+/// Health figures of a [`FeatureStore`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Health {
+    /// Samples read (`get`) and not yet released.
+    pub resident_samples: u64,
+    /// Their bytes.
+    pub resident_bytes: u64,
+    /// Keys whose free has not been sent yet.
+    pub pending_frees: u64,
+    /// Keys dropped because too many frees were waiting (their objects stay resident).
+    pub dropped_frees: u64,
+    /// Sessions (producers) open in the reader.
+    pub open_sessions: u64,
+}
+
+/// How many released samples a store remembers for use-after-release errors: 16 bytes each
+/// (a 128-bit hash) plus the set's overhead, about 9 MiB in all however long the ids are.
+pub const RELEASED_MEMORY: usize = 1 << 18;
+
+/// The released samples, remembered by a 128-bit keyed hash of (session, store id, sample id,
+/// gen): bounded memory whatever the strings; oldest forgotten first.
+#[derive(Debug)]
+struct Released {
+    hashers: (RandomState, RandomState),
+    set: HashSet<u128>,
+    order: VecDeque<u128>,
+}
+
+impl Default for Released {
+    fn default() -> Released {
+        Released {
+            hashers: (RandomState::new(), RandomState::new()),
+            set: HashSet::new(),
+            order: VecDeque::new(),
+        }
+    }
+}
+
+impl Released {
+    fn id(&self, r: &Published) -> u128 {
+        let parts = (&r.arena.session, &r.store_id, &r.sample_id, r.gen);
+        let hi = self.hashers.0.hash_one(parts);
+        let lo = self.hashers.1.hash_one(parts);
+        (u128::from(hi) << 64) | u128::from(lo)
+    }
+
+    fn contains(&self, r: &Published) -> bool {
+        self.set.contains(&self.id(r))
+    }
+
+    fn insert(&mut self, r: &Published) {
+        let id = self.id(r);
+        if self.set.insert(id) {
+            self.order.push_back(id);
+            if self.order.len() > RELEASED_MEMORY {
+                if let Some(old) = self.order.pop_front() {
+                    self.set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+/// The trainer-facing store: read a result's tensors, release them.
+///
+/// Results come from outside the process (a JSON line, a Python dict): each is validated
+/// ([`Published::validate`]) before anything is allocated or mapped for it. A released sample is
+/// remembered for the last [`RELEASED_MEMORY`] releases: reading it again is an error even
+/// though its bytes may still be in the region. A sample published again under the same key (a
+/// retry with `replace`) is therefore refused by a store that released the first one; a new
+/// `gen` is the contract's way to publish a sample again.
+#[derive(Debug, Default)]
+pub struct FeatureStore {
+    reader: Reader,
+    control: ControlClient,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Sample -> feature -> bytes read (a feature read twice counts once).
+    resident: HashMap<String, HashMap<String, u64>>,
+    released: Released,
+}
+
+fn sample_key(r: &Published) -> String {
+    format!(
+        "{}\n{}/{}/g{}",
+        r.arena.session, r.store_id, r.sample_id, r.gen
+    )
+}
+
+impl FeatureStore {
+    /// An empty store.
+    pub fn new() -> FeatureStore {
+        FeatureStore::default()
+    }
+
+    /// The reader underneath (for zero-copy views).
+    pub fn reader(&self) -> &Reader {
+        &self.reader
+    }
+
+    /// The control client underneath.
+    pub fn control(&self) -> &ControlClient {
+        &self.control
+    }
+
+    /// Validates `r` and fails with [`Error::Released`] if this store released it.
+    ///
+    /// # Errors
+    /// As [`Published::validate`], or [`Error::Released`].
+    pub fn check(&self, r: &Published) -> Result<()> {
+        r.validate()?;
+        if lock(&self.state).released.contains(r) {
+            return Err(Error::Released {
+                sample: format!("{}/{}/g{}", r.store_id, r.sample_id, r.gen),
+            });
+        }
+        Ok(())
+    }
+
+    /// Copies every feature of `result` (or those in `names`) out of the arena, each checked
+    /// against the arena before its buffer is allocated.
+    ///
+    /// # Errors
+    /// [`Error::Released`] after `release`; [`Error::UnknownFeature`]; as [`Reader::read`].
+    pub fn get(
+        &self,
+        result: &Published,
+        names: Option<&[&str]>,
+    ) -> Result<BTreeMap<String, OwnedTensor>> {
+        self.check(result)?;
+        self.control.learn(&result.arena.control);
+        let wanted: Vec<&str> = match names {
+            Some(n) => n.to_vec(),
+            None => result.features.keys().map(String::as_str).collect(),
+        };
+        let mut bufs = Vec::with_capacity(wanted.len());
+        for &name in &wanted {
+            let len = self.reader.checked_len(result, name)?;
+            let len = usize::try_from(len).map_err(|_| Error::InvalidRead {
+                key: key_of(result, name),
+                reason: format!("{len} bytes do not fit in memory"),
+            })?;
+            bufs.push(vec![0u8; len]);
+        }
+        let mut outs: Vec<(&str, &mut [u8])> = wanted
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(n, b)| (*n, b.as_mut_slice()))
+            .collect();
+        self.reader.read_many(result, &mut outs)?;
+        drop(outs);
+        let mut out = BTreeMap::new();
+        for (name, data) in wanted.into_iter().zip(bufs) {
+            let f = feature(result, name)?;
+            out.insert(
+                name.to_owned(),
+                OwnedTensor {
+                    shape: f.shape.clone(),
+                    dtype: f.dtype,
+                    data,
+                },
+            );
+        }
+        self.note_resident(result, out.iter().map(|(n, t)| (n.as_str(), t.data.len())));
+        Ok(out)
+    }
+
+    /// Copies several features of `result` into caller buffers (each exactly its feature's
+    /// size), in one request to the transport, counting the sample as resident until it is
+    /// released.
+    ///
+    /// # Errors
+    /// As [`FeatureStore::get`].
+    pub fn get_many_into(&self, result: &Published, outs: &mut [(&str, &mut [u8])]) -> Result<()> {
+        self.check(result)?;
+        self.control.learn(&result.arena.control);
+        self.reader.read_many(result, outs)?;
+        self.note_resident(result, outs.iter().map(|(n, o)| (*n, o.len())));
+        Ok(())
+    }
+
+    /// Copies feature `name` of `result` into `out` (exactly its size).
+    ///
+    /// # Errors
+    /// As [`FeatureStore::get`].
+    pub fn get_into(&self, result: &Published, name: &str, out: &mut [u8]) -> Result<()> {
+        self.get_many_into(result, &mut [(name, out)])
+    }
+
+    fn note_resident<'a>(&self, result: &Published, read: impl Iterator<Item = (&'a str, usize)>) {
+        let mut st = lock(&self.state);
+        let features = st.resident.entry(sample_key(result)).or_default();
+        for (name, len) in read {
+            features.insert(name.to_owned(), len as u64);
+        }
+    }
+
+    /// Frees every object of `result` over its control endpoint; later `get`s of it fail.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] and the like for an invalid result (nothing is released then);
+    /// [`Error::FreeNotSent`] if the endpoint cannot be reached now: the sample is released all
+    /// the same and its keys stay pending, retried by the next `release` or `flush`.
+    pub fn release(&self, result: &Published) -> Result<()> {
+        result.validate()?;
+        let keys = result.keys()?;
+        {
+            let mut st = lock(&self.state);
+            st.resident.remove(&sample_key(result));
+            st.released.insert(result);
+        }
+        self.control.free(Some(&result.arena.control), keys)
+    }
+
+    /// Retries frees that could not be sent.
+    ///
+    /// # Errors
+    /// As [`ControlClient::flush`].
+    pub fn flush(&self) -> Result<()> {
+        self.control.flush()
+    }
+
+    /// Resident samples and bytes, frees not yet sent or dropped, sessions open.
+    pub fn health(&self) -> Health {
+        let st = lock(&self.state);
+        Health {
+            resident_samples: st.resident.len() as u64,
+            resident_bytes: st.resident.values().flat_map(|f| f.values()).sum(),
+            pending_frees: self.control.pending() as u64,
+            dropped_frees: self.control.dropped(),
+            open_sessions: self.reader.open_sessions() as u64,
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! Sessions → transports, cached; reads checked before they touch memory.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::lock;
+use crate::error::{Error, Result};
+use crate::sample::{Feature, Published, MAX_SESSION_BYTES};
+use crate::transport::{self, Destination, ReadOp, Transport, View};
+
+/// The most sessions (producers) one reader keeps open at once.
+pub const MAX_SESSIONS: usize = 1024;
+/// How often the cache looks for producers that are gone, at most.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+#[derive(Debug)]
+struct Cache {
+    /// The process the cached transports belong to; a forked child starts over.
+    pid: u32,
+    sessions: HashMap<String, Arc<dyn Transport>>,
+    last_sweep: Instant,
+}
+
+impl Cache {
+    fn new() -> Cache {
+        Cache {
+            pid: std::process::id(),
+            sessions: HashMap::new(),
+            last_sweep: Instant::now(),
+        }
+    }
+
+    /// Forgets the transports of producers that are gone, so their memory goes back as soon as
+    /// no view holds it: a trainer must not pin the arenas of every producer that ever
+    /// restarted.
+    fn sweep(&mut self) {
+        self.last_sweep = Instant::now();
+        self.sessions.retain(|session, t| {
+            let live = t.is_live();
+            if !live {
+                tracing::debug!(%session, "dropping the mapping of a producer that is gone");
+            }
+            live
+        });
+    }
+}
+
+/// Opens and caches sessions; reads features. See the module docs.
+#[derive(Debug)]
+pub struct Reader {
+    cache: Mutex<Cache>,
+}
+
+impl Default for Reader {
+    fn default() -> Reader {
+        Reader::new()
+    }
+}
+
+impl Reader {
+    /// A reader with no open session.
+    pub fn new() -> Reader {
+        Reader {
+            cache: Mutex::new(Cache::new()),
+        }
+    }
+
+    /// The transport for `session`, opened on first use and cached. Each call also drops (at
+    /// most once a second) the cached sessions whose producer is gone.
+    ///
+    /// # Errors
+    /// As [`transport::open`]: unknown scheme, or a stale session; [`Error::InvalidSession`] for
+    /// a session string over [`MAX_SESSION_BYTES`] or beyond [`MAX_SESSIONS`] open sessions.
+    pub fn open(&self, session: &str) -> Result<Arc<dyn Transport>> {
+        if session.len() > MAX_SESSION_BYTES {
+            return Err(Error::InvalidSession {
+                session: session.chars().take(80).collect(),
+                reason: format!("longer than {MAX_SESSION_BYTES} bytes"),
+            });
+        }
+        {
+            let mut c = lock(&self.cache);
+            if c.pid != std::process::id() {
+                *c = Cache::new();
+            }
+            if c.last_sweep.elapsed() >= SWEEP_EVERY {
+                c.sweep();
+            }
+            if let Some(t) = c.sessions.get(session).cloned() {
+                if t.is_live() {
+                    return Ok(t);
+                }
+                c.sessions.remove(session);
+                return Err(Error::StaleSession {
+                    session: session.to_owned(),
+                    reason: "the producer removed its arena after this reader opened it".into(),
+                });
+            }
+            // A new session: often a producer restarted, so look for the ones that are gone now.
+            c.sweep();
+            if c.sessions.len() >= MAX_SESSIONS {
+                return Err(Error::InvalidSession {
+                    session: session.to_owned(),
+                    reason: format!(
+                        "{MAX_SESSIONS} sessions of live producers are open already in this reader"
+                    ),
+                });
+            }
+        }
+        // Open without holding the lock (mapping a large region takes a moment).
+        let t = transport::open(session)?;
+        Ok(lock(&self.cache)
+            .sessions
+            .entry(session.to_owned())
+            .or_insert(t)
+            .clone())
+    }
+
+    /// Sessions open now.
+    pub fn open_sessions(&self) -> usize {
+        lock(&self.cache).sessions.len()
+    }
+
+    /// Forgets a cached session (its mapping is released once no view holds it).
+    pub fn close(&self, session: &str) {
+        lock(&self.cache).sessions.remove(session);
+    }
+
+    /// The byte length of feature `name` of `result`, checked against the arena it claims to be
+    /// in (so a forged shape or address is refused before anything is allocated for it).
+    ///
+    /// # Errors
+    /// [`Error::UnknownFeature`], [`Error::InvalidRead`] (shape overflows),
+    /// [`Error::OutOfRange`], [`Error::StaleSession`].
+    pub fn checked_len(&self, result: &Published, name: &str) -> Result<u64> {
+        let f = feature(result, name)?;
+        let len = byte_len(result, name, f)?;
+        self.open(&result.arena.session)?.check(f.address, len)?;
+        Ok(len)
+    }
+
+    /// Copies feature `name` of `result` into `out`, which must be exactly `shape × item size`
+    /// bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRead`] for an unknown name or a buffer of the wrong size,
+    /// [`Error::OutOfRange`] for an address outside the arena, [`Error::StaleSession`].
+    pub fn read(&self, result: &Published, name: &str, out: &mut [u8]) -> Result<()> {
+        self.read_many(result, &mut [(name, out)])
+    }
+
+    /// Copies several features of `result` into their buffers (each exactly its feature's
+    /// size), in one request to the transport.
+    ///
+    /// # Errors
+    /// As [`Reader::read`], for the first feature at fault; nothing is read then.
+    pub fn read_many(&self, result: &Published, outs: &mut [(&str, &mut [u8])]) -> Result<()> {
+        let mut ops = Vec::with_capacity(outs.len());
+        for (name, out) in outs.iter_mut() {
+            let f = feature(result, name)?;
+            let len = byte_len(result, name, f)?;
+            if out.len() as u64 != len {
+                return Err(Error::InvalidRead {
+                    key: key_of(result, name),
+                    reason: format!(
+                        "buffer holds {} bytes but shape {:?} of {} is {len} bytes",
+                        out.len(),
+                        f.shape,
+                        f.dtype
+                    ),
+                });
+            }
+            ops.push(ReadOp {
+                address: f.address,
+                into: Destination::Host(out),
+            });
+        }
+        self.open(&result.arena.session)?.read(&mut ops)
+    }
+
+    /// Borrows feature `name` of `result` in place, without copying (transports that map the
+    /// arena: shared memory).
+    ///
+    /// # Errors
+    /// As [`Reader::read`]; [`Error::InvalidRead`] for a transport that does not map.
+    ///
+    /// # Safety
+    /// As [`View::new`]: the object must stay resident (not freed or replaced, by anyone) while
+    /// the view lives.
+    pub unsafe fn view(&self, result: &Published, name: &str) -> Result<View> {
+        let f = feature(result, name)?;
+        let len = byte_len(result, name, f)?;
+        let t = self.open(&result.arena.session)?;
+        // SAFETY: the caller's promise, passed on.
+        unsafe { View::new(t, f.address, len) }
+    }
+}
+
+fn byte_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {
+    f.byte_len().ok_or_else(|| Error::InvalidRead {
+        key: key_of(result, name),
+        reason: format!("shape {:?} of {} overflows", f.shape, f.dtype),
+    })
+}
+
+/// The key of feature `name` of `result`, for error messages.
+pub(crate) fn key_of(result: &Published, name: &str) -> String {
+    result.key(name).map_or_else(
+        |_| {
+            format!(
+                "{}/{}/g{}/{name}",
+                result.store_id, result.sample_id, result.gen
+            )
+        },
+        |k| k.to_string(),
+    )
+}
+
+pub(crate) fn feature<'a>(result: &'a Published, name: &str) -> Result<&'a Feature> {
+    result
+        .features
+        .get(name)
+        .ok_or_else(|| Error::UnknownFeature {
+            key: key_of(result, name),
+            available: result.features.keys().cloned().collect(),
+        })
+}

@@ -1,0 +1,243 @@
+//! Every memory mapping of the crate, in one type: `mmap`, `munmap`, pre-faulting, the fork
+//! policy, and all pointer arithmetic over the mapped bytes. Regions (the producer's) and
+//! transports (a reader's) hold a [`Mapping`] and never see a raw pointer.
+//!
+//! A mapping of shared memory holds bytes that another process may change at any moment (a
+//! producer reuses the space of freed objects). So reading is a copy into caller memory
+//! ([`Mapping::copy_out`]), which is safe whatever the bytes are, and borrowing the bytes in place
+//! ([`Mapping::bytes`]) is `unsafe`: its caller promises that nobody changes them while the
+//! borrow lives.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+
+/// What this process may do with a mapping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// A reader's view of another process's memory.
+    ReadOnly,
+    /// The producer's own region. Not inherited by `fork`ed children (`MADV_DONTFORK`): a child
+    /// of the inference server never writes the arena, and must not keep its pages alive after
+    /// the server is gone.
+    ReadWrite,
+}
+
+/// A shared mapping of a whole file or shared-memory object, unmapped on drop.
+///
+/// Invariant: `ptr` is what `mmap` returned for `len` bytes with `access`, and stays mapped until
+/// drop.
+#[derive(Debug)]
+pub struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    access: Access,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; every access goes through methods
+// that either copy (reads and writes of disjoint caller buffers) or take `&mut self` (writes), so
+// moving the owner to another thread moves the only handle.
+unsafe impl Send for Mapping {}
+// SAFETY: `&self` methods only read the mapping (copies out, or unsafe borrows whose caller
+// promises the bytes do not change); writing needs `&mut self`.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` from offset 0, shared. `populate` pre-faults the page tables
+    /// (`MAP_POPULATE`): for a producer this makes a full `/dev/shm` fail here rather than as a
+    /// `SIGBUS` in the middle of a copy; for a reader it makes reads run at memcpy speed instead
+    /// of taking a fault every few pages.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming `what` if `mmap` fails.
+    pub fn map(
+        fd: BorrowedFd<'_>,
+        len: usize,
+        access: Access,
+        populate: bool,
+        what: &str,
+    ) -> Result<Mapping> {
+        if len == 0 {
+            return Err(Error::io(
+                format!("mapping {what}"),
+                io::Error::new(io::ErrorKind::InvalidInput, "zero-length mapping"),
+            ));
+        }
+        let prot = match access {
+            Access::ReadOnly => libc::PROT_READ,
+            Access::ReadWrite => libc::PROT_READ | libc::PROT_WRITE,
+        };
+        let flags = libc::MAP_SHARED | if populate { libc::MAP_POPULATE } else { 0 };
+        // SAFETY: a fresh shared mapping chosen by the kernel (no address hint), of a descriptor
+        // the caller keeps open for the duration of the call.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd.as_raw_fd(), 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::io(
+                format!("mmap of {len} bytes of {what}"),
+                io::Error::last_os_error(),
+            ));
+        }
+        let Some(ptr) = NonNull::new(ptr.cast::<u8>()) else {
+            return Err(Error::io(
+                format!("mmap of {what}"),
+                io::Error::other("mmap returned a null mapping"),
+            ));
+        };
+        let m = Mapping { ptr, len, access };
+        if access == Access::ReadWrite {
+            // SAFETY: advice on exactly the range just mapped; it changes no contents.
+            if unsafe { libc::madvise(m.ptr.as_ptr().cast(), len, libc::MADV_DONTFORK) } != 0 {
+                tracing::debug!(error = %io::Error::last_os_error(), "MADV_DONTFORK refused");
+            }
+        }
+        Ok(m)
+    }
+
+    /// Bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for an empty mapping (never: `map` refuses those).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The virtual address of byte 0 in this process.
+    pub fn address(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    fn range(&self, offset: usize, n: usize) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::OutOfRange {
+                address: self.address().wrapping_add(offset as u64),
+                len: n as u64,
+                base: self.address(),
+                region_len: self.len as u64,
+            }),
+        }
+    }
+
+    /// Copies `out.len()` bytes at `offset` into `out`.
+    ///
+    /// The bytes are whatever the mapping holds at the time of the copy; if another process
+    /// writes them meanwhile, `out` may mix old and new bytes (every bit pattern is a valid
+    /// `u8`, so this is a wrong answer, never undefined behaviour in this process).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] if the range is not inside the mapping.
+    pub fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.range(offset, out.len())?;
+        // SAFETY: [offset, offset + out.len()) is inside the mapping (checked), which stays
+        // mapped while `&self` lives; `out` is memory of this process that the mapping does not
+        // alias (a `&mut` borrow cannot point into a mapping we only hand out as `&[u8]` through
+        // the unsafe `bytes`, whose contract forbids that).
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` to `offset`.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] if the range is not inside the mapping; [`Error::Io`] for a
+    /// read-only mapping.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `len` bytes, and nothing may write those bytes until
+    /// this call returns. They must not lie inside this mapping.
+    pub unsafe fn copy_in(&mut self, offset: usize, src: *const u8, len: usize) -> Result<()> {
+        if self.access != Access::ReadWrite {
+            return Err(Error::io(
+                "writing a read-only mapping",
+                io::Error::from(io::ErrorKind::PermissionDenied),
+            ));
+        }
+        self.range(offset, len)?;
+        // SAFETY: the destination range is inside this writable mapping (checked) and `&mut self`
+        // makes this the only writer in this process; the source is valid and unchanging and
+        // does not overlap it (the caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(src, self.ptr.as_ptr().add(offset), len) };
+        Ok(())
+    }
+
+    /// Borrows `n` bytes at `offset` in place.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] if the range is not inside the mapping.
+    ///
+    /// # Safety
+    /// Nothing may change these bytes while the borrow lives: for another process's memory that
+    /// means the caller knows the object there stays resident (not freed, not replaced) until
+    /// the slice is dropped.
+    pub unsafe fn bytes(&self, offset: usize, n: usize) -> Result<&[u8]> {
+        self.range(offset, n)?;
+        // SAFETY: the range is inside the mapping (checked), which outlives `&self`; the caller
+        // promises the bytes do not change while the slice lives.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), n) })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: exactly the range mmap returned; no borrow of it outlives `self` (borrows are
+        // tied to `&self`).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    fn memfd(len: u64) -> std::fs::File {
+        let f = tempfile_in_shm();
+        f.set_len(len).unwrap();
+        f
+    }
+
+    fn tempfile_in_shm() -> std::fs::File {
+        let path = format!("/dev/shm/capture-arena-test-mapping-{}", std::process::id());
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&path)
+            .unwrap();
+        std::fs::remove_file(&path).unwrap();
+        f
+    }
+
+    #[test]
+    fn copies_in_and_out_and_checks_ranges() {
+        let f = memfd(8192);
+        let mut w = Mapping::map(f.as_fd(), 8192, Access::ReadWrite, true, "test").unwrap();
+        let r = Mapping::map(f.as_fd(), 8192, Access::ReadOnly, false, "test").unwrap();
+        let src = [7u8; 100];
+        // SAFETY: a local array, unchanged during the call.
+        unsafe { w.copy_in(4000, src.as_ptr(), 100).unwrap() };
+        let mut out = [0u8; 100];
+        r.copy_out(4000, &mut out).unwrap();
+        assert_eq!(out, src);
+        assert!(r.copy_out(8100, &mut out).is_err());
+        assert!(r.copy_out(usize::MAX, &mut out).is_err());
+        // SAFETY: nothing writes the mapping while the slice lives.
+        assert_eq!(unsafe { r.bytes(4000, 3) }.unwrap(), &[7, 7, 7]);
+        // SAFETY: as above.
+        assert!(unsafe { r.bytes(8190, 3) }.is_err());
+        let mut ro = r;
+        // SAFETY: a local array.
+        assert!(unsafe { ro.copy_in(0, src.as_ptr(), 1) }.is_err());
+    }
+}

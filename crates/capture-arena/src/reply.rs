@@ -1,0 +1,235 @@
+//! The local reply path: a Unix-domain socket, served by the writer's event loop, through which a
+//! reader on the same host asks the producer's region for what a transport needs and the one-way
+//! control protocol cannot carry: a file descriptor (passed with `SCM_RIGHTS`) or metadata.
+//!
+//! The socket lives in the abstract namespace (`@capture-arena-reply-<pid>-<nonce>`), so a
+//! producer killed outright leaves no file behind. Only processes of the producer's own user are
+//! answered (checked with `SO_PEERCRED`); anyone else is closed on.
+//!
+//! Protocol, one exchange per connection:
+//! - the reader writes one request line, the name of what it wants (`fd`, `describe`; at most
+//!   [`MAX_REQUEST_BYTES`] bytes), ending in `\n`;
+//! - the writer answers with one header line, `{"ok": true, "len": N, "fds": K}\n` (the `K`
+//!   descriptors ride on the message that carries it) followed by `N` bytes, or
+//!   `{"ok": false, "error": "..."}\n`, and closes the connection.
+//!
+//! Frees never go this way: they stay one-way lines to the TCP control endpoint.
+
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixStream};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::memory::Reply;
+
+/// The longest request line.
+pub const MAX_REQUEST_BYTES: usize = 256;
+/// The longest answer a reader accepts.
+pub const MAX_REPLY_BYTES: usize = 1 << 20;
+/// The most descriptors one answer carries.
+pub const MAX_REPLY_FDS: usize = 8;
+/// The prefix of every reply endpoint.
+pub const ENDPOINT_PREFIX: &str = "@capture-arena-reply-";
+
+/// The abstract socket address of an endpoint string (`@name`).
+pub(crate) fn address(endpoint: &str) -> io::Result<SocketAddr> {
+    let name = endpoint.strip_prefix('@').ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("reply endpoint {endpoint:?} is not an abstract socket name (@...)"),
+        )
+    })?;
+    SocketAddr::from_abstract_name(name.as_bytes())
+}
+
+/// The user id of the process at the other end of `fd`.
+pub(crate) fn peer_uid(fd: RawFd) -> io::Result<u32> {
+    // SAFETY: getsockopt fills a zeroed ucred of the size passed.
+    unsafe {
+        let mut cred: libc::ucred = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        let rc = libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        );
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(cred.uid)
+    }
+}
+
+/// This process's effective user id.
+pub(crate) fn my_uid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Sends `bytes` on a connected Unix socket with `fds` attached, in one `sendmsg`.
+///
+/// # Errors
+/// The `sendmsg` error, or `WriteZero` if only part of `bytes` was taken (answers are small, so
+/// a socket that cannot take one at once is given up on).
+pub(crate) fn send_with_fds(sock: RawFd, bytes: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    let fds = &fds[..fds.len().min(MAX_REPLY_FDS)];
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // Room for MAX_REPLY_FDS descriptors, aligned for cmsghdr.
+    let mut cbuf = [0u64; 8];
+    // SAFETY: a zeroed msghdr pointing at one iovec over `bytes` (read only by sendmsg) and at a
+    // control buffer large enough for the descriptors (CMSG_SPACE of MAX_REPLY_FDS ints is 48
+    // bytes < 64), filled through the CMSG macros.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        if !fds.is_empty() {
+            let payload = std::mem::size_of_val(fds) as u32;
+            msg.msg_control = cbuf.as_mut_ptr().cast();
+            msg.msg_controllen = libc::CMSG_SPACE(payload) as usize;
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(payload) as usize;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr().cast::<u8>(),
+                libc::CMSG_DATA(c),
+                payload as usize,
+            );
+        }
+        let n = libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n as usize != bytes.len() {
+            return Err(io::Error::from(io::ErrorKind::WriteZero));
+        }
+    }
+    Ok(())
+}
+
+/// Receives up to `buf.len()` bytes and any descriptors attached to them.
+fn recv_with_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cbuf = [0u64; 8];
+    // SAFETY: a zeroed msghdr over one iovec of `buf` and a 64-byte control buffer; recvmsg
+    // writes at most their lengths. Descriptors received (SCM_RIGHTS) are new descriptors of
+    // this process that nothing else owns: each is wrapped in an OwnedFd exactly once.
+    unsafe {
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&cbuf);
+        let n = libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(c);
+                let count =
+                    ((*c).cmsg_len - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                for i in 0..count {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+        Ok(n as usize)
+    }
+}
+
+/// Asks the producer behind `endpoint` (`@capture-arena-reply-...`) for `what` and returns its
+/// answer: bytes and descriptors. Gives up after `timeout`.
+///
+/// # Errors
+/// [`Error::Io`] if the endpoint cannot be reached or answers out of protocol;
+/// [`Error::InvalidRead`] if the producer refuses the request.
+pub fn request(endpoint: &str, what: &str, timeout: Duration) -> Result<Reply> {
+    let io_err = |e: io::Error| Error::io(format!("asking {endpoint} for {what:?}"), e);
+    if what.len() >= MAX_REQUEST_BYTES || what.contains('\n') {
+        return Err(io_err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "request too long or multi-line",
+        )));
+    }
+    let mut s = UnixStream::connect_addr(&address(endpoint).map_err(io_err)?).map_err(io_err)?;
+    s.set_read_timeout(Some(timeout)).map_err(io_err)?;
+    s.set_write_timeout(Some(timeout)).map_err(io_err)?;
+    std::io::Write::write_all(&mut s, format!("{what}\n").as_bytes()).map_err(io_err)?;
+    // The header line, with the descriptors riding on it.
+    let mut fds = Vec::new();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let newline = loop {
+        let n = recv_with_fds(s.as_raw_fd(), &mut buf, &mut fds).map_err(io_err)?;
+        if n == 0 {
+            return Err(io_err(io::Error::from(io::ErrorKind::UnexpectedEof)));
+        }
+        got.extend_from_slice(&buf[..n]);
+        if let Some(i) = got.iter().position(|&b| b == b'\n') {
+            break i;
+        }
+        if got.len() > 4096 || fds.len() > MAX_REPLY_FDS {
+            return Err(io_err(io::Error::other("answer header too long")));
+        }
+    };
+    let header: serde_json::Value = serde_json::from_slice(&got[..newline])
+        .map_err(|e| io_err(io::Error::other(format!("bad answer header: {e}"))))?;
+    if header["ok"] != serde_json::Value::Bool(true) {
+        return Err(Error::InvalidRead {
+            key: endpoint.to_owned(),
+            reason: format!(
+                "the producer refused {what:?}: {}",
+                header["error"].as_str().unwrap_or("no reason given")
+            ),
+        });
+    }
+    let len = header["len"]
+        .as_u64()
+        .and_then(|l| usize::try_from(l).ok())
+        .filter(|&l| l <= MAX_REPLY_BYTES)
+        .ok_or_else(|| io_err(io::Error::other("bad answer length")))?;
+    let mut bytes = got.split_off(newline + 1);
+    if bytes.len() > len {
+        return Err(io_err(io::Error::other("answer longer than announced")));
+    }
+    let mut rest = vec![0u8; len - bytes.len()];
+    s.read_exact(&mut rest).map_err(io_err)?;
+    bytes.extend_from_slice(&rest);
+    Ok(Reply { bytes, fds })
+}
+
+/// The header and body of an answer, ready to send.
+pub(crate) fn encode(answer: &Result<Reply>) -> Vec<u8> {
+    match answer {
+        Ok(r) => {
+            let mut out = serde_json::json!({"ok": true, "len": r.bytes.len(), "fds": r.fds.len()})
+                .to_string()
+                .into_bytes();
+            out.push(b'\n');
+            out.extend_from_slice(&r.bytes);
+            out
+        }
+        Err(e) => {
+            let mut out = serde_json::json!({"ok": false, "error": e.to_string()})
+                .to_string()
+                .into_bytes();
+            out.push(b'\n');
+            out
+        }
+    }
+}

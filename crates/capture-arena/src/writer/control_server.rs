@@ -1,0 +1,743 @@
+//! The control server: the writer loop's side that faces peers. It accepts TCP control
+//! connections (free lines) and local reply-path connections, reads them within budgets, applies
+//! frees to the arena, and enforces every bound a hostile or broken peer could otherwise break.
+//!
+//! Invariants:
+//! - **Budget.** One turn reads at most [`TURN_BYTES`] from one connection. A connection that may
+//!   have more to read (readiness is edge-triggered: no new event will come for bytes already
+//!   announced) waits at the back of `ready`, a FIFO rotation, so every readable connection gets
+//!   a turn before any gets a second; the writer loop gives the placer a step between turns.
+//! - **Connections.** At most `max_connections` are open (control and reply together); more are
+//!   accepted and closed at once, and counted. Out of descriptors (`EMFILE`), a spare descriptor
+//!   is given up to accept and close the waiting connections, and accepting is retried with a
+//!   back-off.
+//! - **Memory.** Every connection may hold an unfinished line of up to [`SMALL_LINE`] bytes
+//!   whatever the others hold (so short lines always flow); longer ones draw on a pool of
+//!   `control_buffer_bytes` shared by all; when the pool is used up, one connection at a time
+//!   (the first to run out) may still grow its line to [`MAX_LINE_BYTES`], so some line can
+//!   always be completed. A line longer than that closes its connection. A connection that may
+//!   not buffer more waits in `starved`, unread (TCP pushes back on its sender), until memory is
+//!   given back: nothing it sent is dropped. In all, unfinished lines hold at most
+//!   `control_buffer_bytes + max_connections × SMALL_LINE + MAX_LINE_BYTES` bytes.
+//! - **Time.** A connection whose unfinished line is older than `line_timeout` is closed (and
+//!   counted): a peer cannot hold memory or a slot by never finishing a line.
+//! - **Logs.** Every peer event is counted in the stats; warnings about peers are rate-limited to
+//!   one per kind per second, with the number suppressed.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::io::{self, ErrorKind, Read};
+use std::os::fd::AsRawFd;
+use std::os::linux::net::SocketAddrExt;
+use std::time::{Duration, Instant};
+
+use mio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use mio::{Interest, Registry, Token};
+
+use crate::arena::Arena;
+use crate::control::{self, LineBuffer, MAX_LINE_BYTES};
+use crate::error::{Error, Result};
+use crate::reply;
+use crate::stats::{bump, Stats};
+
+/// The control listener's token.
+pub(crate) const LISTENER: Token = Token(0);
+/// The submitters' (and regions') waker token.
+pub(crate) const WAKER: Token = Token(1);
+/// The reply-path listener's token.
+pub(crate) const REPLY: Token = Token(2);
+/// The first token given to a connection.
+const FIRST_CONN: usize = 3;
+
+/// An unfinished line this long is held for any connection, outside the shared pool.
+pub(crate) const SMALL_LINE: usize = 4 * 1024;
+
+/// Bytes read from one connection per turn. 16 KiB of the shortest valid lines (`[]`) take
+/// about 0.1 ms to apply.
+pub(crate) const TURN_BYTES: usize = 16 * 1024;
+/// Connections accepted from one listener per turn.
+const ACCEPTS_PER_TURN: usize = 64;
+/// The longest back-off between attempts to accept while descriptors are exhausted.
+const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
+
+/// The bounds the server puts on its peers (from the [`crate::Config`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    pub max_connections: usize,
+    pub buffer_bytes: usize,
+    pub line_timeout: Duration,
+}
+
+#[derive(Debug)]
+enum Stream {
+    /// A control connection: free lines.
+    Tcp(TcpStream),
+    /// A reply-path connection: one request line.
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+
+    fn deregister(&mut self, registry: &Registry) {
+        let _ = match self {
+            Stream::Tcp(s) => registry.deregister(s),
+            Stream::Unix(s) => registry.deregister(s),
+        };
+    }
+}
+
+#[derive(Debug)]
+struct Conn {
+    stream: Stream,
+    peer: String,
+    lines: LineBuffer,
+    /// When the unfinished line in `lines` began (`None` while there is none).
+    partial_since: Option<Instant>,
+    /// In `ready` or `starved` (so never twice in either).
+    queued: bool,
+}
+
+/// Kinds of rate-limited warnings.
+#[derive(Debug, Clone, Copy)]
+enum Warn {
+    BadLine,
+    LongLine,
+    Partial,
+    TimedOut,
+    Refused,
+    Accept,
+    Reply,
+}
+
+/// One warning per kind per second; the rest are counted and reported with the next one.
+#[derive(Debug, Default)]
+struct Warnings {
+    next: [Option<Instant>; 7],
+    suppressed: [u64; 7],
+}
+
+impl Warnings {
+    /// Runs `log(suppressed)` if a warning of `kind` may be logged now.
+    fn warn(&mut self, kind: Warn, log: impl FnOnce(u64)) {
+        let i = kind as usize;
+        let now = Instant::now();
+        if self.next[i].is_some_and(|n| now < n) {
+            self.suppressed[i] += 1;
+            return;
+        }
+        log(std::mem::take(&mut self.suppressed[i]));
+        self.next[i] = Some(now + Duration::from_secs(1));
+    }
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub(crate) struct ControlServer {
+    listener: TcpListener,
+    reply: UnixListener,
+    reply_endpoint: String,
+    conns: HashMap<Token, Conn>,
+    ready: VecDeque<Token>,
+    starved: VecDeque<Token>,
+    next_token: usize,
+    scratch: Vec<u8>,
+    /// Sum of `lines.held()` over control connections.
+    buffered: usize,
+    /// Sum of what each holds beyond [`SMALL_LINE`]: the shared pool in use.
+    pooled: usize,
+    /// The connection that may grow its line past an exhausted pool.
+    privileged: Option<Token>,
+    limits: Limits,
+    /// The listeners may have connections waiting (their budget ran out, or a retry is due).
+    accept_tcp: bool,
+    accept_reply: bool,
+    /// Accepting failed (descriptors exhausted): retry at `.0`, then wait twice `.1`.
+    backoff: Option<(Instant, Duration)>,
+    /// A descriptor kept in reserve so that, out of descriptors, waiting connections can still
+    /// be accepted and closed instead of hanging.
+    spare: Option<File>,
+    /// Connections with an unfinished line.
+    partials: usize,
+    warnings: Warnings,
+}
+
+fn spare() -> Option<File> {
+    File::open("/dev/null").ok()
+}
+
+impl ControlServer {
+    /// A server over a bound control listener, with a reply listener made here; registers both.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the reply socket cannot be bound or registration fails.
+    pub fn new(mut listener: TcpListener, registry: &Registry, limits: Limits) -> Result<Self> {
+        registry
+            .register(&mut listener, LISTENER, Interest::READABLE)
+            .map_err(|e| Error::io("registering the control listener", e))?;
+        let (mut reply, reply_endpoint) = bind_reply()?;
+        registry
+            .register(&mut reply, REPLY, Interest::READABLE)
+            .map_err(|e| Error::io("registering the reply listener", e))?;
+        Ok(ControlServer {
+            listener,
+            reply,
+            reply_endpoint,
+            conns: HashMap::new(),
+            ready: VecDeque::new(),
+            starved: VecDeque::new(),
+            next_token: FIRST_CONN,
+            scratch: vec![0; TURN_BYTES],
+            buffered: 0,
+            pooled: 0,
+            privileged: None,
+            limits,
+            accept_tcp: true,
+            accept_reply: true,
+            backoff: None,
+            spare: spare(),
+            partials: 0,
+            warnings: Warnings::default(),
+        })
+    }
+
+    /// The reply path's endpoint (`@capture-arena-reply-...`).
+    pub fn reply_endpoint(&self) -> &str {
+        &self.reply_endpoint
+    }
+
+    /// Notes a readiness event.
+    pub fn on_event(&mut self, token: Token) {
+        match token {
+            LISTENER => self.accept_tcp = true,
+            REPLY => self.accept_reply = true,
+            t => {
+                if let Some(c) = self.conns.get_mut(&t) {
+                    if !c.queued {
+                        c.queued = true;
+                        self.ready.push_back(t);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Connections waiting for a turn.
+    pub fn ready_len(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// True when there is something to do without waiting for an event.
+    pub fn has_work(&self) -> bool {
+        !self.ready.is_empty() || ((self.accept_tcp || self.accept_reply) && self.backoff.is_none())
+    }
+
+    /// The next time [`ControlServer::tick`] has something to do, if any.
+    pub fn next_timer(&self) -> Option<Instant> {
+        let retry = self.backoff.map(|(at, _)| at);
+        let lines = (self.partials > 0)
+            .then(|| Instant::now() + (self.limits.line_timeout / 4).min(Duration::from_secs(1)));
+        match (retry, lines) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Timers: a due accept retry, and connections whose unfinished line is too old.
+    pub fn tick(&mut self, registry: &Registry, stats: &Stats) {
+        let now = Instant::now();
+        if self.backoff.is_some_and(|(at, _)| now >= at) {
+            // Edge-triggered: no new event comes for connections already waiting; look again.
+            self.accept_tcp = true;
+            self.accept_reply = true;
+        }
+        if self.partials == 0 {
+            return;
+        }
+        let timeout = self.limits.line_timeout;
+        let old: Vec<Token> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.partial_since.is_some_and(|t| now - t >= timeout))
+            .map(|(t, _)| *t)
+            .collect();
+        for t in old {
+            bump(&stats.timed_out_lines, 1);
+            if let Some(c) = self.conns.get(&t) {
+                let (peer, bytes) = (c.peer.clone(), c.lines.pending());
+                self.warnings.warn(Warn::TimedOut, |suppressed| {
+                    tracing::warn!(
+                        %peer,
+                        bytes,
+                        timeout_s = timeout.as_secs_f64(),
+                        suppressed,
+                        "control connection held an unfinished line too long; closed \
+                         (SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S)"
+                    )
+                });
+            }
+            self.close(t, registry, stats, false);
+        }
+    }
+
+    /// Accepts waiting connections, at most [`ACCEPTS_PER_TURN`] per listener.
+    pub fn accept(&mut self, registry: &Registry, stats: &Stats) {
+        if self.backoff.is_some_and(|(at, _)| Instant::now() < at) {
+            return;
+        }
+        if self.accept_tcp {
+            self.accept_tcp = self.accept_from(false, registry, stats);
+        }
+        if self.accept_reply {
+            self.accept_reply = self.accept_from(true, registry, stats);
+        }
+    }
+
+    /// Returns true if the listener may have more connections waiting.
+    fn accept_from(&mut self, reply: bool, registry: &Registry, stats: &Stats) -> bool {
+        for _ in 0..ACCEPTS_PER_TURN {
+            let accepted = if reply {
+                self.reply
+                    .accept()
+                    .map(|(s, _)| (Stream::Unix(s), "local".to_owned()))
+            } else {
+                self.listener
+                    .accept()
+                    .map(|(s, a)| (Stream::Tcp(s), a.to_string()))
+            };
+            match accepted {
+                Ok((stream, peer)) => {
+                    self.backoff = None;
+                    self.admit(stream, peer, registry, stats);
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    self.backoff = None;
+                    return false;
+                }
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.accept_failed(e, reply, stats);
+                    return true;
+                }
+            }
+        }
+        true
+    }
+
+    /// Out of descriptors (or another accept error): close the waiting connections with the
+    /// spare descriptor's slot, so their peers learn at once, and retry later.
+    fn accept_failed(&mut self, e: io::Error, reply: bool, stats: &Stats) {
+        bump(&stats.accept_errors, 1);
+        let emfile = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
+        if emfile && self.spare.take().is_some() {
+            loop {
+                let r = if reply {
+                    self.reply.accept().map(drop)
+                } else {
+                    self.listener.accept().map(drop)
+                };
+                match r {
+                    Ok(()) => bump(&stats.refused_connections, 1),
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            self.spare = spare();
+        }
+        let wait = self.backoff.map_or(Duration::from_millis(10), |(_, d)| {
+            (d * 2).min(MAX_ACCEPT_BACKOFF)
+        });
+        self.backoff = Some((Instant::now() + wait, wait));
+        let open = self.conns.len();
+        self.warnings.warn(Warn::Accept, |suppressed| {
+            tracing::warn!(
+                error = %e,
+                open,
+                retry_ms = wait.as_millis() as u64,
+                suppressed,
+                "accepting a connection failed; waiting connections were closed, retrying \
+                 (raise the descriptor limit, ulimit -n, or lower \
+                 SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS)"
+            )
+        });
+    }
+
+    fn admit(&mut self, mut stream: Stream, peer: String, registry: &Registry, stats: &Stats) {
+        if self.conns.len() >= self.limits.max_connections {
+            bump(&stats.refused_connections, 1);
+            let max = self.limits.max_connections;
+            self.warnings.warn(Warn::Refused, |suppressed| {
+                tracing::warn!(
+                    %peer,
+                    max,
+                    suppressed,
+                    "connection refused: too many open (SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS)"
+                )
+            });
+            return; // dropping the stream closes it
+        }
+        if let Stream::Unix(s) = &stream {
+            // The reply path hands out descriptors: only to processes of our own user.
+            let uid = reply::peer_uid(s.as_raw_fd());
+            if uid.as_ref().ok() != Some(&reply::my_uid()) {
+                bump(&stats.reply_refused, 1);
+                self.warnings.warn(Warn::Reply, |suppressed| {
+                    tracing::warn!(?uid, suppressed, "reply request from another user refused")
+                });
+                return;
+            }
+        }
+        let token = Token(self.next_token);
+        self.next_token += 1;
+        let registered = match &mut stream {
+            Stream::Tcp(s) => registry.register(s, token, Interest::READABLE),
+            Stream::Unix(s) => registry.register(s, token, Interest::READABLE),
+        };
+        if let Err(e) = registered {
+            tracing::warn!(%peer, error = %e, "cannot register a connection");
+            return;
+        }
+        let reply = matches!(stream, Stream::Unix(_));
+        if reply {
+            // A reply connection must send its request promptly: time it from the start.
+            self.partials += 1;
+        } else {
+            bump(&stats.control_connections, 1);
+        }
+        tracing::debug!(%peer, ?token, reply, "connection");
+        self.conns.insert(
+            token,
+            Conn {
+                stream,
+                peer,
+                lines: LineBuffer::default(),
+                partial_since: reply.then(Instant::now),
+                queued: true,
+            },
+        );
+        // Data may already be waiting (edge-triggered): give it a turn.
+        self.ready.push_back(token);
+    }
+
+    /// Gives the next ready connection one turn. `None` when no connection is ready; else
+    /// whether frees changed the arena.
+    pub fn serve_one(
+        &mut self,
+        registry: &Registry,
+        arena: &mut Arena,
+        stats: &Stats,
+    ) -> Option<bool> {
+        let token = self.ready.pop_front()?;
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return Some(false); // closed meanwhile
+        };
+        conn.queued = false;
+        if matches!(conn.stream, Stream::Unix(_)) {
+            self.serve_reply(token, registry, arena, stats);
+            return Some(false);
+        }
+        let held_before = conn.lines.held();
+        let excess_before = held_before.saturating_sub(SMALL_LINE);
+        let had_partial = conn.lines.pending() > 0;
+        // What this connection may hold: its own small line, plus what the pool has left
+        // beside everyone else's excess; all of a maximal line if it is the privileged one.
+        let pool_left = self
+            .limits
+            .buffer_bytes
+            .saturating_sub(self.pooled - excess_before);
+        let mut max_held = if self.privileged == Some(token) {
+            MAX_LINE_BYTES + 1
+        } else {
+            (SMALL_LINE + pool_left).min(MAX_LINE_BYTES + 1)
+        };
+        if max_held <= conn.lines.pending() && self.privileged.is_none() {
+            // The pool is used up: this one may still finish its line.
+            self.privileged = Some(token);
+            max_held = MAX_LINE_BYTES + 1;
+        }
+        let mut turn = TURN_BYTES;
+        let mut freed_any = false;
+        let mut warnings = std::mem::take(&mut self.warnings);
+        let peer = conn.peer.clone();
+        let outcome = loop {
+            let room = max_held.saturating_sub(conn.lines.pending()).min(turn);
+            if room == 0 {
+                break if turn == 0 { Turn::More } else { Turn::Starved };
+            }
+            match conn.stream.read(&mut self.scratch[..room]) {
+                Ok(0) => break Turn::Eof,
+                Ok(n) => {
+                    turn -= n;
+                    let mut on_line = |line: &[u8]| {
+                        freed_any |= apply_line(line, &peer, arena, stats, &mut warnings)
+                    };
+                    if let Err(o) =
+                        conn.lines
+                            .push_capped(&self.scratch[..n], max_held, &mut on_line)
+                    {
+                        bump(&stats.oversized_lines, 1);
+                        warnings.warn(Warn::LongLine, |suppressed| {
+                            tracing::warn!(
+                                %peer,
+                                bytes = o.bytes,
+                                limit = MAX_LINE_BYTES,
+                                suppressed,
+                                "control line too long; closing its connection"
+                            )
+                        });
+                        break Turn::Close;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break Turn::Drained,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "control connection error");
+                    break Turn::Close;
+                }
+            }
+        };
+        self.warnings = warnings;
+        let held_after = conn.lines.held();
+        let pending = conn.lines.pending();
+        self.buffered = self.buffered - held_before + held_after;
+        self.pooled = self.pooled - excess_before + held_after.saturating_sub(SMALL_LINE);
+        let unprivileged = pending == 0 && self.privileged == Some(token);
+        if unprivileged {
+            self.privileged = None;
+        }
+        match (had_partial, pending > 0) {
+            (false, true) => {
+                conn.partial_since = Some(Instant::now());
+                self.partials += 1;
+            }
+            (true, false) => {
+                conn.partial_since = None;
+                self.partials -= 1;
+            }
+            _ => {}
+        }
+        match outcome {
+            Turn::Drained => {}
+            Turn::More => {
+                conn.queued = true;
+                self.ready.push_back(token);
+            }
+            Turn::Starved => {
+                conn.queued = true;
+                self.starved.push_back(token);
+            }
+            Turn::Eof => self.close(token, registry, stats, true),
+            Turn::Close => self.close(token, registry, stats, false),
+        }
+        if held_after < held_before || unprivileged {
+            self.unstarve();
+        }
+        if freed_any {
+            stats.set_report(&arena.report());
+        }
+        Some(freed_any)
+    }
+
+    /// Memory was given back: connections waiting for room get a turn again.
+    fn unstarve(&mut self) {
+        self.ready.extend(self.starved.drain(..));
+    }
+
+    /// Reads a reply connection's request; answers and closes once it is complete.
+    fn serve_reply(&mut self, token: Token, registry: &Registry, arena: &Arena, stats: &Stats) {
+        let Some(conn) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let mut buf = [0u8; reply::MAX_REQUEST_BYTES];
+        let mut request = None;
+        let done = loop {
+            let room = reply::MAX_REQUEST_BYTES.saturating_sub(conn.lines.pending());
+            if room == 0 {
+                break true; // too long: refused below
+            }
+            match conn.stream.read(&mut buf[..room]) {
+                Ok(0) => break true,
+                Ok(n) => {
+                    let _ = conn.lines.push(&buf[..n], |l| {
+                        if request.is_none() {
+                            request = Some(String::from_utf8_lossy(l).trim().to_owned());
+                        }
+                    });
+                    if request.is_some() {
+                        break true;
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break false,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => break true,
+            }
+        };
+        if !done {
+            return; // the rest of the request comes with the next event
+        }
+        let answer = match &request {
+            Some(what) => match arena.region().reply(what) {
+                Some(a) => a,
+                None => Err(Error::InvalidRead {
+                    key: what.chars().take(64).collect(),
+                    reason: "this arena's region has no such answer".into(),
+                }),
+            },
+            None => Err(Error::InvalidRead {
+                key: "request".into(),
+                reason: format!("no request line within {} bytes", reply::MAX_REQUEST_BYTES),
+            }),
+        };
+        if answer.is_ok() {
+            bump(&stats.reply_requests, 1);
+        } else {
+            bump(&stats.reply_refused, 1);
+        }
+        if let Stream::Unix(s) = &conn.stream {
+            let fds: Vec<_> = answer
+                .as_ref()
+                .map(|r| r.fds.iter().map(|f| f.as_raw_fd()).collect())
+                .unwrap_or_default();
+            if let Err(e) = reply::send_with_fds(s.as_raw_fd(), &reply::encode(&answer), &fds) {
+                tracing::debug!(error = %e, "could not send a reply");
+            }
+        }
+        // The answer's descriptors (our duplicates) close here, after sending.
+        drop(answer);
+        self.close(token, registry, stats, false);
+    }
+
+    fn close(&mut self, token: Token, registry: &Registry, stats: &Stats, eof: bool) {
+        let Some(mut c) = self.conns.remove(&token) else {
+            return;
+        };
+        let pending = c.lines.pending();
+        if eof && pending > 0 && matches!(c.stream, Stream::Tcp(_)) {
+            bump(&stats.partial_lines, 1);
+            let peer = c.peer.clone();
+            self.warnings.warn(Warn::Partial, |suppressed| {
+                tracing::warn!(
+                    %peer,
+                    bytes = pending,
+                    suppressed,
+                    "control connection closed mid-line; partial line discarded"
+                )
+            });
+        }
+        if c.partial_since.is_some() {
+            self.partials -= 1;
+        }
+        // Reply connections' few request bytes are not counted in `buffered`.
+        let held = match c.stream {
+            Stream::Tcp(_) => c.lines.held(),
+            Stream::Unix(_) => 0,
+        };
+        self.buffered -= held;
+        self.pooled -= held.saturating_sub(SMALL_LINE);
+        if self.privileged == Some(token) {
+            self.privileged = None;
+            self.unstarve();
+        }
+        c.stream.deregister(registry);
+        // A queued token of a closed connection is skipped when it comes up.
+        if held > 0 {
+            self.unstarve();
+        }
+    }
+
+    /// Publishes the gauges (open connections, buffered bytes).
+    pub fn publish_gauges(&self, stats: &Stats) {
+        use std::sync::atomic::Ordering::Relaxed;
+        stats
+            .open_connections
+            .store(self.conns.len() as u64, Relaxed);
+        stats
+            .control_buffered_bytes
+            .store(self.buffered as u64, Relaxed);
+    }
+}
+
+/// How a connection's turn ended.
+enum Turn {
+    /// Read until it would block: wait for its next event.
+    Drained,
+    /// Used its whole budget: more may be waiting.
+    More,
+    /// No room to buffer more: wait until memory is given back.
+    Starved,
+    /// The peer closed.
+    Eof,
+    /// Close it (an error, a line too long).
+    Close,
+}
+
+/// Applies one line: frees its keys. Returns true if anything was freed.
+fn apply_line(
+    line: &[u8],
+    peer: &str,
+    arena: &mut Arena,
+    stats: &Stats,
+    warnings: &mut Warnings,
+) -> bool {
+    match control::parse_line(line) {
+        Ok(Some(keys)) => {
+            let (mut objects, mut bytes, mut unknown) = (0, 0, 0);
+            for key in &keys {
+                match arena.free(key) {
+                    Some(b) => {
+                        objects += 1;
+                        bytes += b;
+                    }
+                    None => unknown += 1,
+                }
+            }
+            bump(&stats.freed_bytes, bytes);
+            bump(&stats.unknown_frees, unknown);
+            bump(&stats.freed_objects, objects);
+            objects > 0
+        }
+        Ok(None) => false,
+        Err(why) => {
+            bump(&stats.bad_lines, 1);
+            warnings.warn(Warn::BadLine, |suppressed| {
+                let start = String::from_utf8_lossy(&line[..line.len().min(80)]).into_owned();
+                tracing::warn!(
+                    %peer,
+                    %why,
+                    bytes = line.len(),
+                    ?start,
+                    suppressed,
+                    "bad control line ignored (counted in bad_lines)"
+                )
+            });
+            false
+        }
+    }
+}
+
+/// Binds the reply path's listener on a fresh abstract name.
+fn bind_reply() -> Result<(UnixListener, String)> {
+    let mut nonce = [0u8; 8];
+    // SAFETY: getrandom writes at most 8 bytes into `nonce`; a short read leaves zeros, which
+    // only makes a name collision (refused by bind) likelier.
+    unsafe { libc::getrandom(nonce.as_mut_ptr().cast(), nonce.len(), 0) };
+    let endpoint = format!(
+        "{}{}-{:016x}",
+        reply::ENDPOINT_PREFIX,
+        std::process::id(),
+        u64::from_le_bytes(nonce)
+    );
+    let name = endpoint.trim_start_matches('@');
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
+        .map_err(|e| Error::io("naming the reply socket", e))?;
+    let std = std::os::unix::net::UnixListener::bind_addr(&addr)
+        .map_err(|e| Error::io(format!("binding the reply socket {endpoint}"), e))?;
+    std.set_nonblocking(true)
+        .map_err(|e| Error::io("making the reply socket non-blocking", e))?;
+    Ok((UnixListener::from_std(std), endpoint))
+}

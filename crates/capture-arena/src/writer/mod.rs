@@ -1,0 +1,351 @@
+//! The writer thread: the only thread that touches the arena, so the arena needs no lock.
+//!
+//! One mio event loop ties three parts, each in its own module with its invariants:
+//! - [`queue`]: the submitters' side — a bounded queue of batches, permits, batch handles;
+//! - [`control_server`]: the peers' side — control and reply connections, read within budgets,
+//!   with bounds on connections, buffered bytes and time;
+//! - [`placer`]: the arena's side — drain → place → wait for space → copy → commit → complete.
+//!
+//! Each turn of the loop waits for events (not at all if there is work), accepts connections,
+//! then gives every ready connection one budgeted turn with a placer step between turns, so a
+//! peer that writes as fast as it can neither starves publication nor other peers, and a batch's
+//! wait for frees ends on time. After a batch completes, the loop stays awake for a few tens of
+//! microseconds before sleeping in `poll`, so the next batch of a busy submitter needs no
+//! wake-up; a submitter wakes the loop only when it sleeps.
+//!
+//! ```text
+//!  submit() --[bounded queue]--> placer --copy--> region --result--> handle.wait()
+//!                                  ^ frees
+//!  trainer --["key", ...]\n--> control server (read only, never written)
+//!  local reader --"fd"\n--> reply path --> answer (+ descriptors)
+//! ```
+
+mod control_server;
+mod placer;
+mod queue;
+
+pub use queue::{BatchHandle, Outcome};
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use mio::{Events, Poll, Waker};
+
+use crate::arena::Arena;
+use crate::config::Config;
+use crate::control;
+use crate::error::{Error, Result};
+use crate::memory::{Notifier, Region, ShmRegion};
+use crate::sample::{ArenaRef, Sample};
+use crate::stats::StatsSnapshot;
+use control_server::{ControlServer, Limits, WAKER};
+use placer::{Placer, Step};
+use queue::{Queue, Submitter, SPIN};
+
+/// The log target of the per-batch timing line (`SGLANG_SPEC_CAPTURE_TIMING=1`); log filters
+/// that show warnings only should still let it through (the CLI's and the Python module's do).
+pub const TIMING_TARGET: &str = "capture_arena::timing";
+
+/// The running writer: submit batches, read stats. Dropping it stops the thread (after the
+/// batches already queued) and removes the region.
+#[derive(Debug)]
+pub struct Writer {
+    submitter: Submitter,
+    thread: Option<JoinHandle<()>>,
+    arena_ref: ArenaRef,
+    reply_endpoint: String,
+    capacity: u64,
+}
+
+impl Writer {
+    /// Starts a writer over a new shared-memory region of `config.arena_bytes`, with its control
+    /// listener bound.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for invalid settings (the arena size is required), [`Error::Io`] if the
+    /// region or the listener cannot be created.
+    pub fn start(config: &Config) -> Result<Writer> {
+        config.validate()?;
+        let bytes = config.required_arena_bytes()?;
+        let (listener, control) = control::bind(&config.control_host, config.control_port)?;
+        let t0 = Instant::now();
+        let region = ShmRegion::create(bytes)?;
+        tracing::info!(
+            bytes,
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "shared-memory arena created and pre-faulted"
+        );
+        Writer::start_with(config, Box::new(region), listener, control)
+    }
+
+    /// Starts a writer over a region the caller made (GPU memory, memory registered with a
+    /// transfer engine, ...), binding the control listener from `config`.
+    ///
+    /// # Errors
+    /// As [`Writer::start`].
+    pub fn start_with_region(config: &Config, region: Box<dyn Region>) -> Result<Writer> {
+        config.validate()?;
+        let (listener, control) = control::bind(&config.control_host, config.control_port)?;
+        Writer::start_with(config, region, listener, control)
+    }
+
+    fn start_with(
+        config: &Config,
+        mut region: Box<dyn Region>,
+        listener: mio::net::TcpListener,
+        control: String,
+    ) -> Result<Writer> {
+        let poll = Poll::new().map_err(|e| Error::io("creating the writer's poll", e))?;
+        let waker = Arc::new(
+            Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the waker", e))?,
+        );
+        region.set_notifier(Notifier(waker.clone()));
+        let arena = Arena::new(region, config.alignment, control)?;
+        let limits = Limits {
+            max_connections: config.max_connections,
+            buffer_bytes: usize::try_from(config.control_buffer_bytes).unwrap_or(usize::MAX),
+            line_timeout: config.line_timeout,
+        };
+        let server = ControlServer::new(listener, poll.registry(), limits)?;
+        let reply_endpoint = server.reply_endpoint().to_owned();
+        let (submitter, queue) = Submitter::new(waker, config.max_pending_batches);
+        let shared = submitter.shared.clone();
+        shared.stats.set_report(&arena.report());
+        let arena_ref = arena.arena_ref().clone();
+        let capacity = arena.capacity();
+        tracing::info!(
+            session = %arena_ref.session,
+            control = %arena_ref.control,
+            reply = %reply_endpoint,
+            capacity,
+            "arena ready"
+        );
+        let mut lp = Loop {
+            arena,
+            poll,
+            server,
+            placer: Placer::new(config.arena_wait, config.timing),
+            queue,
+            shared,
+        };
+        let thread = std::thread::Builder::new()
+            .name("capture-arena-writer".into())
+            .spawn(move || lp.run())
+            .map_err(|e| Error::io("spawning the writer thread", e))?;
+        Ok(Writer {
+            submitter,
+            thread: Some(thread),
+            arena_ref,
+            reply_endpoint,
+            capacity,
+        })
+    }
+
+    fn stopped(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Queues a batch, blocking while the queue is full; the returned handle waits for its
+    /// results. The samples (and the caller buffers they hold) are dropped once copied.
+    ///
+    /// # Errors
+    /// [`Error::WriterStopped`] if the writer has stopped.
+    pub fn submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
+        let (handle, done) = BatchHandle::new(&samples);
+        self.submitter
+            .send(samples, done, true, || self.stopped())?;
+        Ok(handle)
+    }
+
+    /// As [`Writer::submit`] but never blocks.
+    ///
+    /// # Errors
+    /// [`Error::QueueFull`] when the writer already holds `max_pending_batches` batches.
+    pub fn try_submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
+        let (handle, done) = BatchHandle::new(&samples);
+        self.submitter
+            .send(samples, done, false, || self.stopped())?;
+        Ok(handle)
+    }
+
+    /// Queues a batch (blocking while the queue is full) and calls `done` when it is copied or
+    /// failed: exactly once for an accepted batch (with [`Error::WriterStopped`] if the writer
+    /// stops before finishing it), never for a refused one. `done` runs on the writer thread (or
+    /// the thread that drops the writer): it must be quick and must not submit to this writer
+    /// with blocking submission (only the writer thread makes room in the queue).
+    ///
+    /// # Errors
+    /// [`Error::WriterStopped`] if the writer has stopped (`done` is dropped, not called).
+    pub fn submit_with(
+        &self,
+        samples: Vec<Sample>,
+        done: impl FnOnce(Outcome) + Send + 'static,
+    ) -> Result<()> {
+        self.submitter
+            .send(samples, Box::new(done), true, || self.stopped())
+    }
+
+    /// As [`Writer::submit_with`] but never blocks.
+    ///
+    /// # Errors
+    /// [`Error::QueueFull`] when the writer already holds `max_pending_batches` batches,
+    /// [`Error::WriterStopped`]; `done` is dropped, not called, then.
+    pub fn try_submit_with(
+        &self,
+        samples: Vec<Sample>,
+        done: impl FnOnce(Outcome) + Send + 'static,
+    ) -> Result<()> {
+        self.submitter
+            .send(samples, Box::new(done), false, || self.stopped())
+    }
+
+    /// The session and control endpoint results carry.
+    pub fn arena_ref(&self) -> &ArenaRef {
+        &self.arena_ref
+    }
+
+    /// The local reply path's endpoint (`@capture-arena-reply-<pid>-<nonce>`): see
+    /// [`crate::reply`].
+    pub fn reply_endpoint(&self) -> &str {
+        &self.reply_endpoint
+    }
+
+    /// Usable bytes of the arena.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.submitter.shared.stats.snapshot()
+    }
+
+    /// Blocks until `pred` holds for the counters or `timeout` passes; returns the last snapshot
+    /// and whether `pred` held. Wakes on every change the writer makes (no polling).
+    pub fn wait_for(
+        &self,
+        timeout: Duration,
+        mut pred: impl FnMut(&StatsSnapshot) -> bool,
+    ) -> (StatsSnapshot, bool) {
+        let ok = queue::wait_for(
+            &self.submitter.shared,
+            timeout,
+            || self.stopped(),
+            || pred(&self.stats()),
+        );
+        (self.stats(), ok)
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        self.submitter.close();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                tracing::error!("the capture-arena writer thread panicked");
+            }
+        }
+    }
+}
+
+/// The writer thread's state; see the module docs.
+struct Loop {
+    arena: Arena,
+    poll: Poll,
+    server: ControlServer,
+    placer: Placer,
+    queue: Queue,
+    shared: Arc<queue::Shared>,
+}
+
+impl Loop {
+    fn run(&mut self) {
+        let mut events = Events::with_capacity(256);
+        let mut hot_until = Instant::now();
+        loop {
+            self.wait(&mut events, hot_until);
+            for ev in events.iter() {
+                if ev.token() != WAKER {
+                    self.server.on_event(ev.token());
+                }
+            }
+            let registry = self.poll.registry();
+            self.server.tick(registry, &self.shared.stats);
+            self.server.accept(registry, &self.shared.stats);
+            // One round: every connection ready now gets one turn, the placer a step between
+            // turns; connections with more to read wait for the next round, after the next poll
+            // has brought in everyone else's events.
+            let mut step = self.placer.step(&mut self.arena, &self.queue, &self.shared);
+            let mut busy = step == Step::Busy;
+            let round = self.server.ready_len();
+            let mut turns = 0;
+            while turns < round {
+                let registry = self.poll.registry();
+                let Some(freed) =
+                    self.server
+                        .serve_one(registry, &mut self.arena, &self.shared.stats)
+                else {
+                    break;
+                };
+                if freed {
+                    self.placer.arena_changed();
+                }
+                turns += 1;
+                if self.placer.has_work(&self.shared) {
+                    step = self.placer.step(&mut self.arena, &self.queue, &self.shared);
+                    busy |= step == Step::Busy;
+                }
+            }
+            if turns > 0 {
+                self.server.publish_gauges(&self.shared.stats);
+                // Counters (frees, bad lines, connections) may have moved: wake `wait_for`.
+                self.shared.notify();
+            }
+            if self.placer.has_work(&self.shared) {
+                step = self.placer.step(&mut self.arena, &self.queue, &self.shared);
+                busy |= step == Step::Busy;
+            }
+            if busy {
+                hot_until = Instant::now() + SPIN;
+            }
+            if step == Step::Closed {
+                tracing::debug!("writer stopping: every submitter is gone");
+                self.placer.abandon(&mut self.arena);
+                return;
+            }
+        }
+    }
+
+    /// Waits for events: not at all while there is work; after recent activity, spins briefly
+    /// for a new batch before sleeping; then sleeps in `poll` until an event, a timer or a
+    /// waiting batch's deadline.
+    fn wait(&mut self, events: &mut Events, hot_until: Instant) {
+        let work = self.server.has_work() || self.placer.has_work(&self.shared);
+        let timeout = if work {
+            Some(Duration::ZERO)
+        } else {
+            while Instant::now() < hot_until && !self.shared.queued() {
+                std::hint::spin_loop();
+            }
+            if self.shared.queued() || !self.shared.try_sleep() {
+                Some(Duration::ZERO)
+            } else {
+                let now = Instant::now();
+                [self.server.next_timer(), self.placer.deadline()]
+                    .into_iter()
+                    .flatten()
+                    .min()
+                    .map(|t| t.saturating_duration_since(now))
+            }
+        };
+        if let Err(e) = self.poll.poll(events, timeout) {
+            events.clear();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                tracing::error!(error = %e, "writer poll failed");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        self.shared.awake();
+    }
+}

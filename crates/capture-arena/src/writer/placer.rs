@@ -1,0 +1,325 @@
+//! The placer: takes queued batches one at a time and moves each through
+//! drain → place → wait for space → copy → commit → complete.
+//!
+//! Invariants:
+//! - batches are published in the order they were queued, one at a time;
+//! - a batch is in exactly one state: waiting for space (nothing of it allocated), copying (its
+//!   space reserved, its objects not yet in the table, so no free can touch them), or finished
+//!   (committed or failed, and completed exactly once);
+//! - a waiting batch is retried only after frees changed the arena, and fails when its wait
+//!   (`SGLANG_SPEC_CAPTURE_ARENA_WAIT_S`) runs out or the writer closes; the writer loop checks
+//!   both between every connection's turn, so no peer can stretch the wait;
+//! - a batch's sources (the samples) live until its copy is done and are dropped before its
+//!   completion runs: a submitter that hears back owns its buffers again;
+//! - each step does a bounded amount of work (one slice of a host copy), so frees keep flowing
+//!   while a large batch is copied.
+
+use std::time::{Duration, Instant};
+
+use crate::arena::{Arena, ArenaReport, Reservation};
+use crate::error::{Error, Result};
+use crate::memory::Progress;
+use crate::stats::bump;
+use crate::writer::queue::{Job, Next, Queue, Shared};
+use crate::writer::TIMING_TARGET;
+
+/// Bytes of a host copy done per step: about half a millisecond of memcpy, after which the
+/// writer serves control input again.
+pub(crate) const COPY_SLICE: u64 = 4 << 20;
+
+enum State {
+    Idle,
+    /// Does not fit yet; `stale` once frees changed the arena since the last try.
+    Waiting {
+        job: Job,
+        t0: Instant,
+        since: Instant,
+        deadline: Option<Instant>,
+        needed: u64,
+        stale: bool,
+    },
+    /// Reserved and being copied; `remote` while a device copies (the region's notifier wakes
+    /// the writer).
+    Copying {
+        job: Job,
+        reservation: Reservation,
+        t0: Instant,
+        t_copy: Instant,
+        waited: Duration,
+        remote: bool,
+    },
+}
+
+/// What one [`Placer::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Nothing to do.
+    Idle,
+    /// Work was done (or is in flight).
+    Busy,
+    /// The queue is closed and drained, nothing in flight: the writer may stop.
+    Closed,
+}
+
+/// See the module docs.
+pub(crate) struct Placer {
+    state: State,
+    wait: Duration,
+    timing: bool,
+}
+
+impl Placer {
+    pub fn new(wait: Duration, timing: bool) -> Placer {
+        Placer {
+            state: State::Idle,
+            wait,
+            timing,
+        }
+    }
+
+    /// Frees changed the arena: a waiting batch tries again.
+    pub fn arena_changed(&mut self) {
+        if let State::Waiting { stale, .. } = &mut self.state {
+            *stale = true;
+        }
+    }
+
+    /// True if a step now would do work on this thread (so the loop must not block).
+    pub fn has_work(&self, shared: &Shared) -> bool {
+        match &self.state {
+            // Closing: the next step finds the queue closed (or a last batch).
+            State::Idle => {
+                shared.queued() || shared.closing.load(std::sync::atomic::Ordering::SeqCst)
+            }
+            State::Waiting {
+                stale, deadline, ..
+            } => {
+                *stale
+                    || deadline.is_some_and(|d| Instant::now() >= d)
+                    || shared.closing.load(std::sync::atomic::Ordering::SeqCst)
+            }
+            State::Copying { remote, .. } => !remote,
+        }
+    }
+
+    /// When a waiting batch gives up.
+    pub fn deadline(&self) -> Option<Instant> {
+        match &self.state {
+            State::Waiting { deadline, .. } => *deadline,
+            _ => None,
+        }
+    }
+
+    /// One bounded step.
+    pub fn step(&mut self, arena: &mut Arena, queue: &Queue, shared: &Shared) -> Step {
+        let state = std::mem::replace(&mut self.state, State::Idle);
+        self.state = match state {
+            State::Idle => match queue.next() {
+                Next::Job(job) => self.start(job, Instant::now(), None, arena, shared),
+                Next::Empty => return Step::Idle,
+                Next::Closed => return Step::Closed,
+            },
+            State::Waiting {
+                job,
+                t0,
+                since,
+                deadline,
+                needed,
+                stale,
+            } => {
+                let now = Instant::now();
+                let closing = shared.closing.load(std::sync::atomic::Ordering::SeqCst);
+                if closing || deadline.is_some_and(|d| now >= d) {
+                    bump(&shared.stats.waits, 1);
+                    bump(&shared.stats.wait_ns, (now - since).as_nanos() as u64);
+                    let e = if closing {
+                        Error::WriterStopped
+                    } else {
+                        full(needed, &arena.report(), now - since)
+                    };
+                    self.finish(job, Err(e), arena, shared);
+                    State::Idle
+                } else if stale {
+                    self.start(job, t0, Some((since, deadline, needed)), arena, shared)
+                } else {
+                    State::Waiting {
+                        job,
+                        t0,
+                        since,
+                        deadline,
+                        needed,
+                        stale,
+                    }
+                }
+            }
+            State::Copying {
+                mut job,
+                reservation,
+                t0,
+                t_copy,
+                waited,
+                ..
+            } => {
+                let ops = Arena::copy_ops(&reservation, &job.samples);
+                let progress = arena.region_mut().progress(&ops, COPY_SLICE);
+                drop(ops);
+                match progress {
+                    Ok(Progress::Done) => {
+                        let p = arena.commit(reservation, &job.samples);
+                        let stats = &shared.stats;
+                        stats.set_report(&arena.report());
+                        let copy = t_copy.elapsed();
+                        bump(&stats.published_batches, 1);
+                        bump(&stats.published_samples, p.published.len() as u64);
+                        bump(&stats.published_objects, p.objects);
+                        bump(&stats.published_bytes, p.bytes);
+                        bump(&stats.replaced_objects, p.replaced);
+                        bump(&stats.replaced_bytes, p.replaced_bytes);
+                        bump(&stats.copy_ns, copy.as_nanos() as u64);
+                        if self.timing {
+                            tracing::info!(
+                                target: TIMING_TARGET,
+                                samples = p.published.len(),
+                                objects = p.objects,
+                                bytes = p.bytes,
+                                wait_ms = waited.as_secs_f64() * 1e3,
+                                copy_ms = copy.as_secs_f64() * 1e3,
+                                total_ms = t0.elapsed().as_secs_f64() * 1e3,
+                                "capture batch published"
+                            );
+                        }
+                        drop(std::mem::take(&mut job.samples));
+                        job.complete(Ok(p.published));
+                        shared.notify();
+                        State::Idle
+                    }
+                    Ok(p) => State::Copying {
+                        job,
+                        reservation,
+                        t0,
+                        t_copy,
+                        waited,
+                        remote: p == Progress::Waiting,
+                    },
+                    Err(e) => {
+                        let (n, bytes) = arena.abort(reservation);
+                        bump(&shared.stats.replaced_objects, n);
+                        bump(&shared.stats.replaced_bytes, bytes);
+                        self.finish(job, Err(e), arena, shared);
+                        State::Idle
+                    }
+                }
+            }
+        };
+        Step::Busy
+    }
+
+    /// Checks and reserves a batch; starts its copy if it fits, else waits. `waiting` carries
+    /// an earlier wait's start, deadline and size.
+    fn start(
+        &mut self,
+        job: Job,
+        t0: Instant,
+        waiting: Option<(Instant, Option<Instant>, u64)>,
+        arena: &mut Arena,
+        shared: &Shared,
+    ) -> State {
+        let reserved = arena
+            .check(&job.samples)
+            .and_then(|needed| arena.reserve(&job.samples).map(|r| (needed, r)));
+        match reserved {
+            Err(e) => {
+                self.finish(job, Err(e), arena, shared);
+                State::Idle
+            }
+            Ok((_, Some(reservation))) => {
+                let t_copy = Instant::now();
+                let waited = match waiting {
+                    Some((since, ..)) => {
+                        let w = t_copy - since;
+                        bump(&shared.stats.waits, 1);
+                        bump(&shared.stats.wait_ns, w.as_nanos() as u64);
+                        w
+                    }
+                    None => Duration::ZERO,
+                };
+                shared.stats.set_report(&arena.report());
+                let ops = Arena::copy_ops(&reservation, &job.samples);
+                let started = arena.region_mut().start(&ops);
+                drop(ops);
+                if let Err(e) = started {
+                    arena.abort(reservation);
+                    self.finish(job, Err(e), arena, shared);
+                    return State::Idle;
+                }
+                State::Copying {
+                    job,
+                    reservation,
+                    t0,
+                    t_copy,
+                    waited,
+                    remote: false,
+                }
+            }
+            Ok((needed, None)) => {
+                let (since, deadline) = match waiting {
+                    Some((since, deadline, _)) => (since, deadline),
+                    None => {
+                        let free = arena.report().free_bytes;
+                        tracing::debug!(needed, free, "batch waits for frees");
+                        // A wait too long to represent is no deadline at all.
+                        (Instant::now(), t0.checked_add(self.wait))
+                    }
+                };
+                State::Waiting {
+                    job,
+                    t0,
+                    since,
+                    deadline,
+                    needed,
+                    stale: false,
+                }
+            }
+        }
+    }
+
+    /// Completes a failed batch.
+    fn finish(
+        &self,
+        mut job: Job,
+        outcome: Result<Vec<crate::Published>>,
+        arena: &Arena,
+        shared: &Shared,
+    ) {
+        let stats = &shared.stats;
+        stats.set_report(&arena.report());
+        if let Err(e) = &outcome {
+            bump(&stats.failed_batches, 1);
+            tracing::warn!(samples = job.samples.len(), error = %e, "capture batch failed");
+        }
+        // The caller's buffers go before the caller hears back.
+        drop(std::mem::take(&mut job.samples));
+        job.complete(outcome);
+        shared.notify();
+    }
+
+    /// Stops a copy in flight (the writer is going away without finishing it).
+    pub fn abandon(&mut self, arena: &mut Arena) {
+        if let State::Copying { reservation, .. } = std::mem::replace(&mut self.state, State::Idle)
+        {
+            arena.region_mut().abandon();
+            arena.abort(reservation);
+        }
+    }
+}
+
+fn full(needed: u64, r: &ArenaReport, waited: Duration) -> Error {
+    Error::ArenaFull {
+        needed,
+        free: r.free_bytes,
+        largest_free: r.largest_free,
+        resident_objects: r.resident_objects,
+        capacity: r.capacity,
+        waited,
+    }
+}

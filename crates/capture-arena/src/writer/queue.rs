@@ -1,0 +1,331 @@
+//! The submitters' side of the writer: a bounded queue of batches, the permits that bound it, and
+//! the handles that wait for results.
+//!
+//! Invariants:
+//! - at most `max_pending_batches` batches are held (queued or being placed): a submitter takes
+//!   a [`Permit`] before its batch is queued, and the permit goes back when the batch's [`Job`]
+//!   is dropped, however that happens, so no count is ever lost;
+//! - a batch's completion runs exactly once if the batch was accepted (with
+//!   [`Error::WriterStopped`] if the writer stops before finishing it) and never if it was
+//!   refused ([`Error::QueueFull`], a stopped writer): a refusal is reported to the submitter
+//!   alone;
+//! - the writer sleeps in `poll` only after announcing it ([`Shared::sleeping`]), so a submitter
+//!   wakes it exactly when needed and skips the wake-up (a system call) while it is busy or
+//!   spinning.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use mio::Waker;
+
+use crate::error::{Error, Result};
+use crate::sample::{batch_results, Published, Sample, SampleResult};
+use crate::stats::Stats;
+
+/// What a batch's completion receives.
+pub type Outcome = Result<Vec<Published>>;
+
+/// A batch's completion.
+pub(crate) type Done = Box<dyn FnOnce(Outcome) + Send>;
+
+/// How long a waiter spins on its result before sleeping: a small batch completes in a few
+/// microseconds, and sleeping costs two wake-ups of tens of microseconds on a virtual machine.
+pub(crate) const SPIN: Duration = Duration::from_micros(50);
+
+/// A queued batch.
+pub(crate) struct Job {
+    pub samples: Vec<Sample>,
+    /// `None` once called.
+    done: Option<Done>,
+    /// Given back when the job is dropped.
+    _permit: Permit,
+}
+
+impl Job {
+    /// Runs the completion (once).
+    pub fn complete(&mut self, outcome: Outcome) {
+        if let Some(done) = self.done.take() {
+            done(outcome);
+        }
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // Accepted and never completed: the writer stopped first.
+        self.complete(Err(Error::WriterStopped));
+    }
+}
+
+/// One held batch; see the module docs.
+struct Permit(Arc<Shared>);
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut held = self.0.held.lock().unwrap_or_else(|p| p.into_inner());
+        *held = held.saturating_sub(1);
+        self.0.room.notify_one();
+    }
+}
+
+/// State shared between the writer thread and its handles.
+#[derive(Debug, Default)]
+pub(crate) struct Shared {
+    pub stats: Stats,
+    /// Set when the owner drops the writer: queued batches are still placed, waits end.
+    pub closing: AtomicBool,
+    /// Bumped by the writer after every change of state; `wait_for` sleeps on `changed`.
+    version: Mutex<u64>,
+    changed: Condvar,
+    /// Batches submitted and not yet completed: at most `max_pending_batches`.
+    held: Mutex<usize>,
+    room: Condvar,
+    /// Jobs sent and jobs the writer has taken: the queue is non-empty while they differ.
+    sent: AtomicU64,
+    taken: AtomicU64,
+    /// True while the writer is about to block (or blocked) in `poll`.
+    sleeping: AtomicBool,
+}
+
+impl Shared {
+    /// Wakes `wait_for` callers: counters moved.
+    pub fn notify(&self) {
+        let mut v = self.version.lock().unwrap_or_else(|p| p.into_inner());
+        *v += 1;
+        self.changed.notify_all();
+    }
+
+    /// True when a job is queued and not yet taken.
+    pub fn queued(&self) -> bool {
+        self.sent.load(Ordering::SeqCst) != self.taken.load(Ordering::SeqCst)
+    }
+
+    /// The writer announces it is about to block; returns false (and stays awake) if a job
+    /// arrived meanwhile. Pairs with the check in [`Submitter::send`].
+    pub fn try_sleep(&self) -> bool {
+        self.sleeping.store(true, Ordering::SeqCst);
+        if self.queued() {
+            self.sleeping.store(false, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// The writer is awake again.
+    pub fn awake(&self) {
+        self.sleeping.store(false, Ordering::SeqCst);
+    }
+}
+
+/// The writer's end of the queue.
+pub(crate) struct Queue {
+    rx: Receiver<Job>,
+    shared: Arc<Shared>,
+}
+
+/// What [`Queue::next`] found.
+pub(crate) enum Next {
+    Job(Job),
+    Empty,
+    /// Every submitter is gone (the writer is being dropped).
+    Closed,
+}
+
+impl Queue {
+    /// The next queued batch, without blocking.
+    pub fn next(&self) -> Next {
+        match self.rx.try_recv() {
+            Ok(job) => {
+                self.shared.taken.fetch_add(1, Ordering::SeqCst);
+                Next::Job(job)
+            }
+            Err(TryRecvError::Empty) => Next::Empty,
+            Err(TryRecvError::Disconnected) => Next::Closed,
+        }
+    }
+}
+
+/// The submitters' end: a bounded queue in front of the writer.
+#[derive(Debug)]
+pub(crate) struct Submitter {
+    tx: Mutex<Option<Sender<Job>>>,
+    waker: Arc<Waker>,
+    pub shared: Arc<Shared>,
+    max_pending: usize,
+}
+
+impl Submitter {
+    /// A queue bounded at `max_pending` held batches, waking the writer through `waker`.
+    pub fn new(waker: Arc<Waker>, max_pending: usize) -> (Submitter, Queue) {
+        // Unbounded channel: the bound is the `held` count, which also counts the batch being
+        // placed.
+        let (tx, rx) = mpsc::channel();
+        let shared = Arc::new(Shared::default());
+        let queue = Queue {
+            rx,
+            shared: shared.clone(),
+        };
+        let submitter = Submitter {
+            tx: Mutex::new(Some(tx)),
+            waker,
+            shared,
+            max_pending,
+        };
+        (submitter, queue)
+    }
+
+    /// Stops accepting batches: the writer finishes those queued, then sees the queue closed.
+    pub fn close(&self) {
+        self.shared.closing.store(true, Ordering::SeqCst);
+        drop(self.tx.lock().unwrap_or_else(|p| p.into_inner()).take());
+        let _ = self.waker.wake();
+    }
+
+    /// Queues a batch. `stopped` says whether the writer thread has ended (then nothing makes
+    /// room). On refusal `done` is dropped without being called.
+    ///
+    /// # Errors
+    /// [`Error::QueueFull`] (only if `!block`), [`Error::WriterStopped`].
+    pub fn send(
+        &self,
+        samples: Vec<Sample>,
+        done: Done,
+        block: bool,
+        stopped: impl Fn() -> bool,
+    ) -> Result<()> {
+        let tx = self
+            .tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or(Error::WriterStopped)?;
+        {
+            let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
+            while *held >= self.max_pending {
+                if stopped() {
+                    return Err(Error::WriterStopped);
+                }
+                if !block {
+                    return Err(Error::QueueFull {
+                        capacity: self.max_pending,
+                    });
+                }
+                // Re-check the writer now and then: a stopped writer makes no room.
+                held = self
+                    .shared
+                    .room
+                    .wait_timeout(held, Duration::from_millis(100))
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
+            }
+            *held += 1;
+        }
+        let job = Job {
+            samples,
+            done: Some(done),
+            _permit: Permit(self.shared.clone()),
+        };
+        if let Err(mpsc::SendError(mut job)) = tx.send(job) {
+            // Refused after all: not accepted, so its completion must not run.
+            drop(job.done.take());
+            return Err(Error::WriterStopped);
+        }
+        self.shared.sent.fetch_add(1, Ordering::SeqCst);
+        if self.shared.sleeping.load(Ordering::SeqCst) {
+            self.waker
+                .wake()
+                .map_err(|e| Error::io("waking the writer", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// A handle on a submitted batch.
+#[derive(Debug)]
+pub struct BatchHandle {
+    rx: Receiver<Outcome>,
+    sample_ids: Vec<String>,
+}
+
+impl BatchHandle {
+    /// A handle and the completion that feeds it.
+    pub(crate) fn new(samples: &[Sample]) -> (BatchHandle, Done) {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let sample_ids = samples.iter().map(|s| s.sample_id.clone()).collect();
+        let done: Done = Box::new(move |o| {
+            let _ = tx.send(o);
+        });
+        (BatchHandle { rx, sample_ids }, done)
+    }
+
+    /// Waits until the writer has copied the batch (or failed it).
+    ///
+    /// # Errors
+    /// The batch's error ([`Error::ArenaFull`], [`Error::KeyExists`], ...), or
+    /// [`Error::WriterStopped`].
+    pub fn wait(self) -> Outcome {
+        let t0 = Instant::now();
+        while t0.elapsed() < SPIN {
+            match self.rx.try_recv() {
+                Ok(o) => return o,
+                Err(mpsc::TryRecvError::Disconnected) => return Err(Error::WriterStopped),
+                Err(mpsc::TryRecvError::Empty) => std::hint::spin_loop(),
+            }
+        }
+        self.rx.recv().unwrap_or(Err(Error::WriterStopped))
+    }
+
+    /// Waits at most `timeout`; `None` if the batch is not done yet.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Outcome> {
+        match self.rx.recv_timeout(timeout) {
+            Ok(o) => Some(o),
+            Err(mpsc::RecvTimeoutError::Timeout) => None,
+            Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(Error::WriterStopped)),
+        }
+    }
+
+    /// Waits, then returns one result per sample: published, or `{"sample_id", "error"}` for
+    /// every sample of a failed batch.
+    pub fn wait_results(self) -> Vec<SampleResult> {
+        let ids = self.sample_ids.clone();
+        match self.wait() {
+            Ok(p) => batch_results(&ids, Ok(p)),
+            Err(e) => batch_results(&ids, Err(&e)),
+        }
+    }
+
+    /// The ids of the batch's samples, in order.
+    pub fn sample_ids(&self) -> &[String] {
+        &self.sample_ids
+    }
+}
+
+/// Blocks until `pred` holds for the counters or `timeout` passes; returns whether it held.
+pub(crate) fn wait_for(
+    shared: &Shared,
+    timeout: Duration,
+    stopped: impl Fn() -> bool,
+    mut pred: impl FnMut() -> bool,
+) -> bool {
+    let deadline = Instant::now().checked_add(timeout);
+    let mut v = shared.version.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        if pred() {
+            return true;
+        }
+        let now = Instant::now();
+        if deadline.is_some_and(|d| now >= d) || stopped() {
+            return false;
+        }
+        // Wake at least every second to notice a writer that stopped.
+        let second = Duration::from_secs(1);
+        let step = deadline.map_or(second, |d| (d - now).min(second));
+        v = shared
+            .changed
+            .wait_timeout(v, step)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+}
