@@ -1,0 +1,366 @@
+//! Faults and hostile peers against real producer processes: idle connections that hold
+//! unfinished lines, floods of garbage, a descriptor limit, forged results, producers killed
+//! outright and the children they leave behind.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const EXE: &str = env!("CARGO_BIN_EXE_capture-arena");
+
+/// A producer of `samples` tiny samples (L = 8, H = 64, one per batch) into a 1 MiB arena that
+/// gives up `idle` seconds after the last free; results on a pipe, stderr as given.
+fn producer(samples: &str, idle: &str, stderr: Stdio) -> Command {
+    let mut c = Command::new(EXE);
+    c.args([
+        "produce",
+        "--samples",
+        samples,
+        "--min-len",
+        "8",
+        "--max-len",
+        "8",
+    ])
+    .args(["--hidden", "64", "--batch", "1", "--arena-bytes", "1MiB"])
+    .args(["--idle-timeout", idle, "--quiet"])
+    .stdout(Stdio::piped())
+    .stderr(stderr);
+    c
+}
+
+/// Reads the producer's result lines until `n` results; returns them.
+fn results(out: &mut BufReader<ChildStdout>, n: usize) -> Vec<String> {
+    let mut lines = Vec::new();
+    while lines.len() < n {
+        let mut l = String::new();
+        assert!(
+            out.read_line(&mut l).unwrap() > 0,
+            "the producer ended early"
+        );
+        lines.push(l.trim_end().to_owned());
+    }
+    lines
+}
+
+fn field(line: &str, a: &str, b: &str) -> String {
+    let v: Value = serde_json::from_str(line).unwrap();
+    v[a][b].as_str().unwrap().to_owned()
+}
+
+/// The `/dev/shm` path of a session.
+fn shm_path(session: &str) -> PathBuf {
+    let name = session
+        .trim_start_matches("shm://")
+        .split('?')
+        .next()
+        .unwrap();
+    PathBuf::from("/dev/shm").join(name)
+}
+
+/// Feeds result lines to a trainer (`consume`), which reads, verifies and frees them.
+fn consume(lines: &[String]) -> Value {
+    let mut t = Command::new(EXE)
+        .args(["consume", "--quiet"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = t.stdin.take().unwrap();
+    for l in lines {
+        writeln!(input, "{l}").unwrap();
+    }
+    drop(input);
+    let out = t.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let summary = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v.get("summary").is_some())
+        .unwrap_or_else(|| panic!("no summary in {text}"));
+    summary["summary"].clone()
+}
+
+/// The producer's final line (after it exits).
+fn final_line(mut p: Child, out: BufReader<ChildStdout>) -> Value {
+    let v = out
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str::<Value>(&l).ok())
+        .find(|v| v.get("stats").is_some())
+        .expect("a final stats line");
+    let _ = p.wait();
+    v
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn idle_connections_holding_unfinished_lines_do_not_grow_the_producer() {
+    let mut p = producer("1", "60", Stdio::null()).spawn().unwrap();
+    let mut out = BufReader::new(p.stdout.take().unwrap());
+    let lines = results(&mut out, 1);
+    let control = field(&lines[0], "arena", "control");
+    std::thread::sleep(Duration::from_millis(200));
+    let before = rss_kib(p.id());
+    // 300 connections each send 1 MiB - 16 bytes of one line and never finish it.
+    let partial = vec![b' '; (1 << 20) - 16];
+    let conns: Vec<TcpStream> = (0..300)
+        .map(|_| {
+            let mut c = TcpStream::connect(&control).unwrap();
+            c.set_write_timeout(Some(Duration::from_millis(200)))
+                .unwrap();
+            let _ = c.write_all(&partial); // the server pushes back once its pool is used
+            c
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let grown_mib = rss_kib(p.id()).saturating_sub(before) / 1024;
+    // The pool (16 MiB), a small line per connection and one maximal line: ~18 MiB.
+    assert!(grown_mib <= 64, "the producer grew by {grown_mib} MiB");
+    drop(conns);
+    // And it still serves a real trainer.
+    let s = consume(&lines);
+    assert_eq!(s["ok"], true, "{s}");
+    let f = final_line(p, out);
+    assert_eq!(f["ok"], true, "{f}");
+}
+
+#[test]
+fn a_flood_of_garbage_is_counted_and_its_warnings_are_rate_limited() {
+    let mut p = producer("1", "60", Stdio::piped()).spawn().unwrap();
+    let mut err = BufReader::new(p.stderr.take().unwrap());
+    let mut out = BufReader::new(p.stdout.take().unwrap());
+    let lines = results(&mut out, 1);
+    let control = field(&lines[0], "arena", "control");
+    let t0 = Instant::now();
+    {
+        let mut c = TcpStream::connect(&control).unwrap();
+        c.write_all(&b"x\n".repeat(100_000)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let s = consume(&lines);
+    assert_eq!(s["ok"], true, "{s}");
+    let secs = t0.elapsed().as_secs() + 1;
+    let f = final_line(p, out);
+    assert_eq!(
+        f["stats"]["bad_lines"], 100_000,
+        "every bad line is counted"
+    );
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut err, &mut log).unwrap();
+    let warnings = log
+        .lines()
+        .filter(|l| l.contains("bad control line"))
+        .count() as u64;
+    assert!(
+        (1..=secs + 1).contains(&warnings),
+        "{warnings} warnings in {secs} s:\n{}",
+        &log[..log.len().min(2000)]
+    );
+    assert!(log.contains("suppressed"), "{log}");
+}
+
+#[test]
+fn a_producer_out_of_descriptors_refuses_connections_and_recovers() {
+    let mut cmd = producer("2", "60", Stdio::piped());
+    // SAFETY: setrlimit is async-signal-safe; it only lowers the child's own limit.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 40,
+                rlim_max: 40,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut p = cmd.spawn().unwrap();
+    let mut err = BufReader::new(p.stderr.take().unwrap());
+    let mut out = BufReader::new(p.stdout.take().unwrap());
+    let lines = results(&mut out, 2);
+    let control = field(&lines[0], "arena", "control");
+    // More connections than the producer has descriptors: the excess is closed, not left hanging.
+    let conns: Vec<TcpStream> = (0..80)
+        .filter_map(|_| TcpStream::connect(&control).ok())
+        .collect();
+    let mut closed = 0;
+    for mut c in conns.iter().skip(40) {
+        c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut b = [0u8; 1];
+        if matches!(std::io::Read::read(&mut c, &mut b), Ok(0) | Err(_)) {
+            closed += 1;
+        }
+    }
+    assert!(
+        closed > 0,
+        "connections beyond the descriptor limit are closed"
+    );
+    drop(conns);
+    // Once descriptors are free again, a trainer frees everything and the producer ends well.
+    let s = consume(&lines);
+    assert_eq!(s["ok"], true, "{s}");
+    let f = final_line(p, out);
+    assert_eq!(f["ok"], true, "{f}");
+    assert!(f["stats"]["accept_errors"].as_u64().unwrap() > 0, "{f}");
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut err, &mut log).unwrap();
+    assert!(log.contains("ulimit -n"), "{log}");
+}
+
+#[test]
+fn consume_refuses_forged_results_without_allocating_or_crashing() {
+    let forged = [
+        // A shape of 2^40 bf16 elements (2 TiB) at an address of a session that does not exist.
+        r#"{"sample_id":"s","store_id":"a","gen":1,"aux_layer_ids":null,"features":{"x":{"shape":[1099511627776],"dtype":"bfloat16","address":4096}},"arena":{"session":"shm://capture-arena-1-000000000000000000000000000000ff?len=1&base=0x1000","control":"127.0.0.1:9"}}"#.to_owned(),
+        // A shape whose size overflows.
+        r#"{"sample_id":"s","store_id":"a","gen":1,"aux_layer_ids":null,"features":{"x":{"shape":[4294967296,4294967296,4],"dtype":"int64","address":4096}},"arena":{"session":"shm://x","control":"127.0.0.1:9"}}"#.to_owned(),
+        // A line of 2 MiB.
+        format!("{{\"pad\": \"{}\"}}", "x".repeat(2 << 20)),
+    ];
+    let mut c = Command::new(EXE)
+        .args(["consume", "--quiet"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = c.stdin.take().unwrap();
+    for l in &forged {
+        writeln!(input, "{l}").unwrap();
+    }
+    drop(input);
+    let out = c.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a clean failure, not an abort: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    let s = &v["summary"];
+    assert_eq!(
+        (s["mismatches"].as_u64(), s["bad_lines"].as_u64()),
+        (Some(2), Some(1)),
+        "{s}"
+    );
+}
+
+/// A test-only role for this test binary: a producer that creates an arena, forks a child that
+/// outlives it, prints `<session> <child pid>` and waits to be killed.
+#[test]
+fn forking_producer_role() {
+    if std::env::var_os("CAPTURE_ARENA_TEST_ROLE").is_none() {
+        return; // run as a test: nothing to do
+    }
+    let w = capture_arena::Writer::start(&capture_arena::Config {
+        arena_bytes: Some(1 << 20),
+        ..capture_arena::Config::default()
+    })
+    .unwrap();
+    // SAFETY: the child only calls async-signal-safe functions (sleep, _exit).
+    let child = unsafe { libc::fork() };
+    if child == 0 {
+        // SAFETY: as above.
+        unsafe {
+            libc::sleep(30);
+            libc::_exit(0);
+        }
+    }
+    println!("{} {child}", w.arena_ref().session);
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn a_dead_producers_arena_is_reclaimed_even_while_its_forked_child_lives() {
+    let mut p = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "forking_producer_role",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("CAPTURE_ARENA_TEST_ROLE", "1")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(p.stdout.take().unwrap());
+    let mut line = String::new();
+    // The harness prints the test's name on the same line, before the role's output.
+    let at = loop {
+        line.clear();
+        assert!(
+            out.read_line(&mut line).unwrap() > 0,
+            "the role printed nothing"
+        );
+        if let Some(at) = line.find("shm://") {
+            break at;
+        }
+    };
+    let mut parts = line[at..].split_whitespace();
+    let path = shm_path(parts.next().unwrap());
+    let child: i32 = parts.next().unwrap().parse().unwrap();
+    assert!(path.exists());
+    p.kill().unwrap(); // SIGKILL: no destructor runs, the arena stays in /dev/shm
+    p.wait().unwrap();
+    assert!(
+        std::path::Path::new(&format!("/proc/{child}")).exists(),
+        "the forked child lives on"
+    );
+    let abandoned = capture_arena::memory::shm::is_abandoned(&path).unwrap();
+    // SAFETY: plain FFI on our grandchild's pid, which we know is alive.
+    unsafe { libc::kill(child, libc::SIGKILL) };
+    assert!(
+        abandoned,
+        "the child must not keep its dead parent's arena in use"
+    );
+    // The next producer on this host removes it by itself.
+    let w = capture_arena::Writer::start(&capture_arena::Config {
+        arena_bytes: Some(1 << 20),
+        ..capture_arena::Config::default()
+    })
+    .unwrap();
+    assert!(
+        !path.exists(),
+        "{path:?} was not reclaimed by a new producer"
+    );
+    drop(w);
+}
+
+#[test]
+fn a_new_producer_removes_the_arenas_of_killed_producers() {
+    let mut killed = producer("1", "60", Stdio::null()).spawn().unwrap();
+    let mut out = BufReader::new(killed.stdout.take().unwrap());
+    let lines = results(&mut out, 1);
+    let path = shm_path(&field(&lines[0], "arena", "session"));
+    killed.kill().unwrap();
+    killed.wait().unwrap();
+    assert!(path.exists(), "SIGKILL leaves the arena behind");
+    let mut next = producer("1", "60", Stdio::null()).spawn().unwrap();
+    let mut out2 = BufReader::new(next.stdout.take().unwrap());
+    let lines2 = results(&mut out2, 1);
+    assert!(
+        !path.exists(),
+        "{path:?} was not removed by the next producer"
+    );
+    let s = consume(&lines2);
+    assert_eq!(s["ok"], true, "{s}");
+    let f = final_line(next, out2);
+    assert_eq!(f["ok"], true);
+}
