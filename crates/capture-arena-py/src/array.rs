@@ -4,7 +4,10 @@
 //! Python 3.11, and this module is built once for CPython >= 3.10.)
 
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::PyDict;
+
+static NDARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 use crate::error::named;
 
@@ -26,6 +29,19 @@ pub fn bytes_of(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<(usize, usiz
             msg,
         )
     };
+    // Exactly a numpy array (not a subclass or a look-alike that could report any address).
+    let py = obj.py();
+    let ndarray = NDARRAY.get_or_try_init(py, || {
+        py.import("numpy")?.getattr("ndarray").map(Bound::unbind)
+    })?;
+    if !obj.get_type().is(ndarray.bind(py)) {
+        return Err(err(format!(
+            "expected a numpy.ndarray of bytes, got {}",
+            obj.get_type()
+                .name()
+                .map_or_else(|_| "?".into(), |n| n.to_string())
+        )));
+    }
     let ai = obj
         .getattr("__array_interface__")
         .map_err(|_| err("expected a numpy array of bytes (no __array_interface__)".into()))?;

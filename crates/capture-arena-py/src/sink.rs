@@ -363,8 +363,9 @@ impl std::ops::Deref for Held {
 impl Drop for Held {
     fn drop(&mut self) {
         if let Some(s) = self.0.take() {
-            if Arc::strong_count(&s) == 1 {
-                Python::attach(|py| py.detach(move || drop(s)));
+            // The last hold (close() ran meanwhile): stop the writer without the GIL.
+            if let Some(last) = Arc::into_inner(s) {
+                Python::attach(|py| py.detach(move || drop(last)));
             }
         }
     }
@@ -596,7 +597,11 @@ impl PySink {
         }
         let s = self.sink.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(s) = s {
-            py.detach(move || drop(s));
+            // If a call in another thread still holds the sink, the writer stops when that
+            // call's hold goes (see `Held`); else here, without the GIL.
+            if let Some(last) = Arc::into_inner(s) {
+                py.detach(move || drop(last));
+            }
         }
     }
 }

@@ -497,3 +497,88 @@ fn the_reply_path_hands_a_local_reader_the_region() {
     });
     assert!(ok, "{s:?}");
 }
+
+#[test]
+fn concurrent_releases_to_one_endpoint_all_go_out_without_a_flush() {
+    let w = writer();
+    let rs = w
+        .submit((0..400).map(|i| sample(&format!("c{i}"), &[10])).collect())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let store = FeatureStore::new();
+    std::thread::scope(|s| {
+        for chunk in rs.chunks(50) {
+            let store = &store;
+            s.spawn(move || {
+                for r in chunk {
+                    store.release(r).unwrap();
+                }
+            });
+        }
+    });
+    // No flush: every key queued while another thread was sending went out with that send.
+    wait_freed(&w, 400);
+    assert_eq!(store.health().pending_frees, 0);
+}
+
+#[test]
+fn frees_meant_for_a_producer_that_is_gone_never_reach_its_successor_on_the_same_port() {
+    let store = FeatureStore::new();
+    let old = writer();
+    let port: u16 = old
+        .arena_ref()
+        .control
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let r_old = old
+        .submit(vec![sample("same", &[10])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    drop(old);
+    // The producer restarts on the same port and publishes a sample under the same key.
+    let c = Config {
+        control_port: port,
+        ..config(1 << 20, Duration::from_secs(2))
+    };
+    let new = Writer::start(&c).unwrap();
+    let r_new = new
+        .submit(vec![sample("same", &[10])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    assert_eq!(r_old.keys().unwrap(), r_new.keys().unwrap());
+    // Releasing the old result must not free the new object.
+    store.release(&r_old).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let s = new.stats();
+    assert_eq!((s.freed_objects, s.resident_objects), (0, 1), "{s:?}");
+    assert_eq!(store.health().dropped_frees, 1);
+    store.release(&r_new).unwrap();
+    wait_freed(&new, 1);
+}
+
+#[test]
+fn reading_the_same_arena_through_another_spelling_of_its_session_is_refused() {
+    let w = writer();
+    let mut r = w
+        .submit(vec![sample("a", &[10])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    let reader = Reader::new();
+    reader.read(&r, "t0", &mut [0u8; 10]).unwrap();
+    r.arena.session = r.arena.session.replace("len=", "len=+");
+    assert!(matches!(
+        reader.read(&r, "t0", &mut [0u8; 10]).unwrap_err(),
+        Error::InvalidSession { .. }
+    ));
+    assert_eq!(reader.open_sessions(), 1);
+}

@@ -301,10 +301,155 @@ fn a_full_queue_blocks_or_signals_instead_of_dropping() {
 }
 
 #[test]
-fn submitting_after_the_writer_is_gone_errors() {
+fn dropping_the_writer_finishes_queued_batches() {
     let w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
     let h = w.submit(vec![sample("a", &[10])]).unwrap();
     drop(w);
     // Queued work is finished before the thread stops.
     assert!(h.wait().is_ok());
+}
+
+#[test]
+fn a_completion_runs_once_for_an_accepted_batch_and_never_for_a_refused_one() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let c = Config {
+        max_pending_batches: 1,
+        ..config(64 * KIB as u64, Duration::from_secs(20))
+    };
+    let w = Writer::start(&c).unwrap();
+    let first = w
+        .submit(vec![sample("a", &[60 * KIB])])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = |calls: &Arc<AtomicUsize>| {
+        let c = calls.clone();
+        move |_: capture_arena::writer::Outcome| {
+            c.fetch_add(1, Ordering::SeqCst);
+        }
+    };
+    // Accepted, and waits for space.
+    w.try_submit_with(vec![sample("b", &[60 * KIB])], counted(&calls))
+        .unwrap();
+    // Refused: the queue holds one batch.
+    let e = w
+        .try_submit_with(vec![sample("c", &[1])], counted(&calls))
+        .unwrap_err();
+    assert!(matches!(e, Error::QueueFull { .. }), "{e}");
+    // The accepted one completes once, when the writer stops (it never got space).
+    drop(w);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    drop(first);
+}
+
+/// A device stand-in (there is no GPU here): a region whose copies complete on another thread,
+/// which then wakes the writer through its notifier, as a CUDA host callback would.
+mod fake_device {
+    use std::sync::{Arc, Mutex};
+
+    use capture_arena::memory::{CopyOp, Notifier, Progress, Region};
+
+    #[derive(Debug)]
+    pub struct FakeDevice {
+        pub bytes: Arc<Mutex<Vec<u8>>>,
+        notifier: Option<Notifier>,
+        done: Arc<Mutex<Option<bool>>>,
+    }
+
+    impl FakeDevice {
+        pub fn new() -> FakeDevice {
+            FakeDevice {
+                bytes: Arc::new(Mutex::new(vec![0u8; 1 << 20])),
+                notifier: None,
+                done: Arc::new(Mutex::new(None)),
+            }
+        }
+    }
+
+    impl Region for FakeDevice {
+        fn len(&self) -> u64 {
+            1 << 20
+        }
+        fn base_address(&self) -> u64 {
+            0x1000_0000
+        }
+        fn session(&self) -> &str {
+            "fake-device://test"
+        }
+        fn set_notifier(&mut self, n: Notifier) {
+            self.notifier = Some(n);
+        }
+        fn start(&mut self, ops: &[CopyOp<'_>]) -> capture_arena::Result<()> {
+            // Copy into a staging buffer now; "complete" 100 ms later on another thread.
+            let mut staged = Vec::new();
+            for op in ops {
+                staged.push((op.offset, op.data.len()));
+            }
+            let (done, n, bytes) = (
+                self.done.clone(),
+                self.notifier.clone().expect("notifier set before copies"),
+                self.bytes.clone(),
+            );
+            *done.lock().unwrap() = Some(false);
+            std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                let mut b = bytes.lock().unwrap();
+                for (off, len) in staged {
+                    b[off as usize..(off + len) as usize].fill(7);
+                }
+                *done.lock().unwrap() = Some(true);
+                n.notify();
+            });
+            Ok(())
+        }
+        fn progress(
+            &mut self,
+            _ops: &[CopyOp<'_>],
+            _budget: u64,
+        ) -> capture_arena::Result<Progress> {
+            match *self.done.lock().unwrap() {
+                Some(true) => Ok(Progress::Done),
+                _ => Ok(Progress::Waiting),
+            }
+        }
+    }
+}
+
+#[test]
+fn a_region_that_completes_later_is_committed_only_then_and_frees_flow_meanwhile_with_a_fake_device(
+) {
+    let region = fake_device::FakeDevice::new();
+    let bytes = region.bytes.clone();
+    let w = Writer::start_with_region(&config(1 << 20, Duration::from_secs(5)), Box::new(region))
+        .unwrap();
+    let first = w
+        .submit(vec![sample("a", &[1000])])
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(first[0].arena.session, "fake-device://test");
+    // While the second batch's copy is in flight, a free of the first is applied.
+    let t0 = Instant::now();
+    let h = w.submit(vec![sample("b", &[2000])]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    free(&w.arena_ref().control, &keys(&first));
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.freed_objects == 1);
+    assert!(ok, "{s:?}");
+    assert_eq!(
+        s.published_batches, 1,
+        "the batch in flight is not committed yet"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_millis(100),
+        "the free did not wait for the copy"
+    );
+    let second = h.wait().unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(100));
+    let off = (second[0].features["t0"].address - 0x1000_0000) as usize;
+    assert!(bytes.lock().unwrap()[off..off + 2000]
+        .iter()
+        .all(|&b| b == 7));
+    assert_eq!(w.stats().published_batches, 2);
 }

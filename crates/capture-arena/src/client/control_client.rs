@@ -7,18 +7,26 @@
 //! - a failed send stays pending and is retried: by the next free to the same endpoint or by
 //!   [`ControlClient::flush`], but not before its back-off (100 ms, doubling to 30 s) has
 //!   passed, so an endpoint that times out costs its caller one timeout, not one per free;
-//! - an endpoint that refuses connections has no producer any more: its keys are dropped (a
-//!   producer that is gone has nothing left to free) and the endpoint forgotten;
+//! - keys waiting for a producer that is gone are dropped before they are sent (a producer that
+//!   is gone has nothing left to free, and a producer restarted on the same port must not
+//!   receive frees meant for its predecessor): keys carry their session, and the owner of the
+//!   client says which sessions are gone ([`ControlClient::with_liveness`]); an endpoint that
+//!   refuses connections is gone too;
 //! - a key whose endpoint is unknown ([`ControlClient::free`] with `None`) goes to every endpoint
-//!   known now and to every endpoint learned later;
-//! - keys waiting are bounded ([`DEFAULT_MAX_PENDING_KEYS`] for all endpoints together, the
-//!   same again for unlocated keys); past the bound the oldest are dropped, counted in
-//!   [`ControlClient::dropped`] and warned about.
+//!   known now and to every endpoint learned in the next [`UNLOCATED_TTL`];
+//! - keys waiting are bounded ([`DEFAULT_MAX_PENDING_KEYS`] for all endpoints together, the same
+//!   again for unlocated keys); past the bound the oldest are dropped, counted in
+//!   [`ControlClient::dropped`] and warned about;
+//! - endpoints whose server closed the connection and that have nothing waiting are forgotten
+//!   (at most once a second), so a trainer does not keep a descriptor per producer restart.
+//!
+//! Several threads may free at once: one sends to an endpoint while the others queue, and the
+//! sender sends again what was queued meanwhile before it returns.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::lock;
@@ -28,15 +36,26 @@ use crate::key::Key;
 
 /// Keys that may wait to be sent, across endpoints (about 100 bytes each).
 pub const DEFAULT_MAX_PENDING_KEYS: usize = 1 << 18;
+/// How long a key with no known endpoint is given to endpoints learned later.
+pub const UNLOCATED_TTL: Duration = Duration::from_secs(600);
 /// Bytes per free line the client writes: well under the server's [`MAX_LINE_BYTES`], and any
 /// valid key fits.
 const LINE_BYTES: usize = 64 * 1024;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// Rounds a sender makes for keys queued while it was sending.
+const SEND_ROUNDS: usize = 8;
+const PRUNE_EVERY: Duration = Duration::from_secs(1);
+
+/// Says whether the producer of a session is gone (see [`ControlClient::with_liveness`]).
+pub type Liveness = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// A key waiting to be sent, with the session it was published in (if known).
+type Waiting = (Key, Option<Arc<str>>);
 
 #[derive(Debug, Default)]
 struct Endpoint {
-    pending: VecDeque<Key>,
+    pending: VecDeque<Waiting>,
     /// The persistent connection; `None` while none is open or while a sender has it.
     conn: Option<TcpStream>,
     /// A thread is sending to this endpoint: others only queue.
@@ -45,25 +64,35 @@ struct Endpoint {
     backoff: Option<(Instant, Duration, ErrorKind, String)>,
 }
 
-#[derive(Debug)]
 struct State {
     /// The process the connections belong to; a forked child starts over.
     pid: u32,
     endpoints: BTreeMap<String, Endpoint>,
-    /// Keys with no known endpoint, for every endpoint learned later (bounded, oldest first).
-    unlocated: VecDeque<Key>,
+    /// Keys with no known endpoint, for endpoints learned later (bounded, oldest first).
+    unlocated: VecDeque<(Key, Instant)>,
     /// Keys waiting across endpoints.
     pending: usize,
     dropped: u64,
     warned_drop: Option<Instant>,
+    last_prune: Instant,
 }
 
 /// Sends frees to control endpoints. See the module docs.
-#[derive(Debug)]
 pub struct ControlClient {
     state: Mutex<State>,
     timeout: Duration,
     max_pending: usize,
+    gone: Option<Liveness>,
+}
+
+impl std::fmt::Debug for ControlClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ControlClient")
+            .field("endpoints", &self.endpoints())
+            .field("pending", &self.pending())
+            .field("timeout", &self.timeout)
+            .finish()
+    }
 }
 
 impl Default for ControlClient {
@@ -88,10 +117,19 @@ impl ControlClient {
                 pending: 0,
                 dropped: 0,
                 warned_drop: None,
+                last_prune: Instant::now(),
             }),
             timeout,
             max_pending: max_pending.max(1),
+            gone: None,
         }
+    }
+
+    /// Asks `gone(session)` before sending keys published in `session`: true drops them (their
+    /// producer is gone). [`super::FeatureStore`] answers from its reader.
+    pub fn with_liveness(mut self, gone: Liveness) -> ControlClient {
+        self.gone = Some(gone);
+        self
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -107,25 +145,32 @@ impl ControlClient {
         s
     }
 
-    /// Remembers an endpoint; keys with no known endpoint are queued for it too.
+    /// Remembers an endpoint; recent keys with no known endpoint are queued for it too.
     pub fn learn(&self, endpoint: &str) {
         let mut s = self.state();
         self.endpoint(&mut s, endpoint);
     }
 
-    /// The endpoint's entry, made (with the unlocated keys) if new.
-    fn endpoint<'a>(&self, s: &'a mut State, endpoint: &str) -> &'a mut Endpoint {
-        if !s.endpoints.contains_key(endpoint) {
-            let keys: Vec<Key> = s.unlocated.iter().cloned().collect();
-            s.endpoints.insert(endpoint.to_owned(), Endpoint::default());
-            self.queue(s, endpoint, keys);
+    /// Makes the endpoint's entry (with the recent unlocated keys) if it is new.
+    fn endpoint(&self, s: &mut State, endpoint: &str) {
+        if s.endpoints.contains_key(endpoint) {
+            return;
         }
-        s.endpoints.entry(endpoint.to_owned()).or_default()
+        let now = Instant::now();
+        while s
+            .unlocated
+            .front()
+            .is_some_and(|(_, t)| now - *t > UNLOCATED_TTL)
+        {
+            s.unlocated.pop_front();
+        }
+        let keys: Vec<Waiting> = s.unlocated.iter().map(|(k, _)| (k.clone(), None)).collect();
+        s.endpoints.insert(endpoint.to_owned(), Endpoint::default());
+        self.queue(s, endpoint, keys);
     }
 
     /// Queues keys for a known endpoint, dropping the oldest waiting keys past the bound.
-    fn queue(&self, s: &mut State, endpoint: &str, keys: impl IntoIterator<Item = Key>) {
-        let mut dropped = 0;
+    fn queue(&self, s: &mut State, endpoint: &str, keys: impl IntoIterator<Item = Waiting>) {
         let mut added = 0;
         if let Some(e) = s.endpoints.get_mut(endpoint) {
             for k in keys {
@@ -134,6 +179,7 @@ impl ControlClient {
             }
         }
         s.pending += added;
+        let mut dropped = 0;
         while s.pending > self.max_pending {
             // Drop from the longest queue: the endpoint least able to take its frees.
             let Some(e) = s.endpoints.values_mut().max_by_key(|e| e.pending.len()) else {
@@ -168,6 +214,26 @@ impl ControlClient {
         }
     }
 
+    /// Forgets endpoints with nothing waiting whose server closed the connection (at most once
+    /// a second).
+    fn prune(&self, s: &mut State) {
+        let now = Instant::now();
+        if now - s.last_prune < PRUNE_EVERY {
+            return;
+        }
+        s.last_prune = now;
+        s.endpoints.retain(|endpoint, e| {
+            let keep = e.sending
+                || !e.pending.is_empty()
+                || e.backoff.is_some()
+                || e.conn.as_ref().is_some_and(alive);
+            if !keep {
+                tracing::debug!(%endpoint, "forgetting a control endpoint that closed on us");
+            }
+            keep
+        });
+    }
+
     /// Endpoints known so far.
     pub fn endpoints(&self) -> Vec<String> {
         self.state().endpoints.keys().cloned().collect()
@@ -184,41 +250,60 @@ impl ControlClient {
         }
     }
 
-    /// Keys dropped because too many were waiting.
+    /// Keys dropped: too many were waiting, or their producer is gone.
     pub fn dropped(&self) -> u64 {
         self.state().dropped
     }
 
     /// Queues `keys` for `endpoint` and sends what waits for it. With `None` the keys go to
-    /// every endpoint known, now and learned later.
+    /// every endpoint known now and learned in the next [`UNLOCATED_TTL`].
     ///
     /// # Errors
     /// [`Error::FreeNotSent`] if an endpoint of this call could not be sent to (now, or not
     /// yet: it is in its back-off); its keys stay pending and are retried later. Other
     /// endpoints are neither tried nor reported.
     pub fn free(&self, endpoint: Option<&str>, keys: impl IntoIterator<Item = Key>) -> Result<()> {
+        self.free_in(endpoint, None, keys)
+    }
+
+    /// As [`ControlClient::free`], for keys published in `session` (so they are dropped rather
+    /// than sent if that session's producer is gone by the time they go out).
+    ///
+    /// # Errors
+    /// As [`ControlClient::free`].
+    pub fn free_in(
+        &self,
+        endpoint: Option<&str>,
+        session: Option<&str>,
+        keys: impl IntoIterator<Item = Key>,
+    ) -> Result<()> {
+        let session: Option<Arc<str>> = session.map(Arc::from);
         let targets: Vec<String> = {
-            let mut s = self.state();
+            let mut guard = self.state();
+            let s = &mut *guard;
+            self.prune(s);
             match endpoint {
                 Some(e) => {
-                    self.endpoint(&mut s, e);
-                    self.queue(&mut s, e, keys);
+                    self.endpoint(s, e);
+                    self.queue(s, e, keys.into_iter().map(|k| (k, session.clone())));
                     vec![e.to_owned()]
                 }
                 None => {
                     let keys: Vec<Key> = keys.into_iter().collect();
+                    let now = Instant::now();
                     let mut over = 0;
                     for k in &keys {
-                        s.unlocated.push_back(k.clone());
+                        s.unlocated.push_back((k.clone(), now));
                         if s.unlocated.len() > self.max_pending {
                             s.unlocated.pop_front();
                             over += 1;
                         }
                     }
-                    self.note_dropped(&mut s, over, "unlocated frees");
+                    self.note_dropped(s, over, "unlocated frees");
                     let all: Vec<String> = s.endpoints.keys().cloned().collect();
                     for e in &all {
-                        self.queue(&mut s, e, keys.iter().cloned());
+                        let tagged = keys.iter().map(|k| (k.clone(), session.clone()));
+                        self.queue(s, e, tagged);
                     }
                     all
                 }
@@ -238,7 +323,11 @@ impl ControlClient {
     /// # Errors
     /// [`Error::FreeNotSent`] for the first endpoint that still has keys pending.
     pub fn flush(&self) -> Result<()> {
-        let all: Vec<String> = self.state().endpoints.keys().cloned().collect();
+        let all: Vec<String> = {
+            let mut s = self.state();
+            self.prune(&mut s);
+            s.endpoints.keys().cloned().collect()
+        };
         let mut first = None;
         for e in all {
             if let Err(err) = self.send(&e) {
@@ -248,95 +337,134 @@ impl ControlClient {
         first.map_or(Ok(()), Err)
     }
 
-    /// Sends what waits for `endpoint`, unless another thread is at it or its back-off runs.
+    /// Drops the keys whose producer is gone; returns the rest.
+    fn live_keys(&self, keys: Vec<Waiting>) -> Vec<Waiting> {
+        let Some(gone) = &self.gone else {
+            return keys;
+        };
+        let mut verdicts: HashMap<Arc<str>, bool> = HashMap::new();
+        let mut live = Vec::with_capacity(keys.len());
+        let mut dropped = 0u64;
+        for (k, session) in keys {
+            let is_gone = session
+                .as_ref()
+                .is_some_and(|s| *verdicts.entry(s.clone()).or_insert_with(|| gone(s)));
+            if is_gone {
+                dropped += 1;
+            } else {
+                live.push((k, session));
+            }
+        }
+        if dropped > 0 {
+            tracing::debug!(dropped, "frees for producers that are gone were not sent");
+            self.state().dropped += dropped;
+        }
+        live
+    }
+
+    /// Sends what waits for `endpoint`, unless another thread is at it or its back-off runs;
+    /// then sends again what was queued meanwhile (a few rounds at most).
     fn send(&self, endpoint: &str) -> Result<()> {
-        let (keys, conn) = {
+        for _ in 0..SEND_ROUNDS {
+            let (waiting, conn) = {
+                let mut guard = self.state();
+                let s = &mut *guard;
+                let Some(e) = s.endpoints.get_mut(endpoint) else {
+                    return Ok(()); // forgotten (its producer is gone)
+                };
+                if e.pending.is_empty() || e.sending {
+                    return Ok(());
+                }
+                if let Some((at, _, kind, why)) = &e.backoff {
+                    if Instant::now() < *at {
+                        let pending = e.pending.len();
+                        let wait = at.saturating_duration_since(Instant::now());
+                        return Err(Error::FreeNotSent {
+                            endpoint: endpoint.to_owned(),
+                            pending,
+                            source: std::io::Error::new(
+                                *kind,
+                                format!("{why}; retrying in {} ms", wait.as_millis()),
+                            ),
+                        });
+                    }
+                }
+                e.sending = true;
+                let waiting: Vec<Waiting> = e.pending.drain(..).collect();
+                s.pending -= waiting.len();
+                (waiting, e.conn.take())
+            };
+            // No lock held while asking about sessions, connecting or writing.
+            let waiting = self.live_keys(waiting);
+            let sent = if waiting.is_empty() {
+                Ok(conn) // every key's producer is gone: nothing to send
+            } else {
+                let keys: Vec<&Key> = waiting.iter().map(|(k, _)| k).collect();
+                self.write(endpoint, conn, &keys)
+                    .map(Some)
+                    .map_err(|e| (e, waiting))
+            };
             let mut guard = self.state();
             let s = &mut *guard;
             let Some(e) = s.endpoints.get_mut(endpoint) else {
-                return Ok(()); // forgotten (its producer is gone)
-            };
-            if e.pending.is_empty() || e.sending {
                 return Ok(());
-            }
-            if let Some((at, _, kind, why)) = &e.backoff {
-                if Instant::now() < *at {
+            };
+            e.sending = false;
+            match sent {
+                Ok(conn) => {
+                    e.conn = conn;
+                    e.backoff = None;
+                    // Keys queued while this thread was sending go out now, not at the next
+                    // free (which may never come).
+                }
+                Err((source, waiting)) if source.kind() == ErrorKind::ConnectionRefused => {
+                    let dropped = waiting.len() + e.pending.len();
+                    s.pending -= e.pending.len();
+                    s.dropped += dropped as u64;
+                    s.endpoints.remove(endpoint);
+                    tracing::warn!(
+                        %endpoint,
+                        dropped,
+                        "control endpoint refuses connections (its producer is gone); dropping \
+                         its frees"
+                    );
+                    return Ok(());
+                }
+                Err((source, waiting)) => {
+                    // Back in front of anything queued meanwhile.
+                    let n = waiting.len();
+                    for w in waiting.into_iter().rev() {
+                        e.pending.push_front(w);
+                    }
+                    let wait = e
+                        .backoff
+                        .as_ref()
+                        .map_or(FIRST_BACKOFF, |(_, d, _, _)| (*d * 2).min(MAX_BACKOFF));
+                    e.backoff = Some((
+                        Instant::now() + wait,
+                        wait,
+                        source.kind(),
+                        source.to_string(),
+                    ));
                     let pending = e.pending.len();
-                    let wait = at.saturating_duration_since(Instant::now());
+                    s.pending += n;
+                    tracing::warn!(
+                        %endpoint,
+                        error = %source,
+                        pending,
+                        retry_ms = wait.as_millis() as u64,
+                        "frees not sent; will retry"
+                    );
+                    self.queue(s, endpoint, std::iter::empty());
                     return Err(Error::FreeNotSent {
                         endpoint: endpoint.to_owned(),
                         pending,
-                        source: std::io::Error::new(
-                            *kind,
-                            format!("{why}; retrying in {} ms", wait.as_millis()),
-                        ),
+                        source,
                     });
                 }
             }
-            e.sending = true;
-            let keys: Vec<Key> = e.pending.drain(..).collect();
-            s.pending -= keys.len();
-            (keys, e.conn.take())
-        };
-        // No lock held while connecting or writing.
-        let sent = self.write(endpoint, conn, &keys);
-        let mut guard = self.state();
-        let s = &mut *guard;
-        let Some(e) = s.endpoints.get_mut(endpoint) else {
-            return Ok(());
-        };
-        e.sending = false;
-        match sent {
-            Ok(conn) => {
-                e.conn = Some(conn);
-                e.backoff = None;
-                Ok(())
-            }
-            Err(source) if source.kind() == ErrorKind::ConnectionRefused => {
-                let dropped = keys.len() + e.pending.len();
-                s.pending -= e.pending.len();
-                s.endpoints.remove(endpoint);
-                tracing::warn!(
-                    %endpoint,
-                    dropped,
-                    "control endpoint refuses connections (its producer is gone); dropping its \
-                     frees"
-                );
-                Ok(())
-            }
-            Err(source) => {
-                // Back in front of anything queued meanwhile.
-                let n = keys.len();
-                for k in keys.into_iter().rev() {
-                    e.pending.push_front(k);
-                }
-                let wait = e
-                    .backoff
-                    .as_ref()
-                    .map_or(FIRST_BACKOFF, |(_, d, _, _)| (*d * 2).min(MAX_BACKOFF));
-                e.backoff = Some((
-                    Instant::now() + wait,
-                    wait,
-                    source.kind(),
-                    source.to_string(),
-                ));
-                let pending = e.pending.len();
-                s.pending += n;
-                tracing::warn!(
-                    %endpoint,
-                    error = %source,
-                    pending,
-                    retry_ms = wait.as_millis() as u64,
-                    "frees not sent; will retry"
-                );
-                self.queue(s, endpoint, std::iter::empty());
-                Err(Error::FreeNotSent {
-                    endpoint: endpoint.to_owned(),
-                    pending,
-                    source,
-                })
-            }
         }
+        Ok(())
     }
 
     /// Writes `keys` as free lines on `conn` (or a new connection); returns the connection.
@@ -344,7 +472,7 @@ impl ControlClient {
         &self,
         endpoint: &str,
         conn: Option<TcpStream>,
-        keys: &[Key],
+        keys: &[&Key],
     ) -> std::io::Result<TcpStream> {
         let mut buf = Vec::with_capacity(keys.len() * 64);
         let mut line = Vec::with_capacity(LINE_BYTES);

@@ -3,7 +3,8 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use super::lock;
 use super::reader::{feature, key_of};
@@ -94,11 +95,27 @@ impl Released {
 /// though its bytes may still be in the region. A sample published again under the same key (a
 /// retry with `replace`) is therefore refused by a store that released the first one; a new
 /// `gen` is the contract's way to publish a sample again.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FeatureStore {
-    reader: Reader,
+    reader: Arc<Reader>,
     control: ControlClient,
     state: Mutex<State>,
+}
+
+impl Default for FeatureStore {
+    fn default() -> FeatureStore {
+        let reader = Arc::new(Reader::new());
+        let r = reader.clone();
+        // Frees for a producer that is gone are dropped, never sent (to a successor on the
+        // same port, say).
+        let control = ControlClient::new(Duration::from_secs(5))
+            .with_liveness(Arc::new(move |session: &str| r.is_gone(session)));
+        FeatureStore {
+            reader,
+            control,
+            state: Mutex::default(),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -157,18 +174,45 @@ impl FeatureStore {
     ) -> Result<BTreeMap<String, OwnedTensor>> {
         self.check(result)?;
         self.control.learn(&result.arena.control);
-        let wanted: Vec<&str> = match names {
+        let mut wanted: Vec<&str> = match names {
             Some(n) => n.to_vec(),
             None => result.features.keys().map(String::as_str).collect(),
         };
-        let mut bufs = Vec::with_capacity(wanted.len());
+        wanted.sort_unstable();
+        wanted.dedup();
+        // Every feature is checked against the arena, and together they must fit in it (a
+        // real result's objects are disjoint): a forged result cannot make this allocate more
+        // than one arena's worth.
+        let mut total = 0u64;
+        let mut lens = Vec::with_capacity(wanted.len());
         for &name in &wanted {
             let len = self.reader.checked_len(result, name)?;
-            let len = usize::try_from(len).map_err(|_| Error::InvalidRead {
+            total = total.saturating_add(len);
+            lens.push(len);
+        }
+        let capacity = self.reader.open(&result.arena.session)?.capacity();
+        if total > capacity {
+            return Err(Error::InvalidRead {
+                key: format!("{}/{}/g{}", result.store_id, result.sample_id, result.gen),
+                reason: format!(
+                    "its features add up to {total} bytes, more than the {capacity}-byte arena \
+                     holds"
+                ),
+            });
+        }
+        let mut bufs = Vec::with_capacity(wanted.len());
+        for (&name, len) in wanted.iter().zip(lens) {
+            let cannot = |why: String| Error::InvalidRead {
                 key: key_of(result, name),
-                reason: format!("{len} bytes do not fit in memory"),
-            })?;
-            bufs.push(vec![0u8; len]);
+                reason: why,
+            };
+            let len = usize::try_from(len)
+                .map_err(|_| cannot(format!("{len} bytes do not fit in memory")))?;
+            let mut b = Vec::new();
+            b.try_reserve_exact(len)
+                .map_err(|e| cannot(format!("allocating {len} bytes: {e}")))?;
+            b.resize(len, 0);
+            bufs.push(b);
         }
         let mut outs: Vec<(&str, &mut [u8])> = wanted
             .iter()
@@ -237,7 +281,11 @@ impl FeatureStore {
             st.resident.remove(&sample_key(result));
             st.released.insert(result);
         }
-        self.control.free(Some(&result.arena.control), keys)
+        self.control.free_in(
+            Some(&result.arena.control),
+            Some(&result.arena.session),
+            keys,
+        )
     }
 
     /// Retries frees that could not be sent.

@@ -117,6 +117,16 @@ impl Reader {
             .clone())
     }
 
+    /// True when the producer of `session` is known to be gone (from the open session if it is
+    /// cached, else from the session string itself).
+    pub fn is_gone(&self, session: &str) -> bool {
+        let cached = lock(&self.cache).sessions.get(session).cloned();
+        match cached {
+            Some(t) => !t.is_live(),
+            None => transport::is_gone(session),
+        }
+    }
+
     /// Sessions open now.
     pub fn open_sessions(&self) -> usize {
         lock(&self.cache).sessions.len()

@@ -34,6 +34,9 @@ pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
     access: Access,
+    /// The process that mapped it: a `ReadWrite` mapping is not inherited by `fork`, so a child
+    /// must not unmap whatever it has at that address since.
+    pid: u32,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; every access goes through methods
@@ -85,7 +88,12 @@ impl Mapping {
                 io::Error::other("mmap returned a null mapping"),
             ));
         };
-        let m = Mapping { ptr, len, access };
+        let m = Mapping {
+            ptr,
+            len,
+            access,
+            pid: std::process::id(),
+        };
         if access == Access::ReadWrite {
             // SAFETY: advice on exactly the range just mapped; it changes no contents.
             if unsafe { libc::madvise(m.ptr.as_ptr().cast(), len, libc::MADV_DONTFORK) } != 0 {
@@ -125,17 +133,18 @@ impl Mapping {
     /// Copies `out.len()` bytes at `offset` into `out`.
     ///
     /// The bytes are whatever the mapping holds at the time of the copy; if another process
-    /// writes them meanwhile, `out` may mix old and new bytes (every bit pattern is a valid
-    /// `u8`, so this is a wrong answer, never undefined behaviour in this process).
+    /// writes them meanwhile (it may once the object is freed), `out` may mix old and new bytes.
+    /// Rust's memory model has no notion of another process writing shared memory; a plain copy
+    /// of such bytes into a buffer this process owns is what every shared-memory reader does,
+    /// and no reference to the racing bytes is ever formed (unlike [`Mapping::bytes`]).
     ///
     /// # Errors
     /// [`Error::OutOfRange`] if the range is not inside the mapping.
     pub fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         self.range(offset, out.len())?;
         // SAFETY: [offset, offset + out.len()) is inside the mapping (checked), which stays
-        // mapped while `&self` lives; `out` is memory of this process that the mapping does not
-        // alias (a `&mut` borrow cannot point into a mapping we only hand out as `&[u8]` through
-        // the unsafe `bytes`, whose contract forbids that).
+        // mapped while `&self` lives; `out` is a `&mut` borrow, so it does not overlap memory
+        // this mapping hands out (only as copies, or as `&[u8]` under `bytes`' contract).
         unsafe {
             std::ptr::copy_nonoverlapping(
                 self.ptr.as_ptr().add(offset),
@@ -189,6 +198,9 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        if self.access == Access::ReadWrite && self.pid != std::process::id() {
+            return; // MADV_DONTFORK: not mapped in this (forked) process
+        }
         // SAFETY: exactly the range mmap returned; no borrow of it outlives `self` (borrows are
         // tied to `&self`).
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };

@@ -58,7 +58,9 @@ pub fn owner_pid(name: &str) -> Option<u32> {
         .flatten()
 }
 
-/// True when no producer holds the arena object at `path` (see the module docs).
+/// True when no producer holds the arena object at `path` (see the module docs). Another
+/// process checking the same object at the same instant holds the lock for that instant, so a
+/// `false` can be wrong (ask again later), a `true` never is.
 ///
 /// # Errors
 /// If the object cannot be opened or the lock attempt fails for another reason.
@@ -196,18 +198,18 @@ impl fmt::Display for ShmSession {
 }
 
 /// The longest session string accepted (a real one is under 120 bytes).
-pub const MAX_SESSION_BYTES: usize = 512;
+pub const MAX_SHM_SESSION_BYTES: usize = 512;
 
 impl FromStr for ShmSession {
     type Err = Error;
     fn from_str(s: &str) -> Result<ShmSession> {
         let bad = |why: &str| Error::InvalidSession {
-            session: s.chars().take(MAX_SESSION_BYTES).collect(),
+            session: s.chars().take(MAX_SHM_SESSION_BYTES).collect(),
             reason: format!(
                 "{why}; expected shm://{NAME_PREFIX}<pid>-<nonce>?len=<bytes>&base=<hex>"
             ),
         };
-        if s.len() > MAX_SESSION_BYTES {
+        if s.len() > MAX_SHM_SESSION_BYTES {
             return Err(bad("too long"));
         }
         let rest = s
@@ -242,12 +244,17 @@ impl FromStr for ShmSession {
         if len == 0 || base.checked_add(len).is_none() {
             return Err(bad("len and base do not describe a range of memory"));
         }
-        Ok(ShmSession {
+        let parsed = ShmSession {
             name: name.to_owned(),
             nonce,
             len,
             base,
-        })
+        };
+        // One arena, one string: readers cache and remember sessions by their string.
+        if parsed.to_string() != s {
+            return Err(bad("not in canonical form"));
+        }
+        Ok(parsed)
     }
 }
 
@@ -648,34 +655,37 @@ mod fork_guard {
     /// Arenas whose lock is guarded; a process rarely has more than one or two.
     const SLOTS: usize = 64;
     static FDS: [AtomicI32; SLOTS] = [const { AtomicI32::new(-1) }; SLOTS];
+    /// `/dev/null`, opened once, so the child handler needs no descriptor of its own.
+    static NULL: AtomicI32 = AtomicI32::new(-1);
     static INSTALL: Once = Once::new();
 
     extern "C" fn in_child() {
+        let null = NULL.load(Ordering::Relaxed);
+        if null < 0 {
+            return;
+        }
         for slot in &FDS {
             let fd = slot.load(Ordering::Relaxed);
-            if fd < 0 {
-                continue;
-            }
-            // SAFETY: open, dup3 and close are async-signal-safe; the path is NUL-terminated.
-            unsafe {
-                let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
-                if null >= 0 {
-                    libc::dup3(null, fd, libc::O_CLOEXEC);
-                    libc::close(null);
-                }
+            if fd >= 0 {
+                // SAFETY: dup3 is async-signal-safe; both descriptors are open in the child
+                // (inherited), and replacing `fd` only drops the child's reference to the
+                // locked open file description, not the parent's lock.
+                unsafe { libc::dup3(null, fd, libc::O_CLOEXEC) };
             }
         }
     }
 
     pub(super) fn register(fd: RawFd) {
         INSTALL.call_once(|| {
+            // SAFETY: plain FFI; the path is NUL-terminated. The descriptor is kept for the
+            // process's life.
+            let null =
+                unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+            NULL.store(null, Ordering::Relaxed);
             // SAFETY: registers a handler that only makes async-signal-safe calls.
             let rc = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
-            if rc != 0 {
-                tracing::warn!(
-                    rc,
-                    "pthread_atfork failed: forked children keep arena locks"
-                );
+            if rc != 0 || null < 0 {
+                tracing::warn!(rc, null, "forked children will keep arena locks");
             }
         });
         for slot in &FDS {
@@ -806,6 +816,11 @@ mod tests {
             format!("shm://{n}?len=2&base=0xffffffffffffffff"),
             format!("shm://../etc/{n}?len=1&base=0x0"),
             format!("shm://{n}?len=1&base=0x0{}", "&".repeat(600)),
+            format!("shm://{n}?len=+1&base=0x1000"),
+            format!("shm://{n}?len=01&base=0x1000"),
+            format!("shm://{n}?len=1&base=0x01000"),
+            format!("shm://{n}?len=1&base=0x1A00"),
+            format!("shm://{n}?base=0x1000&len=1"),
         ] {
             assert!(bad.parse::<ShmSession>().is_err(), "{bad}");
         }

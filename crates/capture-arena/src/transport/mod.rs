@@ -60,6 +60,9 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// enough to ask before every read.
     fn is_live(&self) -> bool;
 
+    /// Bytes of the arena (its data region).
+    fn capacity(&self) -> u64;
+
     /// Checks that `[address, address + len)` lies inside the arena, before anything is
     /// allocated or touched for it.
     ///
@@ -80,6 +83,17 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn mapped(&self, _address: u64, _len: u64) -> Option<Result<(&Mapping, usize)>> {
         None
     }
+}
+
+/// True when the producer of `session` is known to be gone, without opening the session
+/// (`false` when that cannot be told: another scheme, another host).
+pub fn is_gone(session: &str) -> bool {
+    if session.starts_with("shm://") {
+        return session
+            .parse::<crate::memory::ShmSession>()
+            .is_ok_and(|s| shm::is_gone(&s));
+    }
+    false
 }
 
 /// Opens the arena a session string names.

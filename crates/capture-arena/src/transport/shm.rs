@@ -1,6 +1,16 @@
 //! Same-host reads: the producer's shared-memory object mapped read-only.
+//!
+//! Liveness: the producer removes its object when it exits normally (`st_nlink` drops to 0,
+//! checked on every read). A producer killed outright cannot, so at most once a second a reader
+//! also tries the lock its producer holds for the arena's life
+//! ([`crate::memory::shm::is_abandoned`]): once it can be taken, the producer is gone, and the
+//! reader drops its mapping. (It leaves the object for the next producer, or `capture-arena
+//! clean`, to remove.)
 
 use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::memory::mapping::{Access, Mapping};
@@ -15,6 +25,20 @@ pub struct ShmTransport {
     text: String,
     /// Kept open to tell whether the producer has removed the object (`st_nlink == 0`).
     fd: OwnedFd,
+    /// When the producer's lock was last tried, and whether it was still held.
+    lock_check: Mutex<(Instant, bool)>,
+}
+
+/// How often a reader tries a producer's lock.
+const LOCK_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+/// True when the object of `session` is gone or no producer holds it.
+pub(crate) fn is_gone(session: &ShmSession) -> bool {
+    let path = Path::new(SHM_DIR).join(&session.name);
+    match shm::is_abandoned(&path) {
+        Ok(abandoned) => abandoned,
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
 }
 
 impl ShmTransport {
@@ -56,6 +80,7 @@ impl ShmTransport {
             text: session.to_string(),
             session: session.clone(),
             fd,
+            lock_check: Mutex::new((Instant::now(), true)),
         })
     }
 
@@ -86,7 +111,18 @@ impl Transport for ShmTransport {
     }
 
     fn is_live(&self) -> bool {
-        shm::fstat(&self.fd).is_ok_and(|(_, links)| links > 0)
+        if !shm::fstat(&self.fd).is_ok_and(|(_, links)| links > 0) {
+            return false;
+        }
+        let mut check = self.lock_check.lock().unwrap_or_else(|p| p.into_inner());
+        if check.0.elapsed() >= LOCK_CHECK_EVERY {
+            *check = (Instant::now(), !is_gone(&self.session));
+        }
+        check.1
+    }
+
+    fn capacity(&self) -> u64 {
+        self.session.len
     }
 
     fn check(&self, address: u64, len: u64) -> Result<()> {

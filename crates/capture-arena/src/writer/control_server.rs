@@ -19,8 +19,11 @@
 //!   not buffer more waits in `starved`, unread (TCP pushes back on its sender), until memory is
 //!   given back: nothing it sent is dropped. In all, unfinished lines hold at most
 //!   `control_buffer_bytes + max_connections × SMALL_LINE + MAX_LINE_BYTES` bytes.
-//! - **Time.** A connection whose unfinished line is older than `line_timeout` is closed (and
-//!   counted): a peer cannot hold memory or a slot by never finishing a line.
+//! - **Time.** A connection whose unfinished line has been unfinished for longer than
+//!   `line_timeout` is closed (and counted): a peer cannot hold memory or a slot by never
+//!   finishing a line. The clock of a line starts when it starts (a connection streaming many
+//!   lines is never idle) and restarts when the server, not the peer, was the one that stopped
+//!   reading (a starved connection).
 //! - **Logs.** Every peer event is counted in the stats; warnings about peers are rate-limited to
 //!   one per kind per second, with the number suppressed.
 
@@ -54,7 +57,7 @@ pub(crate) const SMALL_LINE: usize = 4 * 1024;
 
 /// Bytes read from one connection per turn. 16 KiB of the shortest valid lines (`[]`) take
 /// about 0.1 ms to apply.
-pub(crate) const TURN_BYTES: usize = 16 * 1024;
+pub(crate) const TURN_BYTES: usize = 8 * 1024;
 /// Connections accepted from one listener per turn.
 const ACCEPTS_PER_TURN: usize = 64;
 /// The longest back-off between attempts to accept while descriptors are exhausted.
@@ -164,6 +167,8 @@ pub(crate) struct ControlServer {
     spare: Option<File>,
     /// Connections with an unfinished line.
     partials: usize,
+    /// When `tick` next looks for unfinished lines that are too old.
+    next_scan: Option<Instant>,
     warnings: Warnings,
 }
 
@@ -202,6 +207,7 @@ impl ControlServer {
             backoff: None,
             spare: spare(),
             partials: 0,
+            next_scan: None,
             warnings: Warnings::default(),
         })
     }
@@ -240,32 +246,41 @@ impl ControlServer {
     /// The next time [`ControlServer::tick`] has something to do, if any.
     pub fn next_timer(&self) -> Option<Instant> {
         let retry = self.backoff.map(|(at, _)| at);
-        let lines = (self.partials > 0)
-            .then(|| Instant::now() + (self.limits.line_timeout / 4).min(Duration::from_secs(1)));
+        let lines = (self.partials > 0).then(|| {
+            self.next_scan.unwrap_or_else(|| {
+                Instant::now() + (self.limits.line_timeout / 4).min(Duration::from_secs(1))
+            })
+        });
         match (retry, lines) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
     }
 
-    /// Timers: a due accept retry, and connections whose unfinished line is too old.
-    pub fn tick(&mut self, registry: &Registry, stats: &Stats) {
+    /// Timers: a due accept retry, and connections whose unfinished line is too old. Returns
+    /// true if it closed any.
+    pub fn tick(&mut self, registry: &Registry, stats: &Stats) -> bool {
         let now = Instant::now();
         if self.backoff.is_some_and(|(at, _)| now >= at) {
             // Edge-triggered: no new event comes for connections already waiting; look again.
             self.accept_tcp = true;
             self.accept_reply = true;
         }
-        if self.partials == 0 {
-            return;
+        if self.spare.is_none() {
+            self.spare = spare();
+        }
+        if self.partials == 0 || self.next_scan.is_some_and(|t| now < t) {
+            return false;
         }
         let timeout = self.limits.line_timeout;
+        self.next_scan = Some(now + (timeout / 4).min(Duration::from_secs(1)));
         let old: Vec<Token> = self
             .conns
             .iter()
             .filter(|(_, c)| c.partial_since.is_some_and(|t| now - t >= timeout))
             .map(|(t, _)| *t)
             .collect();
+        let closed = !old.is_empty();
         for t in old {
             bump(&stats.timed_out_lines, 1);
             if let Some(c) = self.conns.get(&t) {
@@ -283,19 +298,34 @@ impl ControlServer {
             }
             self.close(t, registry, stats, false);
         }
+        closed
     }
 
-    /// Accepts waiting connections, at most [`ACCEPTS_PER_TURN`] per listener.
-    pub fn accept(&mut self, registry: &Registry, stats: &Stats) {
+    /// Accepts waiting connections, at most [`ACCEPTS_PER_TURN`] per listener. Returns true
+    /// if it accepted or refused any.
+    pub fn accept(&mut self, registry: &Registry, stats: &Stats) -> bool {
         if self.backoff.is_some_and(|(at, _)| Instant::now() < at) {
-            return;
+            return false;
         }
+        let before = (
+            self.next_token,
+            stats
+                .refused_connections
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
         if self.accept_tcp {
             self.accept_tcp = self.accept_from(false, registry, stats);
         }
         if self.accept_reply {
             self.accept_reply = self.accept_from(true, registry, stats);
         }
+        before
+            != (
+                self.next_token,
+                stats
+                    .refused_connections
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            )
     }
 
     /// Returns true if the listener may have more connections waiting.
@@ -335,7 +365,8 @@ impl ControlServer {
         bump(&stats.accept_errors, 1);
         let emfile = matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE));
         if emfile && self.spare.take().is_some() {
-            loop {
+            // A bounded number per turn: a connect flood must not hold the writer here.
+            for _ in 0..ACCEPTS_PER_TURN {
                 let r = if reply {
                     self.reply.accept().map(drop)
                 } else {
@@ -347,6 +378,7 @@ impl ControlServer {
                     Err(_) => break,
                 }
             }
+            // Reopened here or, if descriptors are still short, by a later tick.
             self.spare = spare();
         }
         let wait = self.backoff.map_or(Duration::from_millis(10), |(_, d)| {
@@ -462,6 +494,7 @@ impl ControlServer {
         }
         let mut turn = TURN_BYTES;
         let mut freed_any = false;
+        let mut completed = 0usize;
         let mut warnings = std::mem::take(&mut self.warnings);
         let peer = conn.peer.clone();
         let outcome = loop {
@@ -474,6 +507,7 @@ impl ControlServer {
                 Ok(n) => {
                     turn -= n;
                     let mut on_line = |line: &[u8]| {
+                        completed += 1;
                         freed_any |= apply_line(line, &peer, arena, stats, &mut warnings)
                     };
                     if let Err(o) =
@@ -519,11 +553,20 @@ impl ControlServer {
                 conn.partial_since = None;
                 self.partials -= 1;
             }
+            // A new unfinished line: its clock starts now.
+            (true, true) if completed > 0 => conn.partial_since = Some(Instant::now()),
             _ => {}
         }
         match outcome {
             Turn::Drained => {}
             Turn::More => {
+                conn.queued = true;
+                self.ready.push_back(token);
+            }
+            Turn::Starved if self.privileged.is_none() => {
+                // The pool ran out during this turn: this one may still finish its line, so
+                // some line can always complete.
+                self.privileged = Some(token);
                 conn.queued = true;
                 self.ready.push_back(token);
             }
@@ -543,8 +586,17 @@ impl ControlServer {
         Some(freed_any)
     }
 
-    /// Memory was given back: connections waiting for room get a turn again.
+    /// Memory was given back: connections waiting for room get a turn again. The time they
+    /// waited was the server's doing, so their lines' clocks restart.
     fn unstarve(&mut self) {
+        let now = Instant::now();
+        for t in &self.starved {
+            if let Some(c) = self.conns.get_mut(t) {
+                if c.partial_since.is_some() {
+                    c.partial_since = Some(now);
+                }
+            }
+        }
         self.ready.extend(self.starved.drain(..));
     }
 

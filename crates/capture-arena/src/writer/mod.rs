@@ -249,7 +249,8 @@ impl Drop for Writer {
     }
 }
 
-/// The writer thread's state; see the module docs.
+/// The writer thread's state; see the module docs. Dropping it (the loop ended, or the thread
+/// unwinds) stops a copy in flight before its sources go.
 struct Loop {
     arena: Arena,
     poll: Poll,
@@ -257,6 +258,12 @@ struct Loop {
     placer: Placer,
     queue: Queue,
     shared: Arc<queue::Shared>,
+}
+
+impl Drop for Loop {
+    fn drop(&mut self) {
+        self.placer.abandon(&mut self.arena);
+    }
 }
 
 impl Loop {
@@ -271,8 +278,8 @@ impl Loop {
                 }
             }
             let registry = self.poll.registry();
-            self.server.tick(registry, &self.shared.stats);
-            self.server.accept(registry, &self.shared.stats);
+            let mut peers = self.server.tick(registry, &self.shared.stats);
+            peers |= self.server.accept(registry, &self.shared.stats);
             // One round: every connection ready now gets one turn, the placer a step between
             // turns; connections with more to read wait for the next round, after the next poll
             // has brought in everyone else's events.
@@ -297,7 +304,7 @@ impl Loop {
                     busy |= step == Step::Busy;
                 }
             }
-            if turns > 0 {
+            if turns > 0 || peers {
                 self.server.publish_gauges(&self.shared.stats);
                 // Counters (frees, bad lines, connections) may have moved: wake `wait_for`.
                 self.shared.notify();
@@ -311,7 +318,6 @@ impl Loop {
             }
             if step == Step::Closed {
                 tracing::debug!("writer stopping: every submitter is gone");
-                self.placer.abandon(&mut self.arena);
                 return;
             }
         }

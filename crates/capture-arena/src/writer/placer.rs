@@ -129,7 +129,8 @@ impl Placer {
             } => {
                 let now = Instant::now();
                 let closing = shared.closing.load(std::sync::atomic::Ordering::SeqCst);
-                if closing || deadline.is_some_and(|d| now >= d) {
+                // Frees that arrived by the deadline get their try before it fails the batch.
+                if closing || (!stale && deadline.is_some_and(|d| now >= d)) {
                     bump(&shared.stats.waits, 1);
                     bump(&shared.stats.wait_ns, (now - since).as_nanos() as u64);
                     let e = if closing {

@@ -39,13 +39,15 @@ pub(crate) struct Job {
     pub samples: Vec<Sample>,
     /// `None` once called.
     done: Option<Done>,
-    /// Given back when the job is dropped.
-    _permit: Permit,
+    /// Given back just before the completion runs (a submitter that hears back may submit
+    /// again at once), or when the job is dropped.
+    permit: Option<Permit>,
 }
 
 impl Job {
-    /// Runs the completion (once).
+    /// Runs the completion (once), after giving the batch's place in the queue back.
     pub fn complete(&mut self, outcome: Outcome) {
+        drop(self.permit.take());
         if let Some(done) = self.done.take() {
             done(outcome);
         }
@@ -225,7 +227,7 @@ impl Submitter {
         let job = Job {
             samples,
             done: Some(done),
-            _permit: Permit(self.shared.clone()),
+            permit: Some(Permit(self.shared.clone())),
         };
         if let Err(mpsc::SendError(mut job)) = tx.send(job) {
             // Refused after all: not accepted, so its completion must not run.
@@ -234,9 +236,10 @@ impl Submitter {
         }
         self.shared.sent.fetch_add(1, Ordering::SeqCst);
         if self.shared.sleeping.load(Ordering::SeqCst) {
-            self.waker
-                .wake()
-                .map_err(|e| Error::io("waking the writer", e))?;
+            if let Err(e) = self.waker.wake() {
+                // The batch is queued (accepted): the writer finds it at its next wake-up.
+                tracing::warn!(error = %e, "waking the writer failed");
+            }
         }
         Ok(())
     }
