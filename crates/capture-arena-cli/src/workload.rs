@@ -9,7 +9,7 @@
 use std::sync::{Arc, Mutex};
 
 use capture_arena::config::parse_bytes;
-use capture_arena::{Dtype, Sample, Tensor, TensorData};
+use capture_arena::{Dtype, Key, Sample, Tensor, TensorData};
 
 /// 64-bit FNV-1a of the key.
 pub fn key_hash(key: &str) -> u64 {
@@ -219,7 +219,7 @@ impl Workload {
             let n = capture_arena::tensor::byte_len(&shape, dtype)
                 .ok_or_else(|| anyhow::anyhow!("shape {shape:?} overflows"))?;
             let mut buf = pool.take(usize::try_from(n)?);
-            fill(&format!("{}/{id}/g1/{name}", self.store_id), &mut buf);
+            fill(Key::new(&self.store_id, &id, 1, name)?.as_str(), &mut buf);
             let data = TensorData::host(Pooled {
                 buf,
                 pool: pool.clone(),

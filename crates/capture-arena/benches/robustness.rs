@@ -196,8 +196,9 @@ fn free_latency(frees: usize) -> [(Duration, Duration); 2] {
             std::thread::sleep(Duration::from_micros(200));
             let t0 = Instant::now();
             c.write_all(line.as_bytes()).unwrap();
+            // Yield, never spin, while waiting (see benches/free_latency.rs).
             while w.stats().freed_objects <= i as u64 {
-                std::hint::spin_loop();
+                std::thread::yield_now();
                 assert!(
                     t0.elapsed() < Duration::from_secs(10),
                     "a free never applied"
@@ -280,11 +281,11 @@ fn release_with_a_dead_endpoint(n: usize) -> (Duration, Duration, Duration) {
     (q(&mut lat, 0.5), q(&mut lat, 0.99), max)
 }
 
-fn create_per_gib(gib: u64, reps: usize) -> (f64, f64) {
+fn create_per_gib(bytes: u64, reps: usize) -> (f64, f64) {
     let (mut create, mut map) = (Vec::new(), Vec::new());
     for _ in 0..reps {
         let t0 = Instant::now();
-        let r = ShmRegion::create(gib << 30).unwrap();
+        let r = ShmRegion::create(bytes).unwrap();
         create.push(t0.elapsed());
         let s: ShmSession = capture_arena::memory::Region::session(&r).parse().unwrap();
         let t0 = Instant::now();
@@ -293,7 +294,8 @@ fn create_per_gib(gib: u64, reps: usize) -> (f64, f64) {
         drop(t);
         drop(r);
     }
-    let per = |mut v: Vec<Duration>| q(&mut v, 0.5).as_secs_f64() / gib as f64;
+    let gib = bytes as f64 / (1u64 << 30) as f64;
+    let per = |mut v: Vec<Duration>| q(&mut v, 0.5).as_secs_f64() / gib;
     (per(create), per(map))
 }
 
@@ -332,9 +334,10 @@ fn main() {
         us(ff99)
     );
 
-    let (grown, buffered) = idle_partial_lines(300);
+    let conns = s(300, 20);
+    let (grown, buffered) = idle_partial_lines(conns);
     println!(
-        "300 idle connections with unfinished 1 MiB lines: producer RSS +{grown:.1} MiB \
+        "{conns} idle connections with unfinished 1 MiB lines: producer RSS +{grown:.1} MiB \
          ({buffered} bytes buffered)"
     );
 
@@ -347,7 +350,8 @@ fn main() {
         us(rmax)
     );
 
-    let (create, map) = create_per_gib(s(2, 1) as u64, s(3, 1));
+    // A short run keeps to 64 MiB: /dev/shm is small in some containers.
+    let (create, map) = create_per_gib(s(2 << 30, 64 << 20) as u64, s(3, 1));
     println!(
         "host arena: create + pre-fault {create:.2} s/GiB; a reader's map + pre-fault {map:.3} \
          s/GiB"

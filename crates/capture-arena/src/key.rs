@@ -43,7 +43,7 @@ impl Key {
     pub fn new(store_id: &str, sample_id: &str, gen: u64, name: &str) -> Result<Key> {
         check_sample(store_id, sample_id, gen)?;
         check_part("name", name)?;
-        let text = format!("{store_id}/{sample_id}/g{gen}/{name}");
+        let text = format!("{}/{name}", sample_path(store_id, sample_id, gen));
         check_len(&text)?;
         let a = store_id.len();
         let b = a + 1 + sample_id.len();
@@ -84,6 +84,12 @@ impl Key {
     fn cut(&self, i: usize) -> usize {
         self.cuts[i] as usize
     }
+}
+
+/// The name of a sample, `{store_id}/{sample_id}/g{gen}`: what every key of the sample starts
+/// with (before `/{name}`). For messages and sample-level bookkeeping; not validated.
+pub fn sample_path(store_id: &str, sample_id: &str, gen: u64) -> String {
+    format!("{store_id}/{sample_id}/g{gen}")
 }
 
 /// Checks the parts every key of one sample shares.

@@ -457,6 +457,11 @@ pub const MAX_ENDPOINT_BYTES: usize = 256;
 pub const MAX_SESSION_BYTES: usize = 1024;
 
 impl Published {
+    /// `{store_id}/{sample_id}/g{gen}`, the sample's name (for messages).
+    pub fn sample_path(&self) -> String {
+        key::sample_path(&self.store_id, &self.sample_id, self.gen)
+    }
+
     /// The object key of feature `name`.
     ///
     /// # Errors
@@ -481,10 +486,7 @@ impl Published {
     /// [`Error::InvalidRead`] saying what is wrong, or [`Error::InvalidKey`].
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Error::InvalidRead {
-            key: format!("{}/{}/g{}", self.store_id, self.sample_id, self.gen)
-                .chars()
-                .take(200)
-                .collect(),
+            key: self.sample_path().chars().take(200).collect(),
             reason,
         };
         if self.features.len() > MAX_FEATURES {

@@ -126,10 +126,7 @@ struct State {
 }
 
 fn sample_key(r: &Published) -> String {
-    format!(
-        "{}\n{}/{}/g{}",
-        r.arena.session, r.store_id, r.sample_id, r.gen
-    )
+    format!("{}\n{}", r.arena.session, r.sample_path())
 }
 
 impl FeatureStore {
@@ -156,7 +153,7 @@ impl FeatureStore {
         r.validate()?;
         if lock(&self.state).released.contains(r) {
             return Err(Error::Released {
-                sample: format!("{}/{}/g{}", r.store_id, r.sample_id, r.gen),
+                sample: r.sample_path(),
             });
         }
         Ok(())
@@ -193,7 +190,7 @@ impl FeatureStore {
         let capacity = self.reader.open(&result.arena.session)?.capacity();
         if total > capacity {
             return Err(Error::InvalidRead {
-                key: format!("{}/{}/g{}", result.store_id, result.sample_id, result.gen),
+                key: result.sample_path(),
                 reason: format!(
                     "its features add up to {total} bytes, more than the {capacity}-byte arena \
                      holds"

@@ -217,12 +217,7 @@ fn byte_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {
 /// The key of feature `name` of `result`, for error messages.
 pub(crate) fn key_of(result: &Published, name: &str) -> String {
     result.key(name).map_or_else(
-        |_| {
-            format!(
-                "{}/{}/g{}/{name}",
-                result.store_id, result.sample_id, result.gen
-            )
-        },
+        |_| format!("{}/{name}", result.sample_path()),
         |k| k.to_string(),
     )
 }

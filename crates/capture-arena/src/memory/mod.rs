@@ -10,8 +10,8 @@
 //! Copies are per batch and may complete later: the writer calls [`Region::start`] with every
 //! copy of a batch, then [`Region::progress`] until it reports [`Progress::Done`], serving control
 //! input in between; it keeps the batch's sources alive and commits its objects only then. A
-//! host region copies in slices of `budget` bytes per call (so frees keep flowing during a large
-//! copy); a device region enqueues asynchronous copies in `start` and wakes the writer through
+//! host region copies in slices of `budget` bytes per call (so peers are served during a very
+//! large copy); a device region enqueues asynchronous copies in `start` and wakes the writer through
 //! its [`Notifier`] when they finish.
 //!
 //! | region | memory | readers |
