@@ -26,6 +26,9 @@ cargo test --workspace --all-targets
 step "cargo test --doc"
 cargo test --workspace --doc
 
+step "cargo doc (the core's docs build without broken links)"
+RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
+
 step "python: virtual environment (.venv) and the capture_arena package"
 PY=${PYTHON:-python3}
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)

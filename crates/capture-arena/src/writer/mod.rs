@@ -1,10 +1,10 @@
 //! The writer thread: the only thread that touches the arena, so the arena needs no lock.
 //!
 //! One mio event loop ties three parts, each in its own module with its invariants:
-//! - [`queue`]: the submitters' side — a bounded queue of batches, permits, batch handles;
-//! - [`control_server`]: the peers' side — control and reply connections, read within budgets,
+//! - `queue`: the submitters' side — a bounded queue of batches, permits, batch handles;
+//! - `control_server`: the peers' side — control and reply connections, read within budgets,
 //!   with bounds on connections, buffered bytes and time;
-//! - [`placer`]: the arena's side — drain → place → wait for space → copy → commit → complete.
+//! - `placer`: the arena's side — drain → place → wait for space → copy → commit → complete.
 //!
 //! Each turn of the loop waits for events (not at all if there is work), accepts connections,
 //! then gives every ready connection one budgeted turn with a placer step between turns, so a
