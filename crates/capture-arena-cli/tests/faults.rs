@@ -11,25 +11,14 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const EXE: &str = env!("CARGO_BIN_EXE_capture-arena");
+mod util;
 
-/// A producer of `samples` tiny samples (L = 8, H = 64, one per batch) into a 1 MiB arena that
-/// gives up `idle` seconds after the last free; results on a pipe, stderr as given.
+use util::{tiny_producer, EXE};
+
+/// [`tiny_producer`] with its stderr as given.
 fn producer(samples: &str, idle: &str, stderr: Stdio) -> Command {
-    let mut c = Command::new(EXE);
-    c.args([
-        "produce",
-        "--samples",
-        samples,
-        "--min-len",
-        "8",
-        "--max-len",
-        "8",
-    ])
-    .args(["--hidden", "64", "--batch", "1", "--arena-bytes", "1MiB"])
-    .args(["--idle-timeout", idle, "--quiet"])
-    .stdout(Stdio::piped())
-    .stderr(stderr);
+    let mut c = tiny_producer(samples, idle);
+    c.stderr(stderr);
     c
 }
 

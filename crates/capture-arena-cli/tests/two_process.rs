@@ -6,7 +6,9 @@ use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
-const EXE: &str = env!("CARGO_BIN_EXE_capture-arena");
+mod util;
+
+use util::{tiny_producer, EXE};
 
 /// A small workload: 12 samples, L in [16, 256], H = 256, k = 3 (at most ~0.8 MiB a sample).
 const SMALL: &[&str] = &[
@@ -34,34 +36,6 @@ fn small_producer() -> Child {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap()
-}
-
-/// A producer of `samples` tiny samples (L = 8, H = 64, one per batch) into a 1 MiB arena that
-/// gives up `idle` seconds after the last free; its results on a pipe.
-fn tiny_producer(samples: &str, idle: &str) -> Command {
-    let mut c = Command::new(EXE);
-    c.arg("produce")
-        .args([
-            "--samples",
-            samples,
-            "--min-len",
-            "8",
-            "--max-len",
-            "8",
-            "--hidden",
-            "64",
-        ])
-        .args([
-            "--batch",
-            "1",
-            "--arena-bytes",
-            "1MiB",
-            "--idle-timeout",
-            idle,
-            "--quiet",
-        ])
-        .stdout(Stdio::piped());
-    c
 }
 
 /// A trainer (`consume`) fed by the test through a pipe.

@@ -669,15 +669,15 @@ mod tests {
         assert_eq!(&b[8..16], &1i64.to_le_bytes());
     }
 
-    #[test]
-    fn results_from_outside_are_validated() {
-        let mut p = Published {
+    /// A result of sample `a/s/g1` with one `[1, 3]` int64 feature `name` at 4096.
+    fn one_feature(name: &str) -> Published {
+        Published {
             sample_id: "s".into(),
             store_id: "a".into(),
             gen: 1,
             aux_layer_ids: None,
             features: BTreeMap::from([(
-                "x".to_string(),
+                name.to_string(),
                 Feature {
                     shape: vec![1, 3],
                     dtype: Dtype::Int64,
@@ -688,7 +688,12 @@ mod tests {
                 session: "shm://x".into(),
                 control: "127.0.0.1:1".into(),
             },
-        };
+        }
+    }
+
+    #[test]
+    fn results_from_outside_are_validated() {
+        let mut p = one_feature("x");
         p.validate().unwrap();
         assert_eq!(p.keys().unwrap()[0].as_str(), "a/s/g1/x");
         p.features.get_mut("x").unwrap().shape = vec![1; 9];
@@ -805,24 +810,7 @@ mod tests {
 
     #[test]
     fn results_serialise_as_the_contract() {
-        let p = Published {
-            sample_id: "s".into(),
-            store_id: "a".into(),
-            gen: 1,
-            aux_layer_ids: None,
-            features: BTreeMap::from([(
-                "input_ids".to_string(),
-                Feature {
-                    shape: vec![1, 3],
-                    dtype: Dtype::Int64,
-                    address: 4096,
-                },
-            )]),
-            arena: ArenaRef {
-                session: "shm://x".into(),
-                control: "127.0.0.1:1".into(),
-            },
-        };
+        let p = one_feature("input_ids");
         let v = serde_json::to_value(SampleResult::Published(p.clone())).unwrap();
         assert_eq!(
             v,

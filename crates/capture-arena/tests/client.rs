@@ -55,12 +55,7 @@ fn read_view_and_get_return_the_published_bytes() {
 #[test]
 fn bad_addresses_and_lengths_are_refused_before_touching_memory() {
     let w = writer();
-    let good = w
-        .submit(vec![sample("a", &[100])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let good = publish_one(&w, "a", &[100]);
     let reader = Reader::new();
     let mut out = vec![0u8; 99];
     let e = reader.read(&good, "t0", &mut out).unwrap_err();
@@ -125,24 +120,14 @@ fn a_restarted_producer_gives_a_stale_session_error() {
 fn a_cached_session_turns_stale_when_its_producer_goes() {
     let reader = Reader::new();
     let w = writer();
-    let r = w
-        .submit(vec![sample("a", &[100])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let r = publish_one(&w, "a", &[100]);
     reader.read(&r, "t0", &mut [0u8; 100]).unwrap(); // mapped and cached
     drop(w);
     let e = reader.read(&r, "t0", &mut [0u8; 100]).unwrap_err();
     assert!(matches!(e, Error::StaleSession { .. }), "{e}");
     // A result whose shape claims more than the arena holds is refused before allocating.
     let w = writer();
-    let mut r = w
-        .submit(vec![sample("b", &[100])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let mut r = publish_one(&w, "b", &[100]);
     r.features.get_mut("t0").unwrap().shape = vec![1 << 40];
     let e = FeatureStore::new().get(&r, None).unwrap_err();
     assert!(matches!(e, Error::OutOfRange { .. }), "{e}");
@@ -189,20 +174,8 @@ fn get_after_release_fails_and_release_frees_everything() {
 fn frees_reconnect_after_the_endpoint_drops_the_connection() {
     let store = FeatureStore::new();
     let first = writer();
-    let port: u16 = first
-        .arena_ref()
-        .control
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let r1 = first
-        .submit(vec![sample("a", &[10])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let port: u16 = control_port(&first);
+    let r1 = publish_one(&first, "a", &[10]);
     store.release(&r1).unwrap();
     wait_freed(&first, 1);
     // The producer restarts on the same control port: the old connection is dead.
@@ -212,12 +185,7 @@ fn frees_reconnect_after_the_endpoint_drops_the_connection() {
         ..config(1 << 20, Duration::from_secs(2))
     };
     let second = Writer::start(&c).unwrap();
-    let r2 = second
-        .submit(vec![sample("b", &[10])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let r2 = publish_one(&second, "b", &[10]);
     store.release(&r2).unwrap();
     wait_freed(&second, 1);
     assert_eq!(store.health().pending_frees, 0);
@@ -403,12 +371,7 @@ fn a_reader_drops_the_mappings_of_producers_that_are_gone() {
     let mut names = Vec::new();
     for round in 0..3 {
         let w = writer();
-        let r = w
-            .submit(vec![sample(&format!("r{round}"), &[100])])
-            .unwrap()
-            .wait()
-            .unwrap()
-            .remove(0);
+        let r = publish_one(&w, &format!("r{round}"), &[100]);
         reader.read(&r, "t0", &mut [0u8; 100]).unwrap();
         let name = r.arena.session.split(['/', '?']).nth(2).unwrap().to_owned();
         assert!(mapped(&name));
@@ -416,12 +379,7 @@ fn a_reader_drops_the_mappings_of_producers_that_are_gone() {
         // The producer restarts: a new session, the old one gone.
     }
     let w = writer();
-    let r = w
-        .submit(vec![sample("last", &[100])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let r = publish_one(&w, "last", &[100]);
     reader.read(&r, "t0", &mut [0u8; 100]).unwrap();
     for n in &names {
         assert!(!mapped(n), "{n} is still mapped by the reader");
@@ -436,12 +394,7 @@ fn released_samples_are_remembered_in_bounded_memory() {
     let w = writer();
     let store = FeatureStore::new();
     let long = "x".repeat(900);
-    let mut r = w
-        .submit(vec![sample(&long, &[10])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let mut r = publish_one(&w, &long, &[10]);
     store.release(&r).unwrap();
     assert!(matches!(
         store.get(&r, None).unwrap_err(),
@@ -457,12 +410,7 @@ fn released_samples_are_remembered_in_bounded_memory() {
 #[test]
 fn the_reply_path_hands_a_local_reader_the_region() {
     let w = writer();
-    let r = w
-        .submit(vec![sample("a", &[1000])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let r = publish_one(&w, "a", &[1000]);
     let reply =
         capture_arena::reply::request(w.reply_endpoint(), "fd", Duration::from_secs(5)).unwrap();
     assert_eq!(reply.bytes, r.arena.session.as_bytes());
@@ -526,20 +474,8 @@ fn concurrent_releases_to_one_endpoint_all_go_out_without_a_flush() {
 fn frees_meant_for_a_producer_that_is_gone_never_reach_its_successor_on_the_same_port() {
     let store = FeatureStore::new();
     let old = writer();
-    let port: u16 = old
-        .arena_ref()
-        .control
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    let r_old = old
-        .submit(vec![sample("same", &[10])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let port: u16 = control_port(&old);
+    let r_old = publish_one(&old, "same", &[10]);
     drop(old);
     // The producer restarts on the same port and publishes a sample under the same key.
     let c = Config {
@@ -547,12 +483,7 @@ fn frees_meant_for_a_producer_that_is_gone_never_reach_its_successor_on_the_same
         ..config(1 << 20, Duration::from_secs(2))
     };
     let new = Writer::start(&c).unwrap();
-    let r_new = new
-        .submit(vec![sample("same", &[10])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let r_new = publish_one(&new, "same", &[10]);
     assert_eq!(r_old.keys().unwrap(), r_new.keys().unwrap());
     // Releasing the old result must not free the new object.
     store.release(&r_old).unwrap();
@@ -567,12 +498,7 @@ fn frees_meant_for_a_producer_that_is_gone_never_reach_its_successor_on_the_same
 #[test]
 fn reading_the_same_arena_through_another_spelling_of_its_session_is_refused() {
     let w = writer();
-    let mut r = w
-        .submit(vec![sample("a", &[10])])
-        .unwrap()
-        .wait()
-        .unwrap()
-        .remove(0);
+    let mut r = publish_one(&w, "a", &[10]);
     let reader = Reader::new();
     reader.read(&r, "t0", &mut [0u8; 10]).unwrap();
     r.arena.session = r.arena.session.replace("len=", "len=+");

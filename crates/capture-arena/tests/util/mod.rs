@@ -61,6 +61,27 @@ pub fn free(control: &str, keys: &[String]) {
     writeln!(c, "{}", serde_json::to_string(keys).unwrap()).unwrap();
 }
 
+/// Publishes one sample of uint8 tensors of the given sizes (see [`sample`]) and returns its
+/// result.
+pub fn publish_one(w: &Writer, id: &str, sizes: &[usize]) -> Published {
+    w.submit(vec![sample(id, sizes)])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0)
+}
+
+/// The port of a writer's control endpoint.
+pub fn control_port(w: &Writer) -> u16 {
+    w.arena_ref()
+        .control
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
 /// Every key of a batch's results.
 pub fn keys(results: &[Published]) -> Vec<String> {
     results

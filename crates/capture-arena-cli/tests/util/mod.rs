@@ -1,0 +1,35 @@
+//! Helpers shared by the process-level tests.
+#![allow(dead_code)]
+
+use std::process::{Command, Stdio};
+
+/// The `capture-arena` binary under test.
+pub const EXE: &str = env!("CARGO_BIN_EXE_capture-arena");
+
+/// A producer of `samples` tiny samples (L = 8, H = 64, one per batch) into a 1 MiB arena that
+/// gives up `idle` seconds after the last free; its results on a pipe.
+pub fn tiny_producer(samples: &str, idle: &str) -> Command {
+    let mut c = Command::new(EXE);
+    c.arg("produce")
+        .args([
+            "--samples",
+            samples,
+            "--min-len",
+            "8",
+            "--max-len",
+            "8",
+            "--hidden",
+            "64",
+        ])
+        .args([
+            "--batch",
+            "1",
+            "--arena-bytes",
+            "1MiB",
+            "--idle-timeout",
+            idle,
+            "--quiet",
+        ])
+        .stdout(Stdio::piped());
+    c
+}
