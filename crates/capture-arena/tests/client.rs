@@ -117,6 +117,17 @@ fn a_restarted_producer_gives_a_stale_session_error() {
 }
 
 #[test]
+fn samples_of_a_producer_that_is_gone_no_longer_count_as_resident() {
+    let store = FeatureStore::new();
+    let w = writer();
+    let r = publish_one(&w, "a", &[100]);
+    store.get(&r, None).unwrap();
+    assert_eq!(store.health().resident_samples, 1);
+    drop(w);
+    assert_eq!(store.health().resident_samples, 0);
+}
+
+#[test]
 fn a_cached_session_turns_stale_when_its_producer_goes() {
     let reader = Reader::new();
     let w = writer();

@@ -293,9 +293,17 @@ impl FeatureStore {
         self.control.flush()
     }
 
-    /// Resident samples and bytes, frees not yet sent or dropped, sessions open.
+    /// Resident samples and bytes, frees not yet sent or dropped, sessions open. Samples of
+    /// producers that are gone no longer count as resident (their memory went with them).
     pub fn health(&self) -> Health {
-        let st = lock(&self.state);
+        let mut st = lock(&self.state);
+        let mut gone: HashMap<String, bool> = HashMap::new();
+        st.resident.retain(|k, _| {
+            let session = k.split('\n').next().unwrap_or_default();
+            !*gone
+                .entry(session.to_owned())
+                .or_insert_with(|| self.reader.is_gone(session))
+        });
         Health {
             resident_samples: st.resident.len() as u64,
             resident_bytes: st.resident.values().flat_map(|f| f.values()).sum(),
