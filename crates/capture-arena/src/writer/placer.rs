@@ -56,7 +56,7 @@ enum State {
 /// What one [`Placer::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
-    /// Nothing to do.
+    /// Nothing to do (or nothing changed: a batch still waiting for space).
     Idle,
     /// Work was done (or is in flight).
     Busy,
@@ -146,14 +146,16 @@ impl Placer {
                 } else if stale {
                     self.start(job, t0, Some((since, deadline, needed)), arena, shared)
                 } else {
-                    State::Waiting {
+                    // Nothing changed: still waiting, no work done.
+                    self.state = State::Waiting {
                         job,
                         t0,
                         since,
                         deadline,
                         needed,
                         stale,
-                    }
+                    };
+                    return Step::Idle;
                 }
             }
             State::Copying {
