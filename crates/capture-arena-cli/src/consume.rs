@@ -9,7 +9,6 @@
 //! result is validated, and each feature checked against its arena, before any buffer is sized
 //! from it.
 
-use std::collections::HashMap;
 use std::io::{BufRead, Read, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -98,7 +97,7 @@ pub struct Summary {
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let store = FeatureStore::new();
-    let mut bufs: HashMap<String, Vec<u8>> = HashMap::new();
+    let mut bufs: Vec<Vec<u8>> = Vec::new();
     let mut lat: Vec<Duration> = Vec::new();
     let mut free_lat: Vec<Duration> = Vec::new();
     let mut s = Summary::default();
@@ -153,35 +152,40 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         };
         let t0 = Instant::now();
-        let mut bytes = 0u64;
-        let mut read_err = None;
-        for name in p.features.keys() {
-            // Checked against the arena (shape, address, released) before sizing a buffer.
-            let n = match store
-                .check(&p)
-                .and_then(|()| store.reader().checked_len(&p, name))
-            {
-                Ok(n) => n,
-                Err(e) => {
-                    read_err = Some(e);
-                    break;
+        let names: Vec<&str> = p.features.keys().map(String::as_str).collect();
+        // Validated, and every feature checked against the arena, before sizing a buffer; then
+        // one request for all of them.
+        let read = store
+            .check(&p)
+            .and_then(|()| {
+                names
+                    .iter()
+                    .map(|n| {
+                        let len = store.reader().checked_len(&p, n)?;
+                        usize::try_from(len).map_err(|_| capture_arena::Error::InvalidRead {
+                            key: (*n).to_owned(),
+                            reason: format!("{len} bytes do not fit in memory"),
+                        })
+                    })
+                    .collect::<capture_arena::Result<Vec<usize>>>()
+            })
+            .and_then(|lens| {
+                bufs.resize_with(lens.len(), Vec::new);
+                for (b, &n) in bufs.iter_mut().zip(&lens) {
+                    b.resize(n, 0);
                 }
-            };
-            let Ok(n) = usize::try_from(n) else {
-                read_err = Some(capture_arena::Error::InvalidRead {
-                    key: name.clone(),
-                    reason: format!("{n} bytes do not fit in memory"),
-                });
-                break;
-            };
-            let buf = bufs.entry(name.clone()).or_default();
-            buf.resize(n, 0);
-            if let Err(e) = store.get_into(&p, name, buf) {
-                read_err = Some(e);
-                break;
-            }
-            bytes += n as u64;
-        }
+                let mut outs: Vec<(&str, &mut [u8])> = names
+                    .iter()
+                    .copied()
+                    .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+                    .collect();
+                store.get_many_into(&p, &mut outs)?;
+                Ok(lens.iter().map(|&n| n as u64).sum::<u64>())
+            });
+        let (bytes, read_err) = match read {
+            Ok(b) => (b, None),
+            Err(e) => (0, Some(e)),
+        };
         let took = t0.elapsed();
         let mut ok = read_err.is_none();
         // A producer that is gone has no objects left to free; a result refused as invalid
@@ -200,7 +204,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             note(&mut s, format!("sample {}: {e}", p.sample_id));
         } else if !args.no_verify {
             let t_verify = Instant::now();
-            for (name, buf) in p.features.keys().map(|n| (n, &bufs[n])) {
+            for (name, buf) in names.iter().zip(&bufs) {
                 let key = p.key(name).map(|k| k.to_string()).unwrap_or_default();
                 if let Some(at) = verify(&key, buf) {
                     ok = false;

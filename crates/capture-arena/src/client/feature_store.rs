@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::lock;
-use super::reader::{feature, key_of};
+use super::reader::{byte_len, feature, key_of};
 use super::{ControlClient, Reader};
 use crate::error::{Error, Result};
 use crate::sample::Published;
@@ -180,14 +180,17 @@ impl FeatureStore {
         // Every feature is checked against the arena, and together they must fit in it (a
         // real result's objects are disjoint): a forged result cannot make this allocate more
         // than one arena's worth.
+        let transport = self.reader.open(&result.arena.session)?;
         let mut total = 0u64;
         let mut lens = Vec::with_capacity(wanted.len());
         for &name in &wanted {
-            let len = self.reader.checked_len(result, name)?;
+            let f = feature(result, name)?;
+            let len = byte_len(result, name, f)?;
+            transport.check(f.address, len)?;
             total = total.saturating_add(len);
             lens.push(len);
         }
-        let capacity = self.reader.open(&result.arena.session)?.capacity();
+        let capacity = transport.capacity();
         if total > capacity {
             return Err(Error::InvalidRead {
                 key: result.sample_path(),

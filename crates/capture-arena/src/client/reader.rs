@@ -207,7 +207,7 @@ impl Reader {
     }
 }
 
-fn byte_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {
+pub(crate) fn byte_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {
     f.byte_len().ok_or_else(|| Error::InvalidRead {
         key: key_of(result, name),
         reason: format!("shape {:?} of {} overflows", f.shape, f.dtype),
