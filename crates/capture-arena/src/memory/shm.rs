@@ -344,7 +344,8 @@ pub struct ShmRegion {
     cursor: Option<(usize, u64)>,
 }
 
-fn random_nonce() -> Result<u128> {
+/// 128 random bits from the kernel, for names no other process guesses or reuses.
+pub(crate) fn random_nonce() -> Result<u128> {
     let mut buf = [0u8; 16];
     let mut got = 0;
     while got < buf.len() {

@@ -307,29 +307,22 @@ impl ControlServer {
         if self.backoff.is_some_and(|(at, _)| Instant::now() < at) {
             return false;
         }
-        let before = (
-            self.next_token,
-            stats
-                .refused_connections
-                .load(std::sync::atomic::Ordering::Relaxed),
-        );
+        let mut changed = false;
         if self.accept_tcp {
-            self.accept_tcp = self.accept_from(false, registry, stats);
+            let (more, any) = self.accept_from(false, registry, stats);
+            (self.accept_tcp, changed) = (more, changed | any);
         }
         if self.accept_reply {
-            self.accept_reply = self.accept_from(true, registry, stats);
+            let (more, any) = self.accept_from(true, registry, stats);
+            (self.accept_reply, changed) = (more, changed | any);
         }
-        before
-            != (
-                self.next_token,
-                stats
-                    .refused_connections
-                    .load(std::sync::atomic::Ordering::Relaxed),
-            )
+        changed
     }
 
-    /// Returns true if the listener may have more connections waiting.
-    fn accept_from(&mut self, reply: bool, registry: &Registry, stats: &Stats) -> bool {
+    /// Returns whether the listener may have more connections waiting, and whether any was
+    /// admitted, refused or failed.
+    fn accept_from(&mut self, reply: bool, registry: &Registry, stats: &Stats) -> (bool, bool) {
+        let mut any = false;
         for _ in 0..ACCEPTS_PER_TURN {
             let accepted = if reply {
                 self.reply
@@ -344,19 +337,20 @@ impl ControlServer {
                 Ok((stream, peer)) => {
                     self.backoff = None;
                     self.admit(stream, peer, registry, stats);
+                    any = true;
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {
                     self.backoff = None;
-                    return false;
+                    return (false, any);
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) => {
                     self.accept_failed(e, reply, stats);
-                    return true;
+                    return (true, true);
                 }
             }
         }
-        true
+        (true, any)
     }
 
     /// Out of descriptors (or another accept error): close the waiting connections with the
@@ -774,15 +768,11 @@ fn apply_line(
 
 /// Binds the reply path's listener on a fresh abstract name.
 fn bind_reply() -> Result<(UnixListener, String)> {
-    let mut nonce = [0u8; 8];
-    // SAFETY: getrandom writes at most 8 bytes into `nonce`; a short read leaves zeros, which
-    // only makes a name collision (refused by bind) likelier.
-    unsafe { libc::getrandom(nonce.as_mut_ptr().cast(), nonce.len(), 0) };
     let endpoint = format!(
-        "{}{}-{:016x}",
+        "{}{}-{:032x}",
         reply::ENDPOINT_PREFIX,
         std::process::id(),
-        u64::from_le_bytes(nonce)
+        crate::memory::shm::random_nonce()?
     );
     let name = endpoint.trim_start_matches('@');
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())
