@@ -16,6 +16,8 @@
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS` | `max_connections` | 1024 |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES` | `control_buffer_bytes` | 16 MiB |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S` | `line_timeout` | 10 s |
+//! | `SGLANG_SPEC_CAPTURE_ARENA_DEVICE` | `device` | unset: the first device tensor's GPU, else 0 |
+//! | `SGLANG_SPEC_CAPTURE_ARENA_HANDLE` | `handle` | `auto`: fabric where a real export works, else POSIX fd |
 
 use std::time::Duration;
 
@@ -97,6 +99,35 @@ pub fn arena_enabled() -> bool {
     placement(std::env::var(ENV_PROTOCOL).ok().as_deref()) == Placement::Arena
 }
 
+/// `SGLANG_SPEC_CAPTURE_ARENA_DEVICE`: the GPU (ordinal in this process) a device arena lives on.
+pub const ENV_ARENA_DEVICE: &str = "SGLANG_SPEC_CAPTURE_ARENA_DEVICE";
+/// `SGLANG_SPEC_CAPTURE_ARENA_HANDLE`: `auto`, `fd` or `fabric`, how a device arena is exported.
+pub const ENV_ARENA_HANDLE: &str = "SGLANG_SPEC_CAPTURE_ARENA_HANDLE";
+
+/// How a device arena is exported to readers in other processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HandlePreference {
+    /// Fabric when the device reports it and a real create + export succeeds, else POSIX fd.
+    #[default]
+    Auto,
+    /// POSIX file descriptor only (readers on this node).
+    PosixFd,
+    /// Fabric only (fails where it cannot be made).
+    Fabric,
+}
+
+impl std::str::FromStr for HandlePreference {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<HandlePreference, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(HandlePreference::Auto),
+            "fd" | "posix" | "posix_fd" => Ok(HandlePreference::PosixFd),
+            "fabric" => Ok(HandlePreference::Fabric),
+            _ => Err(format!("{s:?} is not one of auto, fd, fabric")),
+        }
+    }
+}
+
 /// Every setting, typed. Build it with struct-update syntax over [`Config::default`] or read it
 /// from the environment with [`Config::from_env`]; [`Config::validate`] checks it (the writer
 /// calls it when it starts).
@@ -132,6 +163,10 @@ pub struct Config {
     pub control_buffer_bytes: u64,
     /// How long a connection may hold an unfinished line before it is closed.
     pub line_timeout: Duration,
+    /// The GPU a device arena lives on (`None`: the first device tensor's, else 0).
+    pub device: Option<i32>,
+    /// How a device arena is exported.
+    pub handle: HandlePreference,
 }
 
 impl Default for Config {
@@ -151,6 +186,8 @@ impl Default for Config {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             control_buffer_bytes: DEFAULT_CONTROL_BUFFER_BYTES,
             line_timeout: DEFAULT_LINE_TIMEOUT,
+            device: None,
+            handle: HandlePreference::Auto,
         }
     }
 }
@@ -226,6 +263,17 @@ impl Config {
             c.timing = parse_flag(&v).map_err(|r| Error::config(ENV_TIMING, r))?;
         }
         c.protocol = get(ENV_PROTOCOL).map(|p| p.trim().to_owned());
+        if let Some(v) = get(ENV_ARENA_DEVICE) {
+            c.device = Some(v.trim().parse().ok().filter(|d| *d >= 0).ok_or_else(|| {
+                Error::config(
+                    ENV_ARENA_DEVICE,
+                    format!("{v:?} is not a device ordinal (0, 1, ...)"),
+                )
+            })?);
+        }
+        if let Some(v) = get(ENV_ARENA_HANDLE) {
+            c.handle = v.parse().map_err(|r| Error::config(ENV_ARENA_HANDLE, r))?;
+        }
         if let Some(v) = get(ENV_GPU_PUT) {
             c.gpu_put = Some(parse_flag(&v).map_err(|r| Error::config(ENV_GPU_PUT, r))?);
         }
@@ -457,6 +505,22 @@ mod tests {
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();
             assert!(e.to_string().contains(k), "{e} should name {k}");
+        }
+    }
+
+    #[test]
+    fn device_settings() {
+        let c = cfg(&[(ENV_ARENA_DEVICE, "3"), (ENV_ARENA_HANDLE, "FD")]).unwrap();
+        assert_eq!((c.device, c.handle), (Some(3), HandlePreference::PosixFd));
+        let c = cfg(&[(ENV_ARENA_HANDLE, "fabric")]).unwrap();
+        assert_eq!((c.device, c.handle), (None, HandlePreference::Fabric));
+        for (var, v) in [
+            (ENV_ARENA_DEVICE, "-1"),
+            (ENV_ARENA_DEVICE, "gpu0"),
+            (ENV_ARENA_HANDLE, "ipc"),
+        ] {
+            let e = cfg(&[(var, v)]).unwrap_err().to_string();
+            assert!(e.contains(var), "{e}");
         }
     }
 

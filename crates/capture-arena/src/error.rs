@@ -128,6 +128,14 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// The GPU path cannot be used or a CUDA call failed: no driver in this process, no such
+    /// device, a build without the `cuda` feature, an error code from the driver.
+    Device {
+        /// What we were doing (the CUDA call, the device).
+        what: String,
+        /// Why it failed and what to change.
+        reason: String,
+    },
     /// An operating-system call failed.
     Io {
         /// What we were doing.
@@ -151,6 +159,13 @@ impl Error {
     pub(crate) fn config(var: &'static str, reason: impl Into<String>) -> Error {
         Error::Config {
             var,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn device(what: impl Into<String>, reason: impl Into<String>) -> Error {
+        Error::Device {
+            what: what.into(),
             reason: reason.into(),
         }
     }
@@ -242,6 +257,7 @@ impl fmt::Display for Error {
                 "could not send frees to control endpoint {endpoint} ({source}); {pending} keys \
                  stay pending and are retried on the next free or flush"
             ),
+            Error::Device { what, reason } => write!(f, "{what}: {reason}"),
             Error::Io { what, source } => write!(f, "{what}: {source}"),
         }
     }

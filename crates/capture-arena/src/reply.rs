@@ -152,6 +152,22 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Res
     }
 }
 
+/// False once nobody listens on `endpoint` any more: the producer's writer stopped or its
+/// process is gone (abstract sockets vanish with their process). One `connect`, answered by
+/// the writer as an empty request.
+pub fn is_listening(endpoint: &str) -> bool {
+    let Ok(addr) = address(endpoint) else {
+        return false;
+    };
+    match UnixStream::connect_addr(&addr) {
+        Ok(_) => true,
+        Err(e) => !matches!(
+            e.kind(),
+            io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+        ),
+    }
+}
+
 /// Asks the producer behind `endpoint` (`@capture-arena-reply-...`) for `what` and returns its
 /// answer: bytes and descriptors. Gives up after `timeout`.
 ///

@@ -114,6 +114,33 @@ pub enum TensorData {
     /// Host memory lent by address by its owner (a Python array), with a promise that nobody
     /// writes or frees it until the writer drops this value. See [`TensorData::lent`].
     Lent(Lent),
+    /// Device memory (cargo feature `cuda`): see [`TensorData::device`].
+    #[cfg(feature = "cuda")]
+    Device(DeviceData),
+}
+
+/// Device bytes lent by address; see [`TensorData::device`].
+#[cfg(feature = "cuda")]
+pub struct DeviceData {
+    pub(crate) ptr: u64,
+    pub(crate) len: u64,
+    pub(crate) device: i32,
+    /// Recorded on the producer's stream when the tensor was handed over: the writer's copies
+    /// wait for it.
+    pub(crate) ready: Option<crate::memory::cuda::Ready>,
+    _owner: Box<dyn Send>,
+}
+
+#[cfg(feature = "cuda")]
+impl DeviceData {
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    /// The device ordinal (in this process).
+    pub fn device(&self) -> i32 {
+        self.device
+    }
 }
 
 /// Host bytes lent by address; see [`TensorData::lent`].
@@ -151,11 +178,64 @@ impl TensorData {
         })
     }
 
+    /// Device memory lent by address (cargo feature `cuda`): `len` bytes at device address
+    /// `ptr` on device `ordinal`, kept alive by `owner`. With `stream` (a raw `CUstream` of this
+    /// process; `0` is the legacy default stream), an event is recorded on it now, and the
+    /// writer's copies wait for it: the producer's kernels that wrote the tensor and were
+    /// enqueued before this call need not have finished. Without it, the bytes must be final
+    /// already.
+    ///
+    /// # Errors
+    /// [`Error::Device`] without a usable driver, for a bad ordinal or stream.
+    ///
+    /// # Safety
+    /// From this call until `owner` is dropped (on the writer thread, after the copy), `ptr`
+    /// must be valid device memory of at least `len` bytes on `ordinal`, and nothing may write
+    /// or free it after the work enqueued on `stream` so far (the caller keeps the tensor and
+    /// its storage alive through `owner`). `stream`, if given, must be a stream of this process.
+    #[cfg(feature = "cuda")]
+    pub unsafe fn device(
+        ptr: u64,
+        len: u64,
+        ordinal: i32,
+        stream: Option<u64>,
+        owner: impl Send + 'static,
+    ) -> Result<TensorData> {
+        if len > 0 && ptr == 0 {
+            return Err(Error::device(
+                "a device tensor",
+                "null device pointer for a non-empty tensor",
+            ));
+        }
+        let ready = match stream {
+            Some(s) => Some(crate::memory::cuda::record_ready(ordinal, s)?),
+            None => None,
+        };
+        Ok(TensorData::Device(DeviceData {
+            ptr,
+            len,
+            device: ordinal,
+            ready,
+            _owner: Box::new(owner),
+        }))
+    }
+
+    /// True for device memory.
+    pub fn is_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let TensorData::Device(_) = self {
+            return true;
+        }
+        false
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> u64 {
         match self {
             TensorData::Host(b) => (**b).as_ref().len() as u64,
             TensorData::Lent(l) => l.len as u64,
+            #[cfg(feature = "cuda")]
+            TensorData::Device(d) => d.len,
         }
     }
 
@@ -167,13 +247,16 @@ impl TensorData {
     /// The host bytes to copy, as a pointer valid for reads of the returned length and unchanged
     /// while `self` lives (owned bytes by construction; lent bytes by [`TensorData::lent`]'s
     /// contract). Regions copy from it with raw copies, never through a `&[u8]` of lent memory.
-    pub(crate) fn host_source(&self) -> (*const u8, usize) {
+    /// `None` for device memory.
+    pub(crate) fn host_source(&self) -> Option<(*const u8, usize)> {
         match self {
             TensorData::Host(b) => {
                 let s = (**b).as_ref();
-                (s.as_ptr(), s.len())
+                Some((s.as_ptr(), s.len()))
             }
-            TensorData::Lent(l) => (l.ptr, l.len),
+            TensorData::Lent(l) => Some((l.ptr, l.len)),
+            #[cfg(feature = "cuda")]
+            TensorData::Device(_) => None,
         }
     }
 }
@@ -183,6 +266,14 @@ impl fmt::Debug for TensorData {
         match self {
             TensorData::Host(_) => write!(f, "Host({} bytes)", self.len()),
             TensorData::Lent(_) => write!(f, "Lent({} bytes)", self.len()),
+            #[cfg(feature = "cuda")]
+            TensorData::Device(d) => {
+                write!(
+                    f,
+                    "Device({} bytes on GPU {} at {:#x})",
+                    d.len, d.device, d.ptr
+                )
+            }
         }
     }
 }

@@ -251,6 +251,23 @@ impl FeatureStore {
         Ok(())
     }
 
+    /// Copies several features of `result` into destinations of any kind (host or device
+    /// memory: [`crate::Destination`]), in one request to the transport.
+    ///
+    /// # Errors
+    /// As [`FeatureStore::get`] and [`Reader::read_to`].
+    pub fn get_many_to(
+        &self,
+        result: &Published,
+        outs: &mut [(&str, crate::Destination<'_>)],
+    ) -> Result<()> {
+        self.check(result)?;
+        self.control.learn(&result.arena.control);
+        self.reader.read_to(result, outs)?;
+        self.note_resident(result, outs.iter().map(|(n, o)| (*n, o.len() as usize)));
+        Ok(())
+    }
+
     /// Copies feature `name` of `result` into `out` (exactly its size).
     ///
     /// # Errors

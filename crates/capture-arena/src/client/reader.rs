@@ -166,11 +166,26 @@ impl Reader {
     /// # Errors
     /// As [`Reader::read`], for the first feature at fault; nothing is read then.
     pub fn read_many(&self, result: &Published, outs: &mut [(&str, &mut [u8])]) -> Result<()> {
+        let mut dests: Vec<(&str, Destination<'_>)> = outs
+            .iter_mut()
+            .map(|(n, o)| (*n, Destination::Host(o)))
+            .collect();
+        self.read_to(result, &mut dests)
+    }
+
+    /// Copies several features of `result` into destinations of any kind (host buffers, device
+    /// memory: [`Destination`]), each exactly its feature's size, in one request to the
+    /// transport.
+    ///
+    /// # Errors
+    /// As [`Reader::read`]; [`Error::InvalidRead`] for a destination kind the transport or this
+    /// build cannot write (device memory without the `cuda` feature).
+    pub fn read_to(&self, result: &Published, outs: &mut [(&str, Destination<'_>)]) -> Result<()> {
         let mut ops = Vec::with_capacity(outs.len());
         for (name, out) in outs.iter_mut() {
             let f = feature(result, name)?;
             let len = byte_len(result, name, f)?;
-            if out.len() as u64 != len {
+            if out.len() != len {
                 return Err(Error::InvalidRead {
                     key: key_of(result, name),
                     reason: format!(
@@ -181,9 +196,13 @@ impl Reader {
                     ),
                 });
             }
+            let into = match out {
+                Destination::Host(b) => Destination::Host(b),
+                Destination::Device(d) => Destination::Device(*d),
+            };
             ops.push(ReadOp {
                 address: f.address,
-                into: Destination::Host(out),
+                into,
             });
         }
         self.open(&result.arena.session)?.read(&mut ops)

@@ -179,6 +179,18 @@ impl Mapping {
         Ok(())
     }
 
+    /// The address of `[offset, offset + len)` for a copy the caller makes with another engine
+    /// (a device copy), after checking the range. Dereferencing it is the caller's business.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`] if the range is not inside the mapping.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn raw_range(&self, offset: usize, len: usize) -> Result<*mut u8> {
+        self.range(offset, len)?;
+        // SAFETY: offset is inside the mapping (checked), so the result stays in bounds.
+        Ok(unsafe { self.ptr.as_ptr().add(offset) })
+    }
+
     /// Borrows `n` bytes at `offset` in place.
     ///
     /// # Errors

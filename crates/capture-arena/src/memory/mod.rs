@@ -17,11 +17,13 @@
 //! | region | memory | readers |
 //! |---|---|---|
 //! | [`ShmRegion`] | host POSIX shared memory | same host (`shm://` sessions) |
+//! | `cuda::DeviceRegion` (feature `cuda`) | GPU memory, CUDA virtual memory with a fabric or POSIX-fd handle | other processes' GPUs (`cuda://` sessions) |
+//! | `cuda::ExternalDeviceRegion` (feature `cuda`) | GPU memory another owner allocated (a transfer engine's) | the owner's readers |
 //!
-//! GPU memory (CUDA virtual memory with fabric or POSIX-fd handles) and memory a transfer engine
-//! allocated are further implementations of the same trait: the allocator, the arena and the
-//! writer do not change for them.
+//! The allocator, the arena and the writer do not change with the region.
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod mapping;
 pub mod shm;
 
@@ -103,6 +105,11 @@ pub trait Region: Send + fmt::Debug {
 
     /// Gives the region the handle that wakes the writer (called once, before any copy).
     fn set_notifier(&mut self, _notifier: Notifier) {}
+
+    /// Tells the region the writer's local reply endpoint (see [`crate::reply`]), before
+    /// [`Region::session`] is read: regions whose readers fetch a handle there name it in the
+    /// session.
+    fn set_reply_endpoint(&mut self, _endpoint: &str) {}
 
     /// Starts copying one batch. At most one batch is in flight: the writer calls
     /// [`Region::progress`] with the same `ops` until it returns `Ready`.

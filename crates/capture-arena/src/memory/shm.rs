@@ -510,7 +510,9 @@ impl ShmRegion {
     }
 
     fn copy_one(&mut self, op: &CopyOp<'_>, from: u64, n: u64) -> Result<()> {
-        let (src, len) = op.data.host_source();
+        let Some((src, len)) = op.data.host_source() else {
+            return self.copy_device(op, from, n);
+        };
         if len as u64 != op.data.len() || from + n > len as u64 {
             return Err(Error::io(
                 "copying into the arena",
@@ -539,6 +541,33 @@ impl ShmRegion {
         // `TensorData::lent`'s contract); [from, from + n) lies inside it (checked). Caller
         // memory is never inside this process's own arena mapping.
         unsafe { self.map.copy_in(at, src.add(from as usize), n as usize) }
+    }
+
+    /// A device tensor under a host arena: copied device-to-host (feature `cuda`).
+    fn copy_device(&mut self, op: &CopyOp<'_>, from: u64, n: u64) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if let crate::tensor::TensorData::Device(d) = op.data {
+            if from + n > d.len || op.offset + from + n > self.len {
+                return Err(Error::OutOfRange {
+                    address: self.base_address() + op.offset + from,
+                    len: n,
+                    base: self.base_address(),
+                    region_len: self.len,
+                });
+            }
+            let dst = self
+                .map
+                .raw_range((HEADER_BYTES + op.offset + from) as usize, n as usize)?;
+            // SAFETY: `dst` is a checked range of this writable mapping, which only the writer
+            // thread writes; the device source is valid for `from + n` bytes (checked) while the
+            // batch lives (TensorData::device's contract).
+            return unsafe { crate::memory::cuda::device_to_host(d, from, dst, n) };
+        }
+        let _ = (from, n);
+        Err(Error::InvalidTensor {
+            name: format!("{:?}", op.data),
+            reason: "this source kind cannot be copied into a host arena".into(),
+        })
     }
 }
 

@@ -8,9 +8,14 @@
 //! | scheme | transport | reach |
 //! |---|---|---|
 //! | `shm://` | [`ShmTransport`]: the producer's shared memory mapped read-only | same host |
+//! | `cuda://` | `CudaTransport` (feature `cuda`): the producer's GPU allocation imported by POSIX fd or fabric handle | other processes' GPUs: this node (fd), the NVLink domain (fabric) |
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod shm;
 
+#[cfg(feature = "cuda")]
+pub use cuda::CudaTransport;
 pub use shm::ShmTransport;
 
 use std::fmt;
@@ -26,6 +31,48 @@ use crate::memory::Mapping;
 pub enum Destination<'a> {
     /// Host memory of this process.
     Host(&'a mut [u8]),
+    /// Device memory of this process (written by builds with the `cuda` feature).
+    Device(DeviceSlice),
+}
+
+/// `len` bytes of device memory at `ptr` on device `device` of this process: a destination
+/// made only by the unsafe [`DeviceSlice::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSlice {
+    ptr: u64,
+    len: u64,
+    device: i32,
+}
+
+impl DeviceSlice {
+    /// A destination of `len` bytes at device address `ptr` on device ordinal `device`.
+    ///
+    /// # Safety
+    /// The range must be device memory of this process, writable, valid and not used by anyone
+    /// else until the read that writes it has returned.
+    pub unsafe fn new(ptr: u64, len: u64, device: i32) -> DeviceSlice {
+        DeviceSlice { ptr, len, device }
+    }
+
+    /// The device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// True for zero bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> i32 {
+        self.device
+    }
 }
 
 impl Destination<'_> {
@@ -33,6 +80,7 @@ impl Destination<'_> {
     pub fn len(&self) -> u64 {
         match self {
             Destination::Host(b) => b.len() as u64,
+            Destination::Device(d) => d.len,
         }
     }
 
@@ -93,6 +141,12 @@ pub fn is_gone(session: &str) -> bool {
             .parse::<crate::memory::ShmSession>()
             .is_ok_and(|s| shm::is_gone(&s));
     }
+    #[cfg(feature = "cuda")]
+    if session.starts_with("cuda://") {
+        return session
+            .parse::<crate::memory::cuda::CudaSession>()
+            .is_ok_and(|s| cuda::is_gone(&s));
+    }
     false
 }
 
@@ -105,10 +159,26 @@ pub fn open(session: &str) -> Result<Arc<dyn Transport>> {
     if session.starts_with("shm://") {
         return Ok(Arc::new(ShmTransport::open(&session.parse()?)?));
     }
+    if session.starts_with("cuda://") {
+        #[cfg(feature = "cuda")]
+        return Ok(Arc::new(CudaTransport::open(&session.parse()?)?));
+        #[cfg(not(feature = "cuda"))]
+        return Err(Error::InvalidSession {
+            session: session.chars().take(256).collect(),
+            reason: "a device arena; this build cannot read it (build capture-arena with the \
+                     cuda feature)"
+                .into(),
+        });
+    }
     Err(Error::InvalidSession {
         session: session.chars().take(256).collect(),
-        reason: "unknown transport; this build reads shm:// sessions (same-host shared memory)"
-            .into(),
+        reason: if cfg!(feature = "cuda") {
+            "unknown transport; this build reads shm:// (same-host shared memory) and cuda:// \
+             (device arenas) sessions"
+        } else {
+            "unknown transport; this build reads shm:// sessions (same-host shared memory)"
+        }
+        .into(),
     })
 }
 

@@ -105,6 +105,32 @@ impl ShmTransport {
     }
 }
 
+impl ShmTransport {
+    /// Copies `[off, off + d.len)` of the mapping into device memory (feature `cuda`).
+    fn upload(&self, off: usize, d: crate::transport::DeviceSlice) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let src = self.map.raw_range(off, d.len() as usize)?;
+            // SAFETY: `src` is a checked range of this read-only mapping (kept alive by self);
+            // the destination is device memory the DeviceSlice's creator vouched for.
+            unsafe { crate::memory::cuda::host_to_device(d.device(), d.ptr(), src, d.len()) }
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = off;
+            Err(Error::InvalidRead {
+                key: self.text.clone(),
+                reason: format!(
+                    "a device destination ({} bytes on GPU {}) needs a build with the cuda \
+                     feature",
+                    d.len(),
+                    d.device()
+                ),
+            })
+        }
+    }
+}
+
 impl Transport for ShmTransport {
     fn session(&self) -> &str {
         &self.text
@@ -137,6 +163,7 @@ impl Transport for ShmTransport {
             let off = self.offset_of(r.address, r.into.len())?;
             match &mut r.into {
                 Destination::Host(out) => self.map.copy_out(off, out)?,
+                Destination::Device(d) => self.upload(off, *d)?,
             }
         }
         Ok(())

@@ -59,24 +59,20 @@ pub struct Writer {
 }
 
 impl Writer {
-    /// Starts a writer over a new shared-memory region of `config.arena_bytes`, with its control
-    /// listener bound.
+    /// Starts a writer over a new region of `config.arena_bytes`, with its control listener
+    /// bound: device memory on `config.device` when [`Config::device_publication`] (under
+    /// `nvlink`, or `SGLANG_SPEC_CAPTURE_GPU_PUT=1`), else host shared memory.
     ///
     /// # Errors
     /// [`Error::Config`] for invalid settings (the arena size is required), [`Error::Io`] if the
-    /// region or the listener cannot be created.
+    /// region or the listener cannot be created, [`Error::Device`] if device publication is
+    /// asked for without a usable GPU (or in a build without the `cuda` feature).
     pub fn start(config: &Config) -> Result<Writer> {
         config.validate()?;
         let bytes = config.required_arena_bytes()?;
+        let region = new_region(config, bytes)?;
         let (listener, control) = control::bind(&config.control_host, config.control_port)?;
-        let t0 = Instant::now();
-        let region = ShmRegion::create(bytes)?;
-        tracing::info!(
-            bytes,
-            ms = t0.elapsed().as_secs_f64() * 1e3,
-            "shared-memory arena created and pre-faulted"
-        );
-        Writer::start_with(config, Box::new(region), listener, control)
+        Writer::start_with(config, region, listener, control)
     }
 
     /// Starts a writer over a region the caller made (GPU memory, memory registered with a
@@ -101,7 +97,6 @@ impl Writer {
             Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the waker", e))?,
         );
         region.set_notifier(Notifier(waker.clone()));
-        let arena = Arena::new(region, config.alignment, control)?;
         let limits = Limits {
             max_connections: config.max_connections,
             buffer_bytes: usize::try_from(config.control_buffer_bytes).unwrap_or(usize::MAX),
@@ -109,6 +104,8 @@ impl Writer {
         };
         let server = ControlServer::new(listener, poll.registry(), limits)?;
         let reply_endpoint = server.reply_endpoint().to_owned();
+        region.set_reply_endpoint(&reply_endpoint);
+        let arena = Arena::new(region, config.alignment, control)?;
         let (submitter, queue) = Submitter::new(waker, config.max_pending_batches);
         let shared = submitter.shared.clone();
         shared.stats.set_report(&arena.report());
@@ -236,6 +233,43 @@ impl Writer {
         );
         (self.stats(), ok)
     }
+}
+
+/// The region [`Writer::start`] makes for `config`.
+fn new_region(config: &Config, bytes: u64) -> Result<Box<dyn Region>> {
+    let t0 = Instant::now();
+    if config.device_publication() {
+        #[cfg(feature = "cuda")]
+        {
+            let options = crate::memory::cuda::DeviceRegionOptions {
+                device: config.device.unwrap_or(0),
+                handle: config.handle,
+            };
+            let region = crate::memory::cuda::DeviceRegion::create(bytes, &options)?;
+            tracing::info!(
+                bytes = region.len(),
+                device = options.device,
+                handle = region.handle_choice().handle.name(),
+                ms = t0.elapsed().as_secs_f64() * 1e3,
+                "device arena created"
+            );
+            return Ok(Box::new(region));
+        }
+        #[cfg(not(feature = "cuda"))]
+        return Err(Error::device(
+            "creating a device arena",
+            "this build of capture-arena has no cuda feature; rebuild with --features cuda, \
+             or publish from host memory (unset SGLANG_SPEC_CAPTURE_GPU_PUT and \
+             MOONCAKE_PROTOCOL=nvlink)",
+        ));
+    }
+    let region = ShmRegion::create(bytes)?;
+    tracing::info!(
+        bytes,
+        ms = t0.elapsed().as_secs_f64() * 1e3,
+        "shared-memory arena created and pre-faulted"
+    );
+    Ok(Box::new(region))
 }
 
 impl Drop for Writer {

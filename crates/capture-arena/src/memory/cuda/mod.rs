@@ -1,0 +1,599 @@
+//! Device regions: arenas in GPU memory (cargo feature `cuda`).
+//!
+//! - [`DeviceRegion`]: one allocation on the writer's GPU through CUDA's virtual-memory API
+//!   (`cuMemCreate` → `cuMemAddressReserve` → `cuMemMap` → `cuMemSetAccess`), its size rounded
+//!   up to the allocation granularity, exportable with a **fabric** handle where the device can
+//!   really make one (multi-node NVLink, GB200/GB300 NVL72) and otherwise a **POSIX file
+//!   descriptor** (processes on this node, handed over the writer's reply path).
+//! - [`ExternalDeviceRegion`]: device memory someone else allocated and keeps alive (a transfer
+//!   engine's buffer, a `cudaMalloc`), published under the owner's session.
+//!
+//! Both copy a batch with asynchronous copies on the writer's own stream: it first waits on
+//! each device source's ready event (recorded on the producer's stream when the tensor was
+//! handed over), then copies device sources device-to-device and host sources host-to-device,
+//! records a completion event and enqueues a host function that wakes the writer. The writer
+//! serves control input meanwhile and commits the batch when the event has completed.
+//!
+//! The session of a [`DeviceRegion`] (see [`CudaSession`]) says how to reach the handle:
+//! `cuda://<host>/<pid>-<nonce>?len=..&base=..&dev=<gpu uuid>&handle=fd&reply=@...` or
+//! `...&handle=fabric&fabric=<128 hex digits>`.
+
+pub mod driver;
+mod session;
+
+pub use driver::{driver, DeviceBuffer, DriverInfo, HandleType};
+pub(crate) use session::this_host as session_host;
+pub use session::{CudaSession, MAX_CUDA_SESSION_BYTES};
+
+use std::ffi::c_void;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use driver::{Allocation, Context, Event, Mapped, Stream};
+
+use crate::error::{Error, Result};
+use crate::memory::{CopyOp, Notifier, Progress, Region, Reply};
+use crate::tensor::TensorData;
+
+pub use crate::config::HandlePreference;
+
+/// Why a handle type was chosen, for the log and for `capture-arena` diagnostics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandleChoice {
+    /// The type chosen.
+    pub handle: HandleType,
+    /// Why.
+    pub reason: String,
+}
+
+/// Decides between fabric and POSIX fd from what the device reports and what a trial of the
+/// fabric path returned (`None`: not tried). Pure, so it is tested without a GPU.
+pub fn choose_handle(
+    preference: HandlePreference,
+    fabric_attribute: bool,
+    fabric_trial: Option<std::result::Result<(), String>>,
+) -> std::result::Result<HandleChoice, String> {
+    let fd = |reason: String| {
+        Ok(HandleChoice {
+            handle: HandleType::PosixFd,
+            reason,
+        })
+    };
+    match preference {
+        HandlePreference::PosixFd => fd("POSIX fd requested".into()),
+        HandlePreference::Auto | HandlePreference::Fabric => {
+            if !fabric_attribute {
+                if preference == HandlePreference::Fabric {
+                    return Err("the device does not report fabric handle support \
+                         (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED = 0)"
+                        .into());
+                }
+                return fd("the device reports no fabric handle support; POSIX fd \
+                     (readers on this node only)"
+                    .into());
+            }
+            match fabric_trial {
+                Some(Ok(())) => Ok(HandleChoice {
+                    handle: HandleType::Fabric,
+                    reason: "the device supports fabric handles and a fabric allocation was \
+                             created and exported"
+                        .into(),
+                }),
+                Some(Err(e)) if preference == HandlePreference::Auto => fd(format!(
+                    "the device reports fabric support but creating or exporting a fabric \
+                     allocation failed ({e}; usually no IMEX channel in \
+                     /dev/nvidia-caps-imex-channels); POSIX fd (readers on this node only)"
+                )),
+                Some(Err(e)) => Err(format!("a fabric allocation failed: {e}")),
+                None => Err("the fabric path was not tried".into()),
+            }
+        }
+    }
+}
+
+/// `n` rounded up to a multiple of `granularity` (a power of two or not), `None` on overflow.
+pub fn round_up(n: u64, granularity: u64) -> Option<u64> {
+    let g = granularity.max(1);
+    n.checked_add(g - 1).map(|v| v / g * g)
+}
+
+/// The readiness event of a device tensor.
+#[derive(Debug)]
+pub(crate) struct Ready(pub(crate) Event);
+
+/// Records an event on `stream` (a raw `CUstream` of this process; 0 is the legacy default
+/// stream) on device `ordinal`, now: the writer's copies of a tensor wait for it.
+pub(crate) fn record_ready(ordinal: i32, stream: u64) -> Result<Ready> {
+    let ctx = Context::new(ordinal)?;
+    let e = Event::new(&ctx)?;
+    e.record_raw(stream as usize as cudarc::driver::sys::CUstream)?;
+    Ok(Ready(e))
+}
+
+/// Copies `n` bytes at `from` of a device tensor to host memory at `dst`, after its ready
+/// event, and waits for the copy.
+///
+/// # Safety
+/// `dst` valid for writes of `n` bytes; `from + n <= data.len` (the caller checks).
+pub(crate) unsafe fn device_to_host(
+    data: &crate::tensor::DeviceData,
+    from: u64,
+    dst: *mut u8,
+    n: u64,
+) -> Result<()> {
+    let ctx = Context::new(data.device)?;
+    let s = Stream::new(&ctx)?;
+    if let Some(r) = &data.ready {
+        s.wait(r.0 .0)?;
+    }
+    // SAFETY: as the caller promised; the tensor's memory is valid (TensorData::device).
+    let r = unsafe { s.copy_dtoh(dst, data.ptr + from, n) };
+    s.synchronize().and(r)
+}
+
+/// Copies `n` host bytes at `src` to device memory at `dst` on device `ordinal`, and waits.
+///
+/// # Safety
+/// `src` valid for reads and `dst` valid device memory for `n` bytes.
+pub(crate) unsafe fn host_to_device(ordinal: i32, dst: u64, src: *const u8, n: u64) -> Result<()> {
+    let ctx = Context::new(ordinal)?;
+    let s = Stream::new(&ctx)?;
+    // SAFETY: as the caller promised.
+    let r = unsafe { s.copy_htod(dst, src, n) };
+    s.synchronize().and(r)
+}
+
+/// The writer's stream and the batch in flight on it.
+#[derive(Debug)]
+struct Copier {
+    ctx: Arc<Context>,
+    stream: Stream,
+    done: Event,
+    /// Boxed so its address stays fixed for the host function that wakes the writer.
+    notifier: Option<Box<Notifier>>,
+    in_flight: bool,
+}
+
+/// The host function enqueued after a batch's copies: wakes the writer.
+unsafe extern "C" fn wake_writer(data: *mut c_void) {
+    // SAFETY: `data` is the Copier's boxed Notifier, which outlives every host function enqueued
+    // (the Copier synchronises its stream before it drops the box).
+    let n = unsafe { &*(data as *const Notifier) };
+    n.notify();
+}
+
+impl Copier {
+    fn new(ctx: Arc<Context>) -> Result<Copier> {
+        Ok(Copier {
+            stream: Stream::new(&ctx)?,
+            done: Event::new(&ctx)?,
+            ctx,
+            notifier: None,
+            in_flight: false,
+        })
+    }
+
+    /// Enqueues every copy of a batch into `[base, base + len)`.
+    fn start(&mut self, base: u64, len: u64, ops: &[CopyOp<'_>]) -> Result<()> {
+        for op in ops {
+            if op.offset.checked_add(op.data.len()).is_none_or(|e| e > len) {
+                return Err(Error::OutOfRange {
+                    address: base.wrapping_add(op.offset),
+                    len: op.data.len(),
+                    base,
+                    region_len: len,
+                });
+            }
+        }
+        self.ctx.bind()?;
+        let enqueued = self.enqueue(base, ops);
+        if enqueued.is_err() {
+            // Copies already enqueued may still read the sources: finish them before the
+            // caller drops the batch.
+            let _ = self.stream.synchronize();
+            return enqueued;
+        }
+        self.in_flight = true;
+        Ok(())
+    }
+
+    fn enqueue(&mut self, base: u64, ops: &[CopyOp<'_>]) -> Result<()> {
+        for op in ops {
+            if let TensorData::Device(d) = op.data {
+                if let Some(ready) = &d.ready {
+                    self.stream.wait(ready.0 .0)?;
+                }
+            }
+        }
+        for op in ops {
+            let dst = base + op.offset;
+            match op.data {
+                TensorData::Device(d) => {
+                    // SAFETY: the destination lies inside the region (checked in `start`); the
+                    // source is device memory its constructor's caller promised stays valid and
+                    // unchanged until the batch's data is dropped, which the writer does only
+                    // after `progress` reports Done or `abandon` synchronised the stream.
+                    unsafe { self.stream.copy_dtod(dst, d.ptr, d.len)? }
+                }
+                other => {
+                    let (src, n) = other.host_source().ok_or_else(|| {
+                        Error::device("copying a tensor", "unsupported source kind")
+                    })?;
+                    // SAFETY: as above; host sources are valid for reads of `n` bytes and
+                    // unchanged while the batch lives (TensorData's contract).
+                    unsafe { self.stream.copy_htod(dst, src, n as u64)? }
+                }
+            }
+        }
+        self.done.record_raw(self.stream.0)?;
+        if let Some(n) = &self.notifier {
+            let data = (&**n as *const Notifier).cast_mut().cast::<c_void>();
+            // SAFETY: the boxed notifier outlives the host function (see `wake_writer`), which
+            // makes no CUDA call.
+            unsafe { self.stream.host_func(wake_writer, data)? };
+        }
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<Progress> {
+        if !self.in_flight {
+            return Ok(Progress::Done);
+        }
+        match self.done.query() {
+            Ok(true) => {
+                self.in_flight = false;
+                Ok(Progress::Done)
+            }
+            Ok(false) => Ok(Progress::Waiting),
+            Err(e) => {
+                let _ = self.stream.synchronize();
+                self.in_flight = false;
+                Err(e)
+            }
+        }
+    }
+
+    fn abandon(&mut self) {
+        if self.in_flight {
+            if let Err(e) = self.ctx.bind().and_then(|()| self.stream.synchronize()) {
+                tracing::error!(error = %e, "waiting for abandoned device copies failed");
+            }
+            self.in_flight = false;
+        }
+    }
+}
+
+impl Drop for Copier {
+    fn drop(&mut self) {
+        // Host functions and copies must finish before the notifier and the memory go.
+        if self.ctx.bind().is_ok() {
+            let _ = self.stream.synchronize();
+        }
+    }
+}
+
+/// How a [`DeviceRegion`] is made.
+#[derive(Debug, Clone, Default)]
+pub struct DeviceRegionOptions {
+    /// The writer's GPU (ordinal in this process).
+    pub device: i32,
+    /// Handle type policy.
+    pub handle: HandlePreference,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct DeviceRegion {
+    // Field order is drop order: copies finish (copier), then the mapping goes, then the
+    // context.
+    copier: Copier,
+    mapped: Mapped,
+    len: u64,
+    session: CudaSession,
+    text: String,
+    choice: HandleChoice,
+    /// For POSIX-fd regions: one exported descriptor, duplicated for each reader.
+    fd: Option<OwnedFd>,
+    ctx: Arc<Context>,
+}
+
+impl DeviceRegion {
+    /// Allocates at least `len` bytes on `options.device` (rounded up to the granularity).
+    ///
+    /// # Errors
+    /// [`Error::Device`] when no driver or device is usable or an allocation step fails (with
+    /// the CUDA error and the size); [`Error::Config`] for a size of 0.
+    pub fn create(len: u64, options: &DeviceRegionOptions) -> Result<DeviceRegion> {
+        if len == 0 {
+            return Err(Error::config(
+                "SGLANG_SPEC_CAPTURE_ARENA_BYTES",
+                "a device arena needs at least one byte",
+            ));
+        }
+        driver()?;
+        let ctx = Arc::new(Context::new(options.device)?);
+        let attribute = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
+        ) == 1;
+        // The attribute alone is no proof (no IMEX channel: NOT_PERMITTED): try the real thing,
+        // at the real size, and keep it if it works.
+        let mut fabric: Option<(Allocation, [u8; 64], u64)> = None;
+        let trial = if attribute && options.handle != HandlePreference::PosixFd {
+            Some(
+                driver::granularity(&ctx, HandleType::Fabric)
+                    .and_then(|g| {
+                        let size = round_up(len, g).ok_or_else(|| too_large(len))?;
+                        let a = Allocation::create(&ctx, size, HandleType::Fabric)?;
+                        let h = a.export_fabric()?;
+                        fabric = Some((a, h, g));
+                        Ok(())
+                    })
+                    .map_err(|e| e.to_string()),
+            )
+        } else {
+            None
+        };
+        let choice = choose_handle(options.handle, attribute, trial)
+            .map_err(|r| Error::device(format!("device arena on GPU {}", options.device), r))?;
+        tracing::info!(
+            device = options.device,
+            name = %ctx.name(),
+            handle = choice.handle.name(),
+            reason = %choice.reason,
+            "device arena handle type"
+        );
+        let (allocation, fabric_handle, granularity) = match (choice.handle, fabric) {
+            (HandleType::Fabric, Some((a, h, g))) => (a, Some(h), g),
+            _ => {
+                let g = driver::granularity(&ctx, HandleType::PosixFd)?;
+                let size = round_up(len, g).ok_or_else(|| too_large(len))?;
+                (
+                    Allocation::create(&ctx, size, HandleType::PosixFd)?,
+                    None,
+                    g,
+                )
+            }
+        };
+        let fd = match choice.handle {
+            HandleType::PosixFd => Some(allocation.export_fd()?),
+            HandleType::Fabric => None,
+        };
+        let size = allocation.size;
+        let mapped = Mapped::new(allocation, granularity, &[&ctx])?;
+        let session = CudaSession {
+            host: session_host(),
+            pid: std::process::id(),
+            nonce: crate::memory::shm::random_nonce()?,
+            len: size,
+            base: mapped.ptr,
+            device_uuid: ctx.uuid()?,
+            handle: choice.handle,
+            fabric: fabric_handle,
+            reply: String::new(),
+        };
+        Ok(DeviceRegion {
+            copier: Copier::new(ctx.clone())?,
+            len: size,
+            text: session.to_string(),
+            session,
+            mapped,
+            choice,
+            fd,
+            ctx,
+        })
+    }
+
+    /// The handle type chosen and why.
+    pub fn handle_choice(&self) -> &HandleChoice {
+        &self.choice
+    }
+
+    /// The parsed session.
+    pub fn cuda_session(&self) -> &CudaSession {
+        &self.session
+    }
+
+    /// The device address of offset 0.
+    pub fn device_ptr(&self) -> u64 {
+        self.mapped.ptr
+    }
+}
+
+fn too_large(len: u64) -> Error {
+    Error::config(
+        "SGLANG_SPEC_CAPTURE_ARENA_BYTES",
+        format!("{len} bytes is too large"),
+    )
+}
+
+impl Region for DeviceRegion {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn base_address(&self) -> u64 {
+        self.mapped.ptr
+    }
+
+    fn session(&self) -> &str {
+        &self.text
+    }
+
+    fn set_notifier(&mut self, notifier: Notifier) {
+        self.copier.notifier = Some(Box::new(notifier));
+    }
+
+    fn set_reply_endpoint(&mut self, endpoint: &str) {
+        self.session.reply = endpoint.to_owned();
+        self.text = self.session.to_string();
+    }
+
+    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+        self.copier.start(self.mapped.ptr, self.len, ops)
+    }
+
+    fn progress(&mut self, _ops: &[CopyOp<'_>], _budget: u64) -> Result<Progress> {
+        self.copier.progress()
+    }
+
+    fn abandon(&mut self) {
+        self.copier.abandon();
+    }
+
+    /// `"cuda-fd"`: the arena's POSIX descriptor with the session as its bytes (so the reader
+    /// checks it reached the arena it asked for); `"describe"`: the session, size and handle.
+    fn reply(&self, what: &str) -> Option<Result<Reply>> {
+        match what {
+            "cuda-fd" => Some(match &self.fd {
+                Some(fd) => fd
+                    .try_clone()
+                    .map(|fd| Reply {
+                        bytes: self.text.clone().into_bytes(),
+                        fds: vec![fd],
+                    })
+                    .map_err(|e| Error::io("duplicating the arena's descriptor", e)),
+                None => Err(Error::device(
+                    "handing out the arena's descriptor",
+                    "this arena is exported with a fabric handle (it is in the session)",
+                )),
+            }),
+            "describe" => Some(Ok(Reply {
+                bytes: serde_json::json!({
+                    "session": self.text,
+                    "len": self.len,
+                    "base": self.mapped.ptr,
+                    "device": self.ctx.ordinal,
+                    "device_name": self.ctx.name(),
+                    "handle": self.choice.handle.name(),
+                    "handle_reason": self.choice.reason,
+                })
+                .to_string()
+                .into_bytes(),
+                fds: Vec::new(),
+            })),
+            _ => None,
+        }
+    }
+}
+
+/// Device memory that someone else allocated and keeps alive (a transfer engine's buffer, a
+/// `cudaMalloc`), published under a session its owner chose (the engine's, whose readers reach
+/// it). The writer copies into it exactly as into its own [`DeviceRegion`].
+pub struct ExternalDeviceRegion {
+    copier: Copier,
+    ptr: u64,
+    len: u64,
+    session: String,
+    _owner: Box<dyn Send>,
+}
+
+impl std::fmt::Debug for ExternalDeviceRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExternalDeviceRegion")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("session", &self.session)
+            .finish()
+    }
+}
+
+impl ExternalDeviceRegion {
+    /// `len` bytes of device memory at `ptr` on device `ordinal`, advertised as `session`
+    /// (addresses in results are `ptr + offset`), kept alive by `owner`, which is dropped after
+    /// the last copy.
+    ///
+    /// # Errors
+    /// [`Error::Device`] without a usable driver or device.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be device memory of `ordinal` (or mapped for it), writable, and
+    /// valid until `owner` is dropped; nobody else may write it while the writer holds it.
+    pub unsafe fn new(
+        ptr: u64,
+        len: u64,
+        ordinal: i32,
+        session: String,
+        owner: impl Send + 'static,
+    ) -> Result<ExternalDeviceRegion> {
+        let ctx = Arc::new(Context::new(ordinal)?);
+        Ok(ExternalDeviceRegion {
+            copier: Copier::new(ctx)?,
+            ptr,
+            len,
+            session,
+            _owner: Box::new(owner),
+        })
+    }
+}
+
+impl Region for ExternalDeviceRegion {
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn base_address(&self) -> u64 {
+        self.ptr
+    }
+
+    fn session(&self) -> &str {
+        &self.session
+    }
+
+    fn set_notifier(&mut self, notifier: Notifier) {
+        self.copier.notifier = Some(Box::new(notifier));
+    }
+
+    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+        self.copier.start(self.ptr, self.len, ops)
+    }
+
+    fn progress(&mut self, _ops: &[CopyOp<'_>], _budget: u64) -> Result<Progress> {
+        self.copier.progress()
+    }
+
+    fn abandon(&mut self) {
+        self.copier.abandon();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn granularity_rounding() {
+        let g = 2 << 20;
+        assert_eq!(round_up(1, g), Some(g));
+        assert_eq!(round_up(g, g), Some(g));
+        assert_eq!(round_up(g + 1, g), Some(2 * g));
+        assert_eq!(round_up(0, g), Some(0));
+        assert_eq!(round_up(10, 3), Some(12));
+        assert_eq!(round_up(u64::MAX - 1, g), None);
+        assert_eq!(round_up(5, 0), Some(5));
+    }
+
+    #[test]
+    fn handle_choice_needs_attribute_and_a_real_export() {
+        use HandlePreference::*;
+        let c = choose_handle(Auto, true, Some(Ok(()))).unwrap();
+        assert_eq!(c.handle, HandleType::Fabric);
+        // The attribute alone is no proof: without an IMEX channel the create fails.
+        let c = choose_handle(
+            Auto,
+            true,
+            Some(Err("CUDA_ERROR_NOT_PERMITTED (800)".into())),
+        )
+        .unwrap();
+        assert_eq!(c.handle, HandleType::PosixFd);
+        assert!(c.reason.contains("NOT_PERMITTED") && c.reason.contains("IMEX"));
+        let c = choose_handle(Auto, false, None).unwrap();
+        assert_eq!(c.handle, HandleType::PosixFd);
+        assert!(c.reason.contains("no fabric handle support"));
+        assert_eq!(
+            choose_handle(PosixFd, true, Some(Ok(()))).unwrap().handle,
+            HandleType::PosixFd
+        );
+        assert!(choose_handle(Fabric, false, None).is_err());
+        assert!(choose_handle(Fabric, true, Some(Err("x".into()))).is_err());
+    }
+}

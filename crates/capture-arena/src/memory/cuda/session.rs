@@ -1,0 +1,253 @@
+//! The session string of a device arena: how a reader reaches the allocation's handle.
+
+use std::fmt;
+use std::str::FromStr;
+
+use super::driver::HandleType;
+use crate::error::{Error, Result};
+use crate::reply::ENDPOINT_PREFIX;
+
+/// The longest device session accepted (a fabric one is about 300 bytes).
+pub const MAX_CUDA_SESSION_BYTES: usize = 1024;
+
+/// A parsed device session:
+/// `cuda://<host>/<pid>-<nonce>?len=<bytes>&base=<hex>&dev=<uuid>&handle=fd&reply=<endpoint>`,
+/// or with `handle=fabric&fabric=<128 hex digits>` (the reply endpoint then only serves local
+/// readers' liveness checks).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CudaSession {
+    /// The producer's host name (POSIX-fd handles reach only processes there).
+    pub host: String,
+    /// The producer's process id.
+    pub pid: u32,
+    /// The per-arena nonce.
+    pub nonce: u128,
+    /// Bytes of the allocation.
+    pub len: u64,
+    /// The producer's device address of byte 0 (what published addresses are relative to).
+    pub base: u64,
+    /// The UUID of the GPU the arena lives on (32 hex digits).
+    pub device_uuid: String,
+    /// How the handle is exported.
+    pub handle: HandleType,
+    /// The fabric handle, for `handle=fabric`.
+    pub fabric: Option<[u8; 64]>,
+    /// The writer's local reply endpoint (`@capture-arena-reply-...`).
+    pub reply: String,
+}
+
+impl fmt::Display for CudaSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cuda://{}/{}-{:032x}?len={}&base={:#x}&dev={}&handle={}",
+            self.host,
+            self.pid,
+            self.nonce,
+            self.len,
+            self.base,
+            self.device_uuid,
+            self.handle.name()
+        )?;
+        if let Some(h) = &self.fabric {
+            f.write_str("&fabric=")?;
+            for b in h {
+                write!(f, "{b:02x}")?;
+            }
+        }
+        write!(f, "&reply={}", self.reply)
+    }
+}
+
+fn is_hex(s: &str, n: usize) -> bool {
+    s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+fn host_ok(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= 253
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+}
+
+impl FromStr for CudaSession {
+    type Err = Error;
+
+    /// Parses only the canonical form [`fmt::Display`] writes (so one arena has one session
+    /// string), checking every field's syntax and length before anything is allocated for it.
+    fn from_str(s: &str) -> Result<CudaSession> {
+        let bad = |why: &str| Error::InvalidSession {
+            session: s.chars().take(MAX_CUDA_SESSION_BYTES).collect(),
+            reason: format!(
+                "{why}; expected cuda://<host>/<pid>-<nonce>?len=<bytes>&base=<hex>&dev=<uuid>\
+                 &handle=fd|fabric[&fabric=<128 hex>]&reply=@capture-arena-reply-..."
+            ),
+        };
+        if s.len() > MAX_CUDA_SESSION_BYTES {
+            return Err(bad("too long"));
+        }
+        let rest = s
+            .strip_prefix("cuda://")
+            .ok_or_else(|| bad("not cuda://"))?;
+        let (path, query) = rest.split_once('?').ok_or_else(|| bad("no parameters"))?;
+        let (host, id) = path.split_once('/').ok_or_else(|| bad("no host"))?;
+        if !host_ok(host) {
+            return Err(bad("bad host name"));
+        }
+        let (pid, nonce) = id.split_once('-').ok_or_else(|| bad("no <pid>-<nonce>"))?;
+        let pid: u32 = pid
+            .parse()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| bad("bad pid"))?;
+        if !is_hex(nonce, 32) {
+            return Err(bad("the nonce must be 32 lower-case hex digits"));
+        }
+        let nonce = u128::from_str_radix(nonce, 16).map_err(|_| bad("bad nonce"))?;
+        let mut parts = query.split('&');
+        let mut next = |name: &str| -> Result<&str> {
+            parts
+                .next()
+                .and_then(|p| p.strip_prefix(name))
+                .and_then(|p| p.strip_prefix('='))
+                .ok_or_else(|| bad(&format!("parameter {name} missing or out of order")))
+        };
+        let len: u64 = next("len")?
+            .parse()
+            .ok()
+            .filter(|l| *l > 0)
+            .ok_or_else(|| bad("bad len"))?;
+        let base = next("base")?
+            .strip_prefix("0x")
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .ok_or_else(|| bad("bad base"))?;
+        if base.checked_add(len).is_none() {
+            return Err(bad("base + len overflows"));
+        }
+        let dev = next("dev")?;
+        if !is_hex(dev, 32) {
+            return Err(bad(
+                "dev must be the GPU's UUID as 32 lower-case hex digits",
+            ));
+        }
+        let handle = match next("handle")? {
+            "fd" => HandleType::PosixFd,
+            "fabric" => HandleType::Fabric,
+            _ => return Err(bad("handle must be fd or fabric")),
+        };
+        let fabric = if handle == HandleType::Fabric {
+            let h = next("fabric")?;
+            if !is_hex(h, 128) {
+                return Err(bad("fabric must be 128 lower-case hex digits"));
+            }
+            let mut out = [0u8; 64];
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = u8::from_str_radix(&h[2 * i..2 * i + 2], 16).map_err(|_| bad("bad fabric"))?;
+            }
+            Some(out)
+        } else {
+            None
+        };
+        let reply = next("reply")?;
+        let reply_ok = reply.strip_prefix(ENDPOINT_PREFIX).is_some_and(|r| {
+            !r.is_empty()
+                && r.len() <= 80
+                && r.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        });
+        if !reply_ok {
+            return Err(bad("bad reply endpoint"));
+        }
+        if parts.next().is_some() {
+            return Err(bad("unexpected parameters"));
+        }
+        let parsed = CudaSession {
+            host: host.to_owned(),
+            pid,
+            nonce,
+            len,
+            base,
+            device_uuid: dev.to_owned(),
+            handle,
+            fabric,
+            reply: reply.to_owned(),
+        };
+        if parsed.to_string() != s {
+            return Err(bad("not in canonical form"));
+        }
+        Ok(parsed)
+    }
+}
+
+/// This host's name, as sessions carry it (`localhost` if it cannot be read or is not a plain
+/// host name).
+pub(crate) fn this_host() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name = String::from_utf8_lossy(&buf[..end]).into_owned();
+    if rc == 0 && host_ok(&name) {
+        name
+    } else {
+        "localhost".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(handle: HandleType) -> CudaSession {
+        CudaSession {
+            host: "node-1.example".into(),
+            pid: 4242,
+            nonce: 0x0123_4567_89ab_cdef_0011_2233_4455_6677,
+            len: 1 << 30,
+            base: 0x7f00_0000_0000,
+            device_uuid: "00112233445566778899aabbccddeeff".into(),
+            handle,
+            fabric: (handle == HandleType::Fabric).then_some([0xab; 64]),
+            reply: format!("{ENDPOINT_PREFIX}4242-00ff"),
+        }
+    }
+
+    #[test]
+    fn round_trips_both_handle_types() {
+        for h in [HandleType::PosixFd, HandleType::Fabric] {
+            let s = sample(h);
+            let text = s.to_string();
+            assert!(text.len() <= MAX_CUDA_SESSION_BYTES);
+            assert_eq!(text.parse::<CudaSession>().unwrap(), s, "{text}");
+        }
+    }
+
+    #[test]
+    fn refuses_everything_else() {
+        let good = sample(HandleType::PosixFd).to_string();
+        let fab = sample(HandleType::Fabric).to_string();
+        let cases = [
+            good.replace("cuda://", "shm://"),
+            good.replace("node-1.example", "no de"),
+            good.replace("4242-", "0-"),
+            good.replace("len=1073741824", "len=0"),
+            good.replace("base=0x7f0000000000", "base=0xffffffffffffffff"),
+            good.replace("&dev=", "&device="),
+            good.replace("handle=fd", "handle=ipc"),
+            good.replace("&reply=@capture-arena-reply-", "&reply=@other-"),
+            format!("{good}&extra=1"),
+            good.replace("base=0x7f0000000000", "base=0x07f0000000000"),
+            fab.replace(&"ab".repeat(64), &"ab".repeat(63)),
+            fab.replace(&"ab".repeat(64), &"AB".repeat(64)),
+            "cuda://".to_owned() + &"a".repeat(MAX_CUDA_SESSION_BYTES),
+            String::new(),
+        ];
+        for c in cases {
+            assert!(c.parse::<CudaSession>().is_err(), "accepted {c:?}");
+        }
+    }
+
+    #[test]
+    fn host_name_is_plain() {
+        assert!(host_ok(&this_host()));
+    }
+}

@@ -1,0 +1,212 @@
+//! Reads from device arenas (`cuda://` sessions, cargo feature `cuda`): the producer's
+//! allocation imported into this process through its handle, mapped once per session, and
+//! copied from with the driver's copy engines into host or device buffers.
+//!
+//! - `handle=fd`: the reader asks the producer's writer for the descriptor over the local reply
+//!   path ([`crate::reply`]; same host, same user), checks that the answer names the very
+//!   session it asked for, and imports it. A reader on another host gets a clear error.
+//! - `handle=fabric`: the 64-byte handle is in the session; any process in the producer's
+//!   NVLink (IMEX) domain imports it, on this node or another.
+//!
+//! Liveness: an imported allocation stays valid after its producer exits (the import holds a
+//! reference), so reading it would return bytes nobody owns any more. A reader on the producer's
+//! host therefore checks, at most once a second, that the producer's reply endpoint is still
+//! bound (it vanishes with the writer or the process) and refuses stale sessions. From another
+//! host (fabric) that cannot be told, and the session counts as live.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::memory::cuda::driver::{self, Allocation, Context, Mapped, Stream};
+use crate::memory::cuda::{CudaSession, HandleType};
+use crate::transport::{Destination, ReadOp, Transport};
+
+/// How long a reader waits for the producer's answer with the descriptor.
+const HANDLE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the producer's reply endpoint is probed.
+const LIVENESS_EVERY: Duration = Duration::from_secs(1);
+
+/// An imported, mapped device arena. See the module docs.
+#[derive(Debug)]
+pub struct CudaTransport {
+    // Field order is drop order: the stream's copies are synchronous, the mapping goes before
+    // the contexts.
+    stream: Mutex<Stream>,
+    mapped: Mapped,
+    session: CudaSession,
+    text: String,
+    local: bool,
+    live: Mutex<(Instant, bool)>,
+    /// The context copies run in first, then the devices granted access.
+    contexts: Vec<Arc<Context>>,
+}
+
+/// True when the producer of a device session on this host is gone (its reply endpoint is no
+/// longer bound); `false` for another host's session (cannot be told).
+pub(crate) fn is_gone(session: &CudaSession) -> bool {
+    session.host == crate::memory::cuda::session_host()
+        && !crate::reply::is_listening(&session.reply)
+}
+
+impl CudaTransport {
+    /// Imports and maps the arena `session` names.
+    ///
+    /// # Errors
+    /// [`Error::Device`] without a driver or when importing or mapping fails;
+    /// [`Error::StaleSession`] when the producer is gone or answers for another arena;
+    /// [`Error::InvalidSession`] for a POSIX-fd session of another host.
+    pub fn open(session: &CudaSession) -> Result<CudaTransport> {
+        let text = session.to_string();
+        driver::driver()?;
+        let me = crate::memory::cuda::session_host();
+        let local = session.host == me;
+        let stale = |reason: String| Error::StaleSession {
+            session: text.clone(),
+            reason,
+        };
+        // The arena's GPU if this process sees it (same node), else this process's device 0
+        // (fabric import from another node).
+        let home = driver::ordinal_of(&session.device_uuid)?;
+        let first = Arc::new(Context::new(home.unwrap_or(0))?);
+        let allocation = match session.handle {
+            HandleType::PosixFd => {
+                if !local {
+                    return Err(Error::InvalidSession {
+                        session: text,
+                        reason: format!(
+                            "the arena is exported as a POSIX descriptor, which reaches only \
+                             processes on its host {}; this is {me} (fabric handles or NIXL \
+                             reach other hosts)",
+                            session.host
+                        ),
+                    });
+                }
+                let reply = crate::reply::request(&session.reply, "cuda-fd", HANDLE_TIMEOUT)
+                    .map_err(|e| stale(format!("its writer did not hand over the arena ({e})")))?;
+                if reply.bytes != text.as_bytes() {
+                    return Err(stale(
+                        "the writer answered for a different arena (it restarted)".into(),
+                    ));
+                }
+                let Some(fd) = reply.fds.first() else {
+                    return Err(stale("the writer's answer carried no descriptor".into()));
+                };
+                use std::os::fd::AsFd;
+                Allocation::import_fd(&first, fd.as_fd(), session.len)?
+            }
+            HandleType::Fabric => {
+                let Some(h) = &session.fabric else {
+                    return Err(Error::InvalidSession {
+                        session: text,
+                        reason: "a fabric session without its handle".into(),
+                    });
+                };
+                Allocation::import_fabric(&first, h, session.len)?
+            }
+        };
+        // Every device of this process that can reach the arena's device gets access, so a
+        // read may land on any of them.
+        let info = driver::driver()?;
+        let mut contexts = vec![first];
+        for ordinal in 0..info.devices {
+            if ordinal == contexts[0].ordinal {
+                continue;
+            }
+            let c = Arc::new(Context::new(ordinal)?);
+            if home.is_none() || contexts[0].can_access_peer(&c) {
+                contexts.push(c);
+            }
+        }
+        let g = driver::granularity(&contexts[0], session.handle)?;
+        let access: Vec<&Context> = contexts.iter().map(|c| &**c).collect();
+        let mapped = Mapped::new(allocation, g, &access)?;
+        let stream = Stream::new(&contexts[0])?;
+        Ok(CudaTransport {
+            stream: Mutex::new(stream),
+            mapped,
+            session: session.clone(),
+            text,
+            local,
+            live: Mutex::new((Instant::now(), true)),
+            contexts,
+        })
+    }
+
+    /// The parsed session.
+    pub fn cuda_session(&self) -> &CudaSession {
+        &self.session
+    }
+
+    /// The offset of `[address, address + n)` in the arena, checked.
+    fn offset_of(&self, address: u64, n: u64) -> Result<u64> {
+        let s = &self.session;
+        address
+            .checked_sub(s.base)
+            .filter(|&o| o.checked_add(n).is_some_and(|e| e <= s.len))
+            .ok_or(Error::OutOfRange {
+                address,
+                len: n,
+                base: s.base,
+                region_len: s.len,
+            })
+    }
+}
+
+impl Transport for CudaTransport {
+    fn session(&self) -> &str {
+        &self.text
+    }
+
+    fn is_live(&self) -> bool {
+        if !self.local {
+            return true;
+        }
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        if live.1 && live.0.elapsed() >= LIVENESS_EVERY {
+            *live = (
+                Instant::now(),
+                crate::reply::is_listening(&self.session.reply),
+            );
+        }
+        live.1
+    }
+
+    fn capacity(&self) -> u64 {
+        self.session.len
+    }
+
+    fn check(&self, address: u64, len: u64) -> Result<()> {
+        self.offset_of(address, len).map(|_| ())
+    }
+
+    fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {
+        let mut offsets = Vec::with_capacity(reads.len());
+        for r in reads.iter() {
+            offsets.push(self.offset_of(r.address, r.into.len())?);
+        }
+        let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
+        self.contexts[0].bind()?;
+        let mut result = Ok(());
+        for (r, off) in reads.iter_mut().zip(offsets) {
+            let src = self.mapped.ptr + off;
+            let n = r.into.len();
+            let enqueued = match &mut r.into {
+                // SAFETY: the source range lies inside the mapping (checked), which lives as
+                // long as self; `out` is borrowed mutably until the stream is synchronised
+                // below, before this function returns.
+                Destination::Host(out) => unsafe { stream.copy_dtoh(out.as_mut_ptr(), src, n) },
+                // SAFETY: as above; the destination is device memory its DeviceSlice's creator
+                // vouched for until this read returns.
+                Destination::Device(d) => unsafe { stream.copy_dtod(d.ptr(), src, n) },
+            };
+            if let Err(e) = enqueued {
+                result = Err(e);
+                break;
+            }
+        }
+        // Always wait: copies already enqueued write the caller's buffers.
+        let synced = stream.synchronize();
+        result.and(synced)
+    }
+}

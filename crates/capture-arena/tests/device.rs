@@ -1,0 +1,338 @@
+//! The device path (cargo feature `cuda`) against the fake CUDA driver (`fake_cuda/`): host
+//! memory stands in for the GPU, everything else is real — the writer's asynchronous copies and
+//! completion, handle export and import through the reply path, mappings, the reader. Every
+//! test here says `fake_gpu` in its name; `scripts/gpu-check.sh` runs the same paths on a real
+//! GPU.
+#![cfg(feature = "cuda")]
+
+mod fake_cuda;
+mod util;
+
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use capture_arena::memory::cuda::{DeviceBuffer, ExternalDeviceRegion};
+use capture_arena::{
+    Config, Destination, DeviceSlice, Dtype, Error, FeatureStore, Published, Sample, Tensor,
+    TensorData, Writer,
+};
+use util::pattern;
+
+/// The fake's knobs are process-wide: tests that use the driver run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn setup() -> MutexGuard<'static, ()> {
+    let g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    fake_cuda::load(env!("CARGO_TARGET_TMPDIR"));
+    for (k, v) in [
+        ("copy_us", 0),
+        ("fail_copies_after", -1),
+        ("fabric_attr", 0),
+        ("imex", 0),
+    ] {
+        fake_cuda::knob(k, v);
+    }
+    g
+}
+
+fn device_config(bytes: u64, wait: Duration) -> Config {
+    Config {
+        gpu_put: Some(true),
+        ..util::config(bytes, wait)
+    }
+}
+
+fn bytes_of(id: &str, name: &str, n: usize) -> Vec<u8> {
+    (0..n).map(|j| pattern(id, name, j)).collect()
+}
+
+/// A sample of uint8 tensors `t0, t1, ...` in device memory of GPU 0 (with `host_last`, the
+/// last one in host memory), filled with [`pattern`].
+fn device_sample(id: &str, sizes: &[usize], host_last: bool, replace: bool) -> Sample {
+    let mut s = Sample::new("st", id, 1).unwrap().with_replace(replace);
+    for (i, &n) in sizes.iter().enumerate() {
+        let name = format!("t{i}");
+        let bytes = bytes_of(id, &name, n);
+        let data = if host_last && i + 1 == sizes.len() {
+            TensorData::host(bytes)
+        } else {
+            let buf = DeviceBuffer::new(0, n as u64).unwrap();
+            buf.upload(0, &bytes).unwrap();
+            // SAFETY: the buffer is device memory of `n` bytes, owned by the tensor until the
+            // writer drops it; nothing else writes it.
+            unsafe { TensorData::device(buf.ptr(), n as u64, 0, None, buf) }.unwrap()
+        };
+        s.push(Tensor::new(name, vec![n as u64], Dtype::Uint8, data).unwrap())
+            .unwrap();
+    }
+    s
+}
+
+fn publish(w: &Writer, s: Sample) -> Published {
+    w.submit(vec![s]).unwrap().wait().unwrap().remove(0)
+}
+
+/// Reads every feature into host buffers and into device buffers, and checks both.
+fn read_and_check(store: &FeatureStore, p: &Published) {
+    let mut names: Vec<&str> = p.features.keys().map(String::as_str).collect();
+    names.sort();
+    let lens: Vec<usize> = names
+        .iter()
+        .map(|n| p.features[*n].shape[0] as usize)
+        .collect();
+    let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+    let mut outs: Vec<(&str, &mut [u8])> = names
+        .iter()
+        .copied()
+        .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+        .collect();
+    store.get_many_into(p, &mut outs).unwrap();
+    let dev: Vec<DeviceBuffer> = lens
+        .iter()
+        .map(|&n| DeviceBuffer::new(0, n as u64).unwrap())
+        .collect();
+    let mut dests: Vec<(&str, Destination<'_>)> = names
+        .iter()
+        .zip(&dev)
+        // SAFETY: each buffer is device memory of exactly its length, used by nobody else.
+        .map(|(n, d)| {
+            (
+                *n,
+                Destination::Device(unsafe { DeviceSlice::new(d.ptr(), d.len(), 0) }),
+            )
+        })
+        .collect();
+    store.get_many_to(p, &mut dests).unwrap();
+    for ((name, host), d) in names.iter().zip(&bufs).zip(&dev) {
+        assert_eq!(
+            *host,
+            bytes_of(&p.sample_id, name, host.len()),
+            "{name} (host)"
+        );
+        let mut back = vec![0u8; host.len()];
+        d.download(0, &mut back).unwrap();
+        assert_eq!(back, *host, "{name} (device)");
+    }
+}
+
+fn wait_all_free(w: &Writer) {
+    let (s, ok) = w.wait_for(Duration::from_secs(10), |s| {
+        s.resident_objects == 0 && s.free_bytes == s.capacity
+    });
+    assert!(ok, "arena not fully free: {s:?}");
+}
+
+#[test]
+fn fake_gpu_device_arena_publishes_device_and_host_sources_and_frees_to_empty() {
+    let _g = setup();
+    let w = Writer::start(&device_config(8 << 20, Duration::from_secs(1))).unwrap();
+    let session = &w.arena_ref().session;
+    assert!(
+        session.starts_with("cuda://") && session.contains("&handle=fd&"),
+        "{session}"
+    );
+    // Rounded up to the (fake) 2 MiB granularity.
+    assert_eq!(w.capacity() % (2 << 20), 0);
+    let store = FeatureStore::new();
+    let sizes = [100_000, 1, 4096, 300_000];
+    let results: Vec<Published> = (0..3)
+        .map(|i| publish(&w, device_sample(&format!("s{i}"), &sizes, i == 1, false)))
+        .collect();
+    for p in &results {
+        assert_eq!(p.arena.session, *session);
+        read_and_check(&store, p);
+        store.release(p).unwrap();
+    }
+    store.flush().unwrap();
+    wait_all_free(&w);
+}
+
+#[test]
+fn fake_gpu_frees_are_served_while_device_copies_run() {
+    let _g = setup();
+    let w = Writer::start(&device_config(8 << 20, Duration::from_secs(5))).unwrap();
+    let first = publish(&w, device_sample("a", &[1000], false, false));
+    // Every copy now takes 200 ms on the writer's stream: the next batch's six copies run for
+    // over a second, during which a free must still be applied.
+    fake_cuda::knob("copy_us", 200_000);
+    let handle = w
+        .submit(vec![device_sample("b", &[1000; 6], false, false)])
+        .unwrap();
+    util::free(
+        &first.arena.control,
+        &first
+            .keys()
+            .unwrap()
+            .iter()
+            .map(|k| k.to_string())
+            .collect::<Vec<_>>(),
+    );
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.freed_objects >= 1);
+    assert!(ok, "the free was not applied: {s:?}");
+    assert_eq!(
+        s.published_batches, 1,
+        "the free was applied only after the copies finished"
+    );
+    let b = handle.wait().unwrap().remove(0);
+    fake_cuda::knob("copy_us", 0);
+    read_and_check(&FeatureStore::new(), &b);
+}
+
+#[test]
+fn fake_gpu_failed_copy_fails_the_batch_and_gives_its_space_back() {
+    let _g = setup();
+    let w = Writer::start(&device_config(8 << 20, Duration::from_secs(1))).unwrap();
+    let batch = vec![device_sample("x", &[1000, 2000, 3000], true, false)];
+    // The second copy of the batch fails to enqueue (after the first was enqueued).
+    fake_cuda::knob("fail_copies_after", 1);
+    let e = w.submit(batch).unwrap().wait().unwrap_err();
+    assert!(matches!(e, Error::Device { .. }), "{e}");
+    assert!(e.to_string().contains("CUDA_ERROR_INVALID_VALUE"), "{e}");
+    let s = w.stats();
+    assert_eq!((s.resident_objects, s.free_bytes), (0, s.capacity), "{s:?}");
+    fake_cuda::knob("fail_copies_after", -1);
+    // Nothing of the failed batch is resident: the same keys publish now.
+    let p = publish(&w, device_sample("x", &[1000, 2000, 3000], true, false));
+    read_and_check(&FeatureStore::new(), &p);
+}
+
+#[test]
+fn fake_gpu_arena_full_wait_then_replace_on_the_device() {
+    let _g = setup();
+    let w = Writer::start(&device_config(4 << 20, Duration::from_millis(300))).unwrap();
+    assert_eq!(w.capacity(), 4 << 20);
+    let a = publish(&w, device_sample("a", &[3 << 20], false, false));
+    let e = w
+        .submit(vec![device_sample("b", &[3 << 20], false, false)])
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    assert!(matches!(e, Error::ArenaFull { .. }), "{e}");
+    // A replace of the resident sample fits in place of the old one.
+    let mut s = Sample::new("st", "a", 1).unwrap().with_replace(true);
+    let new = vec![0x5au8; 3 << 20];
+    let buf = DeviceBuffer::new(0, new.len() as u64).unwrap();
+    buf.upload(0, &new).unwrap();
+    // SAFETY: as in `device_sample`.
+    let data = unsafe { TensorData::device(buf.ptr(), buf.len(), 0, None, buf) }.unwrap();
+    s.push(Tensor::new("t0", vec![3 << 20], Dtype::Uint8, data).unwrap())
+        .unwrap();
+    let r = publish(&w, s);
+    assert_eq!(r.features["t0"].address, a.features["t0"].address);
+    let mut back = vec![0u8; 3 << 20];
+    FeatureStore::new().get_into(&r, "t0", &mut back).unwrap();
+    assert!(back == new, "the replaced bytes were not read back");
+}
+
+#[test]
+fn fake_gpu_fabric_only_when_a_real_export_works() {
+    let _g = setup();
+    // The device says fabric, but there is no IMEX channel: POSIX fd, and the log says why.
+    fake_cuda::knob("fabric_attr", 1);
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    assert!(w.arena_ref().session.contains("&handle=fd&"));
+    drop(w);
+    fake_cuda::knob("imex", 1);
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    let session = w.arena_ref().session.clone();
+    assert!(session.contains("&handle=fabric&fabric="), "{session}");
+    // The handle travels in the session: imported without the reply path.
+    let p = publish(&w, device_sample("f", &[5000, 7], true, false));
+    let store = FeatureStore::new();
+    read_and_check(&store, &p);
+    store.release(&p).unwrap();
+    store.flush().unwrap();
+    wait_all_free(&w);
+    // A session whose fabric handle was forged is refused before any read.
+    let forged = session.replace("&fabric=46414b45", "&fabric=00000000");
+    assert!(FeatureStore::new().reader().open(&forged).is_err());
+}
+
+#[test]
+fn fake_gpu_reader_checks_ranges_and_notices_a_gone_producer() {
+    let _g = setup();
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    let p = publish(&w, device_sample("r", &[4096], false, false));
+    let store = FeatureStore::new();
+    let t = store.reader().open(&p.arena.session).unwrap();
+    let end = p.features["t0"].address + w.capacity();
+    let mut buf = vec![0u8; 16];
+    let e = t
+        .read(&mut [capture_arena::ReadOp {
+            address: end - 8,
+            into: Destination::Host(&mut buf),
+        }])
+        .unwrap_err();
+    assert!(matches!(e, Error::OutOfRange { .. }), "{e}");
+    // A session string naming a different arena (another nonce) is refused by the writer.
+    let other = {
+        let (head, tail) = p.arena.session.split_once('-').unwrap();
+        let nonce = &tail[..32];
+        let flipped: String = nonce
+            .chars()
+            .map(|c| if c == '0' { '1' } else { '0' })
+            .collect();
+        format!("{head}-{flipped}{}", &tail[32..])
+    };
+    let e = FeatureStore::new().reader().open(&other).unwrap_err();
+    assert!(matches!(e, Error::StaleSession { .. }), "{e}");
+    drop(w);
+    // Within a second of the producer's writer going, reads fail as stale.
+    std::thread::sleep(Duration::from_millis(1100));
+    let mut out = vec![0u8; 4096];
+    let e = store.get_into(&p, "t0", &mut out).unwrap_err();
+    assert!(matches!(e, Error::StaleSession { .. }), "{e}");
+    assert!(capture_arena::transport::is_gone(&p.arena.session));
+}
+
+#[test]
+fn fake_gpu_external_region_takes_someone_elses_device_memory() {
+    let _g = setup();
+    let mem = DeviceBuffer::new(0, 1 << 20).unwrap();
+    let ptr = mem.ptr();
+    let keep = std::sync::Arc::new(mem);
+    // SAFETY: the buffer is device memory of 1 MiB, kept alive by the region (owner) and
+    // written by nobody else.
+    let region = unsafe {
+        ExternalDeviceRegion::new(ptr, 1 << 20, 0, "engine-host:12345".into(), keep.clone())
+    }
+    .unwrap();
+    let w = Writer::start_with_region(
+        &util::config(1 << 20, Duration::from_secs(1)),
+        Box::new(region),
+    )
+    .unwrap();
+    assert_eq!(w.arena_ref().session, "engine-host:12345");
+    let p = publish(&w, device_sample("e", &[1000, 333], true, false));
+    for (name, f) in &p.features {
+        let n = f.shape[0] as usize;
+        let mut back = vec![0u8; n];
+        keep.download(f.address - ptr, &mut back).unwrap();
+        assert_eq!(back, bytes_of("e", name, n), "{name}");
+    }
+}
+
+#[test]
+fn fake_gpu_device_tensors_under_a_host_arena_are_copied_to_host() {
+    let _g = setup();
+    let w = Writer::start(&util::config(1 << 20, Duration::from_secs(1))).unwrap();
+    assert!(w.arena_ref().session.starts_with("shm://"));
+    let p = publish(&w, device_sample("h", &[1000, 77], false, false));
+    // Read into host and into device buffers from shared memory.
+    read_and_check(&FeatureStore::new(), &p);
+}
+
+#[test]
+fn fake_gpu_no_device_is_a_clear_error_not_a_crash() {
+    let _g = setup();
+    let e = Writer::start(&Config {
+        device: Some(3),
+        ..device_config(1 << 20, Duration::from_secs(1))
+    })
+    .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.contains("sees 1 device") && text.contains("SGLANG_SPEC_CAPTURE_ARENA_DEVICE"),
+        "{text}"
+    );
+}

@@ -1,0 +1,376 @@
+/*
+ * A fake CUDA driver (libcuda.so.1) for tests on machines without a GPU.
+ *
+ * It implements exactly the driver entry points capture-arena's `cuda` feature calls, with host
+ * memory standing in for device memory: a "device allocation" is a memfd, its POSIX-fd export a
+ * duplicate of it, its fabric handle the exporter's pid and descriptor (imported through
+ * /proc/<pid>/fd, so it works across processes of one user), a virtual address reservation an
+ * inaccessible anonymous mapping, cuMemMap a MAP_FIXED shared mapping of the memfd, streams
+ * worker threads that run copies, event records and host functions in order. So the device
+ * path's logic (asynchronous completion, handle export and import across processes, mapping
+ * lifetimes, error handling) runs for real; only the GPU is fake. Never install it anywhere a
+ * real driver should be found: tests load it by path.
+ *
+ * Knobs: environment variables give the defaults; a test in the same process changes them with
+ * fake_cuda_knob("copy_us" | "fail_copies_after" | "fabric_attr" | "imex", value):
+ *   FAKE_CUDA_DEVICES=N        devices visible (default 1)
+ *   FAKE_CUDA_FABRIC_ATTR=1    report fabric handle support
+ *   FAKE_CUDA_IMEX=1           let fabric allocations succeed (else NOT_PERMITTED, as without IMEX)
+ *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
+ *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
+ *   FAKE_CUDA_NO_DEVICE=1      cuInit fails with CUDA_ERROR_NO_DEVICE
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef void (*CUhostFn)(void *);
+
+enum {
+  OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101,
+  INVALID_HANDLE = 400, NOT_READY = 600, NOT_PERMITTED = 800, NOT_SUPPORTED = 801
+};
+
+static int env_int(const char *k, int dflt) {
+  const char *v = getenv(k);
+  return v && *v ? atoi(v) : dflt;
+}
+
+static int devices(void) { return env_int("FAKE_CUDA_DEVICES", 1); }
+
+/* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
+static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2;
+static long copies;
+static long knob(long *k, const char *env, long dflt) {
+  long v = __atomic_load_n(k, __ATOMIC_SEQ_CST);
+  return v == -2 ? env_int(env, (int)dflt) : v;
+}
+long fake_cuda_knob(const char *name, long value) {
+  long *k = !strcmp(name, "copy_us") ? &knob_copy_us
+          : !strcmp(name, "fail_copies_after") ? &knob_fail_after
+          : !strcmp(name, "fabric_attr") ? &knob_fabric_attr
+          : !strcmp(name, "imex") ? &knob_imex : NULL;
+  if (!k) return -3;
+  if (k == &knob_fail_after) __atomic_store_n(&copies, 0, __ATOMIC_SEQ_CST);
+  return __atomic_exchange_n(k, value, __ATOMIC_SEQ_CST);
+}
+static int imex(void) { return (int)knob(&knob_imex, "FAKE_CUDA_IMEX", 0); }
+
+CUresult cuInit(unsigned flags) { (void)flags; return env_int("FAKE_CUDA_NO_DEVICE", 0) ? NO_DEVICE : OK; }
+CUresult cuDriverGetVersion(int *v) { *v = 12080; return OK; }
+CUresult cuDeviceGetCount(int *n) { *n = devices(); return OK; }
+CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+  if (ordinal < 0 || ordinal >= devices()) return INVALID_DEVICE;
+  *d = ordinal;
+  return OK;
+}
+CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
+  (void)d;
+  if (attr == 128) *v = (int)knob(&knob_fabric_attr, "FAKE_CUDA_FABRIC_ATTR", 0);
+  else if (attr == 103) *v = 1;
+  else *v = 0;
+  return OK;
+}
+CUresult cuDeviceGetName(char *name, int len, CUdevice d) {
+  snprintf(name, (size_t)len, "Fake CUDA device %d (host memory)", d);
+  return OK;
+}
+CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) {
+  for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xf0 + i);
+  uuid[15] = (unsigned char)d;
+  return OK;
+}
+CUresult cuDeviceCanAccessPeer(int *v, CUdevice a, CUdevice b) { (void)a; (void)b; *v = 1; return OK; }
+CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) { *ctx = (void *)(intptr_t)(d + 1); return OK; }
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
+CUresult cuCtxSetCurrent(void *ctx) { return ctx ? OK : INVALID_VALUE; }
+
+static const char *names[][2] = {
+  {"CUDA_SUCCESS", "no error"},
+  {"CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+  {"CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+  {"CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+  {"CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+  {"CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+  {"CUDA_ERROR_NOT_READY", "device not ready"},
+  {"CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
+  {"CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+};
+static int name_index(CUresult e) {
+  switch (e) {
+    case OK: return 0; case INVALID_VALUE: return 1; case OUT_OF_MEMORY: return 2;
+    case NO_DEVICE: return 3; case INVALID_DEVICE: return 4; case INVALID_HANDLE: return 5;
+    case NOT_READY: return 6; case NOT_PERMITTED: return 7; case NOT_SUPPORTED: return 8;
+    default: return -1;
+  }
+}
+CUresult cuGetErrorName(CUresult e, const char **s) {
+  int i = name_index(e);
+  if (i < 0) return INVALID_VALUE;
+  *s = names[i][0];
+  return OK;
+}
+CUresult cuGetErrorString(CUresult e, const char **s) {
+  int i = name_index(e);
+  if (i < 0) return INVALID_VALUE;
+  *s = names[i][1];
+  return OK;
+}
+
+/* ---- virtual memory ---- */
+typedef struct { int type; int handle_types; int loc_type; int loc_id; } Prop;
+enum { FABRIC = 8, POSIX_FD = 1 };
+
+static size_t granule(void) { return (size_t)env_int("FAKE_CUDA_GRANULARITY", 2 << 20); }
+CUresult cuMemGetAllocationGranularity(size_t *g, const Prop *p, int option) {
+  (void)p; (void)option;
+  *g = granule();
+  return OK;
+}
+/* An allocation handle is its memfd + 1. */
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p, unsigned long long flags) {
+  (void)flags;
+  if (p->loc_id < 0 || p->loc_id >= devices()) return INVALID_DEVICE;
+  if ((p->handle_types & FABRIC) && !imex()) return NOT_PERMITTED;
+  if (size == 0 || size % granule()) return INVALID_VALUE;
+  int fd = memfd_create("fake-cuda-allocation", MFD_CLOEXEC);
+  if (fd < 0) return OUT_OF_MEMORY;
+  if (ftruncate(fd, (off_t)size) != 0) { close(fd); return OUT_OF_MEMORY; }
+  *h = (CUmemGenericAllocationHandle)fd + 1;
+  return OK;
+}
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) { return close((int)h - 1) == 0 ? OK : INVALID_HANDLE; }
+
+typedef struct { char magic[8]; int pid; int fd; char pad[48]; } FabricHandle;
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {
+  (void)flags;
+  int fd = (int)h - 1;
+  if (type == POSIX_FD) {
+    int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (d < 0) return INVALID_HANDLE;
+    *(int *)out = d;
+    return OK;
+  }
+  if (type == FABRIC) {
+    if (!imex()) return NOT_PERMITTED;
+    FabricHandle f;
+    memset(&f, 0, sizeof f);
+    memcpy(f.magic, "FAKEFAB", 8);
+    f.pid = getpid();
+    f.fd = fd;
+    memcpy(out, &f, sizeof f);
+    return OK;
+  }
+  return NOT_SUPPORTED;
+}
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os, int type) {
+  int fd = -1;
+  if (type == POSIX_FD) {
+    fd = fcntl((int)(intptr_t)os, F_DUPFD_CLOEXEC, 0);
+  } else if (type == FABRIC) {
+    FabricHandle f;
+    memcpy(&f, os, sizeof f);
+    if (memcmp(f.magic, "FAKEFAB", 8) != 0) return INVALID_VALUE;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/fd/%d", f.pid, f.fd);
+    fd = open(path, O_RDWR | O_CLOEXEC);
+  } else {
+    return NOT_SUPPORTED;
+  }
+  if (fd < 0) return INVALID_VALUE;
+  *h = (CUmemGenericAllocationHandle)fd + 1;
+  return OK;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+  (void)addr; (void)flags;
+  if (align == 0) align = granule();
+  char *p = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return OUT_OF_MEMORY;
+  uintptr_t a = ((uintptr_t)p + align - 1) / align * align;
+  if (a > (uintptr_t)p) munmap(p, a - (uintptr_t)p);
+  size_t tail = (uintptr_t)p + size + align - (a + size);
+  if (tail) munmap((char *)a + size, tail);
+  *ptr = (CUdeviceptr)a;
+  return OK;
+}
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) { return munmap((void *)(uintptr_t)ptr, size) == 0 ? OK : INVALID_VALUE; }
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags) {
+  (void)flags;
+  void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, (int)h - 1, (off_t)offset);
+  return p == MAP_FAILED ? INVALID_VALUE : OK;
+}
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? INVALID_VALUE : OK;
+}
+typedef struct { int loc_type; int loc_id; int flags; } AccessDesc;
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const AccessDesc *d, size_t count) {
+  for (size_t i = 0; i < count; i++)
+    if (d[i].loc_id < 0 || d[i].loc_id >= devices()) return INVALID_DEVICE;
+  return mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) == 0 ? OK : INVALID_VALUE;
+}
+#define ALLOC_HEADER 4096
+CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
+  char *p = mmap(NULL, size + ALLOC_HEADER, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return OUT_OF_MEMORY;
+  *(size_t *)p = size;
+  *ptr = (CUdeviceptr)(uintptr_t)(p + ALLOC_HEADER);
+  return OK;
+}
+CUresult cuMemFree_v2(CUdeviceptr ptr) {
+  char *p = (char *)(uintptr_t)ptr - ALLOC_HEADER;
+  return munmap(p, *(size_t *)p + ALLOC_HEADER) == 0 ? OK : INVALID_VALUE;
+}
+
+/* ---- streams and events ---- */
+typedef struct Event { pthread_mutex_t mu; pthread_cond_t cv; long pending; } Event;
+enum { OP_COPY, OP_RECORD, OP_WAIT, OP_HOST };
+typedef struct Op { int kind; void *dst; const void *src; size_t n; Event *ev; CUhostFn fn; void *data; struct Op *next; } Op;
+typedef struct Stream {
+  pthread_mutex_t mu; pthread_cond_t cv; Op *head, *tail; int busy, stop; pthread_t thread;
+} Stream;
+
+static void event_done(Event *e) {
+  pthread_mutex_lock(&e->mu);
+  e->pending--;
+  pthread_cond_broadcast(&e->cv);
+  pthread_mutex_unlock(&e->mu);
+}
+static void event_wait(Event *e) {
+  pthread_mutex_lock(&e->mu);
+  while (e->pending > 0) pthread_cond_wait(&e->cv, &e->mu);
+  pthread_mutex_unlock(&e->mu);
+}
+static void *worker(void *arg) {
+  Stream *s = arg;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    while (!s->head && !s->stop) pthread_cond_wait(&s->cv, &s->mu);
+    if (!s->head && s->stop) break;
+    Op *op = s->head;
+    s->head = op->next;
+    if (!s->head) s->tail = NULL;
+    s->busy = 1;
+    pthread_mutex_unlock(&s->mu);
+    switch (op->kind) {
+      case OP_COPY: {
+        long delay = knob(&knob_copy_us, "FAKE_CUDA_COPY_US", 0);
+        if (delay > 0) usleep((useconds_t)delay);
+        memcpy(op->dst, op->src, op->n);
+        break;
+      }
+      case OP_RECORD: event_done(op->ev); break;
+      case OP_WAIT: event_wait(op->ev); break;
+      case OP_HOST: op->fn(op->data); break;
+    }
+    free(op);
+    pthread_mutex_lock(&s->mu);
+    s->busy = 0;
+    pthread_cond_broadcast(&s->cv);
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+static CUresult push(Stream *s, Op o) {
+  if (!s) return INVALID_HANDLE; /* the legacy default stream is not modelled */
+  Op *op = malloc(sizeof *op);
+  if (!op) return OUT_OF_MEMORY;
+  *op = o;
+  op->next = NULL;
+  pthread_mutex_lock(&s->mu);
+  if (s->tail) s->tail->next = op; else s->head = op;
+  s->tail = op;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  return OK;
+}
+CUresult cuStreamCreate(Stream **out, unsigned flags) {
+  (void)flags;
+  Stream *s = calloc(1, sizeof *s);
+  if (!s) return OUT_OF_MEMORY;
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->cv, NULL);
+  if (pthread_create(&s->thread, NULL, worker, s) != 0) { free(s); return OUT_OF_MEMORY; }
+  *out = s;
+  return OK;
+}
+CUresult cuStreamSynchronize(Stream *s) {
+  if (!s) return OK;
+  pthread_mutex_lock(&s->mu);
+  while (s->head || s->busy) pthread_cond_wait(&s->cv, &s->mu);
+  pthread_mutex_unlock(&s->mu);
+  return OK;
+}
+CUresult cuStreamDestroy_v2(Stream *s) {
+  if (!s) return INVALID_HANDLE;
+  cuStreamSynchronize(s);
+  pthread_mutex_lock(&s->mu);
+  s->stop = 1;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+  pthread_join(s->thread, NULL);
+  free(s);
+  return OK;
+}
+CUresult cuEventCreate(Event **out, unsigned flags) {
+  (void)flags;
+  Event *e = calloc(1, sizeof *e);
+  if (!e) return OUT_OF_MEMORY;
+  pthread_mutex_init(&e->mu, NULL);
+  pthread_cond_init(&e->cv, NULL);
+  *out = e;
+  return OK;
+}
+CUresult cuEventDestroy_v2(Event *e) { if (!e) return INVALID_HANDLE; event_wait(e); free(e); return OK; }
+CUresult cuEventRecord(Event *e, Stream *s) {
+  if (!e) return INVALID_HANDLE;
+  if (!s) return OK; /* nothing runs on the fake default stream: complete at once */
+  pthread_mutex_lock(&e->mu);
+  e->pending++;
+  pthread_mutex_unlock(&e->mu);
+  Op o = {.kind = OP_RECORD, .ev = e};
+  return push(s, o);
+}
+CUresult cuEventQuery(Event *e) {
+  if (!e) return INVALID_HANDLE;
+  pthread_mutex_lock(&e->mu);
+  long p = e->pending;
+  pthread_mutex_unlock(&e->mu);
+  return p > 0 ? NOT_READY : OK;
+}
+CUresult cuStreamWaitEvent(Stream *s, Event *e, unsigned flags) {
+  (void)flags;
+  if (!e) return INVALID_HANDLE;
+  Op o = {.kind = OP_WAIT, .ev = e};
+  return push(s, o);
+}
+CUresult cuLaunchHostFunc(Stream *s, CUhostFn fn, void *data) {
+  Op o = {.kind = OP_HOST, .fn = fn, .data = data};
+  return push(s, o);
+}
+static CUresult copy(void *dst, const void *src, size_t n, Stream *s) {
+  long limit = knob(&knob_fail_after, "FAKE_CUDA_FAIL_COPIES_AFTER", -1);
+  if (limit >= 0 && __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST) > limit) return INVALID_VALUE;
+  Op o = {.kind = OP_COPY, .dst = dst, .src = src, .n = n};
+  return push(s, o);
+}
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, Stream *s) {
+  return copy((void *)(uintptr_t)dst, src, n, s);
+}
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, Stream *s) {
+  return copy(dst, (const void *)(uintptr_t)src, n, s);
+}
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, Stream *s) {
+  return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n, s);
+}

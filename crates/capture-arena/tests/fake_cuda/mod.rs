@@ -1,0 +1,70 @@
+//! Builds and loads the fake CUDA driver (`fake_cuda.c`): host memory standing in for a GPU,
+//! for tests of the device path on machines without one. Every test that uses it says `fake_gpu`
+//! in its name. Shared by the core's and the CLI's tests (`#[path]`).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+/// The C source, next to this file.
+const SOURCE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../capture-arena/tests/fake_cuda/fake_cuda.c"
+);
+
+/// Compiles the fake driver once per test binary into `<dir>/libcuda.so.1` and returns `<dir>`
+/// (put it on `LD_LIBRARY_PATH` of a child process).
+pub fn dir(target_tmp: &str) -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = Path::new(target_tmp).join(format!("fake-cuda-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("creating the fake driver's folder");
+        let out = dir.join("libcuda.so.1");
+        let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+            .args([
+                "-shared",
+                "-fPIC",
+                "-O2",
+                "-Wall",
+                "-Wl,-soname,libcuda.so.1",
+                "-o",
+            ])
+            .arg(&out)
+            .arg(SOURCE)
+            .arg("-lpthread")
+            .status()
+            .expect("running the C compiler (cc) for the fake CUDA driver");
+        assert!(status.success(), "compiling {SOURCE} failed");
+        dir
+    })
+}
+
+/// Loads the fake driver into this process under its soname, so the driver lookup
+/// (`libcuda.so.1`) finds it. Call before anything touches the driver.
+pub fn load(target_tmp: &str) {
+    static LOADED: OnceLock<()> = OnceLock::new();
+    LOADED.get_or_init(|| {
+        let path = dir(target_tmp).join("libcuda.so.1");
+        let c = std::ffi::CString::new(path.to_string_lossy().as_bytes()).unwrap();
+        // SAFETY: loads our own test library; it has no initialisers.
+        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        assert!(!h.is_null(), "dlopen of the fake driver failed");
+    });
+}
+
+/// Sets a knob of the loaded fake driver (`copy_us`, `fail_copies_after`, `fabric_attr`,
+/// `imex`); returns the old value.
+pub fn knob(name: &str, value: i64) -> i64 {
+    let c = std::ffi::CString::new(name).unwrap();
+    let sym = std::ffi::CString::new("fake_cuda_knob").unwrap();
+    // SAFETY: looks up our fake's function in the global scope (loaded by `load`) and calls it
+    // with a NUL-terminated name; it has that signature.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
+        assert!(!f.is_null(), "the fake driver is not loaded");
+        let f: extern "C" fn(*const std::ffi::c_char, std::ffi::c_long) -> std::ffi::c_long =
+            std::mem::transmute(f);
+        f(c.as_ptr(), value as std::ffi::c_long) as i64
+    }
+}
