@@ -28,6 +28,10 @@ pub struct Args {
     /// Draw bandwidth vs size as a PNG here.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// With --device: the GPU rows (d2d_copy, publish_device, read_device from another
+    /// process, end_to_end_device, batch_16x4_device) instead of the host ones.
+    #[command(flatten)]
+    pub gpu: crate::workload::Gpu,
 }
 
 /// One row of the table.
@@ -200,16 +204,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let machine = machine();
     println!("capture-arena bench on {machine}");
     println!(
-        "{:<12} {:>12} {:>12} {:>10} {:>14}",
+        "{:<18} {:>12} {:>12} {:>10} {:>14}",
         "what", "bytes", "GB/s", "x memcpy", "median us"
     );
+    if args.gpu.device {
+        crate::device::Outs::new(args.gpu.gpu)?;
+        println!(
+            "(device rows: x memcpy is x d2d_copy of the same bytes on GPU {})",
+            args.gpu.gpu
+        );
+    }
     let mut rows = Vec::new();
     for &size in &args.sizes {
-        for r in measure(size, reps_for(size, args.reps))
-            .with_context(|| format!("measuring {size} bytes"))?
-        {
+        let reps = reps_for(size, args.reps);
+        let measured = if args.gpu.device {
+            crate::device::bench(size, reps, args.gpu.gpu)
+        } else {
+            measure(size, reps)
+        };
+        for r in measured.with_context(|| format!("measuring {size} bytes"))? {
             println!(
-                "{:<12} {:>12} {:>12.2} {:>10.3} {:>14.1}",
+                "{:<18} {:>12} {:>12.2} {:>10.3} {:>14.1}",
                 r.what, r.bytes, r.gbps, r.ratio_to_memcpy, r.median_us
             );
             rows.push(r);

@@ -18,11 +18,13 @@ use capture_arena::client::FeatureStore;
 use capture_arena::SampleResult;
 use serde::Serialize;
 
-use crate::workload::verify;
+use crate::workload::{verify, Gpu};
 
 /// Flags of `consume`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
+    #[command(flatten)]
+    pub gpu: Gpu,
     /// Skip checking the content pattern (read and free only).
     #[arg(long)]
     pub no_verify: bool,
@@ -98,6 +100,10 @@ pub struct Summary {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let store = FeatureStore::new();
     let mut bufs: Vec<Vec<u8>> = Vec::new();
+    let mut device = match args.gpu.ordinal() {
+        Some(g) => Some(crate::device::Outs::new(g)?),
+        None => None,
+    };
     let mut lat: Vec<Duration> = Vec::new();
     let mut free_lat: Vec<Duration> = Vec::new();
     let mut s = Summary::default();
@@ -152,6 +158,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             }
         };
         let t0 = Instant::now();
+        // Device buffer allocation and the copy back for the check are not the read.
+        let mut extra = Duration::ZERO;
         let names: Vec<&str> = p.features.keys().map(String::as_str).collect();
         // Validated, and every feature checked against the arena, before sizing a buffer; then
         // one request for all of them.
@@ -174,19 +182,33 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 for (b, &n) in bufs.iter_mut().zip(&lens) {
                     b.resize(n, 0);
                 }
-                let mut outs: Vec<(&str, &mut [u8])> = names
-                    .iter()
-                    .copied()
-                    .zip(bufs.iter_mut().map(Vec::as_mut_slice))
-                    .collect();
-                store.get_many_into(&p, &mut outs)?;
+                if let Some(dev) = device.as_mut() {
+                    // Into device buffers (allocated before the clock starts counting reads
+                    // only once per size), then back to host for the check.
+                    let t_alloc = Instant::now();
+                    dev.reserve(&lens)?;
+                    extra += t_alloc.elapsed();
+                    store.get_many_to(&p, &mut dev.destinations(&names))?;
+                    if !args.no_verify {
+                        let t_down = Instant::now();
+                        dev.download(&mut bufs)?;
+                        extra += t_down.elapsed();
+                    }
+                } else {
+                    let mut outs: Vec<(&str, &mut [u8])> = names
+                        .iter()
+                        .copied()
+                        .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+                        .collect();
+                    store.get_many_into(&p, &mut outs)?;
+                }
                 Ok(lens.iter().map(|&n| n as u64).sum::<u64>())
             });
         let (bytes, read_err) = match read {
             Ok(b) => (b, None),
             Err(e) => (0, Some(e)),
         };
-        let took = t0.elapsed();
+        let took = t0.elapsed().saturating_sub(extra);
         let mut ok = read_err.is_none();
         // A producer that is gone has no objects left to free; a result refused as invalid
         // names nothing this trainer may free.

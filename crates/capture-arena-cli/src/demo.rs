@@ -11,13 +11,15 @@ use anyhow::{bail, Context};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use serde_json::Value;
 
-use crate::workload::{gib, size_arg, Workload};
+use crate::workload::{gib, size_arg, Gpu, Workload};
 
 /// Flags of `demo`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     #[command(flatten)]
     pub workload: Workload,
+    #[command(flatten)]
+    pub gpu: Gpu,
     /// Arena size (default: 2 GiB, or less when the data is small, so that frees must flow back).
     #[arg(long, value_parser = size_arg)]
     pub arena_bytes: Option<u64>,
@@ -170,12 +172,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             &arena.to_string(),
         ])
         .args(["--idle-timeout", &args.idle_timeout.to_string(), "--quiet"])
+        .args(args.gpu.flags())
         .stdout(Stdio::piped())
         .spawn()
         .map(Reaped::new)
         .context("starting the producer process")?;
     let mut trainer = Command::new(&exe)
         .args(["consume", "--progress", "--quiet"])
+        .args(args.gpu.flags())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
@@ -291,6 +295,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ),
     );
     row("moved", gib(moved));
+    let session = pf["session"].as_str().unwrap_or("?");
+    row(
+        "arena",
+        if session.starts_with("cuda://") {
+            format!(
+                "GPU {} (device memory; trainer reads into device buffers): {session}",
+                args.gpu.gpu
+            )
+        } else {
+            format!("host shared memory: {session}")
+        },
+    );
     // The data path: what capture-arena itself does with the bytes.
     let publish_s = f(&pf, "publish_s");
     let (read_s, free_s) = (f(&sm, "read_s"), f(&sm, "free_s"));

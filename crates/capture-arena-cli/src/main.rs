@@ -6,6 +6,7 @@ mod bench;
 mod clean;
 mod consume;
 mod demo;
+mod device;
 mod produce;
 mod workload;
 

@@ -15,13 +15,15 @@ use anyhow::Context;
 use capture_arena::{BatchHandle, Config, SampleResult, Writer};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::workload::{gib, size_arg, Pool, Workload};
+use crate::workload::{gib, size_arg, Gpu, Pool, Workload};
 
 /// Flags of `produce`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     #[command(flatten)]
     pub workload: Workload,
+    #[command(flatten)]
+    pub gpu: Gpu,
     /// Arena size, e.g. 2GiB (default: $SGLANG_SPEC_CAPTURE_ARENA_BYTES). Other settings come
     /// from the SGLANG_SPEC_CAPTURE_* variables.
     #[arg(long, value_parser = size_arg)]
@@ -58,6 +60,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut config = Config::from_env()?;
     if let Some(b) = args.arena_bytes {
         config.arena_bytes = Some(b);
+    }
+    if let Some(g) = args.gpu.ordinal() {
+        config.gpu_put = Some(true);
+        config.device = Some(g);
     }
     let capacity = config
         .required_arena_bytes()
@@ -103,7 +109,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         let t_gen = Instant::now();
         let samples = chunk
             .iter()
-            .map(|&i| w.sample(i, &pool))
+            .map(|&i| w.sample(i, &pool, args.gpu.ordinal()))
             .collect::<anyhow::Result<Vec<_>>>()?;
         generate += t_gen.elapsed();
         inflight.push_back(writer.submit(samples)?);
@@ -175,7 +181,10 @@ fn remove_arena_on_signal(session: &str) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .context("installing signal handlers")?;
-    let session: capture_arena::memory::ShmSession = session.parse()?;
+    // Device memory goes with the process; only shared memory outlives it.
+    let Ok(session) = session.parse::<capture_arena::memory::ShmSession>() else {
+        return Ok(());
+    };
     std::thread::Builder::new()
         .name("produce-signals".into())
         .spawn(move || {

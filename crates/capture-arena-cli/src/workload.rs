@@ -105,6 +105,34 @@ impl Drop for Pooled {
     }
 }
 
+/// Where the data lives (shared by `demo`, `produce`, `consume`, `bench`).
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct Gpu {
+    /// Use GPU memory: publish device tensors into a device arena (CUDA virtual memory,
+    /// exported to the trainer by handle), and read into device buffers.
+    #[arg(long)]
+    pub device: bool,
+    /// The GPU for --device (ordinal in this process).
+    #[arg(long, default_value_t = 0)]
+    pub gpu: i32,
+}
+
+impl Gpu {
+    /// The GPU ordinal with `--device`, else `None`.
+    pub fn ordinal(&self) -> Option<i32> {
+        self.device.then_some(self.gpu)
+    }
+
+    /// The flags that pass this on to a child process.
+    pub fn flags(&self) -> Vec<String> {
+        if self.device {
+            vec!["--device".into(), "--gpu".into(), self.gpu.to_string()]
+        } else {
+            Vec::new()
+        }
+    }
+}
+
 /// The shape of the synthetic workload (shared by `demo` and `produce`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct Workload {
@@ -198,7 +226,9 @@ impl Workload {
 
     /// Builds sample `i` with every tensor filled with its key's pattern: aux `[1, L, k*H]` and
     /// last hidden `[1, L, H]` in bf16, `input_ids` and `loss_mask` `[1, L]` int64.
-    pub fn sample(&self, i: usize, pool: &Pool) -> anyhow::Result<Sample> {
+    ///
+    /// With `gpu`, every tensor is uploaded to device memory of that GPU first.
+    pub fn sample(&self, i: usize, pool: &Pool, gpu: Option<i32>) -> anyhow::Result<Sample> {
         let l = self.len_of(i);
         let id = self.sample_id(i);
         let mut s = Sample::new(&self.store_id, &id, 1)?;
@@ -220,10 +250,13 @@ impl Workload {
                 .ok_or_else(|| anyhow::anyhow!("shape {shape:?} overflows"))?;
             let mut buf = pool.take(usize::try_from(n)?);
             fill(Key::new(&self.store_id, &id, 1, name)?.as_str(), &mut buf);
-            let data = TensorData::host(Pooled {
-                buf,
-                pool: pool.clone(),
-            });
+            let data = match gpu {
+                Some(g) => crate::device::upload(&buf, g)?,
+                None => TensorData::host(Pooled {
+                    buf,
+                    pool: pool.clone(),
+                }),
+            };
             s.push(Tensor::new(name, shape, dtype, data)?)?;
         }
         Ok(s)

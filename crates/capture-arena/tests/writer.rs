@@ -453,3 +453,37 @@ fn a_region_that_completes_later_is_committed_only_then_and_frees_flow_meanwhile
         .all(|&b| b == 7));
     assert_eq!(w.stats().published_batches, 2);
 }
+
+/// Device publication on a machine without a CUDA driver (or in a build without the `cuda`
+/// feature) fails when the arena is asked for, with an error that says what to change, and
+/// never panics.
+#[test]
+fn device_publication_without_a_cuda_driver_is_a_clear_error() {
+    let c = Config {
+        gpu_put: Some(true),
+        ..config(1 << 20, Duration::ZERO)
+    };
+    // The sink is made (lazily) without touching the driver.
+    let sink = Sink::new(c.clone()).unwrap();
+    #[cfg(feature = "cuda")]
+    if let Ok(info) = capture_arena::memory::cuda::driver() {
+        eprintln!(
+            "skipped: a CUDA driver is present ({}, {} devices); this test needs a machine \
+             without one",
+            info.library, info.devices
+        );
+        return;
+    }
+    let e = sink.writer().unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, capture_arena::Error::Device { .. }), "{text}");
+    if cfg!(feature = "cuda") {
+        assert!(
+            text.contains("no CUDA driver library") && text.contains("SGLANG_SPEC_CAPTURE_GPU_PUT"),
+            "{text}"
+        );
+    } else {
+        assert!(text.contains("--features cuda"), "{text}");
+    }
+    assert!(Writer::start(&c).is_err());
+}

@@ -786,6 +786,19 @@ impl DeviceBuffer {
         s.synchronize()
     }
 
+    /// Copies all of `src` (same length) into this buffer, device to device, and waits: the
+    /// plain device copy that benchmarks compare with.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRead`] for a length mismatch, [`Error::Device`].
+    pub fn copy_from(&self, src: &DeviceBuffer) -> Result<()> {
+        self.range(0, src.len)?;
+        let s = Stream::new(&self.ctx)?;
+        // SAFETY: both are live allocations of at least `src.len` bytes (checked).
+        unsafe { s.copy_dtod(self.ptr, src.ptr, src.len)? };
+        s.synchronize()
+    }
+
     fn range(&self, offset: u64, n: u64) -> Result<()> {
         if offset.checked_add(n).is_none_or(|e| e > self.len) {
             return Err(Error::InvalidRead {

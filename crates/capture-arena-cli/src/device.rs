@@ -1,0 +1,267 @@
+//! The CLI's GPU side (`--device`): device copies of the synthetic tensors, device buffers to
+//! read into, and the device rows of `bench`. Builds without the `cuda` feature say so when
+//! `--device` is used.
+
+use capture_arena::TensorData;
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use capture_arena::memory::cuda::DeviceBuffer;
+    use capture_arena::{Destination, DeviceSlice, TensorData};
+
+    /// A device copy of `bytes` on `gpu`, owned by the tensor.
+    pub fn upload(bytes: &[u8], gpu: i32) -> anyhow::Result<TensorData> {
+        let buf = DeviceBuffer::new(gpu, bytes.len() as u64)?;
+        buf.upload(0, bytes)?;
+        let (ptr, len) = (buf.ptr(), buf.len());
+        // SAFETY: the buffer is device memory of `len` bytes on `gpu`, moved into the tensor as
+        // its owner, and written by nobody else until the writer drops it.
+        Ok(unsafe { TensorData::device(ptr, len, gpu, None, buf) }?)
+    }
+
+    /// Device buffers a trainer reads into, reused while sizes repeat.
+    pub struct Outs {
+        gpu: i32,
+        bufs: Vec<DeviceBuffer>,
+    }
+
+    impl Outs {
+        pub fn new(gpu: i32) -> anyhow::Result<Outs> {
+            capture_arena::memory::cuda::driver()?;
+            Ok(Outs {
+                gpu,
+                bufs: Vec::new(),
+            })
+        }
+
+        /// One buffer per length, exactly that long.
+        pub fn reserve(&mut self, lens: &[usize]) -> capture_arena::Result<()> {
+            self.bufs.truncate(lens.len());
+            for (i, &n) in lens.iter().enumerate() {
+                if self.bufs.get(i).is_some_and(|b| b.len() == n as u64) {
+                    continue;
+                }
+                let b = DeviceBuffer::new(self.gpu, n as u64)?;
+                if i < self.bufs.len() {
+                    self.bufs[i] = b;
+                } else {
+                    self.bufs.push(b);
+                }
+            }
+            Ok(())
+        }
+
+        pub fn destinations<'a>(&self, names: &[&'a str]) -> Vec<(&'a str, Destination<'static>)> {
+            names
+                .iter()
+                .zip(&self.bufs)
+                // SAFETY: each buffer is device memory of exactly its length, owned by self and
+                // used by nothing else while the read runs.
+                .map(|(n, b)| {
+                    (
+                        *n,
+                        Destination::Device(unsafe {
+                            DeviceSlice::new(b.ptr(), b.len(), self.gpu)
+                        }),
+                    )
+                })
+                .collect()
+        }
+
+        /// Copies every buffer back to host memory (for the pattern check).
+        pub fn download(&self, out: &mut [Vec<u8>]) -> capture_arena::Result<()> {
+            for (b, o) in self.bufs.iter().zip(out.iter_mut()) {
+                b.download(0, o)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `bench --device`: rows `d2d_copy` (the reference), `publish_device`, `read_device` (a
+/// trainer in another process, reading into device memory through the imported handle),
+/// `end_to_end_device`, and `batch_16x4_device` (a batch of 16 samples x 4 small tensors: the
+/// writer's per-batch overhead).
+#[cfg(feature = "cuda")]
+pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::bench::Row>> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use anyhow::Context;
+    use capture_arena::memory::cuda::DeviceBuffer;
+    use capture_arena::{Config, Dtype, Sample, Tensor, TensorData, Writer};
+
+    let median = |mut v: Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let mut host = vec![0u8; usize::try_from(size)?];
+    crate::workload::fill("bench/src", &mut host);
+    let src = std::sync::Arc::new(DeviceBuffer::new(gpu, size)?);
+    src.upload(0, &host)?;
+    let dst = DeviceBuffer::new(gpu, size)?;
+    let tensor = |name: &str, buf: &std::sync::Arc<DeviceBuffer>| -> anyhow::Result<Tensor> {
+        // SAFETY: the buffer is device memory of its length on `gpu`, kept alive by the Arc the
+        // tensor owns, and not written while any batch that holds it is in flight.
+        let data = unsafe { TensorData::device(buf.ptr(), buf.len(), gpu, None, buf.clone()) }?;
+        Ok(Tensor::new(name, vec![buf.len()], Dtype::Uint8, data)?)
+    };
+    let w = Writer::start(&Config {
+        arena_bytes: Some(3 * size + (64 << 20)),
+        gpu_put: Some(true),
+        device: Some(gpu),
+        ..Config::default()
+    })?;
+    let exe = std::env::current_exe().context("finding the capture-arena executable")?;
+    let mut trainer = Command::new(exe)
+        .args([
+            "consume",
+            "--progress",
+            "--no-verify",
+            "--quiet",
+            "--device",
+            "--gpu",
+        ])
+        .arg(gpu.to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the trainer process")?;
+    let mut to_trainer = trainer.stdin.take().context("trainer stdin")?;
+    let mut from_trainer = BufReader::new(trainer.stdout.take().context("trainer stdout")?);
+    let mut read_remote = |line: &str| -> anyhow::Result<Duration> {
+        writeln!(to_trainer, "{line}")?;
+        to_trainer.flush()?;
+        let mut answer = String::new();
+        from_trainer.read_line(&mut answer)?;
+        let v: serde_json::Value = serde_json::from_str(&answer)
+            .with_context(|| format!("the trainer answered {answer:?}"))?;
+        anyhow::ensure!(
+            v["ok"] == serde_json::Value::Bool(true),
+            "the trainer failed: {v}"
+        );
+        Ok(Duration::from_secs_f64(
+            v["read_us"].as_f64().unwrap_or(0.0) / 1e6,
+        ))
+    };
+    let mut id = 0usize;
+    let mut next = || {
+        id += 1;
+        Sample::new("bench", &format!("d{size}-{id}"), 1)
+    };
+    // Warm-up: the trainer imports and maps the arena once.
+    let mut s = next()?;
+    s.push(tensor("x", &src)?)?;
+    let p = w.submit(vec![s])?.wait()?.remove(0);
+    read_remote(&serde_json::to_string(&p)?)?;
+    let mut t: [Vec<Duration>; 4] = Default::default();
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        dst.copy_from(&src)?;
+        t[0].push(t0.elapsed());
+        let mut s = next()?;
+        s.push(tensor("x", &src)?)?;
+        let t0 = Instant::now();
+        let p = w.submit(vec![s])?.wait()?.remove(0);
+        t[1].push(t0.elapsed());
+        let line = serde_json::to_string(&p)?;
+        t[2].push(read_remote(&line)?);
+        t[3].push(t0.elapsed());
+    }
+    // The writer's per-batch overhead: 16 samples x 4 tensors of 4 KiB.
+    let small: Vec<std::sync::Arc<DeviceBuffer>> = (0..4)
+        .map(|_| DeviceBuffer::new(gpu, 4096).map(std::sync::Arc::new))
+        .collect::<capture_arena::Result<_>>()?;
+    let mut batch_t = Vec::new();
+    for _ in 0..reps.max(5) {
+        let mut batch = Vec::new();
+        for _ in 0..16 {
+            let mut s = next()?.with_replace(true);
+            for (j, b) in small.iter().enumerate() {
+                s.push(tensor(&format!("t{j}"), b)?)?;
+            }
+            batch.push(s);
+        }
+        let t0 = Instant::now();
+        let ps = w.submit(batch)?.wait()?;
+        batch_t.push(t0.elapsed());
+        let keys: Vec<String> = ps
+            .iter()
+            .flat_map(|p| p.keys().unwrap_or_default())
+            .map(|k| k.to_string())
+            .collect();
+        let mut c = std::net::TcpStream::connect(&w.arena_ref().control)?;
+        writeln!(c, "{}", serde_json::to_string(&keys)?)?;
+    }
+    drop(to_trainer);
+    let _ = trainer.wait();
+    let [d2d, publish, read, e2e] = t.map(median);
+    let gbps = |d: Duration| size as f64 / d.as_secs_f64().max(1e-12) / 1e9;
+    let base = gbps(d2d);
+    let mut rows: Vec<crate::bench::Row> = [
+        ("d2d_copy", d2d),
+        ("publish_device", publish),
+        ("read_device", read),
+        ("end_to_end_device", e2e),
+    ]
+    .into_iter()
+    .map(|(what, d)| crate::bench::Row {
+        what,
+        bytes: size,
+        gbps: gbps(d),
+        ratio_to_memcpy: gbps(d) / base,
+        median_us: d.as_secs_f64() * 1e6,
+    })
+    .collect();
+    let b = median(batch_t);
+    rows.push(crate::bench::Row {
+        what: "batch_16x4_device",
+        bytes: 16 * 4 * 4096,
+        gbps: (16 * 4 * 4096) as f64 / b.as_secs_f64().max(1e-12) / 1e9,
+        ratio_to_memcpy: 0.0,
+        median_us: b.as_secs_f64() * 1e6,
+    });
+    Ok(rows)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn bench(_size: u64, _reps: usize, _gpu: i32) -> anyhow::Result<Vec<crate::bench::Row>> {
+    Outs::new(0).map(|_| Vec::new())
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use capture_arena::{Destination, TensorData};
+
+    const NO_CUDA: &str = "--device needs a capture-arena built with the cuda feature \
+                           (cargo build --features cuda)";
+
+    pub fn upload(_bytes: &[u8], _gpu: i32) -> anyhow::Result<TensorData> {
+        anyhow::bail!(NO_CUDA)
+    }
+
+    pub struct Outs;
+
+    impl Outs {
+        pub fn new(_gpu: i32) -> anyhow::Result<Outs> {
+            anyhow::bail!(NO_CUDA)
+        }
+        pub fn reserve(&mut self, _lens: &[usize]) -> capture_arena::Result<()> {
+            Ok(())
+        }
+        pub fn destinations<'a>(&self, _names: &[&'a str]) -> Vec<(&'a str, Destination<'static>)> {
+            Vec::new()
+        }
+        pub fn download(&self, _out: &mut [Vec<u8>]) -> capture_arena::Result<()> {
+            Ok(())
+        }
+    }
+}
+
+pub use imp::Outs;
+
+/// A device copy of `bytes` on `gpu` (see [`imp::upload`]).
+pub fn upload(bytes: &[u8], gpu: i32) -> anyhow::Result<TensorData> {
+    imp::upload(bytes, gpu)
+}

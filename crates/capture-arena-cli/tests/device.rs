@@ -1,0 +1,97 @@
+//! `--device` end to end in real processes: a producer publishing device tensors into a device
+//! arena and a trainer importing it by handle over the reply path, reading into device buffers.
+//! Without a GPU these run against the fake CUDA driver (host memory standing in for the GPU;
+//! every such test says `fake_gpu`); `scripts/gpu-check.sh` runs the same commands on a GPU.
+#![cfg(feature = "cuda")]
+
+#[path = "../../capture-arena/tests/fake_cuda/mod.rs"]
+mod fake_cuda;
+mod util;
+
+use std::process::Command;
+
+use util::EXE;
+
+const SMALL: [&str; 12] = [
+    "--samples",
+    "12",
+    "--min-len",
+    "16",
+    "--max-len",
+    "512",
+    "--hidden",
+    "256",
+    "--batch",
+    "3",
+    "--aux-layers",
+    "3",
+];
+
+fn with_fake_gpu(c: &mut Command) -> &mut Command {
+    c.env(
+        "LD_LIBRARY_PATH",
+        fake_cuda::dir(env!("CARGO_TARGET_TMPDIR")),
+    )
+}
+
+#[test]
+fn fake_gpu_demo_device_runs_producer_and_trainer_processes() {
+    let out = with_fake_gpu(Command::new(EXE).arg("demo").args(SMALL))
+        .args(["--arena-bytes", "4MiB", "--quiet", "--device"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "12 published, 12 read and verified",
+        "arena completely free            ok",
+        "cuda://",
+        "result                           OK",
+    ] {
+        assert!(text.contains(needle), "{needle:?} missing from\n{text}");
+    }
+}
+
+#[test]
+fn device_flags_without_a_cuda_driver_fail_with_what_to_do() {
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        eprintln!("skipped: this machine has an NVIDIA driver; the test needs one without");
+        return;
+    }
+    for args in [
+        &[
+            "produce",
+            "--samples",
+            "1",
+            "--max-len",
+            "512",
+            "--arena-bytes",
+            "64MiB",
+            "--device",
+        ][..],
+        &[
+            "demo",
+            "--samples",
+            "2",
+            "--max-len",
+            "512",
+            "--device",
+            "--quiet",
+        ][..],
+        &["bench", "--sizes", "1MiB", "--device"][..],
+    ] {
+        let out = Command::new(EXE)
+            .args(args)
+            .env_remove("LD_LIBRARY_PATH")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded without a GPU");
+        assert!(err.contains("no CUDA driver library"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+}
