@@ -23,6 +23,13 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "cargo test (unit, property, integration, process-level, benches once)"
 cargo test --workspace --all-targets
 
+step "the core's default build (no cuda feature): clippy and tests"
+# The workspace build above has the core's cuda feature on (the CLI and the Python module enable
+# it; the driver is loaded at run time, and without a GPU the device tests run against the fake
+# driver in crates/capture-arena/tests/fake_cuda). This checks the build without it.
+cargo clippy -p capture-arena --all-targets -- -D warnings
+cargo test -p capture-arena --all-targets
+
 step "cargo test --doc"
 cargo test --workspace --doc
 

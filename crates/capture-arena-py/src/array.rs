@@ -90,3 +90,63 @@ pub fn disjoint(py: Python<'_>, ranges: &[(usize, usize)]) -> PyResult<()> {
     }
     Ok(())
 }
+
+static CUDA_BYTES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// A contiguous CUDA tensor, as read from the tensor itself.
+pub struct DeviceBytes {
+    /// Device address of the first byte.
+    pub ptr: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Device ordinal in this process.
+    pub device: i32,
+    /// The raw `CUstream` its producer's work is on (0: the legacy default stream).
+    pub stream: u64,
+}
+
+/// For a `capture_arena._tensors.CudaBytes` (exactly that class): the tensor's address, length
+/// and device, read from the CUDA tensor it holds (never taken from the caller); `None` for
+/// anything else.
+///
+/// # Errors
+/// `InvalidSampleError` if the tensor is not a contiguous CUDA tensor or its numbers do not fit.
+pub fn device_of(obj: &Bound<'_, PyAny>) -> PyResult<Option<DeviceBytes>> {
+    let py = obj.py();
+    let cls = CUDA_BYTES.get_or_try_init(py, || {
+        py.import("capture_arena._tensors")?
+            .getattr("CudaBytes")
+            .map(Bound::unbind)
+    })?;
+    if !obj.get_type().is(cls.bind(py)) {
+        return Ok(None);
+    }
+    let err = |msg: String| named(py, "InvalidSampleError", msg);
+    let t = obj.getattr("tensor")?;
+    if !t.getattr("is_cuda")?.extract::<bool>()? {
+        return Err(err("expected a CUDA tensor".into()));
+    }
+    if !t.call_method0("is_contiguous")?.extract::<bool>()? {
+        return Err(err("expected a contiguous CUDA tensor".into()));
+    }
+    let ptr: u64 = t.call_method0("data_ptr")?.extract()?;
+    let numel: u64 = t.call_method0("numel")?.extract()?;
+    let item: u64 = t.call_method0("element_size")?.extract()?;
+    let len = numel
+        .checked_mul(item)
+        .ok_or_else(|| err(format!("{numel} elements of {item} bytes overflow")))?;
+    let device: i32 = t.call_method0("get_device")?.extract()?;
+    if device < 0 {
+        return Err(err(format!("tensor reports device {device}")));
+    }
+    let stream: u64 = obj.getattr("stream")?.extract()?;
+    if ptr == 0 && len > 0 {
+        return Err(err("the tensor has no data address".into()));
+    }
+    Ok(Some(DeviceBytes {
+        ptr,
+        len,
+        device,
+        stream,
+    }))
+}

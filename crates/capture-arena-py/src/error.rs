@@ -33,6 +33,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Released { .. } => "ReleasedError",
         Error::FreeNotSent { .. } => "FreeNotSentError",
         Error::Io { .. } => "ArenaOSError",
+        Error::Device { .. } => "DeviceError",
         _ => "CaptureArenaError",
     };
     Python::attach(|py| named(py, name, e.to_string()))

@@ -89,6 +89,21 @@ fn captured(t: &Bound<'_, PyAny>, tx: &Sender<Msg>, what: &str) -> PyResult<Capt
             ),
         )
     })?;
+    if let Some(dev) = crate::array::device_of(&owner)? {
+        let owner = Owner {
+            owner: Some(owner.unbind()),
+            tx: tx.clone(),
+        };
+        // SAFETY: (ptr, len, device) were read from the CUDA tensor itself, which `owner` keeps
+        // referenced (so its storage stays allocated) until the writer drops the tensor; the
+        // event recorded now on the tensor's current stream orders the writer's copies after
+        // the kernels that wrote it. ArenaSink's documented contract: the caller does not write
+        // or free the tensor until its batch's results are back.
+        let data =
+            unsafe { TensorData::device(dev.ptr, dev.len, dev.device, Some(dev.stream), owner) }
+                .map_err(|e| named(t.py(), "InvalidSampleError", format!("{what}: {e}")))?;
+        return Ok(Captured { shape, dtype, data });
+    }
     let (ptr, len) = bytes_of(&owner, false)
         .map_err(|e| named(t.py(), "InvalidSampleError", format!("{what}: {e}")))?;
     let owner = Owner {
@@ -303,7 +318,7 @@ fn helper(rx: Receiver<Msg>) {
 }
 
 /// Keyword argument -> the environment variable it overrides.
-const OVERRIDES: [(&str, &str); 10] = [
+const OVERRIDES: [(&str, &str); 11] = [
     ("arena_bytes", config::ENV_ARENA_BYTES),
     ("control_host", config::ENV_CONTROL_HOST),
     ("control_port", config::ENV_CONTROL_PORT),
@@ -314,6 +329,7 @@ const OVERRIDES: [(&str, &str); 10] = [
     ("protocol", config::ENV_PROTOCOL),
     ("gpu_put", config::ENV_GPU_PUT),
     ("eager", config::ENV_EAGER),
+    ("device", config::ENV_ARENA_DEVICE),
 ];
 
 /// The compiled sink. Use `capture_arena.ArenaSink`.
@@ -407,7 +423,7 @@ impl PySink {
     #[new]
     #[pyo3(signature = (*, arena_bytes=None, control_host=None, control_port=None, alignment=None,
                         wait_s=None, max_pending_batches=None, aux_layer_ids=None, timing=None,
-                        protocol=None, gpu_put=None, eager=None))]
+                        protocol=None, gpu_put=None, eager=None, device=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         arena_bytes: Option<Bound<'_, PyAny>>,
@@ -421,6 +437,7 @@ impl PySink {
         protocol: Option<String>,
         gpu_put: Option<bool>,
         eager: Option<bool>,
+        device: Option<i32>,
     ) -> PyResult<Self> {
         // Variables whose keyword argument is given are not read at all, so a keyword argument
         // can correct a bad environment.
@@ -435,6 +452,7 @@ impl PySink {
             protocol.is_some(),
             gpu_put.is_some(),
             eager.is_some(),
+            device.is_some(),
         ];
         let skip: Vec<&str> = OVERRIDES
             .iter()
@@ -487,6 +505,15 @@ impl PySink {
         }
         if let Some(e) = eager {
             c.eager = e;
+        }
+        if let Some(d) = device {
+            if d < 0 {
+                return Err(to_py(Error::Config {
+                    var: "device",
+                    reason: format!("{d} is not a device ordinal (0, 1, ...)"),
+                }));
+            }
+            c.device = Some(d);
         }
         // With `eager`, this creates and pre-faults the arena: without the GIL.
         let sink = Python::attach(|py| py.detach(|| Sink::new(c))).py_err()?;

@@ -2,12 +2,12 @@
 //! output arrays).
 
 use capture_arena::client::FeatureStore;
-use capture_arena::{Error, Published};
+use capture_arena::{Destination, DeviceSlice, Error, Published};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pythonize::{depythonize, pythonize};
 
-use crate::array::{bytes_of, disjoint};
+use crate::array::{bytes_of, device_of, disjoint};
 use crate::error::{to_py, IntoPy};
 
 /// A published result from its dict; a failed one (`{"sample_id", "error"}`) is refused with its
@@ -56,30 +56,50 @@ impl PyStore {
         targets: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<()> {
         let p = published(result)?;
-        let mut ptrs: Vec<(String, usize, usize)> = Vec::with_capacity(targets.len());
+        // (name, address, length, Some(device) for CUDA tensors).
+        let mut ptrs: Vec<(String, usize, usize, Option<i32>)> = Vec::with_capacity(targets.len());
         for (name, owner) in &targets {
-            let (ptr, len) = bytes_of(owner, true)?;
-            ptrs.push((name.clone(), ptr, len));
+            if let Some(d) = device_of(owner)? {
+                let too_big = |_| {
+                    to_py(Error::InvalidRead {
+                        key: name.clone(),
+                        reason: "the tensor does not fit this process's address space".into(),
+                    })
+                };
+                let ptr = usize::try_from(d.ptr).map_err(too_big)?;
+                let len = usize::try_from(d.len).map_err(too_big)?;
+                ptrs.push((name.clone(), ptr, len, Some(d.device)));
+            } else {
+                let (ptr, len) = bytes_of(owner, true)?;
+                ptrs.push((name.clone(), ptr, len, None));
+            }
         }
-        let ranges: Vec<(usize, usize)> = ptrs.iter().map(|&(_, p, l)| (p, l)).collect();
+        let ranges: Vec<(usize, usize)> = ptrs.iter().map(|&(_, p, l, _)| (p, l)).collect();
         disjoint(py, &ranges)?;
         py.detach(|| {
-            let mut outs: Vec<(&str, &mut [u8])> = ptrs
+            let mut outs: Vec<(&str, Destination<'_>)> = ptrs
                 .iter()
-                .map(|(n, ptr, len)| {
-                    let s: &mut [u8] = if *len == 0 {
-                        &mut []
-                    } else {
+                .map(|(n, ptr, len, device)| {
+                    let into = match device {
+                        // SAFETY: (ptr, len, device) were read from a contiguous CUDA tensor in
+                        // `targets`, which this call keeps referenced until it returns; the
+                        // read synchronises its copies before returning.
+                        Some(d) => Destination::Device(unsafe {
+                            DeviceSlice::new(*ptr as u64, *len as u64, *d)
+                        }),
+                        None if *len == 0 => Destination::Host(&mut []),
                         // SAFETY: (ptr, len) come from the array interface of a writable,
                         // C-contiguous uint8 array in `targets`, which this call keeps
                         // referenced (so allocated and unmoved) until it returns; the ranges
                         // were checked pairwise disjoint above, so no two slices alias.
-                        unsafe { std::slice::from_raw_parts_mut(*ptr as *mut u8, *len) }
+                        None => Destination::Host(unsafe {
+                            std::slice::from_raw_parts_mut(*ptr as *mut u8, *len)
+                        }),
                     };
-                    (n.as_str(), s)
+                    (n.as_str(), into)
                 })
                 .collect();
-            self.store.get_many_into(&p, &mut outs)
+            self.store.get_many_to(&p, &mut outs)
         })
         .py_err()?;
         drop(targets);

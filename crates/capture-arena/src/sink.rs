@@ -61,6 +61,19 @@ impl Sink {
     /// As [`Writer::start`] (the arena size is required then); a failed start is retried on the
     /// next call.
     pub fn writer(&self) -> Result<&Writer> {
+        self.start(None)
+    }
+
+    /// The writer, started on first use; a device arena whose GPU is not configured
+    /// (`SGLANG_SPEC_CAPTURE_ARENA_DEVICE`) goes on the GPU of the batch's first device tensor.
+    fn writer_for(&self, samples: &[Sample]) -> Result<&Writer> {
+        if let Some(w) = self.writer.get() {
+            return Ok(w);
+        }
+        self.start(first_device(samples))
+    }
+
+    fn start(&self, device: Option<i32>) -> Result<&Writer> {
         if let Some(w) = self.writer.get() {
             return Ok(w);
         }
@@ -68,7 +81,13 @@ impl Sink {
         if let Some(w) = self.writer.get() {
             return Ok(w);
         }
-        let w = Writer::start(&self.config)?;
+        let w = match (self.config.device, device) {
+            (None, Some(d)) if self.config.device_publication() => Writer::start(&Config {
+                device: Some(d),
+                ..self.config.clone()
+            })?,
+            _ => Writer::start(&self.config)?,
+        };
         Ok(self.writer.get_or_init(|| w))
     }
 
@@ -96,7 +115,7 @@ impl Sink {
     /// # Errors
     /// As [`Sink::writer`] and [`Writer::submit`].
     pub fn submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
-        self.writer()?.submit(samples)
+        self.writer_for(&samples)?.submit(samples)
     }
 
     /// Queues a batch and calls `done` on the writer thread when it completes.
@@ -108,7 +127,7 @@ impl Sink {
         samples: Vec<Sample>,
         done: impl FnOnce(Outcome) + Send + 'static,
     ) -> Result<()> {
-        self.writer()?.submit_with(samples, done)
+        self.writer_for(&samples)?.submit_with(samples, done)
     }
 
     /// As [`Sink::submit_with`] but never blocks.
@@ -120,11 +139,25 @@ impl Sink {
         samples: Vec<Sample>,
         done: impl FnOnce(Outcome) + Send + 'static,
     ) -> Result<()> {
-        self.writer()?.try_submit_with(samples, done)
+        self.writer_for(&samples)?.try_submit_with(samples, done)
     }
 
     /// The writer's counters (all zero before the first capture).
     pub fn stats(&self) -> StatsSnapshot {
         self.writer.get().map(Writer::stats).unwrap_or_default()
     }
+}
+
+/// The GPU of the first device tensor of a batch.
+fn first_device(samples: &[Sample]) -> Option<i32> {
+    #[cfg(feature = "cuda")]
+    for s in samples {
+        for (_, t) in &s.tensors {
+            if let crate::tensor::TensorData::Device(d) = &t.data {
+                return Some(d.device());
+            }
+        }
+    }
+    let _ = samples;
+    None
 }

@@ -86,6 +86,7 @@ class ArenaSink(_ArenaSink):
     ``protocol``                ``MOONCAKE_PROTOCOL``                          unset
     ``gpu_put``                 ``SGLANG_SPEC_CAPTURE_GPU_PUT``                unset
     ``eager``                   ``SGLANG_SPEC_CAPTURE_ARENA_EAGER``            off
+    ``device``                  ``SGLANG_SPEC_CAPTURE_ARENA_DEVICE``           first CUDA tensor's
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 
@@ -163,10 +164,14 @@ class ArenaFeatureStore(_Store):
         out: Optional[Mapping[str, Any]] = None,
         *,
         torch: bool = False,
+        device: Optional[str] = None,
     ) -> dict[str, Any]:
         """Reads the result's features (all, or ``names``) into fresh arrays of the result's shape
         and dtype (numpy; bfloat16 via ``ml_dtypes``), or into the caller's ``out`` arrays or
-        tensors without allocating. ``torch=True`` returns torch tensors (``torch.bfloat16``).
+        tensors (CPU or CUDA) without allocating. ``torch=True`` returns torch tensors
+        (``torch.bfloat16``); ``device="cuda:0"`` returns torch tensors on that GPU, copied
+        there from any arena (device arenas device-to-device over the imported handle, host
+        arenas host-to-device). The copies have finished when this returns.
 
         Raises :class:`ReleasedError` (a ``KeyError``) after :meth:`release`,
         :class:`UnknownFeatureError` (a ``KeyError``) for a name the result lacks, and
@@ -185,7 +190,7 @@ class ArenaFeatureStore(_Store):
             if out is not None and name in out:
                 arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])
             else:
-                arr, view = new_array(list(f["shape"]), f["dtype"], torch)
+                arr, view = new_array(list(f["shape"]), f["dtype"], torch, device)
             targets.append((name, view))
             arrays[name] = arr
         self._read_into(result, targets)

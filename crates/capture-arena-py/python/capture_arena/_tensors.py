@@ -8,7 +8,7 @@ contiguous and native, once. The compiled module reads each view's address and l
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Optional
 
 import ml_dtypes
 import numpy as np
@@ -51,13 +51,30 @@ def is_torch(t: object) -> bool:
     return type(t).__module__.split(".")[0] == "torch"
 
 
-def _torch_bytes(t: Any) -> HostBytes:
+class CudaBytes:
+    """A CUDA tensor handed to the compiled module, which reads its address, length and device
+    from the tensor itself (and checks it is contiguous), and keeps it referenced while it uses
+    the memory. ``stream`` is the raw handle of the tensor's current stream when it was handed
+    over: the writer records an event there and its copies wait for it, so the capture kernels
+    need not have finished."""
+
+    __slots__ = ("tensor", "stream")
+
+    def __init__(self, tensor: Any) -> None:
+        torch = _torch()
+        self.tensor = tensor
+        self.stream = int(torch.cuda.current_stream(tensor.device).cuda_stream)
+
+
+def _torch_bytes(t: Any) -> Any:
     torch = _torch()
+    if t.device.type == "cuda":
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return CudaBytes(t), [int(d) for d in t.shape], str(t.dtype).removeprefix("torch.")
     if t.device.type != "cpu":
-        raise InvalidSampleError(
-            f"tensor on {t.device}: this build publishes host tensors; move it to the CPU "
-            "(device arenas come with the cuda feature)"
-        )
+        raise InvalidSampleError(f"tensor on {t.device}: publish CPU or CUDA tensors")
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
@@ -92,10 +109,12 @@ def out_bytes(a: Any, shape: list[int], dtype: str) -> Any:
     shape and dtype and be C-contiguous."""
     if is_torch(a):
         torch = _torch()
-        if a.device.type != "cpu" or not a.is_contiguous():
-            raise InvalidReadError("out= tensors must be contiguous and on the CPU")
+        if a.device.type not in ("cpu", "cuda") or not a.is_contiguous():
+            raise InvalidReadError("out= tensors must be contiguous, on the CPU or a CUDA device")
         if list(a.shape) != shape or str(a.dtype).removeprefix("torch.") != dtype:
             raise InvalidReadError(f"out= tensor is {list(a.shape)} {a.dtype}, the feature is {shape} {dtype}")
+        if a.device.type == "cuda":
+            return CudaBytes(a)
         return a.reshape(-1).view(torch.uint8).numpy()
     if not isinstance(a, np.ndarray):
         raise InvalidReadError(f"out= must hold numpy arrays or torch tensors, not {type(a).__name__}")
@@ -106,11 +125,17 @@ def out_bytes(a: Any, shape: list[int], dtype: str) -> Any:
     return a.reshape(-1).view(np.uint8)
 
 
-def new_array(shape: list[int], dtype: str, torch: bool) -> tuple[Any, Any]:
-    """A fresh output array (numpy, or torch with ``torch=True``) and its writable uint8 view."""
-    if torch:
+def new_array(shape: list[int], dtype: str, torch: bool, device: Optional[str] = None) -> tuple[Any, Any]:
+    """A fresh output array (numpy, or torch with ``torch=True``, on ``device`` if given) and
+    what the compiled module writes: its uint8 view, or a :class:`CudaBytes` for a CUDA
+    tensor."""
+    if torch or device is not None:
         t = _torch()
-        arr = t.empty(shape, dtype=getattr(t, dtype))
+        arr = t.empty(shape, dtype=getattr(t, dtype), device=device or "cpu")
+        if arr.device.type == "cuda":
+            return arr, CudaBytes(arr)
+        if arr.device.type != "cpu":
+            raise InvalidReadError(f"device={device!r}: read into CPU or CUDA tensors")
         return arr, arr.reshape(-1).view(t.uint8).numpy()
     a = np.empty(shape, dtype=numpy_dtype(dtype))
     return a, a.reshape(-1).view(np.uint8)

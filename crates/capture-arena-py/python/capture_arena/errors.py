@@ -21,6 +21,7 @@ __all__ = [
     "ReleasedError",
     "FreeNotSentError",
     "ArenaOSError",
+    "DeviceError",
 ]
 
 
@@ -89,3 +90,9 @@ class FreeNotSentError(CaptureArenaError, ConnectionError):
 
 class ArenaOSError(CaptureArenaError, OSError):
     """An operating-system call failed (shared memory, sockets)."""
+
+
+class DeviceError(CaptureArenaError, RuntimeError):
+    """The GPU path cannot be used or a CUDA call failed: no CUDA driver or device in this
+    process, a device index it does not see, an error from the driver. The message says what to
+    change."""
