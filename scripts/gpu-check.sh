@@ -1,27 +1,64 @@
 #!/usr/bin/env bash
-# The checks that need the GPU machine, in one run (the device tool's `run`):
-#   scripts/gpu-check.sh            with the prebuilt artefacts in .gpu/ (see below) and $OUT set
-# It records the machine, runs the Python suite against the machine's torch (CUDA build: the
-# torch and device-tensor tests run there, and skip here), and runs the host-path benchmarks and
-# the seed scenario on a server-class host. There is no GPU arena yet (roadmap: the `cuda`
-# feature); when it lands, its tests and benchmarks go here.
-#
-# Prepare here (x86-64, glibc >= 2.34 there):
-#   mkdir -p .gpu && strip -o .gpu/capture-arena target/release/capture-arena
-#   .venv/bin/maturin build --release -m crates/capture-arena-py/Cargo.toml -o .gpu
-set -u
-OUT=${OUT:-/tmp/gpu-check}
-mkdir -p "$OUT"
+# The device checks, in one run on a GPU machine (no network), from artefacts built beforehand
+# by scripts/gpu-artefacts.sh (carried as gpu-artefacts/). Under 5 minutes on one H200.
+# Writes the raw output of every step to $OUT (the device tool's output folder) or to
+# docs/gpu/<date>/, one file per step, and a summary on stdout. Never stops at a failed step:
+# every step's exit status is in summary.txt.
+# Usage: scripts/gpu-check.sh
+set -uo pipefail
 cd "$(dirname "$0")/.."
-{
-  nvidia-smi -L; nproc; free -g; df -h /dev/shm; uname -r; ldd --version | head -1
-  python3 --version; python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
-} > "$OUT/machine.txt" 2>&1
-cat "$OUT/machine.txt"
+A=${GPU_ARTEFACTS:-gpu-artefacts}
+dest=${OUT:-docs/gpu}/$(date -u +%F)
+mkdir -p "$dest"
+summary="$dest/summary.txt"
+: > "$summary"
 
-python3 -m pip install -q --no-deps --no-compile --target /tmp/site .gpu/capture_arena-*.whl
-export PYTHONPATH=/tmp/site
-python3 -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" | tail -15
+step() { # step NAME TIMEOUT_S CMD...: output to $dest/NAME.txt, status to the summary
+  local name=$1 limit=$2
+  shift 2
+  echo "==> $name: $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$dest/$name.txt" 2>&1
+  local rc=$?
+  printf '%-22s rc=%-4s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$summary"
+  tail -n 25 "$dest/$name.txt"
+}
 
-.gpu/capture-arena bench --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.txt"
-.gpu/capture-arena demo --seed-scenario --quiet 2>&1 | tee "$OUT/demo-seed.txt"
+{ date -u; uname -a; nvidia-smi 2>&1; nvidia-smi topo -m 2>&1;
+  echo "IMEX channels:"; ls -la /dev/nvidia-caps-imex-channels 2>&1;
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' 2>&1;
+} > "$dest/machine.txt"
+head -n 20 "$dest/machine.txt"
+
+# Which handle types this machine supports (fabric needs an IMEX channel).
+step device-info 60 "$A/capture-arena" device-info
+# The core's device tests against the real driver (the fake driver's knob tests skip).
+step rust-device-tests 120 env CAPTURE_ARENA_TEST_REAL_GPU=1 "$A/device-tests" --test-threads=1
+# The main job on the GPU: producer and trainer in separate processes.
+step demo-device 120 "$A/capture-arena" demo --device --quiet
+# The bandwidth table: d2d_copy (reference), publish_device, read_device (another process),
+# end_to_end_device, batch_16x4_device.
+step bench-device 240 "$A/capture-arena" bench --device --sizes 16MiB,100MiB,1GiB \
+  --json "$dest/bench-device.json"
+# Host rows on the same machine, for comparison.
+step bench-host 120 "$A/capture-arena" bench --sizes 16MiB,100MiB --reps 7 --json "$dest/bench-host.json"
+
+# Python: torch CUDA tensors across two processes. Install the wheels carried along into a
+# private folder (numpy and ml_dtypes only if this Python lacks them).
+py=/tmp/capture-arena-py
+rm -rf "$py"
+step python-install 60 python3 -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" capture-arena
+for m in numpy ml_dtypes; do
+  python3 -c "import $m" 2>/dev/null \
+    || step "python-install-$m" 60 python3 -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" "$m"
+done
+step python-torch 180 env PYTHONPATH="$py" python3 "$A/gpu_torch_check.py"
+# The Python suite with the machine's torch (its torch tests skip on the CPU machine), if pytest
+# is there.
+if python3 -c 'import pytest' 2>/dev/null; then
+  step python-suite 180 env PYTHONPATH="$py" python3 -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider
+fi
+
+echo
+echo "== summary ($dest)"
+cat "$summary"

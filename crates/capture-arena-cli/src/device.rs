@@ -2,7 +2,61 @@
 //! read into, and the device rows of `bench`. Builds without the `cuda` feature say so when
 //! `--device` is used.
 
+use std::process::ExitCode;
+
 use capture_arena::TensorData;
+
+/// Flags of `device-info`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct InfoArgs {
+    /// The GPU to probe (ordinal).
+    #[arg(long, default_value_t = 0)]
+    pub gpu: i32,
+}
+
+/// `device-info`: the driver, and a 2 MiB device arena made with each handle policy.
+#[cfg(feature = "cuda")]
+pub fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
+    use capture_arena::config::HandlePreference;
+    use capture_arena::memory::cuda::{driver, DeviceRegion, DeviceRegionOptions};
+    use capture_arena::memory::Region;
+
+    let d = driver()?;
+    let mut arenas = serde_json::Map::new();
+    for (name, handle) in [
+        ("auto", HandlePreference::Auto),
+        ("fd", HandlePreference::PosixFd),
+        ("fabric", HandlePreference::Fabric),
+    ] {
+        let options = DeviceRegionOptions {
+            device: args.gpu,
+            handle,
+        };
+        let v = match DeviceRegion::create(2 << 20, &options) {
+            Ok(r) => {
+                let described = r
+                    .reply("describe")
+                    .and_then(Result::ok)
+                    .and_then(|a| serde_json::from_slice::<serde_json::Value>(&a.bytes).ok());
+                serde_json::json!({"ok": true, "arena": described})
+            }
+            Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
+        };
+        arenas.insert(name.into(), v);
+    }
+    let out = serde_json::json!({
+        "driver": {"library": d.library, "version": d.version, "devices": d.devices},
+        "gpu": args.gpu,
+        "arenas": arenas,
+    });
+    println!("{}", serde_json::to_string_pretty(&out)?);
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn info(_args: InfoArgs) -> anyhow::Result<ExitCode> {
+    Outs::new(0).map(|_| ExitCode::FAILURE)
+}
 
 #[cfg(feature = "cuda")]
 mod imp {

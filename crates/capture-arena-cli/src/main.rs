@@ -36,6 +36,9 @@ enum Command {
     Bench(bench::Args),
     /// Remove the shared memory of producers that died without removing their arena.
     Clean(clean::Args),
+    /// What the GPU path finds here: the CUDA driver, the devices, and which handle type a
+    /// device arena gets (fabric or POSIX fd) and why. One JSON object on stdout.
+    DeviceInfo(device::InfoArgs),
 }
 
 fn main() -> ExitCode {
@@ -57,6 +60,7 @@ fn main() -> ExitCode {
         Command::Consume(a) => consume::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Clean(a) => clean::run(a),
+        Command::DeviceInfo(a) => device::info(a),
     };
     match result {
         Ok(code) => code,

@@ -48,16 +48,21 @@ def test_torch_tensors_round_trip():
         assert torch.equal(out["target"][0], last)
 
 
-def test_device_tensors_are_refused_before_anything_is_written():
+def test_cuda_tensors_under_a_host_arena_are_copied_to_host_and_read_into_cuda():
+    """On a GPU machine: CUDA tensors handed to a host arena are copied device-to-host (after
+    the event recorded on their stream), and read back into CUDA tensors (host-to-device)."""
     torch = pytest.importorskip("torch", reason="torch is not installed here")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device here: this checks the GPU-machine path")
     with ca.ArenaSink(arena_bytes="16MiB") as sink:
         aux = torch.randn(8, 12, dtype=torch.bfloat16, device="cuda")
-        with pytest.raises(ca.InvalidSampleError, match="publishes host tensors"):
-            sink.put_sample(spec("gpu"), aux=aux, last_hidden=torch.randn(8, 4, dtype=torch.bfloat16))
-        assert not sink.started
-        # The same tensors, moved to the host, publish and read back bit-exact.
-        r = sink.put_sample(spec("gpu"), aux=aux.cpu(), last_hidden=torch.zeros(8, 4, dtype=torch.bfloat16))
-        got = ca.ArenaFeatureStore().get(r, ["hidden_state"], torch=True)["hidden_state"]
-        assert torch.equal(got[0], aux.cpu())
+        last = torch.randn(8, 4, dtype=torch.bfloat16, device="cuda")
+        r = sink.put_sample(spec("gpu"), aux=aux, last_hidden=last)
+        assert r["arena"]["session"].startswith("shm://")
+        store = ca.ArenaFeatureStore()
+        got = store.get(r, ["hidden_state", "target"], device="cuda:0")
+        assert got["hidden_state"].is_cuda and torch.equal(got["hidden_state"][0], aux)
+        assert torch.equal(store.get(r, ["target"], torch=True)["target"][0], last.cpu())
+        out = {"target": torch.empty(1, 8, 4, dtype=torch.bfloat16, device="cuda")}
+        store.get(r, ["target"], out=out)
+        assert torch.equal(out["target"][0], last)

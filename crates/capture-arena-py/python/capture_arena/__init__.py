@@ -153,8 +153,9 @@ def _close_sinks_at_exit() -> None:
 class ArenaFeatureStore(_Store):
     """What a trainer uses: read a result's tensors, then release them.
 
-    Works in any process on the producer's host (the result's ``arena.session`` names the shared
-    memory to map).
+    Works in any process on the producer's host: the result's ``arena.session`` names the shared
+    memory to map (``shm://``) or the device arena to import (``cuda://``: by POSIX descriptor on
+    the producer's host, by fabric handle anywhere in its NVLink domain).
     """
 
     def get(

@@ -66,7 +66,7 @@ class CudaBytes:
         self.stream = int(torch.cuda.current_stream(tensor.device).cuda_stream)
 
 
-def _torch_bytes(t: Any) -> Any:
+def _torch_bytes(t: Any) -> HostBytes:
     torch = _torch()
     if t.device.type == "cuda":
         t = t.detach()
@@ -84,9 +84,9 @@ def _torch_bytes(t: Any) -> Any:
 
 
 def host_bytes(t: Any) -> HostBytes:
-    """Describes the bytes of a numpy array, a torch CPU tensor, or any object that offers DLPack
-    or the buffer protocol, without copying (unless it is not C-contiguous or not in native byte
-    order)."""
+    """Describes the bytes of a numpy array, a torch tensor (CPU, or CUDA as a
+    :class:`CudaBytes`), or any object that offers DLPack or the buffer protocol, without copying
+    (unless it is not C-contiguous or not in native byte order)."""
     if isinstance(t, np.ndarray):
         if t.flags.c_contiguous and t.dtype.isnative:  # the common case, no conversion at all
             return t.reshape(-1).view(np.uint8), list(t.shape), t.dtype.name

@@ -82,7 +82,12 @@ pub fn driver() -> Result<&'static DriverInfo> {
 }
 
 fn load() -> std::result::Result<DriverInfo, String> {
-    let candidates = cudarc::get_lib_name_candidates("cuda");
+    let mut candidates: Vec<String> = Vec::new();
+    for c in cudarc::get_lib_name_candidates("cuda") {
+        if !candidates.contains(&c) {
+            candidates.push(c);
+        }
+    }
     // The same search cudarc's `culib()` makes, so the library checked here is the one it uses.
     let found = candidates.iter().find_map(|name| {
         // SAFETY: loading a shared library runs its initialisers; the CUDA driver's are what any

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Builds, on this (CPU) machine, everything scripts/gpu-check.sh runs on the GPU machine, which
+# has no network: the release CLI, the Rust device tests (run there against the real driver),
+# the Python module as an abi3 wheel, and numpy/ml_dtypes wheels for its Python 3.12. Output in
+# gpu-artefacts/ (git-ignored), kept under the 64 MiB a device run may carry.
+# Usage: scripts/gpu-artefacts.sh   then: run scripts/gpu-check.sh there with carry=["gpu-artefacts"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=gpu-artefacts
+rm -rf "$out"
+mkdir -p "$out/wheels"
+
+echo "==> release CLI (cuda feature on by default)"
+cargo build --release -p capture-arena-cli
+cp target/release/capture-arena "$out/"
+
+echo "==> Rust device tests (release, cuda feature)"
+exe=$(cargo test --release -p capture-arena --features cuda --test device --no-run \
+        --message-format=json 2>/dev/null \
+      | python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "device":
+        print(m["executable"])')
+cp "$exe" "$out/device-tests"
+strip "$out/capture-arena" "$out/device-tests"
+
+echo "==> Python wheel (abi3, runs on the GPU machine's Python 3.12)"
+.venv/bin/python -m pip install -q maturin
+.venv/bin/python -m maturin build -q --release -m crates/capture-arena-py/Cargo.toml -o "$out/wheels"
+echo "==> numpy and ml_dtypes wheels for Python 3.12 (installed there only if missing)"
+.venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+  -d "$out/wheels" numpy ml_dtypes
+cp scripts/gpu_torch_check.py "$out/"
+du -sh "$out" && ls -la "$out" "$out/wheels"
+size=$(du -sm "$out" | cut -f1)
+[ "$size" -lt 64 ] || { echo "gpu-artefacts is ${size} MiB: over the 64 MiB a device run carries" >&2; exit 1; }
