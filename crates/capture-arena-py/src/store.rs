@@ -56,8 +56,9 @@ impl PyStore {
         targets: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<()> {
         let p = published(result)?;
-        // (name, address, length, Some(device) for CUDA tensors).
-        let mut ptrs: Vec<(String, usize, usize, Option<i32>)> = Vec::with_capacity(targets.len());
+        // (name, address, length, Some((device, its current stream)) for CUDA tensors).
+        let mut ptrs: Vec<(String, usize, usize, Option<(i32, u64)>)> =
+            Vec::with_capacity(targets.len());
         for (name, owner) in &targets {
             if let Some(d) = device_of(owner)? {
                 let too_big = |_| {
@@ -68,7 +69,7 @@ impl PyStore {
                 };
                 let ptr = usize::try_from(d.ptr).map_err(too_big)?;
                 let len = usize::try_from(d.len).map_err(too_big)?;
-                ptrs.push((name.clone(), ptr, len, Some(d.device)));
+                ptrs.push((name.clone(), ptr, len, Some((d.device, d.stream))));
             } else {
                 let (ptr, len) = bytes_of(owner, true)?;
                 ptrs.push((name.clone(), ptr, len, None));
@@ -83,10 +84,12 @@ impl PyStore {
                     let into = match device {
                         // SAFETY: (ptr, len, device) were read from a contiguous CUDA tensor in
                         // `targets`, which this call keeps referenced until it returns; the
-                        // read synchronises its copies before returning.
-                        Some(d) => Destination::Device(unsafe {
-                            DeviceSlice::new(*ptr as u64, *len as u64, *d)
-                        }),
+                        // copy waits for the work already queued on the tensor's stream, and
+                        // the read synchronises its copies before returning.
+                        Some((d, stream)) => Destination::Device(
+                            unsafe { DeviceSlice::new(*ptr as u64, *len as u64, *d) }
+                                .after(*stream),
+                        ),
                         None if *len == 0 => Destination::Host(&mut []),
                         // SAFETY: (ptr, len) come from the array interface of a writable,
                         // C-contiguous uint8 array in `targets`, which this call keeps

@@ -46,6 +46,11 @@ pub(crate) fn address(endpoint: &str) -> io::Result<SocketAddr> {
 
 /// The user id of the process at the other end of `fd`.
 pub(crate) fn peer_uid(fd: RawFd) -> io::Result<u32> {
+    peer_cred(fd).map(|(uid, _)| uid)
+}
+
+/// The user id and process id at the other end of `fd`.
+fn peer_cred(fd: RawFd) -> io::Result<(u32, u32)> {
     // SAFETY: getsockopt fills a zeroed ucred of the size passed.
     unsafe {
         let mut cred: libc::ucred = std::mem::zeroed();
@@ -60,7 +65,7 @@ pub(crate) fn peer_uid(fd: RawFd) -> io::Result<u32> {
         if rc != 0 {
             return Err(io::Error::last_os_error());
         }
-        Ok(cred.uid)
+        Ok((cred.uid, u32::try_from(cred.pid).unwrap_or(0)))
     }
 }
 
@@ -175,6 +180,21 @@ pub fn is_listening(endpoint: &str) -> bool {
 /// [`Error::Io`] if the endpoint cannot be reached or answers out of protocol;
 /// [`Error::InvalidRead`] if the producer refuses the request.
 pub fn request(endpoint: &str, what: &str, timeout: Duration) -> Result<Reply> {
+    request_from(endpoint, what, timeout, None)
+}
+
+/// As [`request`], answered only by a process of this user and, with `pid`, only by that
+/// process (checked with `SO_PEERCRED` before anything is read from it): abstract socket names
+/// carry no permissions, so anyone on the host could bind a producer's name.
+///
+/// # Errors
+/// As [`request`]; [`Error::Io`] (`PermissionDenied`) for another user or process.
+pub fn request_from(
+    endpoint: &str,
+    what: &str,
+    timeout: Duration,
+    pid: Option<u32>,
+) -> Result<Reply> {
     let io_err = |e: io::Error| Error::io(format!("asking {endpoint} for {what:?}"), e);
     if what.len() >= MAX_REQUEST_BYTES || what.contains('\n') {
         return Err(io_err(io::Error::new(
@@ -183,6 +203,16 @@ pub fn request(endpoint: &str, what: &str, timeout: Duration) -> Result<Reply> {
         )));
     }
     let mut s = UnixStream::connect_addr(&address(endpoint).map_err(io_err)?).map_err(io_err)?;
+    let (uid, peer) = peer_cred(s.as_raw_fd()).map_err(io_err)?;
+    if uid != my_uid() || pid.is_some_and(|p| p != peer) {
+        return Err(io_err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "the endpoint is served by pid {peer} of uid {uid}, not by the producer{}",
+                pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+            ),
+        )));
+    }
     s.set_read_timeout(Some(timeout)).map_err(io_err)?;
     s.set_write_timeout(Some(timeout)).map_err(io_err)?;
     std::io::Write::write_all(&mut s, format!("{what}\n").as_bytes()).map_err(io_err)?;

@@ -8,6 +8,8 @@
 mod fake_cuda;
 mod util;
 
+use std::os::linux::net::SocketAddrExt;
+
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -359,4 +361,69 @@ fn fake_gpu_no_device_is_a_clear_error_not_a_crash() {
         text.contains("device(s)") && text.contains("SGLANG_SPEC_CAPTURE_ARENA_DEVICE"),
         "{text}"
     );
+}
+
+#[test]
+fn fake_gpu_the_callers_current_context_is_left_as_it_was() {
+    let Some(_g) = setup_fake("fake_gpu_the_callers_current_context_is_left_as_it_was") else {
+        return;
+    };
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    let session = w.arena_ref().session.clone();
+    // A fresh thread has no current context; publishing and reading must not leave one (torch
+    // follows the driver's current context: the caller's device must not change under it).
+    std::thread::spawn(move || {
+        assert_eq!(fake_cuda::current(), 0);
+        let p = publish(&w, device_sample("c", &[4096, 10], true, false));
+        assert_eq!(
+            fake_cuda::current(),
+            0,
+            "publishing changed the current context"
+        );
+        let mut out = vec![0u8; 4096];
+        let store = FeatureStore::new();
+        store.get_into(&p, "t0", &mut out).unwrap();
+        assert_eq!(p.arena.session, session);
+        assert_eq!(
+            fake_cuda::current(),
+            0,
+            "reading changed the current context"
+        );
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn fake_gpu_a_squatter_on_the_reply_endpoint_is_not_believed() {
+    let _g = setup();
+    // A session naming producer pid 1, whose reply endpoint someone else (this test) bound: the
+    // reader checks the peer's pid before reading its answer, so no descriptor is imported.
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    let real: capture_arena::memory::cuda::CudaSession = w.arena_ref().session.parse().unwrap();
+    let nonce = "ab".repeat(16);
+    let squat = format!("{}1-{nonce}", capture_arena::reply::ENDPOINT_PREFIX);
+    let forged = capture_arena::memory::cuda::CudaSession {
+        pid: 1,
+        reply: squat.clone(),
+        ..real
+    };
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(
+        squat.trim_start_matches('@').as_bytes(),
+    )
+    .unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    let text = forged.to_string();
+    let answer = text.clone();
+    let t = std::thread::spawn(move || {
+        use std::io::Write;
+        if let Ok((mut c, _)) = listener.accept() {
+            let _ = writeln!(c, "{{\"ok\": true, \"len\": {}, \"fds\": 0}}", answer.len());
+            let _ = c.write_all(answer.as_bytes());
+        }
+    });
+    let e = FeatureStore::new().reader().open(&text).unwrap_err();
+    assert!(matches!(e, Error::StaleSession { .. }), "{e}");
+    assert!(e.to_string().contains("not by the producer (pid 1)"), "{e}");
+    t.join().unwrap();
 }

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::memory::cuda::driver::{self, Allocation, Context, Mapped, Stream};
+use crate::memory::cuda::driver::{self, context, Allocation, Context, Mapped, Stream};
 use crate::memory::cuda::{CudaSession, HandleType};
 use crate::transport::{Destination, ReadOp, Transport};
 
@@ -38,8 +38,8 @@ pub struct CudaTransport {
     text: String,
     local: bool,
     live: Mutex<(Instant, bool)>,
-    /// The context copies run in first, then the devices granted access.
-    contexts: Vec<Arc<Context>>,
+    /// The context copies run in.
+    ctx: Arc<Context>,
 }
 
 /// True when the producer of a device session on this host is gone (its reply endpoint is no
@@ -68,7 +68,7 @@ impl CudaTransport {
         // The arena's GPU if this process sees it (same node), else this process's device 0
         // (fabric import from another node).
         let home = driver::ordinal_of(&session.device_uuid)?;
-        let first = Arc::new(Context::new(home.unwrap_or(0))?);
+        let ctx = context(home.unwrap_or(0))?;
         let allocation = match session.handle {
             HandleType::PosixFd => {
                 if !local {
@@ -82,8 +82,15 @@ impl CudaTransport {
                         ),
                     });
                 }
-                let reply = crate::reply::request(&session.reply, "cuda-fd", HANDLE_TIMEOUT)
-                    .map_err(|e| stale(format!("its writer did not hand over the arena ({e})")))?;
+                // Only the producer process itself may answer (abstract socket names are open to
+                // anyone on the host): its pid and our user, checked with SO_PEERCRED.
+                let reply = crate::reply::request_from(
+                    &session.reply,
+                    "cuda-fd",
+                    HANDLE_TIMEOUT,
+                    Some(session.pid),
+                )
+                .map_err(|e| stale(format!("its writer did not hand over the arena ({e})")))?;
                 if reply.bytes != text.as_bytes() {
                     return Err(stale(
                         "the writer answered for a different arena (it restarted)".into(),
@@ -93,7 +100,7 @@ impl CudaTransport {
                     return Err(stale("the writer's answer carried no descriptor".into()));
                 };
                 use std::os::fd::AsFd;
-                Allocation::import_fd(&first, fd.as_fd(), session.len)?
+                Allocation::import_fd(&ctx, fd.as_fd(), session.len)?
             }
             HandleType::Fabric => {
                 let Some(h) = &session.fabric else {
@@ -102,26 +109,18 @@ impl CudaTransport {
                         reason: "a fabric session without its handle".into(),
                     });
                 };
-                Allocation::import_fabric(&first, h, session.len)?
+                Allocation::import_fabric(&ctx, h, session.len)?
             }
         };
-        // Every device of this process that can reach the arena's device gets access, so a
-        // read may land on any of them.
-        let info = driver::driver()?;
-        let mut contexts = vec![first];
-        for ordinal in 0..info.devices {
-            if ordinal == contexts[0].ordinal {
-                continue;
-            }
-            let c = Arc::new(Context::new(ordinal)?);
-            if home.is_none() || contexts[0].can_access_peer(&c) {
-                contexts.push(c);
-            }
-        }
-        let g = driver::granularity(&contexts[0], session.handle)?;
-        let access: Vec<&Context> = contexts.iter().map(|c| &**c).collect();
+        // The arena's GPU and every GPU of this process that can reach it get access, so a
+        // read may land on any of them (from another node: this process's first GPU).
+        let access = match home {
+            Some(h) => driver::peers_of(h)?,
+            None => vec![ctx.ordinal],
+        };
+        let g = driver::granularity(&ctx, session.handle)?;
         let mapped = Mapped::new(allocation, g, &access)?;
-        let stream = Stream::new(&contexts[0])?;
+        let stream = Stream::new(&ctx)?;
         Ok(CudaTransport {
             stream: Mutex::new(stream),
             mapped,
@@ -129,7 +128,7 @@ impl CudaTransport {
             text,
             local,
             live: Mutex::new((Instant::now(), true)),
-            contexts,
+            ctx,
         })
     }
 
@@ -186,7 +185,15 @@ impl Transport for CudaTransport {
             offsets.push(self.offset_of(r.address, r.into.len())?);
         }
         let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        self.contexts[0].bind()?;
+        let _current = self.ctx.enter()?;
+        // Destinations whose owner still has work queued on its stream wait for it.
+        for r in reads.iter() {
+            if let Destination::Device(d) = &r.into {
+                if let Some(after) = d.waits_for() {
+                    stream.wait(&driver::event_on(d.device(), after)?)?;
+                }
+            }
+        }
         let mut result = Ok(());
         for (r, off) in reads.iter_mut().zip(offsets) {
             let src = self.mapped.ptr + off;

@@ -42,6 +42,7 @@ pub struct DeviceSlice {
     ptr: u64,
     len: u64,
     device: i32,
+    after: Option<u64>,
 }
 
 impl DeviceSlice {
@@ -51,7 +52,26 @@ impl DeviceSlice {
     /// The range must be device memory of this process, writable, valid and not used by anyone
     /// else until the read that writes it has returned.
     pub unsafe fn new(ptr: u64, len: u64, device: i32) -> DeviceSlice {
-        DeviceSlice { ptr, len, device }
+        DeviceSlice {
+            ptr,
+            len,
+            device,
+            after: None,
+        }
+    }
+
+    /// The read's copy into this destination waits for the work enqueued so far on `stream`, a
+    /// raw `CUstream` of this process on the destination's device (`0`: the legacy default
+    /// stream): a kernel still using the buffer (or writing it, such as a `zero_()`) finishes
+    /// first. The read itself is complete when it returns, whatever the stream.
+    pub fn after(mut self, stream: u64) -> DeviceSlice {
+        self.after = Some(stream);
+        self
+    }
+
+    /// The stream the copy waits for, if any.
+    pub fn waits_for(&self) -> Option<u64> {
+        self.after
     }
 
     /// The device address.

@@ -113,7 +113,15 @@ impl ShmTransport {
             let src = self.map.raw_range(off, d.len() as usize)?;
             // SAFETY: `src` is a checked range of this read-only mapping (kept alive by self);
             // the destination is device memory the DeviceSlice's creator vouched for.
-            unsafe { crate::memory::cuda::host_to_device(d.device(), d.ptr(), src, d.len()) }
+            unsafe {
+                crate::memory::cuda::host_to_device(
+                    d.device(),
+                    d.ptr(),
+                    src,
+                    d.len(),
+                    d.waits_for(),
+                )
+            }
         }
         #[cfg(not(feature = "cuda"))]
         {

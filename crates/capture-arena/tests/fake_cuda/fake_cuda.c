@@ -38,7 +38,7 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 typedef void (*CUhostFn)(void *);
 
 enum {
-  OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101,
+  OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201,
   INVALID_HANDLE = 400, NOT_READY = 600, NOT_PERMITTED = 800, NOT_SUPPORTED = 801
 };
 
@@ -92,9 +92,16 @@ CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice d) {
   return OK;
 }
 CUresult cuDeviceCanAccessPeer(int *v, CUdevice a, CUdevice b) { (void)a; (void)b; *v = 1; return OK; }
+CUresult cuDeviceGetUuid_v2(unsigned char *uuid, CUdevice d) { return cuDeviceGetUuid(uuid, d); }
 CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice d) { *ctx = (void *)(intptr_t)(d + 1); return OK; }
 CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
-CUresult cuCtxSetCurrent(void *ctx) { return ctx ? OK : INVALID_VALUE; }
+/* The calling thread's current context, as the real driver keeps it: calls that create things
+ * need one (INVALID_CONTEXT otherwise), so the tests catch a missing bind. */
+static __thread void *current;
+CUresult cuCtxSetCurrent(void *ctx) { current = ctx; return OK; }
+CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return OK; }
+void *fake_cuda_current(void) { return current; }
+#define NEED_CONTEXT() do { if (!current) return INVALID_CONTEXT; } while (0)
 
 static const char *names[][2] = {
   {"CUDA_SUCCESS", "no error"},
@@ -103,6 +110,7 @@ static const char *names[][2] = {
   {"CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
   {"CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
   {"CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+  {"CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
   {"CUDA_ERROR_NOT_READY", "device not ready"},
   {"CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
   {"CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
@@ -111,7 +119,8 @@ static int name_index(CUresult e) {
   switch (e) {
     case OK: return 0; case INVALID_VALUE: return 1; case OUT_OF_MEMORY: return 2;
     case NO_DEVICE: return 3; case INVALID_DEVICE: return 4; case INVALID_HANDLE: return 5;
-    case NOT_READY: return 6; case NOT_PERMITTED: return 7; case NOT_SUPPORTED: return 8;
+    case NOT_READY: return 7; case NOT_PERMITTED: return 8; case NOT_SUPPORTED: return 9;
+    case INVALID_CONTEXT: return 6;
     default: return -1;
   }
 }
@@ -141,6 +150,7 @@ CUresult cuMemGetAllocationGranularity(size_t *g, const Prop *p, int option) {
 /* An allocation handle is its memfd + 1. */
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p, unsigned long long flags) {
   (void)flags;
+  NEED_CONTEXT();
   if (p->loc_id < 0 || p->loc_id >= devices()) return INVALID_DEVICE;
   if ((p->handle_types & FABRIC) && !imex()) return NOT_PERMITTED;
   if (size == 0 || size % granule()) return INVALID_VALUE;
@@ -176,6 +186,7 @@ CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h,
 }
 CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os, int type) {
   int fd = -1;
+  NEED_CONTEXT();
   if (type == POSIX_FD) {
     fd = fcntl((int)(intptr_t)os, F_DUPFD_CLOEXEC, 0);
   } else if (type == FABRIC) {
@@ -222,6 +233,7 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const AccessDesc *d, size_
 }
 #define ALLOC_HEADER 4096
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
+  NEED_CONTEXT();
   char *p = mmap(NULL, size + ALLOC_HEADER, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) return OUT_OF_MEMORY;
   *(size_t *)p = size;
@@ -297,6 +309,7 @@ static CUresult push(Stream *s, Op o) {
 }
 CUresult cuStreamCreate(Stream **out, unsigned flags) {
   (void)flags;
+  NEED_CONTEXT();
   Stream *s = calloc(1, sizeof *s);
   if (!s) return OUT_OF_MEMORY;
   pthread_mutex_init(&s->mu, NULL);
@@ -325,6 +338,7 @@ CUresult cuStreamDestroy_v2(Stream *s) {
 }
 CUresult cuEventCreate(Event **out, unsigned flags) {
   (void)flags;
+  NEED_CONTEXT();
   Event *e = calloc(1, sizeof *e);
   if (!e) return OUT_OF_MEMORY;
   pthread_mutex_init(&e->mu, NULL);

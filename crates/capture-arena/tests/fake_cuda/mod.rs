@@ -68,3 +68,16 @@ pub fn knob(name: &str, value: i64) -> i64 {
         f(c.as_ptr(), value as std::ffi::c_long) as i64
     }
 }
+
+/// The calling thread's current context in the fake driver (null when none).
+pub fn current() -> usize {
+    let sym = std::ffi::CString::new("fake_cuda_current").unwrap();
+    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
+    // signature and no arguments.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
+        assert!(!f.is_null(), "the fake driver is not loaded");
+        let f: extern "C" fn() -> *mut std::ffi::c_void = std::mem::transmute(f);
+        f() as usize
+    }
+}

@@ -10,7 +10,7 @@
 //! a device read is asked for.
 
 use std::ffi::{c_int, c_void, CStr};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
 
@@ -24,10 +24,10 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuDeviceGet",
     "cuDeviceGetAttribute",
     "cuDeviceGetName",
-    "cuDeviceGetUuid",
+    "cuDeviceGetUuid_v2",
     "cuDeviceCanAccessPeer",
     "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
     "cuCtxSetCurrent",
     "cuGetErrorName",
     "cuGetErrorString",
@@ -169,8 +169,9 @@ pub(crate) fn check(rc: cu::CUresult, what: impl FnOnce() -> String) -> Result<(
     }
 }
 
-/// A device's primary context, retained for this value's life. Every call that needs a current
-/// context binds it first (cheap), so any thread may use it.
+/// A device's primary context, retained once per process and never released (as the CUDA
+/// runtime does): streams, events and mappings made in it stay valid whatever else the process
+/// retains or releases. Get one with [`context`].
 #[derive(Debug)]
 pub(crate) struct Context {
     device: cu::CUdevice,
@@ -185,45 +186,93 @@ unsafe impl Send for Context {}
 // SAFETY: as above; no method mutates `self`.
 unsafe impl Sync for Context {}
 
-impl Context {
-    /// Retains the primary context of device `ordinal`.
-    pub fn new(ordinal: i32) -> Result<Context> {
-        let info = driver()?;
-        if ordinal < 0 || ordinal >= info.devices {
-            return Err(Error::device(
-                format!("opening CUDA device {ordinal}"),
-                format!(
-                    "this process sees {} device(s) (CUDA_VISIBLE_DEVICES decides which); set \
-                     SGLANG_SPEC_CAPTURE_ARENA_DEVICE to one of them",
-                    info.devices
-                ),
-            ));
-        }
-        let mut device = 0;
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: the driver is loaded and initialised; both calls write one handle.
-        unsafe {
-            check(cu::cuDeviceGet(&mut device, ordinal), || {
-                format!("cuDeviceGet({ordinal})")
-            })?;
-            check(cu::cuDevicePrimaryCtxRetain(&mut ctx, device), || {
-                format!("retaining the primary context of device {ordinal}")
-            })?;
-        }
-        let c = Context {
-            device,
-            ctx,
-            ordinal,
-        };
-        c.bind()?;
-        Ok(c)
+/// The primary context of device `ordinal`, retained on first use for the process's life.
+///
+/// # Errors
+/// [`Error::Device`] without a driver, for an ordinal this process does not see, or when the
+/// retain fails.
+pub(crate) fn context(ordinal: i32) -> Result<Arc<Context>> {
+    static CONTEXTS: Mutex<Vec<Arc<Context>>> = Mutex::new(Vec::new());
+    let info = driver()?;
+    if ordinal < 0 || ordinal >= info.devices {
+        return Err(Error::device(
+            format!("opening CUDA device {ordinal}"),
+            format!(
+                "this process sees {} device(s) (CUDA_VISIBLE_DEVICES decides which); set \
+                 SGLANG_SPEC_CAPTURE_ARENA_DEVICE to one of them",
+                info.devices
+            ),
+        ));
     }
+    let mut all = CONTEXTS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = all.iter().find(|c| c.ordinal == ordinal) {
+        return Ok(c.clone());
+    }
+    let device = device_handle(ordinal)?;
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the driver is initialised; writes one handle. Never released (see the type).
+    let rc = unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, device) };
+    check(rc, || {
+        format!("retaining the primary context of device {ordinal}")
+    })?;
+    let c = Arc::new(Context {
+        device,
+        ctx,
+        ordinal,
+    });
+    all.push(c.clone());
+    Ok(c)
+}
 
-    /// Makes this context current on the calling thread.
-    pub fn bind(&self) -> Result<()> {
-        // SAFETY: `ctx` is a retained primary context, valid until drop.
-        check(unsafe { cu::cuCtxSetCurrent(self.ctx) }, || {
+/// The driver's handle of device `ordinal`.
+fn device_handle(ordinal: i32) -> Result<cu::CUdevice> {
+    let mut device = 0;
+    // SAFETY: the driver is initialised (callers went through `driver()`); writes one int.
+    let rc = unsafe { cu::cuDeviceGet(&mut device, ordinal) };
+    check(rc, || format!("cuDeviceGet({ordinal})"))?;
+    Ok(device)
+}
+
+/// The context that was current on this thread before [`Context::enter`]; restored on drop, so
+/// capture-arena never changes the current device under the caller (torch follows it).
+#[must_use = "the context is current only while this guard lives"]
+pub(crate) struct Current {
+    previous: cu::CUcontext,
+    changed: bool,
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        if self.changed {
+            // SAFETY: restores the handle cuCtxGetCurrent returned (null or a live context).
+            unsafe {
+                cu::cuCtxSetCurrent(self.previous);
+            }
+        }
+    }
+}
+
+impl Context {
+    /// Makes this context current on the calling thread until the guard is dropped.
+    pub fn enter(&self) -> Result<Current> {
+        let mut previous = std::ptr::null_mut();
+        // SAFETY: writes one handle (null when no context is current).
+        let rc = unsafe { cu::cuCtxGetCurrent(&mut previous) };
+        check(rc, || "cuCtxGetCurrent".into())?;
+        if previous == self.ctx {
+            return Ok(Current {
+                previous,
+                changed: false,
+            });
+        }
+        // SAFETY: `ctx` is a retained primary context, valid for the process's life.
+        let rc = unsafe { cu::cuCtxSetCurrent(self.ctx) };
+        check(rc, || {
             format!("making device {}'s context current", self.ordinal)
+        })?;
+        Ok(Current {
+            previous,
+            changed: true,
         })
     }
 
@@ -244,10 +293,10 @@ impl Context {
         let mut buf = [0 as std::ffi::c_char; 128];
         // SAFETY: the driver writes at most `len` bytes, NUL-terminated.
         let rc = unsafe { cu::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, self.device) };
-        if rc != cu::CUresult::CUDA_SUCCESS {
+        if rc != cu::CUresult::CUDA_SUCCESS || !buf.contains(&0) {
             return "unknown".into();
         }
-        // SAFETY: NUL-terminated within the buffer (the driver's contract; the last byte is 0).
+        // SAFETY: NUL-terminated within the buffer (checked above).
         unsafe { CStr::from_ptr(buf.as_ptr()) }
             .to_string_lossy()
             .into_owned()
@@ -256,60 +305,50 @@ impl Context {
     /// The device's UUID as 32 hex digits: the same GPU has the same UUID in every process,
     /// whatever its ordinal there.
     pub fn uuid(&self) -> Result<String> {
-        let mut u = cu::CUuuid_st { bytes: [0; 16] };
-        // SAFETY: writes 16 bytes.
-        check(unsafe { cu::cuDeviceGetUuid(&mut u, self.device) }, || {
-            format!("cuDeviceGetUuid({})", self.ordinal)
-        })?;
-        Ok(u.bytes
-            .iter()
-            .map(|b| format!("{:02x}", *b as u8))
-            .collect())
-    }
-
-    /// True when this device can access memory of `other` directly (peer access).
-    pub fn can_access_peer(&self, other: &Context) -> bool {
-        let mut v: c_int = 0;
-        // SAFETY: writes one int.
-        let rc = unsafe { cu::cuDeviceCanAccessPeer(&mut v, self.device, other.device) };
-        rc == cu::CUresult::CUDA_SUCCESS && v == 1
+        uuid_of(self.device, self.ordinal)
     }
 }
 
-impl Drop for Context {
-    fn drop(&mut self) {
-        // SAFETY: releases the retain taken in `new`.
-        unsafe {
-            cu::cuDevicePrimaryCtxRelease_v2(self.device);
-        }
-    }
+fn uuid_of(device: cu::CUdevice, ordinal: i32) -> Result<String> {
+    let mut u = cu::CUuuid_st { bytes: [0; 16] };
+    // SAFETY: writes 16 bytes.
+    let rc = unsafe { cu::cuDeviceGetUuid_v2(&mut u, device) };
+    check(rc, || format!("cuDeviceGetUuid_v2({ordinal})"))?;
+    Ok(u.bytes
+        .iter()
+        .map(|b| format!("{:02x}", *b as u8))
+        .collect())
+}
+
+/// True when device `from` can access memory of device `to` directly (peer access).
+pub(crate) fn can_access_peer(from: i32, to: i32) -> bool {
+    let (Ok(a), Ok(b)) = (device_handle(from), device_handle(to)) else {
+        return false;
+    };
+    let mut v: c_int = 0;
+    // SAFETY: writes one int.
+    let rc = unsafe { cu::cuDeviceCanAccessPeer(&mut v, a, b) };
+    rc == cu::CUresult::CUDA_SUCCESS && v == 1
 }
 
 /// The index of the device whose UUID is `uuid` in this process, if it sees it.
 pub(crate) fn ordinal_of(uuid: &str) -> Result<Option<i32>> {
     let info = driver()?;
     for ordinal in 0..info.devices {
-        let mut device = 0;
-        let mut u = cu::CUuuid_st { bytes: [0; 16] };
-        // SAFETY: the driver is initialised; each call writes one handle or 16 bytes.
-        unsafe {
-            check(cu::cuDeviceGet(&mut device, ordinal), || {
-                format!("cuDeviceGet({ordinal})")
-            })?;
-            check(cu::cuDeviceGetUuid(&mut u, device), || {
-                format!("cuDeviceGetUuid({ordinal})")
-            })?;
-        }
-        let hex: String = u
-            .bytes
-            .iter()
-            .map(|b| format!("{:02x}", *b as u8))
-            .collect();
-        if hex == uuid {
+        if uuid_of(device_handle(ordinal)?, ordinal)? == uuid {
             return Ok(Some(ordinal));
         }
     }
     Ok(None)
+}
+
+/// The devices of this process that can access device `home`'s memory (peer access), `home`
+/// first: those a mapping of an allocation on `home` grants access to.
+pub(crate) fn peers_of(home: i32) -> Result<Vec<i32>> {
+    let info = driver()?;
+    let mut out = vec![home];
+    out.extend((0..info.devices).filter(|&d| d != home && can_access_peer(d, home)));
+    Ok(out)
 }
 
 /// The allocation properties of pinned device memory on `ordinal` exportable as `handle`.
@@ -360,21 +399,16 @@ impl HandleType {
     }
 }
 
-/// `cuMemGetAllocationGranularity(MINIMUM)` for pinned memory on `ordinal` with `handle`.
+/// `cuMemGetAllocationGranularity(MINIMUM)` for pinned memory on `ctx`'s device with `handle`.
 pub(crate) fn granularity(ctx: &Context, handle: HandleType) -> Result<u64> {
     let p = prop(ctx.ordinal, handle);
     let mut g = 0usize;
+    let flag = cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
     // SAFETY: reads `p`, writes one usize.
-    check(
-        unsafe {
-            cu::cuMemGetAllocationGranularity(
-                &mut g,
-                &p,
-                cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-            )
-        },
-        || format!("allocation granularity of device {}", ctx.ordinal),
-    )?;
+    let rc = unsafe { cu::cuMemGetAllocationGranularity(&mut g, &p, flag) };
+    check(rc, || {
+        format!("allocation granularity of device {}", ctx.ordinal)
+    })?;
     Ok((g as u64).max(1))
 }
 
@@ -384,44 +418,41 @@ pub(crate) struct Allocation {
     handle: cu::CUmemGenericAllocationHandle,
     /// Bytes (a multiple of the granularity).
     pub size: u64,
+    ctx: Arc<Context>,
 }
 
 impl Allocation {
     /// `cuMemCreate` of `size` bytes (a multiple of the granularity) on the context's device.
-    pub fn create(ctx: &Context, size: u64, handle: HandleType) -> Result<Allocation> {
-        ctx.bind()?;
+    pub fn create(ctx: &Arc<Context>, size: u64, handle: HandleType) -> Result<Allocation> {
+        let _current = ctx.enter()?;
         let p = prop(ctx.ordinal, handle);
         let mut h = 0;
         // SAFETY: reads `p`, writes one handle.
-        check(
-            unsafe { cu::cuMemCreate(&mut h, size as usize, &p, 0) },
-            || {
-                format!(
-                    "cuMemCreate of {size} bytes on device {} with {} handles",
-                    ctx.ordinal,
-                    handle.name()
-                )
-            },
-        )?;
-        Ok(Allocation { handle: h, size })
+        let rc = unsafe { cu::cuMemCreate(&mut h, size as usize, &p, 0) };
+        check(rc, || {
+            format!(
+                "cuMemCreate of {size} bytes on device {} with {} handles",
+                ctx.ordinal,
+                handle.name()
+            )
+        })?;
+        Ok(Allocation {
+            handle: h,
+            size,
+            ctx: ctx.clone(),
+        })
     }
 
     /// Exports a POSIX descriptor for this allocation (each call a new descriptor).
     pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd> {
         use std::os::fd::FromRawFd;
         let mut fd: c_int = -1;
+        let kind = HandleType::PosixFd.raw();
         // SAFETY: for POSIX_FILE_DESCRIPTOR the driver writes one int.
-        check(
-            unsafe {
-                cu::cuMemExportToShareableHandle(
-                    (&mut fd as *mut c_int).cast(),
-                    self.handle,
-                    HandleType::PosixFd.raw(),
-                    0,
-                )
-            },
-            || "exporting the arena as a POSIX descriptor".into(),
-        )?;
+        let rc = unsafe {
+            cu::cuMemExportToShareableHandle((&mut fd as *mut c_int).cast(), self.handle, kind, 0)
+        };
+        check(rc, || "exporting the arena as a POSIX descriptor".into())?;
         if fd < 0 {
             return Err(Error::device(
                 "exporting the arena as a POSIX descriptor",
@@ -435,68 +466,65 @@ impl Allocation {
     /// Exports the 64-byte fabric handle.
     pub fn export_fabric(&self) -> Result<[u8; 64]> {
         let mut h = cu::CUmemFabricHandle_st { data: [0; 64] };
-        // SAFETY: for FABRIC the driver writes one 64-byte CUmemFabricHandle.
-        check(
-            unsafe {
-                cu::cuMemExportToShareableHandle(
-                    (&mut h as *mut cu::CUmemFabricHandle_st).cast(),
-                    self.handle,
-                    HandleType::Fabric.raw(),
-                    0,
-                )
-            },
-            || "exporting the arena as a fabric handle".into(),
-        )?;
+        let out = (&mut h as *mut cu::CUmemFabricHandle_st).cast();
+        let kind = HandleType::Fabric.raw();
+        // SAFETY: for FABRIC the driver writes one 64-byte CUmemFabricHandle at `out`.
+        let rc = unsafe { cu::cuMemExportToShareableHandle(out, self.handle, kind, 0) };
+        check(rc, || "exporting the arena as a fabric handle".into())?;
         Ok(h.data)
     }
 
     /// Imports an allocation another process exported as a POSIX descriptor (the descriptor
     /// stays the caller's).
-    pub fn import_fd(ctx: &Context, fd: std::os::fd::BorrowedFd<'_>, size: u64) -> Result<Self> {
+    pub fn import_fd(
+        ctx: &Arc<Context>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        size: u64,
+    ) -> Result<Self> {
         use std::os::fd::AsRawFd;
-        ctx.bind()?;
+        let _current = ctx.enter()?;
         let mut h = 0;
-        // SAFETY: for POSIX_FILE_DESCRIPTOR the os handle is the descriptor's value passed as a
-        // pointer-sized integer (the driver's documented convention); it writes one handle.
-        check(
-            unsafe {
-                cu::cuMemImportFromShareableHandle(
-                    &mut h,
-                    fd.as_raw_fd() as usize as *mut c_void,
-                    HandleType::PosixFd.raw(),
-                )
-            },
-            || "importing the producer's arena descriptor".into(),
-        )?;
-        Ok(Allocation { handle: h, size })
+        // The driver's convention: the descriptor's value passed as a pointer-sized integer.
+        let os = fd.as_raw_fd() as usize as *mut c_void;
+        let kind = HandleType::PosixFd.raw();
+        // SAFETY: `os` is a descriptor open in this process for the call's duration; writes
+        // one handle.
+        let rc = unsafe { cu::cuMemImportFromShareableHandle(&mut h, os, kind) };
+        check(rc, || "importing the producer's arena descriptor".into())?;
+        Ok(Allocation {
+            handle: h,
+            size,
+            ctx: ctx.clone(),
+        })
     }
 
     /// Imports an allocation by its fabric handle.
-    pub fn import_fabric(ctx: &Context, handle: &[u8; 64], size: u64) -> Result<Self> {
-        ctx.bind()?;
+    pub fn import_fabric(ctx: &Arc<Context>, handle: &[u8; 64], size: u64) -> Result<Self> {
+        let _current = ctx.enter()?;
         let mut data = cu::CUmemFabricHandle_st { data: *handle };
+        let os = (&mut data as *mut cu::CUmemFabricHandle_st).cast();
         let mut h = 0;
         // SAFETY: for FABRIC the os handle points at the 64-byte handle; writes one handle.
-        check(
-            unsafe {
-                cu::cuMemImportFromShareableHandle(
-                    &mut h,
-                    (&mut data as *mut cu::CUmemFabricHandle_st).cast(),
-                    HandleType::Fabric.raw(),
-                )
-            },
-            || {
-                "importing the producer's arena by fabric handle (is this process in the producer's IMEX domain?)".into()
-            },
-        )?;
-        Ok(Allocation { handle: h, size })
+        let rc =
+            unsafe { cu::cuMemImportFromShareableHandle(&mut h, os, HandleType::Fabric.raw()) };
+        check(rc, || {
+            "importing the producer's arena by fabric handle (is this process in the \
+             producer's IMEX domain?)"
+                .into()
+        })?;
+        Ok(Allocation {
+            handle: h,
+            size,
+            ctx: ctx.clone(),
+        })
     }
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        // SAFETY: releases the handle created or imported in this value; mappings of it hold
-        // their own reference, so the memory stays until they are unmapped too.
+        let _current = self.ctx.enter();
+        // SAFETY: releases the handle created or imported in this value; a mapping of it holds
+        // its own reference, so the memory stays until that is unmapped too.
         unsafe {
             cu::cuMemRelease(self.handle);
         }
@@ -518,15 +546,16 @@ pub(crate) struct Mapped {
 
 impl Mapped {
     /// Reserves `allocation.size` bytes of address space aligned to `align`, maps the whole
-    /// allocation there and gives read-write access to `access` (the device it lives on first).
-    pub fn new(allocation: Allocation, align: u64, access: &[&Context]) -> Result<Mapped> {
+    /// allocation there and gives read-write access to the devices `access` (ordinals).
+    pub fn new(allocation: Allocation, align: u64, access: &[i32]) -> Result<Mapped> {
+        let _current = allocation.ctx.enter()?;
         let size = allocation.size;
         let mut ptr = 0;
         // SAFETY: writes one address; the range is ours until cuMemAddressFree in drop.
-        check(
-            unsafe { cu::cuMemAddressReserve(&mut ptr, size as usize, align as usize, 0, 0) },
-            || format!("reserving {size} bytes of device address space"),
-        )?;
+        let rc = unsafe { cu::cuMemAddressReserve(&mut ptr, size as usize, align as usize, 0, 0) };
+        check(rc, || {
+            format!("reserving {size} bytes of device address space")
+        })?;
         let mut m = Mapped {
             ptr,
             size,
@@ -534,35 +563,31 @@ impl Mapped {
             allocation,
         };
         // SAFETY: maps the whole allocation at the start of the range reserved above.
-        check(
-            unsafe { cu::cuMemMap(ptr, size as usize, 0, m.allocation.handle, 0) },
-            || format!("mapping {size} bytes of device memory"),
-        )?;
+        let rc = unsafe { cu::cuMemMap(ptr, size as usize, 0, m.allocation.handle, 0) };
+        check(rc, || format!("mapping {size} bytes of device memory"))?;
         m.mapped = true;
         let descs: Vec<cu::CUmemAccessDesc> = access
             .iter()
-            .map(|c| cu::CUmemAccessDesc {
+            .map(|&ordinal| cu::CUmemAccessDesc {
                 location: cu::CUmemLocation {
                     type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id: c.ordinal,
+                    id: ordinal,
                 },
                 flags: cu::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             })
             .collect();
         // SAFETY: the range is mapped; reads `descs.len()` descriptors.
-        check(
-            unsafe { cu::cuMemSetAccess(ptr, size as usize, descs.as_ptr(), descs.len()) },
-            || {
-                let who: Vec<String> = access.iter().map(|c| c.ordinal.to_string()).collect();
-                format!("granting devices [{}] access to the arena", who.join(", "))
-            },
-        )?;
+        let rc = unsafe { cu::cuMemSetAccess(ptr, size as usize, descs.as_ptr(), descs.len()) };
+        check(rc, || {
+            format!("granting devices {access:?} access to the arena")
+        })?;
         Ok(m)
     }
 }
 
 impl Drop for Mapped {
     fn drop(&mut self) {
+        let _current = self.allocation.ctx.enter();
         // SAFETY: unmaps what `new` mapped and frees the range it reserved; no copy uses them
         // any more (owners synchronise their streams before dropping a mapping).
         unsafe {
@@ -576,39 +601,42 @@ impl Drop for Mapped {
 
 /// A non-blocking stream of one context.
 #[derive(Debug)]
-pub(crate) struct Stream(pub cu::CUstream);
+pub(crate) struct Stream {
+    pub raw: cu::CUstream,
+    ctx: Arc<Context>,
+}
 
-// SAFETY: streams may be used from any thread with their context bound.
+// SAFETY: streams may be used from any thread; the driver serialises work on one stream.
 unsafe impl Send for Stream {}
-// SAFETY: as above; the driver serialises work on one stream.
+// SAFETY: as above.
 unsafe impl Sync for Stream {}
 
 impl Stream {
     /// A new stream that does not synchronise with the legacy default stream.
-    pub fn new(ctx: &Context) -> Result<Stream> {
-        ctx.bind()?;
+    pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
+        let _current = ctx.enter()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: writes one handle. 1 = CU_STREAM_NON_BLOCKING.
-        check(unsafe { cu::cuStreamCreate(&mut s, 1) }, || {
-            "cuStreamCreate".into()
-        })?;
-        Ok(Stream(s))
+        let rc = unsafe { cu::cuStreamCreate(&mut s, 1) };
+        check(rc, || "cuStreamCreate".into())?;
+        Ok(Stream {
+            raw: s,
+            ctx: ctx.clone(),
+        })
     }
 
     /// Blocks until all work on the stream has finished.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: a valid stream.
-        check(unsafe { cu::cuStreamSynchronize(self.0) }, || {
-            "cuStreamSynchronize".into()
-        })
+        let rc = unsafe { cu::cuStreamSynchronize(self.raw) };
+        check(rc, || "cuStreamSynchronize".into())
     }
 
-    /// Makes later work on this stream wait for `event`.
-    pub fn wait(&self, event: cu::CUevent) -> Result<()> {
-        // SAFETY: the caller passes an event of this process (recorded or not).
-        check(unsafe { cu::cuStreamWaitEvent(self.0, event, 0) }, || {
-            "waiting on the producer's event".into()
-        })
+    /// Makes later work on this stream wait for `event` (of any context of this process).
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        // SAFETY: both handles are valid (the event outlives this call).
+        let rc = unsafe { cu::cuStreamWaitEvent(self.raw, event.raw, 0) };
+        check(rc, || "waiting on the producer's event".into())
     }
 
     /// Enqueues `f(data)` on a driver thread once all earlier work on the stream has finished.
@@ -621,61 +649,68 @@ impl Stream {
         data: *mut c_void,
     ) -> Result<()> {
         // SAFETY: as the caller promised.
-        check(
-            unsafe { cu::cuLaunchHostFunc(self.0, Some(f), data) },
-            || "cuLaunchHostFunc".into(),
-        )
+        let rc = unsafe { cu::cuLaunchHostFunc(self.raw, Some(f), data) };
+        check(rc, || "cuLaunchHostFunc".into())
     }
 
-    /// Enqueues a copy of `len` bytes between device addresses.
+    /// Enqueues a copy of `len` bytes between device addresses (nothing for 0 bytes).
     ///
     /// # Safety
     /// Both ranges must be valid device memory (or mapped ranges) for the copy's duration.
     pub unsafe fn copy_dtod(&self, dst: u64, src: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
         // SAFETY: as the caller promised.
-        check(
-            unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, len as usize, self.0) },
-            || format!("device-to-device copy of {len} bytes"),
-        )
+        let rc = unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, len as usize, self.raw) };
+        check(rc, || format!("device-to-device copy of {len} bytes"))
     }
 
-    /// Enqueues a copy of `len` host bytes at `src` to device address `dst`.
+    /// Enqueues a copy of `len` host bytes at `src` to device address `dst` (nothing for 0
+    /// bytes).
     ///
     /// # Safety
     /// `src` valid for reads of `len` bytes and `dst` valid device memory until the copy ends.
     pub unsafe fn copy_htod(&self, dst: u64, src: *const u8, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
         // SAFETY: as the caller promised.
-        check(
-            unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.cast(), len as usize, self.0) },
-            || format!("host-to-device copy of {len} bytes"),
-        )
+        let rc = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.cast(), len as usize, self.raw) };
+        check(rc, || format!("host-to-device copy of {len} bytes"))
     }
 
-    /// Enqueues a copy of `len` device bytes at `src` to host memory at `dst`.
+    /// Enqueues a copy of `len` device bytes at `src` to host memory at `dst` (nothing for 0
+    /// bytes).
     ///
     /// # Safety
     /// `dst` valid for writes of `len` bytes and `src` valid device memory until the copy ends.
     pub unsafe fn copy_dtoh(&self, dst: *mut u8, src: u64, len: u64) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
         // SAFETY: as the caller promised.
-        check(
-            unsafe { cu::cuMemcpyDtoHAsync_v2(dst.cast(), src, len as usize, self.0) },
-            || format!("device-to-host copy of {len} bytes"),
-        )
+        let rc = unsafe { cu::cuMemcpyDtoHAsync_v2(dst.cast(), src, len as usize, self.raw) };
+        check(rc, || format!("device-to-host copy of {len} bytes"))
     }
 }
 
 impl Drop for Stream {
     fn drop(&mut self) {
+        let _current = self.ctx.enter();
         // SAFETY: destroys the stream created in `new` (pending work still completes).
         unsafe {
-            cu::cuStreamDestroy_v2(self.0);
+            cu::cuStreamDestroy_v2(self.raw);
         }
     }
 }
 
 /// An event without timing (cheapest to record and query).
 #[derive(Debug)]
-pub(crate) struct Event(pub cu::CUevent);
+pub(crate) struct Event {
+    raw: cu::CUevent,
+    ctx: Arc<Context>,
+}
 
 // SAFETY: events may be recorded and queried from any thread.
 unsafe impl Send for Event {}
@@ -684,28 +719,36 @@ unsafe impl Sync for Event {}
 
 impl Event {
     /// A new event (CU_EVENT_DISABLE_TIMING).
-    pub fn new(ctx: &Context) -> Result<Event> {
-        ctx.bind()?;
+    pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        let _current = ctx.enter()?;
         let mut e = std::ptr::null_mut();
         // SAFETY: writes one handle. 2 = CU_EVENT_DISABLE_TIMING.
-        check(unsafe { cu::cuEventCreate(&mut e, 2) }, || {
-            "cuEventCreate".into()
-        })?;
-        Ok(Event(e))
+        let rc = unsafe { cu::cuEventCreate(&mut e, 2) };
+        check(rc, || "cuEventCreate".into())?;
+        Ok(Event {
+            raw: e,
+            ctx: ctx.clone(),
+        })
     }
 
-    /// Records the event on `stream` (a raw stream of this process: the producer's).
+    /// Records the event on `stream`, a raw `CUstream` of this process (a caller's stream, on
+    /// the event's device).
     pub fn record_raw(&self, stream: cu::CUstream) -> Result<()> {
-        // SAFETY: the caller's stream handle is passed to the driver, which validates it.
-        check(unsafe { cu::cuEventRecord(self.0, stream) }, || {
-            "recording an event on the producer's stream".into()
-        })
+        let _current = self.ctx.enter()?;
+        // SAFETY: the stream handle is passed to the driver, which validates it.
+        let rc = unsafe { cu::cuEventRecord(self.raw, stream) };
+        check(rc, || "recording an event on the caller's stream".into())
+    }
+
+    /// Records the event on one of our streams.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        self.record_raw(stream.raw)
     }
 
     /// `Ok(true)` once all work before the event's record has finished.
     pub fn query(&self) -> Result<bool> {
         // SAFETY: a valid event.
-        let rc = unsafe { cu::cuEventQuery(self.0) };
+        let rc = unsafe { cu::cuEventQuery(self.raw) };
         if rc == cu::CUresult::CUDA_ERROR_NOT_READY {
             return Ok(false);
         }
@@ -715,11 +758,19 @@ impl Event {
 
 impl Drop for Event {
     fn drop(&mut self) {
+        let _current = self.ctx.enter();
         // SAFETY: destroys the event created in `new`.
         unsafe {
-            cu::cuEventDestroy_v2(self.0);
+            cu::cuEventDestroy_v2(self.raw);
         }
     }
+}
+
+/// Records an event on a caller's raw stream of device `ordinal`, now.
+pub(crate) fn event_on(ordinal: i32, stream: u64) -> Result<Event> {
+    let e = Event::new(&context(ordinal)?)?;
+    e.record_raw(stream as usize as cu::CUstream)?;
+    Ok(e)
 }
 
 /// Device memory from `cuMemAlloc` (benchmarks, tests, the CLI's device buffers).
@@ -727,7 +778,7 @@ impl Drop for Event {
 pub struct DeviceBuffer {
     ptr: u64,
     len: u64,
-    ctx: std::sync::Arc<Context>,
+    ctx: Arc<Context>,
 }
 
 impl DeviceBuffer {
@@ -736,13 +787,15 @@ impl DeviceBuffer {
     /// # Errors
     /// [`Error::Device`].
     pub fn new(ordinal: i32, len: u64) -> Result<DeviceBuffer> {
-        let ctx = std::sync::Arc::new(Context::new(ordinal)?);
+        let ctx = context(ordinal)?;
+        let _current = ctx.enter()?;
         let mut ptr = 0;
         // SAFETY: writes one device address.
-        check(
-            unsafe { cu::cuMemAlloc_v2(&mut ptr, len.max(1) as usize) },
-            || format!("cuMemAlloc of {len} bytes on device {ordinal}"),
-        )?;
+        let rc = unsafe { cu::cuMemAlloc_v2(&mut ptr, len.max(1) as usize) };
+        check(rc, || {
+            format!("cuMemAlloc of {len} bytes on device {ordinal}")
+        })?;
+        drop(_current);
         Ok(DeviceBuffer { ptr, len, ctx })
     }
 
@@ -775,8 +828,8 @@ impl DeviceBuffer {
         let s = Stream::new(&self.ctx)?;
         // SAFETY: the range lies inside this allocation (checked); `src` lives until the
         // stream is synchronised below.
-        unsafe { s.copy_htod(self.ptr + offset, src.as_ptr(), src.len() as u64)? };
-        s.synchronize()
+        let r = unsafe { s.copy_htod(self.ptr + offset, src.as_ptr(), src.len() as u64) };
+        s.synchronize().and(r)
     }
 
     /// Copies the buffer's bytes at `offset` into `dst` (synchronously).
@@ -787,8 +840,8 @@ impl DeviceBuffer {
         self.range(offset, dst.len() as u64)?;
         let s = Stream::new(&self.ctx)?;
         // SAFETY: as in `upload`, for writes into `dst`.
-        unsafe { s.copy_dtoh(dst.as_mut_ptr(), self.ptr + offset, dst.len() as u64)? };
-        s.synchronize()
+        let r = unsafe { s.copy_dtoh(dst.as_mut_ptr(), self.ptr + offset, dst.len() as u64) };
+        s.synchronize().and(r)
     }
 
     /// Copies all of `src` (same length) into this buffer, device to device, and waits: the
@@ -800,8 +853,8 @@ impl DeviceBuffer {
         self.range(0, src.len)?;
         let s = Stream::new(&self.ctx)?;
         // SAFETY: both are live allocations of at least `src.len` bytes (checked).
-        unsafe { s.copy_dtod(self.ptr, src.ptr, src.len)? };
-        s.synchronize()
+        let r = unsafe { s.copy_dtod(self.ptr, src.ptr, src.len) };
+        s.synchronize().and(r)
     }
 
     fn range(&self, offset: u64, n: u64) -> Result<()> {
@@ -817,11 +870,10 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        if self.ctx.bind().is_ok() {
-            // SAFETY: frees the allocation made in `new`; callers finish their copies first.
-            unsafe {
-                cu::cuMemFree_v2(self.ptr);
-            }
+        let _current = self.ctx.enter();
+        // SAFETY: frees the allocation made in `new`; callers finish their copies first.
+        unsafe {
+            cu::cuMemFree_v2(self.ptr);
         }
     }
 }

@@ -29,7 +29,7 @@ use std::ffi::c_void;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use driver::{Allocation, Context, Event, Mapped, Stream};
+use driver::{context, Allocation, Context, Event, Mapped, Stream};
 
 use crate::error::{Error, Result};
 use crate::memory::{CopyOp, Notifier, Progress, Region, Reply};
@@ -104,10 +104,7 @@ pub(crate) struct Ready(pub(crate) Event);
 /// Records an event on `stream` (a raw `CUstream` of this process; 0 is the legacy default
 /// stream) on device `ordinal`, now: the writer's copies of a tensor wait for it.
 pub(crate) fn record_ready(ordinal: i32, stream: u64) -> Result<Ready> {
-    let ctx = Context::new(ordinal)?;
-    let e = Event::new(&ctx)?;
-    e.record_raw(stream as usize as cudarc::driver::sys::CUstream)?;
-    Ok(Ready(e))
+    driver::event_on(ordinal, stream).map(Ready)
 }
 
 /// Copies `n` bytes at `from` of a device tensor to host memory at `dst`, after its ready
@@ -121,10 +118,9 @@ pub(crate) unsafe fn device_to_host(
     dst: *mut u8,
     n: u64,
 ) -> Result<()> {
-    let ctx = Context::new(data.device)?;
-    let s = Stream::new(&ctx)?;
+    let s = Stream::new(&context(data.device)?)?;
     if let Some(r) = &data.ready {
-        s.wait(r.0 .0)?;
+        s.wait(&r.0)?;
     }
     // SAFETY: as the caller promised; the tensor's memory is valid (TensorData::device).
     let r = unsafe { s.copy_dtoh(dst, data.ptr + from, n) };
@@ -135,9 +131,18 @@ pub(crate) unsafe fn device_to_host(
 ///
 /// # Safety
 /// `src` valid for reads and `dst` valid device memory for `n` bytes.
-pub(crate) unsafe fn host_to_device(ordinal: i32, dst: u64, src: *const u8, n: u64) -> Result<()> {
-    let ctx = Context::new(ordinal)?;
-    let s = Stream::new(&ctx)?;
+pub(crate) unsafe fn host_to_device(
+    ordinal: i32,
+    dst: u64,
+    src: *const u8,
+    n: u64,
+    after: Option<u64>,
+) -> Result<()> {
+    let s = Stream::new(&context(ordinal)?)?;
+    if let Some(stream) = after {
+        // The caller's work on its stream (e.g. a kernel still using the buffer) comes first.
+        s.wait(&driver::event_on(ordinal, stream)?)?;
+    }
     // SAFETY: as the caller promised.
     let r = unsafe { s.copy_htod(dst, src, n) };
     s.synchronize().and(r)
@@ -185,7 +190,7 @@ impl Copier {
                 });
             }
         }
-        self.ctx.bind()?;
+        let _current = self.ctx.enter()?;
         let enqueued = self.enqueue(base, ops);
         if enqueued.is_err() {
             // Copies already enqueued may still read the sources: finish them before the
@@ -198,34 +203,28 @@ impl Copier {
     }
 
     fn enqueue(&mut self, base: u64, ops: &[CopyOp<'_>]) -> Result<()> {
+        // Host sources first: a copy from pageable host memory may wait for the stream's earlier
+        // work, which must not include the producer's kernels (the writer thread would block).
+        for op in ops {
+            if let Some((src, n)) = op.data.host_source() {
+                // SAFETY: the destination lies inside the region (checked in `start`); host
+                // sources are valid for reads of `n` bytes and unchanged while the batch lives
+                // (TensorData's contract), which the writer keeps until `progress` reports Done
+                // or `abandon` synchronised the stream.
+                unsafe { self.stream.copy_htod(base + op.offset, src, n as u64)? }
+            }
+        }
         for op in ops {
             if let TensorData::Device(d) = op.data {
                 if let Some(ready) = &d.ready {
-                    self.stream.wait(ready.0 .0)?;
+                    self.stream.wait(&ready.0)?;
                 }
+                // SAFETY: as above; the source is device memory its constructor's caller
+                // promised stays valid and unchanged until the batch's data is dropped.
+                unsafe { self.stream.copy_dtod(base + op.offset, d.ptr, d.len)? }
             }
         }
-        for op in ops {
-            let dst = base + op.offset;
-            match op.data {
-                TensorData::Device(d) => {
-                    // SAFETY: the destination lies inside the region (checked in `start`); the
-                    // source is device memory its constructor's caller promised stays valid and
-                    // unchanged until the batch's data is dropped, which the writer does only
-                    // after `progress` reports Done or `abandon` synchronised the stream.
-                    unsafe { self.stream.copy_dtod(dst, d.ptr, d.len)? }
-                }
-                other => {
-                    let (src, n) = other.host_source().ok_or_else(|| {
-                        Error::device("copying a tensor", "unsupported source kind")
-                    })?;
-                    // SAFETY: as above; host sources are valid for reads of `n` bytes and
-                    // unchanged while the batch lives (TensorData's contract).
-                    unsafe { self.stream.copy_htod(dst, src, n as u64)? }
-                }
-            }
-        }
-        self.done.record_raw(self.stream.0)?;
+        self.done.record(&self.stream)?;
         if let Some(n) = &self.notifier {
             let data = (&**n as *const Notifier).cast_mut().cast::<c_void>();
             // SAFETY: the boxed notifier outlives the host function (see `wake_writer`), which
@@ -255,7 +254,7 @@ impl Copier {
 
     fn abandon(&mut self) {
         if self.in_flight {
-            if let Err(e) = self.ctx.bind().and_then(|()| self.stream.synchronize()) {
+            if let Err(e) = self.stream.synchronize() {
                 tracing::error!(error = %e, "waiting for abandoned device copies failed");
             }
             self.in_flight = false;
@@ -266,8 +265,8 @@ impl Copier {
 impl Drop for Copier {
     fn drop(&mut self) {
         // Host functions and copies must finish before the notifier and the memory go.
-        if self.ctx.bind().is_ok() {
-            let _ = self.stream.synchronize();
+        if let Err(e) = self.stream.synchronize() {
+            tracing::error!(error = %e, "waiting for device copies before dropping the region");
         }
     }
 }
@@ -311,7 +310,7 @@ impl DeviceRegion {
             ));
         }
         driver()?;
-        let ctx = Arc::new(Context::new(options.device)?);
+        let ctx = context(options.device)?;
         let attribute = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
         ) == 1;
@@ -359,7 +358,9 @@ impl DeviceRegion {
             HandleType::Fabric => None,
         };
         let size = allocation.size;
-        let mapped = Mapped::new(allocation, granularity, &[&ctx])?;
+        // The arena's GPU and every GPU that can reach it: copies from tensors there may run on
+        // their copy engines.
+        let mapped = Mapped::new(allocation, granularity, &driver::peers_of(options.device)?)?;
         let session = CudaSession {
             host: session_host(),
             pid: std::process::id(),
@@ -515,7 +516,7 @@ impl ExternalDeviceRegion {
         session: String,
         owner: impl Send + 'static,
     ) -> Result<ExternalDeviceRegion> {
-        let ctx = Arc::new(Context::new(ordinal)?);
+        let ctx = context(ordinal)?;
         Ok(ExternalDeviceRegion {
             copier: Copier::new(ctx)?,
             ptr,

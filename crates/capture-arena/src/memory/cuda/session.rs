@@ -149,11 +149,11 @@ impl FromStr for CudaSession {
             None
         };
         let reply = next("reply")?;
-        let reply_ok = reply.strip_prefix(ENDPOINT_PREFIX).is_some_and(|r| {
-            !r.is_empty()
-                && r.len() <= 80
-                && r.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-        });
+        // The producer's own endpoint: `@capture-arena-reply-<pid>-<32 hex digits>`.
+        let reply_ok = reply
+            .strip_prefix(ENDPOINT_PREFIX)
+            .and_then(|r| r.strip_prefix(&format!("{pid}-")))
+            .is_some_and(|n| is_hex(n, 32));
         if !reply_ok {
             return Err(bad("bad reply endpoint"));
         }
@@ -207,7 +207,7 @@ mod tests {
             device_uuid: "00112233445566778899aabbccddeeff".into(),
             handle,
             fabric: (handle == HandleType::Fabric).then_some([0xab; 64]),
-            reply: format!("{ENDPOINT_PREFIX}4242-00ff"),
+            reply: format!("{ENDPOINT_PREFIX}4242-{}", "0f".repeat(16)),
         }
     }
 
@@ -234,6 +234,10 @@ mod tests {
             good.replace("&dev=", "&device="),
             good.replace("handle=fd", "handle=ipc"),
             good.replace("&reply=@capture-arena-reply-", "&reply=@other-"),
+            good.replace(
+                "&reply=@capture-arena-reply-4242-",
+                "&reply=@capture-arena-reply-4243-",
+            ),
             format!("{good}&extra=1"),
             good.replace("base=0x7f0000000000", "base=0x07f0000000000"),
             fab.replace(&"ab".repeat(64), &"ab".repeat(63)),
