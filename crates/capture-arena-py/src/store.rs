@@ -31,6 +31,9 @@ fn published(result: &Bound<'_, PyAny>) -> PyResult<Published> {
     })
 }
 
+/// One output: name, address, length, and for a CUDA tensor its device and current stream.
+type Target = (String, usize, usize, Option<(i32, u64)>);
+
 /// The compiled store. Use `capture_arena.ArenaFeatureStore`.
 #[pyclass(name = "_Store", module = "capture_arena._capture_arena", subclass)]
 pub struct PyStore {
@@ -56,9 +59,7 @@ impl PyStore {
         targets: Vec<(String, Bound<'_, PyAny>)>,
     ) -> PyResult<()> {
         let p = published(result)?;
-        // (name, address, length, Some((device, its current stream)) for CUDA tensors).
-        let mut ptrs: Vec<(String, usize, usize, Option<(i32, u64)>)> =
-            Vec::with_capacity(targets.len());
+        let mut ptrs: Vec<Target> = Vec::with_capacity(targets.len());
         for (name, owner) in &targets {
             if let Some(d) = device_of(owner)? {
                 let too_big = |_| {

@@ -815,7 +815,7 @@ impl DeviceBuffer {
     }
 
     /// The device ordinal.
-    pub fn device(&self) -> i32 {
+    pub fn ordinal(&self) -> i32 {
         self.ctx.ordinal
     }
 
