@@ -36,15 +36,13 @@ fn with_fake_gpu(c: &mut Command) -> &mut Command {
 
 #[test]
 fn fake_gpu_demo_device_runs_producer_and_trainer_processes() {
-    let out = with_fake_gpu(Command::new(EXE).arg("demo").args(SMALL))
-        .args(["--arena-bytes", "4MiB", "--quiet", "--device"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
+    let text = util::stdout_of_success(
+        with_fake_gpu(Command::new(EXE).arg("demo").args(SMALL)).args([
+            "--arena-bytes",
+            "4MiB",
+            "--quiet",
+            "--device",
+        ]),
     );
     for needle in [
         "12 published, 12 read and verified",

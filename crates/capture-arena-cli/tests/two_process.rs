@@ -152,18 +152,11 @@ fn results_of_an_exited_producer_are_refused_as_stale() {
 
 #[test]
 fn the_demo_runs_end_to_end_with_a_small_configuration() {
-    let out = Command::new(EXE)
-        .arg("demo")
-        .args(SMALL)
-        .args(["--arena-bytes", "2MiB", "--quiet"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = util::stdout_of_success(Command::new(EXE).arg("demo").args(SMALL).args([
+        "--arena-bytes",
+        "2MiB",
+        "--quiet",
+    ]));
     for needle in [
         "12 published, 12 read and verified",
         "arena completely free            ok",

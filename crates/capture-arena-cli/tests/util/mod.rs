@@ -33,3 +33,16 @@ pub fn tiny_producer(samples: &str, idle: &str) -> Command {
         .stdout(Stdio::piped());
     c
 }
+
+/// Runs `c` to completion, asserts it succeeded (showing its stdout and stderr if not), and
+/// returns its stdout.
+pub fn stdout_of_success(c: &mut Command) -> String {
+    let out = c.output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}

@@ -574,9 +574,6 @@ impl ControlServer {
         if held_after < held_before || unprivileged {
             self.unstarve();
         }
-        if freed_any {
-            stats.set_report(&arena.report());
-        }
         Some(freed_any)
     }
 
@@ -741,6 +738,11 @@ fn apply_line(
                     }
                     None => unknown += 1,
                 }
+            }
+            if objects > 0 {
+                // The occupancy first, then the counters: whoever sees a free counted (a
+                // `wait_for` on `freed_objects`) sees the arena with it applied.
+                stats.set_report(&arena.report());
             }
             bump(&stats.freed_bytes, bytes);
             bump(&stats.unknown_frees, unknown);
