@@ -35,6 +35,7 @@ cargo test --workspace --doc
 
 step "cargo doc (the core's docs build without broken links)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --features cuda --no-deps --quiet
 
 step "python: virtual environment (.venv) and the capture_arena package"
 PY=${PYTHON:-python3}

@@ -4,7 +4,7 @@
 //!
 //! cudarc panics on the first call when `libcuda` or one of its symbols is missing; [`driver`]
 //! therefore opens the library itself first (the same candidates, in the same order, so it finds
-//! the same file), checks every symbol in [`SYMBOLS`] and calls `cuInit`. Only after that has
+//! the same file), checks every symbol in `SYMBOLS` and calls `cuInit`. Only after that has
 //! succeeded does any other function here call into cudarc. A build with the `cuda` feature
 //! therefore starts on a machine without a GPU or driver and fails only when a device arena or
 //! a device read is asked for.
