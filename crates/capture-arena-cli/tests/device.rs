@@ -93,3 +93,41 @@ fn device_flags_without_a_cuda_driver_fail_with_what_to_do() {
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
 }
+
+#[test]
+fn fake_gpu_a_killed_device_producer_gives_stale_errors_not_its_bytes() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+    let mut producer = with_fake_gpu(&mut util::tiny_producer("2", "30"))
+        .arg("--device")
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(producer.stdout.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    let second = lines.next().unwrap().unwrap();
+    assert!(first.contains("cuda://"), "{first}");
+    let mut trainer = with_fake_gpu(&mut Command::new(EXE))
+        .args(["consume", "--device", "--progress", "--quiet"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut to = trainer.stdin.take().unwrap();
+    let mut from = BufReader::new(trainer.stdout.take().unwrap()).lines();
+    writeln!(to, "{first}").unwrap();
+    let ok = from.next().unwrap().unwrap();
+    assert!(ok.contains("\"ok\":true"), "{ok}");
+    // kill -9: the device memory goes with the process; the trainer's import would still map
+    // it, so it must notice the producer is gone (its reply endpoint vanished with it).
+    producer.kill().unwrap();
+    producer.wait().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    writeln!(to, "{second}").unwrap();
+    drop(to);
+    let bad = from.next().unwrap().unwrap();
+    assert!(bad.contains("\"ok\":false"), "{bad}");
+    let rest: Vec<String> = from.map(|l| l.unwrap()).collect();
+    let summary = rest.join("\n");
+    assert!(summary.contains("stale session"), "{summary}");
+    trainer.wait().unwrap();
+}
