@@ -133,3 +133,27 @@ print(r["arena"]["session"][:7])
         env,
     )
     assert out.strip() == "cuda://"
+
+
+def test_a_cuda_dlpack_object_without_torch_is_refused_before_anything_is_written(make_sink):
+    class CudaArray:
+        """A DLPack look-alike that says it lives on CUDA device 0."""
+
+        shape = (8, 12)
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)
+
+        def __dlpack__(self, **kw: object) -> object:
+            raise AssertionError("must not be exported")
+
+    try:
+        import torch  # noqa: F401
+
+        pytest.skip("torch is installed: CUDA DLPack objects go through it (gpu-check.sh)")
+    except ImportError:
+        pass
+    sink = make_sink()
+    with pytest.raises(ca.InvalidSampleError, match="needs torch"):
+        sink.put_sample(spec("dl"), aux=CudaArray(), last_hidden=hidden(8, 4))
+    assert not sink.started

@@ -83,6 +83,18 @@ def _torch_bytes(t: Any) -> HostBytes:
     return t.reshape(-1).view(torch.uint8).numpy(), shape, dtype
 
 
+def _dlpack_is_cuda(t: Any) -> bool:
+    """True for a DLPack object on a CUDA device (kDLCUDA = 2, kDLCUDAManaged = 13)."""
+    dev = getattr(t, "__dlpack_device__", None)
+    if dev is None:
+        return False
+    try:
+        kind = int(dev()[0])
+    except Exception:  # a look-alike that cannot say: treat it as host memory
+        return False
+    return kind in (2, 13)
+
+
 def host_bytes(t: Any) -> HostBytes:
     """Describes the bytes of a numpy array, a torch tensor (CPU, or CUDA as a
     :class:`CudaBytes`), or any object that offers DLPack or the buffer protocol, without copying
@@ -94,6 +106,16 @@ def host_bytes(t: Any) -> HostBytes:
     elif is_torch(t):
         return _torch_bytes(t)
     elif hasattr(t, "__dlpack__"):
+        if _dlpack_is_cuda(t):
+            # A CUDA array of another library (CuPy, JAX, ...): seen through torch, without a copy.
+            try:
+                torch = _torch()
+            except ImportError:
+                raise InvalidSampleError(
+                    f"{type(t).__name__} lives on a CUDA device: publishing CUDA memory through "
+                    "DLPack needs torch (pip install torch), or move it to the host"
+                ) from None
+            return _torch_bytes(torch.from_dlpack(t))
         a = np.from_dlpack(t)
     else:
         a = np.asarray(t)
