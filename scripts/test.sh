@@ -52,6 +52,14 @@ fi
 .venv/bin/python -m pip install -q maturin numpy ml_dtypes pytest mypy typing_extensions
 .venv/bin/python -m pip install -q --force-reinstall --no-deps ./crates/capture-arena-py
 
+step "python: Mooncake (the TransferEngine of the engine placement and of the compatibility tests)"
+# The non-CUDA wheel; its libraries load libibverbs and libnl even for TCP.
+if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnl-route-3.so.200 '; then
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4
+fi
+.venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+
 step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
 (cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
   && ../../.venv/bin/python -m mypy --strict -p capture_arena)

@@ -579,6 +579,59 @@ impl PySink {
         pythonize(py, &self.sink(py)?.stats()).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
+    /// Starts the writer over memory someone else owns and keeps alive (a Mooncake
+    /// TransferEngine's registered or managed buffer): `length` bytes at `ptr`, host memory or,
+    /// with `device`, memory of that GPU; results carry `session`. `owner` is kept referenced
+    /// until the writer stops. Must come before the first capture.
+    #[pyo3(signature = (ptr, length, session, owner, device=None))]
+    fn _start_with_region(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        length: u64,
+        session: String,
+        owner: Py<PyAny>,
+        device: Option<i32>,
+    ) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        let owner = Owner {
+            owner: Some(owner),
+            tx: (*self.tx).clone(),
+        };
+        let region: Box<dyn capture_arena::memory::Region> = match device {
+            None => {
+                let p = usize::try_from(ptr).map_err(|_| {
+                    to_py(Error::Config {
+                        var: "arena",
+                        reason: format!("address {ptr:#x} does not fit this process"),
+                    })
+                })? as *mut u8;
+                // SAFETY: the caller (capture_arena's engine placement) passes a buffer the
+                // transfer engine allocated or a numpy array it registered, `length` bytes,
+                // kept alive by `owner` until the writer drops the region, and written by
+                // nobody else (the engine's peers only read it).
+                Box::new(
+                    unsafe {
+                        capture_arena::memory::ExternalHostRegion::new(p, length, session, owner)
+                    }
+                    .py_err()?,
+                )
+            }
+            // SAFETY: as above, for device memory of GPU `d` (the engine's
+            // allocate_managed_buffer on that GPU).
+            Some(d) => Box::new(
+                unsafe {
+                    capture_arena::memory::cuda::ExternalDeviceRegion::new(
+                        ptr, length, d, session, owner,
+                    )
+                }
+                .py_err()?,
+            ),
+        };
+        py.detach(|| sink.start_with_region(region).map(|_| ()))
+            .py_err()
+    }
+
     /// True once the first capture has created the arena.
     #[getter]
     fn started(&self, py: Python<'_>) -> PyResult<bool> {
@@ -609,11 +662,35 @@ impl PySink {
         Ok(self.sink(py)?.config().arena_bytes)
     }
 
-    /// The configured publication mode: True under `nvlink` (or `gpu_put=True`). This build
-    /// copies host tensors only; device arenas come with the `cuda` feature.
+    /// The configured publication mode: True under `nvlink`/`nvlink_intra` (or `gpu_put=True`):
+    /// the arena is device memory.
     #[getter]
     fn device_publication(&self, py: Python<'_>) -> PyResult<bool> {
         Ok(self.sink(py)?.config().device_publication())
+    }
+
+    /// The placement the configuration selects: `"arena"`, `"engine"` or `"store"`.
+    #[getter]
+    fn placement(&self, py: Python<'_>) -> PyResult<&'static str> {
+        Ok(self.sink(py)?.config().placement().name())
+    }
+
+    /// `eager=` / `SGLANG_SPEC_CAPTURE_ARENA_EAGER`.
+    #[getter]
+    fn eager(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.sink(py)?.config().eager)
+    }
+
+    /// The configured arena GPU (`device=` / `SGLANG_SPEC_CAPTURE_ARENA_DEVICE`), or None.
+    #[getter]
+    fn device(&self, py: Python<'_>) -> PyResult<Option<i32>> {
+        Ok(self.sink(py)?.config().device)
+    }
+
+    /// `MOONCAKE_PROTOCOL` (or the `protocol=` keyword), or None.
+    #[getter]
+    fn protocol(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        Ok(self.sink(py)?.config().protocol.clone())
     }
 
     /// Stops the writer and removes the arena once calls in flight in other threads return.

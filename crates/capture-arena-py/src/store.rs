@@ -139,6 +139,35 @@ impl PyStore {
         .py_err()
     }
 
+    /// Validates `result` (and that it was not released) and returns the byte length of each of
+    /// `names`, without opening its session: for sessions read outside the compiled readers (a
+    /// Mooncake TransferEngine's).
+    fn _validate(
+        &self,
+        py: Python<'_>,
+        result: &Bound<'_, PyAny>,
+        names: Vec<String>,
+    ) -> PyResult<Vec<u64>> {
+        let p = published(result)?;
+        py.detach(|| {
+            self.store.check(&p)?;
+            names
+                .iter()
+                .map(|n| {
+                    let f = p.features.get(n).ok_or_else(|| Error::UnknownFeature {
+                        key: n.clone(),
+                        available: p.features.keys().cloned().collect(),
+                    })?;
+                    f.byte_len().ok_or_else(|| Error::InvalidRead {
+                        key: n.clone(),
+                        reason: format!("shape {:?} overflows", f.shape),
+                    })
+                })
+                .collect::<capture_arena::Result<Vec<u64>>>()
+        })
+        .py_err()
+    }
+
     /// Retries frees that could not be sent.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
         py.detach(|| self.store.flush()).py_err()

@@ -117,7 +117,14 @@ print("trainer ok", flush=True)
 
 
 def test_fake_gpu_nvlink_forces_a_device_arena(fake_gpu):
-    env = {**fake_gpu, "MOONCAKE_PROTOCOL": "nvlink", "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "4MiB"}
+    # capture-arena's own device arena under nvlink (the default there is the TransferEngine's:
+    # test_engine.py).
+    env = {
+        **fake_gpu,
+        "MOONCAKE_PROTOCOL": "nvlink",
+        "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "4MiB",
+        "SGLANG_SPEC_CAPTURE_PLACEMENT": "arena",
+    }
     out = run(
         r'''
 from types import SimpleNamespace

@@ -11,6 +11,7 @@
 //! | `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES` | `max_pending_batches` | 2 |
 //! | `SGLANG_SPEC_CAPTURE_TIMING` | `timing` | off |
 //! | `MOONCAKE_PROTOCOL` | `protocol` | unset (store placement) |
+//! | `SGLANG_SPEC_CAPTURE_PLACEMENT` | `placement` | `auto`: a TransferEngine arena under `nvlink`/`nvlink_intra`, the Mooncake store otherwise |
 //! | `SGLANG_SPEC_CAPTURE_GPU_PUT` | `gpu_put` | unset (on under `nvlink`) |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_EAGER` | `eager` | off: the arena is created on the first capture |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS` | `max_connections` | 1024 |
@@ -41,7 +42,8 @@ pub const ENV_CONTROL_PORT: &str = "SGLANG_SPEC_CAPTURE_CONTROL_PORT";
 pub const ENV_MAX_PENDING: &str = "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES";
 /// `SGLANG_SPEC_CAPTURE_TIMING`: `1` logs one line per batch.
 pub const ENV_TIMING: &str = "SGLANG_SPEC_CAPTURE_TIMING";
-/// `MOONCAKE_PROTOCOL`: `nvlink` selects the arena placement and device publication.
+/// `MOONCAKE_PROTOCOL`: `nvlink`/`nvlink_intra` select a device arena (device publication);
+/// see [`placement`].
 pub const ENV_PROTOCOL: &str = "MOONCAKE_PROTOCOL";
 /// `SGLANG_SPEC_CAPTURE_GPU_PUT`: `1` publish device tensors, `0` from host (an error under
 /// `nvlink`).
@@ -79,24 +81,64 @@ pub const DEFAULT_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Where captured samples wait for trainers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Placement {
-    /// In memory the capture server owns: this crate.
+    /// capture-arena's own arena: host shared memory (`shm://` sessions), or device memory with
+    /// device publication (`cuda://`); read with capture-arena's readers.
     Arena,
-    /// In a Mooncake store (every protocol but `nvlink`).
+    /// An arena inside a Mooncake TransferEngine: device memory from its
+    /// `allocate_managed_buffer` under `nvlink`/`nvlink_intra`, a host buffer registered with it
+    /// under other protocols. Results carry the engine's session (`<host>:<rpc_port>`) and its
+    /// virtual addresses, so any TransferEngine reader can read them. The engine is created by
+    /// the Python package; a Rust embedder passes its memory to `Sink::start_with_region`.
+    Engine,
+    /// The Mooncake store, one object per tensor (SpecForge's placement).
     Store,
 }
 
-/// Decides placement from a `MOONCAKE_PROTOCOL` value: `nvlink` (any case) -> arena. This is the
-/// one place the decision is made.
-pub fn placement(protocol: Option<&str>) -> Placement {
-    match protocol {
-        Some(p) if p.trim().eq_ignore_ascii_case("nvlink") => Placement::Arena,
-        _ => Placement::Store,
+impl Placement {
+    /// Its name in `SGLANG_SPEC_CAPTURE_PLACEMENT`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Arena => "arena",
+            Placement::Engine => "engine",
+            Placement::Store => "store",
+        }
     }
 }
 
-/// True when `MOONCAKE_PROTOCOL` in this process's environment selects the arena.
+/// True for the NVLink protocols (`nvlink`, `nvlink_intra`, any case).
+pub fn is_nvlink(protocol: Option<&str>) -> bool {
+    protocol.is_some_and(|p| {
+        let p = p.trim();
+        p.eq_ignore_ascii_case("nvlink") || p.eq_ignore_ascii_case("nvlink_intra")
+    })
+}
+
+/// The one place placement is decided: `SGLANG_SPEC_CAPTURE_PLACEMENT` when set (`arena`,
+/// `engine`, `store`), else (`auto`) the engine's device arena under `nvlink`/`nvlink_intra` and
+/// the Mooncake store under every other protocol, as the seed's deployment has it.
+pub fn placement(protocol: Option<&str>, setting: Option<Placement>) -> Placement {
+    match setting {
+        Some(p) => p,
+        None if is_nvlink(protocol) => Placement::Engine,
+        None => Placement::Store,
+    }
+}
+
+/// Parses `SGLANG_SPEC_CAPTURE_PLACEMENT`: `auto` is `None`.
+pub fn parse_placement(v: &str) -> std::result::Result<Option<Placement>, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "" | "auto" => Ok(None),
+        "arena" => Ok(Some(Placement::Arena)),
+        "engine" => Ok(Some(Placement::Engine)),
+        "store" => Ok(Some(Placement::Store)),
+        _ => Err(format!("{v:?} is not one of auto, arena, engine, store")),
+    }
+}
+
+/// True when this process's environment selects an arena (ours or a TransferEngine's), not the
+/// Mooncake store.
 pub fn arena_enabled() -> bool {
-    placement(std::env::var(ENV_PROTOCOL).ok().as_deref()) == Placement::Arena
+    Config::from_env().is_ok_and(|c| c.arena_enabled())
 }
 
 /// `SGLANG_SPEC_CAPTURE_ARENA_DEVICE`: the GPU (ordinal in this process) a device arena lives on.
@@ -127,6 +169,10 @@ impl std::str::FromStr for HandlePreference {
         }
     }
 }
+
+/// `SGLANG_SPEC_CAPTURE_PLACEMENT`: `auto` (default), `arena`, `engine` or `store`; see
+/// [`placement`].
+pub const ENV_PLACEMENT: &str = "SGLANG_SPEC_CAPTURE_PLACEMENT";
 
 /// Every setting, typed. Build it with struct-update syntax over [`Config::default`] or read it
 /// from the environment with [`Config::from_env`]; [`Config::validate`] checks it (the writer
@@ -167,6 +213,8 @@ pub struct Config {
     pub device: Option<i32>,
     /// How a device arena is exported.
     pub handle: HandlePreference,
+    /// `SGLANG_SPEC_CAPTURE_PLACEMENT` (`None`: auto, from the protocol).
+    pub placement: Option<Placement>,
 }
 
 impl Default for Config {
@@ -188,6 +236,7 @@ impl Default for Config {
             line_timeout: DEFAULT_LINE_TIMEOUT,
             device: None,
             handle: HandlePreference::Auto,
+            placement: None,
         }
     }
 }
@@ -271,6 +320,9 @@ impl Config {
                 )
             })?);
         }
+        if let Some(v) = get(ENV_PLACEMENT) {
+            c.placement = parse_placement(&v).map_err(|r| Error::config(ENV_PLACEMENT, r))?;
+        }
         if let Some(v) = get(ENV_ARENA_HANDLE) {
             c.handle = v.parse().map_err(|r| Error::config(ENV_ARENA_HANDLE, r))?;
         }
@@ -282,18 +334,18 @@ impl Config {
 
     /// The placement `protocol` selects.
     pub fn placement(&self) -> Placement {
-        placement(self.protocol.as_deref())
+        placement(self.protocol.as_deref(), self.placement)
     }
 
     /// True when `protocol` selects the arena (`nvlink`).
     pub fn arena_enabled(&self) -> bool {
-        self.placement() == Placement::Arena
+        self.placement() != Placement::Store
     }
 
     /// True when tensors are published from the device: always under `nvlink`, else as
     /// `gpu_put` says (default host).
     pub fn device_publication(&self) -> bool {
-        self.arena_enabled() || self.gpu_put == Some(true)
+        is_nvlink(self.protocol.as_deref()) || self.gpu_put == Some(true)
     }
 
     /// The arena size, which has no default so memory is never taken silently.
@@ -335,7 +387,7 @@ impl Config {
                 ),
             ));
         }
-        if self.arena_enabled() && self.gpu_put == Some(false) {
+        if is_nvlink(self.protocol.as_deref()) && self.gpu_put == Some(false) {
             return Err(Error::config(
                 ENV_GPU_PUT,
                 "MOONCAKE_PROTOCOL=nvlink always publishes from the device; \
@@ -525,13 +577,36 @@ mod tests {
     }
 
     #[test]
-    fn nvlink_selects_arena_and_device_publication() {
-        assert_eq!(placement(Some("nvlink")), Placement::Arena);
-        assert_eq!(placement(Some(" NVLink ")), Placement::Arena);
-        assert_eq!(placement(Some("tcp")), Placement::Store);
-        assert_eq!(placement(Some("rdma")), Placement::Store);
-        assert_eq!(placement(None), Placement::Store);
+    fn placement_is_decided_in_one_place() {
+        use Placement::*;
+        // auto: the engine's device arena under NVLink, the store elsewhere.
+        assert_eq!(placement(Some("nvlink"), None), Engine);
+        assert_eq!(placement(Some(" NVLink_Intra "), None), Engine);
+        assert_eq!(placement(Some("tcp"), None), Store);
+        assert_eq!(placement(Some("rdma"), None), Store);
+        assert_eq!(placement(None, None), Store);
+        // An explicit setting wins, under any protocol.
+        for p in [Arena, Engine, Store] {
+            assert_eq!(placement(Some("tcp"), Some(p)), p);
+            assert_eq!(placement(Some("nvlink"), Some(p)), p);
+            assert_eq!(parse_placement(p.name()), Ok(Some(p)));
+        }
+        assert_eq!(parse_placement(" AUTO "), Ok(None));
+        let e = cfg(&[(ENV_PLACEMENT, "shm")]).unwrap_err().to_string();
+        assert!(
+            e.contains(ENV_PLACEMENT) && e.contains("auto, arena, engine, store"),
+            "{e}"
+        );
+        let c = cfg(&[(ENV_PROTOCOL, "tcp"), (ENV_PLACEMENT, "engine")]).unwrap();
+        assert!(c.arena_enabled() && !c.device_publication());
+        assert_eq!(c.placement(), Engine);
+    }
+
+    #[test]
+    fn nvlink_selects_an_arena_and_device_publication() {
         let c = cfg(&[(ENV_PROTOCOL, "nvlink")]).unwrap();
+        assert!(c.arena_enabled() && c.device_publication());
+        let c = cfg(&[(ENV_PROTOCOL, "nvlink_intra"), (ENV_PLACEMENT, "arena")]).unwrap();
         assert!(c.arena_enabled() && c.device_publication());
         let c = cfg(&[(ENV_PROTOCOL, "nvlink"), (ENV_GPU_PUT, "1")]).unwrap();
         assert!(c.device_publication());

@@ -34,9 +34,10 @@ impl Sink {
             writer: OnceLock::new(),
             starting: Mutex::new(()),
         };
-        if sink.config.eager {
+        if sink.config.eager && sink.config.placement() != crate::config::Placement::Engine {
             // SGLANG_SPEC_CAPTURE_ARENA_EAGER: pay for creating and pre-faulting the arena now,
-            // not on the scheduler's thread at the first capture.
+            // not on the scheduler's thread at the first capture. (An engine arena's memory
+            // comes from its owner: `start_with_region`.)
             sink.writer()?;
         }
         Ok(sink)
@@ -88,6 +89,25 @@ impl Sink {
             })?,
             _ => Writer::start(&self.config)?,
         };
+        Ok(self.writer.get_or_init(|| w))
+    }
+
+    /// Starts the writer over a region the caller made (memory a transfer engine allocated or
+    /// registered: [`crate::memory::ExternalHostRegion`], `ExternalDeviceRegion`) instead of one
+    /// from the configuration; results then carry that region's session.
+    ///
+    /// # Errors
+    /// [`Error::Config`](crate::Error::Config) if the writer has started already; as
+    /// [`Writer::start_with_region`].
+    pub fn start_with_region(&self, region: Box<dyn crate::memory::Region>) -> Result<&Writer> {
+        let _guard = self.starting.lock().unwrap_or_else(|p| p.into_inner());
+        if self.writer.get().is_some() {
+            return Err(crate::Error::config(
+                "arena",
+                "this sink's writer has started already; a region is given before the first capture",
+            ));
+        }
+        let w = Writer::start_with_region(&self.config, region)?;
         Ok(self.writer.get_or_init(|| w))
     }
 

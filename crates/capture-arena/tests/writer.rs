@@ -487,3 +487,61 @@ fn device_publication_without_a_cuda_driver_is_a_clear_error() {
     }
     assert!(Writer::start(&c).is_err());
 }
+
+/// The engine placement's path: the writer publishes into memory someone else owns (here a
+/// leaked buffer standing in for a TransferEngine's registered one), under that owner's session,
+/// at addresses that are this process's virtual addresses.
+#[test]
+fn a_sink_publishes_into_memory_someone_else_owns() {
+    let mem: &'static mut [u8] = Box::leak(vec![0u8; 1 << 20].into_boxed_slice());
+    let ptr = mem.as_mut_ptr();
+    let sink = Sink::new(config(1 << 20, Duration::from_secs(1))).unwrap();
+    // SAFETY: the leaked buffer lives for the process and nothing else touches it while the
+    // writer holds it; this test reads it only after the batch completed.
+    let region = unsafe {
+        capture_arena::memory::ExternalHostRegion::new(ptr, 1 << 20, "127.0.0.1:15051".into(), ())
+    }
+    .unwrap();
+    let w = sink.start_with_region(Box::new(region)).unwrap();
+    assert_eq!(w.arena_ref().session, "127.0.0.1:15051");
+    let r = sink
+        .submit(vec![sample("x", &[1000, 3])])
+        .unwrap()
+        .wait()
+        .unwrap()
+        .remove(0);
+    for (name, f) in &r.features {
+        let n = f.shape[0] as usize;
+        let at = (f.address - ptr as u64) as usize;
+        assert!(at + n <= 1 << 20);
+        // SAFETY: inside the leaked buffer; the writer wrote it before answering and writes it
+        // again only for later batches (there are none).
+        let got = unsafe { std::slice::from_raw_parts(ptr.add(at), n) };
+        let want: Vec<u8> = (0..n).map(|j| util::pattern("x", name, j)).collect();
+        assert_eq!(got, &want[..], "{name}");
+    }
+    // Only before the first capture.
+    // SAFETY: refused before use.
+    let again = unsafe {
+        capture_arena::memory::ExternalHostRegion::new(ptr, 1 << 20, "other:1".into(), ())
+    }
+    .unwrap();
+    let e = sink.start_with_region(Box::new(again)).unwrap_err();
+    assert!(e.to_string().contains("started already"), "{e}");
+}
+
+#[test]
+fn the_engine_placement_needs_memory_from_its_engine() {
+    let c = Config {
+        placement: Some(capture_arena::Placement::Engine),
+        ..config(1 << 20, Duration::ZERO)
+    };
+    let e = Writer::start(&c).unwrap_err().to_string();
+    assert!(
+        e.contains("SGLANG_SPEC_CAPTURE_PLACEMENT") && e.contains("start_with_region"),
+        "{e}"
+    );
+    // A sink with it starts nothing eagerly: its arena comes with start_with_region.
+    let sink = Sink::new(Config { eager: true, ..c }).unwrap();
+    assert!(sink.started().is_none());
+}

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import os
+import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
@@ -98,9 +100,32 @@ class ArenaSink(_ArenaSink):
     the arena.
     """
 
+    _starting = threading.Lock()
+
     def __init__(self, **kwargs: Any) -> None:
         # The arguments were taken by the compiled __new__; register for the close at exit.
         _LIVE_SINKS.add(self)
+        if self.eager:
+            self._ensure_started()  # the engine placement's arena (the others started already)
+
+    def _ensure_started(self) -> None:
+        """Under the engine placement, takes the arena from a Mooncake TransferEngine on the first
+        capture (other placements start inside the compiled sink)."""
+        if self.placement != "engine" or self.started:
+            return
+        with ArenaSink._starting:
+            if self.started:
+                return
+            nbytes = self.arena_bytes
+            if nbytes is None:
+                raise ConfigError(
+                    "the engine placement needs the arena size: set SGLANG_SPEC_CAPTURE_ARENA_BYTES "
+                    "(or arena_bytes=); it is never taken silently"
+                )
+            from ._engine import EngineArena, protocol_of
+
+            arena = EngineArena(nbytes, protocol_of(self.protocol), self.device)
+            self._start_with_region(arena.ptr, arena.nbytes, arena.session, arena, arena.device)
 
     @classmethod
     def from_env(cls) -> "ArenaSink":
@@ -119,15 +144,19 @@ class ArenaSink(_ArenaSink):
         until the future is done. Callbacks added to the future run on the sink's helper thread
         and must not block.
         """
+        converted = _convert(samples)
+        self._ensure_started()
         fut: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()
-        self._submit(_convert(samples), fut, block)
+        self._submit(converted, fut, block)
         return fut
 
     def put_samples(self, samples: Sequence[Sample]) -> list[Result]:
         """Publishes a batch and waits for its results (GIL released while waiting and copying);
         errors as :meth:`submit_samples`."""
-        return self._put(_convert(samples))
+        converted = _convert(samples)
+        self._ensure_started()
+        return self._put(converted)
 
     def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> Result:
         """Publishes one sample and returns its result."""
@@ -148,6 +177,14 @@ def _close_sinks_at_exit() -> None:
     """Stops every live sink's writer and removes its arena when the interpreter exits."""
     for sink in list(_LIVE_SINKS):
         sink.close()
+
+
+def _is_engine_session(result: Mapping[str, Any]) -> bool:
+    """A TransferEngine session (``<host>:<port>``) rather than a capture-arena one
+    (``shm://``, ``cuda://``)."""
+    arena = result.get("arena")
+    session = arena.get("session") if isinstance(arena, Mapping) else None
+    return isinstance(session, str) and "://" not in session
 
 
 class ArenaFeatureStore(_Store):
@@ -182,6 +219,8 @@ class ArenaFeatureStore(_Store):
             self._check(result)  # raises: a failed sample's result, or not a result at all
         feats = result["features"]
         wanted = list(feats) if names is None else list(dict.fromkeys(names))
+        if _is_engine_session(result):
+            return self._get_through_engine(result, wanted, out, torch, device)
         # Released? Known names, shapes and addresses inside the arena? Before allocating.
         self._check(result, wanted)
         arrays: dict[str, Any] = {}
@@ -195,6 +234,42 @@ class ArenaFeatureStore(_Store):
             targets.append((name, view))
             arrays[name] = arr
         self._read_into(result, targets)
+        return arrays
+
+    _engine_reader: Optional[Any] = None
+
+    def _get_through_engine(
+        self, result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
+    ) -> dict[str, Any]:
+        """A TransferEngine session: validated here (released? names, sizes), read with this
+        process's engine into host arrays (then moved to ``device`` if asked)."""
+        lens = self._validate(result, wanted)
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if sum(lens) > limit:
+            raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than this host's {limit} bytes of memory")
+        feats = result["features"]
+        arrays: dict[str, Any] = {}
+        views = []
+        for name in wanted:
+            f = feats[name]
+            if out is not None and name in out:
+                arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])
+            else:
+                arr, view = new_array(list(f["shape"]), f["dtype"], torch or device is not None)
+            if not isinstance(view, np.ndarray):
+                raise InvalidReadError("engine sessions are read into host memory: pass CPU out= tensors")
+            arrays[name] = arr
+            views.append(view)
+        if self._engine_reader is None:
+            from ._engine import EngineReader
+
+            self._engine_reader = EngineReader()
+        self._engine_reader.read(
+            result["arena"]["session"],
+            [(int(feats[n]["address"]), int(v.ctypes.data), int(v.nbytes)) for n, v in zip(wanted, views)],
+        )
+        if device is not None:
+            arrays = {n: a.to(device) for n, a in arrays.items()}
         return arrays
 
     def __enter__(self) -> "ArenaFeatureStore":

@@ -19,14 +19,18 @@
 //! | [`ShmRegion`] | host POSIX shared memory | same host (`shm://` sessions) |
 //! | `cuda::DeviceRegion` (feature `cuda`) | GPU memory, CUDA virtual memory with a fabric or POSIX-fd handle | other processes' GPUs (`cuda://` sessions) |
 //! | `cuda::ExternalDeviceRegion` (feature `cuda`) | GPU memory another owner allocated (a transfer engine's) | the owner's readers |
+//! | [`ExternalHostRegion`] | host memory another owner keeps alive (a transfer engine's registered buffer) | the owner's readers (`<host>:<port>` sessions of a Mooncake TransferEngine) |
 //!
 //! The allocator, the arena and the writer do not change with the region.
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod external;
+mod host;
 pub mod mapping;
 pub mod shm;
 
+pub use external::ExternalHostRegion;
 pub use mapping::{Access, Mapping};
 pub use shm::{ShmRegion, ShmSession};
 

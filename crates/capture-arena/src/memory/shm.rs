@@ -31,6 +31,7 @@ use std::str::FromStr;
 use std::time::{Duration, SystemTime};
 
 use crate::error::{Error, Result};
+use crate::memory::host::SliceCopier;
 use crate::memory::mapping::{Access, Mapping};
 use crate::memory::{CopyOp, Progress, Region, Reply};
 
@@ -340,8 +341,8 @@ pub struct ShmRegion {
     lock: OwnedFd,
     /// The process that created it: only that one removes it.
     pid: u32,
-    /// The batch in flight: `(op index, bytes of that op already copied)`.
-    cursor: Option<(usize, u64)>,
+    /// The batch in flight.
+    copier: SliceCopier,
 }
 
 /// 128 random bits from the kernel, for names no other process guesses or reuses.
@@ -500,7 +501,7 @@ impl ShmRegion {
             name,
             lock: fd,
             pid,
-            cursor: None,
+            copier: SliceCopier::default(),
         })
     }
 
@@ -510,64 +511,23 @@ impl ShmRegion {
     }
 
     fn copy_one(&mut self, op: &CopyOp<'_>, from: u64, n: u64) -> Result<()> {
-        let Some((src, len)) = op.data.host_source() else {
-            return self.copy_device(op, from, n);
-        };
-        if len as u64 != op.data.len() || from + n > len as u64 {
-            return Err(Error::io(
-                "copying into the arena",
-                io::Error::other(format!(
-                    "a tensor's bytes changed length after validation ({} != {len})",
-                    op.data.len()
-                )),
-            ));
-        }
-        let at = usize::try_from(HEADER_BYTES + op.offset + from).map_err(|_| {
-            Error::io(
-                "copying into the arena",
-                io::Error::other("offset overflows"),
-            )
-        })?;
-        if op.offset + from + n > self.len {
-            return Err(Error::OutOfRange {
-                address: self.base_address() + op.offset + from,
+        let at = op
+            .offset
+            .checked_add(from)
+            .filter(|&o| o.checked_add(n).is_some_and(|e| e <= self.len))
+            .ok_or(Error::OutOfRange {
+                address: self.base_address().wrapping_add(op.offset),
                 len: n,
                 base: self.base_address(),
                 region_len: self.len,
-            });
-        }
-        // SAFETY: `host_source` is valid for reads of `len` bytes and unchanged while the batch
-        // is in flight (the writer keeps its sources until the batch completes; lent memory by
-        // `TensorData::lent`'s contract); [from, from + n) lies inside it (checked). Caller
-        // memory is never inside this process's own arena mapping.
-        unsafe { self.map.copy_in(at, src.add(from as usize), n as usize) }
-    }
-
-    /// A device tensor under a host arena: copied device-to-host (feature `cuda`).
-    fn copy_device(&mut self, op: &CopyOp<'_>, from: u64, n: u64) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if let crate::tensor::TensorData::Device(d) = op.data {
-            if from + n > d.len || op.offset + from + n > self.len {
-                return Err(Error::OutOfRange {
-                    address: self.base_address() + op.offset + from,
-                    len: n,
-                    base: self.base_address(),
-                    region_len: self.len,
-                });
-            }
-            let dst = self
-                .map
-                .raw_range((HEADER_BYTES + op.offset + from) as usize, n as usize)?;
-            // SAFETY: `dst` is a checked range of this writable mapping, which only the writer
-            // thread writes; the device source is valid for `from + n` bytes (checked) while the
-            // batch lives (TensorData::device's contract).
-            return unsafe { crate::memory::cuda::device_to_host(d, from, dst, n) };
-        }
-        let _ = (from, n);
-        Err(Error::InvalidTensor {
-            name: format!("{:?}", op.data),
-            reason: "this source kind cannot be copied into a host arena".into(),
-        })
+            })?;
+        let dst = self
+            .map
+            .raw_range((HEADER_BYTES + at) as usize, n as usize)?;
+        // SAFETY: `dst` is a checked range of this writable mapping, which only the writer
+        // thread writes (`&mut self`); caller memory is never inside this process's own arena
+        // mapping, so it does not overlap the source.
+        unsafe { super::host::copy_to_host(op, from, n, dst) }
     }
 }
 
@@ -599,50 +559,18 @@ impl Region for ShmRegion {
     }
 
     fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
-        for op in ops {
-            let end = op.offset.checked_add(op.data.len());
-            if end.is_none_or(|e| e > self.len) {
-                return Err(Error::OutOfRange {
-                    address: self.base_address().wrapping_add(op.offset),
-                    len: op.data.len(),
-                    base: self.base_address(),
-                    region_len: self.len,
-                });
-            }
-        }
-        self.cursor = Some((0, 0));
-        Ok(())
+        self.copier.start(self.base_address(), self.len, ops)
     }
 
     fn progress(&mut self, ops: &[CopyOp<'_>], budget: u64) -> Result<Progress> {
-        let Some((mut i, mut done)) = self.cursor else {
-            return Ok(Progress::Done);
-        };
-        let mut left = budget.max(1);
-        while i < ops.len() && left > 0 {
-            let op = &ops[i];
-            let n = (op.data.len() - done).min(left);
-            if let Err(e) = self.copy_one(op, done, n) {
-                self.cursor = None;
-                return Err(e);
-            }
-            done += n;
-            left -= n;
-            if done == op.data.len() {
-                (i, done) = (i + 1, 0);
-            }
-        }
-        if i == ops.len() {
-            self.cursor = None;
-            Ok(Progress::Done)
-        } else {
-            self.cursor = Some((i, done));
-            Ok(Progress::Again)
-        }
+        let mut copier = std::mem::take(&mut self.copier);
+        let r = copier.progress(ops, budget, |op, from, n| self.copy_one(op, from, n));
+        self.copier = copier;
+        r
     }
 
     fn abandon(&mut self) {
-        self.cursor = None;
+        self.copier.abandon();
     }
 
     /// `"fd"`: a read-only descriptor of the object; `"describe"`: the session as JSON.

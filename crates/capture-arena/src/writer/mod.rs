@@ -64,11 +64,21 @@ impl Writer {
     /// `nvlink`, or `SGLANG_SPEC_CAPTURE_GPU_PUT=1`), else host shared memory.
     ///
     /// # Errors
-    /// [`Error::Config`] for invalid settings (the arena size is required), [`Error::Io`] if the
-    /// region or the listener cannot be created, [`Error::Device`] if device publication is
-    /// asked for without a usable GPU (or in a build without the `cuda` feature).
+    /// [`Error::Config`] for invalid settings (the arena size is required; the engine placement,
+    /// whose memory only its TransferEngine can give), [`Error::Io`] if the region or the
+    /// listener cannot be created, [`Error::Device`] if device publication is asked for without
+    /// a usable GPU (or in a build without the `cuda` feature).
     pub fn start(config: &Config) -> Result<Writer> {
         config.validate()?;
+        if config.placement() == crate::config::Placement::Engine {
+            return Err(Error::config(
+                crate::config::ENV_PLACEMENT,
+                "the engine placement takes its memory from a Mooncake TransferEngine, which the \
+                 Python package creates (capture_arena.ArenaSink); from Rust, pass the engine's \
+                 memory to Sink::start_with_region or Writer::start_with_region, or set \
+                 SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own arena",
+            ));
+        }
         let bytes = config.required_arena_bytes()?;
         let region = new_region(config, bytes)?;
         let (listener, control) = control::bind(&config.control_host, config.control_port)?;

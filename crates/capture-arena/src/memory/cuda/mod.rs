@@ -516,6 +516,7 @@ impl ExternalDeviceRegion {
         session: String,
         owner: impl Send + 'static,
     ) -> Result<ExternalDeviceRegion> {
+        crate::memory::external::check_session(&session)?;
         let ctx = context(ordinal)?;
         Ok(ExternalDeviceRegion {
             copier: Copier::new(ctx)?,

@@ -1,0 +1,190 @@
+"""The engine placement: the arena inside a Mooncake TransferEngine, and reads through one.
+
+Producer side (:class:`EngineArena`): the sink creates a ``TransferEngine`` from the ``MOONCAKE_*``
+variables (``P2PHANDSHAKE`` when no metadata server is configured) on its first capture, and
+takes the arena from it: under ``nvlink``/``nvlink_intra`` device memory from
+``allocate_managed_buffer`` on the writer's GPU, under other protocols a host buffer registered
+with the engine. The writer publishes into that memory; results carry the engine's session
+(``<host>:<rpc_port>``) and addresses that are the engine's virtual addresses, which is exactly
+what ``TransferEngine.transfer_sync_read(session, local, address, length)`` takes. A trainer that
+knows only Mooncake reads them that way and frees over ``arena.control``.
+
+Trainer side (:class:`EngineReader`): :class:`capture_arena.ArenaFeatureStore` reads results of
+such sessions with its own engine, into the output arrays (registered with the engine for the
+read), one batched read per sample (one read per object under multi-node NVLink, where Mooncake
+documents batch transfers as unreliable).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import ArenaOSError, ConfigError, InvalidReadError
+
+INSTALL_HINT = (
+    "pip install mooncake-transfer-engine (CUDA 12), mooncake-transfer-engine-cuda13 (CUDA 13) "
+    "or mooncake-transfer-engine-non-cuda (hosts without a GPU), and the libraries it loads "
+    "(Debian: apt-get install libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)"
+)
+
+
+def _mooncake() -> Any:
+    """``mooncake.engine``, or a ConfigError that says how to install it."""
+    try:
+        me = importlib.import_module("mooncake.engine")
+    except ImportError as e:
+        raise ConfigError(
+            f"the engine placement needs Mooncake's TransferEngine, which is not importable ({e}): "
+            f"{INSTALL_HINT}; or set SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own arena"
+        ) from None
+    return me
+
+
+def protocol_of(protocol: Optional[str]) -> str:
+    """The engine's protocol: ``MOONCAKE_PROTOCOL`` lower-cased, ``tcp`` when unset."""
+    p = (protocol or "").strip().lower()
+    return p or "tcp"
+
+
+def is_nvlink(protocol: str) -> bool:
+    return protocol in ("nvlink", "nvlink_intra")
+
+
+def new_engine(protocol: str) -> tuple[Any, str]:
+    """A TransferEngine initialised from the ``MOONCAKE_*`` variables, and its session name.
+
+    Refuses, before Mooncake is touched, an NVLink protocol that this Mooncake build lacks
+    (``SUPPORT_MNNVL`` / ``SUPPORT_INTRA_NVLINK``): the x86_64 wheels have no multi-node NVLink.
+    """
+    me = _mooncake()
+    if protocol == "nvlink" and not getattr(me, "SUPPORT_MNNVL", False):
+        raise ConfigError(
+            "MOONCAKE_PROTOCOL=nvlink needs a Mooncake build with multi-node NVLink "
+            "(mooncake.engine.SUPPORT_MNNVL is False here: the x86_64 wheels are built without it). "
+            "On one node use MOONCAKE_PROTOCOL=nvlink_intra (with Mooncake's CUDA wheel); or set "
+            "SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own device arena (cuda:// "
+            "sessions, read with capture_arena)"
+        )
+    if protocol == "nvlink_intra":
+        if not getattr(me, "SUPPORT_INTRA_NVLINK", False):
+            raise ConfigError(
+                "MOONCAKE_PROTOCOL=nvlink_intra needs a Mooncake build with intra-node NVLink "
+                "(mooncake.engine.SUPPORT_INTRA_NVLINK is False here: install "
+                "mooncake-transfer-engine or -cuda13, not -non-cuda); or set "
+                "SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own device arena"
+            )
+        # Mooncake picks its transport from the environment: this selects intra-node NVLink.
+        os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
+    host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or "127.0.0.1"
+    metadata = os.environ.get("MOONCAKE_METADATA_SERVER", "").strip() or "P2PHANDSHAKE"
+    devices = os.environ.get("MOONCAKE_RDMA_DEVICES", "").strip()
+    te = me.TransferEngine()
+    rc = te.initialize(host, metadata, protocol, devices)
+    if rc != 0:
+        raise ArenaOSError(
+            f"TransferEngine.initialize({host!r}, {metadata!r}, {protocol!r}, {devices!r}) returned {rc}; "
+            "check MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_METADATA_SERVER and MOONCAKE_RDMA_DEVICES"
+        )
+    return te, f"{host}:{te.get_rpc_port()}"
+
+
+class EngineArena:
+    """The arena's memory, taken from a TransferEngine and kept alive (with the engine) until the
+    writer drops it."""
+
+    def __init__(self, nbytes: int, protocol: str, device: Optional[int]) -> None:
+        self.engine, self.session = new_engine(protocol)
+        self.nbytes = int(nbytes)
+        self.device: Optional[int] = None
+        self._host: Optional[np.ndarray[Any, Any]] = None
+        if is_nvlink(protocol):
+            # Device memory on the writer's GPU (fabric under nvlink, cudaMalloc + IPC under
+            # nvlink_intra): allocated by the engine, so it is exported to its readers.
+            self.device = 0 if device is None else int(device)
+            self._select_device(self.device)
+            self.ptr = int(self.engine.allocate_managed_buffer(self.nbytes))
+            if self.ptr == 0:
+                raise ArenaOSError(
+                    f"TransferEngine.allocate_managed_buffer({self.nbytes}) failed on GPU {self.device} "
+                    "(out of device memory? lower SGLANG_SPEC_CAPTURE_ARENA_BYTES)"
+                )
+        else:
+            buf = np.empty(self.nbytes, dtype=np.uint8)
+            buf[:: 1 << 12] = 0  # fault every page in now, not during the first copies
+            self.ptr = int(buf.ctypes.data)
+            rc = self.engine.register_memory(self.ptr, self.nbytes)
+            if rc != 0:
+                raise ArenaOSError(f"TransferEngine.register_memory of the {self.nbytes}-byte arena returned {rc}")
+            self._host = buf
+
+    @staticmethod
+    def _select_device(device: int) -> None:
+        try:
+            importlib.import_module("torch").cuda.set_device(device)
+        except ImportError:
+            pass
+
+    def __del__(self) -> None:
+        try:
+            if self._host is not None:
+                self.engine.unregister_memory(self.ptr)
+            elif getattr(self, "ptr", 0):
+                self.engine.free_managed_buffer(self.ptr, self.nbytes)
+        except Exception:  # interpreter shutdown: the process frees it all
+            pass
+
+
+class EngineReader:
+    """Reads objects of TransferEngine sessions into caller arrays, with one engine per process
+    (created on first use from the ``MOONCAKE_*`` variables; ``tcp`` when no protocol is set)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engine: Optional[Any] = None
+        self._pid = os.getpid()
+        self._protocol = protocol_of(os.environ.get("MOONCAKE_PROTOCOL"))
+
+    def _te(self) -> Any:
+        with self._lock:
+            if self._engine is None or self._pid != os.getpid():
+                self._engine, _ = new_engine(self._protocol)
+                self._pid = os.getpid()
+            return self._engine
+
+    def read(self, session: str, targets: list[tuple[int, int, int]]) -> None:
+        """Reads each ``(remote address, local address, length)`` of ``session`` into host memory
+        of this process (the output arrays, registered for the read and unregistered after)."""
+        te = self._te()
+        targets = [t for t in targets if t[2] > 0]
+        if not targets:
+            return
+        registered = []
+        try:
+            for _, local, n in targets:
+                rc = te.register_memory(local, n)
+                if rc != 0:
+                    raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
+                registered.append(local)
+            if self._protocol == "nvlink":
+                # Mooncake documents batch transfers as unreliable over multi-node NVLink.
+                for remote, local, n in targets:
+                    rc = te.transfer_sync_read(session, local, remote, n)
+                    if rc != 0:
+                        raise InvalidReadError(f"TransferEngine read of {n} bytes at {remote:#x} from {session} returned {rc}")
+            else:
+                rc = te.batch_transfer_sync_read(
+                    session, [t[1] for t in targets], [t[0] for t in targets], [t[2] for t in targets]
+                )
+                if rc != 0:
+                    raise InvalidReadError(
+                        f"TransferEngine batch read of {len(targets)} objects from {session} returned {rc} "
+                        "(is the producer still running? is the address range one it published?)"
+                    )
+        finally:
+            for local in registered:
+                te.unregister_memory(local)

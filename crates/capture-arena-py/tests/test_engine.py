@@ -1,0 +1,238 @@
+"""The engine placement against the real Mooncake TransferEngine (the non-CUDA wheel, over TCP on
+loopback): the arena inside a TransferEngine, results with the engine's session and virtual
+addresses, a trainer that knows only Mooncake reading and freeing them, and ArenaFeatureStore
+reading them too. scripts/test.sh installs Mooncake; a test skips (with its reason) only where it
+is not importable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import capture_arena as ca
+
+try:
+    import mooncake.engine as mooncake_engine
+except ImportError as e:  # pragma: no cover - the test command installs it
+    mooncake_engine = None
+    MISSING = f"Mooncake is not importable here ({e}); scripts/test.sh installs it"
+else:
+    MISSING = ""
+
+needs_mooncake = pytest.mark.skipif(mooncake_engine is None, reason=MISSING or "n/a")
+
+ENV = {
+    **os.environ,
+    "MOONCAKE_PROTOCOL": "tcp",
+    "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    "SGLANG_SPEC_CAPTURE_PLACEMENT": "engine",
+    "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "32MiB",
+    "GLOG_minloglevel": "2",
+}
+
+# The producer: an engine-placement sink publishing a batch of 3 samples whose bytes are a function
+# of (sample, feature, index), printing the results, then waiting for every free.
+PRODUCER = r"""
+import json, sys, time, numpy as np, ml_dtypes
+import capture_arena as ca
+
+def data(i, name, shape, dtype):
+    n = int(np.prod(shape))
+    seed = (i * 1_000_003 + sum(map(ord, name))) & 0xFFFF
+    raw = ((np.arange(n * np.dtype(dtype).itemsize, dtype=np.uint64) * 2654435761 + seed) >> 7).astype(np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+sink = ca.ArenaSink()
+assert sink.placement == "engine", sink.placement
+batch = []
+for i in range(3):
+    L = 64 + 32 * i
+    spec = {"store_id": "st", "sample_id": f"s{i}", "gen": 1,
+            "features": {"aux": "hidden_state", "last_hidden": "target"},
+            "passthrough": [{"name": "input_ids", "data": list(range(L)), "shape": [1, L], "dtype": "int64"}]}
+    batch.append((spec, data(i, "hidden_state", (L, 3 * 256), ml_dtypes.bfloat16), data(i, "target", (L, 256), ml_dtypes.bfloat16)))
+for r in sink.put_samples(batch):
+    print(json.dumps(r), flush=True)
+deadline = time.time() + 60
+while time.time() < deadline:
+    st = sink.stats()
+    if st["published_objects"] and st["freed_objects"] == st["published_objects"]:
+        break
+    time.sleep(0.05)
+st = sink.stats()
+print(json.dumps({"stats": st}), flush=True)
+sys.exit(0 if st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"] else 1)
+"""
+
+# A trainer that imports only mooncake.engine, json, socket and numpy: not capture_arena.
+MOONCAKE_ONLY_TRAINER = r"""
+import json, socket, sys
+import numpy as np
+from mooncake.engine import TransferEngine
+
+ITEM = {"bfloat16": 2, "int64": 8}
+
+def expected(i, name, nbytes):
+    seed = (i * 1_000_003 + sum(map(ord, name))) & 0xFFFF
+    return ((np.arange(nbytes, dtype=np.uint64) * 2654435761 + seed) >> 7).astype(np.uint8)
+
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+results = [json.loads(l) for l in sys.stdin if l.startswith("{") and "features" in l]
+checked = 0
+for r in results:
+    i = int(r["sample_id"][1:])
+    session = r["arena"]["session"]
+    for name, f in r["features"].items():
+        n = int(np.prod(f["shape"])) * ITEM[f["dtype"]]
+        buf = np.zeros(n, dtype=np.uint8)
+        assert te.register_memory(buf.ctypes.data, n) == 0
+        assert te.transfer_sync_read(session, buf.ctypes.data, f["address"], n) == 0, (name, f)
+        te.unregister_memory(buf.ctypes.data)
+        if name == "input_ids":
+            assert buf.view(np.int64).tolist() == list(range(f["shape"][1])), name
+        else:
+            assert np.array_equal(buf, expected(i, name, n)), (r["sample_id"], name)
+        checked += n
+    host, port = r["arena"]["control"].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as c:
+        keys = [f"{r['store_id']}/{r['sample_id']}/g{r['gen']}/{name}" for name in r["features"]]
+        c.sendall((json.dumps(keys) + "\n").encode())
+print(json.dumps({"samples": len(results), "bytes": checked}), flush=True)
+"""
+
+
+def _producer() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", PRODUCER], env=ENV, stdout=subprocess.PIPE, text=True)
+
+
+def _results(p: subprocess.Popen[str], n: int) -> list[str]:
+    assert p.stdout is not None
+    lines = [p.stdout.readline() for _ in range(n)]
+    assert all(line.startswith("{") for line in lines), lines
+    return lines
+
+
+@needs_mooncake
+def test_a_trainer_that_knows_only_mooncake_reads_and_frees_an_engine_arena():
+    p = _producer()
+    try:
+        lines = _results(p, 3)
+        r0 = json.loads(lines[0])
+        host, port = r0["arena"]["session"].rsplit(":", 1)
+        assert host == "127.0.0.1" and port.isdigit(), r0["arena"]
+        t = subprocess.run(
+            [sys.executable, "-c", MOONCAKE_ONLY_TRAINER], env=ENV, input="".join(lines), capture_output=True, text=True, timeout=120
+        )
+        assert t.returncode == 0, t.stdout + t.stderr
+        assert json.loads(t.stdout.strip().splitlines()[-1])["samples"] == 3
+        assert p.stdout is not None
+        final = json.loads(p.stdout.readline())
+        assert p.wait(timeout=60) == 0, final
+        st = final["stats"]
+        assert st["freed_objects"] == st["published_objects"] == 9 and st["free_bytes"] == st["capacity"], st
+    finally:
+        p.kill()
+
+
+@needs_mooncake
+def test_arena_feature_store_reads_engine_sessions_and_releases_them():
+    reader = r"""
+import json, sys, numpy as np, ml_dtypes
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    r = json.loads(line)
+    got = store.get(r)
+    assert got["hidden_state"].dtype == ml_dtypes.bfloat16 and list(got["hidden_state"].shape) == r["features"]["hidden_state"]["shape"]
+    assert got["input_ids"][0].tolist() == list(range(r["features"]["input_ids"]["shape"][1]))
+    out = {"target": np.zeros(r["features"]["target"]["shape"], dtype=ml_dtypes.bfloat16)}
+    store.get(r, ["target"], out=out)
+    assert np.array_equal(out["target"].view(np.uint16), got["target"].view(np.uint16))
+    store.release(r)
+    try:
+        store.get(r)
+        raise SystemExit("read after release")
+    except ca.ReleasedError:
+        pass
+store.flush()
+print("ok", flush=True)
+"""
+    p = _producer()
+    try:
+        lines = _results(p, 3)
+        t = subprocess.run([sys.executable, "-c", reader], env=ENV, input="".join(lines), capture_output=True, text=True, timeout=120)
+        assert t.returncode == 0 and "ok" in t.stdout, t.stdout + t.stderr
+        assert p.stdout is not None
+        final = json.loads(p.stdout.readline())
+        assert p.wait(timeout=60) == 0, final
+    finally:
+        p.kill()
+
+
+@needs_mooncake
+@pytest.mark.parametrize(
+    ("protocol", "needle"),
+    [("nvlink", "SUPPORT_MNNVL is False"), ("nvlink_intra", "SUPPORT_INTRA_NVLINK is False")],
+)
+def test_nvlink_without_the_transport_in_this_mooncake_build_is_refused_clearly(protocol, needle):
+    if getattr(mooncake_engine, "SUPPORT_MNNVL" if protocol == "nvlink" else "SUPPORT_INTRA_NVLINK", False):
+        pytest.skip(f"this Mooncake build has the {protocol} transport")
+    env = {**ENV, "MOONCAKE_PROTOCOL": protocol}
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT")  # auto: the engine under NVLink
+    code = r"""
+import numpy as np, capture_arena as ca
+s = ca.ArenaSink()
+assert s.placement == "engine" and s.device_publication
+try:
+    s.put_sample({"store_id": "st", "sample_id": "x", "gen": 1, "features": {"last_hidden": "target"}},
+                 last_hidden=np.ones((4, 8), dtype=np.float32))
+except ca.ConfigError as e:
+    print(e)
+    assert not s.started
+else:
+    raise SystemExit("published without the transport")
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert needle in out.stdout and "SGLANG_SPEC_CAPTURE_PLACEMENT=arena" in out.stdout, out.stdout
+
+
+def test_the_engine_placement_without_mooncake_says_how_to_install_it():
+    code = r"""
+import sys
+sys.modules["mooncake"] = None  # as if it were not installed
+sys.modules["mooncake.engine"] = None
+import numpy as np, capture_arena as ca
+s = ca.ArenaSink()
+try:
+    s.put_sample({"store_id": "st", "sample_id": "x", "gen": 1, "features": {"last_hidden": "target"}},
+                 last_hidden=np.ones((4, 8), dtype=np.float32))
+except ca.ConfigError as e:
+    print(e)
+else:
+    raise SystemExit("published without Mooncake")
+"""
+    out = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "pip install mooncake-transfer-engine" in out.stdout and "SGLANG_SPEC_CAPTURE_PLACEMENT=arena" in out.stdout
+
+
+def test_placement_names(make_sink, monkeypatch):
+    monkeypatch.delenv("SGLANG_SPEC_CAPTURE_PLACEMENT", raising=False)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    assert make_sink().placement == "store"
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink_intra")
+    assert make_sink().placement == "engine"
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
+    assert make_sink().placement == "arena"
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "shm")
+    with pytest.raises(ca.ConfigError, match="auto, arena, engine, store"):
+        make_sink()
+    time.sleep(0)
