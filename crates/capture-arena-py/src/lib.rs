@@ -8,16 +8,26 @@
 
 mod array;
 mod error;
+mod plan;
 mod sink;
 mod store;
 
 use pyo3::prelude::*;
 
-/// True when `MOONCAKE_PROTOCOL` selects the arena placement (`nvlink`): the same decision as
-/// the Rust core's `arena_enabled()`.
+/// True when the environment selects an arena placement (capture-arena's or a TransferEngine's)
+/// rather than the Mooncake store: the Rust core's `arena_enabled()`.
 #[pyfunction]
 fn arena_enabled() -> bool {
     capture_arena::arena_enabled()
+}
+
+/// The placement this process's environment selects (`"arena"`, `"engine"` or `"store"`): the
+/// one decision, made by the Rust core's `Config::placement()`.
+#[pyfunction]
+fn placement() -> PyResult<&'static str> {
+    capture_arena::Config::from_env()
+        .map(|c| c.placement().name())
+        .map_err(error::to_py)
 }
 
 /// Logs go to stderr from whichever thread emits them (the writer thread never takes the GIL, so
@@ -40,7 +50,11 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
     m.add_class::<sink::PySink>()?;
     m.add_class::<store::PyStore>()?;
+    m.add_class::<plan::PyBatch>()?;
+    m.add_function(wrap_pyfunction!(plan::_plan_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(store::_store_keys, m)?)?;
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;
+    m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_function(wrap_pyfunction!(sink::_bench_rust_put, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -22,7 +22,7 @@ use crate::array::bytes_of;
 use crate::error::{named, to_py, IntoPy};
 
 /// Work for the sink's helper thread, the only one of its threads that attaches to Python.
-enum Msg {
+pub(crate) enum Msg {
     /// The owner of bytes the writer has finished copying.
     Release(Py<PyAny>),
     /// A batch is done: complete its future.
@@ -37,15 +37,19 @@ enum Msg {
 /// gave the address and length). Holding it keeps the memory allocated and in place (numpy
 /// refuses to resize a referenced array) until the writer drops the tensor after copying it;
 /// then the reference goes to the helper thread, so the writer never needs the GIL.
+///
+/// Without a helper (`tx: None`: a batch planned for the store placement, dropped by Python) the
+/// reference is simply dropped.
 struct Owner {
     owner: Option<Py<PyAny>>,
-    tx: Sender<Msg>,
+    tx: Option<Sender<Msg>>,
 }
 
 impl Drop for Owner {
     fn drop(&mut self) {
+        let Some(tx) = &self.tx else { return };
         if let Some(o) = self.owner.take() {
-            if let Err(mpsc::SendError(Msg::Release(o))) = self.tx.send(Msg::Release(o)) {
+            if let Err(mpsc::SendError(Msg::Release(o))) = tx.send(Msg::Release(o)) {
                 // The helper is gone (interpreter shutting down): leak the reference rather
                 // than touch Python from the writer thread.
                 std::mem::forget(o);
@@ -77,7 +81,7 @@ impl Completion {
 }
 
 /// `(owner, shape, dtype name)` from `capture_arena._tensors.host_bytes` -> a captured tensor.
-fn captured(t: &Bound<'_, PyAny>, tx: &Sender<Msg>, what: &str) -> PyResult<Captured> {
+fn captured(t: &Bound<'_, PyAny>, tx: Option<&Sender<Msg>>, what: &str) -> PyResult<Captured> {
     let (owner, shape, dtype): (Bound<'_, PyAny>, Vec<u64>, String) = t.extract()?;
     let dtype = Dtype::from_name(&dtype).ok_or_else(|| {
         named(
@@ -92,7 +96,7 @@ fn captured(t: &Bound<'_, PyAny>, tx: &Sender<Msg>, what: &str) -> PyResult<Capt
     if let Some(dev) = crate::array::device_of(&owner)? {
         let owner = Owner {
             owner: Some(owner.unbind()),
-            tx: tx.clone(),
+            tx: tx.cloned(),
         };
         // SAFETY: (ptr, len, device) were read from the CUDA tensor itself, which `owner` keeps
         // referenced (so its storage stays allocated) until the writer drops the tensor; the
@@ -108,7 +112,7 @@ fn captured(t: &Bound<'_, PyAny>, tx: &Sender<Msg>, what: &str) -> PyResult<Capt
         .map_err(|e| named(t.py(), "InvalidSampleError", format!("{what}: {e}")))?;
     let owner = Owner {
         owner: Some(owner.unbind()),
-        tx: tx.clone(),
+        tx: tx.cloned(),
     };
     // SAFETY: (ptr, len) come from the array interface of `owner`, a C-contiguous uint8 array
     // that `owner` keeps referenced (so allocated and unmoved) until the writer drops the
@@ -248,9 +252,9 @@ fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyRes
 }
 
 /// One `(spec, aux, last_hidden, passthrough_bytes)` tuple from the Python wrapper.
-fn sample(
+pub(crate) fn sample(
     item: &Bound<'_, PyAny>,
-    tx: &Sender<Msg>,
+    tx: Option<&Sender<Msg>>,
     aux_ids: &Option<Vec<i64>>,
 ) -> PyResult<Sample> {
     let t = item.cast::<PyTuple>()?;
@@ -413,7 +417,7 @@ impl PySink {
         let aux_ids = sink.config().aux_layer_ids.clone();
         samples
             .try_iter()?
-            .map(|item| sample(&item?, &self.tx, &aux_ids))
+            .map(|item| sample(&item?, Some(&self.tx), &aux_ids))
             .collect()
     }
 }
@@ -596,7 +600,7 @@ impl PySink {
         let sink = self.sink(py)?;
         let owner = Owner {
             owner: Some(owner),
-            tx: (*self.tx).clone(),
+            tx: Some((*self.tx).clone()),
         };
         let region: Box<dyn capture_arena::memory::Region> = match device {
             None => {

@@ -187,3 +187,57 @@ impl PyStore {
         pythonize(py, &d).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 }
+
+/// A store-placement result as a reader takes it: ids and, per feature, shape and dtype.
+#[derive(serde::Deserialize)]
+struct StoreResult {
+    store_id: String,
+    sample_id: String,
+    gen: u64,
+    features: std::collections::BTreeMap<String, StoreFeature>,
+}
+
+#[derive(serde::Deserialize)]
+struct StoreFeature {
+    shape: Vec<u64>,
+    dtype: capture_arena::Dtype,
+}
+
+/// `(key, bytes)` of each of `names` in a store-placement result, validated first: ids (as key
+/// parts), at most `MAX_FEATURES` features, ranks, dtypes, sizes that overflow, unknown names.
+#[pyfunction]
+pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Vec<(String, u64)>> {
+    let bad = |reason: String| {
+        to_py(Error::InvalidRead {
+            key: "result".into(),
+            reason,
+        })
+    };
+    let r: StoreResult =
+        depythonize(result).map_err(|e| bad(format!("not a store-placement result: {e}")))?;
+    if r.features.len() > capture_arena::sample::MAX_FEATURES {
+        return Err(bad(format!(
+            "{} features, more than the {} a result may have",
+            r.features.len(),
+            capture_arena::sample::MAX_FEATURES
+        )));
+    }
+    names
+        .iter()
+        .map(|name| {
+            let f = r.features.get(name).ok_or_else(|| {
+                to_py(Error::UnknownFeature {
+                    key: name.clone(),
+                    available: r.features.keys().cloned().collect(),
+                })
+            })?;
+            let key = capture_arena::Key::new(&r.store_id, &r.sample_id, r.gen, name).py_err()?;
+            if f.shape.len() > capture_arena::tensor::MAX_RANK {
+                return Err(bad(format!("{key}: rank {} is too high", f.shape.len())));
+            }
+            let n = capture_arena::tensor::byte_len(&f.shape, f.dtype)
+                .ok_or_else(|| bad(format!("{key}: shape {:?} overflows", f.shape)))?;
+            Ok((key.to_string(), n))
+        })
+        .collect()
+}

@@ -41,15 +41,19 @@ def test_nvlink_creates_one_lazy_sink_with_the_layer_ids(monkeypatch):
             sink.put_sample(spec("x"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
 
 
-def test_store_protocols_are_refused_with_a_clear_message(monkeypatch):
+def test_store_protocols_get_the_store_sink_which_needs_its_master(monkeypatch):
+    # The store placement itself: test_store_placement.py, against a real mooncake_master.
     monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
-    monkeypatch.delenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", raising=False)
-    with pytest.raises(ca.ConfigError, match="MOONCAKE_PROTOCOL=tcp selects the Mooncake store"):
+    monkeypatch.delenv("SGLANG_SPEC_CAPTURE_PLACEMENT", raising=False)
+    monkeypatch.delenv("MOONCAKE_MASTER_SERVER_ADDR", raising=False)
+    with pytest.raises(ca.ConfigError, match="needs MOONCAKE_MASTER_SERVER_ADDR"):
         sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True))
+    assert sglang.get_sink() is None
 
 
 def test_a_forked_child_cannot_use_the_parents_sink(monkeypatch):
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "8MiB")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
     sink = sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True))
     assert sink is not None
     sink.put_sample(spec("p"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

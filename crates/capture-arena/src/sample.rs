@@ -235,6 +235,31 @@ impl Sample {
         &self.sample_id
     }
 
+    /// The store id.
+    pub fn store_id(&self) -> &str {
+        &self.store_id
+    }
+
+    /// The generation.
+    pub fn gen(&self) -> u64 {
+        self.gen
+    }
+
+    /// True if objects already resident under its keys are to be replaced.
+    pub fn replace(&self) -> bool {
+        self.replace
+    }
+
+    /// The target layers echoed in the result.
+    pub fn aux_layer_ids(&self) -> Option<&[i64]> {
+        self.aux_layer_ids.as_deref()
+    }
+
+    /// Its objects: key and tensor, in the order they were added.
+    pub fn tensors(&self) -> impl Iterator<Item = (&Key, &Tensor)> {
+        self.tensors.iter().map(|(k, t)| (k, t))
+    }
+
     /// The keys of this sample's objects.
     pub fn keys(&self) -> impl Iterator<Item = &Key> {
         self.tensors.iter().map(|(k, _)| k)
@@ -561,7 +586,10 @@ pub fn batch_results(
 }
 
 /// Checks that no key repeats across the samples of a batch.
-pub(crate) fn check_unique(samples: &[Sample]) -> Result<()> {
+///
+/// # Errors
+/// [`Error::InvalidSample`] naming the repeated key.
+pub fn check_unique(samples: &[Sample]) -> Result<()> {
     let mut seen = HashSet::new();
     for s in samples {
         for k in s.keys() {

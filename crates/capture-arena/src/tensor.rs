@@ -247,6 +247,13 @@ impl TensorData {
     /// The host bytes to copy, as a pointer valid for reads of the returned length and unchanged
     /// while `self` lives (owned bytes by construction; lent bytes by [`TensorData::lent`]'s
     /// contract). Regions copy from it with raw copies, never through a `&[u8]` of lent memory.
+    /// The address and length of host bytes (owned or lent), for a copy made by another engine
+    /// (a Mooncake store's put); `None` for device memory. The bytes stay valid and unchanged
+    /// while `self` lives.
+    pub fn host_ptr(&self) -> Option<(*const u8, usize)> {
+        self.host_source()
+    }
+
     /// `None` for device memory.
     pub(crate) fn host_source(&self) -> Option<(*const u8, usize)> {
         match self {
@@ -338,6 +345,10 @@ impl Tensor {
     /// Length in bytes.
     pub fn byte_len(&self) -> u64 {
         self.data.len()
+    }
+    /// The bytes.
+    pub fn data(&self) -> &TensorData {
+        &self.data
     }
 }
 

@@ -22,13 +22,17 @@ from typing import Any, Optional
 import numpy as np
 
 from . import errors
-from ._capture_arena import __version__, _ArenaSink, _Store, arena_enabled
+from ._capture_arena import __version__, _ArenaSink, _Store, arena_enabled, placement
+from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
 
 __all__ = [
     "ArenaSink",
+    "StoreSink",
     "ArenaFeatureStore",
+    "new_sink",
+    "placement",
     "arena_enabled",
     "errors",
     "__version__",
@@ -43,7 +47,11 @@ Sample = tuple[Mapping[str, Any], Any, Any]
 """``(spec, aux, last_hidden)`` exactly as the existing sink receives them."""
 
 
-def _convert(samples: Iterable[Sample]) -> list[tuple[Any, Optional[HostBytes], Optional[HostBytes], Optional[dict[str, HostBytes]]]]:
+def _convert(
+    samples: Iterable[Sample], host: bool = False
+) -> list[tuple[Any, Optional[HostBytes], Optional[HostBytes], Optional[dict[str, HostBytes]]]]:
+    """Describes every tensor of a batch for the compiled sink (``host=True``: CUDA tensors
+    copied to the host first, for placements that publish host bytes)."""
     out = []
     for spec, aux, last_hidden in samples:
         arrays: Optional[dict[str, HostBytes]] = None
@@ -57,13 +65,13 @@ def _convert(samples: Iterable[Sample]) -> list[tuple[Any, Optional[HostBytes], 
                 if isinstance(data, (list, tuple, type(None))):
                     new.append(p)
                 else:
-                    arrays[p["name"]] = host_bytes(data)
+                    arrays[p["name"]] = host_bytes(data, host)
                     new.append({**p, "data": None})
             spec = {**spec, "passthrough": new}
         out.append((
             spec,
-            None if aux is None else host_bytes(aux),
-            None if last_hidden is None else host_bytes(last_hidden),
+            None if aux is None else host_bytes(aux, host),
+            None if last_hidden is None else host_bytes(last_hidden, host),
             arrays,
         ))
     return out
@@ -169,6 +177,28 @@ class ArenaSink(_ArenaSink):
         self.close()
 
 
+def new_sink(**kwargs: Any) -> "ArenaSink | StoreSink":
+    """The sink of the placement the environment selects (:func:`placement`): an
+    :class:`ArenaSink` for ``arena`` and ``engine``, a :class:`StoreSink` for ``store``. Both have
+    the same API, so callers never branch on the placement. ``kwargs`` go to the sink
+    (``aux_layer_ids`` for both).
+
+    ==================================================  ===========  ========================================
+    protocol and settings                               placement    a trainer reads with
+    ==================================================  ===========  ========================================
+    ``nvlink`` / ``nvlink_intra`` (auto)                engine       a TransferEngine (``transfer_sync_read``)
+                                                                     or ArenaFeatureStore; frees to control
+    ``tcp`` / ``rdma`` (auto)                           store        the Mooncake store (``get_into``) or
+                                                                     ArenaFeatureStore; frees by ``remove``
+    ``SGLANG_SPEC_CAPTURE_PLACEMENT=engine``             engine       as above (a host arena under tcp/rdma)
+    ``SGLANG_SPEC_CAPTURE_PLACEMENT=arena``              arena        ArenaFeatureStore (``shm://``, ``cuda://``)
+    ==================================================  ===========  ========================================
+    """
+    if placement() == "store":
+        return StoreSink(**kwargs)
+    return ArenaSink(**kwargs)
+
+
 _LIVE_SINKS: "weakref.WeakSet[ArenaSink]" = weakref.WeakSet()
 
 
@@ -219,6 +249,8 @@ class ArenaFeatureStore(_Store):
             self._check(result)  # raises: a failed sample's result, or not a result at all
         feats = result["features"]
         wanted = list(feats) if names is None else list(dict.fromkeys(names))
+        if is_store_result(result):
+            return self._get_from_store(result, wanted, out, torch, device)
         if _is_engine_session(result):
             return self._get_through_engine(result, wanted, out, torch, device)
         # Released? Known names, shapes and addresses inside the arena? Before allocating.
@@ -237,13 +269,31 @@ class ArenaFeatureStore(_Store):
         return arrays
 
     _engine_reader: Optional[Any] = None
+    _store_reader: Optional[StoreReader] = None
 
-    def _get_through_engine(
+    def _stores(self) -> StoreReader:
+        if self._store_reader is None:
+            self._store_reader = StoreReader()
+        return self._store_reader
+
+    def _get_from_store(
         self, result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
     ) -> dict[str, Any]:
-        """A TransferEngine session: validated here (released? names, sizes), read with this
-        process's engine into host arrays (then moved to ``device`` if asked)."""
-        lens = self._validate(result, wanted)
+        """A store-placement result: validated (ids, shapes, released?), then read from the
+        Mooncake store into host arrays (moved to ``device`` if asked)."""
+        reader = self._stores()
+        planned = reader.check(result, wanted)
+        arrays, views = self._host_outputs(result, wanted, [n for _, n in planned], out, torch or device is not None)
+        reader.read(planned, views)
+        if device is not None:
+            arrays = {n: a.to(device) for n, a in arrays.items()}
+        return arrays
+
+    def _host_outputs(
+        self, result: Mapping[str, Any], wanted: list[str], lens: list[int], out: Optional[Mapping[str, Any]], torch: bool
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """Host output arrays (fresh, or the caller's ``out=``) for placements read into host
+        memory, after the sizes were validated; at most this host's memory in all."""
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if sum(lens) > limit:
             raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than this host's {limit} bytes of memory")
@@ -255,11 +305,30 @@ class ArenaFeatureStore(_Store):
             if out is not None and name in out:
                 arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])
             else:
-                arr, view = new_array(list(f["shape"]), f["dtype"], torch or device is not None)
+                arr, view = new_array(list(f["shape"]), f["dtype"], torch)
             if not isinstance(view, np.ndarray):
-                raise InvalidReadError("engine sessions are read into host memory: pass CPU out= tensors")
+                raise InvalidReadError("this placement is read into host memory: pass CPU out= tensors")
             arrays[name] = arr
             views.append(view)
+        return arrays, views
+
+    def release(self, result: Mapping[str, Any]) -> None:
+        """Frees every object of ``result``: over its control endpoint (arena placements), or by
+        removing it from the Mooncake store (store placement). Later reads of it raise
+        :class:`ReleasedError` (a ``KeyError``)."""
+        if is_store_result(result):
+            self._stores().release(result)
+        else:
+            super().release(result)
+
+    def _get_through_engine(
+        self, result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
+    ) -> dict[str, Any]:
+        """A TransferEngine session: validated here (released? names, sizes), read with this
+        process's engine into host arrays (then moved to ``device`` if asked)."""
+        lens = self._validate(result, wanted)
+        arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
+        feats = result["features"]
         if self._engine_reader is None:
             from ._engine import EngineReader
 

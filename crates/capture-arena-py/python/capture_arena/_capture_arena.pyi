@@ -1,15 +1,15 @@
 """Stubs of the compiled module (capture_arena._capture_arena)."""
 
-from typing import Any, Optional
+from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "arena_enabled", "_bench_rust_put", "__version__"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__"]
 
 __version__: str
 
 def arena_enabled() -> bool:
-    """True when MOONCAKE_PROTOCOL selects the arena placement (nvlink)."""
+    """True when the environment selects an arena placement (not the Mooncake store)."""
 
 def _bench_rust_put(
     sink: _ArenaSink, n_samples: int, n_tensors: int, tensor_bytes: int, reps: int
@@ -71,3 +71,13 @@ class _Store:
         """Retries frees that could not be sent."""
     def health(self) -> dict[str, int]:
         """{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees", "open_sessions"}."""
+
+def placement() -> str: ...
+def _plan_batch(samples: Any, aux_layer_ids: Optional[list[int]] = None) -> "_Batch": ...
+def _store_keys(result: Any, names: list[str]) -> list[tuple[str, int]]: ...
+
+@final
+class _Batch:
+    def tensors(self) -> list[tuple[int, str, str, list[int], str, int, int]]: ...
+    def results(self) -> list[dict[str, Any]]: ...
+    def samples(self) -> list[tuple[str, bool, list[str]]]: ...

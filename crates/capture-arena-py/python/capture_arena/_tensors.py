@@ -66,8 +66,10 @@ class CudaBytes:
         self.stream = int(torch.cuda.current_stream(tensor.device).cuda_stream)
 
 
-def _torch_bytes(t: Any) -> HostBytes:
+def _torch_bytes(t: Any, host: bool = False) -> HostBytes:
     torch = _torch()
+    if t.device.type == "cuda" and host:
+        t = t.detach().cpu()
     if t.device.type == "cuda":
         t = t.detach()
         if not t.is_contiguous():
@@ -95,16 +97,17 @@ def _dlpack_is_cuda(t: Any) -> bool:
     return kind in (2, 13)
 
 
-def host_bytes(t: Any) -> HostBytes:
+def host_bytes(t: Any, host: bool = False) -> HostBytes:
     """Describes the bytes of a numpy array, a torch tensor (CPU, or CUDA as a
     :class:`CudaBytes`), or any object that offers DLPack or the buffer protocol, without copying
-    (unless it is not C-contiguous or not in native byte order)."""
+    (unless it is not C-contiguous or not in native byte order). ``host=True`` copies CUDA tensors
+    to the host."""
     if isinstance(t, np.ndarray):
         if t.flags.c_contiguous and t.dtype.isnative:  # the common case, no conversion at all
             return t.reshape(-1).view(np.uint8), list(t.shape), t.dtype.name
         a = t
     elif is_torch(t):
-        return _torch_bytes(t)
+        return _torch_bytes(t, host)
     elif hasattr(t, "__dlpack__"):
         if _dlpack_is_cuda(t):
             # A CUDA array of another library (CuPy, JAX, ...): seen through torch, without a copy.
@@ -115,7 +118,7 @@ def host_bytes(t: Any) -> HostBytes:
                     f"{type(t).__name__} lives on a CUDA device: publishing CUDA memory through "
                     "DLPack needs torch (pip install torch), or move it to the host"
                 ) from None
-            return _torch_bytes(torch.from_dlpack(t))
+            return _torch_bytes(torch.from_dlpack(t), host)
         a = np.from_dlpack(t)
     else:
         a = np.asarray(t)

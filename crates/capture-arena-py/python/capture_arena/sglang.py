@@ -14,12 +14,11 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from . import ArenaSink, arena_enabled
-from .errors import ConfigError
+from . import ArenaSink, StoreSink, new_sink
 
 __all__ = ["maybe_init_sink", "get_sink", "reset_sink"]
 
-_SINK: Optional[ArenaSink] = None
+_SINK: Optional["ArenaSink | StoreSink"] = None
 
 
 def _layer_ids(v: Any) -> Optional[list[int]]:
@@ -30,31 +29,25 @@ def _layer_ids(v: Any) -> Optional[list[int]]:
     return [int(x) for x in v]
 
 
-def maybe_init_sink(server_args: Any) -> Optional[ArenaSink]:
+def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
     """Creates the process's sink if ``server_args.enable_spec_capture`` is set (once), and
     returns it; returns None when capture is off.
 
-    The arena placement is used under ``MOONCAKE_PROTOCOL=nvlink`` (``arena_enabled()``) or when
-    ``SGLANG_SPEC_CAPTURE_ARENA_BYTES`` is set explicitly; the Mooncake store placement of other
-    protocols is not part of this package, and asking for it raises :class:`ConfigError`.
+    The placement is the environment's (:func:`capture_arena.placement`): a TransferEngine arena
+    under ``MOONCAKE_PROTOCOL=nvlink``/``nvlink_intra``, the Mooncake store under other
+    protocols, or what ``SGLANG_SPEC_CAPTURE_PLACEMENT`` says. Every placement serves the same
+    calls (:func:`capture_arena.new_sink`).
     """
     global _SINK
     if not getattr(server_args, "enable_spec_capture", False):
         return None
     if _SINK is None:
-        if not (arena_enabled() or os.environ.get("SGLANG_SPEC_CAPTURE_ARENA_BYTES")):
-            proto = os.environ.get("MOONCAKE_PROTOCOL", "<unset>")
-            raise ConfigError(
-                f"MOONCAKE_PROTOCOL={proto} selects the Mooncake store placement, which "
-                "capture_arena does not provide; set MOONCAKE_PROTOCOL=nvlink, or set "
-                "SGLANG_SPEC_CAPTURE_ARENA_BYTES to use the arena anyway"
-            )
         ids = _layer_ids(getattr(server_args, "spec_capture_aux_layer_ids", None))
-        _SINK = ArenaSink(aux_layer_ids=ids)
+        _SINK = new_sink(aux_layer_ids=ids)
     return _SINK
 
 
-def get_sink() -> Optional[ArenaSink]:
+def get_sink() -> Optional["ArenaSink | StoreSink"]:
     """The sink :func:`maybe_init_sink` created, or None."""
     return _SINK
 

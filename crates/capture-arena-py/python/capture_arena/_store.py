@@ -1,0 +1,332 @@
+"""The store placement: one Mooncake store object per tensor, as SpecForge's sink does.
+
+:class:`StoreSink` has the sink API of :class:`capture_arena.ArenaSink` (``submit_samples``,
+``put_samples``, ``put_sample``, ``stats``, ``close``). A batch is validated and built by the same
+compiled code as an arena batch (so the same errors are raised before anything is written), its
+bytes gathered into one staging buffer registered once with the store, and published with one
+``batch_put_from`` per scheduler batch, hard-pinned. ``replace`` removes the old keys first (a
+re-put of an existing key keeps the old bytes in Mooncake). Any failed status removes every key of
+the batch and fails each sample with the count and the first failure: nothing is half-published.
+Results are the store sink's: ``{"sample_id", "store_id", "gen", "aux_layer_ids", "features":
+{name: {"shape", "dtype"}}}`` (no ``arena``, no ``address``).
+
+:class:`StoreReader` reads such results for :class:`capture_arena.ArenaFeatureStore`
+(``batch_get_into`` into a registered staging buffer, then into the outputs) and frees them with
+``remove(key, force=True)``.
+
+The client is made from the ``MOONCAKE_*`` variables: ``MOONCAKE_MASTER_SERVER_ADDR`` (required),
+``MOONCAKE_METADATA_SERVER`` (default ``P2PHANDSHAKE``), ``MOONCAKE_LOCAL_HOSTNAME`` (default
+``127.0.0.1``), ``MOONCAKE_PROTOCOL`` (default ``tcp``), ``MOONCAKE_RDMA_DEVICES``,
+``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (the memory a sink contributes to the store: default 32 GiB, as
+deployments use; a reader contributes none) and ``MOONCAKE_LOCAL_BUFFER_SIZE`` (default
+256 MiB).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import importlib
+import os
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import numpy as np
+
+from . import _capture_arena
+from .errors import ArenaOSError, ConfigError, InvalidReadError, QueueFullError, ReleasedError, WriterStoppedError
+
+# Mooncake status codes worth naming in messages.
+NOT_FOUND = -704
+
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1000, "mb": 10**6, "gb": 10**9}
+
+
+def _bytes_var(name: str, default: int) -> int:
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    num = v.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
+    unit = v[len(num) :].strip().lower()
+    try:
+        return int(num) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise ConfigError(f"{name}={v!r} is not a size (bytes, or with KiB/MiB/GiB/TiB)") from None
+
+
+def connect(contribute: bool) -> Any:
+    """A ``MooncakeDistributedStore`` set up from the ``MOONCAKE_*`` variables; with
+    ``contribute`` (a sink) it mounts ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` of its memory into the
+    store, else (a reader) none, so that objects never land in a trainer's memory."""
+    try:
+        store_mod = importlib.import_module("mooncake.store")
+    except ImportError as e:
+        from ._engine import INSTALL_HINT
+
+        raise ConfigError(
+            f"the store placement needs Mooncake's store client, which is not importable ({e}): {INSTALL_HINT}; "
+            "or set SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own arena"
+        ) from None
+    master = os.environ.get("MOONCAKE_MASTER_SERVER_ADDR", "").strip()
+    if not master:
+        raise ConfigError(
+            "the store placement needs MOONCAKE_MASTER_SERVER_ADDR (host:port of mooncake_master); or set "
+            "SGLANG_SPEC_CAPTURE_PLACEMENT=arena (capture-arena's own arena) or engine"
+        )
+    host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or "127.0.0.1"
+    metadata = os.environ.get("MOONCAKE_METADATA_SERVER", "").strip() or "P2PHANDSHAKE"
+    protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower() or "tcp"
+    devices = os.environ.get("MOONCAKE_RDMA_DEVICES", "").strip()
+    segment = _bytes_var("MOONCAKE_GLOBAL_SEGMENT_SIZE", 32 << 30) if contribute else 0
+    local = _bytes_var("MOONCAKE_LOCAL_BUFFER_SIZE", 256 << 20)
+    s = store_mod.MooncakeDistributedStore()
+    rc = s.setup(host, metadata, segment, local, protocol, devices, master)
+    if rc != 0:
+        raise ArenaOSError(
+            f"MooncakeDistributedStore.setup({host!r}, {metadata!r}, {segment}, {local}, {protocol!r}, {devices!r}, "
+            f"{master!r}) returned {rc}: is mooncake_master running there, and MOONCAKE_METADATA_SERVER right?"
+        )
+    return s
+
+
+class _Staging:
+    """A host buffer registered with the store once (and again only when it must grow)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.buf: Optional[np.ndarray[Any, Any]] = None
+
+    def reserve(self, n: int) -> np.ndarray[Any, Any]:
+        if self.buf is None or self.buf.nbytes < n:
+            if self.buf is not None:
+                self._store.unregister_buffer(int(self.buf.ctypes.data))
+            self.buf = None
+            buf = np.empty(max(n, 1 << 20), dtype=np.uint8)
+            rc = self._store.register_buffer(int(buf.ctypes.data), int(buf.nbytes))
+            if rc != 0:
+                raise ArenaOSError(f"registering a {buf.nbytes}-byte staging buffer with the Mooncake store returned {rc}")
+            self.buf = buf
+        return self.buf
+
+    def address(self) -> int:
+        assert self.buf is not None
+        return int(self.buf.ctypes.data)
+
+
+class StoreSink:
+    """The sink of the store placement. See the module docs."""
+
+    def __init__(self, *, aux_layer_ids: Optional[list[int]] = None, max_pending_batches: Optional[int] = None) -> None:
+        if not os.environ.get("MOONCAKE_MASTER_SERVER_ADDR", "").strip():
+            raise ConfigError(
+                "the store placement (MOONCAKE_PROTOCOL other than nvlink, or SGLANG_SPEC_CAPTURE_PLACEMENT=store) "
+                "needs MOONCAKE_MASTER_SERVER_ADDR (host:port of mooncake_master); or set "
+                "SGLANG_SPEC_CAPTURE_PLACEMENT=arena (capture-arena's own arena) or engine (a TransferEngine's)"
+            )
+        self.aux_layer_ids = aux_layer_ids
+        pending = max_pending_batches or int(os.environ.get("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2") or 2)
+        if pending < 1:
+            raise ConfigError("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES must be >= 1")
+        self._slots = threading.BoundedSemaphore(pending)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-arena-store")
+        self._lock = threading.Lock()
+        self._store: Optional[Any] = None
+        self._staging: Optional[_Staging] = None
+        self._stats = dict.fromkeys(
+            ("published_batches", "published_samples", "published_objects", "published_bytes", "failed_batches", "replaced_objects"), 0
+        )
+        self._closed = False
+
+    placement = "store"
+    session = None
+    control = None
+    device_publication = False
+
+    @property
+    def started(self) -> bool:
+        return self._store is not None
+
+    def _client(self) -> Any:
+        if self._store is None:
+            self._store = connect(True)
+            self._staging = _Staging(self._store)
+        return self._store
+
+    def _config(self) -> Any:
+        cfg = importlib.import_module("mooncake.store").ReplicateConfig()
+        cfg.replica_num = 1
+        cfg.with_hard_pin = True
+        return cfg
+
+    def _publish(self, batch: Any) -> list[dict[str, Any]]:
+        """One batch: replace, gather, one batched put; on any failure every key removed."""
+        with self._lock:
+            store = self._client()
+            assert self._staging is not None
+            samples = batch.samples()
+            tensors = [t for t in batch.tensors() if t[6] > 0]  # Mooncake cannot store 0 bytes
+            for _, replace, keys in samples:
+                if replace:
+                    for k, rc in zip(keys, store.batch_remove(keys, True)):
+                        if rc not in (0, NOT_FOUND):
+                            return self._fail(batch, f"replace: removing the old object {k} returned {rc}")
+                        self._stats["replaced_objects"] += rc == 0
+            total = sum(t[6] for t in tensors)
+            buf = self._staging.reserve(total)
+            base = self._staging.address()
+            ptrs, sizes, keys, at = [], [], [], 0
+            for _, _, key, _, _, ptr, n in tensors:
+                np.copyto(buf[at : at + n], np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(ptr)))
+                ptrs.append(base + at)
+                sizes.append(n)
+                keys.append(key)
+                at += n
+            rcs = store.batch_put_from(keys, ptrs, sizes, self._config()) if keys else []
+            failed = [(k, rc) for k, rc in zip(keys, rcs) if rc != 0]
+            if failed:
+                store.batch_remove(keys, True)
+                k, rc = failed[0]
+                return self._fail(
+                    batch, f"the Mooncake store refused {len(failed)} of {len(keys)} objects (first: {k}: status {rc}); none kept"
+                )
+            self._stats["published_batches"] += 1
+            self._stats["published_samples"] += len(samples)
+            self._stats["published_objects"] += len(keys)
+            self._stats["published_bytes"] += total
+            return list(batch.results())
+
+    def _fail(self, batch: Any, why: str) -> list[dict[str, Any]]:
+        self._stats["failed_batches"] += 1
+        return [{"sample_id": sid, "error": why} for sid, _, _ in batch.samples()]
+
+    def _plan(self, samples: Sequence[Any]) -> Any:
+        from . import _convert
+
+        if self._closed:
+            raise WriterStoppedError("the StoreSink is closed")
+        return _capture_arena._plan_batch(_convert(samples, host=True), self.aux_layer_ids)
+
+    def submit_samples(self, samples: Sequence[Any], *, block: bool = True) -> "concurrent.futures.Future[list[dict[str, Any]]]":
+        """Queues a batch (validated now); the future gets its results. Blocks while
+        ``max_pending_batches`` batches are pending (``block=False``: QueueFullError)."""
+        batch = self._plan(samples)
+        if not self._slots.acquire(blocking=block):
+            raise QueueFullError("the store sink already holds max_pending_batches batches")
+        fut = self._pool.submit(self._publish, batch)
+        fut.add_done_callback(lambda _: self._slots.release())
+        return fut
+
+    def put_samples(self, samples: Sequence[Any]) -> list[dict[str, Any]]:
+        """Publishes a batch and waits for its results."""
+        return self.submit_samples(samples).result()
+
+    def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> dict[str, Any]:
+        """Publishes one sample and returns its result."""
+        return self.put_samples([(spec, aux, last_hidden)])[0]
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this sink."""
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        """Waits for pending batches and closes the store client (its objects stay in the store
+        only while a client holds them: Mooncake drops the keys of a closed client). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            if self._store is not None:
+                self._store.close()
+
+    def __enter__(self) -> "StoreSink":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StoreReader:
+    """Reads and frees store-placement results for ArenaFeatureStore."""
+
+    MAX_RELEASED = 262144
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._store: Optional[Any] = None
+        self._staging: Optional[_Staging] = None
+        self._pid = os.getpid()
+        self._released: set[tuple[str, str, int]] = set()
+        self._order: deque[tuple[str, str, int]] = deque()
+
+    def _client(self) -> Any:
+        if self._store is None or self._pid != os.getpid():
+            self._store = connect(False)
+            self._staging = _Staging(self._store)
+            self._pid = os.getpid()
+        return self._store
+
+    @staticmethod
+    def ident(result: Mapping[str, Any]) -> tuple[str, str, int]:
+        return (str(result["store_id"]), str(result["sample_id"]), int(result["gen"]))
+
+    def check(self, result: Mapping[str, Any], names: list[str]) -> list[tuple[str, int]]:
+        """``(key, bytes)`` of each name, validated (ids, shapes, dtypes) before anything is
+        allocated; ReleasedError after :meth:`release`."""
+        if self.ident(result) in self._released:
+            raise ReleasedError(
+                f"sample {result['store_id']}/{result['sample_id']}/g{result['gen']} was already released: its "
+                "objects were removed from the store"
+            )
+        return [tuple(x) for x in _capture_arena._store_keys(result, names)]  # type: ignore[misc]
+
+    def read(self, planned: list[tuple[str, int]], views: list[np.ndarray[Any, Any]]) -> None:
+        """Reads each ``(key, bytes)`` into the matching uint8 view."""
+        with self._lock:
+            store = self._client()
+            assert self._staging is not None
+            wanted = [(k, n, v) for (k, n), v in zip(planned, views) if n > 0]
+            total = sum(n for _, n, _ in wanted)
+            buf = self._staging.reserve(total)
+            base = self._staging.address()
+            offsets, at = [], 0
+            for _, n, _ in wanted:
+                offsets.append(at)
+                at += n
+            if not wanted:
+                return
+            rcs = store.batch_get_into([k for k, _, _ in wanted], [base + o for o in offsets], [n for _, n, _ in wanted])
+            for (k, n, v), o, rc in zip(wanted, offsets, rcs):
+                if rc != n:
+                    raise InvalidReadError(
+                        f"the Mooncake store returned {rc} for {k} ({n} bytes expected; -704: no such object, "
+                        "-600: a size mismatch)"
+                    )
+                np.copyto(v, buf[o : o + n])
+
+    def release(self, result: Mapping[str, Any]) -> None:
+        """Removes every object of ``result`` from the store (force: a reader's lease does not
+        hold it back); later reads of it raise ReleasedError."""
+        names = list(result["features"])
+        keys = [k for k, _ in self.check(result, names)]
+        with self._lock:
+            ident = self.ident(result)
+            self._released.add(ident)
+            self._order.append(ident)
+            while len(self._order) > self.MAX_RELEASED:
+                self._released.discard(self._order.popleft())
+            rcs = self._client().batch_remove(keys, True)
+        bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
+        if bad:
+            raise ArenaOSError(f"removing {len(bad)} of {len(keys)} objects failed (first: {bad[0][0]}: status {bad[0][1]})")
+
+
+def is_store_result(result: Mapping[str, Any]) -> bool:
+    """A store-placement result: features without addresses, no arena."""
+    return "arena" not in result and "features" in result
+
+
+__all__ = ["StoreSink", "StoreReader", "is_store_result", "connect"]

@@ -1,0 +1,114 @@
+//! `_plan_batch`: a batch validated and built exactly as the arena path builds it, handed back to
+//! Python for another publisher (the Mooncake store placement): keys, shapes, dtypes and the
+//! address of every tensor's host bytes, which stay valid while the `_Batch` lives.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use capture_arena::{Error, Sample};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pythonize::pythonize;
+
+use crate::error::to_py;
+
+/// A planned batch. See the module docs.
+#[pyclass(name = "_Batch", module = "capture_arena._capture_arena", frozen)]
+pub struct PyBatch {
+    samples: Mutex<Vec<Sample>>,
+}
+
+/// One object: `(sample index, name, key, shape, dtype, host address, byte length)`.
+type Planned = (usize, String, String, Vec<u64>, String, u64, u64);
+
+#[pymethods]
+impl PyBatch {
+    /// Every object of the batch, in sample order.
+    fn tensors(&self) -> PyResult<Vec<Planned>> {
+        let samples = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = Vec::new();
+        for (i, s) in samples.iter().enumerate() {
+            for (key, t) in s.tensors() {
+                let (ptr, len) = t.data().host_ptr().ok_or_else(|| {
+                    to_py(Error::InvalidTensor {
+                        name: t.name().to_owned(),
+                        reason: "the store placement publishes host bytes; move device tensors \
+                                 to the host first"
+                            .into(),
+                    })
+                })?;
+                out.push((
+                    i,
+                    t.name().to_owned(),
+                    key.to_string(),
+                    t.shape().to_vec(),
+                    t.dtype().name().to_owned(),
+                    ptr as u64,
+                    len as u64,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The store placement's results: `{"sample_id", "store_id", "gen", "aux_layer_ids",
+    /// "features": {name: {"shape", "dtype"}}}` (no arena, no address), one per sample.
+    fn results<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let samples = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        let results: Vec<serde_json::Value> = samples
+            .iter()
+            .map(|s| {
+                let features: BTreeMap<&str, serde_json::Value> = s
+                    .tensors()
+                    .map(|(_, t)| {
+                        (
+                            t.name(),
+                            serde_json::json!({"shape": t.shape(), "dtype": t.dtype().name()}),
+                        )
+                    })
+                    .collect();
+                serde_json::json!({
+                    "sample_id": s.sample_id(),
+                    "store_id": s.store_id(),
+                    "gen": s.gen(),
+                    "aux_layer_ids": s.aux_layer_ids(),
+                    "features": features,
+                })
+            })
+            .collect();
+        pythonize(py, &results).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// `(sample_id, replace, keys)` per sample.
+    fn samples(&self) -> Vec<(String, bool, Vec<String>)> {
+        let samples = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        samples
+            .iter()
+            .map(|s| {
+                (
+                    s.sample_id().to_owned(),
+                    s.replace(),
+                    s.keys().map(ToString::to_string).collect(),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Validates and builds a batch of converted samples (as `ArenaSink` does) without publishing
+/// it: every error a publication would raise before writing is raised here.
+#[pyfunction]
+#[pyo3(signature = (samples, aux_layer_ids=None))]
+pub fn _plan_batch(
+    samples: &Bound<'_, PyAny>,
+    aux_layer_ids: Option<Vec<i64>>,
+) -> PyResult<PyBatch> {
+    let samples = samples
+        .try_iter()?
+        .map(|item| crate::sink::sample(&item?, None, &aux_layer_ids))
+        .collect::<PyResult<Vec<Sample>>>()?;
+    capture_arena::sample::check_unique(&samples).map_err(to_py)?;
+    Ok(PyBatch {
+        samples: Mutex::new(samples),
+    })
+}

@@ -1,0 +1,280 @@
+"""The store placement against a real ``mooncake_master`` on loopback (started here, stopped after
+the module, also when a test fails): one object per tensor, results without addresses, a batched
+put, ``replace``, nothing half-published, and ArenaFeatureStore reading both what StoreSink put and
+what a plain Mooncake writer put."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import capture_arena as ca
+
+try:
+    import mooncake
+except ImportError as e:  # pragma: no cover - the test command installs it
+    mooncake = None
+    MISSING = f"Mooncake is not importable here ({e}); scripts/test.sh installs it"
+else:
+    MISSING = ""
+
+pytestmark = pytest.mark.skipif(mooncake is None, reason=MISSING or "n/a")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[dict[str, str]]:
+    """A mooncake_master with its HTTP metadata server, on loopback ports of its own."""
+    assert mooncake is not None
+    binary = pathlib.Path(mooncake.__file__).parent / "mooncake_master"
+    rpc, http, metrics = _free_port(), _free_port(), _free_port()
+    p = subprocess.Popen(
+        [
+            str(binary),
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
+                break
+            except OSError:
+                if p.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"mooncake_master did not start (exit {p.poll()})") from None
+                time.sleep(0.05)
+        yield {
+            **os.environ,
+            "MOONCAKE_PROTOCOL": "tcp",
+            "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{rpc}",
+            "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{http}/metadata",
+            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+            "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "48MiB",
+            "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB",
+            "GLOG_minloglevel": "2",
+        }
+    finally:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# A producer process: StoreSink publishes the samples each stdin line describes and prints each
+# batch's results as one JSON line; it stays up (its segment holds the objects) until stdin ends.
+PRODUCER = r"""
+import json, sys, numpy as np, ml_dtypes
+import capture_arena as ca
+from capture_arena import sglang
+from types import SimpleNamespace
+
+def data(seed, shape):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+
+sink = sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True, spec_capture_aux_layer_ids="2,18,33"))
+assert isinstance(sink, ca.StoreSink) and sink.placement == "store"
+for line in sys.stdin:
+    req = json.loads(line)
+    if req.get("exists"):
+        from capture_arena._store import connect
+        print(json.dumps([int(sink._store.is_exist(k)) for k in req["exists"]]), flush=True)
+        continue
+    batch = []
+    for s in req["samples"]:
+        L = s["L"]
+        spec = {"store_id": "st", "sample_id": s["id"], "gen": 1, "replace": s.get("replace", False),
+                "features": {"aux": "hidden_state", "last_hidden": "target"},
+                "passthrough": [{"name": "input_ids", "data": list(range(L)), "shape": [1, L], "dtype": "int64"}]}
+        batch.append((spec, data(s["seed"], (L, s.get("W", 96))), data(s["seed"] + 1, (L, 32))))
+    print(json.dumps(sink.put_samples(batch)), flush=True)
+print(json.dumps({"stats": sink.stats()}), flush=True)
+sink.close()
+"""
+
+READER = r"""
+import json, sys, numpy as np, ml_dtypes
+import capture_arena as ca
+
+def data(seed, shape):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    r, seed, release = json.loads(line)
+    got = store.get(r)
+    L = r["features"]["target"]["shape"][1]
+    W = r["features"]["hidden_state"]["shape"][2]
+    ok = (np.array_equal(got["hidden_state"][0].view(np.uint16), data(seed, (L, W)).view(np.uint16))
+          and np.array_equal(got["target"][0].view(np.uint16), data(seed + 1, (L, 32)).view(np.uint16))
+          and got["input_ids"][0].tolist() == list(range(L)))
+    if release:
+        store.release(r)
+        try:
+            store.get(r)
+            ok = False
+        except ca.ReleasedError:
+            pass
+    print(json.dumps({"ok": bool(ok)}), flush=True)
+"""
+
+
+class Proc:
+    def __init__(self, code: str, env: dict[str, str]) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def ask(self, msg: object) -> object:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(json.dumps(msg) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        assert line, f"the process exited ({self.p.poll()})"
+        return json.loads(line)
+
+    def finish(self) -> str:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.close()
+        out = self.p.stdout.read()
+        assert self.p.wait(timeout=60) == 0, out
+        return out
+
+    def kill(self) -> None:
+        self.p.kill()
+        self.p.wait()
+
+
+def test_store_placement_round_trip_replace_and_nothing_half_published(master):
+    prod, reader = Proc(PRODUCER, master), Proc(READER, master)
+    try:
+        rs = prod.ask({"samples": [{"id": "a", "L": 64, "seed": 1}, {"id": "b", "L": 200, "seed": 3}]})
+        assert isinstance(rs, list) and len(rs) == 2
+        for r in rs:
+            assert set(r) == {"sample_id", "store_id", "gen", "aux_layer_ids", "features"}, r
+            assert r["aux_layer_ids"] == [2, 18, 33]
+            assert all(set(f) == {"shape", "dtype"} for f in r["features"].values()), r
+        assert rs[0]["features"]["hidden_state"] == {"shape": [1, 64, 96], "dtype": "bfloat16"}
+        # Bit-exact from another process; "a" stays, "b" is released (removed from the store).
+        assert reader.ask([rs[0], 1, False]) == {"ok": True}
+        assert reader.ask([rs[1], 3, True]) == {"ok": True}
+        keys_b = [f"st/b/g1/{n}" for n in rs[1]["features"]]
+        assert prod.ask({"exists": keys_b}) == [0, 0, 0]
+        # replace: new bytes under the same keys (Mooncake keeps old bytes on a re-put).
+        again = prod.ask({"samples": [{"id": "a", "L": 64, "seed": 7, "replace": True}]})
+        assert isinstance(again, list) and "error" not in again[0], again
+        assert reader.ask([again[0], 7, True]) == {"ok": True}
+        # A put that does not fit the segments: every key of the batch removed, every sample failed.
+        big = prod.ask({"samples": [{"id": f"big{i}", "L": 4096, "W": 3 * 1024, "seed": 10 + i} for i in range(3)]})
+        assert isinstance(big, list) and all("error" in r for r in big), big
+        assert "none kept" in big[0]["error"] and "refused" in big[0]["error"], big[0]
+        big_keys = [f"st/big{i}/g1/{n}" for i in range(3) for n in ("hidden_state", "target", "input_ids")]
+        assert prod.ask({"exists": big_keys}) == [0] * len(big_keys)
+        reader.finish()
+        stats = json.loads(prod.finish().strip().splitlines()[-1])["stats"]
+        assert stats["published_batches"] == 2 and stats["failed_batches"] == 1, stats
+    finally:
+        prod.kill()
+        reader.kill()
+
+
+def test_arena_feature_store_reads_what_a_plain_mooncake_writer_put(master):
+    writer = r"""
+import json, sys, numpy as np, ml_dtypes
+from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+import os
+s = MooncakeDistributedStore()
+assert s.setup("127.0.0.1", os.environ["MOONCAKE_METADATA_SERVER"], 48 << 20, 16 << 20, "tcp", "",
+               os.environ["MOONCAKE_MASTER_SERVER_ADDR"]) == 0
+cfg = ReplicateConfig(); cfg.replica_num = 1; cfg.with_hard_pin = True
+L = 50
+rng = np.random.default_rng(5)
+t = rng.standard_normal((1, L, 32), dtype=np.float32).astype(ml_dtypes.bfloat16)
+ids = np.arange(L, dtype=np.int64).reshape(1, L)
+for name, a in (("target", t), ("input_ids", ids)):
+    b = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    assert s.register_buffer(b.ctypes.data, b.nbytes) == 0
+    assert s.put_from(f"st/plain/g1/{name}", b.ctypes.data, b.nbytes, cfg) == 0
+print(json.dumps({"sample_id": "plain", "store_id": "st", "gen": 1, "aux_layer_ids": None,
+                  "features": {"target": {"shape": [1, L, 32], "dtype": "bfloat16"},
+                               "input_ids": {"shape": [1, L], "dtype": "int64"}}}), flush=True)
+sys.stdin.readline()
+s.close()
+"""
+    reader = r"""
+import json, sys, numpy as np, ml_dtypes
+import capture_arena as ca
+r = json.loads(sys.stdin.readline())
+store = ca.ArenaFeatureStore()
+got = store.get(r)
+rng = np.random.default_rng(5)
+t = rng.standard_normal((1, 50, 32), dtype=np.float32).astype(ml_dtypes.bfloat16)
+assert np.array_equal(got["target"].view(np.uint16), t.view(np.uint16))
+assert got["input_ids"][0].tolist() == list(range(50))
+try:
+    store.get({**r, "features": {"x": {"shape": [1, 2 ** 62], "dtype": "int64"}}})
+    raise SystemExit("an overflowing shape was read")
+except ca.InvalidReadError:
+    pass
+store.release(r)
+print("ok", flush=True)
+"""
+    w = subprocess.Popen([sys.executable, "-c", writer], env=master, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert w.stdout is not None and w.stdin is not None
+        line = w.stdout.readline()
+        assert line.startswith("{"), line
+        out = subprocess.run([sys.executable, "-c", reader], env=master, input=line, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "ok" in out.stdout, out.stdout + out.stderr
+        w.stdin.write("\n")
+        w.stdin.flush()
+        assert w.wait(timeout=60) == 0
+    finally:
+        w.kill()
+        w.wait()
+
+
+def test_the_store_placement_needs_a_master(monkeypatch):
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "tcp")
+    monkeypatch.delenv("SGLANG_SPEC_CAPTURE_PLACEMENT", raising=False)
+    monkeypatch.delenv("MOONCAKE_MASTER_SERVER_ADDR", raising=False)
+    assert ca.placement() == "store"
+    with pytest.raises(ca.ConfigError, match="MOONCAKE_MASTER_SERVER_ADDR"):
+        ca.new_sink()
+
+
+def test_invalid_samples_are_refused_before_anything_is_written(master, monkeypatch):
+    for k in ("MOONCAKE_MASTER_SERVER_ADDR", "MOONCAKE_PROTOCOL"):
+        monkeypatch.setenv(k, master[k])
+    sink = ca.StoreSink()
+    import numpy as np
+
+    spec = {"store_id": "st", "sample_id": "x", "gen": 1, "features": {"aux": "hidden_state"}}
+    with pytest.raises(ca.InvalidSampleError, match="aux"):
+        sink.put_sample(spec, aux=None, last_hidden=np.ones((4, 8), dtype=np.float32))
+    assert not sink.started, "nothing was connected, let alone written"
+    sink.close()
