@@ -1,7 +1,9 @@
 """The engine placement: the arena inside a Mooncake TransferEngine, and reads through one.
 
 Producer side (:class:`EngineArena`): the sink creates a ``TransferEngine`` from the ``MOONCAKE_*``
-variables (``P2PHANDSHAKE`` when no metadata server is configured) on its first capture, and
+variables (``MOONCAKE_LOCAL_HOSTNAME``, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_RDMA_DEVICES``; the
+handshake is ``P2PHANDSHAKE`` unless ``MOONCAKE_TE_METADATA_SERVER`` names a metadata server) on
+its first capture, and
 takes the arena from it: under ``nvlink``/``nvlink_intra`` device memory from
 ``allocate_managed_buffer`` on the writer's GPU, under other protocols a host buffer registered
 with the engine. The writer publishes into that memory; results carry the engine's session
@@ -81,14 +83,18 @@ def new_engine(protocol: str) -> tuple[Any, str]:
         # Mooncake picks its transport from the environment: this selects intra-node NVLink.
         os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
     host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or "127.0.0.1"
-    metadata = os.environ.get("MOONCAKE_METADATA_SERVER", "").strip() or "P2PHANDSHAKE"
+    # P2PHANDSHAKE names each engine `<host>:<rpc_port>`, which is the session results carry.
+    # MOONCAKE_METADATA_SERVER (the store's) is not used: with it every engine on a host
+    # registers under the bare host name, and a second one fails to initialise (-1, measured with
+    # 0.3.13.post1). MOONCAKE_TE_METADATA_SERVER selects a metadata server for the engine anyway.
+    metadata = os.environ.get("MOONCAKE_TE_METADATA_SERVER", "").strip() or "P2PHANDSHAKE"
     devices = os.environ.get("MOONCAKE_RDMA_DEVICES", "").strip()
     te = me.TransferEngine()
     rc = te.initialize(host, metadata, protocol, devices)
     if rc != 0:
         raise ArenaOSError(
             f"TransferEngine.initialize({host!r}, {metadata!r}, {protocol!r}, {devices!r}) returned {rc}; "
-            "check MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_METADATA_SERVER and MOONCAKE_RDMA_DEVICES"
+            "check MOONCAKE_LOCAL_HOSTNAME, MOONCAKE_TE_METADATA_SERVER and MOONCAKE_RDMA_DEVICES"
         )
     return te, f"{host}:{te.get_rpc_port()}"
 
@@ -157,8 +163,9 @@ class EngineReader:
             return self._engine
 
     def read(self, session: str, targets: list[tuple[int, int, int]]) -> None:
-        """Reads each ``(remote address, local address, length)`` of ``session`` into host memory
-        of this process (the output arrays, registered for the read and unregistered after)."""
+        """Reads each ``(remote address, local address, length)`` of ``session`` straight into
+        host memory of this process (the output arrays, registered for the read and unregistered
+        after: a few microseconds each over TCP, measured)."""
         te = self._te()
         targets = [t for t in targets if t[2] > 0]
         if not targets:
@@ -170,21 +177,23 @@ class EngineReader:
                 if rc != 0:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
                 registered.append(local)
-            if self._protocol == "nvlink":
-                # Mooncake documents batch transfers as unreliable over multi-node NVLink.
-                for remote, local, n in targets:
-                    rc = te.transfer_sync_read(session, local, remote, n)
-                    if rc != 0:
-                        raise InvalidReadError(f"TransferEngine read of {n} bytes at {remote:#x} from {session} returned {rc}")
-            else:
-                rc = te.batch_transfer_sync_read(
-                    session, [t[1] for t in targets], [t[0] for t in targets], [t[2] for t in targets]
-                )
-                if rc != 0:
-                    raise InvalidReadError(
-                        f"TransferEngine batch read of {len(targets)} objects from {session} returned {rc} "
-                        "(is the producer still running? is the address range one it published?)"
-                    )
+            self._transfer(te, session, targets)
         finally:
             for local in registered:
                 te.unregister_memory(local)
+
+    def _transfer(self, te: Any, session: str, targets: list[tuple[int, int, int]]) -> None:
+        if self._protocol == "nvlink" or len(targets) == 1:
+            # Mooncake documents batch transfers as unreliable over multi-node NVLink (and one
+            # object needs no batch).
+            for remote, local, n in targets:
+                rc = te.transfer_sync_read(session, local, remote, n)
+                if rc != 0:
+                    raise InvalidReadError(f"TransferEngine read of {n} bytes at {remote:#x} from {session} returned {rc}")
+            return
+        rc = te.batch_transfer_sync_read(session, [t[1] for t in targets], [t[0] for t in targets], [t[2] for t in targets])
+        if rc != 0:
+            raise InvalidReadError(
+                f"TransferEngine batch read of {len(targets)} objects from {session} returned {rc} "
+                "(is the producer still running? is the address range one it published?)"
+            )
