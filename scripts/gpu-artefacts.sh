@@ -4,6 +4,8 @@
 # the Python module as an abi3 wheel, and numpy/ml_dtypes wheels for its Python 3.12. Output in
 # gpu-artefacts/ (git-ignored), kept under the 64 MiB a device run may carry.
 # Usage: scripts/gpu-artefacts.sh   then: run scripts/gpu-check.sh there with carry=["gpu-artefacts"]
+#        MOONCAKE_CUDA=1 scripts/gpu-artefacts.sh   adds Mooncake's CUDA wheel (the nvlink_intra
+#        check) in place of the numpy wheel
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=gpu-artefacts
@@ -28,11 +30,21 @@ strip "$out/capture-arena" "$out/device-tests"
 echo "==> Python wheel (abi3, runs on the GPU machine's Python 3.12)"
 .venv/bin/python -m pip install -q maturin
 .venv/bin/python -m maturin build -q --release -m crates/capture-arena-py/Cargo.toml -o "$out/wheels"
-echo "==> numpy and ml_dtypes wheels for Python 3.12 (installed there only if missing)"
-.venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-  -d "$out/wheels" numpy ml_dtypes
-cp scripts/gpu_torch_check.py "$out/"
+platforms="--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64"
+if [ "${MOONCAKE_CUDA:-0}" = 1 ]; then
+  # Mooncake's CUDA 13 wheel (47 MiB) for the nvlink_intra check: it fits the 64 MiB only without
+  # the numpy wheel, so the GPU machine's Python must have numpy then.
+  echo "==> Mooncake's CUDA wheel (MOONCAKE_CUDA=1) and ml_dtypes for Python 3.12"
+  # shellcheck disable=SC2086
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 $platforms \
+    -d "$out/wheels" mooncake-transfer-engine-cuda13==0.3.14 ml_dtypes
+else
+  echo "==> numpy and ml_dtypes wheels for Python 3.12 (installed there only if missing)"
+  # shellcheck disable=SC2086
+  .venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 $platforms \
+    -d "$out/wheels" numpy ml_dtypes
+fi
+cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py "$out/"
 du -sh "$out" && ls -la "$out" "$out/wheels"
 size=$(du -sm "$out" | cut -f1)
 [ "$size" -lt 64 ] || { echo "gpu-artefacts is ${size} MiB: over the 64 MiB a device run carries" >&2; exit 1; }

@@ -48,11 +48,20 @@ step bench-host 120 "$A/capture-arena" bench --sizes 16MiB,100MiB --reps 7 --jso
 py=/tmp/capture-arena-py
 rm -rf "$py"
 step python-install 60 python3 -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" capture-arena
-for m in numpy ml_dtypes; do
+for m in numpy ml_dtypes mooncake; do
+  [ "$m" = mooncake ] && ! ls "$A"/wheels/mooncake_transfer_engine* >/dev/null 2>&1 && continue
   python3 -c "import $m" 2>/dev/null \
-    || step "python-install-$m" 60 python3 -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" "$m"
+    || step "python-install-$m" 60 python3 -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" \
+         "$( [ "$m" = mooncake ] && echo mooncake-transfer-engine-cuda13 || echo "$m")"
 done
 step python-torch 180 env PYTHONPATH="$py" python3 "$A/gpu_torch_check.py"
+# The engine placement over NVLink (Mooncake's CUDA wheel, if carried): nvlink_intra between two
+# processes on one GPU, a Mooncake-only trainer and ArenaFeatureStore.
+if PYTHONPATH="$py" python3 -c 'import mooncake.engine' 2>/dev/null; then
+  step python-mooncake-nvlink 180 env PYTHONPATH="$py" python3 "$A/gpu_mooncake_check.py"
+else
+  echo "python-mooncake-nvlink  skipped: Mooncake is not importable (build the artefacts with MOONCAKE_CUDA=1)" | tee -a "$summary"
+fi
 # The Python suite with the machine's torch (its torch tests skip on the CPU machine), if pytest
 # is there.
 if python3 -c 'import pytest' 2>/dev/null; then

@@ -324,16 +324,35 @@ class ArenaFeatureStore(_Store):
     def _get_through_engine(
         self, result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
     ) -> dict[str, Any]:
-        """A TransferEngine session: validated here (released? names, sizes), read with this
-        process's engine into host arrays (then moved to ``device`` if asked)."""
+        """A TransferEngine session: validated here (released? names, sizes), then read with this
+        process's engine: into host arrays over TCP/RDMA (moved to ``device`` if asked), into CUDA
+        tensors on ``device`` (default ``cuda:0``) over NVLink, whose transports move device
+        memory."""
         lens = self._validate(result, wanted)
-        arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
-        feats = result["features"]
         if self._engine_reader is None:
             from ._engine import EngineReader
 
             self._engine_reader = EngineReader()
-        self._engine_reader.read(
+        reader = self._engine_reader
+        feats = result["features"]
+        if reader.nvlink:
+            arrays = {}
+            targets = []
+            for name, n in zip(wanted, lens):
+                f = feats[name]
+                if out is not None and name in out:
+                    arr = out[name]
+                    view = out_bytes(arr, list(f["shape"]), f["dtype"])
+                else:
+                    arr, view = new_array(list(f["shape"]), f["dtype"], True, device or "cuda:0")
+                if isinstance(view, np.ndarray):
+                    raise InvalidReadError("over NVLink, TransferEngine sessions are read into CUDA tensors")
+                targets.append((int(f["address"]), int(view.tensor.data_ptr()), n))
+                arrays[name] = arr
+            reader.read(result["arena"]["session"], targets)
+            return arrays
+        arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
+        reader.read(
             result["arena"]["session"],
             [(int(feats[n]["address"]), int(v.ctypes.data), int(v.nbytes)) for n, v in zip(wanted, views)],
         )

@@ -155,6 +155,12 @@ class EngineReader:
         self._pid = os.getpid()
         self._protocol = protocol_of(os.environ.get("MOONCAKE_PROTOCOL"))
 
+    @property
+    def nvlink(self) -> bool:
+        """True when this process reads over NVLink (``MOONCAKE_PROTOCOL=nvlink*``): into device
+        memory."""
+        return is_nvlink(self._protocol)
+
     def _te(self) -> Any:
         with self._lock:
             if self._engine is None or self._pid != os.getpid():
@@ -164,8 +170,8 @@ class EngineReader:
 
     def read(self, session: str, targets: list[tuple[int, int, int]]) -> None:
         """Reads each ``(remote address, local address, length)`` of ``session`` straight into
-        host memory of this process (the output arrays, registered for the read and unregistered
-        after: a few microseconds each over TCP, measured)."""
+        memory of this process (the outputs: host arrays, or CUDA tensors over NVLink), registered
+        for the read and unregistered after (a few microseconds each over TCP, measured)."""
         te = self._te()
         targets = [t for t in targets if t[2] > 0]
         if not targets:

@@ -1,0 +1,122 @@
+"""The engine placement over NVLink on one GPU machine (run by scripts/gpu-check.sh when Mooncake's
+CUDA wheel was carried along; needs torch with CUDA).
+
+Under ``MOONCAKE_PROTOCOL=nvlink_intra`` a producer process's sink takes its arena from a
+TransferEngine (``allocate_managed_buffer``: cudaMalloc + CUDA IPC) and publishes torch CUDA
+tensors into it. Two trainer processes read them: one that imports only ``mooncake.engine``,
+``torch``, ``json`` and ``socket`` (``transfer_sync_read`` into a registered CUDA buffer, frees
+over the control socket), and one with ``capture_arena.ArenaFeatureStore.get(device="cuda:0")``.
+Every byte is compared; at the end the producer's arena must be fully free. One JSON line per
+check; exit status 0 only if all passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ENV = {
+    **os.environ,
+    "MOONCAKE_PROTOCOL": "nvlink_intra",
+    "MC_INTRANODE_NVLINK": "true",
+    "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+    "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "512MiB",
+    "GLOG_minloglevel": "2",
+}
+
+COMMON = r"""
+import torch
+def make(i, L=1024, H=2048):
+    g = torch.Generator(device="cuda").manual_seed(i)
+    return (torch.randn(L, 3 * H, generator=g, device="cuda").to(torch.bfloat16),
+            torch.randn(L, H, generator=g, device="cuda").to(torch.bfloat16))
+"""
+
+PRODUCER = COMMON + r"""
+import json, sys, time
+import capture_arena as ca
+sink = ca.new_sink()
+assert sink.placement == "engine", sink.placement
+for b in range(2):
+    batch = []
+    for i in range(4 * b, 4 * b + 4):
+        aux, last = make(i)
+        spec = {"store_id": "gpu", "sample_id": f"s{i}", "gen": 1,
+                "features": {"aux": "hidden_state", "last_hidden": "target"}}
+        batch.append((spec, aux, last))
+    for r in sink.put_samples(batch):
+        print(json.dumps(r), flush=True)
+deadline = time.time() + 120
+while time.time() < deadline and sink.stats()["resident_objects"]:
+    time.sleep(0.05)
+print(json.dumps({"stats": sink.stats()}), flush=True)
+"""
+
+MOONCAKE_ONLY = COMMON + r"""
+import json, socket, sys
+from mooncake.engine import TransferEngine
+te = TransferEngine()
+assert te.initialize("127.0.0.1", "P2PHANDSHAKE", "nvlink_intra", "") == 0
+ok = True
+for line in sys.stdin:
+    r = json.loads(line)
+    aux, last = make(int(r["sample_id"][1:]))
+    for name, want in (("hidden_state", aux), ("target", last)):
+        f = r["features"][name]
+        n = want.numel() * 2
+        buf = torch.empty(n, dtype=torch.uint8, device="cuda")
+        assert te.register_memory(buf.data_ptr(), n) == 0
+        assert te.transfer_sync_read(r["arena"]["session"], buf.data_ptr(), f["address"], n) == 0
+        te.unregister_memory(buf.data_ptr())
+        ok = ok and torch.equal(buf, want.contiguous().view(torch.uint8).reshape(-1))
+    host, port = r["arena"]["control"].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as c:
+        c.sendall((json.dumps([f"gpu/{r['sample_id']}/g1/{n}" for n in r["features"]]) + "\n").encode())
+print(json.dumps({"check": "mooncake_only_trainer", "ok": bool(ok)}), flush=True)
+"""
+
+ARENA_STORE = COMMON + r"""
+import json, sys
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+ok = True
+for line in sys.stdin:
+    r = json.loads(line)
+    aux, last = make(int(r["sample_id"][1:]))
+    got = store.get(r, device="cuda:0")
+    ok = ok and got["hidden_state"].is_cuda and torch.equal(got["hidden_state"][0], aux) and torch.equal(got["target"][0], last)
+    store.release(r)
+store.flush()
+print(json.dumps({"check": "arena_feature_store_trainer", "ok": bool(ok)}), flush=True)
+"""
+
+
+def main() -> int:
+    prod = subprocess.Popen([sys.executable, "-c", PRODUCER], env=ENV, stdout=subprocess.PIPE, text=True)
+    assert prod.stdout is not None
+    lines = [prod.stdout.readline() for _ in range(8)]
+    if not all(line.startswith("{") for line in lines):
+        print(json.dumps({"check": "publish", "ok": False, "got": lines}))
+        prod.kill()
+        return 1
+    print(json.dumps({"check": "publish", "ok": True, "session": json.loads(lines[0])["arena"]["session"]}), flush=True)
+    failures = 0
+    for code, batch in ((MOONCAKE_ONLY, lines[:4]), (ARENA_STORE, lines[4:])):
+        t = subprocess.run([sys.executable, "-c", code], env=ENV, input="".join(batch), capture_output=True, text=True, timeout=180)
+        out = t.stdout.strip().splitlines()
+        ok = t.returncode == 0 and bool(out) and json.loads(out[-1]).get("ok") is True
+        failures += not ok
+        print(out[-1] if out else json.dumps({"ok": False, "stderr": t.stderr[-2000:]}), flush=True)
+    st = json.loads(prod.stdout.readline())["stats"]
+    free = st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"]
+    failures += not free
+    print(json.dumps({"check": "arena_free_after_frees", "ok": free, "stats": st}), flush=True)
+    prod.wait(timeout=60)
+    print(json.dumps({"check": "all", "ok": failures == 0}), flush=True)
+    return 0 if failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
