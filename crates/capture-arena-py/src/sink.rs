@@ -598,6 +598,12 @@ impl PySink {
         device: Option<i32>,
     ) -> PyResult<()> {
         let sink = self.sink(py)?;
+        if ptr == 0 || length == 0 || ptr.checked_add(length).is_none() {
+            return Err(to_py(Error::Config {
+                var: "arena",
+                reason: format!("{length} bytes at {ptr:#x} is not a memory range"),
+            }));
+        }
         let owner = Owner {
             owner: Some(owner),
             tx: Some((*self.tx).clone()),
@@ -612,8 +618,10 @@ impl PySink {
                 })? as *mut u8;
                 // SAFETY: the caller (capture_arena's engine placement) passes a buffer the
                 // transfer engine allocated or a numpy array it registered, `length` bytes,
-                // kept alive by `owner` until the writer drops the region, and written by
-                // nobody else (the engine's peers only read it).
+                // kept alive by `owner` until the writer drops the region. Writes into it from
+                // elsewhere (a TransferEngine peer's write) would change published bytes but are
+                // not undefined behaviour here: the writer only ever copies into it with raw
+                // copies and never forms references to it.
                 Box::new(
                     unsafe {
                         capture_arena::memory::ExternalHostRegion::new(p, length, session, owner)

@@ -184,6 +184,11 @@ def test_store_placement_round_trip_replace_and_nothing_half_published(master):
         assert reader.ask([rs[1], 3, True]) == {"ok": True}
         keys_b = [f"st/b/g1/{n}" for n in rs[1]["features"]]
         assert prod.ask({"exists": keys_b}) == [0, 0, 0]
+        # The same keys again without replace: refused (Mooncake would keep the old bytes and
+        # report success), and the resident sample is untouched.
+        dup = prod.ask({"samples": [{"id": "a", "L": 64, "seed": 9}]})
+        assert isinstance(dup, list) and "already in the store" in dup[0]["error"], dup
+        assert reader.ask([rs[0], 1, False]) == {"ok": True}
         # replace: new bytes under the same keys (Mooncake keeps old bytes on a re-put).
         again = prod.ask({"samples": [{"id": "a", "L": 64, "seed": 7, "replace": True}]})
         assert isinstance(again, list) and "error" not in again[0], again
@@ -196,7 +201,7 @@ def test_store_placement_round_trip_replace_and_nothing_half_published(master):
         assert prod.ask({"exists": big_keys}) == [0] * len(big_keys)
         reader.finish()
         stats = json.loads(prod.finish().strip().splitlines()[-1])["stats"]
-        assert stats["published_batches"] == 2 and stats["failed_batches"] == 1, stats
+        assert stats["published_batches"] == 2 and stats["failed_batches"] == 2, stats
     finally:
         prod.kill()
         reader.kill()

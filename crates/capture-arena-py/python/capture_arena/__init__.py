@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import importlib
 import os
 import threading
 import weakref
@@ -24,7 +25,7 @@ import numpy as np
 from . import errors
 from ._capture_arena import __version__, _ArenaSink, _Store, arena_enabled, placement
 from ._store import StoreReader, StoreSink, is_store_result
-from ._tensors import HostBytes, host_bytes, new_array, out_bytes
+from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
 
 __all__ = [
@@ -116,9 +117,10 @@ class ArenaSink(_ArenaSink):
         if self.eager:
             self._ensure_started()  # the engine placement's arena (the others started already)
 
-    def _ensure_started(self) -> None:
+    def _ensure_started(self, converted: Optional[list[Any]] = None) -> None:
         """Under the engine placement, takes the arena from a Mooncake TransferEngine on the first
-        capture (other placements start inside the compiled sink)."""
+        capture (other placements start inside the compiled sink): on the configured GPU, else
+        the GPU of the batch's first CUDA tensor, else 0."""
         if self.placement != "engine" or self.started:
             return
         with ArenaSink._starting:
@@ -132,7 +134,10 @@ class ArenaSink(_ArenaSink):
                 )
             from ._engine import EngineArena, protocol_of
 
-            arena = EngineArena(nbytes, protocol_of(self.protocol), self.device)
+            device = self.device
+            if device is None:
+                device = next((d for d in (_cuda_device(x) for s in converted or () for x in s[1:]) if d is not None), None)
+            arena = EngineArena(nbytes, protocol_of(self.protocol), device)
             self._start_with_region(arena.ptr, arena.nbytes, arena.session, arena, arena.device)
 
     @classmethod
@@ -153,7 +158,7 @@ class ArenaSink(_ArenaSink):
         and must not block.
         """
         converted = _convert(samples)
-        self._ensure_started()
+        self._ensure_started(converted)
         fut: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()
         self._submit(converted, fut, block)
@@ -163,7 +168,7 @@ class ArenaSink(_ArenaSink):
         """Publishes a batch and waits for its results (GIL released while waiting and copying);
         errors as :meth:`submit_samples`."""
         converted = _convert(samples)
-        self._ensure_started()
+        self._ensure_started(converted)
         return self._put(converted)
 
     def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> Result:
@@ -175,6 +180,16 @@ class ArenaSink(_ArenaSink):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cuda_device(x: Any) -> Optional[int]:
+    """The GPU of a converted tensor ``(view, shape, dtype)`` if it is a CUDA tensor; the first
+    of a passthrough dict's."""
+    if isinstance(x, dict):
+        return next((d for d in map(_cuda_device, x.values()) if d is not None), None)
+    if isinstance(x, tuple) and x and isinstance(x[0], CudaBytes):
+        return int(x[0].tensor.get_device())
+    return None
 
 
 def new_sink(**kwargs: Any) -> "ArenaSink | StoreSink":
@@ -207,6 +222,20 @@ def _close_sinks_at_exit() -> None:
     """Stops every live sink's writer and removes its arena when the interpreter exits."""
     for sink in list(_LIVE_SINKS):
         sink.close()
+
+
+def _torch_module() -> Any:
+    return importlib.import_module("torch")
+
+
+def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
+    """Host arrays read for ``device=``: torch tensors (from ``new_array(torch=True)``) moved
+    there; a numpy ``out=`` array cannot be, and is refused."""
+    if device is None:
+        return arrays
+    if any(isinstance(a, np.ndarray) for a in arrays.values()):
+        raise InvalidReadError("device= needs torch outputs: pass torch out= tensors, or no out=")
+    return {n: a.to(device) for n, a in arrays.items()}
 
 
 def _is_engine_session(result: Mapping[str, Any]) -> bool:
@@ -270,11 +299,21 @@ class ArenaFeatureStore(_Store):
 
     _engine_reader: Optional[Any] = None
     _store_reader: Optional[StoreReader] = None
+    _making = threading.Lock()
 
     def _stores(self) -> StoreReader:
-        if self._store_reader is None:
-            self._store_reader = StoreReader()
-        return self._store_reader
+        with ArenaFeatureStore._making:
+            if self._store_reader is None:
+                self._store_reader = StoreReader()
+            return self._store_reader
+
+    def _engines(self) -> Any:
+        with ArenaFeatureStore._making:
+            if self._engine_reader is None:
+                from ._engine import EngineReader
+
+                self._engine_reader = EngineReader()
+            return self._engine_reader
 
     def _get_from_store(
         self, result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
@@ -285,9 +324,7 @@ class ArenaFeatureStore(_Store):
         planned = reader.check(result, wanted)
         arrays, views = self._host_outputs(result, wanted, [n for _, n in planned], out, torch or device is not None)
         reader.read(planned, views)
-        if device is not None:
-            arrays = {n: a.to(device) for n, a in arrays.items()}
-        return arrays
+        return _to_device(arrays, device)
 
     def _host_outputs(
         self, result: Mapping[str, Any], wanted: list[str], lens: list[int], out: Optional[Mapping[str, Any]], torch: bool
@@ -329,11 +366,7 @@ class ArenaFeatureStore(_Store):
         tensors on ``device`` (default ``cuda:0``) over NVLink, whose transports move device
         memory."""
         lens = self._validate(result, wanted)
-        if self._engine_reader is None:
-            from ._engine import EngineReader
-
-            self._engine_reader = EngineReader()
-        reader = self._engine_reader
+        reader = self._engines()
         feats = result["features"]
         if reader.nvlink:
             arrays = {}
@@ -347,6 +380,9 @@ class ArenaFeatureStore(_Store):
                     arr, view = new_array(list(f["shape"]), f["dtype"], True, device or "cuda:0")
                 if isinstance(view, np.ndarray):
                     raise InvalidReadError("over NVLink, TransferEngine sessions are read into CUDA tensors")
+                # The engine's copy is not ordered with the caller's stream: work queued there on
+                # the output (a zero_(), a kernel still reading it) finishes first.
+                _torch_module().cuda.current_stream(view.tensor.device).synchronize()
                 targets.append((int(f["address"]), int(view.tensor.data_ptr()), n))
                 arrays[name] = arr
             reader.read(result["arena"]["session"], targets)
@@ -356,9 +392,7 @@ class ArenaFeatureStore(_Store):
             result["arena"]["session"],
             [(int(feats[n]["address"]), int(v.ctypes.data), int(v.nbytes)) for n, v in zip(wanted, views)],
         )
-        if device is not None:
-            arrays = {n: a.to(device) for n, a in arrays.items()}
-        return arrays
+        return _to_device(arrays, device)
 
     def __enter__(self) -> "ArenaFeatureStore":
         return self

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import os
 import threading
+import weakref
 from typing import Any, Optional
 
 import numpy as np
@@ -99,6 +100,25 @@ def new_engine(protocol: str) -> tuple[Any, str]:
     return te, f"{host}:{te.get_rpc_port()}"
 
 
+class _on_device:
+    """``torch.cuda.device(d)`` when torch is there (the previous device restored on exit)."""
+
+    def __init__(self, device: int) -> None:
+        self._ctx: Any = None
+        try:
+            self._ctx = importlib.import_module("torch").cuda.device(device)
+        except ImportError:
+            pass
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
 class EngineArena:
     """The arena's memory, taken from a TransferEngine and kept alive (with the engine) until the
     writer drops it."""
@@ -107,40 +127,38 @@ class EngineArena:
         self.engine, self.session = new_engine(protocol)
         self.nbytes = int(nbytes)
         self.device: Optional[int] = None
+        self.ptr = 0
+        # What __del__ gives back: set only once it is really held.
         self._host: Optional[np.ndarray[Any, Any]] = None
+        self._managed = 0
         if is_nvlink(protocol):
             # Device memory on the writer's GPU (fabric under nvlink, cudaMalloc + IPC under
-            # nvlink_intra): allocated by the engine, so it is exported to its readers.
+            # nvlink_intra): allocated by the engine, so it is exported to its readers. The
+            # caller's current device is left as it was.
             self.device = 0 if device is None else int(device)
-            self._select_device(self.device)
-            self.ptr = int(self.engine.allocate_managed_buffer(self.nbytes))
-            if self.ptr == 0:
+            with _on_device(self.device):
+                ptr = int(self.engine.allocate_managed_buffer(self.nbytes))
+            if ptr == 0:
                 raise ArenaOSError(
                     f"TransferEngine.allocate_managed_buffer({self.nbytes}) failed on GPU {self.device} "
                     "(out of device memory? lower SGLANG_SPEC_CAPTURE_ARENA_BYTES)"
                 )
+            self.ptr = self._managed = ptr
         else:
             buf = np.empty(self.nbytes, dtype=np.uint8)
             buf[:: 1 << 12] = 0  # fault every page in now, not during the first copies
-            self.ptr = int(buf.ctypes.data)
-            rc = self.engine.register_memory(self.ptr, self.nbytes)
+            rc = self.engine.register_memory(int(buf.ctypes.data), self.nbytes)
             if rc != 0:
                 raise ArenaOSError(f"TransferEngine.register_memory of the {self.nbytes}-byte arena returned {rc}")
             self._host = buf
-
-    @staticmethod
-    def _select_device(device: int) -> None:
-        try:
-            importlib.import_module("torch").cuda.set_device(device)
-        except ImportError:
-            pass
+            self.ptr = int(buf.ctypes.data)
 
     def __del__(self) -> None:
         try:
             if self._host is not None:
-                self.engine.unregister_memory(self.ptr)
-            elif getattr(self, "ptr", 0):
-                self.engine.free_managed_buffer(self.ptr, self.nbytes)
+                self.engine.unregister_memory(int(self._host.ctypes.data))
+            elif self._managed:
+                self.engine.free_managed_buffer(self._managed, self.nbytes)
         except Exception:  # interpreter shutdown: the process frees it all
             pass
 
@@ -152,7 +170,7 @@ class EngineReader:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._engine: Optional[Any] = None
-        self._pid = os.getpid()
+        _READERS.add(self)
         self._protocol = protocol_of(os.environ.get("MOONCAKE_PROTOCOL"))
 
     @property
@@ -163,10 +181,17 @@ class EngineReader:
 
     def _te(self) -> Any:
         with self._lock:
-            if self._engine is None or self._pid != os.getpid():
+            if self._engine is None:
                 self._engine, _ = new_engine(self._protocol)
-                self._pid = os.getpid()
             return self._engine
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child keeps the parent's engine referenced (its destructor would act on the
+        parent's connections and threads) and starts afresh with a new lock."""
+        if self._engine is not None:
+            _FORKED_LEFTOVERS.append(self._engine)
+        self._engine = None
+        self._lock = threading.Lock()
 
     def read(self, session: str, targets: list[tuple[int, int, int]]) -> None:
         """Reads each ``(remote address, local address, length)`` of ``session`` straight into
@@ -203,3 +228,16 @@ class EngineReader:
                 f"TransferEngine batch read of {len(targets)} objects from {session} returned {rc} "
                 "(is the producer still running? is the address range one it published?)"
             )
+
+
+# Clients of Mooncake that a forked child must not destroy: the parent's.
+_FORKED_LEFTOVERS: list[Any] = []
+_READERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for r in list(_READERS):
+        r._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

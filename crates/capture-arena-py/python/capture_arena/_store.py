@@ -28,6 +28,7 @@ import concurrent.futures
 import importlib
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
@@ -128,6 +129,7 @@ class StoreSink:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-arena-store")
         self._lock = threading.Lock()
         self._store: Optional[Any] = None
+        _CLIENTS.add(self)
         self._stats = dict.fromkeys(
             ("published_batches", "published_samples", "published_objects", "published_bytes", "failed_batches", "replaced_objects"), 0
         )
@@ -147,6 +149,15 @@ class StoreSink:
             self._store = connect(True)
         return self._store
 
+    def _after_fork_in_child(self) -> None:
+        """A forked child must not close or destroy the parent's store client (the parent's
+        objects would go with it): it keeps it referenced, and this sink is closed there."""
+        if self._store is not None:
+            _FORKED_LEFTOVERS.append(self._store)
+        self._store = None
+        self._closed = True
+        self._lock = threading.Lock()
+
     def _config(self) -> Any:
         cfg = importlib.import_module("mooncake.store").ReplicateConfig()
         cfg.replica_num = 1
@@ -154,34 +165,55 @@ class StoreSink:
         return cfg
 
     def _publish(self, batch: Any) -> list[dict[str, Any]]:
-        """One batch: replace, one batched put straight from the tensors' memory (registered for
-        the call); on any failure every key of the batch removed."""
+        """One batch: replace (or refuse keys already there), one batched put straight from the
+        tensors' memory (registered for the call); on any failure every key this batch wrote is
+        removed again."""
         with self._lock:
-            store = self._client()
+            try:
+                store = self._client()
+            except Exception as e:  # connecting failed: nothing was written
+                return self._fail(batch, str(e))
             samples = batch.samples()
             tensors = [t for t in batch.tensors() if t[6] > 0]  # Mooncake cannot store 0 bytes
-            for _, replace, keys in samples:
+            for sid, replace, keys in samples:
                 if replace:
                     for k, rc in zip(keys, store.batch_remove(keys, True)):
                         if rc not in (0, NOT_FOUND):
                             return self._fail(batch, f"replace: removing the old object {k} returned {rc}")
                         self._stats["replaced_objects"] += rc == 0
+                else:
+                    # A re-put keeps Mooncake's old bytes: refuse instead, as the arena does.
+                    there = [k for k, e in zip(keys, store.batch_is_exist(keys)) if e == 1]
+                    if there:
+                        return self._fail(
+                            batch,
+                            f"key {there[0]} is already in the store; free it first or publish with \"replace\": true",
+                        )
             total = sum(t[6] for t in tensors)
             keys = [t[2] for t in tensors]
             ptrs = [t[5] for t in tensors]
             sizes = [t[6] for t in tensors]
-            registered = _Registered(store, list(zip(ptrs, sizes)))
+            rcs: list[int] = []
+            why = ""
             try:
-                rcs = store.batch_put_from(keys, ptrs, sizes, self._config()) if keys else []
-            finally:
-                registered.close()
+                registered = _Registered(store, list(zip(ptrs, sizes)))
+                try:
+                    rcs = list(store.batch_put_from(keys, ptrs, sizes, self._config())) if keys else []
+                finally:
+                    registered.close()
+            except Exception as e:
+                why = f"the batched put failed ({e})"
+            if not why and len(rcs) != len(keys):
+                why = f"the Mooncake store answered {len(rcs)} statuses for {len(keys)} objects"
             failed = [(k, rc) for k, rc in zip(keys, rcs) if rc != 0]
-            if failed:
-                store.batch_remove(keys, True)
+            if not why and failed:
                 k, rc = failed[0]
-                return self._fail(
-                    batch, f"the Mooncake store refused {len(failed)} of {len(keys)} objects (first: {k}: status {rc}); none kept"
-                )
+                why = f"the Mooncake store refused {len(failed)} of {len(keys)} objects (first: {k}: status {rc})"
+            if why:
+                # Every key of the batch is this batch's (checked absent or removed above).
+                left = [k for k, rc in zip(keys, store.batch_remove(keys, True) if keys else []) if rc not in (0, NOT_FOUND)]
+                kept = f"; {len(left)} could not be removed (first: {left[0]})" if left else "; none kept"
+                return self._fail(batch, why + kept)
             self._stats["published_batches"] += 1
             self._stats["published_samples"] += len(samples)
             self._stats["published_objects"] += len(keys)
@@ -205,7 +237,11 @@ class StoreSink:
         batch = self._plan(samples)
         if not self._slots.acquire(blocking=block):
             raise QueueFullError("the store sink already holds max_pending_batches batches")
-        fut = self._pool.submit(self._publish, batch)
+        try:
+            fut = self._pool.submit(self._publish, batch)
+        except RuntimeError:  # closed meanwhile
+            self._slots.release()
+            raise WriterStoppedError("the StoreSink is closed") from None
         fut.add_done_callback(lambda _: self._slots.release())
         return fut
 
@@ -246,17 +282,24 @@ class StoreReader:
     MAX_RELEASED = 262144
 
     def __init__(self) -> None:
+        _CLIENTS.add(self)
         self._lock = threading.Lock()
         self._store: Optional[Any] = None
-        self._pid = os.getpid()
         self._released: set[tuple[str, str, int]] = set()
         self._order: deque[tuple[str, str, int]] = deque()
 
     def _client(self) -> Any:
-        if self._store is None or self._pid != os.getpid():
+        if self._store is None:
             self._store = connect(False)
-            self._pid = os.getpid()
         return self._store
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child keeps the parent's client referenced (its destructor would unmount the
+        parent's connections) and starts afresh with a new lock."""
+        if self._store is not None:
+            _FORKED_LEFTOVERS.append(self._store)
+        self._store = None
+        self._lock = threading.Lock()
 
     @staticmethod
     def ident(result: Mapping[str, Any]) -> tuple[str, str, int]:
@@ -313,5 +356,17 @@ def is_store_result(result: Mapping[str, Any]) -> bool:
     """A store-placement result: features without addresses, no arena."""
     return "arena" not in result and "features" in result
 
+
+# Store clients a forked child must not destroy: the parent's.
+_FORKED_LEFTOVERS: list[Any] = []
+_CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for c in list(_CLIENTS):
+        c._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 __all__ = ["StoreSink", "StoreReader", "is_store_result", "connect"]
