@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,9 @@ import numpy as np
 
 import capture_arena as ca
 
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
+import mooncake_master  # noqa: E402  (the tests' helper: start/stop a master on loopback)
+
 PRODUCER = r"""
 import json, sys, numpy as np
 import capture_arena as ca
@@ -54,44 +56,6 @@ print(json.dumps(sink.put_sample(spec)), flush=True)
 sys.stdin.readline()
 sink.close()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_master() -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    import mooncake
-
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    p = subprocess.Popen(
-        [
-            str(pathlib.Path(mooncake.__file__).parent / "mooncake_master"),
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    return p, {
-        "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{rpc}",
-        "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{http}/metadata",
-        "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
-        "MOONCAKE_PROTOCOL": "tcp",
-    }
 
 
 def producer(placement: str, n: int, env: dict[str, str]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
@@ -113,7 +77,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json")
     a = ap.parse_args()
-    master, env = start_master()
+    master, env = mooncake_master.start()
     os.environ.update(env)
     from mooncake.engine import TransferEngine
     from mooncake.store import MooncakeDistributedStore
@@ -178,8 +142,7 @@ def main() -> None:
                 p.wait(timeout=60)
     finally:
         plain.close()
-        master.terminate()
-        master.wait()
+        mooncake_master.stop(master)
     if a.json:
         pathlib.Path(a.json).write_text(json.dumps(rows, indent=1))
 

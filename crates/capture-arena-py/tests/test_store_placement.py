@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -29,60 +26,22 @@ else:
 pytestmark = pytest.mark.skipif(mooncake is None, reason=MISSING or "n/a")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def master() -> Iterator[dict[str, str]]:
     """A mooncake_master with its HTTP metadata server, on loopback ports of its own."""
-    assert mooncake is not None
-    binary = pathlib.Path(mooncake.__file__).parent / "mooncake_master"
-    rpc, http, metrics = _free_port(), _free_port(), _free_port()
-    p = subprocess.Popen(
-        [
-            str(binary),
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    import mooncake_master
+
+    p, env = mooncake_master.start()
     try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
-                break
-            except OSError:
-                if p.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"mooncake_master did not start (exit {p.poll()})") from None
-                time.sleep(0.05)
         yield {
             **os.environ,
-            "MOONCAKE_PROTOCOL": "tcp",
-            "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{rpc}",
-            "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{http}/metadata",
-            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
-            "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+            **env,
             "MOONCAKE_GLOBAL_SEGMENT_SIZE": "48MiB",
             "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB",
             "GLOG_minloglevel": "2",
         }
     finally:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        mooncake_master.stop(p)
 
 
 # A producer process: StoreSink publishes the samples each stdin line describes and prints each

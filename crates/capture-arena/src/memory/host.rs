@@ -13,16 +13,7 @@ pub(crate) struct SliceCopier {
 impl SliceCopier {
     /// Checks every copy against a region of `len` bytes advertised at `base`, then starts.
     pub fn start(&mut self, base: u64, len: u64, ops: &[CopyOp<'_>]) -> Result<()> {
-        for op in ops {
-            if op.offset.checked_add(op.data.len()).is_none_or(|e| e > len) {
-                return Err(Error::OutOfRange {
-                    address: base.wrapping_add(op.offset),
-                    len: op.data.len(),
-                    base,
-                    region_len: len,
-                });
-            }
-        }
+        super::check_ops(base, len, ops)?;
         self.cursor = Some((0, 0));
         Ok(())
     }

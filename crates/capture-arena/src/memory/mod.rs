@@ -50,6 +50,25 @@ pub struct CopyOp<'a> {
     pub data: &'a TensorData,
 }
 
+/// Checks that every copy of a batch lies inside a region of `len` bytes advertised at `base`,
+/// before anything is copied.
+///
+/// # Errors
+/// [`crate::Error::OutOfRange`] for the first copy that does not fit.
+pub(crate) fn check_ops(base: u64, len: u64, ops: &[CopyOp<'_>]) -> Result<()> {
+    for op in ops {
+        if op.offset.checked_add(op.data.len()).is_none_or(|e| e > len) {
+            return Err(crate::Error::OutOfRange {
+                address: base.wrapping_add(op.offset),
+                len: op.data.len(),
+                base,
+                region_len: len,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Wakes the writer's event loop from any thread (a device region's completion callback).
 #[derive(Clone)]
 pub struct Notifier(pub(crate) Arc<mio::Waker>);

@@ -180,16 +180,7 @@ impl Copier {
 
     /// Enqueues every copy of a batch into `[base, base + len)`.
     fn start(&mut self, base: u64, len: u64, ops: &[CopyOp<'_>]) -> Result<()> {
-        for op in ops {
-            if op.offset.checked_add(op.data.len()).is_none_or(|e| e > len) {
-                return Err(Error::OutOfRange {
-                    address: base.wrapping_add(op.offset),
-                    len: op.data.len(),
-                    base,
-                    region_len: len,
-                });
-            }
-        }
+        crate::memory::check_ops(base, len, ops)?;
         let _current = self.ctx.enter()?;
         let enqueued = self.enqueue(base, ops);
         if enqueued.is_err() {

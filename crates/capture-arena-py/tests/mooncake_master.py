@@ -1,0 +1,66 @@
+"""Starting and stopping a ``mooncake_master`` on loopback ports of its own (the store tests and
+``benches/bench_mooncake.py``)."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+import subprocess
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start() -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """A running master (with its HTTP metadata server) and the ``MOONCAKE_*`` variables that
+    reach it; stop it with :func:`stop`."""
+    import mooncake
+
+    rpc, http, metrics = free_port(), free_port(), free_port()
+    p = subprocess.Popen(
+        [
+            str(pathlib.Path(mooncake.__file__).parent / "mooncake_master"),
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--rpc_address=127.0.0.1",
+            f"--rpc_port={rpc}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
+            break
+        except OSError:
+            if p.poll() is not None or time.time() > deadline:
+                stop(p)
+                raise RuntimeError(f"mooncake_master did not start (exit {p.poll()})") from None
+            time.sleep(0.05)
+    return p, {
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{rpc}",
+        "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{http}/metadata",
+        "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    }
+
+
+def stop(p: subprocess.Popen[bytes]) -> None:
+    p.terminate()
+    try:
+        p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+__all__ = ["start", "stop", "free_port"]
