@@ -139,16 +139,7 @@ impl CudaTransport {
 
     /// The offset of `[address, address + n)` in the arena, checked.
     fn offset_of(&self, address: u64, n: u64) -> Result<u64> {
-        let s = &self.session;
-        address
-            .checked_sub(s.base)
-            .filter(|&o| o.checked_add(n).is_some_and(|e| e <= s.len))
-            .ok_or(Error::OutOfRange {
-                address,
-                len: n,
-                base: s.base,
-                region_len: s.len,
-            })
+        super::offset_in(self.session.base, self.session.len, address, n)
     }
 }
 

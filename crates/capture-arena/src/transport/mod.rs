@@ -153,6 +153,23 @@ pub trait Transport: Send + Sync + fmt::Debug {
     }
 }
 
+/// The offset of `[address, address + n)` in an arena of `len` bytes advertised at `base`,
+/// checked before anything is touched for it.
+///
+/// # Errors
+/// [`Error::OutOfRange`].
+pub(crate) fn offset_in(base: u64, len: u64, address: u64, n: u64) -> Result<u64> {
+    address
+        .checked_sub(base)
+        .filter(|&o| o.checked_add(n).is_some_and(|e| e <= len))
+        .ok_or(Error::OutOfRange {
+            address,
+            len: n,
+            base,
+            region_len: len,
+        })
+}
+
 /// True when the producer of `session` is known to be gone, without opening the session
 /// (`false` when that cannot be told: another scheme, another host).
 pub fn is_gone(session: &str) -> bool {

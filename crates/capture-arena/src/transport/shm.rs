@@ -92,16 +92,7 @@ impl ShmTransport {
     /// The data offset (in the mapping) of `[address, address + n)`, checked.
     fn offset_of(&self, address: u64, n: u64) -> Result<usize> {
         let s = &self.session;
-        address
-            .checked_sub(s.base)
-            .filter(|&o| o.checked_add(n).is_some_and(|e| e <= s.len))
-            .map(|o| (o + HEADER_BYTES) as usize)
-            .ok_or(Error::OutOfRange {
-                address,
-                len: n,
-                base: s.base,
-                region_len: s.len,
-            })
+        super::offset_in(s.base, s.len, address, n).map(|o| (o + HEADER_BYTES) as usize)
     }
 }
 
