@@ -30,6 +30,27 @@ fn placement() -> PyResult<&'static str> {
         .map_err(error::to_py)
 }
 
+/// Bytes in a size setting (`32GiB`, `512MiB`, plain bytes), parsed by the core's one parser;
+/// `ConfigError` naming `var` otherwise.
+#[pyfunction]
+fn _parse_bytes(py: Python<'_>, var: &str, value: &str) -> PyResult<u64> {
+    capture_arena::config::parse_bytes(value).map_err(|reason| {
+        error::named(
+            py,
+            "ConfigError",
+            format!("invalid configuration {var}: {reason}"),
+        )
+    })
+}
+
+/// `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES` as the core reads and checks it.
+#[pyfunction]
+fn _max_pending_batches() -> PyResult<usize> {
+    capture_arena::Config::from_env()
+        .map(|c| c.max_pending_batches)
+        .map_err(error::to_py)
+}
+
 /// Logs go to stderr from whichever thread emits them (the writer thread never takes the GIL, so
 /// they cannot go through Python's `logging`). `CAPTURE_ARENA_LOG` (or `RUST_LOG`) sets the
 /// filter; by default warnings, plus the per-batch timing line when
@@ -55,6 +76,8 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::_store_keys, m)?)?;
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
+    m.add_function(wrap_pyfunction!(_parse_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(_max_pending_batches, m)?)?;
     m.add_function(wrap_pyfunction!(sink::_bench_rust_put, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,12 +1,28 @@
-"""Starting and stopping a ``mooncake_master`` on loopback ports of its own (the store tests and
+"""Mooncake for the tests: whether it is importable (``needs_mooncake``), and starting and stopping a
+``mooncake_master`` on loopback ports of its own (the store tests and
 ``benches/bench_mooncake.py``)."""
 
 from __future__ import annotations
 
+import importlib
 import pathlib
 import socket
 import subprocess
 import time
+
+import pytest
+
+
+try:
+    MOONCAKE_ENGINE = importlib.import_module("mooncake.engine")
+    MISSING = ""
+except ImportError as e:  # pragma: no cover - the test command installs it
+    MOONCAKE_ENGINE = None
+    MISSING = f"Mooncake is not importable here ({e}); scripts/test.sh installs it"
+
+
+# Skips a test (or, as `pytestmark`, a module), saying why, where Mooncake cannot be imported.
+needs_mooncake = pytest.mark.skipif(MOONCAKE_ENGINE is None, reason=MISSING or "n/a")
 
 
 def free_port() -> int:
@@ -63,4 +79,4 @@ def stop(p: subprocess.Popen[bytes]) -> None:
         p.wait()
 
 
-__all__ = ["start", "stop", "free_port"]
+__all__ = ["start", "stop", "free_port", "needs_mooncake", "MOONCAKE_ENGINE"]

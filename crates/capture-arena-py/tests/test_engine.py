@@ -16,15 +16,8 @@ import pytest
 
 import capture_arena as ca
 
-try:
-    import mooncake.engine as mooncake_engine
-except ImportError as e:  # pragma: no cover - the test command installs it
-    mooncake_engine = None
-    MISSING = f"Mooncake is not importable here ({e}); scripts/test.sh installs it"
-else:
-    MISSING = ""
-
-needs_mooncake = pytest.mark.skipif(mooncake_engine is None, reason=MISSING or "n/a")
+from mooncake_master import MOONCAKE_ENGINE as mooncake_engine
+from mooncake_master import needs_mooncake
 
 ENV = {
     **os.environ,

@@ -15,15 +15,9 @@ import pytest
 
 import capture_arena as ca
 
-try:
-    import mooncake
-except ImportError as e:  # pragma: no cover - the test command installs it
-    mooncake = None
-    MISSING = f"Mooncake is not importable here ({e}); scripts/test.sh installs it"
-else:
-    MISSING = ""
+from mooncake_master import needs_mooncake
 
-pytestmark = pytest.mark.skipif(mooncake is None, reason=MISSING or "n/a")
+pytestmark = needs_mooncake
 
 
 @pytest.fixture(scope="module")

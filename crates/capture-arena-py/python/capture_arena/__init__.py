@@ -284,17 +284,8 @@ class ArenaFeatureStore(_Store):
             return self._get_through_engine(result, wanted, out, torch, device)
         # Released? Known names, shapes and addresses inside the arena? Before allocating.
         self._check(result, wanted)
-        arrays: dict[str, Any] = {}
-        targets = []
-        for name in wanted:
-            f = feats[name]
-            if out is not None and name in out:
-                arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])
-            else:
-                arr, view = new_array(list(f["shape"]), f["dtype"], torch, device)
-            targets.append((name, view))
-            arrays[name] = arr
-        self._read_into(result, targets)
+        arrays, views = self._outputs(result, wanted, out, torch, device)
+        self._read_into(result, list(zip(wanted, views)))
         return arrays
 
     _engine_reader: Optional[Any] = None
@@ -334,6 +325,17 @@ class ArenaFeatureStore(_Store):
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if sum(lens) > limit:
             raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than this host's {limit} bytes of memory")
+        arrays, views = self._outputs(result, wanted, out, torch, None)
+        if any(not isinstance(v, np.ndarray) for v in views):
+            raise InvalidReadError("this placement is read into host memory: pass CPU out= tensors")
+        return arrays, views
+
+    @staticmethod
+    def _outputs(
+        result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """Each wanted feature's output (the caller's ``out=`` entry, else a fresh array or tensor
+        of its shape and dtype) and what the readers write: its uint8 view, or a CudaBytes."""
         feats = result["features"]
         arrays: dict[str, Any] = {}
         views = []
@@ -342,9 +344,7 @@ class ArenaFeatureStore(_Store):
             if out is not None and name in out:
                 arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])
             else:
-                arr, view = new_array(list(f["shape"]), f["dtype"], torch)
-            if not isinstance(view, np.ndarray):
-                raise InvalidReadError("this placement is read into host memory: pass CPU out= tensors")
+                arr, view = new_array(list(f["shape"]), f["dtype"], torch, device)
             arrays[name] = arr
             views.append(view)
         return arrays, views
@@ -369,22 +369,15 @@ class ArenaFeatureStore(_Store):
         reader = self._engines()
         feats = result["features"]
         if reader.nvlink:
-            arrays = {}
+            arrays, views = self._outputs(result, wanted, out, True, device or "cuda:0")
             targets = []
-            for name, n in zip(wanted, lens):
-                f = feats[name]
-                if out is not None and name in out:
-                    arr = out[name]
-                    view = out_bytes(arr, list(f["shape"]), f["dtype"])
-                else:
-                    arr, view = new_array(list(f["shape"]), f["dtype"], True, device or "cuda:0")
+            for name, n, view in zip(wanted, lens, views):
                 if isinstance(view, np.ndarray):
                     raise InvalidReadError("over NVLink, TransferEngine sessions are read into CUDA tensors")
                 # The engine's copy is not ordered with the caller's stream: work queued there on
                 # the output (a zero_(), a kernel still reading it) finishes first.
                 _torch_module().cuda.current_stream(view.tensor.device).synchronize()
-                targets.append((int(f["address"]), int(view.tensor.data_ptr()), n))
-                arrays[name] = arr
+                targets.append((int(feats[name]["address"]), int(view.tensor.data_ptr()), n))
             reader.read(result["arena"]["session"], targets)
             return arrays
         arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)

@@ -4,7 +4,7 @@ from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__"]
 
 __version__: str
 
@@ -73,6 +73,8 @@ class _Store:
         """{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees", "open_sessions"}."""
 
 def placement() -> str: ...
+def _parse_bytes(var: str, value: str) -> int: ...
+def _max_pending_batches() -> int: ...
 def _plan_batch(samples: Any, aux_layer_ids: Optional[list[int]] = None) -> "_Batch": ...
 def _store_keys(result: Any, names: list[str]) -> list[tuple[str, int]]: ...
 

@@ -41,19 +41,9 @@ from .errors import ArenaOSError, ConfigError, InvalidReadError, QueueFullError,
 # Mooncake status codes worth naming in messages.
 NOT_FOUND = -704
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 1000, "mb": 10**6, "gb": 10**9}
-
-
 def _bytes_var(name: str, default: int) -> int:
     v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    num = v.rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ").strip()
-    unit = v[len(num) :].strip().lower()
-    try:
-        return int(num) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise ConfigError(f"{name}={v!r} is not a size (bytes, or with KiB/MiB/GiB/TiB)") from None
+    return _capture_arena._parse_bytes(name, v) if v else default
 
 
 def connect(contribute: bool) -> Any:
@@ -122,9 +112,9 @@ class StoreSink:
                 "SGLANG_SPEC_CAPTURE_PLACEMENT=arena (capture-arena's own arena) or engine (a TransferEngine's)"
             )
         self.aux_layer_ids = aux_layer_ids
-        pending = max_pending_batches or int(os.environ.get("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "2") or 2)
+        pending = max_pending_batches or _capture_arena._max_pending_batches()
         if pending < 1:
-            raise ConfigError("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES must be >= 1")
+            raise ConfigError("max_pending_batches must be >= 1")
         self._slots = threading.BoundedSemaphore(pending)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-arena-store")
         self._lock = threading.Lock()
