@@ -19,6 +19,14 @@
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S` | `line_timeout` | 10 s |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_DEVICE` | `device` | unset: the first device tensor's GPU, else 0 |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_HANDLE` | `handle` | `auto`: fabric where a real export works, else POSIX fd |
+//! | `SGLANG_SPEC_CAPTURE_TRANSPORT` | `transport` | `auto`: the region's own (`shm://`, `cuda://`); `nixl` registers it with a NIXL agent |
+//!
+//! Read by trainers (readers), not part of [`Config`]:
+//!
+//! | variable | default |
+//! |---|---|
+//! | `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S` ([`read_timeout`]) | 60 s: a read through NIXL that takes longer fails as a stale session |
+//! | `SGLANG_SPEC_CAPTURE_NIXL_LIB` | unset: `libnixl_capi.so` from the library search path; else that file, or the directory holding it (producers and readers) |
 
 use std::time::Duration;
 
@@ -170,6 +178,58 @@ impl std::str::FromStr for HandlePreference {
     }
 }
 
+/// `SGLANG_SPEC_CAPTURE_TRANSPORT`: how readers reach capture-arena's own arena, `auto` or `nixl`.
+pub const ENV_TRANSPORT: &str = "SGLANG_SPEC_CAPTURE_TRANSPORT";
+/// `SGLANG_SPEC_CAPTURE_NIXL_LIB`: `libnixl_capi.so`, as a file or the directory holding it.
+pub const ENV_NIXL_LIB: &str = "SGLANG_SPEC_CAPTURE_NIXL_LIB";
+/// `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`: how long one read through a network transport may take.
+pub const ENV_READ_TIMEOUT_S: &str = "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S";
+/// Default of [`ENV_READ_TIMEOUT_S`]: room for a several-GiB sample over TCP.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How readers reach capture-arena's own arena (the session its results carry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ArenaTransport {
+    /// The region's own: `shm://` (same-host shared memory) for a host arena, `cuda://` (CUDA
+    /// handles) for a device arena.
+    #[default]
+    Auto,
+    /// The region registered with a NIXL agent (`nixl://` sessions): readers on any host reach
+    /// it through UCX (TCP, shared memory, RDMA, NVLink). Needs the `nixl` feature.
+    Nixl,
+}
+
+impl std::str::FromStr for ArenaTransport {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<ArenaTransport, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "shm" | "cuda" => Ok(ArenaTransport::Auto),
+            "nixl" => Ok(ArenaTransport::Nixl),
+            _ => Err(format!("{s:?} is not one of auto, nixl")),
+        }
+    }
+}
+
+/// The read timeout of network transports: [`ENV_READ_TIMEOUT_S`], else
+/// [`DEFAULT_READ_TIMEOUT`].
+///
+/// # Errors
+/// [`Error::Config`] for a value that is not a positive number of seconds.
+pub fn read_timeout() -> Result<Duration> {
+    match std::env::var(ENV_READ_TIMEOUT_S) {
+        Ok(v) if !v.trim().is_empty() => parse_seconds(&v)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .ok_or_else(|| {
+                Error::config(
+                    ENV_READ_TIMEOUT_S,
+                    format!("{v:?} is not a number of seconds > 0; default 60"),
+                )
+            }),
+        _ => Ok(DEFAULT_READ_TIMEOUT),
+    }
+}
+
 /// `SGLANG_SPEC_CAPTURE_PLACEMENT`: `auto` (default), `arena`, `engine` or `store`; see
 /// [`placement`].
 pub const ENV_PLACEMENT: &str = "SGLANG_SPEC_CAPTURE_PLACEMENT";
@@ -215,6 +275,8 @@ pub struct Config {
     pub handle: HandlePreference,
     /// `SGLANG_SPEC_CAPTURE_PLACEMENT` (`None`: auto, from the protocol).
     pub placement: Option<Placement>,
+    /// `SGLANG_SPEC_CAPTURE_TRANSPORT`: how readers reach capture-arena's own arena.
+    pub transport: ArenaTransport,
 }
 
 impl Default for Config {
@@ -237,6 +299,7 @@ impl Default for Config {
             device: None,
             handle: HandlePreference::Auto,
             placement: None,
+            transport: ArenaTransport::Auto,
         }
     }
 }
@@ -326,6 +389,9 @@ impl Config {
         if let Some(v) = get(ENV_ARENA_HANDLE) {
             c.handle = v.parse().map_err(|r| Error::config(ENV_ARENA_HANDLE, r))?;
         }
+        if let Some(v) = get(ENV_TRANSPORT) {
+            c.transport = v.parse().map_err(|r| Error::config(ENV_TRANSPORT, r))?;
+        }
         if let Some(v) = get(ENV_GPU_PUT) {
             c.gpu_put = Some(parse_flag(&v).map_err(|r| Error::config(ENV_GPU_PUT, r))?);
         }
@@ -412,6 +478,13 @@ impl Config {
                      default {DEFAULT_CONTROL_BUFFER_BYTES}",
                     self.control_buffer_bytes
                 ),
+            ));
+        }
+        if self.transport == ArenaTransport::Nixl && !cfg!(feature = "nixl") {
+            return Err(Error::config(
+                ENV_TRANSPORT,
+                "nixl: this build of capture-arena has no nixl feature (rebuild with --features \
+                 nixl), or unset it for the region's own transport",
             ));
         }
         if self.line_timeout.is_zero() {

@@ -136,6 +136,14 @@ pub enum Error {
         /// Why it failed and what to change.
         reason: String,
     },
+    /// A network transport (NIXL) cannot be used or a transfer failed: the library missing,
+    /// an agent that cannot be created, a registration refused.
+    Transport {
+        /// What we were doing.
+        what: String,
+        /// Why it failed and what to change.
+        reason: String,
+    },
     /// An operating-system call failed.
     Io {
         /// What we were doing.
@@ -165,6 +173,14 @@ impl Error {
 
     pub(crate) fn device(what: impl Into<String>, reason: impl Into<String>) -> Error {
         Error::Device {
+            what: what.into(),
+            reason: reason.into(),
+        }
+    }
+
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn transport(what: impl Into<String>, reason: impl Into<String>) -> Error {
+        Error::Transport {
             what: what.into(),
             reason: reason.into(),
         }
@@ -258,6 +274,7 @@ impl fmt::Display for Error {
                  stay pending and are retried on the next free or flush"
             ),
             Error::Device { what, reason } => write!(f, "{what}: {reason}"),
+            Error::Transport { what, reason } => write!(f, "{what}: {reason}"),
             Error::Io { what, source } => write!(f, "{what}: {source}"),
         }
     }

@@ -58,5 +58,5 @@ pub use sample::{ArenaRef, Feature, Published, Sample, SampleResult, SampleSpec}
 pub use sink::Sink;
 pub use stats::StatsSnapshot;
 pub use tensor::{Dtype, Tensor, TensorData};
-pub use transport::{Destination, DeviceSlice, ReadOp, Transport};
+pub use transport::{Destination, DeviceSlice, ReadBuffer, ReadOp, Transport};
 pub use writer::{BatchHandle, Writer};

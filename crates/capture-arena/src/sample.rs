@@ -478,8 +478,9 @@ pub struct Published {
 pub const MAX_FEATURES: usize = 256;
 /// The longest control endpoint a result may name.
 pub const MAX_ENDPOINT_BYTES: usize = 256;
-/// The longest session string a result may carry.
-pub const MAX_SESSION_BYTES: usize = 1024;
+/// The longest session string a result may carry: a NIXL session carries its agent's
+/// metadata (about 650 bytes with one NIC; more with several RDMA devices).
+pub const MAX_SESSION_BYTES: usize = 8192;
 
 impl Published {
     /// `{store_id}/{sample_id}/g{gen}`, the sample's name (for messages).

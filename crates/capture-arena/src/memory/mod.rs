@@ -19,6 +19,7 @@
 //! | [`ShmRegion`] | host POSIX shared memory | same host (`shm://` sessions) |
 //! | `cuda::DeviceRegion` (feature `cuda`) | GPU memory, CUDA virtual memory with a fabric or POSIX-fd handle | other processes' GPUs (`cuda://` sessions) |
 //! | `cuda::ExternalDeviceRegion` (feature `cuda`) | GPU memory another owner allocated (a transfer engine's) | the owner's readers |
+//! | `nixl::NixlRegion` (feature `nixl`) | any region above that this process addresses, registered with a NIXL agent | any host, through UCX (`nixl://` sessions) |
 //! | [`ExternalHostRegion`] | host memory another owner keeps alive (a transfer engine's registered buffer) | the owner's readers (`<host>:<port>` sessions of a Mooncake TransferEngine) |
 //!
 //! The allocator, the arena and the writer do not change with the region.
@@ -28,6 +29,8 @@ pub mod cuda;
 pub mod external;
 mod host;
 pub mod mapping;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod shm;
 
 pub use external::ExternalHostRegion;
@@ -157,5 +160,28 @@ pub trait Region: Send + fmt::Debug {
     /// `None` if this region has no such answer.
     fn reply(&self, _what: &str) -> Option<Result<Reply>> {
         None
+    }
+}
+
+/// True for a plain host name as sessions carry it (letters, digits, `.`, `-`, `_`).
+pub(crate) fn host_ok(h: &str) -> bool {
+    !h.is_empty()
+        && h.len() <= 253
+        && h.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
+}
+
+/// This host's name, as sessions carry it (`localhost` if it cannot be read or is not a plain
+/// host name).
+pub(crate) fn this_host() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most buf.len() bytes.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name = String::from_utf8_lossy(&buf[..end]).into_owned();
+    if rc == 0 && host_ok(&name) {
+        name
+    } else {
+        "localhost".into()
     }
 }

@@ -45,8 +45,7 @@ pub struct CudaTransport {
 /// True when the producer of a device session on this host is gone (its reply endpoint is no
 /// longer bound); `false` for another host's session (cannot be told).
 pub(crate) fn is_gone(session: &CudaSession) -> bool {
-    session.host == crate::memory::cuda::session_host()
-        && !crate::reply::is_listening(&session.reply)
+    session.host == crate::memory::this_host() && !crate::reply::is_listening(&session.reply)
 }
 
 impl CudaTransport {
@@ -59,7 +58,7 @@ impl CudaTransport {
     pub fn open(session: &CudaSession) -> Result<CudaTransport> {
         let text = session.to_string();
         driver::driver()?;
-        let me = crate::memory::cuda::session_host();
+        let me = crate::memory::this_host();
         let local = session.host == me;
         let stale = |reason: String| Error::StaleSession {
             session: text.clone(),

@@ -9,13 +9,22 @@
 //! |---|---|---|
 //! | `shm://` | [`ShmTransport`]: the producer's shared memory mapped read-only | same host |
 //! | `cuda://` | `CudaTransport` (feature `cuda`): the producer's GPU allocation imported by POSIX fd or fabric handle | other processes' GPUs: this node (fd), the NVLink domain (fabric) |
+//! | `nixl://` | `NixlTransport` (feature `nixl`): one-sided READs through NIXL's UCX backend | any host (TCP, RDMA), this host (shared memory, CMA), GPUs (CUDA IPC, NVLink) |
+//!
+//! Reads into a [`ReadBuffer`] let transports that register memory (NIXL) register it once.
 
+mod buffer;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 pub mod shm;
 
+pub use buffer::ReadBuffer;
 #[cfg(feature = "cuda")]
 pub use cuda::CudaTransport;
+#[cfg(feature = "nixl")]
+pub use nixl::NixlTransport;
 pub use shm::ShmTransport;
 
 use std::fmt;
@@ -207,15 +216,30 @@ pub fn open(session: &str) -> Result<Arc<dyn Transport>> {
                 .into(),
         });
     }
+    if session.starts_with("nixl://") {
+        #[cfg(feature = "nixl")]
+        return Ok(Arc::new(NixlTransport::open(&session.parse()?)?));
+        #[cfg(not(feature = "nixl"))]
+        return Err(Error::InvalidSession {
+            session: session.chars().take(256).collect(),
+            reason: "an arena served through NIXL; this build cannot read it (build \
+                     capture-arena with the nixl feature)"
+                .into(),
+        });
+    }
+    let mut known = vec!["shm:// (same-host shared memory)"];
+    if cfg!(feature = "cuda") {
+        known.push("cuda:// (device arenas)");
+    }
+    if cfg!(feature = "nixl") {
+        known.push("nixl:// (NIXL, any host)");
+    }
     Err(Error::InvalidSession {
         session: session.chars().take(256).collect(),
-        reason: if cfg!(feature = "cuda") {
-            "unknown transport; this build reads shm:// (same-host shared memory) and cuda:// \
-             (device arenas) sessions"
-        } else {
-            "unknown transport; this build reads shm:// sessions (same-host shared memory)"
-        }
-        .into(),
+        reason: format!(
+            "unknown transport; this build reads {} sessions",
+            known.join(", ")
+        ),
     })
 }
 

@@ -245,8 +245,39 @@ impl Writer {
     }
 }
 
-/// The region [`Writer::start`] makes for `config`.
+/// The region [`Writer::start`] makes for `config`: host or device memory, registered with a
+/// NIXL agent when `SGLANG_SPEC_CAPTURE_TRANSPORT=nixl`.
 fn new_region(config: &Config, bytes: u64) -> Result<Box<dyn Region>> {
+    let region = own_region(config, bytes)?;
+    if config.transport != crate::config::ArenaTransport::Nixl {
+        return Ok(region);
+    }
+    #[cfg(feature = "nixl")]
+    {
+        use crate::memory::nixl::{NixlMem, NixlRegion};
+        let t0 = Instant::now();
+        let (mem, dev) = if config.device_publication() {
+            (NixlMem::Vram, config.device.unwrap_or(0).max(0) as u32)
+        } else {
+            (NixlMem::Dram, 0)
+        };
+        let region = NixlRegion::new(region, mem, dev, &config.control_host)?;
+        tracing::info!(
+            agent = %region.agent_name(),
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "arena served through NIXL"
+        );
+        Ok(Box::new(region))
+    }
+    #[cfg(not(feature = "nixl"))]
+    Err(Error::config(
+        crate::config::ENV_TRANSPORT,
+        "nixl needs a build of capture-arena with the nixl feature",
+    ))
+}
+
+/// capture-arena's own memory for `config`: a device region or host shared memory.
+fn own_region(config: &Config, bytes: u64) -> Result<Box<dyn Region>> {
     let t0 = Instant::now();
     if config.device_publication() {
         #[cfg(feature = "cuda")]

@@ -22,7 +22,6 @@ pub mod driver;
 mod session;
 
 pub use driver::{driver, DeviceBuffer, DriverInfo, HandleType};
-pub(crate) use session::this_host as session_host;
 pub use session::{CudaSession, MAX_CUDA_SESSION_BYTES};
 
 use std::ffi::c_void;
@@ -146,6 +145,16 @@ pub(crate) unsafe fn host_to_device(
     // SAFETY: as the caller promised.
     let r = unsafe { s.copy_htod(dst, src, n) };
     s.synchronize().and(r)
+}
+
+/// Blocks until the work enqueued so far on `stream` (a raw `CUstream` of device `ordinal`; 0
+/// is the legacy default stream) is done: a copy made outside CUDA's streams (NIXL's) into a
+/// buffer comes after the caller's kernels on it.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+pub(crate) fn wait_for_stream(ordinal: i32, stream: u64) -> Result<()> {
+    let s = Stream::new(&context(ordinal)?)?;
+    s.wait(&driver::event_on(ordinal, stream)?)?;
+    s.synchronize()
 }
 
 /// The writer's stream and the batch in flight on it.
@@ -353,7 +362,7 @@ impl DeviceRegion {
         // their copy engines.
         let mapped = Mapped::new(allocation, granularity, &driver::peers_of(options.device)?)?;
         let session = CudaSession {
-            host: session_host(),
+            host: crate::memory::this_host(),
             pid: std::process::id(),
             nonce: crate::memory::shm::random_nonce()?,
             len: size,

@@ -5,6 +5,7 @@ use std::str::FromStr;
 
 use super::driver::HandleType;
 use crate::error::{Error, Result};
+use crate::memory::host_ok;
 use crate::reply::ENDPOINT_PREFIX;
 
 /// The longest device session accepted (a fabric one is about 300 bytes).
@@ -61,13 +62,6 @@ impl fmt::Display for CudaSession {
 
 fn is_hex(s: &str, n: usize) -> bool {
     s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
-}
-
-fn host_ok(h: &str) -> bool {
-    !h.is_empty()
-        && h.len() <= 253
-        && h.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'))
 }
 
 impl FromStr for CudaSession {
@@ -178,21 +172,6 @@ impl FromStr for CudaSession {
     }
 }
 
-/// This host's name, as sessions carry it (`localhost` if it cannot be read or is not a plain
-/// host name).
-pub(crate) fn this_host() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most buf.len() bytes.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    let name = String::from_utf8_lossy(&buf[..end]).into_owned();
-    if rc == 0 && host_ok(&name) {
-        name
-    } else {
-        "localhost".into()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -252,6 +231,6 @@ mod tests {
 
     #[test]
     fn host_name_is_plain() {
-        assert!(host_ok(&this_host()));
+        assert!(host_ok(&crate::memory::this_host()));
     }
 }

@@ -1,0 +1,617 @@
+//! NIXL: an arena registered with a NIXL agent, so readers on any host read its objects with
+//! one-sided READs through UCX (TCP, shared memory, RDMA, CUDA IPC, NVLink).
+//!
+//! [`NixlRegion`] wraps a region this process can address (host shared memory, or a device
+//! region registered as VRAM): the writer copies into the inner region as before, and the whole
+//! region is registered once, when the arena starts. The agent's progress thread serves remote
+//! reads; the writer never calls NIXL after that.
+//!
+//! The session carries the agent's metadata ([`NixlSession`]): a reader on another host needs
+//! nothing but the result to connect. The metadata names the agent, its UCX worker's addresses
+//! and the registration's remote keys; it is fixed for the arena's life, because the region is
+//! registered once.
+//!
+//! The library is loaded at run time (`nixl-sys` with `stub-api`): [`library`] opens
+//! `libnixl_capi.so` (from `SGLANG_SPEC_CAPTURE_NIXL_LIB`, else the library search path) and
+//! checks every symbol this crate calls *before* the first call, because the stubs abort the
+//! process when the library or a symbol is missing.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::OnceLock;
+
+use base64::Engine as _;
+use nixl_sys::{Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, ThreadSync};
+
+use super::{CopyOp, Notifier, Progress, Region, Reply};
+use crate::config::ENV_NIXL_LIB;
+use crate::error::{Error, Result};
+use crate::memory::host_ok;
+
+/// The longest NIXL session accepted: room for the metadata of a host with several RDMA NICs
+/// (one NIC over TCP and shared memory is about 480 bytes of metadata, 650 in the session).
+pub const MAX_NIXL_SESSION_BYTES: usize = 8192;
+/// The longest metadata accepted in a session, decoded.
+const MAX_METADATA_BYTES: usize = 6000;
+/// The library the stubs of `nixl-sys` open by name.
+const LIBRARY: &str = "libnixl_capi.so";
+/// How the serialized metadata of an agent starts: NIXL's serializer tag, then the agent's name
+/// as `Agent`, a little-endian u64 length, the bytes and `|`.
+const METADATA_PREFIX: &[u8] = b"nixlSerDes|Agent";
+
+/// Every function of the C API that this crate's calls into `nixl-sys` reach. Checked before
+/// the first call: a missing one would abort the process inside the stubs.
+const SYMBOLS: &[&str] = &[
+    "nixl_capi_is_stub",
+    "nixl_capi_create_configured_agent",
+    "nixl_capi_destroy_agent",
+    "nixl_capi_get_plugin_params",
+    "nixl_capi_destroy_mem_list",
+    "nixl_capi_destroy_params",
+    "nixl_capi_create_backend",
+    "nixl_capi_destroy_backend",
+    "nixl_capi_create_opt_args",
+    "nixl_capi_destroy_opt_args",
+    "nixl_capi_create_reg_dlist",
+    "nixl_capi_destroy_reg_dlist",
+    "nixl_capi_reg_dlist_add_desc",
+    "nixl_capi_reg_dlist_clear",
+    "nixl_capi_register_mem",
+    "nixl_capi_deregister_mem",
+    "nixl_capi_get_local_md",
+    "nixl_capi_load_remote_md",
+    "nixl_capi_invalidate_remote_md",
+    "nixl_capi_create_xfer_dlist",
+    "nixl_capi_destroy_xfer_dlist",
+    "nixl_capi_xfer_dlist_add_desc",
+    "nixl_capi_xfer_dlist_clear",
+    "nixl_capi_create_xfer_req",
+    "nixl_capi_post_xfer_req",
+    "nixl_capi_get_xfer_status",
+    "nixl_capi_release_xfer_req",
+];
+
+/// Opens the NIXL library once per process and checks its symbols; every later call returns
+/// the first answer.
+///
+/// # Errors
+/// [`Error::Transport`] saying what is missing and what to set.
+pub fn library() -> Result<()> {
+    static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(load)
+        .clone()
+        .map_err(|reason| Error::transport("loading the NIXL library", reason))
+}
+
+fn load() -> std::result::Result<(), String> {
+    let configured = std::env::var(ENV_NIXL_LIB)
+        .ok()
+        .filter(|v| !v.trim().is_empty());
+    let path = match &configured {
+        Some(p) if std::path::Path::new(p).is_dir() => {
+            format!("{}/{LIBRARY}", p.trim_end_matches('/'))
+        }
+        Some(p) => p.clone(),
+        None => LIBRARY.to_owned(),
+    };
+    let flags = libc::RTLD_NOW | libc::RTLD_GLOBAL;
+    // SAFETY: loading NIXL runs its initializers (C++ static constructors of the library and its
+    // bundled UCX), which is what using NIXL at all requires; nothing else is called here.
+    let lib = unsafe { libloading::os::unix::Library::open(Some(&path), flags) }.map_err(|e| {
+        format!(
+            "cannot open {path} ({e}); install the nixl-cu12==1.5.1 wheel and set {ENV_NIXL_LIB} \
+             to its .nixl_cu12.mesonpy.libs directory (or add that directory to LD_LIBRARY_PATH)"
+        )
+    })?;
+    for name in SYMBOLS {
+        // SAFETY: only the symbol's presence is checked; the pointer is never called here.
+        if let Err(e) = unsafe { lib.get::<*const ()>(name.as_bytes()) } {
+            return Err(format!(
+                "{path} lacks {name} ({e}): not the NIXL 1.5 C API this build was made for \
+                 (nixl-sys 1.5.2 with the nixl-cu12==1.5.1 wheel)"
+            ));
+        }
+    }
+    // The stubs of nixl-sys open the library by its name; the one loaded here (with the soname
+    // libnixl_capi.so) is what they find, so it stays loaded for the life of the process.
+    std::mem::forget(lib);
+    if nixl_sys::is_stub() {
+        return Err(format!(
+            "{path} is a stub build of NIXL, without transports"
+        ));
+    }
+    tracing::debug!(%path, "NIXL library loaded");
+    Ok(())
+}
+
+/// A NIXL agent with its UCX backend: kept together so the backend lives as long as the agent.
+pub(crate) struct AgentHandle {
+    pub(crate) agent: Agent,
+    _backend: Backend,
+}
+
+impl fmt::Debug for AgentHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentHandle")
+            .field("name", &self.agent.name())
+            .finish()
+    }
+}
+
+/// Creates an agent named `name` with the UCX backend. `progress_thread`: NIXL's own thread
+/// drives UCX (a producer needs it, or remote reads wait for a call into the agent).
+pub(crate) fn new_agent(name: &str, progress_thread: bool) -> Result<AgentHandle> {
+    library()?;
+    let what = || format!("creating NIXL agent {name}");
+    let config = AgentConfig {
+        enable_prog_thread: progress_thread,
+        enable_listen_thread: false,
+        thread_sync: ThreadSync::Strict,
+        ..AgentConfig::default()
+    };
+    let agent = Agent::new_configured(name, &config)
+        .map_err(|e| Error::transport(what(), e.to_string()))?;
+    let (_mems, params) = agent.get_plugin_params("UCX").map_err(|e| {
+        Error::transport(
+            what(),
+            format!(
+                "no UCX plugin ({e}); the plugins directory next to libnixl.so must hold \
+                 libplugin_UCX.so (or set NIXL_PLUGIN_DIR)"
+            ),
+        )
+    })?;
+    let backend = agent
+        .create_backend("UCX", &params)
+        .map_err(|e| Error::transport(what(), format!("creating the UCX backend: {e}")))?;
+    Ok(AgentHandle {
+        agent,
+        _backend: backend,
+    })
+}
+
+/// The memory kind of a NIXL region, as its session names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NixlMem {
+    /// Host memory.
+    Dram,
+    /// GPU memory (device `dev` of the session).
+    Vram,
+}
+
+impl NixlMem {
+    fn name(self) -> &'static str {
+        match self {
+            NixlMem::Dram => "dram",
+            NixlMem::Vram => "vram",
+        }
+    }
+
+    pub(crate) fn mem_type(self) -> MemType {
+        match self {
+            NixlMem::Dram => MemType::Dram,
+            NixlMem::Vram => MemType::Vram,
+        }
+    }
+}
+
+/// One span of memory to register or transfer: what NIXL's descriptor traits ask for.
+#[derive(Debug)]
+pub(crate) struct Span {
+    pub(crate) addr: u64,
+    pub(crate) len: u64,
+    pub(crate) mem: NixlMem,
+    pub(crate) dev: u64,
+}
+
+impl MemoryRegion for Span {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as usize as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len as usize
+    }
+}
+
+impl NixlDescriptor for Span {
+    fn mem_type(&self) -> MemType {
+        self.mem.mem_type()
+    }
+    fn device_id(&self) -> u64 {
+        self.dev
+    }
+}
+
+/// A parsed NIXL session:
+/// `nixl://<host>/<agent>?base=<hex>&len=<bytes>&mem=dram|vram&dev=<n>&md=<base64url>`.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct NixlSession {
+    /// The producer's host (for messages; the metadata holds the addresses UCX connects to).
+    pub host: String,
+    /// The producer's agent name: `capture-arena-<pid>-<32 hex digits>`.
+    pub agent: String,
+    /// The producer's address of byte 0 (published addresses are `base + offset`).
+    pub base: u64,
+    /// Bytes of the arena.
+    pub len: u64,
+    /// Host or device memory.
+    pub mem: NixlMem,
+    /// The device id registered (the GPU ordinal for VRAM, 0 for host memory).
+    pub dev: u32,
+    /// The agent's metadata (`get_local_md`), decoded.
+    pub metadata: Vec<u8>,
+}
+
+impl fmt::Debug for NixlSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlSession")
+            .field("host", &self.host)
+            .field("agent", &self.agent)
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .field("mem", &self.mem)
+            .field("dev", &self.dev)
+            .field("metadata_bytes", &self.metadata.len())
+            .finish()
+    }
+}
+
+fn b64() -> base64::engine::GeneralPurpose {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+}
+
+impl fmt::Display for NixlSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "nixl://{}/{}?base={:#x}&len={}&mem={}&dev={}&md={}",
+            self.host,
+            self.agent,
+            self.base,
+            self.len,
+            self.mem.name(),
+            self.dev,
+            b64().encode(&self.metadata)
+        )
+    }
+}
+
+/// True for an agent name this crate makes: `capture-arena-<pid>-<32 lower-case hex digits>`.
+fn agent_ok(name: &str) -> bool {
+    name.strip_prefix("capture-arena-")
+        .and_then(|r| r.split_once('-'))
+        .is_some_and(|(pid, nonce)| {
+            !pid.is_empty()
+                && pid.len() <= 10
+                && pid.bytes().all(|b| b.is_ascii_digit())
+                && nonce.len() == 32
+                && nonce
+                    .bytes()
+                    .all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        })
+}
+
+/// True when serialized metadata names `agent` as its agent (checked before NIXL parses it, so
+/// metadata of another agent, or bytes that are not metadata at all, never reach it).
+pub(crate) fn metadata_names(metadata: &[u8], agent: &str) -> bool {
+    let Some(rest) = metadata.strip_prefix(METADATA_PREFIX) else {
+        return false;
+    };
+    let Some((len, rest)) = rest.split_first_chunk::<8>() else {
+        return false;
+    };
+    u64::from_le_bytes(*len) == agent.len() as u64
+        && rest
+            .strip_prefix(agent.as_bytes())
+            .is_some_and(|r| r.first() == Some(&b'|'))
+}
+
+impl FromStr for NixlSession {
+    type Err = Error;
+
+    /// Parses only the canonical form [`fmt::Display`] writes, checking every field (and that
+    /// the metadata names the session's agent) before anything is allocated for it.
+    fn from_str(s: &str) -> Result<NixlSession> {
+        let bad = |why: &str| Error::InvalidSession {
+            session: s.chars().take(256).collect(),
+            reason: format!(
+                "{why}; expected nixl://<host>/capture-arena-<pid>-<nonce>?base=<hex>&len=<bytes>\
+                 &mem=dram|vram&dev=<n>&md=<base64url>"
+            ),
+        };
+        if s.len() > MAX_NIXL_SESSION_BYTES {
+            return Err(bad(&format!("longer than {MAX_NIXL_SESSION_BYTES} bytes")));
+        }
+        let rest = s
+            .strip_prefix("nixl://")
+            .ok_or_else(|| bad("not nixl://"))?;
+        let (path, query) = rest.split_once('?').ok_or_else(|| bad("no parameters"))?;
+        let (host, agent) = path.split_once('/').ok_or_else(|| bad("no host"))?;
+        if !host_ok(host) {
+            return Err(bad("bad host name"));
+        }
+        if !agent_ok(agent) {
+            return Err(bad("bad agent name"));
+        }
+        let mut parts = query.split('&');
+        let mut next = |name: &str| -> Result<&str> {
+            parts
+                .next()
+                .and_then(|p| p.strip_prefix(name))
+                .and_then(|p| p.strip_prefix('='))
+                .ok_or_else(|| bad(&format!("parameter {name} missing or out of order")))
+        };
+        let base = next("base")?
+            .strip_prefix("0x")
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .ok_or_else(|| bad("bad base"))?;
+        let len: u64 = next("len")?
+            .parse()
+            .ok()
+            .filter(|l| *l > 0)
+            .ok_or_else(|| bad("bad len"))?;
+        if base.checked_add(len).is_none() {
+            return Err(bad("base + len overflows"));
+        }
+        let mem = match next("mem")? {
+            "dram" => NixlMem::Dram,
+            "vram" => NixlMem::Vram,
+            _ => return Err(bad("mem must be dram or vram")),
+        };
+        let dev: u32 = next("dev")?.parse().map_err(|_| bad("bad dev"))?;
+        let md = next("md")?;
+        if md.len() > MAX_METADATA_BYTES.div_ceil(3) * 4 {
+            return Err(bad("metadata too long"));
+        }
+        let metadata = b64().decode(md).map_err(|_| bad("md is not base64url"))?;
+        if metadata.len() > MAX_METADATA_BYTES || !metadata_names(&metadata, agent) {
+            return Err(bad("md is not the metadata of this agent"));
+        }
+        if parts.next().is_some() {
+            return Err(bad("unexpected parameters"));
+        }
+        let parsed = NixlSession {
+            host: host.to_owned(),
+            agent: agent.to_owned(),
+            base,
+            len,
+            mem,
+            dev,
+            metadata,
+        };
+        if parsed.to_string() != s {
+            return Err(bad("not in canonical form"));
+        }
+        Ok(parsed)
+    }
+}
+
+/// A region registered with a NIXL agent: the inner region does the copies; readers reach it
+/// through the agent. See the module docs.
+pub struct NixlRegion {
+    // Field order is drop order: the registration goes first, then the agent, then the memory.
+    _registration: nixl_sys::RegistrationHandle,
+    agent: AgentHandle,
+    session: String,
+    inner: Box<dyn Region>,
+}
+
+impl fmt::Debug for NixlRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlRegion")
+            .field("agent", &self.agent)
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl NixlRegion {
+    /// Registers `inner` (memory this process can address: `mem` host memory, or device `dev`'s
+    /// memory for VRAM) with a new agent whose progress thread serves remote reads. `host` is
+    /// named in the session.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] when the library, the agent or the registration fails.
+    pub fn new(inner: Box<dyn Region>, mem: NixlMem, dev: u32, host: &str) -> Result<NixlRegion> {
+        let name = format!(
+            "capture-arena-{}-{:032x}",
+            std::process::id(),
+            crate::memory::shm::random_nonce()?
+        );
+        let agent = new_agent(&name, true)?;
+        let span = Span {
+            addr: inner.base_address(),
+            len: inner.len(),
+            mem,
+            dev: u64::from(dev),
+        };
+        let registration = agent.agent.register_memory(&span, None).map_err(|e| {
+            Error::transport(
+                format!(
+                    "registering the arena ({} bytes, {}) with NIXL",
+                    span.len,
+                    mem.name()
+                ),
+                e.to_string(),
+            )
+        })?;
+        let metadata = agent
+            .agent
+            .get_local_md()
+            .map_err(|e| Error::transport("reading the NIXL agent's metadata", e.to_string()))?;
+        let host = if host_ok(host) {
+            host.to_owned()
+        } else {
+            crate::memory::this_host()
+        };
+        let session = NixlSession {
+            host,
+            agent: name,
+            base: span.addr,
+            len: span.len,
+            mem,
+            dev,
+            metadata,
+        };
+        let text = session.to_string();
+        if text.len() > MAX_NIXL_SESSION_BYTES || session.metadata.len() > MAX_METADATA_BYTES {
+            return Err(Error::transport(
+                "describing the NIXL arena",
+                format!(
+                    "its metadata is {} bytes, more than a session carries ({MAX_METADATA_BYTES}); \
+                     limit the UCX devices (UCX_NET_DEVICES, UCX_TLS)",
+                    session.metadata.len()
+                ),
+            ));
+        }
+        if !metadata_names(&session.metadata, &session.agent) {
+            return Err(Error::transport(
+                "describing the NIXL arena",
+                "the agent's metadata does not start as NIXL 1.5 writes it (another NIXL version?)",
+            ));
+        }
+        tracing::info!(
+            agent = %session.agent,
+            bytes = span.len,
+            metadata_bytes = session.metadata.len(),
+            "arena registered with NIXL"
+        );
+        Ok(NixlRegion {
+            _registration: registration,
+            agent,
+            session: text,
+            inner,
+        })
+    }
+
+    /// The agent's name.
+    pub fn agent_name(&self) -> String {
+        self.agent.agent.name()
+    }
+}
+
+impl Region for NixlRegion {
+    fn len(&self) -> u64 {
+        self.inner.len()
+    }
+
+    fn base_address(&self) -> u64 {
+        self.inner.base_address()
+    }
+
+    fn session(&self) -> &str {
+        &self.session
+    }
+
+    fn set_notifier(&mut self, notifier: Notifier) {
+        self.inner.set_notifier(notifier);
+    }
+
+    fn set_reply_endpoint(&mut self, endpoint: &str) {
+        self.inner.set_reply_endpoint(endpoint);
+    }
+
+    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+        self.inner.start(ops)
+    }
+
+    fn progress(&mut self, ops: &[CopyOp<'_>], budget: u64) -> Result<Progress> {
+        self.inner.progress(ops, budget)
+    }
+
+    fn abandon(&mut self) {
+        self.inner.abandon();
+    }
+
+    fn reply(&self, what: &str) -> Option<Result<Reply>> {
+        self.inner.reply(what)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn metadata(agent: &str) -> Vec<u8> {
+        let mut m = METADATA_PREFIX.to_vec();
+        m.extend_from_slice(&(agent.len() as u64).to_le_bytes());
+        m.extend_from_slice(agent.as_bytes());
+        m.extend_from_slice(b"|Conns\x08\x00rest of it");
+        m
+    }
+
+    fn session() -> NixlSession {
+        let agent = format!("capture-arena-42-{:032x}", 7u128);
+        NixlSession {
+            host: "node-1".into(),
+            metadata: metadata(&agent),
+            agent,
+            base: 0x7f00_0000_1000,
+            len: 1 << 20,
+            mem: NixlMem::Dram,
+            dev: 0,
+        }
+    }
+
+    #[test]
+    fn sessions_round_trip_in_canonical_form_only() {
+        let s = session();
+        let text = s.to_string();
+        assert!(
+            text.starts_with("nixl://node-1/capture-arena-42-"),
+            "{text}"
+        );
+        assert_eq!(text.parse::<NixlSession>().unwrap(), s);
+        let vram = NixlSession {
+            mem: NixlMem::Vram,
+            dev: 3,
+            ..s.clone()
+        };
+        assert_eq!(vram.to_string().parse::<NixlSession>().unwrap(), vram);
+        for bad in [
+            text.replace("base=0x", "base="),
+            text.replace("&len=1048576", "&len=0"),
+            text.replace("mem=dram", "mem=disk"),
+            text.replace("dev=0", "dev=-1"),
+            text.replace("node-1", "node 1"),
+            text.replace("capture-arena-42-", "other-42-"),
+            format!("{text}&x=1"),
+            format!("{text}="),
+            text.replace("nixl://", "shm://"),
+            text.replace("&md=", "&md=!"),
+            format!(
+                "{}&md={}",
+                text.split("&md=").next().unwrap(),
+                "A".repeat(9000)
+            ),
+        ] {
+            assert!(bad.parse::<NixlSession>().is_err(), "accepted {bad}");
+        }
+    }
+
+    #[test]
+    fn metadata_of_another_agent_is_refused_before_nixl_sees_it() {
+        let s = session();
+        let other = format!("capture-arena-42-{:032x}", 8u128);
+        let forged = NixlSession {
+            metadata: metadata(&other),
+            ..s.clone()
+        };
+        assert!(forged.to_string().parse::<NixlSession>().is_err());
+        assert!(metadata_names(&s.metadata, &s.agent));
+        assert!(!metadata_names(&s.metadata[..20], &s.agent));
+        assert!(!metadata_names(b"", &s.agent));
+        let mut long = s.metadata.clone();
+        long[16] = 0xff;
+        assert!(!metadata_names(&long, &s.agent));
+    }
+
+    #[test]
+    fn base_plus_len_may_not_overflow() {
+        let s = NixlSession {
+            base: u64::MAX - 10,
+            ..session()
+        };
+        assert!(s.to_string().parse::<NixlSession>().is_err());
+    }
+}

@@ -1,0 +1,397 @@
+//! Reads through NIXL: one-sided READs from an arena another process (on any host) registered
+//! with its NIXL agent ([`crate::memory::nixl`]).
+//!
+//! One reader agent per process, made on first use, loads each producer's metadata from its
+//! session once; a [`NixlTransport`] per session then turns every call's reads into one NIXL
+//! request (one descriptor per object), posts it and waits for it. The reader agent runs no
+//! progress thread: the waiting reader drives UCX itself, polling hot for a few microseconds,
+//! then yielding, then sleeping in 50 µs steps, so a long read over TCP leaves the core to the
+//! producer's progress thread.
+//!
+//! Destinations are registered with the reader agent: inside a [`super::ReadBuffer`] once per
+//! buffer, otherwise for that one read.
+//!
+//! A producer that is gone or restarted does not answer: a read fails with
+//! [`Error::StaleSession`] (at once when UCX reports the connection lost, else after
+//! `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`), the session's metadata is dropped (which closes its
+//! connection, so nothing lands in the destinations after the error), and the transport stays
+//! dead.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nixl_sys::{MemType, XferDescList, XferOp, XferStatus};
+
+use super::{buffer, Destination, ReadOp, Transport};
+use crate::error::{Error, Result};
+use crate::memory::nixl::{new_agent, AgentHandle, NixlMem, NixlSession, Span};
+
+/// The process's reader agent and the producers whose metadata it holds.
+struct ReaderAgent {
+    handle: AgentHandle,
+    /// Identifies this agent's registrations in the read-buffer registry.
+    id: u64,
+    pid: u32,
+    /// Open transports per producer agent: the metadata is dropped with the last one.
+    remotes: Mutex<HashMap<String, usize>>,
+}
+
+impl fmt::Debug for ReaderAgent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReaderAgent")
+            .field("agent", &self.handle)
+            .finish()
+    }
+}
+
+impl Drop for ReaderAgent {
+    fn drop(&mut self) {
+        buffer::release_owner(self.id);
+    }
+}
+
+static READER: Mutex<Option<Arc<ReaderAgent>>> = Mutex::new(None);
+static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
+
+/// The reader agent of this process, made on first use (and again in a forked child, which
+/// must not touch its parent's UCX state: the parent's agent is leaked there, never dropped).
+fn reader_agent() -> Result<Arc<ReaderAgent>> {
+    let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if let Some(a) = slot.as_ref() {
+        if a.pid == pid {
+            return Ok(a.clone());
+        }
+        if let Some(old) = slot.take() {
+            std::mem::forget(old);
+        }
+    }
+    let name = format!(
+        "capture-arena-reader-{pid}-{:032x}",
+        crate::memory::shm::random_nonce()?
+    );
+    let agent = Arc::new(ReaderAgent {
+        handle: new_agent(&name, false)?,
+        id: NEXT_AGENT.fetch_add(1, Ordering::Relaxed),
+        pid,
+        remotes: Mutex::new(HashMap::new()),
+    });
+    *slot = Some(agent.clone());
+    Ok(agent)
+}
+
+/// One producer's arena as this process reads it through NIXL.
+pub struct NixlTransport {
+    session: NixlSession,
+    text: String,
+    agent: Arc<ReaderAgent>,
+    timeout: Duration,
+    /// Set once a read failed: the producer is gone or restarted.
+    dead: AtomicBool,
+}
+
+impl fmt::Debug for NixlTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NixlTransport")
+            .field("session", &self.session)
+            .field("dead", &self.dead.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+/// A registration made for one read, released when the read is over.
+type TempRegistration = Box<dyn Any + Send>;
+
+impl NixlTransport {
+    /// Loads the producer's metadata (from the session itself) into this process's reader
+    /// agent. Nothing is sent yet: the connection is made by the first read.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] when NIXL cannot be loaded or the agent not made;
+    /// [`Error::InvalidSession`] when NIXL refuses the metadata.
+    pub fn open(session: &NixlSession) -> Result<NixlTransport> {
+        let timeout = crate::config::read_timeout()?;
+        let agent = reader_agent()?;
+        {
+            let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+            let n = remotes.entry(session.agent.clone()).or_insert(0);
+            if *n == 0 {
+                let loaded = agent
+                    .handle
+                    .agent
+                    .load_remote_md(&session.metadata)
+                    .map_err(|e| Error::InvalidSession {
+                        session: session.to_string(),
+                        reason: format!("NIXL refused the producer's metadata ({e})"),
+                    });
+                match loaded {
+                    Ok(name) if name == session.agent => {}
+                    other => {
+                        remotes.remove(&session.agent);
+                        if let Ok(name) = &other {
+                            let _ = agent.handle.agent.invalidate_remote_md(name);
+                        }
+                        return Err(other.err().unwrap_or_else(|| Error::InvalidSession {
+                            session: session.to_string(),
+                            reason: "the metadata names another agent".into(),
+                        }));
+                    }
+                }
+            }
+            *n += 1;
+        }
+        Ok(NixlTransport {
+            text: session.to_string(),
+            session: session.clone(),
+            agent,
+            timeout,
+            dead: AtomicBool::new(false),
+        })
+    }
+
+    /// The parsed session.
+    pub fn nixl_session(&self) -> &NixlSession {
+        &self.session
+    }
+
+    fn stale(&self, reason: String) -> Error {
+        Error::StaleSession {
+            session: self.text.clone(),
+            reason,
+        }
+    }
+
+    /// Marks the session dead and drops its metadata, which closes the connection to the
+    /// producer (so a transfer still in flight can no longer write the destinations).
+    fn kill(&self, reason: String) -> Error {
+        if !self.dead.swap(true, Ordering::SeqCst) {
+            let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+            if remotes.remove(&self.session.agent).is_some() {
+                if let Err(e) = self
+                    .agent
+                    .handle
+                    .agent
+                    .invalidate_remote_md(&self.session.agent)
+                {
+                    tracing::debug!(error = %e, agent = %self.session.agent, "dropping metadata");
+                }
+            }
+        }
+        tracing::warn!(session = %self.session.agent, %reason, "NIXL session is stale");
+        self.stale(reason)
+    }
+
+    /// The local descriptor of one destination, registered with the reader agent (once per
+    /// read buffer, or for this read into `temps`).
+    fn local(&self, into: &mut Destination<'_>, temps: &mut Vec<TempRegistration>) -> Result<Span> {
+        let span = match into {
+            Destination::Host(b) => Span {
+                addr: b.as_mut_ptr() as u64,
+                len: b.len() as u64,
+                mem: NixlMem::Dram,
+                dev: 0,
+            },
+            Destination::Device(d) => {
+                if d.device() < 0 {
+                    return Err(Error::InvalidRead {
+                        key: self.text.clone(),
+                        reason: format!("device ordinal {} is negative", d.device()),
+                    });
+                }
+                wait_for(d)?;
+                Span {
+                    addr: d.ptr(),
+                    len: d.len(),
+                    mem: NixlMem::Vram,
+                    dev: d.device() as u64,
+                }
+            }
+        };
+        let agent = &self.agent.handle.agent;
+        let register = |addr: u64, len: u64| -> Result<Box<dyn Any + Send>> {
+            let whole = Span { addr, len, ..span };
+            agent
+                .register_memory(&whole, None)
+                .map(|r| Box::new(r) as Box<dyn Any + Send>)
+                .map_err(|e| {
+                    Error::transport(
+                        format!("registering {len} bytes of read destination with NIXL"),
+                        e.to_string(),
+                    )
+                })
+        };
+        let in_buffer = span.mem == NixlMem::Dram
+            && buffer::ensure_registered(span.addr, span.len, self.agent.id, &register)?;
+        if !in_buffer {
+            temps.push(register(span.addr, span.len)?);
+        }
+        Ok(span)
+    }
+
+    /// Waits for `req` with the polling described in the module docs, until `deadline`.
+    fn wait(&self, req: &nixl_sys::XferRequest, bytes: u64, deadline: Instant) -> Result<()> {
+        let agent = &self.agent.handle.agent;
+        let t0 = Instant::now();
+        let mut polls = 0u32;
+        loop {
+            match agent.get_xfer_status(req) {
+                Ok(XferStatus::Success) => return Ok(()),
+                Ok(XferStatus::InProgress) => {}
+                Err(e) => {
+                    return Err(self.kill(format!(
+                        "the NIXL read of {bytes} bytes failed ({e}): the producer is gone or \
+                         restarted, or the network between us is down"
+                    )))
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.kill(format!(
+                    "the NIXL read of {bytes} bytes did not complete in {:.1} s: the producer \
+                     does not answer (gone, restarted or unreachable); raise \
+                     SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links",
+                    self.timeout.as_secs_f64()
+                )));
+            }
+            polls = polls.saturating_add(1);
+            if polls < 64 {
+                std::hint::spin_loop();
+            } else if now - t0 < Duration::from_millis(1) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+/// Waits for the caller's stream of a device destination (NIXL's copy is outside CUDA streams).
+fn wait_for(d: &super::DeviceSlice) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(stream) = d.waits_for() {
+        return crate::memory::cuda::wait_for_stream(d.device(), stream);
+    }
+    #[cfg(not(feature = "cuda"))]
+    if d.waits_for().is_some() {
+        return Err(Error::InvalidRead {
+            key: "a device destination".into(),
+            reason: "waiting for its stream needs a build with the cuda feature".into(),
+        });
+    }
+    Ok(())
+}
+
+impl Drop for NixlTransport {
+    fn drop(&mut self) {
+        if self.dead.load(Ordering::SeqCst) {
+            return;
+        }
+        let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = remotes.get_mut(&self.session.agent) {
+            *n -= 1;
+            if *n == 0 {
+                remotes.remove(&self.session.agent);
+                if self.agent.pid == std::process::id() {
+                    let _ = self
+                        .agent
+                        .handle
+                        .agent
+                        .invalidate_remote_md(&self.session.agent);
+                }
+            }
+        }
+    }
+}
+
+impl Transport for NixlTransport {
+    fn session(&self) -> &str {
+        &self.text
+    }
+
+    fn is_live(&self) -> bool {
+        !self.dead.load(Ordering::SeqCst)
+    }
+
+    fn capacity(&self) -> u64 {
+        self.session.len
+    }
+
+    fn check(&self, address: u64, len: u64) -> Result<()> {
+        super::offset_in(self.session.base, self.session.len, address, len).map(|_| ())
+    }
+
+    fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {
+        for r in reads.iter() {
+            self.check(r.address, r.into.len())?;
+        }
+        if !self.is_live() {
+            return Err(self.stale("an earlier read found the producer gone".into()));
+        }
+        if self.agent.pid != std::process::id() {
+            return Err(self.stale("opened by the parent of this forked process".into()));
+        }
+        let mem: MemType = self.session.mem.mem_type();
+        let mut temps: Vec<TempRegistration> = Vec::new();
+        let mut local_mem = None;
+        let mut local = Vec::with_capacity(reads.len());
+        let mut bytes = 0u64;
+        for r in reads.iter_mut() {
+            if r.into.is_empty() {
+                continue;
+            }
+            let span = self.local(&mut r.into, &mut temps)?;
+            if local_mem.is_some_and(|m| m != span.mem) {
+                return Err(Error::InvalidRead {
+                    key: self.text.clone(),
+                    reason: "one NIXL read goes either to host or to device memory, not both; \
+                             split the request"
+                        .into(),
+                });
+            }
+            local_mem = Some(span.mem);
+            bytes += span.len;
+            local.push((span, r.address));
+        }
+        let Some(local_mem) = local_mem else {
+            return Ok(());
+        };
+        let what =
+            |e: nixl_sys::NixlError| Error::transport("describing a NIXL read", e.to_string());
+        let mut ldesc = XferDescList::new(local_mem.mem_type()).map_err(what)?;
+        let mut rdesc = XferDescList::new(mem).map_err(what)?;
+        for (span, address) in &local {
+            ldesc.add_desc(span.addr as usize, span.len as usize, span.dev);
+            rdesc.add_desc(
+                *address as usize,
+                span.len as usize,
+                u64::from(self.session.dev),
+            );
+        }
+        let agent = &self.agent.handle.agent;
+        let deadline = Instant::now() + self.timeout;
+        let req = agent
+            .create_xfer_req(XferOp::Read, &ldesc, &rdesc, &self.session.agent, None)
+            .map_err(|e| {
+                self.kill(format!(
+                    "NIXL cannot make a read request for {} objects ({e}): the producer's \
+                     metadata is no longer loaded or does not cover these addresses",
+                    local.len()
+                ))
+            })?;
+        if let Err(e) = agent.post_xfer_req(&req, None) {
+            drop(req);
+            return Err(self.kill(format!(
+                "posting the NIXL read failed ({e}): the producer is gone or unreachable"
+            )));
+        }
+        let r = self.wait(&req, bytes, deadline);
+        // Releasing an unfinished request aborts it; after `kill` its connection is closed too.
+        drop(req);
+        drop(temps);
+        r
+    }
+}
