@@ -32,6 +32,10 @@ pub struct Args {
     /// process, end_to_end_device, batch_16x4_device) instead of the host ones.
     #[command(flatten)]
     pub gpu: crate::workload::Gpu,
+    /// `nixl`: the NIXL rows (memcpy, nixl_read, nixl_batch_16) read from a producer process
+    /// through NIXL, over the UCX transports UCX_TLS names, instead of the shared-memory ones.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "nixl"])]
+    pub transport: String,
 }
 
 /// One row of the table.
@@ -214,10 +218,28 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             args.gpu.gpu
         );
     }
+    let nixl = args.transport == "nixl";
+    if nixl {
+        anyhow::ensure!(
+            cfg!(feature = "nixl"),
+            "--transport nixl needs a build with the nixl feature (cargo build --release -p \
+             capture-arena-cli --features nixl)"
+        );
+        anyhow::ensure!(
+            !args.gpu.device,
+            "--transport nixl measures host arenas; drop --device"
+        );
+        println!(
+            "(nixl rows: a producer process serves the arena through NIXL over {})",
+            crate::workload::ucx_transports()
+        );
+    }
     let mut rows = Vec::new();
     for &size in &args.sizes {
         let reps = reps_for(size, args.reps);
-        let measured = if args.gpu.device {
+        let measured = if nixl {
+            crate::nixl_bench::bench(size, reps)
+        } else if args.gpu.device {
             crate::device::bench(size, reps, args.gpu.gpu)
         } else {
             measure(size, reps)
@@ -231,7 +253,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     if let Some(p) = &args.json {
-        let doc = serde_json::json!({ "machine": machine, "rows": rows });
+        let doc = serde_json::json!({
+            "machine": machine,
+            "transports": if nixl { crate::workload::ucx_transports() } else { "shm".into() },
+            "rows": rows,
+        });
         std::fs::write(p, serde_json::to_string_pretty(&doc)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
@@ -272,7 +298,14 @@ fn plot(path: &std::path::Path, rows: &[Row], machine: &str) -> anyhow::Result<(
         .y_desc("GB/s (median)")
         .x_label_formatter(&|x| format!("{x:.0}"))
         .draw()?;
-    let series = ["memcpy", "publish", "read", "end_to_end"];
+    let series = [
+        "memcpy",
+        "publish",
+        "read",
+        "end_to_end",
+        "nixl_read",
+        "nixl_batch_16",
+    ];
     for (i, what) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         let pts: Vec<(f64, f64)> = shown

@@ -29,6 +29,11 @@ pub struct Args {
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
+    /// How the trainer reaches the arena: `auto` (shared memory, or CUDA handles with --device)
+    /// or `nixl` (the arena registered with a NIXL agent, read through UCX as a trainer on
+    /// another host would; needs a build with the nixl feature and the NIXL library).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "nixl"])]
+    pub transport: String,
 }
 
 /// A child process that is stopped (SIGTERM, then SIGKILL after 5 s) and reaped if the demo
@@ -143,8 +148,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             gib(total)
         );
     }
+    if args.transport == "nixl" && !cfg!(feature = "nixl") {
+        bail!("--transport nixl needs a build with the nixl feature (cargo build --release -p capture-arena-cli --features nixl)");
+    }
     let exe = std::env::current_exe().context("finding the capture-arena executable")?;
     let mut producer = Command::new(&exe)
+        .env(capture_arena::config::ENV_TRANSPORT, &args.transport)
         .arg("produce")
         .args(["--samples", &w.samples.to_string()])
         .args([
@@ -298,7 +307,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let session = pf["session"].as_str().unwrap_or("?");
     row(
         "arena",
-        if session.starts_with("cuda://") {
+        if session.starts_with("nixl://") {
+            let short: String = session.chars().take(72).collect();
+            format!(
+                "{} memory served through NIXL ({}): {short}...",
+                if args.gpu.device { "device" } else { "host" },
+                crate::workload::ucx_transports()
+            )
+        } else if session.starts_with("cuda://") {
             format!(
                 "GPU {} (device memory; trainer reads into device buffers): {session}",
                 args.gpu.gpu

@@ -7,6 +7,7 @@ mod clean;
 mod consume;
 mod demo;
 mod device;
+mod nixl_bench;
 mod produce;
 mod workload;
 
@@ -39,6 +40,9 @@ enum Command {
     /// What the GPU path finds here: the CUDA driver, the devices, and which handle type a
     /// device arena gets (fabric or POSIX fd) and why. One JSON object on stdout.
     DeviceInfo(device::InfoArgs),
+    /// The producer half of `bench --transport nixl` (internal).
+    #[command(hide = true)]
+    BenchServe(nixl_bench::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +57,8 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    #[cfg(feature = "nixl")]
+    workload::ucx_defaults();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(a) => demo::run(a),
@@ -61,6 +67,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Clean(a) => clean::run(a),
         Command::DeviceInfo(a) => device::info(a),
+        Command::BenchServe(a) => nixl_bench::serve(a),
     };
     match result {
         Ok(code) => code,

@@ -75,7 +75,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
          (SGLANG_SPEC_CAPTURE_ARENA_BYTES) or lower --batch / --max-len"
     );
     let writer = Writer::start(&config).context("starting the arena")?;
-    remove_arena_on_signal(&writer.arena_ref().session)?;
+    remove_arena_on_signal(writer.memory_session())?;
     tracing::info!(
         samples = w.samples,
         total = %gib(w.total_bytes()),

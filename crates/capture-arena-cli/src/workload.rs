@@ -264,6 +264,26 @@ impl Workload {
 }
 
 /// Parses a size flag (`2GiB`, `512MiB`, `1048576`).
+/// The UCX transports NIXL may use here, as the tables name them.
+pub fn ucx_transports() -> String {
+    match std::env::var("UCX_TLS") {
+        Ok(v) if !v.trim().is_empty() => format!("UCX_TLS={v}"),
+        _ => "UCX default transports (cma or shared memory on one host; tcp, rdma across hosts)"
+            .into(),
+    }
+}
+
+/// `UCX_MODULES=^ib` unless set, on a machine without InfiniBand devices: UCX's InfiniBand
+/// module (with the libnl the NIXL wheel bundles) crashes at exit where there is no such device.
+/// Called first thing in `main`, while the process has one thread; children inherit it.
+#[cfg(feature = "nixl")]
+pub fn ucx_defaults() {
+    let has_ib = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some());
+    if std::env::var_os("UCX_MODULES").is_none() && !has_ib {
+        std::env::set_var("UCX_MODULES", "^ib");
+    }
+}
+
 pub fn size_arg(s: &str) -> Result<u64, String> {
     parse_bytes(s)
 }

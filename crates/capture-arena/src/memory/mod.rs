@@ -129,6 +129,13 @@ pub trait Region: Send + fmt::Debug {
     /// What a reader opens to reach this region (the result's `arena.session`).
     fn session(&self) -> &str;
 
+    /// The session of the memory itself: differs from [`Region::session`] for a region that
+    /// serves other memory through another transport (a NIXL region over shared memory names
+    /// the `shm://` object here), so its owner can still clean it up.
+    fn memory_session(&self) -> &str {
+        self.session()
+    }
+
     /// Gives the region the handle that wakes the writer (called once, before any copy).
     fn set_notifier(&mut self, _notifier: Notifier) {}
 
@@ -164,6 +171,7 @@ pub trait Region: Send + fmt::Debug {
 }
 
 /// True for a plain host name as sessions carry it (letters, digits, `.`, `-`, `_`).
+#[cfg_attr(not(any(feature = "cuda", feature = "nixl")), allow(dead_code))]
 pub(crate) fn host_ok(h: &str) -> bool {
     !h.is_empty()
         && h.len() <= 253
@@ -173,6 +181,7 @@ pub(crate) fn host_ok(h: &str) -> bool {
 
 /// This host's name, as sessions carry it (`localhost` if it cannot be read or is not a plain
 /// host name).
+#[cfg_attr(not(any(feature = "cuda", feature = "nixl")), allow(dead_code))]
 pub(crate) fn this_host() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: gethostname writes at most buf.len() bytes.

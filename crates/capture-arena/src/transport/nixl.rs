@@ -112,7 +112,7 @@ impl NixlTransport {
     ///
     /// # Errors
     /// [`Error::Transport`] when NIXL cannot be loaded or the agent not made;
-    /// [`Error::InvalidSession`] when NIXL refuses the metadata.
+    /// [`Error::StaleSession`] when NIXL refuses the metadata or cannot reach the producer.
     pub fn open(session: &NixlSession) -> Result<NixlTransport> {
         let timeout = crate::config::read_timeout()?;
         let agent = reader_agent()?;
@@ -124,9 +124,12 @@ impl NixlTransport {
                     .handle
                     .agent
                     .load_remote_md(&session.metadata)
-                    .map_err(|e| Error::InvalidSession {
+                    .map_err(|e| Error::StaleSession {
                         session: session.to_string(),
-                        reason: format!("NIXL refused the producer's metadata ({e})"),
+                        reason: format!(
+                            "NIXL cannot load the producer's metadata or connect to its agent \
+                             ({e}): the producer is gone or restarted, or unreachable from here"
+                        ),
                     });
                 match loaded {
                     Ok(name) if name == session.agent => {}

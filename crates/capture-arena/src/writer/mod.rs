@@ -54,6 +54,7 @@ pub struct Writer {
     submitter: Submitter,
     thread: Option<JoinHandle<()>>,
     arena_ref: ArenaRef,
+    memory_session: String,
     reply_endpoint: String,
     capacity: u64,
 }
@@ -115,6 +116,7 @@ impl Writer {
         let server = ControlServer::new(listener, poll.registry(), limits)?;
         let reply_endpoint = server.reply_endpoint().to_owned();
         region.set_reply_endpoint(&reply_endpoint);
+        let memory_session = region.memory_session().to_owned();
         let arena = Arena::new(region, config.alignment, control)?;
         let (submitter, queue) = Submitter::new(waker, config.max_pending_batches);
         let shared = submitter.shared.clone();
@@ -144,6 +146,7 @@ impl Writer {
             submitter,
             thread: Some(thread),
             arena_ref,
+            memory_session,
             reply_endpoint,
             capacity,
         })
@@ -210,6 +213,12 @@ impl Writer {
     /// The session and control endpoint results carry.
     pub fn arena_ref(&self) -> &ArenaRef {
         &self.arena_ref
+    }
+
+    /// The session of the arena's memory itself: the `shm://` object behind a `nixl://` session
+    /// (what to remove if the process is stopped by a signal), else the result's session.
+    pub fn memory_session(&self) -> &str {
+        &self.memory_session
     }
 
     /// The local reply path's endpoint (`@capture-arena-reply-<pid>-<nonce>`): see

@@ -1,0 +1,235 @@
+//! NIXL between real processes on loopback, with the real library: a producer process serves
+//! its arena through NIXL and trainer processes read every byte and free it, over `UCX_TLS=tcp`
+//! (the cross-host path) and over UCX's default transports (shared memory / CMA on one host);
+//! trainers and producers that restart.
+//!
+//! Needs the NIXL library: `scripts/test.sh` installs the wheel and sets
+//! `SGLANG_SPEC_CAPTURE_NIXL_LIB`.
+#![cfg(feature = "nixl")]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+mod util;
+
+use util::EXE;
+
+/// Multi-sample batches: 12 samples of up to ~0.8 MiB, 3 per batch, through a 2 MiB arena.
+const SMALL: &[&str] = &[
+    "--samples",
+    "12",
+    "--min-len",
+    "16",
+    "--max-len",
+    "256",
+    "--hidden",
+    "256",
+    "--aux-layers",
+    "3",
+    "--batch",
+    "3",
+];
+
+/// `cmd` with NIXL's environment: the arena served through NIXL, and `tls` as UCX_TLS (`None`:
+/// UCX's defaults).
+fn nixl(mut cmd: Command, tls: Option<&str>) -> Command {
+    assert!(
+        std::env::var_os("SGLANG_SPEC_CAPTURE_NIXL_LIB").is_some()
+            || std::env::var_os("LD_LIBRARY_PATH").is_some(),
+        "the NIXL tests need the library: run scripts/test.sh, or set \
+         SGLANG_SPEC_CAPTURE_NIXL_LIB to the nixl-cu12 wheel's .nixl_cu12.mesonpy.libs"
+    );
+    cmd.env("SGLANG_SPEC_CAPTURE_TRANSPORT", "nixl")
+        .env("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "20");
+    match tls {
+        Some(t) => cmd.env("UCX_TLS", t),
+        None => cmd.env_remove("UCX_TLS"),
+    };
+    cmd
+}
+
+fn producer(args: &[&str], arena: &str, idle: &str, tls: Option<&str>) -> Child {
+    let mut c = Command::new(EXE);
+    c.arg("produce")
+        .args(args)
+        .args(["--arena-bytes", arena, "--idle-timeout", idle, "--quiet"])
+        .stdout(Stdio::piped());
+    nixl(c, tls).spawn().unwrap()
+}
+
+fn trainer(tls: Option<&str>) -> Child {
+    let mut c = Command::new(EXE);
+    c.args(["consume", "--quiet", "--progress"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    nixl(c, tls).spawn().unwrap()
+}
+
+fn json_lines(out: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(out)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect()
+}
+
+/// The producer's result lines (sent on to `to`) and its final stats line.
+fn forward(p: &mut Child, mut to: impl Write) -> (usize, Value) {
+    let mut results = 0;
+    let mut last = None;
+    for line in BufReader::new(p.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        let Ok(v) = serde_json::from_str::<Value>(&line) else {
+            continue;
+        };
+        if v.get("stats").is_some() {
+            last = Some(v);
+        } else {
+            let session = v["arena"]["session"].as_str().unwrap();
+            assert!(session.starts_with("nixl://"), "{session}");
+            writeln!(to, "{line}").unwrap();
+            results += 1;
+        }
+    }
+    (results, last.expect("the producer's final stats line"))
+}
+
+fn every_byte_moves_and_the_arena_ends_free(tls: Option<&str>) {
+    let mut p = producer(SMALL, "2MiB", "30", tls);
+    let mut t = trainer(tls);
+    let (n, last) = forward(&mut p, t.stdin.take().unwrap());
+    let out = t.wait_with_output().unwrap();
+    assert!(p.wait().unwrap().success(), "{last}");
+    let lines = json_lines(&out.stdout);
+    let summary = &lines.last().unwrap()["summary"];
+    assert!(out.status.success(), "{summary}");
+    assert_eq!(n, 12);
+    assert_eq!(summary["samples"], 12);
+    assert_eq!(summary["mismatches"], 0);
+    assert!(
+        summary["bytes"].as_u64().unwrap() > 2 << 20,
+        "more than the arena holds"
+    );
+    let s = &last["stats"];
+    assert_eq!(last["ok"], true);
+    assert_eq!(s["freed_objects"], s["published_objects"]);
+    assert_eq!(s["free_bytes"], s["capacity"]);
+    assert_eq!(s["resident_objects"], 0);
+}
+
+#[test]
+fn over_tcp_every_byte_of_multi_sample_batches_is_read_and_the_arena_ends_free() {
+    every_byte_moves_and_the_arena_ends_free(Some("tcp"));
+}
+
+#[test]
+fn over_the_default_transports_every_byte_is_read_and_the_arena_ends_free() {
+    every_byte_moves_and_the_arena_ends_free(None);
+}
+
+#[test]
+fn a_trainer_killed_mid_run_is_replaced_and_the_new_one_reads_the_rest() {
+    let tls = Some("tcp");
+    let tiny = [
+        "--samples",
+        "6",
+        "--min-len",
+        "64",
+        "--max-len",
+        "64",
+        "--hidden",
+        "256",
+        "--batch",
+        "1",
+    ];
+    let mut p = producer(&tiny, "4MiB", "30", tls);
+    let mut from_p = BufReader::new(p.stdout.take().unwrap()).lines();
+    let lines: Vec<String> = from_p.by_ref().take(6).map(Result::unwrap).collect();
+    // The first trainer reads and frees three samples, then dies without a goodbye.
+    let mut first = trainer(tls);
+    let mut to_first = first.stdin.take().unwrap();
+    let mut from_first = BufReader::new(first.stdout.take().unwrap());
+    for l in &lines[..3] {
+        writeln!(to_first, "{l}").unwrap();
+        let mut answer = String::new();
+        from_first.read_line(&mut answer).unwrap();
+        let v: Value = serde_json::from_str(&answer).unwrap();
+        assert_eq!(v["ok"], true, "{v}");
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    // A new trainer process (a new NIXL agent) reads the rest from the same producer.
+    let mut second = trainer(tls);
+    {
+        let mut to = second.stdin.take().unwrap();
+        for l in &lines[3..] {
+            writeln!(to, "{l}").unwrap();
+        }
+    }
+    let out = second.wait_with_output().unwrap();
+    let lines = json_lines(&out.stdout);
+    let summary = &lines.last().unwrap()["summary"];
+    assert!(out.status.success(), "{summary}");
+    assert_eq!(summary["samples"], 3);
+    assert_eq!(summary["mismatches"], 0);
+    // Every sample was freed, by one trainer or the other: the producer finishes cleanly.
+    let last: Vec<String> = from_p.map(Result::unwrap).collect();
+    assert!(p.wait().unwrap().success(), "{last:?}");
+}
+
+#[test]
+fn results_of_a_restarted_producer_fail_as_stale_and_the_new_ones_are_read() {
+    let tls = Some("tcp");
+    let tiny = [
+        "--samples",
+        "2",
+        "--min-len",
+        "8",
+        "--max-len",
+        "8",
+        "--hidden",
+        "64",
+        "--batch",
+        "1",
+    ];
+    // Nobody frees: the first producer gives up and exits, taking its agent with it.
+    let mut c = Command::new(EXE);
+    c.arg("produce")
+        .args(tiny)
+        .args(["--arena-bytes", "1MiB", "--idle-timeout", "0.2", "--quiet"]);
+    let old = nixl(c, tls).output().unwrap();
+    assert!(!old.status.success());
+    let old_results: Vec<String> = String::from_utf8_lossy(&old.stdout)
+        .lines()
+        .filter(|l| l.contains("nixl://") && l.contains("\"features\""))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(old_results.len(), 2);
+    // The restarted producer; one trainer gets the old results, then the new ones.
+    let mut new = producer(&tiny, "1MiB", "30", tls);
+    let mut t = trainer(tls);
+    let mut to = t.stdin.take().unwrap();
+    let t0 = std::time::Instant::now();
+    for l in &old_results {
+        writeln!(to, "{l}").unwrap();
+    }
+    let (n, last) = forward(&mut new, &mut to);
+    drop(to);
+    let out = t.wait_with_output().unwrap();
+    assert!(
+        t0.elapsed() < std::time::Duration::from_secs(40),
+        "stale sessions must fail within the read timeout"
+    );
+    let lines = json_lines(&out.stdout);
+    let summary = &lines.last().unwrap()["summary"];
+    assert!(!out.status.success(), "the stale samples are failures");
+    assert_eq!(n, 2);
+    assert_eq!(summary["mismatches"], 2, "{summary}");
+    let err = summary["first_error"].as_str().unwrap();
+    assert!(err.contains("stale session"), "{err}");
+    // The new producer's samples were read and freed: it finishes cleanly.
+    assert!(new.wait().unwrap().success(), "{last}");
+    let read_ok = lines.iter().filter(|v| v["ok"] == true).count();
+    assert_eq!(read_ok, 2, "{lines:?}");
+}
