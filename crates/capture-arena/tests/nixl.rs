@@ -154,19 +154,28 @@ fn a_stopped_producer_is_a_stale_session_not_a_hang() {
 }
 
 #[test]
-fn corrupted_metadata_is_refused_cleanly() {
+fn metadata_of_another_agent_or_corrupted_is_refused_cleanly() {
     let w = writer(1 << 20);
     let r = publish_one(&w, "a", &[16]);
     let s: capture_arena::memory::nixl::NixlSession = r.arena.session.parse().unwrap();
+    // Another agent's name over this metadata: refused before NIXL sees it.
+    let renamed = capture_arena::memory::nixl::NixlSession {
+        agent: format!("capture-arena-1-{:032x}", 5u128),
+        ..s.clone()
+    };
+    let e = Reader::new().open(&renamed.to_string()).unwrap_err();
+    assert!(matches!(e, Error::InvalidSession { .. }), "{e}");
+    // The right name, a corrupted body: NIXL refuses it, and the read fails cleanly.
     let mut md = s.metadata.clone();
     let n = md.len();
-    md[n / 2] ^= 0xff;
-    // Same agent, corrupted body: NIXL itself must refuse it (or connect to nothing), cleanly.
-    let forged = capture_arena::memory::nixl::NixlSession {
-        agent: format!("capture-arena-1-{:032x}", 5u128),
+    md[n - n / 3] ^= 0xff;
+    md.truncate(n - 7);
+    let corrupted = capture_arena::memory::nixl::NixlSession {
         metadata: md,
         ..s.clone()
     };
-    let e = Reader::new().open(&forged.to_string()).unwrap_err();
+    let e = Reader::new().open(&corrupted.to_string()).unwrap_err();
     assert!(matches!(e, Error::StaleSession { .. }), "{e}");
+    // The producer is untouched.
+    verify(&r);
 }
