@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, installing what it needs: formatting, lints, every Rust test (unit,
 # property, integration, doc; benches run once in test mode), then the Python package's tests.
+# Installs: libclang-dev and g++ (apt, for the nixl feature's build), a venv in .venv with the
+# test tools, the NIXL wheel's libraries in .cache/nixl (scripts/nixl-lib.sh), Mooncake's wheel
+# and the libraries it loads (apt).
 # Usage: scripts/test.sh            (the README's test command; .ci/run calls it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,32 +17,15 @@ for c in rustfmt clippy; do
   fi
 done
 
-step "cargo fmt --check"
-cargo fmt --all --check
-
-step "cargo clippy -D warnings"
-cargo clippy --workspace --all-targets -- -D warnings
-
-step "cargo test (unit, property, integration, process-level, benches once)"
-cargo test --workspace --all-targets
-
-step "the core's default build (no cuda feature): clippy and tests"
-# The workspace build above has the core's cuda feature on (the CLI and the Python module enable
-# it; the driver is loaded at run time, and without a GPU the device tests run against the fake
-# driver in crates/capture-arena/tests/fake_cuda). This checks the build without it.
-cargo clippy -p capture-arena --all-targets -- -D warnings
-cargo test -p capture-arena --all-targets
-
-step "cargo test --doc"
-cargo test --workspace --doc
-
-step "cargo doc (the core's docs build without broken links)"
-RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
-RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --features cuda --no-deps --quiet
-
-step "python: virtual environment (.venv) and the capture_arena package"
-PY=${PYTHON:-python3}
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+step "build tools for the nixl feature (bindgen needs libclang; NIXL's stubs need g++)"
+if ! command -v g++ >/dev/null || ! ldconfig -p | grep -q 'libclang'; then
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq libclang-dev g++
+fi
+
+step "python: virtual environment (.venv) and test tools"
+PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   if ! "$PY" -m venv .venv; then
     rm -rf .venv
@@ -50,7 +36,45 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q maturin numpy ml_dtypes pytest mypy typing_extensions
-.venv/bin/python -m pip install -q --force-reinstall --no-deps ./crates/capture-arena-py
+
+step "NIXL: the nixl-cu12 wheel's libraries (the nixl feature's tests run against them)"
+SGLANG_SPEC_CAPTURE_NIXL_LIB=$(scripts/nixl-lib.sh)
+export SGLANG_SPEC_CAPTURE_NIXL_LIB
+# UCX's InfiniBand module crashes at exit (in the wheel's libnl) where no such device exists.
+if [ -z "$(ls -A /sys/class/infiniband 2>/dev/null)" ]; then
+  export UCX_MODULES=${UCX_MODULES:-^ib}
+fi
+echo "SGLANG_SPEC_CAPTURE_NIXL_LIB=$SGLANG_SPEC_CAPTURE_NIXL_LIB UCX_MODULES=${UCX_MODULES:-}"
+# Every workspace build below has NIXL on; the default builds (no nixl) are checked after.
+NIXL_FEATURES=capture-arena-cli/nixl,capture-arena-py/nixl
+
+step "cargo fmt --check"
+cargo fmt --all --check
+
+step "cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --features "$NIXL_FEATURES" -- -D warnings
+
+step "cargo test (unit, property, integration, process-level, benches once)"
+cargo test --workspace --all-targets --features "$NIXL_FEATURES"
+
+step "the default builds (no nixl; the core without cuda either): clippy and tests"
+# The workspace build above has the core's cuda feature on (the CLI and the Python module enable
+# it; the driver is loaded at run time, and without a GPU the device tests run against the fake
+# driver in crates/capture-arena/tests/fake_cuda). This checks the build without it.
+cargo clippy -p capture-arena-cli --all-targets -- -D warnings
+cargo clippy -p capture-arena --all-targets -- -D warnings
+cargo test -p capture-arena --all-targets
+
+step "cargo test --doc"
+cargo test --workspace --doc --features "$NIXL_FEATURES"
+
+step "cargo doc (the core's docs build without broken links)"
+RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --features cuda,nixl --no-deps --quiet
+
+step "python: the capture_arena package (built with the nixl feature)"
+MATURIN_PEP517_ARGS="--features nixl" \
+  .venv/bin/python -m pip install -q --force-reinstall --no-deps ./crates/capture-arena-py
 
 step "python: Mooncake (the TransferEngine of the engine placement and of the compatibility tests)"
 # The non-CUDA wheel; its libraries load libibverbs and libnl even for TCP.

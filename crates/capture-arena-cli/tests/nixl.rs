@@ -233,3 +233,31 @@ fn results_of_a_restarted_producer_fail_as_stale_and_the_new_ones_are_read() {
     let read_ok = lines.iter().filter(|v| v["ok"] == true).count();
     assert_eq!(read_ok, 2, "{lines:?}");
 }
+
+#[test]
+fn a_missing_nixl_library_is_an_error_that_names_the_setting() {
+    let out = Command::new(EXE)
+        .args([
+            "produce",
+            "--samples",
+            "1",
+            "--max-len",
+            "8",
+            "--min-len",
+            "8",
+        ])
+        .args(["--hidden", "64", "--arena-bytes", "1MiB", "--quiet"])
+        .env("SGLANG_SPEC_CAPTURE_TRANSPORT", "nixl")
+        .env(
+            "SGLANG_SPEC_CAPTURE_NIXL_LIB",
+            "/nonexistent/libnixl_capi.so",
+        )
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("SGLANG_SPEC_CAPTURE_NIXL_LIB") && err.contains("nixl-cu12"),
+        "{err}"
+    );
+}

@@ -34,6 +34,7 @@ pub fn to_py(e: Error) -> PyErr {
         Error::FreeNotSent { .. } => "FreeNotSentError",
         Error::Io { .. } => "ArenaOSError",
         Error::Device { .. } => "DeviceError",
+        Error::Transport { .. } => "TransportError",
         _ => "CaptureArenaError",
     };
     Python::attach(|py| named(py, name, e.to_string()))

@@ -80,5 +80,11 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_max_pending_batches, m)?)?;
     m.add_function(wrap_pyfunction!(sink::_bench_rust_put, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The optional transports this build reads and serves.
+    let mut features = vec!["cuda"];
+    if cfg!(feature = "nixl") {
+        features.push("nixl");
+    }
+    m.add("FEATURES", features)?;
     Ok(())
 }

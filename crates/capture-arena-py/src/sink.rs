@@ -322,7 +322,7 @@ fn helper(rx: Receiver<Msg>) {
 }
 
 /// Keyword argument -> the environment variable it overrides.
-const OVERRIDES: [(&str, &str); 11] = [
+const OVERRIDES: [(&str, &str); 12] = [
     ("arena_bytes", config::ENV_ARENA_BYTES),
     ("control_host", config::ENV_CONTROL_HOST),
     ("control_port", config::ENV_CONTROL_PORT),
@@ -334,6 +334,7 @@ const OVERRIDES: [(&str, &str); 11] = [
     ("gpu_put", config::ENV_GPU_PUT),
     ("eager", config::ENV_EAGER),
     ("device", config::ENV_ARENA_DEVICE),
+    ("transport", config::ENV_TRANSPORT),
 ];
 
 /// The compiled sink. Use `capture_arena.ArenaSink`.
@@ -427,7 +428,7 @@ impl PySink {
     #[new]
     #[pyo3(signature = (*, arena_bytes=None, control_host=None, control_port=None, alignment=None,
                         wait_s=None, max_pending_batches=None, aux_layer_ids=None, timing=None,
-                        protocol=None, gpu_put=None, eager=None, device=None))]
+                        protocol=None, gpu_put=None, eager=None, device=None, transport=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         arena_bytes: Option<Bound<'_, PyAny>>,
@@ -442,6 +443,7 @@ impl PySink {
         gpu_put: Option<bool>,
         eager: Option<bool>,
         device: Option<i32>,
+        transport: Option<String>,
     ) -> PyResult<Self> {
         // Variables whose keyword argument is given are not read at all, so a keyword argument
         // can correct a bad environment.
@@ -457,6 +459,7 @@ impl PySink {
             gpu_put.is_some(),
             eager.is_some(),
             device.is_some(),
+            transport.is_some(),
         ];
         let skip: Vec<&str> = OVERRIDES
             .iter()
@@ -509,6 +512,14 @@ impl PySink {
         }
         if let Some(e) = eager {
             c.eager = e;
+        }
+        if let Some(t) = transport {
+            c.transport = t.parse().map_err(|reason| {
+                to_py(Error::Config {
+                    var: "transport",
+                    reason,
+                })
+            })?;
         }
         if let Some(d) = device {
             if d < 0 {

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import importlib
+import importlib.util
 import os
 import threading
 import weakref
@@ -23,10 +24,31 @@ from typing import Any, Optional
 import numpy as np
 
 from . import errors
-from ._capture_arena import __version__, _ArenaSink, _Store, arena_enabled, placement
+from ._capture_arena import FEATURES, __version__, _ArenaSink, _Store, arena_enabled, placement
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
+
+
+def _nixl_defaults() -> None:
+    """NIXL's environment, set before its library loads (on the first ``nixl://`` session):
+    ``SGLANG_SPEC_CAPTURE_NIXL_LIB`` from an installed ``nixl-cu12`` wheel when unset, and
+    ``UCX_MODULES=^ib`` where the machine has no InfiniBand device (UCX's InfiniBand module
+    crashes at exit there, in the libnl the wheel bundles)."""
+    if "nixl" not in FEATURES:
+        return
+    if not os.environ.get("SGLANG_SPEC_CAPTURE_NIXL_LIB"):
+        spec = importlib.util.find_spec("nixl_cu12")
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            libs = os.path.join(os.path.dirname(loc), ".nixl_cu12.mesonpy.libs")
+            if os.path.exists(os.path.join(libs, "libnixl_capi.so")):
+                os.environ["SGLANG_SPEC_CAPTURE_NIXL_LIB"] = libs
+                break
+    if "UCX_MODULES" not in os.environ and not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
+        os.environ["UCX_MODULES"] = "^ib"
+
+
+_nixl_defaults()
 
 __all__ = [
     "ArenaSink",
@@ -98,6 +120,7 @@ class ArenaSink(_ArenaSink):
     ``gpu_put``                 ``SGLANG_SPEC_CAPTURE_GPU_PUT``                unset
     ``eager``                   ``SGLANG_SPEC_CAPTURE_ARENA_EAGER``            off
     ``device``                  ``SGLANG_SPEC_CAPTURE_ARENA_DEVICE``           first CUDA tensor's
+    ``transport``               ``SGLANG_SPEC_CAPTURE_TRANSPORT``              auto (``nixl``: any host)
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 

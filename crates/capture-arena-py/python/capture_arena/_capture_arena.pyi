@@ -15,6 +15,8 @@ def _bench_rust_put(
     sink: _ArenaSink, n_samples: int, n_tensors: int, tensor_bytes: int, reps: int
 ) -> list[float]: ...
 
+FEATURES: list[str]
+
 @disjoint_base
 class _ArenaSink:
     def __new__(
@@ -32,6 +34,7 @@ class _ArenaSink:
         gpu_put: Optional[bool] = None,
         eager: Optional[bool] = None,
         device: Optional[int] = None,
+        transport: Optional[str] = None,
     ) -> "_ArenaSink": ...
     def _submit(self, samples: Any, future: Any, block: bool = True) -> None: ...
     def _put(self, samples: Any) -> list[dict[str, Any]]: ...

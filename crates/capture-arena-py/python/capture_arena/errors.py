@@ -22,6 +22,7 @@ __all__ = [
     "FreeNotSentError",
     "ArenaOSError",
     "DeviceError",
+    "TransportError",
 ]
 
 
@@ -96,3 +97,9 @@ class DeviceError(CaptureArenaError, RuntimeError):
     """The GPU path cannot be used or a CUDA call failed: no CUDA driver or device in this
     process, a device index it does not see, an error from the driver. The message says what to
     change."""
+
+
+class TransportError(CaptureArenaError, RuntimeError):
+    """A network transport (NIXL) cannot be used: its library missing
+    (``SGLANG_SPEC_CAPTURE_NIXL_LIB``), an agent that cannot be made, memory it cannot register.
+    The message says what to change."""

@@ -102,7 +102,7 @@ fn load() -> std::result::Result<(), String> {
     // bundled UCX), which is what using NIXL at all requires; nothing else is called here.
     let lib = unsafe { libloading::os::unix::Library::open(Some(&path), flags) }.map_err(|e| {
         format!(
-            "cannot open {path} ({e}); install the nixl-cu12==1.5.1 wheel and set {ENV_NIXL_LIB} \
+            "cannot open {path} ({e:?}); install the nixl-cu12==1.5.1 wheel and set {ENV_NIXL_LIB} \
              to its .nixl_cu12.mesonpy.libs directory (or add that directory to LD_LIBRARY_PATH)"
         )
     })?;

@@ -1,0 +1,119 @@
+"""NIXL from Python: a producer process serves its arena through NIXL (``transport="nixl"``) and
+a trainer process reads every byte with ``ArenaFeatureStore`` and releases it, over
+``UCX_TLS=tcp`` (the cross-host path) and over UCX's default transports; the arena ends free.
+
+Both sides are subprocesses because UCX reads ``UCX_TLS`` once per process. Needs the NIXL
+library (scripts/test.sh installs it and sets ``SGLANG_SPEC_CAPTURE_NIXL_LIB``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+import pytest
+
+import capture_arena as ca
+
+pytestmark = pytest.mark.skipif(
+    "nixl" not in ca.FEATURES, reason="this build of capture_arena has no nixl feature (scripts/test.sh builds it)"
+)
+
+COMMON = r"""
+import numpy as np, ml_dtypes
+def tensors(i):
+    rng = np.random.default_rng(i)
+    L = 64 + 37 * i
+    aux = rng.standard_normal((L, 3 * 256), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    last = rng.standard_normal((L, 256), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return L, aux, last
+def spec(i, L):
+    return {"store_id": "nx", "sample_id": f"s{i}", "gen": 1,
+            "features": {"aux": "hidden_state", "last_hidden": "target"},
+            "passthrough": [{"name": "input_ids", "data": list(range(L)), "shape": [1, L], "dtype": "int64"}]}
+"""
+
+PRODUCER = COMMON + r"""
+import json, sys, time
+import capture_arena as ca
+sink = ca.ArenaSink(arena_bytes="4MiB", transport="nixl", wait_s=20)
+batch = []
+for i in range(6):
+    L, aux, last = tensors(i)
+    batch.append((spec(i, L), aux, last))
+for r in sink.put_samples(batch[:3]) + sink.put_samples(batch[3:]):
+    print(json.dumps(r), flush=True)
+deadline = time.monotonic() + 60
+while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(json.dumps({"stats": sink.stats()}), flush=True)
+sink.close()
+"""
+
+TRAINER = COMMON + r"""
+import json, sys
+import numpy as np
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+n = 0
+for line in sys.stdin:
+    r = json.loads(line)
+    if "stats" in r:
+        continue
+    i = int(r["sample_id"][1:])
+    L, aux, last = tensors(i)
+    got = store.get(r)
+    assert np.array_equal(got["hidden_state"].view(np.uint16), aux.reshape(1, L, -1).view(np.uint16)), i
+    assert np.array_equal(got["target"].view(np.uint16), last.reshape(1, L, -1).view(np.uint16)), i
+    assert got["input_ids"].tolist() == [list(range(L))], i
+    assert r["arena"]["session"].startswith("nixl://"), r["arena"]["session"]
+    store.release(r)
+    n += 1
+store.flush()
+print(json.dumps({"read": n}), flush=True)
+"""
+
+
+def env_for(tls: Optional[str]) -> dict[str, str]:
+    e = dict(os.environ)
+    e.pop("UCX_TLS", None)
+    if tls:
+        e["UCX_TLS"] = tls
+    return e
+
+
+@pytest.mark.parametrize("tls", ["tcp", None], ids=["ucx-tcp", "ucx-default"])
+def test_a_trainer_process_reads_every_byte_through_nixl_and_the_arena_ends_free(tls: Optional[str]) -> None:
+    env = env_for(tls)
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER], env=env, stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert producer.stdout is not None and trainer.stdin is not None
+    last = None
+    for line in producer.stdout:
+        if line.startswith("{"):
+            v = json.loads(line)
+            if "stats" in v:
+                last = v["stats"]
+            else:
+                trainer.stdin.write(line)
+                trainer.stdin.flush()
+    trainer.stdin.close()
+    assert trainer.stdout is not None
+    out = trainer.stdout.read()
+    trainer.wait(timeout=120)
+    assert producer.wait(timeout=60) == 0
+    assert trainer.returncode == 0, out
+    assert json.loads(out.strip().splitlines()[-1]) == {"read": 6}
+    assert last is not None
+    assert last["resident_objects"] == 0 and last["free_bytes"] == last["capacity"], last
+    assert last["published_samples"] == 6 and last["freed_objects"] == last["published_objects"]
+
+
+def test_an_unknown_transport_is_a_config_error() -> None:
+    with pytest.raises(ca.ConfigError, match="transport"):
+        ca.ArenaSink(arena_bytes="1MiB", transport="carrier-pigeon")
