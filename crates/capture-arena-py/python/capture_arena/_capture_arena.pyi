@@ -4,7 +4,7 @@ from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__", "FEATURES"]
 
 __version__: str
 
