@@ -50,14 +50,14 @@ pub struct Row {
 }
 
 #[derive(Clone)]
-struct Src(Arc<Vec<u8>>);
+pub(crate) struct Src(pub(crate) Arc<Vec<u8>>);
 impl AsRef<[u8]> for Src {
     fn as_ref(&self) -> &[u8] {
         &self.0
     }
 }
 
-fn sample(id: usize, src: &Src, replace: bool) -> anyhow::Result<Sample> {
+pub(crate) fn sample(id: usize, src: &Src, replace: bool) -> anyhow::Result<Sample> {
     let mut s = Sample::new("bench", &format!("s{id}"), 1)?.with_replace(replace);
     let n = src.0.len() as u64;
     s.push(Tensor::new(

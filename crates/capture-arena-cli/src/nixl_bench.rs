@@ -7,7 +7,10 @@
 //! - `memcpy`: S bytes copied in this process (the bound on one host);
 //! - `nixl_read`: the S-byte object read into a [`ReadBuffer`] (registered once);
 //! - `nixl_batch_16`: the 16 objects read with one call (one NIXL request) into 16 slices of the
-//!   same buffer.
+//!   same buffer;
+//! - `publish` and `publish_nixl`: S bytes published by a writer in this process into a
+//!   shared-memory arena, and into one served through NIXL (its agent's progress thread running):
+//!   what serving through NIXL costs publication.
 //!
 //! Both processes use the UCX transports `UCX_TLS` names (the table says which).
 
@@ -16,6 +19,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use capture_arena::config::ArenaTransport;
 use capture_arena::{
     Config, Dtype, Published, ReadBuffer, Reader, Sample, Tensor, TensorData, Writer,
 };
@@ -144,11 +148,31 @@ pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
     }
     let mut src = vec![0u8; n];
     fill("bench/x", &mut src);
+    let src = crate::bench::Src(std::sync::Arc::new(src));
     let mut dst = vec![1u8; n];
-    let mut t: [Vec<Duration>; 3] = Default::default();
-    for _ in 0..reps {
+    let writer = |transport| {
+        Writer::start(&Config {
+            arena_bytes: Some(3 * size + (1 << 20)),
+            transport,
+            ..Config::default()
+        })
+    };
+    let shm = writer(ArenaTransport::Auto)?;
+    let served = writer(ArenaTransport::Nixl)?;
+    let publish = |w: &Writer| -> anyhow::Result<Duration> {
+        let s = crate::bench::sample(0, &src, true)?;
         let t0 = Instant::now();
-        dst.copy_from_slice(&src);
+        w.submit(vec![s])?.wait()?;
+        Ok(t0.elapsed())
+    };
+    publish(&shm)?;
+    publish(&served)?;
+    let mut t: [Vec<Duration>; 5] = Default::default();
+    for _ in 0..reps {
+        t[3].push(publish(&shm)?);
+        t[4].push(publish(&served)?);
+        let t0 = Instant::now();
+        dst.copy_from_slice(&src.0);
         std::hint::black_box(&dst);
         t[0].push(t0.elapsed());
         let t0 = Instant::now();
@@ -160,7 +184,8 @@ pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
     }
     drop(producer.stdin.take());
     let _ = producer.wait();
-    let [memcpy, read, batch] = t.map(median);
+    drop((shm, served));
+    let [memcpy, read, batch, publish_shm, publish_nixl] = t.map(median);
     let gbps = |b: u64, d: Duration| b as f64 / d.as_secs_f64().max(1e-12) / 1e9;
     let base = gbps(size, memcpy);
     let batch_bytes = part_len(size) * PARTS as u64;
@@ -168,6 +193,8 @@ pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
         ("memcpy", size, memcpy),
         ("nixl_read", size, read),
         ("nixl_batch_16", batch_bytes, batch),
+        ("publish", size, publish_shm),
+        ("publish_nixl", size, publish_nixl),
     ]
     .into_iter()
     .map(|(what, bytes, d)| Row {

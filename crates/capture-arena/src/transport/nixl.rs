@@ -36,9 +36,17 @@ struct ReaderAgent {
     /// Identifies this agent's registrations in the read-buffer registry.
     id: u64,
     pid: u32,
-    /// Open transports per producer agent: the metadata is dropped with the last one.
-    remotes: Mutex<HashMap<String, usize>>,
+    /// Per producer agent whose metadata is loaded: open transports (the metadata is dropped
+    /// with the last one) and the load's generation (a transport releases only the load it
+    /// counted in).
+    remotes: Mutex<HashMap<String, (usize, u64)>>,
+    /// Producer agents found gone (the latest [`MAX_GONE`]): their sessions are refused at once
+    /// instead of each waiting for its own timeout.
+    gone: Mutex<std::collections::VecDeque<String>>,
 }
+
+/// How many gone producer agents a reader remembers.
+const MAX_GONE: usize = 1024;
 
 impl fmt::Debug for ReaderAgent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -56,6 +64,7 @@ impl Drop for ReaderAgent {
 
 static READER: Mutex<Option<Arc<ReaderAgent>>> = Mutex::new(None);
 static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
+static NEXT_LOAD: AtomicU64 = AtomicU64::new(1);
 
 /// The reader agent of this process, made on first use (and again in a forked child, which
 /// must not touch its parent's UCX state: the parent's agent is leaked there, never dropped).
@@ -79,6 +88,7 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
         id: NEXT_AGENT.fetch_add(1, Ordering::Relaxed),
         pid,
         remotes: Mutex::new(HashMap::new()),
+        gone: Mutex::new(std::collections::VecDeque::new()),
     });
     *slot = Some(agent.clone());
     Ok(agent)
@@ -90,6 +100,8 @@ pub struct NixlTransport {
     text: String,
     agent: Arc<ReaderAgent>,
     timeout: Duration,
+    /// The generation of the metadata load this transport counts in.
+    load: u64,
     /// Set once a read failed: the producer is gone or restarted.
     dead: AtomicBool,
 }
@@ -116,10 +128,22 @@ impl NixlTransport {
     pub fn open(session: &NixlSession) -> Result<NixlTransport> {
         let timeout = crate::config::read_timeout()?;
         let agent = reader_agent()?;
+        if agent
+            .gone
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(&session.agent)
         {
+            return Err(Error::StaleSession {
+                session: session.to_string(),
+                reason: "an earlier read found this producer gone (exited, restarted or \
+                         unreachable)"
+                    .into(),
+            });
+        }
+        let generation = {
             let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-            let n = remotes.entry(session.agent.clone()).or_insert(0);
-            if *n == 0 {
+            if !remotes.contains_key(&session.agent) {
                 let loaded = agent
                     .handle
                     .agent
@@ -134,6 +158,9 @@ impl NixlTransport {
                 match loaded {
                     Ok(name) if name == session.agent => {}
                     other => {
+                        // Not remembered as gone: a load fails at once (a refused connection, or
+                        // metadata NIXL cannot parse), so a retry costs little, and a forged
+                        // result cannot make a live producer look gone.
                         remotes.remove(&session.agent);
                         if let Ok(name) = &other {
                             let _ = agent.handle.agent.invalidate_remote_md(name);
@@ -144,10 +171,17 @@ impl NixlTransport {
                         }));
                     }
                 }
+                let generation = NEXT_LOAD.fetch_add(1, Ordering::Relaxed);
+                remotes.insert(session.agent.clone(), (0, generation));
             }
-            *n += 1;
-        }
+            let entry = remotes
+                .get_mut(&session.agent)
+                .expect("inserted above when missing");
+            entry.0 += 1;
+            entry.1
+        };
         Ok(NixlTransport {
+            load: generation,
             text: session.to_string(),
             session: session.clone(),
             agent,
@@ -172,6 +206,7 @@ impl NixlTransport {
     /// producer (so a transfer still in flight can no longer write the destinations).
     fn kill(&self, reason: String) -> Error {
         if !self.dead.swap(true, Ordering::SeqCst) {
+            remember_gone(&self.agent, &self.session.agent);
             let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
             if remotes.remove(&self.session.agent).is_some() {
                 if let Err(e) = self
@@ -228,7 +263,7 @@ impl NixlTransport {
                 })
         };
         let in_buffer = span.mem == NixlMem::Dram
-            && buffer::ensure_registered(span.addr, span.len, self.agent.id, &register)?;
+            && buffer::ensure_registered(span.addr, span.len, self.agent.id, register)?;
         if !in_buffer {
             temps.push(register(span.addr, span.len)?);
         }
@@ -272,6 +307,17 @@ impl NixlTransport {
     }
 }
 
+/// Remembers that producer agent `name` is gone (the latest [`MAX_GONE`] are kept).
+fn remember_gone(agent: &ReaderAgent, name: &str) {
+    let mut gone = agent.gone.lock().unwrap_or_else(|p| p.into_inner());
+    if !gone.iter().any(|g| g == name) {
+        if gone.len() >= MAX_GONE {
+            gone.pop_front();
+        }
+        gone.push_back(name.to_owned());
+    }
+}
+
 /// Waits for the caller's stream of a device destination (NIXL's copy is outside CUDA streams).
 fn wait_for(d: &super::DeviceSlice) -> Result<()> {
     #[cfg(feature = "cuda")]
@@ -290,11 +336,11 @@ fn wait_for(d: &super::DeviceSlice) -> Result<()> {
 
 impl Drop for NixlTransport {
     fn drop(&mut self) {
-        if self.dead.load(Ordering::SeqCst) {
-            return;
-        }
         let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = remotes.get_mut(&self.session.agent) {
+        if let Some((n, generation)) = remotes.get_mut(&self.session.agent) {
+            if *generation != self.load {
+                return; // dropped by `kill` and loaded again since: not ours
+            }
             *n -= 1;
             if *n == 0 {
                 remotes.remove(&self.session.agent);
@@ -379,7 +425,11 @@ impl Transport for NixlTransport {
         let req = agent
             .create_xfer_req(XferOp::Read, &ldesc, &rdesc, &self.session.agent, None)
             .map_err(|e| {
-                self.kill(format!(
+                // Nothing was sent: this session is refused from now on, but the producer's
+                // connection is kept for other sessions naming it (a forged session with other
+                // bounds must not cut a live producer off).
+                self.dead.store(true, Ordering::SeqCst);
+                self.stale(format!(
                     "NIXL cannot make a read request for {} objects ({e}): the producer's \
                      metadata is no longer loaded or does not cover these addresses",
                     local.len()
