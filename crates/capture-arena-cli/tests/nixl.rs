@@ -261,3 +261,78 @@ fn a_missing_nixl_library_is_an_error_that_names_the_setting() {
         "{err}"
     );
 }
+
+#[test]
+fn a_producer_that_stops_answering_fails_the_read_at_the_timeout_and_reads_resume_after() {
+    // UCX over TCP cannot tell a stopped process from a slow one: the read timeout decides.
+    let tls = Some("tcp");
+    let two = [
+        "--samples",
+        "2",
+        "--min-len",
+        "512",
+        "--max-len",
+        "512",
+        "--hidden",
+        "1024",
+        "--batch",
+        "1",
+    ];
+    let mut p = producer(&two, "32MiB", "5", tls);
+    let mut from_p = BufReader::new(p.stdout.take().unwrap()).lines();
+    let lines: Vec<String> = from_p.by_ref().take(2).map(Result::unwrap).collect();
+    let pid = p.id().to_string();
+    let signal = |sig: &str| {
+        assert!(Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success())
+    };
+    let mut c = Command::new(EXE);
+    c.args(["consume", "--quiet", "--progress"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped());
+    let mut t = nixl(c, tls)
+        .env("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "2")
+        .spawn()
+        .unwrap();
+    let mut to = t.stdin.take().unwrap();
+    let mut from = BufReader::new(t.stdout.take().unwrap());
+    let mut answer = |line: &str| -> Value {
+        writeln!(to, "{line}").unwrap();
+        let mut a = String::new();
+        from.read_line(&mut a).unwrap();
+        serde_json::from_str(&a).unwrap()
+    };
+    signal("-STOP");
+    let t0 = std::time::Instant::now();
+    let first = answer(&lines[0]);
+    let waited = t0.elapsed();
+    signal("-CONT");
+    assert_eq!(first["ok"], false, "{first}");
+    assert!(
+        waited >= std::time::Duration::from_secs(2) && waited < std::time::Duration::from_secs(15),
+        "failed after {waited:?}"
+    );
+    // The producer answers again: the same trainer reads its next sample (a new reader agent).
+    let second = answer(&lines[1]);
+    assert_eq!(second["ok"], true, "{second}");
+    drop(to);
+    let mut rest = Vec::new();
+    std::io::Read::read_to_end(&mut from, &mut rest).unwrap();
+    t.wait().unwrap();
+    let summary = json_lines(&rest);
+    let s = &summary.last().unwrap()["summary"];
+    assert_eq!(s["mismatches"], 1, "{s}");
+    assert!(
+        s["first_error"]
+            .as_str()
+            .unwrap()
+            .contains("did not complete in 2.0 s"),
+        "{s}"
+    );
+    // Nobody freed the first sample: the producer gives up after its idle timeout.
+    let _rest: Vec<String> = from_p.map(Result::unwrap).collect();
+    assert!(!p.wait().unwrap().success());
+}

@@ -733,7 +733,7 @@ mod tests {
         p.sample_id = "x".repeat(2000);
         assert!(p.validate().is_err(), "a key too long to free is refused");
         p.sample_id = "s".into();
-        p.arena.session = "s".repeat(5000);
+        p.arena.session = "s".repeat(MAX_SESSION_BYTES + 1);
         assert!(p.validate().is_err());
     }
 

@@ -92,10 +92,8 @@ impl Reader {
                     return Ok(t);
                 }
                 c.sessions.remove(session);
-                return Err(Error::StaleSession {
-                    session: session.to_owned(),
-                    reason: "the producer removed its arena after this reader opened it".into(),
-                });
+                // Opened again below: the transport says whether the producer is still there
+                // (a NIXL session whose reader agent was retired reopens with a new one).
             }
             // A new session: often a producer restarted, so look for the ones that are gone now.
             c.sweep();

@@ -17,6 +17,7 @@
 //! process when the library or a symbol is missing.
 
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::str::FromStr;
 use std::sync::OnceLock;
 
@@ -71,6 +72,7 @@ const SYMBOLS: &[&str] = &[
     "nixl_capi_post_xfer_req",
     "nixl_capi_get_xfer_status",
     "nixl_capi_release_xfer_req",
+    "nixl_capi_destroy_xfer_req",
 ];
 
 /// Opens the NIXL library once per process and checks its symbols; every later call returns
@@ -115,9 +117,21 @@ fn load() -> std::result::Result<(), String> {
             ));
         }
     }
-    // The stubs of nixl-sys open the library by its name; the one loaded here (with the soname
-    // libnixl_capi.so) is what they find, so it stays loaded for the life of the process.
-    std::mem::forget(lib);
+    // The stubs of nixl-sys open the library by its name: that must find the one just checked
+    // (its soname is libnixl_capi.so), not another copy, or nothing.
+    // SAFETY: RTLD_NOLOAD only looks the name up among the libraries already loaded.
+    let by_name = unsafe {
+        libloading::os::unix::Library::open(Some(LIBRARY), libc::RTLD_NOW | libc::RTLD_NOLOAD)
+    };
+    let ours = lib.into_raw();
+    if !by_name.is_ok_and(|l| l.into_raw() == ours) {
+        return Err(format!(
+            "{path} does not answer to the name {LIBRARY} (its soname differs), so NIXL's stubs \
+             would load another library or none; point {ENV_NIXL_LIB} at the nixl-cu12 wheel's \
+             libnixl_capi.so"
+        ));
+    }
+    // Both handles stay open (never closed) for the life of the process.
     if nixl_sys::is_stub() {
         return Err(format!(
             "{path} is a stub build of NIXL, without transports"
@@ -395,11 +409,29 @@ impl FromStr for NixlSession {
 /// A region registered with a NIXL agent: the inner region does the copies; readers reach it
 /// through the agent. See the module docs.
 pub struct NixlRegion {
-    // Field order is drop order: the registration goes first, then the agent, then the memory.
-    _registration: nixl_sys::RegistrationHandle,
-    agent: AgentHandle,
+    // Dropped by hand (Drop below): the registration, then the agent, then (as a field) the
+    // memory; in a forked child neither NIXL object is touched.
+    registration: ManuallyDrop<nixl_sys::RegistrationHandle>,
+    agent: ManuallyDrop<AgentHandle>,
+    /// The process that made the agent.
+    pid: u32,
     session: String,
     inner: Box<dyn Region>,
+}
+
+impl Drop for NixlRegion {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            // A forked child: the agent's threads are not here and the arena's mapping is not
+            // inherited (MADV_DONTFORK); the parent's NIXL state is left alone.
+            return;
+        }
+        // SAFETY: each field is dropped exactly once, here, and not used after.
+        unsafe {
+            ManuallyDrop::drop(&mut self.registration);
+            ManuallyDrop::drop(&mut self.agent);
+        }
+    }
 }
 
 impl fmt::Debug for NixlRegion {
@@ -464,8 +496,11 @@ impl NixlRegion {
             return Err(Error::transport(
                 "describing the NIXL arena",
                 format!(
-                    "its metadata is {} bytes, more than a session carries ({MAX_METADATA_BYTES}); \
-                     limit the UCX devices (UCX_NET_DEVICES, UCX_TLS)",
+                    "the session would be {} bytes (at most {MAX_NIXL_SESSION_BYTES}) with {} \
+                     bytes of agent metadata (at most {MAX_METADATA_BYTES}); limit the UCX \
+                     devices (UCX_NET_DEVICES, UCX_TLS) or shorten \
+                     SGLANG_SPEC_CAPTURE_CONTROL_HOST",
+                    text.len(),
                     session.metadata.len()
                 ),
             ));
@@ -483,8 +518,9 @@ impl NixlRegion {
             "arena registered with NIXL"
         );
         Ok(NixlRegion {
-            _registration: registration,
-            agent,
+            registration: ManuallyDrop::new(registration),
+            agent: ManuallyDrop::new(agent),
+            pid: std::process::id(),
             session: text,
             inner,
         })

@@ -11,11 +11,17 @@
 //! Destinations are registered with the reader agent: inside a [`super::ReadBuffer`] once per
 //! buffer, otherwise for that one read.
 //!
-//! A producer that is gone or restarted does not answer: a read fails with
-//! [`Error::StaleSession`] (at once when UCX reports the connection lost, else after
-//! `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`), the session's metadata is dropped (which closes its
-//! connection, so nothing lands in the destinations after the error), and the transport stays
-//! dead.
+//! A producer that is gone, restarted or unreachable: when UCX fails the transfer (a refused or
+//! lost connection; NIXL's UCX backend runs in peer error-handling mode), the read fails with
+//! [`Error::StaleSession`], the producer is remembered as gone (its sessions then fail at once)
+//! and its metadata is dropped once no read of it is in flight. A producer that stops answering
+//! without UCX noticing (a stopped process or a partitioned network over TCP, where the emulated
+//! READ needs the producer's progress) is cut off by `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`: the
+//! read fails, and the reader agent is retired with the request still in it: never driven
+//! again (over TCP and shared memory nothing is written without that), never destroyed, its
+//! registrations kept; the next session opened gets a new agent. One NIXL request is in flight
+//! per process at a time (a read of several objects is one request), so a retired agent has no
+//! other reads to finish.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -36,13 +42,34 @@ struct ReaderAgent {
     /// Identifies this agent's registrations in the read-buffer registry.
     id: u64,
     pid: u32,
-    /// Per producer agent whose metadata is loaded: open transports (the metadata is dropped
-    /// with the last one) and the load's generation (a transport releases only the load it
-    /// counted in).
-    remotes: Mutex<HashMap<String, (usize, u64)>>,
-    /// Producer agents found gone (the latest [`MAX_GONE`]): their sessions are refused at once
-    /// instead of each waiting for its own timeout.
-    gone: Mutex<std::collections::VecDeque<String>>,
+    /// Per producer agent whose metadata is loaded.
+    remotes: Mutex<HashMap<String, Remote>>,
+    /// Set when a read timed out in this agent: it is never driven again.
+    retired: AtomicBool,
+}
+
+/// Producer agents found gone (the latest [`MAX_GONE`]): their sessions are refused at once
+/// instead of each failing on its own.
+static GONE: Mutex<std::collections::VecDeque<String>> =
+    Mutex::new(std::collections::VecDeque::new());
+/// Reader agents retired after a timed-out read, kept forever: destroying one could complete
+/// the abandoned request into memory its caller has reused.
+static RETIRED: Mutex<Vec<Arc<ReaderAgent>>> = Mutex::new(Vec::new());
+/// One NIXL request in flight per process (see the module docs).
+static IN_FLIGHT: Mutex<()> = Mutex::new(());
+
+/// One producer's metadata loaded into the reader agent.
+#[derive(Debug)]
+struct Remote {
+    /// Open transports; the metadata is dropped with the last one.
+    transports: usize,
+    /// Reads in flight: the metadata (and with it the connection and the remote keys those
+    /// reads use) is never dropped under them.
+    in_flight: usize,
+    /// A read found the producer gone: drop the metadata when no read is in flight.
+    doomed: bool,
+    /// Which load this is: a transport counts only in the load it was opened under.
+    load: u64,
 }
 
 /// How many gone producer agents a reader remembers.
@@ -72,8 +99,11 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
     let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
     let pid = std::process::id();
     if let Some(a) = slot.as_ref() {
-        if a.pid == pid {
+        if a.pid == pid && !a.retired.load(Ordering::SeqCst) {
             return Ok(a.clone());
+        }
+        if a.pid == pid {
+            slot.take();
         }
         if let Some(old) = slot.take() {
             std::mem::forget(old);
@@ -88,7 +118,7 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
         id: NEXT_AGENT.fetch_add(1, Ordering::Relaxed),
         pid,
         remotes: Mutex::new(HashMap::new()),
-        gone: Mutex::new(std::collections::VecDeque::new()),
+        retired: AtomicBool::new(false),
     });
     *slot = Some(agent.clone());
     Ok(agent)
@@ -128,8 +158,7 @@ impl NixlTransport {
     pub fn open(session: &NixlSession) -> Result<NixlTransport> {
         let timeout = crate::config::read_timeout()?;
         let agent = reader_agent()?;
-        if agent
-            .gone
+        if GONE
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .contains(&session.agent)
@@ -171,14 +200,21 @@ impl NixlTransport {
                         }));
                     }
                 }
-                let generation = NEXT_LOAD.fetch_add(1, Ordering::Relaxed);
-                remotes.insert(session.agent.clone(), (0, generation));
+                remotes.insert(
+                    session.agent.clone(),
+                    Remote {
+                        transports: 0,
+                        in_flight: 0,
+                        doomed: false,
+                        load: NEXT_LOAD.fetch_add(1, Ordering::Relaxed),
+                    },
+                );
             }
             let entry = remotes
                 .get_mut(&session.agent)
                 .expect("inserted above when missing");
-            entry.0 += 1;
-            entry.1
+            entry.transports += 1;
+            entry.load
         };
         Ok(NixlTransport {
             load: generation,
@@ -202,25 +238,67 @@ impl NixlTransport {
         }
     }
 
-    /// Marks the session dead and drops its metadata, which closes the connection to the
-    /// producer (so a transfer still in flight can no longer write the destinations).
+    /// Marks the session dead after a failed transfer, remembers the producer as gone and dooms
+    /// its metadata (dropped by the last read in flight, [`NixlTransport::end`]).
     fn kill(&self, reason: String) -> Error {
         if !self.dead.swap(true, Ordering::SeqCst) {
-            remember_gone(&self.agent, &self.session.agent);
+            remember_gone(&self.session.agent);
             let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-            if remotes.remove(&self.session.agent).is_some() {
-                if let Err(e) = self
-                    .agent
-                    .handle
-                    .agent
-                    .invalidate_remote_md(&self.session.agent)
-                {
-                    tracing::debug!(error = %e, agent = %self.session.agent, "dropping metadata");
+            if let Some(r) = remotes.get_mut(&self.session.agent) {
+                if r.load == self.load {
+                    r.doomed = true;
                 }
             }
         }
         tracing::warn!(session = %self.session.agent, %reason, "NIXL session is stale");
         self.stale(reason)
+    }
+
+    /// Counts a read in flight on this session's metadata; refuses when it was dropped.
+    fn begin(&self) -> Result<()> {
+        if self.agent.retired.load(Ordering::SeqCst) {
+            self.dead.store(true, Ordering::SeqCst);
+            return Err(self.stale(
+                "this reader's NIXL agent was retired after a timed-out read; open the session \
+                 again"
+                    .into(),
+            ));
+        }
+        let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+        match remotes.get_mut(&self.session.agent) {
+            Some(r) if r.load == self.load && !r.doomed => {
+                r.in_flight += 1;
+                Ok(())
+            }
+            _ => {
+                self.dead.store(true, Ordering::SeqCst);
+                Err(self.stale("an earlier read found the producer gone".into()))
+            }
+        }
+    }
+
+    /// Ends a read counted by [`NixlTransport::begin`] (its request released): the last read
+    /// of a doomed producer drops its metadata.
+    fn end(&self) {
+        let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(r) = remotes.get_mut(&self.session.agent) else {
+            return;
+        };
+        if r.load != self.load {
+            return;
+        }
+        r.in_flight -= 1;
+        if r.doomed && r.in_flight == 0 {
+            remotes.remove(&self.session.agent);
+            if let Err(e) = self
+                .agent
+                .handle
+                .agent
+                .invalidate_remote_md(&self.session.agent)
+            {
+                tracing::debug!(error = %e, agent = %self.session.agent, "dropping metadata");
+            }
+        }
     }
 
     /// The local descriptor of one destination, registered with the reader agent (once per
@@ -270,30 +348,75 @@ impl NixlTransport {
         Ok(span)
     }
 
-    /// Waits for `req` with the polling described in the module docs, until `deadline`.
-    fn wait(&self, req: &nixl_sys::XferRequest, bytes: u64, deadline: Instant) -> Result<()> {
+    /// Makes, posts and waits for one request; the request is released on return.
+    fn transfer(
+        &self,
+        ldesc: &XferDescList<'_>,
+        rdesc: &XferDescList<'_>,
+        objects: usize,
+        bytes: u64,
+    ) -> Result<()> {
+        let agent = &self.agent.handle.agent;
+        let req = agent
+            .create_xfer_req(XferOp::Read, ldesc, rdesc, &self.session.agent, None)
+            .map_err(|e| {
+                // Nothing was sent: this session is refused from now on, but the producer is
+                // not marked gone (a forged session with other bounds must not cut a live
+                // producer off).
+                self.dead.store(true, Ordering::SeqCst);
+                self.stale(format!(
+                    "NIXL cannot make a read request for {objects} objects ({e}): the producer's \
+                     metadata does not cover these addresses"
+                ))
+            })?;
+        match agent.post_xfer_req(&req, None) {
+            // A failed post leaves nothing in flight.
+            Err(e) => Err(self.kill(format!(
+                "posting the NIXL read failed ({e}): the producer is gone or unreachable"
+            ))),
+            Ok(_) => match self.wait(&req, bytes) {
+                Waited::Done => Ok(()),
+                Waited::Failed(reason) => Err(self.kill(reason)),
+                Waited::TimedOut(reason) => {
+                    // Not remembered as gone: a producer that was only slow or stopped for a
+                    // while is read again, through a new agent.
+                    self.retire();
+                    std::mem::forget(req);
+                    self.dead.store(true, Ordering::SeqCst);
+                    tracing::warn!(session = %self.session.agent, %reason, "NIXL read timed out");
+                    Err(self.stale(reason))
+                }
+            },
+        }
+    }
+
+    /// Waits for `req`, polling as the module docs say, until it completes, fails or the read
+    /// timeout passes.
+    fn wait(&self, req: &nixl_sys::XferRequest, bytes: u64) -> Waited {
         let agent = &self.agent.handle.agent;
         let t0 = Instant::now();
+        let deadline = t0.checked_add(self.timeout);
         let mut polls = 0u32;
         loop {
             match agent.get_xfer_status(req) {
-                Ok(XferStatus::Success) => return Ok(()),
+                Ok(XferStatus::Success) => return Waited::Done,
                 Ok(XferStatus::InProgress) => {}
                 Err(e) => {
-                    return Err(self.kill(format!(
-                        "the NIXL read of {bytes} bytes failed ({e}): the producer is gone or \
-                         restarted, or the network between us is down"
-                    )))
+                    return Waited::Failed(format!(
+                        "the NIXL read of {bytes} bytes failed after {:.1} s ({e}): the producer \
+                         is gone or restarted, or the network between us is down",
+                        t0.elapsed().as_secs_f64()
+                    ))
                 }
             }
             let now = Instant::now();
-            if now >= deadline {
-                return Err(self.kill(format!(
+            if deadline.is_some_and(|d| now >= d) {
+                return Waited::TimedOut(format!(
                     "the NIXL read of {bytes} bytes did not complete in {:.1} s: the producer \
-                     does not answer (gone, restarted or unreachable); raise \
+                     does not answer (stopped, or unreachable); raise \
                      SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links",
                     self.timeout.as_secs_f64()
-                )));
+                ));
             }
             polls = polls.saturating_add(1);
             if polls < 64 {
@@ -305,11 +428,35 @@ impl NixlTransport {
             }
         }
     }
+
+    /// Retires this transport's reader agent after a timed-out read (see the module docs).
+    fn retire(&self) {
+        self.agent.retired.store(true, Ordering::SeqCst);
+        RETIRED
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.agent.clone());
+        let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.as_ref().is_some_and(|a| Arc::ptr_eq(a, &self.agent)) {
+            slot.take();
+        }
+        tracing::warn!(
+            agent = %self.agent.handle.agent.name(),
+            "NIXL reader agent retired after a timed-out read; later reads use a new one"
+        );
+    }
+}
+
+/// How a wait for a request ended.
+enum Waited {
+    Done,
+    Failed(String),
+    TimedOut(String),
 }
 
 /// Remembers that producer agent `name` is gone (the latest [`MAX_GONE`] are kept).
-fn remember_gone(agent: &ReaderAgent, name: &str) {
-    let mut gone = agent.gone.lock().unwrap_or_else(|p| p.into_inner());
+fn remember_gone(name: &str) {
+    let mut gone = GONE.lock().unwrap_or_else(|p| p.into_inner());
     if !gone.iter().any(|g| g == name) {
         if gone.len() >= MAX_GONE {
             gone.pop_front();
@@ -336,21 +483,25 @@ fn wait_for(d: &super::DeviceSlice) -> Result<()> {
 
 impl Drop for NixlTransport {
     fn drop(&mut self) {
+        if self.agent.retired.load(Ordering::SeqCst) {
+            return; // a retired agent is never called again
+        }
         let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((n, generation)) = remotes.get_mut(&self.session.agent) {
-            if *generation != self.load {
-                return; // dropped by `kill` and loaded again since: not ours
-            }
-            *n -= 1;
-            if *n == 0 {
-                remotes.remove(&self.session.agent);
-                if self.agent.pid == std::process::id() {
-                    let _ = self
-                        .agent
-                        .handle
-                        .agent
-                        .invalidate_remote_md(&self.session.agent);
-                }
+        let Some(r) = remotes.get_mut(&self.session.agent) else {
+            return;
+        };
+        if r.load != self.load {
+            return; // dropped and loaded again since: not the load this transport counts in
+        }
+        r.transports -= 1;
+        if r.transports == 0 && r.in_flight == 0 {
+            remotes.remove(&self.session.agent);
+            if self.agent.pid == std::process::id() {
+                let _ = self
+                    .agent
+                    .handle
+                    .agent
+                    .invalidate_remote_md(&self.session.agent);
             }
         }
     }
@@ -362,7 +513,7 @@ impl Transport for NixlTransport {
     }
 
     fn is_live(&self) -> bool {
-        !self.dead.load(Ordering::SeqCst)
+        !self.dead.load(Ordering::SeqCst) && !self.agent.retired.load(Ordering::SeqCst)
     }
 
     fn capacity(&self) -> u64 {
@@ -420,30 +571,17 @@ impl Transport for NixlTransport {
                 u64::from(self.session.dev),
             );
         }
-        let agent = &self.agent.handle.agent;
-        let deadline = Instant::now() + self.timeout;
-        let req = agent
-            .create_xfer_req(XferOp::Read, &ldesc, &rdesc, &self.session.agent, None)
-            .map_err(|e| {
-                // Nothing was sent: this session is refused from now on, but the producer's
-                // connection is kept for other sessions naming it (a forged session with other
-                // bounds must not cut a live producer off).
-                self.dead.store(true, Ordering::SeqCst);
-                self.stale(format!(
-                    "NIXL cannot make a read request for {} objects ({e}): the producer's \
-                     metadata is no longer loaded or does not cover these addresses",
-                    local.len()
-                ))
-            })?;
-        if let Err(e) = agent.post_xfer_req(&req, None) {
-            drop(req);
-            return Err(self.kill(format!(
-                "posting the NIXL read failed ({e}): the producer is gone or unreachable"
-            )));
+        let _one = IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
+        self.begin()?;
+        let r = self.transfer(&ldesc, &rdesc, local.len(), bytes);
+        if self.agent.retired.load(Ordering::SeqCst) {
+            // Timed out: the request may still complete into these destinations if the agent
+            // were ever driven again; it never is, and its registrations stay.
+            std::mem::forget(temps);
+            return r;
         }
-        let r = self.wait(&req, bytes, deadline);
-        // Releasing an unfinished request aborts it; after `kill` its connection is closed too.
-        drop(req);
+        self.end();
+        // Only now, with the request released, may the temporary registrations go.
         drop(temps);
         r
     }
