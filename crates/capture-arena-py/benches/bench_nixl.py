@@ -9,6 +9,8 @@ all of them alike):
 - ``nixl``: ``ArenaFeatureStore.get(result, out=...)`` of the NIXL result, over the UCX
   transports ``--ucx-tls`` names (``tcp``: the cross-host path; ``default``: UCX picks, cma or
   shared memory on one host);
+- ``nixl_readbuffer``: the same into a view of a ``capture_arena.ReadBuffer``, registered with
+  NIXL once (``nixl`` registers the numpy output for each read);
 - ``te_reference``: Mooncake's ``TransferEngine.transfer_sync_read`` of the engine result's bytes
   over TCP into a buffer registered once (what a Mooncake-only trainer does);
 - ``memcpy``: ``numpy.copyto`` of the same bytes in this process.
@@ -92,18 +94,21 @@ def main() -> None:
         assert nixl_r["arena"]["session"].startswith("nixl://")
         store = ca.ArenaFeatureStore()
         out = {"x": np.empty(n, dtype=np.uint8)}
+        rb = ca.ReadBuffer(n)
+        out_rb = {"x": np.asarray(rb)}
         ref = np.empty(n, dtype=np.uint8)
         assert te.register_memory(int(ref.ctypes.data), n) == 0
         src = (np.arange(n, dtype=np.uint64) % 251).astype(np.uint8)
         session, address = eng_r["arena"]["session"], eng_r["features"]["x"]["address"]
         ops = {
             "nixl": lambda: store.get(nixl_r, out=out),
+            "nixl_readbuffer": lambda: store.get(nixl_r, out=out_rb),
             "te_reference": lambda: te.transfer_sync_read(session, int(ref.ctypes.data), address, n),
             "memcpy": lambda: np.copyto(out["x"], src),
         }
-        for what in ("nixl", "te_reference"):  # warm-up (connects, maps) and checks the bytes
+        for what in ("nixl", "nixl_readbuffer", "te_reference"):  # warm-up (connects, registers) and checks
             ops[what]()
-        assert np.array_equal(out["x"], src) and np.array_equal(ref, src)
+        assert np.array_equal(out["x"], src) and np.array_equal(ref, src) and np.array_equal(out_rb["x"], src)
         times: dict[str, list[float]] = {k: [] for k in ops}
         names = list(ops)
         for r in range(ARGS.rounds):
@@ -119,7 +124,9 @@ def main() -> None:
             print(f"{what:<14} {mib:>5} MiB {t * 1e3:>10.2f} ms {n / t / 1e9:>8.2f} GB/s")
         print(
             f"   nixl / te_reference (bandwidth) = {med['te_reference'] / med['nixl']:.2f}   "
-            f"nixl / memcpy (bandwidth) = {med['memcpy'] / med['nixl']:.2f}"
+            f"nixl_readbuffer / te_reference = {med['te_reference'] / med['nixl_readbuffer']:.2f}   "
+            f"nixl / memcpy = {med['memcpy'] / med['nixl']:.2f}   "
+            f"nixl_readbuffer / memcpy = {med['memcpy'] / med['nixl_readbuffer']:.2f}"
         )
         te.unregister_memory(int(ref.ctypes.data))
         for p in (nixl_p, eng_p):

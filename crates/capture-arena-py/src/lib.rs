@@ -9,6 +9,7 @@
 mod array;
 mod error;
 mod plan;
+mod readbuf;
 mod sink;
 mod store;
 
@@ -72,6 +73,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<sink::PySink>()?;
     m.add_class::<store::PyStore>()?;
     m.add_class::<plan::PyBatch>()?;
+    m.add_class::<readbuf::PyReadBuffer>()?;
     m.add_function(wrap_pyfunction!(plan::_plan_batch, m)?)?;
     m.add_function(wrap_pyfunction!(store::_store_keys, m)?)?;
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;

@@ -59,13 +59,23 @@ import numpy as np
 import capture_arena as ca
 store = ca.ArenaFeatureStore()
 n = 0
+# With an argument: read into views of one ReadBuffer, registered with NIXL once.
+rb = ca.ReadBuffer(8 << 20) if len(sys.argv) > 1 else None
 for line in sys.stdin:
     r = json.loads(line)
     if "stats" in r:
         continue
     i = int(r["sample_id"][1:])
     L, aux, last = tensors(i)
-    got = store.get(r)
+    out = None
+    if rb is not None:
+        mem, off = np.asarray(rb), 0
+        out = {}
+        for name, dt, shape in (("hidden_state", ml_dtypes.bfloat16, (1, L, 3 * 256)), ("target", ml_dtypes.bfloat16, (1, L, 256)), ("input_ids", np.int64, (1, L))):
+            nb = int(np.prod(shape)) * np.dtype(dt).itemsize
+            out[name] = mem[off : off + nb].view(dt).reshape(shape)
+            off += (nb + 4095) // 4096 * 4096
+    got = store.get(r, out=out) if out is not None else store.get(r)
     assert np.array_equal(got["hidden_state"].view(np.uint16), aux.reshape(1, L, -1).view(np.uint16)), i
     assert np.array_equal(got["target"].view(np.uint16), last.reshape(1, L, -1).view(np.uint16)), i
     assert got["input_ids"].tolist() == [list(range(L))], i
@@ -73,6 +83,8 @@ for line in sys.stdin:
     store.release(r)
     n += 1
 store.flush()
+if rb is not None:
+    assert rb.registrations == 1, rb.registrations
 print(json.dumps({"read": n}), flush=True)
 """
 
@@ -85,12 +97,18 @@ def env_for(tls: Optional[str]) -> dict[str, str]:
     return e
 
 
-@pytest.mark.parametrize("tls", ["tcp", None], ids=["ucx-tcp", "ucx-default"])
-def test_a_trainer_process_reads_every_byte_through_nixl_and_the_arena_ends_free(tls: Optional[str]) -> None:
+@pytest.mark.parametrize(
+    "tls,read_buffer", [("tcp", False), (None, False), ("tcp", True)], ids=["ucx-tcp", "ucx-default", "ucx-tcp-readbuffer"]
+)
+def test_a_trainer_process_reads_every_byte_through_nixl_and_the_arena_ends_free(tls: Optional[str], read_buffer: bool) -> None:
     env = env_for(tls)
     producer = subprocess.Popen([sys.executable, "-c", PRODUCER], env=env, stdout=subprocess.PIPE, text=True)
     trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", TRAINER, *(["readbuffer"] if read_buffer else [])],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert producer.stdout is not None and trainer.stdin is not None
     last = None
@@ -112,6 +130,19 @@ def test_a_trainer_process_reads_every_byte_through_nixl_and_the_arena_ends_free
     assert last is not None
     assert last["resident_objects"] == 0 and last["free_bytes"] == last["capacity"], last
     assert last["published_samples"] == 6 and last["freed_objects"] == last["published_objects"]
+
+
+def test_a_read_buffer_is_a_writable_numpy_view_kept_alive_by_its_arrays() -> None:
+    import numpy as np
+
+    rb = ca.ReadBuffer(10_000)
+    a = np.asarray(rb)
+    assert a.dtype == np.uint8 and a.shape == (10_000,) and not a.any()
+    a[9_999] = 7
+    del rb
+    assert np.asarray(a)[9_999] == 7 and a.base is not None
+    with pytest.raises(ca.InvalidReadError):
+        ca.ReadBuffer(0)
 
 
 def test_an_unknown_transport_is_a_config_error() -> None:

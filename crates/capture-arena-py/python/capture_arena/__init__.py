@@ -24,7 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import errors
-from ._capture_arena import FEATURES, __version__, _ArenaSink, _Store, arena_enabled, placement
+from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _Store, arena_enabled, placement
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
@@ -54,6 +54,8 @@ __all__ = [
     "ArenaSink",
     "StoreSink",
     "ArenaFeatureStore",
+    "ReadBuffer",
+    "FEATURES",
     "new_sink",
     "placement",
     "arena_enabled",

@@ -4,7 +4,7 @@ from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__", "FEATURES"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__", "FEATURES", "ReadBuffer"]
 
 __version__: str
 
@@ -61,6 +61,19 @@ class _ArenaSink:
     def _start_with_region(self, ptr: int, length: int, session: str, owner: Any, device: Optional[int] = None) -> None: ...
     def close(self) -> None:
         """Stops the writer and removes the arena. Idempotent."""
+
+@final
+class ReadBuffer:
+    """Host memory that NIXL registers once: ``numpy.asarray(buf)`` is a writable uint8 view;
+    slices of it passed as ``out=`` are read into without registering memory again."""
+    def __new__(cls, nbytes: int) -> "ReadBuffer": ...
+    @property
+    def nbytes(self) -> int: ...
+    @property
+    def registrations(self) -> int: ...
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+    def __len__(self) -> int: ...
 
 @disjoint_base
 class _Store:
