@@ -276,7 +276,10 @@ class ArenaFeatureStore(_Store):
 
     Works in any process on the producer's host: the result's ``arena.session`` names the shared
     memory to map (``shm://``) or the device arena to import (``cuda://``: by POSIX descriptor on
-    the producer's host, by fabric handle anywhere in its NVLink domain).
+    the producer's host, by fabric handle anywhere in its NVLink domain); and on any host for an
+    arena served through NIXL (``nixl://``, a build with the nixl feature). For NIXL, outputs
+    inside a :class:`ReadBuffer` (``out=`` views of ``numpy.asarray(buf)``) are registered once;
+    other outputs are registered for each read.
     """
 
     def get(
