@@ -14,23 +14,7 @@ use serde_json::Value;
 
 mod util;
 
-use util::EXE;
-
-/// Multi-sample batches: 12 samples of up to ~0.8 MiB, 3 per batch, through a 2 MiB arena.
-const SMALL: &[&str] = &[
-    "--samples",
-    "12",
-    "--min-len",
-    "16",
-    "--max-len",
-    "256",
-    "--hidden",
-    "256",
-    "--aux-layers",
-    "3",
-    "--batch",
-    "3",
-];
+use util::{tiny_producer, EXE, SMALL};
 
 /// `cmd` with NIXL's environment: the arena served through NIXL, and `tls` as UCX_TLS (`None`:
 /// UCX's defaults).
@@ -181,24 +165,8 @@ fn a_trainer_killed_mid_run_is_replaced_and_the_new_one_reads_the_rest() {
 #[test]
 fn results_of_a_restarted_producer_fail_as_stale_and_the_new_ones_are_read() {
     let tls = Some("tcp");
-    let tiny = [
-        "--samples",
-        "2",
-        "--min-len",
-        "8",
-        "--max-len",
-        "8",
-        "--hidden",
-        "64",
-        "--batch",
-        "1",
-    ];
     // Nobody frees: the first producer gives up and exits, taking its agent with it.
-    let mut c = Command::new(EXE);
-    c.arg("produce")
-        .args(tiny)
-        .args(["--arena-bytes", "1MiB", "--idle-timeout", "0.2", "--quiet"]);
-    let old = nixl(c, tls).output().unwrap();
+    let old = nixl(tiny_producer("2", "0.2"), tls).output().unwrap();
     assert!(!old.status.success());
     let old_results: Vec<String> = String::from_utf8_lossy(&old.stdout)
         .lines()
@@ -207,7 +175,7 @@ fn results_of_a_restarted_producer_fail_as_stale_and_the_new_ones_are_read() {
         .collect();
     assert_eq!(old_results.len(), 2);
     // The restarted producer; one trainer gets the old results, then the new ones.
-    let mut new = producer(&tiny, "1MiB", "30", tls);
+    let mut new = nixl(tiny_producer("2", "30"), tls).spawn().unwrap();
     let mut t = trainer(tls);
     let mut to = t.stdin.take().unwrap();
     let t0 = std::time::Instant::now();

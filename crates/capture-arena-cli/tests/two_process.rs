@@ -8,23 +8,7 @@ use serde_json::Value;
 
 mod util;
 
-use util::{tiny_producer, EXE};
-
-/// A small workload: 12 samples, L in [16, 256], H = 256, k = 3 (at most ~0.8 MiB a sample).
-const SMALL: &[&str] = &[
-    "--samples",
-    "12",
-    "--min-len",
-    "16",
-    "--max-len",
-    "256",
-    "--hidden",
-    "256",
-    "--aux-layers",
-    "3",
-    "--batch",
-    "3",
-];
+use util::{tiny_producer, EXE, SMALL};
 
 /// A producer of the small workload into a 2 MiB arena (smaller than the ~5 MiB it publishes),
 /// its results on a pipe.

@@ -44,31 +44,11 @@ import capture_arena as ca
 sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tests"))
 import mooncake_master  # noqa: E402  (the tests' helper: start/stop a master on loopback)
 
-PRODUCER = r"""
-import json, sys, numpy as np
-import capture_arena as ca
-n = int(sys.argv[1])
-sink = ca.new_sink()
-data = (np.arange(n, dtype=np.uint64) % 251).astype(np.uint8)
-spec = {"store_id": "bench", "sample_id": f"x{n}", "gen": 1, "features": {},
-        "passthrough": [{"name": "x", "data": data, "shape": [n], "dtype": "uint8"}]}
-print(json.dumps(sink.put_sample(spec)), flush=True)
-sys.stdin.readline()
-sink.close()
-"""
+import _producer  # noqa: E402  (this directory: the producer process)
 
 
 def producer(placement: str, n: int, env: dict[str, str]) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    e = {
-        **os.environ,
-        **env,
-        "SGLANG_SPEC_CAPTURE_PLACEMENT": placement,
-        "SGLANG_SPEC_CAPTURE_ARENA_BYTES": str(n + (4 << 20)),
-        "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(2 * n + (64 << 20)),
-    }
-    p = subprocess.Popen([sys.executable, "-c", PRODUCER, str(n)], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    return p, json.loads(p.stdout.readline())
+    return _producer.start({**env, "SGLANG_SPEC_CAPTURE_PLACEMENT": placement, "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(2 * n + (64 << 20))}, n)
 
 
 def main() -> None:
@@ -136,10 +116,7 @@ def main() -> None:
             te.unregister_memory(int(ref.ctypes.data))
             plain.unregister_buffer(int(ref.ctypes.data))
             for p, _ in procs.values():
-                assert p.stdin is not None
-                p.stdin.write("\n")
-                p.stdin.flush()
-                p.wait(timeout=60)
+                _producer.stop(p)
     finally:
         plain.close()
         mooncake_master.stop(master)

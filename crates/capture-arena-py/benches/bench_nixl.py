@@ -30,10 +30,8 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
-from typing import Any
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ucx-tls", default="tcp", help="UCX_TLS for both NIXL agents, or 'default'")
@@ -52,30 +50,7 @@ import numpy as np  # noqa: E402
 
 import capture_arena as ca  # noqa: E402
 
-PRODUCER = r"""
-import json, sys, numpy as np
-import capture_arena as ca
-n = int(sys.argv[1])
-sink = ca.new_sink()
-data = (np.arange(n, dtype=np.uint64) % 251).astype(np.uint8)
-spec = {"store_id": "bench", "sample_id": f"x{n}", "gen": 1, "features": {},
-        "passthrough": [{"name": "x", "data": data, "shape": [n], "dtype": "uint8"}]}
-print(json.dumps(sink.put_sample(spec)), flush=True)
-sys.stdin.readline()
-sink.close()
-"""
-
-
-def producer(env: dict[str, str], n: int) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    e = {**os.environ, **env, "SGLANG_SPEC_CAPTURE_ARENA_BYTES": str(n + (4 << 20))}
-    p = subprocess.Popen([sys.executable, "-c", PRODUCER, str(n)], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    while True:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"producer {env} exited without a result")
-        if line.startswith("{"):
-            return p, json.loads(line)
+import _producer  # noqa: E402  (this directory: the producer process)
 
 
 def main() -> None:
@@ -89,8 +64,8 @@ def main() -> None:
     rows = []
     for mib in [int(x) for x in ARGS.sizes.split(",")]:
         n = mib << 20
-        nixl_p, nixl_r = producer({"SGLANG_SPEC_CAPTURE_PLACEMENT": "arena", "SGLANG_SPEC_CAPTURE_TRANSPORT": "nixl"}, n)
-        eng_p, eng_r = producer({"SGLANG_SPEC_CAPTURE_PLACEMENT": "engine", "MOONCAKE_PROTOCOL": "tcp"}, n)
+        nixl_p, nixl_r = _producer.start({"SGLANG_SPEC_CAPTURE_PLACEMENT": "arena", "SGLANG_SPEC_CAPTURE_TRANSPORT": "nixl"}, n)
+        eng_p, eng_r = _producer.start({"SGLANG_SPEC_CAPTURE_PLACEMENT": "engine", "MOONCAKE_PROTOCOL": "tcp"}, n)
         assert nixl_r["arena"]["session"].startswith("nixl://")
         store = ca.ArenaFeatureStore()
         out = {"x": np.empty(n, dtype=np.uint8)}
@@ -130,10 +105,7 @@ def main() -> None:
         )
         te.unregister_memory(int(ref.ctypes.data))
         for p in (nixl_p, eng_p):
-            assert p.stdin is not None
-            p.stdin.write("\n")
-            p.stdin.flush()
-            p.wait(timeout=60)
+            _producer.stop(p)
     if ARGS.json:
         pathlib.Path(ARGS.json).write_text(json.dumps(rows, indent=1))
 

@@ -3,6 +3,22 @@
 
 use std::process::{Command, Stdio};
 
+/// A small workload: 12 samples, L in [16, 256], H = 256, k = 3 (at most ~0.8 MiB a sample).
+pub const SMALL: &[&str] = &[
+    "--samples",
+    "12",
+    "--min-len",
+    "16",
+    "--max-len",
+    "256",
+    "--hidden",
+    "256",
+    "--aux-layers",
+    "3",
+    "--batch",
+    "3",
+];
+
 /// The `capture-arena` binary under test.
 pub const EXE: &str = env!("CARGO_BIN_EXE_capture-arena");
 

@@ -170,6 +170,73 @@ pub trait Region: Send + fmt::Debug {
     }
 }
 
+/// A session string `<scheme>://<host>/<id>?<name>=<value>&...` split and checked, its
+/// parameters handed out in their one canonical order (shared by the device and NIXL sessions).
+#[cfg_attr(not(any(feature = "cuda", feature = "nixl")), allow(dead_code))]
+pub(crate) struct SessionParts<'a> {
+    /// The producer's host (checked with [`host_ok`]).
+    pub(crate) host: &'a str,
+    /// What follows the host, before `?`.
+    pub(crate) id: &'a str,
+    params: std::str::Split<'a, char>,
+}
+
+#[cfg_attr(not(any(feature = "cuda", feature = "nixl")), allow(dead_code))]
+impl<'a> SessionParts<'a> {
+    /// Splits `s`, which must start with `scheme` (`"cuda://"`).
+    pub(crate) fn split(s: &'a str, scheme: &str) -> std::result::Result<Self, String> {
+        let rest = s
+            .strip_prefix(scheme)
+            .ok_or_else(|| format!("not {scheme}"))?;
+        let (path, query) = rest.split_once('?').ok_or("no parameters")?;
+        let (host, id) = path.split_once('/').ok_or("no host")?;
+        if !host_ok(host) {
+            return Err("bad host name".into());
+        }
+        Ok(SessionParts {
+            host,
+            id,
+            params: query.split('&'),
+        })
+    }
+
+    /// The value of the next parameter, which must be `name`.
+    pub(crate) fn next(&mut self, name: &str) -> std::result::Result<&'a str, String> {
+        self.params
+            .next()
+            .and_then(|p| p.strip_prefix(name))
+            .and_then(|p| p.strip_prefix('='))
+            .ok_or_else(|| format!("parameter {name} missing or out of order"))
+    }
+
+    /// `len=<bytes>&base=0x<hex>`: a non-empty range whose end does not overflow.
+    pub(crate) fn len_and_base(&mut self) -> std::result::Result<(u64, u64), String> {
+        let len: u64 = self
+            .next("len")?
+            .parse()
+            .ok()
+            .filter(|l| *l > 0)
+            .ok_or("bad len")?;
+        let base = self
+            .next("base")?
+            .strip_prefix("0x")
+            .and_then(|h| u64::from_str_radix(h, 16).ok())
+            .ok_or("bad base")?;
+        if base.checked_add(len).is_none() {
+            return Err("base + len overflows".into());
+        }
+        Ok((len, base))
+    }
+
+    /// Checks that no parameter is left.
+    pub(crate) fn finish(mut self) -> std::result::Result<(), String> {
+        match self.params.next() {
+            Some(_) => Err("unexpected parameters".into()),
+            None => Ok(()),
+        }
+    }
+}
+
 /// True for a plain host name as sessions carry it (letters, digits, `.`, `-`, `_`).
 #[cfg_attr(not(any(feature = "cuda", feature = "nixl")), allow(dead_code))]
 pub(crate) fn host_ok(h: &str) -> bool {

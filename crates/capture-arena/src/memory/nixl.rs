@@ -27,7 +27,7 @@ use nixl_sys::{Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescripto
 use super::{CopyOp, Notifier, Progress, Region, Reply};
 use crate::config::ENV_NIXL_LIB;
 use crate::error::{Error, Result};
-use crate::memory::host_ok;
+use crate::memory::{host_ok, SessionParts};
 
 /// The longest NIXL session accepted: room for the metadata of a host with several RDMA NICs
 /// (one NIC over TCP and shared memory is about 480 bytes of metadata, 650 in the session).
@@ -243,7 +243,7 @@ impl NixlDescriptor for Span {
 }
 
 /// A parsed NIXL session:
-/// `nixl://<host>/<agent>?base=<hex>&len=<bytes>&mem=dram|vram&dev=<n>&md=<base64url>`.
+/// `nixl://<host>/<agent>?len=<bytes>&base=<hex>&mem=dram|vram&dev=<n>&md=<base64url>`.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct NixlSession {
     /// The producer's host (for messages; the metadata holds the addresses UCX connects to).
@@ -284,11 +284,11 @@ impl fmt::Display for NixlSession {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "nixl://{}/{}?base={:#x}&len={}&mem={}&dev={}&md={}",
+            "nixl://{}/{}?len={}&base={:#x}&mem={}&dev={}&md={}",
             self.host,
             self.agent,
-            self.base,
             self.len,
+            self.base,
             self.mem.name(),
             self.dev,
             b64().encode(&self.metadata)
@@ -335,51 +335,30 @@ impl FromStr for NixlSession {
         let bad = |why: &str| Error::InvalidSession {
             session: s.chars().take(256).collect(),
             reason: format!(
-                "{why}; expected nixl://<host>/capture-arena-<pid>-<nonce>?base=<hex>&len=<bytes>\
+                "{why}; expected nixl://<host>/capture-arena-<pid>-<nonce>?len=<bytes>&base=<hex>\
                  &mem=dram|vram&dev=<n>&md=<base64url>"
             ),
         };
         if s.len() > MAX_NIXL_SESSION_BYTES {
             return Err(bad(&format!("longer than {MAX_NIXL_SESSION_BYTES} bytes")));
         }
-        let rest = s
-            .strip_prefix("nixl://")
-            .ok_or_else(|| bad("not nixl://"))?;
-        let (path, query) = rest.split_once('?').ok_or_else(|| bad("no parameters"))?;
-        let (host, agent) = path.split_once('/').ok_or_else(|| bad("no host"))?;
-        if !host_ok(host) {
-            return Err(bad("bad host name"));
-        }
+        let mut q = SessionParts::split(s, "nixl://").map_err(|why| bad(&why))?;
+        let (host, agent) = (q.host, q.id);
         if !agent_ok(agent) {
             return Err(bad("bad agent name"));
         }
-        let mut parts = query.split('&');
-        let mut next = |name: &str| -> Result<&str> {
-            parts
-                .next()
-                .and_then(|p| p.strip_prefix(name))
-                .and_then(|p| p.strip_prefix('='))
-                .ok_or_else(|| bad(&format!("parameter {name} missing or out of order")))
-        };
-        let base = next("base")?
-            .strip_prefix("0x")
-            .and_then(|h| u64::from_str_radix(h, 16).ok())
-            .ok_or_else(|| bad("bad base"))?;
-        let len: u64 = next("len")?
-            .parse()
-            .ok()
-            .filter(|l| *l > 0)
-            .ok_or_else(|| bad("bad len"))?;
-        if base.checked_add(len).is_none() {
-            return Err(bad("base + len overflows"));
-        }
-        let mem = match next("mem")? {
+        let (len, base) = q.len_and_base().map_err(|why| bad(&why))?;
+        let mem = match q.next("mem").map_err(|why| bad(&why))? {
             "dram" => NixlMem::Dram,
             "vram" => NixlMem::Vram,
             _ => return Err(bad("mem must be dram or vram")),
         };
-        let dev: u32 = next("dev")?.parse().map_err(|_| bad("bad dev"))?;
-        let md = next("md")?;
+        let dev: u32 = q
+            .next("dev")
+            .map_err(|why| bad(&why))?
+            .parse()
+            .map_err(|_| bad("bad dev"))?;
+        let md = q.next("md").map_err(|why| bad(&why))?;
         if md.len() > MAX_METADATA_BYTES.div_ceil(3) * 4 {
             return Err(bad("metadata too long"));
         }
@@ -387,9 +366,7 @@ impl FromStr for NixlSession {
         if metadata.len() > MAX_METADATA_BYTES || !metadata_names(&metadata, agent) {
             return Err(bad("md is not the metadata of this agent"));
         }
-        if parts.next().is_some() {
-            return Err(bad("unexpected parameters"));
-        }
+        q.finish().map_err(|why| bad(&why))?;
         let parsed = NixlSession {
             host: host.to_owned(),
             agent: agent.to_owned(),
@@ -616,7 +593,7 @@ mod tests {
         assert_eq!(vram.to_string().parse::<NixlSession>().unwrap(), vram);
         for bad in [
             text.replace("base=0x", "base="),
-            text.replace("&len=1048576", "&len=0"),
+            text.replace("len=1048576", "len=0"),
             text.replace("mem=dram", "mem=disk"),
             text.replace("dev=0", "dev=-1"),
             text.replace("node-1", "node 1"),

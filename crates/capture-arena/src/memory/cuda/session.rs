@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use super::driver::HandleType;
 use crate::error::{Error, Result};
-use crate::memory::host_ok;
+use crate::memory::SessionParts;
 use crate::reply::ENDPOINT_PREFIX;
 
 /// The longest device session accepted (a fabric one is about 300 bytes).
@@ -80,14 +80,8 @@ impl FromStr for CudaSession {
         if s.len() > MAX_CUDA_SESSION_BYTES {
             return Err(bad("too long"));
         }
-        let rest = s
-            .strip_prefix("cuda://")
-            .ok_or_else(|| bad("not cuda://"))?;
-        let (path, query) = rest.split_once('?').ok_or_else(|| bad("no parameters"))?;
-        let (host, id) = path.split_once('/').ok_or_else(|| bad("no host"))?;
-        if !host_ok(host) {
-            return Err(bad("bad host name"));
-        }
+        let mut q = SessionParts::split(s, "cuda://").map_err(|why| bad(&why))?;
+        let (host, id) = (q.host, q.id);
         let (pid, nonce) = id.split_once('-').ok_or_else(|| bad("no <pid>-<nonce>"))?;
         let pid: u32 = pid
             .parse()
@@ -98,39 +92,20 @@ impl FromStr for CudaSession {
             return Err(bad("the nonce must be 32 lower-case hex digits"));
         }
         let nonce = u128::from_str_radix(nonce, 16).map_err(|_| bad("bad nonce"))?;
-        let mut parts = query.split('&');
-        let mut next = |name: &str| -> Result<&str> {
-            parts
-                .next()
-                .and_then(|p| p.strip_prefix(name))
-                .and_then(|p| p.strip_prefix('='))
-                .ok_or_else(|| bad(&format!("parameter {name} missing or out of order")))
-        };
-        let len: u64 = next("len")?
-            .parse()
-            .ok()
-            .filter(|l| *l > 0)
-            .ok_or_else(|| bad("bad len"))?;
-        let base = next("base")?
-            .strip_prefix("0x")
-            .and_then(|h| u64::from_str_radix(h, 16).ok())
-            .ok_or_else(|| bad("bad base"))?;
-        if base.checked_add(len).is_none() {
-            return Err(bad("base + len overflows"));
-        }
-        let dev = next("dev")?;
+        let (len, base) = q.len_and_base().map_err(|why| bad(&why))?;
+        let dev = q.next("dev").map_err(|why| bad(&why))?;
         if !is_hex(dev, 32) {
             return Err(bad(
                 "dev must be the GPU's UUID as 32 lower-case hex digits",
             ));
         }
-        let handle = match next("handle")? {
+        let handle = match q.next("handle").map_err(|why| bad(&why))? {
             "fd" => HandleType::PosixFd,
             "fabric" => HandleType::Fabric,
             _ => return Err(bad("handle must be fd or fabric")),
         };
         let fabric = if handle == HandleType::Fabric {
-            let h = next("fabric")?;
+            let h = q.next("fabric").map_err(|why| bad(&why))?;
             if !is_hex(h, 128) {
                 return Err(bad("fabric must be 128 lower-case hex digits"));
             }
@@ -142,7 +117,7 @@ impl FromStr for CudaSession {
         } else {
             None
         };
-        let reply = next("reply")?;
+        let reply = q.next("reply").map_err(|why| bad(&why))?;
         // The producer's own endpoint: `@capture-arena-reply-<pid>-<32 hex digits>`.
         let reply_ok = reply
             .strip_prefix(ENDPOINT_PREFIX)
@@ -151,9 +126,7 @@ impl FromStr for CudaSession {
         if !reply_ok {
             return Err(bad("bad reply endpoint"));
         }
-        if parts.next().is_some() {
-            return Err(bad("unexpected parameters"));
-        }
+        q.finish().map_err(|why| bad(&why))?;
         let parsed = CudaSession {
             host: host.to_owned(),
             pid,
@@ -231,6 +204,6 @@ mod tests {
 
     #[test]
     fn host_name_is_plain() {
-        assert!(host_ok(&crate::memory::this_host()));
+        assert!(crate::memory::host_ok(&crate::memory::this_host()));
     }
 }
