@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use capture_arena::client::FeatureStore;
-use capture_arena::SampleResult;
+use capture_arena::{ReadBuffer, SampleResult};
 use serde::Serialize;
 
 use crate::workload::{verify, Gpu};
@@ -97,9 +97,55 @@ pub struct Summary {
     pub ok: bool,
 }
 
+/// Host outputs: page-aligned slices of one `ReadBuffer`, so a transport that registers memory
+/// (NIXL) registers it once, not on every read; replaced by a larger one (at least double) when a
+/// sample needs more.
+#[derive(Default)]
+struct HostOuts {
+    buf: Option<ReadBuffer>,
+    spans: Vec<(usize, usize)>,
+}
+
+impl HostOuts {
+    fn reserve(&mut self, lens: &[usize]) -> capture_arena::Result<()> {
+        self.spans.clear();
+        let mut end = 0usize;
+        for &n in lens {
+            self.spans.push((end, n));
+            end = end.saturating_add(n.div_ceil(4096).saturating_mul(4096));
+        }
+        let have = self.buf.as_ref().map_or(0, |b| b.len());
+        if have < end.max(1) {
+            self.buf = None; // the old one (and its registrations) goes first
+            self.buf = Some(ReadBuffer::new(end.max(1).max(have.saturating_mul(2)))?);
+        }
+        Ok(())
+    }
+
+    fn outs<'a>(&'a mut self, names: &[&'a str]) -> Vec<(&'a str, &'a mut [u8])> {
+        let mut rest: &mut [u8] = self.buf.as_deref_mut().unwrap_or_default();
+        let mut at = 0;
+        let mut outs = Vec::with_capacity(names.len());
+        for (name, &(off, n)) in names.iter().zip(&self.spans) {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(off - at);
+            let (out, tail) = tail.split_at_mut(n);
+            outs.push((*name, out));
+            rest = tail;
+            at = off + n;
+        }
+        outs
+    }
+
+    fn get(&self, i: usize) -> &[u8] {
+        let (off, n) = self.spans[i];
+        self.buf.as_deref().map_or(&[][..], |b| &b[off..off + n])
+    }
+}
+
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let store = FeatureStore::new();
     let mut bufs: Vec<Vec<u8>> = Vec::new();
+    let mut host = HostOuts::default();
     let mut device = match args.gpu.ordinal() {
         Some(g) => Some(crate::device::Outs::new(g)?),
         None => None,
@@ -178,11 +224,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     .collect::<capture_arena::Result<Vec<usize>>>()
             })
             .and_then(|lens| {
-                bufs.resize_with(lens.len(), Vec::new);
-                for (b, &n) in bufs.iter_mut().zip(&lens) {
-                    b.resize(n, 0);
-                }
                 if let Some(dev) = device.as_mut() {
+                    bufs.resize_with(lens.len(), Vec::new);
+                    for (b, &n) in bufs.iter_mut().zip(&lens) {
+                        b.resize(n, 0);
+                    }
                     // Into device buffers (allocated before the clock starts counting reads
                     // only once per size), then back to host for the check.
                     let t_alloc = Instant::now();
@@ -195,12 +241,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                         extra += t_down.elapsed();
                     }
                 } else {
-                    let mut outs: Vec<(&str, &mut [u8])> = names
-                        .iter()
-                        .copied()
-                        .zip(bufs.iter_mut().map(Vec::as_mut_slice))
-                        .collect();
-                    store.get_many_into(&p, &mut outs)?;
+                    host.reserve(&lens)?;
+                    store.get_many_into(&p, &mut host.outs(&names))?;
                 }
                 Ok(lens.iter().map(|&n| n as u64).sum::<u64>())
             });
@@ -226,7 +268,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             note(&mut s, format!("sample {}: {e}", p.sample_id));
         } else if !args.no_verify {
             let t_verify = Instant::now();
-            for (name, buf) in names.iter().zip(&bufs) {
+            for (i, name) in names.iter().enumerate() {
+                let buf = match &device {
+                    Some(_) => bufs[i].as_slice(),
+                    None => host.get(i),
+                };
                 let key = p.key(name).map(|k| k.to_string()).unwrap_or_default();
                 if let Some(at) = verify(&key, buf) {
                     ok = false;
