@@ -322,7 +322,7 @@ fn helper(rx: Receiver<Msg>) {
 }
 
 /// Keyword argument -> the environment variable it overrides.
-const OVERRIDES: [(&str, &str); 12] = [
+const OVERRIDES: [(&str, &str); 13] = [
     ("arena_bytes", config::ENV_ARENA_BYTES),
     ("control_host", config::ENV_CONTROL_HOST),
     ("control_port", config::ENV_CONTROL_PORT),
@@ -335,6 +335,7 @@ const OVERRIDES: [(&str, &str); 12] = [
     ("eager", config::ENV_EAGER),
     ("device", config::ENV_ARENA_DEVICE),
     ("transport", config::ENV_TRANSPORT),
+    ("control_token", config::ENV_CONTROL_TOKEN),
 ];
 
 /// The compiled sink. Use `capture_arena.ArenaSink`.
@@ -428,7 +429,8 @@ impl PySink {
     #[new]
     #[pyo3(signature = (*, arena_bytes=None, control_host=None, control_port=None, alignment=None,
                         wait_s=None, max_pending_batches=None, aux_layer_ids=None, timing=None,
-                        protocol=None, gpu_put=None, eager=None, device=None, transport=None))]
+                        protocol=None, gpu_put=None, eager=None, device=None, transport=None,
+                        control_token=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         arena_bytes: Option<Bound<'_, PyAny>>,
@@ -444,6 +446,7 @@ impl PySink {
         eager: Option<bool>,
         device: Option<i32>,
         transport: Option<String>,
+        control_token: Option<String>,
     ) -> PyResult<Self> {
         // Variables whose keyword argument is given are not read at all, so a keyword argument
         // can correct a bad environment.
@@ -460,6 +463,7 @@ impl PySink {
             eager.is_some(),
             device.is_some(),
             transport.is_some(),
+            control_token.is_some(),
         ];
         let skip: Vec<&str> = OVERRIDES
             .iter()
@@ -512,6 +516,9 @@ impl PySink {
         }
         if let Some(e) = eager {
             c.eager = e;
+        }
+        if control_token.is_some() {
+            c.control_token = control_token;
         }
         if let Some(t) = transport {
             c.transport = t.parse().map_err(|reason| {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 
 import ml_dtypes
@@ -136,3 +137,27 @@ def test_a_store_frees_over_the_control_endpoint_until_every_byte_is_free(make_s
     s = wait_stats(sink, lambda s: s["freed_objects"] == s["published_objects"])
     assert (s["free_bytes"], s["resident_objects"], s["free_extents"]) == (s["capacity"], 0, 1)
     assert s["control_connections"] == 1, "one persistent connection"
+
+
+def test_a_control_token_travels_in_the_result_and_release_presents_it(make_sink):
+    import socket
+
+    sink = make_sink(control_token="auto")
+    r = sink.put_sample(spec("tok"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    token = r["arena"]["token"]
+    assert isinstance(token, str) and len(token) == 32
+    # A peer without the token frees nothing and is cut off.
+    host, port = r["arena"]["control"].rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        keys = [f"st/tok/g1/{n}" for n in r["features"]]
+        s.sendall((json.dumps(keys) + "\n").encode())
+        s.settimeout(2)
+        assert s.recv(1) == b""
+    wait_stats(sink, lambda s: s["unauthorized_lines"] == 1)
+    assert sink.stats()["resident_objects"] == 4
+    store = ca.ArenaFeatureStore()
+    store.release(r)
+    s = wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    assert s["freed_objects"] == 4 and s["unauthorized_lines"] == 1
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_CONTROL_TOKEN"):
+        ca.ArenaSink(arena_bytes="1MiB", control_token="short", eager=True)

@@ -93,6 +93,7 @@ impl Arena {
         let arena_ref = ArenaRef {
             session: region.session().to_owned(),
             control,
+            token: None,
         };
         Ok(Arena {
             region,
@@ -110,6 +111,11 @@ impl Arena {
     /// The session and control endpoint every result carries.
     pub fn arena_ref(&self) -> &ArenaRef {
         &self.arena_ref
+    }
+
+    /// Sets the control token results carry.
+    pub fn set_control_token(&mut self, token: Option<String>) {
+        self.arena_ref.token = token;
     }
 
     /// The region.

@@ -19,6 +19,7 @@
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S` | `line_timeout` | 10 s |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_DEVICE` | `device` | unset: the first device tensor's GPU, else 0 |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_HANDLE` | `handle` | `auto`: fabric where a real export works, else POSIX fd |
+//! | `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN` | `control_token` | unset: no token; `auto`: a random token per arena |
 //! | `SGLANG_SPEC_CAPTURE_TRANSPORT` | `transport` | `auto`: the region's own (`shm://`, `cuda://`); `nixl` registers it with a NIXL agent |
 //!
 //! Read by trainers (readers), not part of [`Config`]:
@@ -178,6 +179,9 @@ impl std::str::FromStr for HandlePreference {
     }
 }
 
+/// `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN`: the control endpoint's shared secret, or `auto`.
+pub const ENV_CONTROL_TOKEN: &str = "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN";
+
 /// `SGLANG_SPEC_CAPTURE_TRANSPORT`: how readers reach capture-arena's own arena, `auto` or `nixl`.
 pub const ENV_TRANSPORT: &str = "SGLANG_SPEC_CAPTURE_TRANSPORT";
 /// `SGLANG_SPEC_CAPTURE_NIXL_LIB`: `libnixl_capi.so`, as a file or the directory holding it.
@@ -277,6 +281,10 @@ pub struct Config {
     pub placement: Option<Placement>,
     /// `SGLANG_SPEC_CAPTURE_TRANSPORT`: how readers reach capture-arena's own arena.
     pub transport: ArenaTransport,
+    /// `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN`: a connection to the control endpoint presents this
+    /// token before any free it sends is applied; `auto` draws a random one per arena. Results
+    /// carry it (`arena.token`), so trainers need no setup. `None`: the plain protocol.
+    pub control_token: Option<String>,
 }
 
 impl Default for Config {
@@ -300,6 +308,7 @@ impl Default for Config {
             handle: HandlePreference::Auto,
             placement: None,
             transport: ArenaTransport::Auto,
+            control_token: None,
         }
     }
 }
@@ -389,6 +398,9 @@ impl Config {
         if let Some(v) = get(ENV_ARENA_HANDLE) {
             c.handle = v.parse().map_err(|r| Error::config(ENV_ARENA_HANDLE, r))?;
         }
+        if let Some(v) = get(ENV_CONTROL_TOKEN) {
+            c.control_token = Some(v.trim().to_owned());
+        }
         if let Some(v) = get(ENV_TRANSPORT) {
             c.transport = v.parse().map_err(|r| Error::config(ENV_TRANSPORT, r))?;
         }
@@ -396,6 +408,22 @@ impl Config {
             c.gpu_put = Some(parse_flag(&v).map_err(|r| Error::config(ENV_GPU_PUT, r))?);
         }
         Ok(c)
+    }
+
+    /// The control token this configuration asks for: `auto` drawn now (128 random bits as 32
+    /// hex digits), else the configured one.
+    ///
+    /// # Errors
+    /// [`Error::Io`] if the kernel's random source fails.
+    pub fn resolved_control_token(&self) -> Result<Option<String>> {
+        match self.control_token.as_deref() {
+            Some("auto") => Ok(Some(format!(
+                "{:032x}",
+                crate::memory::shm::random_nonce()?
+            ))),
+            Some(t) => Ok(Some(t.to_owned())),
+            None => Ok(None),
+        }
     }
 
     /// The placement `protocol` selects.
@@ -479,6 +507,18 @@ impl Config {
                     self.control_buffer_bytes
                 ),
             ));
+        }
+        if let Some(t) = &self.control_token {
+            if t != "auto" && !crate::control::is_valid_token(t) {
+                return Err(Error::config(
+                    ENV_CONTROL_TOKEN,
+                    format!(
+                        "a token of {} bytes: use `auto` (a random token per arena) or 16 to 256 \
+                         characters of A-Z a-z 0-9 . _ ~ + / = -",
+                        t.len()
+                    ),
+                ));
+            }
         }
         if self.transport == ArenaTransport::Nixl && !cfg!(feature = "nixl") {
             return Err(Error::config(

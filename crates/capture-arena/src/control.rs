@@ -12,6 +12,11 @@
 //! - a line longer than [`MAX_LINE_BYTES`] closes its connection;
 //! - bytes after the last `\n` of a closed connection are a partial line: discarded and counted.
 //!
+//! - with a control token ([`crate::config::Config::control_token`]), a connection's first line
+//!   must be `{"token": "<token>"}`; until it is, no line is applied, and any other line closes
+//!   the connection (counted in `unauthorized_lines`). A server without a token counts a token
+//!   line as one bad line and goes on, so a client may always send it. Frees stay one-way.
+//!
 //! The limits a server puts on its peers (connections, buffered bytes, idle partial lines, a
 //! budget per connection per turn) live with the event loop in `writer::control_server`.
 
@@ -42,6 +47,47 @@ pub fn parse_line(line: &[u8]) -> Result<Option<Vec<Cow<'_, str>>>, String> {
     serde_json::from_slice::<Vec<Text<'_>>>(line)
         .map(|k| Some(k.into_iter().map(|t| t.0).collect()))
         .map_err(|e| e.to_string())
+}
+
+/// The shortest and longest token accepted.
+pub const TOKEN_BYTES: std::ops::RangeInclusive<usize> = 16..=256;
+
+/// True for a token this protocol carries: 16 to 256 bytes of `A-Z a-z 0-9 . _ ~ + / = -` (no
+/// byte needs escaping in JSON, a URL or a shell).
+pub fn is_valid_token(t: &str) -> bool {
+    TOKEN_BYTES.contains(&t.len())
+        && t.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-_~+/=".contains(&b))
+}
+
+/// The line that presents `token` (without its `\n`).
+pub fn token_line(token: &str) -> String {
+    serde_json::json!({ "token": token }).to_string()
+}
+
+/// The token a line presents, if it is a token line (`{"token": "<token>"}`).
+pub fn parse_token_line(line: &[u8]) -> Option<String> {
+    let line = line.trim_ascii();
+    if !line.starts_with(b"{") {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct TokenLine {
+        token: String,
+    }
+    serde_json::from_slice::<TokenLine>(line)
+        .ok()
+        .map(|t| t.token)
+}
+
+/// Compares two tokens in time that depends on their lengths only, not on where they differ.
+pub fn tokens_equal(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
 }
 
 /// Above this capacity, a line buffer gives its memory back once its line is complete, so a

@@ -436,6 +436,10 @@ pub struct ArenaRef {
     pub session: String,
     /// The control endpoint, `host:port`.
     pub control: String,
+    /// The control endpoint's token, when it has one: a connection presents it first (see
+    /// [`crate::control`]). Absent without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// One feature of a published sample.
@@ -520,6 +524,14 @@ impl Published {
                 "{} features (at most {MAX_FEATURES})",
                 self.features.len()
             )));
+        }
+        if self
+            .arena
+            .token
+            .as_deref()
+            .is_some_and(|t| !crate::control::is_valid_token(t))
+        {
+            return Err(bad("arena.token is not a valid control token".into()));
         }
         if self.arena.session.len() > MAX_SESSION_BYTES
             || self.arena.control.len() > MAX_ENDPOINT_BYTES
@@ -716,6 +728,7 @@ mod tests {
             arena: ArenaRef {
                 session: "shm://x".into(),
                 control: "127.0.0.1:1".into(),
+                token: None,
             },
         }
     }

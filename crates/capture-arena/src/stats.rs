@@ -57,6 +57,9 @@ stats! {
     bad_lines,
     /// Unterminated lines discarded when their connection closed.
     partial_lines,
+    /// Lines refused because their connection had not presented the control token (the
+    /// connection was closed; nothing it sent was applied).
+    unauthorized_lines,
     /// Lines over the length limit (their connection was closed).
     oversized_lines,
     /// Control connections accepted.

@@ -63,6 +63,7 @@ fn result(i: usize, control: &str) -> Published {
                 i % 7
             ),
             control: control.to_owned(),
+            token: None,
         },
     }
 }

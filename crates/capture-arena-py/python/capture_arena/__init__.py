@@ -123,6 +123,7 @@ class ArenaSink(_ArenaSink):
     ``eager``                   ``SGLANG_SPEC_CAPTURE_ARENA_EAGER``            off
     ``device``                  ``SGLANG_SPEC_CAPTURE_ARENA_DEVICE``           first CUDA tensor's
     ``transport``               ``SGLANG_SPEC_CAPTURE_TRANSPORT``              auto (``nixl``: any host)
+    ``control_token``           ``SGLANG_SPEC_CAPTURE_CONTROL_TOKEN``          none (``auto``: random)
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 

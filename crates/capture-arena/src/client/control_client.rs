@@ -20,6 +20,10 @@
 //! - endpoints whose server closed the connection and that have nothing waiting are forgotten
 //!   (at most once a second), so a trainer does not keep a descriptor per producer restart.
 //!
+//! - an endpoint with a control token (a result's `arena.token`, [`ControlClient::set_token`])
+//!   gets it as the first line of every connection; a new token for an endpoint (its producer
+//!   restarted on the same port) drops the connection that presented the old one.
+//!
 //! Several threads may free at once: one sends to an endpoint while the others queue, and the
 //! sender sends again what was queued meanwhile before it returns.
 
@@ -62,6 +66,8 @@ struct Endpoint {
     sending: bool,
     /// After a failure: not before `.0`; the next failure waits twice `.1`; the error.
     backoff: Option<(Instant, Duration, ErrorKind, String)>,
+    /// The endpoint's control token, presented first on every new connection.
+    token: Option<Arc<str>>,
 }
 
 struct State {
@@ -255,6 +261,19 @@ impl ControlClient {
         self.state().dropped
     }
 
+    /// Sets the control token of `endpoint` (from a result's `arena.token`).
+    pub fn set_token(&self, endpoint: &str, token: Option<&str>) {
+        let mut guard = self.state();
+        let s = &mut *guard;
+        self.endpoint(s, endpoint);
+        if let Some(e) = s.endpoints.get_mut(endpoint) {
+            if e.token.as_deref() != token {
+                e.token = token.map(Arc::from);
+                e.conn = None;
+            }
+        }
+    }
+
     /// Queues `keys` for `endpoint` and sends what waits for it. With `None` the keys go to
     /// every endpoint known now and learned in the next [`UNLOCATED_TTL`].
     ///
@@ -392,15 +411,16 @@ impl ControlClient {
                 e.sending = true;
                 let waiting: Vec<Waiting> = e.pending.drain(..).collect();
                 s.pending -= waiting.len();
-                (waiting, e.conn.take())
+                (waiting, (e.conn.take(), e.token.clone()))
             };
+            let (conn, token) = conn;
             // No lock held while asking about sessions, connecting or writing.
             let waiting = self.live_keys(waiting);
             let sent = if waiting.is_empty() {
                 Ok(conn) // every key's producer is gone: nothing to send
             } else {
                 let keys: Vec<&Key> = waiting.iter().map(|(k, _)| k).collect();
-                self.write(endpoint, conn, &keys)
+                self.write(endpoint, conn, token.as_deref(), &keys)
                     .map(Some)
                     .map_err(|e| (e, waiting))
             };
@@ -472,6 +492,7 @@ impl ControlClient {
         &self,
         endpoint: &str,
         conn: Option<TcpStream>,
+        token: Option<&str>,
         keys: &[&Key],
     ) -> std::io::Result<TcpStream> {
         let mut buf = Vec::with_capacity(keys.len() * 64);
@@ -495,21 +516,27 @@ impl ControlClient {
             Some(c) if alive(&c) => c,
             Some(_) => {
                 tracing::debug!(%endpoint, "control connection closed by the server; reconnecting");
-                self.connect(endpoint)?
+                self.connect(endpoint, token)?
             }
-            None => self.connect(endpoint)?,
+            None => self.connect(endpoint, token)?,
         };
         stream.write_all(&buf)?;
         Ok(stream)
     }
 
-    fn connect(&self, endpoint: &str) -> std::io::Result<TcpStream> {
+    /// Connects, and presents `token` first when there is one.
+    fn connect(&self, endpoint: &str, token: Option<&str>) -> std::io::Result<TcpStream> {
         let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
         for addr in endpoint.to_socket_addrs()? {
             match TcpStream::connect_timeout(&addr, self.timeout) {
-                Ok(s) => {
+                Ok(mut s) => {
                     s.set_write_timeout(Some(self.timeout))?;
                     s.set_nodelay(true)?;
+                    if let Some(t) = token {
+                        let mut line = crate::control::token_line(t).into_bytes();
+                        line.push(b'\n');
+                        s.write_all(&line)?;
+                    }
                     return Ok(s);
                 }
                 Err(e) => last = e,

@@ -298,6 +298,8 @@ impl FeatureStore {
             st.resident.remove(&sample_key(result));
             st.released.insert(result);
         }
+        self.control
+            .set_token(&result.arena.control, result.arena.token.as_deref());
         self.control.free_in(
             Some(&result.arena.control),
             Some(&result.arena.session),

@@ -64,11 +64,13 @@ const ACCEPTS_PER_TURN: usize = 64;
 const MAX_ACCEPT_BACKOFF: Duration = Duration::from_secs(1);
 
 /// The bounds the server puts on its peers (from the [`crate::Config`]).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct Limits {
     pub max_connections: usize,
     pub buffer_bytes: usize,
     pub line_timeout: Duration,
+    /// The control token a connection presents before its frees are applied.
+    pub token: Option<String>,
 }
 
 #[derive(Debug)]
@@ -104,12 +106,15 @@ struct Conn {
     partial_since: Option<Instant>,
     /// In `ready` or `starved` (so never twice in either).
     queued: bool,
+    /// Presented the control token (or none is needed).
+    authed: bool,
 }
 
 /// Kinds of rate-limited warnings.
 #[derive(Debug, Clone, Copy)]
 enum Warn {
     BadLine,
+    Unauthorized,
     LongLine,
     Partial,
     TimedOut,
@@ -121,8 +126,8 @@ enum Warn {
 /// One warning per kind per second; the rest are counted and reported with the next one.
 #[derive(Debug, Default)]
 struct Warnings {
-    next: [Option<Instant>; 7],
-    suppressed: [u64; 7],
+    next: [Option<Instant>; 8],
+    suppressed: [u64; 8],
 }
 
 impl Warnings {
@@ -444,6 +449,7 @@ impl ControlServer {
                 lines: LineBuffer::default(),
                 partial_since: reply.then(Instant::now),
                 queued: true,
+                authed: self.limits.token.is_none(),
             },
         );
         // Data may already be waiting (edge-triggered): give it a turn.
@@ -491,6 +497,8 @@ impl ControlServer {
         let mut completed = 0usize;
         let mut warnings = std::mem::take(&mut self.warnings);
         let peer = conn.peer.clone();
+        let secret = self.limits.token.clone();
+        let mut refused = false;
         let outcome = loop {
             let room = max_held.saturating_sub(conn.lines.pending()).min(turn);
             if room == 0 {
@@ -500,14 +508,47 @@ impl ControlServer {
                 Ok(0) => break Turn::Eof,
                 Ok(n) => {
                     turn -= n;
+                    let authed = &mut conn.authed;
                     let mut on_line = |line: &[u8]| {
                         completed += 1;
+                        if refused {
+                            return;
+                        }
+                        if let Some(expected) = secret.as_deref() {
+                            match control::parse_token_line(line) {
+                                Some(t) => {
+                                    // A right token authorizes the connection (again: a no-op);
+                                    // a wrong one closes it.
+                                    refused =
+                                        !control::tokens_equal(t.as_bytes(), expected.as_bytes());
+                                    *authed |= !refused;
+                                    return;
+                                }
+                                None if !*authed && !line.trim_ascii().is_empty() => {
+                                    refused = true;
+                                    return;
+                                }
+                                None => {}
+                            }
+                        }
                         freed_any |= apply_line(line, &peer, arena, stats, &mut warnings)
                     };
-                    if let Err(o) =
-                        conn.lines
-                            .push_capped(&self.scratch[..n], max_held, &mut on_line)
-                    {
+                    let pushed = conn
+                        .lines
+                        .push_capped(&self.scratch[..n], max_held, &mut on_line);
+                    if refused {
+                        bump(&stats.unauthorized_lines, 1);
+                        warnings.warn(Warn::Unauthorized, |suppressed| {
+                            tracing::warn!(
+                                %peer,
+                                suppressed,
+                                "control connection without the right token closed; nothing it \
+                                 sent was applied (counted in unauthorized_lines)"
+                            )
+                        });
+                        break Turn::Close;
+                    }
+                    if let Err(o) = pushed {
                         bump(&stats.oversized_lines, 1);
                         warnings.warn(Warn::LongLine, |suppressed| {
                             tracing::warn!(

@@ -108,16 +108,19 @@ impl Writer {
             Waker::new(poll.registry(), WAKER).map_err(|e| Error::io("creating the waker", e))?,
         );
         region.set_notifier(Notifier(waker.clone()));
+        let token = config.resolved_control_token()?;
         let limits = Limits {
             max_connections: config.max_connections,
             buffer_bytes: usize::try_from(config.control_buffer_bytes).unwrap_or(usize::MAX),
             line_timeout: config.line_timeout,
+            token: token.clone(),
         };
         let server = ControlServer::new(listener, poll.registry(), limits)?;
         let reply_endpoint = server.reply_endpoint().to_owned();
         region.set_reply_endpoint(&reply_endpoint);
         let memory_session = region.memory_session().to_owned();
-        let arena = Arena::new(region, config.alignment, control)?;
+        let mut arena = Arena::new(region, config.alignment, control)?;
+        arena.set_control_token(token);
         let (submitter, queue) = Submitter::new(waker, config.max_pending_batches);
         let shared = submitter.shared.clone();
         shared.stats.set_report(&arena.report());

@@ -1,0 +1,137 @@
+//! The control token over real loopback sockets: without it (or with a wrong one) nothing a
+//! connection sends is applied and the connection is closed; with it frees work; results carry it
+//! so a trainer's store presents it by itself; a server without a token treats a token line as one
+//! bad line.
+
+mod util;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use capture_arena::client::FeatureStore;
+use capture_arena::control::{token_line, tokens_equal};
+use capture_arena::{Config, Writer};
+use util::*;
+
+const TOKEN: &str = "s3cret-token-0123456789abcdef";
+
+fn writer(token: Option<&str>) -> Writer {
+    Writer::start(&Config {
+        control_token: token.map(str::to_owned),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap()
+}
+
+/// Sends `text` on a new connection and reports whether the server closed it within 2 s.
+fn send(control: &str, text: &str) -> bool {
+    let mut c = TcpStream::connect(control).unwrap();
+    c.write_all(text.as_bytes()).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut b = [0u8; 1];
+    matches!(c.read(&mut b), Ok(0))
+        || matches!(c.read(&mut b), Err(ref e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+}
+
+fn wait_stats(
+    w: &Writer,
+    pred: impl FnMut(&capture_arena::StatsSnapshot) -> bool,
+) -> capture_arena::StatsSnapshot {
+    let (s, ok) = w.wait_for(Duration::from_secs(5), pred);
+    assert!(ok, "{s:?}");
+    s
+}
+
+#[test]
+fn frees_without_the_token_or_with_a_wrong_one_are_refused_and_close_the_connection() {
+    let w = writer(Some(TOKEN));
+    let r = publish_one(&w, "a", &[100]);
+    assert_eq!(r.arena.token.as_deref(), Some(TOKEN));
+    let control = w.arena_ref().control.clone();
+    let keys = serde_json::to_string(&keys(std::slice::from_ref(&r))).unwrap();
+    // No token: the free line is refused and the connection closed.
+    assert!(send(&control, &format!("{keys}\n")), "closed");
+    // A wrong token of the right length, then the frees.
+    let wrong = format!("{}X", &TOKEN[..TOKEN.len() - 1]);
+    assert!(send(&control, &format!("{}\n{keys}\n", token_line(&wrong))));
+    // A frees line first, the right token after it: still refused (the token comes first).
+    assert!(send(&control, &format!("{keys}\n{}\n", token_line(TOKEN))));
+    let s = wait_stats(&w, |s| s.unauthorized_lines >= 3);
+    assert_eq!(s.freed_objects, 0);
+    assert_eq!(s.resident_objects, 1);
+    verify(&r); // the sample is intact
+                // Blank lines before the token are fine; then the frees apply.
+    let mut c = TcpStream::connect(&control).unwrap();
+    write!(c, "\n{}\n{keys}\n", token_line(TOKEN)).unwrap();
+    wait_freed(&w, 1);
+    assert_eq!(w.stats().unauthorized_lines, 3);
+}
+
+#[test]
+fn results_carry_the_token_and_a_trainer_frees_with_it_unaided() {
+    let w = writer(Some("auto"));
+    let r = publish_one(&w, "a", &[4096, 3]);
+    let token = r.arena.token.clone().expect("results carry the token");
+    assert_eq!(token.len(), 32, "auto: 128 random bits as hex");
+    // The result as a trainer gets it (JSON) round-trips with its token.
+    let json = serde_json::to_string(&r).unwrap();
+    assert!(json.contains(&format!("\"token\":\"{token}\"")));
+    let store = FeatureStore::new();
+    let got = store.get(&r, None).unwrap();
+    assert_eq!(got["t0"].data.len(), 4096);
+    store.release(&r).unwrap();
+    wait_freed(&w, 2);
+    assert_eq!(w.stats().unauthorized_lines, 0);
+    // Another arena draws another token.
+    let other = writer(Some("auto"));
+    assert_ne!(other.arena_ref().token, w.arena_ref().token);
+}
+
+#[test]
+fn without_a_token_a_token_line_is_one_bad_line_and_frees_go_on() {
+    let w = writer(None);
+    let r = publish_one(&w, "a", &[10]);
+    assert_eq!(r.arena.token, None);
+    assert!(!serde_json::to_string(&r).unwrap().contains("token"));
+    let keys = serde_json::to_string(&keys(std::slice::from_ref(&r))).unwrap();
+    let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
+    write!(c, "{}\n{keys}\n", token_line(TOKEN)).unwrap();
+    let s = wait_stats(&w, |s| s.freed_objects == 1);
+    assert_eq!((s.bad_lines, s.unauthorized_lines), (1, 0));
+}
+
+#[test]
+fn bad_tokens_are_refused_by_the_configuration() {
+    for bad in [
+        "short",
+        "has space in it 0123456789",
+        "quote\"0123456789abcdef",
+        &"x".repeat(257),
+    ] {
+        let c = Config {
+            control_token: Some(bad.to_owned()),
+            ..config(1 << 20, Duration::from_secs(1))
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN"), "{e}");
+    }
+    let c = Config::from_lookup(|k| {
+        (k == "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN").then(|| "auto".to_owned())
+    })
+    .unwrap();
+    assert_eq!(c.control_token.as_deref(), Some("auto"));
+}
+
+#[test]
+fn token_comparison_is_exact() {
+    // The comparison reads every byte whatever the first difference (by construction: one
+    // OR-fold over all bytes); timing is not measured in tests on this shared machine.
+    let a = TOKEN.as_bytes();
+    let mut first = a.to_vec();
+    first[0] ^= 1;
+    let mut last = a.to_vec();
+    *last.last_mut().unwrap() ^= 1;
+    assert!(tokens_equal(a, a));
+    assert!(!tokens_equal(a, &first) && !tokens_equal(a, &last) && !tokens_equal(a, &a[1..]));
+}
