@@ -7,6 +7,7 @@ mod clean;
 mod consume;
 mod demo;
 mod device;
+mod free;
 mod nixl_bench;
 mod produce;
 mod workload;
@@ -37,6 +38,9 @@ enum Command {
     Bench(bench::Args),
     /// Remove the shared memory of producers that died without removing their arena.
     Clean(clean::Args),
+    /// Free keys, or everything under a prefix (STORE_ID/ or STORE_ID/SAMPLE_ID/), at a
+    /// producer's control endpoint: reclaim what a dead trainer held.
+    Free(free::Args),
     /// What the GPU path finds here: the CUDA driver, the devices, and which handle type a
     /// device arena gets (fabric or POSIX fd) and why. One JSON object on stdout.
     DeviceInfo(device::InfoArgs),
@@ -66,6 +70,7 @@ fn main() -> ExitCode {
         Command::Consume(a) => consume::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Clean(a) => clean::run(a),
+        Command::Free(a) => free::run(a),
         Command::DeviceInfo(a) => device::info(a),
         Command::BenchServe(a) => nixl_bench::serve(a),
     };

@@ -245,3 +245,48 @@ fn a_producer_stopped_by_a_signal_removes_its_arena() {
     );
     assert!(!path.exists(), "the arena was removed on SIGTERM");
 }
+
+#[test]
+fn an_operator_reclaims_a_dead_trainers_samples_with_free_prefix() {
+    // The trainer died before freeing anything: the producer holds 3 samples.
+    let mut producer = tiny_producer("3", "30").spawn().unwrap();
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(producer.stdout.take().unwrap()));
+    let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let control = first["arena"]["control"].as_str().unwrap().to_owned();
+    let store = first["store_id"].as_str().unwrap().to_owned();
+    let rest: Vec<String> = lines.by_ref().take(2).map(Result::unwrap).collect();
+    assert_eq!(rest.len(), 2);
+    let out = Command::new(EXE)
+        .args([
+            "free",
+            "--control",
+            &control,
+            "--prefix",
+            &format!("{store}/"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 prefixes"));
+    // Everything freed: the producer ends cleanly, its arena fully free.
+    let last: Vec<Value> = lines
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .collect();
+    assert!(producer.wait().unwrap().success());
+    let s = &last.last().unwrap()["stats"];
+    assert_eq!(s["resident_objects"], 0);
+    assert_eq!(s["free_bytes"], s["capacity"]);
+    // A bad prefix is refused before anything is sent.
+    let bad = Command::new(EXE)
+        .args(["free", "--control", &control, "--prefix", "no-slash"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("ends with '/'"));
+}

@@ -241,3 +241,32 @@ pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Ve
         })
         .collect()
 }
+
+/// Frees keys and everything under prefixes at a control endpoint, once (the Rust core's
+/// `client::send_frees`), with the GIL released.
+#[pyfunction]
+#[pyo3(signature = (control, keys, prefixes, token=None, timeout_s=5.0))]
+pub fn _send_frees(
+    py: Python<'_>,
+    control: String,
+    keys: Vec<String>,
+    prefixes: Vec<String>,
+    token: Option<String>,
+    timeout_s: f64,
+) -> PyResult<()> {
+    let keys = keys
+        .iter()
+        .map(|k| k.parse::<capture_arena::Key>())
+        .collect::<capture_arena::Result<Vec<_>>>()
+        .py_err()?;
+    let timeout = std::time::Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+        to_py(Error::InvalidRead {
+            key: control.clone(),
+            reason: format!("timeout_s {timeout_s} is not a number of seconds >= 0"),
+        })
+    })?;
+    py.detach(|| {
+        capture_arena::client::send_frees(&control, token.as_deref(), &keys, &prefixes, timeout)
+    })
+    .py_err()
+}

@@ -161,3 +161,17 @@ def test_a_control_token_travels_in_the_result_and_release_presents_it(make_sink
     assert s["freed_objects"] == 4 and s["unauthorized_lines"] == 1
     with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_CONTROL_TOKEN"):
         ca.ArenaSink(arena_bytes="1MiB", control_token="short", eager=True)
+
+
+def test_reclaim_frees_a_dead_trainers_samples_by_prefix(make_sink):
+    sink = make_sink(control_token="auto")
+    rs = sink.put_samples([(spec(f"r{i}"), hidden(8, 12), hidden(8, 4)) for i in range(3)])
+    control, token = rs[0]["arena"]["control"], rs[0]["arena"]["token"]
+    with pytest.raises(ca.InvalidSampleError):
+        ca.ArenaFeatureStore.reclaim(control, prefixes=["st"], token=token)
+    ca.ArenaFeatureStore.reclaim(control, prefixes=["st/r0/"], keys=["st/r1/g1/target"], token=token)
+    s = wait_stats(sink, lambda s: s["freed_objects"] == 5)
+    assert s["resident_objects"] == 7
+    ca.ArenaFeatureStore.reclaim(control, prefixes=["st/"], token=token)
+    s = wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    assert s["free_bytes"] == s["capacity"] and s["unauthorized_lines"] == 0

@@ -8,7 +8,7 @@
 //! a free for them is an unknown key, never a free of space still being written. Only the writer
 //! thread owns an `Arena`, so nothing here locks.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use crate::alloc::{Allocator, Extent};
 use crate::error::{Error, Result};
@@ -78,7 +78,8 @@ pub struct Reservation {
 pub struct Arena {
     region: Box<dyn Region>,
     alloc: Allocator,
-    objects: HashMap<Key, Object>,
+    /// Ordered by key, so a prefix free is a range scan.
+    objects: BTreeMap<Key, Object>,
     arena_ref: ArenaRef,
 }
 
@@ -98,7 +99,7 @@ impl Arena {
         Ok(Arena {
             region,
             alloc,
-            objects: HashMap::new(),
+            objects: BTreeMap::new(),
             arena_ref,
         })
     }
@@ -359,6 +360,28 @@ impl Arena {
         let freed = self.alloc.free(o.extent);
         debug_assert!(freed, "a resident object's extent is live");
         Some(o.len)
+    }
+
+    /// Frees every resident object whose key starts with `prefix` (checked by the caller:
+    /// [`crate::key::check_prefix`]); returns how many and their bytes. Costs a range scan of
+    /// the matching keys only.
+    pub fn free_prefix(&mut self, prefix: &str) -> (u64, u64) {
+        use std::ops::Bound;
+        let keys: Vec<Key> = self
+            .objects
+            .range::<str, _>((Bound::Included(prefix), Bound::Unbounded))
+            .map(|(k, _)| k)
+            .take_while(|k| k.as_str().starts_with(prefix))
+            .cloned()
+            .collect();
+        let (mut objects, mut bytes) = (0, 0);
+        for k in keys {
+            if let Some(b) = self.free(k.as_str()) {
+                objects += 1;
+                bytes += b;
+            }
+        }
+        (objects, bytes)
     }
 
     /// Checks the allocator's invariants and that the object table matches it; for tests.

@@ -17,6 +17,12 @@
 //!   the connection (counted in `unauthorized_lines`). A server without a token counts a token
 //!   line as one bad line and goes on, so a client may always send it. Frees stay one-way.
 //!
+//! - an extension for operators and restarted trainers: a line `{"free_prefix": "<prefix>"}`
+//!   frees every resident object whose key starts with the prefix (`{store_id}/`,
+//!   `{store_id}/{sample_id}/` or `{store_id}/{sample_id}/g{gen}/`, see
+//!   [`crate::key::check_prefix`]); JSON-array lines are unchanged, and a server without the
+//!   extension counts such a line as one bad line.
+//!
 //! The limits a server puts on its peers (connections, buffered bytes, idle partial lines, a
 //! budget per connection per turn) live with the event loop in `writer::control_server`.
 
@@ -79,6 +85,28 @@ pub fn parse_token_line(line: &[u8]) -> Option<String> {
     serde_json::from_slice::<TokenLine>(line)
         .ok()
         .map(|t| t.token)
+}
+
+/// The line that frees every object under `prefix` (without its `\n`).
+pub fn prefix_line(prefix: &str) -> String {
+    serde_json::json!({ "free_prefix": prefix }).to_string()
+}
+
+/// The prefix a line asks to free, if it is a prefix line (`{"free_prefix": "<prefix>"}`; the
+/// prefix is not checked here).
+pub fn parse_prefix_line(line: &[u8]) -> Option<String> {
+    let line = line.trim_ascii();
+    if !line.starts_with(b"{") {
+        return None;
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct PrefixLine {
+        free_prefix: String,
+    }
+    serde_json::from_slice::<PrefixLine>(line)
+        .ok()
+        .map(|t| t.free_prefix)
 }
 
 /// Compares two tokens in time that depends on their lengths only, not on where they differ.

@@ -86,6 +86,44 @@ impl Key {
     }
 }
 
+/// Checks a key prefix for a prefix free: `{store_id}/`, `{store_id}/{sample_id}/` or
+/// `{store_id}/{sample_id}/g{gen}/`, every part valid, at most [`MAX_KEY_BYTES`] bytes. A prefix
+/// ends with `/`, so `st/` never matches `st2/...`.
+///
+/// # Errors
+/// [`Error::InvalidKey`] saying which rule the prefix breaks.
+pub fn check_prefix(prefix: &str) -> Result<()> {
+    let bad = |reason: &str| Error::InvalidKey {
+        key: prefix
+            .chars()
+            .take(80)
+            .collect::<String>()
+            .escape_debug()
+            .to_string(),
+        reason: reason.into(),
+    };
+    if prefix.len() > MAX_KEY_BYTES {
+        return Err(too_long(prefix, prefix.len()));
+    }
+    let Some(body) = prefix.strip_suffix('/') else {
+        return Err(bad("a prefix ends with '/': {store_id}/, {store_id}/{sample_id}/ or {store_id}/{sample_id}/g{gen}/"));
+    };
+    let parts: Vec<&str> = body.split('/').collect();
+    match parts.as_slice() {
+        [store] => check_part("store_id", store),
+        [store, sample] => check_part("store_id", store).and(check_part("sample_id", sample)),
+        [store, sample, g] => {
+            let gen = g
+                .strip_prefix('g')
+                .and_then(|n| n.parse::<u64>().ok())
+                .filter(|n| *n >= 1 && g[1..] == n.to_string())
+                .ok_or_else(|| bad("the third part of a prefix is g{gen}, gen >= 1"))?;
+            check_sample(store, sample, gen)
+        }
+        _ => Err(bad("a prefix has one to three parts before its final '/'")),
+    }
+}
+
 /// The name of a sample, `{store_id}/{sample_id}/g{gen}`: what every key of the sample starts
 /// with (before `/{name}`). For messages and sample-level bookkeeping; not validated.
 pub fn sample_path(store_id: &str, sample_id: &str, gen: u64) -> String {

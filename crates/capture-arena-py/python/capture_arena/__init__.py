@@ -24,7 +24,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import errors
-from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _Store, arena_enabled, placement
+from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _send_frees, _Store, arena_enabled, placement
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
@@ -386,6 +386,23 @@ class ArenaFeatureStore(_Store):
             self._stores().release(result)
         else:
             super().release(result)
+
+    @staticmethod
+    def reclaim(
+        control: str,
+        *,
+        keys: Iterable[str] = (),
+        prefixes: Iterable[str] = (),
+        token: Optional[str] = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        """Frees ``keys`` and every object under ``prefixes`` (``"{store_id}/"``,
+        ``"{store_id}/{sample_id}/"`` or ``"{store_id}/{sample_id}/g{gen}/"``) at the control
+        endpoint ``control`` (a result's ``arena.control``), presenting ``token`` (a result's
+        ``arena.token``) when the producer has one: what a restarted trainer or an operator does
+        with the samples a dead trainer held. One-way: the producer's stats show what was freed.
+        A bad prefix or token raises before anything is sent."""
+        _send_frees(control, list(keys), list(prefixes), token, timeout_s)
 
     def _get_through_engine(
         self, result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]

@@ -4,7 +4,7 @@ from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__", "FEATURES", "ReadBuffer"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__", "FEATURES", "ReadBuffer", "_send_frees"]
 
 __version__: str
 
@@ -16,6 +16,10 @@ def _bench_rust_put(
 ) -> list[float]: ...
 
 FEATURES: list[str]
+
+def _send_frees(
+    control: str, keys: list[str], prefixes: list[str], token: Optional[str] = None, timeout_s: float = 5.0
+) -> None: ...
 
 @disjoint_base
 class _ArenaSink:

@@ -495,23 +495,7 @@ impl ControlClient {
         token: Option<&str>,
         keys: &[&Key],
     ) -> std::io::Result<TcpStream> {
-        let mut buf = Vec::with_capacity(keys.len() * 64);
-        let mut line = Vec::with_capacity(LINE_BYTES);
-        for k in keys {
-            let json = serde_json::to_vec(k.as_str()).map_err(std::io::Error::other)?;
-            if !line.is_empty() && line.len() + json.len() + 2 > LINE_BYTES {
-                buf.extend_from_slice(&line);
-                buf.extend_from_slice(b"]\n");
-                line.clear();
-            }
-            line.push(if line.is_empty() { b'[' } else { b',' });
-            line.extend_from_slice(&json);
-        }
-        if !line.is_empty() {
-            buf.extend_from_slice(&line);
-            buf.extend_from_slice(b"]\n");
-        }
-        debug_assert!(buf.split(|&b| b == b'\n').all(|l| l.len() < MAX_LINE_BYTES));
+        let buf = free_lines(keys)?;
         let mut stream = match conn {
             Some(c) if alive(&c) => c,
             Some(_) => {
@@ -544,6 +528,76 @@ impl ControlClient {
         }
         Err(last)
     }
+}
+
+/// `keys` as free lines, each well under the server's line limit.
+fn free_lines(keys: &[&Key]) -> std::io::Result<Vec<u8>> {
+    let mut buf = Vec::with_capacity(keys.len() * 64);
+    let mut line = Vec::with_capacity(LINE_BYTES);
+    for k in keys {
+        let json = serde_json::to_vec(k.as_str()).map_err(std::io::Error::other)?;
+        if !line.is_empty() && line.len() + json.len() + 2 > LINE_BYTES {
+            buf.extend_from_slice(&line);
+            buf.extend_from_slice(b"]\n");
+            line.clear();
+        }
+        line.push(if line.is_empty() { b'[' } else { b',' });
+        line.extend_from_slice(&json);
+    }
+    if !line.is_empty() {
+        buf.extend_from_slice(&line);
+        buf.extend_from_slice(b"]\n");
+    }
+    debug_assert!(buf.split(|&b| b == b'\n').all(|l| l.len() < MAX_LINE_BYTES));
+    Ok(buf)
+}
+
+/// Sends frees to `endpoint` once, on a new connection, and closes it: `token` first when there
+/// is one, then `keys`, then a prefix line for each of `prefixes` (see [`crate::control`]). For
+/// operators and restarted trainers reclaiming what a dead trainer held; trainers use
+/// [`ControlClient`]. Frees are one-way: success means the lines were written, not applied.
+///
+/// # Errors
+/// [`Error::InvalidKey`] for a prefix that is not `{store_id}/`, `{store_id}/{sample_id}/` or
+/// `{store_id}/{sample_id}/g{gen}/`, and [`Error::Config`] for a token that is not one,
+/// before anything is sent; [`Error::FreeNotSent`] when the endpoint cannot be reached or
+/// written within `timeout`.
+pub fn send_frees(
+    endpoint: &str,
+    token: Option<&str>,
+    keys: &[Key],
+    prefixes: &[String],
+    timeout: Duration,
+) -> Result<()> {
+    for p in prefixes {
+        crate::key::check_prefix(p)?;
+    }
+    if let Some(t) = token {
+        if !crate::control::is_valid_token(t) {
+            return Err(Error::Config {
+                var: crate::config::ENV_CONTROL_TOKEN,
+                reason: "not a control token (16 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -)"
+                    .into(),
+            });
+        }
+    }
+    let not_sent = |source: std::io::Error| Error::FreeNotSent {
+        endpoint: endpoint.to_owned(),
+        pending: keys.len() + prefixes.len(),
+        source,
+    };
+    let refs: Vec<&Key> = keys.iter().collect();
+    let mut buf = free_lines(&refs).map_err(not_sent)?;
+    for p in prefixes {
+        buf.extend_from_slice(crate::control::prefix_line(p).as_bytes());
+        buf.push(b'\n');
+    }
+    let client = ControlClient::new(timeout);
+    let mut stream = client.connect(endpoint, token).map_err(not_sent)?;
+    stream.write_all(&buf).map_err(not_sent)?;
+    stream.flush().map_err(not_sent)?;
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    Ok(())
 }
 
 /// The server never writes, so a readable control socket is a closed (or broken) one.

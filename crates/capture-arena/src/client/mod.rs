@@ -13,7 +13,9 @@ mod control_client;
 mod feature_store;
 mod reader;
 
-pub use control_client::{ControlClient, Liveness, DEFAULT_MAX_PENDING_KEYS, UNLOCATED_TTL};
+pub use control_client::{
+    send_frees, ControlClient, Liveness, DEFAULT_MAX_PENDING_KEYS, UNLOCATED_TTL,
+};
 pub use feature_store::{FeatureStore, Health, OwnedTensor, RELEASED_MEMORY};
 pub use reader::{Reader, MAX_SESSIONS};
 

@@ -768,6 +768,29 @@ fn apply_line(
     stats: &Stats,
     warnings: &mut Warnings,
 ) -> bool {
+    if let Some(prefix) = control::parse_prefix_line(line) {
+        return match crate::key::check_prefix(&prefix) {
+            Ok(()) => {
+                let (objects, bytes) = arena.free_prefix(&prefix);
+                if objects > 0 {
+                    stats.set_report(&arena.report());
+                } else {
+                    bump(&stats.unknown_frees, 1);
+                }
+                bump(&stats.freed_bytes, bytes);
+                bump(&stats.freed_objects, objects);
+                tracing::info!(%peer, %prefix, objects, bytes, "prefix freed");
+                objects > 0
+            }
+            Err(e) => {
+                bump(&stats.bad_lines, 1);
+                warnings.warn(Warn::BadLine, |suppressed| {
+                    tracing::warn!(%peer, error = %e, suppressed, "bad prefix free ignored (counted in bad_lines)")
+                });
+                false
+            }
+        };
+    }
     match control::parse_line(line) {
         Ok(Some(keys)) => {
             let (mut objects, mut bytes, mut unknown) = (0, 0, 0);

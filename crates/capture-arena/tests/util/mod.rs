@@ -27,7 +27,12 @@ pub fn pattern(id: &str, name: &str, i: usize) -> u8 {
 
 /// A sample of uint8 tensors `t0, t1, ...` of the given sizes, filled with [`pattern`].
 pub fn sample(id: &str, sizes: &[usize]) -> Sample {
-    let mut s = Sample::new("st", id, 1).unwrap();
+    sample_in("st", id, sizes)
+}
+
+/// As [`sample`], in store `store`.
+pub fn sample_in(store: &str, id: &str, sizes: &[usize]) -> Sample {
+    let mut s = Sample::new(store, id, 1).unwrap();
     for (i, &n) in sizes.iter().enumerate() {
         let name = format!("t{i}");
         let data: Vec<u8> = (0..n).map(|j| pattern(id, &name, j)).collect();

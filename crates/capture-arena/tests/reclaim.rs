@@ -1,0 +1,80 @@
+//! Reclaiming what a dead trainer held, over real sockets: prefix frees (`{store_id}/`,
+//! `{store_id}/{sample_id}/`) free exactly the objects under the prefix, need the token when
+//! one is set, and leave plain free lines as they are.
+
+mod util;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::time::Duration;
+
+use capture_arena::client::send_frees;
+use capture_arena::control::prefix_line;
+use capture_arena::{Config, Key, Writer};
+use util::*;
+
+#[test]
+fn a_prefix_frees_exactly_what_is_under_it() {
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    let rs = w
+        .submit(vec![
+            sample_in("st", "a", &[100, 10]),
+            sample_in("st", "b", &[100]),
+            sample_in("st2", "a", &[100]),
+        ])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let control = w.arena_ref().control.clone();
+    let mut c = TcpStream::connect(&control).unwrap();
+    // One sample, then a whole store: `st/` does not reach `st2/`.
+    writeln!(c, "{}", prefix_line("st/a/")).unwrap();
+    wait_freed(&w, 2);
+    assert_eq!(w.stats().resident_objects, 2);
+    writeln!(c, "{}", prefix_line("st/")).unwrap();
+    wait_freed(&w, 3);
+    assert_eq!(w.stats().resident_objects, 1);
+    verify(&rs[2]);
+    // Bad prefixes are bad lines; a prefix that matches nothing is an unknown free; plain
+    // lines still work after them.
+    for bad in ["st", "st//", "st/a/b/c/", "st/a/g0/", "st/a/gx/", ""] {
+        writeln!(c, "{}", prefix_line(bad)).unwrap();
+    }
+    writeln!(c, "{}", prefix_line("nobody/")).unwrap();
+    writeln!(c, "{}", serde_json::to_string(&keys(&rs[2..])).unwrap()).unwrap();
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.freed_objects == 4);
+    assert!(ok, "{s:?}");
+    assert_eq!((s.bad_lines, s.unknown_frees), (6, 1));
+    assert_eq!(s.free_bytes, s.capacity);
+}
+
+#[test]
+fn send_frees_reclaims_with_the_token_and_refuses_bad_prefixes_before_sending() {
+    let w = Writer::start(&Config {
+        control_token: Some("auto".into()),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let r = w
+        .submit(vec![
+            sample_in("run", "x", &[64, 64]),
+            sample_in("run", "y", &[64]),
+        ])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let control = w.arena_ref().control.clone();
+    let token = r[0].arena.token.clone().unwrap();
+    let t = Duration::from_secs(2);
+    assert!(send_frees(&control, Some(&token), &[], &["run".into()], t).is_err());
+    // Without the token: refused, nothing freed.
+    send_frees(&control, None, &[], &["run/".into()], t).unwrap();
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.unauthorized_lines == 1);
+    assert!(ok && s.resident_objects == 3, "{s:?}");
+    // With it: one key and one prefix.
+    let key: Key = "run/y/g1/t0".parse().unwrap();
+    send_frees(&control, Some(&token), &[key], &["run/x/".into()], t).unwrap();
+    wait_freed(&w, 3);
+    let s = w.stats();
+    assert_eq!((s.resident_objects, s.free_bytes), (0, s.capacity));
+}
