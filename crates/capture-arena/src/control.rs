@@ -71,42 +71,44 @@ pub fn token_line(token: &str) -> String {
     serde_json::json!({ "token": token }).to_string()
 }
 
-/// The token a line presents, if it is a token line (`{"token": "<token>"}`).
-pub fn parse_token_line(line: &[u8]) -> Option<String> {
-    let line = line.trim_ascii();
-    if !line.starts_with(b"{") {
-        return None;
-    }
-    #[derive(serde::Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct TokenLine {
-        token: String,
-    }
-    serde_json::from_slice::<TokenLine>(line)
-        .ok()
-        .map(|t| t.token)
-}
-
 /// The line that frees every object under `prefix` (without its `\n`).
 pub fn prefix_line(prefix: &str) -> String {
     serde_json::json!({ "free_prefix": prefix }).to_string()
 }
 
-/// The prefix a line asks to free, if it is a prefix line (`{"free_prefix": "<prefix>"}`; the
-/// prefix is not checked here).
-pub fn parse_prefix_line(line: &[u8]) -> Option<String> {
+/// A control line that is a JSON object rather than a list of keys.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ObjectLine {
+    /// `{"token": "<token>"}`: presents the control token.
+    Token(String),
+    /// `{"free_prefix": "<prefix>"}`: frees everything under the prefix (not checked here).
+    FreePrefix(String),
+}
+
+/// The object line `line` is, if it is one: a JSON object with exactly one of the fields
+/// `token` and `free_prefix`, a string.
+pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
     let line = line.trim_ascii();
     if !line.starts_with(b"{") {
         return None;
     }
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
-    struct PrefixLine {
-        free_prefix: String,
+    struct Fields {
+        token: Option<String>,
+        free_prefix: Option<String>,
     }
-    serde_json::from_slice::<PrefixLine>(line)
-        .ok()
-        .map(|t| t.free_prefix)
+    match serde_json::from_slice::<Fields>(line).ok()? {
+        Fields {
+            token: Some(t),
+            free_prefix: None,
+        } => Some(ObjectLine::Token(t)),
+        Fields {
+            token: None,
+            free_prefix: Some(p),
+        } => Some(ObjectLine::FreePrefix(p)),
+        _ => None,
+    }
 }
 
 /// Compares two tokens in time that depends on their lengths only, not on where they differ.
@@ -272,6 +274,36 @@ pub fn bind(host: &str, port: u16) -> Result<(mio::net::TcpListener, String)> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn object_lines_have_exactly_one_known_field() {
+        assert_eq!(
+            parse_object_line(token_line("abc").as_bytes()),
+            Some(ObjectLine::Token("abc".into()))
+        );
+        assert_eq!(
+            parse_object_line(format!("  {}\r", prefix_line("st/")).as_bytes()),
+            Some(ObjectLine::FreePrefix("st/".into()))
+        );
+        for bad in [
+            &br#"{"token": "a", "free_prefix": "st/"}"#[..],
+            br#"{"token": 1}"#,
+            br#"{"tokens": "a"}"#,
+            br#"{}"#,
+            br#"["st/a/g1/x"]"#,
+            b"{",
+        ] {
+            assert_eq!(
+                parse_object_line(bad),
+                None,
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        assert!(is_valid_token("0123456789abcdef") && !is_valid_token("0123456789abcde"));
+        assert!(!is_valid_token("0123456789abcdef\n") && !is_valid_token(&"a".repeat(257)));
+    }
+
     use super::*;
     use proptest::prelude::*;
 

@@ -515,8 +515,8 @@ impl ControlServer {
                             return;
                         }
                         if let Some(expected) = secret.as_deref() {
-                            match control::parse_token_line(line) {
-                                Some(t) => {
+                            match control::parse_object_line(line) {
+                                Some(control::ObjectLine::Token(t)) => {
                                     // A right token authorizes the connection (again: a no-op);
                                     // a wrong one closes it.
                                     refused =
@@ -524,11 +524,11 @@ impl ControlServer {
                                     *authed |= !refused;
                                     return;
                                 }
-                                None if !*authed && !line.trim_ascii().is_empty() => {
+                                _ if !*authed && !line.trim_ascii().is_empty() => {
                                     refused = true;
                                     return;
                                 }
-                                None => {}
+                                _ => {}
                             }
                         }
                         freed_any |= apply_line(line, &peer, arena, stats, &mut warnings)
@@ -768,7 +768,7 @@ fn apply_line(
     stats: &Stats,
     warnings: &mut Warnings,
 ) -> bool {
-    if let Some(prefix) = control::parse_prefix_line(line) {
+    if let Some(control::ObjectLine::FreePrefix(prefix)) = control::parse_object_line(line) {
         return match crate::key::check_prefix(&prefix) {
             Ok(()) => {
                 let (objects, bytes) = arena.free_prefix(&prefix);
