@@ -43,8 +43,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .collect::<capture_arena::Result<Vec<Key>>>()?;
     let timeout = Duration::try_from_secs_f64(args.timeout)
         .map_err(|_| anyhow::anyhow!("--timeout {} is not a number of seconds", args.timeout))?;
-    // `auto` is a producer's setting, not a token a client can present.
-    let token = args.token.as_deref().filter(|t| *t != "auto");
+    anyhow::ensure!(
+        args.token.as_deref() != Some("auto"),
+        "the token is `auto` (a producer's setting, maybe from SGLANG_SPEC_CAPTURE_CONTROL_TOKEN \
+         in this shell): pass the producer's token, a result's arena.token, with --token"
+    );
+    let token = args.token.as_deref();
     capture_arena::client::send_frees(&args.control, token, &keys, &args.prefix, timeout)
         .with_context(|| format!("freeing at {}", args.control))?;
     println!(

@@ -12,9 +12,10 @@
 //! - a line longer than [`MAX_LINE_BYTES`] closes its connection;
 //! - bytes after the last `\n` of a closed connection are a partial line: discarded and counted.
 //!
-//! - with a control token ([`crate::config::Config::control_token`]), a connection's first line
-//!   must be `{"token": "<token>"}`; until it is, no line is applied, and any other line closes
-//!   the connection (counted in `unauthorized_lines`). A server without a token counts a token
+//! - with a control token ([`crate::config::Config::control_token`]), a connection's first
+//!   non-blank line must be `{"token": "<token>"}` (at most 512 bytes, within the line timeout);
+//!   until it is, no line is applied, and any other line closes the connection (counted in
+//!   `unauthorized_lines`). A server without a token counts a token
 //!   line as one bad line and goes on, so a client may always send it. Frees stay one-way.
 //!
 //! - an extension for operators and restarted trainers: a line `{"free_prefix": "<prefix>"}`

@@ -57,8 +57,8 @@ stats! {
     bad_lines,
     /// Unterminated lines discarded when their connection closed.
     partial_lines,
-    /// Lines refused because their connection had not presented the control token (the
-    /// connection was closed; nothing it sent was applied).
+    /// Connections closed for the control token: a line before the token, a wrong token, or a
+    /// long line before it (nothing such a connection sent before its token was applied).
     unauthorized_lines,
     /// Lines over the length limit (their connection was closed).
     oversized_lines,

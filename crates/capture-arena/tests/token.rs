@@ -30,8 +30,12 @@ fn send(control: &str, text: &str) -> bool {
     c.write_all(text.as_bytes()).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
     let mut b = [0u8; 1];
-    matches!(c.read(&mut b), Ok(0))
-        || matches!(c.read(&mut b), Err(ref e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+    // Closed with unread input, the server's kernel resets the connection instead.
+    match c.read(&mut b) {
+        Ok(0) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
+        Ok(_) => false,
+    }
 }
 
 fn wait_stats(
@@ -134,4 +138,32 @@ fn token_comparison_is_exact() {
     *last.last_mut().unwrap() ^= 1;
     assert!(tokens_equal(a, a));
     assert!(!tokens_equal(a, &first) && !tokens_equal(a, &last) && !tokens_equal(a, &a[1..]));
+}
+
+#[test]
+fn before_the_token_a_connection_may_neither_idle_nor_send_a_long_line() {
+    let w = Writer::start(&Config {
+        control_token: Some(TOKEN.into()),
+        line_timeout: Duration::from_millis(300),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let control = w.arena_ref().control.clone();
+    // Silent: closed after the line timeout (it would otherwise hold a connection slot).
+    let mut idle = TcpStream::connect(&control).unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut b = [0u8; 1];
+    assert!(matches!(idle.read(&mut b), Ok(0) | Err(_)));
+    assert!(w.stats().timed_out_lines >= 1);
+    // A long line before the token: refused at 512 bytes.
+    assert!(send(&control, &"x".repeat(600)));
+    let s = wait_stats(&w, |s| s.unauthorized_lines == 1);
+    assert_eq!(s.bad_lines, 0);
+    // A connection that presented the token is not timed out while idle.
+    let mut ok = TcpStream::connect(&control).unwrap();
+    writeln!(ok, "{}", token_line(TOKEN)).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    let r = publish_one(&w, "late", &[8]);
+    writeln!(ok, "{}", serde_json::to_string(&keys(&[r])).unwrap()).unwrap();
+    wait_freed(&w, 1);
 }

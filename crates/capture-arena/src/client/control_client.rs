@@ -432,7 +432,10 @@ impl ControlClient {
             e.sending = false;
             match sent {
                 Ok(conn) => {
-                    e.conn = conn;
+                    // A connection that presented a token replaced meanwhile is not kept.
+                    if e.token == token {
+                        e.conn = conn;
+                    }
                     e.backoff = None;
                     // Keys queued while this thread was sending go out now, not at the next
                     // free (which may never come).

@@ -298,8 +298,12 @@ impl FeatureStore {
             st.resident.remove(&sample_key(result));
             st.released.insert(result);
         }
-        self.control
-            .set_token(&result.arena.control, result.arena.token.as_deref());
+        // The endpoint's token comes from its live producer's results: an old result of a
+        // restarted producer must not replace it (its keys are dropped as gone anyway).
+        if !self.reader().is_gone(&result.arena.session) {
+            self.control
+                .set_token(&result.arena.control, result.arena.token.as_deref());
+        }
         self.control.free_in(
             Some(&result.arena.control),
             Some(&result.arena.session),

@@ -110,6 +110,10 @@ struct Conn {
     authed: bool,
 }
 
+/// The longest line a connection may send before it presents the control token (a token line
+/// is at most ~270 bytes).
+const AUTH_LINE_BYTES: usize = 512;
+
 /// Kinds of rate-limited warnings.
 #[derive(Debug, Clone, Copy)]
 enum Warn {
@@ -296,8 +300,8 @@ impl ControlServer {
                         bytes,
                         timeout_s = timeout.as_secs_f64(),
                         suppressed,
-                        "control connection held an unfinished line too long; closed \
-                         (SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S)"
+                        "control connection held an unfinished line (or did not present the \
+                         control token) too long; closed (SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S)"
                     )
                 });
             }
@@ -434,10 +438,13 @@ impl ControlServer {
             return;
         }
         let reply = matches!(stream, Stream::Unix(_));
-        if reply {
-            // A reply connection must send its request promptly: time it from the start.
+        // A reply connection must send its request promptly, and a control connection its
+        // token when one is needed: time them from the start.
+        let timed = reply || self.limits.token.is_some();
+        if timed {
             self.partials += 1;
-        } else {
+        }
+        if !reply {
             bump(&stats.control_connections, 1);
         }
         tracing::debug!(%peer, ?token, reply, "connection");
@@ -447,7 +454,7 @@ impl ControlServer {
                 stream,
                 peer,
                 lines: LineBuffer::default(),
-                partial_since: reply.then(Instant::now),
+                partial_since: timed.then(Instant::now),
                 queued: true,
                 authed: self.limits.token.is_none(),
             },
@@ -475,7 +482,8 @@ impl ControlServer {
         }
         let held_before = conn.lines.held();
         let excess_before = held_before.saturating_sub(SMALL_LINE);
-        let had_partial = conn.lines.pending() > 0;
+        // Timed: an unfinished line, or a connection that has not presented the token yet.
+        let had_partial = conn.partial_since.is_some();
         // What this connection may hold: its own small line, plus what the pool has left
         // beside everyone else's excess; all of a maximal line if it is the privileged one.
         let pool_left = self
@@ -487,7 +495,11 @@ impl ControlServer {
         } else {
             (SMALL_LINE + pool_left).min(MAX_LINE_BYTES + 1)
         };
-        if max_held <= conn.lines.pending() && self.privileged.is_none() {
+        if !conn.authed {
+            // Before the token, one short line at most, and no share of the pool.
+            max_held = max_held.min(AUTH_LINE_BYTES + 1);
+        }
+        if conn.authed && max_held <= conn.lines.pending() && self.privileged.is_none() {
             // The pool is used up: this one may still finish its line.
             self.privileged = Some(token);
             max_held = MAX_LINE_BYTES + 1;
@@ -536,6 +548,7 @@ impl ControlServer {
                     let pushed = conn
                         .lines
                         .push_capped(&self.scratch[..n], max_held, &mut on_line);
+                    refused |= !conn.authed && conn.lines.pending() > AUTH_LINE_BYTES;
                     if refused {
                         bump(&stats.unauthorized_lines, 1);
                         warnings.warn(Warn::Unauthorized, |suppressed| {
@@ -579,7 +592,7 @@ impl ControlServer {
         if unprivileged {
             self.privileged = None;
         }
-        match (had_partial, pending > 0) {
+        match (had_partial, pending > 0 || !conn.authed) {
             (false, true) => {
                 conn.partial_since = Some(Instant::now());
                 self.partials += 1;
@@ -598,7 +611,7 @@ impl ControlServer {
                 conn.queued = true;
                 self.ready.push_back(token);
             }
-            Turn::Starved if self.privileged.is_none() => {
+            Turn::Starved if self.privileged.is_none() && conn.authed => {
                 // The pool ran out during this turn: this one may still finish its line, so
                 // some line can always complete.
                 self.privileged = Some(token);
@@ -768,7 +781,20 @@ fn apply_line(
     stats: &Stats,
     warnings: &mut Warnings,
 ) -> bool {
-    if let Some(control::ObjectLine::FreePrefix(prefix)) = control::parse_object_line(line) {
+    let object = control::parse_object_line(line);
+    if let Some(control::ObjectLine::Token(_)) = object {
+        // A server without a token: one bad line, and nothing of it in the log.
+        bump(&stats.bad_lines, 1);
+        warnings.warn(Warn::BadLine, |suppressed| {
+            tracing::warn!(
+                %peer,
+                suppressed,
+                "token line ignored: this server has no control token (counted in bad_lines)"
+            )
+        });
+        return false;
+    }
+    if let Some(control::ObjectLine::FreePrefix(prefix)) = object {
         return match crate::key::check_prefix(&prefix) {
             Ok(()) => {
                 let (objects, bytes) = arena.free_prefix(&prefix);
@@ -779,7 +805,9 @@ fn apply_line(
                 }
                 bump(&stats.freed_bytes, bytes);
                 bump(&stats.freed_objects, objects);
-                tracing::info!(%peer, %prefix, objects, bytes, "prefix freed");
+                if objects > 0 {
+                    tracing::info!(%peer, %prefix, objects, bytes, "prefix freed");
+                }
                 objects > 0
             }
             Err(e) => {
