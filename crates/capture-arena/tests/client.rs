@@ -519,3 +519,35 @@ fn reading_the_same_arena_through_another_spelling_of_its_session_is_refused() {
     ));
     assert_eq!(reader.open_sessions(), 1);
 }
+
+#[test]
+fn a_reader_refuses_an_arena_open_to_others_or_owned_by_another_user() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = writer();
+    let r = publish_one(&w, "a", &[16]);
+    let session: capture_arena::memory::ShmSession = r.arena.session.parse().unwrap();
+    let path = std::path::Path::new("/dev/shm").join(&session.name);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut out = [0u8; 16];
+    let e = Reader::new().read(&r, "t0", &mut out).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidSession { .. }) && e.to_string().contains("mode is 644"),
+        "{e}"
+    );
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    Reader::new().read(&r, "t0", &mut out).unwrap();
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        // Only root can give the object away, which is what a test needs here.
+        std::os::unix::fs::chown(&path, Some(65534), None).unwrap();
+        let e = Reader::new().read(&r, "t0", &mut out).unwrap_err();
+        assert!(e.to_string().contains("owned by uid 65534"), "{e}");
+        std::os::unix::fs::chown(&path, Some(0), None).unwrap();
+    } else {
+        println!("skipping the other-owner case: giving a file away needs root");
+    }
+}

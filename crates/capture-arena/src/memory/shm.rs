@@ -329,6 +329,42 @@ pub(crate) fn fstat(fd: &OwnedFd) -> io::Result<(u64, u64)> {
     }
 }
 
+/// Who owns a shared-memory object and its permission bits: `(uid, mode & 0o777)`.
+pub(crate) fn owner_mode(fd: &OwnedFd) -> io::Result<(u32, u32)> {
+    // SAFETY: fstat fills a zeroed stat struct for a descriptor we own.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((st.st_uid, st.st_mode & 0o777))
+    }
+}
+
+/// Why a reader must not map an object it opened: owned by another user than this process's
+/// effective one, or open to other users (a producer creates its arena `0600`; anything else
+/// was not made by one).
+pub(crate) fn foreign(fd: &OwnedFd) -> Option<String> {
+    let (uid, mode) = match owner_mode(fd) {
+        Ok(v) => v,
+        Err(e) => return Some(format!("cannot stat it ({e})")),
+    };
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if uid != me {
+        Some(format!(
+            "it is owned by uid {uid}, not this process's uid {me}: trainers run as the \
+             producer's user"
+        ))
+    } else if mode & 0o077 != 0 {
+        Some(format!(
+            "its mode is {mode:o}, open to other users; a producer creates 600"
+        ))
+    } else {
+        None
+    }
+}
+
 /// The producer's shared-memory region. Created with `O_EXCL` (a name is never reused), filled
 /// by the writer, unlinked on drop.
 #[derive(Debug)]

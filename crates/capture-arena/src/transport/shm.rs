@@ -56,6 +56,12 @@ impl ShmTransport {
         };
         let fd = shm::open(&session.name, libc::O_RDONLY, 0)
             .map_err(|e| stale(format!("cannot open {SHM_DIR}/{} ({e})", session.name)))?;
+        if let Some(why) = shm::foreign(&fd) {
+            return Err(Error::InvalidSession {
+                session: session.to_string(),
+                reason: format!("refusing to map {SHM_DIR}/{}: {why}", session.name),
+            });
+        }
         let (size, _) = shm::fstat(&fd).map_err(|e| Error::io(format!("fstat of {session}"), e))?;
         let want = session.len.saturating_add(HEADER_BYTES);
         if size != want {
