@@ -8,7 +8,8 @@
 //! a free for them is an unknown key, never a free of space still being written. Only the writer
 //! thread owns an `Arena`, so nothing here locks.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use crate::alloc::{Allocator, Extent};
 use crate::error::{Error, Result};
@@ -28,6 +29,8 @@ pub struct Object {
     pub shape: Vec<u64>,
     /// Its dtype.
     pub dtype: Dtype,
+    /// When it was published (entered the table).
+    pub published: Instant,
 }
 
 /// The arena's occupancy.
@@ -81,6 +84,12 @@ pub struct Arena {
     /// Ordered by key, so a prefix free is a range scan.
     objects: BTreeMap<Key, Object>,
     arena_ref: ArenaRef,
+    /// `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S`: objects not freed this long after publication are
+    /// freed by the writer.
+    ttl: Option<Duration>,
+    /// With a TTL: every published object's key and publication time, oldest first (an entry
+    /// whose object was freed or published again since is skipped when it comes up).
+    ages: VecDeque<(Instant, Key)>,
 }
 
 impl Arena {
@@ -101,6 +110,8 @@ impl Arena {
             alloc,
             objects: BTreeMap::new(),
             arena_ref,
+            ttl: None,
+            ages: VecDeque::new(),
         })
     }
 
@@ -112,6 +123,48 @@ impl Arena {
     /// The session and control endpoint every result carries.
     pub fn arena_ref(&self) -> &ArenaRef {
         &self.arena_ref
+    }
+
+    /// Sets the lease: objects not freed within `ttl` of their publication are freed by
+    /// [`Arena::expire`]. `None` (the default): objects stay until freed.
+    pub fn set_ttl(&mut self, ttl: Option<Duration>) {
+        self.ttl = ttl.filter(|t| !t.is_zero());
+    }
+
+    /// When the oldest object's lease ends (`None` without a TTL or objects).
+    pub fn next_expiry(&self) -> Option<Instant> {
+        let ttl = self.ttl?;
+        self.ages.front().and_then(|(t, _)| t.checked_add(ttl))
+    }
+
+    /// Frees objects whose lease ended by `now`, at most `max` of them per call (the writer
+    /// calls again on its next turn); returns their count and bytes.
+    pub fn expire(&mut self, now: Instant, max: usize) -> (u64, u64) {
+        let Some(ttl) = self.ttl else {
+            return (0, 0);
+        };
+        let (mut objects, mut bytes) = (0, 0);
+        for _ in 0..max {
+            match self.ages.front() {
+                Some((t, _)) if t.checked_add(ttl).is_some_and(|end| end <= now) => {}
+                _ => break,
+            }
+            let Some((t, key)) = self.ages.pop_front() else {
+                break;
+            };
+            // Only the very object entered at `t`: not one freed, or published again, since.
+            if self
+                .objects
+                .get(key.as_str())
+                .is_some_and(|o| o.published == t)
+            {
+                if let Some(b) = self.free(key.as_str()) {
+                    objects += 1;
+                    bytes += b;
+                }
+            }
+        }
+        (objects, bytes)
     }
 
     /// Sets the control token results carry.
@@ -261,6 +314,7 @@ impl Arena {
     /// Enters a reserved batch whose bytes have all landed into the object table.
     pub fn commit(&mut self, r: Reservation, samples: &[Sample]) -> Publication {
         let base = self.region.base_address();
+        let now = Instant::now();
         let mut published: Vec<Published> = samples
             .iter()
             .map(|s| Published {
@@ -291,8 +345,12 @@ impl Arena {
                     len: t.byte_len(),
                     shape: t.shape.clone(),
                     dtype: t.dtype,
+                    published: now,
                 },
             );
+            if self.ttl.is_some() {
+                self.ages.push_back((now, key.clone()));
+            }
         }
         Publication {
             published,

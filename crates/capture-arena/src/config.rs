@@ -19,6 +19,7 @@
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S` | `line_timeout` | 10 s |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_DEVICE` | `device` | unset: the first device tensor's GPU, else 0 |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_HANDLE` | `handle` | `auto`: fabric where a real export works, else POSIX fd |
+//! | `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S` | `object_ttl` | unset: objects stay until freed |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN` | `control_token` | unset: no token; `auto`: a random token per arena |
 //! | `SGLANG_SPEC_CAPTURE_TRANSPORT` | `transport` | `auto`: the region's own (`shm://`, `cuda://`); `nixl` registers it with a NIXL agent |
 //!
@@ -179,6 +180,8 @@ impl std::str::FromStr for HandlePreference {
     }
 }
 
+/// `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S`: objects not freed this long after publication are freed.
+pub const ENV_OBJECT_TTL_S: &str = "SGLANG_SPEC_CAPTURE_OBJECT_TTL_S";
 /// `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN`: the control endpoint's shared secret, or `auto`.
 pub const ENV_CONTROL_TOKEN: &str = "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN";
 
@@ -285,6 +288,10 @@ pub struct Config {
     /// token before any free it sends is applied; `auto` draws a random one per arena. Results
     /// carry it (`arena.token`), so trainers need no setup. `None`: the plain protocol.
     pub control_token: Option<String>,
+    /// `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S`: a lease; objects not freed within it are freed by
+    /// the writer and counted (`expired_objects`). `None`: objects stay until freed, as the
+    /// capture contract has it.
+    pub object_ttl: Option<Duration>,
 }
 
 impl Default for Config {
@@ -309,6 +316,7 @@ impl Default for Config {
             placement: None,
             transport: ArenaTransport::Auto,
             control_token: None,
+            object_ttl: None,
         }
     }
 }
@@ -397,6 +405,16 @@ impl Config {
         }
         if let Some(v) = get(ENV_ARENA_HANDLE) {
             c.handle = v.parse().map_err(|r| Error::config(ENV_ARENA_HANDLE, r))?;
+        }
+        if let Some(v) = get(ENV_OBJECT_TTL_S) {
+            c.object_ttl = Some(parse_seconds(&v).ok().filter(|d| !d.is_zero()).ok_or_else(
+                || {
+                    Error::config(
+                        ENV_OBJECT_TTL_S,
+                        format!("{v:?} is not a number of seconds > 0 (unset: no lease)"),
+                    )
+                },
+            )?);
         }
         if let Some(v) = get(ENV_CONTROL_TOKEN) {
             c.control_token = Some(v.trim().to_owned());

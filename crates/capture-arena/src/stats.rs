@@ -49,8 +49,13 @@ stats! {
     freed_bytes,
     /// Objects freed because a sample asked for `replace`.
     replaced_objects,
-    /// Their bytes. Resident bytes = published - freed - replaced.
+    /// Their bytes.
     replaced_bytes,
+    /// Objects freed by the writer because their lease (`SGLANG_SPEC_CAPTURE_OBJECT_TTL_S`)
+    /// ended before a trainer freed them.
+    expired_objects,
+    /// Their bytes. Resident bytes = published - freed - replaced - expired.
+    expired_bytes,
     /// Keys freed that were not resident (already freed or never published).
     unknown_frees,
     /// Control lines that were not a JSON array of strings.

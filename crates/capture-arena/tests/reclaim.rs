@@ -78,3 +78,39 @@ fn send_frees_reclaims_with_the_token_and_refuses_bad_prefixes_before_sending() 
     let s = w.stats();
     assert_eq!((s.resident_objects, s.free_bytes), (0, s.capacity));
 }
+
+#[test]
+fn with_a_lease_objects_nobody_frees_are_freed_by_the_writer_and_counted() {
+    let w = Writer::start(&Config {
+        object_ttl: Some(Duration::from_millis(300)),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let t0 = std::time::Instant::now();
+    let a = publish_one(&w, "a", &[100, 200]);
+    // One object freed in time; the other is left, as by a trainer that died.
+    let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
+    writeln!(c, "{}", serde_json::to_string(&["st/a/g1/t0"]).unwrap()).unwrap();
+    wait_freed(&w, 1);
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.expired_objects == 1);
+    assert!(ok, "{s:?}");
+    assert!(
+        t0.elapsed() >= Duration::from_millis(300),
+        "not before the lease ends"
+    );
+    assert_eq!((s.expired_bytes, s.resident_objects), (200, 0));
+    assert_eq!(s.free_bytes, s.capacity);
+    // A late free of the expired object is an unknown free, nothing more.
+    writeln!(c, "{}", serde_json::to_string(&keys(&[a])).unwrap()).unwrap();
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.unknown_frees == 2);
+    assert!(ok, "{s:?}");
+    // A sample published again under the same key gets its own lease.
+    let b = publish_one(&w, "a", &[100]);
+    verify(&b);
+    let bad =
+        Config::from_lookup(|k| (k == "SGLANG_SPEC_CAPTURE_OBJECT_TTL_S").then(|| "0".to_owned()));
+    assert!(bad
+        .unwrap_err()
+        .to_string()
+        .contains("SGLANG_SPEC_CAPTURE_OBJECT_TTL_S"));
+}

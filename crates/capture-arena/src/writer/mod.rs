@@ -121,6 +121,7 @@ impl Writer {
         let memory_session = region.memory_session().to_owned();
         let mut arena = Arena::new(region, config.alignment, control)?;
         arena.set_control_token(token);
+        arena.set_ttl(config.object_ttl);
         let (submitter, queue) = Submitter::new(waker, config.max_pending_batches);
         let shared = submitter.shared.clone();
         shared.stats.set_report(&arena.report());
@@ -257,6 +258,9 @@ impl Writer {
     }
 }
 
+/// Objects a lease frees per turn of the writer's loop, at most.
+const EXPIRE_PER_TURN: usize = 4096;
+
 /// The region [`Writer::start`] makes for `config`: host or device memory, registered with a
 /// NIXL agent when `SGLANG_SPEC_CAPTURE_TRANSPORT=nixl`.
 fn new_region(config: &Config, bytes: u64) -> Result<Box<dyn Region>> {
@@ -364,8 +368,9 @@ impl Loop {
                     self.server.on_event(ev.token());
                 }
             }
+            let mut peers = self.expire();
             let registry = self.poll.registry();
-            let mut peers = self.server.tick(registry, &self.shared.stats);
+            peers |= self.server.tick(registry, &self.shared.stats);
             peers |= self.server.accept(registry, &self.shared.stats);
             // One round: every connection ready now gets one turn, the placer a step between
             // turns; connections with more to read wait for the next round, after the next poll
@@ -413,6 +418,29 @@ impl Loop {
     /// Waits for events: not at all while there is work; after recent activity, spins briefly
     /// for a new batch before sleeping; then sleeps in `poll` until an event, a timer or a
     /// waiting batch's deadline.
+    /// Frees objects whose lease ended (a bounded number per turn); true if any.
+    fn expire(&mut self) -> bool {
+        if self.arena.next_expiry().is_none_or(|t| t > Instant::now()) {
+            return false;
+        }
+        let (objects, bytes) = self.arena.expire(Instant::now(), EXPIRE_PER_TURN);
+        if objects == 0 {
+            return false;
+        }
+        let stats = &self.shared.stats;
+        stats.set_report(&self.arena.report());
+        crate::stats::bump(&stats.expired_bytes, bytes);
+        crate::stats::bump(&stats.expired_objects, objects);
+        self.placer.arena_changed();
+        tracing::warn!(
+            objects,
+            bytes,
+            "objects not freed within SGLANG_SPEC_CAPTURE_OBJECT_TTL_S were freed (counted in \
+             expired_objects)"
+        );
+        true
+    }
+
     fn wait(&mut self, events: &mut Events, hot_until: Instant) {
         let work = self.server.has_work() || self.placer.has_work(&self.shared);
         let timeout = if work {
@@ -425,11 +453,15 @@ impl Loop {
                 Some(Duration::ZERO)
             } else {
                 let now = Instant::now();
-                [self.server.next_timer(), self.placer.deadline()]
-                    .into_iter()
-                    .flatten()
-                    .min()
-                    .map(|t| t.saturating_duration_since(now))
+                [
+                    self.server.next_timer(),
+                    self.placer.deadline(),
+                    self.arena.next_expiry(),
+                ]
+                .into_iter()
+                .flatten()
+                .min()
+                .map(|t| t.saturating_duration_since(now))
             }
         };
         if let Err(e) = self.poll.poll(events, timeout) {
