@@ -244,7 +244,7 @@ pub const ENV_PLACEMENT: &str = "SGLANG_SPEC_CAPTURE_PLACEMENT";
 /// Every setting, typed. Build it with struct-update syntax over [`Config::default`] or read it
 /// from the environment with [`Config::from_env`]; [`Config::validate`] checks it (the writer
 /// calls it when it starts).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Clone, PartialEq)]
 pub struct Config {
     /// Arena size in bytes (`SGLANG_SPEC_CAPTURE_ARENA_BYTES`). Required to start an arena.
     pub arena_bytes: Option<u64>,
@@ -292,6 +292,37 @@ pub struct Config {
     /// the writer and counted (`expired_objects`). `None`: objects stay until freed, as the
     /// capture contract has it.
     pub object_ttl: Option<Duration>,
+}
+
+/// The token is redacted: configurations end up in logs.
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Config")
+            .field("arena_bytes", &self.arena_bytes)
+            .field("alignment", &self.alignment)
+            .field("arena_wait", &self.arena_wait)
+            .field("control_host", &self.control_host)
+            .field("control_port", &self.control_port)
+            .field("max_pending_batches", &self.max_pending_batches)
+            .field("timing", &self.timing)
+            .field("protocol", &self.protocol)
+            .field("gpu_put", &self.gpu_put)
+            .field("aux_layer_ids", &self.aux_layer_ids)
+            .field("eager", &self.eager)
+            .field("max_connections", &self.max_connections)
+            .field("control_buffer_bytes", &self.control_buffer_bytes)
+            .field("line_timeout", &self.line_timeout)
+            .field("device", &self.device)
+            .field("handle", &self.handle)
+            .field("placement", &self.placement)
+            .field("transport", &self.transport)
+            .field(
+                "control_token",
+                &self.control_token.as_ref().map(|_| "<redacted>"),
+            )
+            .field("object_ttl", &self.object_ttl)
+            .finish()
+    }
 }
 
 impl Default for Config {

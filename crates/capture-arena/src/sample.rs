@@ -430,7 +430,7 @@ fn encode_one(v: &Value, dtype: Dtype, out: &mut Vec<u8>) -> Result<(), String> 
 }
 
 /// Where a published sample lives: what a reader opens, and where to send frees.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ArenaRef {
     /// What a reader opens (see `memory::ShmSession` for the shared-memory form).
     pub session: String,
@@ -440,6 +440,17 @@ pub struct ArenaRef {
     /// [`crate::control`]). Absent without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+}
+
+/// The token is redacted: results end up in logs.
+impl std::fmt::Debug for ArenaRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaRef")
+            .field("session", &self.session)
+            .field("control", &self.control)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 /// One feature of a published sample.

@@ -77,6 +77,10 @@ fn results_carry_the_token_and_a_trainer_frees_with_it_unaided() {
     let w = writer(Some("auto"));
     let r = publish_one(&w, "a", &[4096, 3]);
     let token = r.arena.token.clone().expect("results carry the token");
+    assert!(
+        !format!("{r:?}").contains(&token),
+        "Debug redacts the token"
+    );
     assert_eq!(token.len(), 32, "auto: 128 random bits as hex");
     // The result as a trainer gets it (JSON) round-trips with its token.
     let json = serde_json::to_string(&r).unwrap();
@@ -125,6 +129,14 @@ fn bad_tokens_are_refused_by_the_configuration() {
     })
     .unwrap();
     assert_eq!(c.control_token.as_deref(), Some("auto"));
+    let secret = Config {
+        control_token: Some(TOKEN.into()),
+        ..Config::default()
+    };
+    assert!(
+        !format!("{secret:?}").contains(TOKEN),
+        "Debug redacts the token"
+    );
 }
 
 #[test]
