@@ -90,3 +90,6 @@ step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
 
 step "python: pytest"
 .venv/bin/python -m pytest crates/capture-arena-py/tests -q -rs
+
+step "attacks: the abuse corpus against a live producer (attacks/README.md)"
+.venv/bin/python -m pytest attacks -q -rs
