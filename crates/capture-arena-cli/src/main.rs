@@ -10,6 +10,7 @@ mod device;
 mod free;
 mod nixl_bench;
 mod produce;
+mod soak;
 mod workload;
 
 use std::process::ExitCode;
@@ -38,6 +39,9 @@ enum Command {
     Bench(bench::Args),
     /// Remove the shared memory of producers that died without removing their arena.
     Clean(clean::Args),
+    /// Load and abuse for a fixed time (batches at full rate, trainer clients, hostile clients),
+    /// then check that every byte is free and every object was freed exactly once.
+    Soak(soak::Args),
     /// Free keys, or everything under a prefix (STORE_ID/ or STORE_ID/SAMPLE_ID/), at a
     /// producer's control endpoint: reclaim what a dead trainer held.
     Free(free::Args),
@@ -71,6 +75,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Clean(a) => clean::run(a),
         Command::Free(a) => free::run(a),
+        Command::Soak(a) => soak::run(a),
         Command::DeviceInfo(a) => device::info(a),
         Command::BenchServe(a) => nixl_bench::serve(a),
     };

@@ -394,3 +394,33 @@ fn a_reader_lets_go_of_a_producer_killed_outright() {
     // Leave nothing behind.
     let _ = std::fs::remove_file(shm_path(&r.arena.session));
 }
+
+#[test]
+fn a_short_soak_balances_its_books() {
+    let out = std::process::Command::new(util::EXE)
+        .args([
+            "soak",
+            "--duration",
+            "2",
+            "--clients",
+            "12",
+            "--hostile",
+            "5",
+        ])
+        .args(["--sample-bytes", "64KiB", "--arena-bytes", "8MiB"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last: serde_json::Value = serde_json::from_str(text.lines().last().unwrap()).unwrap();
+    assert_eq!(last["ok"], true);
+    let s = &last["stats"];
+    assert!(s["published_samples"].as_u64().unwrap() > 0);
+    assert_eq!(s["freed_objects"], s["published_objects"]);
+    assert_eq!(s["unknown_frees"], 0);
+    assert!(s["bad_lines"].as_u64().unwrap() > 0 && s["unauthorized_lines"].as_u64().unwrap() > 0);
+}
