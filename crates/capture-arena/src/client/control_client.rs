@@ -47,8 +47,10 @@ pub const UNLOCATED_TTL: Duration = Duration::from_secs(600);
 const LINE_BYTES: usize = 64 * 1024;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
-/// Rounds a sender makes for keys queued while it was sending.
-const SEND_ROUNDS: usize = 8;
+/// How long a sender goes on sending keys other threads queued while it was sending (they
+/// returned at once, trusting it), before it leaves what is still queued to the next free or
+/// flush.
+const SEND_ON_FOR: Duration = Duration::from_millis(100);
 const PRUNE_EVERY: Duration = Duration::from_secs(1);
 
 /// Says whether the producer of a session is gone (see [`ControlClient::with_liveness`]).
@@ -382,9 +384,10 @@ impl ControlClient {
     }
 
     /// Sends what waits for `endpoint`, unless another thread is at it or its back-off runs;
-    /// then sends again what was queued meanwhile (a few rounds at most).
+    /// then sends again what was queued meanwhile, for up to [`SEND_ON_FOR`].
     fn send(&self, endpoint: &str) -> Result<()> {
-        for _ in 0..SEND_ROUNDS {
+        let started = Instant::now();
+        while started.elapsed() < SEND_ON_FOR {
             let (waiting, conn) = {
                 let mut guard = self.state();
                 let s = &mut *guard;

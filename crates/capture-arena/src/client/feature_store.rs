@@ -300,7 +300,7 @@ impl FeatureStore {
         }
         // The endpoint's token comes from its live producer's results: an old result of a
         // restarted producer must not replace it (its keys are dropped as gone anyway).
-        if !self.reader().is_gone(&result.arena.session) {
+        if result.arena.token.is_some() && !self.reader().is_gone(&result.arena.session) {
             self.control
                 .set_token(&result.arena.control, result.arena.token.as_deref());
         }
