@@ -35,7 +35,7 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q maturin numpy ml_dtypes pytest mypy typing_extensions
+.venv/bin/python -m pip install -q maturin numpy ml_dtypes pytest mypy typing_extensions prometheus_client
 
 step "NIXL: the nixl-cu12 wheel's libraries (the nixl feature's tests run against them)"
 SGLANG_SPEC_CAPTURE_NIXL_LIB=$(scripts/nixl-lib.sh)

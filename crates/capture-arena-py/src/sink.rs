@@ -601,6 +601,14 @@ impl PySink {
         pythonize(py, &self.sink(py)?.stats()).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
+    /// Resident objects per store_id, largest first: a list of dicts `store_id`, `objects`,
+    /// `bytes`, `oldest_age_s` (who holds the arena, and since when).
+    fn store_usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let sink = self.sink(py)?;
+        let table = py.detach(|| sink.store_usage());
+        pythonize(py, &table).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
     /// Starts the writer over memory someone else owns and keeps alive (a Mooncake
     /// TransferEngine's registered or managed buffer): `length` bytes at `ptr`, host memory or,
     /// with `device`, memory of that GPU; results carry `session`. `owner` is kept referenced

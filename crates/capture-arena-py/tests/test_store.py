@@ -175,3 +175,27 @@ def test_reclaim_frees_a_dead_trainers_samples_by_prefix(make_sink):
     ca.ArenaFeatureStore.reclaim(control, prefixes=["st/"], token=token)
     s = wait_stats(sink, lambda s: s["resident_objects"] == 0)
     assert s["free_bytes"] == s["capacity"] and s["unauthorized_lines"] == 0
+
+
+def test_store_usage_and_prometheus_metrics_say_who_holds_the_arena(make_sink):
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from capture_arena import metrics
+
+    sink = make_sink()
+    assert sink.store_usage() == []
+    r = sink.put_sample(spec("m"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    usage = sink.store_usage()
+    assert [(u["store_id"], u["objects"]) for u in usage] == [("st", 4)]
+    assert usage[0]["bytes"] == 8 * 12 * 2 + 8 * 4 * 2 + 2 * 8 * 8 and usage[0]["oldest_age_s"] >= 0
+    registry = prometheus_client.CollectorRegistry()
+    assert metrics.register(sink, registry) is not None
+    text = prometheus_client.generate_latest(registry).decode()
+    for line in (
+        'capture_arena_store_resident_objects{store_id="st"} 4.0',
+        "capture_arena_published_samples_total 1.0",
+        "capture_arena_resident_objects 4.0",
+    ):
+        assert line in text, text
+    ca.ArenaFeatureStore().release(r)
+    wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    assert 'store_id="st"' not in prometheus_client.generate_latest(registry).decode()

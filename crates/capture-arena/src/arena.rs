@@ -33,6 +33,19 @@ pub struct Object {
     pub published: Instant,
 }
 
+/// Resident objects of one `store_id` (one trainer store): who holds the arena, since when.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StoreUsage {
+    /// The trainer store namespace.
+    pub store_id: String,
+    /// Resident objects.
+    pub objects: u64,
+    /// Their bytes (tensor bytes).
+    pub bytes: u64,
+    /// Seconds since the oldest of them was published.
+    pub oldest_age_s: f64,
+}
+
 /// The arena's occupancy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ArenaReport {
@@ -165,6 +178,37 @@ impl Arena {
             }
         }
         (objects, bytes)
+    }
+
+    /// Resident objects per `store_id`, largest first: one pass over the table (which is
+    /// ordered by key, so each store's objects are contiguous).
+    pub fn store_usage(&self, now: Instant) -> Vec<StoreUsage> {
+        let mut out: Vec<StoreUsage> = Vec::new();
+        let mut oldest = now;
+        for (key, o) in &self.objects {
+            if out.last().is_none_or(|u| u.store_id != key.store_id()) {
+                if let Some(u) = out.last_mut() {
+                    u.oldest_age_s = now.saturating_duration_since(oldest).as_secs_f64();
+                }
+                oldest = now;
+                out.push(StoreUsage {
+                    store_id: key.store_id().to_owned(),
+                    objects: 0,
+                    bytes: 0,
+                    oldest_age_s: 0.0,
+                });
+            }
+            if let Some(u) = out.last_mut() {
+                u.objects += 1;
+                u.bytes += o.len;
+            }
+            oldest = oldest.min(o.published);
+        }
+        if let Some(u) = out.last_mut() {
+            u.oldest_age_s = now.saturating_duration_since(oldest).as_secs_f64();
+        }
+        out.sort_by_key(|u| std::cmp::Reverse(u.bytes));
+        out
     }
 
     /// Sets the control token results carry.

@@ -49,7 +49,7 @@ pub mod writer;
 #[doc = include_str!("../../../README.md")]
 mod readme {}
 
-pub use arena::Arena;
+pub use arena::{Arena, StoreUsage};
 pub use client::{ControlClient, FeatureStore, Reader};
 pub use config::{arena_enabled, Config, Placement};
 pub use error::{Error, Result};

@@ -166,6 +166,15 @@ impl Sink {
     pub fn stats(&self) -> StatsSnapshot {
         self.writer.get().map(Writer::stats).unwrap_or_default()
     }
+
+    /// Resident objects per `store_id` ([`Writer::store_usage`]); empty before the first
+    /// capture.
+    pub fn store_usage(&self) -> Vec<crate::StoreUsage> {
+        self.writer
+            .get()
+            .and_then(Writer::store_usage)
+            .unwrap_or_default()
+    }
 }
 
 /// The GPU of the first device tensor of a batch.

@@ -114,3 +114,43 @@ fn with_a_lease_objects_nobody_frees_are_freed_by_the_writer_and_counted() {
         .to_string()
         .contains("SGLANG_SPEC_CAPTURE_OBJECT_TTL_S"));
 }
+
+#[test]
+fn the_writer_says_which_store_holds_the_arena_and_since_when() {
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    assert_eq!(w.store_usage().unwrap(), vec![]);
+    w.submit(vec![
+        sample_in("big", "a", &[1000, 1000]),
+        sample_in("small", "a", &[10]),
+    ])
+    .unwrap()
+    .wait()
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    w.submit(vec![sample_in("big", "b", &[500])])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let u = w.store_usage().unwrap();
+    assert_eq!(u.len(), 2);
+    assert_eq!(
+        (u[0].store_id.as_str(), u[0].objects, u[0].bytes),
+        ("big", 3, 2500)
+    );
+    assert_eq!(
+        (u[1].store_id.as_str(), u[1].objects, u[1].bytes),
+        ("small", 1, 10)
+    );
+    assert!(
+        u[0].oldest_age_s >= 0.05,
+        "the oldest of the store counts: {u:?}"
+    );
+    let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
+    writeln!(c, "{}", prefix_line("big/")).unwrap();
+    wait_freed(&w, 3);
+    let u = w.store_usage().unwrap();
+    assert_eq!(
+        u.iter().map(|s| s.store_id.as_str()).collect::<Vec<_>>(),
+        ["small"]
+    );
+}

@@ -45,6 +45,8 @@ class _ArenaSink:
     def _put(self, samples: Any) -> list[dict[str, Any]]: ...
     def stats(self) -> dict[str, int]:
         """The writer's counters (all zero before the first capture)."""
+    def store_usage(self) -> list[dict[str, Any]]:
+        """Resident objects per store_id, largest first (who holds the arena, since when)."""
     @property
     def started(self) -> bool: ...
     @property

@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from . import ArenaSink, StoreSink, new_sink
+from . import ArenaSink, StoreSink, metrics, new_sink
 
 __all__ = ["maybe_init_sink", "get_sink", "reset_sink"]
 
 _SINK: Optional["ArenaSink | StoreSink"] = None
+_COLLECTOR: Optional[metrics.ArenaCollector] = None
 
 
 def _layer_ids(v: Any) -> Optional[list[int]]:
@@ -44,6 +45,9 @@ def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
     if _SINK is None:
         ids = _layer_ids(getattr(server_args, "spec_capture_aux_layer_ids", None))
         _SINK = new_sink(aux_layer_ids=ids)
+        # The server's metrics endpoint shows the arena (when prometheus_client is installed).
+        global _COLLECTOR
+        _COLLECTOR = metrics.register(_SINK)
     return _SINK
 
 
@@ -55,7 +59,12 @@ def get_sink() -> Optional["ArenaSink | StoreSink"]:
 def reset_sink() -> None:
     """Forgets the sink (closing it). A forked child does this automatically: the writer thread
     does not survive a fork."""
-    global _SINK
+    global _SINK, _COLLECTOR
+    if _COLLECTOR is not None:
+        import prometheus_client
+
+        prometheus_client.REGISTRY.unregister(_COLLECTOR)
+        _COLLECTOR = None
     if _SINK is not None and os.getpid() == _PID:
         _SINK.close()
     _SINK = None

@@ -219,6 +219,27 @@ impl Writer {
         &self.arena_ref
     }
 
+    /// Resident objects per `store_id` (largest first) with the age of each store's oldest:
+    /// who holds the arena, and since when. The writer computes it on request (one pass over
+    /// its table); `None` if it does not answer within a second (stopped).
+    pub fn store_usage(&self) -> Option<Vec<crate::arena::StoreUsage>> {
+        let seq = self.submitter.request_usage();
+        let usage = || {
+            self.submitter
+                .shared
+                .usage
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+        };
+        let ok = queue::wait_for(
+            &self.submitter.shared,
+            Duration::from_secs(1),
+            || self.stopped(),
+            || usage().0 > seq,
+        );
+        ok.then(|| usage().1.clone())
+    }
+
     /// The session of the arena's memory itself: the `shm://` object behind a `nixl://` session
     /// (what to remove if the process is stopped by a signal), else the result's session.
     pub fn memory_session(&self) -> &str {
@@ -368,6 +389,7 @@ impl Loop {
                     self.server.on_event(ev.token());
                 }
             }
+            self.answer_usage();
             let mut peers = self.expire();
             let registry = self.poll.registry();
             peers |= self.server.tick(registry, &self.shared.stats);
@@ -418,6 +440,24 @@ impl Loop {
     /// Waits for events: not at all while there is work; after recent activity, spins briefly
     /// for a new batch before sleeping; then sleeps in `poll` until an event, a timer or a
     /// waiting batch's deadline.
+    /// Answers a request for the per-store usage table.
+    fn answer_usage(&mut self) {
+        if !self
+            .shared
+            .usage_wanted
+            .swap(false, std::sync::atomic::Ordering::SeqCst)
+        {
+            return;
+        }
+        let table = self.arena.store_usage(Instant::now());
+        {
+            let mut u = self.shared.usage.lock().unwrap_or_else(|p| p.into_inner());
+            u.0 += 1;
+            u.1 = table;
+        }
+        self.shared.notify();
+    }
+
     /// Frees objects whose lease ended (a bounded number per turn); true if any.
     fn expire(&mut self) -> bool {
         if self.arena.next_expiry().is_none_or(|t| t > Instant::now()) {

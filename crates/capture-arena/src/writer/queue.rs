@@ -89,6 +89,10 @@ pub(crate) struct Shared {
     taken: AtomicU64,
     /// True while the writer is about to block (or blocked) in `poll`.
     sleeping: AtomicBool,
+    /// Someone asked for the per-store usage table; the writer answers in `usage`.
+    pub usage_wanted: AtomicBool,
+    /// The latest per-store usage table and its sequence number.
+    pub usage: Mutex<(u64, Vec<crate::arena::StoreUsage>)>,
 }
 
 impl Shared {
@@ -176,6 +180,20 @@ impl Submitter {
             max_pending,
         };
         (submitter, queue)
+    }
+
+    /// Asks the writer for a fresh per-store usage table; returns the sequence number the
+    /// answer will exceed.
+    pub fn request_usage(&self) -> u64 {
+        let seq = self
+            .shared
+            .usage
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+        self.shared.usage_wanted.store(true, Ordering::SeqCst);
+        let _ = self.waker.wake();
+        seq
     }
 
     /// Stops accepting batches: the writer finishes those queued, then sees the queue closed.
