@@ -69,7 +69,7 @@ pub(crate) fn sample(id: usize, src: &Src, replace: bool) -> anyhow::Result<Samp
     Ok(s)
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }

@@ -18,7 +18,7 @@ use capture_arena::client::FeatureStore;
 use capture_arena::{ReadBuffer, SampleResult};
 use serde::Serialize;
 
-use crate::workload::{verify, Gpu};
+use crate::workload::{quantile_us, verify, Gpu};
 
 /// Flags of `consume`.
 #[derive(Debug, Clone, clap::Args)]
@@ -313,21 +313,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if pending > 0 {
         note(&mut s, format!("{pending} frees could not be sent"));
     }
-    lat.sort();
-    let q = |p: f64| {
-        lat.get(((lat.len().max(1) - 1) as f64 * p) as usize)
-            .map_or(0.0, |d| d.as_secs_f64() * 1e3)
-    };
-    s.read_p50_ms = q(0.5);
-    s.read_p99_ms = q(0.99);
-    free_lat.sort();
-    let qf = |p: f64| {
-        free_lat
-            .get(((free_lat.len().max(1) - 1) as f64 * p) as usize)
-            .map_or(0.0, |d| d.as_secs_f64() * 1e6)
-    };
-    s.free_p50_us = qf(0.5);
-    s.free_p99_us = qf(0.99);
+    s.read_p50_ms = quantile_us(&mut lat, 0.5) / 1e3;
+    s.read_p99_ms = quantile_us(&mut lat, 0.99) / 1e3;
+    s.free_p50_us = quantile_us(&mut free_lat, 0.5);
+    s.free_p99_us = quantile_us(&mut free_lat, 0.99);
     s.read_gbps = s.bytes as f64 / s.read_s.max(1e-9) / 1e9;
     s.ok = s.mismatches == 0 && s.failed_samples == 0 && s.bad_lines == 0 && pending == 0;
     writeln!(out, "{}", serde_json::json!({ "summary": &s }))?;

@@ -85,11 +85,6 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
 /// The rows for one size; see the module docs.
 pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
     let n = usize::try_from(size)?;
@@ -185,7 +180,7 @@ pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
     drop(producer.stdin.take());
     let _ = producer.wait();
     drop((shm, served));
-    let [memcpy, read, batch, publish_shm, publish_nixl] = t.map(median);
+    let [memcpy, read, batch, publish_shm, publish_nixl] = t.map(crate::bench::median);
     let gbps = |b: u64, d: Duration| b as f64 / d.as_secs_f64().max(1e-12) / 1e9;
     let base = gbps(size, memcpy);
     let batch_bytes = part_len(size) * PARTS as u64;

@@ -19,7 +19,7 @@ use anyhow::Context;
 use capture_arena::client::FeatureStore;
 use capture_arena::{Config, Dtype, Published, Sample, SampleResult, Tensor, TensorData, Writer};
 
-use crate::workload::{fill, size_arg, verify};
+use crate::workload::{fill, quantile_us, size_arg, verify};
 
 /// Flags of `soak`.
 #[derive(Debug, Clone, clap::Args)]
@@ -55,15 +55,6 @@ fn rss() -> u64 {
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(0, |kib| kib * 1024)
-}
-
-fn percentile(v: &mut [Duration], p: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort();
-    let i = ((v.len() - 1) as f64 * p).round() as usize;
-    v[i].as_secs_f64() * 1e6
 }
 
 /// One hostile client's loop until `stop`: a different abuse per `kind`. Kinds 0-2 are buggy
@@ -281,16 +272,16 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "submit -> result per batch",
         format!(
             "p50 {:.0} us, p99 {:.0} us",
-            percentile(&mut submit_lat, 0.5),
-            percentile(&mut submit_lat, 0.99)
+            quantile_us(&mut submit_lat, 0.5),
+            quantile_us(&mut submit_lat, 0.99)
         ),
     );
     row(
         "release per sample (trainer side)",
         format!(
             "p50 {:.0} us, p99 {:.0} us",
-            percentile(&mut frees, 0.5),
-            percentile(&mut frees, 0.99)
+            quantile_us(&mut frees, 0.5),
+            quantile_us(&mut frees, 0.99)
         ),
     );
     row(
@@ -318,10 +309,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "seconds": elapsed.as_secs_f64(),
         "batches": batches,
         "stats": s,
-        "submit_p50_us": percentile(&mut submit_lat, 0.5),
-        "submit_p99_us": percentile(&mut submit_lat, 0.99),
-        "free_p50_us": percentile(&mut frees, 0.5),
-        "free_p99_us": percentile(&mut frees, 0.99),
+        "submit_p50_us": quantile_us(&mut submit_lat, 0.5),
+        "submit_p99_us": quantile_us(&mut submit_lat, 0.99),
+        "free_p50_us": quantile_us(&mut frees, 0.5),
+        "free_p99_us": quantile_us(&mut frees, 0.99),
         "hostile_bytes": hostile_bytes,
         "rss_growth_bytes": rss1 as i64 - rss0 as i64,
         "read_bytes": read_bytes.load(Ordering::Relaxed),

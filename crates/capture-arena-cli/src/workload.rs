@@ -264,6 +264,13 @@ impl Workload {
 }
 
 /// Parses a size flag (`2GiB`, `512MiB`, `1048576`).
+/// The `p` quantile (0..=1) of `v` in microseconds, sorting `v` (0 when empty).
+pub fn quantile_us(v: &mut [std::time::Duration], p: f64) -> f64 {
+    v.sort();
+    v.get(((v.len().max(1) - 1) as f64 * p) as usize)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e6)
+}
+
 /// The UCX transports NIXL may use here, as the tables name them.
 pub fn ucx_transports() -> String {
     match std::env::var("UCX_TLS") {
