@@ -8,6 +8,7 @@ mod consume;
 mod demo;
 mod device;
 mod free;
+mod inspect;
 mod nixl_bench;
 mod produce;
 mod soak;
@@ -45,6 +46,12 @@ enum Command {
     /// Free keys, or everything under a prefix (STORE_ID/ or STORE_ID/SAMPLE_ID/), at a
     /// producer's control endpoint: reclaim what a dead trainer held.
     Free(free::Args),
+    /// Ask a running producer (its control endpoint) for its counters and who holds its arena:
+    /// resident bytes and objects per store_id and the age of the oldest.
+    Stats(inspect::StatsArgs),
+    /// A live view of a running producer: occupancy, the largest free extent, rates, peer
+    /// counters and the per-store_id table, redrawn every --interval.
+    Top(inspect::TopArgs),
     /// What the GPU path finds here: the CUDA driver, the devices, and which handle type a
     /// device arena gets (fabric or POSIX fd) and why. One JSON object on stdout.
     DeviceInfo(device::InfoArgs),
@@ -76,6 +83,8 @@ fn main() -> ExitCode {
         Command::Clean(a) => clean::run(a),
         Command::Free(a) => free::run(a),
         Command::Soak(a) => soak::run(a),
+        Command::Stats(a) => inspect::stats(a),
+        Command::Top(a) => inspect::top(a),
         Command::DeviceInfo(a) => device::info(a),
         Command::BenchServe(a) => nixl_bench::serve(a),
     };

@@ -290,3 +290,88 @@ fn an_operator_reclaims_a_dead_trainers_samples_with_free_prefix() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("ends with '/'"));
 }
+
+#[test]
+fn an_operator_sees_who_holds_a_running_producers_arena() {
+    // A producer with a token holds 3 unread samples of one store.
+    let mut producer = tiny_producer("3", "30")
+        .env("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN", "auto")
+        .spawn()
+        .unwrap();
+    let mut lines =
+        std::io::BufRead::lines(std::io::BufReader::new(producer.stdout.take().unwrap()));
+    let first: Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let control = first["arena"]["control"].as_str().unwrap().to_owned();
+    let token = first["arena"]["token"].as_str().unwrap().to_owned();
+    let store = first["store_id"].as_str().unwrap().to_owned();
+    let rest: Vec<String> = lines.by_ref().take(2).map(Result::unwrap).collect();
+    assert_eq!(rest.len(), 2);
+    let run = |args: &[&str]| {
+        Command::new(EXE)
+            .args(args)
+            .env_remove("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN")
+            .output()
+            .unwrap()
+    };
+    // `stats --json`: the producer's own counters and its table.
+    let out = run(&["stats", "--control", &control, "--token", &token, "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(r["pid"], producer.id());
+    assert_eq!(r["stats"]["published_samples"], 3);
+    assert_eq!(r["stores"][0]["store_id"], store.as_str());
+    assert_eq!(r["stores"][0]["objects"], r["stats"]["resident_objects"]);
+    // The table, for people.
+    let out = run(&["stats", "--control", &control, "--token", &token]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("largest") && text.contains(&store), "{text}");
+    // `top`: frames with rates, then it stops when told.
+    let out = run(&[
+        "top",
+        "--control",
+        &control,
+        "--token",
+        &token,
+        "--frames",
+        "2",
+        "--interval",
+        "0.2",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.matches("capture-arena producer").count(), 2, "{text}");
+    assert!(text.contains("rates") && text.contains(&store), "{text}");
+    // Without the token: refused, with what to pass.
+    let out = run(&["stats", "--control", &control]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--token"));
+    // Reclaim, and the producer ends cleanly.
+    let out = run(&[
+        "free",
+        "--control",
+        &control,
+        "--token",
+        &token,
+        "--prefix",
+        &format!("{store}/"),
+    ]);
+    assert!(out.status.success());
+    let last: Vec<Value> = lines
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .collect();
+    assert!(producer.wait().unwrap().success());
+    assert_eq!(last.last().unwrap()["stats"]["resident_objects"], 0);
+    // A producer that is gone: a clear error, not a hang.
+    let out = run(&["stats", "--control", &control, "--timeout", "2"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&control));
+}

@@ -1,5 +1,5 @@
 //! The control protocol: clients free objects by writing lines to a TCP endpoint, each line a JSON
-//! array of key strings followed by `\n`. The server never writes back.
+//! array of key strings followed by `\n`. Frees are one-way: the server never answers them.
 //!
 //! This module holds the parts that do not depend on the event loop: binding the listener, the
 //! per-connection line buffer and the line parser. The writer's loop (in `writer`) drives them.
@@ -24,13 +24,23 @@
 //!   [`crate::key::check_prefix`]); JSON-array lines are unchanged, and a server without the
 //!   extension counts such a line as one bad line.
 //!
+//! - a query for operators (`capture-arena stats`/`top`): a line `{"stats": true}` is answered
+//!   with one line on the same connection, a [`StatsReport`] as JSON: the writer's counters as
+//!   they are after the lines sent before it, and the per-`store_id` table (the
+//!   [`STATS_STORES`] largest), remade at most once per [`STATS_INTERVAL`] (so at most that old).
+//!   It needs the token like a free. A connection is answered at most once per
+//!   [`STATS_INTERVAL`]; a request sooner than that is counted as a bad line and not answered.
+//!   These answers are the only bytes a server ever writes.
+//!
 //! The limits a server puts on its peers (connections, buffered bytes, idle partial lines, a
 //! budget per connection per turn) live with the event loop in `writer::control_server`.
 
 use std::borrow::Cow;
 use std::net::{SocketAddr, ToSocketAddrs};
 
+use crate::arena::StoreUsage;
 use crate::error::{Error, Result};
+use crate::stats::StatsSnapshot;
 
 /// The longest line accepted; a longer one closes its connection. One MiB holds ~15k keys.
 pub const MAX_LINE_BYTES: usize = 1 << 20;
@@ -77,6 +87,33 @@ pub fn prefix_line(prefix: &str) -> String {
     serde_json::json!({ "free_prefix": prefix }).to_string()
 }
 
+/// The line that asks for a [`StatsReport`] (without its `\n`).
+pub const STATS_LINE: &str = r#"{"stats": true}"#;
+
+/// The most `store_id`s a [`StatsReport`] lists (the largest holders first).
+pub const STATS_STORES: usize = 64;
+
+/// A connection is answered at most once per this interval (the answer costs the writer a pass
+/// over its object table).
+pub const STATS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The longest answer a client reads (an answer is a few KiB: [`STATS_STORES`] rows of keys
+/// that are at most [`crate::key::MAX_KEY_BYTES`] long).
+pub const MAX_STATS_ANSWER_BYTES: usize = 1 << 20;
+
+/// The answer to [`STATS_LINE`]: who holds the arena, with the writer's counters.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StatsReport {
+    /// The writer's counters and gauges.
+    pub stats: StatsSnapshot,
+    /// Resident objects per `store_id`, largest first, at most [`STATS_STORES`].
+    pub stores: Vec<StoreUsage>,
+    /// How many `store_id`s hold objects (`stores` may list fewer).
+    pub stores_total: u64,
+    /// The producer's process id.
+    pub pid: u32,
+}
+
 /// A control line that is a JSON object rather than a list of keys.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ObjectLine {
@@ -84,10 +121,12 @@ pub enum ObjectLine {
     Token(String),
     /// `{"free_prefix": "<prefix>"}`: frees everything under the prefix (not checked here).
     FreePrefix(String),
+    /// `{"stats": true}`: asks for a [`StatsReport`].
+    Stats,
 }
 
 /// The object line `line` is, if it is one: a JSON object with exactly one of the fields
-/// `token` and `free_prefix`, a string.
+/// `token` and `free_prefix` (a string) and `stats` (`true`).
 pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
     let line = line.trim_ascii();
     if !line.starts_with(b"{") {
@@ -98,16 +137,24 @@ pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
     struct Fields {
         token: Option<String>,
         free_prefix: Option<String>,
+        stats: Option<bool>,
     }
     match serde_json::from_slice::<Fields>(line).ok()? {
         Fields {
             token: Some(t),
             free_prefix: None,
+            stats: None,
         } => Some(ObjectLine::Token(t)),
         Fields {
             token: None,
             free_prefix: Some(p),
+            stats: None,
         } => Some(ObjectLine::FreePrefix(p)),
+        Fields {
+            token: None,
+            free_prefix: None,
+            stats: Some(true),
+        } => Some(ObjectLine::Stats),
         _ => None,
     }
 }
@@ -286,9 +333,16 @@ mod tests {
             parse_object_line(format!("  {}\r", prefix_line("st/")).as_bytes()),
             Some(ObjectLine::FreePrefix("st/".into()))
         );
+        assert_eq!(
+            parse_object_line(STATS_LINE.as_bytes()),
+            Some(ObjectLine::Stats)
+        );
         for bad in [
             &br#"{"token": "a", "free_prefix": "st/"}"#[..],
             br#"{"token": 1}"#,
+            br#"{"stats": false}"#,
+            br#"{"stats": "yes"}"#,
+            br#"{"stats": true, "token": "a"}"#,
             br#"{"tokens": "a"}"#,
             br#"{}"#,
             br#"["st/a/g1/x"]"#,

@@ -79,6 +79,8 @@ stats! {
     reply_requests,
     /// Requests refused on the reply path (another user, a malformed or unknown request).
     reply_refused,
+    /// `{"stats": true}` requests answered on the control port (`capture-arena stats`, `top`).
+    stats_requests,
     /// Batches that had to wait for frees.
     waits,
     /// Total time batches waited for frees, in nanoseconds.

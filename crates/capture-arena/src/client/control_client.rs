@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::lock;
-use crate::control::MAX_LINE_BYTES;
+use crate::control::{StatsReport, MAX_LINE_BYTES};
 use crate::error::{Error, Result};
 use crate::key::Key;
 
@@ -579,13 +579,7 @@ pub fn send_frees(
         crate::key::check_prefix(p)?;
     }
     if let Some(t) = token {
-        if !crate::control::is_valid_token(t) {
-            return Err(Error::Config {
-                var: crate::config::ENV_CONTROL_TOKEN,
-                reason: "not a control token (16 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -)"
-                    .into(),
-            });
-        }
+        check_token(t)?;
     }
     let not_sent = |source: std::io::Error| Error::FreeNotSent {
         endpoint: endpoint.to_owned(),
@@ -606,7 +600,93 @@ pub fn send_frees(
     Ok(())
 }
 
-/// The server never writes, so a readable control socket is a closed (or broken) one.
+/// A connection that asks a producer for its [`StatsReport`] (`capture-arena stats` and `top`):
+/// one `{"stats": true}` line, one line back, as often as every
+/// [`crate::control::STATS_INTERVAL`].
+#[derive(Debug)]
+pub struct StatsQuery {
+    endpoint: String,
+    stream: std::io::BufReader<TcpStream>,
+}
+
+impl StatsQuery {
+    /// Connects to the control `endpoint` within `timeout` and presents `token` if given.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a token that is not one; [`Error::Io`] when the endpoint cannot be
+    /// reached.
+    pub fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<StatsQuery> {
+        if let Some(t) = token {
+            check_token(t)?;
+        }
+        let stream = ControlClient::new(timeout)
+            .connect(endpoint, token)
+            .map_err(|e| Error::io(format!("connecting to the control endpoint {endpoint}"), e))?;
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|e| Error::io("setting a read timeout", e))?;
+        Ok(StatsQuery {
+            endpoint: endpoint.to_owned(),
+            stream: std::io::BufReader::new(stream),
+        })
+    }
+
+    /// Asks once and reads the answer (at most [`crate::control::MAX_STATS_ANSWER_BYTES`]).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the answer does not come within the timeout, the producer closes the
+    /// connection (a wrong token, or asked sooner than the interval allows), or the answer is
+    /// not a stats report.
+    pub fn ask(&mut self) -> Result<StatsReport> {
+        use std::io::BufRead;
+        let ctx = |what: &str| format!("{what} the stats of {}", self.endpoint);
+        let mut line = crate::control::STATS_LINE.as_bytes().to_vec();
+        line.push(b'\n');
+        self.stream
+            .get_mut()
+            .write_all(&line)
+            .map_err(|e| Error::io(ctx("asking for"), e))?;
+        let mut answer = Vec::new();
+        let limit = crate::control::MAX_STATS_ANSWER_BYTES as u64;
+        (&mut self.stream)
+            .take(limit)
+            .read_until(b'\n', &mut answer)
+            .map_err(|e| Error::io(ctx("reading"), e))?;
+        if answer.last() != Some(&b'\n') {
+            let why = if answer.is_empty() {
+                "the producer closed the connection without an answer: a wrong or missing \
+                 --token (SGLANG_SPEC_CAPTURE_CONTROL_TOKEN), or a producer without stats"
+                    .to_owned()
+            } else {
+                format!("the answer was cut off after {} bytes", answer.len())
+            };
+            return Err(Error::io(
+                ctx("reading"),
+                std::io::Error::new(ErrorKind::UnexpectedEof, why),
+            ));
+        }
+        serde_json::from_slice(&answer).map_err(|e| {
+            Error::io(
+                ctx("parsing"),
+                std::io::Error::new(ErrorKind::InvalidData, e.to_string()),
+            )
+        })
+    }
+}
+
+/// Checks a token a caller passes before it is sent.
+fn check_token(t: &str) -> Result<()> {
+    if crate::control::is_valid_token(t) {
+        return Ok(());
+    }
+    Err(Error::Config {
+        var: crate::config::ENV_CONTROL_TOKEN,
+        reason: "not a control token (16 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -)".into(),
+    })
+}
+
+/// The server writes only to answer a stats request, which a `ControlClient` never sends, so a
+/// readable control socket is a closed (or broken) one.
 fn alive(s: &TcpStream) -> bool {
     if s.set_nonblocking(true).is_err() {
         return false;

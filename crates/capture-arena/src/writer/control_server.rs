@@ -24,12 +24,16 @@
 //!   finishing a line. The clock of a line starts when it starts (a connection streaming many
 //!   lines is never idle) and restarts when the server, not the peer, was the one that stopped
 //!   reading (a starved connection).
+//! - **Answers.** The server writes only to answer a `{"stats": true}` line, at most once per
+//!   connection per [`control::STATS_INTERVAL`], from an answer computed at most that often (it
+//!   walks the object table), in one non-blocking write: a peer that does not read its answers
+//!   is closed, never waited for.
 //! - **Logs.** Every peer event is counted in the stats; warnings about peers are rate-limited to
 //!   one per kind per second, with the number suppressed.
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
-use std::io::{self, ErrorKind, Read};
+use std::io::{self, ErrorKind, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::time::{Duration, Instant};
@@ -89,6 +93,23 @@ impl Stream {
         }
     }
 
+    /// Writes all of `bytes` without blocking; false if the socket would not take them whole.
+    fn write_now(&self, mut bytes: &[u8]) -> bool {
+        while !bytes.is_empty() {
+            let r = match self {
+                Stream::Tcp(s) => (&*s).write(bytes),
+                Stream::Unix(s) => (&*s).write(bytes),
+            };
+            match r {
+                Ok(0) => return false,
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
     fn deregister(&mut self, registry: &Registry) {
         let _ = match self {
             Stream::Tcp(s) => registry.deregister(s),
@@ -108,6 +129,8 @@ struct Conn {
     queued: bool,
     /// Presented the control token (or none is needed).
     authed: bool,
+    /// When this connection's last stats request was answered.
+    last_stats: Option<Instant>,
 }
 
 /// The longest line a connection may send before it presents the control token (a token line
@@ -125,13 +148,14 @@ enum Warn {
     Refused,
     Accept,
     Reply,
+    Stats,
 }
 
 /// One warning per kind per second; the rest are counted and reported with the next one.
 #[derive(Debug, Default)]
 struct Warnings {
-    next: [Option<Instant>; 8],
-    suppressed: [u64; 8],
+    next: [Option<Instant>; 9],
+    suppressed: [u64; 9],
 }
 
 impl Warnings {
@@ -179,6 +203,8 @@ pub(crate) struct ControlServer {
     /// When `tick` next looks for unfinished lines that are too old.
     next_scan: Option<Instant>,
     warnings: Warnings,
+    /// The per-store table of the last stats answer.
+    store_table: Option<StoreTable>,
 }
 
 fn spare() -> Option<File> {
@@ -218,6 +244,7 @@ impl ControlServer {
             partials: 0,
             next_scan: None,
             warnings: Warnings::default(),
+            store_table: None,
         })
     }
 
@@ -457,6 +484,7 @@ impl ControlServer {
                 partial_since: timed.then(Instant::now),
                 queued: true,
                 authed: self.limits.token.is_none(),
+                last_stats: None,
             },
         );
         // Data may already be waiting (edge-triggered): give it a turn.
@@ -511,7 +539,8 @@ impl ControlServer {
         let peer = conn.peer.clone();
         let secret = self.limits.token.clone();
         let mut refused = false;
-        let outcome = loop {
+        let mut stats_asked = 0u64;
+        let mut outcome = loop {
             let room = max_held.saturating_sub(conn.lines.pending()).min(turn);
             if room == 0 {
                 break if turn == 0 { Turn::More } else { Turn::Starved };
@@ -526,8 +555,9 @@ impl ControlServer {
                         if refused {
                             return;
                         }
+                        let object = control::parse_object_line(line);
                         if let Some(expected) = secret.as_deref() {
-                            match control::parse_object_line(line) {
+                            match &object {
                                 Some(control::ObjectLine::Token(t)) => {
                                     // A right token authorizes the connection (again: a no-op);
                                     // a wrong one closes it.
@@ -543,7 +573,11 @@ impl ControlServer {
                                 _ => {}
                             }
                         }
-                        freed_any |= apply_line(line, &peer, arena, stats, &mut warnings)
+                        if object == Some(control::ObjectLine::Stats) {
+                            stats_asked += 1; // answered at the end of the turn
+                            return;
+                        }
+                        freed_any |= apply_line(line, object, &peer, arena, stats, &mut warnings)
                     };
                     let pushed = conn
                         .lines
@@ -583,6 +617,36 @@ impl ControlServer {
                 }
             }
         };
+        if stats_asked > 0 && !matches!(outcome, Turn::Close) {
+            // After the turn's frees, so an answer reflects every line sent before its request.
+            let now = Instant::now();
+            let due = conn
+                .last_stats
+                .is_none_or(|t| now.saturating_duration_since(t) >= control::STATS_INTERVAL);
+            let extra = stats_asked - u64::from(due);
+            if extra > 0 {
+                bump(&stats.bad_lines, extra);
+                warnings.warn(Warn::Stats, |suppressed| {
+                    tracing::warn!(
+                        %peer,
+                        extra,
+                        suppressed,
+                        "stats asked more often than every {:?}: not answered (counted in \
+                         bad_lines)",
+                        control::STATS_INTERVAL
+                    )
+                });
+            }
+            if due {
+                conn.last_stats = Some(now);
+                bump(&stats.stats_requests, 1);
+                let answer = stats_answer(&mut self.store_table, arena, stats, now);
+                if !conn.stream.write_now(&answer) {
+                    tracing::debug!(%peer, "stats answer not taken whole; closing");
+                    outcome = Turn::Close;
+                }
+            }
+        }
         self.warnings = warnings;
         let held_after = conn.lines.held();
         let pending = conn.lines.pending();
@@ -773,15 +837,94 @@ enum Turn {
     Close,
 }
 
-/// Applies one line: frees its keys. Returns true if anything was freed.
+/// The per-store table of the last stats answer, for the next ones.
+#[derive(Debug)]
+struct StoreTable {
+    at: Instant,
+    /// `(published, freed + replaced + expired)` objects when it was made: unchanged means the
+    /// same objects are resident.
+    version: (u64, u64),
+    stores: Vec<crate::arena::StoreUsage>,
+    total: u64,
+}
+
+/// The answer to a stats request (with its `\n`): the counters as they are now, the per-store
+/// table as it is now if it was last made over [`control::STATS_INTERVAL`] ago or no object came
+/// or went since, else that table (so walking the object table costs the writer at most one
+/// pass per interval, however many ask).
+fn stats_answer(
+    cache: &mut Option<StoreTable>,
+    arena: &Arena,
+    stats: &Stats,
+    now: Instant,
+) -> Vec<u8> {
+    let snapshot = stats.snapshot();
+    let version = (
+        snapshot.published_objects,
+        snapshot.freed_objects + snapshot.replaced_objects + snapshot.expired_objects,
+    );
+    let reuse = cache.as_ref().is_some_and(|t| {
+        t.version == version || now.saturating_duration_since(t.at) < control::STATS_INTERVAL
+    });
+    if !reuse {
+        let usage = arena.store_usage(now);
+        let total = usage.len() as u64;
+        // The largest holders, within a few KiB (a store_id may be up to 1 KiB long): the
+        // answer fits the socket's buffer in one write.
+        let mut room = STATS_ROWS_BYTES;
+        let stores = usage
+            .into_iter()
+            .take(control::STATS_STORES)
+            .take_while(|u| {
+                room = room.saturating_sub(u.store_id.len() + 80);
+                room > 0
+            })
+            .collect();
+        *cache = Some(StoreTable {
+            at: now,
+            version,
+            stores,
+            total,
+        });
+    }
+    let (mut stores, stores_total) = cache
+        .as_ref()
+        .map(|t| {
+            // Ages move on with the clock (the same objects are still the oldest when the
+            // version is unchanged).
+            let later = now.saturating_duration_since(t.at).as_secs_f64();
+            let rows = t.stores.iter().map(|u| crate::arena::StoreUsage {
+                oldest_age_s: u.oldest_age_s + later,
+                ..u.clone()
+            });
+            (rows.collect::<Vec<_>>(), t.total)
+        })
+        .unwrap_or_default();
+    stores.truncate(control::STATS_STORES);
+    let report = control::StatsReport {
+        stats: snapshot,
+        stores,
+        stores_total,
+        pid: std::process::id(),
+    };
+    let mut bytes = serde_json::to_vec(&report).unwrap_or_else(|_| b"{}".to_vec());
+    bytes.push(b'\n');
+    bytes
+}
+
+/// Bytes of `stores` rows in a stats answer, at most.
+const STATS_ROWS_BYTES: usize = 8 * 1024;
+
+/// Applies one line (`object`: what [`control::parse_object_line`] made of it): frees its keys.
+/// Returns true if anything was freed.
 fn apply_line(
     line: &[u8],
+    object: Option<control::ObjectLine>,
     peer: &str,
     arena: &mut Arena,
     stats: &Stats,
     warnings: &mut Warnings,
 ) -> bool {
-    let object = control::parse_object_line(line);
     if let Some(control::ObjectLine::Token(_)) = object {
         // A server without a token: one bad line, and nothing of it in the log.
         bump(&stats.bad_lines, 1);

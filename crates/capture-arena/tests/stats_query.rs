@@ -1,0 +1,158 @@
+//! Asking a running producer who holds its arena, over real sockets: `{"stats": true}` is
+//! answered with one line (the counters and the per-store table), needs the token when one is
+//! set, and is answered at most once per interval per connection.
+
+mod util;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use capture_arena::client::StatsQuery;
+use capture_arena::control::{StatsReport, STATS_INTERVAL, STATS_LINE};
+use capture_arena::{Config, Writer};
+use util::*;
+
+const T: Duration = Duration::from_secs(5);
+
+#[test]
+fn stats_name_the_stores_that_hold_the_arena() {
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    let rs = w
+        .submit(vec![
+            sample_in("big", "a", &[4000, 10]),
+            sample_in("big", "b", &[4000]),
+            sample_in("small", "a", &[100]),
+        ])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let control = w.arena_ref().control.clone();
+    let mut q = StatsQuery::connect(&control, None, T).unwrap();
+    let r = q.ask().unwrap();
+    assert_eq!(r.pid, std::process::id());
+    assert_eq!(r.stats.published_samples, 3);
+    assert_eq!(r.stats.resident_objects, 4);
+    assert_eq!(r.stores_total, 2);
+    let table: Vec<_> = r
+        .stores
+        .iter()
+        .map(|u| (u.store_id.as_str(), u.objects, u.bytes))
+        .collect();
+    assert_eq!(table, [("big", 3, 8010), ("small", 1, 100)]);
+    assert!(r.stores.iter().all(|u| u.oldest_age_s >= 0.0));
+
+    // Frees sent before a request are in its answer (the table is remade at most once per
+    // interval).
+    std::thread::sleep(STATS_INTERVAL);
+    let mut c = TcpStream::connect(&control).unwrap();
+    writeln!(c, "{}", serde_json::to_string(&keys(&rs[..2])).unwrap()).unwrap();
+    writeln!(c, "{STATS_LINE}").unwrap();
+    let mut line = String::new();
+    BufReader::new(&c).read_line(&mut line).unwrap();
+    let r: StatsReport = serde_json::from_str(&line).unwrap();
+    assert_eq!(r.stats.freed_objects, 3);
+    assert_eq!(r.stores_total, 1);
+    assert_eq!(r.stores[0].store_id, "small");
+
+    // The same query connection, after the interval: a fresh answer.
+    std::thread::sleep(STATS_INTERVAL);
+    assert_eq!(q.ask().unwrap().stats.freed_objects, 3);
+    assert!(w.stats().stats_requests >= 3);
+}
+
+#[test]
+fn a_connection_asking_too_often_gets_one_answer_and_a_bad_line() {
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    let control = w.arena_ref().control.clone();
+    let mut c = TcpStream::connect(&control).unwrap();
+    c.write_all(format!("{STATS_LINE}\n").repeat(50).as_bytes())
+        .unwrap();
+    let mut r = BufReader::new(c.try_clone().unwrap());
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    serde_json::from_str::<StatsReport>(&line).unwrap();
+    let (s, ok) = w.wait_for(T, |s| s.bad_lines == 49);
+    assert!(ok, "{s:?}");
+    assert_eq!(s.stats_requests, 1);
+    // Nothing else was written; the connection still frees and answers later.
+    c.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    line.clear();
+    assert!(
+        r.read_line(&mut line).is_err(),
+        "unexpected answer {line:?}"
+    );
+    std::thread::sleep(STATS_INTERVAL);
+    writeln!(c, "{STATS_LINE}").unwrap();
+    c.set_read_timeout(Some(T)).unwrap();
+    r.read_line(&mut line).unwrap();
+    assert_eq!(
+        serde_json::from_str::<StatsReport>(&line)
+            .unwrap()
+            .stats
+            .stats_requests,
+        2
+    );
+}
+
+#[test]
+fn stats_need_the_token_when_one_is_set() {
+    let w = Writer::start(&Config {
+        control_token: Some("auto".into()),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let r = w
+        .submit(vec![sample_in("run", "x", &[64])])
+        .unwrap()
+        .wait()
+        .unwrap();
+    let control = w.arena_ref().control.clone();
+    let token = r[0].arena.token.clone().unwrap();
+    // Without it: closed, no answer, counted.
+    let err = StatsQuery::connect(&control, None, T)
+        .unwrap()
+        .ask()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--token"), "{err}");
+    let (s, ok) = w.wait_for(T, |s| s.unauthorized_lines == 1);
+    assert!(ok && s.stats_requests == 0, "{s:?}");
+    // A wrong token is refused the same way; a malformed one before anything is sent.
+    let wrong = "x".repeat(token.len());
+    assert!(StatsQuery::connect(&control, Some(&wrong), T)
+        .unwrap()
+        .ask()
+        .is_err());
+    assert!(StatsQuery::connect(&control, Some("short"), T).is_err());
+    // With it: answered, and the answer does not carry the token.
+    let mut q = StatsQuery::connect(&control, Some(&token), T).unwrap();
+    let report = q.ask().unwrap();
+    assert_eq!(report.stats.resident_objects, 1);
+    let text = serde_json::to_string(&report).unwrap();
+    assert!(!text.contains(&token));
+}
+
+#[test]
+fn a_peer_that_asks_and_vanishes_costs_nothing() {
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    let control = w.arena_ref().control.clone();
+    for _ in 0..200 {
+        let mut c = TcpStream::connect(&control).unwrap();
+        // Ask, then reset the connection at once (SO_LINGER 0 is not in std: a plain close
+        // with unread data pending resets it on Linux).
+        c.write_all(format!("{STATS_LINE}\n").as_bytes()).unwrap();
+        drop(c);
+    }
+    let (s, ok) = w.wait_for(T, |s| {
+        s.open_connections == 0 && s.control_connections == 200
+    });
+    assert!(ok, "{s:?}");
+    // Still serving.
+    let r = StatsQuery::connect(&control, None, T)
+        .unwrap()
+        .ask()
+        .unwrap();
+    assert_eq!(r.stats.control_connections, 201);
+}
