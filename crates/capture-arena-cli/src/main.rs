@@ -58,6 +58,9 @@ enum Command {
     /// The producer half of `bench --transport nixl` (internal).
     #[command(hide = true)]
     BenchServe(nixl_bench::ServeArgs),
+    /// The producer half of `soak` (internal).
+    #[command(hide = true)]
+    SoakProducer(soak::ProducerArgs),
 }
 
 fn main() -> ExitCode {
@@ -87,6 +90,7 @@ fn main() -> ExitCode {
         Command::Top(a) => inspect::top(a),
         Command::DeviceInfo(a) => device::info(a),
         Command::BenchServe(a) => nixl_bench::serve(a),
+        Command::SoakProducer(a) => soak::serve(a),
     };
     match result {
         Ok(code) => code,

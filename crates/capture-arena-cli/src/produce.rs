@@ -177,7 +177,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// On SIGINT, SIGTERM or SIGHUP, remove the arena's shared memory and exit: a producer stopped by
 /// Ctrl-C or by its supervisor must not leave `arena_bytes` of `/dev/shm` behind.
-fn remove_arena_on_signal(session: &str) -> anyhow::Result<()> {
+pub(crate) fn remove_arena_on_signal(session: &str) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
         .context("installing signal handlers")?;

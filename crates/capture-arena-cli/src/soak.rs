@@ -1,23 +1,29 @@
 //! `capture-arena soak`: load and abuse for a fixed time, then the books must balance.
 //!
-//! One writer (in this process, a real control port) publishes batches at full rate; trainer
-//! clients (threads, each its own `FeatureStore`) read every byte of every sample and release
-//! it; hostile clients meanwhile send garbage, unfinished lines, `[]` floods, wrong tokens and
-//! idle connections. At the end (publication stopped, every sample read): every byte free, every
-//! published object freed exactly once (`unknown_frees` 0), no sample lost, and the process's RSS
-//! growth reported. The arena has a control token (`auto` unless one is configured), as one
-//! reachable by others should. Prints a table and one JSON line; exits non-zero if a check fails.
+//! The producer runs in its own process (`soak-producer`, a child of this one, with a real
+//! control port): it publishes batches at full rate, writes each result to its stdout, and
+//! measures its own private memory. Here, trainer clients (threads, each its own
+//! `FeatureStore`) read every byte of every sample and release it; hostile clients meanwhile
+//! send garbage, unfinished lines, `[]` floods, wrong tokens, stats floods and idle
+//! connections. At the end (publication stopped, every sample read): every byte free, every
+//! published object freed exactly once (`unknown_frees` 0), no sample lost, and the producer's
+//! memory growth reported. The arena has a control token (`auto` unless one is configured), as
+//! one reachable by others should. Prints a table and one JSON line; exits non-zero if a check
+//! fails.
 
-use std::io::Write;
+use std::io::{BufRead, Write};
 use std::net::TcpStream;
-use std::process::ExitCode;
+use std::process::{ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use capture_arena::client::FeatureStore;
-use capture_arena::{Config, Dtype, Published, Sample, SampleResult, Tensor, TensorData, Writer};
+use capture_arena::{
+    Config, Dtype, Published, Sample, SampleResult, StatsSnapshot, Tensor, TensorData, Writer,
+};
+use serde::{Deserialize, Serialize};
 
 use crate::workload::{fill, quantile_us, size_arg, verify};
 
@@ -33,6 +39,13 @@ pub struct Args {
     /// How many of them are hostile.
     #[arg(long, default_value_t = 8)]
     pub hostile: usize,
+    #[command(flatten)]
+    pub load: Load,
+}
+
+/// What the producer publishes (passed on to `soak-producer`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct Load {
     /// Samples per batch.
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
@@ -44,8 +57,37 @@ pub struct Args {
     pub arena_bytes: u64,
 }
 
+/// Flags of `soak-producer` (internal: the producer half of `soak`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ProducerArgs {
+    /// Seconds of publication.
+    #[arg(long)]
+    pub duration: f64,
+    #[command(flatten)]
+    pub load: Load,
+}
+
+/// The producer's last line: what it measured of itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ProducerEnd {
+    stats: StatsSnapshot,
+    /// Every published object freed, the arena free, within the wait after publication.
+    settled: bool,
+    batches: u64,
+    failed: u64,
+    seconds: f64,
+    submit_p50_us: f64,
+    submit_p99_us: f64,
+    /// `RssAnon` after the warm-up, at the end, and its peak in between (bytes).
+    rss_start: u64,
+    rss_end: u64,
+    rss_peak: u64,
+    /// `(seconds since the warm-up, RssAnon)`, sampled through the run.
+    rss_series: Vec<(f64, u64)>,
+}
+
 /// This process's private resident memory (`RssAnon`): what a leak grows. (Plain RSS counts
-/// every trainer's mapping of the shared arena again.)
+/// the pages of the shared arena too.)
 fn rss() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
@@ -57,9 +99,9 @@ fn rss() -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
-/// One hostile client's loop until `stop`: a different abuse per `kind`. Kinds 0-2 are buggy
-/// clients that have the token (so the parser and the line bounds are exercised), 3 guesses it,
-/// 4 idles without it.
+/// One hostile client's loop until `stop`: a different abuse per `kind`. Kinds 0-2 and 5 are
+/// buggy clients that have the token (so the parser, the line bounds and the stats answers are
+/// exercised), 3 guesses it, 4 idles without it.
 fn hostile(control: &str, token: Option<&str>, kind: usize, stop: &AtomicBool) -> u64 {
     let mut sent = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -68,10 +110,10 @@ fn hostile(control: &str, token: Option<&str>, kind: usize, stop: &AtomicBool) -
             continue;
         };
         let _ = c.set_write_timeout(Some(Duration::from_millis(200)));
-        if let (Some(t), true) = (token, kind % 5 < 3) {
+        if let (Some(t), true) = (token, kind % 6 < 3 || kind % 6 == 5) {
             let _ = c.write_all(format!("{}\n", capture_arena::control::token_line(t)).as_bytes());
         }
-        let payload: Vec<u8> = match kind % 5 {
+        let payload: Vec<u8> = match kind % 6 {
             0 => b"garbage \x00\xff not json\n".repeat(64),
             1 => b"[]\n".repeat(4096),
             2 => {
@@ -81,6 +123,12 @@ fn hostile(control: &str, token: Option<&str>, kind: usize, stop: &AtomicBool) -
                 Vec::new()
             }
             3 => b"{\"token\": \"wrong-token-0123456789\"}\n[\"soak/x/g1/t0\"]\n".to_vec(),
+            5 => {
+                // Stats asked far more often than answered, answers never read.
+                format!("{}\n", capture_arena::control::STATS_LINE)
+                    .repeat(256)
+                    .into_bytes()
+            }
             _ => {
                 // Idle: hold a connection slot a while.
                 std::thread::sleep(Duration::from_millis(300));
@@ -95,28 +143,32 @@ fn hostile(control: &str, token: Option<&str>, kind: usize, stop: &AtomicBool) -
 }
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    let duration = Duration::try_from_secs_f64(args.duration)
-        .map_err(|_| anyhow::anyhow!("--duration {} is not a number of seconds", args.duration))?;
+    anyhow::ensure!(
+        Duration::try_from_secs_f64(args.duration).is_ok(),
+        "--duration {} is not a number of seconds",
+        args.duration
+    );
     anyhow::ensure!(
         args.hostile < args.clients,
         "--hostile {} leaves no trainer among --clients {}",
         args.hostile,
         args.clients
     );
-    let per_tensor = usize::try_from(args.sample_bytes / 4)?.max(1);
-    let from_env = Config::from_env()?;
-    let writer = Writer::start(&Config {
-        arena_bytes: Some(args.arena_bytes),
-        arena_wait: Duration::from_secs(30),
-        // With a token, as a producer reachable by others should run: the hostile clients'
-        // frees must be refused, the trainers' (token from the results) applied.
-        control_token: from_env.control_token.clone().or(Some("auto".into())),
-        ..from_env
-    })
-    .context("starting the arena")?;
-    let control = writer.arena_ref().control.clone();
+    let per_tensor = usize::try_from(args.load.sample_bytes / 4)?.max(1);
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let mut child = std::process::Command::new(exe)
+        .args(["soak-producer", "--duration", &args.duration.to_string()])
+        .args(["--batch", &args.load.batch.to_string()])
+        .args(["--sample-bytes", &args.load.sample_bytes.to_string()])
+        .args(["--arena-bytes", &args.load.arena_bytes.to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("starting the producer process")?;
+    let producer_pid = child.id();
+    let stdout = child.stdout.take().context("the producer's stdout")?;
     let stop = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = mpsc::sync_channel::<Published>(4 * args.batch);
+    let (tx, rx) = mpsc::sync_channel::<Published>(4 * args.load.batch);
     let rx = Arc::new(Mutex::new(rx));
     let read_bytes = Arc::new(AtomicU64::new(0));
     let mismatches = Arc::new(AtomicU64::new(0));
@@ -149,6 +201,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     store.release(&p)?;
                     let took = t0.elapsed();
                     if let Ok(mut l) = free_lat.lock() {
+                        // Bounded over a long run: the most recent million.
+                        if l.len() >= 2_000_000 {
+                            l.drain(..1_000_000);
+                        }
                         l.push(took);
                     }
                     samples += 1;
@@ -156,15 +212,180 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             })
         })
         .collect();
-    let attackers: Vec<_> = (0..args.hostile)
-        .map(|k| {
-            let (control, stop) = (control.clone(), stop.clone());
-            let token = writer.arena_ref().token.clone();
-            std::thread::spawn(move || hostile(&control, token.as_deref(), k, &stop))
-        })
-        .collect();
 
-    // Warm up, then take the RSS baseline.
+    // The producer's results go to the trainers; its first one starts the hostile clients (it
+    // names the control endpoint and its token); its last line is what it measured.
+    let mut attackers = Vec::new();
+    let mut end: Option<ProducerEnd> = None;
+    let mut failed_results = 0u64;
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.context("reading the producer's results")?;
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+            if let Some(e) = v.get("soak_producer") {
+                end = Some(serde_json::from_value(e.clone())?);
+                continue;
+            }
+        }
+        let p = match serde_json::from_str::<SampleResult>(&line)
+            .with_context(|| format!("a result line from the producer: {line:.200}"))?
+        {
+            SampleResult::Published(p) => p,
+            SampleResult::Failed(_) => {
+                failed_results += 1;
+                continue;
+            }
+        };
+        if attackers.is_empty() {
+            attackers = (0..args.hostile)
+                .map(|k| {
+                    let (control, stop) = (p.arena.control.clone(), stop.clone());
+                    let token = p.arena.token.clone();
+                    std::thread::spawn(move || hostile(&control, token.as_deref(), k, &stop))
+                })
+                .collect();
+        }
+        tx.send(p).context("the trainers are gone")?;
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(tx);
+    let status = child.wait().context("waiting for the producer")?;
+    let mut trained = 0;
+    for t in trainers {
+        trained += t
+            .join()
+            .map_err(|_| anyhow::anyhow!("a trainer thread panicked"))??;
+    }
+    let mut hostile_bytes = 0;
+    for a in attackers {
+        hostile_bytes += a
+            .join()
+            .map_err(|_| anyhow::anyhow!("a hostile thread panicked"))?;
+    }
+    let end = end.with_context(|| {
+        format!("the producer (pid {producer_pid}) ended without its report: {status}")
+    })?;
+    let s = end.stats;
+    let mut frees = free_lat.lock().map(|l| l.clone()).unwrap_or_default();
+    let checks = [
+        ("producer exited cleanly", status.success()),
+        ("no batch failed", end.failed == 0 && failed_results == 0),
+        (
+            "every sample read and verified",
+            mismatches.load(Ordering::Relaxed) == 0,
+        ),
+        (
+            "every published sample reached a trainer",
+            trained == s.published_samples,
+        ),
+        (
+            "every published object freed exactly once",
+            end.settled && s.unknown_frees == 0 && s.freed_objects == s.published_objects,
+        ),
+        ("arena completely free", s.free_bytes == s.capacity),
+    ];
+    let ok = checks.iter().all(|(_, pass)| *pass);
+    let mib = |b: i64| b as f64 / 1048576.0;
+    let row = |k: &str, v: String| println!("  {k:<44} {v}");
+    println!(
+        "capture-arena soak: {:.1} s, {} trainers, {} hostile clients, producer pid {}",
+        end.seconds,
+        args.clients - args.hostile,
+        args.hostile,
+        producer_pid
+    );
+    row(
+        "published",
+        format!(
+            "{} batches, {} samples, {} objects, {:.2} GB/s",
+            s.published_batches,
+            s.published_samples,
+            s.published_objects,
+            s.published_bytes as f64 / end.seconds / 1e9
+        ),
+    );
+    row(
+        "submit -> result per batch (producer)",
+        format!(
+            "p50 {:.0} us, p99 {:.0} us",
+            end.submit_p50_us, end.submit_p99_us
+        ),
+    );
+    row(
+        "release per sample (trainer side)",
+        format!(
+            "p50 {:.0} us, p99 {:.0} us",
+            quantile_us(&mut frees, 0.5),
+            quantile_us(&mut frees, 0.99)
+        ),
+    );
+    row(
+        "hostile input",
+        format!(
+            "{hostile_bytes} bytes sent; bad lines {}, unauthorized {}, timed out {}, refused \
+             connections {}, stats answered {}",
+            s.bad_lines,
+            s.unauthorized_lines,
+            s.timed_out_lines,
+            s.refused_connections,
+            s.stats_requests
+        ),
+    );
+    row(
+        "producer private memory (RssAnon)",
+        format!(
+            "{:+.1} MiB from warm-up to end ({} -> {} bytes), peak {:+.1} MiB",
+            mib(end.rss_end as i64 - end.rss_start as i64),
+            end.rss_start,
+            end.rss_end,
+            mib(end.rss_peak as i64 - end.rss_start as i64)
+        ),
+    );
+    for (what, pass) in checks {
+        row(what, if pass { "ok".into() } else { "FAILED".into() });
+    }
+    let line = serde_json::json!({
+        "ok": ok,
+        "seconds": end.seconds,
+        "batches": end.batches,
+        "stats": s,
+        "submit_p50_us": end.submit_p50_us,
+        "submit_p99_us": end.submit_p99_us,
+        "free_p50_us": quantile_us(&mut frees, 0.5),
+        "free_p99_us": quantile_us(&mut frees, 0.99),
+        "hostile_bytes": hostile_bytes,
+        "producer_rss_start": end.rss_start,
+        "producer_rss_end": end.rss_end,
+        "producer_rss_peak": end.rss_peak,
+        "producer_rss_growth_bytes": end.rss_end as i64 - end.rss_start as i64,
+        "producer_rss_series": end.rss_series,
+        "read_bytes": read_bytes.load(Ordering::Relaxed),
+    });
+    println!("{line}");
+    Ok(if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The producer half: publishes for `duration`, then waits for every free.
+pub fn serve(args: ProducerArgs) -> anyhow::Result<ExitCode> {
+    let duration = Duration::try_from_secs_f64(args.duration)
+        .map_err(|_| anyhow::anyhow!("--duration {} is not a number of seconds", args.duration))?;
+    let load = args.load;
+    let per_tensor = usize::try_from(load.sample_bytes / 4)?.max(1);
+    let from_env = Config::from_env()?;
+    let writer = Writer::start(&Config {
+        arena_bytes: Some(load.arena_bytes),
+        arena_wait: Duration::from_secs(30),
+        // With a token, as a producer reachable by others should run: the hostile clients'
+        // frees must be refused, the trainers' (token from the results) applied.
+        control_token: from_env.control_token.clone().or(Some("auto".into())),
+        ..from_env
+    })
+    .context("starting the arena")?;
+    crate::produce::remove_arena_on_signal(writer.memory_session())?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let mut next_id = 0u64;
     let mut make_batch = |n: usize| -> anyhow::Result<Vec<Sample>> {
         (0..n)
@@ -186,141 +407,73 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             })
             .collect()
     };
-    let mut submit_lat = Vec::new();
-    let publish = |batch: Vec<Sample>, lat: &mut Vec<Duration>| -> anyhow::Result<u64> {
+    let mut publish = |batch: Vec<Sample>, lat: &mut Vec<Duration>| -> anyhow::Result<u64> {
         let t0 = Instant::now();
         let results = writer.submit(batch)?.wait_results();
         lat.push(t0.elapsed());
         let mut failed = 0;
         for r in results {
-            match r {
-                SampleResult::Published(p) => tx.send(p).context("trainers are gone")?,
-                SampleResult::Failed(f) => {
-                    failed += 1;
-                    tracing::warn!(sample = %f.sample_id, error = %f.error, "batch failed");
-                }
+            if let SampleResult::Failed(f) = &r {
+                failed += 1;
+                tracing::warn!(sample = %f.sample_id, error = %f.error, "batch failed");
             }
+            serde_json::to_writer(&mut out, &r)?;
+            out.write_all(b"\n")?;
         }
+        out.flush().context("the soak's trainers are gone")?;
         Ok(failed)
     };
+    // Warm up, then take the memory baseline.
     let mut failed = 0;
     for _ in 0..4 {
-        failed += publish(make_batch(args.batch)?, &mut Vec::new())?;
+        failed += publish(make_batch(load.batch)?, &mut Vec::new())?;
     }
-    let rss0 = rss();
+    let rss_start = rss();
+    let mut rss_peak = rss_start;
+    let mut rss_series = vec![(0.0, rss_start)];
+    // About 200 samples of the memory over the run, at most one a second.
+    let every = (duration / 200).max(Duration::from_secs(1));
+    let mut next_sample = every;
+    let mut submit_lat = Vec::new();
     let t0 = Instant::now();
     let mut batches = 0u64;
     while t0.elapsed() < duration {
-        failed += publish(make_batch(args.batch)?, &mut submit_lat)?;
+        failed += publish(make_batch(load.batch)?, &mut submit_lat)?;
         batches += 1;
+        if t0.elapsed() >= next_sample {
+            let now = rss();
+            rss_peak = rss_peak.max(now);
+            rss_series.push((t0.elapsed().as_secs_f64(), now));
+            next_sample += every;
+        }
+        // A long run keeps its latencies bounded: the quantiles of the last million batches.
+        if submit_lat.len() >= 2_000_000 {
+            submit_lat.drain(..1_000_000);
+        }
     }
-    let elapsed = t0.elapsed();
-    stop.store(true, Ordering::Relaxed);
-    drop(tx);
-    let mut trained = 0;
-    for t in trainers {
-        trained += t
-            .join()
-            .map_err(|_| anyhow::anyhow!("a trainer thread panicked"))??;
-    }
-    let mut hostile_bytes = 0;
-    for a in attackers {
-        hostile_bytes += a
-            .join()
-            .map_err(|_| anyhow::anyhow!("a hostile thread panicked"))?;
-    }
-    let (s, settled) = writer.wait_for(Duration::from_secs(30), |s| {
+    let seconds = t0.elapsed().as_secs_f64();
+    // Every result is written: the trainers read and free them all.
+    let (stats, settled) = writer.wait_for(Duration::from_secs(60), |s| {
         s.resident_objects == 0 && s.freed_objects == s.published_objects
     });
-    let rss1 = rss();
-    let mut frees = free_lat.lock().map(|l| l.clone()).unwrap_or_default();
-    let checks = [
-        ("no batch failed", failed == 0),
-        (
-            "every sample read and verified",
-            mismatches.load(Ordering::Relaxed) == 0,
-        ),
-        (
-            "every published sample reached a trainer",
-            trained == s.published_samples,
-        ),
-        (
-            "every published object freed exactly once",
-            settled && s.unknown_frees == 0,
-        ),
-        ("arena completely free", s.free_bytes == s.capacity),
-    ];
-    let ok = checks.iter().all(|(_, pass)| *pass);
-    let row = |k: &str, v: String| println!("  {k:<44} {v}");
-    println!(
-        "capture-arena soak: {:.1} s, {} trainers, {} hostile clients",
-        elapsed.as_secs_f64(),
-        args.clients - args.hostile,
-        args.hostile
-    );
-    row(
-        "published",
-        format!(
-            "{} batches, {} samples, {} objects, {:.2} GB/s",
-            s.published_batches,
-            s.published_samples,
-            s.published_objects,
-            s.published_bytes as f64 / elapsed.as_secs_f64() / 1e9
-        ),
-    );
-    row(
-        "submit -> result per batch",
-        format!(
-            "p50 {:.0} us, p99 {:.0} us",
-            quantile_us(&mut submit_lat, 0.5),
-            quantile_us(&mut submit_lat, 0.99)
-        ),
-    );
-    row(
-        "release per sample (trainer side)",
-        format!(
-            "p50 {:.0} us, p99 {:.0} us",
-            quantile_us(&mut frees, 0.5),
-            quantile_us(&mut frees, 0.99)
-        ),
-    );
-    row(
-        "hostile input",
-        format!(
-            "{hostile_bytes} bytes sent; bad lines {}, unauthorized {}, timed out {}, refused \
-             connections {}",
-            s.bad_lines, s.unauthorized_lines, s.timed_out_lines, s.refused_connections
-        ),
-    );
-    row(
-        "private memory (RssAnon) growth over the run",
-        format!(
-            "{:+.1} MiB ({} -> {} bytes)",
-            (rss1 as f64 - rss0 as f64) / 1048576.0,
-            rss0,
-            rss1
-        ),
-    );
-    for (what, pass) in checks {
-        row(what, if pass { "ok".into() } else { "FAILED".into() });
-    }
-    let line = serde_json::json!({
-        "ok": ok,
-        "seconds": elapsed.as_secs_f64(),
-        "batches": batches,
-        "stats": s,
-        "submit_p50_us": quantile_us(&mut submit_lat, 0.5),
-        "submit_p99_us": quantile_us(&mut submit_lat, 0.99),
-        "free_p50_us": quantile_us(&mut frees, 0.5),
-        "free_p99_us": quantile_us(&mut frees, 0.99),
-        "hostile_bytes": hostile_bytes,
-        "rss_growth_bytes": rss1 as i64 - rss0 as i64,
-        "read_bytes": read_bytes.load(Ordering::Relaxed),
-    });
-    println!("{line}");
-    Ok(if ok {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    let rss_end = rss();
+    rss_peak = rss_peak.max(rss_end);
+    rss_series.push((t0.elapsed().as_secs_f64(), rss_end));
+    let end = ProducerEnd {
+        stats,
+        settled,
+        batches,
+        failed,
+        seconds,
+        submit_p50_us: quantile_us(&mut submit_lat, 0.5),
+        submit_p99_us: quantile_us(&mut submit_lat, 0.99),
+        rss_start,
+        rss_end,
+        rss_peak,
+        rss_series,
+    };
+    serde_json::to_writer(&mut out, &serde_json::json!({ "soak_producer": end }))?;
+    out.write_all(b"\n")?;
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
 }

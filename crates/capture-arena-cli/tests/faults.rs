@@ -422,5 +422,8 @@ fn a_short_soak_balances_its_books() {
     assert!(s["published_samples"].as_u64().unwrap() > 0);
     assert_eq!(s["freed_objects"], s["published_objects"]);
     assert_eq!(s["unknown_frees"], 0);
+    // The producer ran in its own process and measured its own memory.
+    assert!(last["producer_rss_start"].as_u64().unwrap() > 0);
+    assert!(last["producer_rss_series"].as_array().unwrap().len() >= 2);
     assert!(s["bad_lines"].as_u64().unwrap() > 0 && s["unauthorized_lines"].as_u64().unwrap() > 0);
 }
