@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, installing what it needs: formatting, lints, every Rust test (unit,
 # property, integration, doc; benches run once in test mode), then the Python package's tests.
-# Installs: libclang-dev and g++ (apt, for the nixl feature's build), a venv in .venv with the
+# Installs: libclang-dev and g++ (apt, for the nixl feature's build), cargo-fuzz in
+# .cache/cargo-fuzz (scripts/fuzz.sh), a venv in .venv with the
 # test tools, the NIXL wheel's libraries in .cache/nixl (scripts/nixl-lib.sh), Mooncake's wheel
 # and the libraries it loads (apt).
 # Usage: scripts/test.sh            (the README's test command; .ci/run calls it)
@@ -67,6 +68,9 @@ cargo test -p capture-arena --all-targets
 
 step "cargo test --doc"
 cargo test --workspace --doc --features "$NIXL_FEATURES"
+
+step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; FUZZING.md)"
+FUZZ_FEATURES=nixl scripts/fuzz.sh 12
 
 step "cargo doc (the core's docs build without broken links)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet

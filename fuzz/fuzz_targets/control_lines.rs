@@ -1,0 +1,74 @@
+//! The control port's input path: bytes from a socket, in chunks the way the server reads them,
+//! through the line buffer and every line parser. Checks that lines come out exactly as they
+//! went in, that the buffer never holds more than the server allowed it, and that every key a
+//! line frees parses back to itself.
+#![no_main]
+
+use capture_arena::control::{self, LineBuffer, ObjectLine, MAX_LINE_BYTES};
+use capture_arena::Key;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&seed, input)) = data.split_first() else {
+        return;
+    };
+    // The seed picks how the bytes arrive and how much the server lets the buffer hold.
+    let step = usize::from(seed % 61) + 1;
+    let max_held = [64, 300, 4096, MAX_LINE_BYTES + 1][usize::from(seed >> 6)];
+    let mut lines = LineBuffer::default();
+    let mut got: Vec<Vec<u8>> = Vec::new();
+    let mut rest = input;
+    let mut oversized = false;
+    while !rest.is_empty() {
+        // As the server: read at most what the buffer may still hold (at least one byte).
+        let room = max_held.saturating_sub(lines.pending()).clamp(1, step);
+        let (chunk, tail) = rest.split_at(room.min(rest.len()));
+        rest = tail;
+        let pushed = lines.push_capped(chunk, max_held, |l| {
+            check_line(l);
+            got.push(l.to_vec());
+        });
+        if pushed.is_err() {
+            oversized = true;
+            break;
+        }
+        assert!(lines.pending() <= MAX_LINE_BYTES);
+        assert!(
+            lines.held() <= max_held.max(lines.pending()).max(256),
+            "held {} pending {} max {max_held}",
+            lines.held(),
+            lines.pending()
+        );
+    }
+    if !oversized {
+        // Every complete line came out, in order, and the partial tail is what is pending.
+        let mut want: Vec<&[u8]> = input.split(|&b| b == b'\n').collect();
+        let tail = want.pop().unwrap_or_default();
+        assert_eq!(got.len(), want.len());
+        assert!(got.iter().zip(&want).all(|(g, w)| g == w));
+        assert_eq!(lines.pending(), tail.len());
+    }
+});
+
+/// What the server does with a line, minus the arena: every parser, and what it promises.
+fn check_line(line: &[u8]) {
+    match control::parse_object_line(line) {
+        Some(ObjectLine::Token(t)) => {
+            let _ = control::tokens_equal(t.as_bytes(), b"0123456789abcdef");
+            let _ = control::is_valid_token(&t);
+        }
+        Some(ObjectLine::FreePrefix(p)) => {
+            if capture_arena::key::check_prefix(&p).is_ok() {
+                assert!(p.ends_with('/'));
+            }
+        }
+        Some(ObjectLine::Stats) | None => {}
+    }
+    if let Ok(Some(keys)) = control::parse_line(line) {
+        for k in keys {
+            if let Ok(key) = k.parse::<Key>() {
+                assert_eq!(key.as_str(), k);
+            }
+        }
+    }
+}

@@ -1,0 +1,37 @@
+//! Keys and prefixes from peers (free lines, results): a key that parses prints as itself and
+//! is made of parts that make it again; a prefix that is accepted names a store, sample or
+//! generation and reaches only keys under it.
+#![no_main]
+
+use capture_arena::key::{check_prefix, MAX_KEY_BYTES};
+use capture_arena::Key;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(key) = text.parse::<Key>() {
+        assert_eq!(key.as_str(), text);
+        assert!(text.len() <= MAX_KEY_BYTES);
+        let again = Key::new(key.store_id(), key.sample_id(), key.gen(), key.name())
+            .expect("the parts of a key make a key");
+        assert_eq!(again, key);
+        // Its own prefixes are valid and reach it.
+        for prefix in [
+            format!("{}/", key.store_id()),
+            format!("{}/{}/", key.store_id(), key.sample_id()),
+            format!("{}/{}/g{}/", key.store_id(), key.sample_id(), key.gen()),
+        ] {
+            assert!(check_prefix(&prefix).is_ok(), "{prefix:?}");
+            assert!(text.starts_with(&prefix));
+        }
+    }
+    if check_prefix(text).is_ok() {
+        assert!(text.ends_with('/') && text.len() <= MAX_KEY_BYTES);
+        // A prefix names whole parts: no key of another store or sample starts with it.
+        let parts: Vec<&str> = text.trim_end_matches('/').split('/').collect();
+        assert!((1..=3).contains(&parts.len()), "{text:?}");
+        assert!(parts.iter().all(|p| !p.is_empty()));
+    }
+});

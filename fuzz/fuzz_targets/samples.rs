@@ -1,0 +1,36 @@
+//! The JSON the system takes in: the capture contract's request (`SampleSpec`, from the
+//! inference server) built into a sample with small captured tensors, and a result (`Published`,
+//! from a result line or a Python dict) checked the way a trainer checks it before it reads.
+#![no_main]
+
+use capture_arena::sample::Captured;
+use capture_arena::{Dtype, Published, Sample, SampleSpec, TensorData};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(spec) = serde_json::from_slice::<SampleSpec>(data) {
+        // A small capture whose shape comes from the input: L = 1..=4 rows of 2 bf16.
+        let rows = (data.len() % 4 + 1) as u64;
+        let captured = || Captured {
+            shape: vec![rows, 2],
+            dtype: Dtype::Bfloat16,
+            data: TensorData::host(vec![0u8; (rows * 4) as usize]),
+        };
+        if let Ok(sample) = Sample::from_spec(&spec, Some(captured()), Some(captured()), None) {
+            // Every tensor of a built sample has a valid key under the spec's ids.
+            for key in sample.keys() {
+                assert_eq!(key.store_id(), spec.store_id);
+                assert_eq!(key.sample_id(), spec.sample_id);
+            }
+        }
+    }
+    if let Ok(result) = serde_json::from_slice::<Published>(data) {
+        if result.validate().is_ok() {
+            // What validation promises: keys and sizes that a reader can compute safely.
+            for name in result.features.keys() {
+                result.key(name).expect("a validated result has valid keys");
+            }
+            let _ = capture_arena::Reader::new().checked_len(&result, "aux");
+        }
+    }
+});
