@@ -29,9 +29,15 @@ impl Flood {
         let thread = std::thread::spawn(move || {
             let buf = line.repeat(64 * 1024 / line.len());
             let mut sent = 0u64;
+            // Where the next write starts: a short write is continued, never restarted (that
+            // would cut a line in two, a bad line of the test's making).
+            let mut at = 0;
             while !s.load(Ordering::Relaxed) {
-                match c.write(&buf) {
-                    Ok(n) => sent += n as u64,
+                match c.write(&buf[at..]) {
+                    Ok(n) => {
+                        sent += n as u64;
+                        at = (at + n) % buf.len();
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                     Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
                     Err(_) => break,

@@ -37,6 +37,8 @@ pub struct Mapping {
     /// The process that mapped it: a `ReadWrite` mapping is not inherited by `fork`, so a child
     /// must not unmap whatever it has at that address since.
     pid: u32,
+    /// Catches the `SIGBUS` of an object truncated under the mapping (see [`super::guard`]).
+    watch: Option<super::guard::Watch>,
 }
 
 // SAFETY: the mapping is plain memory owned by this value; every access goes through methods
@@ -93,6 +95,7 @@ impl Mapping {
             len,
             access,
             pid: std::process::id(),
+            watch: super::guard::Watch::new(ptr.as_ptr() as usize, len),
         };
         if access == Access::ReadWrite {
             // SAFETY: advice on exactly the range just mapped; it changes no contents.
@@ -118,6 +121,26 @@ impl Mapping {
         self.ptr.as_ptr() as u64
     }
 
+    /// True once the object was found truncated under this mapping (a page past its new end was
+    /// touched): the bytes from that page on are private zeros, not the object's, for good.
+    pub fn lost(&self) -> bool {
+        self.watch.as_ref().is_some_and(|w| w.lost())
+    }
+
+    /// [`Error::Io`] naming `what` if [`Mapping::lost`].
+    pub(crate) fn check_lost(&self, what: &str) -> Result<()> {
+        if !self.lost() {
+            return Ok(());
+        }
+        Err(Error::io(
+            what,
+            io::Error::other(
+                "the shared memory object was truncated by another process while mapped (a \
+                 process of the same user); its contents are lost",
+            ),
+        ))
+    }
+
     fn range(&self, offset: usize, n: usize) -> Result<()> {
         match offset.checked_add(n) {
             Some(end) if end <= self.len => Ok(()),
@@ -139,7 +162,8 @@ impl Mapping {
     /// and no reference to the racing bytes is ever formed (unlike [`Mapping::bytes`]).
     ///
     /// # Errors
-    /// [`Error::OutOfRange`] if the range is not inside the mapping.
+    /// [`Error::OutOfRange`] if the range is not inside the mapping; [`Error::Io`] if the object
+    /// was truncated under the mapping ([`Mapping::lost`]), whatever `out` then holds.
     pub fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         self.range(offset, out.len())?;
         // SAFETY: [offset, offset + out.len()) is inside the mapping (checked), which stays
@@ -152,14 +176,14 @@ impl Mapping {
                 out.len(),
             )
         };
-        Ok(())
+        self.check_lost("reading shared memory")
     }
 
     /// Copies `len` bytes from `src` to `offset`.
     ///
     /// # Errors
     /// [`Error::OutOfRange`] if the range is not inside the mapping; [`Error::Io`] for a
-    /// read-only mapping.
+    /// read-only mapping, or one whose object was truncated under it ([`Mapping::lost`]).
     ///
     /// # Safety
     /// `src` must be valid for reads of `len` bytes, and nothing may write those bytes until
@@ -176,7 +200,7 @@ impl Mapping {
         // makes this the only writer in this process; the source is valid and unchanging and
         // does not overlap it (the caller's contract).
         unsafe { std::ptr::copy_nonoverlapping(src, self.ptr.as_ptr().add(offset), len) };
-        Ok(())
+        self.check_lost("writing shared memory")
     }
 
     /// The address of `[offset, offset + len)` for a copy the caller makes with another engine
@@ -210,6 +234,8 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        // Unwatched before the range is unmapped (the address may be reused at once).
+        drop(self.watch.take());
         if self.access == Access::ReadWrite && self.pid != std::process::id() {
             return; // MADV_DONTFORK: not mapped in this (forked) process
         }

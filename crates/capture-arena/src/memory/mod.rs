@@ -27,6 +27,7 @@
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod external;
+pub(crate) mod guard;
 mod host;
 pub mod mapping;
 #[cfg(feature = "nixl")]

@@ -547,6 +547,7 @@ impl ShmRegion {
     }
 
     fn copy_one(&mut self, op: &CopyOp<'_>, from: u64, n: u64) -> Result<()> {
+        self.lost()?;
         let at = op
             .offset
             .checked_add(from)
@@ -563,7 +564,18 @@ impl ShmRegion {
         // SAFETY: `dst` is a checked range of this writable mapping, which only the writer
         // thread writes (`&mut self`); caller memory is never inside this process's own arena
         // mapping, so it does not overlap the source.
-        unsafe { super::host::copy_to_host(op, from, n, dst) }
+        unsafe { super::host::copy_to_host(op, from, n, dst) }?;
+        self.lost()
+    }
+
+    /// Fails once the object was truncated under the arena: the batch being copied, and every
+    /// later one (the arena's contents are gone; only a restart brings a good one back).
+    fn lost(&self) -> Result<()> {
+        self.map.check_lost(&format!(
+            "writing the arena's shared memory /dev/shm/{} (restart the producer: every batch \
+             fails until then)",
+            self.name
+        ))
     }
 }
 

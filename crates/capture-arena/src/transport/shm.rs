@@ -142,6 +142,9 @@ impl Transport for ShmTransport {
     }
 
     fn is_live(&self) -> bool {
+        if self.map.lost() {
+            return false;
+        }
         if !shm::fstat(&self.fd).is_ok_and(|(_, links)| links > 0) {
             return false;
         }
@@ -164,14 +167,27 @@ impl Transport for ShmTransport {
         for r in reads.iter() {
             self.offset_of(r.address, r.into.len())?;
         }
+        let mut copied = Ok(());
         for r in reads.iter_mut() {
             let off = self.offset_of(r.address, r.into.len())?;
-            match &mut r.into {
-                Destination::Host(out) => self.map.copy_out(off, out)?,
-                Destination::Device(d) => self.upload(off, *d)?,
+            copied = match &mut r.into {
+                Destination::Host(out) => self.map.copy_out(off, out),
+                Destination::Device(d) => self.upload(off, *d),
+            };
+            if copied.is_err() {
+                break;
             }
         }
-        Ok(())
+        if self.map.lost() {
+            // The object was truncated under this mapping: the bytes read may be zeros.
+            return Err(Error::StaleSession {
+                session: self.text.clone(),
+                reason: "its shared memory was truncated by another process while this reader \
+                         mapped it; the contents are lost"
+                    .into(),
+            });
+        }
+        copied
     }
 
     fn mapped(&self, address: u64, len: u64) -> Option<Result<(&Mapping, usize)>> {

@@ -1,0 +1,177 @@
+//! Surviving a shared-memory object truncated under its mappings.
+//!
+//! Any process of the same user can `ftruncate` an arena's `/dev/shm` object. Every mapping of
+//! it then raises `SIGBUS` on the next touch of a page past the new end: without this module,
+//! that kills the inference server in the middle of a copy (or a trainer in the middle of a
+//! read). Each [`Mapping`](super::Mapping) of shared memory registers its range here; a
+//! process-wide `SIGBUS` handler, installed once, recognises a fault inside a registered range,
+//! maps private zero pages from the faulting page to the range's end (so the interrupted copy
+//! completes, into memory nobody else sees), and marks the range lost. The mapping's owner checks
+//! [`Watch::lost`] after every copy and fails it with a clear error: the writer fails the batch
+//! (nothing is published from a lost region, and every later batch fails the same way), a reader
+//! fails the read as a stale session. A `SIGBUS` anywhere else goes to the handler that was
+//! installed before (or the default action: the process dies as it would have).
+//!
+//! Limits: at most [`SLOTS`] ranges are watched at once (more are mapped unwatched, logged); a
+//! handler installed after this one (Python's `faulthandler.enable()` called later, say) takes
+//! precedence.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+/// Ranges watched at once (a producer's arena, a trainer's cached sessions).
+pub const SLOTS: usize = 256;
+
+/// A slot being claimed or released (its range is not to be matched yet).
+const BUSY: usize = usize::MAX;
+
+struct Slot {
+    start: AtomicUsize,
+    end: AtomicUsize,
+    lost: AtomicBool,
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY: Slot = Slot {
+    start: AtomicUsize::new(0),
+    end: AtomicUsize::new(0),
+    lost: AtomicBool::new(false),
+};
+static WATCHED: [Slot; SLOTS] = [EMPTY; SLOTS];
+
+/// The `SIGBUS` action before ours (`None` until installed; installing failed: `Some(None)`).
+static PREVIOUS: OnceLock<Option<libc::sigaction>> = OnceLock::new();
+
+/// A watched range: lost once a `SIGBUS` in it was caught. Unwatched on drop (before the range is
+/// unmapped, by the owner).
+#[derive(Debug)]
+pub struct Watch {
+    slot: usize,
+}
+
+impl Watch {
+    /// Watches `[start, start + len)`. `None` when every slot is taken or the handler could not
+    /// be installed (the range is then mapped unwatched, as before).
+    pub fn new(start: usize, len: usize) -> Option<Watch> {
+        if PREVIOUS.get_or_init(install).is_none() {
+            return None;
+        }
+        let end = start.checked_add(len)?;
+        for (i, s) in WATCHED.iter().enumerate() {
+            if s.start
+                .compare_exchange(0, BUSY, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                s.lost.store(false, Ordering::Relaxed);
+                s.end.store(end, Ordering::Relaxed);
+                s.start.store(start, Ordering::Release);
+                return Some(Watch { slot: i });
+            }
+        }
+        tracing::debug!(
+            slots = SLOTS,
+            "every SIGBUS watch slot is taken; mapping unwatched"
+        );
+        None
+    }
+
+    /// True once a fault in the range was caught: the object was truncated under the mapping,
+    /// and the bytes from the faulting page on are private zeros, not the object's.
+    pub fn lost(&self) -> bool {
+        WATCHED[self.slot].lost.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        WATCHED[self.slot].start.store(0, Ordering::Release);
+    }
+}
+
+/// Installs the handler; returns the action it replaced (`None` if installing failed).
+fn install() -> Option<libc::sigaction> {
+    // SAFETY: sigaction with a fully initialised action; `previous` is written by the kernel.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_sigbus as *const () as usize;
+        action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+        libc::sigemptyset(&mut action.sa_mask);
+        let mut previous: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(libc::SIGBUS, &action, &mut previous) != 0 {
+            tracing::warn!(
+                error = %std::io::Error::last_os_error(),
+                "could not install the SIGBUS handler: a truncated arena will kill this process"
+            );
+            return None;
+        }
+        Some(previous)
+    }
+}
+
+/// The handler. Async-signal-safe: atomics, `mmap`, `sigaction`, `raise` only.
+extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
+    let (addr, code) = unsafe { ((*info).si_addr() as usize, (*info).si_code) };
+    // A fault (not a signal sent by a process: those have si_code <= 0).
+    if code > 0 {
+        for s in &WATCHED {
+            let start = s.start.load(Ordering::Acquire);
+            if start == 0 || start == BUSY {
+                continue;
+            }
+            let end = s.end.load(Ordering::Relaxed);
+            if (start..end).contains(&addr) {
+                // SAFETY: sysconf is async-signal-safe in practice (a cached value in glibc).
+                let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
+                let from = addr & !(page - 1);
+                // SAFETY: replaces [from, end) of a mapping this process owns (registered by its
+                // owner, who unregisters before unmapping) with private zero pages, so the
+                // faulting access can complete. Nothing else in this process holds those pages.
+                let p = unsafe {
+                    libc::mmap(
+                        from as *mut libc::c_void,
+                        end - from,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                        -1,
+                        0,
+                    )
+                };
+                if p != libc::MAP_FAILED {
+                    s.lost.store(true, Ordering::Release);
+                    return; // the access is retried, now on the zero pages
+                }
+            }
+        }
+    }
+    // Not ours: what would have happened without us.
+    match PREVIOUS.get().copied().flatten() {
+        Some(prev) if prev.sa_sigaction != libc::SIG_DFL && prev.sa_sigaction != libc::SIG_IGN => {
+            if prev.sa_flags & libc::SA_SIGINFO != 0 {
+                // SAFETY: the previous handler was installed with SA_SIGINFO, so this is its type.
+                let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                    unsafe { std::mem::transmute(prev.sa_sigaction) };
+                f(sig, info, ctx);
+            } else {
+                // SAFETY: a plain handler's type.
+                let f: extern "C" fn(libc::c_int) =
+                    unsafe { std::mem::transmute(prev.sa_sigaction) };
+                f(sig);
+            }
+        }
+        _ => {
+            // The default action: restore it; a fault recurs when the access is retried, a
+            // signal sent by a process is raised again.
+            // SAFETY: sigaction and raise are async-signal-safe; the action is initialised.
+            unsafe {
+                let mut dfl: libc::sigaction = std::mem::zeroed();
+                dfl.sa_sigaction = libc::SIG_DFL;
+                libc::sigemptyset(&mut dfl.sa_mask);
+                libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+                if code <= 0 {
+                    libc::raise(libc::SIGBUS);
+                }
+            }
+        }
+    }
+}
