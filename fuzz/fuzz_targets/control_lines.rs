@@ -8,20 +8,30 @@ use capture_arena::control::{self, LineBuffer, ObjectLine, MAX_LINE_BYTES};
 use capture_arena::Key;
 use libfuzzer_sys::fuzz_target;
 
+/// What every connection may hold whatever the pool holds (the server's `SMALL_LINE`, which is
+/// also what a line buffer keeps after a line completes).
+const SMALL_LINE: usize = 4 * 1024;
+
 fuzz_target!(|data: &[u8]| {
     let Some((&seed, input)) = data.split_first() else {
         return;
     };
-    // The seed picks how the bytes arrive and how much the server lets the buffer hold.
+    // The seed picks how the bytes arrive and how much the server lets the buffer hold: its
+    // own small line (4 KiB) plus some share of the pool, or a whole line (the privileged one).
     let step = usize::from(seed % 61) + 1;
-    let max_held = [64, 300, 4096, MAX_LINE_BYTES + 1][usize::from(seed >> 6)];
+    let mut max_held = [SMALL_LINE, SMALL_LINE + 300, 64 * 1024, MAX_LINE_BYTES + 1]
+        [usize::from(seed >> 6)];
     let mut lines = LineBuffer::default();
     let mut got: Vec<Vec<u8>> = Vec::new();
     let mut rest = input;
     let mut oversized = false;
     while !rest.is_empty() {
-        // As the server: read at most what the buffer may still hold (at least one byte).
-        let room = max_held.saturating_sub(lines.pending()).clamp(1, step);
+        // As the server: read at most what the buffer may still hold; with no room left, the
+        // pool is used up and this connection becomes the one that may finish its line.
+        if lines.pending() >= max_held {
+            max_held = MAX_LINE_BYTES + 1;
+        }
+        let room = (max_held - lines.pending()).min(step);
         let (chunk, tail) = rest.split_at(room.min(rest.len()));
         rest = tail;
         let pushed = lines.push_capped(chunk, max_held, |l| {
@@ -33,8 +43,9 @@ fuzz_target!(|data: &[u8]| {
             break;
         }
         assert!(lines.pending() <= MAX_LINE_BYTES);
+        // Within what the server allowed, or the small line every connection may keep.
         assert!(
-            lines.held() <= max_held.max(lines.pending()).max(256),
+            lines.held() <= max_held.max(SMALL_LINE),
             "held {} pending {} max {max_held}",
             lines.held(),
             lines.pending()
