@@ -88,6 +88,11 @@ enum Policy {
     RovingSample,
     /// Roving first fit per object.
     Roving,
+    /// Best fit, one extent per sample, the batch's samples largest first.
+    BestFitSampleLargestFirst,
+    /// The ceiling: an allocator that could move objects (a batch fits whenever enough bytes
+    /// are free). No allocator that keeps published addresses fixed does better.
+    Ideal,
 }
 
 impl Policy {
@@ -99,13 +104,18 @@ impl Policy {
             Policy::FirstFitSample => "first-fit, sample together",
             Policy::RovingSample => "roving, sample together",
             Policy::Roving => "roving, per object",
+            Policy::BestFitSampleLargestFirst => "best-fit, sample together, largest first",
+            Policy::Ideal => "ceiling: objects could move",
         }
     }
 
     fn per_sample(self) -> bool {
         matches!(
             self,
-            Policy::BestFitSample | Policy::FirstFitSample | Policy::RovingSample
+            Policy::BestFitSample
+                | Policy::FirstFitSample
+                | Policy::RovingSample
+                | Policy::BestFitSampleLargestFirst
         )
     }
 }
@@ -115,15 +125,19 @@ struct Placer {
     alloc: Allocator,
     policy: Policy,
     rover: u64,
+    /// Bytes held, for the ceiling (which places by bytes alone, not through `alloc`).
+    ideal_used: u64,
 }
 
 impl Placer {
     fn take(&mut self, len: u64) -> Option<Extent> {
         let need = self.alloc.aligned_len(len)?;
         match self.policy {
-            Policy::BestFit | Policy::BestFitLargestFirst | Policy::BestFitSample => {
-                self.alloc.allocate(len)
-            }
+            Policy::BestFit
+            | Policy::BestFitLargestFirst
+            | Policy::BestFitSample
+            | Policy::BestFitSampleLargestFirst => self.alloc.allocate(len),
+            Policy::Ideal => unreachable!("the ceiling places by bytes alone"),
             Policy::FirstFitSample => {
                 let at = self.alloc.free_extents().find(|e| e.len >= need)?.offset;
                 self.exact(at, need)
@@ -148,6 +162,24 @@ impl Placer {
         }
     }
 
+    fn release(&mut self, sample: Vec<Extent>) {
+        for e in sample {
+            if self.policy == Policy::Ideal {
+                self.ideal_used -= e.len;
+            } else {
+                assert!(self.alloc.free(e), "a live extent frees");
+            }
+        }
+    }
+
+    fn free_bytes(&self) -> u64 {
+        if self.policy == Policy::Ideal {
+            self.alloc.capacity() - self.ideal_used
+        } else {
+            self.alloc.free_bytes()
+        }
+    }
+
     fn exact(&mut self, offset: u64, len: u64) -> Option<Extent> {
         let e = Extent { offset, len };
         self.alloc.reserve_exact(e).then_some(e)
@@ -155,9 +187,34 @@ impl Placer {
 
     /// Places a batch whole: each sample's object extents, or `None` (nothing changed).
     fn place(&mut self, batch: &[Vec<u64>]) -> Option<Vec<Vec<Extent>>> {
+        let rover = self.rover;
         let mut placed: Vec<Vec<Extent>> = vec![Vec::new(); batch.len()];
+        if self.policy == Policy::Ideal {
+            let lens: Vec<Vec<u64>> = batch
+                .iter()
+                .map(|objs| {
+                    objs.iter()
+                        .map(|&l| self.alloc.aligned_len(l).unwrap_or(u64::MAX))
+                        .collect()
+                })
+                .collect();
+            let need: u64 = lens.iter().flatten().sum();
+            if self.ideal_used + need > self.alloc.capacity() {
+                return None;
+            }
+            self.ideal_used += need;
+            return Some(
+                lens.into_iter()
+                    .map(|l| l.into_iter().map(|len| Extent { offset: 0, len }).collect())
+                    .collect(),
+            );
+        }
+        let mut samples: Vec<(usize, &Vec<u64>)> = batch.iter().enumerate().collect();
+        if self.policy == Policy::BestFitSampleLargestFirst {
+            samples.sort_by_key(|(_, objs)| std::cmp::Reverse(objs.iter().sum::<u64>()));
+        }
         let ok = if self.policy.per_sample() {
-            batch.iter().enumerate().all(|(i, objs)| {
+            samples.into_iter().all(|(i, objs)| {
                 let lens: Vec<u64> = objs
                     .iter()
                     .map(|&l| self.alloc.aligned_len(l).unwrap_or(u64::MAX))
@@ -200,6 +257,7 @@ impl Placer {
         for e in placed.into_iter().flatten() {
             assert!(self.alloc.free(e));
         }
+        self.rover = rover; // nothing of the batch stays: neither does its effect on the rover
         None
     }
 }
@@ -223,6 +281,7 @@ fn run(w: &Workload, capacity: u64, window: usize, policy: Policy, batches: usiz
         alloc: Allocator::new(capacity, ALIGN).expect("a valid arena"),
         policy,
         rover: 0,
+        ideal_used: 0,
     };
     let mut resident: VecDeque<Vec<Extent>> = VecDeque::new();
     let mut out = Outcome {
@@ -251,14 +310,14 @@ fn run(w: &Workload, capacity: u64, window: usize, policy: Policy, batches: usiz
             if let Some(placed) = p.place(&batch) {
                 if waited {
                     out.waited_batches += 1;
-                    out.drained_sum += 1.0 - p.alloc.free_bytes() as f64 / capacity as f64;
+                    out.drained_sum += 1.0 - p.free_bytes() as f64 / capacity as f64;
                 }
                 resident.extend(placed);
                 break;
             }
             if counted {
                 waited = true;
-                let free = p.alloc.free_bytes();
+                let free = p.free_bytes();
                 let fullness = 1.0 - free as f64 / capacity as f64;
                 out.waits += 1;
                 out.fullness_sum += fullness;
@@ -270,9 +329,7 @@ fn run(w: &Workload, capacity: u64, window: usize, policy: Policy, batches: usiz
             let Some(sample) = resident.remove(i) else {
                 break; // nothing left to free: cannot happen for need <= capacity
             };
-            for e in sample {
-                assert!(p.alloc.free(e), "a live extent frees");
-            }
+            p.release(sample);
         }
     }
     out
@@ -313,6 +370,8 @@ fn main() {
         Policy::FirstFitSample,
         Policy::Roving,
         Policy::RovingSample,
+        Policy::BestFitSampleLargestFirst,
+        Policy::Ideal,
     ];
     for (w, capacity) in runs {
         println!(

@@ -223,11 +223,16 @@ impl fmt::Display for Error {
                 f,
                 "arena full: batch needs {needed} bytes, {free} of {capacity} bytes are free \
                  (largest free extent {largest_free} bytes) with {resident_objects} objects \
-                 resident after waiting {:.1} s for frees; raise SGLANG_SPEC_CAPTURE_ARENA_BYTES \
-                 or lower the producer's resident watermark (fewer unfreed samples in flight), \
-                 or check that trainers free what they read \
+                 resident after waiting {:.1} s for frees ({}); raise \
+                 SGLANG_SPEC_CAPTURE_ARENA_BYTES or lower the producer's resident watermark \
+                 (fewer unfreed samples in flight), or check that trainers free what they read \
                  (SGLANG_SPEC_CAPTURE_ARENA_WAIT_S sets the wait)",
-                waited.as_secs_f64()
+                waited.as_secs_f64(),
+                if free >= needed {
+                    "fragmented: enough bytes are free, but not in pieces the batch's objects fit"
+                } else {
+                    "too small: fewer bytes are free than the batch needs"
+                }
             ),
             Error::QueueFull { capacity } => write!(
                 f,

@@ -175,6 +175,7 @@ fn a_batch_that_never_fits_in_time_fails_with_the_hint_and_leaves_nothing() {
             "24576 of 65536 bytes are free",
             "largest free extent 24576",
             "1 objects resident",
+            "too small",
             "SGLANG_SPEC_CAPTURE_ARENA_BYTES",
             "resident watermark",
         ] {
@@ -187,6 +188,32 @@ fn a_batch_that_never_fits_in_time_fails_with_the_hint_and_leaves_nothing() {
         (before.resident_objects, before.free_bytes)
     );
     assert_eq!((s.failed_batches, s.waits), (1, 1));
+}
+
+#[test]
+fn a_full_error_tells_fragmented_from_too_small() {
+    // Four 16 KiB objects fill 64 KiB; freeing the 1st and 3rd leaves 32 KiB free in two
+    // pieces that do not touch: a 24 KiB object fits in neither.
+    let w = Writer::start(&config(64 * KIB as u64, Duration::from_millis(200))).unwrap();
+    let rs: Vec<_> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|id| publish_one(&w, id, &[16 * KIB]))
+        .collect();
+    free(&rs[0].arena.control, &keys(&[rs[0].clone(), rs[2].clone()]));
+    wait_freed(&w, 2);
+    let e = w
+        .submit(vec![sample("big", &[24 * KIB])])
+        .unwrap()
+        .wait()
+        .unwrap_err()
+        .to_string();
+    for needle in [
+        "32768 of 65536 bytes are free",
+        "largest free extent 16384",
+        "fragmented",
+    ] {
+        assert!(e.contains(needle), "{e:?} lacks {needle:?}");
+    }
 }
 
 #[test]
