@@ -88,6 +88,9 @@ enum Policy {
     RovingSample,
     /// Roving first fit per object.
     Roving,
+    /// Size classes kept apart, one extent per sample: samples of at least 256 MiB first fit
+    /// from the bottom (taking a free extent's start), smaller ones from the top (its end).
+    ClassesApart,
     /// Best fit, one extent per sample, the batch's samples largest first.
     BestFitSampleLargestFirst,
     /// The ceiling: an allocator that could move objects (a batch fits whenever enough bytes
@@ -106,6 +109,7 @@ impl Policy {
             Policy::Roving => "roving, per object",
             Policy::BestFitSampleLargestFirst => "best-fit, sample together, largest first",
             Policy::Ideal => "ceiling: objects could move",
+            Policy::ClassesApart => "size classes apart, sample together",
         }
     }
 
@@ -116,6 +120,7 @@ impl Policy {
                 | Policy::FirstFitSample
                 | Policy::RovingSample
                 | Policy::BestFitSampleLargestFirst
+                | Policy::ClassesApart
         )
     }
 }
@@ -138,6 +143,20 @@ impl Placer {
             | Policy::BestFitSample
             | Policy::BestFitSampleLargestFirst => self.alloc.allocate(len),
             Policy::Ideal => unreachable!("the ceiling places by bytes alone"),
+            Policy::ClassesApart if need >= 256 << 20 => {
+                let at = self.alloc.free_extents().find(|e| e.len >= need)?.offset;
+                self.exact(at, need)
+            }
+            Policy::ClassesApart => {
+                let e = self
+                    .alloc
+                    .free_extents()
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                    .find(|e| e.len >= need)?;
+                self.exact(e.end() - need, need)
+            }
             Policy::FirstFitSample => {
                 let at = self.alloc.free_extents().find(|e| e.len >= need)?.offset;
                 self.exact(at, need)
@@ -371,6 +390,7 @@ fn main() {
         Policy::Roving,
         Policy::RovingSample,
         Policy::BestFitSampleLargestFirst,
+        Policy::ClassesApart,
         Policy::Ideal,
     ];
     for (w, capacity) in runs {
