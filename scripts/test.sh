@@ -69,7 +69,7 @@ cargo test -p capture-arena --all-targets
 step "cargo test --doc"
 cargo test --workspace --doc --features "$NIXL_FEATURES"
 
-step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; FUZZING.md)"
+step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; HARDENING.md)"
 FUZZ_FEATURES=nixl scripts/fuzz.sh 12
 
 step "cargo doc (the core's docs build without broken links)"

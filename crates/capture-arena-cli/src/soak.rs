@@ -27,6 +27,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::workload::{fill, quantile_us, size_arg, verify};
 
+/// The producer's private memory may grow this much after its warm-up: the control server's
+/// line pool (16 MiB by default) and per-connection lines that hostile clients fill, with room.
+const MAX_PRODUCER_GROWTH: i64 = 32 << 20;
+
 /// Flags of `soak`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
@@ -84,6 +88,51 @@ struct ProducerEnd {
     rss_peak: u64,
     /// `(seconds since the warm-up, RssAnon)`, sampled through the run.
     rss_series: Vec<(f64, u64)>,
+}
+
+/// A fixed-size uniform sample of latencies (reservoir sampling), allocated and touched before
+/// the memory baseline, so a run of hours neither grows the process nor distorts what it
+/// measures.
+struct Latencies {
+    kept: Vec<Duration>,
+    seen: u64,
+    rng: u64,
+}
+
+impl Latencies {
+    const KEEP: usize = 100_000;
+
+    fn new() -> Latencies {
+        Latencies {
+            // Not zero: written now (zeroed memory could stay untouched until the run).
+            kept: vec![Duration::from_nanos(1); Self::KEEP],
+            seen: 0,
+            rng: 0x9e37_79b9_7f4a_7c15,
+        }
+    }
+
+    fn push(&mut self, d: Duration) {
+        let slot = if (self.seen as usize) < Self::KEEP {
+            Some(self.seen as usize)
+        } else {
+            // xorshift64: keep the new one with probability KEEP / seen.
+            self.rng ^= self.rng << 13;
+            self.rng ^= self.rng >> 7;
+            self.rng ^= self.rng << 17;
+            let j = self.rng % (self.seen + 1);
+            (j < Self::KEEP as u64).then_some(j as usize)
+        };
+        if let Some(i) = slot {
+            self.kept[i] = d;
+        }
+        self.seen += 1;
+    }
+
+    fn quantile_us(&self, q: f64) -> f64 {
+        let n = (self.seen as usize).min(Self::KEEP);
+        let mut v = self.kept[..n].to_vec();
+        quantile_us(&mut v, q)
+    }
 }
 
 /// This process's private resident memory (`RssAnon`): what a leak grows. (Plain RSS counts
@@ -172,7 +221,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let rx = Arc::new(Mutex::new(rx));
     let read_bytes = Arc::new(AtomicU64::new(0));
     let mismatches = Arc::new(AtomicU64::new(0));
-    let free_lat = Arc::new(Mutex::new(Vec::<Duration>::new()));
+    let free_lat = Arc::new(Mutex::new(Latencies::new()));
 
     let trainers: Vec<_> = (0..args.clients - args.hostile)
         .map(|_| {
@@ -201,10 +250,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     store.release(&p)?;
                     let took = t0.elapsed();
                     if let Ok(mut l) = free_lat.lock() {
-                        // Bounded over a long run: the most recent million.
-                        if l.len() >= 2_000_000 {
-                            l.drain(..1_000_000);
-                        }
                         l.push(took);
                     }
                     samples += 1;
@@ -218,43 +263,56 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut attackers = Vec::new();
     let mut end: Option<ProducerEnd> = None;
     let mut failed_results = 0u64;
-    for line in std::io::BufReader::new(stdout).lines() {
-        let line = line.context("reading the producer's results")?;
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-            if let Some(e) = v.get("soak_producer") {
-                end = Some(serde_json::from_value(e.clone())?);
-                continue;
+    let dispatch = || -> anyhow::Result<()> {
+        for line in std::io::BufReader::new(stdout).lines() {
+            let line = line.context("reading the producer's results")?;
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
+                if let Some(e) = v.get("soak_producer") {
+                    end = Some(serde_json::from_value(e.clone())?);
+                    continue;
+                }
+            }
+            let p = match serde_json::from_str::<SampleResult>(&line)
+                .with_context(|| format!("a result line from the producer: {line:.200}"))?
+            {
+                SampleResult::Published(p) => p,
+                SampleResult::Failed(_) => {
+                    failed_results += 1;
+                    continue;
+                }
+            };
+            if attackers.is_empty() {
+                attackers = (0..args.hostile)
+                    .map(|k| {
+                        let (control, stop) = (p.arena.control.clone(), stop.clone());
+                        let token = p.arena.token.clone();
+                        std::thread::spawn(move || hostile(&control, token.as_deref(), k, &stop))
+                    })
+                    .collect();
+            }
+            // A send fails only when every trainer has stopped: their error is reported below.
+            if tx.send(p).is_err() {
+                anyhow::bail!("every trainer stopped");
             }
         }
-        let p = match serde_json::from_str::<SampleResult>(&line)
-            .with_context(|| format!("a result line from the producer: {line:.200}"))?
-        {
-            SampleResult::Published(p) => p,
-            SampleResult::Failed(_) => {
-                failed_results += 1;
-                continue;
-            }
-        };
-        if attackers.is_empty() {
-            attackers = (0..args.hostile)
-                .map(|k| {
-                    let (control, stop) = (p.arena.control.clone(), stop.clone());
-                    let token = p.arena.token.clone();
-                    std::thread::spawn(move || hostile(&control, token.as_deref(), k, &stop))
-                })
-                .collect();
-        }
-        tx.send(p).context("the trainers are gone")?;
-    }
+        Ok(())
+    };
+    let dispatched = dispatch();
     stop.store(true, Ordering::Relaxed);
     drop(tx);
+    if dispatched.is_err() {
+        // Nobody reads its results or frees its samples any more: do not wait for it.
+        let _ = child.kill();
+    }
     let status = child.wait().context("waiting for the producer")?;
     let mut trained = 0;
     for t in trainers {
         trained += t
             .join()
-            .map_err(|_| anyhow::anyhow!("a trainer thread panicked"))??;
+            .map_err(|_| anyhow::anyhow!("a trainer thread panicked"))?
+            .context("a trainer failed")?;
     }
+    dispatched?;
     let mut hostile_bytes = 0;
     for a in attackers {
         hostile_bytes += a
@@ -265,7 +323,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         format!("the producer (pid {producer_pid}) ended without its report: {status}")
     })?;
     let s = end.stats;
-    let mut frees = free_lat.lock().map(|l| l.clone()).unwrap_or_default();
+    let (free_p50, free_p99) = free_lat
+        .lock()
+        .map(|l| (l.quantile_us(0.5), l.quantile_us(0.99)))
+        .unwrap_or_default();
+    let growth = end.rss_end as i64 - end.rss_start as i64;
     let checks = [
         ("producer exited cleanly", status.success()),
         ("no batch failed", end.failed == 0 && failed_results == 0),
@@ -282,6 +344,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             end.settled && s.unknown_frees == 0 && s.freed_objects == s.published_objects,
         ),
         ("arena completely free", s.free_bytes == s.capacity),
+        (
+            "producer memory flat (grew < 32 MiB after warm-up)",
+            growth < MAX_PRODUCER_GROWTH,
+        ),
     ];
     let ok = checks.iter().all(|(_, pass)| *pass);
     let mib = |b: i64| b as f64 / 1048576.0;
@@ -312,11 +378,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     );
     row(
         "release per sample (trainer side)",
-        format!(
-            "p50 {:.0} us, p99 {:.0} us",
-            quantile_us(&mut frees, 0.5),
-            quantile_us(&mut frees, 0.99)
-        ),
+        format!("p50 {free_p50:.0} us, p99 {free_p99:.0} us",),
     );
     row(
         "hostile input",
@@ -334,7 +396,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "producer private memory (RssAnon)",
         format!(
             "{:+.1} MiB from warm-up to end ({} -> {} bytes), peak {:+.1} MiB",
-            mib(end.rss_end as i64 - end.rss_start as i64),
+            mib(growth),
             end.rss_start,
             end.rss_end,
             mib(end.rss_peak as i64 - end.rss_start as i64)
@@ -350,13 +412,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "stats": s,
         "submit_p50_us": end.submit_p50_us,
         "submit_p99_us": end.submit_p99_us,
-        "free_p50_us": quantile_us(&mut frees, 0.5),
-        "free_p99_us": quantile_us(&mut frees, 0.99),
+        "free_p50_us": free_p50,
+        "free_p99_us": free_p99,
         "hostile_bytes": hostile_bytes,
         "producer_rss_start": end.rss_start,
         "producer_rss_end": end.rss_end,
         "producer_rss_peak": end.rss_peak,
-        "producer_rss_growth_bytes": end.rss_end as i64 - end.rss_start as i64,
+        "producer_rss_growth_bytes": growth,
         "producer_rss_series": end.rss_series,
         "read_bytes": read_bytes.load(Ordering::Relaxed),
     });
@@ -407,7 +469,7 @@ pub fn serve(args: ProducerArgs) -> anyhow::Result<ExitCode> {
             })
             .collect()
     };
-    let mut publish = |batch: Vec<Sample>, lat: &mut Vec<Duration>| -> anyhow::Result<u64> {
+    let mut publish = |batch: Vec<Sample>, lat: &mut Latencies| -> anyhow::Result<u64> {
         let t0 = Instant::now();
         let results = writer.submit(batch)?.wait_results();
         lat.push(t0.elapsed());
@@ -423,18 +485,20 @@ pub fn serve(args: ProducerArgs) -> anyhow::Result<ExitCode> {
         out.flush().context("the soak's trainers are gone")?;
         Ok(failed)
     };
-    // Warm up, then take the memory baseline.
+    // Warm up, then take the memory baseline (with the latency sample already allocated).
     let mut failed = 0;
+    let mut submit_lat = Latencies::new();
+    let mut warm = Latencies::new();
     for _ in 0..4 {
-        failed += publish(make_batch(load.batch)?, &mut Vec::new())?;
+        failed += publish(make_batch(load.batch)?, &mut warm)?;
     }
+    drop(warm);
     let rss_start = rss();
     let mut rss_peak = rss_start;
     let mut rss_series = vec![(0.0, rss_start)];
     // About 200 samples of the memory over the run, at most one a second.
     let every = (duration / 200).max(Duration::from_secs(1));
     let mut next_sample = every;
-    let mut submit_lat = Vec::new();
     let t0 = Instant::now();
     let mut batches = 0u64;
     while t0.elapsed() < duration {
@@ -445,10 +509,6 @@ pub fn serve(args: ProducerArgs) -> anyhow::Result<ExitCode> {
             rss_peak = rss_peak.max(now);
             rss_series.push((t0.elapsed().as_secs_f64(), now));
             next_sample += every;
-        }
-        // A long run keeps its latencies bounded: the quantiles of the last million batches.
-        if submit_lat.len() >= 2_000_000 {
-            submit_lat.drain(..1_000_000);
         }
     }
     let seconds = t0.elapsed().as_secs_f64();
@@ -465,8 +525,8 @@ pub fn serve(args: ProducerArgs) -> anyhow::Result<ExitCode> {
         batches,
         failed,
         seconds,
-        submit_p50_us: quantile_us(&mut submit_lat, 0.5),
-        submit_p99_us: quantile_us(&mut submit_lat, 0.99),
+        submit_p50_us: submit_lat.quantile_us(0.5),
+        submit_p99_us: submit_lat.quantile_us(0.99),
         rss_start,
         rss_end,
         rss_peak,

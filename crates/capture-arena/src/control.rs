@@ -27,10 +27,11 @@
 //! - a query for operators (`capture-arena stats`/`top`): a line `{"stats": true}` is answered
 //!   with one line on the same connection, a [`StatsReport`] as JSON: the writer's counters as
 //!   they are after the lines sent before it, and the per-`store_id` table (the
-//!   [`STATS_STORES`] largest), remade at most once per [`STATS_INTERVAL`] (so at most that old).
-//!   It needs the token like a free. A connection is answered at most once per
-//!   [`STATS_INTERVAL`]; a request sooner than that is counted as a bad line and not answered.
-//!   These answers are the only bytes a server ever writes.
+//!   [`STATS_STORES`] largest), remade at most once per [`STATS_TABLE_INTERVAL`] while objects
+//!   come and go (so at most that old; its ages are current). It needs the token like a free. A
+//!   connection is answered at most once per [`STATS_INTERVAL`], and the server answers at most
+//!   [`STATS_ANSWERS_PER_SECOND`] requests a second in all; a request beyond either is counted as
+//!   a bad line and not answered. These answers are the only bytes a server ever writes.
 //!
 //! The limits a server puts on its peers (connections, buffered bytes, idle partial lines, a
 //! budget per connection per turn) live with the event loop in `writer::control_server`.
@@ -93,9 +94,15 @@ pub const STATS_LINE: &str = r#"{"stats": true}"#;
 /// The most `store_id`s a [`StatsReport`] lists (the largest holders first).
 pub const STATS_STORES: usize = 64;
 
-/// A connection is answered at most once per this interval (the answer costs the writer a pass
-/// over its object table).
+/// A connection is answered at most once per this interval.
 pub const STATS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The per-store table costs the writer a pass over its object table: it is remade at most
+/// this often.
+pub const STATS_TABLE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Stats answers a server gives per second, over all connections.
+pub const STATS_ANSWERS_PER_SECOND: u32 = 1000;
 
 /// The longest answer a client reads (an answer is a few KiB: [`STATS_STORES`] rows of keys
 /// that are at most [`crate::key::MAX_KEY_BYTES`] long).

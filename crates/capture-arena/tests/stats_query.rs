@@ -9,7 +9,7 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use capture_arena::client::StatsQuery;
-use capture_arena::control::{StatsReport, STATS_INTERVAL, STATS_LINE};
+use capture_arena::control::{StatsReport, STATS_INTERVAL, STATS_LINE, STATS_TABLE_INTERVAL};
 use capture_arena::{Config, Writer};
 use util::*;
 
@@ -43,8 +43,8 @@ fn stats_name_the_stores_that_hold_the_arena() {
     assert!(r.stores.iter().all(|u| u.oldest_age_s >= 0.0));
 
     // Frees sent before a request are in its answer (the table is remade at most once per
-    // interval).
-    std::thread::sleep(STATS_INTERVAL);
+    // STATS_TABLE_INTERVAL while objects come and go).
+    std::thread::sleep(STATS_TABLE_INTERVAL);
     let mut c = TcpStream::connect(&control).unwrap();
     writeln!(c, "{}", serde_json::to_string(&keys(&rs[..2])).unwrap()).unwrap();
     writeln!(c, "{STATS_LINE}").unwrap();

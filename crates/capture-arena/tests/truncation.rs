@@ -56,7 +56,14 @@ fn a_reader_of_a_truncated_arena_gets_a_stale_session_and_lives() {
     let reader = Reader::new();
     let mut out = vec![0u8; 8192];
     reader.read(&r, "t0", &mut out).unwrap();
+    // SAFETY: nothing frees or replaces this sample while the view lives.
+    let view = unsafe { reader.view(&r, "t0") }.unwrap();
+    view.check().unwrap();
     truncate(&r.arena.session);
+    // The view now shows zeros, and says so when checked.
+    let nonzero = view.iter().position(|&b| b != 0);
+    assert_eq!(nonzero, None, "{:?}", view.check());
+    assert!(matches!(view.check(), Err(Error::StaleSession { .. })));
     let e = reader.read(&r, "t0", &mut out).unwrap_err();
     assert!(matches!(e, Error::StaleSession { .. }), "{e}");
     assert!(e.to_string().contains("truncated"), "{e}");

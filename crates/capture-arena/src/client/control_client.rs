@@ -607,6 +607,9 @@ pub fn send_frees(
 pub struct StatsQuery {
     endpoint: String,
     stream: std::io::BufReader<TcpStream>,
+    /// An earlier ask failed: a late answer may still arrive, so this connection is not used
+    /// again.
+    broken: bool,
 }
 
 impl StatsQuery {
@@ -628,18 +631,34 @@ impl StatsQuery {
         Ok(StatsQuery {
             endpoint: endpoint.to_owned(),
             stream: std::io::BufReader::new(stream),
+            broken: false,
         })
     }
 
     /// Asks once and reads the answer (at most [`crate::control::MAX_STATS_ANSWER_BYTES`]).
     ///
     /// # Errors
-    /// [`Error::Io`] when the answer does not come within the timeout, the producer closes the
-    /// connection (a wrong token, or asked sooner than the interval allows), or the answer is
-    /// not a stats report.
+    /// [`Error::Io`] when the answer does not come within the timeout (asked again within
+    /// [`crate::control::STATS_INTERVAL`], or a producer without stats), the producer closes the
+    /// connection (a wrong or missing token), or the answer is not a stats report. After an
+    /// error, connect again.
     pub fn ask(&mut self) -> Result<StatsReport> {
+        let r = self.ask_once();
+        self.broken |= r.is_err();
+        r
+    }
+
+    fn ask_once(&mut self) -> Result<StatsReport> {
         use std::io::BufRead;
         let ctx = |what: &str| format!("{what} the stats of {}", self.endpoint);
+        if self.broken {
+            return Err(Error::io(
+                ctx("asking for"),
+                std::io::Error::other(
+                    "an earlier question on this connection failed: connect again",
+                ),
+            ));
+        }
         let mut line = crate::control::STATS_LINE.as_bytes().to_vec();
         line.push(b'\n');
         self.stream
@@ -651,7 +670,17 @@ impl StatsQuery {
         (&mut self.stream)
             .take(limit)
             .read_until(b'\n', &mut answer)
-            .map_err(|e| Error::io(ctx("reading"), e))?;
+            .map_err(|e| match e.kind() {
+                ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::io(
+                    ctx("reading"),
+                    std::io::Error::new(
+                        ErrorKind::TimedOut,
+                        "no answer within the timeout: asked again within 100 ms on this \
+                         connection, or a producer without stats (older than this client)",
+                    ),
+                ),
+                _ => Error::io(ctx("reading"), e),
+            })?;
         if answer.last() != Some(&b'\n') {
             let why = if answer.is_empty() {
                 "the producer closed the connection without an answer: a wrong or missing \

@@ -211,6 +211,8 @@ impl Reader {
     ///
     /// # Errors
     /// As [`Reader::read`]; [`Error::InvalidRead`] for a transport that does not map.
+    /// [`View::check`] after using the bytes tells whether they were the object's (they are not
+    /// if the producer's shared memory was truncated under the view).
     ///
     /// # Safety
     /// As [`View::new`]: the object must stay resident (not freed or replaced, by anyone) while

@@ -25,16 +25,24 @@ pub const SLOTS: usize = 256;
 /// A slot being claimed or released (its range is not to be matched yet).
 const BUSY: usize = usize::MAX;
 
+/// One watched range. `gen` is a sequence lock: odd while the range is being set or cleared,
+/// so the handler never matches a `start` of one registration with the `end` of another.
 struct Slot {
+    gen: AtomicUsize,
     start: AtomicUsize,
     end: AtomicUsize,
+    /// The process that registered it: a forked child does not have the parent's arena mapping
+    /// (`MADV_DONTFORK`), and whatever it maps there later is not ours.
+    pid: AtomicUsize,
     lost: AtomicBool,
 }
 
 #[allow(clippy::declare_interior_mutable_const)]
 const EMPTY: Slot = Slot {
+    gen: AtomicUsize::new(0),
     start: AtomicUsize::new(0),
     end: AtomicUsize::new(0),
+    pid: AtomicUsize::new(0),
     lost: AtomicBool::new(false),
 };
 static WATCHED: [Slot; SLOTS] = [EMPTY; SLOTS];
@@ -62,9 +70,12 @@ impl Watch {
                 .compare_exchange(0, BUSY, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
             {
+                s.gen.fetch_add(1, Ordering::AcqRel); // odd: being set
                 s.lost.store(false, Ordering::Relaxed);
                 s.end.store(end, Ordering::Relaxed);
+                s.pid.store(std::process::id() as usize, Ordering::Relaxed);
                 s.start.store(start, Ordering::Release);
+                s.gen.fetch_add(1, Ordering::AcqRel); // even: stable
                 return Some(Watch { slot: i });
             }
         }
@@ -84,7 +95,11 @@ impl Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        WATCHED[self.slot].start.store(0, Ordering::Release);
+        let s = &WATCHED[self.slot];
+        s.gen.fetch_add(1, Ordering::AcqRel); // odd: being cleared
+        s.end.store(0, Ordering::Relaxed);
+        s.start.store(0, Ordering::Release); // the slot is free from here
+        s.gen.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -114,16 +129,28 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     let (addr, code) = unsafe { ((*info).si_addr() as usize, (*info).si_code) };
     // A fault (not a signal sent by a process: those have si_code <= 0).
     if code > 0 {
+        // SAFETY: getpid is async-signal-safe.
+        let pid = unsafe { libc::getpid() } as usize;
         for s in &WATCHED {
+            let gen = s.gen.load(Ordering::Acquire);
             let start = s.start.load(Ordering::Acquire);
-            if start == 0 || start == BUSY {
-                continue;
+            let end = s.end.load(Ordering::Acquire);
+            let owner = s.pid.load(Ordering::Acquire);
+            if gen % 2 == 1
+                || start == 0
+                || start == BUSY
+                || owner != pid
+                || s.gen.load(Ordering::Acquire) != gen
+            {
+                continue; // being changed, free, or another process's
             }
-            let end = s.end.load(Ordering::Relaxed);
             if (start..end).contains(&addr) {
                 // SAFETY: sysconf is async-signal-safe in practice (a cached value in glibc).
                 let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
                 let from = addr & !(page - 1);
+                // Lost before the zero pages go in: a thread that reads them without faulting
+                // then sees the mark when it checks after its copy.
+                s.lost.store(true, Ordering::SeqCst);
                 // SAFETY: replaces [from, end) of a mapping this process owns (registered by its
                 // owner, who unregisters before unmapping) with private zero pages, so the
                 // faulting access can complete. Nothing else in this process holds those pages.
@@ -132,13 +159,15 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                         from as *mut libc::c_void,
                         end - from,
                         libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                        libc::MAP_PRIVATE
+                            | libc::MAP_ANONYMOUS
+                            | libc::MAP_FIXED
+                            | libc::MAP_NORESERVE,
                         -1,
                         0,
                     )
                 };
                 if p != libc::MAP_FAILED {
-                    s.lost.store(true, Ordering::Release);
                     return; // the access is retried, now on the zero pages
                 }
             }
@@ -146,7 +175,19 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     }
     // Not ours: what would have happened without us.
     match PREVIOUS.get().copied().flatten() {
+        // An ignored SIGBUS sent by a process stays ignored (a fault cannot be ignored).
+        Some(prev) if prev.sa_sigaction == libc::SIG_IGN && code <= 0 => {}
         Some(prev) if prev.sa_sigaction != libc::SIG_DFL && prev.sa_sigaction != libc::SIG_IGN => {
+            if prev.sa_flags & libc::SA_RESETHAND != 0 {
+                // The kernel would have reset the action before running it.
+                // SAFETY: sigaction is async-signal-safe; the action is initialised.
+                unsafe {
+                    let mut dfl: libc::sigaction = std::mem::zeroed();
+                    dfl.sa_sigaction = libc::SIG_DFL;
+                    libc::sigemptyset(&mut dfl.sa_mask);
+                    libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+                }
+            }
             if prev.sa_flags & libc::SA_SIGINFO != 0 {
                 // SAFETY: the previous handler was installed with SA_SIGINFO, so this is its type.
                 let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =

@@ -571,6 +571,9 @@ impl ShmRegion {
     /// Fails once the object was truncated under the arena: the batch being copied, and every
     /// later one (the arena's contents are gone; only a restart brings a good one back).
     fn lost(&self) -> Result<()> {
+        if !self.map.lost() {
+            return Ok(());
+        }
         self.map.check_lost(&format!(
             "writing the arena's shared memory /dev/shm/{} (restart the producer: every batch \
              fails until then)",

@@ -283,6 +283,26 @@ impl View {
     }
 }
 
+impl View {
+    /// Whether the bytes seen through this view were the object's: fails once the producer's
+    /// shared memory was truncated under the mapping (by another process of its user), after
+    /// which the view shows zeros. Call it after using the bytes, as a copy checks after copying.
+    ///
+    /// # Errors
+    /// [`Error::StaleSession`] if the memory was truncated.
+    pub fn check(&self) -> Result<()> {
+        match self.transport.mapped(self.address, self.len) {
+            Some(Ok((map, _))) if map.lost() => Err(Error::StaleSession {
+                session: self.transport.session().to_owned(),
+                reason: "its shared memory was truncated by another process while this view \
+                         showed it; the bytes seen may be zeros"
+                    .into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
 impl Deref for View {
     type Target = [u8];
     fn deref(&self) -> &[u8] {

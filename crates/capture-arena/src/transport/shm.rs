@@ -66,7 +66,8 @@ impl ShmTransport {
         let want = session.len.saturating_add(HEADER_BYTES);
         if size != want {
             return Err(stale(format!(
-                "object is {size} bytes, session says {want}"
+                "object is {size} bytes, session says {want} (truncated by another process, or \
+                 another arena under the same name)"
             )));
         }
         let bytes = usize::try_from(want).map_err(|_| stale("too large to map".into()))?;

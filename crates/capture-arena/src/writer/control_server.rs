@@ -205,6 +205,8 @@ pub(crate) struct ControlServer {
     warnings: Warnings,
     /// The per-store table of the last stats answer.
     store_table: Option<StoreTable>,
+    /// Stats answers given in the current second (which began at `.0`).
+    stats_answers: (Instant, u32),
 }
 
 fn spare() -> Option<File> {
@@ -245,6 +247,7 @@ impl ControlServer {
             next_scan: None,
             warnings: Warnings::default(),
             store_table: None,
+            stats_answers: (Instant::now(), 0),
         })
     }
 
@@ -620,9 +623,13 @@ impl ControlServer {
         if stats_asked > 0 && !matches!(outcome, Turn::Close) {
             // After the turn's frees, so an answer reflects every line sent before its request.
             let now = Instant::now();
+            if now.saturating_duration_since(self.stats_answers.0) >= Duration::from_secs(1) {
+                self.stats_answers = (now, 0);
+            }
             let due = conn
                 .last_stats
-                .is_none_or(|t| now.saturating_duration_since(t) >= control::STATS_INTERVAL);
+                .is_none_or(|t| now.saturating_duration_since(t) >= control::STATS_INTERVAL)
+                && self.stats_answers.1 < control::STATS_ANSWERS_PER_SECOND;
             let extra = stats_asked - u64::from(due);
             if extra > 0 {
                 bump(&stats.bad_lines, extra);
@@ -631,14 +638,16 @@ impl ControlServer {
                         %peer,
                         extra,
                         suppressed,
-                        "stats asked more often than every {:?}: not answered (counted in \
-                         bad_lines)",
-                        control::STATS_INTERVAL
+                        "stats asked more often than every {:?} (or more than {} a second in \
+                         all): not answered (counted in bad_lines)",
+                        control::STATS_INTERVAL,
+                        control::STATS_ANSWERS_PER_SECOND
                     )
                 });
             }
             if due {
                 conn.last_stats = Some(now);
+                self.stats_answers.1 += 1;
                 bump(&stats.stats_requests, 1);
                 let answer = stats_answer(&mut self.store_table, arena, stats, now);
                 if !conn.stream.write_now(&answer) {
@@ -848,10 +857,10 @@ struct StoreTable {
     total: u64,
 }
 
-/// The answer to a stats request (with its `\n`): the counters as they are now, the per-store
-/// table as it is now if it was last made over [`control::STATS_INTERVAL`] ago or no object came
-/// or went since, else that table (so walking the object table costs the writer at most one
-/// pass per interval, however many ask).
+/// The answer to a stats request (with its `\n`): the counters as they are now; the per-store
+/// table as it is now if it was last made over [`control::STATS_TABLE_INTERVAL`] ago, else the
+/// last one (its ages moved on), so walking the object table costs the writer at most one pass
+/// per interval, however many ask.
 fn stats_answer(
     cache: &mut Option<StoreTable>,
     arena: &Arena,
@@ -864,7 +873,7 @@ fn stats_answer(
         snapshot.freed_objects + snapshot.replaced_objects + snapshot.expired_objects,
     );
     let reuse = cache.as_ref().is_some_and(|t| {
-        t.version == version || now.saturating_duration_since(t.at) < control::STATS_INTERVAL
+        t.version == version || now.saturating_duration_since(t.at) < control::STATS_TABLE_INTERVAL
     });
     if !reuse {
         let usage = arena.store_usage(now);
@@ -876,7 +885,9 @@ fn stats_answer(
             .into_iter()
             .take(control::STATS_STORES)
             .take_while(|u| {
-                room = room.saturating_sub(u.store_id.len() + 80);
+                // As JSON: escaping may make an id longer than its bytes.
+                let id = serde_json::to_string(&u.store_id).map_or(usize::MAX, |j| j.len());
+                room = room.saturating_sub(id.saturating_add(80));
                 room > 0
             })
             .collect();
