@@ -16,11 +16,14 @@ fuzz_target!(|data: &[u8]| {
     let Some((&seed, input)) = data.split_first() else {
         return;
     };
+    if seed == 0xff {
+        return longer_than_a_line(input);
+    }
     // The seed picks how the bytes arrive and how much the server lets the buffer hold: its
     // own small line (4 KiB) plus some share of the pool, or a whole line (the privileged one).
     let step = usize::from(seed % 61) + 1;
-    let mut max_held = [SMALL_LINE, SMALL_LINE + 300, 64 * 1024, MAX_LINE_BYTES + 1]
-        [usize::from(seed >> 6)];
+    let mut max_held =
+        [SMALL_LINE, SMALL_LINE + 300, 64 * 1024, MAX_LINE_BYTES + 1][usize::from(seed >> 6)];
     let mut lines = LineBuffer::default();
     let mut got: Vec<Vec<u8>> = Vec::new();
     let mut rest = input;
@@ -60,6 +63,29 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(lines.pending(), tail.len());
     }
 });
+
+/// A line longer than the limit (the input without its newlines, repeated), in 64 KiB reads by
+/// the privileged connection: refused once it passes the limit, never buffered beyond it.
+fn longer_than_a_line(input: &[u8]) {
+    let unit: Vec<u8> = input.iter().copied().filter(|&b| b != b'\n').collect();
+    if unit.is_empty() {
+        return;
+    }
+    let mut lines = LineBuffer::default();
+    let mut fed = 0;
+    while fed <= MAX_LINE_BYTES {
+        let chunk: Vec<u8> = unit.iter().copied().cycle().take(64 * 1024).collect();
+        fed += chunk.len();
+        let pushed = lines.push_capped(&chunk, MAX_LINE_BYTES + 1, |_| {
+            panic!("no line ends in input without newlines")
+        });
+        if fed > MAX_LINE_BYTES {
+            assert!(pushed.is_err(), "a line of {fed} bytes was accepted");
+            return;
+        }
+        assert!(pushed.is_ok() && lines.pending() == fed);
+    }
+}
 
 /// What the server does with a line, minus the arena: every parser, and what it promises.
 fn check_line(line: &[u8]) {

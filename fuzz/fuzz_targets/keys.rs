@@ -1,6 +1,7 @@
 //! Keys and prefixes from peers (free lines, results): a key that parses prints as itself and
-//! is made of parts that make it again; a prefix that is accepted names a store, sample or
-//! generation and reaches only keys under it.
+//! is made of parts that make it again, and its own prefixes are accepted; a prefix that is
+//! accepted ends with `/` and names one to three whole, non-empty parts (a store, a sample, a
+//! generation), so it cannot reach into a neighbour whose name merely starts the same.
 #![no_main]
 
 use capture_arena::key::{check_prefix, MAX_KEY_BYTES};

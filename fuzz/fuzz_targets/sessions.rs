@@ -1,5 +1,6 @@
 //! Session strings from results (a trainer parses them before it maps or connects anything):
-//! every parser refuses or returns a session that prints as the string it came from.
+//! every parser refuses, or returns a session that prints as a string it parses back to the same
+//! session (the NIXL parser accepts only that canonical string).
 #![no_main]
 
 use capture_arena::memory::cuda::CudaSession;
@@ -21,6 +22,7 @@ fuzz_target!(|data: &[u8]| {
     #[cfg(feature = "nixl")]
     if let Ok(s) = text.parse::<capture_arena::memory::nixl::NixlSession>() {
         let printed = s.to_string();
+        assert_eq!(printed, text, "canonical form only");
         assert_eq!(
             printed
                 .parse::<capture_arena::memory::nixl::NixlSession>()
