@@ -14,7 +14,7 @@ use anyhow::Context;
 use capture_arena::client::StatsQuery;
 use capture_arena::control::{StatsReport, STATS_INTERVAL};
 
-/// Where the producer is (shared by `stats` and `top`).
+/// Where the producer is (shared by `stats`, `top` and `free`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct Target {
     /// The producer's control endpoint, HOST:PORT (a result's `arena.control`).
@@ -27,13 +27,14 @@ pub struct Target {
         hide_env_values = true
     )]
     pub token: Option<String>,
-    /// Seconds to wait for the connection and each answer.
+    /// Seconds to wait for the connection (and each answer).
     #[arg(long, default_value_t = 5.0)]
     pub timeout: f64,
 }
 
 impl Target {
-    fn connect(&self) -> anyhow::Result<StatsQuery> {
+    /// The timeout and the token, checked.
+    pub fn checked(&self) -> anyhow::Result<(Duration, Option<&str>)> {
         let timeout = Duration::try_from_secs_f64(self.timeout).map_err(|_| {
             anyhow::anyhow!("--timeout {} is not a number of seconds", self.timeout)
         })?;
@@ -43,7 +44,12 @@ impl Target {
              SGLANG_SPEC_CAPTURE_CONTROL_TOKEN in this shell): pass the producer's token, a \
              result's arena.token, with --token"
         );
-        StatsQuery::connect(&self.control, self.token.as_deref(), timeout)
+        Ok((timeout, self.token.as_deref()))
+    }
+
+    fn connect(&self) -> anyhow::Result<StatsQuery> {
+        let (timeout, token) = self.checked()?;
+        StatsQuery::connect(&self.control, token, timeout)
             .with_context(|| format!("asking {} for its stats", self.control))
     }
 }
