@@ -20,12 +20,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use capture_arena::config::ArenaTransport;
-use capture_arena::{
-    Config, Dtype, Published, ReadBuffer, Reader, Sample, Tensor, TensorData, Writer,
-};
+use capture_arena::{Config, Published, ReadBuffer, Reader, Sample, Writer};
 
 use crate::bench::Row;
-use crate::workload::{fill, verify};
+use crate::workload::{fill, pattern_tensor, verify};
 
 /// Objects of the batched row.
 const PARTS: usize = 16;
@@ -52,23 +50,13 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let w = Writer::start(&config).context("starting the NIXL arena")?;
     let mut one = Sample::new("bench", "one", 1)?;
-    let mut x = vec![0u8; n];
-    fill("bench/x", &mut x);
-    one.push(Tensor::new(
-        "x",
-        vec![args.size],
-        Dtype::Uint8,
-        TensorData::host(x),
-    )?)?;
+    one.push(pattern_tensor("x", "bench/x", n)?)?;
     let mut many = Sample::new("bench", "sixteen", 1)?;
     for i in 0..PARTS {
-        let mut t = vec![0u8; part];
-        fill(&format!("bench/t{i}"), &mut t);
-        many.push(Tensor::new(
-            format!("t{i}"),
-            vec![part as u64],
-            Dtype::Uint8,
-            TensorData::host(t),
+        many.push(pattern_tensor(
+            &format!("t{i}"),
+            &format!("bench/t{i}"),
+            part,
         )?)?;
     }
     let results = w.submit(vec![one, many])?.wait()?;

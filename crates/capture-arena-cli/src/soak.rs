@@ -20,12 +20,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use capture_arena::client::FeatureStore;
-use capture_arena::{
-    Config, Dtype, Published, Sample, SampleResult, StatsSnapshot, Tensor, TensorData, Writer,
-};
+use capture_arena::{Config, Published, Sample, SampleResult, StatsSnapshot, Writer};
 use serde::{Deserialize, Serialize};
 
-use crate::workload::{fill, quantile_us, size_arg, verify};
+use crate::workload::{pattern_tensor, quantile_us, size_arg, verify};
 
 /// The producer's private memory may grow this much after its warm-up: the control server's
 /// line pool (16 MiB by default) and per-connection lines that hostile clients fill, with room.
@@ -456,14 +454,7 @@ pub fn serve(args: ProducerArgs) -> anyhow::Result<ExitCode> {
                 let mut s = Sample::new("soak", &format!("s{next_id}"), 1)?;
                 for t in 0..4 {
                     let key = format!("soak/s{next_id}/g1/t{t}");
-                    let mut data = vec![0u8; per_tensor];
-                    fill(&key, &mut data);
-                    s.push(Tensor::new(
-                        format!("t{t}"),
-                        vec![per_tensor as u64],
-                        Dtype::Uint8,
-                        TensorData::host(data),
-                    )?)?;
+                    s.push(pattern_tensor(&format!("t{t}"), &key, per_tensor)?)?;
                 }
                 Ok(s)
             })

@@ -35,6 +35,13 @@ pub fn fill(key: &str, buf: &mut [u8]) {
     tail.copy_from_slice(&word(h, n).to_le_bytes()[..tail.len()]);
 }
 
+/// A uint8 tensor `name` of `len` bytes holding the pattern of `key` (see [`fill`]).
+pub fn pattern_tensor(name: &str, key: &str, len: usize) -> capture_arena::Result<Tensor> {
+    let mut data = vec![0u8; len];
+    fill(key, &mut data);
+    Tensor::new(name, vec![len as u64], Dtype::Uint8, TensorData::host(data))
+}
+
 /// The offset of the first byte of `buf` that breaks the pattern of `key`, if any.
 pub fn verify(key: &str, buf: &[u8]) -> Option<usize> {
     let h = key_hash(key);
