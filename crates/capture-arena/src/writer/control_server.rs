@@ -24,10 +24,11 @@
 //!   finishing a line. The clock of a line starts when it starts (a connection streaming many
 //!   lines is never idle) and restarts when the server, not the peer, was the one that stopped
 //!   reading (a starved connection).
-//! - **Answers.** The server writes only to answer a `{"stats": true}` line, at most once per
-//!   connection per [`control::STATS_INTERVAL`], from an answer computed at most that often (it
-//!   walks the object table), in one non-blocking write: a peer that does not read its answers
-//!   is closed, never waited for.
+//! - **Answers.** The server writes only to answer a `{"stats": true}` line: at most once per
+//!   connection per [`control::STATS_INTERVAL`] and [`control::STATS_ANSWERS_PER_SECOND`] in
+//!   all, with the per-store table (a walk of the object table) remade at most once per
+//!   [`control::STATS_TABLE_INTERVAL`], in one non-blocking write: a peer that does not read its
+//!   answers is closed, never waited for.
 //! - **Logs.** Every peer event is counted in the stats; warnings about peers are rate-limited to
 //!   one per kind per second, with the number suppressed.
 
@@ -898,7 +899,7 @@ fn stats_answer(
             total,
         });
     }
-    let (mut stores, stores_total) = cache
+    let (stores, stores_total) = cache
         .as_ref()
         .map(|t| {
             // Ages move on with the clock (the same objects are still the oldest when the
@@ -911,7 +912,6 @@ fn stats_answer(
             (rows.collect::<Vec<_>>(), t.total)
         })
         .unwrap_or_default();
-    stores.truncate(control::STATS_STORES);
     let report = control::StatsReport {
         stats: snapshot,
         stores,
