@@ -83,7 +83,7 @@ pub struct Publication {
 #[derive(Debug)]
 #[must_use = "a reservation holds arena space until committed or aborted"]
 pub struct Reservation {
-    /// `(sample index, tensor index)` -> its extent, largest first.
+    /// `(sample index, tensor index)` -> its extent, in the order they were placed.
     placed: Vec<((usize, usize), Extent)>,
     /// Objects freed for samples that asked for `replace`.
     replaced: Vec<(Key, Object)>,
@@ -316,13 +316,14 @@ impl Arena {
                 }
             }
         }
-        // Largest first: best fit then leaves the least fragmentation.
-        let mut order: Vec<(usize, usize)> = samples
+        // In the batch's order, sample by sample: the allocator places each object next to the
+        // one before (youngest-neighbour fit), so a sample's objects, which its trainer frees
+        // together, lie together, and samples lie in the order trainers tend to free them.
+        let order: Vec<(usize, usize)> = samples
             .iter()
             .enumerate()
             .flat_map(|(si, s)| (0..s.tensors.len()).map(move |ti| (si, ti)))
             .collect();
-        order.sort_by_key(|&(si, ti)| std::cmp::Reverse(samples[si].tensors[ti].1.byte_len()));
         let mut placed: Vec<((usize, usize), Extent)> = Vec::with_capacity(order.len());
         for &(si, ti) in &order {
             match self.alloc.allocate(samples[si].tensors[ti].1.byte_len()) {
@@ -547,10 +548,10 @@ mod tests {
         assert_eq!((p.objects, p.bytes, p.replaced), (2, 1010, 0));
         let r = &p.published[0];
         assert_eq!(r.features["t0"].shape, [1000]);
-        // Largest first, at the top of the region; the small one below it.
+        // In the sample's order: the first at the region's start, the next against its end.
         let base = a.region().base_address();
-        assert_eq!(r.features["t0"].address, base + 4096 - 1024);
-        assert_eq!(r.features["t1"].address, base + 4096 - 1024 - 256);
+        assert_eq!(r.features["t0"].address, base);
+        assert_eq!(r.features["t1"].address, base + 4096 - 256);
         assert_eq!(read(&a, "st/s0/g1/t0"), vec![7; 1000]);
         assert_eq!(a.report().free_bytes, 4096 - 1024 - 256);
         assert_eq!(a.free("st/s0/g1/t0"), Some(1000));
@@ -652,14 +653,15 @@ mod tests {
         for i in [2, 3, 4, 5] {
             a.free(&format!("st/s{i}/g1/t0")).unwrap();
         }
-        // Four neighbours coalesced into one 4096-byte hole, and the big one fits exactly there.
+        // s0 is at 0 and s1..s7 fill down from the top, so s2..s5 are neighbours: coalesced
+        // into one 4096-byte hole, and the big one fits exactly there.
         let p = a
             .publish(&[sample("big", &[4096], 1, false)])
             .unwrap()
             .unwrap();
         assert_eq!(
             p.published[0].features["t0"].address,
-            a.region().base_address() + 2048
+            a.region().base_address() + 3072
         );
         a.check_invariants();
     }

@@ -14,7 +14,7 @@
 //! | module | noun |
 //! |---|---|
 //! | [`key`] | object keys `{store_id}/{sample_id}/g{gen}/{name}`, one type everywhere |
-//! | [`alloc`] | best-fit extent allocator over `[0, capacity)` (offsets only) |
+//! | [`alloc`] | extent allocator over `[0, capacity)`, youngest-neighbour fit (offsets only) |
 //! | [`memory`] | regions (batch copies that may complete later) and the one mapping type |
 //! | [`arena`] | region + allocator + object table; atomic batches, reserve → copy → commit |
 //! | [`writer`] | the writer thread: submit queue, control server, placer |
