@@ -8,12 +8,20 @@
 //! the oldest `W`. A trainer frees all of a sample's objects together. Each failed attempt is a
 //! wait observation: the arena's fullness then, and whether enough bytes were free elsewhere
 //! (fragmentation, not size, made it wait). Also reported: the fullness when the wait ended (how
-//! far the arena drained before the batch fit). Deterministic seeds.
+//! far the arena drained before the batch fit). Deterministic seeds; the trainers' choices come
+//! from their own generator, so every policy sees the same frees in the same order.
+//!
+//! The row "youngest-neighbour fit" is `capture_arena::alloc::Allocator::allocate` itself, in
+//! the order the writer places a batch; every other policy is simulated here over the
+//! allocator's free extents (a linear scan, which only a simulation can afford).
 //!
 //! `cargo bench -p capture-arena --bench fragmentation` prints the table (BENCHMARKS.md);
-//! without `--bench` (as `cargo test --all-targets` runs it) a small smoke run.
+//! without `--bench` (as `cargo test --all-targets` runs it) a small smoke run. To narrow a run:
+//! `FRAG_POLICY=Youngest,BestFit` (names as in `Policy`), `FRAG_W=1,16`, `FRAG_BATCHES=5000`,
+//! `FRAG_RUNS=0` (0: 32 GiB, 1: 64 GiB, 2: the long class); `FRAG_SEED=1` draws other
+//! workloads and frees.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 
 use capture_arena::alloc::{Allocator, Extent};
 
@@ -74,120 +82,216 @@ impl Workload {
 /// How a batch's objects are placed.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Policy {
-    /// Today's allocator: per object, the smallest free extent that holds it, taking its end.
-    BestFit,
-    /// Best fit, the batch's objects largest first.
+    /// Best fit per object (the smallest free extent that holds it, taking its end), the
+    /// batch's objects largest first: the allocator and the writer before #12.
     BestFitLargestFirst,
-    /// Best fit for one extent per sample, its objects carved out of it (freed together).
-    BestFitSample,
+    /// Best fit per object in the batch's order.
+    BestFit,
+    /// Roving first fit (next fit) per object: the first free extent at or after where the
+    /// last one ended that holds it, wrapping around.
+    Roving,
     /// Address-ordered first fit (the lowest free extent that holds it, taking its start),
     /// one extent per sample.
     FirstFitSample,
-    /// Roving first fit (next fit): the first free extent at or after where the last one
-    /// ended that holds it, wrapping around; one extent per sample.
-    RovingSample,
-    /// Roving first fit per object.
-    Roving,
+    /// Best fit, one extent per sample, the batch's samples largest first.
+    BestFitSampleLargestFirst,
+    /// Best fit, one extent per batch.
+    BestFitBatch,
     /// Size classes kept apart, one extent per sample: samples of at least 256 MiB first fit
     /// from the bottom (taking a free extent's start), smaller ones from the top (its end).
     ClassesApart,
-    /// Best fit, one extent per sample, the batch's samples largest first.
-    BestFitSampleLargestFirst,
+    /// Good fit (TLSF's idea): best fit when it leaves at most an eighth of the free extent,
+    /// else roving; one extent per sample, largest first.
+    GoodFitElseRoving,
+    /// Youngest-neighbour fit: `Allocator::allocate` (the allocator since #12), per object in
+    /// the batch's order.
+    Youngest,
+    /// Not implementable, for reference: knows when each sample will be freed, and puts each
+    /// object next to the live extent whose sample is freed closest in time to its own (best
+    /// fit among equals); per object in the batch's order.
+    Clairvoyant,
     /// The ceiling: an allocator that could move objects (a batch fits whenever enough bytes
     /// are free). No allocator that keeps published addresses fixed does better.
     Ideal,
 }
 
+/// What a policy places as one piece.
+enum Unit {
+    Object { largest_first: bool },
+    Sample { largest_first: bool },
+    Batch,
+}
+
 impl Policy {
+    const ALL: [Policy; 11] = [
+        Policy::BestFitLargestFirst,
+        Policy::BestFit,
+        Policy::Roving,
+        Policy::FirstFitSample,
+        Policy::BestFitSampleLargestFirst,
+        Policy::BestFitBatch,
+        Policy::ClassesApart,
+        Policy::GoodFitElseRoving,
+        Policy::Youngest,
+        Policy::Clairvoyant,
+        Policy::Ideal,
+    ];
+
     fn name(self) -> &'static str {
         match self {
-            Policy::BestFit => "best-fit (today)",
-            Policy::BestFitLargestFirst => "best-fit, largest first",
-            Policy::BestFitSample => "best-fit, sample together",
-            Policy::FirstFitSample => "first-fit, sample together",
-            Policy::RovingSample => "roving, sample together",
-            Policy::Roving => "roving, per object",
-            Policy::BestFitSampleLargestFirst => "best-fit, sample together, largest first",
+            Policy::BestFitLargestFirst => "best fit, largest first (before #12)",
+            Policy::BestFit => "best fit, batch order",
+            Policy::Roving => "roving first fit (next fit)",
+            Policy::FirstFitSample => "first fit, one extent per sample",
+            Policy::BestFitSampleLargestFirst => "best fit, one extent per sample, largest first",
+            Policy::BestFitBatch => "best fit, one extent per batch",
+            Policy::ClassesApart => "size classes apart, one extent per sample",
+            Policy::GoodFitElseRoving => "good fit (<= 1/8 left) else roving, per sample",
+            Policy::Youngest => "**youngest-neighbour fit (alloc.rs, since #12)**",
+            Policy::Clairvoyant => "reference: knows the free order (not implementable)",
             Policy::Ideal => "ceiling: objects could move",
-            Policy::ClassesApart => "size classes apart, sample together",
         }
     }
 
-    fn per_sample(self) -> bool {
-        matches!(
-            self,
-            Policy::BestFitSample
-                | Policy::FirstFitSample
-                | Policy::RovingSample
-                | Policy::BestFitSampleLargestFirst
-                | Policy::ClassesApart
-        )
+    fn unit(self) -> Unit {
+        match self {
+            Policy::BestFitLargestFirst => Unit::Object {
+                largest_first: true,
+            },
+            Policy::BestFit
+            | Policy::Roving
+            | Policy::Youngest
+            | Policy::Clairvoyant
+            | Policy::Ideal => Unit::Object {
+                largest_first: false,
+            },
+            Policy::FirstFitSample | Policy::ClassesApart => Unit::Sample {
+                largest_first: false,
+            },
+            Policy::BestFitSampleLargestFirst | Policy::GoodFitElseRoving => Unit::Sample {
+                largest_first: true,
+            },
+            Policy::BestFitBatch => Unit::Batch,
+        }
     }
 }
 
-/// The allocator plus what a policy remembers (the rover).
+/// The allocator plus what a policy remembers.
 struct Placer {
     alloc: Allocator,
     policy: Policy,
+    /// Where roving first fit goes on from.
     rover: u64,
     /// Bytes held, for the ceiling (which places by bytes alone, not through `alloc`).
     ideal_used: u64,
+    /// Live extents by offset: (end, the rank of its sample's free), for the clairvoyant.
+    live: BTreeMap<u64, (u64, u64)>,
+    /// The rank among frees of each sample, by birth, for the clairvoyant.
+    deaths: Vec<u64>,
+    /// Samples placed so far.
+    born: usize,
 }
 
 impl Placer {
-    fn take(&mut self, len: u64) -> Option<Extent> {
+    /// One piece of `len` bytes for the sample with free rank `rank`.
+    fn take(&mut self, len: u64, rank: u64) -> Option<Extent> {
         let need = self.alloc.aligned_len(len)?;
         match self.policy {
             Policy::BestFit
             | Policy::BestFitLargestFirst
-            | Policy::BestFitSample
-            | Policy::BestFitSampleLargestFirst => self.alloc.allocate(len),
-            Policy::Ideal => unreachable!("the ceiling places by bytes alone"),
-            Policy::ClassesApart if need >= 256 << 20 => {
-                let at = self.alloc.free_extents().find(|e| e.len >= need)?.offset;
-                self.exact(at, need)
-            }
-            Policy::ClassesApart => {
-                let e = self
-                    .alloc
-                    .free_extents()
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                    .find(|e| e.len >= need)?;
-                self.exact(e.end() - need, need)
+            | Policy::BestFitSampleLargestFirst
+            | Policy::BestFitBatch => {
+                let h = self.best_hole(need)?;
+                self.exact(h.end() - need, need)
             }
             Policy::FirstFitSample => {
                 let at = self.alloc.free_extents().find(|e| e.len >= need)?.offset;
                 self.exact(at, need)
             }
-            Policy::RovingSample | Policy::Roving => {
-                let rover = self.rover;
-                let at = self
-                    .alloc
-                    .free_extents()
-                    .filter(|e| e.end() > rover)
-                    .map(|e| Extent {
-                        offset: e.offset.max(rover),
-                        len: e.end() - e.offset.max(rover),
-                    })
-                    .chain(self.alloc.free_extents())
-                    .find(|e| e.len >= need)?
-                    .offset;
-                let e = self.exact(at, need)?;
-                self.rover = e.end() % self.alloc.capacity();
-                Some(e)
+            Policy::ClassesApart if need >= 256 << 20 => {
+                let at = self.alloc.free_extents().find(|e| e.len >= need)?.offset;
+                self.exact(at, need)
             }
+            Policy::ClassesApart => {
+                let e = self.alloc.free_extents().filter(|e| e.len >= need).last()?;
+                self.exact(e.end() - need, need)
+            }
+            Policy::Roving => self.roving(need),
+            Policy::GoodFitElseRoving => match self.best_hole(need)? {
+                h if h.len - need <= h.len / 8 => self.exact(h.end() - need, need),
+                _ => self.roving(need),
+            },
+            Policy::Youngest => self.alloc.allocate(need),
+            Policy::Clairvoyant => self.clairvoyant(need, rank),
+            Policy::Ideal => unreachable!("the ceiling places by bytes alone"),
         }
     }
 
-    fn release(&mut self, sample: Vec<Extent>) {
-        for e in sample {
-            if self.policy == Policy::Ideal {
-                self.ideal_used -= e.len;
-            } else {
-                assert!(self.alloc.free(e), "a live extent frees");
+    /// The smallest free extent holding `need` (lowest offset among equals).
+    fn best_hole(&self, need: u64) -> Option<Extent> {
+        self.alloc
+            .free_extents()
+            .filter(|e| e.len >= need)
+            .min_by_key(|e| (e.len, e.offset))
+    }
+
+    fn roving(&mut self, need: u64) -> Option<Extent> {
+        let rover = self.rover;
+        let at = self
+            .alloc
+            .free_extents()
+            .filter(|e| e.end() > rover)
+            .map(|e| Extent {
+                offset: e.offset.max(rover),
+                len: e.end() - e.offset.max(rover),
+            })
+            .chain(self.alloc.free_extents())
+            .find(|e| e.len >= need)?
+            .offset;
+        let e = self.exact(at, need)?;
+        self.rover = e.end() % self.alloc.capacity();
+        Some(e)
+    }
+
+    fn clairvoyant(&mut self, need: u64, rank: u64) -> Option<Extent> {
+        // (distance in free rank, hole length, hole, next to its left neighbour)
+        let mut best: Option<(u64, u64, Extent, bool)> = None;
+        for h in self.alloc.free_extents().filter(|e| e.len >= need) {
+            let left = self
+                .live
+                .range(..h.offset)
+                .next_back()
+                .filter(|(_, &(end, _))| end == h.offset)
+                .map(|(_, &(_, r))| r);
+            let right = self.live.get(&h.end()).map(|&(_, r)| r);
+            for (side, r) in [(true, left), (false, right)] {
+                let d = r.map_or(u64::MAX, |r| r.abs_diff(rank));
+                if best.is_none_or(|(bd, bl, _, _)| (d, h.len) < (bd, bl)) {
+                    best = Some((d, h.len, h, side));
+                }
             }
+        }
+        let (_, _, h, left) = best?;
+        let e = if left {
+            self.exact(h.offset, need)?
+        } else {
+            self.exact(h.end() - need, need)?
+        };
+        self.live.insert(e.offset, (e.end(), rank));
+        Some(e)
+    }
+
+    fn exact(&mut self, offset: u64, len: u64) -> Option<Extent> {
+        let e = Extent { offset, len };
+        self.alloc.reserve_exact(e).then_some(e)
+    }
+
+    fn give_back(&mut self, e: Extent) {
+        if self.policy == Policy::Ideal {
+            self.ideal_used -= e.len;
+        } else {
+            self.live.remove(&e.offset);
+            assert!(self.alloc.free(e), "a live extent frees");
         }
     }
 
@@ -199,82 +303,105 @@ impl Placer {
         }
     }
 
-    fn exact(&mut self, offset: u64, len: u64) -> Option<Extent> {
-        let e = Extent { offset, len };
-        self.alloc.reserve_exact(e).then_some(e)
+    /// Takes `lens` as one extent and carves it into one extent per length, in order.
+    fn take_together(&mut self, lens: &[u64], rank: u64) -> Option<Vec<Extent>> {
+        let whole = self.take(lens.iter().sum(), rank)?;
+        assert!(self.alloc.free(whole));
+        let mut at = whole.offset;
+        Some(
+            lens.iter()
+                .map(|&len| {
+                    let e = Extent { offset: at, len };
+                    assert!(self.alloc.reserve_exact(e));
+                    at += len;
+                    e
+                })
+                .collect(),
+        )
     }
 
     /// Places a batch whole: each sample's object extents, or `None` (nothing changed).
     fn place(&mut self, batch: &[Vec<u64>]) -> Option<Vec<Vec<Extent>>> {
         let rover = self.rover;
+        let lens: Vec<Vec<u64>> = batch
+            .iter()
+            .map(|objs| {
+                objs.iter()
+                    .map(|&l| self.alloc.aligned_len(l).unwrap_or(u64::MAX))
+                    .collect()
+            })
+            .collect();
+        let rank = |i: usize| self.deaths.get(self.born + i).copied().unwrap_or(u64::MAX);
+        let ranks: Vec<u64> = (0..batch.len()).map(rank).collect();
         let mut placed: Vec<Vec<Extent>> = vec![Vec::new(); batch.len()];
         if self.policy == Policy::Ideal {
-            let lens: Vec<Vec<u64>> = batch
-                .iter()
-                .map(|objs| {
-                    objs.iter()
-                        .map(|&l| self.alloc.aligned_len(l).unwrap_or(u64::MAX))
-                        .collect()
-                })
-                .collect();
             let need: u64 = lens.iter().flatten().sum();
             if self.ideal_used + need > self.alloc.capacity() {
                 return None;
             }
             self.ideal_used += need;
+            self.born += batch.len();
             return Some(
                 lens.into_iter()
                     .map(|l| l.into_iter().map(|len| Extent { offset: 0, len }).collect())
                     .collect(),
             );
         }
-        let mut samples: Vec<(usize, &Vec<u64>)> = batch.iter().enumerate().collect();
-        if self.policy == Policy::BestFitSampleLargestFirst {
-            samples.sort_by_key(|(_, objs)| std::cmp::Reverse(objs.iter().sum::<u64>()));
-        }
-        let ok = if self.policy.per_sample() {
-            samples.into_iter().all(|(i, objs)| {
-                let lens: Vec<u64> = objs
+        let ok = match self.policy.unit() {
+            Unit::Object { largest_first } => {
+                let mut order: Vec<(usize, u64)> = lens
                     .iter()
-                    .map(|&l| self.alloc.aligned_len(l).unwrap_or(u64::MAX))
+                    .enumerate()
+                    .flat_map(|(i, objs)| objs.iter().map(move |&l| (i, l)))
                     .collect();
-                let Some(whole) = self.take(lens.iter().sum()) else {
-                    return false;
-                };
-                // One extent, carved into the sample's objects (each freed on its own later;
-                // the allocator coalesces them back).
-                self.alloc.free(whole);
-                let mut at = whole.offset;
-                for l in lens {
-                    let e = Extent { offset: at, len: l };
-                    assert!(self.alloc.reserve_exact(e));
-                    placed[i].push(e);
-                    at += l;
+                if largest_first {
+                    order.sort_by_key(|&(_, l)| std::cmp::Reverse(l));
                 }
-                true
-            })
-        } else {
-            let mut order: Vec<(usize, u64)> = batch
-                .iter()
-                .enumerate()
-                .flat_map(|(i, objs)| objs.iter().map(move |&l| (i, l)))
-                .collect();
-            if self.policy == Policy::BestFitLargestFirst {
-                order.sort_by_key(|&(_, l)| std::cmp::Reverse(l));
+                order
+                    .into_iter()
+                    .all(|(i, l)| match self.take(l, ranks[i]) {
+                        Some(e) => {
+                            placed[i].push(e);
+                            true
+                        }
+                        None => false,
+                    })
             }
-            order.into_iter().all(|(i, l)| match self.take(l) {
-                Some(e) => {
-                    placed[i].push(e);
-                    true
+            Unit::Sample { largest_first } => {
+                let mut order: Vec<usize> = (0..batch.len()).collect();
+                if largest_first {
+                    order.sort_by_key(|&i| std::cmp::Reverse(lens[i].iter().sum::<u64>()));
                 }
-                None => false,
-            })
+                order
+                    .into_iter()
+                    .all(|i| match self.take_together(&lens[i], ranks[i]) {
+                        Some(es) => {
+                            placed[i] = es;
+                            true
+                        }
+                        None => false,
+                    })
+            }
+            Unit::Batch => {
+                let all: Vec<u64> = lens.iter().flatten().copied().collect();
+                match self.take_together(&all, ranks[0]) {
+                    Some(es) => {
+                        let mut es = es.into_iter();
+                        for (i, objs) in lens.iter().enumerate() {
+                            placed[i].extend(es.by_ref().take(objs.len()));
+                        }
+                        true
+                    }
+                    None => false,
+                }
+            }
         };
         if ok {
+            self.born += batch.len();
             return Some(placed);
         }
         for e in placed.into_iter().flatten() {
-            assert!(self.alloc.free(e));
+            self.give_back(e);
         }
         self.rover = rover; // nothing of the batch stays: neither does its effect on the rover
         None
@@ -294,13 +421,55 @@ struct Outcome {
     drained_sum: f64,
 }
 
+/// The trainers' generator for a run.
+fn trainers(window: usize, capacity: u64) -> Rng {
+    Rng(0xf4ee ^ window as u64 ^ capacity ^ seed())
+}
+
+/// `FRAG_SEED` (default 0) varies every generator, to see how much a figure moves by chance.
+fn seed() -> u64 {
+    std::env::var("FRAG_SEED")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(0, |s| s.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// The rank among frees of every sample, by birth: the same draws `run` makes, for the
+/// clairvoyant. A free takes one of the oldest `window` live samples; which ones are the
+/// oldest does not depend on how many younger ones a policy fitted.
+fn free_ranks(window: usize, capacity: u64, samples: usize) -> Vec<u64> {
+    let mut r = trainers(window, capacity);
+    let mut ranks = vec![u64::MAX; samples];
+    let mut oldest: VecDeque<usize> = VecDeque::new();
+    let mut next = 0;
+    for rank in 0..samples as u64 {
+        while oldest.len() < window && next < samples {
+            oldest.push_back(next);
+            next += 1;
+        }
+        let Some(s) = oldest.remove(r.below(window.min(oldest.len()).max(1))) else {
+            break;
+        };
+        ranks[s] = rank;
+    }
+    ranks
+}
+
 fn run(w: &Workload, capacity: u64, window: usize, policy: Policy, batches: usize) -> Outcome {
-    let mut rng = Rng(0x5eed ^ window as u64 ^ capacity);
+    let mut rng = Rng(0x5eed ^ window as u64 ^ capacity ^ seed());
+    let mut free_rng = trainers(window, capacity);
     let mut p = Placer {
         alloc: Allocator::new(capacity, ALIGN).expect("a valid arena"),
         policy,
         rover: 0,
         ideal_used: 0,
+        live: BTreeMap::new(),
+        deaths: if policy == Policy::Clairvoyant {
+            free_ranks(window, capacity, batches * 8)
+        } else {
+            Vec::new()
+        },
+        born: 0,
     };
     let mut resident: VecDeque<Vec<Extent>> = VecDeque::new();
     let mut out = Outcome {
@@ -320,9 +489,7 @@ fn run(w: &Workload, capacity: u64, window: usize, policy: Policy, batches: usiz
             .flatten()
             .map(|&l| p.alloc.aligned_len(l).unwrap_or(u64::MAX))
             .sum();
-        if need > p.alloc.capacity() {
-            continue;
-        }
+        assert!(need <= capacity, "a batch larger than the arena");
         let mut waited = false;
         let counted = b >= warm;
         loop {
@@ -344,14 +511,24 @@ fn run(w: &Workload, capacity: u64, window: usize, policy: Policy, batches: usiz
                 out.enough_free += u64::from(free >= need);
             }
             // A trainer frees one sample: the oldest, or one of the oldest `window`.
-            let i = rng.below(window.min(resident.len()).max(1));
-            let Some(sample) = resident.remove(i) else {
-                break; // nothing left to free: cannot happen for need <= capacity
-            };
-            p.release(sample);
+            let i = free_rng.below(window.min(resident.len()).max(1));
+            let sample = resident
+                .remove(i)
+                .expect("a batch no larger than the arena fits");
+            for e in sample {
+                p.give_back(e);
+            }
         }
     }
     out
+}
+
+/// A comma-separated list from the environment, or `default`.
+fn env_list<T: std::str::FromStr>(name: &str, default: Vec<T>) -> Vec<T> {
+    match std::env::var(name) {
+        Ok(v) => v.split(',').filter_map(|x| x.trim().parse().ok()).collect(),
+        Err(_) => default,
+    }
 }
 
 fn main() {
@@ -374,26 +551,23 @@ fn main() {
         long_share: 0.05,
         long_len: 131072,
     };
-    let (runs, batches): (Vec<(&Workload, u64)>, usize) = if full {
-        (
-            vec![(&eagle, 32 * GIB), (&eagle, 64 * GIB), (&kimi, 96 * GIB)],
-            20_000,
-        )
+    let all_runs = [(&eagle, 32 * GIB), (&eagle, 64 * GIB), (&kimi, 96 * GIB)];
+    let (runs, batches) = if full {
+        (env_list("FRAG_RUNS", vec![0, 1, 2]), 20_000)
     } else {
-        (vec![(&eagle, 32 * GIB)], 300)
+        (vec![0], 300)
     };
-    let policies = [
-        Policy::BestFit,
-        Policy::BestFitLargestFirst,
-        Policy::BestFitSample,
-        Policy::FirstFitSample,
-        Policy::Roving,
-        Policy::RovingSample,
-        Policy::BestFitSampleLargestFirst,
-        Policy::ClassesApart,
-        Policy::Ideal,
-    ];
-    for (w, capacity) in runs {
+    let batches = env_list("FRAG_BATCHES", vec![batches])
+        .first()
+        .copied()
+        .unwrap_or(batches);
+    let windows: Vec<usize> = env_list("FRAG_W", vec![1, 4, 16, 64]);
+    let names: Vec<String> = env_list("FRAG_POLICY", Vec::new());
+    let policies: Vec<Policy> = Policy::ALL
+        .into_iter()
+        .filter(|p| names.is_empty() || names.contains(&format!("{p:?}")))
+        .collect();
+    for (w, capacity) in runs.iter().filter_map(|&i| all_runs.get(i)) {
         println!(
             "\n{}; arena {} GiB; {batches} batches of 8 samples",
             w.name,
@@ -403,12 +577,17 @@ fn main() {
             "cells: mean fullness when a batch waits (min) / waits with enough bytes free / mean \
              fullness when the wait ended"
         );
-        println!("| policy | W=1 | W=4 | W=16 | W=64 |\n|---|---|---|---|---|");
-        for policy in policies {
-            let cells: Vec<String> = [1, 4, 16, 64]
+        let head: Vec<String> = windows.iter().map(|w| format!("W={w}")).collect();
+        println!(
+            "| policy | {} |\n|---|{}",
+            head.join(" | "),
+            "---|".repeat(windows.len())
+        );
+        for &policy in &policies {
+            let cells: Vec<String> = windows
                 .iter()
                 .map(|&window| {
-                    let o = run(w, capacity, window, policy, batches);
+                    let o = run(w, *capacity, window, policy, batches);
                     if o.waits == 0 {
                         return "no waits".into();
                     }
