@@ -15,9 +15,17 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(key) = text.parse::<Key>() {
         assert_eq!(key.as_str(), text);
         assert!(text.len() <= MAX_KEY_BYTES);
-        let again = Key::new(key.store_id(), key.sample_id(), key.gen(), key.name())
+        let again = Key::from_encoded(key.store_id(), key.sample_id(), key.gen(), key.name())
             .expect("the parts of a key make a key");
         assert_eq!(again, key);
+        // Any ids make a key whose parts hold no '/': the text split three ways, as ids.
+        let mut raw = text.splitn(3, '/');
+        if let (Some(a), Some(b), Some(c)) = (raw.next(), raw.next(), raw.next()) {
+            if let Ok(k) = Key::new(a, b, 1, c) {
+                assert!(!k.store_id().contains('/') && !k.sample_id().contains('/'));
+                assert_eq!(k.as_str().parse::<Key>().ok().as_ref(), Some(&k));
+            }
+        }
         // Its own prefixes are valid and reach it.
         for prefix in [
             format!("{}/", key.store_id()),

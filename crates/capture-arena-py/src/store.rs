@@ -231,13 +231,14 @@ pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Ve
                     available: r.features.keys().cloned().collect(),
                 })
             })?;
-            let key = capture_arena::Key::new(&r.store_id, &r.sample_id, r.gen, name).py_err()?;
+            let key =
+                capture_arena::key::store_key(&r.store_id, &r.sample_id, r.gen, name).py_err()?;
             if f.shape.len() > capture_arena::tensor::MAX_RANK {
                 return Err(bad(format!("{key}: rank {} is too high", f.shape.len())));
             }
             let n = capture_arena::tensor::byte_len(&f.shape, f.dtype)
                 .ok_or_else(|| bad(format!("{key}: shape {:?} overflows", f.shape)))?;
-            Ok((key.to_string(), n))
+            Ok((key, n))
         })
         .collect()
 }

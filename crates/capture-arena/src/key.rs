@@ -2,7 +2,14 @@
 //! nowhere else.
 //!
 //! One object holds one tensor of one sample. The key format is the Mooncake store's, so a trainer
-//! that frees store objects frees arena objects with the same strings. A [`Key`] is one validated
+//! that frees store objects frees arena objects with the same strings.
+//!
+//! Ids and names may hold any characters (SGLang's sink takes any string): `%`, `/` and control
+//! characters in a part are percent-encoded in the key (`run/1` -> `run%2F1`, `50%` -> `50%25`),
+//! so the four parts of every key are unambiguous and a prefix free `{store_id}/` never reaches
+//! another store's (or sample's) objects. Ids without those characters are their own key part.
+//! Results carry the ids as given; [`Key::new`] and [`sample_path`] encode, so producers and
+//! readers agree. The Mooncake store placement keeps the store's raw layout ([`store_key`]). A [`Key`] is one validated
 //! string (what the object table, results and the control protocol all carry) plus the positions
 //! of its parts, so it hashes and compares as that string ([`Borrow<str>`]): the writer looks a
 //! free line's strings up in its table without parsing or allocating.
@@ -24,7 +31,7 @@ pub const MAX_KEY_BYTES: usize = 1024;
 /// A validated object key.
 ///
 /// Invariants: every part is non-empty and free of control characters; `store_id`, `sample_id`
-/// and `name` contain no `/`; `gen >= 1`; the whole key is at most [`MAX_KEY_BYTES`] bytes. So
+/// and `name` contain no `/` (they are encoded with [`escape_part`]); `gen >= 1`; the whole key is at most [`MAX_KEY_BYTES`] bytes. So
 /// `Key::from_str(key.as_str()) == Ok(key)`. Equality, hashing and ordering are the string's.
 #[derive(Clone)]
 pub struct Key {
@@ -35,15 +42,30 @@ pub struct Key {
 }
 
 impl Key {
-    /// Builds a key from its parts.
+    /// Builds a key from a sample's ids and a feature name, as given (each part encoded with
+    /// [`escape_part`]).
     ///
     /// # Errors
-    /// [`Error::InvalidKey`] if a part is empty, holds a `/` or a control character, `gen < 1`,
-    /// or the key would be longer than [`MAX_KEY_BYTES`].
+    /// [`Error::InvalidKey`] if a part is empty, `gen < 1`, or the key would be longer than
+    /// [`MAX_KEY_BYTES`].
     pub fn new(store_id: &str, sample_id: &str, gen: u64, name: &str) -> Result<Key> {
-        check_sample(store_id, sample_id, gen)?;
+        Key::from_encoded(
+            &escape_part(store_id),
+            &escape_part(sample_id),
+            gen,
+            &escape_part(name),
+        )
+    }
+
+    /// A key from parts already encoded (as a key's string carries them: [`Key::store_id`] and
+    /// the other accessors).
+    ///
+    /// # Errors
+    /// As [`Key::new`], and for a part holding `/` or a control character.
+    pub fn from_encoded(store_id: &str, sample_id: &str, gen: u64, name: &str) -> Result<Key> {
+        check_encoded_sample(store_id, sample_id, gen)?;
         check_part("name", name)?;
-        let text = format!("{}/{name}", sample_path(store_id, sample_id, gen));
+        let text = format!("{store_id}/{sample_id}/g{gen}/{name}");
         check_len(&text)?;
         let a = store_id.len();
         let b = a + 1 + sample_id.len();
@@ -61,12 +83,12 @@ impl Key {
         &self.text
     }
 
-    /// The trainer store namespace.
+    /// The trainer store namespace, as the key carries it (encoded).
     pub fn store_id(&self) -> &str {
         &self.text[..self.cut(0)]
     }
 
-    /// The sample this object belongs to.
+    /// The sample this object belongs to, as the key carries it (encoded).
     pub fn sample_id(&self) -> &str {
         &self.text[self.cut(0) + 1..self.cut(1)]
     }
@@ -76,7 +98,7 @@ impl Key {
         self.gen
     }
 
-    /// The feature name (`hidden_state`, `input_ids`, ...).
+    /// The feature name (`hidden_state`, `input_ids`, ...), as the key carries it (encoded).
     pub fn name(&self) -> &str {
         &self.text[self.cut(2) + 1..]
     }
@@ -124,17 +146,59 @@ pub fn check_prefix(prefix: &str) -> Result<()> {
     }
 }
 
-/// The name of a sample, `{store_id}/{sample_id}/g{gen}`: what every key of the sample starts
-/// with (before `/{name}`). For messages and sample-level bookkeeping; not validated.
+/// The name of a sample, `{store_id}/{sample_id}/g{gen}` (ids encoded as in [`Key::new`]): what
+/// every key of the sample starts with (before `/{name}`), so `sample_path(..) + "/"` is the
+/// sample's prefix for a prefix free. Not validated.
 pub fn sample_path(store_id: &str, sample_id: &str, gen: u64) -> String {
-    format!("{store_id}/{sample_id}/g{gen}")
+    format!(
+        "{}/{}/g{gen}",
+        escape_part(store_id),
+        escape_part(sample_id)
+    )
 }
 
-/// Checks the parts every key of one sample shares.
+/// A part of a key as the key carries it: `%`, `/` and control characters percent-encoded (each
+/// UTF-8 byte as `%XX`), everything else as it is. Injective, so distinct ids never share keys.
+pub fn escape_part(part: &str) -> std::borrow::Cow<'_, str> {
+    let special = |c: char| c == '%' || c == '/' || c.is_control();
+    if !part.contains(special) {
+        return std::borrow::Cow::Borrowed(part);
+    }
+    let mut out = String::with_capacity(part.len() + 8);
+    for c in part.chars() {
+        if special(c) {
+            let mut buf = [0u8; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+/// The Mooncake store's key of an object, `{store_id}/{sample_id}/g{gen}/{name}` with the parts
+/// as given (not encoded): what SpecForge's `MooncakeFeatureStore` computes itself, so the store
+/// placement uses it. The store frees exact keys only, so a `/` in an id is harmless there.
+///
+/// # Errors
+/// [`Error::InvalidKey`] for an empty part, `gen < 1` or a key over [`MAX_KEY_BYTES`].
+pub fn store_key(store_id: &str, sample_id: &str, gen: u64, name: &str) -> Result<String> {
+    // The encoded key checks emptiness and gen; its length bounds the raw one's.
+    Key::new(store_id, sample_id, gen, name)?;
+    Ok(format!("{store_id}/{sample_id}/g{gen}/{name}"))
+}
+
+/// Checks the ids every key of one sample shares (as given: encoded here).
 ///
 /// # Errors
 /// As [`Key::new`].
 pub(crate) fn check_sample(store_id: &str, sample_id: &str, gen: u64) -> Result<()> {
+    check_encoded_sample(&escape_part(store_id), &escape_part(sample_id), gen)
+}
+
+fn check_encoded_sample(store_id: &str, sample_id: &str, gen: u64) -> Result<()> {
     check_part("store_id", store_id)?;
     check_part("sample_id", sample_id)?;
     if gen < 1 {
@@ -279,7 +343,7 @@ impl FromStr for Key {
         let gen = gen_text
             .parse::<u64>()
             .map_err(|_| bad("third part must be g<generation>, e.g. g1"))?;
-        let key = Key::new(store, sample, gen, name)?;
+        let key = Key::from_encoded(store, sample, gen, name)?;
         // `g01` would make a different string for the same parts: only the canonical form is a
         // key, so a key compares equal exactly when its string does.
         if key.as_str() != s {
@@ -339,11 +403,6 @@ mod tests {
             ("", "s", 1, "n"),
             ("a", "", 1, "n"),
             ("a", "s", 1, ""),
-            ("a/b", "s", 1, "n"),
-            ("a", "s/t", 1, "n"),
-            ("a", "s", 1, "n/m"),
-            ("a", "s\n", 1, "n"),
-            ("a", "s", 1, "n\u{7f}"),
             ("a", "s", 0, "n"),
         ] {
             let err = Key::new(s, sa, g, n).unwrap_err();
@@ -364,6 +423,34 @@ mod tests {
         ] {
             assert!(s.parse::<Key>().is_err(), "{s} should not parse");
         }
+    }
+
+    #[test]
+    fn any_id_is_encoded_so_parts_stay_unambiguous() {
+        let k = Key::new("run/1", "50%", 1, "a\nb").unwrap();
+        assert_eq!(k.as_str(), "run%2F1/50%25/g1/a%0Ab");
+        assert_eq!(
+            (k.store_id(), k.sample_id(), k.name()),
+            ("run%2F1", "50%25", "a%0Ab")
+        );
+        assert_eq!(k.as_str().parse::<Key>().unwrap(), k);
+        // Injective: an id that looks encoded is encoded again.
+        assert_ne!(
+            Key::new("run%2F1", "s", 1, "n").unwrap(),
+            Key::new("run/1", "s", 1, "n").unwrap()
+        );
+        // A prefix free of store "run/" cannot reach store "run/1"'s objects, nor "run"'s.
+        assert!(!k
+            .as_str()
+            .starts_with(&format!("{}/", sample_path("run", "1", 1))));
+        assert!(!k.as_str().starts_with(&format!("{}/", escape_part("run"))));
+        assert_eq!(sample_path("run/1", "50%", 1), "run%2F1/50%25/g1");
+        assert_eq!(store_key("run/1", "s", 2, "n").unwrap(), "run/1/s/g2/n");
+        assert!(store_key("", "s", 1, "n").is_err());
+        assert!(matches!(
+            escape_part("plain"),
+            std::borrow::Cow::Borrowed("plain")
+        ));
     }
 
     #[test]
@@ -397,13 +484,20 @@ mod tests {
 
     proptest! {
         #[test]
-        fn round_trips(store in "[^/\\p{Cc}]{1,12}", sample in "[^/\\p{Cc}]{1,12}",
-                       gen in 1u64.., name in "[^/\\p{Cc}]{1,12}") {
+        fn round_trips(store in "\\PC{1,12}|[a/%\n]{1,6}", sample in "\\PC{1,12}|[a/%\n]{1,6}",
+                       gen in 1u64.., name in "\\PC{1,12}") {
             let k = Key::new(&store, &sample, gen, &name).unwrap();
             let back = k.as_str().parse::<Key>().unwrap();
             prop_assert_eq!(&back, &k);
             prop_assert_eq!((back.store_id(), back.sample_id(), back.gen(), back.name()),
-                            (store.as_str(), sample.as_str(), gen, name.as_str()));
+                            (&*escape_part(&store), &*escape_part(&sample), gen, &*escape_part(&name)));
+        }
+
+        #[test]
+        fn distinct_ids_never_share_a_key(a in "[a/%2F]{1,6}", b in "[a/%2F]{1,6}") {
+            prop_assume!(a != b);
+            prop_assert_ne!(Key::new(&a, "s", 1, "n").unwrap(), Key::new(&b, "s", 1, "n").unwrap());
+            prop_assert_ne!(Key::new("st", &a, 1, "n").unwrap(), Key::new("st", &b, 1, "n").unwrap());
         }
 
         #[test]
