@@ -62,10 +62,13 @@ if PYTHONPATH="$py" python3 -c 'import mooncake.engine' 2>/dev/null; then
 else
   echo "python-mooncake-nvlink  skipped: Mooncake is not importable (build the artefacts with MOONCAKE_CUDA=1)" | tee -a "$summary"
 fi
-# The Python suite with the machine's torch (its torch tests skip on the CPU machine), if pytest
+# The Python suite with the machine's torch and its GPU (the CUDA tests skip on the CPU machine), if pytest
 # is there.
 if python3 -c 'import pytest' 2>/dev/null; then
-  step python-suite 180 env PYTHONPATH="$py" python3 -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider
+  # test_sglang_install.py unpacks SGLang's wheel from the package registry, which this machine
+  # cannot reach; it runs in the test command on the CPU machine.
+  step python-suite 180 env PYTHONPATH="$py" python3 -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider \
+    --ignore=crates/capture-arena-py/tests/test_sglang_install.py
 fi
 
 echo
