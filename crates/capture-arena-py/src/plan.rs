@@ -28,7 +28,8 @@ impl PyBatch {
         let samples = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         let mut out = Vec::new();
         for (i, s) in samples.iter().enumerate() {
-            for (key, t) in s.tensors() {
+            for (_, t) in s.tensors() {
+                let key = store_key(s, t.name())?;
                 let (ptr, len) = t.data().host_ptr().ok_or_else(|| {
                     to_py(Error::InvalidTensor {
                         name: t.name().to_owned(),
@@ -40,7 +41,7 @@ impl PyBatch {
                 out.push((
                     i,
                     t.name().to_owned(),
-                    key.to_string(),
+                    key,
                     t.shape().to_vec(),
                     t.dtype().name().to_owned(),
                     ptr as u64,
@@ -80,35 +81,43 @@ impl PyBatch {
     }
 
     /// `(sample_id, replace, keys)` per sample.
-    fn samples(&self) -> Vec<(String, bool, Vec<String>)> {
+    fn samples(&self) -> PyResult<Vec<(String, bool, Vec<String>)>> {
         let samples = self.samples.lock().unwrap_or_else(|p| p.into_inner());
         samples
             .iter()
             .map(|s| {
-                (
-                    s.sample_id().to_owned(),
-                    s.replace(),
-                    s.keys().map(ToString::to_string).collect(),
-                )
+                let keys = s
+                    .tensors()
+                    .map(|(_, t)| store_key(s, t.name()))
+                    .collect::<PyResult<Vec<String>>>()?;
+                Ok((s.sample_id().to_owned(), s.replace(), keys))
             })
             .collect()
     }
 }
 
-/// Validates and builds a batch of converted samples (as `ArenaSink` does) without publishing
-/// it: every error a publication would raise before writing is raised here.
+/// The store's key of one of `s`'s tensors: Mooncake's raw layout (`capture_arena::key::store_key`).
+fn store_key(s: &Sample, name: &str) -> PyResult<String> {
+    capture_arena::key::store_key(s.store_id(), s.sample_id(), s.gen(), name).map_err(to_py)
+}
+
+/// Validates and builds each sample of a batch of converted items (as `ArenaSink` does) without
+/// publishing it: `(batch, refused)`, where `refused` holds `(position, {"sample_id", "error"})`
+/// for each item that a publication would refuse before writing (and each item that was a row
+/// already); the batch holds the others. Duplicates are judged by the store's keys.
 #[pyfunction]
 #[pyo3(signature = (samples, aux_layer_ids=None))]
 pub fn _plan_batch(
     samples: &Bound<'_, PyAny>,
     aux_layer_ids: Option<Vec<i64>>,
-) -> PyResult<PyBatch> {
-    let samples = samples
-        .try_iter()?
-        .map(|item| crate::sink::sample(&item?, None, &aux_layer_ids))
-        .collect::<PyResult<Vec<Sample>>>()?;
-    capture_arena::sample::check_unique(&samples).map_err(to_py)?;
-    Ok(PyBatch {
-        samples: Mutex::new(samples),
-    })
+) -> PyResult<(PyBatch, Vec<crate::sink::Refused>)> {
+    let built = crate::sink::build_batch(samples, None, &aux_layer_ids, |s| {
+        s.tensors().map(|(_, t)| store_key(s, t.name())).collect()
+    })?;
+    Ok((
+        PyBatch {
+            samples: Mutex::new(built.samples),
+        },
+        built.refused,
+    ))
 }

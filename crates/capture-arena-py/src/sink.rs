@@ -30,7 +30,97 @@ pub(crate) enum Msg {
         future: Py<PyAny>,
         ids: Vec<String>,
         outcome: Outcome,
+        refused: Vec<Refused>,
     },
+}
+
+/// A sample refused before its batch was queued: its position in the caller's batch and its
+/// `{"sample_id", "error"}` row (a Python dict, made with the GIL held).
+pub(crate) type Refused = (usize, Py<PyAny>);
+
+/// What a batch's samples became: those to publish, and the rows of those refused.
+pub(crate) struct Built {
+    pub(crate) samples: Vec<Sample>,
+    pub(crate) refused: Vec<Refused>,
+}
+
+/// Builds each `(spec, aux, last_hidden, passthrough_bytes)` item of a batch on its own, so a bad
+/// request costs only its own row: an item that is already a dict (a row the Python wrapper
+/// refused) is kept as it is; an item that fails to build (invalid spec or tensors, a key longer
+/// than allowed, a key another sample of the batch has already) becomes
+/// `{"sample_id", "error"}`. `key_of` names a sample's objects for the duplicate check (the arena's
+/// keys, or the Mooncake store's).
+pub(crate) fn build_batch(
+    samples: &Bound<'_, PyAny>,
+    tx: Option<&Sender<Msg>>,
+    aux_ids: &Option<Vec<i64>>,
+    key_of: impl Fn(&Sample) -> PyResult<Vec<String>>,
+) -> PyResult<Built> {
+    let py = samples.py();
+    let mut built = Built {
+        samples: Vec::new(),
+        refused: Vec::new(),
+    };
+    let mut seen = std::collections::HashSet::new();
+    for (i, item) in samples.try_iter()?.enumerate() {
+        let item = item?;
+        if item.is_instance_of::<PyDict>() {
+            built.refused.push((i, item.unbind()));
+            continue;
+        }
+        let made = sample(&item, tx, aux_ids).and_then(|s| {
+            let keys = key_of(&s)?;
+            if let Some(k) = keys.iter().find(|k| seen.contains(*k)) {
+                return Err(named(
+                    py,
+                    "InvalidSampleError",
+                    format!(
+                        "sample {:?}: key {k} is also an object of another sample of this \
+                         batch (a request sent twice?); this one is refused",
+                        s.sample_id()
+                    ),
+                ));
+            }
+            seen.extend(keys);
+            Ok(s)
+        });
+        match made {
+            Ok(s) => built.samples.push(s),
+            Err(e) => built
+                .refused
+                .push((i, refused_row(&item, &e.value(py).to_string())?)),
+        }
+    }
+    Ok(built)
+}
+
+/// `{"sample_id", "error"}` for an item of a batch (its spec's `sample_id` when it has one).
+fn refused_row(item: &Bound<'_, PyAny>, error: &str) -> PyResult<Py<PyAny>> {
+    let py = item.py();
+    let id = item
+        .cast::<PyTuple>()
+        .ok()
+        .and_then(|t| t.get_item(0).ok())
+        .and_then(|spec| spec.get_item("sample_id").ok())
+        .unwrap_or_else(|| py.None().into_bound(py));
+    let row = PyDict::new(py);
+    row.set_item("sample_id", id)?;
+    row.set_item("error", error)?;
+    Ok(row.into_any().unbind())
+}
+
+/// A batch's rows in the caller's order: the published (or failed) samples' results with the
+/// refused rows put back at their positions.
+fn merge_rows<'py>(
+    py: Python<'py>,
+    results: &[SampleResult],
+    refused: Vec<Refused>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let list = results_to_py(py, results)?.cast_into::<PyList>()?;
+    for (i, row) in refused {
+        list.insert(i, row)?;
+    }
+    Ok(list.into_any())
 }
 
 /// The owner of a Python array lent to the writer (the uint8 numpy view whose array interface
@@ -64,18 +154,28 @@ impl Drop for Owner {
 struct Completion {
     future: Py<PyAny>,
     ids: Vec<String>,
+    refused: Vec<Refused>,
     tx: Sender<Msg>,
 }
 
 impl Completion {
     fn complete(self, outcome: Outcome) {
-        let Completion { future, ids, tx } = self;
-        if let Err(mpsc::SendError(Msg::Done { future, .. })) = tx.send(Msg::Done {
+        let Completion {
+            future,
+            ids,
+            refused,
+            tx,
+        } = self;
+        if let Err(mpsc::SendError(Msg::Done {
+            future, refused, ..
+        })) = tx.send(Msg::Done {
             future,
             ids,
             outcome,
+            refused,
         }) {
             std::mem::forget(future);
+            std::mem::forget(refused);
         }
     }
 }
@@ -304,10 +404,11 @@ fn helper(rx: Receiver<Msg>) {
                         future,
                         ids,
                         outcome,
+                        refused,
                     } => {
                         let fut = future.bind(py);
                         let results = outcome_results(&ids, outcome);
-                        let r = match results_to_py(py, &results) {
+                        let r = match merge_rows(py, &results, refused) {
                             Ok(list) => fut.call_method1("set_result", (list,)),
                             Err(e) => fut.call_method1("set_exception", (e.value(py),)),
                         };
@@ -415,12 +516,11 @@ impl PySink {
             .ok_or_else(|| named(py, "WriterStoppedError", "the ArenaSink is closed".into()))
     }
 
-    fn samples(&self, sink: &Sink, samples: &Bound<'_, PyAny>) -> PyResult<Vec<Sample>> {
+    fn samples(&self, sink: &Sink, samples: &Bound<'_, PyAny>) -> PyResult<Built> {
         let aux_ids = sink.config().aux_layer_ids.clone();
-        samples
-            .try_iter()?
-            .map(|item| sample(&item?, Some(&self.tx), &aux_ids))
-            .collect()
+        build_batch(samples, Some(&self.tx), &aux_ids, |s| {
+            Ok(s.keys().map(|k| k.as_str().to_owned()).collect())
+        })
     }
 }
 
@@ -553,9 +653,13 @@ impl PySink {
         })
     }
 
-    /// Queues a batch; `future.set_result(list_of_results)` is called when it is done. Blocks
-    /// (GIL released) while the writer holds `max_pending_batches` batches, or raises
-    /// QueueFullError if `block=False`.
+    /// Queues a batch; `future.set_result(rows)` is called when it is done, one row per item in
+    /// order. Items that are dicts are rows already (refused by the caller); items that fail to
+    /// build get `{"sample_id", "error"}` rows and cost nothing else; the rest are published as
+    /// one batch. With nothing left to publish the future completes now. Blocks (GIL released)
+    /// while the writer holds `max_pending_batches` batches, or raises QueueFullError if
+    /// `block=False`; raises for a stopped sink or a writer that cannot start (the caller makes
+    /// those rows).
     #[pyo3(signature = (samples, future, block=true))]
     fn _submit(
         &self,
@@ -565,35 +669,53 @@ impl PySink {
         block: bool,
     ) -> PyResult<()> {
         let sink = self.sink(py)?;
-        let batch = self.samples(&sink, samples)?;
+        let Built { samples, refused } = self.samples(&sink, samples)?;
+        if samples.is_empty() {
+            let rows = merge_rows(py, &[], refused)?;
+            future.bind(py).call_method1("set_result", (rows,))?;
+            return Ok(());
+        }
         let completion = Completion {
             future,
-            ids: batch.iter().map(|s| s.sample_id().to_owned()).collect(),
+            ids: samples.iter().map(|s| s.sample_id().to_owned()).collect(),
+            refused,
             tx: (*self.tx).clone(),
         };
         let done = move |outcome: Outcome| completion.complete(outcome);
         py.detach(|| {
             if block {
-                sink.submit_with(batch, done)
+                sink.submit_with(samples, done)
             } else {
-                sink.try_submit_with(batch, done)
+                sink.try_submit_with(samples, done)
             }
         })
         .py_err()
     }
 
-    /// Queues a batch and waits for its results (GIL released throughout).
+    /// Publishes a batch and waits for its rows (GIL released while the writer starts, places
+    /// and copies), one per item as `_submit` gives them. The call holds the sink until its rows
+    /// are back, so a `close()` meanwhile lets it finish.
     fn _put<'py>(
         &self,
         py: Python<'py>,
         samples: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let sink = self.sink(py)?;
-        let batch = self.samples(&sink, samples)?;
-        let ids: Vec<String> = batch.iter().map(|s| s.sample_id().to_owned()).collect();
-        let outcome = py.detach(|| sink.submit(batch).map(|h| h.wait()));
-        let results = outcome_results(&ids, outcome.py_err()?);
-        results_to_py(py, &results)
+        let Built { samples, refused } = self.samples(&sink, samples)?;
+        if samples.is_empty() {
+            return merge_rows(py, &[], refused);
+        }
+        let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
+        let outcome = py.detach(|| sink.submit(samples).map(|h| h.wait()));
+        merge_rows(py, &outcome_results(&ids, outcome.py_err()?), refused)
+    }
+
+    /// Creates the arena and starts the writer now (GIL released), as the first capture would;
+    /// nothing if it has started. A device arena whose GPU is not configured goes on `device`.
+    #[pyo3(signature = (device=None))]
+    fn _start(&self, py: Python<'_>, device: Option<i32>) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        py.detach(|| sink.start_on(device).map(|_| ())).py_err()
     }
 
     /// The writer's counters as a dict (all zero before the first capture).
@@ -711,6 +833,12 @@ impl PySink {
     #[getter]
     fn placement(&self, py: Python<'_>) -> PyResult<&'static str> {
         Ok(self.sink(py)?.config().placement().name())
+    }
+
+    /// `max_pending_batches=` / `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES`.
+    #[getter]
+    fn max_pending_batches(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.sink(py)?.config().max_pending_batches)
     }
 
     /// `eager=` / `SGLANG_SPEC_CAPTURE_ARENA_EAGER`.

@@ -74,6 +74,15 @@ impl Sink {
         self.start(first_device(samples))
     }
 
+    /// The writer, started now if it has not: as the first capture would, with a device arena
+    /// whose GPU is not configured on `device` (default 0).
+    ///
+    /// # Errors
+    /// As [`Sink::writer`].
+    pub fn start_on(&self, device: Option<i32>) -> Result<&Writer> {
+        self.start(device)
+    }
+
     fn start(&self, device: Option<i32>) -> Result<&Writer> {
         if let Some(w) = self.writer.get() {
             return Ok(w);

@@ -12,9 +12,11 @@ while waiting and while copying.
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import importlib
 import importlib.util
+import logging
 import os
 import threading
 import weakref
@@ -23,7 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from . import errors
+from . import _tensors, errors
 from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _send_frees, _Store, arena_enabled, placement
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
@@ -72,34 +74,157 @@ Sample = tuple[Mapping[str, Any], Any, Any]
 """``(spec, aux, last_hidden)`` exactly as the existing sink receives them."""
 
 
-def _convert(
-    samples: Iterable[Sample], host: bool = False
-) -> list[tuple[Any, Optional[HostBytes], Optional[HostBytes], Optional[dict[str, HostBytes]]]]:
-    """Describes every tensor of a batch for the compiled sink (``host=True``: CUDA tensors
-    copied to the host first, for placements that publish host bytes)."""
-    out = []
-    for spec, aux, last_hidden in samples:
+_log = logging.getLogger("capture_arena")
+
+#: The longest id or name text accepted (a key holds at most 1024 bytes in all).
+_MAX_TEXT = 1024
+
+
+def _text(what: str, v: Any) -> str:
+    """An id or name as SGLang's sink takes it (``str(v)``), bounded."""
+    if isinstance(v, (list, tuple, dict, set)) or v is None:
+        raise InvalidSampleError(f"`{what}` must be a string or a number, not {type(v).__name__}")
+    t = v if isinstance(v, str) else str(v)
+    if len(t) > _MAX_TEXT:
+        raise InvalidSampleError(f"`{what}` is {len(t)} characters; a key holds at most {_MAX_TEXT} bytes in all")
+    return t
+
+
+def _coerce_spec(spec: Any) -> dict[str, Any]:
+    """A request's ``spec_capture`` as the sink it replaces reads it: ``str(store_id)``,
+    ``str(sample_id)``, ``int(gen)`` (default 1), ``bool(replace)``, feature and passthrough
+    names as text, passthrough shapes as ints and ``dtype`` defaulting to ``int64``; array
+    ``data`` is cast to the declared dtype (as ``torch.tensor(data, dtype=...)`` does), lists
+    are read by the compiled code. Raises for what it cannot read; the caller makes that the
+    sample's error row."""
+    if not isinstance(spec, Mapping):
+        raise InvalidSampleError(f"a spec_capture must be a dict, not {type(spec).__name__}")
+    out: dict[str, Any] = {}
+    for k in ("store_id", "sample_id"):
+        if spec.get(k) is None:
+            raise InvalidSampleError(f"spec_capture lacks `{k}`")
+        out[k] = _text(k, spec[k])
+    gen = spec.get("gen")
+    try:
+        out["gen"] = 1 if gen is None else int(gen)
+    except (TypeError, ValueError):
+        raise InvalidSampleError(f"`gen` must be an integer >= 1, not {gen!r:.40}") from None
+    out["replace"] = bool(spec.get("replace", False))
+    feats = spec.get("features") or {}
+    if not isinstance(feats, Mapping):
+        raise InvalidSampleError("`features` must map artifacts (aux, last_hidden) to feature names")
+    out["features"] = {a: _text(f"features.{a}", feats[a]) for a in ("aux", "last_hidden") if feats.get(a) is not None}
+    passthrough = spec.get("passthrough") or ()
+    if not isinstance(passthrough, (list, tuple)):
+        raise InvalidSampleError("`passthrough` must be a list")
+    items = []
+    for p in passthrough:
+        if not isinstance(p, Mapping):
+            raise InvalidSampleError("a passthrough must be a dict")
+        name = _text("passthrough name", p.get("name"))
+        dtype = p.get("dtype")
+        dtype = "int64" if dtype is None else _text(f"passthrough {name!r} dtype", dtype)
+        if dtype not in _tensors.DTYPES:
+            raise InvalidSampleError(f"passthrough {name!r}: unsupported dtype {dtype!r} (supported: {', '.join(_tensors.DTYPES)})")
+        shape = p.get("shape")
+        if shape is None:
+            raise InvalidSampleError(f"passthrough {name!r} lacks `shape`")
+        try:
+            shape = [int(d) for d in shape]
+        except (TypeError, ValueError):
+            raise InvalidSampleError(f"passthrough {name!r}: `shape` must be a list of integers") from None
+        data = p.get("data")
+        if isinstance(data, tuple):
+            data = list(data)
+        elif data is not None and not isinstance(data, list):
+            data = _cast(data, dtype)
+        items.append({"name": name, "dtype": dtype, "shape": shape, "data": data})
+    out["passthrough"] = items
+    return out
+
+
+def _cast(data: Any, dtype: str) -> Any:
+    """Array ``data`` (torch, numpy) in the declared dtype, cast if it differs."""
+    if _tensors.is_torch(data):
+        torch = _torch_module()
+        want = getattr(torch, dtype, None)
+        if want is not None and data.dtype != want:
+            return data.detach().to(want)
+        return data
+    if isinstance(data, np.ndarray):
+        want_np = _tensors.numpy_dtype(dtype)
+        return data if data.dtype == want_np else data.astype(want_np)
+    return data
+
+
+def _prepare(item: Any, host: bool) -> Any:
+    """One ``(spec, aux, last_hidden)`` item for the compiled sink, or its error row."""
+    try:
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise InvalidSampleError("a sample is a (spec_capture, aux, last_hidden) tuple")
+        spec, aux, last_hidden = item
+        spec = _coerce_spec(spec)
         arrays: Optional[dict[str, HostBytes]] = None
-        passthrough = spec.get("passthrough") or ()
-        if any(not isinstance(p.get("data"), (list, tuple, type(None))) for p in passthrough):
+        if any(p["data"] is not None and not isinstance(p["data"], list) for p in spec["passthrough"]):
             # Array data (numpy, torch, ...) travels as bytes, not as a list of numbers.
             arrays = {}
-            new = []
-            for p in passthrough:
-                data = p.get("data")
-                if isinstance(data, (list, tuple, type(None))):
-                    new.append(p)
-                else:
-                    arrays[p["name"]] = host_bytes(data, host)
-                    new.append({**p, "data": None})
-            spec = {**spec, "passthrough": new}
-        out.append((
-            spec,
-            None if aux is None else host_bytes(aux, host),
-            None if last_hidden is None else host_bytes(last_hidden, host),
-            arrays,
-        ))
-    return out
+            for p in spec["passthrough"]:
+                if p["data"] is not None and not isinstance(p["data"], list):
+                    arrays[p["name"]] = host_bytes(p.pop("data"), host)
+                    p["data"] = None
+        captured = []
+        for artifact, t in (("aux", aux), ("last_hidden", last_hidden)):
+            b = None if t is None else host_bytes(t, host)
+            if b is not None and b[2] not in _tensors.DTYPES:
+                raise InvalidSampleError(f"{artifact}: unsupported dtype {b[2]!r} (supported: {', '.join(_tensors.DTYPES)})")
+            captured.append(b)
+        return (spec, captured[0], captured[1], arrays)
+    except Exception as e:  # the request's own fault: its row, nothing else
+        return _error_row(item, f"invalid sample: {e}")
+
+
+def _error_row(item: Any, error: str) -> Result:
+    """``{"sample_id", "error"}`` for an item of a batch (its sample_id when it has one)."""
+    sid: Any = None
+    try:
+        spec = item[0] if isinstance(item, (tuple, list)) and item else None
+        sid = spec.get("sample_id") if isinstance(spec, Mapping) else None
+        if not isinstance(sid, (str, int, float, bool, type(None))):
+            sid = repr(sid)[:200]
+    except Exception:
+        pass
+    return {"sample_id": sid, "error": error}
+
+
+def _convert(samples: Iterable[Any], host: bool = False) -> list[Any]:
+    """Every item of a batch for the compiled sink: its tensors described (``host=True``: CUDA
+    tensors copied to the host first, for placements that publish host bytes), or its error
+    row (a dict) where the item cannot be read."""
+    return [_prepare(item, host) for item in samples]
+
+
+def _rows_for(items: Sequence[Any], error: str) -> list[Result]:
+    """Every item's row when the whole batch failed (rows already made are kept)."""
+    return [it if isinstance(it, dict) else {"sample_id": it[0]["sample_id"], "error": error} for it in items]
+
+
+def _log_failures(fut: "concurrent.futures.Future[list[Result]]") -> None:
+    """One warning line per batch with failed samples (the scheduler writes them back to each
+    request; this is the server's record)."""
+    try:
+        rows = fut.result()
+    except Exception as e:
+        _log.error("capture batch failed: %s", e)
+        return
+    _log_failures_of(rows)
+
+
+def _log_failures_of(rows: list[Result]) -> None:
+    bad = [r for r in rows if "error" in r]
+    if bad:
+        _log.warning(
+            "%d of %d captured samples failed (first: sample %r: %s)", len(bad), len(rows), bad[0].get("sample_id"), bad[0]["error"]
+        )
 
 
 class ArenaSink(_ArenaSink):
@@ -127,12 +252,14 @@ class ArenaSink(_ArenaSink):
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 
-    Nothing is allocated until the first capture, unless ``eager=True``: then the arena is
-    created (and pre-faulted, about a second per GiB) here, with the GIL released, instead of on
-    the scheduler's thread at the first capture. The sink reads tensors in place: a tensor
-    handed to it must not be written, resized or freed until its batch's results are back.
-    ``close()`` (or leaving a ``with`` block, or interpreter exit) stops the writer and removes
-    the arena.
+    Nothing is allocated until the first capture: that creates the arena (and pre-faults it,
+    about half a second per GiB) on a background thread, so the caller's thread pays nothing;
+    the first batches wait for it there, in order. With ``eager=True`` the arena is created
+    here instead (GIL released); :func:`capture_arena.sglang.maybe_init_sink` starts it in the
+    background instead, and only on the rank that captures. The sink reads tensors in place: a
+    tensor handed to it must not be written, resized or freed until its batch's results are
+    back. ``close()`` (or leaving a ``with`` block, or interpreter exit) stops the writer and
+    removes the arena.
     """
 
     _starting = threading.Lock()
@@ -140,14 +267,25 @@ class ArenaSink(_ArenaSink):
     def __init__(self, **kwargs: Any) -> None:
         # The arguments were taken by the compiled __new__; register for the close at exit.
         _LIVE_SINKS.add(self)
+        # Batches that arrived before the writer started, in order, for the starter thread.
+        self._early: collections.deque[tuple[list[Any], concurrent.futures.Future[list[Result]]]] = collections.deque()
+        self._early_lock = threading.Condition()
+        self._starter: Optional[threading.Thread] = None
         if self.eager:
             self._ensure_started()  # the engine placement's arena (the others started already)
 
     def _ensure_started(self, converted: Optional[list[Any]] = None) -> None:
-        """Under the engine placement, takes the arena from a Mooncake TransferEngine on the first
-        capture (other placements start inside the compiled sink): on the configured GPU, else
-        the GPU of the batch's first CUDA tensor, else 0."""
-        if self.placement != "engine" or self.started:
+        """Creates the arena and starts the writer if it has not (the caller's thread pays): the
+        engine placement takes its arena from a Mooncake TransferEngine (on the configured GPU,
+        else the GPU of the batch's first CUDA tensor, else 0); the others create it in the
+        compiled sink."""
+        if self.started:
+            return
+        device = self.device
+        if device is None:
+            device = next((d for d in (_cuda_device(x) for s in converted or () if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
+        if self.placement != "engine":
+            self._start(device)
             return
         with ArenaSink._starting:
             if self.started:
@@ -160,11 +298,14 @@ class ArenaSink(_ArenaSink):
                 )
             from ._engine import EngineArena, protocol_of
 
-            device = self.device
-            if device is None:
-                device = next((d for d in (_cuda_device(x) for s in converted or () for x in s[1:]) if d is not None), None)
             arena = EngineArena(nbytes, protocol_of(self.protocol), device)
             self._start_with_region(arena.ptr, arena.nbytes, arena.session, arena, arena.device)
+
+    def start_in_background(self, device: Optional[int] = None) -> None:
+        """Creates the arena on the starter thread now, before the first capture (what
+        ``SGLANG_SPEC_CAPTURE_ARENA_EAGER=1`` does under SGLang); batches submitted meanwhile
+        wait for it there. A failure is logged, and the first capture tries again."""
+        self._enqueue([], None, block=True, device=device)
 
     @classmethod
     def from_env(cls) -> "ArenaSink":
@@ -172,30 +313,108 @@ class ArenaSink(_ArenaSink):
         return cls()
 
     def submit_samples(self, samples: Sequence[Sample], *, block: bool = True) -> "concurrent.futures.Future[list[Result]]":
-        """Queues a batch and returns a future of its results, one dict per sample.
+        """Queues a batch and returns a future of its rows, one per sample, in order: a result
+        dict, or ``{"sample_id", "error"}``.
 
-        Blocks (with the GIL released) while the writer already holds ``max_pending_batches``
-        batches; with ``block=False`` raises :class:`QueueFullError` instead (and nothing is
-        queued: no future is returned or completed). Invalid samples
-        raise :class:`InvalidSampleError` here, before anything is written. A batch that fails
-        later (arena full, a resident key without ``replace``) completes with
-        ``{"sample_id", "error"}`` for every sample. Do not write, resize or free the tensors
-        until the future is done. Callbacks added to the future run on the sink's helper thread
-        and must not block.
+        Never raises for anything a request or the machine causes: a sample that cannot be
+        published (a bad spec, a tensor that does not match it, a key too long, a duplicate
+        within the batch) gets its own error row and the others are published; a batch that
+        fails as a whole (arena full after ``wait_s``, the arena cannot be created, the sink is
+        closed) gives every sample its row. Blocks (GIL released) while the writer already holds
+        ``max_pending_batches`` batches; ``block=False`` raises :class:`QueueFullError` instead
+        (and queues nothing). Before the writer has started, the batch waits on the starter
+        thread, not here. Do not write, resize or free the tensors until the future is done.
+        Callbacks added to the future run on the sink's helper thread and must not block.
         """
-        converted = _convert(samples)
-        self._ensure_started(converted)
         fut: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()
-        self._submit(converted, fut, block)
+        fut.add_done_callback(_log_failures)
+        try:
+            items = _convert(samples)
+        except Exception as e:  # not a sequence of samples at all: no rows can be made
+            fut.set_exception(InvalidSampleError(f"submit_samples takes a list of (spec, aux, last_hidden): {e}"))
+            return fut
+        if all(isinstance(it, dict) for it in items):  # nothing to publish: no arena needed
+            fut.set_result(items)
+            return fut
+        try:
+            early = not self.started or bool(self._early)
+        except Exception as e:  # closed
+            _complete(fut, items, str(e))
+            return fut
+        if early:
+            self._enqueue(items, fut, block)
+        else:
+            self._submit_now(items, fut, block)
         return fut
 
+    def _submit_now(self, items: list[Any], fut: "concurrent.futures.Future[list[Result]]", block: bool) -> None:
+        try:
+            self._submit(items, fut, block)
+        except QueueFullError:
+            if not block:
+                raise
+            _complete(fut, items, "the writer's queue is full")
+        except Exception as e:
+            _complete(fut, items, str(e))
+
+    def _enqueue(
+        self, items: list[Any], fut: "Optional[concurrent.futures.Future[list[Result]]]", block: bool, device: Optional[int] = None
+    ) -> None:
+        """Hands a batch that arrived before the writer started to the starter thread."""
+        limit = max(1, self.max_pending_batches)
+        with self._early_lock:
+            while fut is not None and len(self._early) >= limit:
+                if not block:
+                    raise QueueFullError(f"{len(self._early)} batches already wait for the arena to be created")
+                self._early_lock.wait(1.0)
+            self._early.append((items, fut))  # type: ignore[arg-type]
+            if self._starter is None:
+                self._starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
+                self._starter.start()
+
+    def _start_early(self, device: Optional[int]) -> None:
+        """The starter thread: creates the arena (GIL released while it does), then submits the
+        batches that waited for it, in order; a failed start fails the batch at hand with the
+        reason, and the next batch tries again."""
+        while True:
+            with self._early_lock:
+                if not self._early:
+                    self._starter = None
+                    return
+                items, fut = self._early[0]
+            try:
+                self._ensure_started(items or None)
+            except Exception as e:
+                if fut is None:
+                    _log.error("creating the capture arena in the background failed (the first capture tries again): %s", e)
+                else:
+                    _complete(fut, items, str(e))
+            else:
+                if fut is not None:
+                    self._submit_now(items, fut, True)
+            with self._early_lock:
+                self._early.popleft()
+                self._early_lock.notify_all()
+            del items, fut
+
     def put_samples(self, samples: Sequence[Sample]) -> list[Result]:
-        """Publishes a batch and waits for its results (GIL released while waiting and copying);
-        errors as :meth:`submit_samples`."""
-        converted = _convert(samples)
-        self._ensure_started(converted)
-        return self._put(converted)
+        """Publishes a batch and waits for its rows (one per sample, as :meth:`submit_samples`
+        gives them; never raises for a sample or the machine). The arena is created on this
+        thread if it has not been; a ``close()`` from another thread lets this call finish."""
+        items = _convert(samples)
+        rows: list[Result]
+        if all(isinstance(it, dict) for it in items):
+            rows = items
+        else:
+            try:
+                self._ensure_started(items)
+                rows = self._put(items)
+            except Exception as e:
+                rows = _rows_for(items, str(e))
+        if any("error" in r for r in rows):
+            _log_failures_of(rows)
+        return rows
 
     def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> Result:
         """Publishes one sample and returns its result."""
@@ -206,6 +425,15 @@ class ArenaSink(_ArenaSink):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _complete(fut: "concurrent.futures.Future[list[Result]]", items: Sequence[Any], error: str) -> None:
+    """Completes a batch's future with every item's error row, unless it is done already."""
+    if not fut.done():
+        try:
+            fut.set_result(_rows_for(items, error))
+        except concurrent.futures.InvalidStateError:
+            pass
 
 
 def _cuda_device(x: Any) -> Optional[int]:

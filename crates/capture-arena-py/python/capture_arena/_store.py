@@ -14,12 +14,14 @@ Results are the store sink's: ``{"sample_id", "store_id", "gen", "aux_layer_ids"
 (one ``batch_get_into`` straight into the outputs, registered for the call) and frees them with
 ``remove(key, force=True)``.
 
-The client is made from the ``MOONCAKE_*`` variables: ``MOONCAKE_MASTER_SERVER_ADDR`` (required),
-``MOONCAKE_METADATA_SERVER`` (default ``P2PHANDSHAKE``), ``MOONCAKE_LOCAL_HOSTNAME`` (default
-``127.0.0.1``), ``MOONCAKE_PROTOCOL`` (default ``tcp``), ``MOONCAKE_RDMA_DEVICES``,
+The client is made from the ``MOONCAKE_*`` variables with the defaults of the sink this one
+replaces (SpecForge's SGLang patch), so a sink and a trainer left on defaults agree:
+``MOONCAKE_MASTER_SERVER_ADDR`` (default ``localhost:50051``), ``MOONCAKE_METADATA_SERVER``
+(default ``http://localhost:8080/metadata``), ``MOONCAKE_LOCAL_HOSTNAME`` (default
+``localhost``), ``MOONCAKE_PROTOCOL`` (default ``tcp``), ``MOONCAKE_RDMA_DEVICES``,
 ``MOONCAKE_GLOBAL_SEGMENT_SIZE`` (the memory a sink contributes to the store: default 32 GiB, as
-deployments use; a reader contributes none) and ``MOONCAKE_LOCAL_BUFFER_SIZE`` (default
-256 MiB).
+the capture contract has it; a reader contributes none) and ``MOONCAKE_LOCAL_BUFFER_SIZE``
+(default 1 GiB). The sink connects at its first batch, so a server boots without a master.
 """
 
 from __future__ import annotations
@@ -36,10 +38,19 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _capture_arena
-from .errors import ArenaOSError, ConfigError, InvalidReadError, QueueFullError, ReleasedError, WriterStoppedError
+from .errors import ArenaOSError, ConfigError, InvalidReadError, InvalidSampleError, QueueFullError, ReleasedError, WriterStoppedError
 
 # Mooncake status codes worth naming in messages.
 NOT_FOUND = -704
+
+#: Defaults of the sink this one replaces (SpecForge's ``spec_capture_sink``), shared by sinks and
+#: readers.
+DEFAULTS = {
+    "MOONCAKE_MASTER_SERVER_ADDR": "localhost:50051",
+    "MOONCAKE_METADATA_SERVER": "http://localhost:8080/metadata",
+    "MOONCAKE_LOCAL_HOSTNAME": "localhost",
+}
+
 
 def _bytes_var(name: str, default: int) -> int:
     v = os.environ.get(name, "").strip()
@@ -59,18 +70,13 @@ def connect(contribute: bool) -> Any:
             f"the store placement needs Mooncake's store client, which is not importable ({e}): {INSTALL_HINT}; "
             "or set SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own arena"
         ) from None
-    master = os.environ.get("MOONCAKE_MASTER_SERVER_ADDR", "").strip()
-    if not master:
-        raise ConfigError(
-            "the store placement needs MOONCAKE_MASTER_SERVER_ADDR (host:port of mooncake_master); or set "
-            "SGLANG_SPEC_CAPTURE_PLACEMENT=arena (capture-arena's own arena) or engine"
-        )
-    host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or "127.0.0.1"
-    metadata = os.environ.get("MOONCAKE_METADATA_SERVER", "").strip() or "P2PHANDSHAKE"
+    master = os.environ.get("MOONCAKE_MASTER_SERVER_ADDR", "").strip() or DEFAULTS["MOONCAKE_MASTER_SERVER_ADDR"]
+    host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or DEFAULTS["MOONCAKE_LOCAL_HOSTNAME"]
+    metadata = os.environ.get("MOONCAKE_METADATA_SERVER", "").strip() or DEFAULTS["MOONCAKE_METADATA_SERVER"]
     protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower() or "tcp"
     devices = os.environ.get("MOONCAKE_RDMA_DEVICES", "").strip()
     segment = _bytes_var("MOONCAKE_GLOBAL_SEGMENT_SIZE", 32 << 30) if contribute else 0
-    local = _bytes_var("MOONCAKE_LOCAL_BUFFER_SIZE", 256 << 20)
+    local = _bytes_var("MOONCAKE_LOCAL_BUFFER_SIZE", 1 << 30)
     s = store_mod.MooncakeDistributedStore()
     rc = s.setup(host, metadata, segment, local, protocol, devices, master)
     if rc != 0:
@@ -105,12 +111,6 @@ class StoreSink:
     """The sink of the store placement. See the module docs."""
 
     def __init__(self, *, aux_layer_ids: Optional[list[int]] = None, max_pending_batches: Optional[int] = None) -> None:
-        if not os.environ.get("MOONCAKE_MASTER_SERVER_ADDR", "").strip():
-            raise ConfigError(
-                "the store placement (MOONCAKE_PROTOCOL other than nvlink, or SGLANG_SPEC_CAPTURE_PLACEMENT=store) "
-                "needs MOONCAKE_MASTER_SERVER_ADDR (host:port of mooncake_master); or set "
-                "SGLANG_SPEC_CAPTURE_PLACEMENT=arena (capture-arena's own arena) or engine (a TransferEngine's)"
-            )
         self.aux_layer_ids = aux_layer_ids
         pending = max_pending_batches or _capture_arena._max_pending_batches()
         if pending < 1:
@@ -154,10 +154,23 @@ class StoreSink:
         cfg.with_hard_pin = True
         return cfg
 
-    def _publish(self, batch: Any) -> list[dict[str, Any]]:
+    def _publish(self, batch: Any, refused: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+        """One batch's rows: its samples published (or failed together), the rows of the samples
+        refused before it put back in their places."""
+        try:
+            rows = self._publish_batch(batch)
+        except Exception as e:  # nothing of a batch may escape as an exception
+            rows = self._fail(batch, f"publishing to the Mooncake store failed: {e}")
+        for i, row in refused:
+            rows.insert(i, row)
+        return rows
+
+    def _publish_batch(self, batch: Any) -> list[dict[str, Any]]:
         """One batch: replace (or refuse keys already there), one batched put straight from the
         tensors' memory (registered for the call); on any failure every key this batch wrote is
         removed again."""
+        if not batch.samples():
+            return []
         with self._lock:
             try:
                 store = self._client()
@@ -214,25 +227,39 @@ class StoreSink:
         self._stats["failed_batches"] += 1
         return [{"sample_id": sid, "error": why} for sid, _, _ in batch.samples()]
 
-    def _plan(self, samples: Sequence[Any]) -> Any:
-        from . import _convert
-
-        if self._closed:
-            raise WriterStoppedError("the StoreSink is closed")
-        return _capture_arena._plan_batch(_convert(samples, host=True), self.aux_layer_ids)
-
     def submit_samples(self, samples: Sequence[Any], *, block: bool = True) -> "concurrent.futures.Future[list[dict[str, Any]]]":
-        """Queues a batch (validated now); the future gets its results. Blocks while
+        """Queues a batch (each sample validated now); the future gets one row per sample, in
+        order: a result, or ``{"sample_id", "error"}``. Never raises for anything a request or
+        the store causes (as :meth:`capture_arena.ArenaSink.submit_samples`). Blocks while
         ``max_pending_batches`` batches are pending (``block=False``: QueueFullError)."""
-        batch = self._plan(samples)
+        from . import _complete, _convert, _log_failures
+
+        fut: concurrent.futures.Future[list[dict[str, Any]]] = concurrent.futures.Future()
+        try:
+            items = _convert(samples, host=True)
+        except Exception as e:  # not a sequence of samples: no rows can be made
+            fut.set_running_or_notify_cancel()
+            fut.set_exception(InvalidSampleError(f"submit_samples takes a list of (spec, aux, last_hidden): {e}"))
+            return fut
+        try:
+            if self._closed:
+                raise WriterStoppedError("the StoreSink is closed")
+            batch, refused = _capture_arena._plan_batch(items, self.aux_layer_ids)
+        except Exception as e:
+            fut.set_running_or_notify_cancel()
+            _complete(fut, items, str(e))
+            return fut
         if not self._slots.acquire(blocking=block):
             raise QueueFullError("the store sink already holds max_pending_batches batches")
         try:
-            fut = self._pool.submit(self._publish, batch)
+            fut = self._pool.submit(self._publish, batch, refused)
         except RuntimeError:  # closed meanwhile
             self._slots.release()
-            raise WriterStoppedError("the StoreSink is closed") from None
+            fut.set_running_or_notify_cancel()
+            _complete(fut, items, "the StoreSink is closed")
+            return fut
         fut.add_done_callback(lambda _: self._slots.release())
+        fut.add_done_callback(_log_failures)
         return fut
 
     def put_samples(self, samples: Sequence[Any]) -> list[dict[str, Any]]:

@@ -32,6 +32,10 @@ _NP_DTYPES = {
 }
 
 
+#: The dtype names the contract has (what a feature's ``dtype`` may be).
+DTYPES = tuple(_NP_DTYPES)
+
+
 def numpy_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype of a contract dtype name (bfloat16 through ml_dtypes)."""
     try:
