@@ -4,7 +4,8 @@
 # Installs: libclang-dev and g++ (apt, for the nixl feature's build), cargo-fuzz in
 # .cache/cargo-fuzz (scripts/fuzz.sh), a venv in .venv with the
 # test tools, the NIXL wheel's libraries in .cache/nixl (scripts/nixl-lib.sh), Mooncake's wheel
-# and the libraries it loads (apt).
+# and the libraries it loads (apt), torch (PyPI's wheel, used on the CPU), and SGLang's wheel in
+# .cache/sglang-wheel (downloaded by test_sglang_install.py, unpacked without its dependencies).
 # Usage: scripts/test.sh            (the README's test command; .ci/run calls it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,15 @@ done
 
 SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
 step "build tools for the nixl feature (bindgen needs libclang; NIXL's stubs need g++)"
-if ! command -v g++ >/dev/null || ! ldconfig -p | grep -q 'libclang'; then
+# bindgen (nixl-sys's build) loads libclang at run time through clang-sys, which accepts
+# libclang.so, libclang-N.so and their .so.M versions but never libclang-cpp.so.N (Clang's C++ API,
+# which a fresh Debian 12 machine may have from libclang-cpp14); it then parses with Clang's builtin
+# headers (stddef.h, stdbool.h: libclang-common-N-dev, not in libclang1-N). Both, or libclang-dev.
+have_libclang() {
+  compgen -G '/usr/lib/llvm-*/lib/libclang.so*' >/dev/null &&
+    compgen -G '/usr/lib/llvm-*/lib/clang/*/include/stddef.h' >/dev/null
+}
+if ! command -v g++ >/dev/null || ! have_libclang; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq libclang-dev g++
 fi
@@ -87,6 +96,13 @@ if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnl-
   $SUDO apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4
 fi
 .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+
+step "python: torch (the registry's wheel, used on the CPU: SGLang hands the sink torch tensors)"
+# PyPI's Linux wheel brings the CUDA libraries it loads at import (about 5 GB installed); no GPU
+# is needed. Tests that need one skip and say so.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/python -m pip install -q torch
+fi
 
 step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
 (cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
