@@ -474,3 +474,27 @@ def test_gpu_put_enabled_follows_the_placement_and_nvlink_with_gpu_put_0_is_refu
     assert sglang.gpu_put_enabled() is True
     sink = sglang.maybe_init_sink(server_args())
     assert sink is not None and sink.device_publication and sglang.gpu_put_enabled() is True
+
+
+def test_exiting_while_the_first_capture_creates_the_arena_does_not_abort(arena_env):
+    # The interpreter exits while the starter thread is still creating (pre-faulting) the arena:
+    # the exit waits for it, fails what waited behind it, and removes the arena.
+    import subprocess
+    import sys
+
+    code = r"""
+import torch
+from types import SimpleNamespace
+from capture_arena import sglang
+sink = sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True, spec_capture_aux_layer_ids=None))
+s = {"store_id": "st", "sample_id": "x", "gen": 1, "features": {"last_hidden": "target"}}
+futs = [sink.submit_samples([(dict(s, sample_id=f"x{i}"), None, torch.zeros(4, 8))]) for i in range(2)]
+print(sink.started, flush=True)
+"""
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "1GiB"}
+    before = set(os.listdir("/dev/shm"))
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    leftovers = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("capture-arena-")]
+    assert leftovers == [], leftovers

@@ -398,6 +398,20 @@ class ArenaSink(_ArenaSink):
                 self._early_lock.notify_all()
             del items, fut
 
+    def _drain_starter(self) -> None:
+        """Fails the batches still waiting for the arena and waits for the starter thread."""
+        with self._early_lock:
+            waiting = list(self._early)[1:]  # the first one is the starter's, in progress
+            for _ in waiting:
+                self._early.pop()
+            starter = self._starter
+            self._early_lock.notify_all()
+        for items, fut in waiting:
+            if fut is not None:
+                _complete(fut, items, "the interpreter is exiting")
+        if starter is not None:
+            starter.join()
+
     def put_samples(self, samples: Sequence[Sample]) -> list[Result]:
         """Publishes a batch and waits for its rows (one per sample, as :meth:`submit_samples`
         gives them; never raises for a sample or the machine). The arena is created on this
@@ -473,8 +487,11 @@ _LIVE_SINKS: "weakref.WeakSet[ArenaSink]" = weakref.WeakSet()
 
 @atexit.register
 def _close_sinks_at_exit() -> None:
-    """Stops every live sink's writer and removes its arena when the interpreter exits."""
+    """Stops every live sink's writer and removes its arena when the interpreter exits. A starter
+    thread still creating an arena is waited for first: it would otherwise come back to a
+    finalizing interpreter, which ends the thread in the middle of native code."""
     for sink in list(_LIVE_SINKS):
+        sink._drain_starter()
         sink.close()
 
 
