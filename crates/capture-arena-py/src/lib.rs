@@ -8,6 +8,7 @@
 
 mod array;
 mod error;
+mod exit;
 mod plan;
 mod readbuf;
 mod sink;
@@ -82,6 +83,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_parse_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(_max_pending_batches, m)?)?;
     m.add_function(wrap_pyfunction!(sink::_bench_rust_put, m)?)?;
+    m.add_function(wrap_pyfunction!(exit::_exiting, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The optional transports this build reads and serves.
     let mut features = vec!["cuda"];

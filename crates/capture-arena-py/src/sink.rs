@@ -295,13 +295,14 @@ fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyRes
                             ),
                         ));
                     }
-                    let encoded = py.detach(|| encode_ints(&ints, dt)).map_err(|e| {
-                        named(
-                            py,
-                            "InvalidSampleError",
-                            format!("passthrough {name:?}: {e}"),
-                        )
-                    })?;
+                    let encoded =
+                        crate::exit::detach(py, || encode_ints(&ints, dt)).map_err(|e| {
+                            named(
+                                py,
+                                "InvalidSampleError",
+                                format!("passthrough {name:?}: {e}"),
+                            )
+                        })?;
                     let n = ints.len() as u64;
                     bytes.insert(
                         name.clone(),
@@ -395,6 +396,8 @@ fn outcome_results(ids: &[String], outcome: Outcome) -> Vec<SampleResult> {
 /// burst of messages. User callbacks on the futures run here: they should not block.
 fn helper(rx: Receiver<Msg>) {
     while let Ok(first) = rx.recv() {
+        // After the exit hook, attaching could end this thread mid-unwind (see `exit`).
+        crate::exit::park_if_exiting();
         Python::attach(|py| {
             let mut next = Some(first);
             while let Some(msg) = next.take() {
@@ -638,7 +641,7 @@ impl PySink {
             c.device = Some(d);
         }
         // With `eager`, this creates and pre-faults the arena: without the GIL.
-        let sink = Python::attach(|py| py.detach(|| Sink::new(c))).py_err()?;
+        let sink = Python::attach(|py| crate::exit::detach(py, || Sink::new(c))).py_err()?;
         let (tx, rx) = mpsc::channel();
         std::thread::Builder::new()
             .name("capture-arena-py".into())
@@ -682,7 +685,7 @@ impl PySink {
             tx: (*self.tx).clone(),
         };
         let done = move |outcome: Outcome| completion.complete(outcome);
-        py.detach(|| {
+        crate::exit::detach(py, || {
             if block {
                 sink.submit_with(samples, done)
             } else {
@@ -706,7 +709,7 @@ impl PySink {
             return merge_rows(py, &[], refused);
         }
         let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
-        let outcome = py.detach(|| sink.submit(samples).map(|h| h.wait()));
+        let outcome = crate::exit::detach(py, || sink.submit(samples).map(|h| h.wait()));
         merge_rows(py, &outcome_results(&ids, outcome.py_err()?), refused)
     }
 
@@ -715,7 +718,7 @@ impl PySink {
     #[pyo3(signature = (device=None))]
     fn _start(&self, py: Python<'_>, device: Option<i32>) -> PyResult<()> {
         let sink = self.sink(py)?;
-        py.detach(|| sink.start_on(device).map(|_| ())).py_err()
+        crate::exit::detach(py, || sink.start_on(device).map(|_| ())).py_err()
     }
 
     /// The writer's counters as a dict (all zero before the first capture).
@@ -727,7 +730,7 @@ impl PySink {
     /// `bytes`, `oldest_age_s` (who holds the arena, and since when).
     fn store_usage<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let sink = self.sink(py)?;
-        let table = py.detach(|| sink.store_usage());
+        let table = crate::exit::detach(py, || sink.store_usage());
         pythonize(py, &table).map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
 
@@ -788,8 +791,7 @@ impl PySink {
                 .py_err()?,
             ),
         };
-        py.detach(|| sink.start_with_region(region).map(|_| ()))
-            .py_err()
+        crate::exit::detach(py, || sink.start_with_region(region).map(|_| ())).py_err()
     }
 
     /// True once the first capture has created the arena.
@@ -925,7 +927,7 @@ pub fn _bench_rust_put(
         }
     }
     let sink = sink.get().sink(py)?;
-    py.detach(|| -> capture_arena::Result<Vec<f64>> {
+    crate::exit::detach(py, || -> capture_arena::Result<Vec<f64>> {
         let bufs: Vec<Shared> = (0..n_samples * n_tensors)
             .map(|i| Shared(Arc::new(vec![i as u8; tensor_bytes])))
             .collect();

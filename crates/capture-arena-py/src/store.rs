@@ -78,7 +78,7 @@ impl PyStore {
         }
         let ranges: Vec<(usize, usize)> = ptrs.iter().map(|&(_, p, l, _)| (p, l)).collect();
         disjoint(py, &ranges)?;
-        py.detach(|| {
+        crate::exit::detach(py, || {
             let mut outs: Vec<(&str, Destination<'_>)> = ptrs
                 .iter()
                 .map(|(n, ptr, len, device)| {
@@ -114,7 +114,7 @@ impl PyStore {
     /// `ReleasedError` (a `KeyError`).
     fn release(&self, py: Python<'_>, result: &Bound<'_, PyAny>) -> PyResult<()> {
         let p = published(result)?;
-        py.detach(|| self.store.release(&p)).py_err()
+        crate::exit::detach(py, || self.store.release(&p)).py_err()
     }
 
     /// Validates `result`, raises `ReleasedError` if it was released, and checks each of
@@ -129,7 +129,7 @@ impl PyStore {
     ) -> PyResult<()> {
         let p = published(result)?;
         let names = names.unwrap_or_default();
-        py.detach(|| {
+        crate::exit::detach(py, || {
             self.store.check(&p)?;
             for name in &names {
                 self.store.reader().checked_len(&p, name)?;
@@ -149,7 +149,7 @@ impl PyStore {
         names: Vec<String>,
     ) -> PyResult<Vec<u64>> {
         let p = published(result)?;
-        py.detach(|| {
+        crate::exit::detach(py, || {
             self.store.check(&p)?;
             names
                 .iter()
@@ -170,13 +170,13 @@ impl PyStore {
 
     /// Retries frees that could not be sent.
     fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.store.flush()).py_err()
+        crate::exit::detach(py, || self.store.flush()).py_err()
     }
 
     /// `{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",
     /// "open_sessions"}`.
     fn health<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let h = py.detach(|| self.store.health());
+        let h = crate::exit::detach(py, || self.store.health());
         let d = serde_json::json!({
             "resident_samples": h.resident_samples,
             "resident_bytes": h.resident_bytes,
@@ -266,7 +266,7 @@ pub fn _send_frees(
             reason: format!("timeout_s {timeout_s} is not a number of seconds >= 0"),
         })
     })?;
-    py.detach(|| {
+    crate::exit::detach(py, || {
         capture_arena::client::send_frees(&control, token.as_deref(), &keys, &prefixes, timeout)
     })
     .py_err()

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _tensors, errors
-from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _send_frees, _Store, arena_enabled, placement
+from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _exiting, _send_frees, _Store, arena_enabled, placement
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
@@ -490,8 +490,16 @@ def _close_sinks_at_exit() -> None:
     """Stops every live sink's writer and removes its arena when the interpreter exits. A starter
     thread still creating an arena is waited for first: it would otherwise come back to a
     finalizing interpreter, which ends the thread in the middle of native code."""
-    for sink in list(_LIVE_SINKS):
+    sinks = list(_LIVE_SINKS)
+    for sink in sinks:
         sink._drain_starter()
+    # From here on, another thread coming back from native code (a daemon thread's capture or
+    # read) parks instead of being ended mid-unwind by the finalizing interpreter; calls still in
+    # flight are waited for (a while), so no library is torn down under them.
+    left = _exiting()
+    if left:
+        _log.warning("exiting with %d capture_arena calls still running in other threads", left)
+    for sink in sinks:
         sink.close()
 
 

@@ -1,0 +1,98 @@
+//! Threads that come back from native code while the interpreter exits.
+//!
+//! A call that released the GIL (a blocking submit, a read, creating an arena) and returns after
+//! the interpreter began finalizing cannot take the GIL back: CPython ends such a thread with
+//! `pthread_exit`, whose forced unwind through PyO3's frames aborts the process ("FATAL:
+//! exception not rethrown"). So once `capture_arena`'s exit hook has run ([`_exiting`], after it
+//! has waited for its own starter threads), every other thread that finishes such a call, and
+//! the sink's helper thread, parks for good instead: the process is exiting, and a parked thread
+//! costs nothing. The thread that runs the exit hook is never parked.
+//!
+//! A thread still *inside* native code when the process exits is in danger too: the exit runs
+//! the libraries' static destructors under it (NIXL: "pure virtual method called"). So the exit
+//! hook waits, up to [`EXIT_WAIT`], for the calls in flight to come back: a call counts until it
+//! holds the GIL again, so one that comes back while the hook waits returns normally; one that
+//! starts after the hook, or comes back after the hook gave up waiting, parks.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+use std::thread::ThreadId;
+use std::time::{Duration, Instant};
+
+use pyo3::prelude::*;
+
+/// The thread that ran the exit hook, once it has.
+static EXITING: OnceLock<ThreadId> = OnceLock::new();
+
+/// Calls of [`detach`] running now (from before the GIL is released to after it is taken back).
+static IN_NATIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// The exit hook stopped waiting with calls still in flight: those park when they come back.
+static GAVE_UP: AtomicBool = AtomicBool::new(false);
+
+/// How long the exit waits for calls in flight (a blocking submit can wait for arena space for
+/// `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S`, a read for its timeout: the exit does not wait that long).
+pub const EXIT_WAIT: Duration = Duration::from_secs(5);
+
+/// Marks the interpreter as exiting (called from `capture_arena`'s exit hook, on the thread that
+/// runs the exit), then waits (GIL released) up to [`EXIT_WAIT`] for other threads' calls into
+/// native code to come back. Returns how many are still in flight.
+#[pyfunction]
+pub fn _exiting(py: Python<'_>) -> usize {
+    let _ = EXITING.set(std::thread::current().id());
+    let left = py.detach(|| {
+        let deadline = Instant::now() + EXIT_WAIT;
+        while IN_NATIVE.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        IN_NATIVE.load(Ordering::SeqCst)
+    });
+    if left > 0 {
+        GAVE_UP.store(true, Ordering::SeqCst);
+    }
+    left
+}
+
+/// True once the exit hook has run on another thread.
+fn exiting_elsewhere() -> bool {
+    EXITING
+        .get()
+        .is_some_and(|t| *t != std::thread::current().id())
+}
+
+fn park_forever() -> ! {
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Parks the calling thread for good if the interpreter is exiting and it is not the exiting
+/// thread.
+pub fn park_if_exiting() {
+    if exiting_elsewhere() {
+        park_forever();
+    }
+}
+
+/// `py.detach(f)`, safe against the interpreter's exit (see the module docs).
+pub fn detach<T, F>(py: Python<'_>, f: F) -> T
+where
+    F: Send + FnOnce() -> T,
+    T: Send,
+{
+    // Counted before the check, so the exit hook either waits for this call or it parks.
+    IN_NATIVE.fetch_add(1, Ordering::SeqCst);
+    let out = py.detach(move || {
+        if exiting_elsewhere() {
+            IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
+            park_forever();
+        }
+        let out = f();
+        if GAVE_UP.load(Ordering::SeqCst) {
+            park_if_exiting();
+        }
+        out
+    });
+    IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
+    out
+}
