@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import os
+import socket
 import threading
 import weakref
 from collections import deque
@@ -77,6 +78,12 @@ def connect(contribute: bool) -> Any:
     devices = os.environ.get("MOONCAKE_RDMA_DEVICES", "").strip()
     segment = _bytes_var("MOONCAKE_GLOBAL_SEGMENT_SIZE", 32 << 30) if contribute else 0
     local = _bytes_var("MOONCAKE_LOCAL_BUFFER_SIZE", 1 << 30)
+    # setup() holds the GIL while it retries an unreachable master (about 4 s a try, 20 tries):
+    # the whole process, SGLang's scheduler included, would stand still for a minute and a half.
+    # A short connect first turns that into this batch's error.
+    _reachable("MOONCAKE_MASTER_SERVER_ADDR", master)
+    if metadata.startswith(("http://", "https://")):
+        _reachable("MOONCAKE_METADATA_SERVER", metadata.split("://", 1)[1].split("/", 1)[0])
     s = store_mod.MooncakeDistributedStore()
     rc = s.setup(host, metadata, segment, local, protocol, devices, master)
     if rc != 0:
@@ -85,6 +92,24 @@ def connect(contribute: bool) -> Any:
             f"{master!r}) returned {rc}: is mooncake_master running there, and MOONCAKE_METADATA_SERVER right?"
         )
     return s
+
+
+#: How long a connection to the master (or the metadata server) may take before the store is
+#: taken as unreachable.
+PROBE_TIMEOUT_S = 2.0
+
+
+def _reachable(var: str, addr: str) -> None:
+    """Raises ArenaOSError unless a TCP connection to ``addr`` (``host:port``) opens within
+    :data:`PROBE_TIMEOUT_S` (the GIL is released while it tries)."""
+    host, _, port = addr.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise ArenaOSError(
+            f"the Mooncake store is not reachable: {var}={addr} ({e}); is mooncake_master running there "
+            f"(with --enable_http_metadata_server for an http:// metadata server)? This batch fails; the next tries again"
+        ) from None
 
 
 class _Registered:
