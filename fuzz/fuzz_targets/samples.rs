@@ -3,6 +3,7 @@
 //! from a result line or a Python dict) checked the way a trainer checks it before it reads.
 #![no_main]
 
+use capture_arena::key::escape_part;
 use capture_arena::sample::Captured;
 use capture_arena::{Dtype, Published, Sample, SampleSpec, TensorData};
 use libfuzzer_sys::fuzz_target;
@@ -17,10 +18,12 @@ fuzz_target!(|data: &[u8]| {
             data: TensorData::host(vec![0u8; (rows * 4) as usize]),
         };
         if let Ok(sample) = Sample::from_spec(&spec, Some(captured()), Some(captured()), None) {
-            // Every tensor of a built sample has a valid key under the spec's ids.
+            // Every tensor of a built sample has a valid key under the spec's ids (encoded: any
+            // id is accepted, and its key parts hold no '/').
             for key in sample.keys() {
-                assert_eq!(key.store_id(), spec.store_id);
-                assert_eq!(key.sample_id(), spec.sample_id);
+                assert_eq!(key.store_id(), escape_part(&spec.store_id));
+                assert_eq!(key.sample_id(), escape_part(&spec.sample_id));
+                assert_eq!(key.as_str().split('/').count(), 4);
             }
         }
     }
