@@ -104,7 +104,10 @@ def _check_settings() -> None:
 def _scheduler_state() -> tuple[Optional[int], Optional[int]]:
     """``(attention-TP rank, GPU)`` of the SGLang scheduler calling :func:`maybe_init_sink`
     (its ``self.ps.attn_tp_rank`` and ``self.gpu_id``), or None where the caller is not one."""
-    frame = sys._getframe(2)
+    try:
+        frame = sys._getframe(2)
+    except ValueError:  # called from the top of the stack: no scheduler above
+        return None, None
     for _ in range(4):
         if frame is None:
             break
