@@ -165,12 +165,12 @@ def _create_exclusive(path: Path, data: bytes, mode: int) -> None:
             os.unlink(tmp)
 
 
-def _drop_bytecode(srt: Path) -> list[str]:
-    removed = []
+def _drop_bytecode(srt: Path) -> int:
+    """Removes the module's stale bytecode (it would shadow the new file's), saying so; 0."""
     for pyc in sorted(glob.glob(str(srt / "__pycache__" / f"{MODULE}.*.pyc"))):
         os.unlink(pyc)
-        removed.append(pyc)
-    return removed
+        print(f"removed stale {pyc}")
+    return 0
 
 
 def _mode(p: Path) -> int:
@@ -215,9 +215,7 @@ def install(sglang_dir: Optional[str]) -> int:
             print(f"SpecForge's module is already kept at {backup}")
         _write_atomic(target, shim, _mode(target))
         print(f"wrote {target}: sglang.srt.{MODULE} is now capture_arena.sglang (capture-arena {__version__})")
-    for pyc in _drop_bytecode(srt):
-        print(f"removed stale {pyc}")
-    return 0
+    return _drop_bytecode(srt)
 
 
 def uninstall(sglang_dir: Optional[str]) -> int:
@@ -244,9 +242,7 @@ def uninstall(sglang_dir: Optional[str]) -> int:
         )
     os.replace(backup, target)
     print(f"restored SpecForge's module to {target} (byte for byte) and removed {backup}")
-    for pyc in _drop_bytecode(srt):
-        print(f"removed stale {pyc}")
-    return 0
+    return _drop_bytecode(srt)
 
 
 def check(sglang_dir: Optional[str]) -> int:
