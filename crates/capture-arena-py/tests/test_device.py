@@ -167,3 +167,52 @@ def test_a_cuda_dlpack_object_without_torch_is_refused_before_anything_is_writte
     with pytest.raises(ca.InvalidSampleError, match="needs torch"):
         sink.put_sample(spec("dl"), aux=CudaArray(), last_hidden=hidden(8, 4))
     assert not sink.started
+
+
+def test_fake_gpu_an_eager_device_arena_goes_to_the_capturing_schedulers_gpu(fake_gpu):
+    # Under SGLang, SGLANG_SPEC_CAPTURE_ARENA_EAGER=1 creates the arena in the background on
+    # attention-TP rank 0 only, on that scheduler's GPU (self.gpu_id), not on GPU 0.
+    env = {
+        **fake_gpu,
+        "FAKE_CUDA_DEVICES": "2",
+        "MOONCAKE_PROTOCOL": "nvlink",
+        "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "4MiB",
+        "SGLANG_SPEC_CAPTURE_PLACEMENT": "arena",
+        "SGLANG_SPEC_CAPTURE_ARENA_EAGER": "1",
+    }
+    out = run(
+        r'''
+import time
+from types import SimpleNamespace
+from capture_arena import sglang
+
+class Scheduler:  # what maybe_init_sink reads of its caller
+    def __init__(self, rank, gpu):
+        self.ps = SimpleNamespace(attn_tp_rank=rank)
+        self.gpu_id = gpu
+        self.sink = sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True))
+
+def started(s):
+    deadline = time.monotonic() + 30
+    while not s.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return s.started
+
+def dev(s):
+    return s.session.split("dev=")[1].split("&")[0]
+
+other = Scheduler(1, 1).sink
+time.sleep(0.3)
+assert not other.started, "rank 1 never captures: no arena"
+sglang.reset_sink()
+on1 = Scheduler(0, 1).sink
+assert started(on1)
+dev1 = dev(on1)
+sglang.reset_sink()
+on0 = Scheduler(0, 0).sink
+assert started(on0)
+print(dev1 != dev(on0))
+''',
+        env,
+    )
+    assert out.strip() == "True"

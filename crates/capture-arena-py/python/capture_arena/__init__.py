@@ -274,14 +274,15 @@ class ArenaSink(_ArenaSink):
         if self.eager:
             self._ensure_started()  # the engine placement's arena (the others started already)
 
-    def _ensure_started(self, converted: Optional[list[Any]] = None) -> None:
+    def _ensure_started(self, converted: Optional[list[Any]] = None, device: Optional[int] = None) -> None:
         """Creates the arena and starts the writer if it has not (the caller's thread pays): the
         engine placement takes its arena from a Mooncake TransferEngine (on the configured GPU,
         else the GPU of the batch's first CUDA tensor, else 0); the others create it in the
-        compiled sink."""
+        compiled sink. A configured device wins over ``device``."""
         if self.started:
             return
-        device = self.device
+        if self.device is not None:
+            device = self.device
         if device is None:
             device = next((d for d in (_cuda_device(x) for s in converted or () if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
         if self.placement != "engine":
@@ -384,7 +385,7 @@ class ArenaSink(_ArenaSink):
                     return
                 items, fut = self._early[0]
             try:
-                self._ensure_started(items or None)
+                self._ensure_started(items or None, device)
             except Exception as e:
                 if fut is None:
                     _log.error("creating the capture arena in the background failed (the first capture tries again): %s", e)
