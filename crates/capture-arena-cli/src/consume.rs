@@ -304,10 +304,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             out.flush()?;
         }
     }
-    // Frees that could not be sent yet: retry for a few seconds (each endpoint backs off).
-    let t_flush = Instant::now();
-    while store.flush().is_err() && t_flush.elapsed() < Duration::from_secs(5) {
-        std::thread::sleep(Duration::from_millis(100));
+    // Frees go out from senders of their own: give them a few seconds before exiting.
+    if let Err(e) = store.flush_within(Duration::from_secs(5)) {
+        tracing::warn!(error = %e, "frees still waiting at exit");
     }
     let pending = store.health().pending_frees;
     if pending > 0 {

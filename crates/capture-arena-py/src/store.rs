@@ -168,9 +168,24 @@ impl PyStore {
         .py_err()
     }
 
-    /// Retries frees that could not be sent.
-    fn flush(&self, py: Python<'_>) -> PyResult<()> {
-        crate::exit::detach(py, || self.store.flush()).py_err()
+    /// Has the free senders send what waits, then waits up to `timeout_s` for all of it to go
+    /// out (0: returns at once). Raises `FreeNotSentError` for an endpoint still waiting: known
+    /// unreachable (in its back-off), or not done within `timeout_s`.
+    #[pyo3(signature = (timeout_s=0.0))]
+    fn flush(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = if timeout_s.is_finite() && timeout_s > 0.0 {
+            std::time::Duration::from_secs_f64(timeout_s.min(3600.0))
+        } else {
+            std::time::Duration::ZERO
+        };
+        crate::exit::detach(py, || {
+            if timeout.is_zero() {
+                self.store.flush()
+            } else {
+                self.store.flush_within(timeout)
+            }
+        })
+        .py_err()
     }
 
     /// `{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",

@@ -19,6 +19,7 @@ import importlib.util
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
@@ -635,11 +636,26 @@ class ArenaFeatureStore(_Store):
     def release(self, result: Mapping[str, Any]) -> None:
         """Frees every object of ``result``: over its control endpoint (arena placements), or by
         removing it from the Mooncake store (store placement). Later reads of it raise
-        :class:`ReleasedError` (a ``KeyError``)."""
+        :class:`ReleasedError` (a ``KeyError``).
+
+        Never waits on the network: the keys are queued, and a sender thread per control
+        endpoint sends them, retrying an unreachable endpoint (back-off from 100 ms to 30 s)
+        until it answers, or dropping them once it refuses connections (its producer is gone).
+        ``health()["pending_frees"]`` counts what waits; :meth:`flush` waits for it."""
         if is_store_result(result):
             self._stores().release(result)
         else:
+            _OPEN_STORES.add(self)
             super().release(result)
+
+    def flush(self, timeout_s: float = 0.0) -> None:
+        """Has the free senders send what waits, then waits up to ``timeout_s`` seconds for all
+        of it to go out (``0``, the default: returns at once). Raises
+        :class:`FreeNotSentError` for an endpoint that still has frees waiting: known unreachable
+        now (in its back-off), or not done within ``timeout_s``. The frees keep waiting either
+        way; a trainer about to exit waits here (``with`` blocks and interpreter exit wait up to
+        ``SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S``, 5 s)."""
+        super().flush(timeout_s)
 
     @staticmethod
     def reclaim(
@@ -691,4 +707,35 @@ class ArenaFeatureStore(_Store):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.flush()
+        _flush_quietly(self, _exit_flush_s())
+
+
+# Stores that released something: interpreter exit gives their frees time to go out.
+_OPEN_STORES: "weakref.WeakSet[ArenaFeatureStore]" = weakref.WeakSet()
+
+
+def _exit_flush_s() -> float:
+    """``SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S`` (default 5): how long exit waits for frees."""
+    raw = os.environ.get("SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S", "").strip()
+    try:
+        v = float(raw) if raw else 5.0
+    except ValueError:
+        v = 5.0
+    return v if 0.0 <= v <= 3600.0 else 5.0
+
+
+def _flush_quietly(store: "ArenaFeatureStore", timeout_s: float) -> None:
+    """Waits for a store's frees, warning (never raising) about what could not go out."""
+    try:
+        store.flush(timeout_s)
+    except Exception as e:  # an exit path: say what is left, never raise
+        logging.getLogger("capture_arena").warning("frees not sent before exit: %s", e)
+
+
+def _flush_stores_at_exit() -> None:
+    deadline = time.monotonic() + _exit_flush_s()
+    for store in list(_OPEN_STORES):
+        _flush_quietly(store, max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_flush_stores_at_exit)

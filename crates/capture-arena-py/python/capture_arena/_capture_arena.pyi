@@ -97,9 +97,10 @@ class _Store:
     def _check(self, result: Any, names: Optional[list[str]] = None) -> None: ...
     def _validate(self, result: Any, names: list[str]) -> list[int]: ...
     def release(self, result: Any) -> None:
-        """Frees every object of `result`; later reads of it raise ReleasedError."""
-    def flush(self) -> None:
-        """Retries frees that could not be sent."""
+        """Frees every object of `result` (queued for its endpoint's sender: never waits on the
+        network); later reads of it raise ReleasedError."""
+    def flush(self, timeout_s: float = 0.0) -> None:
+        """Has the free senders send what waits, then waits up to `timeout_s` for it to go out."""
     def health(self) -> dict[str, int]:
         """{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees", "open_sessions"}."""
 

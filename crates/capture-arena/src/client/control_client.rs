@@ -4,9 +4,14 @@
 //! Rules (the capture contract's, plus bounds):
 //! - a free for endpoint `E` touches `E` alone: an endpoint that is unreachable (a dead host, a
 //!   full backlog) never delays frees to another one;
-//! - a failed send stays pending and is retried: by the next free to the same endpoint or by
-//!   [`ControlClient::flush`], but not before its back-off (100 ms, doubling to 30 s) has
-//!   passed, so an endpoint that times out costs its caller one timeout, not one per free;
+//! - frees never wait on the network in the caller's thread: [`ControlClient::free`] queues the
+//!   keys and returns; a sender thread of the endpoint's own (started when keys arrive, gone
+//!   when nothing waits) connects and writes, so a blackholed endpoint costs no caller time
+//!   and delays no other endpoint. [`ControlClient::flush_within`] waits, as long as its
+//!   caller says, for what waits to go out;
+//! - a failed send stays pending and its sender retries it after a back-off (100 ms, doubling
+//!   to 30 s) until it goes out, or until the endpoint refuses connections (its producer is
+//!   gone);
 //! - keys waiting for a producer that is gone are dropped before they are sent (a producer that
 //!   is gone has nothing left to free, and a producer restarted on the same port must not
 //!   receive frees meant for its predecessor): keys carry their session, and the owner of the
@@ -24,13 +29,13 @@
 //!   gets it as the first line of every connection; a new token for an endpoint (its producer
 //!   restarted on the same port) drops the connection that presented the old one.
 //!
-//! Several threads may free at once: one sends to an endpoint while the others queue, and the
-//! sender sends again what was queued meanwhile before it returns.
+//! Several threads may free at once: they queue, and the endpoint's one sender sends what was
+//! queued meanwhile.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::lock;
@@ -47,9 +52,8 @@ pub const UNLOCATED_TTL: Duration = Duration::from_secs(600);
 const LINE_BYTES: usize = 64 * 1024;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
-/// How long a sender goes on sending keys other threads queued while it was sending (they
-/// returned at once, trusting it), before it leaves what is still queued to the next free or
-/// flush.
+/// How long a sender goes on sending keys queued while it was sending before it looks at the
+/// endpoint's state again.
 const SEND_ON_FOR: Duration = Duration::from_millis(100);
 const PRUNE_EVERY: Duration = Duration::from_secs(1);
 
@@ -66,6 +70,11 @@ struct Endpoint {
     conn: Option<TcpStream>,
     /// A thread is sending to this endpoint: others only queue.
     sending: bool,
+    /// This endpoint's sender thread is running (it sends until nothing waits).
+    sender: bool,
+    /// Keys a sender took out of `pending` and is writing (still counted in
+    /// [`State::pending`] until they are written or dropped).
+    in_flight: usize,
     /// After a failure: not before `.0`; the next failure waits twice `.1`; the error.
     backoff: Option<(Instant, Duration, ErrorKind, String)>,
     /// The endpoint's control token, presented first on every new connection.
@@ -87,10 +96,17 @@ struct State {
 
 /// Sends frees to control endpoints. See the module docs.
 pub struct ControlClient {
+    shared: Arc<Shared>,
+}
+
+/// What the client's callers and its sender threads share.
+struct Shared {
     state: Mutex<State>,
+    /// Signalled whenever a sender finishes a send (for [`ControlClient::flush_within`]).
+    sent: Condvar,
     timeout: Duration,
     max_pending: usize,
-    gone: Option<Liveness>,
+    gone: std::sync::OnceLock<Liveness>,
 }
 
 impl std::fmt::Debug for ControlClient {
@@ -98,7 +114,7 @@ impl std::fmt::Debug for ControlClient {
         f.debug_struct("ControlClient")
             .field("endpoints", &self.endpoints())
             .field("pending", &self.pending())
-            .field("timeout", &self.timeout)
+            .field("timeout", &self.shared.timeout)
             .finish()
     }
 }
@@ -117,7 +133,7 @@ impl ControlClient {
 
     /// A client that keeps at most `max_pending` keys waiting (and as many unlocated ones).
     pub fn with_limit(timeout: Duration, max_pending: usize) -> ControlClient {
-        ControlClient {
+        let shared = Shared {
             state: Mutex::new(State {
                 pid: std::process::id(),
                 endpoints: BTreeMap::new(),
@@ -127,19 +143,135 @@ impl ControlClient {
                 warned_drop: None,
                 last_prune: Instant::now(),
             }),
+            sent: Condvar::new(),
             timeout,
             max_pending: max_pending.max(1),
-            gone: None,
+            gone: std::sync::OnceLock::new(),
+        };
+        ControlClient {
+            shared: Arc::new(shared),
         }
     }
 
     /// Asks `gone(session)` before sending keys published in `session`: true drops them (their
     /// producer is gone). [`super::FeatureStore`] answers from its reader.
-    pub fn with_liveness(mut self, gone: Liveness) -> ControlClient {
-        self.gone = Some(gone);
+    /// (The first answer set is kept.)
+    pub fn with_liveness(self, gone: Liveness) -> ControlClient {
+        let _ = self.shared.gone.set(gone);
         self
     }
 
+    /// Remembers an endpoint; recent keys with no known endpoint are queued for it too.
+    pub fn learn(&self, endpoint: &str) {
+        let mut s = self.shared.state();
+        self.shared.endpoint(&mut s, endpoint);
+    }
+
+    /// Endpoints known so far.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.shared.state().endpoints.keys().cloned().collect()
+    }
+
+    /// Keys waiting to be sent (to known endpoints, plus unlocated keys while no endpoint is
+    /// known).
+    pub fn pending(&self) -> usize {
+        self.shared.pending()
+    }
+
+    /// Keys dropped: too many were waiting, or their producer is gone.
+    pub fn dropped(&self) -> u64 {
+        self.shared.state().dropped
+    }
+
+    /// Sets the control token of `endpoint` (from a result's `arena.token`).
+    pub fn set_token(&self, endpoint: &str, token: Option<&str>) {
+        self.shared.set_token(endpoint, token);
+    }
+
+    /// Queues `keys` for `endpoint` and has its sender send them; returns without waiting on
+    /// the network. With `None` the keys go to every endpoint known now and learned in the next
+    /// [`UNLOCATED_TTL`].
+    ///
+    /// # Errors
+    /// [`Error::FreeNotSent`] if an endpoint of this call is known to be unreachable (its last
+    /// send failed and it is in its back-off): its keys wait and its sender retries them. Other
+    /// endpoints are not reported.
+    pub fn free(&self, endpoint: Option<&str>, keys: impl IntoIterator<Item = Key>) -> Result<()> {
+        self.free_in(endpoint, None, keys)
+    }
+
+    /// As [`ControlClient::free`], for keys published in `session` (so they are dropped rather
+    /// than sent if that session's producer is gone by the time they go out).
+    ///
+    /// # Errors
+    /// As [`ControlClient::free`].
+    pub fn free_in(
+        &self,
+        endpoint: Option<&str>,
+        session: Option<&str>,
+        keys: impl IntoIterator<Item = Key>,
+    ) -> Result<()> {
+        let targets = self.shared.queue_frees(endpoint, session, keys);
+        Shared::kick(&self.shared, &targets)
+    }
+
+    /// Has every endpoint's sender send what waits for it; returns without waiting.
+    ///
+    /// # Errors
+    /// [`Error::FreeNotSent`] for the first endpoint with keys waiting that is known to be
+    /// unreachable (in its back-off).
+    pub fn flush(&self) -> Result<()> {
+        let all = self.shared.all_endpoints();
+        Shared::kick(&self.shared, &all)
+    }
+
+    /// As [`ControlClient::flush`], then waits up to `timeout` for every key waiting to go out
+    /// (the senders do the network work; this only waits for them).
+    ///
+    /// # Errors
+    /// [`Error::FreeNotSent`] for an endpoint that still has keys waiting after `timeout`.
+    pub fn flush_within(&self, timeout: Duration) -> Result<()> {
+        let _ = self.flush();
+        let deadline = Instant::now() + timeout;
+        let mut s = self.shared.state();
+        loop {
+            let waiting = s
+                .endpoints
+                .iter()
+                .find(|(_, e)| !e.pending.is_empty() || e.sending);
+            let Some((endpoint, e)) = waiting else {
+                return Ok(());
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                let why = e.backoff.as_ref().map_or_else(
+                    || (ErrorKind::TimedOut, "still sending".to_owned()),
+                    |(_, _, kind, why)| (*kind, why.clone()),
+                );
+                return Err(Error::FreeNotSent {
+                    endpoint: endpoint.clone(),
+                    pending: e.pending.len() + e.in_flight,
+                    source: std::io::Error::new(
+                        why.0,
+                        format!(
+                            "{} after waiting {:.1} s; its sender goes on retrying",
+                            why.1,
+                            timeout.as_secs_f64()
+                        ),
+                    ),
+                });
+            }
+            let wait = (deadline - now).min(Duration::from_millis(100));
+            s = self
+                .shared
+                .sent
+                .wait_timeout(s, wait)
+                .map_or_else(|p| p.into_inner().0, |(g, _)| g);
+        }
+    }
+}
+
+impl Shared {
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         let mut s = lock(&self.state);
         if s.pid != std::process::id() {
@@ -151,12 +283,6 @@ impl ControlClient {
             s.pending = 0;
         }
         s
-    }
-
-    /// Remembers an endpoint; recent keys with no known endpoint are queued for it too.
-    pub fn learn(&self, endpoint: &str) {
-        let mut s = self.state();
-        self.endpoint(&mut s, endpoint);
     }
 
     /// Makes the endpoint's entry (with the recent unlocated keys) if it is new.
@@ -232,6 +358,7 @@ impl ControlClient {
         s.last_prune = now;
         s.endpoints.retain(|endpoint, e| {
             let keep = e.sending
+                || e.sender
                 || !e.pending.is_empty()
                 || e.backoff.is_some()
                 || e.conn.as_ref().is_some_and(alive);
@@ -242,14 +369,7 @@ impl ControlClient {
         });
     }
 
-    /// Endpoints known so far.
-    pub fn endpoints(&self) -> Vec<String> {
-        self.state().endpoints.keys().cloned().collect()
-    }
-
-    /// Keys waiting to be sent (to known endpoints, plus unlocated keys while no endpoint is
-    /// known).
-    pub fn pending(&self) -> usize {
+    fn pending(&self) -> usize {
         let s = self.state();
         if s.endpoints.is_empty() {
             s.unlocated.len()
@@ -258,13 +378,7 @@ impl ControlClient {
         }
     }
 
-    /// Keys dropped: too many were waiting, or their producer is gone.
-    pub fn dropped(&self) -> u64 {
-        self.state().dropped
-    }
-
-    /// Sets the control token of `endpoint` (from a result's `arena.token`).
-    pub fn set_token(&self, endpoint: &str, token: Option<&str>) {
+    fn set_token(&self, endpoint: &str, token: Option<&str>) {
         let mut guard = self.state();
         let s = &mut *guard;
         self.endpoint(s, endpoint);
@@ -276,91 +390,133 @@ impl ControlClient {
         }
     }
 
-    /// Queues `keys` for `endpoint` and sends what waits for it. With `None` the keys go to
-    /// every endpoint known now and learned in the next [`UNLOCATED_TTL`].
-    ///
-    /// # Errors
-    /// [`Error::FreeNotSent`] if an endpoint of this call could not be sent to (now, or not
-    /// yet: it is in its back-off); its keys stay pending and are retried later. Other
-    /// endpoints are neither tried nor reported.
-    pub fn free(&self, endpoint: Option<&str>, keys: impl IntoIterator<Item = Key>) -> Result<()> {
-        self.free_in(endpoint, None, keys)
-    }
-
-    /// As [`ControlClient::free`], for keys published in `session` (so they are dropped rather
-    /// than sent if that session's producer is gone by the time they go out).
-    ///
-    /// # Errors
-    /// As [`ControlClient::free`].
-    pub fn free_in(
+    /// Queues keys (see [`ControlClient::free_in`]); returns the endpoints to kick.
+    fn queue_frees(
         &self,
         endpoint: Option<&str>,
         session: Option<&str>,
         keys: impl IntoIterator<Item = Key>,
-    ) -> Result<()> {
+    ) -> Vec<String> {
         let session: Option<Arc<str>> = session.map(Arc::from);
-        let targets: Vec<String> = {
-            let mut guard = self.state();
-            let s = &mut *guard;
-            self.prune(s);
-            match endpoint {
-                Some(e) => {
-                    self.endpoint(s, e);
-                    self.queue(s, e, keys.into_iter().map(|k| (k, session.clone())));
-                    vec![e.to_owned()]
+        let mut guard = self.state();
+        let s = &mut *guard;
+        self.prune(s);
+        match endpoint {
+            Some(e) => {
+                self.endpoint(s, e);
+                self.queue(s, e, keys.into_iter().map(|k| (k, session.clone())));
+                vec![e.to_owned()]
+            }
+            None => {
+                let keys: Vec<Key> = keys.into_iter().collect();
+                let now = Instant::now();
+                let mut over = 0;
+                for k in &keys {
+                    s.unlocated.push_back((k.clone(), now));
+                    if s.unlocated.len() > self.max_pending {
+                        s.unlocated.pop_front();
+                        over += 1;
+                    }
                 }
-                None => {
-                    let keys: Vec<Key> = keys.into_iter().collect();
-                    let now = Instant::now();
-                    let mut over = 0;
-                    for k in &keys {
-                        s.unlocated.push_back((k.clone(), now));
-                        if s.unlocated.len() > self.max_pending {
-                            s.unlocated.pop_front();
-                            over += 1;
-                        }
+                self.note_dropped(s, over, "unlocated frees");
+                let all: Vec<String> = s.endpoints.keys().cloned().collect();
+                for e in &all {
+                    let tagged = keys.iter().map(|k| (k.clone(), session.clone()));
+                    self.queue(s, e, tagged);
+                }
+                all
+            }
+        }
+    }
+
+    fn all_endpoints(&self) -> Vec<String> {
+        let mut s = self.state();
+        self.prune(&mut s);
+        s.endpoints.keys().cloned().collect()
+    }
+
+    /// Starts the sender of each of `endpoints` that has keys waiting and none running; reports
+    /// the first that is in its back-off.
+    fn kick(this: &Arc<Shared>, endpoints: &[String]) -> Result<()> {
+        let mut first = None;
+        let mut start = Vec::new();
+        {
+            let mut s = this.state();
+            let now = Instant::now();
+            for name in endpoints {
+                let Some(e) = s.endpoints.get_mut(name) else {
+                    continue;
+                };
+                if e.pending.is_empty() {
+                    continue;
+                }
+                if let Some((at, _, kind, why)) = &e.backoff {
+                    if first.is_none() {
+                        let wait = at.saturating_duration_since(now);
+                        first = Some(Error::FreeNotSent {
+                            endpoint: name.clone(),
+                            pending: e.pending.len(),
+                            source: std::io::Error::new(
+                                *kind,
+                                format!(
+                                    "{why}; its sender retries in {} ms (the keys wait)",
+                                    wait.as_millis()
+                                ),
+                            ),
+                        });
                     }
-                    self.note_dropped(s, over, "unlocated frees");
-                    let all: Vec<String> = s.endpoints.keys().cloned().collect();
-                    for e in &all {
-                        let tagged = keys.iter().map(|k| (k.clone(), session.clone()));
-                        self.queue(s, e, tagged);
-                    }
-                    all
+                }
+                if !e.sender {
+                    e.sender = true;
+                    start.push(name.clone());
                 }
             }
-        };
-        let mut first = None;
-        for e in targets {
-            if let Err(err) = self.send(&e) {
-                first.get_or_insert(err);
+        }
+        for name in start {
+            let shared = this.clone();
+            let spawned = std::thread::Builder::new()
+                .name("capture-arena-free".into())
+                .spawn({
+                    let name = name.clone();
+                    move || shared.run_sender(&name)
+                });
+            if let Err(e) = spawned {
+                // The keys wait; the next free or flush tries to start a sender again.
+                tracing::warn!(endpoint = %name, error = %e, "cannot start a free sender");
+                if let Some(ep) = this.state().endpoints.get_mut(&name) {
+                    ep.sender = false;
+                }
             }
         }
         first.map_or(Ok(()), Err)
     }
 
-    /// Sends every pending key whose endpoint is not in its back-off.
-    ///
-    /// # Errors
-    /// [`Error::FreeNotSent`] for the first endpoint that still has keys pending.
-    pub fn flush(&self) -> Result<()> {
-        let all: Vec<String> = {
-            let mut s = self.state();
-            self.prune(&mut s);
-            s.endpoints.keys().cloned().collect()
-        };
-        let mut first = None;
-        for e in all {
-            if let Err(err) = self.send(&e) {
-                first.get_or_insert(err);
-            }
+    /// An endpoint's sender: sends until nothing waits (or the endpoint is forgotten), sleeping
+    /// out each back-off.
+    fn run_sender(&self, endpoint: &str) {
+        loop {
+            let _ = self.send(endpoint);
+            self.sent.notify_all();
+            let sleep = {
+                let mut s = self.state();
+                let Some(e) = s.endpoints.get_mut(endpoint) else {
+                    return;
+                };
+                if e.pending.is_empty() {
+                    e.sender = false;
+                    return;
+                }
+                e.backoff.as_ref().map_or(Duration::ZERO, |(at, ..)| {
+                    at.saturating_duration_since(Instant::now())
+                })
+            };
+            std::thread::sleep(sleep);
         }
-        first.map_or(Ok(()), Err)
     }
 
     /// Drops the keys whose producer is gone; returns the rest.
     fn live_keys(&self, keys: Vec<Waiting>) -> Vec<Waiting> {
-        let Some(gone) = &self.gone else {
+        let Some(gone) = self.gone.get() else {
             return keys;
         };
         let mut verdicts: HashMap<Arc<str>, bool> = HashMap::new();
@@ -413,12 +569,14 @@ impl ControlClient {
                 }
                 e.sending = true;
                 let waiting: Vec<Waiting> = e.pending.drain(..).collect();
-                s.pending -= waiting.len();
+                e.in_flight = waiting.len();
                 (waiting, (e.conn.take(), e.token.clone()))
             };
             let (conn, token) = conn;
+            let taken = waiting.len();
             // No lock held while asking about sessions, connecting or writing.
             let waiting = self.live_keys(waiting);
+            let live = waiting.len();
             let sent = if waiting.is_empty() {
                 Ok(conn) // every key's producer is gone: nothing to send
             } else {
@@ -433,8 +591,10 @@ impl ControlClient {
                 return Ok(());
             };
             e.sending = false;
+            e.in_flight = 0;
             match sent {
                 Ok(conn) => {
+                    s.pending -= taken;
                     // A connection that presented a token replaced meanwhile is not kept.
                     if e.token == token {
                         e.conn = conn;
@@ -443,9 +603,9 @@ impl ControlClient {
                     // Keys queued while this thread was sending go out now, not at the next
                     // free (which may never come).
                 }
-                Err((source, waiting)) if source.kind() == ErrorKind::ConnectionRefused => {
-                    let dropped = waiting.len() + e.pending.len();
-                    s.pending -= e.pending.len();
+                Err((source, _)) if source.kind() == ErrorKind::ConnectionRefused => {
+                    let dropped = live + e.pending.len();
+                    s.pending -= taken + e.pending.len();
                     s.dropped += dropped as u64;
                     s.endpoints.remove(endpoint);
                     tracing::warn!(
@@ -457,8 +617,9 @@ impl ControlClient {
                     return Ok(());
                 }
                 Err((source, waiting)) => {
-                    // Back in front of anything queued meanwhile.
-                    let n = waiting.len();
+                    // Back in front of anything queued meanwhile (those of producers found gone
+                    // meanwhile are no longer waiting).
+                    s.pending -= taken - live;
                     for w in waiting.into_iter().rev() {
                         e.pending.push_front(w);
                     }
@@ -473,7 +634,6 @@ impl ControlClient {
                         source.to_string(),
                     ));
                     let pending = e.pending.len();
-                    s.pending += n;
                     tracing::warn!(
                         %endpoint,
                         error = %source,
@@ -593,7 +753,7 @@ pub fn send_frees(
         buf.push(b'\n');
     }
     let client = ControlClient::new(timeout);
-    let mut stream = client.connect(endpoint, token).map_err(not_sent)?;
+    let mut stream = client.shared.connect(endpoint, token).map_err(not_sent)?;
     stream.write_all(&buf).map_err(not_sent)?;
     stream.flush().map_err(not_sent)?;
     let _ = stream.shutdown(std::net::Shutdown::Write);
@@ -623,6 +783,7 @@ impl StatsQuery {
             check_token(t)?;
         }
         let stream = ControlClient::new(timeout)
+            .shared
             .connect(endpoint, token)
             .map_err(|e| Error::io(format!("connecting to the control endpoint {endpoint}"), e))?;
         stream

@@ -285,11 +285,11 @@ impl FeatureStore {
     }
 
     /// Frees every object of `result` over its control endpoint; later `get`s of it fail.
+    /// Never waits on the network: the keys are queued and the endpoint's sender sends them
+    /// (retrying an unreachable endpoint until it answers or refuses connections).
     ///
     /// # Errors
-    /// [`Error::InvalidKey`] and the like for an invalid result (nothing is released then);
-    /// [`Error::FreeNotSent`] if the endpoint cannot be reached now: the sample is released all
-    /// the same and its keys stay pending, retried by the next `release` or `flush`.
+    /// [`Error::InvalidKey`] and the like for an invalid result (nothing is released then).
     pub fn release(&self, result: &Published) -> Result<()> {
         result.validate()?;
         let keys = result.keys()?;
@@ -304,19 +304,31 @@ impl FeatureStore {
             self.control
                 .set_token(&result.arena.control, result.arena.token.as_deref());
         }
-        self.control.free_in(
+        match self.control.free_in(
             Some(&result.arena.control),
             Some(&result.arena.session),
             keys,
-        )
+        ) {
+            // Released all the same: the keys wait for the endpoint (its sender warns).
+            Err(Error::FreeNotSent { .. }) | Ok(()) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
-    /// Retries frees that could not be sent.
+    /// Has the senders send what waits; returns without waiting.
     ///
     /// # Errors
     /// As [`ControlClient::flush`].
     pub fn flush(&self) -> Result<()> {
         self.control.flush()
+    }
+
+    /// Waits up to `timeout` for every free to go out (what a trainer does before it exits).
+    ///
+    /// # Errors
+    /// As [`ControlClient::flush_within`].
+    pub fn flush_within(&self, timeout: Duration) -> Result<()> {
+        self.control.flush_within(timeout)
     }
 
     /// Resident samples and bytes, frees not yet sent or dropped, sessions open. Samples of

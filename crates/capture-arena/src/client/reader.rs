@@ -115,12 +115,13 @@ impl Reader {
             .clone())
     }
 
-    /// True when the producer of `session` is known to be gone (from the open session if it is
-    /// cached, else from the session string itself).
+    /// True when the producer of `session` is provably gone (from the open session if it is
+    /// cached, else from the session string itself): [`Transport::is_gone`], never a read that
+    /// merely failed or timed out.
     pub fn is_gone(&self, session: &str) -> bool {
         let cached = lock(&self.cache).sessions.get(session).cloned();
         match cached {
-            Some(t) => !t.is_live(),
+            Some(t) => t.is_gone(),
             None => transport::is_gone(session),
         }
     }

@@ -137,6 +137,14 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// enough to ask before every read.
     fn is_live(&self) -> bool;
 
+    /// True only when the producer is provably gone, so that its frees can be dropped. A
+    /// transport that is merely unusable (a read timed out across a partition) is not live but
+    /// not gone either: its producer may still hold the objects. Local transports can tell (the
+    /// arena's file or its owner is gone); the default is `!is_live()`.
+    fn is_gone(&self) -> bool {
+        !self.is_live()
+    }
+
     /// Bytes of the arena (its data region).
     fn capacity(&self) -> u64;
 

@@ -22,6 +22,14 @@
 //! registrations kept; the next session opened gets a new agent. One NIXL request is in flight
 //! per process at a time (a read of several objects is one request), so a retired agent has no
 //! other reads to finish.
+//!
+//! Loading a producer's metadata connects to it, which blocks as long as the network says
+//! (minutes in a partition): it runs on a thread of its own and the caller waits at most the
+//! read timeout, after which the agent is retired the same way. UCX opens its TCP devices when
+//! an agent is made: an agent made while a NIC had no carrier never uses that NIC, so when an
+//! interface comes up that was not usable then (looked at once a second, on opens), a new agent
+//! is made and the old one retired. A failed or timed-out read never says the producer is gone
+//! ([`Transport::is_gone`] is false): its frees are still sent.
 
 use std::any::Any;
 use std::collections::HashMap;
@@ -46,6 +54,9 @@ struct ReaderAgent {
     remotes: Mutex<HashMap<String, Remote>>,
     /// Set when a read timed out in this agent: it is never driven again.
     retired: AtomicBool,
+    /// The network interfaces that could carry traffic when the agent was made (UCX opens
+    /// its TCP devices then, and never again).
+    links: Vec<String>,
 }
 
 /// Producer agents found gone (the latest [`MAX_GONE`]): their sessions are refused at once
@@ -90,6 +101,54 @@ impl Drop for ReaderAgent {
 }
 
 static READER: Mutex<Option<Arc<ReaderAgent>>> = Mutex::new(None);
+/// When the reader agent's network was last compared with the host's.
+static LINKS_CHECKED: Mutex<Option<Instant>> = Mutex::new(None);
+/// How often, at most, the host's interfaces are looked at.
+const LINKS_EVERY: Duration = Duration::from_secs(1);
+
+/// The host's network interfaces that can carry traffic now: up, with a carrier (loopback
+/// aside). Read from sysfs; empty where it cannot be read.
+fn usable_links() -> Vec<String> {
+    let Ok(dir) = std::fs::read_dir("/sys/class/net") else {
+        return Vec::new();
+    };
+    let mut links: Vec<String> = dir
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let read = |f: &str| std::fs::read_to_string(e.path().join(f)).unwrap_or_default();
+            let flags =
+                u32::from_str_radix(read("flags").trim().trim_start_matches("0x"), 16).ok();
+            let up = flags.is_some_and(|f| f & 0x1 != 0); // IFF_UP
+            let loopback = flags.is_some_and(|f| f & 0x8 != 0); // IFF_LOOPBACK
+            (up && !loopback && read("carrier").trim() == "1").then_some(name)
+        })
+        .collect();
+    links.sort();
+    links
+}
+
+/// True when an interface can carry traffic now that could not when `agent` was made: UCX
+/// never opens it in that agent, so a new agent is made (after a cable came back, say).
+fn network_grew(agent: &ReaderAgent) -> bool {
+    {
+        let mut checked = LINKS_CHECKED.lock().unwrap_or_else(|p| p.into_inner());
+        if checked.is_some_and(|t| t.elapsed() < LINKS_EVERY) {
+            return false;
+        }
+        *checked = Some(Instant::now());
+    }
+    let now = usable_links();
+    let grew = now.iter().any(|l| !agent.links.contains(l));
+    if grew {
+        tracing::info!(
+            was = ?agent.links,
+            now = ?now,
+            "network interfaces came up since the NIXL reader agent was made; making a new one"
+        );
+    }
+    grew
+}
 static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
 static NEXT_LOAD: AtomicU64 = AtomicU64::new(1);
 
@@ -99,11 +158,15 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
     let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
     let pid = std::process::id();
     if let Some(a) = slot.as_ref() {
-        if a.pid == pid && !a.retired.load(Ordering::SeqCst) {
+        if a.pid == pid && !a.retired.load(Ordering::SeqCst) && !network_grew(a) {
             return Ok(a.clone());
         }
         if a.pid == pid {
-            slot.take();
+            // Retired (never driven again), or made on a network that has grown since: its
+            // transports turn stale and reopen on the new agent.
+            if let Some(old) = slot.take() {
+                retire_agent(&old, "made before network interfaces came up");
+            }
         }
         if let Some(old) = slot.take() {
             std::mem::forget(old);
@@ -113,13 +176,16 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
         "capture-arena-reader-{pid}-{:032x}",
         crate::memory::shm::random_nonce()?
     );
+    let links = usable_links();
     let agent = Arc::new(ReaderAgent {
         handle: new_agent(&name, false)?,
         id: NEXT_AGENT.fetch_add(1, Ordering::Relaxed),
         pid,
         remotes: Mutex::new(HashMap::new()),
         retired: AtomicBool::new(false),
+        links,
     });
+    *LINKS_CHECKED.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
     *slot = Some(agent.clone());
     Ok(agent)
 }
@@ -170,52 +236,7 @@ impl NixlTransport {
                     .into(),
             });
         }
-        let generation = {
-            let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-            if !remotes.contains_key(&session.agent) {
-                let loaded = agent
-                    .handle
-                    .agent
-                    .load_remote_md(&session.metadata)
-                    .map_err(|e| Error::StaleSession {
-                        session: session.to_string(),
-                        reason: format!(
-                            "NIXL cannot load the producer's metadata or connect to its agent \
-                             ({e}): the producer is gone or restarted, or unreachable from here"
-                        ),
-                    });
-                match loaded {
-                    Ok(name) if name == session.agent => {}
-                    other => {
-                        // Not remembered as gone: a load fails at once (a refused connection, or
-                        // metadata NIXL cannot parse), so a retry costs little, and a forged
-                        // result cannot make a live producer look gone.
-                        remotes.remove(&session.agent);
-                        if let Ok(name) = &other {
-                            let _ = agent.handle.agent.invalidate_remote_md(name);
-                        }
-                        return Err(other.err().unwrap_or_else(|| Error::InvalidSession {
-                            session: session.to_string(),
-                            reason: "the metadata names another agent".into(),
-                        }));
-                    }
-                }
-                remotes.insert(
-                    session.agent.clone(),
-                    Remote {
-                        transports: 0,
-                        in_flight: 0,
-                        doomed: false,
-                        load: NEXT_LOAD.fetch_add(1, Ordering::Relaxed),
-                    },
-                );
-            }
-            let entry = remotes
-                .get_mut(&session.agent)
-                .expect("inserted above when missing");
-            entry.transports += 1;
-            entry.load
-        };
+        let generation = load_bounded(&agent, session, timeout)?;
         Ok(NixlTransport {
             load: generation,
             text: session.to_string(),
@@ -431,20 +452,114 @@ impl NixlTransport {
 
     /// Retires this transport's reader agent after a timed-out read (see the module docs).
     fn retire(&self) {
-        self.agent.retired.store(true, Ordering::SeqCst);
-        RETIRED
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(self.agent.clone());
-        let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.as_ref().is_some_and(|a| Arc::ptr_eq(a, &self.agent)) {
-            slot.take();
+        retire_agent(&self.agent, "a read timed out");
+    }
+}
+
+/// Retires `agent`: never driven or destroyed again, its transports stale; the next session
+/// opened gets a new agent.
+fn retire_agent(agent: &Arc<ReaderAgent>, why: &str) {
+    if agent.retired.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    RETIRED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(agent.clone());
+    let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
+    if slot.as_ref().is_some_and(|a| Arc::ptr_eq(a, agent)) {
+        slot.take();
+    }
+    tracing::warn!(
+        agent = %agent.handle.agent.name(),
+        why,
+        "NIXL reader agent retired; later reads use a new one"
+    );
+}
+
+/// Loads `session`'s metadata into `agent` (once per producer; later opens count in the same
+/// load), on a thread of its own: NIXL connects to the producer while loading, which blocks
+/// for as long as the network says (minutes in a partition). The caller waits at most
+/// `timeout`; past it the agent is retired (the load holds NIXL's lock for that agent) and the
+/// session is stale for now, not gone.
+fn load_bounded(agent: &Arc<ReaderAgent>, session: &NixlSession, timeout: Duration) -> Result<u64> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (a, sess) = (agent.clone(), session.clone());
+    let spawned = std::thread::Builder::new()
+        .name("capture-arena-nixl-load".into())
+        .spawn(move || {
+            let _ = tx.send(load_metadata(&a, &sess));
+        });
+    if let Err(e) = spawned {
+        return Err(Error::transport(
+            "starting a thread to load a producer's NIXL metadata",
+            e.to_string(),
+        ));
+    }
+    match rx.recv_timeout(timeout) {
+        Ok(r) => r,
+        Err(_) => {
+            retire_agent(agent, "loading a producer's metadata timed out");
+            Err(Error::StaleSession {
+                session: session.to_string(),
+                reason: format!(
+                    "connecting to the producer's NIXL agent did not finish in {:.1} s: it is \
+                     unreachable from here now (a partition, a host down); raise \
+                     SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links",
+                    timeout.as_secs_f64()
+                ),
+            })
         }
-        tracing::warn!(
-            agent = %self.agent.handle.agent.name(),
-            "NIXL reader agent retired after a timed-out read; later reads use a new one"
+    }
+}
+
+/// Loads `session`'s metadata into `agent` unless it is loaded; counts one more transport in
+/// that load and returns its generation.
+fn load_metadata(agent: &ReaderAgent, session: &NixlSession) -> Result<u64> {
+    let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+    if !remotes.contains_key(&session.agent) {
+        let loaded = agent
+            .handle
+            .agent
+            .load_remote_md(&session.metadata)
+            .map_err(|e| Error::StaleSession {
+                session: session.to_string(),
+                reason: format!(
+                    "NIXL cannot load the producer's metadata or connect to its agent ({e}): \
+                     the producer is gone or restarted, or unreachable from here"
+                ),
+            });
+        match loaded {
+            Ok(name) if name == session.agent => {}
+            other => {
+                // Not remembered as gone: a load fails at once (a refused connection, or
+                // metadata NIXL cannot parse), so a retry costs little, and a forged result
+                // cannot make a live producer look gone.
+                remotes.remove(&session.agent);
+                if let Ok(name) = &other {
+                    let _ = agent.handle.agent.invalidate_remote_md(name);
+                }
+                return Err(other.err().unwrap_or_else(|| Error::InvalidSession {
+                    session: session.to_string(),
+                    reason: "the metadata names another agent".into(),
+                }));
+            }
+        }
+        remotes.insert(
+            session.agent.clone(),
+            Remote {
+                transports: 0,
+                in_flight: 0,
+                doomed: false,
+                load: NEXT_LOAD.fetch_add(1, Ordering::Relaxed),
+            },
         );
     }
+    let Some(entry) = remotes.get_mut(&session.agent) else {
+        return Err(Error::transport("loading NIXL metadata", "entry vanished"));
+    };
+    entry.transports += 1;
+    Ok(entry.load)
 }
 
 /// How a wait for a request ended.
@@ -514,6 +629,13 @@ impl Transport for NixlTransport {
 
     fn is_live(&self) -> bool {
         !self.dead.load(Ordering::SeqCst) && !self.agent.retired.load(Ordering::SeqCst)
+    }
+
+    /// Never provable through NIXL: a failed or timed-out transfer looks the same whether the
+    /// producer exited or the network between us is down. The control endpoint tells
+    /// (connections refused, or a restarted producer's new token).
+    fn is_gone(&self) -> bool {
+        false
     }
 
     fn capacity(&self) -> u64 {
