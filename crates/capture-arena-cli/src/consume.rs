@@ -94,6 +94,10 @@ pub struct Summary {
     pub failed_samples: u64,
     pub bad_lines: u64,
     pub first_error: Option<String>,
+    /// Frees still waiting at exit (their endpoint unreachable), and frees dropped (their
+    /// producer provably gone, or too many waiting).
+    pub pending_frees: u64,
+    pub dropped_frees: u64,
     pub ok: bool,
 }
 
@@ -252,13 +256,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         };
         let took = t0.elapsed().saturating_sub(extra);
         let mut ok = read_err.is_none();
-        // A producer that is gone has no objects left to free; a result refused as invalid
-        // names nothing this trainer may free.
+        // A result refused as invalid names nothing this trainer may free. A stale one is
+        // released: its producer may be alive behind a partition (a read that timed out), and
+        // the client drops the frees only once the producer is provably gone.
         let stale = matches!(
             read_err,
             Some(
-                capture_arena::Error::StaleSession { .. }
-                    | capture_arena::Error::InvalidRead { .. }
+                capture_arena::Error::InvalidRead { .. }
                     | capture_arena::Error::InvalidKey { .. }
                     | capture_arena::Error::OutOfRange { .. }
                     | capture_arena::Error::InvalidSession { .. }
@@ -308,7 +312,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Err(e) = store.flush_within(Duration::from_secs(5)) {
         tracing::warn!(error = %e, "frees still waiting at exit");
     }
-    let pending = store.health().pending_frees;
+    let health = store.health();
+    s.pending_frees = health.pending_frees;
+    s.dropped_frees = health.dropped_frees;
+    let pending = health.pending_frees;
     if pending > 0 {
         note(&mut s, format!("{pending} frees could not be sent"));
     }

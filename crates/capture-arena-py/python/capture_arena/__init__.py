@@ -694,12 +694,13 @@ class ArenaFeatureStore(_Store):
                 # the output (a zero_(), a kernel still reading it) finishes first.
                 _torch_module().cuda.current_stream(view.tensor.device).synchronize()
                 targets.append((int(feats[name]["address"]), int(view.tensor.data_ptr()), n))
-            reader.read(result["arena"]["session"], targets)
+            reader.read(result["arena"]["session"], targets, keep=(arrays, views))
             return arrays
         arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
         reader.read(
             result["arena"]["session"],
             [(int(feats[n]["address"]), int(v.ctypes.data), int(v.nbytes)) for n, v in zip(wanted, views)],
+            keep=(arrays, views),
         )
         return _to_device(arrays, device)
 

@@ -20,14 +20,16 @@ documents batch transfers as unreliable).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
+import time
 import weakref
 from typing import Any, Optional
 
 import numpy as np
 
-from .errors import ArenaOSError, ConfigError, InvalidReadError
+from .errors import ArenaOSError, ConfigError, InvalidReadError, StaleSessionError
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine (CUDA 12), mooncake-transfer-engine-cuda13 (CUDA 13) "
@@ -163,9 +165,59 @@ class EngineArena:
             pass
 
 
+def read_timeout_s() -> float:
+    """``SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`` (default 60): how long one read may take."""
+    raw = os.environ.get("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "").strip()
+    try:
+        v = float(raw) if raw else 60.0
+    except ValueError:
+        v = -1.0
+    if not (0.0 < v <= 86400.0):
+        raise ConfigError(f"SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S={raw!r} is not a number of seconds > 0; default 60")
+    return v
+
+
+# How long the outputs of a failed or abandoned read are kept from being freed: Mooncake's own
+# timeout gives up on a transfer without cancelling it, so bytes may still land for a while.
+QUARANTINE_S = 120.0
+# Mooncake's sync reads give up after MC_TRANSFER_TIMEOUT (30 s by default, at least 5 s):
+# a read that failed sooner failed outright (nothing left in flight).
+MOONCAKE_MIN_TIMEOUT_S = 5.0
+
+
+class _Quarantine:
+    """Outputs a transfer may still write into, held until they are safe to free."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[tuple[float, Any]] = []
+
+    def hold(self, what: Any, seconds: float = QUARANTINE_S) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._held = [h for h in self._held if h[0] > now]
+            self._held.append((now + seconds, what))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+
+QUARANTINE = _Quarantine()
+
+
 class EngineReader:
     """Reads objects of TransferEngine sessions into caller arrays, with one engine per process
-    (created on first use from the ``MOONCAKE_*`` variables; ``tcp`` when no protocol is set)."""
+    (created on first use from the ``MOONCAKE_*`` variables; ``tcp`` when no protocol is set).
+
+    Every read has a deadline (``SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S``, default 60 s): the engine
+    works on a thread of its own (Mooncake connects and transfers for as long as the network
+    says, and its sync calls poll a core meanwhile) and the caller waits at most that long. A
+    read that fails or times out raises :class:`StaleSessionError`, as on every transport; its
+    outputs are held from being freed for ``QUARANTINE_S`` when the transfer may still be in
+    flight (Mooncake does not cancel a transfer it gave up on), and after a timeout the engine, whose lock the stuck transfer may hold, is
+    set aside and a new one reads from then on.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -185,6 +237,13 @@ class EngineReader:
                 self._engine, _ = new_engine(self._protocol)
             return self._engine
 
+    def _set_aside(self, te: Any) -> None:
+        """Stops using ``te`` (a transfer in it is stuck): kept referenced, never destroyed."""
+        with self._lock:
+            if self._engine is te:
+                self._engine = None
+        _ABANDONED.append(te)
+
     def _after_fork_in_child(self) -> None:
         """A forked child keeps the parent's engine referenced (its destructor would act on the
         parent's connections and threads) and starts afresh with a new lock."""
@@ -193,14 +252,51 @@ class EngineReader:
         self._engine = None
         self._lock = threading.Lock()
 
-    def read(self, session: str, targets: list[tuple[int, int, int]]) -> None:
+    def read(self, session: str, targets: list[tuple[int, int, int]], keep: Any = None) -> None:
         """Reads each ``(remote address, local address, length)`` of ``session`` straight into
         memory of this process (the outputs: host arrays, or CUDA tensors over NVLink), registered
-        for the read and unregistered after (a few microseconds each over TCP, measured)."""
+        for the read and unregistered after (a few microseconds each over TCP, measured).
+        ``keep`` owns that memory: it is held past a failed or abandoned read (see the class)."""
+        timeout = read_timeout_s()
         te = self._te()
         targets = [t for t in targets if t[2] > 0]
         if not targets:
             return
+        done = threading.Event()
+        outcome: list[BaseException] = []
+
+        t0 = time.monotonic()
+
+        def work() -> None:
+            try:
+                self._read_in(te, session, targets)
+            except BaseException as e:  # handed to the caller
+                outcome.append(e)
+                if time.monotonic() - t0 >= MOONCAKE_MIN_TIMEOUT_S:
+                    # Mooncake's own timeout ended it: the transfer was not cancelled.
+                    QUARANTINE.hold(keep)
+            finally:
+                done.set()
+
+        threading.Thread(target=work, name="capture-arena-engine-read", daemon=True).start()
+        if not done.wait(timeout):
+            QUARANTINE.hold(keep, QUARANTINE_S + timeout)
+            self._set_aside(te)
+            logging.getLogger("capture_arena").warning(
+                "TransferEngine read from %s timed out after %.1f s; later reads use a new engine", session, timeout
+            )
+            raise StaleSessionError(
+                f"the TransferEngine read of {len(targets)} objects ({sum(t[2] for t in targets)} bytes) from "
+                f"{session} did not finish in {timeout:.1f} s: the producer is unreachable from here (a partition, "
+                "a host down) or stopped; raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
+            )
+        if outcome:
+            e = outcome[0]
+            if isinstance(e, StaleSessionError):
+                raise StaleSessionError(f"{e} (after {time.monotonic() - t0:.1f} s)") from None
+            raise e
+
+    def _read_in(self, te: Any, session: str, targets: list[tuple[int, int, int]]) -> None:
         registered = []
         try:
             for _, local, n in targets:
@@ -214,24 +310,27 @@ class EngineReader:
                 te.unregister_memory(local)
 
     def _transfer(self, te: Any, session: str, targets: list[tuple[int, int, int]]) -> None:
+        gone = (
+            "the producer is gone or restarted, unreachable from here, or the address range is not one it "
+            "published"
+        )
         if self._protocol == "nvlink" or len(targets) == 1:
             # Mooncake documents batch transfers as unreliable over multi-node NVLink (and one
             # object needs no batch).
             for remote, local, n in targets:
                 rc = te.transfer_sync_read(session, local, remote, n)
                 if rc != 0:
-                    raise InvalidReadError(f"TransferEngine read of {n} bytes at {remote:#x} from {session} returned {rc}")
+                    raise StaleSessionError(f"TransferEngine read of {n} bytes at {remote:#x} from {session} returned {rc}: {gone}")
             return
         rc = te.batch_transfer_sync_read(session, [t[1] for t in targets], [t[0] for t in targets], [t[2] for t in targets])
         if rc != 0:
-            raise InvalidReadError(
-                f"TransferEngine batch read of {len(targets)} objects from {session} returned {rc} "
-                "(is the producer still running? is the address range one it published?)"
-            )
+            raise StaleSessionError(f"TransferEngine batch read of {len(targets)} objects from {session} returned {rc}: {gone}")
 
 
 # Clients of Mooncake that a forked child must not destroy: the parent's.
 _FORKED_LEFTOVERS: list[Any] = []
+# Engines with a transfer stuck in them: never destroyed (the transfer may complete later).
+_ABANDONED: list[Any] = []
 _READERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 

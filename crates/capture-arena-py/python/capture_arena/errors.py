@@ -63,7 +63,11 @@ class InvalidSessionError(CaptureArenaError, ValueError):
 
 
 class StaleSessionError(CaptureArenaError, RuntimeError):
-    """A result's producer exited or restarted: its objects are gone."""
+    """A result's objects cannot be read: its producer exited or restarted, or it is unreachable
+    from here (a read or a connection past ``SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S``). The same on
+    every transport (shared memory, CUDA handles, NIXL, a Mooncake TransferEngine, the Mooncake
+    store). Releasing such a result is safe: its frees wait until its control endpoint answers,
+    and are dropped only once it refuses connections."""
 
 
 class InvalidReadError(CaptureArenaError, ValueError):

@@ -165,7 +165,13 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
             // Retired (never driven again), or made on a network that has grown since: its
             // transports turn stale and reopen on the new agent.
             if let Some(old) = slot.take() {
-                retire_agent(&old, "made before network interfaces came up");
+                // (Not retire_agent: this thread holds READER.)
+                if !old.retired.swap(true, Ordering::SeqCst) {
+                    RETIRED
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(old);
+                }
             }
         }
         if let Some(old) = slot.take() {

@@ -1,0 +1,283 @@
+"""Across hosts, with faults: producers and trainers on hosts made of network and UTS namespaces
+(tests/cluster.py), UCX forced to TCP, a trainer's read timeout of 3 s.
+
+- NIXL: a partition during a read fails that read at its deadline (``StaleSessionError``), later
+  reads go through once it heals, and the timed-out sample's frees reach the live producer;
+- a blackholed control host costs ``release()`` nothing and delays no frees to another producer;
+  its frees arrive once it answers again;
+- a cable pulled on the trainer's host: reads fail meanwhile and resume after it is plugged back,
+  without restarting the trainer;
+- a Mooncake TransferEngine arena: a partitioned read times out at the deadline, a killed
+  producer's reads raise ``StaleSessionError`` as on every transport.
+
+In every scenario every byte read is verified and every live producer ends with its arena free.
+Needs root (network namespaces); skips with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import pytest
+
+import capture_arena as ca
+
+from cluster import Cluster, unavailable
+
+WHY = unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+READ_TIMEOUT_S = 3.0
+
+COMMON = r"""
+import numpy as np
+def payload(i, n):
+    return ((np.arange(n, dtype=np.uint64) * 2654435761 + i * 977) >> 5).astype(np.uint8)
+def spec(i, L):
+    return {"store_id": "cl", "sample_id": f"s{i}", "gen": 1,
+            "features": {"aux": "hidden_state", "last_hidden": "target"}, "passthrough": []}
+"""
+
+# Publishes argv[1] samples of ~2 MiB, one result per line; then waits (up to argv[2] s) until
+# every object is freed and prints its stats.
+PRODUCER = (
+    COMMON
+    + r"""
+import json, sys, time, ml_dtypes
+import capture_arena as ca
+n, wait = int(sys.argv[1]), float(sys.argv[2])
+sink = ca.ArenaSink()
+L, H = 512, 512
+for i in range(n):
+    aux = payload(i, L * 3 * H * 2).view(ml_dtypes.bfloat16).reshape(L, 3 * H)
+    last = payload(i + 1000, L * H * 2).view(ml_dtypes.bfloat16).reshape(L, H)
+    (r,) = sink.put_samples([(spec(i, L), aux, last)])
+    assert "error" not in r, r
+    print(json.dumps(r), flush=True)
+deadline = time.monotonic() + wait
+while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"stats": sink.stats()}), flush=True)
+sink.close()
+"""
+)
+
+# Reads, verifies and releases each result line; prints one outcome line per result; at EOF
+# waits for its frees (up to 30 s) and prints its health.
+TRAINER = (
+    COMMON
+    + r"""
+import json, sys, time
+import numpy as np
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    r = json.loads(line)
+    i = int(r["sample_id"][1:])
+    t0 = time.monotonic()
+    out = {"sample_id": r["sample_id"], "ok": False, "error": None}
+    try:
+        got = store.get(r)
+        assert np.array_equal(got["hidden_state"].reshape(-1).view(np.uint8), payload(i, got["hidden_state"].nbytes))
+        assert np.array_equal(got["target"].reshape(-1).view(np.uint8), payload(i + 1000, got["target"].nbytes))
+        out["ok"] = True
+    except ca.CaptureArenaError as e:
+        out["error"] = type(e).__name__
+        out["why"] = str(e)[:300]
+    out["read_s"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    store.release(r)
+    out["release_s"] = time.monotonic() - t1
+    print(json.dumps(out), flush=True)
+try:
+    store.flush(30)
+except ca.FreeNotSentError as e:
+    print(json.dumps({"flush": str(e)}), flush=True)
+print(json.dumps({"health": store.health()}), flush=True)
+"""
+)
+
+
+class Proc:
+    """A process on a cluster host that speaks JSON lines."""
+
+    def __init__(self, cluster: Cluster, host: str, script: str, args: list[str], env: dict[str, str]) -> None:
+        self.p = cluster.spawn(
+            host,
+            [sys.executable, "-c", script, *args],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def line(self, timeout: float = 60.0) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise AssertionError(f"no line within {timeout} s; alive={self.p.poll() is None}")
+            text = self.p.stdout.readline()
+            if not text:
+                err = self.p.stderr.read() if self.p.stderr else ""
+                raise AssertionError(f"the process ended (rc={self.p.wait()}): {err[-3000:]}")
+            if text.startswith("{"):
+                return dict(json.loads(text))
+
+    def send(self, result: dict[str, Any]) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(result) + "\n")
+        self.p.stdin.flush()
+        return self.line()
+
+    def finish(self, timeout: float = 60.0) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.close()
+        last: dict[str, Any] = {}
+        while "health" not in last:
+            last = self.line(timeout)
+        return last["health"]  # type: ignore[no-any-return]
+
+    def alive(self) -> bool:
+        return self.p.poll() is None
+
+
+def env_on(cluster: Cluster, host: str, **extra: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e.update(
+        {
+            "UCX_TLS": "tcp",
+            "SGLANG_SPEC_CAPTURE_CONTROL_HOST": cluster.addr[host],
+            "MOONCAKE_LOCAL_HOSTNAME": cluster.addr[host],
+            "MC_TCP_BIND_ADDRESS": cluster.addr[host],
+            "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
+            "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "64MiB",
+            "SGLANG_SPEC_CAPTURE_PLACEMENT": "arena",
+            "SGLANG_SPEC_CAPTURE_TRANSPORT": "nixl",
+            "GLOG_minloglevel": "2",
+        }
+    )
+    e.update(extra)
+    return e
+
+
+def producer(cluster: Cluster, host: str, n: int, wait: float = 90.0, **extra: str) -> tuple[Proc, list[dict[str, Any]]]:
+    p = Proc(cluster, host, PRODUCER, [str(n), str(wait)], env_on(cluster, host, **extra))
+    return p, [p.line() for _ in range(n)]
+
+
+def ends_free(p: Proc) -> dict[str, Any]:
+    """The producer's final stats: every object freed, the arena whole."""
+    st = p.line(120)["stats"]
+    assert st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"], st
+    assert st["freed_objects"] == st["published_objects"], st
+    assert p.p.wait(timeout=30) == 0
+    return dict(st)
+
+
+needs_nixl = pytest.mark.skipif("nixl" not in ca.FEATURES, reason="this build of capture_arena has no nixl feature")
+
+
+@needs_nixl
+def test_a_partition_fails_a_nixl_read_at_its_deadline_and_nothing_is_lost() -> None:
+    with Cluster(["p1", "t1"]) as c:
+        prod, results = producer(c, "p1", 4)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        assert trainer.send(results[0])["ok"]
+        c.partition("p1")
+        got = trainer.send(results[1])
+        assert got["error"] == "StaleSessionError", got
+        assert READ_TIMEOUT_S - 0.5 <= got["read_s"] < READ_TIMEOUT_S + 3, got
+        assert got["release_s"] < 0.05, got
+        c.heal("p1")
+        for r in results[2:]:
+            got = trainer.send(r)
+            assert got["ok"], got
+        health = trainer.finish()
+        assert health["dropped_frees"] == 0 and health["pending_frees"] == 0, health
+        assert prod.alive(), "the producer died"
+        ends_free(prod)
+
+
+@needs_nixl
+def test_a_blackholed_control_host_costs_releases_nothing_and_gets_its_frees_later() -> None:
+    with Cluster(["p1", "p2", "t1"]) as c:
+        p1, r1 = producer(c, "p1", 3)
+        p2, r2 = producer(c, "p2", 3)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        assert trainer.send(r1[0])["ok"] and trainer.send(r2[0])["ok"]
+        c.partition("p1")  # SYNs to p1 go unanswered
+        got = trainer.send(r1[1])
+        assert got["error"] == "StaleSessionError" and got["release_s"] < 0.05, got
+        for r in r2[1:]:
+            got = trainer.send(r)
+            assert got["ok"] and got["release_s"] < 0.05, got
+        ends_free(p2)  # never waited for p1
+        c.heal("p1")
+        got = trainer.send(r1[2])
+        assert got["ok"], got
+        health = trainer.finish()
+        assert health["dropped_frees"] == 0 and health["pending_frees"] == 0, health
+        ends_free(p1)
+
+
+@needs_nixl
+def test_after_a_cable_pull_the_trainer_reads_again_without_a_restart() -> None:
+    with Cluster(["p1", "t1"]) as c:
+        prod, results = producer(c, "p1", 4)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        assert trainer.send(results[0])["ok"]
+        c.pull_cable("t1")
+        for r in results[1:3]:
+            got = trainer.send(r)
+            assert got["error"] == "StaleSessionError", got
+            assert got["read_s"] < READ_TIMEOUT_S + 3, got
+        c.plug_cable("t1")
+        time.sleep(1.2)  # the reader looks at the host's interfaces at most once a second
+        got = trainer.send(results[3])
+        assert got["ok"], got
+        health = trainer.finish()
+        assert health["dropped_frees"] == 0 and health["pending_frees"] == 0, health
+        assert prod.alive(), "the producer died"
+        ends_free(prod)
+
+
+def _has_mooncake() -> Optional[str]:
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as e:
+        return f"Mooncake's TransferEngine is not importable ({e})"
+    return None
+
+
+@pytest.mark.skipif(_has_mooncake() is not None, reason=_has_mooncake() or "")
+def test_engine_reads_time_out_across_a_partition_and_a_killed_producer_is_stale() -> None:
+    with Cluster(["p1", "t1"]) as c:
+        engine = {"SGLANG_SPEC_CAPTURE_PLACEMENT": "engine", "SGLANG_SPEC_CAPTURE_TRANSPORT": "auto", "MOONCAKE_PROTOCOL": "tcp"}
+        prod, results = producer(c, "p1", 4, **engine)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **engine))
+        assert trainer.send(results[0])["ok"]
+        c.partition("p1")
+        got = trainer.send(results[1])
+        assert got["error"] == "StaleSessionError", got
+        assert READ_TIMEOUT_S - 0.5 <= got["read_s"] < READ_TIMEOUT_S + 3, got
+        c.heal("p1")
+        got = trainer.send(results[2])
+        assert got["ok"], got
+        c.kill(prod.p)
+        prod.p.wait(timeout=10)
+        got = trainer.send(results[3])
+        assert got["error"] == "StaleSessionError", got
+        health = trainer.finish()
+        assert health["pending_frees"] == 0, health
