@@ -305,5 +305,8 @@ fn a_producer_that_stops_answering_fails_the_read_at_the_timeout_and_reads_resum
     assert_eq!(s["dropped_frees"], 0, "{s}");
     assert_eq!(s["pending_frees"], 0, "{s}");
     let _rest: Vec<String> = from_p.map(Result::unwrap).collect();
-    assert!(p.wait().unwrap().success(), "the producer was left holding objects");
+    assert!(
+        p.wait().unwrap().success(),
+        "the producer was left holding objects"
+    );
 }

@@ -438,6 +438,9 @@ impl Shared {
     /// Starts the sender of each of `endpoints` that has keys waiting and none running; reports
     /// the first that is in its back-off.
     fn kick(this: &Arc<Shared>, endpoints: &[String]) -> Result<()> {
+        for name in endpoints {
+            this.try_inline(name);
+        }
         let mut first = None;
         let mut start = Vec::new();
         {
@@ -489,6 +492,63 @@ impl Shared {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    /// Writes what waits for `endpoint` at once, on its open connection, when its socket has
+    /// room for all of it (so the write cannot wait on the network) and no sender is at work:
+    /// a healthy endpoint's frees are on the wire when `free` returns (a trainer killed right
+    /// after a release loses nothing). Anything else is left to the sender.
+    fn try_inline(&self, endpoint: &str) {
+        let (waiting, conn) = {
+            let mut s = self.state();
+            let Some(e) = s.endpoints.get_mut(endpoint) else {
+                return;
+            };
+            if e.pending.is_empty() || e.sender || e.sending || e.backoff.is_some() {
+                return;
+            }
+            let Some(conn) = e.conn.take() else {
+                return;
+            };
+            e.sending = true;
+            let waiting: Vec<Waiting> = e.pending.drain(..).collect();
+            e.in_flight = waiting.len();
+            (waiting, conn)
+        };
+        let taken = waiting.len();
+        let waiting = self.live_keys(waiting);
+        let live = waiting.len();
+        let keys: Vec<&Key> = waiting.iter().map(|(k, _)| k).collect();
+        let wrote = match free_lines(&keys) {
+            Ok(buf) if alive(&conn) && has_room(&conn, buf.len()) => {
+                Some((&conn).write_all(&buf).is_ok())
+            }
+            _ => None,
+        };
+        let mut guard = self.state();
+        let s = &mut *guard;
+        let Some(e) = s.endpoints.get_mut(endpoint) else {
+            return;
+        };
+        e.sending = false;
+        e.in_flight = 0;
+        match wrote {
+            Some(true) => {
+                s.pending -= taken;
+                e.conn = Some(conn);
+            }
+            not_written => {
+                // Back in front for the sender; a connection that failed mid-write is dropped
+                // (its keys go again on a new one: a free of a freed key is only counted).
+                s.pending -= taken - live;
+                for w in waiting.into_iter().rev() {
+                    e.pending.push_front(w);
+                }
+                if not_written.is_none() && alive(&conn) {
+                    e.conn = Some(conn);
+                }
+            }
+        }
     }
 
     /// An endpoint's sender: sends until nothing waits (or the endpoint is forgotten), sleeping
@@ -873,6 +933,29 @@ fn check_token(t: &str) -> Result<()> {
         var: crate::config::ENV_CONTROL_TOKEN,
         reason: "not a control token (16 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -)".into(),
     })
+}
+
+/// True when `s`'s send queue has room for `n` more bytes with a wide margin (a quarter of the
+/// send buffer, which also pays the kernel's per-buffer overhead), so writing them cannot block.
+fn has_room(s: &TcpStream, n: usize) -> bool {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let mut queued: libc::c_int = 0;
+    let mut sndbuf: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: FFI on a socket this client owns; each call writes one c_int into a local whose
+    // size it is given.
+    let ok = unsafe {
+        libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) == 0
+            && libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&mut sndbuf as *mut libc::c_int).cast(),
+                &mut len,
+            ) == 0
+    };
+    ok && queued >= 0 && sndbuf > 0 && (queued as usize).saturating_add(n) <= sndbuf as usize / 4
 }
 
 /// The server writes only to answer a stats request, which a `ControlClient` never sends, so a

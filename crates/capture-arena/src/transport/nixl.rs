@@ -117,8 +117,7 @@ fn usable_links() -> Vec<String> {
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
             let read = |f: &str| std::fs::read_to_string(e.path().join(f)).unwrap_or_default();
-            let flags =
-                u32::from_str_radix(read("flags").trim().trim_start_matches("0x"), 16).ok();
+            let flags = u32::from_str_radix(read("flags").trim().trim_start_matches("0x"), 16).ok();
             let up = flags.is_some_and(|f| f & 0x1 != 0); // IFF_UP
             let loopback = flags.is_some_and(|f| f & 0x8 != 0); // IFF_LOOPBACK
             (up && !loopback && read("carrier").trim() == "1").then_some(name)
@@ -167,10 +166,7 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
             if let Some(old) = slot.take() {
                 // (Not retire_agent: this thread holds READER.)
                 if !old.retired.swap(true, Ordering::SeqCst) {
-                    RETIRED
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(old);
+                    RETIRED.lock().unwrap_or_else(|p| p.into_inner()).push(old);
                 }
             }
         }
