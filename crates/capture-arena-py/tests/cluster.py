@@ -21,6 +21,7 @@ the cluster made. Needs root and ``ip`` (iproute2); :func:`unavailable` says why
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -113,6 +114,21 @@ class Cluster:
                 pass
         for ns in [*self.ns.values(), self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        # Arenas of producers killed here (a process keeps its pid through ip netns exec,
+        # unshare and sh's exec, and an arena's name starts with its producer's pid).
+        for p in self.procs:
+            for f in glob.glob(f"/dev/shm/capture-arena-{p.pid}-*"):
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass
+
+    def killed(self, p: subprocess.Popen[Any]) -> None:
+        """Kills ``p`` (SIGKILL) and removes the arena it leaves behind."""
+        self.kill(p)
+        p.wait(timeout=10)
+        for f in glob.glob(f"/dev/shm/capture-arena-{p.pid}-*"):
+            os.unlink(f)
 
     def spawn(self, host: str, argv: list[str], env: Optional[dict[str, str]] = None, **popen: Any) -> subprocess.Popen[Any]:
         """Runs ``argv`` on ``host``: in its network namespace, with its own hostname, in a

@@ -51,8 +51,8 @@ PRODUCER = (
 import json, sys, time, ml_dtypes
 import capture_arena as ca
 n, wait = int(sys.argv[1]), float(sys.argv[2])
+L, H = (int(x) for x in sys.argv[3].split("x")) if len(sys.argv) > 3 else (512, 512)
 sink = ca.ArenaSink()
-L, H = 512, 512
 for i in range(n):
     aux = payload(i, L * 3 * H * 2).view(ml_dtypes.bfloat16).reshape(L, 3 * H)
     last = payload(i + 1000, L * H * 2).view(ml_dtypes.bfloat16).reshape(L, H)
@@ -101,6 +101,16 @@ except ca.FreeNotSentError as e:
 print(json.dumps({"health": store.health()}), flush=True)
 """
 )
+
+
+def route(results: dict[str, list[dict[str, Any]]], trainers: int) -> list[list[dict[str, Any]]]:
+    """Sample ``i`` of the ``k``-th producer goes to trainer ``(i + k) % trainers``: every
+    trainer gets samples of every producer."""
+    out: list[list[dict[str, Any]]] = [[] for _ in range(trainers)]
+    for k, rs in enumerate(results.values()):
+        for i, r in enumerate(rs):
+            out[(i + k) % trainers].append(r)
+    return out
 
 
 class Proc:
@@ -172,8 +182,12 @@ def env_on(cluster: Cluster, host: str, **extra: str) -> dict[str, str]:
     return e
 
 
-def producer(cluster: Cluster, host: str, n: int, wait: float = 90.0, **extra: str) -> tuple[Proc, list[dict[str, Any]]]:
-    p = Proc(cluster, host, PRODUCER, [str(n), str(wait)], env_on(cluster, host, **extra))
+def producer(
+    cluster: Cluster, host: str, n: int, wait: float = 90.0, shape: str = "512x512", **extra: str
+) -> tuple[Proc, list[dict[str, Any]]]:
+    """A producer on ``host`` publishing ``n`` samples of ``LxH`` (aux ``[L, 3H]``, last ``[L, H]``,
+    bf16: 2 MiB by default); returns it and its results."""
+    p = Proc(cluster, host, PRODUCER, [str(n), str(wait), shape], env_on(cluster, host, **extra))
     return p, [p.line() for _ in range(n)]
 
 
@@ -275,9 +289,88 @@ def test_engine_reads_time_out_across_a_partition_and_a_killed_producer_is_stale
         c.heal("p1")
         got = trainer.send(results[2])
         assert got["ok"], got
-        c.kill(prod.p)
-        prod.p.wait(timeout=10)
+        c.killed(prod.p)
         got = trainer.send(results[3])
         assert got["error"] == "StaleSessionError", got
         health = trainer.finish()
         assert health["pending_frees"] == 0, health
+
+
+@needs_nixl
+def test_two_producers_and_three_trainers_every_trainer_reads_from_both() -> None:
+    with Cluster(["p1", "p2", "t1", "t2", "t3"]) as c:
+        prods = {h: producer(c, h, 6) for h in ("p1", "p2")}
+        trainers = [Proc(c, t, TRAINER, [], env_on(c, t)) for t in ("t1", "t2", "t3")]
+        routed = route({h: rs for h, (_, rs) in prods.items()}, 3)
+        for tr, rs in zip(trainers, routed):
+            assert {r["arena"]["control"] for r in rs} == {prods[h][1][0]["arena"]["control"] for h in prods}
+            for r in rs:
+                got = tr.send(r)
+                assert got["ok"], got
+        for tr in trainers:
+            health = tr.finish()
+            assert health["dropped_frees"] == 0 and health["pending_frees"] == 0, health
+        for p, _ in prods.values():
+            st = ends_free(p)
+            assert st["unknown_frees"] == 0, st  # every object freed exactly once
+
+
+@needs_nixl
+def test_a_killed_producer_is_stale_and_its_frees_are_dropped_once_its_port_refuses() -> None:
+    with Cluster(["p1", "t1"]) as c:
+        prod, results = producer(c, "p1", 3)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        assert trainer.send(results[0])["ok"]
+        c.killed(prod.p)
+        for r in results[1:]:
+            got = trainer.send(r)
+            assert got["error"] == "StaleSessionError" and got["read_s"] < READ_TIMEOUT_S + 1, got
+            assert got["release_s"] < 0.05, got
+        health = trainer.finish()
+        assert health["pending_frees"] == 0 and health["dropped_frees"] > 0, health
+
+
+@needs_nixl
+def test_host_loss_fails_reads_at_the_deadline_and_costs_releases_nothing() -> None:
+    with Cluster(["p1", "p2", "t1"]) as c:
+        p1, r1 = producer(c, "p1", 2)
+        p2, r2 = producer(c, "p2", 2)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        assert trainer.send(r1[0])["ok"]
+        c.partition("p1")  # the host goes dark, then its producer dies
+        c.killed(p1.p)
+        got = trainer.send(r1[1])
+        assert got["error"] == "StaleSessionError", got
+        assert READ_TIMEOUT_S - 0.5 <= got["read_s"] < READ_TIMEOUT_S + 3 and got["release_s"] < 0.05, got
+        for r in r2:  # the other producer is not held up
+            got = trainer.send(r)
+            assert got["ok"] and got["release_s"] < 0.05, got
+        ends_free(p2)
+        # Nothing proves the lost host's producer gone: its frees are never dropped (they went
+        # into the open connection, where TCP holds them, or wait for the endpoint).
+        health = trainer.finish()
+        assert health["dropped_frees"] == 0, health
+
+
+@needs_nixl
+def test_a_producer_restarted_on_the_same_port_never_applies_its_predecessors_frees() -> None:
+    with Cluster(["p1", "t1"]) as c:
+        port = str(20000 + os.getpid() % 20000)
+        same = {"SGLANG_SPEC_CAPTURE_CONTROL_PORT": port, "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN": "auto"}
+        old, old_results = producer(c, "p1", 2, **same)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        assert trainer.send(old_results[0])["ok"]
+        c.killed(old.p)
+        new, new_results = producer(c, "p1", 2, **same)
+        assert new_results[0]["arena"]["control"] == old_results[0]["arena"]["control"]
+        got = trainer.send(old_results[1])  # its frees reach the new producer's port
+        assert got["error"] == "StaleSessionError", got
+        for r in new_results:
+            got = trainer.send(r)
+            assert got["ok"], got
+        health = trainer.finish()
+        assert health["pending_frees"] == 0, health
+        st = ends_free(new)
+        # The old sample's frees carried the old token: refused before any was applied.
+        assert st["unknown_frees"] == 0 and st["freed_objects"] == st["published_objects"], st
+        assert st["unauthorized_lines"] >= 1, st
