@@ -47,6 +47,9 @@ use crate::memory::nixl::{new_agent, AgentHandle, NixlMem, NixlSession, Span};
 /// The process's reader agent and the producers whose metadata it holds.
 struct ReaderAgent {
     handle: AgentHandle,
+    /// The agent's name, kept here: asking NIXL for it takes the agent's lock, which a load
+    /// stuck in `connect()` holds.
+    name: String,
     /// Identifies this agent's registrations in the read-buffer registry.
     id: u64,
     pid: u32,
@@ -89,7 +92,7 @@ const MAX_GONE: usize = 1024;
 impl fmt::Debug for ReaderAgent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReaderAgent")
-            .field("agent", &self.handle)
+            .field("agent", &self.name)
             .finish()
     }
 }
@@ -181,6 +184,7 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
     let links = usable_links();
     let agent = Arc::new(ReaderAgent {
         handle: new_agent(&name, false)?,
+        name: name.clone(),
         id: NEXT_AGENT.fetch_add(1, Ordering::Relaxed),
         pid,
         remotes: Mutex::new(HashMap::new()),
@@ -473,7 +477,7 @@ fn retire_agent(agent: &Arc<ReaderAgent>, why: &str) {
         slot.take();
     }
     tracing::warn!(
-        agent = %agent.handle.agent.name(),
+        agent = %agent.name,
         why,
         "NIXL reader agent retired; later reads use a new one"
     );
