@@ -289,12 +289,19 @@ pub fn ucx_transports() -> String {
 
 /// `UCX_MODULES=^ib` unless set, on a machine without InfiniBand devices: UCX's InfiniBand
 /// module (with the libnl the NIXL wheel bundles) crashes at exit where there is no such device.
+/// And UCX's TCP segments at [`capture_arena::config::UCX_TCP_SEG_SIZE`] unless set (both
+/// directions: a READ over TCP is sent back in segments of that size; BENCHMARKS.md).
 /// Called first thing in `main`, while the process has one thread; children inherit it.
 #[cfg(feature = "nixl")]
 pub fn ucx_defaults() {
     let has_ib = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some());
     if std::env::var_os("UCX_MODULES").is_none() && !has_ib {
         std::env::set_var("UCX_MODULES", "^ib");
+    }
+    for var in ["UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"] {
+        if std::env::var_os(var).is_none() {
+            std::env::set_var(var, capture_arena::config::UCX_TCP_SEG_SIZE);
+        }
     }
 }
 

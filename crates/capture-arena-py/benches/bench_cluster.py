@@ -156,9 +156,14 @@ def transports(rounds: int) -> dict[str, Any]:
 def two_by_three(samples: int) -> dict[str, Any]:
     shape = "1024x2048"  # 16 MiB
     with Cluster(["p1", "p2", "t1", "t2", "t3"]) as c:
-        arena = f"{16 * (2 * samples + 2)}MiB"
+        arena = f"{16 * (2 * samples + 6)}MiB"
         prods = {h: Producer(c, h, PRODUCER, [], env_on(c, h, SGLANG_SPEC_CAPTURE_ARENA_BYTES=arena)) for h in ("p1", "p2")}
         trainers = [Proc(c, t, TRAINER, [], env_on(c, t, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="60")) for t in ("t1", "t2", "t3")]
+        # Every trainer connects to both producers first (a first read sets up the connection).
+        warm = {h: prods[h].publish(3, shape) for h in prods}
+        for j, tr in enumerate(trainers):
+            for h in prods:
+                assert tr.send(warm[h][j])["ok"]
         # Publishing while nobody reads (each producer in turn, so they do not share cores).
         quiet = {h: prods[h].publish(samples, shape) for h in prods}
         quiet_put = med([r["_put_s"] for h in quiet for r in quiet[h]])

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -128,20 +130,26 @@ class Proc:
             stderr=subprocess.PIPE,
             text=True,
         )
+        # Lines are read by a thread of their own: a select() on the pipe would miss lines
+        # already in the reader's buffer.
+        self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.p.stdout is not None
+        for text in self.p.stdout:
+            self.lines.put(text)
+        self.lines.put(None)
 
     def line(self, timeout: float = 60.0) -> dict[str, Any]:
-        assert self.p.stdout is not None
-        import selectors
-
-        sel = selectors.DefaultSelector()
-        sel.register(self.p.stdout, selectors.EVENT_READ)
+        """The next JSON line the process prints (its other lines are skipped)."""
         deadline = time.monotonic() + timeout
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise AssertionError(f"no line within {timeout} s; alive={self.p.poll() is None}")
-            text = self.p.stdout.readline()
-            if not text:
+            try:
+                text = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"no line within {timeout} s; alive={self.p.poll() is None}") from None
+            if text is None:
                 err = self.p.stderr.read() if self.p.stderr else ""
                 raise AssertionError(f"the process ended (rc={self.p.wait()}): {err[-3000:]}")
             if text.startswith("{"):

@@ -237,6 +237,13 @@ pub fn read_timeout() -> Result<Duration> {
     }
 }
 
+/// The UCX TCP segment size capture-arena's CLI and Python package set (`UCX_TCP_TX_SEG_SIZE`,
+/// `UCX_TCP_RX_SEG_SIZE`) when unset, before NIXL loads. Over TCP a READ is emulated: the
+/// producer's UCX sends the bytes back in segments of this size, and UCX's default (8 KiB) made
+/// 64 MiB reads across hosts 0.58 x a Mooncake TransferEngine's; 512 KiB made them 2.3 x
+/// (BENCHMARKS.md, `bench_cluster.py`). Both sides of a connection need the same value.
+pub const UCX_TCP_SEG_SIZE: &str = "512k";
+
 /// `SGLANG_SPEC_CAPTURE_PLACEMENT`: `auto` (default), `arena`, `engine` or `store`; see
 /// [`placement`].
 pub const ENV_PLACEMENT: &str = "SGLANG_SPEC_CAPTURE_PLACEMENT";

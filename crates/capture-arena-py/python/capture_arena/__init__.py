@@ -33,11 +33,15 @@ from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
 
 
+#: UCX's TCP segment size, set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
+UCX_TCP_SEG_SIZE = "512k"
+
+
 def _nixl_defaults() -> None:
     """NIXL's environment, set before its library loads (on the first ``nixl://`` session):
-    ``SGLANG_SPEC_CAPTURE_NIXL_LIB`` from an installed ``nixl-cu12`` wheel when unset, and
+    ``SGLANG_SPEC_CAPTURE_NIXL_LIB`` from an installed ``nixl-cu12`` wheel when unset,
     ``UCX_MODULES=^ib`` where the machine has no InfiniBand device (UCX's InfiniBand module
-    crashes at exit there, in the libnl the wheel bundles)."""
+    crashes at exit there, in the libnl the wheel bundles), and UCX's TCP segment size."""
     if "nixl" not in FEATURES:
         return
     if not os.environ.get("SGLANG_SPEC_CAPTURE_NIXL_LIB"):
@@ -49,6 +53,10 @@ def _nixl_defaults() -> None:
                 break
     if "UCX_MODULES" not in os.environ and not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
         os.environ["UCX_MODULES"] = "^ib"
+    # Over TCP a READ comes back in segments of this size (UCX's default, 8 KiB, made reads across
+    # hosts 0.58 x a Mooncake TransferEngine's; 512 KiB: 2.3 x). Both sides need the same value.
+    for var in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
+        os.environ.setdefault(var, UCX_TCP_SEG_SIZE)
 
 
 _nixl_defaults()
