@@ -29,37 +29,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from cluster import Cluster, unavailable  # noqa: E402
-from test_cluster import COMMON, Proc, env_on  # noqa: E402
+from test_cluster import PUBLISHER as PRODUCER  # noqa: E402
+from test_cluster import Proc, Publisher, env_on  # noqa: E402
 
 MIB = 1 << 20
-
-# Commands on stdin: "N LxH" publishes N samples of that shape (one result line each, with the
-# put's seconds); EOF waits for every free (60 s) and prints the stats.
-PRODUCER = (
-    COMMON
-    + r"""
-import json, sys, time, ml_dtypes
-import capture_arena as ca
-sink = ca.ArenaSink()
-i = 0
-for cmd in sys.stdin:
-    n, shape = cmd.split()
-    L, H = (int(x) for x in shape.split("x"))
-    aux = payload(7, L * 3 * H * 2).view(ml_dtypes.bfloat16).reshape(L, 3 * H)
-    last = payload(8, L * H * 2).view(ml_dtypes.bfloat16).reshape(L, H)
-    for _ in range(int(n)):
-        t0 = time.perf_counter()
-        (r,) = sink.put_samples([(spec(i, L), aux, last)])
-        r["_put_s"] = time.perf_counter() - t0
-        print(json.dumps(r), flush=True)
-        i += 1
-deadline = time.monotonic() + 60
-while sink.stats()["resident_objects"] and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(json.dumps({"stats": sink.stats()}), flush=True)
-sink.close()
-"""
-)
 
 # Reads each result into outputs allocated once (views of one ReadBuffer) and releases it;
 # "_noread" only releases. One outcome line per result.
@@ -106,19 +79,6 @@ print(json.dumps({"health": store.health()}), flush=True)
 """
 
 
-class Producer(Proc):
-    def publish(self, n: int, shape: str) -> list[dict[str, Any]]:
-        assert self.p.stdin is not None
-        self.p.stdin.write(f"{n} {shape}\n")
-        self.p.stdin.flush()
-        return [self.line(120) for _ in range(n)]
-
-    def end(self) -> dict[str, Any]:
-        assert self.p.stdin is not None
-        self.p.stdin.close()
-        return dict(self.line(120)["stats"])
-
-
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -134,7 +94,7 @@ def transports(rounds: int) -> dict[str, Any]:
     with Cluster(["p1", "t1"]) as c:
         for name, where, extra in cases:
             arena = f"{64 * (n + 1)}MiB"
-            p = Producer(c, "p1", PRODUCER, [], env_on(c, "p1", SGLANG_SPEC_CAPTURE_ARENA_BYTES=arena, **extra))
+            p = Publisher(c, "p1", PRODUCER, [], env_on(c, "p1", SGLANG_SPEC_CAPTURE_ARENA_BYTES=arena, **extra))
             rs = p.publish(n, shape)
             t = Proc(c, where, TRAINER, [], env_on(c, where, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="60", **extra))
             times = []
@@ -157,7 +117,7 @@ def two_by_three(samples: int) -> dict[str, Any]:
     shape = "1024x2048"  # 16 MiB
     with Cluster(["p1", "p2", "t1", "t2", "t3"]) as c:
         arena = f"{16 * (2 * samples + 6)}MiB"
-        prods = {h: Producer(c, h, PRODUCER, [], env_on(c, h, SGLANG_SPEC_CAPTURE_ARENA_BYTES=arena)) for h in ("p1", "p2")}
+        prods = {h: Publisher(c, h, PRODUCER, [], env_on(c, h, SGLANG_SPEC_CAPTURE_ARENA_BYTES=arena)) for h in ("p1", "p2")}
         trainers = [Proc(c, t, TRAINER, [], env_on(c, t, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="60")) for t in ("t1", "t2", "t3")]
         # Every trainer connects to both producers first (a first read sets up the connection).
         warm = {h: prods[h].publish(3, shape) for h in prods}
@@ -228,7 +188,7 @@ def faults() -> dict[str, Any]:
     shape = "512x512"  # 2 MiB
     out: dict[str, Any] = {}
     with Cluster(["p1", "p2", "t1"]) as c:
-        p = Producer(c, "p1", PRODUCER, [], env_on(c, "p1", SGLANG_SPEC_CAPTURE_ARENA_BYTES="256MiB"))
+        p = Publisher(c, "p1", PRODUCER, [], env_on(c, "p1", SGLANG_SPEC_CAPTURE_ARENA_BYTES="256MiB"))
         t = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
         base = p.publish(20, shape)
         base_put = med([r["_put_s"] for r in base])
@@ -259,7 +219,7 @@ def faults() -> dict[str, Any]:
         st = p.end()
         assert st["resident_objects"] == 0, st
         # A killed producer, on another host.
-        p2 = Producer(c, "p2", PRODUCER, [], env_on(c, "p2", SGLANG_SPEC_CAPTURE_ARENA_BYTES="64MiB"))
+        p2 = Publisher(c, "p2", PRODUCER, [], env_on(c, "p2", SGLANG_SPEC_CAPTURE_ARENA_BYTES="64MiB"))
         rs = p2.publish(2, shape)
         t = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
         assert t.send(rs[0])["ok"]

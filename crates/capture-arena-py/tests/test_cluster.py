@@ -69,6 +69,34 @@ sink.close()
 """
 )
 
+# Commands on stdin: "N LxH" publishes N samples of that shape (one result line each, with the
+# put's seconds); EOF waits for every free (60 s) and prints the stats.
+PUBLISHER = (
+    COMMON
+    + r"""
+import json, sys, time, ml_dtypes
+import capture_arena as ca
+sink = ca.ArenaSink()
+i = 0
+for cmd in sys.stdin:
+    n, shape = cmd.split()
+    L, H = (int(x) for x in shape.split("x"))
+    for _ in range(int(n)):
+        aux = payload(i, L * 3 * H * 2).view(ml_dtypes.bfloat16).reshape(L, 3 * H)
+        last = payload(i + 1000, L * H * 2).view(ml_dtypes.bfloat16).reshape(L, H)
+        t0 = time.perf_counter()
+        (r,) = sink.put_samples([(spec(i, L), aux, last)])
+        r["_put_s"] = time.perf_counter() - t0
+        print(json.dumps(r), flush=True)
+        i += 1
+deadline = time.monotonic() + 60
+while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"stats": sink.stats()}), flush=True)
+sink.close()
+"""
+)
+
 # Reads, verifies and releases each result line; prints one outcome line per result; at EOF
 # waits for its frees (up to 30 s) and prints its health.
 TRAINER = (
@@ -171,6 +199,21 @@ class Proc:
 
     def alive(self) -> bool:
         return self.p.poll() is None
+
+
+class Publisher(Proc):
+    """A producer that publishes on command (``PUBLISHER``)."""
+
+    def publish(self, n: int, shape: str) -> list[dict[str, Any]]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(f"{n} {shape}\n")
+        self.p.stdin.flush()
+        return [self.line(120) for _ in range(n)]
+
+    def end(self) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.close()
+        return dict(self.line(120)["stats"])
 
 
 def env_on(cluster: Cluster, host: str, **extra: str) -> dict[str, str]:
@@ -389,3 +432,57 @@ def test_a_producer_restarted_on_the_same_port_never_applies_its_predecessors_fr
         # The old sample's frees carried the old token: refused before any was applied.
         assert st["unknown_frees"] == 0 and st["freed_objects"] == st["published_objects"], st
         assert st["unauthorized_lines"] >= 1, st
+
+
+@needs_nixl
+def test_the_producer_lives_and_publishes_through_every_trainer_fault() -> None:
+    big = "4096x4096"  # 128 MiB: a read takes long enough (~60 ms) to be cut in the middle
+    with Cluster(["p1", "t1", "t2"]) as c:
+        p = Publisher(c, "p1", PUBLISHER, [], env_on(c, "p1", SGLANG_SPEC_CAPTURE_ARENA_BYTES="1200MiB"))
+        a = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        left: list[dict[str, Any]] = []  # published, never given to a trainer that released it
+
+        def published(n: int) -> list[dict[str, Any]]:
+            rs = p.publish(n, big)
+            assert all("error" not in r for r in rs), rs
+            return [{k: v for k, v in r.items() if k != "_put_s"} for r in rs]
+
+        r = published(2)
+        assert a.send(r[0])["ok"]
+        # A partition in the middle of a read, with publishing during it.
+        assert a.p.stdin is not None
+        a.p.stdin.write(json.dumps(r[1]) + "\n")
+        a.p.stdin.flush()
+        time.sleep(0.01)
+        c.partition("p1")
+        left += published(2)
+        got = a.line()  # cut in the middle (or, rarely, done just before the cut)
+        assert got["ok"] or got["error"] == "StaleSessionError", got
+        c.heal("p1")
+        # The trainer's carrier flaps.
+        c.pull_cable("t1")
+        left += published(1)
+        c.plug_cable("t1")
+        time.sleep(1.2)
+        got = a.send(left.pop(0))
+        assert got["ok"], got
+        # The trainer is killed in the middle of a read.
+        killed = left.pop(0)
+        a.p.stdin.write(json.dumps(killed) + "\n")
+        a.p.stdin.flush()
+        time.sleep(0.01)
+        c.kill(a.p)
+        a.p.wait(timeout=10)
+        left += published(2)
+        assert p.alive(), "the producer died"
+        # Another trainer reads the rest, the killed one's sample too.
+        b = Proc(c, "t2", TRAINER, [], env_on(c, "t2"))
+        for r in [killed, *left]:
+            got = b.send(r)
+            assert got["ok"], got
+        health = b.finish()
+        assert health["pending_frees"] == 0 and health["dropped_frees"] == 0, health
+        st = p.end()
+        assert st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"], st
+        assert st["published_samples"] == 7 and st["unknown_frees"] == 0, st
+        assert p.p.wait(timeout=30) == 0
