@@ -26,6 +26,6 @@ def read_all(results: list[dict[str, Any]]) -> list[dict[str, bytes]]:
             pass
         else:
             raise AssertionError("get after release must raise KeyError")
-    store.flush()
+    store.flush(10)  # the frees go out from a sender thread: wait for them
     assert store.health()["pending_frees"] == 0
     return out
