@@ -3,9 +3,10 @@
 //! - [`Reader`] opens sessions (cached, and dropped once their producer is gone) and reads
 //!   features into caller buffers, validating every address and length against the arena and
 //!   against `shape × dtype` before touching memory.
-//! - [`ControlClient`] sends frees: one persistent connection per control endpoint, retries with
-//!   a back-off per endpoint (an unreachable endpoint never delays frees to another one), and a
-//!   bounded number of keys waiting.
+//! - [`ControlClient`] sends frees without waiting on the network in its caller's thread: a
+//!   sender thread per control endpoint with one persistent connection, retries with a back-off
+//!   per endpoint (an unreachable endpoint never delays frees to another one), and a bounded
+//!   number of keys waiting.
 //! - [`FeatureStore`] is what a trainer holds: `get` a result's tensors, `release` it, with
 //!   use-after-release protection.
 
