@@ -1,7 +1,9 @@
 """Hosts made of network and UTS namespaces on one machine, for tests across hosts.
 
 A :class:`Cluster` makes a switch (a namespace holding a bridge) and one namespace per host, each
-with its own hostname (a UTS namespace per process it runs) and a veth pair into the switch;
+with its own hostname (a UTS namespace per process it runs), its own ``/dev/shm`` (a directory of
+the machine's, bound over ``/dev/shm`` in a mount namespace per process) and a veth pair into the
+switch;
 addresses are 10.X.0.N/24 on a subnet picked per cluster. Every neighbour entry is permanent, so a
 host cut off from the switch is silent, not unreachable: packets to it are sent and never
 answered (what a partition or a dead host looks like from the other side).
@@ -114,26 +116,29 @@ class Cluster:
                 pass
         for ns in [*self.ns.values(), self.switch]:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        # Arenas of producers killed here (a process keeps its pid through ip netns exec,
-        # unshare and sh's exec, and an arena's name starts with its producer's pid).
-        for p in self.procs:
-            for f in glob.glob(f"/dev/shm/capture-arena-{p.pid}-*"):
-                try:
-                    os.unlink(f)
-                except OSError:
-                    pass
+        # The hosts' shared memory, with whatever killed producers left in it.
+        for h in self.hosts:
+            shutil.rmtree(self.shm(h), ignore_errors=True)
+
+    def shm(self, host: str) -> str:
+        """The directory that is ``host``'s ``/dev/shm``."""
+        return f"/dev/shm/ca-{self.tag}-{host}"
 
     def killed(self, p: subprocess.Popen[Any]) -> None:
-        """Kills ``p`` (SIGKILL) and removes the arena it leaves behind."""
+        """Kills ``p`` (SIGKILL) and removes the arena it leaves behind (a process keeps its pid
+        through ip netns exec, unshare and sh's exec; an arena's name starts with that pid)."""
         self.kill(p)
         p.wait(timeout=10)
-        for f in glob.glob(f"/dev/shm/capture-arena-{p.pid}-*"):
+        for f in glob.glob(f"/dev/shm/ca-{self.tag}-*/capture-arena-{p.pid}-*"):
             os.unlink(f)
 
     def spawn(self, host: str, argv: list[str], env: Optional[dict[str, str]] = None, **popen: Any) -> subprocess.Popen[Any]:
-        """Runs ``argv`` on ``host``: in its network namespace, with its own hostname, in a
-        process group of its own (so teardown kills everything it started)."""
-        cmd = ["ip", "netns", "exec", self.ns[host], "unshare", "--uts", "--", "sh", "-c", f'hostname {host} && exec "$@"', "sh", *argv]
+        """Runs ``argv`` on ``host``: in its network namespace, with its own hostname and its own
+        ``/dev/shm`` (shared by the processes of that host only), in a process group of its own
+        (so teardown kills everything it started)."""
+        shm = self.shm(host)
+        setup = f'mkdir -p {shm} && mount --bind {shm} /dev/shm && hostname {host} && exec "$@"'
+        cmd = ["ip", "netns", "exec", self.ns[host], "unshare", "--uts", "--mount", "--", "sh", "-c", setup, "sh", *argv]
         p = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
         self.procs.append(p)
         return p

@@ -39,7 +39,13 @@ READ_TIMEOUT_S = 3.0
 COMMON = r"""
 import numpy as np
 def payload(i, n):
-    return ((np.arange(n, dtype=np.uint64) * 2654435761 + i * 977) >> 5).astype(np.uint8)
+    # Sample i's bytes: a 1 MiB pseudo-random block of its own, each copy XORed with its index
+    # (cheap for 128 MiB samples, and no two MiB of a sample alike within 256 MiB).
+    B = 1 << 20
+    block = ((np.arange(B, dtype=np.uint64) * 2654435761 + i * 977) >> 5).astype(np.uint8)
+    k = -(-n // B)
+    out = np.tile(block, k).reshape(k, B) ^ (np.arange(k, dtype=np.uint64) & 0xFF).astype(np.uint8)[:, None]
+    return out.reshape(-1)[:n]
 def spec(i, L):
     return {"store_id": "cl", "sample_id": f"s{i}", "gen": 1,
             "features": {"aux": "hidden_state", "last_hidden": "target"}, "passthrough": []}
@@ -54,7 +60,7 @@ import json, sys, time, ml_dtypes
 import capture_arena as ca
 n, wait = int(sys.argv[1]), float(sys.argv[2])
 L, H = (int(x) for x in sys.argv[3].split("x")) if len(sys.argv) > 3 else (512, 512)
-sink = ca.ArenaSink()
+sink = ca.new_sink()
 for i in range(n):
     aux = payload(i, L * 3 * H * 2).view(ml_dtypes.bfloat16).reshape(L, 3 * H)
     last = payload(i + 1000, L * H * 2).view(ml_dtypes.bfloat16).reshape(L, H)
@@ -62,7 +68,7 @@ for i in range(n):
     assert "error" not in r, r
     print(json.dumps(r), flush=True)
 deadline = time.monotonic() + wait
-while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+while sink.stats().get("resident_objects") and time.monotonic() < deadline:
     time.sleep(0.05)
 print(json.dumps({"stats": sink.stats()}), flush=True)
 sink.close()
@@ -486,3 +492,59 @@ def test_the_producer_lives_and_publishes_through_every_trainer_fault() -> None:
         assert st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"], st
         assert st["published_samples"] == 7 and st["unknown_frees"] == 0, st
         assert p.p.wait(timeout=30) == 0
+
+
+def wait_port(c: Cluster, host: str, addr: str, port: int, timeout: float = 30.0) -> None:
+    """Waits until ``addr:port`` accepts connections, as seen from ``host``."""
+    probe = f"import socket; socket.create_connection(({addr!r}, {port}), timeout=0.5).close()"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = c.spawn(host, [sys.executable, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if p.wait(timeout=10) == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{addr}:{port} did not come up on {host}")
+
+
+@pytest.mark.skipif(_has_mooncake() is not None, reason=_has_mooncake() or "")
+def test_store_reads_across_hosts_are_bounded_and_stale_like_every_transport() -> None:
+    import mooncake
+
+    with Cluster(["m", "p1", "t1"]) as c:
+        rpc, http = 50051, 8080
+        master = str(os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master"))
+        ip = c.addr["m"]
+        c.spawn(
+            "m",
+            [master, "--enable_http_metadata_server=true", f"--http_metadata_server_host={ip}", f"--http_metadata_server_port={http}",
+             f"--rpc_address={ip}", f"--rpc_port={rpc}", f"--metrics_host={ip}", "--metrics_port=9003"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(c, "p1", ip, rpc)
+        store = {
+            "SGLANG_SPEC_CAPTURE_PLACEMENT": "store",
+            "SGLANG_SPEC_CAPTURE_TRANSPORT": "auto",
+            "MOONCAKE_PROTOCOL": "tcp",
+            "MOONCAKE_MASTER_SERVER_ADDR": f"{ip}:{rpc}",
+            "MOONCAKE_METADATA_SERVER": f"http://{ip}:{http}/metadata",
+            "MOONCAKE_GLOBAL_SEGMENT_SIZE": "256MiB",
+            "MOONCAKE_LOCAL_BUFFER_SIZE": "64MiB",
+        }
+        prod, results = producer(c, "p1", 4, **store)
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **store))
+        got = trainer.send(results[0])
+        assert got["ok"], got
+        c.partition("p1")  # the objects' segment is cut off
+        got = trainer.send({**results[1], "_keep": True})
+        assert got["error"] == "StaleSessionError", got
+        assert got["read_s"] < READ_TIMEOUT_S + 3, got
+        c.heal("p1")
+        got = trainer.send(results[1])
+        assert got["ok"], got
+        c.killed(prod.p)
+        for r in results[2:]:
+            got = trainer.send(r)
+            assert got["error"] == "StaleSessionError" and got["release_s"] < 0.05, got
+        health = trainer.finish()
+        assert health["dropped_frees"] == 0, health

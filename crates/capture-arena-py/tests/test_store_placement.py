@@ -89,6 +89,7 @@ for line in sys.stdin:
           and got["input_ids"][0].tolist() == list(range(L)))
     if release:
         store.release(r)
+        store.flush(10)  # the removal goes out from a thread of its own: wait for it
         try:
             store.get(r)
             ok = False

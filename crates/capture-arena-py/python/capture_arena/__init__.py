@@ -650,10 +650,10 @@ class ArenaFeatureStore(_Store):
         endpoint sends them, retrying an unreachable endpoint (back-off from 100 ms to 30 s)
         until it answers, or dropping them once it refuses connections (its producer is gone).
         ``health()["pending_frees"]`` counts what waits; :meth:`flush` waits for it."""
+        _OPEN_STORES.add(self)
         if is_store_result(result):
             self._stores().release(result)
         else:
-            _OPEN_STORES.add(self)
             super().release(result)
 
     def flush(self, timeout_s: float = 0.0) -> None:
@@ -663,7 +663,19 @@ class ArenaFeatureStore(_Store):
         now (in its back-off), or not done within ``timeout_s``. The frees keep waiting either
         way; a trainer about to exit waits here (``with`` blocks and interpreter exit wait up to
         ``SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S``, 5 s)."""
+        t0 = time.monotonic()
         super().flush(timeout_s)
+        if self._store_reader is not None and timeout_s > 0:
+            self._store_reader.flush(max(0.0, timeout_s - (time.monotonic() - t0)))
+
+    def health(self) -> dict[str, int]:
+        """``{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",
+        "open_sessions"}``; frees count the store placement's queued removals too."""
+        h = dict(super().health())
+        if self._store_reader is not None:
+            h["pending_frees"] += self._store_reader.pending
+            h["dropped_frees"] += self._store_reader.dropped
+        return h
 
     @staticmethod
     def reclaim(

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import logging
 import os
 import socket
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -39,7 +41,17 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _capture_arena
-from .errors import ArenaOSError, ConfigError, InvalidReadError, InvalidSampleError, QueueFullError, ReleasedError, WriterStoppedError
+from .errors import (
+    ArenaOSError,
+    ConfigError,
+    FreeNotSentError,
+    InvalidReadError,
+    InvalidSampleError,
+    QueueFullError,
+    ReleasedError,
+    StaleSessionError,
+    WriterStoppedError,
+)
 
 # Mooncake status codes worth naming in messages.
 NOT_FOUND = -704
@@ -318,10 +330,24 @@ class StoreSink:
         self.close()
 
 
+# Mooncake's status for a size mismatch (a result whose shapes are not the stored object's).
+SIZE_MISMATCH = -600
+
+
 class StoreReader:
-    """Reads and frees store-placement results for ArenaFeatureStore."""
+    """Reads and frees store-placement results for ArenaFeatureStore.
+
+    Reads have the read deadline (``SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S``): the store client works
+    on a thread of its own and the caller waits at most that long; past it the read raises
+    :class:`StaleSessionError`, the client is set aside (never destroyed) and a new one connects
+    for the next read. A missing object (its producer gone, its segment unmounted) is
+    :class:`StaleSessionError` too, as on every transport. Releases never wait on the network: the
+    removals go out from a thread of their own, retried with a back-off (100 ms to 30 s) while the
+    master cannot be reached; :meth:`flush` waits for them.
+    """
 
     MAX_RELEASED = 262144
+    MAX_PENDING_KEYS = 262144
 
     def __init__(self) -> None:
         _CLIENTS.add(self)
@@ -329,11 +355,30 @@ class StoreReader:
         self._store: Optional[Any] = None
         self._released: set[tuple[str, str, int]] = set()
         self._order: deque[tuple[str, str, int]] = deque()
+        self._removals: deque[str] = deque()
+        self._removing = 0
+        self._changed = threading.Condition(self._lock)
+        self._remover: Optional[threading.Thread] = None
+        self.dropped = 0
 
     def _client(self) -> Any:
-        if self._store is None:
-            self._store = connect(False)
-        return self._store
+        with self._lock:
+            store = self._store
+        if store is None:
+            store = connect(False)
+            with self._lock:
+                if self._store is None:
+                    self._store = store
+                else:
+                    _FORKED_LEFTOVERS.append(store)  # another thread connected first: keep it, unused
+                store = self._store
+        return store
+
+    def _set_aside(self, store: Any) -> None:
+        with self._lock:
+            if self._store is store:
+                self._store = None
+        _ABANDONED.append(store)
 
     def _after_fork_in_child(self) -> None:
         """A forked child keeps the parent's client referenced (its destructor would unmount the
@@ -342,6 +387,9 @@ class StoreReader:
             _FORKED_LEFTOVERS.append(self._store)
         self._store = None
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._remover = None
+        self._removing = 0
 
     @staticmethod
     def ident(result: Mapping[str, Any]) -> tuple[str, str, int]:
@@ -358,28 +406,60 @@ class StoreReader:
         return [tuple(x) for x in _capture_arena._store_keys(result, names)]  # type: ignore[misc]
 
     def read(self, planned: list[tuple[str, int]], views: list[np.ndarray[Any, Any]]) -> None:
-        """Reads each ``(key, bytes)`` into the matching uint8 view."""
-        with self._lock:
-            store = self._client()
-            wanted = [(k, n, v) for (k, n), v in zip(planned, views) if n > 0]
-            if not wanted:
-                return
-            ptrs = [int(v.ctypes.data) for _, _, v in wanted]
-            registered = _Registered(store, [(p, n) for p, (_, n, _) in zip(ptrs, wanted)])
+        """Reads each ``(key, bytes)`` into the matching uint8 view, within the read deadline."""
+        from ._engine import MOONCAKE_MIN_TIMEOUT_S, QUARANTINE, QUARANTINE_S, read_timeout_s
+
+        timeout = read_timeout_s()
+        wanted = [(k, n, v) for (k, n), v in zip(planned, views) if n > 0]
+        if not wanted:
+            return
+        done = threading.Event()
+        outcome: list[BaseException] = []
+        used: list[Any] = []
+        t0 = time.monotonic()
+
+        def work() -> None:
             try:
-                rcs = store.batch_get_into([k for k, _, _ in wanted], ptrs, [n for _, n, _ in wanted])
+                store = self._client()
+                used.append(store)
+                ptrs = [int(v.ctypes.data) for _, _, v in wanted]
+                registered = _Registered(store, [(p, n) for p, (_, n, _) in zip(ptrs, wanted)])
+                try:
+                    rcs = store.batch_get_into([k for k, _, _ in wanted], ptrs, [n for _, n, _ in wanted])
+                finally:
+                    registered.close()
+                for (k, n, _), rc in zip(wanted, rcs):
+                    if rc == n:
+                        continue
+                    if rc == SIZE_MISMATCH:
+                        raise InvalidReadError(f"the Mooncake store holds {k} with another size than the result's {n} bytes (status {rc})")
+                    why = "no such object: its producer is gone (its segment unmounted) or it was removed" if rc == NOT_FOUND else "the store or the object's segment cannot be reached"
+                    raise StaleSessionError(f"the Mooncake store returned {rc} for {k} ({n} bytes expected): {why}")
+            except BaseException as e:  # handed to the caller
+                outcome.append(e)
+                if time.monotonic() - t0 >= MOONCAKE_MIN_TIMEOUT_S:
+                    QUARANTINE.hold(views)
             finally:
-                registered.close()
-            for (k, n, _), rc in zip(wanted, rcs):
-                if rc != n:
-                    raise InvalidReadError(
-                        f"the Mooncake store returned {rc} for {k} ({n} bytes expected; -704: no such object, "
-                        "-600: a size mismatch)"
-                    )
+                done.set()
+
+        threading.Thread(target=work, name="capture-arena-store-read", daemon=True).start()
+        if not done.wait(timeout):
+            QUARANTINE.hold(views, QUARANTINE_S + timeout)
+            if used:
+                self._set_aside(used[0])
+            logging.getLogger("capture_arena").warning("a Mooncake store read timed out after %.1f s; later reads use a new client", timeout)
+            raise StaleSessionError(
+                f"the Mooncake store read of {len(wanted)} objects ({sum(n for _, n, _ in wanted)} bytes) did not finish in "
+                f"{timeout:.1f} s: the master or the objects' segment is unreachable from here (a partition, a host down); "
+                "raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
+            )
+        if outcome:
+            raise outcome[0]
 
     def release(self, result: Mapping[str, Any]) -> None:
-        """Removes every object of ``result`` from the store (force: a reader's lease does not
-        hold it back); later reads of it raise ReleasedError."""
+        """Marks ``result`` released (later reads raise ReleasedError) and queues the removal of
+        its objects from the store (force: a reader's lease does not hold it back); returns without
+        waiting on the network."""
         names = list(result["features"])
         keys = [k for k, _ in self.check(result, names)]
         with self._lock:
@@ -388,10 +468,61 @@ class StoreReader:
             self._order.append(ident)
             while len(self._order) > self.MAX_RELEASED:
                 self._released.discard(self._order.popleft())
-            rcs = self._client().batch_remove(keys, True)
-        bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
-        if bad:
-            raise ArenaOSError(f"removing {len(bad)} of {len(keys)} objects failed (first: {bad[0][0]}: status {bad[0][1]})")
+            self._removals.extend(keys)
+            while len(self._removals) > self.MAX_PENDING_KEYS:
+                self._removals.popleft()
+                self.dropped += 1
+            if self._remover is None or not self._remover.is_alive():
+                self._remover = threading.Thread(target=self._remove, name="capture-arena-store-remove", daemon=True)
+                self._remover.start()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._removals) + self._removing
+
+    def _remove(self) -> None:
+        """Removes what is queued, retrying with a back-off while it fails; exits when nothing waits."""
+        backoff = 0.1
+        log = logging.getLogger("capture_arena")
+        while True:
+            with self._lock:
+                if not self._removals:
+                    self._remover = None
+                    self._changed.notify_all()
+                    return
+                keys = list(self._removals)
+                self._removals.clear()
+                self._removing = len(keys)
+            try:
+                rcs = self._client().batch_remove(keys, True)
+                bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
+            except Exception as e:  # the master unreachable, the client not connecting
+                bad = [(k, str(e)) for k in keys]
+            with self._lock:
+                self._removing = 0
+                if bad:
+                    self._removals.extendleft(reversed([k for k, _ in bad]))
+                self._changed.notify_all()
+            if bad:
+                log.warning("removing %d of %d objects from the Mooncake store failed (first: %s: %s); retrying in %.1f s", len(bad), len(keys), bad[0][0], bad[0][1], backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+            else:
+                backoff = 0.1
+
+    def flush(self, timeout_s: float) -> None:
+        """Waits up to ``timeout_s`` for the queued removals; FreeNotSentError if some still wait."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            while self._removals or self._removing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FreeNotSentError(
+                        f"{len(self._removals) + self._removing} removals from the Mooncake store still wait after "
+                        f"{timeout_s:.1f} s (the master is unreachable?); they keep being retried"
+                    )
+                self._changed.wait(min(left, 0.1))
 
 
 def is_store_result(result: Mapping[str, Any]) -> bool:
@@ -401,6 +532,8 @@ def is_store_result(result: Mapping[str, Any]) -> bool:
 
 # Store clients a forked child must not destroy: the parent's.
 _FORKED_LEFTOVERS: list[Any] = []
+# Clients with a read stuck in them: never destroyed (the transfer may complete later).
+_ABANDONED: list[Any] = []
 _CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
