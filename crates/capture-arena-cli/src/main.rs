@@ -61,6 +61,11 @@ enum Command {
     /// The producer half of `soak` (internal).
     #[command(hide = true)]
     SoakProducer(soak::ProducerArgs),
+    /// Serve a producer's arena through NIXL in a process of its own (internal: producers start
+    /// it, SGLANG_SPEC_CAPTURE_NIXL_SERVER).
+    #[cfg(feature = "nixl")]
+    #[command(hide = true)]
+    NixlServe(workload::NixlServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -91,6 +96,8 @@ fn main() -> ExitCode {
         Command::DeviceInfo(a) => device::info(a),
         Command::BenchServe(a) => nixl_bench::serve(a),
         Command::SoakProducer(a) => soak::serve(a),
+        #[cfg(feature = "nixl")]
+        Command::NixlServe(a) => workload::nixl_serve(a),
     };
     match result {
         Ok(code) => code,

@@ -303,6 +303,35 @@ pub fn ucx_defaults() {
             std::env::set_var(var, capture_arena::config::UCX_TCP_SEG_SIZE);
         }
     }
+    // A host arena's NIXL READs are served by a process of its own: this executable's
+    // `nixl-serve` (UCX can abort the process it runs in; the producer is not that process).
+    let var = capture_arena::config::ENV_NIXL_SERVER;
+    if std::env::var_os(var).is_none() {
+        if let Ok(exe) = std::env::current_exe() {
+            let argv = [exe.to_string_lossy().into_owned(), "nixl-serve".to_owned()];
+            if let Ok(json) = serde_json::to_string(&argv) {
+                std::env::set_var(var, json);
+            }
+        }
+    }
+}
+
+/// `capture-arena nixl-serve NAME LEN AGENT` (see [`capture_arena::memory::nixl::serve`]).
+#[cfg(feature = "nixl")]
+#[derive(Debug, clap::Args)]
+pub struct NixlServeArgs {
+    /// The arena's shared-memory name.
+    name: String,
+    /// Its data bytes.
+    len: u64,
+    /// The agent's name.
+    agent: String,
+}
+
+#[cfg(feature = "nixl")]
+pub fn nixl_serve(a: NixlServeArgs) -> anyhow::Result<std::process::ExitCode> {
+    capture_arena::memory::nixl::serve(&a.name, a.len, &a.agent)?;
+    Ok(std::process::ExitCode::SUCCESS)
 }
 
 pub fn size_arg(s: &str) -> Result<u64, String> {

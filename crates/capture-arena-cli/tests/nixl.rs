@@ -233,6 +233,7 @@ fn a_missing_nixl_library_is_an_error_that_names_the_setting() {
 #[test]
 fn a_producer_that_stops_answering_fails_the_read_at_the_timeout_and_reads_resume_after() {
     // UCX over TCP cannot tell a stopped process from a slow one: the read timeout decides.
+    // (What stops is the process that serves the READs: the producer's NIXL server.)
     let tls = Some("tcp");
     let two = [
         "--samples",
@@ -249,7 +250,9 @@ fn a_producer_that_stops_answering_fails_the_read_at_the_timeout_and_reads_resum
     let mut p = producer(&two, "32MiB", "5", tls);
     let mut from_p = BufReader::new(p.stdout.take().unwrap()).lines();
     let lines: Vec<String> = from_p.by_ref().take(2).map(Result::unwrap).collect();
-    let pid = p.id().to_string();
+    // The arena is served by the producer's NIXL server process (its child): that one stops.
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", p.id())).unwrap();
+    let pid = children.split_whitespace().next().expect("a NIXL server process").to_owned();
     let signal = |sig: &str| {
         assert!(Command::new("kill")
             .args([sig, &pid])

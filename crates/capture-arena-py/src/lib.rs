@@ -45,6 +45,16 @@ fn _parse_bytes(py: Python<'_>, var: &str, value: &str) -> PyResult<u64> {
     })
 }
 
+/// Serves a producer's arena through NIXL until stdin closes: what
+/// `python -m capture_arena._nixl_serve NAME LEN AGENT` runs (the core's
+/// `memory::nixl::serve`). The GIL is released meanwhile.
+#[cfg(feature = "nixl")]
+#[pyfunction]
+fn _nixl_serve(py: Python<'_>, name: String, len: u64, agent: String) -> PyResult<()> {
+    py.detach(|| capture_arena::memory::nixl::serve(&name, len, &agent))
+        .map_err(error::to_py)
+}
+
 /// `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES` as the core reads and checks it.
 #[pyfunction]
 fn _max_pending_batches() -> PyResult<usize> {
@@ -84,6 +94,8 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_max_pending_batches, m)?)?;
     m.add_function(wrap_pyfunction!(sink::_bench_rust_put, m)?)?;
     m.add_function(wrap_pyfunction!(exit::_exiting, m)?)?;
+    #[cfg(feature = "nixl")]
+    m.add_function(wrap_pyfunction!(_nixl_serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The optional transports this build reads and serves.
     let mut features = vec!["cuda"];

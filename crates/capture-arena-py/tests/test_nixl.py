@@ -148,3 +148,74 @@ def test_a_read_buffer_is_a_writable_numpy_view_kept_alive_by_its_arrays() -> No
 def test_an_unknown_transport_is_a_config_error() -> None:
     with pytest.raises(ca.ConfigError, match="transport"):
         ca.ArenaSink(arena_bytes="1MiB", transport="carrier-pigeon")
+
+
+def test_the_producer_outlives_its_nixl_server_process() -> None:
+    """UCX runs in a server process of the producer's (SGLANG_SPEC_CAPTURE_NIXL_SERVER, set by the
+    package): when it dies (here SIGKILL, as a UCX abort would end it), the producer lives on,
+    says so, publishes, and every object is still freed."""
+    producer = COMMON + r"""
+import json, os, sys, time
+import capture_arena as ca
+sink = ca.ArenaSink(arena_bytes="4MiB", transport="nixl", wait_s=20)
+def put(i):
+    L, aux, last = tensors(i)
+    (r,) = sink.put_samples([(spec(i, L), aux, last)])
+    print(json.dumps(r), flush=True)
+put(0)
+children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
+for t in os.listdir(f"/proc/{os.getpid()}/task"):
+    children += open(f"/proc/{os.getpid()}/task/{t}/children").read().split()
+print(json.dumps({"server": sorted(set(children))}), flush=True)
+sys.stdin.readline()  # the server was killed
+put(1)
+deadline = time.monotonic() + 60
+while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(json.dumps({"stats": sink.stats()}), flush=True)
+sink.close()
+"""
+    trainer = COMMON + r"""
+import json, sys
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    r = json.loads(line)
+    try:
+        store.get(r)
+        print(json.dumps({"ok": True}), flush=True)
+    except ca.StaleSessionError as e:
+        print(json.dumps({"ok": False, "stale": str(e)[:200]}), flush=True)
+    store.release(r)
+store.flush(10)
+"""
+    env = {**env_for("tcp"), "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S": "5"}
+    env.pop("SGLANG_SPEC_CAPTURE_NIXL_SERVER", None)  # the package's default: a server process
+    p = subprocess.Popen([sys.executable, "-c", producer], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t = subprocess.Popen([sys.executable, "-c", trainer], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None and t.stdin is not None and t.stdout is not None
+        first = p.stdout.readline()
+        t.stdin.write(first)
+        t.stdin.flush()
+        assert json.loads(t.stdout.readline()) == {"ok": True}
+        servers = json.loads(p.stdout.readline())["server"]
+        assert len(servers) == 1, servers
+        os.kill(int(servers[0]), 9)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        second = p.stdout.readline()
+        assert "error" not in json.loads(second), second  # publishing goes on
+        t.stdin.write(second)
+        t.stdin.close()
+        got = json.loads(t.stdout.readline())
+        assert got["ok"] is False and "stale" in got, got
+        assert t.wait(timeout=60) == 0
+        stats = json.loads(p.stdout.readline())["stats"]
+        assert stats["resident_objects"] == 0 and stats["freed_objects"] == stats["published_objects"], stats
+        assert p.wait(timeout=60) == 0
+        assert p.stderr is not None
+        assert "the NIXL server process ended" in p.stderr.read()
+    finally:
+        p.kill()
+        t.kill()

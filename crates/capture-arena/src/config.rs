@@ -189,6 +189,10 @@ pub const ENV_CONTROL_TOKEN: &str = "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN";
 pub const ENV_TRANSPORT: &str = "SGLANG_SPEC_CAPTURE_TRANSPORT";
 /// `SGLANG_SPEC_CAPTURE_NIXL_LIB`: `libnixl_capi.so`, as a file or the directory holding it.
 pub const ENV_NIXL_LIB: &str = "SGLANG_SPEC_CAPTURE_NIXL_LIB";
+/// `SGLANG_SPEC_CAPTURE_NIXL_SERVER`: who serves a host arena's NIXL READs: `inline` (an agent
+/// in the producer's process), or a JSON array, the command of a server process of its own
+/// ([`nixl_server`]).
+pub const ENV_NIXL_SERVER: &str = "SGLANG_SPEC_CAPTURE_NIXL_SERVER";
 /// `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`: how long one read through a network transport may take.
 pub const ENV_READ_TIMEOUT_S: &str = "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S";
 /// Default of [`ENV_READ_TIMEOUT_S`]: room for a several-GiB sample over TCP.
@@ -243,6 +247,36 @@ pub fn read_timeout() -> Result<Duration> {
 /// 64 MiB reads across hosts 0.58 x a Mooncake TransferEngine's; 512 KiB made them 2.3 x
 /// (BENCHMARKS.md, `bench_cluster.py`). Both sides of a connection need the same value.
 pub const UCX_TCP_SEG_SIZE: &str = "512k";
+
+/// The command of the NIXL server process from [`ENV_NIXL_SERVER`]: `None` for `inline` or
+/// unset (an agent in the producer's process; the CLI and the Python package set a server
+/// process when it is unset), else the JSON array's strings (at most 64, each at most 4096 bytes).
+///
+/// # Errors
+/// [`Error::Config`] for anything else.
+pub fn nixl_server() -> Result<Option<Vec<String>>> {
+    let v = match std::env::var(ENV_NIXL_SERVER) {
+        Ok(v) => v,
+        Err(_) => return Ok(None),
+    };
+    let t = v.trim();
+    if t.is_empty() || t == "inline" {
+        return Ok(None);
+    }
+    let argv: Vec<String> = serde_json::from_str(t).map_err(|e| {
+        Error::config(
+            ENV_NIXL_SERVER,
+            format!("{t:?} is neither `inline` nor a JSON array of strings ({e})"),
+        )
+    })?;
+    if argv.is_empty() || argv.len() > 64 || argv.iter().any(|a| a.is_empty() || a.len() > 4096) {
+        return Err(Error::config(
+            ENV_NIXL_SERVER,
+            "the command must have 1 to 64 non-empty arguments of at most 4096 bytes",
+        ));
+    }
+    Ok(Some(argv))
+}
 
 /// `SGLANG_SPEC_CAPTURE_PLACEMENT`: `auto` (default), `arena`, `engine` or `store`; see
 /// [`placement`].

@@ -16,8 +16,10 @@ import collections
 import concurrent.futures
 import importlib
 import importlib.util
+import json
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -41,7 +43,8 @@ def _nixl_defaults() -> None:
     """NIXL's environment, set before its library loads (on the first ``nixl://`` session):
     ``SGLANG_SPEC_CAPTURE_NIXL_LIB`` from an installed ``nixl-cu12`` wheel when unset,
     ``UCX_MODULES=^ib`` where the machine has no InfiniBand device (UCX's InfiniBand module
-    crashes at exit there, in the libnl the wheel bundles), and UCX's TCP segment size."""
+    crashes at exit there, in the libnl the wheel bundles), UCX's TCP segment size, and the NIXL
+    server process (``SGLANG_SPEC_CAPTURE_NIXL_SERVER``)."""
     if "nixl" not in FEATURES:
         return
     if not os.environ.get("SGLANG_SPEC_CAPTURE_NIXL_LIB"):
@@ -57,6 +60,9 @@ def _nixl_defaults() -> None:
     # hosts 0.58 x a Mooncake TransferEngine's; 512 KiB: 2.3 x). Both sides need the same value.
     for var in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
         os.environ.setdefault(var, UCX_TCP_SEG_SIZE)
+    # A host arena's READs are served by a process of its own (UCX can abort the process it runs
+    # in: that must not be SGLang's); ``inline`` serves them in this process.
+    os.environ.setdefault("SGLANG_SPEC_CAPTURE_NIXL_SERVER", json.dumps([sys.executable, "-m", "capture_arena._nixl_serve"]))
 
 
 _nixl_defaults()

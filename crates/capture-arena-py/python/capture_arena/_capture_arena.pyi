@@ -4,7 +4,7 @@ from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__", "FEATURES", "ReadBuffer", "_send_frees", "_exiting"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_bench_rust_put", "__version__", "FEATURES", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve"]
 
 __version__: str
 
@@ -17,6 +17,7 @@ def _bench_rust_put(
 
 FEATURES: list[str]
 
+def _nixl_serve(name: str, len: int, agent: str) -> None: ...
 def _exiting() -> int:
     """Marks the interpreter as exiting: threads other than this one that come back from native
     code park instead of taking the GIL back; waits up to 5 s for calls in flight. Returns how

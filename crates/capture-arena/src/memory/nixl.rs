@@ -19,7 +19,8 @@
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::str::FromStr;
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use base64::Engine as _;
 use nixl_sys::{Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, ThreadSync};
@@ -386,14 +387,32 @@ impl FromStr for NixlSession {
 /// A region registered with a NIXL agent: the inner region does the copies; readers reach it
 /// through the agent. See the module docs.
 pub struct NixlRegion {
-    // Dropped by hand (Drop below): the registration, then the agent, then (as a field) the
-    // memory; in a forked child neither NIXL object is touched.
-    registration: ManuallyDrop<nixl_sys::RegistrationHandle>,
-    agent: ManuallyDrop<AgentHandle>,
-    /// The process that made the agent.
+    serving: Serving,
+    /// The process that made the agent (or started the server).
     pid: u32,
+    agent_name: String,
+    /// The address readers read offset 0 at: this process's, or the server's.
+    base: u64,
     session: String,
     inner: Box<dyn Region>,
+}
+
+/// Who serves the readers' READs.
+enum Serving {
+    /// An agent in this process. Dropped by hand (Drop below): the registration, then the
+    /// agent, then (as a field) the memory; in a forked child neither NIXL object is touched.
+    InProcess {
+        registration: ManuallyDrop<nixl_sys::RegistrationHandle>,
+        agent: ManuallyDrop<AgentHandle>,
+    },
+    /// A server process of its own over the same shared memory ([`serve`]): it exits when this
+    /// pipe closes (this region dropped, or this process gone).
+    Process {
+        to_server: Option<std::process::ChildStdin>,
+        pid: u32,
+        /// Set when the region closes the pipe: the server's end is then no news.
+        stopping: Arc<AtomicBool>,
+    },
 }
 
 impl Drop for NixlRegion {
@@ -403,18 +422,37 @@ impl Drop for NixlRegion {
             // inherited (MADV_DONTFORK); the parent's NIXL state is left alone.
             return;
         }
-        // SAFETY: each field is dropped exactly once, here, and not used after.
-        unsafe {
-            ManuallyDrop::drop(&mut self.registration);
-            ManuallyDrop::drop(&mut self.agent);
+        match &mut self.serving {
+            // SAFETY: each field is dropped exactly once, here, and not used after.
+            Serving::InProcess {
+                registration,
+                agent,
+            } => unsafe {
+                ManuallyDrop::drop(registration);
+                ManuallyDrop::drop(agent);
+            },
+            // Closing the pipe ends the server; its watcher thread reaps it.
+            Serving::Process {
+                to_server,
+                stopping,
+                ..
+            } => {
+                stopping.store(true, Ordering::SeqCst);
+                drop(to_server.take());
+            }
         }
     }
 }
 
 impl fmt::Debug for NixlRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let server = match &self.serving {
+            Serving::InProcess { .. } => None,
+            Serving::Process { pid, .. } => Some(*pid),
+        };
         f.debug_struct("NixlRegion")
-            .field("agent", &self.agent)
+            .field("agent", &self.agent_name)
+            .field("server_pid", &server)
             .field("inner", &self.inner)
             .finish()
     }
@@ -428,32 +466,138 @@ impl NixlRegion {
     /// # Errors
     /// [`Error::Transport`] when the library, the agent or the registration fails.
     pub fn new(inner: Box<dyn Region>, mem: NixlMem, dev: u32, host: &str) -> Result<NixlRegion> {
-        let name = format!(
-            "capture-arena-{}-{:032x}",
-            std::process::id(),
-            crate::memory::shm::random_nonce()?
-        );
-        let agent = new_agent(&name, true)?;
+        let name = agent_name()?;
         let span = Span {
             addr: inner.base_address(),
             len: inner.len(),
             mem,
             dev: u64::from(dev),
         };
-        let registration = agent.agent.register_memory(&span, None).map_err(|e| {
-            Error::transport(
-                format!(
-                    "registering the arena ({} bytes, {}) with NIXL",
-                    span.len,
-                    mem.name()
-                ),
-                e.to_string(),
+        let (agent, registration, metadata) = register(&name, &span)?;
+        let serving = Serving::InProcess {
+            registration: ManuallyDrop::new(registration),
+            agent: ManuallyDrop::new(agent),
+        };
+        NixlRegion::describe(inner, serving, name, span, metadata, host)
+    }
+
+    /// Registers `inner`, host shared memory ([`super::ShmRegion`]), with an agent in a server
+    /// process of its own, started as `command` followed by the object's name, its data bytes
+    /// and the agent's name ([`serve`] is what that process runs). UCX then runs in that
+    /// process alone: a peer or a network fault that makes UCX abort (over TCP a READ is
+    /// emulated by the serving side's UCX thread, which aborts on an error it cannot hand to
+    /// anyone) ends the server, not this process. A server that ends is logged; reads of this
+    /// arena then fail as stale for its trainers, and publishing goes on.
+    ///
+    /// # Errors
+    /// [`Error::Transport`] when the server cannot be started or does not describe its agent
+    /// within [`SERVER_START`]; [`Error::Config`] for a region that is not shared memory.
+    pub fn served(
+        inner: Box<dyn Region>,
+        command: &[String],
+        host: &str,
+    ) -> Result<NixlRegion> {
+        use std::io::BufRead;
+        let shm: super::ShmSession = inner.memory_session().parse().map_err(|_| {
+            Error::config(
+                crate::config::ENV_NIXL_SERVER,
+                "a NIXL server process serves host shared memory only (set it to `inline` for \
+                 a device arena)",
             )
         })?;
-        let metadata = agent
-            .agent
-            .get_local_md()
-            .map_err(|e| Error::transport("reading the NIXL agent's metadata", e.to_string()))?;
+        let Some((program, args)) = command.split_first() else {
+            return Err(Error::config(crate::config::ENV_NIXL_SERVER, "an empty command"));
+        };
+        let name = agent_name()?;
+        let what = || format!("starting the NIXL server process {command:?}");
+        let mut child = std::process::Command::new(program)
+            .args(args)
+            .args([&shm.name, &shm.len.to_string(), &name])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .map_err(|e| Error::transport(what(), e.to_string()))?;
+        let pid = child.id();
+        let (Some(to_server), Some(from_server)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            return Err(Error::transport(what(), "no pipes"));
+        };
+        // Its one line, read on a thread so that a server that hangs costs SERVER_START at most.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = stopping.clone();
+        let agent = name.clone();
+        std::thread::Builder::new()
+            .name("capture-arena-nixl-server".into())
+            .spawn(move || {
+                let mut line = String::new();
+                let r = std::io::BufReader::new(std::io::Read::take(from_server, MAX_SERVER_LINE))
+                    .read_line(&mut line);
+                let _ = tx.send(r.map(|_| line));
+                // Then it waits for the server to end, and says so if this was not asked for.
+                let status = child.wait();
+                if stop.load(Ordering::SeqCst) {
+                    tracing::debug!(pid, ?status, "NIXL server process ended");
+                } else {
+                    tracing::error!(
+                        pid,
+                        %agent,
+                        ?status,
+                        "the NIXL server process ended: trainers' reads of this arena now fail \
+                         as stale (and are freed when released); publishing goes on; restart \
+                         the producer to serve the arena through NIXL again"
+                    );
+                }
+            })
+            .map_err(|e| Error::transport(what(), e.to_string()))?;
+        let line = match rx.recv_timeout(SERVER_START) {
+            Ok(Ok(line)) if line.ends_with('\n') => line,
+            Ok(Ok(line)) => {
+                return Err(Error::transport(
+                    what(),
+                    format!("it ended without describing its agent ({} bytes said)", line.len()),
+                ))
+            }
+            Ok(Err(e)) => return Err(Error::transport(what(), e.to_string())),
+            Err(_) => {
+                kill(pid);
+                return Err(Error::transport(
+                    what(),
+                    format!("it did not describe its agent within {} s", SERVER_START.as_secs()),
+                ));
+            }
+        };
+        let described: ServerLine = serde_json::from_str(line.trim())
+            .map_err(|e| Error::transport(what(), format!("its first line is not one: {e}")))?;
+        let metadata = b64()
+            .decode(described.metadata.as_bytes())
+            .map_err(|e| Error::transport(what(), format!("its metadata: {e}")))?;
+        let span = Span {
+            addr: described.base,
+            len: shm.len,
+            mem: NixlMem::Dram,
+            dev: 0,
+        };
+        let serving = Serving::Process {
+            to_server: Some(to_server),
+            pid,
+            stopping,
+        };
+        NixlRegion::describe(inner, serving, name, span, metadata, host)
+    }
+
+    /// The region, with the session that describes `span` served by agent `name`.
+    fn describe(
+        inner: Box<dyn Region>,
+        serving: Serving,
+        name: String,
+        span: Span,
+        metadata: Vec<u8>,
+        host: &str,
+    ) -> Result<NixlRegion> {
+        let mem = span.mem;
+        let dev = span.dev as u32;
         let host = if host_ok(host) {
             host.to_owned()
         } else {
@@ -495,9 +639,10 @@ impl NixlRegion {
             "arena registered with NIXL"
         );
         Ok(NixlRegion {
-            registration: ManuallyDrop::new(registration),
-            agent: ManuallyDrop::new(agent),
+            serving,
             pid: std::process::id(),
+            agent_name: session.agent.clone(),
+            base: span.addr,
             session: text,
             inner,
         })
@@ -505,8 +650,136 @@ impl NixlRegion {
 
     /// The agent's name.
     pub fn agent_name(&self) -> String {
-        self.agent.agent.name()
+        self.agent_name.clone()
     }
+
+    /// The server process's pid, when a server process serves this region.
+    pub fn server_pid(&self) -> Option<u32> {
+        match &self.serving {
+            Serving::InProcess { .. } => None,
+            Serving::Process { pid, .. } => Some(*pid),
+        }
+    }
+}
+
+/// How long a NIXL server process may take to describe its agent (registering a large arena
+/// with RDMA devices pins it, which takes a while).
+pub const SERVER_START: std::time::Duration = std::time::Duration::from_secs(120);
+/// The longest first line a server may write.
+const MAX_SERVER_LINE: u64 = 64 * 1024;
+
+/// What a NIXL server process says first: where it mapped the arena and its agent's metadata.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ServerLine {
+    base: u64,
+    metadata: String,
+}
+
+/// A fresh agent name, unique to this process and arena.
+fn agent_name() -> Result<String> {
+    Ok(format!(
+        "capture-arena-{}-{:032x}",
+        std::process::id(),
+        crate::memory::shm::random_nonce()?
+    ))
+}
+
+/// An agent named `name` with its progress thread, `span` registered with it, and its metadata.
+fn register(
+    name: &str,
+    span: &Span,
+) -> Result<(AgentHandle, nixl_sys::RegistrationHandle, Vec<u8>)> {
+    let agent = new_agent(name, true)?;
+    let registration = agent.agent.register_memory(span, None).map_err(|e| {
+        Error::transport(
+            format!(
+                "registering the arena ({} bytes, {}) with NIXL",
+                span.len,
+                span.mem.name()
+            ),
+            e.to_string(),
+        )
+    })?;
+    let metadata = agent
+        .agent
+        .get_local_md()
+        .map_err(|e| Error::transport("reading the NIXL agent's metadata", e.to_string()))?;
+    Ok((agent, registration, metadata))
+}
+
+fn kill(pid: u32) {
+    if let Ok(pid) = libc::pid_t::try_from(pid) {
+        // SAFETY: plain FFI; the pid is our own child's, not yet reaped (its watcher reaps it).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}
+
+/// What a NIXL server process runs (`capture-arena nixl-serve`, or
+/// `python -m capture_arena._nixl_serve`): maps the arena `shm_name` (`len` data bytes) that
+/// its parent created, registers its data with a new agent named `agent` whose progress thread
+/// serves READs, writes one JSON line `{"base", "metadata"}` on stdout, and serves until its
+/// stdin closes (its parent dropped the region, or is gone: the pipe's write end is the
+/// parent's alone). Not `PR_SET_PDEATHSIG`: that fires when the parent *thread* that started it
+/// ends, and arenas are created on threads that end.
+///
+/// # Errors
+/// [`Error::Io`] when the arena cannot be opened or mapped; [`Error::Transport`] from NIXL.
+pub fn serve(shm_name: &str, len: u64, agent: &str) -> Result<()> {
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+    if !shm_name.starts_with(super::shm::NAME_PREFIX) || shm_name.contains('/') {
+        return Err(Error::config(
+            crate::config::ENV_NIXL_SERVER,
+            format!("{shm_name:?} is not an arena's name"),
+        ));
+    }
+    let fd = super::shm::open(shm_name, libc::O_RDWR, 0)
+        .map_err(|e| Error::io(format!("opening the arena {shm_name}"), e))?;
+    let total = len
+        .checked_add(super::shm::HEADER_BYTES)
+        .and_then(|t| usize::try_from(t).ok())
+        .ok_or_else(|| Error::config(crate::config::ENV_NIXL_SERVER, "arena too large"))?;
+    let (size, _) = super::shm::fstat(&fd)
+        .map_err(|e| Error::io(format!("stat of the arena {shm_name}"), e))?;
+    if size < total as u64 {
+        return Err(Error::io(
+            format!("the arena {shm_name}"),
+            std::io::Error::other(format!("{size} bytes, {total} expected")),
+        ));
+    }
+    let map = super::Mapping::map(
+        fd.as_fd(),
+        total,
+        super::Access::ReadWrite,
+        false,
+        "the arena for NIXL",
+    )?;
+    let span = Span {
+        addr: map.address() + super::shm::HEADER_BYTES,
+        len,
+        mem: NixlMem::Dram,
+        dev: 0,
+    };
+    let (agent, registration, metadata) = register(agent, &span)?;
+    let line = serde_json::to_string(&ServerLine {
+        base: span.addr,
+        metadata: b64().encode(&metadata),
+    })
+    .map_err(|e| Error::transport("describing the agent", e.to_string()))?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}")
+        .and_then(|()| out.flush())
+        .map_err(|e| Error::io("writing the agent's description", e))?;
+    drop(out);
+    tracing::info!(agent = %agent.agent.name(), bytes = len, "serving the arena through NIXL");
+    // Serve until the parent closes the pipe.
+    let mut sink = [0u8; 64];
+    let mut stdin = std::io::stdin().lock();
+    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+    drop(registration);
+    drop(agent);
+    drop(map);
+    Ok(())
 }
 
 impl Region for NixlRegion {
@@ -515,7 +788,7 @@ impl Region for NixlRegion {
     }
 
     fn base_address(&self) -> u64 {
-        self.inner.base_address()
+        self.base
     }
 
     fn session(&self) -> &str {

@@ -298,9 +298,18 @@ fn new_region(config: &Config, bytes: u64) -> Result<Box<dyn Region>> {
         } else {
             (NixlMem::Dram, 0)
         };
-        let region = NixlRegion::new(region, mem, dev, &config.control_host)?;
+        let server = match mem {
+            NixlMem::Dram => crate::config::nixl_server()?,
+            // A device arena is served in-process (its server would import the handle).
+            NixlMem::Vram => None,
+        };
+        let region = match server {
+            Some(command) => NixlRegion::served(region, &command, &config.control_host)?,
+            None => NixlRegion::new(region, mem, dev, &config.control_host)?,
+        };
         tracing::info!(
             agent = %region.agent_name(),
+            server_pid = ?region.server_pid(),
             ms = t0.elapsed().as_secs_f64() * 1e3,
             "arena served through NIXL"
         );
