@@ -522,6 +522,7 @@ def test_store_reads_across_hosts_are_bounded_and_stale_like_every_transport() -
             stderr=subprocess.DEVNULL,
         )
         wait_port(c, "p1", ip, rpc)
+        wait_port(c, "p1", ip, http)  # the metadata server comes up on its own
         store = {
             "SGLANG_SPEC_CAPTURE_PLACEMENT": "store",
             "SGLANG_SPEC_CAPTURE_TRANSPORT": "auto",

@@ -6,6 +6,11 @@
 //! region is registered once, when the arena starts. The agent's progress thread serves remote
 //! reads; the writer never calls NIXL after that.
 //!
+//! The agent runs in this process ([`NixlRegion::new`]) or, for host shared memory, in a server
+//! process of its own that maps the same object ([`NixlRegion::served`], [`serve`]): UCX can
+//! abort the process it runs in (over TCP the serving side emulates READs, and an error there is
+//! fatal), and that process must not be the inference server.
+//!
 //! The session carries the agent's metadata ([`NixlSession`]): a reader on another host needs
 //! nothing but the result to connect. The metadata names the agent, its UCX worker's addresses
 //! and the registration's remote keys; it is fixed for the arena's life, because the region is
