@@ -252,7 +252,11 @@ fn a_producer_that_stops_answering_fails_the_read_at_the_timeout_and_reads_resum
     let lines: Vec<String> = from_p.by_ref().take(2).map(Result::unwrap).collect();
     // The arena is served by the producer's NIXL server process (its child): that one stops.
     let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", p.id())).unwrap();
-    let pid = children.split_whitespace().next().expect("a NIXL server process").to_owned();
+    let pid = children
+        .split_whitespace()
+        .next()
+        .expect("a NIXL server process")
+        .to_owned();
     let signal = |sig: &str| {
         assert!(Command::new("kill")
             .args([sig, &pid])

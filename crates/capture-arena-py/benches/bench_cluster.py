@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from cluster import Cluster, unavailable  # noqa: E402
 from test_cluster import PUBLISHER as PRODUCER  # noqa: E402
-from test_cluster import Proc, Publisher, env_on  # noqa: E402
+from test_cluster import TRAINER_END, Proc, Publisher, env_on  # noqa: E402
 
 MIB = 1 << 20
 
@@ -71,12 +71,7 @@ for line in sys.stdin:
     store.release(r)
     out["release_s"] = time.perf_counter() - t1
     print(json.dumps(out), flush=True)
-try:
-    store.flush(30)
-except ca.FreeNotSentError as e:
-    print(json.dumps({"flush": str(e)}), flush=True)
-print(json.dumps({"health": store.health()}), flush=True)
-"""
+""" + TRAINER_END
 
 
 def med(xs: list[float]) -> float:

@@ -51,30 +51,6 @@ def spec(i, L):
             "features": {"aux": "hidden_state", "last_hidden": "target"}, "passthrough": []}
 """
 
-# Publishes argv[1] samples of ~2 MiB, one result per line; then waits (up to argv[2] s) until
-# every object is freed and prints its stats.
-PRODUCER = (
-    COMMON
-    + r"""
-import json, sys, time, ml_dtypes
-import capture_arena as ca
-n, wait = int(sys.argv[1]), float(sys.argv[2])
-L, H = (int(x) for x in sys.argv[3].split("x")) if len(sys.argv) > 3 else (512, 512)
-sink = ca.new_sink()
-for i in range(n):
-    aux = payload(i, L * 3 * H * 2).view(ml_dtypes.bfloat16).reshape(L, 3 * H)
-    last = payload(i + 1000, L * H * 2).view(ml_dtypes.bfloat16).reshape(L, H)
-    (r,) = sink.put_samples([(spec(i, L), aux, last)])
-    assert "error" not in r, r
-    print(json.dumps(r), flush=True)
-deadline = time.monotonic() + wait
-while sink.stats().get("resident_objects") and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(json.dumps({"stats": sink.stats()}), flush=True)
-sink.close()
-"""
-)
-
 # Commands on stdin: "N LxH" publishes N samples of that shape (one result line each, with the
 # put's seconds); EOF waits for every free (60 s) and prints the stats.
 PUBLISHER = (
@@ -82,7 +58,7 @@ PUBLISHER = (
     + r"""
 import json, sys, time, ml_dtypes
 import capture_arena as ca
-sink = ca.ArenaSink()
+sink = ca.new_sink()
 i = 0
 for cmd in sys.stdin:
     n, shape = cmd.split()
@@ -96,12 +72,21 @@ for cmd in sys.stdin:
         print(json.dumps(r), flush=True)
         i += 1
 deadline = time.monotonic() + 60
-while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+while sink.stats().get("resident_objects") and time.monotonic() < deadline:
     time.sleep(0.05)
 print(json.dumps({"stats": sink.stats()}), flush=True)
 sink.close()
 """
 )
+
+# How a trainer script ends: it waits for its frees (up to 30 s) and prints its health.
+TRAINER_END = r"""
+try:
+    store.flush(30)
+except ca.FreeNotSentError as e:
+    print(json.dumps({"flush": str(e)}), flush=True)
+print(json.dumps({"health": store.health()}), flush=True)
+"""
 
 # Reads, verifies and releases each result line; prints one outcome line per result; at EOF
 # waits for its frees (up to 30 s) and prints its health.
@@ -114,6 +99,7 @@ import capture_arena as ca
 store = ca.ArenaFeatureStore()
 for line in sys.stdin:
     r = json.loads(line)
+    r.pop("_put_s", None)
     keep = r.pop("_keep", False)  # read only: the same result comes again
     i = int(r["sample_id"][1:])
     t0 = time.monotonic()
@@ -132,12 +118,10 @@ for line in sys.stdin:
         store.release(r)
     out["release_s"] = time.monotonic() - t1
     print(json.dumps(out), flush=True)
-try:
-    store.flush(30)
-except ca.FreeNotSentError as e:
-    print(json.dumps({"flush": str(e)}), flush=True)
-print(json.dumps({"health": store.health()}), flush=True)
 """
+    + r"""
+"""
+    + TRAINER_END
 )
 
 
@@ -242,21 +226,21 @@ def env_on(cluster: Cluster, host: str, **extra: str) -> dict[str, str]:
 
 
 def producer(
-    cluster: Cluster, host: str, n: int, wait: float = 90.0, shape: str = "512x512", **extra: str
-) -> tuple[Proc, list[dict[str, Any]]]:
-    """A producer on ``host`` publishing ``n`` samples of ``LxH`` (aux ``[L, 3H]``, last ``[L, H]``,
-    bf16: 2 MiB by default); returns it and its results."""
-    p = Proc(cluster, host, PRODUCER, [str(n), str(wait), shape], env_on(cluster, host, **extra))
-    return p, [p.line() for _ in range(n)]
+    cluster: Cluster, host: str, n: int, shape: str = "512x512", **extra: str
+) -> tuple["Publisher", list[dict[str, Any]]]:
+    """A producer on ``host`` that has published ``n`` samples of ``LxH`` (aux ``[L, 3H]``, last
+    ``[L, H]``, bf16: 2 MiB by default); returns it and its results."""
+    p = Publisher(cluster, host, PUBLISHER, [], env_on(cluster, host, **extra))
+    return p, p.publish(n, shape)
 
 
-def ends_free(p: Proc) -> dict[str, Any]:
-    """The producer's final stats: every object freed, the arena whole."""
-    st = p.line(120)["stats"]
+def ends_free(p: "Publisher") -> dict[str, Any]:
+    """The producer's final stats once its input ends: every object freed, the arena whole."""
+    st = p.end()
     assert st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"], st
     assert st["freed_objects"] == st["published_objects"], st
     assert p.p.wait(timeout=30) == 0
-    return dict(st)
+    return st
 
 
 needs_nixl = pytest.mark.skipif("nixl" not in ca.FEATURES, reason="this build of capture_arena has no nixl feature")

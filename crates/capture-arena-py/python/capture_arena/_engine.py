@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -206,6 +206,36 @@ class _Quarantine:
 QUARANTINE = _Quarantine()
 
 
+def run_bounded(name: str, work: Callable[[], None], keep: Any, timeout: float, timed_out: Callable[[], str]) -> None:
+    """Runs ``work`` on a thread of its own (named ``name``) and waits at most ``timeout``
+    seconds: what a Mooncake read does under the read deadline. ``keep`` owns the memory the
+    work writes: held from being freed when the work may still write it (past the deadline, or
+    failed after Mooncake's own timeout). Past the deadline ``timed_out()`` (which sets aside
+    what the work holds) says why, raised as :class:`StaleSessionError`; the work's own error is
+    raised as it is."""
+    done = threading.Event()
+    outcome: list[BaseException] = []
+    t0 = time.monotonic()
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # handed to the caller
+            outcome.append(e)
+            if time.monotonic() - t0 >= MOONCAKE_MIN_TIMEOUT_S:
+                # Mooncake's own timeout ended it: the transfer was not cancelled.
+                QUARANTINE.hold(keep)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    if not done.wait(timeout):
+        QUARANTINE.hold(keep, QUARANTINE_S + timeout)
+        raise StaleSessionError(timed_out())
+    if outcome:
+        raise outcome[0]
+
+
 class EngineReader:
     """Reads objects of TransferEngine sessions into caller arrays, with one engine per process
     (created on first use from the ``MOONCAKE_*`` variables; ``tcp`` when no protocol is set).
@@ -262,39 +292,18 @@ class EngineReader:
         targets = [t for t in targets if t[2] > 0]
         if not targets:
             return
-        done = threading.Event()
-        outcome: list[BaseException] = []
-
-        t0 = time.monotonic()
-
-        def work() -> None:
-            try:
-                self._read_in(te, session, targets)
-            except BaseException as e:  # handed to the caller
-                outcome.append(e)
-                if time.monotonic() - t0 >= MOONCAKE_MIN_TIMEOUT_S:
-                    # Mooncake's own timeout ended it: the transfer was not cancelled.
-                    QUARANTINE.hold(keep)
-            finally:
-                done.set()
-
-        threading.Thread(target=work, name="capture-arena-engine-read", daemon=True).start()
-        if not done.wait(timeout):
-            QUARANTINE.hold(keep, QUARANTINE_S + timeout)
+        def timed_out() -> str:
             self._set_aside(te)
             logging.getLogger("capture_arena").warning(
                 "TransferEngine read from %s timed out after %.1f s; later reads use a new engine", session, timeout
             )
-            raise StaleSessionError(
+            return (
                 f"the TransferEngine read of {len(targets)} objects ({sum(t[2] for t in targets)} bytes) from "
                 f"{session} did not finish in {timeout:.1f} s: the producer is unreachable from here (a partition, "
                 "a host down) or stopped; raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
             )
-        if outcome:
-            e = outcome[0]
-            if isinstance(e, StaleSessionError):
-                raise StaleSessionError(f"{e} (after {time.monotonic() - t0:.1f} s)") from None
-            raise e
+
+        run_bounded("capture-arena-engine-read", lambda: self._read_in(te, session, targets), keep, timeout, timed_out)
 
     def _read_in(self, te: Any, session: str, targets: list[tuple[int, int, int]]) -> None:
         registered = []

@@ -407,54 +407,42 @@ class StoreReader:
 
     def read(self, planned: list[tuple[str, int]], views: list[np.ndarray[Any, Any]]) -> None:
         """Reads each ``(key, bytes)`` into the matching uint8 view, within the read deadline."""
-        from ._engine import MOONCAKE_MIN_TIMEOUT_S, QUARANTINE, QUARANTINE_S, read_timeout_s
+        from ._engine import read_timeout_s, run_bounded
 
         timeout = read_timeout_s()
         wanted = [(k, n, v) for (k, n), v in zip(planned, views) if n > 0]
         if not wanted:
             return
-        done = threading.Event()
-        outcome: list[BaseException] = []
         used: list[Any] = []
-        t0 = time.monotonic()
 
         def work() -> None:
+            store = self._client()
+            used.append(store)
+            ptrs = [int(v.ctypes.data) for _, _, v in wanted]
+            registered = _Registered(store, [(p, n) for p, (_, n, _) in zip(ptrs, wanted)])
             try:
-                store = self._client()
-                used.append(store)
-                ptrs = [int(v.ctypes.data) for _, _, v in wanted]
-                registered = _Registered(store, [(p, n) for p, (_, n, _) in zip(ptrs, wanted)])
-                try:
-                    rcs = store.batch_get_into([k for k, _, _ in wanted], ptrs, [n for _, n, _ in wanted])
-                finally:
-                    registered.close()
-                for (k, n, _), rc in zip(wanted, rcs):
-                    if rc == n:
-                        continue
-                    if rc == SIZE_MISMATCH:
-                        raise InvalidReadError(f"the Mooncake store holds {k} with another size than the result's {n} bytes (status {rc})")
-                    why = "no such object: its producer is gone (its segment unmounted) or it was removed" if rc == NOT_FOUND else "the store or the object's segment cannot be reached"
-                    raise StaleSessionError(f"the Mooncake store returned {rc} for {k} ({n} bytes expected): {why}")
-            except BaseException as e:  # handed to the caller
-                outcome.append(e)
-                if time.monotonic() - t0 >= MOONCAKE_MIN_TIMEOUT_S:
-                    QUARANTINE.hold(views)
+                rcs = store.batch_get_into([k for k, _, _ in wanted], ptrs, [n for _, n, _ in wanted])
             finally:
-                done.set()
+                registered.close()
+            for (k, n, _), rc in zip(wanted, rcs):
+                if rc == n:
+                    continue
+                if rc == SIZE_MISMATCH:
+                    raise InvalidReadError(f"the Mooncake store holds {k} with another size than the result's {n} bytes (status {rc})")
+                why = "no such object: its producer is gone (its segment unmounted) or it was removed" if rc == NOT_FOUND else "the store or the object's segment cannot be reached"
+                raise StaleSessionError(f"the Mooncake store returned {rc} for {k} ({n} bytes expected): {why}")
 
-        threading.Thread(target=work, name="capture-arena-store-read", daemon=True).start()
-        if not done.wait(timeout):
-            QUARANTINE.hold(views, QUARANTINE_S + timeout)
+        def timed_out() -> str:
             if used:
                 self._set_aside(used[0])
             logging.getLogger("capture_arena").warning("a Mooncake store read timed out after %.1f s; later reads use a new client", timeout)
-            raise StaleSessionError(
+            return (
                 f"the Mooncake store read of {len(wanted)} objects ({sum(n for _, n, _ in wanted)} bytes) did not finish in "
                 f"{timeout:.1f} s: the master or the objects' segment is unreachable from here (a partition, a host down); "
                 "raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
             )
-        if outcome:
-            raise outcome[0]
+
+        run_bounded("capture-arena-store-read", work, views, timeout, timed_out)
 
     def release(self, result: Mapping[str, Any]) -> None:
         """Marks ``result`` released (later reads raise ReleasedError) and queues the removal of

@@ -428,14 +428,16 @@ impl Drop for NixlRegion {
             return;
         }
         match &mut self.serving {
-            // SAFETY: each field is dropped exactly once, here, and not used after.
             Serving::InProcess {
                 registration,
                 agent,
-            } => unsafe {
-                ManuallyDrop::drop(registration);
-                ManuallyDrop::drop(agent);
-            },
+            } => {
+                // SAFETY: each field is dropped exactly once, here, and not used after.
+                unsafe {
+                    ManuallyDrop::drop(registration);
+                    ManuallyDrop::drop(agent);
+                }
+            }
             // Closing the pipe ends the server; its watcher thread reaps it.
             Serving::Process {
                 to_server,
@@ -497,11 +499,7 @@ impl NixlRegion {
     /// # Errors
     /// [`Error::Transport`] when the server cannot be started or does not describe its agent
     /// within [`SERVER_START`]; [`Error::Config`] for a region that is not shared memory.
-    pub fn served(
-        inner: Box<dyn Region>,
-        command: &[String],
-        host: &str,
-    ) -> Result<NixlRegion> {
+    pub fn served(inner: Box<dyn Region>, command: &[String], host: &str) -> Result<NixlRegion> {
         use std::io::BufRead;
         let shm: super::ShmSession = inner.memory_session().parse().map_err(|_| {
             Error::config(
@@ -511,7 +509,10 @@ impl NixlRegion {
             )
         })?;
         let Some((program, args)) = command.split_first() else {
-            return Err(Error::config(crate::config::ENV_NIXL_SERVER, "an empty command"));
+            return Err(Error::config(
+                crate::config::ENV_NIXL_SERVER,
+                "an empty command",
+            ));
         };
         let name = agent_name()?;
         let what = || format!("starting the NIXL server process {command:?}");
@@ -561,7 +562,10 @@ impl NixlRegion {
             Ok(Ok(line)) => {
                 return Err(Error::transport(
                     what(),
-                    format!("it ended without describing its agent ({} bytes said)", line.len()),
+                    format!(
+                        "it ended without describing its agent ({} bytes said)",
+                        line.len()
+                    ),
                 ))
             }
             Ok(Err(e)) => return Err(Error::transport(what(), e.to_string())),
@@ -569,7 +573,10 @@ impl NixlRegion {
                 kill(pid);
                 return Err(Error::transport(
                     what(),
-                    format!("it did not describe its agent within {} s", SERVER_START.as_secs()),
+                    format!(
+                        "it did not describe its agent within {} s",
+                        SERVER_START.as_secs()
+                    ),
                 ));
             }
         };
