@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, installing what it needs: formatting, lints, every Rust test (unit,
 # property, integration, doc; benches run once in test mode), then the Python package's tests.
-# Installs: libclang-dev and g++ (apt, for the nixl feature's build), cargo-fuzz in
+# Installs: libclang-dev and g++ (apt, for the nixl feature's build), iproute2 (apt, for the
+# cluster tests' network namespaces), cargo-fuzz in
 # .cache/cargo-fuzz (scripts/fuzz.sh), a venv in .venv with the
 # test tools, the NIXL wheel's libraries in .cache/nixl (scripts/nixl-lib.sh), Mooncake's wheel
 # and the libraries it loads (apt), torch (PyPI's wheel, used on the CPU), and SGLang's wheel in
@@ -32,6 +33,13 @@ have_libclang() {
 if ! command -v g++ >/dev/null || ! have_libclang; then
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq libclang-dev g++
+fi
+
+step "network namespaces for the cluster tests (iproute2's ip; unshare and mount from util-linux)"
+# tests/cluster.py builds hosts from network, UTS and mount namespaces (as root, as CI runs).
+if ! command -v ip >/dev/null || ! command -v unshare >/dev/null; then
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq iproute2 util-linux
 fi
 
 step "python: virtual environment (.venv) and test tools"
