@@ -370,7 +370,7 @@ class StoreReader:
                 if self._store is None:
                     self._store = store
                 else:
-                    _FORKED_LEFTOVERS.append(store)  # another thread connected first: keep it, unused
+                    _ABANDONED.append(store)  # another thread connected first: kept, unused
                 store = self._store
         return store
 

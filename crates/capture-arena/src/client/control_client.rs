@@ -81,6 +81,25 @@ struct Endpoint {
     token: Option<Arc<str>>,
 }
 
+impl Endpoint {
+    /// Takes what waits for one write; others only queue until [`Endpoint::settle`].
+    fn take(&mut self) -> Vec<Waiting> {
+        self.sending = true;
+        let waiting: Vec<Waiting> = self.pending.drain(..).collect();
+        self.in_flight = waiting.len();
+        waiting
+    }
+
+    /// Ends a write: `unsent` goes back in front of anything queued meanwhile.
+    fn settle(&mut self, unsent: Vec<Waiting>) {
+        self.sending = false;
+        self.in_flight = 0;
+        for w in unsent.into_iter().rev() {
+            self.pending.push_front(w);
+        }
+    }
+}
+
 struct State {
     /// The process the connections belong to; a forked child starts over.
     pid: u32,
@@ -510,10 +529,7 @@ impl Shared {
             let Some(conn) = e.conn.take() else {
                 return;
             };
-            e.sending = true;
-            let waiting: Vec<Waiting> = e.pending.drain(..).collect();
-            e.in_flight = waiting.len();
-            (waiting, conn)
+            (e.take(), conn)
         };
         let taken = waiting.len();
         let waiting = self.live_keys(waiting);
@@ -530,20 +546,17 @@ impl Shared {
         let Some(e) = s.endpoints.get_mut(endpoint) else {
             return;
         };
-        e.sending = false;
-        e.in_flight = 0;
         match wrote {
             Some(true) => {
+                e.settle(Vec::new());
                 s.pending -= taken;
                 e.conn = Some(conn);
             }
             not_written => {
                 // Back in front for the sender; a connection that failed mid-write is dropped
                 // (its keys go again on a new one: a free of a freed key is only counted).
+                e.settle(waiting);
                 s.pending -= taken - live;
-                for w in waiting.into_iter().rev() {
-                    e.pending.push_front(w);
-                }
                 if not_written.is_none() && alive(&conn) {
                     e.conn = Some(conn);
                 }
@@ -566,9 +579,14 @@ impl Shared {
                     e.sender = false;
                     return;
                 }
-                e.backoff.as_ref().map_or(Duration::ZERO, |(at, ..)| {
-                    at.saturating_duration_since(Instant::now())
-                })
+                if e.sending {
+                    // A free is writing inline: its keys are back or sent in microseconds.
+                    Duration::from_millis(1)
+                } else {
+                    e.backoff.as_ref().map_or(Duration::ZERO, |(at, ..)| {
+                        at.saturating_duration_since(Instant::now())
+                    })
+                }
             };
             std::thread::sleep(sleep);
         }
@@ -627,10 +645,7 @@ impl Shared {
                         });
                     }
                 }
-                e.sending = true;
-                let waiting: Vec<Waiting> = e.pending.drain(..).collect();
-                e.in_flight = waiting.len();
-                (waiting, (e.conn.take(), e.token.clone()))
+                (e.take(), (e.conn.take(), e.token.clone()))
             };
             let (conn, token) = conn;
             let taken = waiting.len();
@@ -650,10 +665,9 @@ impl Shared {
             let Some(e) = s.endpoints.get_mut(endpoint) else {
                 return Ok(());
             };
-            e.sending = false;
-            e.in_flight = 0;
             match sent {
                 Ok(conn) => {
+                    e.settle(Vec::new());
                     s.pending -= taken;
                     // A connection that presented a token replaced meanwhile is not kept.
                     if e.token == token {
@@ -664,6 +678,7 @@ impl Shared {
                     // free (which may never come).
                 }
                 Err((source, _)) if source.kind() == ErrorKind::ConnectionRefused => {
+                    e.settle(Vec::new());
                     let dropped = live + e.pending.len();
                     s.pending -= taken + e.pending.len();
                     s.dropped += dropped as u64;
@@ -679,10 +694,8 @@ impl Shared {
                 Err((source, waiting)) => {
                     // Back in front of anything queued meanwhile (those of producers found gone
                     // meanwhile are no longer waiting).
+                    e.settle(waiting);
                     s.pending -= taken - live;
-                    for w in waiting.into_iter().rev() {
-                        e.pending.push_front(w);
-                    }
                     let wait = e
                         .backoff
                         .as_ref()
