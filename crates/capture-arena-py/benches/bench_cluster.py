@@ -12,7 +12,9 @@
    publish cost during it against before it.
 
 Needs root (network namespaces). Run:
-    .venv/bin/python crates/capture-arena-py/benches/bench_cluster.py [--rounds 6] [--json out.json]
+    .venv/bin/python crates/capture-arena-py/benches/bench_cluster.py [--rounds 6] [--only SECTION] [--json out.json]
+UCX's segment size and the NIXL server come from the environment (UCX_TCP_TX_SEG_SIZE,
+UCX_TCP_RX_SEG_SIZE, SGLANG_SPEC_CAPTURE_NIXL_SERVER=inline), as for any producer.
 """
 
 from __future__ import annotations
@@ -230,24 +232,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--samples", type=int, default=12, help="16 MiB samples per producer in the 2x3 run")
+    ap.add_argument("--only", choices=["transports", "2x3", "faults"], help="run one section")
     ap.add_argument("--json")
     a = ap.parse_args()
     why = unavailable()
     if why:
         raise SystemExit(f"cannot build a cluster here: {why}")
     res = {}
-    print("1. cross-host reads of 64 MiB samples", flush=True)
-    res["transports"] = transports(a.rounds)
-    tr = res["transports"]
-    print(
-        f"  NIXL / TransferEngine: {tr['nixl']['MB_s'] / tr['engine']['MB_s']:.2f} x; "
-        f"NIXL across hosts / same host: {tr['nixl']['MB_s'] / tr['nixl same host']['MB_s']:.2f} x",
-        flush=True,
-    )
-    print("2. two producers x three trainers", flush=True)
-    res["2x3"] = two_by_three(a.samples)
-    print("3. faults", flush=True)
-    res["faults"] = faults()
+    if a.only in (None, "transports"):
+        print("1. cross-host reads of 64 MiB samples", flush=True)
+        res["transports"] = transports(a.rounds)
+        tr = res["transports"]
+        print(
+            f"  NIXL / TransferEngine: {tr['nixl']['MB_s'] / tr['engine']['MB_s']:.2f} x; "
+            f"NIXL across hosts / same host: {tr['nixl']['MB_s'] / tr['nixl same host']['MB_s']:.2f} x",
+            flush=True,
+        )
+    if a.only in (None, "2x3"):
+        print("2. two producers x three trainers", flush=True)
+        res["2x3"] = two_by_three(a.samples)
+    if a.only in (None, "faults"):
+        print("3. faults", flush=True)
+        res["faults"] = faults()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
