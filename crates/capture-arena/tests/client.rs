@@ -563,3 +563,35 @@ fn a_reader_refuses_an_arena_open_to_others_or_owned_by_another_user() {
         println!("skipping the other-owner case: giving a file away needs root");
     }
 }
+
+/// Threads of this process now.
+fn threads() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+#[test]
+fn results_naming_endpoints_without_end_cost_a_bounded_number_of_sender_threads() {
+    let c = ControlClient::new(Duration::from_secs(1));
+    let before = threads();
+    let n = capture_arena::client::MAX_SENDERS + 100;
+    for i in 0..n {
+        let _ = c.free(
+            Some(&format!("no-such-host-{i}.invalid:9")),
+            [key("x/y/g1/z")],
+        );
+    }
+    assert!(c.flush_within(Duration::from_secs(1)).is_err());
+    let during = threads();
+    assert!(
+        during <= before + capture_arena::client::MAX_SENDERS + 8,
+        "{during} threads for {n} endpoints (from {before})"
+    );
+    assert_eq!(c.pending(), n, "every key still waits");
+}

@@ -56,6 +56,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// endpoint's state again.
 const SEND_ON_FOR: Duration = Duration::from_millis(100);
 const PRUNE_EVERY: Duration = Duration::from_secs(1);
+/// Sender threads at most (one per endpoint with keys waiting): results naming endpoints
+/// without end cost no thread beyond these; past it, an endpoint's keys wait for its next free
+/// or flush after a sender has finished.
+pub const MAX_SENDERS: usize = 256;
 
 /// Says whether the producer of a session is gone (see [`ControlClient::with_liveness`]).
 pub type Liveness = Arc<dyn Fn(&str) -> bool + Send + Sync>;
@@ -111,6 +115,8 @@ struct State {
     dropped: u64,
     warned_drop: Option<Instant>,
     last_prune: Instant,
+    /// Sender threads running (at most [`MAX_SENDERS`]).
+    senders: usize,
 }
 
 /// Sends frees to control endpoints. See the module docs.
@@ -161,6 +167,7 @@ impl ControlClient {
                 dropped: 0,
                 warned_drop: None,
                 last_prune: Instant::now(),
+                senders: 0,
             }),
             sent: Condvar::new(),
             timeout,
@@ -300,6 +307,7 @@ impl Shared {
             s.endpoints.clear();
             s.unlocated.clear();
             s.pending = 0;
+            s.senders = 0;
         }
         s
     }
@@ -463,10 +471,11 @@ impl Shared {
         let mut first = None;
         let mut start = Vec::new();
         {
-            let mut s = this.state();
+            let mut guard = this.state();
+            let st = &mut *guard;
             let now = Instant::now();
             for name in endpoints {
-                let Some(e) = s.endpoints.get_mut(name) else {
+                let Some(e) = st.endpoints.get_mut(name) else {
                     continue;
                 };
                 if e.pending.is_empty() {
@@ -488,8 +497,9 @@ impl Shared {
                         });
                     }
                 }
-                if !e.sender {
+                if !e.sender && st.senders < MAX_SENDERS {
                     e.sender = true;
+                    st.senders += 1;
                     start.push(name.clone());
                 }
             }
@@ -505,7 +515,9 @@ impl Shared {
             if let Err(e) = spawned {
                 // The keys wait; the next free or flush tries to start a sender again.
                 tracing::warn!(endpoint = %name, error = %e, "cannot start a free sender");
-                if let Some(ep) = this.state().endpoints.get_mut(&name) {
+                let mut st = this.state();
+                st.senders -= 1;
+                if let Some(ep) = st.endpoints.get_mut(&name) {
                     ep.sender = false;
                 }
             }
@@ -567,6 +579,12 @@ impl Shared {
     /// An endpoint's sender: sends until nothing waits (or the endpoint is forgotten), sleeping
     /// out each back-off.
     fn run_sender(&self, endpoint: &str) {
+        self.send_until_done(endpoint);
+        let mut st = self.state();
+        st.senders = st.senders.saturating_sub(1);
+    }
+
+    fn send_until_done(&self, endpoint: &str) {
         loop {
             let _ = self.send(endpoint);
             self.sent.notify_all();

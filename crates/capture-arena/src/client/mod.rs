@@ -15,7 +15,8 @@ mod feature_store;
 mod reader;
 
 pub use control_client::{
-    send_frees, ControlClient, Liveness, StatsQuery, DEFAULT_MAX_PENDING_KEYS, UNLOCATED_TTL,
+    send_frees, ControlClient, Liveness, StatsQuery, DEFAULT_MAX_PENDING_KEYS, MAX_SENDERS,
+    UNLOCATED_TTL,
 };
 pub use feature_store::{FeatureStore, Health, OwnedTensor, RELEASED_MEMORY};
 pub use reader::{Reader, MAX_SESSIONS};
