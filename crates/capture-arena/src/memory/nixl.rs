@@ -415,7 +415,8 @@ enum Serving {
     Process {
         to_server: Option<std::process::ChildStdin>,
         pid: u32,
-        /// Set when the region closes the pipe: the server's end is then no news.
+        /// Set while the server's end is no news: until the region is made, and once it closes
+        /// the pipe.
         stopping: Arc<AtomicBool>,
     },
 }
@@ -531,7 +532,8 @@ impl NixlRegion {
         };
         // Its one line, read on a thread so that a server that hangs costs SERVER_START at most.
         let (tx, rx) = std::sync::mpsc::channel();
-        let stopping = Arc::new(AtomicBool::new(false));
+        // Its end is no news until the region is made (a failed start is this call's error).
+        let stopping = Arc::new(AtomicBool::new(true));
         let stop = stopping.clone();
         let agent = name.clone();
         std::thread::Builder::new()
@@ -594,9 +596,11 @@ impl NixlRegion {
         let serving = Serving::Process {
             to_server: Some(to_server),
             pid,
-            stopping,
+            stopping: stopping.clone(),
         };
-        NixlRegion::describe(inner, serving, name, span, metadata, host)
+        let region = NixlRegion::describe(inner, serving, name, span, metadata, host)?;
+        stopping.store(false, Ordering::SeqCst);
+        Ok(region)
     }
 
     /// The region, with the session that describes `span` served by agent `name`.
