@@ -101,3 +101,17 @@ pub fn wait_freed(w: &Writer, n: u64) {
     let (s, ok) = w.wait_for(Duration::from_secs(10), |s| s.freed_objects >= n);
     assert!(ok, "only {} of {n} frees applied: {s:?}", s.freed_objects);
 }
+
+/// Polls `f` (up to 5 s) until it returns `want`; returns its last value. A free counts as
+/// pending until its sender has seen the write succeed, which may be after the producer has
+/// already applied it.
+pub fn settled(want: u64, f: impl Fn() -> u64) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let v = f();
+        if v == want || std::time::Instant::now() > deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
