@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -150,10 +150,12 @@ def test_an_unknown_transport_is_a_config_error() -> None:
         ca.ArenaSink(arena_bytes="1MiB", transport="carrier-pigeon")
 
 
-def test_the_producer_outlives_its_nixl_server_process() -> None:
+def test_the_producer_outlives_its_nixl_server_process_and_starts_another() -> None:
     """UCX runs in a server process of the producer's (SGLANG_SPEC_CAPTURE_NIXL_SERVER, set by the
     package): when it dies (here SIGKILL, as a UCX abort would end it), the producer lives on,
-    says so, publishes, and every object is still freed."""
+    says so, publishes, and starts a new server. Samples published before fail as stale (their
+    session names the dead agent) and are freed when released; samples published once the new
+    server is up read through it; every object is freed."""
     producer = COMMON + r"""
 import json, os, sys, time
 import capture_arena as ca
@@ -162,13 +164,30 @@ def put(i):
     L, aux, last = tensors(i)
     (r,) = sink.put_samples([(spec(i, L), aux, last)])
     print(json.dumps(r), flush=True)
-put(0)
-children = open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split()
-for t in os.listdir(f"/proc/{os.getpid()}/task"):
-    children += open(f"/proc/{os.getpid()}/task/{t}/children").read().split()
-print(json.dumps({"server": sorted(set(children))}), flush=True)
-sys.stdin.readline()  # the server was killed
+    return r
+def servers():
+    me = os.getpid()
+    found = set()
+    for t in os.listdir(f"/proc/{me}/task"):
+        try:
+            found.update(open(f"/proc/{me}/task/{t}/children").read().split())
+        except FileNotFoundError:
+            pass
+    return sorted(found)
+first_session = put(0)["arena"]["session"]
 put(1)
+first = servers()
+print(json.dumps({"server": first}), flush=True)
+sys.stdin.readline()  # the server was killed
+# Publishing goes on; the results committed once a new server is up carry its session.
+i, deadline = 2, time.monotonic() + 60
+while time.monotonic() < deadline:
+    r = put(i)
+    i += 1
+    if r["arena"]["session"] != first_session:
+        break
+    time.sleep(0.1)
+print(json.dumps({"restarted": sorted(set(servers()) - set(first))}), flush=True)
 deadline = time.monotonic() + 60
 while sink.stats()["resident_objects"] and time.monotonic() < deadline:
     time.sleep(0.02)
@@ -195,27 +214,40 @@ store.flush(10)
     t = subprocess.Popen([sys.executable, "-c", trainer], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdin is not None and t.stdin is not None and t.stdout is not None
-        first = p.stdout.readline()
-        t.stdin.write(first)
-        t.stdin.flush()
-        assert json.loads(t.stdout.readline()) == {"ok": True}
+
+        def read(result: dict[str, Any]) -> dict[str, Any]:
+            assert t.stdin is not None and t.stdout is not None
+            t.stdin.write(json.dumps(result) + "\n")
+            t.stdin.flush()
+            return json.loads(t.stdout.readline())
+
+        results = [json.loads(p.stdout.readline()), json.loads(p.stdout.readline())]
+        assert read(results[0]) == {"ok": True}
         servers = json.loads(p.stdout.readline())["server"]
         assert len(servers) == 1, servers
         os.kill(int(servers[0]), 9)
         p.stdin.write("\n")
         p.stdin.flush()
-        second = p.stdout.readline()
-        assert "error" not in json.loads(second), second  # publishing goes on
-        t.stdin.write(second)
-        t.stdin.close()
-        got = json.loads(t.stdout.readline())
+        got = read(results[1])  # published before the server died
         assert got["ok"] is False and "stale" in got, got
+        # Published while no server ran (stale, and released all the same), then through the
+        # new one.
+        since = []
+        while "restarted" not in (line := json.loads(p.stdout.readline())):
+            assert "error" not in line, line  # publishing goes on
+            since.append((line["arena"]["session"], read(line)))
+        assert len(line["restarted"]) == 1 and line["restarted"] != servers, line
+        assert since[-1][0] != results[0]["arena"]["session"], len(since)
+        assert since[-1][1] == {"ok": True}, since[-1]
+        assert all(got["ok"] is False for _, got in since[:-1]), since
+        t.stdin.close()
         assert t.wait(timeout=60) == 0
         stats = json.loads(p.stdout.readline())["stats"]
         assert stats["resident_objects"] == 0 and stats["freed_objects"] == stats["published_objects"], stats
         assert p.wait(timeout=60) == 0
         assert p.stderr is not None
-        assert "the NIXL server process ended" in p.stderr.read()
+        err = p.stderr.read()
+        assert "the NIXL server process ended" in err and "was restarted" in err, err[-2000:]
     finally:
         p.kill()
         t.kill()

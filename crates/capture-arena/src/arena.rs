@@ -358,6 +358,9 @@ impl Arena {
 
     /// Enters a reserved batch whose bytes have all landed into the object table.
     pub fn commit(&mut self, r: Reservation, samples: &[Sample]) -> Publication {
+        if self.region.renew() {
+            self.arena_ref.session = self.region.session().to_owned();
+        }
         let base = self.region.base_address();
         let now = Instant::now();
         let mut published: Vec<Published> = samples

@@ -137,6 +137,14 @@ pub trait Region: Send + fmt::Debug {
         self.session()
     }
 
+    /// True when the region's [`Region::session`] and [`Region::base_address`] changed since
+    /// the last call (a NIXL server process that was restarted serves the same memory under a
+    /// new agent, mapped at another address). The arena asks before each commit, so a result's
+    /// session and addresses always agree.
+    fn renew(&mut self) -> bool {
+        false
+    }
+
     /// Gives the region the handle that wakes the writer (called once, before any copy).
     fn set_notifier(&mut self, _notifier: Notifier) {}
 

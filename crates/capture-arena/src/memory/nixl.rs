@@ -13,8 +13,9 @@
 //!
 //! The session carries the agent's metadata ([`NixlSession`]): a reader on another host needs
 //! nothing but the result to connect. The metadata names the agent, its UCX worker's addresses
-//! and the registration's remote keys; it is fixed for the arena's life, because the region is
-//! registered once.
+//! and the registration's remote keys; it is fixed for the agent's life, because the region is
+//! registered once. A server process that ends unasked is started again with a new agent, and
+//! results committed after that carry its session ([`Region::renew`]).
 //!
 //! The library is loaded at run time (`nixl-sys` with `stub-api`): [`library`] opens
 //! `libnixl_capi.so` (from `SGLANG_SPEC_CAPTURE_NIXL_LIB`, else the library search path) and
@@ -24,7 +25,6 @@
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use base64::Engine as _;
@@ -410,15 +410,194 @@ enum Serving {
         registration: ManuallyDrop<nixl_sys::RegistrationHandle>,
         agent: ManuallyDrop<AgentHandle>,
     },
-    /// A server process of its own over the same shared memory ([`serve`]): it exits when this
-    /// pipe closes (this region dropped, or this process gone).
-    Process {
-        to_server: Option<std::process::ChildStdin>,
-        pid: u32,
-        /// Set while the server's end is no news: until the region is made, and once it closes
-        /// the pipe.
-        stopping: Arc<AtomicBool>,
-    },
+    /// A server process of its own over the same shared memory ([`serve`]), restarted when it
+    /// ends unasked ([`Server::watch`]).
+    Process(Arc<Server>),
+}
+
+/// A NIXL server process and its successors: how to start one, and the one running now.
+struct Server {
+    command: Vec<String>,
+    shm: super::ShmSession,
+    /// The host named in sessions.
+    host: String,
+    state: std::sync::Mutex<ServerState>,
+}
+
+struct ServerState {
+    /// The running server's stdin: it exits when this closes (the region dropped, or this
+    /// process gone: the write end is ours alone).
+    to_server: Option<std::process::ChildStdin>,
+    pid: u32,
+    /// Set when the region is dropped: a server that ends then is no news, and none is started.
+    stopping: bool,
+    /// A restarted server's agent, base and session, until the writer takes them
+    /// ([`Region::renew`]).
+    fresh: Option<(String, u64, String)>,
+}
+
+impl Server {
+    fn state(&self) -> std::sync::MutexGuard<'_, ServerState> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Starts a server with a new agent; returns it, its stdin, its agent's name, base and
+    /// session. A server that does not describe its agent within [`SERVER_START`] is killed.
+    fn launch(
+        &self,
+    ) -> Result<(
+        std::process::Child,
+        std::process::ChildStdin,
+        String,
+        u64,
+        String,
+    )> {
+        use std::io::BufRead;
+        let name = agent_name()?;
+        let command = &self.command;
+        let what = || format!("starting the NIXL server process {command:?}");
+        let Some((program, args)) = command.split_first() else {
+            return Err(Error::config(
+                crate::config::ENV_NIXL_SERVER,
+                "an empty command",
+            ));
+        };
+        let mut child = std::process::Command::new(program)
+            .args(args)
+            .args([&self.shm.name, &self.shm.len.to_string(), &name])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .map_err(|e| Error::transport(what(), e.to_string()))?;
+        let fail = |mut child: std::process::Child, e: Error| {
+            let _ = child.kill();
+            let _ = child.wait();
+            Err(e)
+        };
+        let (Some(to_server), Some(from_server)) = (child.stdin.take(), child.stdout.take()) else {
+            return fail(child, Error::transport(what(), "no pipes"));
+        };
+        // Its one line, read on a thread so that a server that hangs costs SERVER_START at
+        // most; then whatever else it writes is drained until it ends.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reading = std::thread::Builder::new()
+            .name("capture-arena-nixl-server-out".into())
+            .spawn(move || {
+                let mut from =
+                    std::io::BufReader::new(std::io::Read::take(from_server, MAX_SERVER_LINE));
+                let mut line = String::new();
+                let r = from.read_line(&mut line);
+                let _ = tx.send(r.map(|_| line));
+                let mut rest = from.into_inner().into_inner();
+                let _ = std::io::copy(&mut rest, &mut std::io::sink());
+            });
+        if let Err(e) = reading {
+            return fail(child, Error::transport(what(), e.to_string()));
+        }
+        let line = match rx.recv_timeout(SERVER_START) {
+            Ok(Ok(line)) if line.ends_with('\n') => line,
+            Ok(Ok(line)) => {
+                let e = format!(
+                    "it ended without describing its agent ({} bytes said)",
+                    line.len()
+                );
+                return fail(child, Error::transport(what(), e));
+            }
+            Ok(Err(e)) => return fail(child, Error::transport(what(), e.to_string())),
+            Err(_) => {
+                let e = format!(
+                    "it did not describe its agent within {} s",
+                    SERVER_START.as_secs()
+                );
+                return fail(child, Error::transport(what(), e));
+            }
+        };
+        let described = serde_json::from_str::<ServerLine>(line.trim())
+            .map_err(|e| format!("its first line is not one: {e}"))
+            .and_then(|d| {
+                let metadata = b64()
+                    .decode(d.metadata.as_bytes())
+                    .map_err(|e| format!("its metadata: {e}"))?;
+                Ok((d.base, metadata))
+            });
+        let (base, metadata) = match described {
+            Ok(d) => d,
+            Err(e) => return fail(child, Error::transport(what(), e)),
+        };
+        let span = Span {
+            addr: base,
+            len: self.shm.len,
+            mem: NixlMem::Dram,
+            dev: 0,
+        };
+        match describe(&name, &span, metadata, &self.host) {
+            Ok(session) => Ok((child, to_server, name, base, session)),
+            Err(e) => fail(child, e),
+        }
+    }
+
+    /// Reaps the server `child` (and each successor): one that ends unasked is logged and
+    /// started again, with a back-off from [`RESTART_FIRST`] to [`RESTART_MAX`] while starts
+    /// fail. Runs until the region is dropped.
+    fn watch(self: Arc<Server>, mut child: std::process::Child) {
+        loop {
+            let pid = child.id();
+            let status = child.wait();
+            if self.state().stopping {
+                tracing::debug!(pid, ?status, "NIXL server process ended");
+                return;
+            }
+            tracing::error!(
+                pid,
+                ?status,
+                "the NIXL server process ended: trainers' reads of samples published so far \
+                 fail as stale (and are freed when released); publishing goes on; a new server \
+                 is started and serves the samples published after it"
+            );
+            let mut backoff = RESTART_FIRST;
+            child = loop {
+                let until = std::time::Instant::now() + backoff;
+                while std::time::Instant::now() < until {
+                    if self.state().stopping {
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+                match self.launch() {
+                    Ok((child, to_server, agent, base, session)) => {
+                        let mut s = self.state();
+                        if s.stopping {
+                            drop(s);
+                            drop(to_server);
+                            let mut child = child;
+                            let _ = child.wait();
+                            return;
+                        }
+                        s.to_server = Some(to_server);
+                        s.pid = child.id();
+                        tracing::warn!(
+                            pid = child.id(),
+                            %agent,
+                            "the NIXL server process was restarted"
+                        );
+                        s.fresh = Some((agent, base, session));
+                        break child;
+                    }
+                    Err(e) => {
+                        backoff = (backoff * 2).min(RESTART_MAX);
+                        tracing::error!(
+                            error = %e,
+                            retry_in_s = backoff.as_secs(),
+                            "the NIXL server process could not be restarted"
+                        );
+                    }
+                }
+            };
+        }
+    }
 }
 
 impl Drop for NixlRegion {
@@ -440,13 +619,10 @@ impl Drop for NixlRegion {
                 }
             }
             // Closing the pipe ends the server; its watcher thread reaps it.
-            Serving::Process {
-                to_server,
-                stopping,
-                ..
-            } => {
-                stopping.store(true, Ordering::SeqCst);
-                drop(to_server.take());
+            Serving::Process(server) => {
+                let mut s = server.state();
+                s.stopping = true;
+                drop(s.to_server.take());
             }
         }
     }
@@ -454,13 +630,9 @@ impl Drop for NixlRegion {
 
 impl fmt::Debug for NixlRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let server = match &self.serving {
-            Serving::InProcess { .. } => None,
-            Serving::Process { pid, .. } => Some(*pid),
-        };
         f.debug_struct("NixlRegion")
             .field("agent", &self.agent_name)
-            .field("server_pid", &server)
+            .field("server_pid", &self.server_pid())
             .field("inner", &self.inner)
             .finish()
     }
@@ -482,11 +654,18 @@ impl NixlRegion {
             dev: u64::from(dev),
         };
         let (agent, registration, metadata) = register(&name, &span)?;
-        let serving = Serving::InProcess {
-            registration: ManuallyDrop::new(registration),
-            agent: ManuallyDrop::new(agent),
-        };
-        NixlRegion::describe(inner, serving, name, span, metadata, host)
+        let session = describe(&name, &span, metadata, &session_host(host))?;
+        Ok(NixlRegion {
+            serving: Serving::InProcess {
+                registration: ManuallyDrop::new(registration),
+                agent: ManuallyDrop::new(agent),
+            },
+            pid: std::process::id(),
+            agent_name: name,
+            base: span.addr,
+            session,
+            inner,
+        })
     }
 
     /// Registers `inner`, host shared memory ([`super::ShmRegion`]), with an agent in a server
@@ -494,14 +673,18 @@ impl NixlRegion {
     /// and the agent's name ([`serve`] is what that process runs). UCX then runs in that
     /// process alone: a peer or a network fault that makes UCX abort (over TCP a READ is
     /// emulated by the serving side's UCX thread, which aborts on an error it cannot hand to
-    /// anyone) ends the server, not this process. A server that ends is logged; reads of this
-    /// arena then fail as stale for its trainers, and publishing goes on.
+    /// anyone) ends the server, not this process.
+    ///
+    /// A server that ends unasked is logged and started again (a new agent, mapping the same
+    /// memory at another address): samples published before then fail as stale for their
+    /// trainers (their metadata names the old agent) and are freed when released; publishing
+    /// goes on, and results committed once the new server is up carry its session
+    /// ([`Region::renew`]).
     ///
     /// # Errors
     /// [`Error::Transport`] when the server cannot be started or does not describe its agent
     /// within [`SERVER_START`]; [`Error::Config`] for a region that is not shared memory.
     pub fn served(inner: Box<dyn Region>, command: &[String], host: &str) -> Result<NixlRegion> {
-        use std::io::BufRead;
         let shm: super::ShmSession = inner.memory_session().parse().map_err(|_| {
             Error::config(
                 crate::config::ENV_NIXL_SERVER,
@@ -509,159 +692,40 @@ impl NixlRegion {
                  a device arena)",
             )
         })?;
-        let Some((program, args)) = command.split_first() else {
-            return Err(Error::config(
-                crate::config::ENV_NIXL_SERVER,
-                "an empty command",
-            ));
-        };
-        let name = agent_name()?;
-        let what = || format!("starting the NIXL server process {command:?}");
-        let mut child = std::process::Command::new(program)
-            .args(args)
-            .args([&shm.name, &shm.len.to_string(), &name])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::inherit())
-            .spawn()
-            .map_err(|e| Error::transport(what(), e.to_string()))?;
-        let pid = child.id();
-        let (Some(to_server), Some(from_server)) = (child.stdin.take(), child.stdout.take()) else {
-            let _ = child.kill();
-            return Err(Error::transport(what(), "no pipes"));
-        };
-        // Its one line, read on a thread so that a server that hangs costs SERVER_START at most.
-        let (tx, rx) = std::sync::mpsc::channel();
-        // Its end is no news until the region is made (a failed start is this call's error).
-        let stopping = Arc::new(AtomicBool::new(true));
-        let stop = stopping.clone();
-        let agent = name.clone();
-        std::thread::Builder::new()
+        let server = Arc::new(Server {
+            command: command.to_vec(),
+            shm,
+            host: session_host(host),
+            state: std::sync::Mutex::new(ServerState {
+                to_server: None,
+                pid: 0,
+                stopping: false,
+                fresh: None,
+            }),
+        });
+        let (child, to_server, agent, base, session) = server.launch()?;
+        {
+            let mut s = server.state();
+            s.to_server = Some(to_server);
+            s.pid = child.id();
+        }
+        let watcher = server.clone();
+        let watching = std::thread::Builder::new()
             .name("capture-arena-nixl-server".into())
-            .spawn(move || {
-                let mut line = String::new();
-                let r = std::io::BufReader::new(std::io::Read::take(from_server, MAX_SERVER_LINE))
-                    .read_line(&mut line);
-                let _ = tx.send(r.map(|_| line));
-                // Then it waits for the server to end, and says so if this was not asked for.
-                let status = child.wait();
-                if stop.load(Ordering::SeqCst) {
-                    tracing::debug!(pid, ?status, "NIXL server process ended");
-                } else {
-                    tracing::error!(
-                        pid,
-                        %agent,
-                        ?status,
-                        "the NIXL server process ended: trainers' reads of this arena now fail \
-                         as stale (and are freed when released); publishing goes on; restart \
-                         the producer to serve the arena through NIXL again"
-                    );
-                }
-            })
-            .map_err(|e| Error::transport(what(), e.to_string()))?;
-        let line = match rx.recv_timeout(SERVER_START) {
-            Ok(Ok(line)) if line.ends_with('\n') => line,
-            Ok(Ok(line)) => {
-                return Err(Error::transport(
-                    what(),
-                    format!(
-                        "it ended without describing its agent ({} bytes said)",
-                        line.len()
-                    ),
-                ))
-            }
-            Ok(Err(e)) => return Err(Error::transport(what(), e.to_string())),
-            Err(_) => {
-                kill(pid);
-                return Err(Error::transport(
-                    what(),
-                    format!(
-                        "it did not describe its agent within {} s",
-                        SERVER_START.as_secs()
-                    ),
-                ));
-            }
-        };
-        let described: ServerLine = serde_json::from_str(line.trim())
-            .map_err(|e| Error::transport(what(), format!("its first line is not one: {e}")))?;
-        let metadata = b64()
-            .decode(described.metadata.as_bytes())
-            .map_err(|e| Error::transport(what(), format!("its metadata: {e}")))?;
-        let span = Span {
-            addr: described.base,
-            len: shm.len,
-            mem: NixlMem::Dram,
-            dev: 0,
-        };
-        let serving = Serving::Process {
-            to_server: Some(to_server),
-            pid,
-            stopping: stopping.clone(),
-        };
-        let region = NixlRegion::describe(inner, serving, name, span, metadata, host)?;
-        stopping.store(false, Ordering::SeqCst);
-        Ok(region)
-    }
-
-    /// The region, with the session that describes `span` served by agent `name`.
-    fn describe(
-        inner: Box<dyn Region>,
-        serving: Serving,
-        name: String,
-        span: Span,
-        metadata: Vec<u8>,
-        host: &str,
-    ) -> Result<NixlRegion> {
-        let mem = span.mem;
-        let dev = span.dev as u32;
-        let host = if host_ok(host) {
-            host.to_owned()
-        } else {
-            crate::memory::this_host()
-        };
-        let session = NixlSession {
-            host,
-            agent: name,
-            base: span.addr,
-            len: span.len,
-            mem,
-            dev,
-            metadata,
-        };
-        let text = session.to_string();
-        if text.len() > MAX_NIXL_SESSION_BYTES || session.metadata.len() > MAX_METADATA_BYTES {
-            return Err(Error::transport(
-                "describing the NIXL arena",
-                format!(
-                    "the session would be {} bytes (at most {MAX_NIXL_SESSION_BYTES}) with {} \
-                     bytes of agent metadata (at most {MAX_METADATA_BYTES}); limit the UCX \
-                     devices (UCX_NET_DEVICES, UCX_TLS) or shorten \
-                     SGLANG_SPEC_CAPTURE_CONTROL_HOST",
-                    text.len(),
-                    session.metadata.len()
-                ),
-            ));
-        }
-        if !metadata_names(&session.metadata, &session.agent) {
-            return Err(Error::transport(
-                "describing the NIXL arena",
-                "the agent's metadata does not start as NIXL 1.5 writes it (another NIXL version?)",
-            ));
-        }
-        tracing::info!(
-            agent = %session.agent,
-            bytes = span.len,
-            metadata_bytes = session.metadata.len(),
-            "arena registered with NIXL"
-        );
-        Ok(NixlRegion {
-            serving,
+            .spawn(move || watcher.watch(child));
+        let region = NixlRegion {
+            serving: Serving::Process(server),
             pid: std::process::id(),
-            agent_name: session.agent.clone(),
-            base: span.addr,
-            session: text,
+            agent_name: agent,
+            base,
+            session,
             inner,
-        })
+        };
+        // Without its watcher the server would never be reaped nor restarted: the region is
+        // dropped (which ends the server) and this call fails.
+        watching
+            .map_err(|e| Error::transport("watching the NIXL server process", e.to_string()))?;
+        Ok(region)
     }
 
     /// The agent's name.
@@ -673,14 +737,68 @@ impl NixlRegion {
     pub fn server_pid(&self) -> Option<u32> {
         match &self.serving {
             Serving::InProcess { .. } => None,
-            Serving::Process { pid, .. } => Some(*pid),
+            Serving::Process(server) => Some(server.state().pid),
         }
     }
+}
+
+/// `host`, or this host's name when `host` cannot be named in a session.
+fn session_host(host: &str) -> String {
+    if host_ok(host) {
+        host.to_owned()
+    } else {
+        crate::memory::this_host()
+    }
+}
+
+/// The session text of `span` served by agent `name` on `host`, checked against the bounds a
+/// reader enforces.
+fn describe(name: &str, span: &Span, metadata: Vec<u8>, host: &str) -> Result<String> {
+    let session = NixlSession {
+        host: host.to_owned(),
+        agent: name.to_owned(),
+        base: span.addr,
+        len: span.len,
+        mem: span.mem,
+        dev: span.dev as u32,
+        metadata,
+    };
+    let text = session.to_string();
+    if text.len() > MAX_NIXL_SESSION_BYTES || session.metadata.len() > MAX_METADATA_BYTES {
+        return Err(Error::transport(
+            "describing the NIXL arena",
+            format!(
+                "the session would be {} bytes (at most {MAX_NIXL_SESSION_BYTES}) with {} \
+                 bytes of agent metadata (at most {MAX_METADATA_BYTES}); limit the UCX \
+                 devices (UCX_NET_DEVICES, UCX_TLS) or shorten \
+                 SGLANG_SPEC_CAPTURE_CONTROL_HOST",
+                text.len(),
+                session.metadata.len()
+            ),
+        ));
+    }
+    if !metadata_names(&session.metadata, &session.agent) {
+        return Err(Error::transport(
+            "describing the NIXL arena",
+            "the agent's metadata does not start as NIXL 1.5 writes it (another NIXL version?)",
+        ));
+    }
+    tracing::info!(
+        agent = %session.agent,
+        bytes = span.len,
+        metadata_bytes = session.metadata.len(),
+        "arena registered with NIXL"
+    );
+    Ok(text)
 }
 
 /// How long a NIXL server process may take to describe its agent (registering a large arena
 /// with RDMA devices pins it, which takes a while).
 pub const SERVER_START: std::time::Duration = std::time::Duration::from_secs(120);
+/// How long after a server ends unasked the next one starts; doubled after each failed start.
+pub const RESTART_FIRST: std::time::Duration = std::time::Duration::from_secs(1);
+/// The longest wait between failed starts.
+pub const RESTART_MAX: std::time::Duration = std::time::Duration::from_secs(60);
 /// The longest first line a server may write.
 const MAX_SERVER_LINE: u64 = 64 * 1024;
 
@@ -721,13 +839,6 @@ fn register(
         .get_local_md()
         .map_err(|e| Error::transport("reading the NIXL agent's metadata", e.to_string()))?;
     Ok((agent, registration, metadata))
-}
-
-fn kill(pid: u32) {
-    if let Ok(pid) = libc::pid_t::try_from(pid) {
-        // SAFETY: plain FFI; the pid is our own child's, not yet reaped (its watcher reaps it).
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-    }
 }
 
 /// What a NIXL server process runs (`capture-arena nixl-serve`, or
@@ -815,6 +926,17 @@ impl Region for NixlRegion {
 
     fn memory_session(&self) -> &str {
         self.inner.memory_session()
+    }
+
+    fn renew(&mut self) -> bool {
+        let Serving::Process(server) = &self.serving else {
+            return false;
+        };
+        let Some((agent, base, session)) = server.state().fresh.take() else {
+            return false;
+        };
+        (self.agent_name, self.base, self.session) = (agent, base, session);
+        true
     }
 
     fn set_notifier(&mut self, notifier: Notifier) {
