@@ -1,0 +1,569 @@
+"""capture-arena behind SpecForge's trainer: a SpecForge ``FeatureStore`` over capture-arena's
+readers, for every placement (``shm://``, ``cuda://``, ``nixl://``, a Mooncake TransferEngine, the
+Mooncake store).
+
+A SpecForge trainer switches by changing two lines; its adapter, ``RolloutWorker`` and
+``FeatureDataLoader`` stay as they are::
+
+    store = SpecForgeArenaStore(store_id=store_id)          # was: MooncakeFeatureStore(...)
+    adapter = SGLangServerCaptureAdapter(url, store, ..., post_fn=store.post_fn())
+
+SpecForge's adapter keeps only shapes and dtypes of a capture result; ``post_fn()`` wraps the
+adapter's HTTP call and records each result before its ``SampleRef`` is built, and ``adopt()``
+puts the result into ``ref.metadata["capture_arena"]``, so the ref carries what any process
+needs to read and free the sample (it survives SpecForge's ``ref_to_dict`` / ``ref_from_dict``).
+
+SpecForge's lifecycle maps onto capture-arena's frees:
+
+============================  =================================================================
+SpecForge                     capture-arena
+============================  =================================================================
+``get(ref)``                  reads the result (a lease; ``KeyError`` once freed)
+``release(handle)``           the last lease of the sample's generation frees its objects
+``abort(sample_id)``          frees the sample; one this process never saw is freed by prefix
+                              (``{store_id}/{sample_id}/``) at every control endpoint it knows
+``discard_external_attempts`` frees attempts whose response was lost, by prefix
+                              (``{store_id}/{sample_id}/g{gen}/``), or by their recorded result
+``gc()``                      frees samples held longer than ``max_hold_age_s`` and not leased
+``drain_*_removals``          waits (bounded) until every free went out; raises if not
+``health()``                  SpecForge's keys, with ``release_pending`` the frees not yet sent
+============================  =================================================================
+
+Frees never wait on the network in the caller's thread: keys go out from capture-arena's free
+senders, prefixes from one sender thread of this module, each retried with a back-off until its
+endpoint answers, and dropped only once it refuses connections (its producer is gone).
+
+SpecForge is imported when this module is (``capture_arena`` itself never imports it).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+import unicodedata
+import urllib.request
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+try:
+    from specforge.runtime.contracts import FeatureHandle, SampleRef  # type: ignore[import-not-found,unused-ignore]
+    from specforge.runtime.data_plane.feature_store import FeatureStore  # type: ignore[import-not-found,unused-ignore]
+except ImportError as e:  # pragma: no cover - exercised only without SpecForge
+    raise ImportError(
+        "capture_arena.specforge needs SpecForge importable (https://github.com/sgl-project/SpecForge; "
+        f"it is not on PyPI: install it from its repository): {e}"
+    ) from e
+
+from . import ArenaFeatureStore
+from ._capture_arena import _send_frees
+from ._store import is_store_result
+from .errors import CaptureArenaError, FreeNotSentError
+
+log = logging.getLogger("capture_arena.specforge")
+
+#: Where a ref carries its capture-arena result.
+META_KEY = "capture_arena"
+#: Results recorded by ``post_fn`` and not adopted yet, at most (the oldest is freed beyond it).
+MAX_RECORDED = 65536
+#: Known control endpoints, at most.
+MAX_ENDPOINTS = 4096
+#: Prefix frees waiting, at most (the oldest is dropped and counted beyond it).
+MAX_PREFIXES = 65536
+#: The longest response ``post_fn``'s default reads.
+MAX_RESPONSE_BYTES = 256 << 20
+
+
+def escape_part(part: str) -> str:
+    """An id as a key carries it: ``%``, ``/`` and control characters percent-encoded (each UTF-8
+    byte as ``%XX``), as capture-arena's producers encode them."""
+    out: List[str] = []
+    for c in part:
+        if c in "%/" or unicodedata.category(c) == "Cc":
+            out.extend(f"%{b:02X}" for b in c.encode())
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def _default_post(url: str, json_body: Dict[str, Any], timeout: float) -> Any:
+    """SpecForge's default post (``requests.post(...).json()``) without ``requests``: JSON in,
+    JSON out, at most ``MAX_RESPONSE_BYTES`` read."""
+    req = urllib.request.Request(url, data=json.dumps(json_body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body = resp.read(MAX_RESPONSE_BYTES + 1)
+    if len(body) > MAX_RESPONSE_BYTES:
+        raise RuntimeError(f"{url} answered more than {MAX_RESPONSE_BYTES} bytes")
+    return json.loads(body)
+
+
+def _flatten(value: Any) -> List[Any]:
+    if isinstance(value, list):
+        return [x for v in value for x in _flatten(v)]
+    return [value]
+
+
+def _result_bytes(result: Mapping[str, Any]) -> int:
+    sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+    total = 0
+    for f in result.get("features", {}).values():
+        n = 1
+        for d in f.get("shape", ()):
+            n *= int(d)
+        total += n * sizes.get(str(f.get("dtype")), 1)
+    return total
+
+
+class _Prefixes:
+    """Prefix frees, sent from a thread of their own: each ``(control, token, prefix)`` is tried
+    until its endpoint takes it (back-off 100 ms to 30 s), or dropped once it refuses
+    connections."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._waiting: "collections.OrderedDict[Tuple[str, str], Tuple[Optional[str], float, float]]" = collections.OrderedDict()
+        self._sending = 0
+        self._thread: Optional[threading.Thread] = None
+        self.dropped = 0
+
+    def add(self, control: str, token: Optional[str], prefix: str) -> None:
+        with self._lock:
+            self._waiting[(control, prefix)] = (token, 0.0, 0.1)
+            while len(self._waiting) > MAX_PREFIXES:
+                self._waiting.popitem(last=False)
+                self.dropped += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="capture-arena-prefix-frees", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._waiting) + self._sending
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    self._thread = None
+                    self._lock.notify_all()
+                    return
+                now = time.monotonic()
+                due = [(k, v) for k, v in self._waiting.items() if v[1] <= now]
+                if not due:
+                    self._lock.wait(min(v[1] for v in self._waiting.values()) - now)
+                    continue
+                (control, prefix), (token, _, backoff) = due[0]
+                del self._waiting[(control, prefix)]
+                self._sending += 1
+            retry: Optional[float] = None
+            try:
+                _send_frees(control, [], [prefix], token, 5.0)
+            except FreeNotSentError as e:
+                if "refused" in str(e).lower():
+                    log.warning("control endpoint %s refuses connections (its producer is gone): prefix free %s dropped", control, prefix)
+                    with self._lock:
+                        self.dropped += 1
+                else:
+                    retry = backoff
+            except CaptureArenaError as e:  # a prefix or token that is not one: never sendable
+                log.error("prefix free %s to %s dropped: %s", prefix, control, e)
+                with self._lock:
+                    self.dropped += 1
+            with self._lock:
+                self._sending -= 1
+                if retry is not None and (control, prefix) not in self._waiting:
+                    self._waiting[(control, prefix)] = (token, time.monotonic() + retry, min(retry * 2, 30.0))
+                self._lock.notify_all()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for every prefix to go out; True if none waits."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._waiting or self._sending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                # What is in its back-off is tried now.
+                for k, (token, _, backoff) in list(self._waiting.items()):
+                    self._waiting[k] = (token, 0.0, backoff)
+                self._lock.notify_all()
+                self._lock.wait(min(left, 0.05))
+            return True
+
+
+class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
+    """A SpecForge ``FeatureStore`` (with the ``MooncakeFeatureStore`` API that
+    ``SGLangServerCaptureAdapter`` requires) over capture-arena's readers. See the module docs.
+
+    ``store_id``: the run's store namespace (what the adapter sends as ``store_id``).
+    ``controls``: control endpoints (``host:port``, a result's ``arena.control``) to free by
+    prefix at, besides those learned from results: what ``abort`` of a sample this process never
+    saw (the controller reconciling after a restart) and a response lost before any result of
+    that producer arrived need. ``tokens``: a control token per endpoint, where producers have
+    one. ``max_hold_age_s``: ``gc()`` frees samples held longer and not leased (None: never).
+    ``reader``: the :class:`~capture_arena.ArenaFeatureStore` to read through (a new one by
+    default)."""
+
+    def __init__(
+        self,
+        *,
+        store_id: Optional[str] = None,
+        controls: Iterable[str] = (),
+        tokens: Optional[Mapping[str, str]] = None,
+        max_hold_age_s: Optional[float] = None,
+        reader: Optional[ArenaFeatureStore] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        import uuid
+
+        self.store_id = store_id or uuid.uuid4().hex[:8]
+        if not isinstance(self.store_id, str) or not self.store_id or "/" in self.store_id:
+            raise ValueError(f"store_id must be a non-empty string without '/': {self.store_id!r}")
+        self.max_hold_age_s = max_hold_age_s
+        self.max_resident_bytes: Optional[int] = None
+        self._reader = reader or ArenaFeatureStore()
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._endpoints: "collections.OrderedDict[str, Optional[str]]" = collections.OrderedDict()
+        for c in controls:
+            self._learn(str(c), (tokens or {}).get(str(c)))
+        self._store_placement = False
+        # Tracked samples (adopted, or read here): sample_id -> its result, generation, time, bytes.
+        self._results: Dict[str, Dict[str, Any]] = {}
+        self._generation: Dict[str, int] = {}
+        self._put_time: Dict[str, float] = {}
+        self._bytes: Dict[str, int] = {}
+        self._leases: Dict[str, Any] = {}
+        self._counter = 0
+        # Results post_fn saw, until adopt() takes them; attempts sent and not adopted yet.
+        self._recorded: "collections.OrderedDict[Tuple[str, int], Dict[str, Any]]" = collections.OrderedDict()
+        self._provisional: Dict[Tuple[str, int], List[str]] = {}
+        self._prefixes = _Prefixes()
+        self._stats = {"force_freed": 0, "force_freed_bytes": 0}
+
+    # -- what the adapter needs ---------------------------------------------------------------
+    def post_fn(self, inner: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
+        """The adapter's ``post_fn``: calls ``inner`` (default: a JSON POST) and records each
+        capture result of the response before the adapter builds its refs. Never raises for a
+        result it cannot use (that sample's ``adopt`` does); the response goes back unchanged."""
+        post = inner or _default_post
+
+        def recording_post(url: str, json_body: Dict[str, Any], timeout: float) -> Any:
+            rows = post(url, json_body=json_body, timeout=timeout)
+            try:
+                self._record(rows, json_body)
+            except Exception:  # a malformed response is the adapter's to report, not ours
+                log.warning("capture results of a response could not be recorded", exc_info=True)
+            return rows
+
+        return recording_post
+
+    def _record(self, rows: Any, body: Mapping[str, Any]) -> None:
+        asked = body.get("spec_capture") if isinstance(body, Mapping) else None
+        most = len(asked) if isinstance(asked, list) else 0
+        seen = 0
+        for row in _flatten(rows):
+            if not isinstance(row, Mapping):
+                continue
+            meta = row.get("meta_info")
+            if not isinstance(meta, Mapping):
+                continue
+            for result in _flatten(meta.get("spec_capture")):
+                if seen >= most:
+                    return  # more results than the request asked for: not ours to keep
+                if not isinstance(result, Mapping) or result.get("error") or not isinstance(result.get("features"), Mapping):
+                    continue
+                try:
+                    ident = (str(result["sample_id"]), int(result["gen"]))
+                except (KeyError, TypeError, ValueError):
+                    continue
+                if str(result.get("store_id")) != self.store_id:
+                    continue
+                seen += 1
+                with self._lock:
+                    self._recorded[ident] = dict(result)
+                    self._learn_from(result)
+                    while len(self._recorded) > MAX_RECORDED:
+                        (sid, gen), old = self._recorded.popitem(last=False)
+                        log.warning("%d capture results were never adopted: freeing the oldest, %s g%d", MAX_RECORDED, sid, gen)
+                        self._free_result(old)
+
+    def _learn(self, control: str, token: Optional[str]) -> None:
+        if control in self._endpoints:
+            self._endpoints.move_to_end(control)
+            if token:
+                self._endpoints[control] = token
+            return
+        self._endpoints[control] = token
+        while len(self._endpoints) > MAX_ENDPOINTS:
+            self._endpoints.popitem(last=False)
+
+    def _learn_from(self, result: Mapping[str, Any]) -> None:
+        if is_store_result(result):
+            self._store_placement = True
+            return
+        arena = result.get("arena")
+        if isinstance(arena, Mapping) and isinstance(arena.get("control"), str):
+            token = arena.get("token")
+            self._learn(arena["control"], token if isinstance(token, str) else None)
+
+    def adopt(self, sample_ref: SampleRef) -> None:
+        """Takes charge of a sample the capture server wrote: its result (recorded by
+        ``post_fn``, or carried by a ref that went through another process) goes into
+        ``ref.metadata["capture_arena"]``, and ``release``/``abort``/``gc`` free it."""
+        sid, gen = self._ident(sample_ref)
+        with self._lock:
+            result = sample_ref.metadata.get(META_KEY)
+            recorded = self._recorded.pop((sid, gen), None)
+            if result is None:
+                result = recorded
+            if result is None:
+                raise ValueError(
+                    f"cannot adopt {sid} g{gen}: no capture-arena result recorded for it, nor carried in its ref "
+                    "(give the adapter post_fn=store.post_fn())"
+                )
+            self._check_result(sample_ref, result, gen)
+            sample_ref.metadata[META_KEY] = result
+            self._track(sid, gen, result)
+            self._provisional.pop((sid, gen), None)
+
+    def track_external_attempt(self, sample_id: str, *, generation: int, feature_names: List[str]) -> None:
+        """Remembers an attempt before its request goes out, so that a response that never
+        arrives can still be freed (``discard_external_attempts``)."""
+        names = list(dict.fromkeys(str(n) for n in feature_names))
+        if not names:
+            raise ValueError("external capture attempt must name at least one feature")
+        with self._lock:
+            self._provisional[(str(sample_id), int(generation))] = names
+
+    def discard_external_attempts(self, *, reason: str = "unadopted-external-capture") -> int:
+        """Frees every attempt that was sent and never adopted: by its recorded result, else by
+        prefix at every known control endpoint (and by key from the Mooncake store once a
+        store-placement result was seen). Returns how many were discarded; raises
+        ``RuntimeError`` for attempts with nowhere to send their frees (they stay tracked)."""
+        discarded, stuck = 0, []
+        with self._lock:
+            for (sid, gen), names in list(self._provisional.items()):
+                if sid in self._generation and self._generation[sid] == gen:
+                    self._provisional.pop((sid, gen), None)  # adopted meanwhile
+                    continue
+                recorded = self._recorded.pop((sid, gen), None)
+                if recorded is not None:
+                    self._free_result(recorded)
+                elif not self._free_unseen(sid, gen, names):
+                    stuck.append(f"{sid} g{gen}")
+                    continue
+                self._provisional.pop((sid, gen), None)
+                discarded += 1
+        if stuck:
+            raise RuntimeError(
+                f"could not discard {len(stuck)} external capture attempts ({stuck[:8]}): no control endpoint is known yet; "
+                "pass controls=[...] (a result's arena.control) to SpecForgeArenaStore"
+            )
+        if discarded:
+            log.info("discarded %d external capture attempts (%s)", discarded, reason)
+        return discarded
+
+    # -- FeatureStore -------------------------------------------------------------------------
+    def put(self, tensors: Dict[str, Any], *, sample_id: str, metadata: Dict[str, Any]) -> SampleRef:
+        """Not supported: capture-arena's producer is the capture server (SGLang with the
+        spec-capture patch); this store reads and frees what it publishes. For samples made in
+        the trainer's own process, use SpecForge's ``LocalFeatureStore``."""
+        raise NotImplementedError(
+            "SpecForgeArenaStore reads what a capture server published (SGLangServerCaptureAdapter); "
+            "it has no put(): use LocalFeatureStore or MooncakeFeatureStore for local puts"
+        )
+
+    def get(self, sample_ref: SampleRef, *, device: Any = "cpu", names: Optional[List[str]] = None) -> Tuple[Dict[str, Any], Any]:
+        """Reads the sample into fresh torch tensors on ``device`` and leases it. ``KeyError`` for a
+        sample released or aborted here, a name it lacks, or a ref without a capture-arena
+        result; ``StaleSessionError`` when its producer is gone."""
+        sid, gen = self._ident(sample_ref)
+        with self._lock:
+            result = sample_ref.metadata.get(META_KEY)
+            if result is None and self._generation.get(sid) == gen:
+                result = self._results.get(sid)
+        if result is None:
+            raise KeyError(f"sample {sid} g{gen}: its ref carries no capture-arena result (was it adopted by a SpecForgeArenaStore?)")
+        self._check_result(sample_ref, result, gen)
+        wanted = list(names) if names else list(sample_ref.feature_keys)
+        dev = str(device)
+        tensors = self._reader.get(result, wanted, torch=True, device=None if dev == "cpu" else dev)
+        with self._lock:
+            if sid not in self._generation:
+                self._track(sid, gen, result)
+            self._counter += 1
+            handle = FeatureHandle(sample_id=sid, generation=gen, lease_token=f"{sid}:{gen}:{self._counter}")
+            self._leases[handle.lease_token] = handle
+        return tensors, handle
+
+    def release(self, handle: Any, *, reason: str = "consumed") -> None:
+        """Drops the lease; the sample's last lease on its current generation frees it."""
+        with self._lock:
+            self._leases.pop(handle.lease_token, None)
+            sid = handle.sample_id
+            cur = self._generation.get(sid)
+            if cur is None or handle.generation != cur or self._leased(sid, cur):
+                return
+            self._free_tracked(sid)
+
+    def abort(self, sample_id: str, *, reason: str = "aborted") -> None:
+        """Frees the sample now, leases or not; one this process never tracked is freed by
+        prefix at every known control endpoint."""
+        sid = str(sample_id)
+        with self._lock:
+            if sid in self._generation:
+                self._free_tracked(sid)
+                return
+            for (s, gen), recorded in list(self._recorded.items()):
+                if s == sid:
+                    del self._recorded[(s, gen)]
+                    self._free_result(recorded)
+                    return
+            if not self._free_unseen(sid, None, []):
+                log.warning("abort of %s (%s): no control endpoint known to free it at; pass controls=[...]", sid, reason)
+
+    def gc(self, *, now: Optional[float] = None) -> Dict[str, int]:
+        """Frees samples not leased and held longer than ``max_hold_age_s``."""
+        now = self._clock() if now is None else now
+        freed = freed_bytes = 0
+        with self._lock:
+            if self.max_hold_age_s is not None:
+                for sid, t in list(self._put_time.items()):
+                    if now - t > self.max_hold_age_s and not self._leased(sid, self._generation.get(sid)):
+                        freed_bytes += self._bytes.get(sid, 0)
+                        freed += 1
+                        self._free_tracked(sid)
+            self._stats["force_freed"] += freed
+            self._stats["force_freed_bytes"] += freed_bytes
+        return {"force_freed": freed, "force_freed_bytes": freed_bytes, "release_pending": self._pending()}
+
+    def health(self) -> Dict[str, Any]:
+        with self._lock:
+            now = self._clock()
+            ages = [now - t for t in self._put_time.values()]
+            inner = self._reader.health()
+            return {
+                "store_id": self.store_id,
+                "backend": "capture-arena",
+                "resident_samples": len(self._generation),
+                "provisional_external": len(self._provisional),
+                "active_leases": len(self._leases),
+                "resident_bytes": sum(self._bytes.values()),
+                "max_resident_bytes": self.max_resident_bytes,
+                "release_pending": self._pending(),
+                "dropped_frees": inner["dropped_frees"] + self._prefixes.dropped,
+                "oldest_age_s": max(ages) if ages else 0.0,
+                "avg_age_s": (sum(ages) / len(ages)) if ages else 0.0,
+                "force_freed_total": self._stats["force_freed"],
+                "control_endpoints": len(self._endpoints),
+            }
+
+    def drain_pending_removals(
+        self, *, max_attempts: int = 8, retry_interval_s: float = 0.25, sleep: Callable[[float], None] = time.sleep
+    ) -> Dict[str, int]:
+        """Waits until every free went out: up to ``max_attempts`` waits of ``retry_interval_s``
+        (at least 0.1 s each); raises ``RuntimeError`` with what still waits."""
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if retry_interval_s < 0:
+            raise ValueError("retry_interval_s must be >= 0")
+        before = self._pending()
+        last = ""
+        for attempt in range(max_attempts):
+            wait = max(retry_interval_s, 0.1)
+            t0 = time.monotonic()
+            try:
+                self._reader.flush(wait)
+                last = ""
+            except FreeNotSentError as e:
+                last = str(e)
+            self._prefixes.wait(max(0.0, wait - (time.monotonic() - t0)))
+            if self._pending() == 0:
+                return {"removed": before, "removed_bytes": 0, "release_pending": 0, "attempts": attempt + 1}
+        left = self._pending()
+        raise RuntimeError(
+            f"SpecForgeArenaStore {self.store_id} could not send {left} frees after {max_attempts} attempts"
+            + (f": {last}" if last else "")
+            + "; they stay queued and keep being retried"
+        )
+
+    def drain_sample_removals(
+        self, sample_ids: List[str], *, max_attempts: int = 8, retry_interval_s: float = 0.25, sleep: Callable[[float], None] = time.sleep
+    ) -> Dict[str, int]:
+        """As :meth:`drain_pending_removals`: frees go out as soon as they are decided, so what
+        waits for these samples waits with the rest."""
+        if not list(sample_ids):
+            return {"removed": 0, "removed_bytes": 0, "release_pending": 0}
+        return self.drain_pending_removals(max_attempts=max_attempts, retry_interval_s=retry_interval_s, sleep=sleep)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _ident(self, ref: SampleRef) -> Tuple[str, int]:
+        gen = ref.metadata.get("generation")
+        if gen is None:
+            raise KeyError(f"sample {ref.sample_id}: its ref carries no generation")
+        return str(ref.sample_id), int(gen)
+
+    def _check_result(self, ref: SampleRef, result: Any, gen: int) -> None:
+        """The result must be the ref's sample: ids, generation, every feature of the ref."""
+        if not isinstance(result, Mapping) or not isinstance(result.get("features"), Mapping):
+            raise KeyError(f"sample {ref.sample_id}: its capture-arena result is not a result")
+        ident = (str(result.get("store_id")), str(result.get("sample_id")), result.get("gen"))
+        if ident != (self.store_id, str(ref.sample_id), gen):
+            raise KeyError(f"sample {ref.sample_id} g{gen} of store {self.store_id}: its ref carries the result of {ident}")
+        missing = [n for n in ref.feature_keys if n not in result["features"]]
+        if missing:
+            raise KeyError(f"sample {ref.sample_id}: its capture-arena result lacks features {missing}")
+
+    def _track(self, sid: str, gen: int, result: Mapping[str, Any]) -> None:
+        old = self._results.get(sid)
+        if old is not None and self._generation.get(sid) != gen:
+            self._free_result(old)  # a new generation supersedes the old one
+        self._results[sid] = dict(result)
+        self._generation[sid] = gen
+        self._put_time[sid] = self._clock()
+        self._bytes[sid] = _result_bytes(result)
+        self._learn_from(result)
+
+    def _leased(self, sid: str, gen: Optional[int]) -> bool:
+        return any(h.sample_id == sid and h.generation == gen for h in self._leases.values())
+
+    def _free_tracked(self, sid: str) -> None:
+        result = self._results.pop(sid, None)
+        self._generation.pop(sid, None)
+        self._put_time.pop(sid, None)
+        self._bytes.pop(sid, None)
+        if result is not None:
+            self._free_result(result)
+
+    def _free_result(self, result: Mapping[str, Any]) -> None:
+        try:
+            self._reader.release(result)
+        except KeyError:
+            pass  # released already: its frees were queued then
+        except CaptureArenaError as e:  # a result that names nothing freeable: say so, go on
+            log.error("frees of %s/%s not queued: %s", result.get("store_id"), result.get("sample_id"), e)
+
+    def _free_unseen(self, sid: str, gen: Optional[int], names: List[str]) -> bool:
+        """Frees a sample this process has no result of: by prefix at every known control
+        endpoint, and by key from the Mooncake store where store-placement results were seen.
+        False when there is nowhere to send it."""
+        sent = False
+        prefix = f"{escape_part(self.store_id)}/{escape_part(sid)}/" + (f"g{gen}/" if gen is not None else "")
+        for control, token in self._endpoints.items():
+            self._prefixes.add(control, token, prefix)
+            sent = True
+        if self._store_placement and gen is not None and names:
+            shell = {"store_id": self.store_id, "sample_id": sid, "gen": gen, "features": {n: {"shape": [0], "dtype": "uint8"} for n in names}}
+            self._free_result(shell)
+            sent = True
+        return sent
+
+    def _pending(self) -> int:
+        return int(self._reader.health()["pending_frees"]) + self._prefixes.pending
+
+
+__all__ = ["SpecForgeArenaStore", "META_KEY", "escape_part"]

@@ -1,0 +1,2 @@
+# coding=utf-8
+"""Feature-source adapters for external server transport."""

@@ -1,0 +1,371 @@
+"""capture_arena.specforge driven by SpecForge's own trainer stack, vendored.
+
+SpecForge is not on the package registries, so CI cannot install it. ``specforge_src/`` holds its
+files at commit a6b6b023 (MIT, its LICENSE beside them), unchanged: the adapter
+(``SGLangServerCaptureAdapter``), the capture contract (``verify_capture_specs``), the
+``FeatureStore`` ABC, ``FeatureDataLoader``, ``ref_to_dict``/``ref_from_dict`` and, for the store
+placement side by side, ``MooncakeFeatureStore``. The tests name them "vendored". What stands in:
+the SGLang server, here a producer process whose ``/generate`` publishes each request's capture
+through capture-arena's real sink (as ``capture_arena.sglang`` does inside SGLang's scheduler) and
+answers SGLang's row shape (``meta_info["spec_capture"]``). Everything else is real: HTTP, the
+arena, the control port, trainers in other processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+
+SPECFORGE_SRC = str(pathlib.Path(__file__).parent / "specforge_src")
+sys.path.insert(0, SPECFORGE_SRC)
+
+from specforge.inference.adapters.server_capture import (  # noqa: E402
+    ServerCaptureFailure,
+    ServerCaptureSchema,
+    SGLangServerCaptureAdapter,
+)
+from specforge.inference.capture import CaptureConfig  # noqa: E402
+from specforge.runtime.contracts import PromptTask, SampleRef  # noqa: E402
+from specforge.runtime.data_plane.ref_serialization import ref_to_dict  # noqa: E402
+
+import capture_arena as ca  # noqa: E402
+from mooncake_master import needs_mooncake  # noqa: E402
+from capture_arena.specforge import SpecForgeArenaStore  # noqa: E402
+
+H = 64  # hidden size; aux is 3 layers wide
+AUX_LAYERS = (2, 5, 8)
+
+COMMON = r"""
+import zlib, numpy as np, ml_dtypes
+H, K = 64, 3
+def data(sample_id, shape, salt):
+    rng = np.random.default_rng(zlib.crc32(f"{sample_id}/{salt}".encode()))
+    return rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+"""
+
+# The capture server: SGLang's /generate reduced to the capture (see the module docs). POST
+# /mode {"drop": true} makes it publish and then close the connection without an answer (a
+# response lost after the server wrote); GET /stats answers the sink's stats and control endpoint.
+PRODUCER = COMMON + r"""
+import json, sys, threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from types import SimpleNamespace
+import capture_arena as ca
+from capture_arena import sglang
+sink = sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True, spec_capture_aux_layer_ids="2,5,8"))
+mode = {"drop": False}
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def answer(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self.answer({"stats": sink.stats(), "control": getattr(sink, "control", None)})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/mode":
+            mode.update(req)
+            return self.answer({})
+        if self.path == "/exists":  # the store placement: are these keys still in the store?
+            return self.answer([int(sink._store.is_exist(k)) for k in req["keys"]])
+        batch = [(spec, data(spec["sample_id"], (len(ids), K * H), "aux"), data(spec["sample_id"], (len(ids), H), "last"))
+                 for ids, spec in zip(req["input_ids"], req["spec_capture"])]
+        rows = [{"meta_info": {"spec_capture": r}} for r in sink.put_samples(batch)]
+        if mode["drop"]:
+            self.close_connection = True
+            return
+        self.answer(rows)
+srv = HTTPServer(("127.0.0.1", 0), Handler)
+print(json.dumps({"port": srv.server_address[1]}), flush=True)
+threading.Thread(target=srv.serve_forever, daemon=True).start()
+sys.stdin.read()
+srv.shutdown()
+sink.close()
+"""
+
+# A trainer process: SpecForge's FeatureDataLoader over a SpecForgeArenaStore of its own, fed the
+# refs as SpecForge serializes them; checks every byte, replays one released ref, drains.
+LOADER = COMMON + r"""
+import json, sys, torch
+from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+from specforge.runtime.data_plane.ref_serialization import ref_from_dict
+from capture_arena.specforge import SpecForgeArenaStore
+refs = [ref_from_dict(json.loads(line)) for line in sys.stdin]
+store = SpecForgeArenaStore(store_id=sys.argv[1])
+loader = FeatureDataLoader(store, refs=refs, batch_size=1, strategy="eagle3")
+checked = 0
+for batch in loader:
+    (sid,) = batch.sample_ids
+    t = batch.tensors
+    L = t["input_ids"].shape[-1]
+    assert t["input_ids"].flatten().tolist() == list(range(L)), sid
+    for name, salt, width in (("hidden_state", "aux", K * H), ("target", "last", H)):
+        got = t[name].contiguous().view(torch.int16).numpy().tobytes()
+        assert tuple(t[name].shape) == (1, 1, L, width) and got == data(sid, (L, width), salt).tobytes(), (sid, name)
+    checked += 1
+try:
+    store.get(refs[0])
+    replay = "read"
+except KeyError as e:
+    replay = type(e).__name__
+store.drain_pending_removals(max_attempts=20)
+print(json.dumps({"checked": checked, "replay": replay, "health": store.health()}), flush=True)
+"""
+
+
+class Producer:
+    """The capture server process (see PRODUCER)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.p = subprocess.Popen([sys.executable, "-c", PRODUCER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.p.stdout is not None
+        self.url = f"http://127.0.0.1:{json.loads(self.p.stdout.readline())['port']}"
+
+    def get(self) -> dict[str, Any]:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/stats", timeout=10) as r:
+            return json.loads(r.read())
+
+    def post(self, path: str, body: Any) -> Any:
+        import urllib.request
+
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def mode(self, **kw: Any) -> None:
+        self.post("/mode", kw)
+
+    def wait_free(self, timeout: float = 20.0) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.get()["stats"]
+            if s.get("resident_objects", 0) == 0 or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.p.stdin:
+            self.p.stdin.close()
+        try:
+            self.p.wait(timeout=30)
+        finally:
+            self.p.kill()
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MOONCAKE_", "SGLANG_SPEC_CAPTURE_", "MC_"))}
+
+
+@pytest.fixture
+def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
+    env = clean_env()
+    env.update({"SGLANG_SPEC_CAPTURE_PLACEMENT": "arena", "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "16MiB", "SGLANG_SPEC_CAPTURE_ARENA_WAIT_S": "10", "PYTHONPATH": SPECFORGE_SRC})
+    transport = getattr(request, "param", "shm")
+    if transport == "nixl":
+        if "nixl" not in ca.FEATURES:
+            pytest.skip("this build of capture_arena has no nixl feature (scripts/test.sh builds it)")
+        env.update({"SGLANG_SPEC_CAPTURE_TRANSPORT": "nixl", "UCX_TLS": "tcp"})
+        if "SGLANG_SPEC_CAPTURE_NIXL_LIB" in os.environ:
+            env["SGLANG_SPEC_CAPTURE_NIXL_LIB"] = os.environ["SGLANG_SPEC_CAPTURE_NIXL_LIB"]
+    p = Producer(env)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def schema() -> ServerCaptureSchema:
+    return ServerCaptureSchema(aux_feature="hidden_state", last_hidden_feature="target", passthrough=(("input_ids", "input_ids", ()),))
+
+
+def capture(hidden: int = H) -> CaptureConfig:
+    return CaptureConfig.from_strategy({"hidden_state", "target", "input_ids"}, AUX_LAYERS, target_repr="hidden_state", target_hidden_size=hidden)
+
+
+def tasks(n: int, tag: str = "t") -> list[PromptTask]:
+    return [
+        PromptTask(task_id=f"{tag}{i}", run_id="run", source_id="src", payload={"input_ids": list(range(40 + 17 * i))}, max_length=4096)
+        for i in range(n)
+    ]
+
+
+def adapter(producer: Producer, store: SpecForgeArenaStore) -> SGLangServerCaptureAdapter:
+    return SGLangServerCaptureAdapter(producer.url, store, run_id="run", algorithm="eagle3", schema=schema(), timeout_s=30, post_fn=store.post_fn())
+
+
+@pytest.mark.parametrize("producer", ["shm", "nixl"], indirect=True)
+def test_specforge_vendored_adapter_and_loader_read_every_arena_sample_in_another_process_and_free_it(producer: Producer) -> None:
+    store = SpecForgeArenaStore(store_id="run1")
+    refs = adapter(producer, store).produce_refs(tasks(6), capture=capture())
+    assert all(isinstance(r, SampleRef) for r in refs), refs
+    # The refs carry the results through SpecForge's own serialization.
+    lines = "".join(json.dumps(ref_to_dict(r)) + "\n" for r in refs)
+    sessions = {r.metadata["capture_arena"]["arena"]["session"].split("://")[0] for r in refs}
+    assert sessions <= {"shm", "nixl"} and len(sessions) == 1, sessions
+    env = {**os.environ, "PYTHONPATH": SPECFORGE_SRC, "UCX_TLS": "tcp"}
+    out = subprocess.run([sys.executable, "-c", LOADER, "run1"], input=lines, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["checked"] == 6 and got["replay"] == "ReleasedError", got
+    assert got["health"]["release_pending"] == 0 and got["health"]["dropped_frees"] == 0, got
+    stats = producer.wait_free()
+    assert stats["resident_objects"] == 0 and stats["freed_objects"] == stats["published_objects"] == 18, stats
+    h = store.health()
+    assert h["resident_samples"] == 6 and h["provisional_external"] == 0 and h["backend"] == "capture-arena", h
+
+
+@needs_mooncake
+def test_specforge_vendored_adapter_and_loader_read_and_free_store_placement_samples() -> None:
+    """The same trainer stack over the store placement (the Mooncake store, a real master): read
+    through capture-arena's store reader, removed from the store on release."""
+    import mooncake_master
+
+    master, menv = mooncake_master.start()
+    env = {**clean_env(), **menv, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "48MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"}
+    prod = Producer({**env, "SGLANG_SPEC_CAPTURE_PLACEMENT": "store", "PYTHONPATH": SPECFORGE_SRC})
+    try:
+        store = SpecForgeArenaStore(store_id="st1")
+        refs = adapter(prod, store).produce_refs(tasks(4, "st"), capture=capture())
+        assert all(isinstance(r, SampleRef) for r in refs), refs
+        keys = [f"st1/{r.sample_id}/g1/{n}" for r in refs for n in ("hidden_state", "target", "input_ids")]
+        assert prod.post("/exists", {"keys": keys}) == [1] * 12
+        lines = "".join(json.dumps(ref_to_dict(r)) + "\n" for r in refs)
+        out = subprocess.run(
+            [sys.executable, "-c", LOADER, "st1"], input=lines, env={**env, "PYTHONPATH": SPECFORGE_SRC}, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = json.loads(out.stdout.splitlines()[-1])
+        assert got["checked"] == 4 and got["replay"] == "ReleasedError" and got["health"]["release_pending"] == 0, got
+        assert prod.post("/exists", {"keys": keys}) == [0] * 12
+    finally:
+        prod.close()
+        mooncake_master.stop(master)
+
+
+def test_specforge_vendored_adapter_frees_what_fails_its_contract_and_what_lost_its_response(producer: Producer) -> None:
+    store = SpecForgeArenaStore(store_id="run2")
+    ad = adapter(producer, store)
+    # The contract check fails every sample (the trainer expects another hidden size): the
+    # adapter adopts and aborts each, and each leaves the arena.
+    out = ad.produce_refs(tasks(3, "bad"), capture=capture(hidden=H * 2))
+    assert all(isinstance(r, ServerCaptureFailure) and not r.retryable for r in out), out
+    assert producer.wait_free()["resident_objects"] == 0
+    # A response lost after the server published: the adapter raises, and SpecForge's cleanup
+    # (discard_external_attempts) frees the attempts by prefix at the endpoint learned above.
+    producer.mode(drop=True)
+    with pytest.raises(Exception):
+        ad.produce_refs(tasks(2, "lost"), capture=capture())
+    producer.mode(drop=False)
+    assert producer.get()["stats"]["resident_objects"] == 6
+    assert store.health()["provisional_external"] == 2
+    assert store.discard_external_attempts() == 2
+    store.drain_pending_removals()
+    assert producer.wait_free()["resident_objects"] == 0
+    assert store.health()["provisional_external"] == 0
+    # The same with a store that never saw a result: it needs the endpoint given.
+    fresh = SpecForgeArenaStore(store_id="run2")
+    fresh_ad = adapter(producer, fresh)
+    producer.mode(drop=True)
+    with pytest.raises(Exception):
+        fresh_ad.produce_refs(tasks(1, "lost2"), capture=capture())
+    producer.mode(drop=False)
+    with pytest.raises(RuntimeError, match="controls="):
+        fresh.discard_external_attempts()
+    control = producer.get()["control"]
+    told = SpecForgeArenaStore(store_id="run2", controls=[control])
+    told.track_external_attempt("run:lost20", generation=1, feature_names=["hidden_state", "target", "input_ids"])
+    assert told.discard_external_attempts() == 1
+    told.drain_pending_removals()
+    assert producer.wait_free()["resident_objects"] == 0
+
+
+def test_specforge_vendored_lifecycle_abort_gc_and_release_each_free_the_sample(producer: Producer) -> None:
+    store = SpecForgeArenaStore(store_id="run3", max_hold_age_s=60.0)
+    refs = adapter(producer, store).produce_refs(tasks(4, "life"), capture=capture())
+    assert producer.get()["stats"]["resident_objects"] == 12
+    # release: the last lease of the generation frees it; a second read is refused.
+    tensors, handle = store.get(refs[0])
+    _, handle2 = store.get(refs[0])
+    store.release(handle)
+    assert store.health()["active_leases"] == 1
+    store.release(handle2)
+    with pytest.raises(KeyError):
+        store.get(refs[0])
+    # abort of a sample this process tracks.
+    store.abort(refs[1].sample_id, reason="test")
+    # abort of a sample a restarted controller never saw: by prefix at the endpoint it is given.
+    restarted = SpecForgeArenaStore(store_id="run3", controls=[producer.get()["control"]])
+    restarted.abort(refs[2].sample_id, reason="reconciled-released")
+    restarted.drain_pending_removals()
+    # gc: held past max-hold and not leased.
+    assert store.gc()["force_freed"] == 0
+    freed = store.gc(now=time.monotonic() + 3600)
+    assert freed["force_freed"] == 2, freed  # refs[2] (freed elsewhere) and refs[3]
+    store.drain_pending_removals()
+    stats = producer.wait_free()
+    assert stats["resident_objects"] == 0 and stats["freed_objects"] == stats["published_objects"], stats
+    h = store.health()
+    assert h["resident_samples"] == 0 and h["active_leases"] == 0 and h["force_freed_total"] == 2, h
+
+
+def test_specforge_vendored_drain_is_bounded_when_an_endpoint_does_not_answer(producer: Producer) -> None:
+    # A listener whose backlog is full: connections to it hang (SYN unanswered).
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(0)
+    held = []
+    for _ in range(8):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(lst.getsockname())
+        held.append(s)
+    dead = "%s:%d" % lst.getsockname()
+    store = SpecForgeArenaStore(store_id="run4", controls=[dead])
+    t0 = time.monotonic()
+    store.abort("run:never-seen", reason="test")  # queued: never waits on the network
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(RuntimeError, match="could not send 1 frees"):
+        store.drain_pending_removals(max_attempts=3, retry_interval_s=0.2)
+    assert time.monotonic() - t0 < 20
+    assert store.health()["release_pending"] == 1
+    for s in held:
+        s.close()
+    lst.close()
+
+
+def test_a_ref_without_a_capture_arena_result_is_refused_with_what_to_do() -> None:
+    store = SpecForgeArenaStore(store_id="run5")
+    ref = SampleRef(
+        sample_id="run:x", run_id="run", source_task_id="x", feature_store_uri="mooncake://run5/run:x",
+        feature_keys={"target": "run:x/target"}, feature_specs={}, strategy="eagle3", metadata={"generation": 1},
+    )
+    with pytest.raises(ValueError, match="post_fn=store.post_fn"):
+        store.adopt(ref)
+    with pytest.raises(KeyError):
+        store.get(ref)
+    with pytest.raises(NotImplementedError):
+        store.put({}, sample_id="x", metadata={})
+    # A result of another sample in the ref is refused, never read.
+    other = dict(ref.metadata, capture_arena={"store_id": "run5", "sample_id": "run:y", "gen": 1, "features": {"target": {}}})
+    ref2 = SampleRef(**{**ref.__dict__, "metadata": other})
+    with pytest.raises(KeyError, match="carries the result of"):
+        store.get(ref2)
+    assert isinstance(store, __import__("specforge.runtime.data_plane.feature_store", fromlist=["FeatureStore"]).FeatureStore)
+    assert ca.ArenaFeatureStore  # the package itself never imports SpecForge
