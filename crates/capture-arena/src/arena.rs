@@ -7,6 +7,13 @@
 //! [`Arena::abort`] gives the space back). Objects of a batch in flight are not in the table, so
 //! a free for them is an unknown key, never a free of space still being written. Only the writer
 //! thread owns an `Arena`, so nothing here locks.
+//!
+//! Every object carries a stamp, unique in the arena's life, in the [`STAMP_BYTES`] after its
+//! bytes rounded up to 8 ([`stamp_offset`]): space the object's extent reserves, usually inside
+//! the alignment's padding. The batch's copies write it after the object's bytes; a free zeroes
+//! it before the space can be placed again. Results carry it, so a reader compares it before
+//! and after its copy and never returns another object's bytes; the object's bytes stay raw at
+//! its address, so readers that know nothing of stamps are unaffected.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -15,8 +22,11 @@ use crate::alloc::{Allocator, Extent};
 use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::memory::{CopyOp, Progress, Region};
-use crate::sample::{check_unique, ArenaRef, Feature, Published, Sample};
+use crate::sample::{
+    check_unique, stamp_offset, ArenaRef, Feature, Published, Sample, MAX_STAMP, STAMP_BYTES,
+};
 use crate::tensor::Dtype;
+use crate::tensor::TensorData;
 
 /// A resident object.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,6 +41,8 @@ pub struct Object {
     pub dtype: Dtype,
     /// When it was published (entered the table).
     pub published: Instant,
+    /// Its stamp (see the module docs).
+    pub stamp: u64,
 }
 
 /// Resident objects of one `store_id` (one trainer store): who holds the arena, since when.
@@ -83,8 +95,10 @@ pub struct Publication {
 #[derive(Debug)]
 #[must_use = "a reservation holds arena space until committed or aborted"]
 pub struct Reservation {
-    /// `(sample index, tensor index)` -> its extent, in the order they were placed.
-    placed: Vec<((usize, usize), Extent)>,
+    /// `(sample index, tensor index)` -> its extent and stamp, in the order they were placed.
+    placed: Vec<((usize, usize), Extent, u64)>,
+    /// Each placed object's stamp as bytes, the source of the copy that writes it.
+    stamps: Vec<TensorData>,
     /// Objects freed for samples that asked for `replace`.
     replaced: Vec<(Key, Object)>,
 }
@@ -103,6 +117,9 @@ pub struct Arena {
     /// With a TTL: every published object's key and publication time, oldest first (an entry
     /// whose object was freed or published again since is skipped when it comes up).
     ages: VecDeque<(Instant, Key)>,
+    /// The next object's stamp, in `[1, MAX_STAMP]`; it starts at random, so a producer
+    /// restarted over the same memory does not repeat its predecessor's stamps.
+    next_stamp: u64,
 }
 
 impl Arena {
@@ -110,9 +127,22 @@ impl Arena {
     /// endpoint published in results.
     ///
     /// # Errors
-    /// [`Error::Config`] for a non-power-of-two alignment or a region smaller than one unit.
+    /// [`Error::Config`] for a non-power-of-two alignment, a region smaller than one unit or a
+    /// region whose base address is not 8-byte aligned (stamps are read as aligned 8-byte
+    /// words); [`Error::Io`] when no random start for the stamps can be drawn.
     pub fn new(region: Box<dyn Region>, alignment: u64, control: String) -> Result<Arena> {
-        let alloc = Allocator::new(region.len(), alignment)?;
+        // Objects start 8-byte aligned at least, so that their stamps are aligned words.
+        let alloc = Allocator::new(region.len(), alignment.max(STAMP_BYTES))?;
+        if region.base_address() % STAMP_BYTES != 0 {
+            return Err(Error::config(
+                crate::config::ENV_ARENA_ALIGN,
+                format!(
+                    "the region's base address {:#x} is not 8-byte aligned",
+                    region.base_address()
+                ),
+            ));
+        }
+        let next_stamp = (crate::memory::shm::random_nonce()? as u64) % MAX_STAMP + 1;
         let arena_ref = ArenaRef {
             session: region.session().to_owned(),
             control,
@@ -125,7 +155,14 @@ impl Arena {
             arena_ref,
             ttl: None,
             ages: VecDeque::new(),
+            next_stamp,
         })
+    }
+
+    fn take_stamp(&mut self) -> u64 {
+        let s = self.next_stamp;
+        self.next_stamp = if s >= MAX_STAMP { 1 } else { s + 1 };
+        s
     }
 
     /// Usable bytes.
@@ -251,7 +288,7 @@ impl Arena {
         }
     }
 
-    /// Bytes the batch takes after alignment.
+    /// Bytes the batch takes after alignment, each object's stamp included.
     ///
     /// # Errors
     /// [`Error::BatchTooLarge`] on arithmetic overflow.
@@ -260,8 +297,8 @@ impl Arena {
             .iter()
             .flat_map(|s| s.tensors.iter())
             .try_fold(0u64, |acc, (_, t)| {
-                self.alloc
-                    .aligned_len(t.byte_len())
+                extent_len(t.byte_len())
+                    .and_then(|n| self.alloc.aligned_len(n))
                     .and_then(|l| acc.checked_add(l))
             })
             .ok_or(Error::BatchTooLarge {
@@ -324,17 +361,31 @@ impl Arena {
             .enumerate()
             .flat_map(|(si, s)| (0..s.tensors.len()).map(move |ti| (si, ti)))
             .collect();
-        let mut placed: Vec<((usize, usize), Extent)> = Vec::with_capacity(order.len());
+        let mut placed: Vec<((usize, usize), Extent, u64)> = Vec::with_capacity(order.len());
         for &(si, ti) in &order {
-            match self.alloc.allocate(samples[si].tensors[ti].1.byte_len()) {
-                Some(e) => placed.push(((si, ti), e)),
+            let len = extent_len(samples[si].tensors[ti].1.byte_len()).unwrap_or(u64::MAX);
+            match self.alloc.allocate(len) {
+                Some(e) => placed.push(((si, ti), e, 0)),
                 None => break,
             }
         }
         if placed.len() == order.len() {
-            return Ok(Some(Reservation { placed, replaced }));
+            // The replaced objects' space may be written by this batch: their stamps go first.
+            for (_, o) in &replaced {
+                self.clear_stamp(o);
+            }
+            let mut stamps = Vec::with_capacity(placed.len());
+            for p in &mut placed {
+                p.2 = self.take_stamp();
+                stamps.push(TensorData::host(p.2.to_le_bytes().to_vec()));
+            }
+            return Ok(Some(Reservation {
+                placed,
+                stamps,
+                replaced,
+            }));
         }
-        for (_, e) in placed {
+        for (_, e, _) in placed {
             self.alloc.free(e);
         }
         for (k, o) in replaced {
@@ -345,15 +396,31 @@ impl Arena {
         Ok(None)
     }
 
-    /// The copies that fill a reservation of `samples`.
-    pub fn copy_ops<'a>(r: &Reservation, samples: &'a [Sample]) -> Vec<CopyOp<'a>> {
+    /// The copies that fill a reservation of `samples`: each object's bytes, then its stamp.
+    pub fn copy_ops<'a>(r: &'a Reservation, samples: &'a [Sample]) -> Vec<CopyOp<'a>> {
         r.placed
             .iter()
-            .map(|&((si, ti), e)| CopyOp {
-                offset: e.offset,
-                data: &samples[si].tensors[ti].1.data,
+            .zip(&r.stamps)
+            .flat_map(|(&((si, ti), e, _), stamp)| {
+                let data = &samples[si].tensors[ti].1.data;
+                [
+                    CopyOp {
+                        offset: e.offset,
+                        data,
+                    },
+                    CopyOp {
+                        offset: e.offset + stamp_offset(data.len()),
+                        data: stamp,
+                    },
+                ]
             })
             .collect()
+    }
+
+    /// Zeroes a freed object's stamp, before its space can be placed again.
+    fn clear_stamp(&mut self, o: &Object) {
+        self.region
+            .clear(o.extent.offset + stamp_offset(o.len), STAMP_BYTES);
     }
 
     /// Enters a reserved batch whose bytes have all landed into the object table.
@@ -375,7 +442,7 @@ impl Arena {
             })
             .collect();
         let mut bytes = 0;
-        for &((si, ti), extent) in &r.placed {
+        for &((si, ti), extent, stamp) in &r.placed {
             let (key, t) = &samples[si].tensors[ti];
             bytes += t.byte_len();
             published[si].features.insert(
@@ -384,6 +451,7 @@ impl Arena {
                     shape: t.shape.clone(),
                     dtype: t.dtype,
                     address: base + extent.offset,
+                    stamp: Some(stamp),
                 },
             );
             self.objects.insert(
@@ -394,6 +462,7 @@ impl Arena {
                     shape: t.shape.clone(),
                     dtype: t.dtype,
                     published: now,
+                    stamp,
                 },
             );
             if self.ttl.is_some() {
@@ -413,7 +482,8 @@ impl Arena {
     /// stay freed: the copy may have overwritten their old space (their samples asked to be
     /// replaced anyway). Returns how many there were and their bytes.
     pub fn abort(&mut self, r: Reservation) -> (u64, u64) {
-        for (_, e) in r.placed {
+        // Stamps the copy may have written were never handed out: no reader can match them.
+        for (_, e, _) in r.placed {
             self.alloc.free(e);
         }
         if !r.replaced.is_empty() {
@@ -463,6 +533,7 @@ impl Arena {
     /// O(1) for the table and O(log n) in the number of free extents.
     pub fn free(&mut self, key: &str) -> Option<u64> {
         let o = self.objects.remove(key)?;
+        self.clear_stamp(&o);
         let freed = self.alloc.free(o.extent);
         debug_assert!(freed, "a resident object's extent is live");
         Some(o.len)
@@ -497,6 +568,12 @@ impl Arena {
     }
 }
 
+/// Bytes an object of `len` bytes takes before alignment: its bytes, rounded up to 8, and its
+/// stamp.
+fn extent_len(len: u64) -> Option<u64> {
+    stamp_offset(len).checked_add(STAMP_BYTES)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -528,6 +605,19 @@ mod tests {
         .unwrap()
     }
 
+    /// The 8 bytes at `at` as a reader sees them.
+    fn stamp(a: &Arena, at: u64) -> u64 {
+        let s: ShmSession = a.arena_ref().session.parse().unwrap();
+        let v = ShmTransport::open(&s).unwrap();
+        let mut out = [0u8; 8];
+        v.read(&mut [ReadOp {
+            address: at,
+            into: Destination::Host(&mut out),
+        }])
+        .unwrap();
+        u64::from_le_bytes(out)
+    }
+
     fn read(a: &Arena, key: &str) -> Vec<u8> {
         let s: ShmSession = a.arena_ref().session.parse().unwrap();
         let v = ShmTransport::open(&s).unwrap();
@@ -557,7 +647,20 @@ mod tests {
         assert_eq!(r.features["t1"].address, base + 4096 - 256);
         assert_eq!(read(&a, "st/s0/g1/t0"), vec![7; 1000]);
         assert_eq!(a.report().free_bytes, 4096 - 1024 - 256);
+        // Each stamp sits after its object's bytes (rounded up to 8), unique, cleared by a free.
+        let (s0, s1) = (r.features["t0"].stamp, r.features["t1"].stamp);
+        assert!(
+            s0.is_some_and(|s| (1..=MAX_STAMP).contains(&s)) && s1 != s0,
+            "{s0:?} {s1:?}"
+        );
+        assert_eq!(stamp(&a, r.features["t0"].address + 1000), s0.unwrap());
+        assert_eq!(stamp(&a, r.features["t1"].address + 16), s1.unwrap());
         assert_eq!(a.free("st/s0/g1/t0"), Some(1000));
+        assert_eq!(
+            stamp(&a, r.features["t0"].address + 1000),
+            0,
+            "a free clears the stamp"
+        );
         assert_eq!(a.free("st/s0/g1/t0"), None, "idempotent");
         assert_eq!(a.free("st/s0/g1/t1"), Some(10));
         let rep = a.report();
@@ -643,14 +746,15 @@ mod tests {
 
     #[test]
     fn reuse_after_free_and_coalescing() {
+        // Objects of 1016 bytes take 1024 with their stamps.
         let mut a = arena(8192);
         for i in 0..8 {
-            a.publish(&[sample(&format!("s{i}"), &[1024], i as u8, false)])
+            a.publish(&[sample(&format!("s{i}"), &[1016], i as u8, false)])
                 .unwrap()
                 .unwrap();
         }
         assert!(a
-            .publish(&[sample("big", &[4096], 1, false)])
+            .publish(&[sample("big", &[4088], 1, false)])
             .unwrap()
             .is_none());
         for i in [2, 3, 4, 5] {
@@ -659,7 +763,7 @@ mod tests {
         // s0 is at 0 and s1..s7 fill down from the top, so s2..s5 are neighbours: coalesced
         // into one 4096-byte hole, and the big one fits exactly there.
         let p = a
-            .publish(&[sample("big", &[4096], 1, false)])
+            .publish(&[sample("big", &[4088], 1, false)])
             .unwrap()
             .unwrap();
         assert_eq!(

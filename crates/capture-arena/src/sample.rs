@@ -463,7 +463,24 @@ pub struct Feature {
     /// Absolute address of the first byte: the session's base address plus the object's offset
     /// in the region.
     pub address: u64,
+    /// The object's stamp, kept in the [`STAMP_BYTES`] at `address + stamp_offset(bytes)` while
+    /// the object is resident (zero once it is freed): a reader compares it before and after
+    /// its copy, so a freed or replaced object is an error, never another object's bytes.
+    /// Absent from results of placements that keep no stamps (the Mooncake store, whose keys do
+    /// the same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stamp: Option<u64>,
 }
+
+/// Bytes of an object's stamp (a little-endian `u64`, 8-byte aligned).
+pub const STAMP_BYTES: u64 = 8;
+
+/// Where an object of `len` bytes keeps its stamp, from its address: its bytes rounded up to 8.
+pub const fn stamp_offset(len: u64) -> u64 {
+    len.saturating_add(STAMP_BYTES - 1) & !(STAMP_BYTES - 1)
+}
+/// The largest stamp: stamps are in `[1, 2^53 - 1]`, exact as JSON numbers in every language.
+pub const MAX_STAMP: u64 = (1 << 53) - 1;
 
 impl Feature {
     /// Bytes of this feature (`shape × item size`), `None` on overflow.
@@ -734,6 +751,7 @@ mod tests {
                     shape: vec![1, 3],
                     dtype: Dtype::Int64,
                     address: 4096,
+                    stamp: None,
                 },
             )]),
             arena: ArenaRef {

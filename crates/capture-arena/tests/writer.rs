@@ -152,14 +152,17 @@ fn a_free_from_another_thread_lets_a_waiting_batch_through() {
 #[test]
 fn a_batch_that_never_fits_in_time_fails_with_the_hint_and_leaves_nothing() {
     let w = Writer::start(&config(64 * KIB as u64, Duration::from_millis(200))).unwrap();
-    w.submit(vec![sample("a", &[40 * KIB])])
+    w.submit(vec![sample("a", &[40 * KIB - STAMP])])
         .unwrap()
         .wait()
         .unwrap();
     let before = w.stats();
     let t0 = Instant::now();
     let results = w
-        .submit(vec![sample("b", &[8 * KIB]), sample("c", &[20 * KIB])])
+        .submit(vec![
+            sample("b", &[8 * KIB - STAMP]),
+            sample("c", &[20 * KIB - STAMP]),
+        ])
         .unwrap()
         .wait_results();
     assert!(t0.elapsed() >= Duration::from_millis(200));
@@ -192,17 +195,17 @@ fn a_batch_that_never_fits_in_time_fails_with_the_hint_and_leaves_nothing() {
 
 #[test]
 fn a_full_error_tells_fragmented_from_too_small() {
-    // Four 16 KiB objects fill 64 KiB; freeing the 1st and 3rd leaves 32 KiB free in two
+    // Four 16 KiB objects (with their stamps) fill 64 KiB; freeing the 1st and 3rd leaves 32 KiB free in two
     // pieces that do not touch: a 24 KiB object fits in neither.
     let w = Writer::start(&config(64 * KIB as u64, Duration::from_millis(200))).unwrap();
     let rs: Vec<_> = ["a", "b", "c", "d"]
         .iter()
-        .map(|id| publish_one(&w, id, &[16 * KIB]))
+        .map(|id| publish_one(&w, id, &[16 * KIB - STAMP]))
         .collect();
     free(&rs[0].arena.control, &keys(&[rs[0].clone(), rs[2].clone()]));
     wait_freed(&w, 2);
     let e = w
-        .submit(vec![sample("big", &[24 * KIB])])
+        .submit(vec![sample("big", &[24 * KIB - STAMP])])
         .unwrap()
         .wait()
         .unwrap_err()
@@ -221,7 +224,10 @@ fn a_batch_larger_than_the_arena_fails_at_once() {
     let w = Writer::start(&config(64 * KIB as u64, Duration::from_secs(30))).unwrap();
     let t0 = Instant::now();
     let e = w
-        .submit(vec![sample("a", &[40 * KIB]), sample("b", &[40 * KIB])])
+        .submit(vec![
+            sample("a", &[40 * KIB - STAMP]),
+            sample("b", &[40 * KIB - STAMP]),
+        ])
         .unwrap()
         .wait()
         .unwrap_err();
@@ -371,6 +377,9 @@ fn a_completion_runs_once_for_an_accepted_batch_and_never_for_a_refused_one() {
     drop(first);
 }
 
+/// Bytes of an object's stamp: an object of `n * KIB - STAMP` bytes takes `n` KiB in the arena.
+const STAMP: usize = capture_arena::sample::STAMP_BYTES as usize;
+
 /// A device stand-in (there is no GPU here): a region whose copies complete on another thread,
 /// which then wakes the writer through its notifier, as a CUDA host callback would.
 mod fake_device {
@@ -440,6 +449,9 @@ mod fake_device {
                 Some(true) => Ok(Progress::Done),
                 _ => Ok(Progress::Waiting),
             }
+        }
+        fn clear(&mut self, offset: u64, len: u64) {
+            self.bytes.lock().unwrap()[offset as usize..(offset + len) as usize].fill(0);
         }
     }
 }

@@ -127,6 +127,14 @@ impl Region for ExternalHostRegion {
     fn abandon(&mut self) {
         self.copier.abandon();
     }
+
+    fn clear(&mut self, offset: u64, len: u64) {
+        if super::host::clear_in_range(offset, len, self.len) {
+            // SAFETY: inside the region (checked), which the constructor's caller promised is
+            // valid for writes and written by nobody else.
+            unsafe { super::host::clear_host(self.ptr.as_ptr().add(offset as usize), len) }
+        }
+    }
 }
 
 #[cfg(test)]

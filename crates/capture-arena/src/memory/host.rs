@@ -101,3 +101,31 @@ pub(crate) unsafe fn copy_to_host(op: &CopyOp<'_>, from: u64, n: u64, dst: *mut 
         reason: "this source kind cannot be copied into host memory".into(),
     })
 }
+
+/// Zeroes `len` bytes at `dst` for readers in other processes: volatile stores, then a release
+/// fence, so that every later store of this thread (a copy placing another object there) is seen
+/// after them.
+///
+/// # Safety
+/// `[dst, dst + len)` must be valid for writes.
+pub(crate) unsafe fn clear_host(dst: *mut u8, len: u64) {
+    for i in 0..len as usize {
+        // SAFETY: inside the range the caller vouched for.
+        unsafe { dst.add(i).write_volatile(0) };
+    }
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+}
+
+/// `offset + len <= region_len`, else logs that the clear was refused (a bug of the caller).
+pub(crate) fn clear_in_range(offset: u64, len: u64, region_len: u64) -> bool {
+    let ok = offset.checked_add(len).is_some_and(|e| e <= region_len);
+    if !ok {
+        tracing::error!(
+            offset,
+            len,
+            region_len,
+            "a clear outside the region was refused"
+        );
+    }
+    ok
+}

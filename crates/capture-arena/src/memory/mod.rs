@@ -172,6 +172,12 @@ pub trait Region: Send + fmt::Debug {
     /// the sources on return).
     fn abandon(&mut self) {}
 
+    /// Zeroes `[offset, offset + len)` (a freed object's stamp, [`crate::arena`]) so that a
+    /// reader that checks it afterwards sees the object gone, before any later copy can reach
+    /// that space: host regions write at once, device regions enqueue the write ahead of later
+    /// copies. A range outside the region or a failed write is logged, never fatal.
+    fn clear(&mut self, offset: u64, len: u64);
+
     /// Answers a local reader's request on the reply path (`what` names the request), or
     /// `None` if this region has no such answer.
     fn reply(&self, _what: &str) -> Option<Result<Reply>> {

@@ -959,6 +959,10 @@ impl Region for NixlRegion {
         self.inner.abandon();
     }
 
+    fn clear(&mut self, offset: u64, len: u64) {
+        self.inner.clear(offset, len);
+    }
+
     fn reply(&self, what: &str) -> Option<Result<Reply>> {
         self.inner.reply(what)
     }

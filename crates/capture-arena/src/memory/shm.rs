@@ -624,6 +624,21 @@ impl Region for ShmRegion {
         self.copier.abandon();
     }
 
+    fn clear(&mut self, offset: u64, len: u64) {
+        if !super::host::clear_in_range(offset, len, self.len) {
+            return;
+        }
+        match self
+            .map
+            .raw_range((HEADER_BYTES + offset) as usize, len as usize)
+        {
+            // SAFETY: a checked range of this writable mapping, written by the writer thread
+            // only (`&mut self`). A truncated object faults into the guard's zero pages.
+            Ok(dst) => unsafe { super::host::clear_host(dst, len) },
+            Err(e) => tracing::error!(error = %e, "clearing a stamp"),
+        }
+    }
+
     /// `"fd"`: a read-only descriptor of the object; `"describe"`: the session as JSON.
     fn reply(&self, what: &str) -> Option<Result<Reply>> {
         match what {

@@ -260,6 +260,23 @@ impl Copier {
             self.in_flight = false;
         }
     }
+
+    /// Enqueues zeroes to `[base + offset, + len)` (at most 8 bytes: a stamp) on the copy
+    /// stream, ahead of every later copy that may place another object there.
+    fn clear(&mut self, base: u64, region_len: u64, offset: u64, len: u64) {
+        static ZEROS: [u8; 8] = [0; 8];
+        if len > ZEROS.len() as u64 || !crate::memory::host::clear_in_range(offset, len, region_len)
+        {
+            return;
+        }
+        let enqueued = self.ctx.enter().and_then(|_current| {
+            // SAFETY: the destination lies inside the region (checked); the source is static.
+            unsafe { self.stream.copy_htod(base + offset, ZEROS.as_ptr(), len) }
+        });
+        if let Err(e) = enqueued {
+            tracing::error!(error = %e, "clearing a freed object's stamp on the device");
+        }
+    }
 }
 
 impl Drop for Copier {
@@ -441,6 +458,10 @@ impl Region for DeviceRegion {
         self.copier.abandon();
     }
 
+    fn clear(&mut self, offset: u64, len: u64) {
+        self.copier.clear(self.mapped.ptr, self.len, offset, len);
+    }
+
     /// `"cuda-fd"`: the arena's POSIX descriptor with the session as its bytes (so the reader
     /// checks it reached the arena it asked for); `"describe"`: the session, size and handle.
     fn reply(&self, what: &str) -> Option<Result<Reply>> {
@@ -555,6 +576,10 @@ impl Region for ExternalDeviceRegion {
 
     fn abandon(&mut self) {
         self.copier.abandon();
+    }
+
+    fn clear(&mut self, offset: u64, len: u64) {
+        self.copier.clear(self.ptr, self.len, offset, len);
     }
 }
 
