@@ -137,10 +137,12 @@ def test_a_trainer_that_knows_only_mooncake_reads_and_frees_an_engine_arena():
 @needs_mooncake
 def test_arena_feature_store_reads_engine_sessions_and_releases_them():
     reader = r"""
-import json, sys, numpy as np, ml_dtypes
+import json, sys, time, numpy as np, ml_dtypes
 import capture_arena as ca
 store = ca.ArenaFeatureStore()
-for line in sys.stdin:
+other = ca.ArenaFeatureStore()  # another reader: a restarted trainer replaying results
+lines = sys.stdin.readlines()
+for k, line in enumerate(lines):
     r = json.loads(line)
     got = store.get(r)
     assert got["hidden_state"].dtype == ml_dtypes.bfloat16 and list(got["hidden_state"].shape) == r["features"]["hidden_state"]["shape"]
@@ -154,7 +156,21 @@ for line in sys.stdin:
         raise SystemExit("read after release")
     except ca.ReleasedError:
         pass
-store.flush()
+    store.flush(10)
+    if k == len(lines) - 1:
+        break  # the producer exits once this one is freed
+    # Once the producer applied the frees, the objects' stamps refuse the other reader's reads;
+    # until then the bytes it reads are the sample's.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            again = other.get(r)
+        except KeyError as e:
+            assert isinstance(e, ca.ReleasedError), e
+            break
+        assert all(np.array_equal(again[n].view(np.uint8), got[n].view(np.uint8)) for n in got)
+        assert time.monotonic() < deadline, "a freed object still read"
+        time.sleep(0.02)
 print("ok", flush=True)
 """
     p = _producer()

@@ -40,7 +40,10 @@ def test_results_follow_the_contract(make_sink):
     f = r["features"]
     assert f["hidden_state"]["shape"] == [1, 8, 12] and f["hidden_state"]["dtype"] == "bfloat16"
     assert f["target"]["shape"] == [1, 8, 4]
-    assert f["input_ids"] == {"shape": [1, 8], "dtype": "int64", "address": f["input_ids"]["address"]}
+    assert f["input_ids"] == {"shape": [1, 8], "dtype": "int64", "address": f["input_ids"]["address"], "stamp": f["input_ids"]["stamp"]}
+    # Each object's stamp: unique, an integer exact in any JSON reader (< 2**53).
+    stamps = [x["stamp"] for x in f.values()]
+    assert len(set(stamps)) == len(stamps) and all(isinstance(x, int) and 0 < x < 2**53 for x in stamps)
     assert r["arena"]["session"].startswith("shm://capture-arena-")
     assert r["arena"]["control"].startswith("127.0.0.1:")
 

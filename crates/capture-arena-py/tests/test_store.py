@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -107,8 +110,11 @@ def test_unknown_features_failed_results_and_forged_addresses(make_sink):
         store.get(r, ["nope"])
     with pytest.raises(ca.InvalidReadError, match="failed to publish"):
         store.get({"sample_id": "x", "error": "arena full"})
-    forged = {**r, "features": {"target": {**r["features"]["target"], "address": 12}}}
+    forged = {**r, "features": {"target": {**r["features"]["target"], "address": 16}}}
     with pytest.raises(ca.InvalidReadError, match="outside the arena"):
+        store.get(forged)
+    forged = {**r, "features": {"target": {**r["features"]["target"], "address": 12}}}
+    with pytest.raises(ca.InvalidReadError, match="8-byte aligned"):
         store.get(forged)
     # A shape far larger than the arena is refused before an array of its size is allocated.
     huge = {**r, "features": {"target": {**r["features"]["target"], "shape": [1, 1 << 40, 4]}}}
@@ -199,3 +205,52 @@ def test_store_usage_and_prometheus_metrics_say_who_holds_the_arena(make_sink):
     ca.ArenaFeatureStore().release(r)
     wait_stats(sink, lambda s: s["resident_objects"] == 0)
     assert 'store_id="st"' not in prometheus_client.generate_latest(registry).decode()
+
+
+REPLAY = r"""
+import json, sys
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+outcomes = []
+for line in sys.stdin:
+    r = json.loads(line)
+    try:
+        got = store.get(r)
+        outcomes.append({"read": {n: a.tobytes().hex()[:64] for n, a in got.items()}})
+    except KeyError as e:
+        outcomes.append({"refused": type(e).__name__})
+print(json.dumps(outcomes))
+"""
+
+
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_a_result_released_elsewhere_is_refused_in_another_process_never_read_as_another_samples(make_sink, transport: str) -> None:
+    """Trainer A releases samples; a restarted trainer B (another process) replays their results
+    after new samples took the space: every read is refused (the objects' stamps changed), none
+    returns a new sample's bytes."""
+    if transport == "nixl" and "nixl" not in ca.FEATURES:
+        pytest.skip("this build of capture_arena has no nixl feature (scripts/test.sh builds it)")
+    kw = {"transport": "nixl"} if transport == "nixl" else {}
+    sink = make_sink(arena_bytes="1MiB", **kw)
+    L = 200  # 4 features, about 200 KiB a sample: four fill most of the arena
+    old = sink.put_samples([(spec(f"old{i}", L), hidden(L, 3 * 128, i), hidden(L, 128, i)) for i in range(4)])
+    a = ca.ArenaFeatureStore()
+    for r in old:
+        a.release(r)
+    a.flush(10)
+    wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    new = sink.put_samples([(spec(f"new{i}", L), hidden(L, 3 * 128, 100 + i), hidden(L, 128, 100 + i)) for i in range(4)])
+    reused = {f["address"] for r in new for f in r["features"].values()} & {f["address"] for r in old for f in r["features"].values()}
+    assert reused, "the new samples took the old ones' space"
+    lines = "".join(json.dumps(r) + "\n" for r in old)
+    out = subprocess.run([sys.executable, "-c", REPLAY], input=lines, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert out.returncode == 0, out.stderr[-2000:]
+    outcomes = json.loads(out.stdout)
+    assert outcomes == [{"refused": "ObjectChangedError"}] * 4 or all("refused" in o for o in outcomes), outcomes
+    # The new samples read as themselves.
+    b = ca.ArenaFeatureStore()
+    for i, r in enumerate(new):
+        got = b.get(r)
+        assert got["hidden_state"].tobytes() == hidden(L, 3 * 128, 100 + i).tobytes()
+        b.release(r)
+    b.flush(10)

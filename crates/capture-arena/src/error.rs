@@ -110,6 +110,18 @@ pub enum Error {
         /// `{store_id}/{sample_id}/g{gen}`.
         sample: String,
     },
+    /// An object's stamp did not match its result's before or after a read: the object was
+    /// freed (another reader released it, an abort or a prefix free, its lease ended) or freed
+    /// and its space placed again. Nothing read is returned (a destination's bytes are then
+    /// undefined).
+    Changed {
+        /// The object's key.
+        key: String,
+        /// The result's stamp.
+        stamp: u64,
+        /// What the arena held: 0 once freed.
+        found: u64,
+    },
     /// A read was refused before touching memory: a buffer of the wrong size, a shape that
     /// overflows.
     InvalidRead {
@@ -267,6 +279,16 @@ impl fmt::Display for Error {
                 f,
                 "sample {sample} was already released: its objects were freed and the space may \
                  hold other samples now"
+            ),
+            Error::Changed { key, found: 0, .. } => write!(
+                f,
+                "{key} was freed before or while it was read (another reader released it, it \
+                 was aborted, or its lease ended): nothing read is returned"
+            ),
+            Error::Changed { key, stamp, found } => write!(
+                f,
+                "{key} was freed and its space holds another object now (stamp {found}, the \
+                 result's {stamp}): nothing read is returned"
             ),
             Error::InvalidRead { key, reason } => write!(f, "cannot read {key}: {reason}"),
             Error::FreeNotSent {

@@ -577,11 +577,26 @@ impl Published {
                     f.shape.len()
                 )));
             }
-            if f.byte_len().is_none() {
+            let Some(len) = f.byte_len() else {
                 return Err(bad(format!(
                     "shape {:?} of {} of feature {name:?} overflows",
                     f.shape, f.dtype
                 )));
+            };
+            if let Some(stamp) = f.stamp {
+                if !(1..=MAX_STAMP).contains(&stamp) {
+                    return Err(bad(format!(
+                        "feature {name:?} has stamp {stamp} (stamps are 1 to {MAX_STAMP})"
+                    )));
+                }
+                let end = f.address.checked_add(stamp_offset(len) + STAMP_BYTES);
+                if f.address % STAMP_BYTES != 0 || end.is_none() {
+                    return Err(bad(format!(
+                        "feature {name:?} at {:#x}: a stamped object is 8-byte aligned and its \
+                         stamp follows it",
+                        f.address
+                    )));
+                }
             }
         }
         Ok(())

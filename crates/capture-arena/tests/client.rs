@@ -7,7 +7,7 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use capture_arena::client::{ControlClient, FeatureStore, Reader};
-use capture_arena::{Config, Error, Key, Writer};
+use capture_arena::{Config, Error, Key, Published, Writer};
 use util::*;
 
 fn key(s: &str) -> Key {
@@ -595,4 +595,52 @@ fn results_naming_endpoints_without_end_cost_a_bounded_number_of_sender_threads(
         "{during} threads for {n} endpoints (from {before})"
     );
     assert_eq!(c.pending(), n, "every key still waits");
+}
+
+#[test]
+fn a_result_freed_through_another_reader_is_an_error_never_another_samples_bytes() {
+    // The arena holds four 4 KiB objects: a fifth needs freed space.
+    let w = Writer::start(&config(16 << 10, Duration::from_secs(5))).unwrap();
+    let old: Vec<Published> = (0..4)
+        .map(|i| publish_one(&w, &format!("old{i}"), &[4000]))
+        .collect();
+    let (a, b) = (FeatureStore::new(), FeatureStore::new());
+    let mut buf = vec![0u8; 4000];
+    b.reader().read(&old[0], "t0", &mut buf).unwrap();
+    // SAFETY: the bytes are only looked at after `check` (below), which tells whether they were
+    // the object's; nobody frees it while the view is made.
+    let view = unsafe { b.reader().view(&old[0], "t0") }.unwrap();
+    // Trainer A releases every old sample; trainer B, which never saw that, still has them.
+    for r in &old {
+        a.release(r).unwrap();
+    }
+    wait_freed(&w, 4);
+    // Freed, not yet reused: the stamp is zero.
+    let e = b.reader().read(&old[0], "t0", &mut buf).unwrap_err();
+    assert!(matches!(e, Error::Changed { found: 0, .. }), "{e}");
+    assert!(e.to_string().contains("was freed"), "{e}");
+    assert!(matches!(view.check(), Err(Error::Changed { .. })));
+    // New samples take the space: B's replay of the old results fails on every one of them,
+    // and never returns a new sample's bytes.
+    let new: Vec<Published> = (0..4)
+        .map(|i| publish_one(&w, &format!("new{i}"), &[4000]))
+        .collect();
+    assert!(new.iter().any(|n| old
+        .iter()
+        .any(|o| o.features["t0"].address == n.features["t0"].address)));
+    for r in &old {
+        let e = b.reader().read(r, "t0", &mut buf).unwrap_err();
+        assert!(matches!(e, Error::Changed { .. }), "{e}");
+    }
+    for r in &new {
+        verify(r);
+    }
+    // A result without stamps (another producer's, or the store placement's) reads unchecked.
+    let mut bare = new[0].clone();
+    bare.features.get_mut("t0").unwrap().stamp = None;
+    b.reader().read(&bare, "t0", &mut buf).unwrap();
+    // A forged stamp is refused before anything is read.
+    let mut forged = new[0].clone();
+    forged.features.get_mut("t0").unwrap().stamp = Some(0);
+    assert!(b.get(&forged, None).is_err());
 }

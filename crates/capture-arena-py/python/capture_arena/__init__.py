@@ -533,6 +533,20 @@ def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
     return {n: a.to(device) for n, a in arrays.items()}
 
 
+def _stamps(result: Mapping[str, Any], wanted: list[str], lens: list[int]) -> list[tuple[str, int, int]]:
+    """``(key, address, stamp)`` of each wanted feature whose result carries a stamp: the word
+    after its ``n`` bytes rounded up to 8 (validated by ``_validate``: an aligned address, a stamp
+    in range)."""
+    feats = result["features"]
+    out = []
+    for name, n in zip(wanted, lens):
+        stamp = feats[name].get("stamp")
+        if stamp is not None:
+            key = f"{result['store_id']}/{result['sample_id']}/g{result['gen']}/{name}"
+            out.append((key, int(feats[name]["address"]) + (n + 7) // 8 * 8, int(stamp)))
+    return out
+
+
 def _is_engine_session(result: Mapping[str, Any]) -> bool:
     """A TransferEngine session (``<host>:<port>``) rather than a capture-arena one
     (``shm://``, ``cuda://``)."""
@@ -727,6 +741,7 @@ class ArenaFeatureStore(_Store):
             result["arena"]["session"],
             [(int(feats[n]["address"]), int(v.ctypes.data), int(v.nbytes)) for n, v in zip(wanted, views)],
             keep=(arrays, views),
+            stamps=_stamps(result, wanted, lens),
         )
         return _to_device(arrays, device)
 

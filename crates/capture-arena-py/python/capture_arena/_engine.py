@@ -25,11 +25,11 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import ArenaOSError, ConfigError, InvalidReadError, StaleSessionError
+from .errors import ArenaOSError, ConfigError, InvalidReadError, ObjectChangedError, ReleasedError, StaleSessionError
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine (CUDA 12), mooncake-transfer-engine-cuda13 (CUDA 13) "
@@ -282,11 +282,16 @@ class EngineReader:
         self._engine = None
         self._lock = threading.Lock()
 
-    def read(self, session: str, targets: list[tuple[int, int, int]], keep: Any = None) -> None:
+    def read(
+        self, session: str, targets: list[tuple[int, int, int]], keep: Any = None, stamps: Sequence[tuple[str, int, int]] = ()
+    ) -> None:
         """Reads each ``(remote address, local address, length)`` of ``session`` straight into
         memory of this process (the outputs: host arrays, or CUDA tensors over NVLink), registered
         for the read and unregistered after (a few microseconds each over TCP, measured).
-        ``keep`` owns that memory: it is held past a failed or abandoned read (see the class)."""
+        ``keep`` owns that memory: it is held past a failed or abandoned read (see the class).
+        ``stamps``: ``(key, remote address, stamp)`` of each object's stamp, read once the copy
+        has completed (over TCP and RDMA); one that differs raises :class:`ReleasedError` (0:
+        freed) or :class:`ObjectChangedError`, so another object's bytes are never returned."""
         timeout = read_timeout_s()
         te = self._te()
         targets = [t for t in targets if t[2] > 0]
@@ -303,17 +308,40 @@ class EngineReader:
                 "a host down) or stopped; raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
             )
 
-        run_bounded("capture-arena-engine-read", lambda: self._read_in(te, session, targets), keep, timeout, timed_out)
+        # The stamps are read into host memory: not over NVLink, whose transfers move device memory.
+        checks = list(stamps) if self._protocol not in ("nvlink", "nvlink_intra") else []
+        words = np.zeros(max(len(checks), 1), dtype=np.uint64)
+        run_bounded(
+            "capture-arena-engine-read", lambda: self._read_in(te, session, targets, checks, words), (keep, words), timeout, timed_out
+        )
 
-    def _read_in(self, te: Any, session: str, targets: list[tuple[int, int, int]]) -> None:
+    def _read_in(self, te: Any, session: str, targets: list[tuple[int, int, int]], checks: list[tuple[str, int, int]], words: Any) -> None:
         registered = []
         try:
-            for _, local, n in targets:
+            regions = [(local, n) for _, local, n in targets]
+            if checks:
+                regions.append((int(words.ctypes.data), int(words.nbytes)))
+            for local, n in regions:
                 rc = te.register_memory(local, n)
                 if rc != 0:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
                 registered.append(local)
             self._transfer(te, session, targets)
+            if checks:
+                # After the copy completed: a stamp that still matches proves the bytes were the object's.
+                base = int(words.ctypes.data)
+                self._transfer(te, session, [(at, base + 8 * i, 8) for i, (_, at, _) in enumerate(checks)])
+                for (key, _, stamp), found in zip(checks, words.tolist()):
+                    if found == 0:
+                        raise ReleasedError(
+                            f"{key} was freed before or while it was read (another reader released it, it was aborted, "
+                            "or its lease ended): nothing read is returned"
+                        )
+                    if found != stamp:
+                        raise ObjectChangedError(
+                            f"{key} was freed and its space holds another object now (stamp {found}, the result's "
+                            f"{stamp}): nothing read is returned"
+                        )
         finally:
             for local in registered:
                 te.unregister_memory(local)

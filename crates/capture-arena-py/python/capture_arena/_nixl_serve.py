@@ -4,7 +4,7 @@ An arena served through NIXL (``SGLANG_SPEC_CAPTURE_TRANSPORT=nixl``) is registe
 agent in a process of its own, started by the producer: UCX runs there, so whatever a trainer or
 the network makes UCX do (over TCP the serving side emulates READs, and aborts on an error it
 cannot hand to anyone) ends this process, not the inference server. It maps the producer's
-shared memory, says where and with which agent on its first stdout line, and serves until its
+shared memory, says where and with which agent on a stdout line of its own, and serves until its
 stdin closes. ``SGLANG_SPEC_CAPTURE_NIXL_SERVER=inline`` serves in the producer's process instead.
 """
 

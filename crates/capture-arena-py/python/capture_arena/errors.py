@@ -19,6 +19,7 @@ __all__ = [
     "InvalidReadError",
     "UnknownFeatureError",
     "ReleasedError",
+    "ObjectChangedError",
     "FreeNotSentError",
     "ArenaOSError",
     "DeviceError",
@@ -83,7 +84,17 @@ class UnknownFeatureError(CaptureArenaError, KeyError):
 
 
 class ReleasedError(CaptureArenaError, KeyError):
-    """A sample was read after :meth:`ArenaFeatureStore.release`."""
+    """A sample was read after it was released: by this store (:meth:`ArenaFeatureStore.release`),
+    or by anyone else (another trainer, a restarted one, an abort, a prefix free, the lease), which
+    the object's stamp shows before or after the copy. Nothing read is returned."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ObjectChangedError(CaptureArenaError, KeyError):
+    """An object was freed and its space holds another object now (its stamp is another
+    object's): the read returns nothing rather than another sample's bytes."""
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use super::lock;
 use crate::error::{Error, Result};
-use crate::sample::{Feature, Published, MAX_SESSION_BYTES};
-use crate::transport::{self, Destination, ReadOp, Transport, View};
+use crate::sample::{stamp_offset, Feature, Published, MAX_SESSION_BYTES, STAMP_BYTES};
+use crate::transport::{self, verify_stamps, Destination, ReadOp, Transport, View};
 
 /// The most sessions (producers) one reader keeps open at once.
 pub const MAX_SESSIONS: usize = 1024;
@@ -181,6 +181,8 @@ impl Reader {
     /// build cannot write (device memory without the `cuda` feature).
     pub fn read_to(&self, result: &Published, outs: &mut [(&str, Destination<'_>)]) -> Result<()> {
         let mut ops = Vec::with_capacity(outs.len());
+        // (key, where, stamp) of each object whose result carries a stamp.
+        let mut checks: Vec<(String, u64, u64)> = Vec::new();
         for (name, out) in outs.iter_mut() {
             let f = feature(result, name)?;
             let len = byte_len(result, name, f)?;
@@ -199,12 +201,23 @@ impl Reader {
                 Destination::Host(b) => Destination::Host(b),
                 Destination::Device(d) => Destination::Device(*d),
             };
+            if let Some(stamp) = f.stamp {
+                checks.push((key_of(result, name), stamp_at(result, name, f, len)?, stamp));
+            }
             ops.push(ReadOp {
                 address: f.address,
                 into,
             });
         }
-        self.open(&result.arena.session)?.read(&mut ops)
+        let t = self.open(&result.arena.session)?;
+        for c in &checks {
+            t.check(c.1, STAMP_BYTES)?;
+        }
+        if t.stamps_are_cheap() {
+            verify_stamps(&*t, &checks)?;
+        }
+        t.read(&mut ops)?;
+        verify_stamps(&*t, &checks)
     }
 
     /// Borrows feature `name` of `result` in place, without copying (transports that map the
@@ -223,8 +236,27 @@ impl Reader {
         let len = byte_len(result, name, f)?;
         let t = self.open(&result.arena.session)?;
         // SAFETY: the caller's promise, passed on.
-        unsafe { View::new(t, f.address, len) }
+        let v = unsafe { View::new(t, f.address, len) }?;
+        match f.stamp {
+            Some(stamp) => v.stamped(key_of(result, name), stamp_at(result, name, f, len)?, stamp),
+            None => Ok(v),
+        }
     }
+}
+
+/// Where feature `name`'s stamp is: an aligned word after its `len` bytes.
+pub(crate) fn stamp_at(result: &Published, name: &str, f: &Feature, len: u64) -> Result<u64> {
+    f.address
+        .checked_add(stamp_offset(len))
+        .filter(|a| a % STAMP_BYTES == 0)
+        .ok_or_else(|| Error::InvalidRead {
+            key: key_of(result, name),
+            reason: format!(
+                "address {:#x} is not 8-byte aligned (a result of capture-arena's keeps its \
+                 objects aligned)",
+                f.address
+            ),
+        })
 }
 
 pub(crate) fn byte_len(result: &Published, name: &str, f: &Feature) -> Result<u64> {

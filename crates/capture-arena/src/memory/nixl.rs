@@ -480,34 +480,48 @@ impl Server {
         let (Some(to_server), Some(from_server)) = (child.stdin.take(), child.stdout.take()) else {
             return fail(child, Error::transport(what(), "no pipes"));
         };
-        // Its one line, read on a thread so that a server that hangs costs SERVER_START at
-        // most; then whatever else it writes is drained until it ends.
+        // Its description, read on a thread so that a server that hangs costs SERVER_START at
+        // most. Other lines (UCX logs to stdout) are logged, then everything else is drained
+        // until it ends.
         let (tx, rx) = std::sync::mpsc::channel();
         let reading = std::thread::Builder::new()
             .name("capture-arena-nixl-server-out".into())
             .spawn(move || {
-                let mut from =
-                    std::io::BufReader::new(std::io::Read::take(from_server, MAX_SERVER_LINE));
-                let mut line = String::new();
-                let r = from.read_line(&mut line);
-                let _ = tx.send(r.map(|_| line));
-                let mut rest = from.into_inner().into_inner();
-                let _ = std::io::copy(&mut rest, &mut std::io::sink());
+                let mut from = std::io::BufReader::new(from_server);
+                let mut tx = Some(tx);
+                let mut line = Vec::new();
+                loop {
+                    line.clear();
+                    let read = std::io::Read::take(&mut from, MAX_SERVER_LINE)
+                        .read_until(b'\n', &mut line);
+                    if !matches!(read, Ok(n) if n > 0) {
+                        return; // its end (tx dropped: the description never came)
+                    }
+                    let text = String::from_utf8_lossy(&line);
+                    match text.strip_prefix(SERVER_MARKER) {
+                        Some(json) if tx.is_some() => {
+                            if let Some(tx) = tx.take() {
+                                let _ = tx.send(json.trim().to_owned());
+                            }
+                        }
+                        _ => tracing::info!(
+                            target: "capture_arena::nixl_server",
+                            "{}",
+                            text.trim_end()
+                        ),
+                    }
+                }
             });
         if let Err(e) = reading {
             return fail(child, Error::transport(what(), e.to_string()));
         }
         let line = match rx.recv_timeout(SERVER_START) {
-            Ok(Ok(line)) if line.ends_with('\n') => line,
-            Ok(Ok(line)) => {
-                let e = format!(
-                    "it ended without describing its agent ({} bytes said)",
-                    line.len()
-                );
+            Ok(line) => line,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let e = "it ended without describing its agent (it says why on stderr)";
                 return fail(child, Error::transport(what(), e));
             }
-            Ok(Err(e)) => return fail(child, Error::transport(what(), e.to_string())),
-            Err(_) => {
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 let e = format!(
                     "it did not describe its agent within {} s",
                     SERVER_START.as_secs()
@@ -515,8 +529,8 @@ impl Server {
                 return fail(child, Error::transport(what(), e));
             }
         };
-        let described = serde_json::from_str::<ServerLine>(line.trim())
-            .map_err(|e| format!("its first line is not one: {e}"))
+        let described = serde_json::from_str::<ServerLine>(&line)
+            .map_err(|e| format!("its description is not one: {e}"))
             .and_then(|d| {
                 let metadata = b64()
                     .decode(d.metadata.as_bytes())
@@ -799,8 +813,10 @@ pub const SERVER_START: std::time::Duration = std::time::Duration::from_secs(120
 pub const RESTART_FIRST: std::time::Duration = std::time::Duration::from_secs(1);
 /// The longest wait between failed starts.
 pub const RESTART_MAX: std::time::Duration = std::time::Duration::from_secs(60);
-/// The longest first line a server may write.
+/// The longest line a server may write (longer ones are read in pieces).
 const MAX_SERVER_LINE: u64 = 64 * 1024;
+/// What starts a server's description line: its stdout also carries UCX's logs.
+const SERVER_MARKER: &str = "capture-arena-nixl-server ";
 
 /// What a NIXL server process says first: where it mapped the arena and its agent's metadata.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -844,9 +860,9 @@ fn register(
 /// What a NIXL server process runs (`capture-arena nixl-serve`, or
 /// `python -m capture_arena._nixl_serve`): maps the arena `shm_name` (`len` data bytes) that
 /// its parent created, registers its data with a new agent named `agent` whose progress thread
-/// serves READs, writes one JSON line `{"base", "metadata"}` on stdout, and serves until its
-/// stdin closes (its parent dropped the region, or is gone: the pipe's write end is the
-/// parent's alone). Not `PR_SET_PDEATHSIG`: that fires when the parent *thread* that started it
+/// serves READs, writes one line `capture-arena-nixl-server {"base", "metadata"}` on stdout
+/// (where UCX may log too), and serves until its stdin closes (its parent dropped the region,
+/// or is gone: the pipe's write end is the parent's alone). Not `PR_SET_PDEATHSIG`: that fires when the parent *thread* that started it
 /// ends, and arenas are created on threads that end.
 ///
 /// # Errors
@@ -896,7 +912,7 @@ pub fn serve(shm_name: &str, len: u64, agent: &str) -> Result<()> {
     })
     .map_err(|e| Error::transport("describing the agent", e.to_string()))?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "{line}")
+    writeln!(out, "{SERVER_MARKER}{line}")
         .and_then(|()| out.flush())
         .map_err(|e| Error::io("writing the agent's description", e))?;
     drop(out);

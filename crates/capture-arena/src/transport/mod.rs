@@ -33,6 +33,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::memory::Mapping;
+use crate::sample::STAMP_BYTES;
 
 /// Where one read lands.
 #[derive(Debug)]
@@ -168,6 +169,56 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn mapped(&self, _address: u64, _len: u64) -> Option<Result<(&Mapping, usize)>> {
         None
     }
+
+    /// The objects' stamps at `at` (each an 8-byte aligned word inside the arena, which the
+    /// caller checked), as the arena holds them now: read after every read issued before this
+    /// call has completed. By default, one more [`Transport::read`].
+    ///
+    /// # Errors
+    /// As [`Transport::read`].
+    fn stamps(&self, at: &[u64]) -> Result<Vec<u64>> {
+        let mut words = vec![[0u8; STAMP_BYTES as usize]; at.len()];
+        let mut ops: Vec<ReadOp<'_>> = at
+            .iter()
+            .zip(words.iter_mut())
+            .map(|(&address, w)| ReadOp {
+                address,
+                into: Destination::Host(w),
+            })
+            .collect();
+        self.read(&mut ops)?;
+        drop(ops);
+        Ok(words.into_iter().map(u64::from_le_bytes).collect())
+    }
+
+    /// True when [`Transport::stamps`] costs about nothing (the arena is mapped here): readers
+    /// then check the stamps before copying too, not only after.
+    fn stamps_are_cheap(&self) -> bool {
+        false
+    }
+}
+
+/// Reads the stamps of `checks` (`(key, where, stamp)`) and fails on the first that differs:
+/// the object was freed, or freed and its space placed again.
+///
+/// # Errors
+/// [`Error::Changed`], or the transport's.
+pub(crate) fn verify_stamps(t: &dyn Transport, checks: &[(String, u64, u64)]) -> Result<()> {
+    if checks.is_empty() {
+        return Ok(());
+    }
+    let at: Vec<u64> = checks.iter().map(|c| c.1).collect();
+    let found = t.stamps(&at)?;
+    for ((key, _, stamp), found) in checks.iter().zip(found) {
+        if found != *stamp {
+            return Err(Error::Changed {
+                key: key.clone(),
+                stamp: *stamp,
+                found,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The offset of `[address, address + n)` in an arena of `len` bytes advertised at `base`,
@@ -259,6 +310,8 @@ pub struct View {
     transport: Arc<dyn Transport>,
     address: u64,
     len: u64,
+    /// `(key, where, stamp)` when the result carries the object's stamp.
+    stamp: Option<(String, u64, u64)>,
 }
 
 impl View {
@@ -287,18 +340,39 @@ impl View {
             transport,
             address,
             len,
+            stamp: None,
         })
+    }
+
+    /// Checks the object's stamp now (it must be `stamp` at `at`, an aligned word inside the
+    /// arena) and again in [`View::check`].
+    ///
+    /// # Errors
+    /// [`Error::Changed`] when the object was freed; as [`Transport::check`].
+    pub(crate) fn stamped(mut self, key: String, at: u64, stamp: u64) -> Result<View> {
+        self.transport.check(at, STAMP_BYTES)?;
+        let c = [(key, at, stamp)];
+        verify_stamps(&*self.transport, &c)?;
+        let [c] = c;
+        self.stamp = Some(c);
+        Ok(self)
     }
 }
 
 impl View {
-    /// Whether the bytes seen through this view were the object's: fails once the producer's
-    /// shared memory was truncated under the mapping (by another process of its user), after
-    /// which the view shows zeros. Call it after using the bytes, as a copy checks after copying.
+    /// Whether the bytes seen through this view were the object's: fails once the object was
+    /// freed (its stamp changed: another reader released it, its lease ended), or the
+    /// producer's shared memory was truncated under the mapping (by another process of its
+    /// user), after which the view shows zeros. Call it after using the bytes, as a copy checks
+    /// after copying.
     ///
     /// # Errors
-    /// [`Error::StaleSession`] if the memory was truncated.
+    /// [`Error::Changed`] if the object was freed; [`Error::StaleSession`] if the memory was
+    /// truncated.
     pub fn check(&self) -> Result<()> {
+        if let Some(c) = &self.stamp {
+            verify_stamps(&*self.transport, std::slice::from_ref(c))?;
+        }
         match self.transport.mapped(self.address, self.len) {
             Some(Ok((map, _))) if map.lost() => Err(Error::StaleSession {
                 session: self.transport.session().to_owned(),
@@ -336,6 +410,7 @@ impl fmt::Debug for View {
             .field("session", &self.transport.session())
             .field("address", &self.address)
             .field("len", &self.len)
+            .field("stamp", &self.stamp.as_ref().map(|c| c.2))
             .finish()
     }
 }

@@ -206,7 +206,12 @@ pub struct NixlTransport {
     load: u64,
     /// Set once a read failed: the producer is gone or restarted.
     dead: AtomicBool,
+    /// Where stamps are read to: registered once, not for every read.
+    stamp_words: std::sync::Mutex<Option<super::ReadBuffer>>,
 }
+
+/// Stamps one read of [`NixlTransport::stamps`] takes in its registered buffer.
+const STAMP_WORDS: usize = crate::sample::MAX_FEATURES;
 
 impl fmt::Debug for NixlTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -250,6 +255,7 @@ impl NixlTransport {
             agent,
             timeout,
             dead: AtomicBool::new(false),
+            stamp_words: std::sync::Mutex::new(None),
         })
     }
 
@@ -650,6 +656,37 @@ impl Transport for NixlTransport {
 
     fn check(&self, address: u64, len: u64) -> Result<()> {
         super::offset_in(self.session.base, self.session.len, address, len).map(|_| ())
+    }
+
+    /// One more READ, into a buffer of this transport's registered once: after the data's
+    /// request completed, so a stamp that still matches proves the bytes were the object's.
+    fn stamps(&self, at: &[u64]) -> Result<Vec<u64>> {
+        const W: usize = crate::sample::STAMP_BYTES as usize;
+        let mut guard = self.stamp_words.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            *guard = Some(super::ReadBuffer::new(STAMP_WORDS * W)?);
+        }
+        let Some(words) = guard.as_mut().filter(|_| at.len() <= STAMP_WORDS) else {
+            return Err(Error::InvalidRead {
+                key: self.text.clone(),
+                reason: format!("{} stamps in one read (at most {STAMP_WORDS})", at.len()),
+            });
+        };
+        let mut ops: Vec<ReadOp<'_>> = at
+            .iter()
+            .zip(words.chunks_exact_mut(W))
+            .map(|(&address, w)| ReadOp {
+                address,
+                into: Destination::Host(w),
+            })
+            .collect();
+        self.read(&mut ops)?;
+        drop(ops);
+        Ok(words
+            .chunks_exact(W)
+            .take(at.len())
+            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; W])))
+            .collect())
     }
 
     fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {

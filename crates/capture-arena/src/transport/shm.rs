@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::memory::mapping::{Access, Mapping};
 use crate::memory::shm::{self, Header, ShmSession, HEADER_BYTES, SHM_DIR};
+use crate::sample::STAMP_BYTES;
 use crate::transport::{Destination, ReadOp, Transport};
 
 /// A reader's read-only mapping of a producer's region, checked against its session.
@@ -193,5 +194,39 @@ impl Transport for ShmTransport {
 
     fn mapped(&self, address: u64, len: u64) -> Option<Result<(&Mapping, usize)>> {
         Some(self.offset_of(address, len).map(|o| (&self.map, o)))
+    }
+
+    /// Aligned 8-byte loads from the mapping, after an acquire fence: every byte copied before
+    /// this call was loaded before the stamps are (the writer zeroes a stamp, then fences, before
+    /// it places anything in that space).
+    fn stamps(&self, at: &[u64]) -> Result<Vec<u64>> {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
+        let mut out = Vec::with_capacity(at.len());
+        for &a in at {
+            let off = self.offset_of(a, STAMP_BYTES)?;
+            let p = self.map.raw_range(off, STAMP_BYTES as usize)?;
+            if p as usize % STAMP_BYTES as usize != 0 {
+                return Err(Error::InvalidRead {
+                    key: self.text.clone(),
+                    reason: format!("a stamp at {a:#x} is not 8-byte aligned"),
+                });
+            }
+            // SAFETY: an aligned word inside this mapping (checked), which stays mapped while
+            // `self` lives; another process writes it, hence the volatile load of a whole word.
+            out.push(u64::from_le(unsafe { (p as *const u64).read_volatile() }));
+        }
+        if self.map.lost() {
+            return Err(Error::StaleSession {
+                session: self.text.clone(),
+                reason: "its shared memory was truncated by another process while this reader \
+                         mapped it; the contents are lost"
+                    .into(),
+            });
+        }
+        Ok(out)
+    }
+
+    fn stamps_are_cheap(&self) -> bool {
+        true
     }
 }
