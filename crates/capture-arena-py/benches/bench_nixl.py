@@ -11,6 +11,8 @@ all of them alike):
   shared memory on one host);
 - ``nixl_readbuffer``: the same into a view of a ``capture_arena.ReadBuffer``, registered with
   NIXL once (``nixl`` registers the numpy output for each read);
+- ``nixl_fresh``: ``ArenaFeatureStore.get(result)`` without ``out=``: fresh arrays from the
+  output pool, whose slabs NIXL registers once (target #21: >= 0.9 x ``nixl_readbuffer``);
 - ``te_reference``: Mooncake's ``TransferEngine.transfer_sync_read`` of the engine result's bytes
   over TCP into a buffer registered once (what a Mooncake-only trainer does);
 - ``memcpy``: ``numpy.copyto`` of the same bytes in this process.
@@ -78,10 +80,11 @@ def main() -> None:
         ops = {
             "nixl": lambda: store.get(nixl_r, out=out),
             "nixl_readbuffer": lambda: store.get(nixl_r, out=out_rb),
+            "nixl_fresh": lambda: store.get(nixl_r),
             "te_reference": lambda: te.transfer_sync_read(session, int(ref.ctypes.data), address, n),
             "memcpy": lambda: np.copyto(out["x"], src),
         }
-        for what in ("nixl", "nixl_readbuffer", "te_reference"):  # warm-up (connects, registers) and checks
+        for what in ("nixl", "nixl_readbuffer", "nixl_fresh", "te_reference"):  # warm-up (connects, registers) and checks
             ops[what]()
         assert np.array_equal(out["x"], src) and np.array_equal(ref, src) and np.array_equal(out_rb["x"], src)
         times: dict[str, list[float]] = {k: [] for k in ops}
@@ -101,6 +104,7 @@ def main() -> None:
             f"   nixl / te_reference (bandwidth) = {med['te_reference'] / med['nixl']:.2f}   "
             f"nixl_readbuffer / te_reference = {med['te_reference'] / med['nixl_readbuffer']:.2f}   "
             f"nixl / memcpy = {med['memcpy'] / med['nixl']:.2f}   "
+            f"nixl_fresh / nixl_readbuffer = {med['nixl_readbuffer'] / med['nixl_fresh']:.2f}   "
             f"nixl_readbuffer / memcpy = {med['memcpy'] / med['nixl_readbuffer']:.2f}"
         )
         te.unregister_memory(int(ref.ctypes.data))

@@ -251,3 +251,49 @@ store.flush(10)
     finally:
         p.kill()
         t.kill()
+
+
+FRESH = COMMON + r"""
+import gc, json, sys
+import numpy as np
+import capture_arena as ca
+from capture_arena import _pool
+store = ca.ArenaFeatureStore()
+results = [json.loads(line) for line in sys.stdin if '"features"' in line]
+for _ in range(3):
+    for r in results:
+        i = int(r["sample_id"][1:])
+        L, aux, last = tensors(i)
+        got = store.get(r)
+        assert np.array_equal(got["hidden_state"].view(np.uint16), aux.reshape(1, L, -1).view(np.uint16)), i
+        assert got["input_ids"].tolist() == [list(range(L))], i
+        t = store.get(r, ["target"], torch=True)["target"]
+        assert t.view(__import__("torch").int16).numpy().tobytes() == last.tobytes(), i
+        del got, t
+gc.collect()
+stats = _pool.POOL.stats()
+for r in results:
+    store.release(r)
+store.flush(10)
+print(json.dumps(stats), flush=True)
+"""
+
+
+def test_fresh_outputs_come_from_a_pool_registered_once_and_return_to_it() -> None:
+    """``get()`` without ``out=`` over NIXL: the arrays live in the output pool's slabs, which NIXL
+    registers once, not for every read; an array's range returns to the pool when it is
+    collected."""
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    env = env_for("tcp")
+    p = subprocess.Popen([sys.executable, "-c", PRODUCER], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        lines = "".join(p.stdout.readline() for _ in range(6))
+        out = subprocess.run([sys.executable, "-c", FRESH], env=env, input=lines, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        s = json.loads(out.stdout.splitlines()[-1])
+        assert s["slabs"] == 1 and s["registrations"] == 1, s
+        assert s["free_bytes"] == s["bytes"], s  # every array collected: every range back
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()

@@ -30,6 +30,7 @@ import numpy as np
 
 from . import _tensors, errors
 from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _exiting, _send_frees, _Store, arena_enabled, placement
+from . import _pool
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
@@ -596,7 +597,8 @@ class ArenaFeatureStore(_Store):
             return self._get_through_engine(result, wanted, out, torch, device)
         # Released? Known names, shapes and addresses inside the arena? Before allocating.
         self._check(result, wanted)
-        arrays, views = self._outputs(result, wanted, out, torch, device)
+        pooled = device is None and str(result["arena"].get("session", "")).startswith("nixl://")
+        arrays, views = self._outputs(result, wanted, out, torch, device, pooled)
         self._read_into(result, list(zip(wanted, views)))
         return arrays
 
@@ -637,24 +639,33 @@ class ArenaFeatureStore(_Store):
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if sum(lens) > limit:
             raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than this host's {limit} bytes of memory")
-        arrays, views = self._outputs(result, wanted, out, torch, None)
+        arrays, views = self._outputs(result, wanted, out, torch, None, _is_engine_session(result))
         if any(not isinstance(v, np.ndarray) for v in views):
             raise InvalidReadError("this placement is read into host memory: pass CPU out= tensors")
         return arrays, views
 
     @staticmethod
     def _outputs(
-        result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
+        result: Mapping[str, Any],
+        wanted: list[str],
+        out: Optional[Mapping[str, Any]],
+        torch: bool,
+        device: Optional[str],
+        pooled: bool = False,
     ) -> tuple[dict[str, Any], list[Any]]:
         """Each wanted feature's output (the caller's ``out=`` entry, else a fresh array or tensor
-        of its shape and dtype) and what the readers write: its uint8 view, or a CudaBytes."""
+        of its shape and dtype: from the registered pool when ``pooled``, for transports that
+        register destinations) and what the readers write: its uint8 view, or a CudaBytes."""
         feats = result["features"]
         arrays: dict[str, Any] = {}
         views = []
         for name in wanted:
             f = feats[name]
+            made = None
             if out is not None and name in out:
                 arr, view = out[name], out_bytes(out[name], list(f["shape"]), f["dtype"])
+            elif pooled and device is None and (made := _pool.fresh(list(f["shape"]), f["dtype"], torch)) is not None:
+                arr, view = made
             else:
                 arr, view = new_array(list(f["shape"]), f["dtype"], torch, device)
             arrays[name] = arr

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from . import _pool
 from .errors import ArenaOSError, ConfigError, InvalidReadError, ObjectChangedError, ReleasedError, StaleSessionError
 
 INSTALL_HINT = (
@@ -252,6 +253,8 @@ class EngineReader:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._engine: Optional[Any] = None
+        # Output pool slabs registered with each engine (held, so its id is not reused).
+        self._slabs: dict[int, tuple[Any, set[tuple[int, int]]]] = {}
         _READERS.add(self)
         self._protocol = protocol_of(os.environ.get("MOONCAKE_PROTOCOL"))
 
@@ -322,6 +325,17 @@ class EngineReader:
             if checks:
                 regions.append((int(words.ctypes.data), int(words.nbytes)))
             for local, n in regions:
+                slab = _pool.POOL.slab_of(local, n)
+                if slab is not None:
+                    # A pooled output: its slab is registered with this engine once, and stays.
+                    with self._lock:
+                        done = self._slabs.setdefault(id(te), (te, set()))[1]
+                        if slab not in done:
+                            rc = te.register_memory(slab[0], slab[1])
+                            if rc != 0:
+                                raise ArenaOSError(f"TransferEngine.register_memory of a {slab[1]}-byte output pool slab returned {rc}")
+                            done.add(slab)
+                    continue
                 rc = te.register_memory(local, n)
                 if rc != 0:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
