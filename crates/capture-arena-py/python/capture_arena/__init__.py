@@ -563,8 +563,12 @@ class ArenaFeatureStore(_Store):
     memory to map (``shm://``) or the device arena to import (``cuda://``: by POSIX descriptor on
     the producer's host, by fabric handle anywhere in its NVLink domain); and on any host for an
     arena served through NIXL (``nixl://``, a build with the nixl feature). For NIXL, outputs
-    inside a :class:`ReadBuffer` (``out=`` views of ``numpy.asarray(buf)``) are registered once;
-    other outputs are registered for each read.
+    inside a :class:`ReadBuffer` (``out=`` views of ``numpy.asarray(buf)``) are registered once,
+    and so are fresh outputs (no ``out=``), which come from a pool of such buffers
+    (``SGLANG_SPEC_CAPTURE_READ_POOL_BYTES``); other ``out=`` arrays are registered for each read.
+    Every read checks the objects' stamps: a sample freed by anyone (another trainer's release,
+    an abort, the lease) raises :class:`ReleasedError`, one whose space was reused
+    :class:`ObjectChangedError`, never another sample's bytes.
     """
 
     def get(
@@ -583,7 +587,9 @@ class ArenaFeatureStore(_Store):
         there from any arena (device arenas device-to-device over the imported handle, host
         arenas host-to-device). The copies have finished when this returns.
 
-        Raises :class:`ReleasedError` (a ``KeyError``) after :meth:`release`,
+        Raises :class:`ReleasedError` (a ``KeyError``) after :meth:`release`, or when the sample
+        was freed elsewhere (its stamp, checked around the copy), :class:`ObjectChangedError` (a
+        ``KeyError``) when its space holds another object now,
         :class:`UnknownFeatureError` (a ``KeyError``) for a name the result lacks, and
         :class:`StaleSessionError` if the producer is gone.
         """

@@ -181,8 +181,9 @@ impl Reader {
     /// build cannot write (device memory without the `cuda` feature).
     pub fn read_to(&self, result: &Published, outs: &mut [(&str, Destination<'_>)]) -> Result<()> {
         let mut ops = Vec::with_capacity(outs.len());
-        // (key, where, stamp) of each object whose result carries a stamp.
-        let mut checks: Vec<(String, u64, u64)> = Vec::new();
+        // (where, stamp) of each object whose result carries a stamp, and its name.
+        let mut checks: Vec<(u64, u64)> = Vec::new();
+        let mut checked: Vec<&str> = Vec::new();
         for (name, out) in outs.iter_mut() {
             let f = feature(result, name)?;
             let len = byte_len(result, name, f)?;
@@ -202,7 +203,8 @@ impl Reader {
                 Destination::Device(d) => Destination::Device(*d),
             };
             if let Some(stamp) = f.stamp {
-                checks.push((key_of(result, name), stamp_at(result, name, f, len)?, stamp));
+                checks.push((stamp_at(result, name, f, len)?, stamp));
+                checked.push(name);
             }
             ops.push(ReadOp {
                 address: f.address,
@@ -210,14 +212,19 @@ impl Reader {
             });
         }
         let t = self.open(&result.arena.session)?;
-        for c in &checks {
-            t.check(c.1, STAMP_BYTES)?;
+        // Every range inside the arena before anything is read: the objects', then their stamps'.
+        for op in &ops {
+            t.check(op.address, op.into.len())?;
         }
+        for c in &checks {
+            t.check(c.0, STAMP_BYTES)?;
+        }
+        let key = |i: usize| key_of(result, checked[i]);
         if t.stamps_are_cheap() {
-            verify_stamps(&*t, &checks)?;
+            verify_stamps(&*t, &checks, key)?;
         }
         t.read(&mut ops)?;
-        verify_stamps(&*t, &checks)
+        verify_stamps(&*t, &checks, key)
     }
 
     /// Borrows feature `name` of `result` in place, without copying (transports that map the

@@ -198,22 +198,27 @@ pub trait Transport: Send + Sync + fmt::Debug {
     }
 }
 
-/// Reads the stamps of `checks` (`(key, where, stamp)`) and fails on the first that differs:
-/// the object was freed, or freed and its space placed again.
+/// Reads the stamps at `checks` (`(where, stamp)`) and fails on the first that differs (the
+/// object was freed, or freed and its space placed again) with [`Error::Changed`], naming the
+/// object by `key_of(index)`.
 ///
 /// # Errors
 /// [`Error::Changed`], or the transport's.
-pub(crate) fn verify_stamps(t: &dyn Transport, checks: &[(String, u64, u64)]) -> Result<()> {
+pub(crate) fn verify_stamps(
+    t: &dyn Transport,
+    checks: &[(u64, u64)],
+    key_of: impl Fn(usize) -> String,
+) -> Result<()> {
     if checks.is_empty() {
         return Ok(());
     }
-    let at: Vec<u64> = checks.iter().map(|c| c.1).collect();
+    let at: Vec<u64> = checks.iter().map(|c| c.0).collect();
     let found = t.stamps(&at)?;
-    for ((key, _, stamp), found) in checks.iter().zip(found) {
-        if found != *stamp {
+    for (i, (&(_, stamp), found)) in checks.iter().zip(found).enumerate() {
+        if found != stamp {
             return Err(Error::Changed {
-                key: key.clone(),
-                stamp: *stamp,
+                key: key_of(i),
+                stamp,
                 found,
             });
         }
@@ -351,10 +356,8 @@ impl View {
     /// [`Error::Changed`] when the object was freed; as [`Transport::check`].
     pub(crate) fn stamped(mut self, key: String, at: u64, stamp: u64) -> Result<View> {
         self.transport.check(at, STAMP_BYTES)?;
-        let c = [(key, at, stamp)];
-        verify_stamps(&*self.transport, &c)?;
-        let [c] = c;
-        self.stamp = Some(c);
+        verify_stamps(&*self.transport, &[(at, stamp)], |_| key.clone())?;
+        self.stamp = Some((key, at, stamp));
         Ok(self)
     }
 }
@@ -370,8 +373,8 @@ impl View {
     /// [`Error::Changed`] if the object was freed; [`Error::StaleSession`] if the memory was
     /// truncated.
     pub fn check(&self) -> Result<()> {
-        if let Some(c) = &self.stamp {
-            verify_stamps(&*self.transport, std::slice::from_ref(c))?;
+        if let Some((key, at, stamp)) = &self.stamp {
+            verify_stamps(&*self.transport, &[(*at, *stamp)], |_| key.clone())?;
         }
         match self.transport.mapped(self.address, self.len) {
             Some(Ok((map, _))) if map.lost() => Err(Error::StaleSession {
