@@ -177,18 +177,7 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// # Errors
     /// As [`Transport::read`].
     fn stamps(&self, at: &[u64]) -> Result<Vec<u64>> {
-        let mut words = vec![[0u8; STAMP_BYTES as usize]; at.len()];
-        let mut ops: Vec<ReadOp<'_>> = at
-            .iter()
-            .zip(words.iter_mut())
-            .map(|(&address, w)| ReadOp {
-                address,
-                into: Destination::Host(w),
-            })
-            .collect();
-        self.read(&mut ops)?;
-        drop(ops);
-        Ok(words.into_iter().map(u64::from_le_bytes).collect())
+        read_words(self, at, &mut vec![0u8; at.len() * STAMP_BYTES as usize])
     }
 
     /// True when [`Transport::stamps`] costs about nothing (the arena is mapped here): readers
@@ -196,6 +185,38 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn stamps_are_cheap(&self) -> bool {
         false
     }
+}
+
+/// Reads the words at `at` with one [`Transport::read`] into `words` (8 bytes each, at least
+/// `at.len()` of them) and returns them.
+///
+/// # Errors
+/// As [`Transport::read`].
+pub(crate) fn read_words<T: Transport + ?Sized>(
+    t: &T,
+    at: &[u64],
+    words: &mut [u8],
+) -> Result<Vec<u64>> {
+    const W: usize = STAMP_BYTES as usize;
+    let mut ops: Vec<ReadOp<'_>> = at
+        .iter()
+        .zip(words.chunks_exact_mut(W))
+        .map(|(&address, w)| ReadOp {
+            address,
+            into: Destination::Host(w),
+        })
+        .collect();
+    t.read(&mut ops)?;
+    drop(ops);
+    Ok(words
+        .chunks_exact(W)
+        .take(at.len())
+        .map(|w| {
+            let mut b = [0u8; W];
+            b.copy_from_slice(w);
+            u64::from_le_bytes(b)
+        })
+        .collect())
 }
 
 /// Reads the stamps at `checks` (`(where, stamp)`) and fails on the first that differs (the

@@ -672,21 +672,7 @@ impl Transport for NixlTransport {
                 reason: format!("{} stamps in one read (at most {STAMP_WORDS})", at.len()),
             });
         };
-        let mut ops: Vec<ReadOp<'_>> = at
-            .iter()
-            .zip(words.chunks_exact_mut(W))
-            .map(|(&address, w)| ReadOp {
-                address,
-                into: Destination::Host(w),
-            })
-            .collect();
-        self.read(&mut ops)?;
-        drop(ops);
-        Ok(words
-            .chunks_exact(W)
-            .take(at.len())
-            .map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; W])))
-            .collect())
+        super::read_words(self, at, &mut words[..at.len() * W])
     }
 
     fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {

@@ -138,6 +138,18 @@ impl ShmTransport {
     }
 }
 
+impl ShmTransport {
+    /// The object was truncated under this mapping: the bytes read may be zeros.
+    fn truncated(&self) -> Error {
+        Error::StaleSession {
+            session: self.text.clone(),
+            reason: "its shared memory was truncated by another process while this reader \
+                     mapped it; the contents are lost"
+                .into(),
+        }
+    }
+}
+
 impl Transport for ShmTransport {
     fn session(&self) -> &str {
         &self.text
@@ -182,12 +194,7 @@ impl Transport for ShmTransport {
         }
         if self.map.lost() {
             // The object was truncated under this mapping: the bytes read may be zeros.
-            return Err(Error::StaleSession {
-                session: self.text.clone(),
-                reason: "its shared memory was truncated by another process while this reader \
-                         mapped it; the contents are lost"
-                    .into(),
-            });
+            return Err(self.truncated());
         }
         copied
     }
@@ -216,12 +223,7 @@ impl Transport for ShmTransport {
             out.push(u64::from_le(unsafe { (p as *const u64).read_volatile() }));
         }
         if self.map.lost() {
-            return Err(Error::StaleSession {
-                session: self.text.clone(),
-                reason: "its shared memory was truncated by another process while this reader \
-                         mapped it; the contents are lost"
-                    .into(),
-            });
+            return Err(self.truncated());
         }
         Ok(out)
     }
