@@ -369,3 +369,40 @@ def test_a_ref_without_a_capture_arena_result_is_refused_with_what_to_do() -> No
         store.get(ref2)
     assert isinstance(store, __import__("specforge.runtime.data_plane.feature_store", fromlist=["FeatureStore"]).FeatureStore)
     assert ca.ArenaFeatureStore  # the package itself never imports SpecForge
+
+
+def test_post_fn_never_raises_for_what_it_cannot_use_and_records_only_this_stores_results() -> None:
+    """A response the store cannot use costs only the samples in it: post_fn hands it back
+    unchanged, records nothing from it, and those samples' adopt() says what to do."""
+    store = SpecForgeArenaStore(store_id="run6")
+    good = {"store_id": "run6", "sample_id": "run:ok", "gen": 1, "features": {"target": {"shape": [1, 2], "dtype": "int64", "address": 4096, "stamp": 7}},
+            "arena": {"session": "shm://x", "control": "127.0.0.1:9"}}
+    deep: Any = []
+    for _ in range(5000):
+        deep = [deep]
+    responses = [
+        None,
+        "not rows",
+        [{"meta_info": "not a dict"}],
+        [{"meta_info": {"spec_capture": {"error": "arena full", "sample_id": "run:e"}}}],
+        [{"meta_info": {"spec_capture": {**good, "store_id": "another"}}}],
+        [{"meta_info": {"spec_capture": {**good, "gen": "x"}}}],
+        deep,
+        [{"meta_info": {"spec_capture": [good, good, good]}}],  # more results than asked for
+    ]
+    body = {"spec_capture": [{"sample_id": "run:ok"}]}
+    for rows in responses:
+        post = store.post_fn(lambda url, json_body, timeout, rows=rows: rows)
+        assert post("http://x/generate", json_body=body, timeout=1.0) is rows
+    h = store.health()
+    assert h["control_endpoints"] == 1 and h["resident_samples"] == 0, h
+    # Only the one result of this store that the request asked for was recorded.
+    ref = SampleRef(
+        sample_id="run:ok", run_id="run", source_task_id="ok", feature_store_uri="mooncake://run6/run:ok",
+        feature_keys={"target": "run:ok/target"}, feature_specs={}, strategy="eagle3", metadata={"generation": 1},
+    )
+    store.adopt(ref)
+    assert ref.metadata["capture_arena"]["sample_id"] == "run:ok"
+    bad = SampleRef(**{**ref.__dict__, "sample_id": "run:e", "metadata": {"generation": 1}})
+    with pytest.raises(ValueError, match="post_fn"):
+        store.adopt(bad)

@@ -254,3 +254,48 @@ def test_a_result_released_elsewhere_is_refused_in_another_process_never_read_as
         assert got["hidden_state"].tobytes() == hidden(L, 3 * 128, 100 + i).tobytes()
         b.release(r)
     b.flush(10)
+
+
+def test_the_output_pool_hands_out_disjoint_ranges_across_threads_and_takes_them_all_back() -> None:
+    """Fresh outputs of NIXL and TransferEngine reads: arrays carved from registered slabs. Many
+    threads taking and dropping arrays of mixed sizes never share a byte, and every range comes
+    back (into coalesced free space) once the arrays are gone."""
+    import gc
+    import threading
+
+    from capture_arena import _pool
+
+    pool = _pool.OutputPool()
+    errors: list[str] = []
+
+    def work(k: int) -> None:
+        rng = np.random.default_rng(k)
+        held = []
+        for i in range(300):
+            n = int(rng.integers(1, 1 << 20))
+            a = pool.bytes_u8(n)
+            if a is None:
+                errors.append("no room")
+                return
+            a.fill(k)
+            held.append(a)
+            if len(held) > 8:
+                b = held.pop(int(rng.integers(0, len(held))))
+                if not (b == k).all():
+                    errors.append(f"thread {k}: a range was shared")
+                del b
+        for b in held:
+            if not (b == k).all():
+                errors.append(f"thread {k}: a range was shared")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    s = pool.stats()
+    assert not errors, errors[:3]
+    assert s["free_bytes"] == s["bytes"] and s["slabs"] >= 1, s
+    # Coalesced: a slab-sized array fits again without a new slab.
+    assert pool.bytes_u8(_pool.SLAB_BYTES) is not None and pool.stats()["slabs"] == s["slabs"]
