@@ -294,6 +294,63 @@ def test_a_blackholed_control_host_costs_releases_nothing_and_gets_its_frees_lat
         ends_free(p1)
 
 
+# Reads a producer ("p1", in a thread of its own, if given) and another ("p2", one after the
+# other, each timed) at the same time; releases everything; one line per request.
+SIDE_BY_SIDE = r"""
+import json, sys, threading, time
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    req = json.loads(line)
+    out = {"p2_s": []}
+    def read_p1(r):
+        t0 = time.monotonic()
+        try:
+            store.get(r)
+            out["p1"] = "ok"
+        except ca.CaptureArenaError as e:
+            out["p1"] = type(e).__name__
+        out["p1_s"] = time.monotonic() - t0
+        store.release(r)
+    th = None
+    if "p1" in req:
+        th = threading.Thread(target=read_p1, args=(req["p1"],))
+        th.start()
+        time.sleep(0.5)  # its load is under way (stuck in connect() while p1 is cut off)
+    for r in req.get("p2", []):
+        t0 = time.monotonic()
+        store.get(r)
+        out["p2_s"].append(time.monotonic() - t0)
+        store.release(r)
+    if th is not None:
+        th.join()
+    print(json.dumps(out), flush=True)
+""" + TRAINER_END
+
+
+@needs_nixl
+def test_a_producer_that_cannot_be_reached_holds_up_no_reads_from_other_hosts() -> None:
+    """A trainer's first read from a partitioned producer loads its metadata, which blocks in
+    UCX's connect() holding that reader agent's lock; reads from a producer on another host go
+    through an agent of their own and keep their pace meanwhile."""
+    with Cluster(["p1", "p2", "t1"]) as c:
+        p1, r1 = producer(c, "p1", 2)
+        p2, r2 = producer(c, "p2", 6)
+        trainer = Proc(c, "t1", SIDE_BY_SIDE, [], env_on(c, "t1"))
+        assert trainer.send({"p2": r2[:1]})["p2_s"]
+        c.partition("p1")
+        got = trainer.send({"p1": r1[0], "p2": r2[1:5]})
+        assert got["p1"] == "StaleSessionError" and got["p1_s"] < READ_TIMEOUT_S + 3, got
+        assert max(got["p2_s"]) < 1.0, got  # not held behind p1's load
+        c.heal("p1")
+        got = trainer.send({"p1": r1[1], "p2": r2[5:]})
+        assert got["p1"] == "ok", got
+        health = trainer.finish()
+        assert health["dropped_frees"] == 0 and health["pending_frees"] == 0, health
+        ends_free(p1)
+        ends_free(p2)
+
+
 @needs_nixl
 def test_after_a_cable_pull_the_trainer_reads_again_without_a_restart() -> None:
     with Cluster(["p1", "t1"]) as c:

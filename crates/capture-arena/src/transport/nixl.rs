@@ -1,8 +1,8 @@
 //! Reads through NIXL: one-sided READs from an arena another process (on any host) registered
 //! with its NIXL agent ([`crate::memory::nixl`]).
 //!
-//! One reader agent per process, made on first use, loads each producer's metadata from its
-//! session once; a [`NixlTransport`] per session then turns every call's reads into one NIXL
+//! One reader agent per producer host, made on first use, loads each producer's metadata from
+//! its session once; a [`NixlTransport`] per session then turns every call's reads into one NIXL
 //! request (one descriptor per object), posts it and waits for it. The reader agent runs no
 //! progress thread: the waiting reader drives UCX itself, polling hot for a few microseconds,
 //! then yielding, then sleeping in 50 µs steps, so a long read over TCP leaves the core to the
@@ -20,12 +20,14 @@
 //! read fails, and the reader agent is retired with the request still in it: never driven
 //! again (over TCP and shared memory nothing is written without that), never destroyed, its
 //! registrations kept; the next session opened gets a new agent. One NIXL request is in flight
-//! per process at a time (a read of several objects is one request), so a retired agent has no
-//! other reads to finish.
+//! per agent at a time (a read of several objects is one request), so a retired agent has no
+//! other reads to finish; reads from producers on different hosts run side by side.
 //!
 //! Loading a producer's metadata connects to it, which blocks as long as the network says
 //! (minutes in a partition): it runs on a thread of its own and the caller waits at most the
-//! read timeout, after which the agent is retired the same way. UCX opens its TCP devices when
+//! read timeout, after which the agent is retired the same way. The load holds the agent's NIXL
+//! lock meanwhile, and other reads through that agent wait for it: with an agent per producer
+//! host, those are only reads from the host that does not answer. UCX opens its TCP devices when
 //! an agent is made: an agent made while a NIC had no carrier never uses that NIC, so when an
 //! interface comes up that was not usable then (looked at once a second, on opens), a new agent
 //! is made and the old one retired. A failed or timed-out read never says the producer is gone
@@ -44,7 +46,8 @@ use super::{buffer, Destination, ReadOp, Transport};
 use crate::error::{Error, Result};
 use crate::memory::nixl::{new_agent, AgentHandle, NixlMem, NixlSession, Span};
 
-/// The process's reader agent and the producers whose metadata it holds.
+/// A reader agent of this process (one per producer host) and the producers whose metadata it
+/// holds.
 struct ReaderAgent {
     handle: AgentHandle,
     /// The agent's name, kept here: asking NIXL for it takes the agent's lock, which a load
@@ -60,6 +63,10 @@ struct ReaderAgent {
     /// The network interfaces that could carry traffic when the agent was made (UCX opens
     /// its TCP devices then, and never again).
     links: Vec<String>,
+    /// When the host's interfaces were last compared with `links`.
+    links_checked: Mutex<Instant>,
+    /// Held by the one request in flight in this agent (see the module docs).
+    one_request: Mutex<()>,
 }
 
 /// Producer agents found gone (the latest [`MAX_GONE`]): their sessions are refused at once
@@ -69,8 +76,6 @@ static GONE: Mutex<std::collections::VecDeque<String>> =
 /// Reader agents retired after a timed-out read, kept forever: destroying one could complete
 /// the abandoned request into memory its caller has reused.
 static RETIRED: Mutex<Vec<Arc<ReaderAgent>>> = Mutex::new(Vec::new());
-/// One NIXL request in flight per process (see the module docs).
-static IN_FLIGHT: Mutex<()> = Mutex::new(());
 
 /// One producer's metadata loaded into the reader agent.
 #[derive(Debug)]
@@ -103,9 +108,8 @@ impl Drop for ReaderAgent {
     }
 }
 
-static READER: Mutex<Option<Arc<ReaderAgent>>> = Mutex::new(None);
-/// When the reader agent's network was last compared with the host's.
-static LINKS_CHECKED: Mutex<Option<Instant>> = Mutex::new(None);
+/// The reader agents of this process, by producer host.
+static READERS: Mutex<Option<HashMap<String, Arc<ReaderAgent>>>> = Mutex::new(None);
 /// How often, at most, the host's interfaces are looked at.
 const LINKS_EVERY: Duration = Duration::from_secs(1);
 
@@ -134,11 +138,14 @@ fn usable_links() -> Vec<String> {
 /// never opens it in that agent, so a new agent is made (after a cable came back, say).
 fn network_grew(agent: &ReaderAgent) -> bool {
     {
-        let mut checked = LINKS_CHECKED.lock().unwrap_or_else(|p| p.into_inner());
-        if checked.is_some_and(|t| t.elapsed() < LINKS_EVERY) {
+        let mut checked = agent
+            .links_checked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if checked.elapsed() < LINKS_EVERY {
             return false;
         }
-        *checked = Some(Instant::now());
+        *checked = Instant::now();
     }
     let now = usable_links();
     let grew = now.iter().any(|l| !agent.links.contains(l));
@@ -154,34 +161,40 @@ fn network_grew(agent: &ReaderAgent) -> bool {
 static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
 static NEXT_LOAD: AtomicU64 = AtomicU64::new(1);
 
-/// The reader agent of this process, made on first use (and again in a forked child, which
-/// must not touch its parent's UCX state: the parent's agent is leaked there, never dropped).
-fn reader_agent() -> Result<Arc<ReaderAgent>> {
-    let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
+/// The reader agent of this process for the producers on `host`, made on first use (and again
+/// in a forked child, which must not touch its parent's UCX state: the parent's agents are leaked
+/// there, never dropped). One agent per producer host: a load stuck connecting to one host (a
+/// partition) holds that agent's NIXL lock, and only reads from that host wait behind it; reads
+/// from different hosts run side by side.
+fn reader_agent(host: &str) -> Result<Arc<ReaderAgent>> {
+    let mut guard = READERS.lock().unwrap_or_else(|p| p.into_inner());
+    let agents = guard.get_or_insert_with(HashMap::new);
     let pid = std::process::id();
-    if let Some(a) = slot.as_ref() {
-        if a.pid == pid && !a.retired.load(Ordering::SeqCst) && !network_grew(a) {
+    if agents.values().any(|a| a.pid != pid) {
+        // A forked child: the parent's agents are not this process's to use or drop.
+        for (_, old) in agents.drain() {
+            std::mem::forget(old);
+        }
+    }
+    // Agents no transport uses any more (their hosts' producers gone) are dropped.
+    agents.retain(|h, a| h == host || Arc::strong_count(a) > 1);
+    if let Some(a) = agents.get(host) {
+        if !a.retired.load(Ordering::SeqCst) && !network_grew(a) {
             return Ok(a.clone());
         }
-        if a.pid == pid {
-            // Retired (never driven again), or made on a network that has grown since: its
-            // transports turn stale and reopen on the new agent.
-            if let Some(old) = slot.take() {
-                // (Not retire_agent: this thread holds READER.)
-                if !old.retired.swap(true, Ordering::SeqCst) {
-                    RETIRED.lock().unwrap_or_else(|p| p.into_inner()).push(old);
-                }
+        // Retired (never driven again), or made on a network that has grown since: its
+        // transports turn stale and reopen on a new agent.
+        if let Some(old) = agents.remove(host) {
+            // (Not retire_agent: this thread holds READERS.)
+            if !old.retired.swap(true, Ordering::SeqCst) {
+                RETIRED.lock().unwrap_or_else(|p| p.into_inner()).push(old);
             }
-        }
-        if let Some(old) = slot.take() {
-            std::mem::forget(old);
         }
     }
     let name = format!(
         "capture-arena-reader-{pid}-{:032x}",
         crate::memory::shm::random_nonce()?
     );
-    let links = usable_links();
     let agent = Arc::new(ReaderAgent {
         handle: new_agent(&name, false)?,
         name: name.clone(),
@@ -189,10 +202,11 @@ fn reader_agent() -> Result<Arc<ReaderAgent>> {
         pid,
         remotes: Mutex::new(HashMap::new()),
         retired: AtomicBool::new(false),
-        links,
+        links: usable_links(),
+        links_checked: Mutex::new(Instant::now()),
+        one_request: Mutex::new(()),
     });
-    *LINKS_CHECKED.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-    *slot = Some(agent.clone());
+    agents.insert(host.to_owned(), agent.clone());
     Ok(agent)
 }
 
@@ -234,7 +248,7 @@ impl NixlTransport {
     /// [`Error::StaleSession`] when NIXL refuses the metadata or cannot reach the producer.
     pub fn open(session: &NixlSession) -> Result<NixlTransport> {
         let timeout = crate::config::read_timeout()?;
-        let agent = reader_agent()?;
+        let agent = reader_agent(&session.host)?;
         if GONE
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -478,9 +492,9 @@ fn retire_agent(agent: &Arc<ReaderAgent>, why: &str) {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .push(agent.clone());
-    let mut slot = READER.lock().unwrap_or_else(|p| p.into_inner());
-    if slot.as_ref().is_some_and(|a| Arc::ptr_eq(a, agent)) {
-        slot.take();
+    let mut guard = READERS.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(agents) = guard.as_mut() {
+        agents.retain(|_, a| !Arc::ptr_eq(a, agent));
     }
     tracing::warn!(
         agent = %agent.name,
@@ -722,7 +736,11 @@ impl Transport for NixlTransport {
                 u64::from(self.session.dev),
             );
         }
-        let _one = IN_FLIGHT.lock().unwrap_or_else(|p| p.into_inner());
+        let _one = self
+            .agent
+            .one_request
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         self.begin()?;
         let r = self.transfer(&ldesc, &rdesc, local.len(), bytes);
         if self.agent.retired.load(Ordering::SeqCst) {
