@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, Optional
@@ -297,3 +298,111 @@ def test_fresh_outputs_come_from_a_pool_registered_once_and_return_to_it() -> No
         assert p.wait(timeout=60) == 0
     finally:
         p.kill()
+
+
+HOLDER = COMMON + r"""
+import json, os, sys
+import capture_arena as ca
+sink = ca.ArenaSink(arena_bytes="4MiB", transport="nixl", wait_s=20)
+for i in range(3):
+    L, aux, last = tensors(i)
+    (r,) = sink.put_samples([(spec(i, L), aux, last)])
+    print(json.dumps(r), flush=True)
+me = os.getpid()
+servers = []
+for t in os.listdir(f"/proc/{me}/task"):
+    servers += open(f"/proc/{me}/task/{t}/children").read().split()
+print(json.dumps({"servers": servers}), flush=True)
+sys.stdin.read()
+sink.close()
+"""
+
+THREADS = COMMON + r"""
+import json, sys, threading, time
+import numpy as np
+import capture_arena as ca
+stuck_result = json.loads(sys.argv[1])
+results = [json.loads(line) for line in sys.stdin if '"features"' in line]
+store = ca.ArenaFeatureStore()
+for r in results:  # the live producer's session opened before the other one stops
+    store.get(r)
+print("ready", flush=True)
+while open(f"/proc/{sys.argv[2]}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+    time.sleep(0.01)  # the other producer's NIXL server is stopped
+out = {"slowest": 0.0, "reads": 0, "errors": []}
+lock = threading.Lock()
+def stuck():
+    t0 = time.monotonic()
+    try:
+        store.get(stuck_result)
+        out["stuck"] = "read"
+    except ca.StaleSessionError as e:
+        out["stuck"] = f"stale after {time.monotonic() - t0:.1f} s"
+def reader(k):
+    end = time.monotonic() + 4
+    while time.monotonic() < end:
+        for r in results:
+            i = int(r["sample_id"][1:])
+            L, aux, last = tensors(i)
+            t0 = time.monotonic()
+            try:
+                got = store.get(r)
+            except Exception as e:
+                with lock:
+                    out["errors"].append(f"{type(e).__name__}: {e}"[:300])
+                return
+            took = time.monotonic() - t0
+            assert np.array_equal(got["hidden_state"].view(np.uint16), aux.reshape(1, L, -1).view(np.uint16)), i
+            assert got["input_ids"].tolist() == [list(range(L))], i
+            with lock:
+                out["reads"] += 1
+                out["slowest"] = max(out["slowest"], took)
+s = threading.Thread(target=stuck)
+s.start()
+time.sleep(0.3)  # the stuck read is in flight
+threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+for t in threads:
+    t.start()
+for t in threads + [s]:
+    t.join()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_reads_from_one_host_run_side_by_side_and_a_hung_one_holds_up_no_other() -> None:
+    """Two producers on this host, the NIXL server of one stopped (SIGSTOP) with a read of it in
+    flight: four threads of the same trainer process read the other producer all the while,
+    every byte checked, each read fast (a reader agent per request in flight, up to four per
+    host, so the hung request holds up only its own agent); the hung read fails as stale after
+    the read timeout. Before, one request per host was in flight: the other reads waited the
+    whole timeout behind it and then failed as stale too."""
+    env = {**env_for("tcp"), "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S": "3"}
+    env.pop("SGLANG_SPEC_CAPTURE_NIXL_SERVER", None)
+    live = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    stopped = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    servers: list[str] = []
+    try:
+        assert live.stdout is not None and stopped.stdout is not None
+        lines = "".join(live.stdout.readline() for _ in range(3))
+        stuck_result = stopped.stdout.readline()
+        for _ in range(2):
+            stopped.stdout.readline()
+        servers = json.loads(stopped.stdout.readline())["servers"]
+        assert len(servers) == 1, servers
+        t = subprocess.Popen([sys.executable, "-c", THREADS, stuck_result, servers[0]], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert t.stdin is not None and t.stdout is not None
+        t.stdin.write(lines)
+        t.stdin.close()
+        assert t.stdout.readline().strip() == "ready"
+        os.kill(int(servers[0]), signal.SIGSTOP)
+        out = t.stdout.read()
+        assert t.wait(timeout=120) == 0, out[-3000:]
+        got = json.loads(out.splitlines()[-1])
+        assert got["errors"] == [], got
+        assert got["stuck"].startswith("stale after"), got
+        assert got["reads"] >= 12 and got["slowest"] < 2.0, got
+    finally:
+        for s in servers:
+            os.kill(int(s), signal.SIGCONT)
+        for p in (live, stopped):
+            p.kill()

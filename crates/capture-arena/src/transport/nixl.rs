@@ -1,15 +1,19 @@
 //! Reads through NIXL: one-sided READs from an arena another process (on any host) registered
 //! with its NIXL agent ([`crate::memory::nixl`]).
 //!
-//! One reader agent per producer host, made on first use, loads each producer's metadata from
-//! its session once; a [`NixlTransport`] per session then turns every call's reads into one NIXL
-//! request (one descriptor per object), posts it and waits for it. The reader agent runs no
-//! progress thread: the waiting reader drives UCX itself, polling hot for a few microseconds,
-//! then yielding, then sleeping in 50 µs steps, so a long read over TCP leaves the core to the
-//! producer's progress thread.
+//! Up to [`AGENTS_PER_HOST`] reader agents per producer host, made as reads need them; a
+//! [`NixlTransport`] per session turns every call's reads into one NIXL request (one descriptor
+//! per object) on an agent it leases for that request alone, loading the producer's metadata
+//! (from the session) into that agent the first time it uses it. Threads reading the same
+//! producers lease different agents, so up to [`AGENTS_PER_HOST`] requests per producer host are
+//! in flight at once, each in an agent of its own (a further thread waits for an agent, within
+//! its read timeout). Reader agents run no progress thread: the waiting reader drives UCX itself,
+//! polling hot for a few microseconds, then yielding, then sleeping in 50 µs steps (times the
+//! readers waiting at once, so that the process polls no more often with more threads), so a long
+//! read over TCP leaves the core to the producer's progress thread.
 //!
-//! Destinations are registered with the reader agent: inside a [`super::ReadBuffer`] once per
-//! buffer, otherwise for that one read.
+//! Destinations are registered with the agent that reads into them: inside a
+//! [`super::ReadBuffer`] once per buffer and agent, otherwise for that one read.
 //!
 //! A producer that is gone, restarted or unreachable: when UCX fails the transfer (a refused or
 //! lost connection; NIXL's UCX backend runs in peer error-handling mode), the read fails with
@@ -17,27 +21,26 @@
 //! and its metadata is dropped once no read of it is in flight. A producer that stops answering
 //! without UCX noticing (a stopped process or a partitioned network over TCP, where the emulated
 //! READ needs the producer's progress) is cut off by `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`: the
-//! read fails, and the reader agent is retired with the request still in it: never driven
-//! again (over TCP and shared memory nothing is written without that), never destroyed, its
-//! registrations kept; the next session opened gets a new agent. One NIXL request is in flight
-//! per agent at a time (a read of several objects is one request), so a retired agent has no
-//! other reads to finish; reads from producers on different hosts run side by side.
+//! read fails, and its agent is retired with the request still in it: never driven again (over
+//! TCP and shared memory nothing is written without that), never destroyed, its registrations
+//! kept; later reads use the host's other agents or a new one. Because an agent carries one
+//! request at a time, a retired agent has no other reads to finish, and the other agents' reads
+//! go on.
 //!
 //! Loading a producer's metadata connects to it, which blocks as long as the network says
-//! (minutes in a partition): it runs on a thread of its own and the caller waits at most the
-//! read timeout, after which the agent is retired the same way. The load holds the agent's NIXL
-//! lock meanwhile, and other reads through that agent wait for it: with an agent per producer
-//! host, those are only reads from the host that does not answer. UCX opens its TCP devices when
-//! an agent is made: an agent made while a NIC had no carrier never uses that NIC, so when an
-//! interface comes up that was not usable then (looked at once a second, on opens), a new agent
-//! is made and the old one retired. A failed or timed-out read never says the producer is gone
-//! ([`Transport::is_gone`] is false): its frees are still sent.
+//! (minutes in a partition): it runs on a thread of its own and the caller waits at most what is
+//! left of its read timeout, after which that agent is retired the same way (the load holds the
+//! agent's NIXL lock meanwhile; no other thread uses a leased agent). UCX opens its TCP devices
+//! when an agent is made: an agent made while a NIC had no carrier never uses that NIC, so when
+//! an interface comes up that was not usable then (looked at once a second, when an agent is
+//! leased), the agent is retired and a new one made. A failed or timed-out read never says the
+//! producer is gone ([`Transport::is_gone`] is false): its frees are still sent.
 
 use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use nixl_sys::{MemType, XferDescList, XferOp, XferStatus};
@@ -46,7 +49,7 @@ use super::{buffer, Destination, ReadOp, Transport};
 use crate::error::{Error, Result};
 use crate::memory::nixl::{new_agent, AgentHandle, NixlMem, NixlSession, Span};
 
-/// A reader agent of this process (one per producer host) and the producers whose metadata it
+/// A reader agent of this process (up to [`AGENTS_PER_HOST`] per producer host) and the producers whose metadata it
 /// holds.
 struct ReaderAgent {
     handle: AgentHandle,
@@ -65,8 +68,8 @@ struct ReaderAgent {
     links: Vec<String>,
     /// When the host's interfaces were last compared with `links`.
     links_checked: Mutex<Instant>,
-    /// Held by the one request in flight in this agent (see the module docs).
-    one_request: Mutex<()>,
+    /// Leased to a thread for one request ([`Lease`]); changed only under [`READERS`].
+    busy: AtomicBool,
 }
 
 /// Producer agents found gone (the latest [`MAX_GONE`]): their sessions are refused at once
@@ -108,8 +111,20 @@ impl Drop for ReaderAgent {
     }
 }
 
-/// The reader agents of this process, by producer host.
-static READERS: Mutex<Option<HashMap<String, Arc<ReaderAgent>>>> = Mutex::new(None);
+/// The reader agents of this process, by producer host ([`AGENTS_PER_HOST`] at most each).
+static READERS: Mutex<Option<Readers>> = Mutex::new(None);
+/// Signalled (under [`READERS`]) when a lease ends.
+static HANDED_BACK: Condvar = Condvar::new();
+/// The most reader agents per producer host, and so the most requests in flight to one host.
+pub const AGENTS_PER_HOST: usize = 4;
+
+/// See [`READERS`].
+struct Readers {
+    /// The process the agents belong to: a forked child must not touch its parent's UCX state.
+    pid: u32,
+    hosts: HashMap<String, Vec<Arc<ReaderAgent>>>,
+}
+
 /// How often, at most, the host's interfaces are looked at.
 const LINKS_EVERY: Duration = Duration::from_secs(1);
 
@@ -161,67 +176,131 @@ fn network_grew(agent: &ReaderAgent) -> bool {
 static NEXT_AGENT: AtomicU64 = AtomicU64::new(1);
 static NEXT_LOAD: AtomicU64 = AtomicU64::new(1);
 
-/// The reader agent of this process for the producers on `host`, made on first use (and again
-/// in a forked child, which must not touch its parent's UCX state: the parent's agents are leaked
-/// there, never dropped). One agent per producer host: a load stuck connecting to one host (a
-/// partition) holds that agent's NIXL lock, and only reads from that host wait behind it; reads
-/// from different hosts run side by side.
-fn reader_agent(host: &str) -> Result<Arc<ReaderAgent>> {
+/// A reader agent that one thread uses, alone, for one request (and the metadata load and
+/// registrations it needs); handed back when dropped.
+struct Lease(Arc<ReaderAgent>);
+
+impl std::ops::Deref for Lease {
+    type Target = Arc<ReaderAgent>;
+    fn deref(&self) -> &Arc<ReaderAgent> {
+        &self.0
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let _readers = READERS.lock().unwrap_or_else(|p| p.into_inner());
+        self.0.busy.store(false, Ordering::SeqCst);
+        HANDED_BACK.notify_all();
+    }
+}
+
+/// Leases a reader agent for the producers on `host`: a free one, those in `loaded` (holding
+/// the producer's metadata already) first; else a new one while the host has fewer than
+/// [`AGENTS_PER_HOST`]; else waits for one to be handed back until `until`. An agent made on a
+/// network that has grown since is retired instead of leased (UCX would never use the new
+/// interface through it). In a forked child the parent's agents are leaked there, never used
+/// or dropped.
+fn lease(host: &str, loaded: &[u64], until: Option<Instant>) -> Result<Lease> {
     let mut guard = READERS.lock().unwrap_or_else(|p| p.into_inner());
-    let agents = guard.get_or_insert_with(HashMap::new);
-    let pid = std::process::id();
-    if agents.values().any(|a| a.pid != pid) {
-        // A forked child: the parent's agents are not this process's to use or drop.
-        for (_, old) in agents.drain() {
-            std::mem::forget(old);
-        }
-    }
-    // Agents no transport uses any more (their hosts' producers gone) are dropped.
-    agents.retain(|h, a| h == host || Arc::strong_count(a) > 1);
-    if let Some(a) = agents.get(host) {
-        if !a.retired.load(Ordering::SeqCst) && !network_grew(a) {
-            return Ok(a.clone());
-        }
-        // Retired (never driven again), or made on a network that has grown since: its
-        // transports turn stale and reopen on a new agent.
-        if let Some(old) = agents.remove(host) {
-            // (Not retire_agent: this thread holds READERS.)
-            if !old.retired.swap(true, Ordering::SeqCst) {
-                RETIRED.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+    loop {
+        let pid = std::process::id();
+        let readers = guard.get_or_insert_with(|| Readers {
+            pid,
+            hosts: HashMap::new(),
+        });
+        if readers.pid != pid {
+            for (_, agents) in readers.hosts.drain() {
+                for old in agents {
+                    std::mem::forget(old);
+                }
             }
+            readers.pid = pid;
         }
+        // Hosts whose agents no transport uses any more (their producers gone) are dropped.
+        readers
+            .hosts
+            .retain(|h, agents| h == host || agents.iter().any(|a| Arc::strong_count(a) > 1));
+        let agents = readers.hosts.entry(host.to_owned()).or_default();
+        agents.retain(|a| !a.retired.load(Ordering::SeqCst));
+        let mut free: Vec<&Arc<ReaderAgent>> = agents
+            .iter()
+            .filter(|a| !a.busy.load(Ordering::SeqCst))
+            .collect();
+        free.sort_by_key(|a| !loaded.contains(&a.id));
+        for a in free {
+            if network_grew(a) {
+                // (Not retire_agent: this thread holds READERS.)
+                a.retired.store(true, Ordering::SeqCst);
+                RETIRED
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(a.clone());
+                continue;
+            }
+            a.busy.store(true, Ordering::SeqCst);
+            return Ok(Lease(a.clone()));
+        }
+        agents.retain(|a| !a.retired.load(Ordering::SeqCst));
+        if agents.len() < AGENTS_PER_HOST {
+            let agent = make_agent(pid)?;
+            agent.busy.store(true, Ordering::SeqCst);
+            agents.push(agent.clone());
+            return Ok(Lease(agent));
+        }
+        let left = match until {
+            Some(t) => t.saturating_duration_since(Instant::now()),
+            None => Duration::from_secs(3600),
+        };
+        if left.is_zero() {
+            return Err(Error::StaleSession {
+                session: format!("nixl://{host}"),
+                reason: format!(
+                    "all {AGENTS_PER_HOST} NIXL reader agents for producer host {host} stayed \
+                     busy for the whole read timeout (reads from that host do not complete); \
+                     raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
+                ),
+            });
+        }
+        guard = HANDED_BACK
+            .wait_timeout(guard, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
     }
+}
+
+/// A new reader agent of process `pid`.
+fn make_agent(pid: u32) -> Result<Arc<ReaderAgent>> {
     let name = format!(
         "capture-arena-reader-{pid}-{:032x}",
         crate::memory::shm::random_nonce()?
     );
-    let agent = Arc::new(ReaderAgent {
+    Ok(Arc::new(ReaderAgent {
         handle: new_agent(&name, false)?,
-        name: name.clone(),
+        name,
         id: NEXT_AGENT.fetch_add(1, Ordering::Relaxed),
         pid,
         remotes: Mutex::new(HashMap::new()),
         retired: AtomicBool::new(false),
         links: usable_links(),
         links_checked: Mutex::new(Instant::now()),
-        one_request: Mutex::new(()),
-    });
-    agents.insert(host.to_owned(), agent.clone());
-    Ok(agent)
+        busy: AtomicBool::new(false),
+    }))
 }
 
 /// One producer's arena as this process reads it through NIXL.
 pub struct NixlTransport {
     session: NixlSession,
     text: String,
-    agent: Arc<ReaderAgent>,
     timeout: Duration,
-    /// The generation of the metadata load this transport counts in.
-    load: u64,
-    /// Set once a read failed: the producer is gone or restarted.
+    /// The reader agents this session's metadata is loaded into, with the load it counts in
+    /// in each.
+    loads: Mutex<Vec<(Arc<ReaderAgent>, u64)>>,
+    /// Set once a read failed or timed out: the producer is gone, restarted or unreachable for
+    /// now (the reader's cache opens the session again).
     dead: AtomicBool,
-    /// Where stamps are read to: registered once, not for every read.
-    stamp_words: std::sync::Mutex<Option<super::ReadBuffer>>,
+    /// Buffers stamps are read to, registered once each, one per thread reading stamps at once.
+    stamp_words: Mutex<Vec<super::ReadBuffer>>,
 }
 
 /// Stamps one read of [`NixlTransport::stamps`] takes in its registered buffer.
@@ -240,15 +319,15 @@ impl fmt::Debug for NixlTransport {
 type TempRegistration = Box<dyn Any + Send>;
 
 impl NixlTransport {
-    /// Loads the producer's metadata (from the session itself) into this process's reader
-    /// agent. Nothing is sent yet: the connection is made by the first read.
+    /// Loads the producer's metadata (from the session itself) into one of this process's
+    /// reader agents for its host, within the read timeout. Nothing is sent yet: the
+    /// connection is made by the first read.
     ///
     /// # Errors
     /// [`Error::Transport`] when NIXL cannot be loaded or the agent not made;
     /// [`Error::StaleSession`] when NIXL refuses the metadata or cannot reach the producer.
     pub fn open(session: &NixlSession) -> Result<NixlTransport> {
         let timeout = crate::config::read_timeout()?;
-        let agent = reader_agent(&session.host)?;
         if GONE
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -261,16 +340,18 @@ impl NixlTransport {
                     .into(),
             });
         }
-        let generation = load_bounded(&agent, session, timeout)?;
-        Ok(NixlTransport {
-            load: generation,
+        let t = NixlTransport {
             text: session.to_string(),
             session: session.clone(),
-            agent,
             timeout,
+            loads: Mutex::new(Vec::new()),
             dead: AtomicBool::new(false),
-            stamp_words: std::sync::Mutex::new(None),
-        })
+            stamp_words: Mutex::new(Vec::new()),
+        };
+        let until = Instant::now().checked_add(timeout);
+        let agent = lease(&session.host, &[], until)?;
+        t.loaded_in(&agent, until)?;
+        Ok(t)
     }
 
     /// The parsed session.
@@ -285,15 +366,42 @@ impl NixlTransport {
         }
     }
 
+    /// The ids of the agents holding this session's metadata.
+    fn loaded_ids(&self) -> Vec<u64> {
+        let loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+        loads.iter().map(|(a, _)| a.id).collect()
+    }
+
+    /// The load of this session's metadata in `agent`, loaded now (bounded by `until`) when it
+    /// is not.
+    fn loaded_in(&self, agent: &Lease, until: Option<Instant>) -> Result<u64> {
+        {
+            let loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((_, load)) = loads.iter().find(|(a, _)| Arc::ptr_eq(a, agent)) {
+                return Ok(*load);
+            }
+        }
+        let load = load_bounded(agent, &self.session, until, self.timeout)?;
+        self.loads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(((*agent).clone(), load));
+        Ok(load)
+    }
+
     /// Marks the session dead after a failed transfer, remembers the producer as gone and dooms
-    /// its metadata (dropped by the last read in flight, [`NixlTransport::end`]).
+    /// its metadata in every agent (dropped by the last read in flight, [`NixlTransport::end`],
+    /// or with the last transport).
     fn kill(&self, reason: String) -> Error {
         if !self.dead.swap(true, Ordering::SeqCst) {
             remember_gone(&self.session.agent);
-            let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(r) = remotes.get_mut(&self.session.agent) {
-                if r.load == self.load {
-                    r.doomed = true;
+            let loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+            for (agent, load) in loads.iter() {
+                let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(r) = remotes.get_mut(&self.session.agent) {
+                    if r.load == *load {
+                        r.doomed = true;
+                    }
                 }
             }
         }
@@ -301,19 +409,12 @@ impl NixlTransport {
         self.stale(reason)
     }
 
-    /// Counts a read in flight on this session's metadata; refuses when it was dropped.
-    fn begin(&self) -> Result<()> {
-        if self.agent.retired.load(Ordering::SeqCst) {
-            self.dead.store(true, Ordering::SeqCst);
-            return Err(self.stale(
-                "this reader's NIXL agent was retired after a timed-out read; open the session \
-                 again"
-                    .into(),
-            ));
-        }
-        let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+    /// Counts a read in flight on this session's metadata in `agent`; refuses when it was
+    /// dropped.
+    fn begin(&self, agent: &ReaderAgent, load: u64) -> Result<()> {
+        let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
         match remotes.get_mut(&self.session.agent) {
-            Some(r) if r.load == self.load && !r.doomed => {
+            Some(r) if r.load == load && !r.doomed => {
                 r.in_flight += 1;
                 Ok(())
             }
@@ -326,31 +427,31 @@ impl NixlTransport {
 
     /// Ends a read counted by [`NixlTransport::begin`] (its request released): the last read
     /// of a doomed producer drops its metadata.
-    fn end(&self) {
-        let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+    fn end(&self, agent: &ReaderAgent, load: u64) {
+        let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
         let Some(r) = remotes.get_mut(&self.session.agent) else {
             return;
         };
-        if r.load != self.load {
+        if r.load != load {
             return;
         }
         r.in_flight -= 1;
         if r.doomed && r.in_flight == 0 {
             remotes.remove(&self.session.agent);
-            if let Err(e) = self
-                .agent
-                .handle
-                .agent
-                .invalidate_remote_md(&self.session.agent)
-            {
+            if let Err(e) = agent.handle.agent.invalidate_remote_md(&self.session.agent) {
                 tracing::debug!(error = %e, agent = %self.session.agent, "dropping metadata");
             }
         }
     }
 
-    /// The local descriptor of one destination, registered with the reader agent (once per
-    /// read buffer, or for this read into `temps`).
-    fn local(&self, into: &mut Destination<'_>, temps: &mut Vec<TempRegistration>) -> Result<Span> {
+    /// The local descriptor of one destination, registered with `agent` (once per read buffer
+    /// and agent, or for this read into `temps`).
+    fn local(
+        &self,
+        agent: &ReaderAgent,
+        into: &mut Destination<'_>,
+        temps: &mut Vec<TempRegistration>,
+    ) -> Result<Span> {
         let span = match into {
             Destination::Host(b) => Span {
                 addr: b.as_mut_ptr() as u64,
@@ -374,11 +475,10 @@ impl NixlTransport {
                 }
             }
         };
-        let agent = &self.agent.handle.agent;
+        let nixl = &agent.handle.agent;
         let register = |addr: u64, len: u64| -> Result<Box<dyn Any + Send>> {
             let whole = Span { addr, len, ..span };
-            agent
-                .register_memory(&whole, None)
+            nixl.register_memory(&whole, None)
                 .map(|r| Box::new(r) as Box<dyn Any + Send>)
                 .map_err(|e| {
                     Error::transport(
@@ -388,24 +488,26 @@ impl NixlTransport {
                 })
         };
         let in_buffer = span.mem == NixlMem::Dram
-            && buffer::ensure_registered(span.addr, span.len, self.agent.id, register)?;
+            && buffer::ensure_registered(span.addr, span.len, agent.id, register)?;
         if !in_buffer {
             temps.push(register(span.addr, span.len)?);
         }
         Ok(span)
     }
 
-    /// Makes, posts and waits for one request; the request is released on return.
+    /// Makes, posts and waits (until `until`) for one request in `agent`; the request is
+    /// released on return.
     fn transfer(
         &self,
-        ldesc: &XferDescList<'_>,
-        rdesc: &XferDescList<'_>,
+        agent: &Arc<ReaderAgent>,
+        descs: (&XferDescList<'_>, &XferDescList<'_>),
         objects: usize,
         bytes: u64,
+        until: Option<Instant>,
     ) -> Result<()> {
-        let agent = &self.agent.handle.agent;
-        let req = agent
-            .create_xfer_req(XferOp::Read, ldesc, rdesc, &self.session.agent, None)
+        let nixl = &agent.handle.agent;
+        let req = nixl
+            .create_xfer_req(XferOp::Read, descs.0, descs.1, &self.session.agent, None)
             .map_err(|e| {
                 // Nothing was sent: this session is refused from now on, but the producer is
                 // not marked gone (a forged session with other bounds must not cut a live
@@ -416,18 +518,18 @@ impl NixlTransport {
                      metadata does not cover these addresses"
                 ))
             })?;
-        match agent.post_xfer_req(&req, None) {
+        match nixl.post_xfer_req(&req, None) {
             // A failed post leaves nothing in flight.
             Err(e) => Err(self.kill(format!(
                 "posting the NIXL read failed ({e}): the producer is gone or unreachable"
             ))),
-            Ok(_) => match self.wait(&req, bytes) {
+            Ok(_) => match self.wait(agent, &req, bytes, until) {
                 Waited::Done => Ok(()),
                 Waited::Failed(reason) => Err(self.kill(reason)),
                 Waited::TimedOut(reason) => {
                     // Not remembered as gone: a producer that was only slow or stopped for a
-                    // while is read again, through a new agent.
-                    self.retire();
+                    // while is read again, through another agent.
+                    retire_agent(agent, "a read timed out");
                     std::mem::forget(req);
                     self.dead.store(true, Ordering::SeqCst);
                     tracing::warn!(session = %self.session.agent, %reason, "NIXL read timed out");
@@ -437,15 +539,21 @@ impl NixlTransport {
         }
     }
 
-    /// Waits for `req`, polling as the module docs say, until it completes, fails or the read
-    /// timeout passes.
-    fn wait(&self, req: &nixl_sys::XferRequest, bytes: u64) -> Waited {
-        let agent = &self.agent.handle.agent;
+    /// Waits for `req`, polling as the module docs say, until it completes, fails or `until`
+    /// passes.
+    fn wait(
+        &self,
+        agent: &ReaderAgent,
+        req: &nixl_sys::XferRequest,
+        bytes: u64,
+        until: Option<Instant>,
+    ) -> Waited {
+        let nixl = &agent.handle.agent;
         let t0 = Instant::now();
-        let deadline = t0.checked_add(self.timeout);
         let mut polls = 0u32;
+        let _waiting = Waiting::enter();
         loop {
-            match agent.get_xfer_status(req) {
+            match nixl.get_xfer_status(req) {
                 Ok(XferStatus::Success) => return Waited::Done,
                 Ok(XferStatus::InProgress) => {}
                 Err(e) => {
@@ -457,10 +565,10 @@ impl NixlTransport {
                 }
             }
             let now = Instant::now();
-            if deadline.is_some_and(|d| now >= d) {
+            if until.is_some_and(|d| now >= d) {
                 return Waited::TimedOut(format!(
-                    "the NIXL read of {bytes} bytes did not complete in {:.1} s: the producer \
-                     does not answer (stopped, or unreachable); raise \
+                    "the NIXL read of {bytes} bytes did not complete in {:.1} s (the read \
+                     timeout): the producer does not answer (stopped, or unreachable); raise \
                      SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links",
                     self.timeout.as_secs_f64()
                 ));
@@ -471,19 +579,17 @@ impl NixlTransport {
             } else if now - t0 < Duration::from_millis(1) {
                 std::thread::yield_now();
             } else {
-                std::thread::sleep(Duration::from_micros(50));
+                // Each waiter sleeps longer the more wait at once, so that the process's polls
+                // (each one progresses UCX) cost what one reader's do, whatever the threads.
+                let waiting = WAITING.load(Ordering::Relaxed).clamp(1, AGENTS_PER_HOST) as u64;
+                std::thread::sleep(Duration::from_micros(POLL_SLEEP_US * waiting));
             }
         }
     }
-
-    /// Retires this transport's reader agent after a timed-out read (see the module docs).
-    fn retire(&self) {
-        retire_agent(&self.agent, "a read timed out");
-    }
 }
 
-/// Retires `agent`: never driven or destroyed again, its transports stale; the next session
-/// opened gets a new agent.
+/// Retires `agent`: never driven or destroyed again, its transports' loads in it unused; later
+/// reads use the host's other agents or a new one.
 fn retire_agent(agent: &Arc<ReaderAgent>, why: &str) {
     if agent.retired.swap(true, Ordering::SeqCst) {
         return;
@@ -493,22 +599,29 @@ fn retire_agent(agent: &Arc<ReaderAgent>, why: &str) {
         .unwrap_or_else(|p| p.into_inner())
         .push(agent.clone());
     let mut guard = READERS.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(agents) = guard.as_mut() {
-        agents.retain(|_, a| !Arc::ptr_eq(a, agent));
+    if let Some(readers) = guard.as_mut() {
+        for agents in readers.hosts.values_mut() {
+            agents.retain(|a| !Arc::ptr_eq(a, agent));
+        }
     }
     tracing::warn!(
         agent = %agent.name,
         why,
-        "NIXL reader agent retired; later reads use a new one"
+        "NIXL reader agent retired; later reads use another"
     );
 }
 
-/// Loads `session`'s metadata into `agent` (once per producer; later opens count in the same
-/// load), on a thread of its own: NIXL connects to the producer while loading, which blocks
-/// for as long as the network says (minutes in a partition). The caller waits at most
-/// `timeout`; past it the agent is retired (the load holds NIXL's lock for that agent) and the
-/// session is stale for now, not gone.
-fn load_bounded(agent: &Arc<ReaderAgent>, session: &NixlSession, timeout: Duration) -> Result<u64> {
+/// Loads `session`'s metadata into `agent` (once per producer and agent; later opens count in
+/// the same load), on a thread of its own: NIXL connects to the producer while loading, which
+/// blocks for as long as the network says (minutes in a partition). The caller waits until
+/// `until` at most; past it the agent is retired (the load holds NIXL's lock for that agent) and
+/// the session is stale for now, not gone.
+fn load_bounded(
+    agent: &Arc<ReaderAgent>,
+    session: &NixlSession,
+    until: Option<Instant>,
+    timeout: Duration,
+) -> Result<u64> {
     let (tx, rx) = std::sync::mpsc::channel();
     let (a, sess) = (agent.clone(), session.clone());
     let spawned = std::thread::Builder::new()
@@ -522,16 +635,22 @@ fn load_bounded(agent: &Arc<ReaderAgent>, session: &NixlSession, timeout: Durati
             e.to_string(),
         ));
     }
-    match rx.recv_timeout(timeout) {
+    let received = match until {
+        Some(t) => rx.recv_timeout(t.saturating_duration_since(Instant::now())),
+        None => rx
+            .recv()
+            .map_err(|_| std::sync::mpsc::RecvTimeoutError::Disconnected),
+    };
+    match received {
         Ok(r) => r,
         Err(_) => {
             retire_agent(agent, "loading a producer's metadata timed out");
             Err(Error::StaleSession {
                 session: session.to_string(),
                 reason: format!(
-                    "connecting to the producer's NIXL agent did not finish in {:.1} s: it is \
-                     unreachable from here now (a partition, a host down); raise \
-                     SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links",
+                    "connecting to the producer's NIXL agent did not finish within the read \
+                     timeout ({:.1} s): it is unreachable from here now (a partition, a host \
+                     down); raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links",
                     timeout.as_secs_f64()
                 ),
             })
@@ -540,10 +659,15 @@ fn load_bounded(agent: &Arc<ReaderAgent>, session: &NixlSession, timeout: Durati
 }
 
 /// Loads `session`'s metadata into `agent` unless it is loaded; counts one more transport in
-/// that load and returns its generation.
+/// that load and returns its generation. The caller leases `agent`, so no other load into it
+/// runs meanwhile; the remotes' lock is not held while NIXL connects.
 fn load_metadata(agent: &ReaderAgent, session: &NixlSession) -> Result<u64> {
-    let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-    if !remotes.contains_key(&session.agent) {
+    let loaded = agent
+        .remotes
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains_key(&session.agent);
+    if !loaded {
         let loaded = agent
             .handle
             .agent
@@ -561,7 +685,6 @@ fn load_metadata(agent: &ReaderAgent, session: &NixlSession) -> Result<u64> {
                 // Not remembered as gone: a load fails at once (a refused connection, or
                 // metadata NIXL cannot parse), so a retry costs little, and a forged result
                 // cannot make a live producer look gone.
-                remotes.remove(&session.agent);
                 if let Ok(name) = &other {
                     let _ = agent.handle.agent.invalidate_remote_md(name);
                 }
@@ -571,21 +694,39 @@ fn load_metadata(agent: &ReaderAgent, session: &NixlSession) -> Result<u64> {
                 }));
             }
         }
-        remotes.insert(
-            session.agent.clone(),
-            Remote {
-                transports: 0,
-                in_flight: 0,
-                doomed: false,
-                load: NEXT_LOAD.fetch_add(1, Ordering::Relaxed),
-            },
-        );
     }
-    let Some(entry) = remotes.get_mut(&session.agent) else {
-        return Err(Error::transport("loading NIXL metadata", "entry vanished"));
-    };
+    let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+    let entry = remotes
+        .entry(session.agent.clone())
+        .or_insert_with(|| Remote {
+            transports: 0,
+            in_flight: 0,
+            doomed: false,
+            load: NEXT_LOAD.fetch_add(1, Ordering::Relaxed),
+        });
     entry.transports += 1;
     Ok(entry.load)
+}
+
+/// How long a reader waiting alone sleeps between polls once its read took a millisecond.
+const POLL_SLEEP_US: u64 = 50;
+/// Readers of this process waiting for a request now.
+static WAITING: AtomicUsize = AtomicUsize::new(0);
+
+/// Counts a reader in [`WAITING`] while it lives.
+struct Waiting;
+
+impl Waiting {
+    fn enter() -> Waiting {
+        WAITING.fetch_add(1, Ordering::Relaxed);
+        Waiting
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        WAITING.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// How a wait for a request ended.
@@ -624,25 +765,24 @@ fn wait_for(d: &super::DeviceSlice) -> Result<()> {
 
 impl Drop for NixlTransport {
     fn drop(&mut self) {
-        if self.agent.retired.load(Ordering::SeqCst) {
-            return; // a retired agent is never called again
-        }
-        let mut remotes = self.agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(r) = remotes.get_mut(&self.session.agent) else {
-            return;
-        };
-        if r.load != self.load {
-            return; // dropped and loaded again since: not the load this transport counts in
-        }
-        r.transports -= 1;
-        if r.transports == 0 && r.in_flight == 0 {
-            remotes.remove(&self.session.agent);
-            if self.agent.pid == std::process::id() {
-                let _ = self
-                    .agent
-                    .handle
-                    .agent
-                    .invalidate_remote_md(&self.session.agent);
+        let loads = std::mem::take(&mut *self.loads.lock().unwrap_or_else(|p| p.into_inner()));
+        for (agent, load) in loads {
+            if agent.retired.load(Ordering::SeqCst) {
+                continue; // a retired agent is never called again
+            }
+            let mut remotes = agent.remotes.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(r) = remotes.get_mut(&self.session.agent) else {
+                continue;
+            };
+            if r.load != load {
+                continue; // dropped and loaded again since: not the load this transport counts in
+            }
+            r.transports -= 1;
+            if r.transports == 0 && r.in_flight == 0 {
+                remotes.remove(&self.session.agent);
+                if agent.pid == std::process::id() {
+                    let _ = agent.handle.agent.invalidate_remote_md(&self.session.agent);
+                }
             }
         }
     }
@@ -654,7 +794,7 @@ impl Transport for NixlTransport {
     }
 
     fn is_live(&self) -> bool {
-        !self.dead.load(Ordering::SeqCst) && !self.agent.retired.load(Ordering::SeqCst)
+        !self.dead.load(Ordering::SeqCst)
     }
 
     /// Never provable through NIXL: a failed or timed-out transfer looks the same whether the
@@ -672,21 +812,40 @@ impl Transport for NixlTransport {
         super::offset_in(self.session.base, self.session.len, address, len).map(|_| ())
     }
 
-    /// One more READ, into a buffer of this transport's registered once: after the data's
-    /// request completed, so a stamp that still matches proves the bytes were the object's.
+    /// One more READ, into a buffer registered once: after the data's request completed, so a
+    /// stamp that still matches proves the bytes were the object's.
     fn stamps(&self, at: &[u64]) -> Result<Vec<u64>> {
         const W: usize = crate::sample::STAMP_BYTES as usize;
-        let mut guard = self.stamp_words.lock().unwrap_or_else(|p| p.into_inner());
-        if guard.is_none() {
-            *guard = Some(super::ReadBuffer::new(STAMP_WORDS * W)?);
-        }
-        let Some(words) = guard.as_mut().filter(|_| at.len() <= STAMP_WORDS) else {
+        if at.len() > STAMP_WORDS {
             return Err(Error::InvalidRead {
                 key: self.text.clone(),
                 reason: format!("{} stamps in one read (at most {STAMP_WORDS})", at.len()),
             });
+        }
+        let spare = self
+            .stamp_words
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        let mut words = match spare {
+            Some(w) => w,
+            None => super::ReadBuffer::new(STAMP_WORDS * W)?,
         };
-        super::read_words(self, at, &mut words[..at.len() * W])
+        match super::read_words(self, at, &mut words[..at.len() * W]) {
+            Ok(stamps) => {
+                self.stamp_words
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(words);
+                Ok(stamps)
+            }
+            Err(e) => {
+                // A timed-out read may have left a request aimed at this buffer in a retired
+                // agent: it is never used, freed or deregistered again.
+                std::mem::forget(words);
+                Err(e)
+            }
+        }
     }
 
     fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {
@@ -696,9 +855,15 @@ impl Transport for NixlTransport {
         if !self.is_live() {
             return Err(self.stale("an earlier read found the producer gone".into()));
         }
-        if self.agent.pid != std::process::id() {
+        if reads.iter().all(|r| r.into.is_empty()) {
+            return Ok(());
+        }
+        let until = Instant::now().checked_add(self.timeout);
+        let agent = lease(&self.session.host, &self.loaded_ids(), until)?;
+        if agent.pid != std::process::id() {
             return Err(self.stale("opened by the parent of this forked process".into()));
         }
+        let load = self.loaded_in(&agent, until)?;
         let mem: MemType = self.session.mem.mem_type();
         let mut temps: Vec<TempRegistration> = Vec::new();
         let mut local_mem = None;
@@ -708,7 +873,7 @@ impl Transport for NixlTransport {
             if r.into.is_empty() {
                 continue;
             }
-            let span = self.local(&mut r.into, &mut temps)?;
+            let span = self.local(&agent, &mut r.into, &mut temps)?;
             if local_mem.is_some_and(|m| m != span.mem) {
                 return Err(Error::InvalidRead {
                     key: self.text.clone(),
@@ -736,20 +901,15 @@ impl Transport for NixlTransport {
                 u64::from(self.session.dev),
             );
         }
-        let _one = self
-            .agent
-            .one_request
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        self.begin()?;
-        let r = self.transfer(&ldesc, &rdesc, local.len(), bytes);
-        if self.agent.retired.load(Ordering::SeqCst) {
+        self.begin(&agent, load)?;
+        let r = self.transfer(&agent, (&ldesc, &rdesc), local.len(), bytes, until);
+        if agent.retired.load(Ordering::SeqCst) {
             // Timed out: the request may still complete into these destinations if the agent
             // were ever driven again; it never is, and its registrations stay.
             std::mem::forget(temps);
             return r;
         }
-        self.end();
+        self.end(&agent, load);
         // Only now, with the request released, may the temporary registrations go.
         drop(temps);
         r
