@@ -86,6 +86,9 @@ cargo test -p capture-arena --all-targets
 step "cargo test --doc"
 cargo test --workspace --doc --features "$NIXL_FEATURES"
 
+step "scripts/gpu-check.sh, dry run against the fake driver (finishes inside its deadline, reports every step)"
+scripts/gpu-check-dry.sh 45
+
 step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; HARDENING.md)"
 FUZZ_FEATURES=nixl scripts/fuzz.sh 12
 

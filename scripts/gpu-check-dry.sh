@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A dry run of scripts/gpu-check.sh on a machine without a GPU, in the test command: the debug
+# CLI and the core's device tests stand in for the carried artefacts, the fake driver
+# (crates/capture-arena/tests/fake_cuda) for libcuda.so.1, and a short global deadline for the
+# device run's. Fails unless the script finishes inside its deadline, reports every step (run or
+# skipped, with its exit status) and its first step, the handle types, ran against the driver.
+# Python steps fail here (no wheels are carried, no torch with CUDA): that is expected, and
+# they still have to be reported.
+# Usage: scripts/gpu-check-dry.sh [DEADLINE_S]   (default 60)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+deadline=${1:-60}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+exe() { # exe CARGO_ARGS...: the path of the executable cargo builds
+  cargo "$@" --message-format=json 2>/dev/null | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["executable"])' | tail -n 1
+}
+mkdir -p "$tmp/artefacts/wheels" "$tmp/driver" "$tmp/out"
+cp "$(exe build -p capture-arena-cli)" "$tmp/artefacts/capture-arena"
+cp "$(exe test -p capture-arena --features cuda --test device --no-run)" "$tmp/artefacts/device-tests"
+cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py "$tmp/artefacts/"
+"${CC:-cc}" -shared -fPIC -O2 -Wl,-soname,libcuda.so.1 -o "$tmp/driver/libcuda.so.1" \
+  crates/capture-arena/tests/fake_cuda/fake_cuda.c -lpthread
+
+t0=$SECONDS
+GPU_ARTEFACTS="$tmp/artefacts" OUT="$tmp/out" GPU_CHECK_DEADLINE_S=$deadline \
+  LD_LIBRARY_PATH="$tmp/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  scripts/gpu-check.sh > "$tmp/stdout.txt" 2>&1
+took=$((SECONDS - t0))
+summary=$(cat "$tmp"/out/*/summary.txt)
+echo "$summary"
+fail() { echo "gpu-check dry run: $*" >&2; tail -n 40 "$tmp/stdout.txt" >&2; exit 1; }
+[ "$took" -le $((deadline + 5)) ] || fail "took ${took}s, over its ${deadline}s deadline"
+for s in device-info python-install python-torch rust-device-tests demo-device bench-device \
+  python-mooncake-nvlink bench-host python-suite; do
+  grep -Eq "^$s +(rc=|skipped: )" <<< "$summary" || fail "step $s is not in the summary"
+done
+grep -Eq '^device-info +rc=0 ' <<< "$summary" || fail "device-info failed against the fake driver"
+grep -q "total " <<< "$summary" || fail "the summary has no total"
+echo "gpu-check dry run: every step reported, ${took}s of a ${deadline}s deadline"
