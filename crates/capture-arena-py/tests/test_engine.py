@@ -241,3 +241,64 @@ def test_placement_names(make_sink, monkeypatch):
     with pytest.raises(ca.ConfigError, match="auto, arena, engine, store"):
         make_sink()
     time.sleep(0)
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_a_missing_nvlink_transport_is_explained_for_this_architecture(machine: str) -> None:
+    """Mooncake's CUDA wheels differ by architecture (x86_64: intra-node NVLink only; aarch64:
+    multi-node NVLink only): the hint for a missing transport says what exists there."""
+    from capture_arena._engine import missing_transport
+
+    intra = missing_transport("nvlink_intra", machine)
+    multi = missing_transport("nvlink", machine)
+    for text in (intra, multi):
+        assert "SGLANG_SPEC_CAPTURE_PLACEMENT=arena" in text, text
+    assert "SUPPORT_INTRA_NVLINK is False" in intra and "SUPPORT_MNNVL is False" in multi
+    if machine == "aarch64":
+        # No wheel to install has it there: never send the user to -cuda13 for nvlink_intra.
+        assert "-cuda13" not in intra and "MOONCAKE_PROTOCOL=nvlink " in intra, intra
+        assert "-DUSE_INTRA_NVLINK=ON" in intra, intra
+        assert "mooncake-transfer-engine-cuda13" in multi, multi
+    else:
+        assert "mooncake-transfer-engine-cuda13" in intra, intra
+        assert "x86_64 wheels are built without it" in multi and "nvlink_intra" in multi, multi
+
+
+class _StandInEngine:
+    """A stand-in for Mooncake's TransferEngine (no CUDA Mooncake here): records the environment
+    Mooncake would read its transport from when it is initialised."""
+
+    seen: list[dict[str, str | None]] = []
+
+    def initialize(self, host: str, metadata: str, protocol: str, devices: str) -> int:
+        _StandInEngine.seen.append({k: os.environ.get(k) for k in ("MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK")})
+        return 0
+
+    def get_rpc_port(self) -> int:
+        return 4242
+
+
+def test_nvlink_forces_mooncakes_multi_node_transport_with_a_stand_in_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOONCAKE_PROTOCOL=nvlink selects only Mooncake's allocator; on a host with RDMA NICs its
+    transport would be RDMA. The engine is made with MC_FORCE_MNNVL=true (unless the user set
+    it), nvlink_intra with MC_INTRANODE_NVLINK=true. A stand-in mooncake.engine module, since the
+    CUDA wheels with these transports cannot run here."""
+    import types
+
+    from capture_arena import _engine
+
+    stand_in = types.SimpleNamespace(SUPPORT_MNNVL=True, SUPPORT_INTRA_NVLINK=True, TransferEngine=_StandInEngine)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", stand_in)
+    for k in ("MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK"):
+        monkeypatch.setenv(k, "")  # recorded, so what new_engine sets is undone after the test
+        monkeypatch.delenv(k)
+    _StandInEngine.seen.clear()
+    _, session = _engine.new_engine("nvlink")
+    assert session.endswith(":4242")
+    assert _StandInEngine.seen[-1]["MC_FORCE_MNNVL"] == "true", _StandInEngine.seen
+    monkeypatch.setenv("MC_FORCE_MNNVL", "false")  # the user's choice stands
+    _engine.new_engine("nvlink")
+    assert _StandInEngine.seen[-1]["MC_FORCE_MNNVL"] == "false", _StandInEngine.seen
+    monkeypatch.delenv("MC_FORCE_MNNVL")
+    _engine.new_engine("nvlink_intra")
+    assert _StandInEngine.seen[-1] == {"MC_FORCE_MNNVL": None, "MC_INTRANODE_NVLINK": "true"}, _StandInEngine.seen

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import platform
 import threading
 import time
 import weakref
@@ -61,6 +62,47 @@ def is_nvlink(protocol: str) -> bool:
     return protocol in ("nvlink", "nvlink_intra")
 
 
+def missing_transport(protocol: str, machine: str) -> str:
+    """Why an NVLink ``protocol`` is missing from this Mooncake build and what to do, for this
+    ``machine`` (``platform.machine()``). Mooncake's CUDA wheels differ by architecture: the
+    x86_64 ones (CUDA 12 and -cuda13) are built with intra-node NVLink and without multi-node
+    NVLink, the aarch64 ones (GB200/GB300 trays) with multi-node NVLink only; the -non-cuda
+    wheels with neither."""
+    arm = machine.lower() in ("aarch64", "arm64")
+    own = (
+        "or set SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own device arena (cuda:// "
+        "sessions, read with capture_arena)"
+    )
+    if protocol == "nvlink":
+        if arm:
+            why = (
+                "this is not one of Mooncake's aarch64 CUDA wheels, which have it: install "
+                "mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 (CUDA 13), "
+                "not -non-cuda"
+            )
+        else:
+            why = (
+                "the x86_64 wheels are built without it. On one node use MOONCAKE_PROTOCOL=nvlink_intra "
+                "(with Mooncake's CUDA wheel), or build Mooncake with -DUSE_MNNVL=ON"
+            )
+        return (
+            "MOONCAKE_PROTOCOL=nvlink needs a Mooncake build with multi-node NVLink "
+            f"(mooncake.engine.SUPPORT_MNNVL is False here: {why}); {own}"
+        )
+    if arm:
+        why = (
+            "Mooncake's aarch64 CUDA wheels are built with multi-node NVLink only. Use "
+            "MOONCAKE_PROTOCOL=nvlink (fabric handles, which need an IMEX channel on this node too), or build "
+            "Mooncake with -DUSE_INTRA_NVLINK=ON"
+        )
+    else:
+        why = "install mooncake-transfer-engine (CUDA 12) or mooncake-transfer-engine-cuda13 (CUDA 13), not -non-cuda"
+    return (
+        "MOONCAKE_PROTOCOL=nvlink_intra needs a Mooncake build with intra-node NVLink "
+        f"(mooncake.engine.SUPPORT_INTRA_NVLINK is False here: {why}); {own}"
+    )
+
+
 def new_engine(protocol: str) -> tuple[Any, str]:
     """A TransferEngine initialised from the ``MOONCAKE_*`` variables, and its session name.
 
@@ -68,22 +110,17 @@ def new_engine(protocol: str) -> tuple[Any, str]:
     (``SUPPORT_MNNVL`` / ``SUPPORT_INTRA_NVLINK``): the x86_64 wheels have no multi-node NVLink.
     """
     me = _mooncake()
-    if protocol == "nvlink" and not getattr(me, "SUPPORT_MNNVL", False):
-        raise ConfigError(
-            "MOONCAKE_PROTOCOL=nvlink needs a Mooncake build with multi-node NVLink "
-            "(mooncake.engine.SUPPORT_MNNVL is False here: the x86_64 wheels are built without it). "
-            "On one node use MOONCAKE_PROTOCOL=nvlink_intra (with Mooncake's CUDA wheel); or set "
-            "SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own device arena (cuda:// "
-            "sessions, read with capture_arena)"
-        )
+    if protocol == "nvlink":
+        if not getattr(me, "SUPPORT_MNNVL", False):
+            raise ConfigError(missing_transport(protocol, platform.machine()))
+        # The protocol string selects only Mooncake's allocator; its transport comes from the
+        # environment, and on a host with RDMA NICs (every GB200 tray) it would be RDMA unless
+        # multi-node NVLink is forced. Set in producer and readers alike (MC_FORCE_MNNVL=false to
+        # opt out).
+        os.environ.setdefault("MC_FORCE_MNNVL", "true")
     if protocol == "nvlink_intra":
         if not getattr(me, "SUPPORT_INTRA_NVLINK", False):
-            raise ConfigError(
-                "MOONCAKE_PROTOCOL=nvlink_intra needs a Mooncake build with intra-node NVLink "
-                "(mooncake.engine.SUPPORT_INTRA_NVLINK is False here: install "
-                "mooncake-transfer-engine or -cuda13, not -non-cuda); or set "
-                "SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own device arena"
-            )
+            raise ConfigError(missing_transport(protocol, platform.machine()))
         # Mooncake picks its transport from the environment: this selects intra-node NVLink.
         os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
     host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or "127.0.0.1"
