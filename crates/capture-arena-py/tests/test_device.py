@@ -119,6 +119,58 @@ print("trainer ok", flush=True)
         p.kill()
 
 
+def test_fake_gpu_a_forked_child_is_refused_cuda_sessions_and_leaves_the_parents_alone(fake_gpu):
+    """CUDA does not survive fork(): a DataLoader worker forked from a trainer that read a
+    cuda:// session must not use or tear down the parent's driver state. Reading in the child
+    fails at once with a DeviceError that says to use the spawn start method (before: the
+    child read through the parent's contexts and mappings as if they were its own, which the
+    fake allows and a real driver fails or crashes on); the parent reads on after the child
+    exits."""
+    producer = r'''
+import json, sys, numpy as np
+import capture_arena as ca
+sink = ca.ArenaSink(arena_bytes=8 << 20, gpu_put=True, wait_s=2)
+spec = {"sample_id": "f0", "store_id": "st", "gen": 1, "features": {},
+        "passthrough": [{"name": "input_ids", "data": list(range(4096)), "shape": [1, 4096], "dtype": "int64"}]}
+print(json.dumps(sink.put_sample(spec)), flush=True)
+sys.stdin.readline()
+'''
+    trainer = r'''
+import json, os, sys
+import capture_arena as ca
+r = json.loads(sys.stdin.readline())
+store = ca.ArenaFeatureStore()
+assert store.get(r)["input_ids"].tolist() == [list(range(4096))]  # the driver is initialised
+pid = os.fork()
+if pid == 0:
+    try:
+        store.get(r)
+        os._exit(3)
+    except ca.DeviceError as e:
+        ok = "fork" in str(e) and "spawn" in str(e)
+        print("child:", str(e)[:400], flush=True)
+        os._exit(0 if ok else 4)
+    except BaseException as e:
+        print("child:", type(e).__name__, str(e)[:400], flush=True)
+        os._exit(5)
+_, status = os.waitpid(pid, 0)
+assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+assert store.get(r)["input_ids"].tolist() == [list(range(4096))]  # the parent's mapping lives
+store.release(r)
+print("trainer ok", flush=True)
+'''
+    p = subprocess.Popen([sys.executable, "-c", producer], env=fake_gpu, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        line = p.stdout.readline()
+        assert line.startswith("{"), line
+        t = subprocess.run([sys.executable, "-c", trainer], env=fake_gpu, input=line, capture_output=True, text=True, timeout=60)
+        assert t.returncode == 0 and "trainer ok" in t.stdout, t.stdout + t.stderr
+        assert "forked from pid" in t.stdout, t.stdout
+    finally:
+        p.kill()
+
+
 def test_fake_gpu_nvlink_forces_a_device_arena(fake_gpu):
     # capture-arena's own device arena under nvlink (the default there is the TransferEngine's:
     # test_engine.py).

@@ -167,7 +167,10 @@ fn fake_gpu_device_arena_publishes_device_and_host_sources_and_frees_to_empty() 
         .unwrap();
         one.len()
     };
-    assert!(granularity > 1 && granularity <= w.capacity(), "{granularity}");
+    assert!(
+        granularity > 1 && granularity <= w.capacity(),
+        "{granularity}"
+    );
     assert_eq!(w.capacity() % granularity, 0, "granularity {granularity}");
     let store = FeatureStore::new();
     let sizes = [100_000, 1, 4096, 300_000];

@@ -82,7 +82,11 @@ impl Reader {
         {
             let mut c = lock(&self.cache);
             if c.pid != std::process::id() {
-                *c = Cache::new();
+                // A forked child: the parent's transports are not this process's to use or tear
+                // down (a device mapping's teardown calls a driver that does not survive fork;
+                // a NIXL agent's UCX state is the parent's). They are leaked here, never dropped;
+                // cuda:// sessions then fail in this process with an error that says so.
+                std::mem::forget(std::mem::replace(&mut *c, Cache::new()));
             }
             if c.last_sweep.elapsed() >= SWEEP_EVERY {
                 c.sweep();

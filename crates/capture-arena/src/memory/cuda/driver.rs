@@ -66,6 +66,8 @@ pub struct DriverInfo {
     pub version: i32,
     /// Devices visible to this process.
     pub devices: i32,
+    /// The process that initialised the driver (a forked child must not use it).
+    pub pid: u32,
 }
 
 /// Opens and initialises the driver once per process; every later call returns the same answer.
@@ -74,12 +76,28 @@ pub struct DriverInfo {
 /// [`Error::Device`] naming the library candidates tried, the missing symbol or `cuInit`'s code,
 /// with what to do about it.
 pub fn driver() -> Result<&'static DriverInfo> {
-    static DRIVER: OnceLock<std::result::Result<DriverInfo, String>> = OnceLock::new();
-    DRIVER
+    let info = DRIVER
         .get_or_init(load)
         .as_ref()
-        .map_err(|reason| Error::device("loading the CUDA driver", reason.clone()))
+        .map_err(|reason| Error::device("loading the CUDA driver", reason.clone()))?;
+    if info.pid != std::process::id() {
+        return Err(Error::device(
+            "using CUDA in a forked process",
+            format!(
+                "this process (pid {}) was forked from pid {}, which had initialised CUDA, and \
+                 CUDA does not survive fork(): read cuda:// sessions in processes started with \
+                 the spawn start method (torch DataLoader: multiprocessing_context=\"spawn\"), \
+                 or open them only after the fork in a parent that never used CUDA",
+                std::process::id(),
+                info.pid
+            ),
+        ));
+    }
+    Ok(info)
 }
+
+/// The driver, once loaded (see [`driver`]).
+static DRIVER: OnceLock<std::result::Result<DriverInfo, String>> = OnceLock::new();
 
 fn load() -> std::result::Result<DriverInfo, String> {
     let mut candidates: Vec<String> = Vec::new();
@@ -136,6 +154,7 @@ fn load() -> std::result::Result<DriverInfo, String> {
         library,
         version,
         devices,
+        pid: std::process::id(),
     })
 }
 
