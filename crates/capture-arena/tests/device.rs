@@ -38,6 +38,7 @@ fn setup() -> MutexGuard<'static, ()> {
             ("fail_copies_after", -1),
             ("fabric_attr", 0),
             ("imex", 0),
+            ("gdr_attr", 1),
         ] {
             fake_cuda::knob(k, v);
         }
@@ -446,4 +447,32 @@ fn fake_gpu_a_squatter_on_the_reply_endpoint_is_not_believed() {
     assert!(matches!(e, Error::StaleSession { .. }), "{e}");
     assert!(e.to_string().contains("not by the producer (pid 1)"), "{e}");
     t.join().unwrap();
+}
+
+#[test]
+fn fake_gpu_a_device_arena_is_rdma_capable_where_the_device_supports_it() {
+    let Some(_g) =
+        setup_fake("fake_gpu_a_device_arena_is_rdma_capable_where_the_device_supports_it")
+    else {
+        return;
+    };
+    // GPUDirect RDMA on VMM memory supported (H200, GB200): the arena is allocated with
+    // gpuDirectRDMACapable, so NIXL can register it with a NIC.
+    let (rdma, plain) = (fake_cuda::allocations(true), fake_cuda::allocations(false));
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    assert_eq!(fake_cuda::allocations(true), rdma + 1);
+    assert_eq!(fake_cuda::allocations(false), plain);
+    drop(w);
+    // Not supported: the flag is not asked for (the fake, like a driver, refuses it then) and
+    // the arena still works.
+    fake_cuda::knob("gdr_attr", 0);
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    assert_eq!(fake_cuda::allocations(false), plain + 1);
+    let p = publish(&w, device_sample("g", &[4096], false, false));
+    let store = FeatureStore::new();
+    read_and_check(&store, &p);
+    store.release(&p).unwrap();
+    store.flush().unwrap();
+    wait_all_free(&w);
+    fake_cuda::knob("gdr_attr", 1);
 }

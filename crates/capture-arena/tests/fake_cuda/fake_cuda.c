@@ -12,10 +12,12 @@
  * real driver should be found: tests load it by path.
  *
  * Knobs: environment variables give the defaults; a test in the same process changes them with
- * fake_cuda_knob("copy_us" | "fail_copies_after" | "fabric_attr" | "imex", value):
+ * fake_cuda_knob("copy_us" | "fail_copies_after" | "fabric_attr" | "imex" | "gdr_attr", value):
  *   FAKE_CUDA_DEVICES=N        devices visible (default 1)
  *   FAKE_CUDA_FABRIC_ATTR=1    report fabric handle support
  *   FAKE_CUDA_IMEX=1           let fabric allocations succeed (else NOT_PERMITTED, as without IMEX)
+ *   FAKE_CUDA_GDR_ATTR=0       report no GPUDirect RDMA on VMM memory (default 1, as an H200): an
+ *                              allocation asking for gpuDirectRDMACapable then fails (NOT_SUPPORTED)
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
  *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
  *   FAKE_CUDA_NO_DEVICE=1      cuInit fails with CUDA_ERROR_NO_DEVICE
@@ -50,7 +52,7 @@ static int env_int(const char *k, int dflt) {
 static int devices(void) { return env_int("FAKE_CUDA_DEVICES", 1); }
 
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
-static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2;
+static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2;
 static long copies;
 static long knob(long *k, const char *env, long dflt) {
   long v = __atomic_load_n(k, __ATOMIC_SEQ_CST);
@@ -60,7 +62,8 @@ long fake_cuda_knob(const char *name, long value) {
   long *k = !strcmp(name, "copy_us") ? &knob_copy_us
           : !strcmp(name, "fail_copies_after") ? &knob_fail_after
           : !strcmp(name, "fabric_attr") ? &knob_fabric_attr
-          : !strcmp(name, "imex") ? &knob_imex : NULL;
+          : !strcmp(name, "imex") ? &knob_imex
+          : !strcmp(name, "gdr_attr") ? &knob_gdr_attr : NULL;
   if (!k) return -3;
   if (k == &knob_fail_after) __atomic_store_n(&copies, 0, __ATOMIC_SEQ_CST);
   return __atomic_exchange_n(k, value, __ATOMIC_SEQ_CST);
@@ -79,6 +82,7 @@ CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
   (void)d;
   if (attr == 128) *v = (int)knob(&knob_fabric_attr, "FAKE_CUDA_FABRIC_ATTR", 0);
   else if (attr == 103) *v = 1;
+  else if (attr == 110) *v = (int)knob(&knob_gdr_attr, "FAKE_CUDA_GDR_ATTR", 1); /* GPUDirect RDMA on VMM */
   else *v = 0;
   return OK;
 }
@@ -138,7 +142,14 @@ CUresult cuGetErrorString(CUresult e, const char **s) {
 }
 
 /* ---- virtual memory ---- */
-typedef struct { int type; int handle_types; int loc_type; int loc_id; } Prop;
+/* CUmemAllocationProp as the driver lays it out (allocFlags after the win32 pointer). */
+typedef struct {
+  int type; int handle_types; int loc_type; int loc_id; void *win32;
+  unsigned char compression; unsigned char gdr; unsigned short usage; unsigned char reserved[4];
+} Prop;
+/* Allocations made with gpuDirectRDMACapable, and without (for the tests to read). */
+static long rdma_allocations, plain_allocations;
+long fake_cuda_allocations(int rdma) { return __atomic_load_n(rdma ? &rdma_allocations : &plain_allocations, __ATOMIC_SEQ_CST); }
 enum { FABRIC = 8, POSIX_FD = 1 };
 
 static size_t granule(void) { return (size_t)env_int("FAKE_CUDA_GRANULARITY", 2 << 20); }
@@ -154,6 +165,10 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p
   if (p->loc_id < 0 || p->loc_id >= devices()) return INVALID_DEVICE;
   if ((p->handle_types & FABRIC) && !imex()) return NOT_PERMITTED;
   if (size == 0 || size % granule()) return INVALID_VALUE;
+  /* The RDMA flag only where the device supports GPUDirect RDMA on VMM memory (NCCL, Mooncake and
+   * NIXL all ask the attribute first). */
+  if (p->gdr && !knob(&knob_gdr_attr, "FAKE_CUDA_GDR_ATTR", 1)) return NOT_SUPPORTED;
+  __atomic_add_fetch(p->gdr ? &rdma_allocations : &plain_allocations, 1, __ATOMIC_SEQ_CST);
   int fd = memfd_create("fake-cuda-allocation", MFD_CLOEXEC);
   if (fd < 0) return OUT_OF_MEMORY;
   if (ftruncate(fd, (off_t)size) != 0) { close(fd); return OUT_OF_MEMORY; }

@@ -81,3 +81,16 @@ pub fn current() -> usize {
         f() as usize
     }
 }
+
+/// How many allocations the fake made with `gpuDirectRDMACapable` set (`rdma`), or without.
+pub fn allocations(rdma: bool) -> i64 {
+    let sym = std::ffi::CString::new("fake_cuda_allocations").unwrap();
+    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
+    // signature.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
+        assert!(!f.is_null(), "the fake driver is not loaded");
+        let f: extern "C" fn(std::ffi::c_int) -> std::ffi::c_long = std::mem::transmute(f);
+        f(std::ffi::c_int::from(rdma)) as i64
+    }
+}

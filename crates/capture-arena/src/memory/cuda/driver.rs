@@ -370,8 +370,15 @@ pub(crate) fn peers_of(home: i32) -> Result<Vec<i32>> {
     Ok(out)
 }
 
-/// The allocation properties of pinned device memory on `ordinal` exportable as `handle`.
-fn prop(ordinal: i32, handle: HandleType) -> cu::CUmemAllocationProp {
+/// The allocation properties of pinned device memory on `ctx`'s device exportable as `handle`:
+/// RDMA-capable where the device supports GPUDirect RDMA on VMM memory (as NCCL, Mooncake and
+/// NIXL make theirs), so that a NIC can register the arena (NIXL over IB/RoCE, and always on
+/// GB200); the flag is not asked for where the device does not support it.
+fn prop(ctx: &Context, handle: HandleType) -> cu::CUmemAllocationProp {
+    let rdma = ctx.attribute(
+        cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+    ) == 1;
+    let ordinal = ctx.ordinal;
     cu::CUmemAllocationProp {
         type_: cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
         requestedHandleTypes: handle.raw(),
@@ -382,7 +389,7 @@ fn prop(ordinal: i32, handle: HandleType) -> cu::CUmemAllocationProp {
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: cu::CUmemAllocationProp_st__bindgen_ty_1 {
             compressionType: 0,
-            gpuDirectRDMACapable: 0,
+            gpuDirectRDMACapable: u8::from(rdma),
             usage: 0,
             reserved: [0; 4],
         },
@@ -420,7 +427,7 @@ impl HandleType {
 
 /// `cuMemGetAllocationGranularity(MINIMUM)` for pinned memory on `ctx`'s device with `handle`.
 pub(crate) fn granularity(ctx: &Context, handle: HandleType) -> Result<u64> {
-    let p = prop(ctx.ordinal, handle);
+    let p = prop(ctx, handle);
     let mut g = 0usize;
     let flag = cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
     // SAFETY: reads `p`, writes one usize.
@@ -444,7 +451,7 @@ impl Allocation {
     /// `cuMemCreate` of `size` bytes (a multiple of the granularity) on the context's device.
     pub fn create(ctx: &Arc<Context>, size: u64, handle: HandleType) -> Result<Allocation> {
         let _current = ctx.enter()?;
-        let p = prop(ctx.ordinal, handle);
+        let p = prop(ctx, handle);
         let mut h = 0;
         // SAFETY: reads `p`, writes one handle.
         let rc = unsafe { cu::cuMemCreate(&mut h, size as usize, &p, 0) };
