@@ -476,3 +476,26 @@ fn fake_gpu_a_device_arena_is_rdma_capable_where_the_device_supports_it() {
     wait_all_free(&w);
     fake_cuda::knob("gdr_attr", 1);
 }
+
+#[test]
+fn fake_gpu_a_reader_that_cannot_import_fabric_handles_takes_the_descriptor_on_the_same_node() {
+    let Some(_g) = setup_fake(
+        "fake_gpu_a_reader_that_cannot_import_fabric_handles_takes_the_descriptor_on_the_same_node",
+    ) else {
+        return;
+    };
+    // The producer has an IMEX channel: a fabric arena, exportable as a descriptor too.
+    fake_cuda::knob("fabric_attr", 1);
+    fake_cuda::knob("imex", 1);
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    assert!(w.arena_ref().session.contains("&handle=fabric&"));
+    let p = publish(&w, device_sample("x", &[5000, 7], true, false));
+    // The trainer's process has none (a container without the channel): importing the fabric
+    // handle fails, and on the producer's node the reader takes the descriptor instead.
+    fake_cuda::knob("imex", 0);
+    let store = FeatureStore::new();
+    read_and_check(&store, &p);
+    store.release(&p).unwrap();
+    store.flush().unwrap();
+    wait_all_free(&w);
+}

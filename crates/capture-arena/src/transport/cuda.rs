@@ -68,39 +68,41 @@ impl CudaTransport {
         // (fabric import from another node).
         let home = driver::ordinal_of(&session.device_uuid)?;
         let ctx = context(home.unwrap_or(0))?;
-        let allocation = match session.handle {
-            HandleType::PosixFd => {
-                if !local {
-                    return Err(Error::InvalidSession {
-                        session: text,
-                        reason: format!(
-                            "the arena is exported as a POSIX descriptor, which reaches only \
-                             processes on its host {}; this is {me} (fabric handles or NIXL \
-                             reach other hosts)",
-                            session.host
-                        ),
-                    });
-                }
-                // Only the producer process itself may answer (abstract socket names are open to
-                // anyone on the host): its pid and our user, checked with SO_PEERCRED.
-                let reply = crate::reply::request_from(
-                    &session.reply,
-                    "cuda-fd",
-                    HANDLE_TIMEOUT,
-                    Some(session.pid),
-                )
-                .map_err(|e| stale(format!("its writer did not hand over the arena ({e})")))?;
-                if reply.bytes != text.as_bytes() {
-                    return Err(stale(
-                        "the writer answered for a different arena (it restarted)".into(),
-                    ));
-                }
-                let Some(fd) = reply.fds.first() else {
-                    return Err(stale("the writer's answer carried no descriptor".into()));
-                };
-                use std::os::fd::AsFd;
-                Allocation::import_fd(&ctx, fd.as_fd(), session.len)?
+        // The descriptor, from the producer's writer over the local reply path.
+        let import_fd = || -> Result<Allocation> {
+            if !local {
+                return Err(Error::InvalidSession {
+                    session: text.clone(),
+                    reason: format!(
+                        "the arena is exported as a POSIX descriptor, which reaches only \
+                         processes on its host {}; this is {me} (fabric handles or NIXL \
+                         reach other hosts)",
+                        session.host
+                    ),
+                });
             }
+            // Only the producer process itself may answer (abstract socket names are open to
+            // anyone on the host): its pid and our user, checked with SO_PEERCRED.
+            let reply = crate::reply::request_from(
+                &session.reply,
+                "cuda-fd",
+                HANDLE_TIMEOUT,
+                Some(session.pid),
+            )
+            .map_err(|e| stale(format!("its writer did not hand over the arena ({e})")))?;
+            if reply.bytes != text.as_bytes() {
+                return Err(stale(
+                    "the writer answered for a different arena (it restarted)".into(),
+                ));
+            }
+            let Some(fd) = reply.fds.first() else {
+                return Err(stale("the writer's answer carried no descriptor".into()));
+            };
+            use std::os::fd::AsFd;
+            Allocation::import_fd(&ctx, fd.as_fd(), session.len)
+        };
+        let (allocation, imported_as) = match session.handle {
+            HandleType::PosixFd => (import_fd()?, HandleType::PosixFd),
             HandleType::Fabric => {
                 let Some(h) = &session.fabric else {
                     return Err(Error::InvalidSession {
@@ -108,7 +110,30 @@ impl CudaTransport {
                         reason: "a fabric session without its handle".into(),
                     });
                 };
-                Allocation::import_fabric(&ctx, h, session.len)?
+                match Allocation::import_fabric(&ctx, h, session.len) {
+                    Ok(a) => (a, HandleType::Fabric),
+                    // On the producer's node a process that cannot import fabric handles (no
+                    // IMEX channel in its container, IMEX half set up) takes the descriptor the
+                    // arena is exportable as too.
+                    Err(by_fabric) if local => {
+                        tracing::info!(
+                            error = %by_fabric,
+                            "importing a fabric arena by its handle failed; asking its writer \
+                             for the descriptor instead (same node)"
+                        );
+                        let a = import_fd().map_err(|by_fd| {
+                            Error::device(
+                                "importing the producer's arena",
+                                format!(
+                                    "by its fabric handle: {by_fabric}; by descriptor over the \
+                                     reply path: {by_fd}"
+                                ),
+                            )
+                        })?;
+                        (a, HandleType::PosixFd)
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         };
         // The arena's GPU and every GPU of this process that can reach it get access, so a
@@ -117,7 +142,7 @@ impl CudaTransport {
             Some(h) => driver::peers_of(h)?,
             None => vec![ctx.ordinal],
         };
-        let g = driver::granularity(&ctx, session.handle)?;
+        let g = driver::granularity(&ctx, &[imported_as])?;
         let mapped = Mapped::new(allocation, g, &access)?;
         let stream = Stream::new(&ctx)?;
         Ok(CudaTransport {

@@ -15,7 +15,8 @@
  * fake_cuda_knob("copy_us" | "fail_copies_after" | "fabric_attr" | "imex" | "gdr_attr", value):
  *   FAKE_CUDA_DEVICES=N        devices visible (default 1)
  *   FAKE_CUDA_FABRIC_ATTR=1    report fabric handle support
- *   FAKE_CUDA_IMEX=1           let fabric allocations succeed (else NOT_PERMITTED, as without IMEX)
+ *   FAKE_CUDA_IMEX=1           let fabric allocations, exports and imports succeed (else
+ *                              NOT_PERMITTED, as without an IMEX channel in that process)
  *   FAKE_CUDA_GDR_ATTR=0       report no GPUDirect RDMA on VMM memory (default 1, as an H200): an
  *                              allocation asking for gpuDirectRDMACapable then fails (NOT_SUPPORTED)
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
@@ -158,7 +159,10 @@ CUresult cuMemGetAllocationGranularity(size_t *g, const Prop *p, int option) {
   *g = granule();
   return OK;
 }
-/* An allocation handle is its memfd + 1. */
+/* An allocation handle is its memfd + 1; the handle types it may be exported as, by memfd (an
+ * export of a type the allocation was not created with fails, as on a real driver). */
+#define MAX_FDS 65536
+static int handle_types[MAX_FDS];
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p, unsigned long long flags) {
   (void)flags;
   NEED_CONTEXT();
@@ -171,7 +175,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p
   __atomic_add_fetch(p->gdr ? &rdma_allocations : &plain_allocations, 1, __ATOMIC_SEQ_CST);
   int fd = memfd_create("fake-cuda-allocation", MFD_CLOEXEC);
   if (fd < 0) return OUT_OF_MEMORY;
-  if (ftruncate(fd, (off_t)size) != 0) { close(fd); return OUT_OF_MEMORY; }
+  if (ftruncate(fd, (off_t)size) != 0 || fd >= MAX_FDS) { close(fd); return OUT_OF_MEMORY; }
+  handle_types[fd] = p->handle_types;
   *h = (CUmemGenericAllocationHandle)fd + 1;
   return OK;
 }
@@ -181,6 +186,8 @@ typedef struct { char magic[8]; int pid; int fd; char pad[48]; } FabricHandle;
 CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {
   (void)flags;
   int fd = (int)h - 1;
+  if (fd < 0 || fd >= MAX_FDS) return INVALID_HANDLE;
+  if (!(handle_types[fd] & type)) return INVALID_VALUE;
   if (type == POSIX_FD) {
     int d = fcntl(fd, F_DUPFD_CLOEXEC, 0);
     if (d < 0) return INVALID_HANDLE;
@@ -205,6 +212,8 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
   if (type == POSIX_FD) {
     fd = fcntl((int)(intptr_t)os, F_DUPFD_CLOEXEC, 0);
   } else if (type == FABRIC) {
+    /* Importing a fabric handle needs an IMEX channel in the importing process too. */
+    if (!imex()) return NOT_PERMITTED;
     FabricHandle f;
     memcpy(&f, os, sizeof f);
     if (memcmp(f.magic, "FAKEFAB", 8) != 0) return INVALID_VALUE;
@@ -215,6 +224,8 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
     return NOT_SUPPORTED;
   }
   if (fd < 0) return INVALID_VALUE;
+  if (fd >= MAX_FDS) { close(fd); return OUT_OF_MEMORY; }
+  handle_types[fd] = type;
   *h = (CUmemGenericAllocationHandle)fd + 1;
   return OK;
 }

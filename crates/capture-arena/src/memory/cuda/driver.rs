@@ -370,21 +370,23 @@ pub(crate) fn peers_of(home: i32) -> Result<Vec<i32>> {
     Ok(out)
 }
 
-/// The allocation properties of pinned device memory on `ctx`'s device exportable as `handle`:
-/// RDMA-capable where the device supports GPUDirect RDMA on VMM memory (as NCCL, Mooncake and
-/// NIXL make theirs), so that a NIC can register the arena (NIXL over IB/RoCE, and always on
-/// GB200); the flag is not asked for where the device does not support it.
-fn prop(ctx: &Context, handle: HandleType) -> cu::CUmemAllocationProp {
+/// The allocation properties of pinned device memory on `ctx`'s device exportable as every
+/// type in `handles`: RDMA-capable where the device supports GPUDirect RDMA on VMM memory (as
+/// NCCL, Mooncake and NIXL make theirs), so that a NIC can register the arena (NIXL over
+/// IB/RoCE, and always on GB200); the flag is not asked for where the device does not support it.
+fn prop(ctx: &Context, handles: &[HandleType]) -> cu::CUmemAllocationProp {
     let rdma = ctx.attribute(
         cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
     ) == 1;
-    let ordinal = ctx.ordinal;
     cu::CUmemAllocationProp {
         type_: cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: handle.raw(),
+        // A bit set (cudarc's type is a transparent integer, so it holds POSIX_FD | FABRIC).
+        requestedHandleTypes: cu::CUmemAllocationHandleType(
+            handles.iter().fold(0, |m, h| m | h.raw().0),
+        ),
         location: cu::CUmemLocation {
             type_: cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal,
+            id: ctx.ordinal,
         },
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: cu::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -425,9 +427,10 @@ impl HandleType {
     }
 }
 
-/// `cuMemGetAllocationGranularity(MINIMUM)` for pinned memory on `ctx`'s device with `handle`.
-pub(crate) fn granularity(ctx: &Context, handle: HandleType) -> Result<u64> {
-    let p = prop(ctx, handle);
+/// `cuMemGetAllocationGranularity(MINIMUM)` for pinned memory on `ctx`'s device exportable as
+/// `handles`.
+pub(crate) fn granularity(ctx: &Context, handles: &[HandleType]) -> Result<u64> {
+    let p = prop(ctx, handles);
     let mut g = 0usize;
     let flag = cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
     // SAFETY: reads `p`, writes one usize.
@@ -448,10 +451,11 @@ pub(crate) struct Allocation {
 }
 
 impl Allocation {
-    /// `cuMemCreate` of `size` bytes (a multiple of the granularity) on the context's device.
-    pub fn create(ctx: &Arc<Context>, size: u64, handle: HandleType) -> Result<Allocation> {
+    /// `cuMemCreate` of `size` bytes (a multiple of the granularity) on the context's device,
+    /// exportable as every type in `handles`.
+    pub fn create(ctx: &Arc<Context>, size: u64, handles: &[HandleType]) -> Result<Allocation> {
         let _current = ctx.enter()?;
-        let p = prop(ctx, handle);
+        let p = prop(ctx, handles);
         let mut h = 0;
         // SAFETY: reads `p`, writes one handle.
         let rc = unsafe { cu::cuMemCreate(&mut h, size as usize, &p, 0) };
@@ -459,7 +463,11 @@ impl Allocation {
             format!(
                 "cuMemCreate of {size} bytes on device {} with {} handles",
                 ctx.ordinal,
-                handle.name()
+                handles
+                    .iter()
+                    .map(|h| h.name())
+                    .collect::<Vec<_>>()
+                    .join(" + ")
             )
         })?;
         Ok(Allocation {

@@ -332,14 +332,17 @@ impl DeviceRegion {
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED,
         ) == 1;
         // The attribute alone is no proof (no IMEX channel: NOT_PERMITTED): try the real thing,
-        // at the real size, and keep it if it works.
+        // at the real size, and keep it if it works. A fabric arena is exportable as a POSIX
+        // descriptor too (as NCCL asks for both), so a reader on this node whose process cannot
+        // import the fabric handle (no IMEX channel in its container) gets the descriptor.
+        let both = [HandleType::Fabric, HandleType::PosixFd];
         let mut fabric: Option<(Allocation, [u8; 64], u64)> = None;
         let trial = if attribute && options.handle != HandlePreference::PosixFd {
             Some(
-                driver::granularity(&ctx, HandleType::Fabric)
+                driver::granularity(&ctx, &both)
                     .and_then(|g| {
                         let size = round_up(len, g).ok_or_else(|| too_large(len))?;
-                        let a = Allocation::create(&ctx, size, HandleType::Fabric)?;
+                        let a = Allocation::create(&ctx, size, &both)?;
                         let h = a.export_fabric()?;
                         fabric = Some((a, h, g));
                         Ok(())
@@ -361,19 +364,17 @@ impl DeviceRegion {
         let (allocation, fabric_handle, granularity) = match (choice.handle, fabric) {
             (HandleType::Fabric, Some((a, h, g))) => (a, Some(h), g),
             _ => {
-                let g = driver::granularity(&ctx, HandleType::PosixFd)?;
+                let g = driver::granularity(&ctx, &[HandleType::PosixFd])?;
                 let size = round_up(len, g).ok_or_else(|| too_large(len))?;
                 (
-                    Allocation::create(&ctx, size, HandleType::PosixFd)?,
+                    Allocation::create(&ctx, size, &[HandleType::PosixFd])?,
                     None,
                     g,
                 )
             }
         };
-        let fd = match choice.handle {
-            HandleType::PosixFd => Some(allocation.export_fd()?),
-            HandleType::Fabric => None,
-        };
+        // Every arena is exportable as a descriptor (a fabric one too, see above).
+        let fd = Some(allocation.export_fd()?);
         let size = allocation.size;
         // The arena's GPU and every GPU that can reach it: copies from tensors there may run on
         // their copy engines.
@@ -476,7 +477,7 @@ impl Region for DeviceRegion {
                     .map_err(|e| Error::io("duplicating the arena's descriptor", e)),
                 None => Err(Error::device(
                     "handing out the arena's descriptor",
-                    "this arena is exported with a fabric handle (it is in the session)",
+                    "this arena has no descriptor",
                 )),
             }),
             "describe" => Some(Ok(Reply {
