@@ -39,6 +39,7 @@ fn setup() -> MutexGuard<'static, ()> {
             ("fabric_attr", 0),
             ("imex", 0),
             ("gdr_attr", 1),
+            ("fault", 0),
         ] {
             fake_cuda::knob(k, v);
         }
@@ -497,5 +498,37 @@ fn fake_gpu_a_reader_that_cannot_import_fabric_handles_takes_the_descriptor_on_t
     read_and_check(&store, &p);
     store.release(&p).unwrap();
     store.flush().unwrap();
+    wait_all_free(&w);
+}
+
+#[test]
+fn fake_gpu_a_gpu_fault_fails_the_batch_instead_of_hanging_the_writer() {
+    let Some(_g) = setup_fake("fake_gpu_a_gpu_fault_fails_the_batch_instead_of_hanging_the_writer")
+    else {
+        return;
+    };
+    let w = Writer::start(&device_config(8 << 20, Duration::from_secs(5))).unwrap();
+    // Each copy takes 300 ms: the batch is on the device when the context error hits. After it
+    // the driver runs nothing more and never calls the host function that wakes the writer.
+    fake_cuda::knob("copy_us", 300_000);
+    let handle = w
+        .submit(vec![device_sample("f", &[1000; 3], false, false)])
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    fake_cuda::knob("fault", 1);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(handle.wait());
+    });
+    let got = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the batch never completed: the writer waits forever on a faulted GPU");
+    let e = got.unwrap_err();
+    assert!(e.to_string().contains("ILLEGAL_ADDRESS"), "{e}");
+    fake_cuda::knob("fault", 0);
+    fake_cuda::knob("copy_us", 0);
+    // The writer lives on, and its space came back.
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.failed_batches >= 1);
+    assert!(ok, "{s:?}");
     wait_all_free(&w);
 }

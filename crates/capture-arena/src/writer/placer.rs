@@ -29,6 +29,8 @@ use crate::writer::TIMING_TARGET;
 /// of its bandwidth), and because frees applied during a copy cannot make room any sooner: the
 /// next batch is placed only once this one is copied.
 pub(crate) const COPY_SLICE: u64 = 256 << 20;
+/// How often a batch whose copies run on a device is polled, besides its notifier.
+const DEVICE_POLL: Duration = Duration::from_millis(50);
 
 enum State {
     Idle,
@@ -42,7 +44,7 @@ enum State {
         stale: bool,
     },
     /// Reserved and being copied; `remote` while a device copies (the region's notifier wakes
-    /// the writer).
+    /// the writer, and it polls every [`DEVICE_POLL`] besides).
     Copying {
         job: Job,
         reservation: Reservation,
@@ -105,10 +107,13 @@ impl Placer {
         }
     }
 
-    /// When a waiting batch gives up.
+    /// When the writer must look at the placer again whatever else happens: a waiting batch
+    /// gives up; a device copy's completion is polled (its notifier is a host function, which
+    /// the driver never calls after a context error: the error is read from the batch's event).
     pub fn deadline(&self) -> Option<Instant> {
         match &self.state {
             State::Waiting { deadline, .. } => *deadline,
+            State::Copying { remote: true, .. } => Some(Instant::now() + DEVICE_POLL),
             _ => None,
         }
     }

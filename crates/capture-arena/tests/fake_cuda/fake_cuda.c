@@ -22,6 +22,10 @@
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
  *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
  *   FAKE_CUDA_NO_DEVICE=1      cuInit fails with CUDA_ERROR_NO_DEVICE
+ *   FAKE_CUDA_FAULT=1          the next op a stream runs raises a sticky context error
+ *                              (ILLEGAL_ADDRESS): nothing more runs, host functions are not
+ *                              called, queries, synchronisations and enqueues return the error
+ *                              (the knob resets it: fake_cuda_knob("fault", 0))
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -42,7 +46,7 @@ typedef void (*CUhostFn)(void *);
 
 enum {
   OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201,
-  INVALID_HANDLE = 400, NOT_READY = 600, NOT_PERMITTED = 800, NOT_SUPPORTED = 801
+  INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700, NOT_PERMITTED = 800, NOT_SUPPORTED = 801
 };
 
 static int env_int(const char *k, int dflt) {
@@ -53,8 +57,12 @@ static int env_int(const char *k, int dflt) {
 static int devices(void) { return env_int("FAKE_CUDA_DEVICES", 1); }
 
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
-static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2;
+static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2,
+  knob_fault = -2;
 static long copies;
+/* A context error (FAKE_CUDA_FAULT / the "fault" knob, set when a stream next runs an op): sticky,
+ * as on a real GPU after an illegal address. */
+static int sticky;
 static long knob(long *k, const char *env, long dflt) {
   long v = __atomic_load_n(k, __ATOMIC_SEQ_CST);
   return v == -2 ? env_int(env, (int)dflt) : v;
@@ -64,9 +72,11 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "fail_copies_after") ? &knob_fail_after
           : !strcmp(name, "fabric_attr") ? &knob_fabric_attr
           : !strcmp(name, "imex") ? &knob_imex
-          : !strcmp(name, "gdr_attr") ? &knob_gdr_attr : NULL;
+          : !strcmp(name, "gdr_attr") ? &knob_gdr_attr
+          : !strcmp(name, "fault") ? &knob_fault : NULL;
   if (!k) return -3;
   if (k == &knob_fail_after) __atomic_store_n(&copies, 0, __ATOMIC_SEQ_CST);
+  if (k == &knob_fault && value == 0) __atomic_store_n(&sticky, 0, __ATOMIC_SEQ_CST);
   return __atomic_exchange_n(k, value, __ATOMIC_SEQ_CST);
 }
 static int imex(void) { return (int)knob(&knob_imex, "FAKE_CUDA_IMEX", 0); }
@@ -119,13 +129,14 @@ static const char *names[][2] = {
   {"CUDA_ERROR_NOT_READY", "device not ready"},
   {"CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
   {"CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+  {"CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
 };
 static int name_index(CUresult e) {
   switch (e) {
     case OK: return 0; case INVALID_VALUE: return 1; case OUT_OF_MEMORY: return 2;
     case NO_DEVICE: return 3; case INVALID_DEVICE: return 4; case INVALID_HANDLE: return 5;
     case NOT_READY: return 7; case NOT_PERMITTED: return 8; case NOT_SUPPORTED: return 9;
-    case INVALID_CONTEXT: return 6;
+    case INVALID_CONTEXT: return 6; case ILLEGAL_ADDRESS: return 10;
     default: return -1;
   }
 }
@@ -301,6 +312,18 @@ static void *worker(void *arg) {
     if (!s->head) s->tail = NULL;
     s->busy = 1;
     pthread_mutex_unlock(&s->mu);
+    if (knob(&knob_fault, "FAKE_CUDA_FAULT", 0) && !__atomic_load_n(&sticky, __ATOMIC_SEQ_CST))
+      __atomic_store_n(&sticky, ILLEGAL_ADDRESS, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&sticky, __ATOMIC_SEQ_CST)) {
+      /* After a context error nothing more runs: no copy, no host function (the driver's
+       * documented behaviour); events never complete, and queries report the error. */
+      if (op->kind == OP_RECORD) event_done(op->ev);
+      free(op);
+      pthread_mutex_lock(&s->mu);
+      s->busy = 0;
+      pthread_cond_broadcast(&s->cv);
+      continue;
+    }
     switch (op->kind) {
       case OP_COPY: {
         long delay = knob(&knob_copy_us, "FAKE_CUDA_COPY_US", 0);
@@ -322,6 +345,8 @@ static void *worker(void *arg) {
 }
 static CUresult push(Stream *s, Op o) {
   if (!s) return INVALID_HANDLE; /* the legacy default stream is not modelled */
+  int e = __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
+  if (e) return e;
   Op *op = malloc(sizeof *op);
   if (!op) return OUT_OF_MEMORY;
   *op = o;
@@ -349,7 +374,7 @@ CUresult cuStreamSynchronize(Stream *s) {
   pthread_mutex_lock(&s->mu);
   while (s->head || s->busy) pthread_cond_wait(&s->cv, &s->mu);
   pthread_mutex_unlock(&s->mu);
-  return OK;
+  return __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
 }
 CUresult cuStreamDestroy_v2(Stream *s) {
   if (!s) return INVALID_HANDLE;
@@ -384,6 +409,8 @@ CUresult cuEventRecord(Event *e, Stream *s) {
 }
 CUresult cuEventQuery(Event *e) {
   if (!e) return INVALID_HANDLE;
+  int err = __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
+  if (err) return err;
   pthread_mutex_lock(&e->mu);
   long p = e->pending;
   pthread_mutex_unlock(&e->mu);
