@@ -288,6 +288,7 @@ enum { OP_COPY, OP_RECORD, OP_WAIT, OP_HOST };
 typedef struct Op { int kind; void *dst; const void *src; size_t n; Event *ev; CUhostFn fn; void *data; struct Op *next; } Op;
 typedef struct Stream {
   pthread_mutex_t mu; pthread_cond_t cv; Op *head, *tail; int busy, stop; pthread_t thread;
+  void *ctx; /* the context it was created in */
 } Stream;
 
 static void event_done(Event *e) {
@@ -343,8 +344,12 @@ static void *worker(void *arg) {
   pthread_mutex_unlock(&s->mu);
   return NULL;
 }
+/* Work goes onto a stream only with a context current, and only with the stream's own: the
+ * driver validates streams, events and pointers against the calling thread's context. */
+#define NEED_STREAM_CONTEXT(s) do { NEED_CONTEXT(); if ((s) && (s)->ctx != current) return INVALID_CONTEXT; } while (0)
 static CUresult push(Stream *s, Op o) {
   if (!s) return INVALID_HANDLE; /* the legacy default stream is not modelled */
+  NEED_STREAM_CONTEXT(s);
   int e = __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
   if (e) return e;
   Op *op = malloc(sizeof *op);
@@ -365,12 +370,14 @@ CUresult cuStreamCreate(Stream **out, unsigned flags) {
   if (!s) return OUT_OF_MEMORY;
   pthread_mutex_init(&s->mu, NULL);
   pthread_cond_init(&s->cv, NULL);
+  s->ctx = current;
   if (pthread_create(&s->thread, NULL, worker, s) != 0) { free(s); return OUT_OF_MEMORY; }
   *out = s;
   return OK;
 }
 CUresult cuStreamSynchronize(Stream *s) {
   if (!s) return OK;
+  NEED_STREAM_CONTEXT(s);
   pthread_mutex_lock(&s->mu);
   while (s->head || s->busy) pthread_cond_wait(&s->cv, &s->mu);
   pthread_mutex_unlock(&s->mu);
@@ -409,6 +416,7 @@ CUresult cuEventRecord(Event *e, Stream *s) {
 }
 CUresult cuEventQuery(Event *e) {
   if (!e) return INVALID_HANDLE;
+  NEED_CONTEXT();
   int err = __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
   if (err) return err;
   pthread_mutex_lock(&e->mu);

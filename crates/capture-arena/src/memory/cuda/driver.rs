@@ -633,7 +633,10 @@ impl Drop for Mapped {
     }
 }
 
-/// A non-blocking stream of one context.
+/// A non-blocking stream of one context. Every operation on it runs with its own context
+/// current (entered for the call, the caller's restored after), as cudarc's safe layer does:
+/// the driver validates streams, events and pointers against the current context, which on a
+/// Python thread is torch's.
 #[derive(Debug)]
 pub(crate) struct Stream {
     pub raw: cu::CUstream,
@@ -661,6 +664,7 @@ impl Stream {
 
     /// Blocks until all work on the stream has finished.
     pub fn synchronize(&self) -> Result<()> {
+        let _current = self.ctx.enter()?;
         // SAFETY: a valid stream.
         let rc = unsafe { cu::cuStreamSynchronize(self.raw) };
         check(rc, || "cuStreamSynchronize".into())
@@ -668,6 +672,7 @@ impl Stream {
 
     /// Makes later work on this stream wait for `event` (of any context of this process).
     pub fn wait(&self, event: &Event) -> Result<()> {
+        let _current = self.ctx.enter()?;
         // SAFETY: both handles are valid (the event outlives this call).
         let rc = unsafe { cu::cuStreamWaitEvent(self.raw, event.raw, 0) };
         check(rc, || "waiting on the producer's event".into())
@@ -682,6 +687,7 @@ impl Stream {
         f: unsafe extern "C" fn(*mut c_void),
         data: *mut c_void,
     ) -> Result<()> {
+        let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
         let rc = unsafe { cu::cuLaunchHostFunc(self.raw, Some(f), data) };
         check(rc, || "cuLaunchHostFunc".into())
@@ -695,6 +701,7 @@ impl Stream {
         if len == 0 {
             return Ok(());
         }
+        let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
         let rc = unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, len as usize, self.raw) };
         check(rc, || format!("device-to-device copy of {len} bytes"))
@@ -709,6 +716,7 @@ impl Stream {
         if len == 0 {
             return Ok(());
         }
+        let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
         let rc = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.cast(), len as usize, self.raw) };
         check(rc, || format!("host-to-device copy of {len} bytes"))
@@ -723,6 +731,7 @@ impl Stream {
         if len == 0 {
             return Ok(());
         }
+        let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
         let rc = unsafe { cu::cuMemcpyDtoHAsync_v2(dst.cast(), src, len as usize, self.raw) };
         check(rc, || format!("device-to-host copy of {len} bytes"))
@@ -781,6 +790,7 @@ impl Event {
 
     /// `Ok(true)` once all work before the event's record has finished.
     pub fn query(&self) -> Result<bool> {
+        let _current = self.ctx.enter()?;
         // SAFETY: a valid event.
         let rc = unsafe { cu::cuEventQuery(self.raw) };
         if rc == cu::CUresult::CUDA_ERROR_NOT_READY {
