@@ -44,6 +44,17 @@ def run(code: str, env: dict[str, str]) -> str:
     return out.stdout
 
 
+def run_trainer(producer: subprocess.Popen[str], trainer: str, env: dict[str, str]) -> str:
+    """Hands the producer's first line (its result) to a `trainer` process, which must print
+    "trainer ok"; returns the trainer's stdout. The producer keeps running."""
+    assert producer.stdout is not None
+    line = producer.stdout.readline()
+    assert line.startswith("{"), line
+    t = subprocess.run([sys.executable, "-c", trainer], env=env, input=line, capture_output=True, text=True, timeout=120)
+    assert t.returncode == 0 and "trainer ok" in t.stdout, t.stdout + t.stderr
+    return t.stdout
+
+
 @pytest.mark.skipif(HAS_DRIVER, reason="this machine has an NVIDIA driver; the test needs one without")
 def test_device_publication_without_a_driver_fails_the_batch_saying_what_to_change(make_sink):
     sink = make_sink(gpu_put=True)
@@ -103,10 +114,7 @@ print("trainer ok", flush=True)
     p = subprocess.Popen([sys.executable, "-c", producer], env=fake_gpu, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdin is not None
-        line = p.stdout.readline()
-        assert line.startswith("{"), line
-        t = subprocess.run([sys.executable, "-c", trainer], env=fake_gpu, input=line, capture_output=True, text=True, timeout=120)
-        assert t.returncode == 0 and "trainer ok" in t.stdout, t.stdout + t.stderr
+        run_trainer(p, trainer, fake_gpu)
         # Frees are one-way: give the writer a moment to apply them, then let the producer check.
         import time
 
@@ -161,12 +169,8 @@ print("trainer ok", flush=True)
 '''
     p = subprocess.Popen([sys.executable, "-c", producer], env=fake_gpu, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert p.stdout is not None and p.stdin is not None
-        line = p.stdout.readline()
-        assert line.startswith("{"), line
-        t = subprocess.run([sys.executable, "-c", trainer], env=fake_gpu, input=line, capture_output=True, text=True, timeout=60)
-        assert t.returncode == 0 and "trainer ok" in t.stdout, t.stdout + t.stderr
-        assert "forked from pid" in t.stdout, t.stdout
+        out = run_trainer(p, trainer, fake_gpu)
+        assert "forked from pid" in out, out
     finally:
         p.kill()
 
