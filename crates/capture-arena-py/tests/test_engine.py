@@ -302,3 +302,14 @@ def test_nvlink_forces_mooncakes_multi_node_transport_with_a_stand_in_mooncake(m
     monkeypatch.delenv("MC_FORCE_MNNVL")
     _engine.new_engine("nvlink_intra")
     assert _StandInEngine.seen[-1] == {"MC_FORCE_MNNVL": None, "MC_INTRANODE_NVLINK": "true"}, _StandInEngine.seen
+
+
+def test_a_small_nvlink_engine_arena_does_not_reserve_mooncakes_2_gib_pool() -> None:
+    """Mooncake's allocate_managed_buffer serves buffers of up to 256 MiB from a 2 GiB pool it
+    allocates whole (transfer_engine_py.h); an engine arena asks for at least one page more, so a
+    small arena costs 256 MiB of device memory and uses all of it; a larger one is its size."""
+    from capture_arena._engine import MOONCAKE_MAX_SLAB, managed_bytes
+
+    assert MOONCAKE_MAX_SLAB == 256 << 20
+    assert managed_bytes(64 << 20) == (256 << 20) + 4096
+    assert managed_bytes(1 << 30) == 1 << 30

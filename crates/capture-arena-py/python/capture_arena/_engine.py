@@ -103,6 +103,19 @@ def missing_transport(protocol: str, machine: str) -> str:
     )
 
 
+#: Mooncake's Python allocator (``allocate_managed_buffer``) serves buffers of up to this many
+#: bytes from slabs of a 2 GiB buffer it allocates and registers whole (``kDefaultBufferCapacity``,
+#: ``kSlabSizeKB`` in transfer_engine_py.h); a larger buffer gets an allocation of exactly its size.
+MOONCAKE_MAX_SLAB = 256 << 20
+
+
+def managed_bytes(nbytes: int) -> int:
+    """The size to ask ``allocate_managed_buffer`` for an arena of ``nbytes``: at least one page
+    over Mooncake's largest slab, so that a small arena costs 256 MiB of device memory, not the
+    2 GiB pool Mooncake would reserve for it; the arena then uses all of it."""
+    return max(int(nbytes), MOONCAKE_MAX_SLAB + 4096)
+
+
 def new_engine(protocol: str) -> tuple[Any, str]:
     """A TransferEngine initialised from the ``MOONCAKE_*`` variables, and its session name.
 
@@ -176,6 +189,15 @@ class EngineArena:
             # nvlink_intra): allocated by the engine, so it is exported to its readers. The
             # caller's current device is left as it was.
             self.device = 0 if device is None else int(device)
+            wanted = self.nbytes
+            self.nbytes = managed_bytes(wanted)
+            if self.nbytes != wanted:
+                logging.getLogger("capture_arena").info(
+                    "engine arena: %d bytes asked for, %d allocated (Mooncake serves buffers of up to "
+                    "256 MiB from a 2 GiB pool it reserves whole; a larger one gets exactly its size)",
+                    wanted,
+                    self.nbytes,
+                )
             with _on_device(self.device):
                 ptr = int(self.engine.allocate_managed_buffer(self.nbytes))
             if ptr == 0:
