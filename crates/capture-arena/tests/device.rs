@@ -532,3 +532,28 @@ fn fake_gpu_a_gpu_fault_fails_the_batch_instead_of_hanging_the_writer() {
     assert!(ok, "{s:?}");
     wait_all_free(&w);
 }
+
+#[test]
+fn fake_gpu_an_external_region_of_host_memory_is_refused_before_any_copy() {
+    let _g = setup();
+    // What Mooncake's allocate_managed_buffer returns when an earlier TransferEngine in the
+    // process set its allocator up for rdma: malloc'd host memory, not the GPU's.
+    let host = vec![0u8; 1 << 20];
+    let ptr = host.as_ptr() as u64;
+    // SAFETY: the check refuses the range before anything is written to it.
+    let e = unsafe { ExternalDeviceRegion::new(ptr, 1 << 20, 0, "engine-host:1".into(), ()) }
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, Error::Device { .. }), "{text}");
+    assert!(
+        text.contains("not device memory") && text.contains("SGLANG_SPEC_CAPTURE_PLACEMENT=arena"),
+        "{text}"
+    );
+    drop(host);
+    // Device memory whose end runs past its allocation is refused too.
+    let mem = DeviceBuffer::new(0, 1 << 20).unwrap();
+    // SAFETY: refused before use.
+    let e = unsafe { ExternalDeviceRegion::new(mem.ptr(), 2 << 20, 0, "engine-host:1".into(), ()) }
+        .unwrap_err();
+    assert!(e.to_string().contains("not device memory"), "{e}");
+}

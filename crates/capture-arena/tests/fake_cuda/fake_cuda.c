@@ -174,6 +174,42 @@ CUresult cuMemGetAllocationGranularity(size_t *g, const Prop *p, int option) {
  * export of a type the allocation was not created with fails, as on a real driver). */
 #define MAX_FDS 65536
 static int handle_types[MAX_FDS];
+static int handle_device[MAX_FDS];
+
+/* Device memory as the driver knows it, for cuPointerGetAttribute: cuMemAlloc allocations and
+ * cuMemMap mappings, with their device. */
+#define MAX_RANGES 4096
+static struct { uintptr_t start; size_t size; int dev; } ranges[MAX_RANGES];
+static pthread_mutex_t ranges_mu = PTHREAD_MUTEX_INITIALIZER;
+static void range_add(uintptr_t start, size_t size, int dev) {
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (!ranges[i].size) { ranges[i].start = start; ranges[i].size = size; ranges[i].dev = dev; break; }
+  pthread_mutex_unlock(&ranges_mu);
+}
+static void range_remove(uintptr_t start) {
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (ranges[i].size && ranges[i].start == start) ranges[i].size = 0;
+  pthread_mutex_unlock(&ranges_mu);
+}
+static int range_device(uintptr_t p) {
+  int dev = -1;
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (ranges[i].size && p >= ranges[i].start && p - ranges[i].start < ranges[i].size) { dev = ranges[i].dev; break; }
+  pthread_mutex_unlock(&ranges_mu);
+  return dev;
+}
+static int current_device(void) { return current ? (int)((intptr_t)current - 1) : 0; }
+enum { MEMORYTYPE_DEVICE = 2, ATTR_MEMORY_TYPE = 2, ATTR_DEVICE_ORDINAL = 9 };
+CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
+  int dev = range_device((uintptr_t)ptr);
+  if (dev < 0) return INVALID_VALUE; /* memory CUDA does not know (plain host memory) */
+  if (attr == ATTR_MEMORY_TYPE) { *(unsigned *)data = MEMORYTYPE_DEVICE; return OK; }
+  if (attr == ATTR_DEVICE_ORDINAL) { *(int *)data = dev; return OK; }
+  return NOT_SUPPORTED;
+}
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p, unsigned long long flags) {
   (void)flags;
   NEED_CONTEXT();
@@ -188,6 +224,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p
   if (fd < 0) return OUT_OF_MEMORY;
   if (ftruncate(fd, (off_t)size) != 0 || fd >= MAX_FDS) { close(fd); return OUT_OF_MEMORY; }
   handle_types[fd] = p->handle_types;
+  handle_device[fd] = p->loc_id;
   *h = (CUmemGenericAllocationHandle)fd + 1;
   return OK;
 }
@@ -237,6 +274,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
   if (fd < 0) return INVALID_VALUE;
   if (fd >= MAX_FDS) { close(fd); return OUT_OF_MEMORY; }
   handle_types[fd] = type;
+  handle_device[fd] = current_device(); /* the fake has one memory: the importer's device */
   *h = (CUmemGenericAllocationHandle)fd + 1;
   return OK;
 }
@@ -255,10 +293,15 @@ CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdevi
 CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) { return munmap((void *)(uintptr_t)ptr, size) == 0 ? OK : INVALID_VALUE; }
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags) {
   (void)flags;
-  void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, (int)h - 1, (off_t)offset);
-  return p == MAP_FAILED ? INVALID_VALUE : OK;
+  int fd = (int)h - 1;
+  if (fd < 0 || fd >= MAX_FDS) return INVALID_HANDLE;
+  void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, (off_t)offset);
+  if (p == MAP_FAILED) return INVALID_VALUE;
+  range_add((uintptr_t)ptr, size, handle_device[fd]);
+  return OK;
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  range_remove((uintptr_t)ptr);
   void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   return p == MAP_FAILED ? INVALID_VALUE : OK;
 }
@@ -275,9 +318,11 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
   if (p == MAP_FAILED) return OUT_OF_MEMORY;
   *(size_t *)p = size;
   *ptr = (CUdeviceptr)(uintptr_t)(p + ALLOC_HEADER);
+  range_add((uintptr_t)*ptr, size, current_device());
   return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
+  range_remove((uintptr_t)ptr);
   char *p = (char *)(uintptr_t)ptr - ALLOC_HEADER;
   return munmap(p, *(size_t *)p + ALLOC_HEADER) == 0 ? OK : INVALID_VALUE;
 }

@@ -32,6 +32,7 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuGetErrorName",
     "cuGetErrorString",
     "cuMemGetAllocationGranularity",
+    "cuPointerGetAttribute",
     "cuMemCreate",
     "cuMemRelease",
     "cuMemExportToShareableHandle",
@@ -337,6 +338,66 @@ fn uuid_of(device: cu::CUdevice, ordinal: i32) -> Result<String> {
         .iter()
         .map(|b| format!("{:02x}", *b as u8))
         .collect())
+}
+
+/// Checks that `[ptr, ptr + len)` is device memory of device `ordinal` as the driver sees it
+/// (its first and last byte: memory type and device), before anything is copied there.
+///
+/// # Errors
+/// [`Error::Device`] saying what the memory is instead (host memory, another device's, or
+/// memory CUDA does not know).
+pub(crate) fn check_device_range(ptr: u64, len: u64, ordinal: i32) -> Result<()> {
+    let what = || format!("checking {len} bytes at {ptr:#x} are memory of GPU {ordinal}");
+    let last = ptr.checked_add(len.max(1) - 1).ok_or_else(|| {
+        Error::device(
+            what(),
+            "the range wraps around the address space".to_string(),
+        )
+    })?;
+    for at in [ptr, last] {
+        let mut kind: u32 = 0;
+        // SAFETY: MEMORY_TYPE writes one unsigned int; the driver validates the pointer.
+        let rc = unsafe {
+            cu::cuPointerGetAttribute(
+                (&mut kind as *mut u32).cast(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                at,
+            )
+        };
+        if rc != cu::CUresult::CUDA_SUCCESS {
+            return Err(Error::device(
+                what(),
+                format!(
+                    "CUDA does not know the address {at:#x} ({}): it is plain host memory, not \
+                     device memory",
+                    describe(rc)
+                ),
+            ));
+        }
+        if kind != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(Error::device(
+                what(),
+                format!("the address {at:#x} is host memory (CUDA memory type {kind}), not device memory"),
+            ));
+        }
+        let mut device: c_int = -1;
+        // SAFETY: DEVICE_ORDINAL writes one int.
+        let rc = unsafe {
+            cu::cuPointerGetAttribute(
+                (&mut device as *mut c_int).cast(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                at,
+            )
+        };
+        check(rc, what)?;
+        if device != ordinal {
+            return Err(Error::device(
+                what(),
+                format!("the address {at:#x} is memory of GPU {device}, not of GPU {ordinal}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// True when device `from` can access memory of device `to` directly (peer access).

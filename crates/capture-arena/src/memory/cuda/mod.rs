@@ -526,7 +526,10 @@ impl ExternalDeviceRegion {
     /// the last copy.
     ///
     /// # Errors
-    /// [`Error::Device`] without a usable driver or device.
+    /// [`Error::Device`] without a usable driver or device, or when the driver says the range is
+    /// not memory of `ordinal` (host memory, say: Mooncake's `allocate_managed_buffer` returns
+    /// `malloc` memory when an earlier TransferEngine in the process set its process-wide
+    /// allocator up for another protocol).
     ///
     /// # Safety
     /// `[ptr, ptr + len)` must be device memory of `ordinal` (or mapped for it), writable, and
@@ -540,6 +543,23 @@ impl ExternalDeviceRegion {
     ) -> Result<ExternalDeviceRegion> {
         crate::memory::external::check_session(&session)?;
         let ctx = context(ordinal)?;
+        {
+            let _current = ctx.enter()?;
+            driver::check_device_range(ptr, len, ordinal).map_err(|e| match e {
+                Error::Device { what, reason } => Error::Device {
+                    what,
+                    reason: format!(
+                        "{reason}. A device arena taken from elsewhere must be device memory of \
+                         its GPU; a Mooncake TransferEngine's allocate_managed_buffer returns \
+                         host memory when an earlier TransferEngine in this process was \
+                         initialised with another protocol (its allocator is process-wide: \
+                         the first initialize() picks it). Set \
+                         SGLANG_SPEC_CAPTURE_PLACEMENT=arena for capture-arena's own device arena"
+                    ),
+                },
+                other => other,
+            })?;
+        }
         Ok(ExternalDeviceRegion {
             copier: Copier::new(ctx)?,
             ptr,
