@@ -557,3 +557,27 @@ fn fake_gpu_an_external_region_of_host_memory_is_refused_before_any_copy() {
         .unwrap_err();
     assert!(e.to_string().contains("not device memory"), "{e}");
 }
+
+#[test]
+fn fake_gpu_an_fd_arena_on_a_gpu_this_process_does_not_see_says_what_to_change() {
+    let _g = setup();
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    let p = publish(&w, device_sample("v", &[4096], false, false));
+    // The same session naming a GPU this process does not see (CUDA_VISIBLE_DEVICES hides the
+    // producer's): refused with what to change, before any import into another GPU's context.
+    let real: capture_arena::memory::cuda::CudaSession = p.arena.session.parse().unwrap();
+    let hidden = capture_arena::memory::cuda::CudaSession {
+        device_uuid: "0123456789abcdef0123456789abcdef".into(),
+        ..real
+    };
+    let e = FeatureStore::new()
+        .reader()
+        .open(&hidden.to_string())
+        .unwrap_err();
+    assert!(matches!(e, Error::Device { .. }), "{e}");
+    assert!(
+        e.to_string().contains("CUDA_VISIBLE_DEVICES")
+            && e.to_string().contains("SGLANG_SPEC_CAPTURE_TRANSPORT=nixl"),
+        "{e}"
+    );
+}

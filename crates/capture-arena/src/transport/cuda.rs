@@ -67,6 +67,21 @@ impl CudaTransport {
         // The arena's GPU if this process sees it (same node), else this process's device 0
         // (fabric import from another node).
         let home = driver::ordinal_of(&session.device_uuid)?;
+        if home.is_none() && local && session.handle == HandleType::PosixFd {
+            // A descriptor import names the producer's GPU, which this process cannot reach
+            // then (importing into another GPU's context fails with an opaque driver error).
+            return Err(Error::Device {
+                what: format!("importing the arena of {text}"),
+                reason: format!(
+                    "its GPU (UUID {}) is on this node but not visible to this process \
+                     (CUDA_VISIBLE_DEVICES={}): make it visible to the trainer (list it in \
+                     CUDA_VISIBLE_DEVICES, or leave that unset), or have the producer serve \
+                     its arena over NIXL (SGLANG_SPEC_CAPTURE_TRANSPORT=nixl)",
+                    session.device_uuid,
+                    std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
+                ),
+            });
+        }
         let ctx = context(home.unwrap_or(0))?;
         // The descriptor, from the producer's writer over the local reply path.
         let import_fd = || -> Result<Allocation> {
