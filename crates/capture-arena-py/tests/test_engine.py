@@ -271,25 +271,27 @@ class _StandInEngine:
     seen: list[dict[str, str | None]] = []
 
     def initialize(self, host: str, metadata: str, protocol: str, devices: str) -> int:
-        _StandInEngine.seen.append({k: os.environ.get(k) for k in ("MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK")})
+        _StandInEngine.seen.append({k: os.environ.get(k) for k in ("MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK", "MC_FORCE_TCP")})
         return 0
 
     def get_rpc_port(self) -> int:
         return 4242
 
 
-def test_nvlink_forces_mooncakes_multi_node_transport_with_a_stand_in_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MOONCAKE_PROTOCOL=nvlink selects only Mooncake's allocator; on a host with RDMA NICs its
-    transport would be RDMA. The engine is made with MC_FORCE_MNNVL=true (unless the user set
-    it), nvlink_intra with MC_INTRANODE_NVLINK=true. A stand-in mooncake.engine module, since the
-    CUDA wheels with these transports cannot run here."""
+def test_the_protocol_forces_mooncakes_transport_with_a_stand_in_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOONCAKE_PROTOCOL selects only Mooncake's allocator; its transport comes from the
+    environment and the host's devices (on a host with RDMA NICs: RDMA). The engine is made with
+    MC_FORCE_MNNVL=true under nvlink, MC_INTRANODE_NVLINK=true under nvlink_intra, MC_FORCE_TCP=1
+    under tcp (a value the user set stands), and the placement says which transport it got. A
+    stand-in mooncake.engine module, since the CUDA wheels with these transports cannot run
+    here."""
     import types
 
     from capture_arena import _engine
 
     stand_in = types.SimpleNamespace(SUPPORT_MNNVL=True, SUPPORT_INTRA_NVLINK=True, TransferEngine=_StandInEngine)
     monkeypatch.setitem(sys.modules, "mooncake.engine", stand_in)
-    for k in ("MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK"):
+    for k in ("MC_FORCE_MNNVL", "MC_INTRANODE_NVLINK", "MC_FORCE_TCP"):
         monkeypatch.setenv(k, "")  # recorded, so what new_engine sets is undone after the test
         monkeypatch.delenv(k)
     _StandInEngine.seen.clear()
@@ -301,7 +303,15 @@ def test_nvlink_forces_mooncakes_multi_node_transport_with_a_stand_in_mooncake(m
     assert _StandInEngine.seen[-1]["MC_FORCE_MNNVL"] == "false", _StandInEngine.seen
     monkeypatch.delenv("MC_FORCE_MNNVL")
     _engine.new_engine("nvlink_intra")
-    assert _StandInEngine.seen[-1] == {"MC_FORCE_MNNVL": None, "MC_INTRANODE_NVLINK": "true"}, _StandInEngine.seen
+    assert _StandInEngine.seen[-1] == {"MC_FORCE_MNNVL": None, "MC_INTRANODE_NVLINK": "true", "MC_FORCE_TCP": None}, _StandInEngine.seen
+    # "tcp" is TCP even on a host with RDMA devices, where Mooncake would install RDMA.
+    monkeypatch.delenv("MC_INTRANODE_NVLINK")
+    _engine.new_engine("tcp")
+    assert _StandInEngine.seen[-1]["MC_FORCE_TCP"] == "1", _StandInEngine.seen
+    assert _engine.transport_of("tcp", True).startswith("TCP"), _engine.transport_of("tcp", True)
+    monkeypatch.delenv("MC_FORCE_TCP")
+    assert _engine.transport_of("rdma", True).startswith("RDMA")
+    assert "no RDMA device" in _engine.transport_of("rdma", False)
 
 
 def test_a_small_nvlink_engine_arena_does_not_reserve_mooncakes_2_gib_pool() -> None:

@@ -103,6 +103,31 @@ def missing_transport(protocol: str, machine: str) -> str:
     )
 
 
+def has_rdma_device() -> bool:
+    """True when this host shows an RDMA device (``/sys/class/infiniband``), as Mooncake's
+    topology discovery would find one."""
+    try:
+        return any(True for _ in os.scandir("/sys/class/infiniband"))
+    except OSError:
+        return False
+
+
+def transport_of(protocol: str, rdma_device: bool) -> str:
+    """Which transport Mooncake's engine installs for ``protocol`` here, from the environment as
+    new_engine leaves it (Mooncake chooses from the environment and the host's devices, not from
+    the protocol string): what the placement logs."""
+    env = os.environ
+    if env.get("MC_FORCE_TCP") is not None:
+        return f"TCP (MOONCAKE_PROTOCOL={protocol}, MC_FORCE_TCP={env['MC_FORCE_TCP']!r})"
+    if protocol == "nvlink_intra" and env.get("MC_INTRANODE_NVLINK") is not None:
+        return "intra-node NVLink (MC_INTRANODE_NVLINK)"
+    if protocol == "nvlink" and env.get("MC_FORCE_MNNVL") is not None:
+        return "multi-node NVLink (MC_FORCE_MNNVL)"
+    if rdma_device or env.get("MC_FORCE_HCA") is not None:
+        return f"RDMA (MOONCAKE_PROTOCOL={protocol}; this host has RDMA devices)"
+    return f"TCP (MOONCAKE_PROTOCOL={protocol}, but this host has no RDMA device: Mooncake falls back to TCP)"
+
+
 #: Mooncake's Python allocator (``allocate_managed_buffer``) serves buffers of up to this many
 #: bytes from slabs of a 2 GiB buffer it allocates and registers whole (``kDefaultBufferCapacity``,
 #: ``kSlabSizeKB`` in transfer_engine_py.h); a larger buffer gets an allocation of exactly its size.
@@ -128,14 +153,19 @@ def new_engine(protocol: str) -> tuple[Any, str]:
             raise ConfigError(missing_transport(protocol, platform.machine()))
         # The protocol string selects only Mooncake's allocator; its transport comes from the
         # environment, and on a host with RDMA NICs (every GB200 tray) it would be RDMA unless
-        # multi-node NVLink is forced. Set in producer and readers alike (MC_FORCE_MNNVL=false to
-        # opt out).
+        # multi-node NVLink is forced (Mooncake tests only that the variable is set). Set in
+        # producer and readers alike; a value the user set stands.
         os.environ.setdefault("MC_FORCE_MNNVL", "true")
     if protocol == "nvlink_intra":
         if not getattr(me, "SUPPORT_INTRA_NVLINK", False):
             raise ConfigError(missing_transport(protocol, platform.machine()))
         # Mooncake picks its transport from the environment: this selects intra-node NVLink.
         os.environ.setdefault("MC_INTRANODE_NVLINK", "true")
+    if protocol == "tcp":
+        # Mooncake installs RDMA on any host with an RDMA device unless MC_FORCE_TCP is set (any
+        # value): "tcp" means TCP (MC_FORCE_TCP set by the user stands).
+        os.environ.setdefault("MC_FORCE_TCP", "1")
+    logging.getLogger("capture_arena").info("TransferEngine: %s", transport_of(protocol, has_rdma_device()))
     host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or "127.0.0.1"
     # P2PHANDSHAKE names each engine `<host>:<rpc_port>`, which is the session results carry.
     # MOONCAKE_METADATA_SERVER (the store's) is not used: with it every engine on a host
