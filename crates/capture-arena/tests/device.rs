@@ -581,3 +581,32 @@ fn fake_gpu_an_fd_arena_on_a_gpu_this_process_does_not_see_says_what_to_change()
         "{e}"
     );
 }
+
+#[test]
+fn fake_gpu_a_tensor_on_a_stream_of_another_context_is_waited_for_in_that_context() {
+    let Some(_g) = setup_fake(
+        "fake_gpu_a_tensor_on_a_stream_of_another_context_is_waited_for_in_that_context",
+    ) else {
+        return;
+    };
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    // The producer's stream belongs to a context of its own, not the device's primary one: the
+    // event the writer waits on is made in the stream's context (the driver refuses an event and
+    // a stream of different contexts).
+    let stream = fake_cuda::foreign_stream(0);
+    let bytes = bytes_of("o", "t0", 5000);
+    let buf = DeviceBuffer::new(0, 5000).unwrap();
+    buf.upload(0, &bytes).unwrap();
+    // SAFETY: device memory of 5000 bytes owned by the tensor; `stream` is a live stream of
+    // device 0.
+    let data = unsafe { TensorData::device(buf.ptr(), 5000, 0, Some(stream), buf) }.unwrap();
+    let mut s = Sample::new("st", "o", 1).unwrap();
+    s.push(Tensor::new("t0", vec![5000], Dtype::Uint8, data).unwrap())
+        .unwrap();
+    let p = publish(&w, s);
+    let store = FeatureStore::new();
+    read_and_check(&store, &p);
+    store.release(&p).unwrap();
+    store.flush().unwrap();
+    wait_all_free(&w);
+}

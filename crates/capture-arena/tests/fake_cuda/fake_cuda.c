@@ -114,6 +114,16 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice d) { (void)d; return OK; }
  * need one (INVALID_CONTEXT otherwise), so the tests catch a missing bind. */
 static __thread void *current;
 CUresult cuCtxSetCurrent(void *ctx) { current = ctx; return OK; }
+/* Contexts besides the primary ones ((device + 1)): (k << 16) + device + 1, made current. */
+static long created_contexts;
+CUresult cuCtxCreate_v2(void **pctx, unsigned flags, CUdevice d) {
+  (void)flags;
+  if (d < 0 || d >= devices()) return INVALID_DEVICE;
+  long k = __atomic_add_fetch(&created_contexts, 1, __ATOMIC_SEQ_CST);
+  *pctx = (void *)(intptr_t)((k << 16) + d + 1);
+  current = *pctx;
+  return OK;
+}
 CUresult cuCtxGetCurrent(void **ctx) { *ctx = current; return OK; }
 void *fake_cuda_current(void) { return current; }
 #define NEED_CONTEXT() do { if (!current) return INVALID_CONTEXT; } while (0)
@@ -201,7 +211,7 @@ static int range_device(uintptr_t p) {
   pthread_mutex_unlock(&ranges_mu);
   return dev;
 }
-static int current_device(void) { return current ? (int)((intptr_t)current - 1) : 0; }
+static int current_device(void) { return current ? (int)(((intptr_t)current - 1) & 0xffff) : 0; }
 enum { MEMORYTYPE_DEVICE = 2, ATTR_MEMORY_TYPE = 2, ATTR_DEVICE_ORDINAL = 9 };
 CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
   int dev = range_device((uintptr_t)ptr);
@@ -328,7 +338,7 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
 }
 
 /* ---- streams and events ---- */
-typedef struct Event { pthread_mutex_t mu; pthread_cond_t cv; long pending; } Event;
+typedef struct Event { pthread_mutex_t mu; pthread_cond_t cv; long pending; void *ctx; } Event;
 enum { OP_COPY, OP_RECORD, OP_WAIT, OP_HOST };
 typedef struct Op { int kind; void *dst; const void *src; size_t n; Event *ev; CUhostFn fn; void *data; struct Op *next; } Op;
 typedef struct Stream {
@@ -420,6 +430,10 @@ CUresult cuStreamCreate(Stream **out, unsigned flags) {
   *out = s;
   return OK;
 }
+CUresult cuStreamGetCtx(Stream *s, void **pctx) {
+  *pctx = s ? s->ctx : current;
+  return OK;
+}
 CUresult cuStreamSynchronize(Stream *s) {
   if (!s) return OK;
   NEED_STREAM_CONTEXT(s);
@@ -446,6 +460,7 @@ CUresult cuEventCreate(Event **out, unsigned flags) {
   if (!e) return OUT_OF_MEMORY;
   pthread_mutex_init(&e->mu, NULL);
   pthread_cond_init(&e->cv, NULL);
+  e->ctx = current;
   *out = e;
   return OK;
 }
@@ -453,6 +468,7 @@ CUresult cuEventDestroy_v2(Event *e) { if (!e) return INVALID_HANDLE; event_wait
 CUresult cuEventRecord(Event *e, Stream *s) {
   if (!e) return INVALID_HANDLE;
   if (!s) return OK; /* nothing runs on the fake default stream: complete at once */
+  if (e->ctx != s->ctx) return INVALID_HANDLE; /* event and stream of one context (driver docs) */
   pthread_mutex_lock(&e->mu);
   e->pending++;
   pthread_mutex_unlock(&e->mu);

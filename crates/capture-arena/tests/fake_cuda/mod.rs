@@ -94,3 +94,31 @@ pub fn allocations(rdma: bool) -> i64 {
         f(std::ffi::c_int::from(rdma)) as i64
     }
 }
+
+/// A stream of a context of the caller's own on `device` (not the device's primary context, as a
+/// library with its own contexts makes them); the calling thread's current context is left as
+/// it was (none).
+pub fn foreign_stream(device: i32) -> u64 {
+    type CtxCreate = extern "C" fn(*mut *mut std::ffi::c_void, u32, i32) -> i32;
+    type StreamCreate = extern "C" fn(*mut *mut std::ffi::c_void, u32) -> i32;
+    type SetCurrent = extern "C" fn(*mut std::ffi::c_void) -> i32;
+    let sym = |name: &str| {
+        let c = std::ffi::CString::new(name).unwrap();
+        // SAFETY: looks up a symbol of the loaded fake driver.
+        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c.as_ptr()) };
+        assert!(!f.is_null(), "the fake driver has no {name}");
+        f
+    };
+    // SAFETY: the fake's functions have these signatures (fake_cuda.c).
+    unsafe {
+        let create: CtxCreate = std::mem::transmute(sym("cuCtxCreate_v2"));
+        let stream: StreamCreate = std::mem::transmute(sym("cuStreamCreate"));
+        let set: SetCurrent = std::mem::transmute(sym("cuCtxSetCurrent"));
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(create(&mut ctx, 0, device), 0);
+        let mut s = std::ptr::null_mut();
+        assert_eq!(stream(&mut s, 1), 0);
+        assert_eq!(set(std::ptr::null_mut()), 0);
+        s as u64
+    }
+}

@@ -33,6 +33,7 @@ pub(crate) const SYMBOLS: &[&str] = &[
     "cuGetErrorString",
     "cuMemGetAllocationGranularity",
     "cuPointerGetAttribute",
+    "cuStreamGetCtx",
     "cuMemCreate",
     "cuMemRelease",
     "cuMemExportToShareableHandle",
@@ -873,9 +874,41 @@ impl Drop for Event {
 
 /// Records an event on a caller's raw stream of device `ordinal`, now.
 pub(crate) fn event_on(ordinal: i32, stream: u64) -> Result<Event> {
-    let e = Event::new(&context(ordinal)?)?;
-    e.record_raw(stream as usize as cu::CUstream)?;
+    let primary = context(ordinal)?;
+    let raw = stream as usize as cu::CUstream;
+    let ctx = if stream == 0 {
+        primary
+    } else {
+        stream_context(&primary, raw)?
+    };
+    let e = Event::new(&ctx)?;
+    e.record_raw(raw)?;
     Ok(e)
+}
+
+/// The context a caller's `stream` belongs to (`cuStreamGetCtx`): an event recorded on it must
+/// be made in that same context. `primary` when it is the device's primary context (torch's
+/// streams); else a handle of the stream's own context, not retained (it lives at least as long
+/// as the caller's stream, which outlives the event recorded on it).
+fn stream_context(primary: &Arc<Context>, stream: cu::CUstream) -> Result<Arc<Context>> {
+    let _current = primary.enter()?;
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: the driver validates the stream handle; writes one context handle.
+    let rc = unsafe { cu::cuStreamGetCtx(stream, &mut ctx) };
+    check(rc, || {
+        format!(
+            "finding the context of the caller's stream on GPU {}",
+            primary.ordinal
+        )
+    })?;
+    if ctx.is_null() || ctx == primary.ctx {
+        return Ok(primary.clone());
+    }
+    Ok(Arc::new(Context {
+        device: primary.device,
+        ctx,
+        ordinal: primary.ordinal,
+    }))
 }
 
 /// Device memory from `cuMemAlloc` (benchmarks, tests, the CLI's device buffers).
