@@ -33,6 +33,8 @@ fn setup() -> MutexGuard<'static, ()> {
     let g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     if !real_gpu() {
         fake_cuda::load(env!("CARGO_TARGET_TMPDIR"));
+        // Two GPUs, set before the driver is first used (the count is read once per process).
+        fake_cuda::knob("devices", 2);
         for (k, v) in [
             ("copy_us", 0),
             ("fail_copies_after", -1),
@@ -606,6 +608,34 @@ fn fake_gpu_a_tensor_on_a_stream_of_another_context_is_waited_for_in_that_contex
     let p = publish(&w, s);
     let store = FeatureStore::new();
     read_and_check(&store, &p);
+    store.release(&p).unwrap();
+    store.flush().unwrap();
+    wait_all_free(&w);
+}
+
+#[test]
+fn fake_gpu_a_tensor_of_another_gpus_vmm_pool_is_copied_on_that_gpus_stream() {
+    let Some(_g) =
+        setup_fake("fake_gpu_a_tensor_of_another_gpus_vmm_pool_is_copied_on_that_gpus_stream")
+    else {
+        return;
+    };
+    let w = Writer::start(&device_config(4 << 20, Duration::from_secs(1))).unwrap();
+    // A tensor on GPU 1 from a VMM pool (torch's expandable segments): only GPU 1 was granted
+    // access to it, so GPU 0's stream cannot read it; the copy runs on a stream of GPU 1, which
+    // the arena (on GPU 0, mapped for its peers) lets write.
+    let bytes = bytes_of("p", "t0", 70_000);
+    let ptr = fake_cuda::vmm_buffer(1, &bytes);
+    // SAFETY: 70 000 bytes of GPU 1 memory, never freed (the test's lifetime).
+    let data = unsafe { TensorData::device(ptr, 70_000, 1, None, ()) }.unwrap();
+    let mut s = device_sample("p", &[4096], true, false);
+    s.push(Tensor::new("t1", vec![70_000], Dtype::Uint8, data).unwrap())
+        .unwrap();
+    let p = publish(&w, s);
+    let mut back = vec![0u8; 70_000];
+    let store = FeatureStore::new();
+    store.get_into(&p, "t1", &mut back).unwrap();
+    assert_eq!(back, bytes);
     store.release(&p).unwrap();
     store.flush().unwrap();
     wait_all_free(&w);

@@ -54,7 +54,11 @@ static int env_int(const char *k, int dflt) {
   return v && *v ? atoi(v) : dflt;
 }
 
-static int devices(void) { return env_int("FAKE_CUDA_DEVICES", 1); }
+static long knob_devices = -2; /* set before the driver is first used: cuDeviceGetCount is read once */
+static int devices(void) {
+  long v = __atomic_load_n(&knob_devices, __ATOMIC_SEQ_CST);
+  return v == -2 ? env_int("FAKE_CUDA_DEVICES", 1) : (int)v;
+}
 
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
 static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2,
@@ -73,7 +77,8 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "fabric_attr") ? &knob_fabric_attr
           : !strcmp(name, "imex") ? &knob_imex
           : !strcmp(name, "gdr_attr") ? &knob_gdr_attr
-          : !strcmp(name, "fault") ? &knob_fault : NULL;
+          : !strcmp(name, "fault") ? &knob_fault
+          : !strcmp(name, "devices") ? &knob_devices : NULL;
   if (!k) return -3;
   if (k == &knob_fail_after) __atomic_store_n(&copies, 0, __ATOMIC_SEQ_CST);
   if (k == &knob_fault && value == 0) __atomic_store_n(&sticky, 0, __ATOMIC_SEQ_CST);
@@ -189,13 +194,37 @@ static int handle_device[MAX_FDS];
 /* Device memory as the driver knows it, for cuPointerGetAttribute: cuMemAlloc allocations and
  * cuMemMap mappings, with their device. */
 #define MAX_RANGES 4096
-static struct { uintptr_t start; size_t size; int dev; } ranges[MAX_RANGES];
+static struct { uintptr_t start; size_t size; int dev; unsigned access; } ranges[MAX_RANGES];
 static pthread_mutex_t ranges_mu = PTHREAD_MUTEX_INITIALIZER;
-static void range_add(uintptr_t start, size_t size, int dev) {
+/* access: the devices that may touch the range (bit per device): a cuMemMap mapping has none
+ * until cuMemSetAccess grants them; cuMemAlloc memory any (the driver stages copies between
+ * devices without peer access). */
+static void range_add(uintptr_t start, size_t size, int dev, unsigned access) {
   pthread_mutex_lock(&ranges_mu);
   for (int i = 0; i < MAX_RANGES; i++)
-    if (!ranges[i].size) { ranges[i].start = start; ranges[i].size = size; ranges[i].dev = dev; break; }
+    if (!ranges[i].size) {
+      ranges[i].start = start; ranges[i].size = size; ranges[i].dev = dev; ranges[i].access = access;
+      break;
+    }
   pthread_mutex_unlock(&ranges_mu);
+}
+static void range_grant(uintptr_t start, unsigned access) {
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (ranges[i].size && ranges[i].start == start) ranges[i].access |= access;
+  pthread_mutex_unlock(&ranges_mu);
+}
+/* True unless `p` lies in device memory that device `dev` was not granted access to. */
+static int accessible(uintptr_t p, int dev) {
+  int ok = 1;
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_RANGES; i++)
+    if (ranges[i].size && p >= ranges[i].start && p - ranges[i].start < ranges[i].size) {
+      ok = (ranges[i].access >> dev) & 1;
+      break;
+    }
+  pthread_mutex_unlock(&ranges_mu);
+  return ok;
 }
 static void range_remove(uintptr_t start) {
   pthread_mutex_lock(&ranges_mu);
@@ -307,7 +336,7 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
   if (fd < 0 || fd >= MAX_FDS) return INVALID_HANDLE;
   void *p = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, (off_t)offset);
   if (p == MAP_FAILED) return INVALID_VALUE;
-  range_add((uintptr_t)ptr, size, handle_device[fd]);
+  range_add((uintptr_t)ptr, size, handle_device[fd], 0);
   return OK;
 }
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
@@ -317,9 +346,14 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 }
 typedef struct { int loc_type; int loc_id; int flags; } AccessDesc;
 CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const AccessDesc *d, size_t count) {
-  for (size_t i = 0; i < count; i++)
+  unsigned access = 0;
+  for (size_t i = 0; i < count; i++) {
     if (d[i].loc_id < 0 || d[i].loc_id >= devices()) return INVALID_DEVICE;
-  return mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) == 0 ? OK : INVALID_VALUE;
+    access |= 1u << d[i].loc_id;
+  }
+  if (mprotect((void *)(uintptr_t)ptr, size, PROT_READ | PROT_WRITE) != 0) return INVALID_VALUE;
+  range_grant((uintptr_t)ptr, access);
+  return OK;
 }
 #define ALLOC_HEADER 4096
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
@@ -328,7 +362,7 @@ CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
   if (p == MAP_FAILED) return OUT_OF_MEMORY;
   *(size_t *)p = size;
   *ptr = (CUdeviceptr)(uintptr_t)(p + ALLOC_HEADER);
-  range_add((uintptr_t)*ptr, size, current_device());
+  range_add((uintptr_t)*ptr, size, current_device(), ~0u);
   return OK;
 }
 CUresult cuMemFree_v2(CUdeviceptr ptr) {
@@ -496,6 +530,14 @@ CUresult cuLaunchHostFunc(Stream *s, CUhostFn fn, void *data) {
   return push(s, o);
 }
 static CUresult copy(void *dst, const void *src, size_t n, Stream *s) {
+  /* A copy runs on its stream's device, which must have access to both ends (a VMM mapping of
+   * another device's memory needs a grant; see range_add). */
+  if (s && n) {
+    int dev = (int)(((intptr_t)s->ctx - 1) & 0xffff);
+    if (!accessible((uintptr_t)dst, dev) || !accessible((uintptr_t)src, dev) ||
+        !accessible((uintptr_t)dst + n - 1, dev) || !accessible((uintptr_t)src + n - 1, dev))
+      return INVALID_VALUE;
+  }
   long limit = knob(&knob_fail_after, "FAKE_CUDA_FAIL_COPIES_AFTER", -1);
   if (limit >= 0 && __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST) > limit) return INVALID_VALUE;
   Op o = {.kind = OP_COPY, .dst = dst, .src = src, .n = n};

@@ -166,6 +166,26 @@ struct Copier {
     /// Boxed so its address stays fixed for the host function that wakes the writer.
     notifier: Option<Box<Notifier>>,
     in_flight: bool,
+    /// Recorded on `stream` before a batch's copies from other GPUs, which wait for it (so a
+    /// freed object's stamp is cleared before anything else is placed there).
+    fence: Event,
+    /// Copies from tensors on other GPUs run on a stream of the source's GPU (made on first
+    /// use), whose context can read the source (memory of a VMM pool, torch's expandable
+    /// segments, is accessible only to the devices it was granted to; the arena is mapped for
+    /// every peer); `stream` waits for each one's join event.
+    peers: Vec<Peer>,
+    /// Whether other GPUs may write the region (capture-arena's own arena, mapped for every
+    /// peer); else every copy runs on `stream`.
+    peers_write: bool,
+}
+
+/// A stream of another GPU that copies that GPU's tensors into the arena.
+#[derive(Debug)]
+struct Peer {
+    ordinal: i32,
+    stream: Stream,
+    /// Recorded after the batch's copies on `stream`; the writer's stream waits for it.
+    joined: Event,
 }
 
 /// The host function enqueued after a batch's copies: wakes the writer.
@@ -177,14 +197,40 @@ unsafe extern "C" fn wake_writer(data: *mut c_void) {
 }
 
 impl Copier {
-    fn new(ctx: Arc<Context>) -> Result<Copier> {
+    fn new(ctx: Arc<Context>, peers_write: bool) -> Result<Copier> {
         Ok(Copier {
+            peers_write,
             stream: Stream::new(&ctx)?,
             done: Event::new(&ctx)?,
+            fence: Event::new(&ctx)?,
             ctx,
             notifier: None,
             in_flight: false,
+            peers: Vec::new(),
         })
+    }
+
+    /// The stream of GPU `ordinal` for copies from its tensors, made on first use.
+    fn peer(&mut self, ordinal: i32) -> Result<usize> {
+        if let Some(i) = self.peers.iter().position(|p| p.ordinal == ordinal) {
+            return Ok(i);
+        }
+        let ctx = context(ordinal)?;
+        self.peers.push(Peer {
+            ordinal,
+            stream: Stream::new(&ctx)?,
+            joined: Event::new(&ctx)?,
+        });
+        Ok(self.peers.len() - 1)
+    }
+
+    /// Waits for every copy enqueued so far, on every stream (errors logged).
+    fn synchronize_all(&self, why: &str) {
+        for s in std::iter::once(&self.stream).chain(self.peers.iter().map(|p| &p.stream)) {
+            if let Err(e) = s.synchronize() {
+                tracing::error!(error = %e, "{why}");
+            }
+        }
     }
 
     /// Enqueues every copy of a batch into `[base, base + len)`.
@@ -195,7 +241,7 @@ impl Copier {
         if enqueued.is_err() {
             // Copies already enqueued may still read the sources: finish them before the
             // caller drops the batch.
-            let _ = self.stream.synchronize();
+            self.synchronize_all("waiting for a failed batch's device copies");
             return enqueued;
         }
         self.in_flight = true;
@@ -214,15 +260,37 @@ impl Copier {
                 unsafe { self.stream.copy_htod(base + op.offset, src, n as u64)? }
             }
         }
+        let mut fenced = false;
+        let mut used: Vec<usize> = Vec::new();
         for op in ops {
             if let TensorData::Device(d) = op.data {
+                let stream = if d.device == self.ctx.ordinal || !self.peers_write {
+                    &self.stream
+                } else {
+                    if !fenced {
+                        self.fence.record(&self.stream)?;
+                        fenced = true;
+                    }
+                    let i = self.peer(d.device)?;
+                    if !used.contains(&i) {
+                        self.peers[i].stream.wait(&self.fence)?;
+                        used.push(i);
+                    }
+                    &self.peers[i].stream
+                };
                 if let Some(ready) = &d.ready {
-                    self.stream.wait(&ready.0)?;
+                    stream.wait(&ready.0)?;
                 }
                 // SAFETY: as above; the source is device memory its constructor's caller
-                // promised stays valid and unchanged until the batch's data is dropped.
-                unsafe { self.stream.copy_dtod(base + op.offset, d.ptr, d.len)? }
+                // promised stays valid and unchanged until the batch's data is dropped; the
+                // arena is mapped for every peer of its GPU (`Mapped::new`).
+                unsafe { stream.copy_dtod(base + op.offset, d.ptr, d.len)? }
             }
+        }
+        for &i in &used {
+            let peer = &self.peers[i];
+            peer.joined.record(&peer.stream)?;
+            self.stream.wait(&peer.joined)?;
         }
         self.done.record(&self.stream)?;
         if let Some(n) = &self.notifier {
@@ -243,9 +311,20 @@ impl Copier {
                 self.in_flight = false;
                 Ok(Progress::Done)
             }
-            Ok(false) => Ok(Progress::Waiting),
+            Ok(false) => {
+                // A fault on another GPU's stream is that context's error: the join it never
+                // records would keep `done` waiting. Its event says so.
+                match self.peers.iter().find_map(|p| p.joined.query().err()) {
+                    Some(e) => {
+                        self.synchronize_all("waiting for device copies after a fault");
+                        self.in_flight = false;
+                        Err(e)
+                    }
+                    None => Ok(Progress::Waiting),
+                }
+            }
             Err(e) => {
-                let _ = self.stream.synchronize();
+                self.synchronize_all("waiting for device copies after a fault");
                 self.in_flight = false;
                 Err(e)
             }
@@ -254,9 +333,7 @@ impl Copier {
 
     fn abandon(&mut self) {
         if self.in_flight {
-            if let Err(e) = self.stream.synchronize() {
-                tracing::error!(error = %e, "waiting for abandoned device copies failed");
-            }
+            self.synchronize_all("waiting for abandoned device copies failed");
             self.in_flight = false;
         }
     }
@@ -282,9 +359,7 @@ impl Copier {
 impl Drop for Copier {
     fn drop(&mut self) {
         // Host functions and copies must finish before the notifier and the memory go.
-        if let Err(e) = self.stream.synchronize() {
-            tracing::error!(error = %e, "waiting for device copies before dropping the region");
-        }
+        self.synchronize_all("waiting for device copies before dropping the region");
     }
 }
 
@@ -391,7 +466,8 @@ impl DeviceRegion {
             reply: String::new(),
         };
         Ok(DeviceRegion {
-            copier: Copier::new(ctx.clone())?,
+            // Mapped for every peer of its GPU (above): other GPUs' streams may write it.
+            copier: Copier::new(ctx.clone(), true)?,
             len: size,
             text: session.to_string(),
             session,
@@ -561,7 +637,9 @@ impl ExternalDeviceRegion {
             })?;
         }
         Ok(ExternalDeviceRegion {
-            copier: Copier::new(ctx)?,
+            // Someone else's mapping, whose access grants are unknown: every copy runs on
+            // its GPU's stream.
+            copier: Copier::new(ctx, false)?,
             ptr,
             len,
             session,
