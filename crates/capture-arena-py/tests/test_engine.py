@@ -323,3 +323,49 @@ def test_a_small_nvlink_engine_arena_does_not_reserve_mooncakes_2_gib_pool() -> 
     assert MOONCAKE_MAX_SLAB == 256 << 20
     assert managed_bytes(64 << 20) == (256 << 20) + 4096
     assert managed_bytes(1 << 30) == 1 << 30
+
+
+class _StandInIntraEngine(_StandInEngine):
+    """A stand-in TransferEngine under nvlink_intra: registering local memory fails as Mooncake's
+    does for VMM and cudaMallocAsync memory (cudaIpcGetMemHandle), and reads copy host bytes."""
+
+    remote = bytearray(b"\x07" * 64)
+
+    def register_memory(self, addr: int, n: int) -> int:
+        return -1
+
+    def unregister_memory(self, addr: int) -> int:
+        return 0
+
+    def transfer_sync_read(self, session: str, local: int, remote: int, n: int) -> int:
+        import ctypes
+
+        ctypes.memmove(local, bytes(self.remote[remote : remote + n]), n)
+        return 0
+
+    def batch_transfer_sync_read(self, session: str, locals_: list[int], remotes: list[int], ns: list[int]) -> int:
+        for local, remote, n in zip(locals_, remotes, ns):
+            self.transfer_sync_read(session, local, remote, n)
+        return 0
+
+
+def test_an_nvlink_intra_read_registers_no_output_with_a_stand_in_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's intra-node NVLink transport copies straight into the local address: an
+    nvlink_intra read registers no output (registering one exports its whole caching-allocator
+    segment with cudaIpcGetMemHandle, which fails on torch's expandable segments). A stand-in
+    mooncake.engine module whose registration fails as that does; host arrays stand in for the
+    CUDA outputs (no GPU here)."""
+    import types
+
+    import numpy as np
+
+    from capture_arena import _engine
+
+    stand_in = types.SimpleNamespace(SUPPORT_MNNVL=False, SUPPORT_INTRA_NVLINK=True, TransferEngine=_StandInIntraEngine)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", stand_in)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink_intra")
+    monkeypatch.setenv("MC_INTRANODE_NVLINK", "true")
+    reader = _engine.EngineReader()
+    out = np.zeros(16, dtype=np.uint8)
+    reader.read("127.0.0.1:4242", [(8, int(out.ctypes.data), 16)], keep=out)
+    assert out.tolist() == [7] * 16

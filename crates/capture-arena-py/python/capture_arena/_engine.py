@@ -413,6 +413,14 @@ class EngineReader:
             regions = [(local, n) for _, local, n in targets]
             if checks:
                 regions.append((int(words.ctypes.data), int(words.nbytes)))
+            if self._protocol == "nvlink_intra":
+                # Mooncake's intra-node transport copies with cudaMemcpy from the producer's
+                # IPC-opened buffer straight into the local address: the local side needs no
+                # registration, and registering it would export a whole caching-allocator segment
+                # with cudaIpcGetMemHandle, which fails on VMM and cudaMallocAsync memory (and
+                # registrations are kept by address, so unregistering one output could drop
+                # another's).
+                regions = []
             for local, n in regions:
                 slab = _pool.POOL.slab_of(local, n)
                 if slab is not None:
