@@ -42,6 +42,7 @@ fn setup() -> MutexGuard<'static, ()> {
             ("imex", 0),
             ("gdr_attr", 1),
             ("fault", 0),
+            ("odd_error", 0),
         ] {
             fake_cuda::knob(k, v);
         }
@@ -639,4 +640,20 @@ fn fake_gpu_a_tensor_of_another_gpus_vmm_pool_is_copied_on_that_gpus_stream() {
     store.release(&p).unwrap();
     store.flush().unwrap();
     wait_all_free(&w);
+}
+
+#[test]
+fn fake_gpu_a_result_code_no_cuda_version_lists_is_an_error_that_names_it() {
+    let Some(_g) =
+        setup_fake("fake_gpu_a_result_code_no_cuda_version_lists_is_an_error_that_names_it")
+    else {
+        return;
+    };
+    // A newer driver's code (the GPU machine runs CUDA 13): read as an integer, never as a
+    // value of the bindings' enum (which would be undefined behaviour).
+    fake_cuda::knob("odd_error", 987_654);
+    let e = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap_err();
+    fake_cuda::knob("odd_error", 0);
+    assert!(matches!(e, Error::Device { .. }), "{e}");
+    assert!(e.to_string().contains("987654"), "{e}");
 }

@@ -22,6 +22,7 @@
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
  *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
  *   FAKE_CUDA_NO_DEVICE=1      cuInit fails with CUDA_ERROR_NO_DEVICE
+ *   FAKE_CUDA_ODD_ERROR=N      cuStreamCreate returns N, a code no CUDA header lists
  *   FAKE_CUDA_FAULT=1          the next op a stream runs raises a sticky context error
  *                              (ILLEGAL_ADDRESS): nothing more runs, host functions are not
  *                              called, queries, synchronisations and enqueues return the error
@@ -54,7 +55,8 @@ static int env_int(const char *k, int dflt) {
   return v && *v ? atoi(v) : dflt;
 }
 
-static long knob_devices = -2; /* set before the driver is first used: cuDeviceGetCount is read once */
+static long knob_devices = -2;
+static long knob_odd_error = -2; /* a result code no CUDA version lists, from cuStreamCreate */ /* set before the driver is first used: cuDeviceGetCount is read once */
 static int devices(void) {
   long v = __atomic_load_n(&knob_devices, __ATOMIC_SEQ_CST);
   return v == -2 ? env_int("FAKE_CUDA_DEVICES", 1) : (int)v;
@@ -78,7 +80,8 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "imex") ? &knob_imex
           : !strcmp(name, "gdr_attr") ? &knob_gdr_attr
           : !strcmp(name, "fault") ? &knob_fault
-          : !strcmp(name, "devices") ? &knob_devices : NULL;
+          : !strcmp(name, "devices") ? &knob_devices
+          : !strcmp(name, "odd_error") ? &knob_odd_error : NULL;
   if (!k) return -3;
   if (k == &knob_fail_after) __atomic_store_n(&copies, 0, __ATOMIC_SEQ_CST);
   if (k == &knob_fault && value == 0) __atomic_store_n(&sticky, 0, __ATOMIC_SEQ_CST);
@@ -455,6 +458,8 @@ static CUresult push(Stream *s, Op o) {
 CUresult cuStreamCreate(Stream **out, unsigned flags) {
   (void)flags;
   NEED_CONTEXT();
+  long odd = knob(&knob_odd_error, "FAKE_CUDA_ODD_ERROR", 0);
+  if (odd) return (CUresult)odd;
   Stream *s = calloc(1, sizeof *s);
   if (!s) return OUT_OF_MEMORY;
   pthread_mutex_init(&s->mu, NULL);

@@ -1,63 +1,20 @@
-//! The CUDA driver, through `cudarc`'s sys layer loaded at run time: every `unsafe` FFI call of
-//! the device path lives here, each wrapped so that it returns [`Error::Device`] instead of a
-//! code, and nothing here panics.
+//! The CUDA driver, loaded at run time: every `unsafe` FFI call of the device path lives here,
+//! each wrapped so that it returns [`Error::Device`] instead of a code, and nothing here panics.
 //!
-//! cudarc panics on the first call when `libcuda` or one of its symbols is missing; [`driver`]
-//! therefore opens the library itself first (the same candidates, in the same order, so it finds
-//! the same file), checks every symbol in `SYMBOLS` and calls `cuInit`. Only after that has
-//! succeeded does any other function here call into cudarc. A build with the `cuda` feature
-//! therefore starts on a machine without a GPU or driver and fails only when a device arena or
-//! a device read is asked for.
+//! [`driver`] opens the library (cudarc's candidates, in cudarc's order), looks up every entry
+//! point ([`super::api`], which reads results as integers: cudarc's enum cannot hold a code its
+//! CUDA version does not list) and calls `cuInit`. Only after that has succeeded does any other
+//! function here call the driver; cudarc provides the types. A build with the `cuda` feature
+//! therefore starts on a machine without a GPU or driver and fails only when a device arena or a
+//! device read is asked for.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
 
+use super::api;
 use crate::error::{Error, Result};
-
-/// Every driver entry point this module calls. Checked before the first call.
-pub(crate) const SYMBOLS: &[&str] = &[
-    "cuInit",
-    "cuDriverGetVersion",
-    "cuDeviceGetCount",
-    "cuDeviceGet",
-    "cuDeviceGetAttribute",
-    "cuDeviceGetName",
-    "cuDeviceGetUuid_v2",
-    "cuDeviceCanAccessPeer",
-    "cuDevicePrimaryCtxRetain",
-    "cuCtxGetCurrent",
-    "cuCtxSetCurrent",
-    "cuGetErrorName",
-    "cuGetErrorString",
-    "cuMemGetAllocationGranularity",
-    "cuPointerGetAttribute",
-    "cuStreamGetCtx",
-    "cuMemCreate",
-    "cuMemRelease",
-    "cuMemExportToShareableHandle",
-    "cuMemImportFromShareableHandle",
-    "cuMemAddressReserve",
-    "cuMemAddressFree",
-    "cuMemMap",
-    "cuMemUnmap",
-    "cuMemSetAccess",
-    "cuMemAlloc_v2",
-    "cuMemFree_v2",
-    "cuMemcpyHtoDAsync_v2",
-    "cuMemcpyDtoHAsync_v2",
-    "cuMemcpyDtoDAsync_v2",
-    "cuStreamCreate",
-    "cuStreamDestroy_v2",
-    "cuStreamSynchronize",
-    "cuStreamWaitEvent",
-    "cuEventCreate",
-    "cuEventDestroy_v2",
-    "cuEventRecord",
-    "cuEventQuery",
-    "cuLaunchHostFunc",
-];
 
 /// What the probe found: the driver's version and the devices this process sees.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,21 +81,17 @@ fn load() -> std::result::Result<DriverInfo, String> {
             candidates.join(", ")
         ));
     };
-    for sym in SYMBOLS {
-        // SAFETY: only looks the symbol up; the pointer is not called or kept.
-        let got = unsafe { lib.get::<*const c_void>(sym.as_bytes()) };
-        if got.is_err() {
-            return Err(format!(
-                "{library} has no symbol {sym}: the driver is too old for capture-arena \
-                 (CUDA 12.3 or newer is needed)"
-            ));
-        }
+    if let Err(missing) = super::api::load(&lib) {
+        return Err(format!(
+            "{library} lacks {missing}: the driver is too old for capture-arena (CUDA 12.3 or \
+             newer is needed)"
+        ));
     }
     // Keep the library loaded for the process's life (cudarc holds its own handle too).
     std::mem::forget(lib);
     // SAFETY: the library and every symbol used by this module were found above.
-    let rc = unsafe { cu::cuInit(0) };
-    if rc != cu::CUresult::CUDA_SUCCESS {
+    let rc = unsafe { api::cuInit(0) };
+    if rc != api::SUCCESS {
         return Err(format!(
             "cuInit failed with {}: no usable GPU or driver (check nvidia-smi, \
              CUDA_VISIBLE_DEVICES and the container's device access)",
@@ -149,8 +102,8 @@ fn load() -> std::result::Result<DriverInfo, String> {
     let mut devices = 0;
     // SAFETY: the driver is initialised; both write one int.
     unsafe {
-        cu::cuDriverGetVersion(&mut version);
-        cu::cuDeviceGetCount(&mut devices);
+        api::cuDriverGetVersion(&mut version);
+        api::cuDeviceGetCount(&mut devices);
     }
     Ok(DriverInfo {
         library,
@@ -161,14 +114,14 @@ fn load() -> std::result::Result<DriverInfo, String> {
 }
 
 /// `CUDA_ERROR_NOT_PERMITTED (800): operation not permitted`.
-fn describe(rc: cu::CUresult) -> String {
+fn describe(rc: c_int) -> String {
     let mut name: *const std::ffi::c_char = std::ptr::null();
     let mut text: *const std::ffi::c_char = std::ptr::null();
     // SAFETY: only called once the driver is loaded (from `check` or `load` after the symbol
     // check); both calls write a pointer to a static string or leave it null.
     unsafe {
-        cu::cuGetErrorName(rc, &mut name);
-        cu::cuGetErrorString(rc, &mut text);
+        api::cuGetErrorName(rc, &mut name);
+        api::cuGetErrorString(rc, &mut text);
     }
     let s = |p: *const std::ffi::c_char| {
         if p.is_null() {
@@ -178,12 +131,12 @@ fn describe(rc: cu::CUresult) -> String {
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };
-    format!("{} ({}): {}", s(name), rc as u32, s(text))
+    format!("{} ({rc}): {}", s(name), s(text))
 }
 
 /// Turns a driver code into a result.
-pub(crate) fn check(rc: cu::CUresult, what: impl FnOnce() -> String) -> Result<()> {
-    if rc == cu::CUresult::CUDA_SUCCESS {
+pub(crate) fn check(rc: c_int, what: impl FnOnce() -> String) -> Result<()> {
+    if rc == api::SUCCESS {
         Ok(())
     } else {
         Err(Error::device(what(), describe(rc)))
@@ -232,7 +185,7 @@ pub(crate) fn context(ordinal: i32) -> Result<Arc<Context>> {
     let device = device_handle(ordinal)?;
     let mut ctx = std::ptr::null_mut();
     // SAFETY: the driver is initialised; writes one handle. Never released (see the type).
-    let rc = unsafe { cu::cuDevicePrimaryCtxRetain(&mut ctx, device) };
+    let rc = unsafe { api::cuDevicePrimaryCtxRetain(&mut ctx, device) };
     check(rc, || {
         format!("retaining the primary context of device {ordinal}")
     })?;
@@ -249,7 +202,7 @@ pub(crate) fn context(ordinal: i32) -> Result<Arc<Context>> {
 fn device_handle(ordinal: i32) -> Result<cu::CUdevice> {
     let mut device = 0;
     // SAFETY: the driver is initialised (callers went through `driver()`); writes one int.
-    let rc = unsafe { cu::cuDeviceGet(&mut device, ordinal) };
+    let rc = unsafe { api::cuDeviceGet(&mut device, ordinal) };
     check(rc, || format!("cuDeviceGet({ordinal})"))?;
     Ok(device)
 }
@@ -267,7 +220,7 @@ impl Drop for Current {
         if self.changed {
             // SAFETY: restores the handle cuCtxGetCurrent returned (null or a live context).
             unsafe {
-                cu::cuCtxSetCurrent(self.previous);
+                api::cuCtxSetCurrent(self.previous);
             }
         }
     }
@@ -278,7 +231,7 @@ impl Context {
     pub fn enter(&self) -> Result<Current> {
         let mut previous = std::ptr::null_mut();
         // SAFETY: writes one handle (null when no context is current).
-        let rc = unsafe { cu::cuCtxGetCurrent(&mut previous) };
+        let rc = unsafe { api::cuCtxGetCurrent(&mut previous) };
         check(rc, || "cuCtxGetCurrent".into())?;
         if previous == self.ctx {
             return Ok(Current {
@@ -287,7 +240,7 @@ impl Context {
             });
         }
         // SAFETY: `ctx` is a retained primary context, valid for the process's life.
-        let rc = unsafe { cu::cuCtxSetCurrent(self.ctx) };
+        let rc = unsafe { api::cuCtxSetCurrent(self.ctx) };
         check(rc, || {
             format!("making device {}'s context current", self.ordinal)
         })?;
@@ -301,8 +254,8 @@ impl Context {
     pub fn attribute(&self, attr: cu::CUdevice_attribute) -> i32 {
         let mut v: c_int = 0;
         // SAFETY: writes one int; an unknown attribute returns an error and leaves 0.
-        let rc = unsafe { cu::cuDeviceGetAttribute(&mut v, attr, self.device) };
-        if rc == cu::CUresult::CUDA_SUCCESS {
+        let rc = unsafe { api::cuDeviceGetAttribute(&mut v, attr, self.device) };
+        if rc == api::SUCCESS {
             v
         } else {
             0
@@ -313,8 +266,8 @@ impl Context {
     pub fn name(&self) -> String {
         let mut buf = [0 as std::ffi::c_char; 128];
         // SAFETY: the driver writes at most `len` bytes, NUL-terminated.
-        let rc = unsafe { cu::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, self.device) };
-        if rc != cu::CUresult::CUDA_SUCCESS || !buf.contains(&0) {
+        let rc = unsafe { api::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as c_int, self.device) };
+        if rc != api::SUCCESS || !buf.contains(&0) {
             return "unknown".into();
         }
         // SAFETY: NUL-terminated within the buffer (checked above).
@@ -333,7 +286,7 @@ impl Context {
 fn uuid_of(device: cu::CUdevice, ordinal: i32) -> Result<String> {
     let mut u = cu::CUuuid_st { bytes: [0; 16] };
     // SAFETY: writes 16 bytes.
-    let rc = unsafe { cu::cuDeviceGetUuid_v2(&mut u, device) };
+    let rc = unsafe { api::cuDeviceGetUuid_v2(&mut u, device) };
     check(rc, || format!("cuDeviceGetUuid_v2({ordinal})"))?;
     Ok(u.bytes
         .iter()
@@ -359,13 +312,13 @@ pub(crate) fn check_device_range(ptr: u64, len: u64, ordinal: i32) -> Result<()>
         let mut kind: u32 = 0;
         // SAFETY: MEMORY_TYPE writes one unsigned int; the driver validates the pointer.
         let rc = unsafe {
-            cu::cuPointerGetAttribute(
+            api::cuPointerGetAttribute(
                 (&mut kind as *mut u32).cast(),
                 cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
                 at,
             )
         };
-        if rc != cu::CUresult::CUDA_SUCCESS {
+        if rc != api::SUCCESS {
             return Err(Error::device(
                 what(),
                 format!(
@@ -384,7 +337,7 @@ pub(crate) fn check_device_range(ptr: u64, len: u64, ordinal: i32) -> Result<()>
         let mut device: c_int = -1;
         // SAFETY: DEVICE_ORDINAL writes one int.
         let rc = unsafe {
-            cu::cuPointerGetAttribute(
+            api::cuPointerGetAttribute(
                 (&mut device as *mut c_int).cast(),
                 cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
                 at,
@@ -408,8 +361,8 @@ pub(crate) fn can_access_peer(from: i32, to: i32) -> bool {
     };
     let mut v: c_int = 0;
     // SAFETY: writes one int.
-    let rc = unsafe { cu::cuDeviceCanAccessPeer(&mut v, a, b) };
-    rc == cu::CUresult::CUDA_SUCCESS && v == 1
+    let rc = unsafe { api::cuDeviceCanAccessPeer(&mut v, a, b) };
+    rc == api::SUCCESS && v == 1
 }
 
 /// The index of the device whose UUID is `uuid` in this process, if it sees it.
@@ -496,7 +449,7 @@ pub(crate) fn granularity(ctx: &Context, handles: &[HandleType]) -> Result<u64> 
     let mut g = 0usize;
     let flag = cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
     // SAFETY: reads `p`, writes one usize.
-    let rc = unsafe { cu::cuMemGetAllocationGranularity(&mut g, &p, flag) };
+    let rc = unsafe { api::cuMemGetAllocationGranularity(&mut g, &p, flag) };
     check(rc, || {
         format!("allocation granularity of device {}", ctx.ordinal)
     })?;
@@ -520,7 +473,7 @@ impl Allocation {
         let p = prop(ctx, handles);
         let mut h = 0;
         // SAFETY: reads `p`, writes one handle.
-        let rc = unsafe { cu::cuMemCreate(&mut h, size as usize, &p, 0) };
+        let rc = unsafe { api::cuMemCreate(&mut h, size as usize, &p, 0) };
         check(rc, || {
             format!(
                 "cuMemCreate of {size} bytes on device {} with {} handles",
@@ -546,7 +499,7 @@ impl Allocation {
         let kind = HandleType::PosixFd.raw();
         // SAFETY: for POSIX_FILE_DESCRIPTOR the driver writes one int.
         let rc = unsafe {
-            cu::cuMemExportToShareableHandle((&mut fd as *mut c_int).cast(), self.handle, kind, 0)
+            api::cuMemExportToShareableHandle((&mut fd as *mut c_int).cast(), self.handle, kind, 0)
         };
         check(rc, || "exporting the arena as a POSIX descriptor".into())?;
         if fd < 0 {
@@ -565,7 +518,7 @@ impl Allocation {
         let out = (&mut h as *mut cu::CUmemFabricHandle_st).cast();
         let kind = HandleType::Fabric.raw();
         // SAFETY: for FABRIC the driver writes one 64-byte CUmemFabricHandle at `out`.
-        let rc = unsafe { cu::cuMemExportToShareableHandle(out, self.handle, kind, 0) };
+        let rc = unsafe { api::cuMemExportToShareableHandle(out, self.handle, kind, 0) };
         check(rc, || "exporting the arena as a fabric handle".into())?;
         Ok(h.data)
     }
@@ -585,7 +538,7 @@ impl Allocation {
         let kind = HandleType::PosixFd.raw();
         // SAFETY: `os` is a descriptor open in this process for the call's duration; writes
         // one handle.
-        let rc = unsafe { cu::cuMemImportFromShareableHandle(&mut h, os, kind) };
+        let rc = unsafe { api::cuMemImportFromShareableHandle(&mut h, os, kind) };
         check(rc, || "importing the producer's arena descriptor".into())?;
         Ok(Allocation {
             handle: h,
@@ -602,7 +555,7 @@ impl Allocation {
         let mut h = 0;
         // SAFETY: for FABRIC the os handle points at the 64-byte handle; writes one handle.
         let rc =
-            unsafe { cu::cuMemImportFromShareableHandle(&mut h, os, HandleType::Fabric.raw()) };
+            unsafe { api::cuMemImportFromShareableHandle(&mut h, os, HandleType::Fabric.raw()) };
         check(rc, || {
             "importing the producer's arena by fabric handle (is this process in the \
              producer's IMEX domain?)"
@@ -622,7 +575,7 @@ impl Drop for Allocation {
         // SAFETY: releases the handle created or imported in this value; a mapping of it holds
         // its own reference, so the memory stays until that is unmapped too.
         unsafe {
-            cu::cuMemRelease(self.handle);
+            api::cuMemRelease(self.handle);
         }
     }
 }
@@ -648,7 +601,7 @@ impl Mapped {
         let size = allocation.size;
         let mut ptr = 0;
         // SAFETY: writes one address; the range is ours until cuMemAddressFree in drop.
-        let rc = unsafe { cu::cuMemAddressReserve(&mut ptr, size as usize, align as usize, 0, 0) };
+        let rc = unsafe { api::cuMemAddressReserve(&mut ptr, size as usize, align as usize, 0, 0) };
         check(rc, || {
             format!("reserving {size} bytes of device address space")
         })?;
@@ -659,7 +612,7 @@ impl Mapped {
             allocation,
         };
         // SAFETY: maps the whole allocation at the start of the range reserved above.
-        let rc = unsafe { cu::cuMemMap(ptr, size as usize, 0, m.allocation.handle, 0) };
+        let rc = unsafe { api::cuMemMap(ptr, size as usize, 0, m.allocation.handle, 0) };
         check(rc, || format!("mapping {size} bytes of device memory"))?;
         m.mapped = true;
         let descs: Vec<cu::CUmemAccessDesc> = access
@@ -673,7 +626,7 @@ impl Mapped {
             })
             .collect();
         // SAFETY: the range is mapped; reads `descs.len()` descriptors.
-        let rc = unsafe { cu::cuMemSetAccess(ptr, size as usize, descs.as_ptr(), descs.len()) };
+        let rc = unsafe { api::cuMemSetAccess(ptr, size as usize, descs.as_ptr(), descs.len()) };
         check(rc, || {
             format!("granting devices {access:?} access to the arena")
         })?;
@@ -688,9 +641,9 @@ impl Drop for Mapped {
         // any more (owners synchronise their streams before dropping a mapping).
         unsafe {
             if self.mapped {
-                cu::cuMemUnmap(self.ptr, self.size as usize);
+                api::cuMemUnmap(self.ptr, self.size as usize);
             }
-            cu::cuMemAddressFree(self.ptr, self.size as usize);
+            api::cuMemAddressFree(self.ptr, self.size as usize);
         }
     }
 }
@@ -716,7 +669,7 @@ impl Stream {
         let _current = ctx.enter()?;
         let mut s = std::ptr::null_mut();
         // SAFETY: writes one handle. 1 = CU_STREAM_NON_BLOCKING.
-        let rc = unsafe { cu::cuStreamCreate(&mut s, 1) };
+        let rc = unsafe { api::cuStreamCreate(&mut s, 1) };
         check(rc, || "cuStreamCreate".into())?;
         Ok(Stream {
             raw: s,
@@ -728,7 +681,7 @@ impl Stream {
     pub fn synchronize(&self) -> Result<()> {
         let _current = self.ctx.enter()?;
         // SAFETY: a valid stream.
-        let rc = unsafe { cu::cuStreamSynchronize(self.raw) };
+        let rc = unsafe { api::cuStreamSynchronize(self.raw) };
         check(rc, || "cuStreamSynchronize".into())
     }
 
@@ -736,7 +689,7 @@ impl Stream {
     pub fn wait(&self, event: &Event) -> Result<()> {
         let _current = self.ctx.enter()?;
         // SAFETY: both handles are valid (the event outlives this call).
-        let rc = unsafe { cu::cuStreamWaitEvent(self.raw, event.raw, 0) };
+        let rc = unsafe { api::cuStreamWaitEvent(self.raw, event.raw, 0) };
         check(rc, || "waiting on the producer's event".into())
     }
 
@@ -751,7 +704,7 @@ impl Stream {
     ) -> Result<()> {
         let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
-        let rc = unsafe { cu::cuLaunchHostFunc(self.raw, Some(f), data) };
+        let rc = unsafe { api::cuLaunchHostFunc(self.raw, Some(f), data) };
         check(rc, || "cuLaunchHostFunc".into())
     }
 
@@ -765,7 +718,7 @@ impl Stream {
         }
         let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
-        let rc = unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, len as usize, self.raw) };
+        let rc = unsafe { api::cuMemcpyDtoDAsync_v2(dst, src, len as usize, self.raw) };
         check(rc, || format!("device-to-device copy of {len} bytes"))
     }
 
@@ -780,7 +733,7 @@ impl Stream {
         }
         let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
-        let rc = unsafe { cu::cuMemcpyHtoDAsync_v2(dst, src.cast(), len as usize, self.raw) };
+        let rc = unsafe { api::cuMemcpyHtoDAsync_v2(dst, src.cast(), len as usize, self.raw) };
         check(rc, || format!("host-to-device copy of {len} bytes"))
     }
 
@@ -795,7 +748,7 @@ impl Stream {
         }
         let _current = self.ctx.enter()?;
         // SAFETY: as the caller promised.
-        let rc = unsafe { cu::cuMemcpyDtoHAsync_v2(dst.cast(), src, len as usize, self.raw) };
+        let rc = unsafe { api::cuMemcpyDtoHAsync_v2(dst.cast(), src, len as usize, self.raw) };
         check(rc, || format!("device-to-host copy of {len} bytes"))
     }
 }
@@ -805,7 +758,7 @@ impl Drop for Stream {
         let _current = self.ctx.enter();
         // SAFETY: destroys the stream created in `new` (pending work still completes).
         unsafe {
-            cu::cuStreamDestroy_v2(self.raw);
+            api::cuStreamDestroy_v2(self.raw);
         }
     }
 }
@@ -828,7 +781,7 @@ impl Event {
         let _current = ctx.enter()?;
         let mut e = std::ptr::null_mut();
         // SAFETY: writes one handle. 2 = CU_EVENT_DISABLE_TIMING.
-        let rc = unsafe { cu::cuEventCreate(&mut e, 2) };
+        let rc = unsafe { api::cuEventCreate(&mut e, 2) };
         check(rc, || "cuEventCreate".into())?;
         Ok(Event {
             raw: e,
@@ -841,7 +794,7 @@ impl Event {
     pub fn record_raw(&self, stream: cu::CUstream) -> Result<()> {
         let _current = self.ctx.enter()?;
         // SAFETY: the stream handle is passed to the driver, which validates it.
-        let rc = unsafe { cu::cuEventRecord(self.raw, stream) };
+        let rc = unsafe { api::cuEventRecord(self.raw, stream) };
         check(rc, || "recording an event on the caller's stream".into())
     }
 
@@ -854,8 +807,8 @@ impl Event {
     pub fn query(&self) -> Result<bool> {
         let _current = self.ctx.enter()?;
         // SAFETY: a valid event.
-        let rc = unsafe { cu::cuEventQuery(self.raw) };
-        if rc == cu::CUresult::CUDA_ERROR_NOT_READY {
+        let rc = unsafe { api::cuEventQuery(self.raw) };
+        if rc == api::NOT_READY {
             return Ok(false);
         }
         check(rc, || "a device copy failed (cuEventQuery)".into()).map(|()| true)
@@ -867,7 +820,7 @@ impl Drop for Event {
         let _current = self.ctx.enter();
         // SAFETY: destroys the event created in `new`.
         unsafe {
-            cu::cuEventDestroy_v2(self.raw);
+            api::cuEventDestroy_v2(self.raw);
         }
     }
 }
@@ -894,7 +847,7 @@ fn stream_context(primary: &Arc<Context>, stream: cu::CUstream) -> Result<Arc<Co
     let _current = primary.enter()?;
     let mut ctx = std::ptr::null_mut();
     // SAFETY: the driver validates the stream handle; writes one context handle.
-    let rc = unsafe { cu::cuStreamGetCtx(stream, &mut ctx) };
+    let rc = unsafe { api::cuStreamGetCtx(stream, &mut ctx) };
     check(rc, || {
         format!(
             "finding the context of the caller's stream on GPU {}",
@@ -929,7 +882,7 @@ impl DeviceBuffer {
         let _current = ctx.enter()?;
         let mut ptr = 0;
         // SAFETY: writes one device address.
-        let rc = unsafe { cu::cuMemAlloc_v2(&mut ptr, len.max(1) as usize) };
+        let rc = unsafe { api::cuMemAlloc_v2(&mut ptr, len.max(1) as usize) };
         check(rc, || {
             format!("cuMemAlloc of {len} bytes on device {ordinal}")
         })?;
@@ -1011,7 +964,7 @@ impl Drop for DeviceBuffer {
         let _current = self.ctx.enter();
         // SAFETY: frees the allocation made in `new`; callers finish their copies first.
         unsafe {
-            cu::cuMemFree_v2(self.ptr);
+            api::cuMemFree_v2(self.ptr);
         }
     }
 }

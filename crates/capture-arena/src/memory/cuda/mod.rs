@@ -18,6 +18,7 @@
 //! `cuda://<host>/<pid>-<nonce>?len=..&base=..&dev=<gpu uuid>&handle=fd&reply=@...` or
 //! `...&handle=fabric&fabric=<128 hex digits>`.
 
+mod api;
 pub mod driver;
 mod session;
 
