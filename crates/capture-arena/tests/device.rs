@@ -657,3 +657,30 @@ fn fake_gpu_a_result_code_no_cuda_version_lists_is_an_error_that_names_it() {
     assert!(matches!(e, Error::Device { .. }), "{e}");
     assert!(e.to_string().contains("987654"), "{e}");
 }
+
+#[test]
+fn fake_gpu_a_read_into_another_gpus_vmm_memory_copies_on_that_gpu() {
+    let Some(_g) = setup_fake("fake_gpu_a_read_into_another_gpus_vmm_memory_copies_on_that_gpu")
+    else {
+        return;
+    };
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    let p = publish(&w, device_sample("q", &[30_000], false, false));
+    // The trainer's output is memory of GPU 1 from a VMM pool (torch's expandable segments):
+    // only GPU 1 may write it, so the copy runs on a stream of GPU 1, through the reader's
+    // mapping of the arena, which grants GPU 1 access.
+    let ptr = fake_cuda::vmm_buffer(1, &[0u8; 30_000]);
+    // SAFETY: 30 000 bytes of GPU 1 memory used by nobody else.
+    let mut dests = [(
+        "t0",
+        Destination::Device(unsafe { DeviceSlice::new(ptr, 30_000, 1) }),
+    )];
+    let store = FeatureStore::new();
+    store.get_many_to(&p, &mut dests).unwrap();
+    // SAFETY: the fake's device memory is host memory, readable once mapped (it is).
+    let back = unsafe { std::slice::from_raw_parts(ptr as *const u8, 30_000) };
+    assert_eq!(back, &bytes_of("q", "t0", 30_000)[..]);
+    store.release(&p).unwrap();
+    store.flush().unwrap();
+    wait_all_free(&w);
+}

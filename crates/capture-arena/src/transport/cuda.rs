@@ -30,9 +30,13 @@ const LIVENESS_EVERY: Duration = Duration::from_secs(1);
 /// An imported, mapped device arena. See the module docs.
 #[derive(Debug)]
 pub struct CudaTransport {
-    // Field order is drop order: the stream's copies are synchronous, the mapping goes before
+    // Field order is drop order: the streams' copies are synchronous, the mapping goes before
     // the contexts.
-    stream: Mutex<Stream>,
+    /// The reader device's stream (host destinations and its own memory), then one stream per
+    /// other GPU a destination was on, made on first use.
+    streams: Mutex<Vec<Stream>>,
+    /// The GPUs of this process the mapping grants access to: those a destination may be on.
+    access: Vec<i32>,
     mapped: Mapped,
     session: CudaSession,
     text: String,
@@ -64,8 +68,7 @@ impl CudaTransport {
             session: text.clone(),
             reason,
         };
-        // The arena's GPU if this process sees it (same node), else this process's device 0
-        // (fabric import from another node).
+        // The arena's GPU if this process sees it (same node).
         let home = driver::ordinal_of(&session.device_uuid)?;
         if home.is_none() && local && session.handle == HandleType::PosixFd {
             // A descriptor import names the producer's GPU, which this process cannot reach
@@ -82,7 +85,25 @@ impl CudaTransport {
                 ),
             });
         }
-        let ctx = context(home.unwrap_or(0))?;
+        // Import and map in the reader's GPU (the calling thread's current device: torch's;
+        // else 0), so a trainer does not make a context on every producer GPU it reads, with
+        // access for it and every GPU that can reach the arena's. Where the reader's GPU cannot
+        // reach the arena's (no peer access), the arena's GPU does the copies.
+        let reader = driver::current_ordinal()?.unwrap_or(0);
+        let (ctx, access) = match home {
+            Some(h) => {
+                let mut peers = driver::peers_of(h)?;
+                if peers.contains(&reader) {
+                    peers.retain(|&d| d != reader);
+                    peers.insert(0, reader);
+                    (context(reader)?, peers)
+                } else {
+                    (context(h)?, peers)
+                }
+            }
+            // From another node (fabric): the reader's GPU.
+            None => (context(reader)?, vec![reader]),
+        };
         // The descriptor, from the producer's writer over the local reply path.
         let import_fd = || -> Result<Allocation> {
             if !local {
@@ -151,17 +172,12 @@ impl CudaTransport {
                 }
             }
         };
-        // The arena's GPU and every GPU of this process that can reach it get access, so a
-        // read may land on any of them (from another node: this process's first GPU).
-        let access = match home {
-            Some(h) => driver::peers_of(h)?,
-            None => vec![ctx.ordinal],
-        };
         let g = driver::granularity(&ctx, &[imported_as])?;
         let mapped = Mapped::new(allocation, g, &access)?;
         let stream = Stream::new(&ctx)?;
         Ok(CudaTransport {
-            stream: Mutex::new(stream),
+            streams: Mutex::new(vec![stream]),
+            access,
             mapped,
             session: session.clone(),
             text,
@@ -209,32 +225,73 @@ impl Transport for CudaTransport {
         self.offset_of(address, len).map(|_| ())
     }
 
+    /// Each copy runs on a stream of its destination's GPU (a host destination: the reader's
+    /// GPU), whose context can write that memory (a VMM pool's grants name only its GPU); the
+    /// arena is mapped for every one of them. A destination on a GPU that cannot reach the
+    /// arena's is refused.
     fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {
         let mut offsets = Vec::with_capacity(reads.len());
         for r in reads.iter() {
             offsets.push(self.offset_of(r.address, r.into.len())?);
+            if let Destination::Device(d) = &r.into {
+                if !self.access.contains(&d.device()) {
+                    return Err(Error::InvalidRead {
+                        key: self.text.clone(),
+                        reason: format!(
+                            "the destination is on GPU {}, which cannot reach the arena's GPU \
+                             (no peer access); read into memory of GPU {} or into host memory",
+                            d.device(),
+                            self.access
+                                .iter()
+                                .map(|d| d.to_string())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    });
+                }
+            }
         }
-        let stream = self.stream.lock().unwrap_or_else(|p| p.into_inner());
-        let _current = self.ctx.enter()?;
-        // Destinations whose owner still has work queued on its stream wait for it.
+        let mut streams = self.streams.lock().unwrap_or_else(|p| p.into_inner());
+        // The stream of each read, made on first use for a GPU.
+        let mut which = Vec::with_capacity(reads.len());
         for r in reads.iter() {
+            let device = match &r.into {
+                Destination::Device(d) => d.device(),
+                Destination::Host(_) => self.ctx.ordinal,
+            };
+            let i = match streams.iter().position(|s| s.ordinal() == device) {
+                Some(i) => i,
+                None => {
+                    streams.push(Stream::new(&driver::context(device)?)?);
+                    streams.len() - 1
+                }
+            };
+            which.push(i);
+        }
+        // Destinations whose owner still has work queued on its stream wait for it.
+        for (r, &i) in reads.iter().zip(&which) {
             if let Destination::Device(d) = &r.into {
                 if let Some(after) = d.waits_for() {
-                    stream.wait(&driver::event_on(d.device(), after)?)?;
+                    streams[i].wait(&driver::event_on(d.device(), after)?)?;
                 }
             }
         }
         let mut result = Ok(());
-        for (r, off) in reads.iter_mut().zip(offsets) {
+        let mut used: Vec<usize> = Vec::new();
+        for ((r, off), &i) in reads.iter_mut().zip(offsets).zip(&which) {
+            let stream = &streams[i];
+            if !used.contains(&i) {
+                used.push(i);
+            }
             let src = self.mapped.ptr + off;
             let n = r.into.len();
             let enqueued = match &mut r.into {
                 // SAFETY: the source range lies inside the mapping (checked), which lives as
-                // long as self; `out` is borrowed mutably until the stream is synchronised
+                // long as self; `out` is borrowed mutably until the streams are synchronised
                 // below, before this function returns.
                 Destination::Host(out) => unsafe { stream.copy_dtoh(out.as_mut_ptr(), src, n) },
                 // SAFETY: as above; the destination is device memory its DeviceSlice's creator
-                // vouched for until this read returns.
+                // vouched for until this read returns, on a GPU the mapping grants access to.
                 Destination::Device(d) => unsafe { stream.copy_dtod(d.ptr(), src, n) },
             };
             if let Err(e) = enqueued {
@@ -243,7 +300,12 @@ impl Transport for CudaTransport {
             }
         }
         // Always wait: copies already enqueued write the caller's buffers.
-        let synced = stream.synchronize();
-        result.and(synced)
+        for &i in &used {
+            let synced = streams[i].synchronize();
+            if result.is_ok() {
+                result = synced;
+            }
+        }
+        result
     }
 }

@@ -244,6 +244,7 @@ static int range_device(uintptr_t p) {
   return dev;
 }
 static int current_device(void) { return current ? (int)(((intptr_t)current - 1) & 0xffff) : 0; }
+CUresult cuCtxGetDevice(CUdevice *d) { NEED_CONTEXT(); *d = current_device(); return OK; }
 enum { MEMORYTYPE_DEVICE = 2, ATTR_MEMORY_TYPE = 2, ATTR_DEVICE_ORDINAL = 9 };
 CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
   int dev = range_device((uintptr_t)ptr);

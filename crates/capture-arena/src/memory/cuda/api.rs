@@ -76,6 +76,7 @@ api! {
     cuDevicePrimaryCtxRetain(ctx: *mut cu::CUcontext, device: cu::CUdevice);
     cuCtxGetCurrent(ctx: *mut cu::CUcontext);
     cuCtxSetCurrent(ctx: cu::CUcontext);
+    cuCtxGetDevice(device: *mut cu::CUdevice);
     cuGetErrorName(error: c_int, name: *mut *const c_char);
     cuGetErrorString(error: c_int, text: *mut *const c_char);
     cuMemGetAllocationGranularity(

@@ -354,6 +354,31 @@ pub(crate) fn check_device_range(ptr: u64, len: u64, ordinal: i32) -> Result<()>
     Ok(())
 }
 
+/// The ordinal of the device whose context is current on the calling thread (torch's current
+/// device on its threads), if any.
+pub(crate) fn current_ordinal() -> Result<Option<i32>> {
+    driver()?;
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: writes one handle (null when no context is current).
+    let rc = unsafe { api::cuCtxGetCurrent(&mut ctx) };
+    check(rc, || "cuCtxGetCurrent".into())?;
+    if ctx.is_null() {
+        return Ok(None);
+    }
+    let mut device = 0;
+    // SAFETY: a context is current; writes one device handle.
+    let rc = unsafe { api::cuCtxGetDevice(&mut device) };
+    check(rc, || "cuCtxGetDevice".into())?;
+    // The ordinal whose handle this is (handles are ordinals in practice; looked up to be sure).
+    let info = driver()?;
+    for ordinal in 0..info.devices {
+        if device_handle(ordinal)? == device {
+            return Ok(Some(ordinal));
+        }
+    }
+    Ok(None)
+}
+
 /// True when device `from` can access memory of device `to` directly (peer access).
 pub(crate) fn can_access_peer(from: i32, to: i32) -> bool {
     let (Ok(a), Ok(b)) = (device_handle(from), device_handle(to)) else {
@@ -664,6 +689,11 @@ unsafe impl Send for Stream {}
 unsafe impl Sync for Stream {}
 
 impl Stream {
+    /// The device ordinal of its context.
+    pub fn ordinal(&self) -> i32 {
+        self.ctx.ordinal
+    }
+
     /// A new stream that does not synchronise with the legacy default stream.
     pub fn new(ctx: &Arc<Context>) -> Result<Stream> {
         let _current = ctx.enter()?;
