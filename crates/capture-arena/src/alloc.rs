@@ -44,6 +44,9 @@ use crate::error::{Error, Result};
 
 /// Default alignment of every extent: 256 bytes, so device copies into the arena stay aligned.
 pub const DEFAULT_ALIGNMENT: u64 = 256;
+/// `SGLANG_SPEC_CAPTURE_ARENA_ALIGN`: the setting of the alignment, a power of two (read by
+/// [`crate::config`]; named here, where errors about the alignment say what to change).
+pub const ENV_ARENA_ALIGN: &str = "SGLANG_SPEC_CAPTURE_ARENA_ALIGN";
 
 /// An allocated range `[offset, offset + len)`; `len` is already rounded up to the alignment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

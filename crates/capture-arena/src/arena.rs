@@ -22,6 +22,7 @@ use crate::alloc::{Allocator, Extent};
 use crate::error::{Error, Result};
 use crate::key::Key;
 use crate::memory::{CopyOp, Progress, Region};
+pub use crate::report::{ArenaReport, StoreUsage};
 use crate::sample::{
     check_unique, stamp_offset, ArenaRef, Feature, Published, Sample, MAX_STAMP, STAMP_BYTES,
 };
@@ -43,36 +44,6 @@ pub struct Object {
     pub published: Instant,
     /// Its stamp (see the module docs).
     pub stamp: u64,
-}
-
-/// Resident objects of one `store_id` (one trainer store): who holds the arena, since when.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct StoreUsage {
-    /// The trainer store namespace.
-    pub store_id: String,
-    /// Resident objects.
-    pub objects: u64,
-    /// Their bytes (tensor bytes).
-    pub bytes: u64,
-    /// Seconds since the oldest of them was published.
-    pub oldest_age_s: f64,
-}
-
-/// The arena's occupancy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct ArenaReport {
-    /// Usable bytes.
-    pub capacity: u64,
-    /// Bytes not allocated.
-    pub free_bytes: u64,
-    /// The largest free extent.
-    pub largest_free: u64,
-    /// Free extents (1 when empty).
-    pub free_extents: u64,
-    /// Objects resident.
-    pub resident_objects: u64,
-    /// Bytes of resident objects and of the batch in flight (aligned).
-    pub resident_bytes: u64,
 }
 
 /// What a successful publication did.
@@ -135,14 +106,14 @@ impl Arena {
         let alloc = Allocator::new(region.len(), alignment.max(STAMP_BYTES))?;
         if region.base_address() % STAMP_BYTES != 0 {
             return Err(Error::config(
-                crate::config::ENV_ARENA_ALIGN,
+                crate::alloc::ENV_ARENA_ALIGN,
                 format!(
                     "the region's base address {:#x} is not 8-byte aligned",
                     region.base_address()
                 ),
             ));
         }
-        let next_stamp = (crate::memory::shm::random_nonce()? as u64) % MAX_STAMP + 1;
+        let next_stamp = (crate::random::nonce()? as u64) % MAX_STAMP + 1;
         let arena_ref = ArenaRef {
             session: region.session().to_owned(),
             control,

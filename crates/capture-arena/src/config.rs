@@ -38,8 +38,9 @@ use crate::error::{Error, Result};
 /// `SGLANG_SPEC_CAPTURE_ARENA_BYTES`: arena size; plain bytes or with a `KiB`/`MiB`/`GiB`/`TiB`
 /// suffix.
 pub const ENV_ARENA_BYTES: &str = "SGLANG_SPEC_CAPTURE_ARENA_BYTES";
-/// `SGLANG_SPEC_CAPTURE_ARENA_ALIGN`: alignment of every object, a power of two.
-pub const ENV_ARENA_ALIGN: &str = "SGLANG_SPEC_CAPTURE_ARENA_ALIGN";
+/// `SGLANG_SPEC_CAPTURE_ARENA_ALIGN`: alignment of every object, a power of two (named in the
+/// allocator's module, whose setting it is).
+pub use crate::alloc::ENV_ARENA_ALIGN;
 /// `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S`: how long a batch that does not fit waits for frees.
 pub const ENV_ARENA_WAIT_S: &str = "SGLANG_SPEC_CAPTURE_ARENA_WAIT_S";
 /// `SGLANG_SPEC_CAPTURE_CONTROL_HOST`: the host the control endpoint binds and advertises.
@@ -156,29 +157,7 @@ pub const ENV_ARENA_DEVICE: &str = "SGLANG_SPEC_CAPTURE_ARENA_DEVICE";
 /// `SGLANG_SPEC_CAPTURE_ARENA_HANDLE`: `auto`, `fd` or `fabric`, how a device arena is exported.
 pub const ENV_ARENA_HANDLE: &str = "SGLANG_SPEC_CAPTURE_ARENA_HANDLE";
 
-/// How a device arena is exported to readers in other processes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum HandlePreference {
-    /// Fabric when the device reports it and a real create + export succeeds, else POSIX fd.
-    #[default]
-    Auto,
-    /// POSIX file descriptor only (readers on this node).
-    PosixFd,
-    /// Fabric only (fails where it cannot be made).
-    Fabric,
-}
-
-impl std::str::FromStr for HandlePreference {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<HandlePreference, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(HandlePreference::Auto),
-            "fd" | "posix" | "posix_fd" => Ok(HandlePreference::PosixFd),
-            "fabric" => Ok(HandlePreference::Fabric),
-            _ => Err(format!("{s:?} is not one of auto, fd, fabric")),
-        }
-    }
-}
+pub use crate::memory::HandlePreference;
 
 /// `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S`: objects not freed this long after publication are freed.
 pub const ENV_OBJECT_TTL_S: &str = "SGLANG_SPEC_CAPTURE_OBJECT_TTL_S";
@@ -313,7 +292,7 @@ pub struct Config {
     /// Control (and reply) connections served at once; more are accepted and closed at once.
     pub max_connections: usize,
     /// Bytes of unfinished lines buffered across all control connections (at least one
-    /// maximal line, [`crate::control::MAX_LINE_BYTES`]).
+    /// maximal line, [`crate::limits::MAX_LINE_BYTES`]).
     pub control_buffer_bytes: u64,
     /// How long a connection may hold an unfinished line before it is closed.
     pub line_timeout: Duration,
@@ -507,10 +486,7 @@ impl Config {
     /// [`Error::Io`] if the kernel's random source fails.
     pub fn resolved_control_token(&self) -> Result<Option<String>> {
         match self.control_token.as_deref() {
-            Some("auto") => Ok(Some(format!(
-                "{:032x}",
-                crate::memory::shm::random_nonce()?
-            ))),
+            Some("auto") => Ok(Some(format!("{:032x}", crate::random::nonce()?))),
             Some(t) => Ok(Some(t.to_owned())),
             None => Ok(None),
         }
@@ -587,7 +563,7 @@ impl Config {
                 "0 connections would let no trainer free anything; at least 1",
             ));
         }
-        let min_buffer = crate::control::MAX_LINE_BYTES as u64;
+        let min_buffer = crate::limits::MAX_LINE_BYTES as u64;
         if self.control_buffer_bytes < min_buffer {
             return Err(Error::config(
                 ENV_BUFFER_BYTES,
@@ -599,7 +575,7 @@ impl Config {
             ));
         }
         if let Some(t) = &self.control_token {
-            if t != "auto" && !crate::control::is_valid_token(t) {
+            if t != "auto" && !crate::limits::is_valid_token(t) {
                 return Err(Error::config(
                     ENV_CONTROL_TOKEN,
                     format!(

@@ -39,12 +39,10 @@
 use std::borrow::Cow;
 use std::net::{SocketAddr, ToSocketAddrs};
 
-use crate::arena::StoreUsage;
 use crate::error::{Error, Result};
+pub use crate::limits::{is_valid_token, MAX_LINE_BYTES, TOKEN_BYTES};
+use crate::report::StoreUsage;
 use crate::stats::StatsSnapshot;
-
-/// The longest line accepted; a longer one closes its connection. One MiB holds ~15k keys.
-pub const MAX_LINE_BYTES: usize = 1 << 20;
 
 /// Parses one line (without its `\n`). `Ok(None)` for a blank line. Keys without JSON escapes
 /// are borrowed from the line (no allocation per key).
@@ -65,17 +63,6 @@ pub fn parse_line(line: &[u8]) -> Result<Option<Vec<Cow<'_, str>>>, String> {
     serde_json::from_slice::<Vec<Text<'_>>>(line)
         .map(|k| Some(k.into_iter().map(|t| t.0).collect()))
         .map_err(|e| e.to_string())
-}
-
-/// The shortest and longest token accepted.
-pub const TOKEN_BYTES: std::ops::RangeInclusive<usize> = 16..=256;
-
-/// True for a token this protocol carries: 16 to 256 bytes of `A-Z a-z 0-9 . _ ~ + / = -` (no
-/// byte needs escaping in JSON, a URL or a shell).
-pub fn is_valid_token(t: &str) -> bool {
-    TOKEN_BYTES.contains(&t.len())
-        && t.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b".-_~+/=".contains(&b))
 }
 
 /// The line that presents `token` (without its `\n`).

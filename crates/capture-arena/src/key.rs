@@ -24,7 +24,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use crate::error::{Error, Result};
 
 /// The longest key, in bytes. A free line holds at least one key of any valid length (JSON
-/// escaping at most doubles it, well under [`crate::control::MAX_LINE_BYTES`]), so every key that
+/// escaping at most doubles it, well under [`crate::limits::MAX_LINE_BYTES`]), so every key that
 /// can be published can also be freed.
 pub const MAX_KEY_BYTES: usize = 1024;
 
@@ -473,7 +473,7 @@ mod tests {
         let k = Key::new("a", "b", 1, &"\"".repeat(fill)).unwrap();
         assert_eq!(k.as_str().len(), MAX_KEY_BYTES);
         let line = serde_json::to_vec(&[&k]).unwrap();
-        assert!(line.len() < crate::control::MAX_LINE_BYTES);
+        assert!(line.len() < crate::limits::MAX_LINE_BYTES);
         assert!(Key::new("a", "b", 1, &"\"".repeat(fill + 1)).is_err());
     }
 

@@ -11,20 +11,21 @@
 //! `sink -> writer (queue -> placer) -> arena (alloc + memory) -> result -> client (reader ->
 //! transport) -> control client -> writer (control server) -> arena`.
 //!
-//! | module | noun |
-//! |---|---|
-//! | [`key`] | object keys `{store_id}/{sample_id}/g{gen}/{name}`, one type everywhere |
-//! | [`alloc`] | extent allocator over `[0, capacity)`, youngest-neighbour fit (offsets only) |
-//! | [`memory`] | regions (batch copies that may complete later) and the one mapping type |
-//! | [`arena`] | region + allocator + object table; atomic batches, reserve → copy → commit |
-//! | [`writer`] | the writer thread: submit queue, control server, placer |
-//! | [`control`] | the free protocol: line buffer and parser |
-//! | [`reply`] | the local reply path: descriptors and metadata for readers on the host |
-//! | [`sample`], [`tensor`] | requests, tensors, results |
-//! | [`config`] | every setting and its environment variable |
-//! | [`stats`] | the writer's counters |
-//! | [`transport`] | how a reader reaches an arena, chosen from the session |
-//! | [`client`] | the trainer side: reader, control client, feature store |
+//! The modules, in layers that import only downward (`scripts/layers.py`, run by the test
+//! command, fails on an import circle); each imports only modules of the layers below it:
+//!
+//! | layer | module | noun |
+//! |---|---|---|
+//! | data | [`error`](Error), `random` | errors; random bits for names, tokens and stamps |
+//! | data | [`key`], [`tensor`], [`sample`] | object keys; tensors; requests and results (the wire) |
+//! | data | [`limits`], [`report`], [`stats`] | bounds every input is checked against; what the writer reports, and its counters |
+//! | device | `driver` (feature `cuda`) | the CUDA driver: contexts, streams, events, VMM allocations |
+//! | memory | [`alloc`], [`memory`] | extent allocator over `[0, capacity)`; regions (batch copies that may complete later), the one mapping type |
+//! | arena | [`arena`] | region + allocator + object table; atomic batches, reserve → copy → commit |
+//! | protocol | [`control`], [`reply`] | the free protocol (line buffer, parser); the local reply path |
+//! | settings | [`config`] | every setting and its environment variable (above what it sets, below what reads it) |
+//! | server | [`writer`], [`sink`] | the writer thread (submit queue, control server, placer); the inference server's entry |
+//! | read side | [`transport`], [`client`] | how a reader reaches an arena; the trainer side (reader, control client, feature store) |
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
@@ -33,10 +34,15 @@ pub mod arena;
 pub mod client;
 pub mod config;
 pub mod control;
+#[cfg(feature = "cuda")]
+pub mod driver;
 mod error;
 pub mod key;
+pub mod limits;
 pub mod memory;
+mod random;
 pub mod reply;
+pub mod report;
 pub mod sample;
 pub mod sink;
 pub mod stats;

@@ -557,7 +557,7 @@ impl Published {
             .arena
             .token
             .as_deref()
-            .is_some_and(|t| !crate::control::is_valid_token(t))
+            .is_some_and(|t| !crate::limits::is_valid_token(t))
         {
             return Err(bad("arena.token is not a valid control token".into()));
         }

@@ -9,7 +9,7 @@ use std::sync::atomic::{
 
 use serde::{Deserialize, Serialize};
 
-use crate::arena::ArenaReport;
+use crate::report::ArenaReport;
 
 macro_rules! stats {
     ($( $(#[$doc:meta])* $field:ident ),* $(,)?) => {

@@ -127,7 +127,7 @@ pub struct DeviceData {
     pub(crate) device: i32,
     /// Recorded on the producer's stream when the tensor was handed over: the writer's copies
     /// wait for it.
-    pub(crate) ready: Option<crate::memory::cuda::Ready>,
+    pub(crate) ready: Option<crate::driver::Ready>,
     _owner: Box<dyn Send>,
 }
 
@@ -208,7 +208,7 @@ impl TensorData {
             ));
         }
         let ready = match stream {
-            Some(s) => Some(crate::memory::cuda::record_ready(ordinal, s)?),
+            Some(s) => Some(crate::driver::record_ready(ordinal, s)?),
             None => None,
         };
         Ok(TensorData::Device(DeviceData {

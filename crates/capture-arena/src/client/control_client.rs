@@ -957,7 +957,7 @@ impl StatsQuery {
 
 /// Checks a token a caller passes before it is sent.
 fn check_token(t: &str) -> Result<()> {
-    if crate::control::is_valid_token(t) {
+    if crate::limits::is_valid_token(t) {
         return Ok(());
     }
     Err(Error::Config {

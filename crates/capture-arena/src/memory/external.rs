@@ -9,7 +9,6 @@ use std::ptr::NonNull;
 use crate::error::{Error, Result};
 use crate::memory::host::{copy_to_host, SliceCopier};
 use crate::memory::{CopyOp, Progress, Region};
-use crate::sample::MAX_SESSION_BYTES;
 
 /// See the module docs.
 pub struct ExternalHostRegion {
@@ -24,23 +23,6 @@ pub struct ExternalHostRegion {
 // written by nobody else while the region lives; only the writer thread (which owns the region)
 // writes through the pointer.
 unsafe impl Send for ExternalHostRegion {}
-
-/// Checks a session string an owner gives: non-empty, bounded, printable (it goes into every
-/// result).
-pub(crate) fn check_session(session: &str) -> Result<()> {
-    if session.is_empty()
-        || session.len() > MAX_SESSION_BYTES
-        || session.chars().any(|c| c.is_control())
-    {
-        return Err(Error::InvalidSession {
-            session: session.chars().take(80).collect(),
-            reason: format!(
-                "an external region's session must be 1 to {MAX_SESSION_BYTES} printable bytes"
-            ),
-        });
-    }
-    Ok(())
-}
 
 impl ExternalHostRegion {
     /// `len` bytes of host memory at `ptr`, advertised as `session` (addresses in results are
@@ -60,7 +42,7 @@ impl ExternalHostRegion {
         session: String,
         owner: impl Send + 'static,
     ) -> Result<ExternalHostRegion> {
-        check_session(&session)?;
+        super::check_session(&session)?;
         let ptr = NonNull::new(ptr).filter(|_| len > 0).ok_or_else(|| {
             Error::config(
                 "SGLANG_SPEC_CAPTURE_ARENA_BYTES",
@@ -129,7 +111,7 @@ impl Region for ExternalHostRegion {
     }
 
     fn clear(&mut self, offset: u64, len: u64) {
-        if super::host::clear_in_range(offset, len, self.len) {
+        if super::clear_in_range(offset, len, self.len) {
             // SAFETY: inside the region (checked), which the constructor's caller promised is
             // valid for writes and written by nobody else.
             unsafe { super::host::clear_host(self.ptr.as_ptr().add(offset as usize), len) }
@@ -140,6 +122,7 @@ impl Region for ExternalHostRegion {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sample::MAX_SESSION_BYTES;
     use crate::tensor::TensorData;
 
     #[test]

@@ -115,17 +115,3 @@ pub(crate) unsafe fn clear_host(dst: *mut u8, len: u64) {
     }
     std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
 }
-
-/// `offset + len <= region_len`, else logs that the clear was refused (a bug of the caller).
-pub(crate) fn clear_in_range(offset: u64, len: u64, region_len: u64) -> bool {
-    let ok = offset.checked_add(len).is_some_and(|e| e <= region_len);
-    if !ok {
-        tracing::error!(
-            offset,
-            len,
-            region_len,
-            "a clear outside the region was refused"
-        );
-    }
-    ok
-}

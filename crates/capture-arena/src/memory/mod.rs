@@ -42,7 +42,8 @@ use std::fmt;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::sample::MAX_SESSION_BYTES;
 use crate::tensor::TensorData;
 
 /// One copy of a batch: `data` to `[offset, offset + data.len())` of the region.
@@ -250,6 +251,61 @@ impl<'a> SessionParts<'a> {
             None => Ok(()),
         }
     }
+}
+
+/// How a device arena is exported to readers in other processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HandlePreference {
+    /// Fabric when the device reports it and a real create + export succeeds, else POSIX fd.
+    #[default]
+    Auto,
+    /// POSIX file descriptor only (readers on this node).
+    PosixFd,
+    /// Fabric only (fails where it cannot be made).
+    Fabric,
+}
+
+impl std::str::FromStr for HandlePreference {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<HandlePreference, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(HandlePreference::Auto),
+            "fd" | "posix" | "posix_fd" => Ok(HandlePreference::PosixFd),
+            "fabric" => Ok(HandlePreference::Fabric),
+            _ => Err(format!("{s:?} is not one of auto, fd, fabric")),
+        }
+    }
+}
+
+/// `offset + len <= region_len`, else logs that the clear was refused (a bug of the caller).
+pub(crate) fn clear_in_range(offset: u64, len: u64, region_len: u64) -> bool {
+    let ok = offset.checked_add(len).is_some_and(|e| e <= region_len);
+    if !ok {
+        tracing::error!(
+            offset,
+            len,
+            region_len,
+            "a clear outside the region was refused"
+        );
+    }
+    ok
+}
+
+/// Checks a session string an owner gives: non-empty, bounded, printable (it goes into every
+/// result).
+pub(crate) fn check_session(session: &str) -> Result<()> {
+    if session.is_empty()
+        || session.len() > MAX_SESSION_BYTES
+        || session.chars().any(|c| c.is_control())
+    {
+        return Err(Error::InvalidSession {
+            session: session.chars().take(80).collect(),
+            reason: format!(
+                "an external region's session must be 1 to {MAX_SESSION_BYTES} printable bytes"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// True for a plain host name as sessions carry it (letters, digits, `.`, `-`, `_`).

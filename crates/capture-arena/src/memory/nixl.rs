@@ -830,7 +830,7 @@ fn agent_name() -> Result<String> {
     Ok(format!(
         "capture-arena-{}-{:032x}",
         std::process::id(),
-        crate::memory::shm::random_nonce()?
+        crate::random::nonce()?
     ))
 }
 

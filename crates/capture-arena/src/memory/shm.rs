@@ -381,25 +381,6 @@ pub struct ShmRegion {
     copier: SliceCopier,
 }
 
-/// 128 random bits from the kernel, for names no other process guesses or reuses.
-pub(crate) fn random_nonce() -> Result<u128> {
-    let mut buf = [0u8; 16];
-    let mut got = 0;
-    while got < buf.len() {
-        // SAFETY: writes at most buf.len() - got bytes into the tail of buf.
-        let n = unsafe { libc::getrandom(buf[got..].as_mut_ptr().cast(), buf.len() - got, 0) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(Error::io("getrandom for the arena nonce", e));
-        }
-        got += n as usize;
-    }
-    Ok(u128::from_le_bytes(buf))
-}
-
 fn shm_free_bytes() -> Option<u64> {
     let path = CString::new(SHM_DIR).ok()?;
     // SAFETY: statvfs fills the zeroed struct; path is NUL-terminated.
@@ -454,7 +435,7 @@ impl ShmRegion {
                     format!("{len} bytes is too large"),
                 )
             })?;
-        let nonce = random_nonce()?;
+        let nonce = crate::random::nonce()?;
         let pid = std::process::id();
         let name = format!("{NAME_PREFIX}{pid}-{nonce:032x}");
         let fd = open(&name, libc::O_RDWR | libc::O_CREAT | libc::O_EXCL, 0o600)
@@ -625,7 +606,7 @@ impl Region for ShmRegion {
     }
 
     fn clear(&mut self, offset: u64, len: u64) {
-        if !super::host::clear_in_range(offset, len, self.len) {
+        if !super::clear_in_range(offset, len, self.len) {
             return;
         }
         match self

@@ -17,8 +17,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::driver::{self, context, Allocation, Context, Mapped, Stream};
 use crate::error::{Error, Result};
-use crate::memory::cuda::driver::{self, context, Allocation, Context, Mapped, Stream};
 use crate::memory::cuda::{CudaSession, HandleType};
 use crate::transport::{Destination, ReadOp, Transport};
 

@@ -273,7 +273,7 @@ fn lease(host: &str, loaded: &[u64], until: Option<Instant>) -> Result<Lease> {
 fn make_agent(pid: u32) -> Result<Arc<ReaderAgent>> {
     let name = format!(
         "capture-arena-reader-{pid}-{:032x}",
-        crate::memory::shm::random_nonce()?
+        crate::random::nonce()?
     );
     Ok(Arc::new(ReaderAgent {
         handle: new_agent(&name, false)?,

@@ -1020,7 +1020,7 @@ fn bind_reply() -> Result<(UnixListener, String)> {
         "{}{}-{:032x}",
         reply::ENDPOINT_PREFIX,
         std::process::id(),
-        crate::memory::shm::random_nonce()?
+        crate::random::nonce()?
     );
     let name = endpoint.trim_start_matches('@');
     let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())

@@ -18,24 +18,22 @@
 //! `cuda://<host>/<pid>-<nonce>?len=..&base=..&dev=<gpu uuid>&handle=fd&reply=@...` or
 //! `...&handle=fabric&fabric=<128 hex digits>`.
 
-mod api;
-pub mod driver;
 mod session;
 
-pub use driver::{driver, DeviceBuffer, DriverInfo, HandleType};
+pub use crate::driver::{driver, DeviceBuffer, DriverInfo, HandleType};
 pub use session::{CudaSession, MAX_CUDA_SESSION_BYTES};
 
 use std::ffi::c_void;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use driver::{context, Allocation, Context, Event, Mapped, Stream};
+use crate::driver::{self, context, Allocation, Context, Event, Mapped, Stream};
 
 use crate::error::{Error, Result};
 use crate::memory::{CopyOp, Notifier, Progress, Region, Reply};
 use crate::tensor::TensorData;
 
-pub use crate::config::HandlePreference;
+pub use crate::memory::HandlePreference;
 
 /// Why a handle type was chosen, for the log and for `capture-arena` diagnostics.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,16 +93,6 @@ pub fn choose_handle(
 pub fn round_up(n: u64, granularity: u64) -> Option<u64> {
     let g = granularity.max(1);
     n.checked_add(g - 1).map(|v| v / g * g)
-}
-
-/// The readiness event of a device tensor.
-#[derive(Debug)]
-pub(crate) struct Ready(pub(crate) Event);
-
-/// Records an event on `stream` (a raw `CUstream` of this process; 0 is the legacy default
-/// stream) on device `ordinal`, now: the writer's copies of a tensor wait for it.
-pub(crate) fn record_ready(ordinal: i32, stream: u64) -> Result<Ready> {
-    driver::event_on(ordinal, stream).map(Ready)
 }
 
 /// Copies `n` bytes at `from` of a device tensor to host memory at `dst`, after its ready
@@ -343,8 +331,7 @@ impl Copier {
     /// stream, ahead of every later copy that may place another object there.
     fn clear(&mut self, base: u64, region_len: u64, offset: u64, len: u64) {
         static ZEROS: [u8; 8] = [0; 8];
-        if len > ZEROS.len() as u64 || !crate::memory::host::clear_in_range(offset, len, region_len)
-        {
+        if len > ZEROS.len() as u64 || !crate::memory::clear_in_range(offset, len, region_len) {
             return;
         }
         let enqueued = self.ctx.enter().and_then(|_current| {
@@ -458,7 +445,7 @@ impl DeviceRegion {
         let session = CudaSession {
             host: crate::memory::this_host(),
             pid: std::process::id(),
-            nonce: crate::memory::shm::random_nonce()?,
+            nonce: crate::random::nonce()?,
             len: size,
             base: mapped.ptr,
             device_uuid: ctx.uuid()?,
@@ -618,7 +605,7 @@ impl ExternalDeviceRegion {
         session: String,
         owner: impl Send + 'static,
     ) -> Result<ExternalDeviceRegion> {
-        crate::memory::external::check_session(&session)?;
+        crate::memory::check_session(&session)?;
         let ctx = context(ordinal)?;
         {
             let _current = ctx.enter()?;

@@ -2,18 +2,23 @@
 //! each wrapped so that it returns [`Error::Device`] instead of a code, and nothing here panics.
 //!
 //! [`driver`] opens the library (cudarc's candidates, in cudarc's order), looks up every entry
-//! point ([`super::api`], which reads results as integers: cudarc's enum cannot hold a code its
+//! point (`api`, which reads results as integers: cudarc's enum cannot hold a code its
 //! CUDA version does not list) and calls `cuInit`. Only after that has succeeded does any other
 //! function here call the driver; cudarc provides the types. A build with the `cuda` feature
 //! therefore starts on a machine without a GPU or driver and fails only when a device arena or a
 //! device read is asked for.
+//!
+//! The bottom of the device path: it knows contexts, streams, events and VMM allocations, and
+//! nothing of arenas, tensors or sessions ([`crate::memory::cuda`] and [`crate::transport`] build
+//! on it; a tensor's readiness event, `Ready`, is one of its events).
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys as cu;
 
-use super::api;
+mod api;
+
 use crate::error::{Error, Result};
 
 /// What the probe found: the driver's version and the devices this process sees.
@@ -81,7 +86,7 @@ fn load() -> std::result::Result<DriverInfo, String> {
             candidates.join(", ")
         ));
     };
-    if let Err(missing) = super::api::load(&lib) {
+    if let Err(missing) = api::load(&lib) {
         return Err(format!(
             "{library} lacks {missing}: the driver is too old for capture-arena (CUDA 12.3 or \
              newer is needed)"
@@ -997,4 +1002,14 @@ impl Drop for DeviceBuffer {
             api::cuMemFree_v2(self.ptr);
         }
     }
+}
+
+/// The readiness event of a device tensor.
+#[derive(Debug)]
+pub(crate) struct Ready(pub(crate) Event);
+
+/// Records an event on `stream` (a raw `CUstream` of this process; 0 is the legacy default
+/// stream) on device `ordinal`, now: the writer's copies of a tensor wait for it.
+pub(crate) fn record_ready(ordinal: i32, stream: u64) -> Result<Ready> {
+    event_on(ordinal, stream).map(Ready)
 }
