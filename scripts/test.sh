@@ -69,8 +69,9 @@ NIXL_FEATURES=capture-arena-cli/nixl,capture-arena-py/nixl
 step "cargo fmt --check"
 cargo fmt --all --check
 
-step "layers: the core's modules import only downward (no import circle)"
-python3 scripts/layers.py
+step "layers: the core's and the CLI's modules import only downward (no import circle)"
+python3 scripts/layers.py crates/capture-arena/src
+python3 scripts/layers.py crates/capture-arena-cli/src
 
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --features "$NIXL_FEATURES" -- -D warnings

@@ -151,7 +151,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut bufs: Vec<Vec<u8>> = Vec::new();
     let mut host = HostOuts::default();
     let mut device = match args.gpu.ordinal() {
-        Some(g) => Some(crate::device::Outs::new(g)?),
+        Some(g) => Some(crate::gpu::Outs::new(g)?),
         None => None,
     };
     let mut lat: Vec<Duration> = Vec::new();

@@ -1,10 +1,10 @@
-//! The CLI's GPU side (`--device`): device copies of the synthetic tensors, device buffers to
-//! read into, and the device rows of `bench`. Builds without the `cuda` feature say so when
-//! `--device` is used.
+//! The CLI's device commands: `device-info`, and the device rows of `bench` (`--device`).
+//! Builds without the `cuda` feature say so when they are used.
 
 use std::process::ExitCode;
 
-use capture_arena::TensorData;
+#[cfg(not(feature = "cuda"))]
+use crate::gpu::Outs;
 
 /// Flags of `device-info`.
 #[derive(Debug, Clone, clap::Args)]
@@ -58,86 +58,12 @@ pub fn info(_args: InfoArgs) -> anyhow::Result<ExitCode> {
     Outs::new(0).map(|_| ExitCode::FAILURE)
 }
 
-#[cfg(feature = "cuda")]
-mod imp {
-    use capture_arena::memory::cuda::DeviceBuffer;
-    use capture_arena::{Destination, DeviceSlice, TensorData};
-
-    /// A device copy of `bytes` on `gpu`, owned by the tensor.
-    pub fn upload(bytes: &[u8], gpu: i32) -> anyhow::Result<TensorData> {
-        let buf = DeviceBuffer::new(gpu, bytes.len() as u64)?;
-        buf.upload(0, bytes)?;
-        let (ptr, len) = (buf.ptr(), buf.len());
-        // SAFETY: the buffer is device memory of `len` bytes on `gpu`, moved into the tensor as
-        // its owner, and written by nobody else until the writer drops it.
-        Ok(unsafe { TensorData::device(ptr, len, gpu, None, buf) }?)
-    }
-
-    /// Device buffers a trainer reads into, reused while sizes repeat.
-    pub struct Outs {
-        gpu: i32,
-        bufs: Vec<DeviceBuffer>,
-    }
-
-    impl Outs {
-        pub fn new(gpu: i32) -> anyhow::Result<Outs> {
-            capture_arena::memory::cuda::driver()?;
-            Ok(Outs {
-                gpu,
-                bufs: Vec::new(),
-            })
-        }
-
-        /// One buffer per length, exactly that long.
-        pub fn reserve(&mut self, lens: &[usize]) -> capture_arena::Result<()> {
-            self.bufs.truncate(lens.len());
-            for (i, &n) in lens.iter().enumerate() {
-                if self.bufs.get(i).is_some_and(|b| b.len() == n as u64) {
-                    continue;
-                }
-                let b = DeviceBuffer::new(self.gpu, n as u64)?;
-                if i < self.bufs.len() {
-                    self.bufs[i] = b;
-                } else {
-                    self.bufs.push(b);
-                }
-            }
-            Ok(())
-        }
-
-        pub fn destinations<'a>(&self, names: &[&'a str]) -> Vec<(&'a str, Destination<'static>)> {
-            names
-                .iter()
-                .zip(&self.bufs)
-                // SAFETY: each buffer is device memory of exactly its length, owned by self and
-                // used by nothing else while the read runs.
-                .map(|(n, b)| {
-                    (
-                        *n,
-                        Destination::Device(unsafe {
-                            DeviceSlice::new(b.ptr(), b.len(), self.gpu)
-                        }),
-                    )
-                })
-                .collect()
-        }
-
-        /// Copies every buffer back to host memory (for the pattern check).
-        pub fn download(&self, out: &mut [Vec<u8>]) -> capture_arena::Result<()> {
-            for (b, o) in self.bufs.iter().zip(out.iter_mut()) {
-                b.download(0, o)?;
-            }
-            Ok(())
-        }
-    }
-}
-
 /// `bench --device`: rows `d2d_copy` (the reference), `publish_device`, `read_device` (a
 /// trainer in another process, reading into device memory through the imported handle),
 /// `end_to_end_device`, and `batch_16x4_device` (a batch of 16 samples x 4 small tensors: the
 /// writer's per-batch overhead).
 #[cfg(feature = "cuda")]
-pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::bench::Row>> {
+pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::measure::Row>> {
     use std::io::{BufRead, BufReader, Write};
     use std::process::{Command, Stdio};
     use std::time::{Duration, Instant};
@@ -253,14 +179,14 @@ pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::benc
     let [d2d, publish, read, e2e] = t.map(median);
     let gbps = |d: Duration| size as f64 / d.as_secs_f64().max(1e-12) / 1e9;
     let base = gbps(d2d);
-    let mut rows: Vec<crate::bench::Row> = [
+    let mut rows: Vec<crate::measure::Row> = [
         ("d2d_copy", d2d),
         ("publish_device", publish),
         ("read_device", read),
         ("end_to_end_device", e2e),
     ]
     .into_iter()
-    .map(|(what, d)| crate::bench::Row {
+    .map(|(what, d)| crate::measure::Row {
         what,
         bytes: size,
         gbps: gbps(d),
@@ -269,7 +195,7 @@ pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::benc
     })
     .collect();
     let b = median(batch_t);
-    rows.push(crate::bench::Row {
+    rows.push(crate::measure::Row {
         what: "batch_16x4_device",
         bytes: 16 * 4 * 4096,
         gbps: (16 * 4 * 4096) as f64 / b.as_secs_f64().max(1e-12) / 1e9,
@@ -280,42 +206,6 @@ pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::benc
 }
 
 #[cfg(not(feature = "cuda"))]
-pub fn bench(_size: u64, _reps: usize, _gpu: i32) -> anyhow::Result<Vec<crate::bench::Row>> {
+pub fn bench(_size: u64, _reps: usize, _gpu: i32) -> anyhow::Result<Vec<crate::measure::Row>> {
     Outs::new(0).map(|_| Vec::new())
-}
-
-#[cfg(not(feature = "cuda"))]
-mod imp {
-    use capture_arena::{Destination, TensorData};
-
-    const NO_CUDA: &str = "--device needs a capture-arena built with the cuda feature \
-                           (cargo build --features cuda)";
-
-    pub fn upload(_bytes: &[u8], _gpu: i32) -> anyhow::Result<TensorData> {
-        anyhow::bail!(NO_CUDA)
-    }
-
-    pub struct Outs;
-
-    impl Outs {
-        pub fn new(_gpu: i32) -> anyhow::Result<Outs> {
-            anyhow::bail!(NO_CUDA)
-        }
-        pub fn reserve(&mut self, _lens: &[usize]) -> capture_arena::Result<()> {
-            Ok(())
-        }
-        pub fn destinations<'a>(&self, _names: &[&'a str]) -> Vec<(&'a str, Destination<'static>)> {
-            Vec::new()
-        }
-        pub fn download(&self, _out: &mut [Vec<u8>]) -> capture_arena::Result<()> {
-            Ok(())
-        }
-    }
-}
-
-pub use imp::Outs;
-
-/// A device copy of `bytes` on `gpu` (see [`imp::upload`]).
-pub fn upload(bytes: &[u8], gpu: i32) -> anyhow::Result<TensorData> {
-    imp::upload(bytes, gpu)
 }

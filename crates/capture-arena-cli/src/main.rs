@@ -1,6 +1,11 @@
 //! `capture-arena`: the main job (`demo`), its two halves (`produce`, `consume`) and `bench`.
 //!
 //! `cargo run --release -p capture-arena-cli -- demo`
+//!
+//! Its modules import only downward (`scripts/layers.py crates/capture-arena-cli/src`): at the
+//! bottom the helpers, `workload` (synthetic samples and their checks), `measure` (table rows,
+//! medians, the machine) and `gpu` (device copies and buffers); above them one module per
+//! command (`nixl_bench` and `device` hold `bench`'s NIXL and device rows).
 
 mod bench;
 mod clean;
@@ -8,7 +13,9 @@ mod consume;
 mod demo;
 mod device;
 mod free;
+mod gpu;
 mod inspect;
+mod measure;
 mod nixl_bench;
 mod produce;
 mod soak;

@@ -22,7 +22,7 @@ use anyhow::Context;
 use capture_arena::config::ArenaTransport;
 use capture_arena::{Config, Published, ReadBuffer, Reader, Sample, Writer};
 
-use crate::bench::Row;
+use crate::measure::Row;
 use crate::workload::{fill, pattern_tensor, verify};
 
 /// Objects of the batched row.
@@ -131,7 +131,7 @@ pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
     }
     let mut src = vec![0u8; n];
     fill("bench/x", &mut src);
-    let src = crate::bench::Src(std::sync::Arc::new(src));
+    let src = crate::measure::Src(std::sync::Arc::new(src));
     let mut dst = vec![1u8; n];
     let writer = |transport| {
         Writer::start(&Config {
@@ -143,7 +143,7 @@ pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
     let shm = writer(ArenaTransport::Auto)?;
     let served = writer(ArenaTransport::Nixl)?;
     let publish = |w: &Writer| -> anyhow::Result<Duration> {
-        let s = crate::bench::sample(0, &src, true)?;
+        let s = crate::measure::sample(0, &src, true)?;
         let t0 = Instant::now();
         w.submit(vec![s])?.wait()?;
         Ok(t0.elapsed())
@@ -168,7 +168,7 @@ pub fn bench(size: u64, reps: usize) -> anyhow::Result<Vec<Row>> {
     drop(producer.stdin.take());
     let _ = producer.wait();
     drop((shm, served));
-    let [memcpy, read, batch, publish_shm, publish_nixl] = t.map(crate::bench::median);
+    let [memcpy, read, batch, publish_shm, publish_nixl] = t.map(crate::measure::median);
     let gbps = |b: u64, d: Duration| b as f64 / d.as_secs_f64().max(1e-12) / 1e9;
     let base = gbps(size, memcpy);
     let batch_bytes = part_len(size) * PARTS as u64;

@@ -258,7 +258,7 @@ impl Workload {
             let mut buf = pool.take(usize::try_from(n)?);
             fill(Key::new(&self.store_id, &id, 1, name)?.as_str(), &mut buf);
             let data = match gpu {
-                Some(g) => crate::device::upload(&buf, g)?,
+                Some(g) => crate::gpu::upload(&buf, g)?,
                 None => TensorData::host(Pooled {
                     buf,
                     pool: pool.clone(),
