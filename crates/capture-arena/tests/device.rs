@@ -139,6 +139,13 @@ fn read_and_check(store: &FeatureStore, p: &Published) {
     }
 }
 
+/// Releases `p` through `store`, sends the frees and waits until the arena is empty.
+fn release_all(store: &FeatureStore, p: &Published, w: &Writer) {
+    store.release(p).unwrap();
+    store.flush().unwrap();
+    wait_all_free(w);
+}
+
 fn wait_all_free(w: &Writer) {
     let (s, ok) = w.wait_for(Duration::from_secs(10), |s| {
         s.resident_objects == 0 && s.free_bytes == s.capacity
@@ -499,9 +506,7 @@ fn fake_gpu_a_reader_that_cannot_import_fabric_handles_takes_the_descriptor_on_t
     fake_cuda::knob("imex", 0);
     let store = FeatureStore::new();
     read_and_check(&store, &p);
-    store.release(&p).unwrap();
-    store.flush().unwrap();
-    wait_all_free(&w);
+    release_all(&store, &p, &w);
 }
 
 #[test]
@@ -609,9 +614,7 @@ fn fake_gpu_a_tensor_on_a_stream_of_another_context_is_waited_for_in_that_contex
     let p = publish(&w, s);
     let store = FeatureStore::new();
     read_and_check(&store, &p);
-    store.release(&p).unwrap();
-    store.flush().unwrap();
-    wait_all_free(&w);
+    release_all(&store, &p, &w);
 }
 
 #[test]
@@ -637,9 +640,7 @@ fn fake_gpu_a_tensor_of_another_gpus_vmm_pool_is_copied_on_that_gpus_stream() {
     let store = FeatureStore::new();
     store.get_into(&p, "t1", &mut back).unwrap();
     assert_eq!(back, bytes);
-    store.release(&p).unwrap();
-    store.flush().unwrap();
-    wait_all_free(&w);
+    release_all(&store, &p, &w);
 }
 
 #[test]
@@ -680,7 +681,5 @@ fn fake_gpu_a_read_into_another_gpus_vmm_memory_copies_on_that_gpu() {
     // SAFETY: the fake's device memory is host memory, readable once mapped (it is).
     let back = unsafe { std::slice::from_raw_parts(ptr as *const u8, 30_000) };
     assert_eq!(back, &bytes_of("q", "t0", 30_000)[..]);
-    store.release(&p).unwrap();
-    store.flush().unwrap();
-    wait_all_free(&w);
+    release_all(&store, &p, &w);
 }
