@@ -34,19 +34,24 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
-use std::io::{self, ErrorKind, Read, Write};
+use std::io::{self, ErrorKind};
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
 use std::time::{Duration, Instant};
 
-use mio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use mio::net::{TcpListener, UnixListener};
 use mio::{Interest, Registry, Token};
+
+mod answers;
+mod conn;
 
 use crate::arena::Arena;
 use crate::control::{self, LineBuffer, MAX_LINE_BYTES};
 use crate::error::{Error, Result};
 use crate::reply;
 use crate::stats::{bump, Stats};
+use answers::{apply_line, stats_answer, StoreTable};
+use conn::{Conn, Stream, Warn, Warnings, AUTH_LINE_BYTES};
 
 /// The control listener's token.
 pub(crate) const LISTENER: Token = Token(0);
@@ -76,101 +81,6 @@ pub(crate) struct Limits {
     pub line_timeout: Duration,
     /// The control token a connection presents before its frees are applied.
     pub token: Option<String>,
-}
-
-#[derive(Debug)]
-enum Stream {
-    /// A control connection: free lines.
-    Tcp(TcpStream),
-    /// A reply-path connection: one request line.
-    Unix(UnixStream),
-}
-
-impl Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
-        }
-    }
-
-    /// Writes all of `bytes` without blocking; false if the socket would not take them whole.
-    fn write_now(&self, mut bytes: &[u8]) -> bool {
-        while !bytes.is_empty() {
-            let r = match self {
-                Stream::Tcp(s) => (&*s).write(bytes),
-                Stream::Unix(s) => (&*s).write(bytes),
-            };
-            match r {
-                Ok(0) => return false,
-                Ok(n) => bytes = &bytes[n..],
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(_) => return false,
-            }
-        }
-        true
-    }
-
-    fn deregister(&mut self, registry: &Registry) {
-        let _ = match self {
-            Stream::Tcp(s) => registry.deregister(s),
-            Stream::Unix(s) => registry.deregister(s),
-        };
-    }
-}
-
-#[derive(Debug)]
-struct Conn {
-    stream: Stream,
-    peer: String,
-    lines: LineBuffer,
-    /// When the unfinished line in `lines` began (`None` while there is none).
-    partial_since: Option<Instant>,
-    /// In `ready` or `starved` (so never twice in either).
-    queued: bool,
-    /// Presented the control token (or none is needed).
-    authed: bool,
-    /// When this connection's last stats request was answered.
-    last_stats: Option<Instant>,
-}
-
-/// The longest line a connection may send before it presents the control token (a token line
-/// is at most ~270 bytes).
-const AUTH_LINE_BYTES: usize = 512;
-
-/// Kinds of rate-limited warnings.
-#[derive(Debug, Clone, Copy)]
-enum Warn {
-    BadLine,
-    Unauthorized,
-    LongLine,
-    Partial,
-    TimedOut,
-    Refused,
-    Accept,
-    Reply,
-    Stats,
-}
-
-/// One warning per kind per second; the rest are counted and reported with the next one.
-#[derive(Debug, Default)]
-struct Warnings {
-    next: [Option<Instant>; 9],
-    suppressed: [u64; 9],
-}
-
-impl Warnings {
-    /// Runs `log(suppressed)` if a warning of `kind` may be logged now.
-    fn warn(&mut self, kind: Warn, log: impl FnOnce(u64)) {
-        let i = kind as usize;
-        let now = Instant::now();
-        if self.next[i].is_some_and(|n| now < n) {
-            self.suppressed[i] += 1;
-            return;
-        }
-        log(std::mem::take(&mut self.suppressed[i]));
-        self.next[i] = Some(now + Duration::from_secs(1));
-    }
 }
 
 /// See the module docs.
@@ -845,173 +755,6 @@ enum Turn {
     Eof,
     /// Close it (an error, a line too long).
     Close,
-}
-
-/// The per-store table of the last stats answer, for the next ones.
-#[derive(Debug)]
-struct StoreTable {
-    at: Instant,
-    /// `(published, freed + replaced + expired)` objects when it was made: unchanged means the
-    /// same objects are resident.
-    version: (u64, u64),
-    stores: Vec<crate::arena::StoreUsage>,
-    total: u64,
-}
-
-/// The answer to a stats request (with its `\n`): the counters as they are now; the per-store
-/// table as it is now if it was last made over [`control::STATS_TABLE_INTERVAL`] ago, else the
-/// last one (its ages moved on), so walking the object table costs the writer at most one pass
-/// per interval, however many ask.
-fn stats_answer(
-    cache: &mut Option<StoreTable>,
-    arena: &Arena,
-    stats: &Stats,
-    now: Instant,
-) -> Vec<u8> {
-    let snapshot = stats.snapshot();
-    let version = (
-        snapshot.published_objects,
-        snapshot.freed_objects + snapshot.replaced_objects + snapshot.expired_objects,
-    );
-    let reuse = cache.as_ref().is_some_and(|t| {
-        t.version == version || now.saturating_duration_since(t.at) < control::STATS_TABLE_INTERVAL
-    });
-    if !reuse {
-        let usage = arena.store_usage(now);
-        let total = usage.len() as u64;
-        // The largest holders, within a few KiB (a store_id may be up to 1 KiB long): the
-        // answer fits the socket's buffer in one write.
-        let mut room = STATS_ROWS_BYTES;
-        let stores = usage
-            .into_iter()
-            .take(control::STATS_STORES)
-            .take_while(|u| {
-                // As JSON: escaping may make an id longer than its bytes.
-                let id = serde_json::to_string(&u.store_id).map_or(usize::MAX, |j| j.len());
-                room = room.saturating_sub(id.saturating_add(80));
-                room > 0
-            })
-            .collect();
-        *cache = Some(StoreTable {
-            at: now,
-            version,
-            stores,
-            total,
-        });
-    }
-    let (stores, stores_total) = cache
-        .as_ref()
-        .map(|t| {
-            // Ages move on with the clock (the same objects are still the oldest when the
-            // version is unchanged).
-            let later = now.saturating_duration_since(t.at).as_secs_f64();
-            let rows = t.stores.iter().map(|u| crate::arena::StoreUsage {
-                oldest_age_s: u.oldest_age_s + later,
-                ..u.clone()
-            });
-            (rows.collect::<Vec<_>>(), t.total)
-        })
-        .unwrap_or_default();
-    let report = control::StatsReport {
-        stats: snapshot,
-        stores,
-        stores_total,
-        pid: std::process::id(),
-    };
-    let mut bytes = serde_json::to_vec(&report).unwrap_or_else(|_| b"{}".to_vec());
-    bytes.push(b'\n');
-    bytes
-}
-
-/// Bytes of `stores` rows in a stats answer, at most.
-const STATS_ROWS_BYTES: usize = 8 * 1024;
-
-/// Applies one line (`object`: what [`control::parse_object_line`] made of it): frees its keys.
-/// Returns true if anything was freed.
-fn apply_line(
-    line: &[u8],
-    object: Option<control::ObjectLine>,
-    peer: &str,
-    arena: &mut Arena,
-    stats: &Stats,
-    warnings: &mut Warnings,
-) -> bool {
-    if let Some(control::ObjectLine::Token(_)) = object {
-        // A server without a token: one bad line, and nothing of it in the log.
-        bump(&stats.bad_lines, 1);
-        warnings.warn(Warn::BadLine, |suppressed| {
-            tracing::warn!(
-                %peer,
-                suppressed,
-                "token line ignored: this server has no control token (counted in bad_lines)"
-            )
-        });
-        return false;
-    }
-    if let Some(control::ObjectLine::FreePrefix(prefix)) = object {
-        return match crate::key::check_prefix(&prefix) {
-            Ok(()) => {
-                let (objects, bytes) = arena.free_prefix(&prefix);
-                if objects > 0 {
-                    stats.set_report(&arena.report());
-                } else {
-                    bump(&stats.unknown_frees, 1);
-                }
-                bump(&stats.freed_bytes, bytes);
-                bump(&stats.freed_objects, objects);
-                if objects > 0 {
-                    tracing::info!(%peer, %prefix, objects, bytes, "prefix freed");
-                }
-                objects > 0
-            }
-            Err(e) => {
-                bump(&stats.bad_lines, 1);
-                warnings.warn(Warn::BadLine, |suppressed| {
-                    tracing::warn!(%peer, error = %e, suppressed, "bad prefix free ignored (counted in bad_lines)")
-                });
-                false
-            }
-        };
-    }
-    match control::parse_line(line) {
-        Ok(Some(keys)) => {
-            let (mut objects, mut bytes, mut unknown) = (0, 0, 0);
-            for key in &keys {
-                match arena.free(key) {
-                    Some(b) => {
-                        objects += 1;
-                        bytes += b;
-                    }
-                    None => unknown += 1,
-                }
-            }
-            if objects > 0 {
-                // The occupancy first, then the counters: whoever sees a free counted (a
-                // `wait_for` on `freed_objects`) sees the arena with it applied.
-                stats.set_report(&arena.report());
-            }
-            bump(&stats.freed_bytes, bytes);
-            bump(&stats.unknown_frees, unknown);
-            bump(&stats.freed_objects, objects);
-            objects > 0
-        }
-        Ok(None) => false,
-        Err(why) => {
-            bump(&stats.bad_lines, 1);
-            warnings.warn(Warn::BadLine, |suppressed| {
-                let start = String::from_utf8_lossy(&line[..line.len().min(80)]).into_owned();
-                tracing::warn!(
-                    %peer,
-                    %why,
-                    bytes = line.len(),
-                    ?start,
-                    suppressed,
-                    "bad control line ignored (counted in bad_lines)"
-                )
-            });
-            false
-        }
-    }
 }
 
 /// Binds the reply path's listener on a fresh abstract name.
