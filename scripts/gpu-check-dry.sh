@@ -21,8 +21,19 @@ for line in sys.stdin:
         print(m["executable"])' | tail -n 1
 }
 mkdir -p "$tmp/artefacts/wheels" "$tmp/driver" "$tmp/out"
-cp "$(exe build -p capture-arena-cli)" "$tmp/artefacts/capture-arena"
-cp "$(exe test -p capture-arena --features cuda --test device --no-run)" "$tmp/artefacts/device-tests"
+# The workspace's own build (GPU_DRY_FEATURES: the features the test command builds it with), so
+# nothing is compiled again: the CLI, and the core's device tests (the cuda feature is on in every
+# workspace build, through the CLI and the Python module).
+features=${GPU_DRY_FEATURES:-}
+cp "$(exe build --workspace ${features:+--features "$features"} --bin capture-arena)" "$tmp/artefacts/capture-arena"
+device_tests=$(cargo test --workspace ${features:+--features "$features"} --test device --no-run \
+    --message-format=json 2>/dev/null | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") \
+            and m["target"]["src_path"].endswith("crates/capture-arena/tests/device.rs"):
+        print(m["executable"])')
+cp "$device_tests" "$tmp/artefacts/device-tests"
 cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py "$tmp/artefacts/"
 "${CC:-cc}" -shared -fPIC -O2 -Wl,-soname,libcuda.so.1 -o "$tmp/driver/libcuda.so.1" \
   crates/capture-arena/tests/fake_cuda/fake_cuda.c -lpthread

@@ -91,7 +91,7 @@ step "cargo test --doc"
 cargo test --workspace --doc --features "$NIXL_FEATURES"
 
 step "scripts/gpu-check.sh, dry run against the fake driver (finishes inside its deadline, reports every step)"
-scripts/gpu-check-dry.sh 45
+GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 30
 
 step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; HARDENING.md)"
 FUZZ_FEATURES=nixl scripts/fuzz.sh 12
