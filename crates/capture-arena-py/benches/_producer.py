@@ -30,13 +30,19 @@ def start(env: dict[str, str], n: int) -> tuple[subprocess.Popen[str], dict[str,
     skipped."""
     e = {**os.environ, "SGLANG_SPEC_CAPTURE_ARENA_BYTES": str(n + (4 << 20)), **env}
     p = subprocess.Popen([sys.executable, "-c", SCRIPT, str(n)], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return p, first_json(p, f"the producer ({env})")
+
+
+def first_json(p: subprocess.Popen[str], what: str) -> dict[str, Any]:
+    """The first line of `p`'s stdout that is JSON (lines that are not, a library's log, are
+    skipped); RuntimeError naming `what` if `p` exits first."""
     assert p.stdout is not None
     while True:
         line = p.stdout.readline()
         if not line:
-            raise RuntimeError(f"the producer ({env}) exited without a result")
+            raise RuntimeError(f"{what} exited without a result")
         if line.startswith("{"):
-            return p, json.loads(line)
+            return json.loads(line)  # type: ignore[no-any-return]
 
 
 def stop(p: subprocess.Popen[str]) -> None:

@@ -43,6 +43,8 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 
 from specforge.inference.adapters.server_capture import ServerCaptureSchema, SGLangServerCaptureAdapter  # noqa: E402
 from specforge.inference.capture import CaptureConfig  # noqa: E402
+
+import _producer  # noqa: E402  (this directory: reading a child's first JSON line)
 from specforge.runtime.contracts import PromptTask, SampleRef  # noqa: E402
 
 import mooncake_master  # noqa: E402  (tests/: starting and stopping a master)
@@ -86,13 +88,7 @@ def start(env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
     e.update(env)
     e.update({"BENCH_TOKENS": str(ARGS.tokens), "BENCH_HIDDEN": str(ARGS.hidden), "BENCH_BATCH": str(ARGS.batch)})
     p = subprocess.Popen([sys.executable, "-c", PRODUCER], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    while True:
-        line = p.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the capture server ({env}) exited")
-        if line.startswith("{"):
-            return p, f"http://127.0.0.1:{json.loads(line)['port']}"
+    return p, f"http://127.0.0.1:{_producer.first_json(p, f'the capture server ({env})')['port']}"
 
 
 def main() -> None:
