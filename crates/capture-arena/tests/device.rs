@@ -43,6 +43,7 @@ fn setup() -> MutexGuard<'static, ()> {
             ("gdr_attr", 1),
             ("fault", 0),
             ("odd_error", 0),
+            ("host_register", 1),
         ] {
             fake_cuda::knob(k, v);
         }
@@ -378,6 +379,55 @@ fn fake_gpu_device_tensors_under_a_host_arena_are_copied_to_host() {
     let p = publish(&w, device_sample("h", &[1000, 77], false, false));
     // Read into host and into device buffers from shared memory.
     read_and_check(&FeatureStore::new(), &p);
+}
+
+/// Copies between shared memory and the GPU run from pinned memory, on both sides: the writer
+/// pins its arena on the first device tensor, a reader its read-only view (with the read-only
+/// flag the driver requires for such a mapping) on the first device read; both unpin when they
+/// go. Where the device cannot pin, the copies stay pageable and correct.
+#[test]
+fn fake_gpu_host_arenas_are_pinned_for_device_copies() {
+    let Some(_g) = setup_fake("fake_gpu_host_arenas_are_pinned_for_device_copies") else {
+        return;
+    };
+    assert_eq!(fake_cuda::pinned_bytes(), 0, "pins left by another test");
+    {
+        let w = Writer::start(&util::config(1 << 20, Duration::from_secs(1))).unwrap();
+        let store = FeatureStore::new();
+        let s = device_sample("pin", &[1000, 77], true, false);
+        let pageable = fake_cuda::host_copies(false);
+        let p = publish(&w, s);
+        assert!(
+            fake_cuda::pinned_bytes() > 1 << 20,
+            "the writer's arena is not pinned"
+        );
+        read_and_check(&store, &p);
+        assert!(
+            fake_cuda::pinned_bytes() > 2 << 20,
+            "the reader's view is not pinned too"
+        );
+        // The only pageable copies: the test's own downloads of the two device buffers it read
+        // into (read_and_check) into Vecs.
+        assert_eq!(
+            fake_cuda::host_copies(false) - pageable,
+            2,
+            "a copy to or from an arena ran from pageable memory"
+        );
+        release_all(&store, &p, &w);
+    }
+    assert_eq!(fake_cuda::pinned_bytes(), 0, "a pin outlived its mapping");
+
+    fake_cuda::knob("host_register", 0);
+    let w = Writer::start(&util::config(1 << 20, Duration::from_secs(1))).unwrap();
+    let store = FeatureStore::new();
+    let s = device_sample("pageable", &[1000], false, false);
+    let pageable = fake_cuda::host_copies(false);
+    let p = publish(&w, s);
+    read_and_check(&store, &p);
+    assert_eq!(fake_cuda::pinned_bytes(), 0);
+    // The writer's copy, the reader's and the test's download.
+    assert_eq!(fake_cuda::host_copies(false) - pageable, 3);
+    release_all(&store, &p, &w);
 }
 
 #[test]

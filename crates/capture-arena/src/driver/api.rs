@@ -123,6 +123,8 @@ api! {
     cuMemSetAccess(ptr: cu::CUdeviceptr, size: usize, desc: *const cu::CUmemAccessDesc, count: usize);
     cuMemAlloc_v2(ptr: *mut cu::CUdeviceptr, size: usize);
     cuMemFree_v2(ptr: cu::CUdeviceptr);
+    cuMemHostRegister_v2(ptr: *mut c_void, len: usize, flags: c_uint);
+    cuMemHostUnregister(ptr: *mut c_void);
     cuMemcpyHtoDAsync_v2(dst: cu::CUdeviceptr, src: *const c_void, n: usize, stream: cu::CUstream);
     cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: cu::CUdeviceptr, n: usize, stream: cu::CUstream);
     cuMemcpyDtoDAsync_v2(dst: cu::CUdeviceptr, src: cu::CUdeviceptr, n: usize, stream: cu::CUstream);

@@ -8,9 +8,9 @@
 //! therefore starts on a machine without a GPU or driver and fails only when a device arena or a
 //! device read is asked for.
 //!
-//! The bottom of the device path: it knows contexts, streams, events and VMM allocations, and
-//! nothing of arenas, tensors or sessions ([`crate::memory::cuda`] and [`crate::transport`] build
-//! on it; a tensor's readiness event, `Ready`, is one of its events).
+//! The bottom of the device path: it knows contexts, streams, events, VMM allocations and pinned
+//! host ranges, and nothing of arenas, tensors or sessions ([`crate::memory::cuda`] and
+//! [`crate::transport`] build on it; a tensor's readiness event, `Ready`, is one of its events).
 
 use std::ffi::{c_int, CStr};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -18,9 +18,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys as cu;
 
 mod api;
+mod host;
 mod stream;
 mod vmm;
 
+pub(crate) use host::HostPin;
 pub use stream::DeviceBuffer;
 pub(crate) use stream::{event_on, record_ready, Event, Ready, Stream};
 pub use vmm::HandleType;

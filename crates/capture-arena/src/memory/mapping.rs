@@ -39,7 +39,15 @@ pub struct Mapping {
     pid: u32,
     /// Catches the `SIGBUS` of an object truncated under the mapping (see [`super::guard`]).
     watch: Option<super::guard::Watch>,
+    /// The whole mapping registered with the CUDA driver (feature `cuda`), on the first copy
+    /// between it and device memory ([`Mapping::pin_for_device`]); `None` once refused.
+    #[cfg(feature = "cuda")]
+    pin: std::sync::OnceLock<Option<crate::driver::HostPin>>,
 }
+
+/// `0` turns pinning off: copies between shared memory and device memory then stay pageable
+/// (synchronous, staged by the driver through its own buffers). Default on.
+pub const ENV_PIN_HOST: &str = "SGLANG_SPEC_CAPTURE_PIN_HOST";
 
 // SAFETY: the mapping is plain memory owned by this value; every access goes through methods
 // that either copy (reads and writes of disjoint caller buffers) or take `&mut self` (writes), so
@@ -96,6 +104,8 @@ impl Mapping {
             access,
             pid: std::process::id(),
             watch: super::guard::Watch::new(ptr.as_ptr() as usize, len),
+            #[cfg(feature = "cuda")]
+            pin: std::sync::OnceLock::new(),
         };
         if access == Access::ReadWrite {
             // SAFETY: advice on exactly the range just mapped; it changes no contents.
@@ -104,6 +114,63 @@ impl Mapping {
             }
         }
         Ok(m)
+    }
+
+    /// Pins the whole mapping for copies to and from device memory, on the first call (in device
+    /// `ordinal`'s context; the pin holds for every GPU): the copy engine then moves the bytes
+    /// itself, asynchronously, instead of the driver staging them through its own pinned
+    /// buffers with the CPU. Returns whether the mapping is pinned. Where pinning is off
+    /// ([`ENV_PIN_HOST`]`=0`) or refused, copies stay pageable (correct, slower), logged once.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn pin_for_device(&self, ordinal: i32, what: &str) -> bool {
+        self.pin
+            .get_or_init(|| {
+                if std::env::var(ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0") {
+                    tracing::info!(
+                        what,
+                        "{ENV_PIN_HOST}=0: device copies of {what} stay pageable"
+                    );
+                    return None;
+                }
+                let started = std::time::Instant::now();
+                let pinned = crate::driver::context(ordinal).and_then(|ctx| {
+                    // SAFETY: the whole range this value mapped; the pin is dropped before the
+                    // range is unmapped (Drop below).
+                    unsafe {
+                        crate::driver::HostPin::new(
+                            &ctx,
+                            self.ptr.as_ptr(),
+                            self.len,
+                            self.access == Access::ReadOnly,
+                        )
+                    }
+                });
+                match pinned {
+                    Ok(Ok(pin)) => {
+                        tracing::info!(
+                            what,
+                            bytes = pin.len(),
+                            ms = started.elapsed().as_millis() as u64,
+                            "pinned for device copies"
+                        );
+                        Some(pin)
+                    }
+                    Ok(Err(reason)) => {
+                        tracing::info!(what, reason, "device copies stay pageable");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            what,
+                            error = %e,
+                            "pinning failed: device copies stay pageable (slower, synchronous); \
+                             {ENV_PIN_HOST}=0 skips the attempt"
+                        );
+                        None
+                    }
+                }
+            })
+            .is_some()
     }
 
     /// Bytes mapped.
@@ -234,7 +301,9 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // Unwatched before the range is unmapped (the address may be reused at once).
+        // Unpinned and unwatched before the range is unmapped (the address may be reused at once).
+        #[cfg(feature = "cuda")]
+        drop(self.pin.take());
         drop(self.watch.take());
         if self.access == Access::ReadWrite && self.pid != std::process::id() {
             return; // MADV_DONTFORK: not mapped in this (forked) process

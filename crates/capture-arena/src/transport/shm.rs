@@ -110,6 +110,8 @@ impl ShmTransport {
         #[cfg(feature = "cuda")]
         {
             let src = self.map.raw_range(off, d.len() as usize)?;
+            self.map
+                .pin_for_device(d.device(), "the producer's shared memory");
             // SAFETY: `src` is a checked range of this read-only mapping (kept alive by self);
             // the destination is device memory the DeviceSlice's creator vouched for.
             unsafe {

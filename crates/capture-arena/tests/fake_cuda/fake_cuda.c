@@ -21,6 +21,7 @@
  *                              allocation asking for gpuDirectRDMACapable then fails (NOT_SUPPORTED)
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
  *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
+ *   FAKE_CUDA_HOST_REGISTER=0  report no cuMemHostRegister support (attribute 99; default 1)
  *   FAKE_CUDA_NO_DEVICE=1      cuInit fails with CUDA_ERROR_NO_DEVICE
  *   FAKE_CUDA_ODD_ERROR=N      cuStreamCreate returns N, a code no CUDA header lists
  *   FAKE_CUDA_FAULT=1          the next op a stream runs raises a sticky context error
@@ -47,7 +48,8 @@ typedef void (*CUhostFn)(void *);
 
 enum {
   OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201,
-  INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700, NOT_PERMITTED = 800, NOT_SUPPORTED = 801
+  INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700, HOST_MEMORY_ALREADY_REGISTERED = 712,
+  HOST_MEMORY_NOT_REGISTERED = 713, NOT_PERMITTED = 800, NOT_SUPPORTED = 801
 };
 
 static int env_int(const char *k, int dflt) {
@@ -64,7 +66,7 @@ static int devices(void) {
 
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
 static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2,
-  knob_fault = -2;
+  knob_fault = -2, knob_host_register = -2;
 static long copies;
 /* A context error (FAKE_CUDA_FAULT / the "fault" knob, set when a stream next runs an op): sticky,
  * as on a real GPU after an illegal address. */
@@ -80,6 +82,7 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "imex") ? &knob_imex
           : !strcmp(name, "gdr_attr") ? &knob_gdr_attr
           : !strcmp(name, "fault") ? &knob_fault
+          : !strcmp(name, "host_register") ? &knob_host_register
           : !strcmp(name, "devices") ? &knob_devices
           : !strcmp(name, "odd_error") ? &knob_odd_error : NULL;
   if (!k) return -3;
@@ -101,6 +104,8 @@ CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
   (void)d;
   if (attr == 128) *v = (int)knob(&knob_fabric_attr, "FAKE_CUDA_FABRIC_ATTR", 0);
   else if (attr == 103) *v = 1;
+  else if (attr == 99) *v = (int)knob(&knob_host_register, "FAKE_CUDA_HOST_REGISTER", 1);
+  else if (attr == 113) *v = 1; /* read-only host registration */
   else if (attr == 110) *v = (int)knob(&knob_gdr_attr, "FAKE_CUDA_GDR_ATTR", 1); /* GPUDirect RDMA on VMM */
   else *v = 0;
   return OK;
@@ -535,7 +540,75 @@ CUresult cuLaunchHostFunc(Stream *s, CUhostFn fn, void *data) {
   Op o = {.kind = OP_HOST, .fn = fn, .data = data};
   return push(s, o);
 }
-static CUresult copy(void *dst, const void *src, size_t n, Stream *s) {
+/* Host memory registered with cuMemHostRegister (pinned), and the host ends of copies counted by
+ * whether they were pinned (for the tests to read). */
+#define MAX_PINS 256
+static struct { uintptr_t start; size_t size; } pins[MAX_PINS];
+static long pinned_copies, pageable_copies;
+long fake_cuda_host_copies(int pinned) {
+  return __atomic_load_n(pinned ? &pinned_copies : &pageable_copies, __ATOMIC_SEQ_CST);
+}
+long fake_cuda_pinned_bytes(void) {
+  long n = 0;
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_PINS; i++) n += (long)pins[i].size;
+  pthread_mutex_unlock(&ranges_mu);
+  return n;
+}
+static int pinned(uintptr_t p, size_t n) {
+  int ok = 0;
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_PINS; i++)
+    if (pins[i].size && p >= pins[i].start && p - pins[i].start + n <= pins[i].size) { ok = 1; break; }
+  pthread_mutex_unlock(&ranges_mu);
+  return ok;
+}
+/* Whether every page of [p, p + n) is mapped writable, from /proc/self/maps. */
+static int writable(uintptr_t p, size_t n) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return 0;
+  char line[512];
+  uintptr_t at = p, end = p + n;
+  while (at < end && fgets(line, sizeof line, f)) {
+    unsigned long lo, hi; char perms[5];
+    if (sscanf(line, "%lx-%lx %4s", &lo, &hi, perms) != 3) continue;
+    if (at >= lo && at < hi) {
+      if (perms[1] != 'w') break;
+      at = hi;
+    }
+  }
+  fclose(f);
+  return at >= end;
+}
+enum { HOST_REGISTER_PORTABLE = 1, HOST_REGISTER_READ_ONLY = 8 };
+/* As the driver documents: a current context; memory the CPU maps read-only needs the READ_ONLY
+ * flag; a range overlapping a registered one is refused. */
+CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
+  NEED_CONTEXT();
+  if (!p || !n) return INVALID_VALUE;
+  if (!knob(&knob_host_register, "FAKE_CUDA_HOST_REGISTER", 1)) return NOT_SUPPORTED;
+  if (!(flags & HOST_REGISTER_READ_ONLY) && !writable((uintptr_t)p, n)) return INVALID_VALUE;
+  uintptr_t a = (uintptr_t)p;
+  CUresult rc = OUT_OF_MEMORY;
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_PINS; i++)
+    if (pins[i].size && a < pins[i].start + pins[i].size && pins[i].start < a + n) { rc = HOST_MEMORY_ALREADY_REGISTERED; goto out; }
+  for (int i = 0; i < MAX_PINS; i++)
+    if (!pins[i].size) { pins[i].start = a; pins[i].size = n; rc = OK; break; }
+out:
+  pthread_mutex_unlock(&ranges_mu);
+  return rc;
+}
+CUresult cuMemHostUnregister(void *p) {
+  NEED_CONTEXT();
+  CUresult rc = HOST_MEMORY_NOT_REGISTERED;
+  pthread_mutex_lock(&ranges_mu);
+  for (int i = 0; i < MAX_PINS; i++)
+    if (pins[i].size && pins[i].start == (uintptr_t)p) { pins[i].size = 0; rc = OK; break; }
+  pthread_mutex_unlock(&ranges_mu);
+  return rc;
+}
+static CUresult copy(void *dst, const void *src, size_t n, Stream *s, const void *host) {
   /* A copy runs on its stream's device, which must have access to both ends (a VMM mapping of
    * another device's memory needs a grant; see range_add). */
   if (s && n) {
@@ -546,15 +619,16 @@ static CUresult copy(void *dst, const void *src, size_t n, Stream *s) {
   }
   long limit = knob(&knob_fail_after, "FAKE_CUDA_FAIL_COPIES_AFTER", -1);
   if (limit >= 0 && __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST) > limit) return INVALID_VALUE;
+  if (host && n) __atomic_add_fetch(pinned((uintptr_t)host, n) ? &pinned_copies : &pageable_copies, 1, __ATOMIC_SEQ_CST);
   Op o = {.kind = OP_COPY, .dst = dst, .src = src, .n = n};
   return push(s, o);
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, Stream *s) {
-  return copy((void *)(uintptr_t)dst, src, n, s);
+  return copy((void *)(uintptr_t)dst, src, n, s, src);
 }
 CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, Stream *s) {
-  return copy(dst, (const void *)(uintptr_t)src, n, s);
+  return copy(dst, (const void *)(uintptr_t)src, n, s, dst);
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, Stream *s) {
-  return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n, s);
+  return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n, s, NULL);
 }

@@ -95,6 +95,33 @@ pub fn allocations(rdma: bool) -> i64 {
     }
 }
 
+/// How many copies between host and device memory the fake enqueued whose host end was pinned
+/// (`cuMemHostRegister`), or pageable.
+pub fn host_copies(pinned: bool) -> i64 {
+    let sym = std::ffi::CString::new("fake_cuda_host_copies").unwrap();
+    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
+    // signature.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
+        assert!(!f.is_null(), "the fake driver is not loaded");
+        let f: extern "C" fn(std::ffi::c_int) -> std::ffi::c_long = std::mem::transmute(f);
+        f(std::ffi::c_int::from(pinned)) as i64
+    }
+}
+
+/// Bytes of host memory registered with the fake now.
+pub fn pinned_bytes() -> i64 {
+    let sym = std::ffi::CString::new("fake_cuda_pinned_bytes").unwrap();
+    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
+    // signature and no arguments.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
+        assert!(!f.is_null(), "the fake driver is not loaded");
+        let f: extern "C" fn() -> std::ffi::c_long = std::mem::transmute(f);
+        f() as i64
+    }
+}
+
 /// A stream of a context of the caller's own on `device` (not the device's primary context, as a
 /// library with its own contexts makes them); the calling thread's current context is left as
 /// it was (none).

@@ -440,6 +440,11 @@ impl ShmRegion {
         let dst = self
             .map
             .raw_range((HEADER_BYTES + at) as usize, n as usize)?;
+        #[cfg(feature = "cuda")]
+        if let crate::tensor::TensorData::Device(d) = op.data {
+            self.map
+                .pin_for_device(d.device, "the arena's shared memory");
+        }
         // SAFETY: `dst` is a checked range of this writable mapping, which only the writer
         // thread writes (`&mut self`); caller memory is never inside this process's own arena
         // mapping, so it does not overlap the source.
