@@ -47,6 +47,8 @@ fn setup() -> MutexGuard<'static, ()> {
         ] {
             fake_cuda::knob(k, v);
         }
+        fake_cuda::nvml_knob("state", 3);
+        fake_cuda::nvml_knob("status", 0);
     }
     g
 }
@@ -305,6 +307,50 @@ fn fake_gpu_fabric_only_when_a_real_export_works() {
     // A session whose fabric handle was forged is refused before any read.
     let forged = session.replace("&fabric=46414b45", "&fabric=00000000");
     assert!(FeatureStore::new().reader().open(&forged).is_err());
+}
+
+/// Fabric handles only where NVML says the GPU's fabric registration is complete (as NCCL asks),
+/// and where this process can import its own fabric export again (an IMEX channel half set up
+/// creates and exports, but imports fail, as every reader's would): POSIX fd otherwise.
+#[test]
+fn fake_gpu_fabric_only_where_nvml_says_registered_and_an_import_works() {
+    let Some(_g) =
+        setup_fake("fake_gpu_fabric_only_where_nvml_says_registered_and_an_import_works")
+    else {
+        return;
+    };
+    fake_cuda::knob("fabric_attr", 1);
+    fake_cuda::knob("imex", 1);
+    let handle = || {
+        let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+        let s = w.arena_ref().session.clone();
+        if s.contains("&handle=fabric&") {
+            "fabric"
+        } else {
+            assert!(s.contains("&handle=fd&"), "{s}");
+            "fd"
+        }
+    };
+    assert_eq!(handle(), "fabric");
+    fake_cuda::nvml_knob("state", 2); // IN_PROGRESS
+    assert_eq!(handle(), "fd");
+    fake_cuda::nvml_knob("state", 3);
+    fake_cuda::nvml_knob("status", 9); // COMPLETED, with an error
+    assert_eq!(handle(), "fd");
+    fake_cuda::nvml_knob("status", 0);
+    fake_cuda::knob("imex", 2); // creates and exports, cannot import
+    assert_eq!(handle(), "fd");
+    fake_cuda::knob("imex", 1);
+    assert_eq!(handle(), "fabric");
+    // Asked for fabric explicitly, a registration in progress is an error that says so.
+    fake_cuda::nvml_knob("state", 2);
+    let e = Writer::start(&Config {
+        handle: capture_arena::config::HandlePreference::Fabric,
+        ..device_config(2 << 20, Duration::from_secs(1))
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("IN_PROGRESS"), "{e}");
 }
 
 #[test]

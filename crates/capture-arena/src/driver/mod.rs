@@ -19,10 +19,12 @@ use cudarc::driver::sys as cu;
 
 mod api;
 mod host;
+mod nvml;
 mod stream;
 mod vmm;
 
 pub(crate) use host::HostPin;
+pub(crate) use nvml::{fabric, Fabric};
 pub use stream::DeviceBuffer;
 pub(crate) use stream::{event_on, record_ready, Event, Ready, Stream};
 pub use vmm::HandleType;

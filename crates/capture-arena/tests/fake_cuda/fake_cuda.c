@@ -16,7 +16,8 @@
  *   FAKE_CUDA_DEVICES=N        devices visible (default 1)
  *   FAKE_CUDA_FABRIC_ATTR=1    report fabric handle support
  *   FAKE_CUDA_IMEX=1           let fabric allocations, exports and imports succeed (else
- *                              NOT_PERMITTED, as without an IMEX channel in that process)
+ *                              NOT_PERMITTED, as without an IMEX channel in that process; 2:
+ *                              allocations and exports succeed, imports do not)
  *   FAKE_CUDA_GDR_ATTR=0       report no GPUDirect RDMA on VMM memory (default 1, as an H200): an
  *                              allocation asking for gpuDirectRDMACapable then fails (NOT_SUPPORTED)
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
@@ -308,8 +309,9 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *o
   if (type == POSIX_FD) {
     fd = fcntl((int)(intptr_t)os, F_DUPFD_CLOEXEC, 0);
   } else if (type == FABRIC) {
-    /* Importing a fabric handle needs an IMEX channel in the importing process too. */
-    if (!imex()) return NOT_PERMITTED;
+    /* Importing a fabric handle needs an IMEX channel in the importing process too (imex = 2:
+     * half set up, creates and exports work, imports do not). */
+    if (imex() != 1) return NOT_PERMITTED;
     FabricHandle f;
     memcpy(&f, os, sizeof f);
     if (memcmp(f.magic, "FAKEFAB", 8) != 0) return INVALID_VALUE;

@@ -13,44 +13,68 @@ const SOURCE: &str = concat!(
     "/../capture-arena/tests/fake_cuda/fake_cuda.c"
 );
 
-/// Compiles the fake driver once per test binary into `<dir>/libcuda.so.1` and returns `<dir>`
-/// (put it on `LD_LIBRARY_PATH` of a child process).
+/// The fake NVML's C source (`libnvidia-ml.so.1`), next to the driver's.
+const NVML_SOURCE: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/../capture-arena/tests/fake_cuda/fake_nvml.c"
+);
+
+/// Compiles `source` into `<dir>/<soname>`.
+fn compile(dir: &Path, soname: &str, source: &str) {
+    let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args(["-shared", "-fPIC", "-O2", "-Wall"])
+        .arg(format!("-Wl,-soname,{soname}"))
+        .arg("-o")
+        .arg(dir.join(soname))
+        .arg(source)
+        .arg("-lpthread")
+        .status()
+        .expect("running the C compiler (cc) for the fake CUDA driver");
+    assert!(status.success(), "compiling {source} failed");
+}
+
+/// Compiles the fake driver (`libcuda.so.1`) and the fake NVML (`libnvidia-ml.so.1`) once per
+/// test binary into `<dir>` and returns `<dir>` (put it on `LD_LIBRARY_PATH` of a child process).
 pub fn dir(target_tmp: &str) -> &'static Path {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
         let dir = Path::new(target_tmp).join(format!("fake-cuda-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("creating the fake driver's folder");
-        let out = dir.join("libcuda.so.1");
-        let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
-            .args([
-                "-shared",
-                "-fPIC",
-                "-O2",
-                "-Wall",
-                "-Wl,-soname,libcuda.so.1",
-                "-o",
-            ])
-            .arg(&out)
-            .arg(SOURCE)
-            .arg("-lpthread")
-            .status()
-            .expect("running the C compiler (cc) for the fake CUDA driver");
-        assert!(status.success(), "compiling {SOURCE} failed");
+        compile(&dir, "libcuda.so.1", SOURCE);
+        compile(&dir, "libnvidia-ml.so.1", NVML_SOURCE);
         dir
     })
 }
 
-/// Loads the fake driver into this process under its soname, so the driver lookup
-/// (`libcuda.so.1`) finds it. Call before anything touches the driver.
+/// Loads the fake driver and the fake NVML into this process under their sonames, so the
+/// lookups by soname (`libcuda.so.1`, `libnvidia-ml.so.1`) find them. Call before anything
+/// touches the driver.
 pub fn load(target_tmp: &str) {
     static LOADED: OnceLock<()> = OnceLock::new();
     LOADED.get_or_init(|| {
-        let path = dir(target_tmp).join("libcuda.so.1");
-        let c = std::ffi::CString::new(path.to_string_lossy().as_bytes()).unwrap();
-        // SAFETY: loads our own test library; it has no initialisers.
-        let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
-        assert!(!h.is_null(), "dlopen of the fake driver failed");
+        for soname in ["libcuda.so.1", "libnvidia-ml.so.1"] {
+            let path = dir(target_tmp).join(soname);
+            let c = std::ffi::CString::new(path.to_string_lossy().as_bytes()).unwrap();
+            // SAFETY: loads our own test library; it has no initialisers.
+            let h = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+            assert!(!h.is_null(), "dlopen of the fake {soname} failed");
+        }
     });
+}
+
+/// Sets a knob of the loaded fake NVML (`state`, `status`); returns the old value.
+pub fn nvml_knob(name: &str, value: i64) -> i64 {
+    let c = std::ffi::CString::new(name).unwrap();
+    let sym = std::ffi::CString::new("fake_nvml_knob").unwrap();
+    // SAFETY: looks up our fake's function in the global scope (loaded by `load`) and calls it
+    // with a NUL-terminated name; it has that signature.
+    unsafe {
+        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
+        assert!(!f.is_null(), "the fake NVML is not loaded");
+        let f: extern "C" fn(*const std::ffi::c_char, std::ffi::c_long) -> std::ffi::c_long =
+            std::mem::transmute(f);
+        f(c.as_ptr(), value as std::ffi::c_long) as i64
+    }
 }
 
 /// Sets a knob of the loaded fake driver (`copy_us`, `fail_copies_after`, `fabric_attr`,

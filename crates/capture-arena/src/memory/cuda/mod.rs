@@ -49,7 +49,7 @@ pub struct HandleChoice {
 pub fn choose_handle(
     preference: HandlePreference,
     fabric_attribute: bool,
-    fabric_trial: Option<std::result::Result<(), String>>,
+    fabric_trial: Option<std::result::Result<String, String>>,
 ) -> std::result::Result<HandleChoice, String> {
     let fd = |reason: String| {
         Ok(HandleChoice {
@@ -71,16 +71,16 @@ pub fn choose_handle(
                     .into());
             }
             match fabric_trial {
-                Some(Ok(())) => Ok(HandleChoice {
+                Some(Ok(note)) => Ok(HandleChoice {
                     handle: HandleType::Fabric,
-                    reason: "the device supports fabric handles and a fabric allocation was \
-                             created and exported"
-                        .into(),
+                    reason: format!(
+                        "the device supports fabric handles, and a fabric allocation was \
+                         created, exported and imported again ({note})"
+                    ),
                 }),
                 Some(Err(e)) if preference == HandlePreference::Auto => fd(format!(
-                    "the device reports fabric support but creating or exporting a fabric \
-                     allocation failed ({e}; usually no IMEX channel in \
-                     /dev/nvidia-caps-imex-channels); POSIX fd (readers on this node only)"
+                    "the device reports fabric support but the fabric path is not usable \
+                     ({e}); POSIX fd (readers on this node only)"
                 )),
                 Some(Err(e)) => Err(format!("a fabric allocation failed: {e}")),
                 None => Err("the fabric path was not tried".into()),
@@ -400,18 +400,41 @@ impl DeviceRegion {
         // import the fabric handle (no IMEX channel in its container) gets the descriptor.
         let both = [HandleType::Fabric, HandleType::PosixFd];
         let mut fabric: Option<(Allocation, [u8; 64], u64)> = None;
+        // The GPU's registration with its fabric is asked of NVML first, as NCCL does: a fabric
+        // handle of a GPU whose registration is not complete does not import anywhere else. The
+        // trial then imports its own export again, the step every reader takes (an IMEX channel
+        // that lets a process create and export but not import is half set up).
         let trial = if attribute && options.handle != HandlePreference::PosixFd {
-            Some(
-                driver::granularity(&ctx, &both)
-                    .and_then(|g| {
-                        let size = round_up(len, g).ok_or_else(|| too_large(len))?;
-                        let a = Allocation::create(&ctx, size, &both)?;
-                        let h = a.export_fabric()?;
-                        fabric = Some((a, h, g));
-                        Ok(())
-                    })
-                    .map_err(|e| e.to_string()),
-            )
+            let nvml = driver::fabric(&ctx.uuid()?);
+            Some(match nvml {
+                driver::Fabric::NotReady(why) => Err(why),
+                driver::Fabric::Ready { .. } | driver::Fabric::Unknown(_) => {
+                    let note = match &nvml {
+                        driver::Fabric::Ready { cluster, clique } => {
+                            format!("NVML: fabric registration complete, cluster {cluster}, clique {clique}")
+                        }
+                        driver::Fabric::Unknown(why) => {
+                            format!("fabric registration unchecked: {why}")
+                        }
+                        driver::Fabric::NotReady(_) => String::new(),
+                    };
+                    driver::granularity(&ctx, &both)
+                        .and_then(|g| {
+                            let size = round_up(len, g).ok_or_else(|| too_large(len))?;
+                            let a = Allocation::create(&ctx, size, &both)?;
+                            let h = a.export_fabric()?;
+                            drop(Allocation::import_fabric(&ctx, &h, size)?);
+                            fabric = Some((a, h, g));
+                            Ok(note.clone())
+                        })
+                        .map_err(|e| {
+                            format!(
+                                "{e}; usually no IMEX channel in /dev/nvidia-caps-imex-channels \
+                                 ({note})"
+                            )
+                        })
+                }
+            })
         } else {
             None
         };
@@ -689,13 +712,16 @@ mod tests {
     #[test]
     fn handle_choice_needs_attribute_and_a_real_export() {
         use HandlePreference::*;
-        let c = choose_handle(Auto, true, Some(Ok(()))).unwrap();
+        let c = choose_handle(Auto, true, Some(Ok("NVML: complete".into()))).unwrap();
         assert_eq!(c.handle, HandleType::Fabric);
+        assert!(c.reason.contains("NVML: complete"), "{}", c.reason);
         // The attribute alone is no proof: without an IMEX channel the create fails.
         let c = choose_handle(
             Auto,
             true,
-            Some(Err("CUDA_ERROR_NOT_PERMITTED (800)".into())),
+            Some(Err(
+                "CUDA_ERROR_NOT_PERMITTED (800); usually no IMEX channel".into(),
+            )),
         )
         .unwrap();
         assert_eq!(c.handle, HandleType::PosixFd);
@@ -704,7 +730,9 @@ mod tests {
         assert_eq!(c.handle, HandleType::PosixFd);
         assert!(c.reason.contains("no fabric handle support"));
         assert_eq!(
-            choose_handle(PosixFd, true, Some(Ok(()))).unwrap().handle,
+            choose_handle(PosixFd, true, Some(Ok(String::new())))
+                .unwrap()
+                .handle,
             HandleType::PosixFd
         );
         assert!(choose_handle(Fabric, false, None).is_err());
