@@ -24,6 +24,13 @@
 //!
 //! The allocator, the arena and the writer do not change with the region.
 
+/// `SGLANG_SPEC_CAPTURE_NIXL_LIB`: `libnixl_capi.so`, as a file or the directory holding it.
+pub const ENV_NIXL_LIB: &str = "SGLANG_SPEC_CAPTURE_NIXL_LIB";
+/// `SGLANG_SPEC_CAPTURE_NIXL_SERVER`: who serves a host arena's NIXL READs: `inline` (an agent
+/// in the producer's process), or a JSON array, the command of a server process of its own
+/// ([`crate::config::nixl_server`]).
+pub const ENV_NIXL_SERVER: &str = "SGLANG_SPEC_CAPTURE_NIXL_SERVER";
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod external;

@@ -30,8 +30,8 @@ use std::sync::{Arc, OnceLock};
 use base64::Engine as _;
 use nixl_sys::{Agent, AgentConfig, Backend, MemType, MemoryRegion, NixlDescriptor, ThreadSync};
 
+use super::ENV_NIXL_LIB;
 use super::{CopyOp, Notifier, Progress, Region, Reply};
-use crate::config::ENV_NIXL_LIB;
 use crate::error::{Error, Result};
 use crate::memory::{host_ok, SessionParts};
 
@@ -459,10 +459,7 @@ impl Server {
         let command = &self.command;
         let what = || format!("starting the NIXL server process {command:?}");
         let Some((program, args)) = command.split_first() else {
-            return Err(Error::config(
-                crate::config::ENV_NIXL_SERVER,
-                "an empty command",
-            ));
+            return Err(Error::config(super::ENV_NIXL_SERVER, "an empty command"));
         };
         let mut child = std::process::Command::new(program)
             .args(args)
@@ -701,7 +698,7 @@ impl NixlRegion {
     pub fn served(inner: Box<dyn Region>, command: &[String], host: &str) -> Result<NixlRegion> {
         let shm: super::ShmSession = inner.memory_session().parse().map_err(|_| {
             Error::config(
-                crate::config::ENV_NIXL_SERVER,
+                super::ENV_NIXL_SERVER,
                 "a NIXL server process serves host shared memory only (set it to `inline` for \
                  a device arena)",
             )
@@ -872,7 +869,7 @@ pub fn serve(shm_name: &str, len: u64, agent: &str) -> Result<()> {
     use std::os::fd::AsFd;
     if !shm_name.starts_with(super::shm::NAME_PREFIX) || shm_name.contains('/') {
         return Err(Error::config(
-            crate::config::ENV_NIXL_SERVER,
+            super::ENV_NIXL_SERVER,
             format!("{shm_name:?} is not an arena's name"),
         ));
     }
@@ -881,7 +878,7 @@ pub fn serve(shm_name: &str, len: u64, agent: &str) -> Result<()> {
     let total = len
         .checked_add(super::shm::HEADER_BYTES)
         .and_then(|t| usize::try_from(t).ok())
-        .ok_or_else(|| Error::config(crate::config::ENV_NIXL_SERVER, "arena too large"))?;
+        .ok_or_else(|| Error::config(super::ENV_NIXL_SERVER, "arena too large"))?;
     let (size, _) = super::shm::fstat(&fd)
         .map_err(|e| Error::io(format!("stat of the arena {shm_name}"), e))?;
     if size < total as u64 {

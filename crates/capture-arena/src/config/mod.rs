@@ -1,5 +1,6 @@
-//! Configuration in one place: every environment variable of the capture sink, its typed field,
-//! its default, and the one function that decides placement.
+//! Configuration in one place: every environment variable of the capture sink, its typed field
+//! and its default ([`Config`], here), the one function that decides placement (`placement.rs`),
+//! the transports' settings (`transport.rs`) and how values are spelled (`parse.rs`).
 //!
 //! | variable | field | default |
 //! |---|---|---|
@@ -18,7 +19,7 @@
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES` | `control_buffer_bytes` | 16 MiB |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S` | `line_timeout` | 10 s |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_DEVICE` | `device` | unset: the first device tensor's GPU, else 0 |
-//! | `SGLANG_SPEC_CAPTURE_ARENA_HANDLE` | `handle` | `auto`: fabric where a real export works, else POSIX fd |
+//! | `SGLANG_SPEC_CAPTURE_ARENA_HANDLE` | `handle` | `auto`: fabric where NVML reports the fabric registered and a real export imports again, else POSIX fd |
 //! | `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S` | `object_ttl` | unset: objects stay until freed |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN` | `control_token` | unset: no token; `auto`: a random token per arena |
 //! | `SGLANG_SPEC_CAPTURE_TRANSPORT` | `transport` | `auto`: the region's own (`shm://`, `cuda://`); `nixl` registers it with a NIXL agent |
@@ -29,11 +30,25 @@
 //! |---|---|
 //! | `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S` ([`read_timeout`]) | 60 s: a read through NIXL that takes longer fails as a stale session |
 //! | `SGLANG_SPEC_CAPTURE_NIXL_LIB` | unset: `libnixl_capi.so` from the library search path; else that file, or the directory holding it (producers and readers) |
+//! | `SGLANG_SPEC_CAPTURE_PIN_HOST` ([`ENV_PIN_HOST`]; producers too) | on: shared memory is pinned (`cuMemHostRegister`) for copies to and from GPUs; `0` leaves it pageable |
 
 use std::time::Duration;
 
 use crate::alloc::DEFAULT_ALIGNMENT;
 use crate::error::{Error, Result};
+
+mod parse;
+mod placement;
+mod transport;
+
+pub use crate::memory::mapping::ENV_PIN_HOST;
+pub use parse::parse_bytes;
+use parse::{parse_flag, parse_seconds};
+pub use placement::{is_nvlink, parse_placement, placement, Placement, ENV_PLACEMENT};
+pub use transport::{
+    nixl_server, read_timeout, ArenaTransport, DEFAULT_READ_TIMEOUT, ENV_NIXL_LIB, ENV_NIXL_SERVER,
+    ENV_READ_TIMEOUT_S, ENV_TRANSPORT, UCX_TCP_SEG_SIZE,
+};
 
 /// `SGLANG_SPEC_CAPTURE_ARENA_BYTES`: arena size; plain bytes or with a `KiB`/`MiB`/`GiB`/`TiB`
 /// suffix.
@@ -89,63 +104,6 @@ pub const DEFAULT_CONTROL_BUFFER_BYTES: u64 = 16 << 20;
 /// Default time a connection may hold an unfinished line.
 pub const DEFAULT_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Where captured samples wait for trainers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Placement {
-    /// capture-arena's own arena: host shared memory (`shm://` sessions), or device memory with
-    /// device publication (`cuda://`); read with capture-arena's readers.
-    Arena,
-    /// An arena inside a Mooncake TransferEngine: device memory from its
-    /// `allocate_managed_buffer` under `nvlink`/`nvlink_intra`, a host buffer registered with it
-    /// under other protocols. Results carry the engine's session (`<host>:<rpc_port>`) and its
-    /// virtual addresses, so any TransferEngine reader can read them. The engine is created by
-    /// the Python package; a Rust embedder passes its memory to `Sink::start_with_region`.
-    Engine,
-    /// The Mooncake store, one object per tensor (SpecForge's placement).
-    Store,
-}
-
-impl Placement {
-    /// Its name in `SGLANG_SPEC_CAPTURE_PLACEMENT`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Placement::Arena => "arena",
-            Placement::Engine => "engine",
-            Placement::Store => "store",
-        }
-    }
-}
-
-/// True for the NVLink protocols (`nvlink`, `nvlink_intra`, any case).
-pub fn is_nvlink(protocol: Option<&str>) -> bool {
-    protocol.is_some_and(|p| {
-        let p = p.trim();
-        p.eq_ignore_ascii_case("nvlink") || p.eq_ignore_ascii_case("nvlink_intra")
-    })
-}
-
-/// The one place placement is decided: `SGLANG_SPEC_CAPTURE_PLACEMENT` when set (`arena`,
-/// `engine`, `store`), else (`auto`) the engine's device arena under `nvlink`/`nvlink_intra` and
-/// the Mooncake store under every other protocol, as the seed's deployment has it.
-pub fn placement(protocol: Option<&str>, setting: Option<Placement>) -> Placement {
-    match setting {
-        Some(p) => p,
-        None if is_nvlink(protocol) => Placement::Engine,
-        None => Placement::Store,
-    }
-}
-
-/// Parses `SGLANG_SPEC_CAPTURE_PLACEMENT`: `auto` is `None`.
-pub fn parse_placement(v: &str) -> std::result::Result<Option<Placement>, String> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "" | "auto" => Ok(None),
-        "arena" => Ok(Some(Placement::Arena)),
-        "engine" => Ok(Some(Placement::Engine)),
-        "store" => Ok(Some(Placement::Store)),
-        _ => Err(format!("{v:?} is not one of auto, arena, engine, store")),
-    }
-}
-
 /// True when this process's environment selects an arena (ours or a TransferEngine's), not the
 /// Mooncake store.
 pub fn arena_enabled() -> bool {
@@ -163,103 +121,6 @@ pub use crate::memory::HandlePreference;
 pub const ENV_OBJECT_TTL_S: &str = "SGLANG_SPEC_CAPTURE_OBJECT_TTL_S";
 /// `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN`: the control endpoint's shared secret, or `auto`.
 pub const ENV_CONTROL_TOKEN: &str = "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN";
-
-/// `SGLANG_SPEC_CAPTURE_TRANSPORT`: how readers reach capture-arena's own arena, `auto` or `nixl`.
-pub const ENV_TRANSPORT: &str = "SGLANG_SPEC_CAPTURE_TRANSPORT";
-/// `SGLANG_SPEC_CAPTURE_NIXL_LIB`: `libnixl_capi.so`, as a file or the directory holding it.
-pub const ENV_NIXL_LIB: &str = "SGLANG_SPEC_CAPTURE_NIXL_LIB";
-/// `SGLANG_SPEC_CAPTURE_NIXL_SERVER`: who serves a host arena's NIXL READs: `inline` (an agent
-/// in the producer's process), or a JSON array, the command of a server process of its own
-/// ([`nixl_server`]).
-pub const ENV_NIXL_SERVER: &str = "SGLANG_SPEC_CAPTURE_NIXL_SERVER";
-/// `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S`: how long one read through a network transport may take.
-pub const ENV_READ_TIMEOUT_S: &str = "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S";
-/// Default of [`ENV_READ_TIMEOUT_S`]: room for a several-GiB sample over TCP.
-pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// How readers reach capture-arena's own arena (the session its results carry).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ArenaTransport {
-    /// The region's own: `shm://` (same-host shared memory) for a host arena, `cuda://` (CUDA
-    /// handles) for a device arena.
-    #[default]
-    Auto,
-    /// The region registered with a NIXL agent (`nixl://` sessions): readers on any host reach
-    /// it through UCX (TCP, shared memory, RDMA, NVLink). Needs the `nixl` feature.
-    Nixl,
-}
-
-impl std::str::FromStr for ArenaTransport {
-    type Err = String;
-    fn from_str(s: &str) -> std::result::Result<ArenaTransport, String> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" | "shm" | "cuda" => Ok(ArenaTransport::Auto),
-            "nixl" => Ok(ArenaTransport::Nixl),
-            _ => Err(format!("{s:?} is not one of auto, nixl")),
-        }
-    }
-}
-
-/// The read timeout of network transports: [`ENV_READ_TIMEOUT_S`], else
-/// [`DEFAULT_READ_TIMEOUT`].
-///
-/// # Errors
-/// [`Error::Config`] for a value that is not a positive number of seconds.
-pub fn read_timeout() -> Result<Duration> {
-    match std::env::var(ENV_READ_TIMEOUT_S) {
-        Ok(v) if !v.trim().is_empty() => parse_seconds(&v)
-            .ok()
-            .filter(|d| !d.is_zero())
-            .ok_or_else(|| {
-                Error::config(
-                    ENV_READ_TIMEOUT_S,
-                    format!("{v:?} is not a number of seconds > 0; default 60"),
-                )
-            }),
-        _ => Ok(DEFAULT_READ_TIMEOUT),
-    }
-}
-
-/// The UCX TCP segment size capture-arena's CLI and Python package set (`UCX_TCP_TX_SEG_SIZE`,
-/// `UCX_TCP_RX_SEG_SIZE`) when unset, before NIXL loads. Over TCP a READ is emulated: the
-/// producer's UCX sends the bytes back in segments of this size, and UCX's default (8 KiB) made
-/// 64 MiB reads across hosts 0.58 x a Mooncake TransferEngine's; 512 KiB made them 2.3 x
-/// (BENCHMARKS.md, `bench_cluster.py`). Both sides of a connection need the same value.
-pub const UCX_TCP_SEG_SIZE: &str = "512k";
-
-/// The command of the NIXL server process from [`ENV_NIXL_SERVER`]: `None` for `inline` or
-/// unset (an agent in the producer's process; the CLI and the Python package set a server
-/// process when it is unset), else the JSON array's strings (at most 64, each at most 4096 bytes).
-///
-/// # Errors
-/// [`Error::Config`] for anything else.
-pub fn nixl_server() -> Result<Option<Vec<String>>> {
-    let v = match std::env::var(ENV_NIXL_SERVER) {
-        Ok(v) => v,
-        Err(_) => return Ok(None),
-    };
-    let t = v.trim();
-    if t.is_empty() || t == "inline" {
-        return Ok(None);
-    }
-    let argv: Vec<String> = serde_json::from_str(t).map_err(|e| {
-        Error::config(
-            ENV_NIXL_SERVER,
-            format!("{t:?} is neither `inline` nor a JSON array of strings ({e})"),
-        )
-    })?;
-    if argv.is_empty() || argv.len() > 64 || argv.iter().any(|a| a.is_empty() || a.len() > 4096) {
-        return Err(Error::config(
-            ENV_NIXL_SERVER,
-            "the command must have 1 to 64 non-empty arguments of at most 4096 bytes",
-        ));
-    }
-    Ok(Some(argv))
-}
-
-/// `SGLANG_SPEC_CAPTURE_PLACEMENT`: `auto` (default), `arena`, `engine` or `store`; see
-/// [`placement`].
-pub const ENV_PLACEMENT: &str = "SGLANG_SPEC_CAPTURE_PLACEMENT";
 
 /// Every setting, typed. Build it with struct-update syntax over [`Config::default`] or read it
 /// from the environment with [`Config::from_env`]; [`Config::validate`] checks it (the writer
@@ -600,59 +461,6 @@ impl Config {
             ));
         }
         Ok(())
-    }
-}
-
-/// Parses a number of seconds (`30`, `0.5`).
-fn parse_seconds(v: &str) -> Result<Duration, String> {
-    v.trim()
-        .parse::<f64>()
-        .ok()
-        .and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .ok_or_else(|| format!("{v:?} is not a number of seconds >= 0"))
-}
-
-/// Parses `8GiB`, `512 MiB`, `4096`, `1.5GiB` (binary suffixes, case-insensitive `B` optional
-/// on `K`/`M`/`G`/`T` + `i`). Decimal `GB` is refused to avoid a silent 7% difference.
-pub fn parse_bytes(v: &str) -> Result<u64, String> {
-    let s = v.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = (&s[..split], s[split..].trim());
-    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "kib" | "ki" | "k" => 1 << 10,
-        "mib" | "mi" | "m" => 1 << 20,
-        "gib" | "gi" | "g" => 1 << 30,
-        "tib" | "ti" | "t" => 1 << 40,
-        _ => {
-            return Err(format!(
-                "{v:?}: unknown unit {unit:?}; use plain bytes or KiB, MiB, GiB, TiB"
-            ))
-        }
-    };
-    let bad = || format!("{v:?} is not a size (plain bytes, or a number with KiB, MiB, GiB, TiB)");
-    if num.contains('.') {
-        let f: f64 = num.parse().map_err(|_| bad())?;
-        let b = f * mult as f64;
-        if !(b.is_finite() && b >= 0.0 && b < u64::MAX as f64) {
-            return Err(bad());
-        }
-        Ok(b as u64)
-    } else {
-        num.parse::<u64>()
-            .ok()
-            .and_then(|n| n.checked_mul(mult))
-            .ok_or_else(bad)
-    }
-}
-
-fn parse_flag(v: &str) -> Result<bool, String> {
-    match v.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Ok(true),
-        "0" | "false" | "no" | "off" => Ok(false),
-        _ => Err(format!("{v:?} is not a flag (1 or 0)")),
     }
 }
 
