@@ -19,13 +19,13 @@
 //! | data | [`error`](Error), `random` | errors; random bits for names, tokens and stamps |
 //! | data | [`key`], [`tensor`], [`sample`] | object keys; tensors; requests and results (the wire) |
 //! | data | [`limits`], [`report`], [`stats`] | bounds every input is checked against; what the writer reports, and its counters |
-//! | device | `driver` (feature `cuda`) | the CUDA driver: contexts, streams, events, VMM allocations |
+//! | device | `driver` (feature `cuda`) | the CUDA driver: contexts, streams, events, VMM allocations, pinned host ranges; NVML's fabric state |
 //! | memory | [`alloc`], [`memory`] | extent allocator over `[0, capacity)`; regions (batch copies that may complete later), the one mapping type |
 //! | arena | [`arena`] | region + allocator + object table; atomic batches, reserve → copy → commit |
 //! | protocol | [`control`], [`reply`] | the free protocol (line buffer, parser); the local reply path |
 //! | settings | [`config`] | every setting and its environment variable (above what it sets, below what reads it) |
 //! | server | [`writer`], [`sink`] | the writer thread (submit queue, control server, placer); the inference server's entry |
-//! | read side | [`transport`], [`client`] | how a reader reaches an arena; the trainer side (reader, control client, feature store) |
+//! | read side | [`transport`], [`client`] | how a reader reaches an arena; the trainer side (reader, control client and its connections, stats query, feature store) |
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 

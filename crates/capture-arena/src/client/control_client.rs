@@ -33,13 +33,13 @@
 //! queued meanwhile.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io::{ErrorKind, Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
+use std::io::{ErrorKind, Write};
+use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use super::control_conn::{alive, connect, free_lines, has_room};
 use super::lock;
-use crate::control::{StatsReport, MAX_LINE_BYTES};
 use crate::error::{Error, Result};
 use crate::key::Key;
 
@@ -47,9 +47,6 @@ use crate::key::Key;
 pub const DEFAULT_MAX_PENDING_KEYS: usize = 1 << 18;
 /// How long a key with no known endpoint is given to endpoints learned later.
 pub const UNLOCATED_TTL: Duration = Duration::from_secs(600);
-/// Bytes per free line the client writes: well under the server's [`MAX_LINE_BYTES`], and any
-/// valid key fits.
-const LINE_BYTES: usize = 64 * 1024;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// How long a sender goes on sending keys queued while it was sending before it looks at the
@@ -757,246 +754,11 @@ impl Shared {
             Some(c) if alive(&c) => c,
             Some(_) => {
                 tracing::debug!(%endpoint, "control connection closed by the server; reconnecting");
-                self.connect(endpoint, token)?
+                connect(endpoint, token, self.timeout)?
             }
-            None => self.connect(endpoint, token)?,
+            None => connect(endpoint, token, self.timeout)?,
         };
         stream.write_all(&buf)?;
         Ok(stream)
     }
-
-    /// Connects, and presents `token` first when there is one.
-    fn connect(&self, endpoint: &str, token: Option<&str>) -> std::io::Result<TcpStream> {
-        let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
-        for addr in endpoint.to_socket_addrs()? {
-            match TcpStream::connect_timeout(&addr, self.timeout) {
-                Ok(mut s) => {
-                    s.set_write_timeout(Some(self.timeout))?;
-                    s.set_nodelay(true)?;
-                    if let Some(t) = token {
-                        let mut line = crate::control::token_line(t).into_bytes();
-                        line.push(b'\n');
-                        s.write_all(&line)?;
-                    }
-                    return Ok(s);
-                }
-                Err(e) => last = e,
-            }
-        }
-        Err(last)
-    }
-}
-
-/// `keys` as free lines, each well under the server's line limit.
-fn free_lines(keys: &[&Key]) -> std::io::Result<Vec<u8>> {
-    let mut buf = Vec::with_capacity(keys.len() * 64);
-    let mut line = Vec::with_capacity(LINE_BYTES);
-    for k in keys {
-        let json = serde_json::to_vec(k.as_str()).map_err(std::io::Error::other)?;
-        if !line.is_empty() && line.len() + json.len() + 2 > LINE_BYTES {
-            buf.extend_from_slice(&line);
-            buf.extend_from_slice(b"]\n");
-            line.clear();
-        }
-        line.push(if line.is_empty() { b'[' } else { b',' });
-        line.extend_from_slice(&json);
-    }
-    if !line.is_empty() {
-        buf.extend_from_slice(&line);
-        buf.extend_from_slice(b"]\n");
-    }
-    debug_assert!(buf.split(|&b| b == b'\n').all(|l| l.len() < MAX_LINE_BYTES));
-    Ok(buf)
-}
-
-/// Sends frees to `endpoint` once, on a new connection, and closes it: `token` first when there
-/// is one, then `keys`, then a prefix line for each of `prefixes` (see [`crate::control`]). For
-/// operators and restarted trainers reclaiming what a dead trainer held; trainers use
-/// [`ControlClient`]. Frees are one-way: success means the lines were written, not applied.
-///
-/// # Errors
-/// [`Error::InvalidKey`] for a prefix that is not `{store_id}/`, `{store_id}/{sample_id}/` or
-/// `{store_id}/{sample_id}/g{gen}/`, and [`Error::Config`] for a token that is not one,
-/// before anything is sent; [`Error::FreeNotSent`] when the endpoint cannot be reached or
-/// written within `timeout`.
-pub fn send_frees(
-    endpoint: &str,
-    token: Option<&str>,
-    keys: &[Key],
-    prefixes: &[String],
-    timeout: Duration,
-) -> Result<()> {
-    for p in prefixes {
-        crate::key::check_prefix(p)?;
-    }
-    if let Some(t) = token {
-        check_token(t)?;
-    }
-    let not_sent = |source: std::io::Error| Error::FreeNotSent {
-        endpoint: endpoint.to_owned(),
-        pending: keys.len() + prefixes.len(),
-        source,
-    };
-    let refs: Vec<&Key> = keys.iter().collect();
-    let mut buf = free_lines(&refs).map_err(not_sent)?;
-    for p in prefixes {
-        buf.extend_from_slice(crate::control::prefix_line(p).as_bytes());
-        buf.push(b'\n');
-    }
-    let client = ControlClient::new(timeout);
-    let mut stream = client.shared.connect(endpoint, token).map_err(not_sent)?;
-    stream.write_all(&buf).map_err(not_sent)?;
-    stream.flush().map_err(not_sent)?;
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    Ok(())
-}
-
-/// A connection that asks a producer for its [`StatsReport`] (`capture-arena stats` and `top`):
-/// one `{"stats": true}` line, one line back, as often as every
-/// [`crate::control::STATS_INTERVAL`].
-#[derive(Debug)]
-pub struct StatsQuery {
-    endpoint: String,
-    stream: std::io::BufReader<TcpStream>,
-    /// An earlier ask failed: a late answer may still arrive, so this connection is not used
-    /// again.
-    broken: bool,
-}
-
-impl StatsQuery {
-    /// Connects to the control `endpoint` within `timeout` and presents `token` if given.
-    ///
-    /// # Errors
-    /// [`Error::Config`] for a token that is not one; [`Error::Io`] when the endpoint cannot be
-    /// reached.
-    pub fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<StatsQuery> {
-        if let Some(t) = token {
-            check_token(t)?;
-        }
-        let stream = ControlClient::new(timeout)
-            .shared
-            .connect(endpoint, token)
-            .map_err(|e| Error::io(format!("connecting to the control endpoint {endpoint}"), e))?;
-        stream
-            .set_read_timeout(Some(timeout))
-            .map_err(|e| Error::io("setting a read timeout", e))?;
-        Ok(StatsQuery {
-            endpoint: endpoint.to_owned(),
-            stream: std::io::BufReader::new(stream),
-            broken: false,
-        })
-    }
-
-    /// Asks once and reads the answer (at most [`crate::control::MAX_STATS_ANSWER_BYTES`]).
-    ///
-    /// # Errors
-    /// [`Error::Io`] when the answer does not come within the timeout (asked again within
-    /// [`crate::control::STATS_INTERVAL`], or a producer without stats), the producer closes the
-    /// connection (a wrong or missing token), or the answer is not a stats report. After an
-    /// error, connect again.
-    pub fn ask(&mut self) -> Result<StatsReport> {
-        let r = self.ask_once();
-        self.broken |= r.is_err();
-        r
-    }
-
-    fn ask_once(&mut self) -> Result<StatsReport> {
-        use std::io::BufRead;
-        let ctx = |what: &str| format!("{what} the stats of {}", self.endpoint);
-        if self.broken {
-            return Err(Error::io(
-                ctx("asking for"),
-                std::io::Error::other(
-                    "an earlier question on this connection failed: connect again",
-                ),
-            ));
-        }
-        let mut line = crate::control::STATS_LINE.as_bytes().to_vec();
-        line.push(b'\n');
-        self.stream
-            .get_mut()
-            .write_all(&line)
-            .map_err(|e| Error::io(ctx("asking for"), e))?;
-        let mut answer = Vec::new();
-        let limit = crate::control::MAX_STATS_ANSWER_BYTES as u64;
-        (&mut self.stream)
-            .take(limit)
-            .read_until(b'\n', &mut answer)
-            .map_err(|e| match e.kind() {
-                ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::io(
-                    ctx("reading"),
-                    std::io::Error::new(
-                        ErrorKind::TimedOut,
-                        "no answer within the timeout: asked again within 100 ms on this \
-                         connection, or a producer without stats (older than this client)",
-                    ),
-                ),
-                _ => Error::io(ctx("reading"), e),
-            })?;
-        if answer.last() != Some(&b'\n') {
-            let why = if answer.is_empty() {
-                "the producer closed the connection without an answer: a wrong or missing \
-                 --token (SGLANG_SPEC_CAPTURE_CONTROL_TOKEN), or a producer without stats"
-                    .to_owned()
-            } else {
-                format!("the answer was cut off after {} bytes", answer.len())
-            };
-            return Err(Error::io(
-                ctx("reading"),
-                std::io::Error::new(ErrorKind::UnexpectedEof, why),
-            ));
-        }
-        serde_json::from_slice(&answer).map_err(|e| {
-            Error::io(
-                ctx("parsing"),
-                std::io::Error::new(ErrorKind::InvalidData, e.to_string()),
-            )
-        })
-    }
-}
-
-/// Checks a token a caller passes before it is sent.
-fn check_token(t: &str) -> Result<()> {
-    if crate::limits::is_valid_token(t) {
-        return Ok(());
-    }
-    Err(Error::Config {
-        var: crate::config::ENV_CONTROL_TOKEN,
-        reason: "not a control token (16 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -)".into(),
-    })
-}
-
-/// True when `s`'s send queue has room for `n` more bytes with a wide margin (a quarter of the
-/// send buffer, which also pays the kernel's per-buffer overhead), so writing them cannot block.
-fn has_room(s: &TcpStream, n: usize) -> bool {
-    use std::os::fd::AsRawFd;
-    let fd = s.as_raw_fd();
-    let mut queued: libc::c_int = 0;
-    let mut sndbuf: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: FFI on a socket this client owns; each call writes one c_int into a local whose
-    // size it is given.
-    let ok = unsafe {
-        libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) == 0
-            && libc::getsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                libc::SO_SNDBUF,
-                (&mut sndbuf as *mut libc::c_int).cast(),
-                &mut len,
-            ) == 0
-    };
-    ok && queued >= 0 && sndbuf > 0 && (queued as usize).saturating_add(n) <= sndbuf as usize / 4
-}
-
-/// The server writes only to answer a stats request, which a `ControlClient` never sends, so a
-/// readable control socket is a closed (or broken) one.
-fn alive(s: &TcpStream) -> bool {
-    if s.set_nonblocking(true).is_err() {
-        return false;
-    }
-    let mut b = [0u8; 1];
-    let r = (&*s).read(&mut b);
-    let ok = s.set_nonblocking(false).is_ok();
-    ok && matches!(r, Err(ref e) if e.kind() == ErrorKind::WouldBlock)
 }

@@ -1,0 +1,151 @@
+//! One connection to a control endpoint, as every trainer-side sender makes it: connecting within
+//! a deadline and presenting the token first, keys as free lines under the server's line limit,
+//! probes of the socket (closed? room to write without blocking?), and a one-shot send for
+//! operators ([`send_frees`]).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use crate::control::MAX_LINE_BYTES;
+use crate::error::{Error, Result};
+use crate::key::Key;
+
+/// Bytes per free line the client writes: well under the server's [`MAX_LINE_BYTES`], and any
+/// valid key fits.
+const LINE_BYTES: usize = 64 * 1024;
+
+/// Connects within `timeout` (also the write timeout), and presents `token` first when there is
+/// one.
+pub(super) fn connect(
+    endpoint: &str,
+    token: Option<&str>,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
+    for addr in endpoint.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&addr, timeout) {
+            Ok(mut s) => {
+                s.set_write_timeout(Some(timeout))?;
+                s.set_nodelay(true)?;
+                if let Some(t) = token {
+                    let mut line = crate::control::token_line(t).into_bytes();
+                    line.push(b'\n');
+                    s.write_all(&line)?;
+                }
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}
+
+/// `keys` as free lines, each well under the server's line limit.
+pub(super) fn free_lines(keys: &[&Key]) -> std::io::Result<Vec<u8>> {
+    let mut buf = Vec::with_capacity(keys.len() * 64);
+    let mut line = Vec::with_capacity(LINE_BYTES);
+    for k in keys {
+        let json = serde_json::to_vec(k.as_str()).map_err(std::io::Error::other)?;
+        if !line.is_empty() && line.len() + json.len() + 2 > LINE_BYTES {
+            buf.extend_from_slice(&line);
+            buf.extend_from_slice(b"]\n");
+            line.clear();
+        }
+        line.push(if line.is_empty() { b'[' } else { b',' });
+        line.extend_from_slice(&json);
+    }
+    if !line.is_empty() {
+        buf.extend_from_slice(&line);
+        buf.extend_from_slice(b"]\n");
+    }
+    debug_assert!(buf.split(|&b| b == b'\n').all(|l| l.len() < MAX_LINE_BYTES));
+    Ok(buf)
+}
+
+/// Sends frees to `endpoint` once, on a new connection, and closes it: `token` first when there
+/// is one, then `keys`, then a prefix line for each of `prefixes` (see [`crate::control`]). For
+/// operators and restarted trainers reclaiming what a dead trainer held; trainers use
+/// [`super::ControlClient`]. Frees are one-way: success means the lines were written, not applied.
+///
+/// # Errors
+/// [`Error::InvalidKey`] for a prefix that is not `{store_id}/`, `{store_id}/{sample_id}/` or
+/// `{store_id}/{sample_id}/g{gen}/`, and [`Error::Config`] for a token that is not one,
+/// before anything is sent; [`Error::FreeNotSent`] when the endpoint cannot be reached or
+/// written within `timeout`.
+pub fn send_frees(
+    endpoint: &str,
+    token: Option<&str>,
+    keys: &[Key],
+    prefixes: &[String],
+    timeout: Duration,
+) -> Result<()> {
+    for p in prefixes {
+        crate::key::check_prefix(p)?;
+    }
+    if let Some(t) = token {
+        check_token(t)?;
+    }
+    let not_sent = |source: std::io::Error| Error::FreeNotSent {
+        endpoint: endpoint.to_owned(),
+        pending: keys.len() + prefixes.len(),
+        source,
+    };
+    let refs: Vec<&Key> = keys.iter().collect();
+    let mut buf = free_lines(&refs).map_err(not_sent)?;
+    for p in prefixes {
+        buf.extend_from_slice(crate::control::prefix_line(p).as_bytes());
+        buf.push(b'\n');
+    }
+    let mut stream = connect(endpoint, token, timeout).map_err(not_sent)?;
+    stream.write_all(&buf).map_err(not_sent)?;
+    stream.flush().map_err(not_sent)?;
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+    Ok(())
+}
+
+/// Checks a token a caller passes before it is sent.
+pub(super) fn check_token(t: &str) -> Result<()> {
+    if crate::limits::is_valid_token(t) {
+        return Ok(());
+    }
+    Err(Error::Config {
+        var: crate::config::ENV_CONTROL_TOKEN,
+        reason: "not a control token (16 to 256 characters of A-Z a-z 0-9 . _ ~ + / = -)".into(),
+    })
+}
+
+/// True when `s`'s send queue has room for `n` more bytes with a wide margin (a quarter of the
+/// send buffer, which also pays the kernel's per-buffer overhead), so writing them cannot block.
+pub(super) fn has_room(s: &TcpStream, n: usize) -> bool {
+    use std::os::fd::AsRawFd;
+    let fd = s.as_raw_fd();
+    let mut queued: libc::c_int = 0;
+    let mut sndbuf: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: FFI on a socket this client owns; each call writes one c_int into a local whose
+    // size it is given.
+    let ok = unsafe {
+        libc::ioctl(fd, libc::TIOCOUTQ, &mut queued as *mut libc::c_int) == 0
+            && libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&mut sndbuf as *mut libc::c_int).cast(),
+                &mut len,
+            ) == 0
+    };
+    ok && queued >= 0 && sndbuf > 0 && (queued as usize).saturating_add(n) <= sndbuf as usize / 4
+}
+
+/// The server writes only to answer a stats request, which a `ControlClient` never sends, so a
+/// readable control socket is a closed (or broken) one.
+pub(super) fn alive(s: &TcpStream) -> bool {
+    if s.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let mut b = [0u8; 1];
+    let r = (&*s).read(&mut b);
+    let ok = s.set_nonblocking(false).is_ok();
+    ok && matches!(r, Err(ref e) if e.kind() == ErrorKind::WouldBlock)
+}

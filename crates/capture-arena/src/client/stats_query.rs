@@ -1,0 +1,111 @@
+//! Asking a producer for its counters over its control endpoint (`capture-arena stats`, `top`).
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use super::control_conn::{check_token, connect};
+use crate::control::StatsReport;
+use crate::error::{Error, Result};
+
+/// A connection that asks a producer for its [`StatsReport`] (`capture-arena stats` and `top`):
+/// one `{"stats": true}` line, one line back, as often as every
+/// [`crate::control::STATS_INTERVAL`].
+#[derive(Debug)]
+pub struct StatsQuery {
+    endpoint: String,
+    stream: std::io::BufReader<TcpStream>,
+    /// An earlier ask failed: a late answer may still arrive, so this connection is not used
+    /// again.
+    broken: bool,
+}
+
+impl StatsQuery {
+    /// Connects to the control `endpoint` within `timeout` and presents `token` if given.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a token that is not one; [`Error::Io`] when the endpoint cannot be
+    /// reached.
+    pub fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<StatsQuery> {
+        if let Some(t) = token {
+            check_token(t)?;
+        }
+        let stream = connect(endpoint, token, timeout)
+            .map_err(|e| Error::io(format!("connecting to the control endpoint {endpoint}"), e))?;
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|e| Error::io("setting a read timeout", e))?;
+        Ok(StatsQuery {
+            endpoint: endpoint.to_owned(),
+            stream: std::io::BufReader::new(stream),
+            broken: false,
+        })
+    }
+
+    /// Asks once and reads the answer (at most [`crate::control::MAX_STATS_ANSWER_BYTES`]).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the answer does not come within the timeout (asked again within
+    /// [`crate::control::STATS_INTERVAL`], or a producer without stats), the producer closes the
+    /// connection (a wrong or missing token), or the answer is not a stats report. After an
+    /// error, connect again.
+    pub fn ask(&mut self) -> Result<StatsReport> {
+        let r = self.ask_once();
+        self.broken |= r.is_err();
+        r
+    }
+
+    fn ask_once(&mut self) -> Result<StatsReport> {
+        use std::io::BufRead;
+        let ctx = |what: &str| format!("{what} the stats of {}", self.endpoint);
+        if self.broken {
+            return Err(Error::io(
+                ctx("asking for"),
+                std::io::Error::other(
+                    "an earlier question on this connection failed: connect again",
+                ),
+            ));
+        }
+        let mut line = crate::control::STATS_LINE.as_bytes().to_vec();
+        line.push(b'\n');
+        self.stream
+            .get_mut()
+            .write_all(&line)
+            .map_err(|e| Error::io(ctx("asking for"), e))?;
+        let mut answer = Vec::new();
+        let limit = crate::control::MAX_STATS_ANSWER_BYTES as u64;
+        (&mut self.stream)
+            .take(limit)
+            .read_until(b'\n', &mut answer)
+            .map_err(|e| match e.kind() {
+                ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::io(
+                    ctx("reading"),
+                    std::io::Error::new(
+                        ErrorKind::TimedOut,
+                        "no answer within the timeout: asked again within 100 ms on this \
+                         connection, or a producer without stats (older than this client)",
+                    ),
+                ),
+                _ => Error::io(ctx("reading"), e),
+            })?;
+        if answer.last() != Some(&b'\n') {
+            let why = if answer.is_empty() {
+                "the producer closed the connection without an answer: a wrong or missing \
+                 --token (SGLANG_SPEC_CAPTURE_CONTROL_TOKEN), or a producer without stats"
+                    .to_owned()
+            } else {
+                format!("the answer was cut off after {} bytes", answer.len())
+            };
+            return Err(Error::io(
+                ctx("reading"),
+                std::io::Error::new(ErrorKind::UnexpectedEof, why),
+            ));
+        }
+        serde_json::from_slice(&answer).map_err(|e| {
+            Error::io(
+                ctx("parsing"),
+                std::io::Error::new(ErrorKind::InvalidData, e.to_string()),
+            )
+        })
+    }
+}
