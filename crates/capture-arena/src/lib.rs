@@ -11,21 +11,23 @@
 //! `sink -> writer (queue -> placer) -> arena (alloc + memory) -> result -> client (reader ->
 //! transport) -> control client -> writer (control server) -> arena`.
 //!
-//! The modules, in layers that import only downward (`scripts/layers.py`, run by the test
-//! command, fails on an import circle); each imports only modules of the layers below it:
+//! The modules, in layers that import only downward. The table lists them from the bottom up: a
+//! module imports only modules of its own row or of rows before it, and a row "beside" another
+//! shares its place without importing it (nor is imported by it). `scripts/layers.py`, run by the
+//! test command, reads this table and fails on an import against it, a module missing from it,
+//! or an import circle.
 //!
 //! | layer | module | noun |
 //! |---|---|---|
-//! | data | [`error`](Error), `random` | errors; random bits for names, tokens and stamps |
-//! | data | [`key`], [`tensor`], [`sample`] | object keys; tensors; requests and results (the wire) |
-//! | data | [`limits`], [`report`], [`stats`] | bounds every input is checked against; what the writer reports, and its counters |
-//! | device | `driver` (feature `cuda`) | the CUDA driver: contexts, streams, events, VMM allocations, pinned host ranges; NVML's fabric state |
+//! | base | [`error`](Error), `random` | errors; random bits for names, tokens and stamps |
+//! | device | `driver` (feature `cuda`) | the CUDA driver: contexts, streams, events, VMM allocations, pinned host ranges; NVML's fabric state (it knows errors only) |
+//! | data | [`key`], [`tensor`], [`sample`], [`limits`], [`report`], [`stats`] | object keys; tensors (a device tensor holds its readiness event); requests and results (the wire); bounds every input is checked against; what the writer reports, and its counters |
 //! | memory | [`alloc`], [`memory`] | extent allocator over `[0, capacity)`; regions (batch copies that may complete later), the one mapping type |
 //! | arena | [`arena`] | region + allocator + object table; atomic batches, reserve → copy → commit |
 //! | protocol | [`control`], [`reply`] | the free protocol (line buffer, parser); the local reply path |
 //! | settings | [`config`] | every setting and its environment variable (above what it sets, below what reads it) |
 //! | server | [`writer`], [`sink`] | the writer thread (submit queue, control server, placer); the inference server's entry |
-//! | read side | [`transport`], [`client`] | how a reader reaches an arena; the trainer side (reader, control client and its connections, stats query, feature store) |
+//! | read side (beside server) | [`transport`], [`client`] | how a reader reaches an arena; the trainer side (reader, control client and its connections, stats query, feature store) |
 #![deny(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 

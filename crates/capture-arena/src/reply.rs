@@ -30,8 +30,8 @@ pub const MAX_REQUEST_BYTES: usize = 256;
 pub const MAX_REPLY_BYTES: usize = 1 << 20;
 /// The most descriptors one answer carries.
 pub const MAX_REPLY_FDS: usize = 8;
-/// The prefix of every reply endpoint.
-pub const ENDPOINT_PREFIX: &str = "@capture-arena-reply-";
+/// The prefix of every reply endpoint (named in [`crate::memory`], whose sessions carry it).
+pub use crate::memory::REPLY_ENDPOINT_PREFIX as ENDPOINT_PREFIX;
 
 /// The abstract socket address of an endpoint string (`@name`).
 pub(crate) fn address(endpoint: &str) -> io::Result<SocketAddr> {

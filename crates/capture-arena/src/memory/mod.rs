@@ -100,6 +100,10 @@ impl fmt::Debug for Notifier {
     }
 }
 
+/// The prefix of every reply endpoint (an abstract Unix socket, served by [`crate::reply`]): named
+/// here, below the sessions that carry one.
+pub const REPLY_ENDPOINT_PREFIX: &str = "@capture-arena-reply-";
+
 /// What the writer's local reply path hands a reader that asks a region for something: bytes
 /// (metadata) and descriptors (passed with `SCM_RIGHTS`).
 #[derive(Debug, Default)]

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use super::driver::HandleType;
 use crate::error::{Error, Result};
 use crate::memory::SessionParts;
-use crate::reply::ENDPOINT_PREFIX;
+use crate::memory::REPLY_ENDPOINT_PREFIX as ENDPOINT_PREFIX;
 
 /// The longest device session accepted (a fabric one is about 300 bytes).
 pub const MAX_CUDA_SESSION_BYTES: usize = 1024;
