@@ -11,7 +11,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step's time, printed at the end (pass or fail): the test command has a 20-minute budget.
+STEP_NAME="" STEP_START=$SECONDS
+STEP_TIMES=()
+end_step() {
+  if [ -n "$STEP_NAME" ]; then
+    STEP_TIMES+=("$(printf '%5d s  %s' $((SECONDS - STEP_START)) "$STEP_NAME")")
+  fi
+}
+step() { end_step; STEP_NAME="$*" STEP_START=$SECONDS; printf '\n==> %s\n' "$*"; }
+times_per_step() {
+  end_step
+  printf '\n==> time per step (%d s in all)\n' "$SECONDS"
+  printf '%s\n' "${STEP_TIMES[@]}"
+}
+trap times_per_step EXIT
 
 step "toolchain components"
 for c in rustfmt clippy; do

@@ -14,7 +14,8 @@ pub struct InfoArgs {
     pub gpu: i32,
 }
 
-/// `device-info`: the driver, and a 2 MiB device arena made with each handle policy.
+/// `device-info`: the driver, and a 2 MiB device arena made with each handle policy (with why
+/// that handle type: NVML's fabric state, the fabric trial).
 #[cfg(feature = "cuda")]
 pub fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
     use capture_arena::config::HandlePreference;
@@ -38,7 +39,9 @@ pub fn info(args: InfoArgs) -> anyhow::Result<ExitCode> {
                     .reply("describe")
                     .and_then(Result::ok)
                     .and_then(|a| serde_json::from_slice::<serde_json::Value>(&a.bytes).ok());
-                serde_json::json!({"ok": true, "arena": described})
+                // Why this handle type (NVML's fabric state, the fabric trial's result).
+                let why = r.handle_choice().reason.clone();
+                serde_json::json!({"ok": true, "arena": described, "why": why})
             }
             Err(e) => serde_json::json!({"ok": false, "error": e.to_string()}),
         };

@@ -82,7 +82,7 @@ pub fn choose_handle(
                     "the device reports fabric support but the fabric path is not usable \
                      ({e}); POSIX fd (readers on this node only)"
                 )),
-                Some(Err(e)) => Err(format!("a fabric allocation failed: {e}")),
+                Some(Err(e)) => Err(format!("the fabric path is not usable: {e}")),
                 None => Err("the fabric path was not tried".into()),
             }
         }
