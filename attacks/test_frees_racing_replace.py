@@ -56,10 +56,15 @@ def test_frees_racing_replace_keep_the_books(sink: ca.ArenaSink) -> None:
             t.join()
     print(f"published {published}, failed {failed}, sent {sum(sent)} free lines")
     assert published + failed == 300 and published > 0
-    # Everything that is left goes; then the books must balance exactly.
+    # Everything that is left goes; then the books must balance exactly. A connection's lines are
+    # applied in order, so the stats answer after the prefix line says it was applied (the
+    # hammers' frees may empty the arena first; a sample published before the prefix is
+    # applied would go with it).
     s = connect(first)
-    s.sendall((json.dumps({"free_prefix": "victim/"}) + "\n").encode())
+    s.sendall((json.dumps({"free_prefix": "victim/"}) + "\n" + json.dumps({"stats": True}) + "\n").encode())
+    answer = s.makefile("rb").readline()
     s.close()
+    assert b"resident_objects" in answer, answer
     st = wait_stats(sink, lambda st: st["resident_objects"] == 0)
     st = wait_stats(sink, lambda st: st["free_bytes"] == st["capacity"])
     n_features = len(first["features"])
