@@ -44,11 +44,13 @@ fn setup() -> MutexGuard<'static, ()> {
             ("fault", 0),
             ("odd_error", 0),
             ("host_register", 1),
+            ("capturing", 0),
         ] {
             fake_cuda::knob(k, v);
         }
-        fake_cuda::nvml_knob("state", 3);
-        fake_cuda::nvml_knob("status", 0);
+        for (k, v) in [("state", 3), ("status", 0), ("rc", 0), ("zero_uuid", 0)] {
+            fake_cuda::nvml_knob(k, v);
+        }
     }
     g
 }
@@ -342,6 +344,13 @@ fn fake_gpu_fabric_only_where_nvml_says_registered_and_an_import_works() {
     assert_eq!(handle(), "fd");
     fake_cuda::knob("imex", 1);
     assert_eq!(handle(), "fabric");
+    fake_cuda::nvml_knob("zero_uuid", 1); // this node's NVLink alone
+    assert_eq!(handle(), "fd");
+    fake_cuda::nvml_knob("zero_uuid", 0);
+    fake_cuda::nvml_knob("rc", 3); // NOT_SUPPORTED: no NVLink fabric
+    assert_eq!(handle(), "fd");
+    fake_cuda::nvml_knob("rc", 0);
+    assert_eq!(handle(), "fabric");
     // Asked for fabric explicitly, a registration in progress is an error that says so.
     fake_cuda::nvml_knob("state", 2);
     let e = Writer::start(&Config {
@@ -428,37 +437,74 @@ fn fake_gpu_device_tensors_under_a_host_arena_are_copied_to_host() {
 }
 
 /// Copies between shared memory and the GPU run from pinned memory, on both sides: the writer
-/// pins its arena on the first device tensor, a reader its read-only view (with the read-only
-/// flag the driver requires for such a mapping) on the first device read; both unpin when they
-/// go. Where the device cannot pin, the copies stay pageable and correct.
+/// pins its arena once a device tensor comes, a reader its read-only view (with the read-only
+/// flag the driver requires for such a mapping) once it reads into a GPU, each on a thread of its
+/// own while the first copies go on pageable; portable, so copies on any GPU's streams count;
+/// with this thread's capture mode relaxed, so a graph another thread captures is not broken;
+/// both unpinned when they go. Where the device cannot pin, copies stay pageable and correct.
 #[test]
 fn fake_gpu_host_arenas_are_pinned_for_device_copies() {
     let Some(_g) = setup_fake("fake_gpu_host_arenas_are_pinned_for_device_copies") else {
         return;
     };
     assert_eq!(fake_cuda::pinned_bytes(), 0, "pins left by another test");
+    fake_cuda::knob("capturing", 1); // another thread captures a CUDA graph (global mode)
+    let pinned_at_least = |n: i64| {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while fake_cuda::pinned_bytes() < n {
+            assert!(
+                std::time::Instant::now() < until,
+                "not pinned: {} bytes",
+                fake_cuda::pinned_bytes()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
     {
         let w = Writer::start(&util::config(1 << 20, Duration::from_secs(1))).unwrap();
         let store = FeatureStore::new();
+        // The first device tensor starts the pinning; the copies meanwhile are pageable.
+        let first = publish(&w, device_sample("pin0", &[1000], false, false));
+        pinned_at_least(1 << 20);
         let s = device_sample("pin", &[1000, 77], true, false);
         let pageable = fake_cuda::host_copies(false);
         let p = publish(&w, s);
-        assert!(
-            fake_cuda::pinned_bytes() > 1 << 20,
-            "the writer's arena is not pinned"
+        assert_eq!(
+            fake_cuda::host_copies(false) - pageable,
+            0,
+            "the writer copied into its pinned arena as pageable memory"
         );
+        // A tensor of the other GPU: its copy runs on that GPU's stream, where a pin made in GPU
+        // 0's context counts only because it is portable.
+        let bytes = bytes_of("gpu1", "t0", 4096);
+        let buf = DeviceBuffer::new(1, 4096).unwrap();
+        buf.upload(0, &bytes).unwrap();
+        let mut s1 = Sample::new("st", "gpu1", 1).unwrap();
+        // SAFETY: device memory of GPU 1, 4096 bytes, owned by the tensor until the writer drops it.
+        let data = unsafe { TensorData::device(buf.ptr(), 4096, 1, None, buf) }.unwrap();
+        s1.push(Tensor::new("t0", vec![4096], Dtype::Uint8, data).unwrap())
+            .unwrap();
+        let pageable = fake_cuda::host_copies(false);
+        let on_gpu1 = publish(&w, s1);
+        assert_eq!(
+            fake_cuda::host_copies(false) - pageable,
+            0,
+            "a copy on GPU 1's stream saw the arena as pageable (not portable?)"
+        );
+        // The reader's first read into a GPU starts its pinning; the next reads are pinned.
+        read_and_check(&store, &first);
+        pinned_at_least(2 << 20);
+        let pageable = fake_cuda::host_copies(false);
         read_and_check(&store, &p);
-        assert!(
-            fake_cuda::pinned_bytes() > 2 << 20,
-            "the reader's view is not pinned too"
-        );
         // The only pageable copies: the test's own downloads of the two device buffers it read
         // into (read_and_check) into Vecs.
         assert_eq!(
             fake_cuda::host_copies(false) - pageable,
             2,
-            "a copy to or from an arena ran from pageable memory"
+            "a read from the pinned view ran as pageable memory"
         );
+        store.release(&first).unwrap();
+        store.release(&on_gpu1).unwrap();
         release_all(&store, &p, &w);
     }
     assert_eq!(fake_cuda::pinned_bytes(), 0, "a pin outlived its mapping");
@@ -470,9 +516,11 @@ fn fake_gpu_host_arenas_are_pinned_for_device_copies() {
     let pageable = fake_cuda::host_copies(false);
     let p = publish(&w, s);
     read_and_check(&store, &p);
+    std::thread::sleep(Duration::from_millis(50)); // room for a pinning thread, which must fail
+    let again = publish(&w, device_sample("pageable2", &[1000], false, false));
     assert_eq!(fake_cuda::pinned_bytes(), 0);
-    // The writer's copy, the reader's and the test's download.
-    assert_eq!(fake_cuda::host_copies(false) - pageable, 3);
+    assert!(fake_cuda::host_copies(false) - pageable >= 4);
+    store.release(&again).unwrap();
     release_all(&store, &p, &w);
 }
 

@@ -125,6 +125,7 @@ api! {
     cuMemFree_v2(ptr: cu::CUdeviceptr);
     cuMemHostRegister_v2(ptr: *mut c_void, len: usize, flags: c_uint);
     cuMemHostUnregister(ptr: *mut c_void);
+    cuThreadExchangeStreamCaptureMode(mode: *mut c_int);
     cuMemcpyHtoDAsync_v2(dst: cu::CUdeviceptr, src: *const c_void, n: usize, stream: cu::CUstream);
     cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: cu::CUdeviceptr, n: usize, stream: cu::CUstream);
     cuMemcpyDtoDAsync_v2(dst: cu::CUdeviceptr, src: cu::CUdeviceptr, n: usize, stream: cu::CUstream);

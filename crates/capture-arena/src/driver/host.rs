@@ -3,13 +3,20 @@
 //! its own, instead of copies the driver stages through its pinned bounce buffers with the CPU,
 //! one chunk at a time, before it returns (CUDA Programming Guide, "Page-Locked Host Memory";
 //! NCCL registers its `/dev/shm` segments the same way, `shmutils.cc`).
+//!
+//! Registering costs about 0.1 s per GB (it pins every page), so a [`LazyPin`] registers on a
+//! thread of its own while copies go on pageable, and in chunks of at most [`MAX_CHUNK`] bytes
+//! (a single registration of 512 GiB fails with `CUDA_ERROR_OUT_OF_MEMORY`, as vLLM found).
+//! Registration is a call CUDA graph capture forbids in its default (global) mode, from any
+//! thread while another captures: the registering thread sets its own capture mode to relaxed
+//! around it, as NCCL does, so an inference server capturing graphs is never disturbed.
 
-use std::ffi::c_void;
-use std::sync::Arc;
+use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys as cu;
 
-use super::{api, check, Context};
+use super::{api, check, context, Context};
 use crate::error::Result;
 
 /// `CU_MEMHOSTREGISTER_PORTABLE`: pinned for every context of the process, not only the one
@@ -18,11 +25,28 @@ const PORTABLE: u32 = 0x01;
 /// `CU_MEMHOSTREGISTER_READ_ONLY`: the device only reads the range. The driver documents it as
 /// required to register memory the CPU maps read-only, which a reader's view of an arena is.
 const READ_ONLY: u32 = 0x08;
+/// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+const CAPTURE_RELAXED: c_int = 2;
+/// The most bytes one registration covers.
+pub(crate) const MAX_CHUNK: usize = 64 << 30;
 
-/// A registered host range, unregistered on drop. Its owner drops it before unmapping the
+/// Runs `f` with this thread's stream-capture mode relaxed, then restores it.
+fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    let mut mode = CAPTURE_RELAXED;
+    // SAFETY: writes the thread's previous mode into `mode`.
+    let rc = unsafe { api::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    let out = f();
+    if rc == api::SUCCESS {
+        // SAFETY: as above; puts the previous mode back.
+        unsafe { api::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    out
+}
+
+/// One registered host range, unregistered on drop. Its owner drops it before unmapping the
 /// range.
 #[derive(Debug)]
-pub(crate) struct HostPin {
+struct HostPin {
     ptr: usize,
     len: usize,
     ctx: Arc<Context>,
@@ -31,50 +55,26 @@ pub(crate) struct HostPin {
 }
 
 impl HostPin {
-    /// Registers `[ptr, ptr + len)` in `ctx` (portable: every context sees it pinned);
-    /// `read_only` for a mapping the CPU may only read. `None` (and the reason) where the device
-    /// cannot register host memory of that kind: copies then stay pageable and correct.
+    /// Registers `[ptr, ptr + len)` in `ctx`, portable; `read_only` for a mapping the CPU may
+    /// only read.
     ///
     /// # Safety
     /// The range stays mapped until the returned pin is dropped.
-    ///
-    /// # Errors
-    /// [`crate::Error::Device`] when the driver refuses the registration.
-    pub unsafe fn new(
-        ctx: &Arc<Context>,
-        ptr: *mut u8,
-        len: usize,
-        read_only: bool,
-    ) -> Result<std::result::Result<HostPin, &'static str>> {
-        use cu::CUdevice_attribute as A;
-        if ctx.attribute(A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED) == 0 {
-            return Ok(Err("the device does not support cuMemHostRegister"));
-        }
-        if read_only && ctx.attribute(A::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) == 0
-        {
-            return Ok(Err(
-                "the device cannot register read-only host memory (CU_MEMHOSTREGISTER_READ_ONLY)",
-            ));
-        }
+    unsafe fn new(ctx: &Arc<Context>, ptr: usize, len: usize, read_only: bool) -> Result<HostPin> {
         let flags = PORTABLE | if read_only { READ_ONLY } else { 0 };
         let _current = ctx.enter()?;
         // SAFETY: the caller keeps the range mapped while the pin lives; registration pins its
         // pages and changes no contents.
-        let rc = unsafe { api::cuMemHostRegister_v2(ptr.cast::<c_void>(), len, flags) };
+        let rc = relaxed(|| unsafe { api::cuMemHostRegister_v2(ptr as *mut c_void, len, flags) });
         check(rc, || {
             format!("pinning {len} bytes of the arena's shared memory (cuMemHostRegister)")
         })?;
-        Ok(Ok(HostPin {
-            ptr: ptr as usize,
+        Ok(HostPin {
+            ptr,
             len,
             ctx: ctx.clone(),
             pid: std::process::id(),
-        }))
-    }
-
-    /// Bytes pinned.
-    pub fn len(&self) -> usize {
-        self.len
+        })
     }
 }
 
@@ -87,9 +87,158 @@ impl Drop for HostPin {
             return;
         };
         // SAFETY: the range registered in `new`, still mapped (the owner's promise).
-        let rc = unsafe { api::cuMemHostUnregister(self.ptr as *mut c_void) };
+        let rc = relaxed(|| unsafe { api::cuMemHostUnregister(self.ptr as *mut c_void) });
         if let Err(e) = check(rc, || "cuMemHostUnregister".into()) {
             tracing::warn!(error = %e, bytes = self.len, "unpinning host memory failed");
         }
     }
+}
+
+/// Where a [`LazyPin`] stands.
+#[derive(Debug, Default)]
+enum State {
+    /// No device copy asked for it yet.
+    #[default]
+    Unasked,
+    /// Registering on its own thread; copies stay pageable meanwhile.
+    Pinning(std::thread::JoinHandle<Option<Vec<HostPin>>>),
+    /// Registered, chunk by chunk (held to be unregistered when dropped).
+    Pinned { _pins: Vec<HostPin> },
+    /// Off, unsupported or refused: copies stay pageable.
+    Pageable,
+}
+
+/// A host range pinned for device copies once one is asked for: registered in the background,
+/// unregistered (after any registration still running) when dropped, which its owner does before
+/// it unmaps the range.
+#[derive(Debug)]
+pub(crate) struct LazyPin {
+    ptr: usize,
+    len: usize,
+    read_only: bool,
+    state: Mutex<State>,
+}
+
+impl LazyPin {
+    /// A pin of `[ptr, ptr + len)` not asked for yet; `read_only` for a mapping the CPU may only
+    /// read.
+    ///
+    /// # Safety
+    /// The range stays mapped until the value is dropped.
+    pub unsafe fn new(ptr: *mut u8, len: usize, read_only: bool) -> LazyPin {
+        LazyPin {
+            ptr: ptr as usize,
+            len,
+            read_only,
+            state: Mutex::new(State::Unasked),
+        }
+    }
+
+    /// Whether the range is pinned now. The first call starts registering it on a thread of its
+    /// own (in device `ordinal`'s context; the pin holds for every GPU) and returns false, as do
+    /// the calls until that is done: copies meanwhile are pageable, and correct. `what` names
+    /// the range in the logs.
+    pub fn pinned(&self, ordinal: i32, what: &str) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match &*state {
+            State::Pinned { .. } => return true,
+            State::Pageable => return false,
+            State::Pinning(h) if !h.is_finished() => return false,
+            State::Pinning(_) | State::Unasked => {}
+        }
+        if let State::Pinning(h) = std::mem::take(&mut *state) {
+            *state = match h.join() {
+                Ok(Some(pins)) => State::Pinned { _pins: pins },
+                _ => State::Pageable,
+            };
+            return matches!(*state, State::Pinned { .. });
+        }
+        let (ptr, len, read_only, what) = (self.ptr, self.len, self.read_only, what.to_owned());
+        let started = std::thread::Builder::new()
+            .name("capture-arena-pin".into())
+            // SAFETY: the range stays mapped until this value is dropped, and Drop joins this
+            // thread first.
+            .spawn(move || unsafe { pin_all(ordinal, ptr, len, read_only, &what) });
+        *state = match started {
+            Ok(h) => State::Pinning(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread to pin host memory: device copies stay pageable");
+                State::Pageable
+            }
+        };
+        false
+    }
+}
+
+impl Drop for LazyPin {
+    fn drop(&mut self) {
+        let state = std::mem::take(self.state.get_mut().unwrap_or_else(|p| p.into_inner()));
+        if let State::Pinning(h) = state {
+            drop(h.join());
+        }
+    }
+}
+
+/// Registers `[ptr, ptr + len)` in chunks, logging the outcome; `None` where the device cannot
+/// or will not.
+///
+/// # Safety
+/// The range stays mapped until the pins are dropped.
+unsafe fn pin_all(
+    ordinal: i32,
+    ptr: usize,
+    len: usize,
+    read_only: bool,
+    what: &str,
+) -> Option<Vec<HostPin>> {
+    use cu::CUdevice_attribute as A;
+    let started = std::time::Instant::now();
+    let ctx = match context(ordinal) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(what, error = %e, "device copies stay pageable");
+            return None;
+        }
+    };
+    if ctx.attribute(A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED) == 0 {
+        tracing::info!(
+            what,
+            "the device cannot pin host memory: device copies stay pageable"
+        );
+        return None;
+    }
+    if read_only && ctx.attribute(A::CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED) == 0 {
+        tracing::info!(
+            what,
+            "the device cannot pin read-only host memory: device copies stay pageable"
+        );
+        return None;
+    }
+    let mut pins = Vec::with_capacity(len.div_ceil(MAX_CHUNK));
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(MAX_CHUNK);
+        // SAFETY: a sub-range of the caller's, mapped as long as the pins live.
+        match unsafe { HostPin::new(&ctx, ptr + at, n, read_only) } {
+            Ok(p) => pins.push(p),
+            Err(e) => {
+                tracing::warn!(
+                    what,
+                    error = %e,
+                    "pinning failed: device copies stay pageable (slower, synchronous); \
+                     SGLANG_SPEC_CAPTURE_PIN_HOST=0 skips the attempt"
+                );
+                return None; // the chunks pinned so far are unpinned as `pins` drops
+            }
+        }
+        at += n;
+    }
+    tracing::info!(
+        what,
+        bytes = len,
+        chunks = pins.len(),
+        ms = started.elapsed().as_millis() as u64,
+        "pinned for device copies"
+    );
+    Some(pins)
 }

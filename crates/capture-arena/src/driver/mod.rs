@@ -23,7 +23,7 @@ mod nvml;
 mod stream;
 mod vmm;
 
-pub(crate) use host::HostPin;
+pub(crate) use host::LazyPin;
 pub(crate) use nvml::{fabric, Fabric};
 pub use stream::DeviceBuffer;
 pub(crate) use stream::{event_on, record_ready, Event, Ready, Stream};

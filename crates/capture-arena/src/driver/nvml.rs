@@ -134,7 +134,15 @@ pub(crate) fn fabric(uuid_hex: &str) -> Fabric {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    if state != STATE_COMPLETED || info.status != 0 || info.cluster_uuid == [0; 16] {
+    if state == STATE_COMPLETED && info.status == 0 && info.cluster_uuid == [0; 16] {
+        return Fabric::NotReady(
+            "NVML: the GPU's fabric registration is complete but names no cluster (a cluster \
+             UUID of zeros: this node's NVLink alone, no multi-node fabric); fabric handles \
+             would reach no other node"
+                .into(),
+        );
+    }
+    if state != STATE_COMPLETED || info.status != 0 {
         let name = match state {
             0 => "NOT_SUPPORTED",
             1 => "NOT_STARTED",

@@ -39,10 +39,13 @@ pub struct Mapping {
     pid: u32,
     /// Catches the `SIGBUS` of an object truncated under the mapping (see [`super::guard`]).
     watch: Option<super::guard::Watch>,
-    /// The whole mapping registered with the CUDA driver (feature `cuda`), on the first copy
-    /// between it and device memory ([`Mapping::pin_for_device`]); `None` once refused.
+    /// Set when the object was found shorter than the mapping by `fstat` ([`Mapping::notice_shrink`]):
+    /// device copies into pinned pages never fault, so the `SIGBUS` guard cannot see it.
+    shrunk: std::sync::atomic::AtomicBool,
+    /// The whole mapping pinned for device copies (feature `cuda`), from the first one on
+    /// ([`Mapping::pin_for_device`]); `None` when [`ENV_PIN_HOST`] is `0`.
     #[cfg(feature = "cuda")]
-    pin: std::sync::OnceLock<Option<crate::driver::HostPin>>,
+    pin: Option<crate::driver::LazyPin>,
 }
 
 /// `0` turns pinning off: copies between shared memory and device memory then stay pageable
@@ -104,8 +107,15 @@ impl Mapping {
             access,
             pid: std::process::id(),
             watch: super::guard::Watch::new(ptr.as_ptr() as usize, len),
+            shrunk: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "cuda")]
-            pin: std::sync::OnceLock::new(),
+            pin: (!std::env::var(ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0")).then(|| {
+                // SAFETY: exactly the range just mapped; the pin is dropped before it is
+                // unmapped (Drop below).
+                unsafe {
+                    crate::driver::LazyPin::new(ptr.as_ptr(), len, access == Access::ReadOnly)
+                }
+            }),
         };
         if access == Access::ReadWrite {
             // SAFETY: advice on exactly the range just mapped; it changes no contents.
@@ -116,61 +126,29 @@ impl Mapping {
         Ok(m)
     }
 
-    /// Pins the whole mapping for copies to and from device memory, on the first call (in device
-    /// `ordinal`'s context; the pin holds for every GPU): the copy engine then moves the bytes
-    /// itself, asynchronously, instead of the driver staging them through its own pinned
-    /// buffers with the CPU. Returns whether the mapping is pinned. Where pinning is off
-    /// ([`ENV_PIN_HOST`]`=0`) or refused, copies stay pageable (correct, slower), logged once.
+    /// Whether the whole mapping is pinned for copies to and from device memory, so that the copy
+    /// engine moves the bytes itself instead of the driver staging them with the CPU. The first
+    /// call starts pinning it in the background (in device `ordinal`'s context; the pin holds
+    /// for every GPU); until that is done, and where pinning is off ([`ENV_PIN_HOST`]`=0`) or
+    /// refused, copies are pageable: slower, and correct.
     #[cfg(feature = "cuda")]
     pub(crate) fn pin_for_device(&self, ordinal: i32, what: &str) -> bool {
-        self.pin
-            .get_or_init(|| {
-                if std::env::var(ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0") {
-                    tracing::info!(
-                        what,
-                        "{ENV_PIN_HOST}=0: device copies of {what} stay pageable"
-                    );
-                    return None;
-                }
-                let started = std::time::Instant::now();
-                let pinned = crate::driver::context(ordinal).and_then(|ctx| {
-                    // SAFETY: the whole range this value mapped; the pin is dropped before the
-                    // range is unmapped (Drop below).
-                    unsafe {
-                        crate::driver::HostPin::new(
-                            &ctx,
-                            self.ptr.as_ptr(),
-                            self.len,
-                            self.access == Access::ReadOnly,
-                        )
-                    }
-                });
-                match pinned {
-                    Ok(Ok(pin)) => {
-                        tracing::info!(
-                            what,
-                            bytes = pin.len(),
-                            ms = started.elapsed().as_millis() as u64,
-                            "pinned for device copies"
-                        );
-                        Some(pin)
-                    }
-                    Ok(Err(reason)) => {
-                        tracing::info!(what, reason, "device copies stay pageable");
-                        None
-                    }
-                    Err(e) => {
-                        tracing::warn!(
-                            what,
-                            error = %e,
-                            "pinning failed: device copies stay pageable (slower, synchronous); \
-                             {ENV_PIN_HOST}=0 skips the attempt"
-                        );
-                        None
-                    }
-                }
-            })
-            .is_some()
+        self.pin.as_ref().is_some_and(|p| p.pinned(ordinal, what))
+    }
+
+    /// Marks the mapping lost when `fd`, the object it maps, is now shorter than the mapping: a
+    /// device copy reads or writes pinned pages without a fault, so after a truncation it would
+    /// go on with pages the object no longer has, unseen by the `SIGBUS` guard. Call it after
+    /// device copies.
+    pub(crate) fn notice_shrink(&self, fd: BorrowedFd<'_>) {
+        // SAFETY: fstat on a descriptor the caller keeps open, into a local of its type.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let ok = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0;
+        if ok && (st.st_size as u64) < self.len as u64 {
+            self.shrunk
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// Bytes mapped.
@@ -192,6 +170,7 @@ impl Mapping {
     /// touched): the bytes from that page on are private zeros, not the object's, for good.
     pub fn lost(&self) -> bool {
         self.watch.as_ref().is_some_and(|w| w.lost())
+            || self.shrunk.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// [`Error::Io`] naming `what` if [`Mapping::lost`].
@@ -336,6 +315,18 @@ mod tests {
             .unwrap();
         std::fs::remove_file(&path).unwrap();
         f
+    }
+
+    #[test]
+    fn a_shrunk_object_is_noticed_without_a_fault() {
+        // A device copy into pinned pages never faults: after a truncation only fstat tells.
+        let f = memfd(3 * 4096);
+        let r = Mapping::map(f.as_fd(), 3 * 4096, Access::ReadOnly, false, "test").unwrap();
+        r.notice_shrink(f.as_fd());
+        assert!(!r.lost());
+        f.set_len(4096).unwrap();
+        r.notice_shrink(f.as_fd());
+        assert!(r.lost());
     }
 
     #[test]

@@ -114,7 +114,7 @@ impl ShmTransport {
                 .pin_for_device(d.device(), "the producer's shared memory");
             // SAFETY: `src` is a checked range of this read-only mapping (kept alive by self);
             // the destination is device memory the DeviceSlice's creator vouched for.
-            unsafe {
+            let copied = unsafe {
                 crate::memory::cuda::host_to_device(
                     d.device(),
                     d.ptr(),
@@ -122,7 +122,11 @@ impl ShmTransport {
                     d.len(),
                     d.waits_for(),
                 )
-            }
+            };
+            // A device copy from pinned pages does not fault on a truncated object: read()
+            // reports the mapping lost.
+            self.map.notice_shrink(self.fd.as_fd());
+            copied
         }
         #[cfg(not(feature = "cuda"))]
         {

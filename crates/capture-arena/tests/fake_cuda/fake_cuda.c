@@ -23,6 +23,10 @@
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
  *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
  *   FAKE_CUDA_HOST_REGISTER=0  report no cuMemHostRegister support (attribute 99; default 1)
+ *   FAKE_CUDA_CAPTURING=1      another thread is capturing a CUDA graph in global mode: calls
+ *                              capture forbids (cuMemHostRegister, cuMemHostUnregister) fail with
+ *                              CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED unless the calling thread's
+ *                              capture mode is relaxed (cuThreadExchangeStreamCaptureMode)
  *   FAKE_CUDA_NO_DEVICE=1      cuInit fails with CUDA_ERROR_NO_DEVICE
  *   FAKE_CUDA_ODD_ERROR=N      cuStreamCreate returns N, a code no CUDA header lists
  *   FAKE_CUDA_FAULT=1          the next op a stream runs raises a sticky context error
@@ -50,7 +54,8 @@ typedef void (*CUhostFn)(void *);
 enum {
   OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201,
   INVALID_HANDLE = 400, NOT_READY = 600, ILLEGAL_ADDRESS = 700, HOST_MEMORY_ALREADY_REGISTERED = 712,
-  HOST_MEMORY_NOT_REGISTERED = 713, NOT_PERMITTED = 800, NOT_SUPPORTED = 801
+  HOST_MEMORY_NOT_REGISTERED = 713, NOT_PERMITTED = 800, NOT_SUPPORTED = 801,
+  STREAM_CAPTURE_UNSUPPORTED = 900
 };
 
 static int env_int(const char *k, int dflt) {
@@ -67,7 +72,7 @@ static int devices(void) {
 
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
 static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2,
-  knob_fault = -2, knob_host_register = -2;
+  knob_fault = -2, knob_host_register = -2, knob_capturing = -2;
 static long copies;
 /* A context error (FAKE_CUDA_FAULT / the "fault" knob, set when a stream next runs an op): sticky,
  * as on a real GPU after an illegal address. */
@@ -84,6 +89,7 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "gdr_attr") ? &knob_gdr_attr
           : !strcmp(name, "fault") ? &knob_fault
           : !strcmp(name, "host_register") ? &knob_host_register
+          : !strcmp(name, "capturing") ? &knob_capturing
           : !strcmp(name, "devices") ? &knob_devices
           : !strcmp(name, "odd_error") ? &knob_odd_error : NULL;
   if (!k) return -3;
@@ -545,7 +551,21 @@ CUresult cuLaunchHostFunc(Stream *s, CUhostFn fn, void *data) {
 /* Host memory registered with cuMemHostRegister (pinned), and the host ends of copies counted by
  * whether they were pinned (for the tests to read). */
 #define MAX_PINS 256
-static struct { uintptr_t start; size_t size; } pins[MAX_PINS];
+/* A registration without PORTABLE is pinned only for the context current when it was made. */
+static struct { uintptr_t start; size_t size; int portable; void *ctx; } pins[MAX_PINS];
+/* The calling thread's stream-capture mode (0 global, 1 thread local, 2 relaxed). */
+static __thread int capture_mode;
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+  if (!mode || *mode < 0 || *mode > 2) return INVALID_VALUE;
+  int old = capture_mode;
+  capture_mode = *mode;
+  *mode = old;
+  return OK;
+}
+/* A call that graph capture forbids, made while another thread captures in global mode. */
+static int capture_forbids(void) {
+  return knob(&knob_capturing, "FAKE_CUDA_CAPTURING", 0) && capture_mode != 2;
+}
 static long pinned_copies, pageable_copies;
 long fake_cuda_host_copies(int pinned) {
   return __atomic_load_n(pinned ? &pinned_copies : &pageable_copies, __ATOMIC_SEQ_CST);
@@ -557,11 +577,12 @@ long fake_cuda_pinned_bytes(void) {
   pthread_mutex_unlock(&ranges_mu);
   return n;
 }
-static int pinned(uintptr_t p, size_t n) {
+static int pinned(uintptr_t p, size_t n, void *ctx) {
   int ok = 0;
   pthread_mutex_lock(&ranges_mu);
   for (int i = 0; i < MAX_PINS; i++)
-    if (pins[i].size && p >= pins[i].start && p - pins[i].start + n <= pins[i].size) { ok = 1; break; }
+    if (pins[i].size && p >= pins[i].start && p - pins[i].start + n <= pins[i].size &&
+        (pins[i].portable || pins[i].ctx == ctx)) { ok = 1; break; }
   pthread_mutex_unlock(&ranges_mu);
   return ok;
 }
@@ -587,6 +608,7 @@ enum { HOST_REGISTER_PORTABLE = 1, HOST_REGISTER_READ_ONLY = 8 };
  * flag; a range overlapping a registered one is refused. */
 CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
   NEED_CONTEXT();
+  if (capture_forbids()) return STREAM_CAPTURE_UNSUPPORTED;
   if (!p || !n) return INVALID_VALUE;
   if (!knob(&knob_host_register, "FAKE_CUDA_HOST_REGISTER", 1)) return NOT_SUPPORTED;
   if (!(flags & HOST_REGISTER_READ_ONLY) && !writable((uintptr_t)p, n)) return INVALID_VALUE;
@@ -596,13 +618,18 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
   for (int i = 0; i < MAX_PINS; i++)
     if (pins[i].size && a < pins[i].start + pins[i].size && pins[i].start < a + n) { rc = HOST_MEMORY_ALREADY_REGISTERED; goto out; }
   for (int i = 0; i < MAX_PINS; i++)
-    if (!pins[i].size) { pins[i].start = a; pins[i].size = n; rc = OK; break; }
+    if (!pins[i].size) {
+      pins[i].start = a; pins[i].size = n; pins[i].portable = flags & HOST_REGISTER_PORTABLE; pins[i].ctx = current;
+      rc = OK;
+      break;
+    }
 out:
   pthread_mutex_unlock(&ranges_mu);
   return rc;
 }
 CUresult cuMemHostUnregister(void *p) {
   NEED_CONTEXT();
+  if (capture_forbids()) return STREAM_CAPTURE_UNSUPPORTED;
   CUresult rc = HOST_MEMORY_NOT_REGISTERED;
   pthread_mutex_lock(&ranges_mu);
   for (int i = 0; i < MAX_PINS; i++)
@@ -621,7 +648,9 @@ static CUresult copy(void *dst, const void *src, size_t n, Stream *s, const void
   }
   long limit = knob(&knob_fail_after, "FAKE_CUDA_FAIL_COPIES_AFTER", -1);
   if (limit >= 0 && __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST) > limit) return INVALID_VALUE;
-  if (host && n) __atomic_add_fetch(pinned((uintptr_t)host, n) ? &pinned_copies : &pageable_copies, 1, __ATOMIC_SEQ_CST);
+  if (host && n)
+    __atomic_add_fetch(pinned((uintptr_t)host, n, s ? s->ctx : current) ? &pinned_copies : &pageable_copies, 1,
+                       __ATOMIC_SEQ_CST);
   Op o = {.kind = OP_COPY, .dst = dst, .src = src, .n = n};
   return push(s, o);
 }

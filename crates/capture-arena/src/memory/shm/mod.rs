@@ -441,14 +441,23 @@ impl ShmRegion {
             .map
             .raw_range((HEADER_BYTES + at) as usize, n as usize)?;
         #[cfg(feature = "cuda")]
-        if let crate::tensor::TensorData::Device(d) = op.data {
-            self.map
-                .pin_for_device(d.device, "the arena's shared memory");
-        }
+        let device = match op.data {
+            crate::tensor::TensorData::Device(d) => {
+                self.map
+                    .pin_for_device(d.device, "the arena's shared memory");
+                true
+            }
+            _ => false,
+        };
         // SAFETY: `dst` is a checked range of this writable mapping, which only the writer
         // thread writes (`&mut self`); caller memory is never inside this process's own arena
         // mapping, so it does not overlap the source.
         unsafe { super::host::copy_to_host(op, from, n, dst) }?;
+        #[cfg(feature = "cuda")]
+        if device {
+            // A device copy into pinned pages does not fault on a truncated object.
+            self.map.notice_shrink(self.lock.as_fd());
+        }
         self.lost()
     }
 
