@@ -62,88 +62,72 @@ pub fn load(target_tmp: &str) {
     });
 }
 
-/// Sets a knob of the loaded fake NVML (`state`, `status`); returns the old value.
-pub fn nvml_knob(name: &str, value: i64) -> i64 {
+/// A function of the loaded fakes (`load`), looked up in the global scope.
+fn sym(name: &str) -> *mut std::ffi::c_void {
     let c = std::ffi::CString::new(name).unwrap();
-    let sym = std::ffi::CString::new("fake_nvml_knob").unwrap();
-    // SAFETY: looks up our fake's function in the global scope (loaded by `load`) and calls it
-    // with a NUL-terminated name; it has that signature.
+    // SAFETY: looks a symbol up among the libraries loaded with RTLD_GLOBAL.
+    let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c.as_ptr()) };
+    assert!(!f.is_null(), "the fakes are not loaded (no {name})");
+    f
+}
+
+/// Sets knob `name` through the fake's setter `setter`; returns the old value.
+fn set_knob(setter: &str, name: &str, value: i64) -> i64 {
+    let c = std::ffi::CString::new(name).unwrap();
+    // SAFETY: both fakes' setters have this signature (fake_cuda.c, fake_nvml.c); the name is
+    // NUL-terminated.
     unsafe {
-        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
-        assert!(!f.is_null(), "the fake NVML is not loaded");
         let f: extern "C" fn(*const std::ffi::c_char, std::ffi::c_long) -> std::ffi::c_long =
-            std::mem::transmute(f);
+            std::mem::transmute(sym(setter));
         f(c.as_ptr(), value as std::ffi::c_long) as i64
     }
 }
 
+/// Sets a knob of the loaded fake NVML (`state`, `status`, `rc`, `zero_uuid`); returns the old
+/// value.
+pub fn nvml_knob(name: &str, value: i64) -> i64 {
+    set_knob("fake_nvml_knob", name, value)
+}
+
 /// Sets a knob of the loaded fake driver (`copy_us`, `fail_copies_after`, `fabric_attr`,
-/// `imex`); returns the old value.
+/// `imex`, ...: fake_cuda.c lists them); returns the old value.
 pub fn knob(name: &str, value: i64) -> i64 {
-    let c = std::ffi::CString::new(name).unwrap();
-    let sym = std::ffi::CString::new("fake_cuda_knob").unwrap();
-    // SAFETY: looks up our fake's function in the global scope (loaded by `load`) and calls it
-    // with a NUL-terminated name; it has that signature.
-    unsafe {
-        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
-        assert!(!f.is_null(), "the fake driver is not loaded");
-        let f: extern "C" fn(*const std::ffi::c_char, std::ffi::c_long) -> std::ffi::c_long =
-            std::mem::transmute(f);
-        f(c.as_ptr(), value as std::ffi::c_long) as i64
-    }
+    set_knob("fake_cuda_knob", name, value)
 }
 
 /// The calling thread's current context in the fake driver (null when none).
 pub fn current() -> usize {
-    let sym = std::ffi::CString::new("fake_cuda_current").unwrap();
-    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
-    // signature and no arguments.
-    unsafe {
-        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
-        assert!(!f.is_null(), "the fake driver is not loaded");
-        let f: extern "C" fn() -> *mut std::ffi::c_void = std::mem::transmute(f);
-        f() as usize
-    }
+    // SAFETY: the fake's function of this signature (fake_cuda.c).
+    let f: extern "C" fn() -> *mut std::ffi::c_void =
+        unsafe { std::mem::transmute(sym("fake_cuda_current")) };
+    f() as usize
+}
+
+/// Calls the fake's counter `name`, which takes one int.
+fn count(name: &str, which: bool) -> i64 {
+    // SAFETY: the fake's counters have this signature (fake_cuda.c).
+    let f: extern "C" fn(std::ffi::c_int) -> std::ffi::c_long =
+        unsafe { std::mem::transmute(sym(name)) };
+    f(std::ffi::c_int::from(which)) as i64
 }
 
 /// How many allocations the fake made with `gpuDirectRDMACapable` set (`rdma`), or without.
 pub fn allocations(rdma: bool) -> i64 {
-    let sym = std::ffi::CString::new("fake_cuda_allocations").unwrap();
-    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
-    // signature.
-    unsafe {
-        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
-        assert!(!f.is_null(), "the fake driver is not loaded");
-        let f: extern "C" fn(std::ffi::c_int) -> std::ffi::c_long = std::mem::transmute(f);
-        f(std::ffi::c_int::from(rdma)) as i64
-    }
+    count("fake_cuda_allocations", rdma)
 }
 
 /// How many copies between host and device memory the fake enqueued whose host end was pinned
-/// (`cuMemHostRegister`), or pageable.
+/// (`cuMemHostRegister`, for the copy's context), or pageable.
 pub fn host_copies(pinned: bool) -> i64 {
-    let sym = std::ffi::CString::new("fake_cuda_host_copies").unwrap();
-    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
-    // signature.
-    unsafe {
-        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
-        assert!(!f.is_null(), "the fake driver is not loaded");
-        let f: extern "C" fn(std::ffi::c_int) -> std::ffi::c_long = std::mem::transmute(f);
-        f(std::ffi::c_int::from(pinned)) as i64
-    }
+    count("fake_cuda_host_copies", pinned)
 }
 
 /// Bytes of host memory registered with the fake now.
 pub fn pinned_bytes() -> i64 {
-    let sym = std::ffi::CString::new("fake_cuda_pinned_bytes").unwrap();
-    // SAFETY: looks up our fake's function (loaded by `load`) and calls it; it has that
-    // signature and no arguments.
-    unsafe {
-        let f = libc::dlsym(libc::RTLD_DEFAULT, sym.as_ptr());
-        assert!(!f.is_null(), "the fake driver is not loaded");
-        let f: extern "C" fn() -> std::ffi::c_long = std::mem::transmute(f);
-        f() as i64
-    }
+    // SAFETY: the fake's function of this signature (fake_cuda.c).
+    let f: extern "C" fn() -> std::ffi::c_long =
+        unsafe { std::mem::transmute(sym("fake_cuda_pinned_bytes")) };
+    f() as i64
 }
 
 /// A stream of a context of the caller's own on `device` (not the device's primary context, as a
@@ -153,13 +137,6 @@ pub fn foreign_stream(device: i32) -> u64 {
     type CtxCreate = extern "C" fn(*mut *mut std::ffi::c_void, u32, i32) -> i32;
     type StreamCreate = extern "C" fn(*mut *mut std::ffi::c_void, u32) -> i32;
     type SetCurrent = extern "C" fn(*mut std::ffi::c_void) -> i32;
-    let sym = |name: &str| {
-        let c = std::ffi::CString::new(name).unwrap();
-        // SAFETY: looks up a symbol of the loaded fake driver.
-        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c.as_ptr()) };
-        assert!(!f.is_null(), "the fake driver has no {name}");
-        f
-    };
     // SAFETY: the fake's functions have these signatures (fake_cuda.c).
     unsafe {
         let create: CtxCreate = std::mem::transmute(sym("cuCtxCreate_v2"));
@@ -198,13 +175,6 @@ pub fn vmm_buffer(device: i32, bytes: &[u8]) -> u64 {
     type Reserve = extern "C" fn(*mut u64, usize, usize, u64, u64) -> i32;
     type Map = extern "C" fn(u64, usize, usize, u64, u64) -> i32;
     type SetAccess = extern "C" fn(u64, usize, *const Access, usize) -> i32;
-    let sym = |name: &str| {
-        let c = std::ffi::CString::new(name).unwrap();
-        // SAFETY: looks up a symbol of the loaded fake driver.
-        let f = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c.as_ptr()) };
-        assert!(!f.is_null(), "the fake driver has no {name}");
-        f
-    };
     let size = bytes.len().div_ceil(2 << 20).max(1) * (2 << 20);
     // SAFETY: the fake's functions have these signatures (fake_cuda.c); the mapping is host
     // memory of `size` bytes once access is granted, so the bytes are written directly.
