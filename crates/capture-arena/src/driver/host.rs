@@ -4,9 +4,12 @@
 //! one chunk at a time, before it returns (CUDA Programming Guide, "Page-Locked Host Memory";
 //! NCCL registers its `/dev/shm` segments the same way, `shmutils.cc`).
 //!
-//! Registering costs about 0.1 s per GB (it pins every page), so a [`LazyPin`] registers on a
-//! thread of its own while copies go on pageable, and in chunks of at most [`MAX_CHUNK`] bytes
-//! (a single registration of 512 GiB fails with `CUDA_ERROR_OUT_OF_MEMORY`, as vLLM found).
+//! Registering costs about 0.1 s per GB (it pins every page; measured on H200 NVL in
+//! vllm-project/vllm#51080), so a [`LazyPin`] registers on a thread of its own while copies go
+//! on pageable, and in chunks of at most [`MAX_CHUNK`] bytes: one registration of 512 GiB or more
+//! fails with an out-of-memory error whatever memory is free (the r580 driver's per-call page
+//! table; vLLM #51081, SGLang's HiCache and LMCache register in chunks too). The chunks start
+//! at page-aligned addresses (the mapping's start plus multiples of 64 GiB), so no two overlap.
 //! Registration is a call CUDA graph capture forbids in its default (global) mode, from any
 //! thread while another captures: the registering thread sets its own capture mode to relaxed
 //! around it, as NCCL does, so an inference server capturing graphs is never disturbed.
