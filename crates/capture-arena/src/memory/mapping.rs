@@ -140,6 +140,7 @@ impl Mapping {
     /// device copy reads or writes pinned pages without a fault, so after a truncation it would
     /// go on with pages the object no longer has, unseen by the `SIGBUS` guard. Call it after
     /// device copies.
+    #[cfg(feature = "cuda")]
     pub(crate) fn notice_shrink(&self, fd: BorrowedFd<'_>) {
         // SAFETY: fstat on a descriptor the caller keeps open, into a local of its type.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -318,6 +319,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "cuda")]
     fn a_shrunk_object_is_noticed_without_a_fault() {
         // A device copy into pinned pages never faults: after a truncation only fstat tells.
         let f = memfd(3 * 4096);
