@@ -9,7 +9,7 @@
 //! borrow lives.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
@@ -51,6 +51,18 @@ pub struct Mapping {
 /// `0` turns pinning off: copies between shared memory and device memory then stay pageable
 /// (synchronous, staged by the driver through its own buffers). Default on.
 pub const ENV_PIN_HOST: &str = "SGLANG_SPEC_CAPTURE_PIN_HOST";
+
+/// `(size, link count)` of an open descriptor.
+pub(crate) fn fstat(fd: &OwnedFd) -> io::Result<(u64, u64)> {
+    // SAFETY: fstat fills a zeroed stat struct for a descriptor we own.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((st.st_size as u64, st.st_nlink as u64))
+    }
+}
 
 // SAFETY: the mapping is plain memory owned by this value; every access goes through methods
 // that either copy (reads and writes of disjoint caller buffers) or take `&mut self` (writes), so
@@ -141,12 +153,8 @@ impl Mapping {
     /// go on with pages the object no longer has, unseen by the `SIGBUS` guard. Call it after
     /// device copies.
     #[cfg(feature = "cuda")]
-    pub(crate) fn notice_shrink(&self, fd: BorrowedFd<'_>) {
-        // SAFETY: fstat on a descriptor the caller keeps open, into a local of its type.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let ok = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } == 0;
-        if ok && (st.st_size as u64) < self.len as u64 {
+    pub(crate) fn notice_shrink(&self, fd: &OwnedFd) {
+        if fstat(fd).is_ok_and(|(size, _)| size < self.len as u64) {
             self.shrunk
                 .store(true, std::sync::atomic::Ordering::Relaxed);
         }
@@ -324,10 +332,11 @@ mod tests {
         // A device copy into pinned pages never faults: after a truncation only fstat tells.
         let f = memfd(3 * 4096);
         let r = Mapping::map(f.as_fd(), 3 * 4096, Access::ReadOnly, false, "test").unwrap();
-        r.notice_shrink(f.as_fd());
+        let fd = OwnedFd::from(f.try_clone().unwrap());
+        r.notice_shrink(&fd);
         assert!(!r.lost());
         f.set_len(4096).unwrap();
-        r.notice_shrink(f.as_fd());
+        r.notice_shrink(&fd);
         assert!(r.lost());
     }
 

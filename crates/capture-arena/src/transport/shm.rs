@@ -125,7 +125,7 @@ impl ShmTransport {
             };
             // A device copy from pinned pages does not fault on a truncated object: read()
             // reports the mapping lost.
-            self.map.notice_shrink(self.fd.as_fd());
+            self.map.notice_shrink(&self.fd);
             copied
         }
         #[cfg(not(feature = "cuda"))]

@@ -405,36 +405,30 @@ impl DeviceRegion {
         // trial then imports its own export again, the step every reader takes (an IMEX channel
         // that lets a process create and export but not import is half set up).
         let trial = if attribute && options.handle != HandlePreference::PosixFd {
-            let nvml = driver::fabric(&ctx.uuid()?);
-            Some(match nvml {
+            let note = match driver::fabric(&ctx.uuid()?) {
                 driver::Fabric::NotReady(why) => Err(why),
-                driver::Fabric::Ready { .. } | driver::Fabric::Unknown(_) => {
-                    let note = match &nvml {
-                        driver::Fabric::Ready { cluster, clique } => {
-                            format!("NVML: fabric registration complete, cluster {cluster}, clique {clique}")
-                        }
-                        driver::Fabric::Unknown(why) => {
-                            format!("fabric registration unchecked: {why}")
-                        }
-                        driver::Fabric::NotReady(_) => String::new(),
-                    };
-                    driver::granularity(&ctx, &both)
-                        .and_then(|g| {
-                            let size = round_up(len, g).ok_or_else(|| too_large(len))?;
-                            let a = Allocation::create(&ctx, size, &both)?;
-                            let h = a.export_fabric()?;
-                            drop(Allocation::import_fabric(&ctx, &h, size)?);
-                            fabric = Some((a, h, g));
-                            Ok(note.clone())
-                        })
-                        .map_err(|e| {
-                            format!(
-                                "{e}; usually no IMEX channel in /dev/nvidia-caps-imex-channels \
-                                 ({note})"
-                            )
-                        })
-                }
-            })
+                driver::Fabric::Ready { cluster, clique } => Ok(format!(
+                    "NVML: fabric registration complete, cluster {cluster}, clique {clique}"
+                )),
+                driver::Fabric::Unknown(why) => Ok(format!("fabric registration unchecked: {why}")),
+            };
+            Some(note.and_then(|note| {
+                driver::granularity(&ctx, &both)
+                    .and_then(|g| {
+                        let size = round_up(len, g).ok_or_else(|| too_large(len))?;
+                        let a = Allocation::create(&ctx, size, &both)?;
+                        let h = a.export_fabric()?;
+                        drop(Allocation::import_fabric(&ctx, &h, size)?);
+                        fabric = Some((a, h, g));
+                        Ok(())
+                    })
+                    .map(|()| note.clone())
+                    .map_err(|e| {
+                        format!(
+                            "{e}; usually no IMEX channel in /dev/nvidia-caps-imex-channels ({note})"
+                        )
+                    })
+            }))
         } else {
             None
         };

@@ -35,6 +35,7 @@ pub use sweep::{is_abandoned, owner_pid, remove_abandoned, Swept, SweptOutcome};
 
 use crate::error::{Error, Result};
 use crate::memory::host::SliceCopier;
+pub(crate) use crate::memory::mapping::fstat;
 use crate::memory::mapping::{Access, Mapping};
 use crate::memory::{CopyOp, Progress, Region, Reply};
 
@@ -213,18 +214,6 @@ pub(crate) fn open(name: &str, flags: libc::c_int, mode: libc::mode_t) -> io::Re
     }
     // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(raw) })
-}
-
-/// `(size, link count)` of an open descriptor.
-pub(crate) fn fstat(fd: &OwnedFd) -> io::Result<(u64, u64)> {
-    // SAFETY: fstat fills a zeroed stat struct for a descriptor we own.
-    unsafe {
-        let mut st: libc::stat = std::mem::zeroed();
-        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok((st.st_size as u64, st.st_nlink as u64))
-    }
 }
 
 /// Who owns a shared-memory object and its permission bits: `(uid, mode & 0o777)`.
@@ -456,7 +445,7 @@ impl ShmRegion {
         #[cfg(feature = "cuda")]
         if device {
             // A device copy into pinned pages does not fault on a truncated object.
-            self.map.notice_shrink(self.lock.as_fd());
+            self.map.notice_shrink(&self.lock);
         }
         self.lost()
     }
