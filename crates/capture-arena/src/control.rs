@@ -31,7 +31,18 @@
 //!   come and go (so at most that old; its ages are current). It needs the token like a free. A
 //!   connection is answered at most once per [`STATS_INTERVAL`], and the server answers at most
 //!   [`STATS_ANSWERS_PER_SECOND`] requests a second in all; a request beyond either is counted as
-//!   a bad line and not answered. These answers are the only bytes a server ever writes.
+//!   a bad line and not answered.
+//!
+//! - a delivery confirmation for clients: a line `{"sync": n}` (n an integer) is answered with
+//!   `{"synced": n}` on the same connection once every line the connection sent before it was
+//!   applied (lines of one connection are applied in order). A turn answers only its last sync
+//!   line. It needs the token like a free.
+//! - a connection closed for the control token is told why before it is closed, in one line
+//!   `{"error": "unauthorized", "reason": ...}` (best effort: a client that never reads, such as
+//!   SpecForge's `ArenaObjectClient`, is not held up by it). The server counts such peers by
+//!   address ([`crate::report::UnauthorizedPeer`], in the stats answer).
+//!
+//! These answers (stats, sync, unauthorized) are the only bytes a server ever writes.
 //!
 //! The limits a server puts on its peers (connections, buffered bytes, idle partial lines, a
 //! budget per connection per turn) live with the event loop in `writer::control_server`.
@@ -78,6 +89,68 @@ pub fn prefix_line(prefix: &str) -> String {
 /// The line that asks for a [`StatsReport`] (without its `\n`).
 pub const STATS_LINE: &str = r#"{"stats": true}"#;
 
+/// The line that asks for a delivery confirmation `n` (without its `\n`).
+pub fn sync_line(n: u64) -> String {
+    format!(r#"{{"sync": {n}}}"#)
+}
+
+/// The answer to [`sync_line`] (with its `\n`): every line sent before it was applied.
+pub fn synced_line(n: u64) -> Vec<u8> {
+    format!("{{\"synced\":{n}}}\n").into_bytes()
+}
+
+/// Why a connection was closed for the control token (the `reason` of its last answer).
+pub const MISSING_TOKEN: &str = "missing token";
+/// See [`MISSING_TOKEN`].
+pub const WRONG_TOKEN: &str = "wrong token";
+
+/// The line a connection closed for the control token gets (with its `\n`).
+pub fn unauthorized_line(reason: &str) -> Vec<u8> {
+    let mut v = serde_json::json!({ "error": "unauthorized", "reason": reason })
+        .to_string()
+        .into_bytes();
+    v.push(b'\n');
+    v
+}
+
+/// What a client reads back after a [`sync_line`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// `{"synced": n}`: every line sent before sync `n` was applied.
+    Synced(u64),
+    /// `{"error": "unauthorized", "reason": ...}`: the connection was closed for the control
+    /// token; nothing it sent was applied.
+    Unauthorized(String),
+}
+
+/// The longest answer line a client reads back after a [`sync_line`].
+pub const MAX_SYNC_ANSWER_BYTES: usize = 4096;
+
+/// Parses one answer line (without its `\n`); `None` for anything else.
+pub fn parse_answer(line: &[u8]) -> Option<Answer> {
+    #[derive(serde::Deserialize)]
+    struct Fields {
+        synced: Option<u64>,
+        error: Option<String>,
+        reason: Option<String>,
+    }
+    match serde_json::from_slice::<Fields>(line.trim_ascii()).ok()? {
+        Fields {
+            synced: Some(n),
+            error: None,
+            ..
+        } => Some(Answer::Synced(n)),
+        Fields {
+            synced: None,
+            error: Some(e),
+            reason,
+        } if e == "unauthorized" => Some(Answer::Unauthorized(
+            reason.unwrap_or_else(|| "unauthorized".into()),
+        )),
+        _ => None,
+    }
+}
+
 /// The most `store_id`s a [`StatsReport`] lists (the largest holders first).
 pub const STATS_STORES: usize = 64;
 
@@ -106,6 +179,10 @@ pub struct StatsReport {
     pub stores_total: u64,
     /// The producer's process id.
     pub pid: u32,
+    /// Peers whose connections were closed for the control token, most recent first (at most
+    /// [`crate::report::MAX_UNAUTHORIZED_PEERS`]): readers that free without the token.
+    #[serde(default)]
+    pub unauthorized_peers: Vec<crate::report::UnauthorizedPeer>,
 }
 
 /// A control line that is a JSON object rather than a list of keys.
@@ -117,10 +194,12 @@ pub enum ObjectLine {
     FreePrefix(String),
     /// `{"stats": true}`: asks for a [`StatsReport`].
     Stats,
+    /// `{"sync": n}`: asks for `{"synced": n}` once the lines before it are applied.
+    Sync(u64),
 }
 
 /// The object line `line` is, if it is one: a JSON object with exactly one of the fields
-/// `token` and `free_prefix` (a string) and `stats` (`true`).
+/// `token` and `free_prefix` (a string), `stats` (`true`) and `sync` (an integer).
 pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
     let line = line.trim_ascii();
     if !line.starts_with(b"{") {
@@ -132,23 +211,33 @@ pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
         token: Option<String>,
         free_prefix: Option<String>,
         stats: Option<bool>,
+        sync: Option<u64>,
     }
     match serde_json::from_slice::<Fields>(line).ok()? {
         Fields {
             token: Some(t),
             free_prefix: None,
             stats: None,
+            sync: None,
         } => Some(ObjectLine::Token(t)),
         Fields {
             token: None,
             free_prefix: Some(p),
             stats: None,
+            sync: None,
         } => Some(ObjectLine::FreePrefix(p)),
         Fields {
             token: None,
             free_prefix: None,
             stats: Some(true),
+            sync: None,
         } => Some(ObjectLine::Stats),
+        Fields {
+            token: None,
+            free_prefix: None,
+            stats: None,
+            sync: Some(n),
+        } => Some(ObjectLine::Sync(n)),
         _ => None,
     }
 }
@@ -331,7 +420,25 @@ mod tests {
             parse_object_line(STATS_LINE.as_bytes()),
             Some(ObjectLine::Stats)
         );
+        assert_eq!(
+            parse_object_line(sync_line(7).as_bytes()),
+            Some(ObjectLine::Sync(7))
+        );
+        assert_eq!(
+            parse_answer(&synced_line(7)),
+            Some(Answer::Synced(7)),
+            "the server's answer is what a client parses"
+        );
+        assert_eq!(
+            parse_answer(&unauthorized_line(MISSING_TOKEN)),
+            Some(Answer::Unauthorized(MISSING_TOKEN.into()))
+        );
+        for other in [&br#"{"stats": {}}"#[..], br#"{"error": "x"}"#, b"[]", b"{"] {
+            assert_eq!(parse_answer(other), None);
+        }
         for bad in [
+            &br#"{"sync": -1}"#[..],
+            br#"{"sync": 1, "stats": true}"#,
             &br#"{"token": "a", "free_prefix": "st/"}"#[..],
             br#"{"token": 1}"#,
             br#"{"stats": false}"#,

@@ -156,6 +156,26 @@ pub enum Error {
         /// Why it failed and what to change.
         reason: String,
     },
+    /// A call bounded in time gave up: a synchronous publish that could not start within its
+    /// bound (nothing of it was written, nor will be).
+    Timeout {
+        /// What gave up.
+        what: String,
+        /// How long it waited.
+        waited: Duration,
+        /// What it waited for.
+        reason: String,
+    },
+    /// A control endpoint refused frees for the control token (a missing or wrong token);
+    /// nothing sent on that connection was applied. The frees stay pending and are retried.
+    Unauthorized {
+        /// The control endpoint.
+        endpoint: String,
+        /// Keys still pending for it.
+        pending: usize,
+        /// The server's reason (`missing token`, `wrong token`).
+        reason: String,
+    },
     /// An operating-system call failed.
     Io {
         /// What we were doing.
@@ -299,6 +319,27 @@ impl fmt::Display for Error {
                 f,
                 "could not send frees to control endpoint {endpoint} ({source}); {pending} keys \
                  stay pending and are retried on the next free or flush"
+            ),
+            Error::Timeout {
+                what,
+                waited,
+                reason,
+            } => write!(
+                f,
+                "{what} gave up after {:.2} s: {reason}; nothing of it was written \
+                 (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S bounds how long a synchronous caller waits)",
+                waited.as_secs_f64()
+            ),
+            Error::Unauthorized {
+                endpoint,
+                pending,
+                reason,
+            } => write!(
+                f,
+                "control endpoint {endpoint} refused frees ({reason}): nothing sent on that \
+                 connection was applied; {pending} keys stay pending and are retried. Give this \
+                 client the producer's control token (a result's arena.token, \
+                 SGLANG_SPEC_CAPTURE_CONTROL_TOKEN)"
             ),
             Error::Device { what, reason } => write!(f, "{what}: {reason}"),
             Error::Transport { what, reason } => write!(f, "{what}: {reason}"),

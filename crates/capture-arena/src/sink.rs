@@ -171,6 +171,45 @@ impl Sink {
         self.writer_for(&samples)?.try_submit_with(samples, done)
     }
 
+    /// Publishes a batch for a synchronous caller, waiting at most `within` for it to start
+    /// ([`Writer::submit_within`]); never starts the writer (a caller's thread must not pay for
+    /// creating the arena: start it elsewhere with [`Sink::start_on`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when the writer has not started, else as
+    /// [`Writer::submit_within`].
+    pub fn put_within(
+        &self,
+        samples: Vec<Sample>,
+        within: std::time::Duration,
+    ) -> Result<Vec<crate::Published>> {
+        match self.started() {
+            Some(w) => w.submit_within(samples, within),
+            None => Err(crate::Error::Timeout {
+                what: "publishing a batch".into(),
+                waited: std::time::Duration::ZERO,
+                reason: "the arena is still being created (it is made off the caller's thread; \
+                         about half a second per GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES)"
+                    .into(),
+            }),
+        }
+    }
+
+    /// Frees `keys` from this process ([`Writer::free_local`]); nothing before the writer
+    /// has started.
+    pub fn free_local(&self, keys: impl IntoIterator<Item = String>) {
+        if let Some(w) = self.started() {
+            w.free_local(keys);
+        }
+    }
+
+    /// Peers refused for the control token ([`Writer::unauthorized_peers`]).
+    pub fn unauthorized_peers(&self) -> Vec<crate::report::UnauthorizedPeer> {
+        self.started()
+            .map(Writer::unauthorized_peers)
+            .unwrap_or_default()
+    }
+
     /// The writer's counters (all zero before the first capture).
     pub fn stats(&self) -> StatsSnapshot {
         self.writer.get().map(Writer::stats).unwrap_or_default()

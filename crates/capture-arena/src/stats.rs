@@ -43,9 +43,10 @@ stats! {
     published_objects,
     /// Tensor bytes published (before alignment).
     published_bytes,
-    /// Objects freed through the control endpoint.
+    /// Objects freed through the control endpoint, or by the producer itself
+    /// (`local_freed_objects`).
     freed_objects,
-    /// Bytes freed through the control endpoint (tensor bytes, as `published_bytes`).
+    /// Their bytes (tensor bytes, as `published_bytes`).
     freed_bytes,
     /// Objects freed because a sample asked for `replace`.
     replaced_objects,
@@ -81,6 +82,11 @@ stats! {
     reply_refused,
     /// `{"stats": true}` requests answered on the control port (`capture-arena stats`, `top`).
     stats_requests,
+    /// `{"sync": n}` requests answered on the control port (clients confirming their frees).
+    sync_requests,
+    /// Objects freed by the producer's own process (a capture it dropped: a live record the
+    /// intake refused, a synchronous caller that stopped waiting).
+    local_freed_objects,
     /// Batches that had to wait for frees.
     waits,
     /// Total time batches waited for frees, in nanoseconds.

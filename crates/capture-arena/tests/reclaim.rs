@@ -67,10 +67,37 @@ fn send_frees_reclaims_with_the_token_and_refuses_bad_prefixes_before_sending() 
     let token = r[0].arena.token.clone().unwrap();
     let t = Duration::from_secs(2);
     assert!(send_frees(&control, Some(&token), &[], &["run".into()], t).is_err());
-    // Without the token: refused, nothing freed.
-    send_frees(&control, None, &[], &["run/".into()], t).unwrap();
+    // Without the token: refused, nothing freed, and the sender is told (not "sent").
+    match send_frees(&control, None, &[], &["run/".into()], t) {
+        Err(capture_arena::Error::Unauthorized { reason, .. }) => {
+            assert!(reason.contains("missing token"), "{reason}")
+        }
+        other => panic!("a refused free must not be reported sent: {other:?}"),
+    }
     let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.unauthorized_lines == 1);
     assert!(ok && s.resident_objects == 3, "{s:?}");
+    // The producer counts the refused peer by address, with the reason.
+    let peers = w.unauthorized_peers();
+    assert_eq!(peers.len(), 1, "{peers:?}");
+    assert_eq!(
+        (
+            peers[0].peer.as_str(),
+            peers[0].connections,
+            peers[0].reason.as_str()
+        ),
+        ("127.0.0.1", 1, "missing token")
+    );
+    // A wrong token too.
+    let wrong = "w".repeat(32);
+    assert!(matches!(
+        send_frees(&control, Some(&wrong), &[], &["run/".into()], t),
+        Err(capture_arena::Error::Unauthorized { ref reason, .. }) if reason.contains("wrong token")
+    ));
+    let peers = w.unauthorized_peers();
+    assert_eq!(
+        (peers[0].connections, peers[0].reason.as_str()),
+        (2, "wrong token")
+    );
     // With it: one key and one prefix.
     let key: Key = "run/y/g1/t0".parse().unwrap();
     send_frees(&control, Some(&token), &[key], &["run/x/".into()], t).unwrap();

@@ -24,18 +24,29 @@ fn writer(token: Option<&str>) -> Writer {
     .unwrap()
 }
 
-/// Sends `text` on a new connection and reports whether the server closed it within 2 s.
+/// Sends `text` on a new connection and reports whether the server closed it within 2 s, having
+/// told it why (`{"error": "unauthorized", ...}`) unless its kernel reset the connection first.
 fn send(control: &str, text: &str) -> bool {
     let mut c = TcpStream::connect(control).unwrap();
     c.write_all(text.as_bytes()).unwrap();
     c.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
-    let mut b = [0u8; 1];
-    // Closed with unread input, the server's kernel resets the connection instead.
-    match c.read(&mut b) {
-        Ok(0) => true,
-        Err(e) => e.kind() == std::io::ErrorKind::ConnectionReset,
-        Ok(_) => false,
+    let mut got = Vec::new();
+    let mut b = [0u8; 256];
+    loop {
+        match c.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            // Closed with unread input, the server's kernel resets the connection.
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            // Still open after 2 s (a timeout), or another error: not what the server does.
+            Err(_) => return false,
+        }
     }
+    got.is_empty()
+        || matches!(
+            capture_arena::control::parse_answer(got.strip_suffix(b"\n").unwrap_or(&got)),
+            Some(capture_arena::control::Answer::Unauthorized(_))
+        )
 }
 
 fn wait_stats(
@@ -178,4 +189,69 @@ fn before_the_token_a_connection_may_neither_idle_nor_send_a_long_line() {
     let r = publish_one(&w, "late", &[8]);
     writeln!(ok, "{}", serde_json::to_string(&keys(&[r])).unwrap()).unwrap();
     wait_freed(&w, 1);
+}
+
+#[test]
+fn a_control_client_without_the_token_reports_its_frees_refused_not_sent_and_a_token_gets_them_through(
+) {
+    use capture_arena::{ControlClient, Key};
+    let w = writer(Some(TOKEN));
+    let r = publish_one(&w, "a", &[100, 50]);
+    let control = w.arena_ref().control.clone();
+    let client = ControlClient::new(Duration::from_secs(2));
+    let ks: Vec<Key> = r.keys().unwrap();
+    client.free(Some(&control), ks.clone()).ok();
+    // Refused by the producer: not delivered, so still pending, counted as refused, and a
+    // flush says so (not a timeout, not success).
+    let err = client.flush_within(Duration::from_secs(3)).unwrap_err();
+    assert!(
+        matches!(err, capture_arena::Error::Unauthorized { ref reason, pending: 2, .. } if reason.contains("missing token")),
+        "{err}"
+    );
+    assert_eq!((client.pending(), client.refused()), (2, 2));
+    let s = w.stats();
+    assert_eq!((s.freed_objects, s.resident_objects), (0, 2));
+    assert_eq!(w.unauthorized_peers()[0].reason, "missing token");
+    // With the token (a later result carries it), the same keys go through and are confirmed.
+    client.set_token(&control, Some(TOKEN));
+    client.flush_within(Duration::from_secs(40)).unwrap();
+    assert_eq!((client.pending(), client.refused()), (0, 0));
+    wait_freed(&w, 2);
+    assert_eq!(w.stats().free_bytes, w.stats().capacity);
+}
+
+#[test]
+fn a_free_counts_as_pending_until_the_server_confirms_it() {
+    use capture_arena::ControlClient;
+    use std::io::BufRead;
+    // A server that takes the lines and never answers (a producer without the confirmation,
+    // or one that is stuck): the frees are written, but not delivered as far as anyone knows.
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = l.local_addr().unwrap().to_string();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let (c, _) = l.accept().unwrap();
+        for line in std::io::BufReader::new(c).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let client = ControlClient::new(Duration::from_millis(500));
+    client
+        .free(Some(&endpoint), vec!["st/a/g1/x".parse().unwrap()])
+        .ok();
+    assert_eq!(rx.recv().unwrap(), r#"["st/a/g1/x"]"#);
+    assert_eq!(
+        rx.recv().unwrap(),
+        r#"{"sync": 1}"#,
+        "the lines are followed by a sync"
+    );
+    let err = client.flush_within(Duration::from_millis(300)).unwrap_err();
+    assert!(
+        matches!(err, capture_arena::Error::FreeNotSent { .. }),
+        "{err}"
+    );
+    assert_eq!(client.pending(), 1, "written is not delivered");
 }

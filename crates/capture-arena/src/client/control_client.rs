@@ -9,9 +9,16 @@
 //!   when nothing waits) connects and writes, so a blackholed endpoint costs no caller time
 //!   and delays no other endpoint. [`ControlClient::flush_within`] waits, as long as its
 //!   caller says, for what waits to go out;
-//! - a failed send stays pending and its sender retries it after a back-off (100 ms, doubling
-//!   to 30 s) until it goes out, or until the endpoint refuses connections (its producer is
-//!   gone);
+//! - a key is delivered once the server confirmed it: every write ends with a sync line, and
+//!   the server's answer (lines of one connection are applied in order) confirms every line
+//!   before it; until then the key counts as pending ([`ControlClient::pending`],
+//!   [`ControlClient::flush_within`]);
+//! - a failed send (not written, not confirmed) stays pending and its sender retries it after
+//!   a back-off (100 ms, doubling to 30 s) until it goes out, or until the endpoint refuses
+//!   connections (its producer is gone). Frees the server refused for the control token (a
+//!   missing or wrong token) stay pending too, counted in [`ControlClient::refused`], and are
+//!   retried with the same back-off: a token set meanwhile ([`ControlClient::set_token`]) gets
+//!   them through;
 //! - keys waiting for a producer that is gone are dropped before they are sent (a producer that
 //!   is gone has nothing left to free, and a producer restarted on the same port must not
 //!   receive frees meant for its predecessor): keys carry their session, and the owner of the
@@ -38,7 +45,7 @@ use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::control_conn::{alive, connect, free_lines, has_room};
+use super::control_conn::{alive, confirm, connect, free_lines_synced, has_room};
 use super::lock;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -53,6 +60,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// endpoint's state again.
 const SEND_ON_FOR: Duration = Duration::from_millis(100);
 const PRUNE_EVERY: Duration = Duration::from_secs(1);
+/// How long an endpoint's sender waits for more work before its thread ends: a trainer that
+/// releases samples steadily keeps one thread per endpoint instead of starting one per release.
+const LINGER: Duration = Duration::from_secs(2);
 /// Sender threads at most (one per endpoint with keys waiting): results naming endpoints
 /// without end cost no thread beyond these; past it, an endpoint's keys wait for its next free
 /// or flush after a sender has finished.
@@ -73,11 +83,18 @@ struct Endpoint {
     sending: bool,
     /// This endpoint's sender thread is running (it sends until nothing waits).
     sender: bool,
+    /// ... and waits for more work ([`LINGER`]): a free may write inline meanwhile.
+    lingering: bool,
     /// Keys a sender took out of `pending` and is writing (still counted in
     /// [`State::pending`] until they are written or dropped).
     in_flight: usize,
     /// After a failure: not before `.0`; the next failure waits twice `.1`; the error.
     backoff: Option<(Instant, Duration, ErrorKind, String)>,
+    /// Keys written on `conn` (by a free, inline) whose confirmation the sender has not read
+    /// yet: still pending.
+    unconfirmed: Vec<Waiting>,
+    /// The last sync line written to this endpoint.
+    sync: u64,
     /// The endpoint's control token, presented first on every new connection.
     token: Option<Arc<str>>,
 }
@@ -93,6 +110,7 @@ impl Endpoint {
 
     /// Ends a write: `unsent` goes back in front of anything queued meanwhile.
     fn settle(&mut self, unsent: Vec<Waiting>) {
+        debug_assert!(self.unconfirmed.is_empty() || !self.sending);
         self.sending = false;
         self.in_flight = 0;
         for w in unsent.into_iter().rev() {
@@ -126,6 +144,8 @@ struct Shared {
     state: Mutex<State>,
     /// Signalled whenever a sender finishes a send (for [`ControlClient::flush_within`]).
     sent: Condvar,
+    /// Signalled when keys arrive for an endpoint whose sender lingers ([`LINGER`]).
+    work: Condvar,
     timeout: Duration,
     max_pending: usize,
     gone: std::sync::OnceLock<Liveness>,
@@ -167,6 +187,7 @@ impl ControlClient {
                 senders: 0,
             }),
             sent: Condvar::new(),
+            work: Condvar::new(),
             timeout,
             max_pending: max_pending.max(1),
             gone: std::sync::OnceLock::new(),
@@ -204,6 +225,20 @@ impl ControlClient {
     /// Keys dropped: too many were waiting, or their producer is gone.
     pub fn dropped(&self) -> u64 {
         self.shared.state().dropped
+    }
+
+    /// Keys waiting at endpoints that refused them for the control token (a missing or wrong
+    /// token: nothing sent was applied); they are retried with a back-off.
+    pub fn refused(&self) -> usize {
+        self.shared
+            .state()
+            .endpoints
+            .values()
+            .filter(
+                |e| matches!(&e.backoff, Some((_, _, k, _)) if *k == ErrorKind::PermissionDenied),
+            )
+            .map(|e| e.pending.len() + e.in_flight + e.unconfirmed.len())
+            .sum()
     }
 
     /// Sets the control token of `endpoint` (from a result's `arena.token`).
@@ -261,7 +296,7 @@ impl ControlClient {
             let waiting = s
                 .endpoints
                 .iter()
-                .find(|(_, e)| !e.pending.is_empty() || e.sending);
+                .find(|(_, e)| !e.pending.is_empty() || e.sending || !e.unconfirmed.is_empty());
             let Some((endpoint, e)) = waiting else {
                 return Ok(());
             };
@@ -271,18 +306,16 @@ impl ControlClient {
                     || (ErrorKind::TimedOut, "still sending".to_owned()),
                     |(_, _, kind, why)| (*kind, why.clone()),
                 );
-                return Err(Error::FreeNotSent {
-                    endpoint: endpoint.clone(),
-                    pending: e.pending.len() + e.in_flight,
-                    source: std::io::Error::new(
-                        why.0,
-                        format!(
-                            "{} after waiting {:.1} s; its sender goes on retrying",
-                            why.1,
-                            timeout.as_secs_f64()
-                        ),
+                return Err(not_sent(
+                    endpoint,
+                    e.pending.len() + e.in_flight + e.unconfirmed.len(),
+                    why.0,
+                    &why.1,
+                    &format!(
+                        "after waiting {:.1} s; its sender goes on retrying",
+                        timeout.as_secs_f64()
                     ),
-                });
+                ));
             }
             let wait = (deadline - now).min(Duration::from_millis(100));
             s = self
@@ -385,6 +418,7 @@ impl Shared {
                 || e.sender
                 || !e.pending.is_empty()
                 || e.backoff.is_some()
+                || !e.unconfirmed.is_empty()
                 || e.conn.as_ref().is_some_and(alive);
             if !keep {
                 tracing::debug!(%endpoint, "forgetting a control endpoint that closed on us");
@@ -475,26 +509,28 @@ impl Shared {
                 let Some(e) = st.endpoints.get_mut(name) else {
                     continue;
                 };
-                if e.pending.is_empty() {
+                if e.pending.is_empty() && e.unconfirmed.is_empty() {
                     continue;
                 }
                 if let Some((at, _, kind, why)) = &e.backoff {
                     if first.is_none() {
                         let wait = at.saturating_duration_since(now);
-                        first = Some(Error::FreeNotSent {
-                            endpoint: name.clone(),
-                            pending: e.pending.len(),
-                            source: std::io::Error::new(
-                                *kind,
-                                format!(
-                                    "{why}; its sender retries in {} ms (the keys wait)",
-                                    wait.as_millis()
-                                ),
+                        first = Some(not_sent(
+                            name,
+                            e.pending.len(),
+                            *kind,
+                            why,
+                            &format!(
+                                "its sender retries in {} ms (the keys wait)",
+                                wait.as_millis()
                             ),
-                        });
+                        ));
                     }
                 }
-                if !e.sender && st.senders < MAX_SENDERS {
+                if e.sender {
+                    // Lingering, or at work: it looks again when woken.
+                    this.work.notify_all();
+                } else if st.senders < MAX_SENDERS {
                     e.sender = true;
                     st.senders += 1;
                     start.push(name.clone());
@@ -532,19 +568,25 @@ impl Shared {
             let Some(e) = s.endpoints.get_mut(endpoint) else {
                 return;
             };
-            if e.pending.is_empty() || e.sender || e.sending || e.backoff.is_some() {
+            if e.pending.is_empty()
+                || (e.sender && !e.lingering)
+                || e.sending
+                || e.backoff.is_some()
+                || !e.unconfirmed.is_empty()
+            {
                 return;
             }
             let Some(conn) = e.conn.take() else {
                 return;
             };
-            (e.take(), conn)
+            (e.take(), (conn, e.sync + 1))
         };
+        let (conn, sync) = conn;
         let taken = waiting.len();
         let waiting = self.live_keys(waiting);
         let live = waiting.len();
         let keys: Vec<&Key> = waiting.iter().map(|(k, _)| k).collect();
-        let wrote = match free_lines(&keys) {
+        let wrote = match free_lines_synced(&keys, sync) {
             Ok(buf) if alive(&conn) && has_room(&conn, buf.len()) => {
                 Some((&conn).write_all(&buf).is_ok())
             }
@@ -557,8 +599,11 @@ impl Shared {
         };
         match wrote {
             Some(true) => {
+                // Written: pending until the sender reads the confirmation.
                 e.settle(Vec::new());
-                s.pending -= taken;
+                s.pending -= taken - live;
+                e.unconfirmed = waiting;
+                e.sync = sync;
                 e.conn = Some(conn);
             }
             not_written => {
@@ -590,9 +635,33 @@ impl Shared {
                 let Some(e) = s.endpoints.get_mut(endpoint) else {
                     return;
                 };
-                if e.pending.is_empty() {
-                    e.sender = false;
-                    return;
+                if e.pending.is_empty() && e.unconfirmed.is_empty() {
+                    // Nothing waits: linger a while for more before the thread ends.
+                    let until = Instant::now() + LINGER;
+                    e.lingering = true;
+                    loop {
+                        let now = Instant::now();
+                        let idle = s
+                            .endpoints
+                            .get(endpoint)
+                            .is_some_and(|e| e.pending.is_empty() && e.unconfirmed.is_empty());
+                        if !idle || now >= until {
+                            break;
+                        }
+                        s = self
+                            .work
+                            .wait_timeout(s, until - now)
+                            .map_or_else(|p| p.into_inner().0, |(g, _)| g);
+                    }
+                    let Some(e) = s.endpoints.get_mut(endpoint) else {
+                        return;
+                    };
+                    e.lingering = false;
+                    if e.pending.is_empty() && e.unconfirmed.is_empty() {
+                        e.sender = false;
+                        return;
+                    }
+                    continue;
                 }
                 if e.sending {
                     // A free is writing inline: its keys are back or sent in microseconds.
@@ -633,53 +702,79 @@ impl Shared {
     }
 
     /// Sends what waits for `endpoint`, unless another thread is at it or its back-off runs;
-    /// then sends again what was queued meanwhile, for up to [`SEND_ON_FOR`].
+    /// then sends again what was queued meanwhile, for up to [`SEND_ON_FOR`]. Keys a free wrote
+    /// inline have their confirmation read first.
     fn send(&self, endpoint: &str) -> Result<()> {
         let started = Instant::now();
         while started.elapsed() < SEND_ON_FOR {
-            let (waiting, conn) = {
+            let (waiting, unconfirmed, conn, token, sync) = {
                 let mut guard = self.state();
                 let s = &mut *guard;
                 let Some(e) = s.endpoints.get_mut(endpoint) else {
                     return Ok(()); // forgotten (its producer is gone)
                 };
-                if e.pending.is_empty() || e.sending {
+                if (e.pending.is_empty() && e.unconfirmed.is_empty()) || e.sending {
                     return Ok(());
                 }
                 if let Some((at, _, kind, why)) = &e.backoff {
                     if Instant::now() < *at {
-                        let pending = e.pending.len();
                         let wait = at.saturating_duration_since(Instant::now());
-                        return Err(Error::FreeNotSent {
-                            endpoint: endpoint.to_owned(),
-                            pending,
-                            source: std::io::Error::new(
-                                *kind,
-                                format!("{why}; retrying in {} ms", wait.as_millis()),
-                            ),
-                        });
+                        return Err(not_sent(
+                            endpoint,
+                            e.pending.len(),
+                            *kind,
+                            why,
+                            &format!("retrying in {} ms", wait.as_millis()),
+                        ));
                     }
                 }
-                (e.take(), (e.conn.take(), e.token.clone()))
+                let unconfirmed = std::mem::take(&mut e.unconfirmed);
+                let waiting = e.take();
+                e.in_flight += unconfirmed.len();
+                (waiting, unconfirmed, e.conn.take(), e.token.clone(), e.sync)
             };
-            let (conn, token) = conn;
-            let taken = waiting.len();
-            // No lock held while asking about sessions, connecting or writing.
-            let waiting = self.live_keys(waiting);
-            let live = waiting.len();
-            let sent = if waiting.is_empty() {
-                Ok(conn) // every key's producer is gone: nothing to send
+            let taken = waiting.len() + unconfirmed.len();
+            // No lock held while confirming, asking about sessions, connecting or writing.
+            let mut conn = conn;
+            let mut refused = None;
+            let keys = if unconfirmed.is_empty() {
+                waiting
             } else {
-                let keys: Vec<&Key> = waiting.iter().map(|(k, _)| k).collect();
-                self.write(endpoint, conn, token.as_deref(), &keys)
-                    .map(Some)
-                    .map_err(|e| (e, waiting))
+                let confirmed = conn.as_ref().map_or_else(
+                    || Err(std::io::Error::from(ErrorKind::NotConnected)),
+                    |c| confirm(c, sync, self.timeout),
+                );
+                match confirmed {
+                    Ok(()) => waiting,
+                    Err(e) => {
+                        // Not confirmed: they go again, on a new connection (a free of a freed
+                        // key is only counted), unless the server refused them.
+                        conn = None;
+                        if e.kind() == ErrorKind::PermissionDenied {
+                            refused = Some(e);
+                        }
+                        unconfirmed.into_iter().chain(waiting).collect()
+                    }
+                }
+            };
+            let keys = self.live_keys(keys);
+            let next = sync + 1;
+            let sent = match refused {
+                Some(e) => Err((e, keys)),
+                None if keys.is_empty() => Ok(conn), // every key's producer is gone
+                None => {
+                    let refs: Vec<&Key> = keys.iter().map(|(k, _)| k).collect();
+                    self.write(endpoint, conn, token.as_deref(), &refs, next)
+                        .map(Some)
+                        .map_err(|e| (e, keys))
+                }
             };
             let mut guard = self.state();
             let s = &mut *guard;
             let Some(e) = s.endpoints.get_mut(endpoint) else {
                 return Ok(());
             };
+            e.sync = next;
             match sent {
                 Ok(conn) => {
                     e.settle(Vec::new());
@@ -692,9 +787,9 @@ impl Shared {
                     // Keys queued while this thread was sending go out now, not at the next
                     // free (which may never come).
                 }
-                Err((source, _)) if source.kind() == ErrorKind::ConnectionRefused => {
+                Err((source, back)) if source.kind() == ErrorKind::ConnectionRefused => {
                     e.settle(Vec::new());
-                    let dropped = live + e.pending.len();
+                    let dropped = back.len() + e.pending.len();
                     s.pending -= taken + e.pending.len();
                     s.dropped += dropped as u64;
                     s.endpoints.remove(endpoint);
@@ -706,11 +801,11 @@ impl Shared {
                     );
                     return Ok(());
                 }
-                Err((source, waiting)) => {
+                Err((source, back)) => {
                     // Back in front of anything queued meanwhile (those of producers found gone
                     // meanwhile are no longer waiting).
-                    e.settle(waiting);
-                    s.pending -= taken - live;
+                    s.pending -= taken - back.len();
+                    e.settle(back);
                     let wait = e
                         .backoff
                         .as_ref()
@@ -722,34 +817,51 @@ impl Shared {
                         source.to_string(),
                     ));
                     let pending = e.pending.len();
-                    tracing::warn!(
-                        %endpoint,
-                        error = %source,
-                        pending,
-                        retry_ms = wait.as_millis() as u64,
-                        "frees not sent; will retry"
-                    );
+                    if source.kind() == ErrorKind::PermissionDenied {
+                        tracing::error!(
+                            %endpoint,
+                            reason = %source,
+                            pending,
+                            retry_ms = wait.as_millis() as u64,
+                            "the producer refused these frees for its control token: nothing \
+                             sent was applied; they wait and are retried. Give this client the \
+                             producer's token (a result's arena.token, \
+                             SGLANG_SPEC_CAPTURE_CONTROL_TOKEN)"
+                        );
+                    } else {
+                        tracing::warn!(
+                            %endpoint,
+                            error = %source,
+                            pending,
+                            retry_ms = wait.as_millis() as u64,
+                            "frees not sent; will retry"
+                        );
+                    }
                     self.queue(s, endpoint, std::iter::empty());
-                    return Err(Error::FreeNotSent {
-                        endpoint: endpoint.to_owned(),
+                    return Err(not_sent(
+                        endpoint,
                         pending,
-                        source,
-                    });
+                        source.kind(),
+                        &source.to_string(),
+                        "",
+                    ));
                 }
             }
         }
         Ok(())
     }
 
-    /// Writes `keys` as free lines on `conn` (or a new connection); returns the connection.
+    /// Writes `keys` as free lines and the sync line `sync` on `conn` (or a new connection),
+    /// then waits for the server's confirmation; returns the connection.
     fn write(
         &self,
         endpoint: &str,
         conn: Option<TcpStream>,
         token: Option<&str>,
         keys: &[&Key],
+        sync: u64,
     ) -> std::io::Result<TcpStream> {
-        let buf = free_lines(keys)?;
+        let buf = free_lines_synced(keys, sync)?;
         let mut stream = match conn {
             Some(c) if alive(&c) => c,
             Some(_) => {
@@ -759,6 +871,25 @@ impl Shared {
             None => connect(endpoint, token, self.timeout)?,
         };
         stream.write_all(&buf)?;
+        confirm(&stream, sync, self.timeout)?;
         Ok(stream)
+    }
+}
+
+/// The error for frees to `endpoint` that wait after a failure of `kind` (`why`): refused for
+/// the control token ([`Error::Unauthorized`]) or not sent ([`Error::FreeNotSent`]).
+fn not_sent(endpoint: &str, pending: usize, kind: ErrorKind, why: &str, then: &str) -> Error {
+    let sep = if then.is_empty() { "" } else { "; " };
+    if kind == ErrorKind::PermissionDenied {
+        return Error::Unauthorized {
+            endpoint: endpoint.to_owned(),
+            pending,
+            reason: format!("{why}{sep}{then}"),
+        };
+    }
+    Error::FreeNotSent {
+        endpoint: endpoint.to_owned(),
+        pending,
+        source: std::io::Error::new(kind, format!("{why}{sep}{then}")),
     }
 }

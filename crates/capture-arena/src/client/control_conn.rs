@@ -1,13 +1,15 @@
 //! One connection to a control endpoint, as every trainer-side sender makes it: connecting within
 //! a deadline and presenting the token first, keys as free lines under the server's line limit,
-//! probes of the socket (closed? room to write without blocking?), and a one-shot send for
-//! operators ([`send_frees`]).
+//! the delivery confirmation after them (a sync line and its answer: lines of one connection are
+//! applied in order, so the answer means every line before it was), probes of the socket
+//! (closed? room to write without blocking?), and a one-shot send for operators
+//! ([`send_frees`]).
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::control::MAX_LINE_BYTES;
+use crate::control::{Answer, MAX_LINE_BYTES, MAX_SYNC_ANSWER_BYTES};
 use crate::error::{Error, Result};
 use crate::key::Key;
 
@@ -63,16 +65,80 @@ pub(super) fn free_lines(keys: &[&Key]) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
+/// `keys` as free lines followed by the sync line `sync` (see [`confirm`]).
+pub(super) fn free_lines_synced(keys: &[&Key], sync: u64) -> std::io::Result<Vec<u8>> {
+    let mut buf = free_lines(keys)?;
+    buf.extend_from_slice(crate::control::sync_line(sync).as_bytes());
+    buf.push(b'\n');
+    Ok(buf)
+}
+
+/// Reads the server's answers on `s` until the one to sync line `n` (`{"synced": m}`, `m >= n`),
+/// within `timeout`: then every line written before it was applied.
+///
+/// # Errors
+/// `PermissionDenied` with the server's reason when it closed the connection for the control
+/// token (nothing sent on it was applied); `UnexpectedEof` when it closed without answering;
+/// `TimedOut`; `InvalidData` for an answer longer than [`MAX_SYNC_ANSWER_BYTES`].
+pub(super) fn confirm(s: &TcpStream, n: u64, timeout: Duration) -> std::io::Result<()> {
+    let deadline = Instant::now() + timeout;
+    let mut buf: Vec<u8> = Vec::with_capacity(64);
+    let mut chunk = [0u8; 512];
+    loop {
+        while let Some(i) = buf.iter().position(|&b| b == b'\n') {
+            match crate::control::parse_answer(&buf[..i]) {
+                Some(Answer::Synced(m)) if m >= n => return Ok(()),
+                Some(Answer::Unauthorized(reason)) => {
+                    return Err(std::io::Error::new(ErrorKind::PermissionDenied, reason))
+                }
+                // An earlier sync's answer (or one this client never asks for).
+                _ => {}
+            }
+            buf.drain(..=i);
+        }
+        if buf.len() > MAX_SYNC_ANSWER_BYTES {
+            return Err(std::io::Error::new(
+                ErrorKind::InvalidData,
+                format!("the control endpoint answered a line over {MAX_SYNC_ANSWER_BYTES} bytes"),
+            ));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                format!(
+                    "the control endpoint did not confirm the frees within {:.1} s",
+                    timeout.as_secs_f64()
+                ),
+            ));
+        }
+        s.set_read_timeout(Some(left))?;
+        match (&*s).read(&mut chunk) {
+            Ok(0) => {
+                return Err(std::io::Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the control endpoint closed the connection before confirming the frees",
+                ))
+            }
+            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Sends frees to `endpoint` once, on a new connection, and closes it: `token` first when there
-/// is one, then `keys`, then a prefix line for each of `prefixes` (see [`crate::control`]). For
-/// operators and restarted trainers reclaiming what a dead trainer held; trainers use
-/// [`super::ControlClient`]. Frees are one-way: success means the lines were written, not applied.
+/// is one, then `keys`, then a prefix line for each of `prefixes` (see [`crate::control`]), then
+/// a sync line whose answer confirms they were applied. For operators and restarted trainers
+/// reclaiming what a dead trainer held; trainers use [`super::ControlClient`].
 ///
 /// # Errors
 /// [`Error::InvalidKey`] for a prefix that is not `{store_id}/`, `{store_id}/{sample_id}/` or
 /// `{store_id}/{sample_id}/g{gen}/`, and [`Error::Config`] for a token that is not one,
-/// before anything is sent; [`Error::FreeNotSent`] when the endpoint cannot be reached or
-/// written within `timeout`.
+/// before anything is sent; [`Error::Unauthorized`] when the endpoint refused them for the
+/// control token; [`Error::FreeNotSent`] when the endpoint cannot be reached, written or heard
+/// back from within `timeout`.
 pub fn send_frees(
     endpoint: &str,
     token: Option<&str>,
@@ -97,11 +163,24 @@ pub fn send_frees(
         buf.extend_from_slice(crate::control::prefix_line(p).as_bytes());
         buf.push(b'\n');
     }
+    buf.extend_from_slice(crate::control::sync_line(1).as_bytes());
+    buf.push(b'\n');
+    let deadline = Instant::now() + timeout;
     let mut stream = connect(endpoint, token, timeout).map_err(not_sent)?;
     stream.write_all(&buf).map_err(not_sent)?;
     stream.flush().map_err(not_sent)?;
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    Ok(())
+    let left = deadline.saturating_duration_since(Instant::now());
+    let confirmed = confirm(&stream, 1, left.max(Duration::from_millis(1)));
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    match confirmed {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::PermissionDenied => Err(Error::Unauthorized {
+            endpoint: endpoint.to_owned(),
+            pending: keys.len() + prefixes.len(),
+            reason: e.to_string(),
+        }),
+        Err(e) => Err(not_sent(e)),
+    }
 }
 
 /// Checks a token a caller passes before it is sent.
@@ -138,8 +217,9 @@ pub(super) fn has_room(s: &TcpStream, n: usize) -> bool {
     ok && queued >= 0 && sndbuf > 0 && (queued as usize).saturating_add(n) <= sndbuf as usize / 4
 }
 
-/// The server writes only to answer a stats request, which a `ControlClient` never sends, so a
-/// readable control socket is a closed (or broken) one.
+/// The server writes only to answer a stats or sync request, and a `ControlClient` never sends
+/// the first and reads every answer to the second before it looks here, so a readable control
+/// socket is a closed (or broken) one.
 pub(super) fn alive(s: &TcpStream) -> bool {
     if s.set_nonblocking(true).is_err() {
         return false;

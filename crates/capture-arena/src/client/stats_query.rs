@@ -101,6 +101,20 @@ impl StatsQuery {
                 std::io::Error::new(ErrorKind::UnexpectedEof, why),
             ));
         }
+        if let Some(crate::control::Answer::Unauthorized(reason)) =
+            crate::control::parse_answer(&answer)
+        {
+            return Err(Error::io(
+                ctx("reading"),
+                std::io::Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!(
+                        "the producer refused the question ({reason}): pass its control token \
+                         with --token (SGLANG_SPEC_CAPTURE_CONTROL_TOKEN)"
+                    ),
+                ),
+            ));
+        }
         serde_json::from_slice(&answer).map_err(|e| {
             Error::io(
                 ctx("parsing"),

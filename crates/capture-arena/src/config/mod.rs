@@ -7,6 +7,7 @@
 //! | `SGLANG_SPEC_CAPTURE_ARENA_BYTES` | `arena_bytes` | none: required when the arena is used |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_ALIGN` | `alignment` | 256 |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S` | `arena_wait` | 30 s |
+//! | `SGLANG_SPEC_CAPTURE_SYNC_WAIT_S` | `sync_wait` | 1 s: how long a synchronous caller (the scheduler thread of a patch that calls `put_sample`) waits for its batch to start |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_HOST`, else `MOONCAKE_LOCAL_HOSTNAME` | `control_host` | 127.0.0.1 |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_PORT` | `control_port` | 0 (ephemeral) |
 //! | `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES` | `max_pending_batches` | 2 |
@@ -58,6 +59,12 @@ pub const ENV_ARENA_BYTES: &str = "SGLANG_SPEC_CAPTURE_ARENA_BYTES";
 pub use crate::alloc::ENV_ARENA_ALIGN;
 /// `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S`: how long a batch that does not fit waits for frees.
 pub const ENV_ARENA_WAIT_S: &str = "SGLANG_SPEC_CAPTURE_ARENA_WAIT_S";
+/// `SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`: how long a synchronous caller waits for its batch to
+/// start (for the arena to exist, for earlier batches, for frees) before it gets an error row.
+pub const ENV_SYNC_WAIT_S: &str = "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S";
+/// The default of [`ENV_SYNC_WAIT_S`]: a synchronous caller is SGLang's scheduler thread, and
+/// every second it waits is a second no request is served.
+pub const DEFAULT_SYNC_WAIT: Duration = Duration::from_secs(1);
 /// `SGLANG_SPEC_CAPTURE_CONTROL_HOST`: the host the control endpoint binds and advertises.
 pub const ENV_CONTROL_HOST: &str = "SGLANG_SPEC_CAPTURE_CONTROL_HOST";
 /// `MOONCAKE_LOCAL_HOSTNAME`: the fallback for the control host.
@@ -133,6 +140,8 @@ pub struct Config {
     pub alignment: u64,
     /// How long a batch that does not fit waits for frees before failing.
     pub arena_wait: Duration,
+    /// How long a synchronous caller waits for its batch to start ([`ENV_SYNC_WAIT_S`]).
+    pub sync_wait: Duration,
     /// Host the control endpoint binds and advertises.
     pub control_host: String,
     /// Control port; 0 = ephemeral.
@@ -182,6 +191,7 @@ impl std::fmt::Debug for Config {
             .field("arena_bytes", &self.arena_bytes)
             .field("alignment", &self.alignment)
             .field("arena_wait", &self.arena_wait)
+            .field("sync_wait", &self.sync_wait)
             .field("control_host", &self.control_host)
             .field("control_port", &self.control_port)
             .field("max_pending_batches", &self.max_pending_batches)
@@ -212,6 +222,7 @@ impl Default for Config {
             arena_bytes: None,
             alignment: DEFAULT_ALIGNMENT,
             arena_wait: DEFAULT_ARENA_WAIT,
+            sync_wait: DEFAULT_SYNC_WAIT,
             control_host: DEFAULT_CONTROL_HOST.to_owned(),
             control_port: 0,
             max_pending_batches: DEFAULT_MAX_PENDING_BATCHES,
@@ -268,6 +279,9 @@ impl Config {
         }
         if let Some(v) = get(ENV_ARENA_WAIT_S) {
             c.arena_wait = parse_seconds(&v).map_err(|r| Error::config(ENV_ARENA_WAIT_S, r))?;
+        }
+        if let Some(v) = get(ENV_SYNC_WAIT_S) {
+            c.sync_wait = parse_seconds(&v).map_err(|r| Error::config(ENV_SYNC_WAIT_S, r))?;
         }
         if let Some(v) = get(ENV_LINE_TIMEOUT_S) {
             c.line_timeout = parse_seconds(&v).map_err(|r| Error::config(ENV_LINE_TIMEOUT_S, r))?;

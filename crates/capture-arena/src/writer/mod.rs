@@ -41,7 +41,7 @@ use crate::sample::{ArenaRef, Sample};
 use crate::stats::StatsSnapshot;
 use control_server::{ControlServer, Limits, WAKER};
 use placer::{Placer, Step};
-use queue::{Queue, Submitter, SPIN};
+use queue::{Block, Queue, Submitter, Ticket, TicketState, SPIN};
 
 /// The log target of the per-batch timing line (`SGLANG_SPEC_CAPTURE_TIMING=1`); log filters
 /// that show warnings only should still let it through (the CLI's and the Python module's do).
@@ -168,7 +168,7 @@ impl Writer {
     pub fn submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
         let (handle, done) = BatchHandle::new(&samples);
         self.submitter
-            .send(samples, done, true, || self.stopped())?;
+            .send(samples, done, Block::Yes, None, || self.stopped())?;
         Ok(handle)
     }
 
@@ -179,7 +179,7 @@ impl Writer {
     pub fn try_submit(&self, samples: Vec<Sample>) -> Result<BatchHandle> {
         let (handle, done) = BatchHandle::new(&samples);
         self.submitter
-            .send(samples, done, false, || self.stopped())?;
+            .send(samples, done, Block::No, None, || self.stopped())?;
         Ok(handle)
     }
 
@@ -197,7 +197,7 @@ impl Writer {
         done: impl FnOnce(Outcome) + Send + 'static,
     ) -> Result<()> {
         self.submitter
-            .send(samples, Box::new(done), true, || self.stopped())
+            .send(samples, Box::new(done), Block::Yes, None, || self.stopped())
     }
 
     /// As [`Writer::submit_with`] but never blocks.
@@ -211,7 +211,81 @@ impl Writer {
         done: impl FnOnce(Outcome) + Send + 'static,
     ) -> Result<()> {
         self.submitter
-            .send(samples, Box::new(done), false, || self.stopped())
+            .send(samples, Box::new(done), Block::No, None, || self.stopped())
+    }
+
+    /// Publishes a batch for a caller that may wait at most `within` for it to start: for room
+    /// in the queue, behind earlier batches, and for frees (its wait for space is at most
+    /// `within`, not `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S`). Once its copy has started it is
+    /// waited for to the end (the copy of the caller's own bytes). A batch that did not start
+    /// in time is never written: the placer skips it.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`] saying what it waited for (nothing was written), else as
+    /// [`BatchHandle::wait`].
+    pub fn submit_within(
+        &self,
+        samples: Vec<Sample>,
+        within: Duration,
+    ) -> Result<Vec<crate::Published>> {
+        let t0 = Instant::now();
+        let Some(deadline) = t0.checked_add(within) else {
+            return self.submit(samples)?.wait();
+        };
+        let ticket = Arc::new(Ticket::default());
+        let (handle, done) = BatchHandle::new(&samples);
+        self.submitter.send(
+            samples,
+            done,
+            Block::Until(deadline),
+            Some(ticket.clone()),
+            || self.stopped(),
+        )?;
+        let reason = match ticket.wait_start(deadline) {
+            TicketState::Started | TicketState::Finished => return handle.wait(),
+            TicketState::WaitingForSpace(needed, free) => format!(
+                "the arena was full: the batch needs {needed} bytes and {free} were free \
+                 (frees did not come in time; SGLANG_SPEC_CAPTURE_ARENA_BYTES sets its size)"
+            ),
+            _ => "earlier batches still held the writer (a batch waiting for frees, or a \
+                  large copy)"
+                .to_owned(),
+        };
+        Err(Error::Timeout {
+            what: "publishing a batch".into(),
+            waited: t0.elapsed(),
+            reason,
+        })
+    }
+
+    /// Frees `keys` from this process, without a control connection (a capture the producer
+    /// itself drops): applied at the writer's next turn, counted in `freed_objects` and
+    /// `local_freed_objects`. Keys not resident are counted in `unknown_frees`.
+    pub fn free_local(&self, keys: impl IntoIterator<Item = String>) {
+        let mut q = self
+            .submitter
+            .shared
+            .local_frees
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let before = q.len();
+        q.extend(keys);
+        let added = q.len() > before;
+        drop(q);
+        if added {
+            self.submitter.wake();
+        }
+    }
+
+    /// Peers whose control connections were closed for the control token, the most recent
+    /// first: readers that free without it (their frees were not applied).
+    pub fn unauthorized_peers(&self) -> Vec<crate::report::UnauthorizedPeer> {
+        self.submitter
+            .shared
+            .unauthorized
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .rows(Instant::now())
     }
 
     /// The session and control endpoint results carry.
@@ -399,7 +473,7 @@ impl Loop {
                 }
             }
             self.answer_usage();
-            let mut peers = self.expire();
+            let mut peers = self.expire() | self.free_local();
             let registry = self.poll.registry();
             peers |= self.server.tick(registry, &self.shared.stats);
             peers |= self.server.accept(registry, &self.shared.stats);
@@ -412,10 +486,12 @@ impl Loop {
             let mut turns = 0;
             while turns < round {
                 let registry = self.poll.registry();
-                let Some(freed) =
-                    self.server
-                        .serve_one(registry, &mut self.arena, &self.shared.stats)
-                else {
+                let Some(freed) = self.server.serve_one(
+                    registry,
+                    &mut self.arena,
+                    &self.shared.stats,
+                    &self.shared.unauthorized,
+                ) else {
                     break;
                 };
                 if freed {
@@ -465,6 +541,37 @@ impl Loop {
             u.1 = table;
         }
         self.shared.notify();
+    }
+
+    /// Applies the frees this process asked for ([`Writer::free_local`]); true if any.
+    fn free_local(&mut self) -> bool {
+        let keys = std::mem::take(
+            &mut *self
+                .shared
+                .local_frees
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        if keys.is_empty() {
+            return false;
+        }
+        let (mut objects, mut bytes) = (0, 0);
+        for k in &keys {
+            if let Some(b) = self.arena.free(k) {
+                objects += 1;
+                bytes += b;
+            }
+        }
+        let stats = &self.shared.stats;
+        if objects > 0 {
+            stats.set_report(&self.arena.report());
+            self.placer.arena_changed();
+        }
+        crate::stats::bump(&stats.unknown_frees, keys.len() as u64 - objects);
+        crate::stats::bump(&stats.freed_bytes, bytes);
+        crate::stats::bump(&stats.local_freed_objects, objects);
+        crate::stats::bump(&stats.freed_objects, objects);
+        true
     }
 
     /// Frees objects whose lease ended (a bounded number per turn); true if any.

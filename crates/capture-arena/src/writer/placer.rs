@@ -235,9 +235,25 @@ impl Placer {
         arena: &mut Arena,
         shared: &Shared,
     ) -> State {
-        let reserved = arena
-            .check(&job.samples)
-            .and_then(|needed| arena.reserve(&job.samples).map(|r| (needed, r)));
+        let tried = job.start_with(
+            || {
+                arena
+                    .check(&job.samples)
+                    .and_then(|needed| arena.reserve(&job.samples).map(|r| (needed, r)))
+            },
+            |r| matches!(r, Ok((_, Some(_)))),
+        );
+        let Some(reserved) = tried else {
+            // Its submitter stopped waiting before it could start: never written.
+            let waited = waiting.map_or(Duration::ZERO, |(since, ..)| since.elapsed());
+            let e = Error::Timeout {
+                what: "a batch submitted with a bound".into(),
+                waited,
+                reason: "its submitter stopped waiting before it could be placed".into(),
+            };
+            self.finish(job, Err(e), arena, shared);
+            return State::Idle;
+        };
         match reserved {
             Err(e) => {
                 self.finish(job, Err(e), arena, shared);
@@ -278,8 +294,17 @@ impl Placer {
                     None => {
                         let free = arena.report().free_bytes;
                         tracing::debug!(needed, free, "batch waits for frees");
-                        // A wait too long to represent is no deadline at all.
-                        (Instant::now(), t0.checked_add(self.wait))
+                        if let Some(t) = &job.ticket {
+                            t.waiting(needed, free);
+                        }
+                        // A wait too long to represent is no deadline at all; a submitter's
+                        // bound shortens it.
+                        let own = t0.checked_add(self.wait);
+                        let deadline = match (own, job.deadline) {
+                            (Some(a), Some(b)) => Some(a.min(b)),
+                            (a, b) => a.or(b),
+                        };
+                        (Instant::now(), deadline)
                     }
                 };
                 State::Waiting {

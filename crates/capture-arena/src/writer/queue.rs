@@ -34,9 +34,115 @@ pub(crate) type Done = Box<dyn FnOnce(Outcome) + Send>;
 /// microseconds, and sleeping costs two wake-ups of tens of microseconds on a virtual machine.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
+/// How a submitter waits for room in the queue.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Block {
+    /// Not at all: [`Error::QueueFull`].
+    No,
+    /// As long as it takes.
+    Yes,
+    /// Until then: [`Error::Timeout`].
+    Until(Instant),
+}
+
+/// Where a batch submitted with a bound ([`crate::Writer::submit_within`]) is: its submitter
+/// waits for it to start copying (or to finish) until its deadline, then gives up; the placer
+/// copies a batch only if its submitter has not given up, so a batch given up on is never
+/// written.
+#[derive(Debug, Default)]
+pub(crate) struct Ticket {
+    state: Mutex<TicketState>,
+    changed: Condvar,
+}
+
+/// See [`Ticket`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TicketState {
+    /// In the queue, behind other batches.
+    #[default]
+    Queued,
+    /// Taken by the placer, waiting for frees: it needs `.0` bytes, `.1` were free.
+    WaitingForSpace(u64, u64),
+    /// Its copy started: it will be published (or fail) without waiting any more.
+    Started,
+    /// Completed (failed before it started).
+    Finished,
+    /// Its submitter gave up: it must not start.
+    Abandoned,
+}
+
+impl Ticket {
+    fn set(&self, to: TicketState) -> TicketState {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let was = *s;
+        if was != TicketState::Abandoned {
+            *s = to;
+            self.changed.notify_all();
+        }
+        was
+    }
+
+    /// Runs `reserve` (the placer's try) unless the submitter gave up (`None`), holding the
+    /// ticket so the submitter cannot give up meanwhile; marks the batch started if `started`
+    /// says the try reserved its space.
+    pub fn start_with<R>(
+        &self,
+        reserve: impl FnOnce() -> R,
+        started: impl FnOnce(&R) -> bool,
+    ) -> Option<R> {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if *s == TicketState::Abandoned {
+            return None;
+        }
+        let r = reserve();
+        if started(&r) {
+            *s = TicketState::Started;
+            self.changed.notify_all();
+        }
+        Some(r)
+    }
+
+    /// The placer could not place the batch yet.
+    pub fn waiting(&self, needed: u64, free: u64) {
+        self.set(TicketState::WaitingForSpace(needed, free));
+    }
+
+    /// The batch completed.
+    pub fn finished(&self) {
+        self.set(TicketState::Finished);
+    }
+
+    /// Waits until the batch started or finished, or `deadline`; then gives up and returns the
+    /// state it gave up in (`Started`/`Finished`: it did not give up).
+    pub fn wait_start(&self, deadline: Instant) -> TicketState {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            match *s {
+                TicketState::Started | TicketState::Finished => return *s,
+                was => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        *s = TicketState::Abandoned;
+                        return was;
+                    }
+                    s = self
+                        .changed
+                        .wait_timeout(s, deadline - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+    }
+}
+
 /// A queued batch.
 pub(crate) struct Job {
     pub samples: Vec<Sample>,
+    /// When its submitter stops waiting for it to start (a bound on its wait for space).
+    pub deadline: Option<Instant>,
+    /// Its submitter's [`Ticket`], if it waits with a bound.
+    pub ticket: Option<Arc<Ticket>>,
     /// `None` once called.
     done: Option<Done>,
     /// Given back just before the completion runs (a submitter that hears back may submit
@@ -50,6 +156,21 @@ impl Job {
         drop(self.permit.take());
         if let Some(done) = self.done.take() {
             done(outcome);
+        }
+        if let Some(t) = &self.ticket {
+            t.finished();
+        }
+    }
+
+    /// [`Ticket::start_with`] for this batch (`reserve` runs as it is without a ticket).
+    pub fn start_with<R>(
+        &self,
+        reserve: impl FnOnce() -> R,
+        started: impl FnOnce(&R) -> bool,
+    ) -> Option<R> {
+        match &self.ticket {
+            None => Some(reserve()),
+            Some(t) => t.start_with(reserve, started),
         }
     }
 }
@@ -93,6 +214,12 @@ pub(crate) struct Shared {
     pub usage_wanted: AtomicBool,
     /// The latest per-store usage table and its sequence number.
     pub usage: Mutex<(u64, Vec<crate::arena::StoreUsage>)>,
+    /// Peers whose control connections were closed for the token (the control server notes
+    /// them; anyone may read them).
+    pub unauthorized: Mutex<crate::report::UnauthorizedPeers>,
+    /// Keys this process frees itself ([`crate::Writer::free_local`]), applied at the writer's
+    /// next turn.
+    pub local_frees: Mutex<Vec<String>>,
 }
 
 impl Shared {
@@ -203,18 +330,28 @@ impl Submitter {
         let _ = self.waker.wake();
     }
 
+    /// Wakes the writer (something other than a batch waits for it).
+    pub fn wake(&self) {
+        if let Err(e) = self.waker.wake() {
+            tracing::warn!(error = %e, "waking the writer failed");
+        }
+    }
+
     /// Queues a batch. `stopped` says whether the writer thread has ended (then nothing makes
     /// room). On refusal `done` is dropped without being called.
     ///
     /// # Errors
-    /// [`Error::QueueFull`] (only if `!block`), [`Error::WriterStopped`].
+    /// [`Error::QueueFull`] (only with [`Block::No`]), [`Error::Timeout`] (only with
+    /// [`Block::Until`]), [`Error::WriterStopped`].
     pub fn send(
         &self,
         samples: Vec<Sample>,
         done: Done,
-        block: bool,
+        block: Block,
+        ticket: Option<Arc<Ticket>>,
         stopped: impl Fn() -> bool,
     ) -> Result<()> {
+        let t0 = Instant::now();
         let tx = self
             .tx
             .lock()
@@ -227,23 +364,48 @@ impl Submitter {
                 if stopped() {
                     return Err(Error::WriterStopped);
                 }
-                if !block {
-                    return Err(Error::QueueFull {
-                        capacity: self.max_pending,
-                    });
-                }
                 // Re-check the writer now and then: a stopped writer makes no room.
+                let mut wait = Duration::from_millis(100);
+                match block {
+                    Block::No => {
+                        return Err(Error::QueueFull {
+                            capacity: self.max_pending,
+                        })
+                    }
+                    Block::Yes => {}
+                    Block::Until(deadline) => {
+                        let now = Instant::now();
+                        if now >= deadline {
+                            return Err(Error::Timeout {
+                                what: "queueing a batch".into(),
+                                waited: now - t0,
+                                reason: format!(
+                                    "the writer still held {} earlier batches \
+                                     (SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES)",
+                                    self.max_pending
+                                ),
+                            });
+                        }
+                        wait = wait.min(deadline - now);
+                    }
+                }
                 held = self
                     .shared
                     .room
-                    .wait_timeout(held, Duration::from_millis(100))
+                    .wait_timeout(held, wait)
                     .unwrap_or_else(|p| p.into_inner())
                     .0;
             }
             *held += 1;
         }
+        let deadline = match block {
+            Block::Until(d) => Some(d),
+            _ => None,
+        };
         let job = Job {
             samples,
+            deadline,
+            ticket,
             done: Some(done),
             permit: Some(Permit(self.shared.clone())),
         };

@@ -27,6 +27,7 @@ pub(super) fn stats_answer(
     cache: &mut Option<StoreTable>,
     arena: &Arena,
     stats: &Stats,
+    unauthorized_peers: Vec<crate::report::UnauthorizedPeer>,
     now: Instant,
 ) -> Vec<u8> {
     let snapshot = stats.snapshot();
@@ -78,6 +79,7 @@ pub(super) fn stats_answer(
         stores,
         stores_total,
         pid: std::process::id(),
+        unauthorized_peers,
     };
     let mut bytes = serde_json::to_vec(&report).unwrap_or_else(|_| b"{}".to_vec());
     bytes.push(b'\n');

@@ -37,6 +37,7 @@ use std::fs::File;
 use std::io::{self, ErrorKind};
 use std::os::fd::AsRawFd;
 use std::os::linux::net::SocketAddrExt;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, UnixListener};
@@ -49,6 +50,7 @@ use crate::arena::Arena;
 use crate::control::{self, LineBuffer, MAX_LINE_BYTES};
 use crate::error::{Error, Result};
 use crate::reply;
+use crate::report::UnauthorizedPeers;
 use crate::stats::{bump, Stats};
 use answers::{apply_line, stats_answer, StoreTable};
 use conn::{Conn, Stream, Warn, Warnings, AUTH_LINE_BYTES};
@@ -412,6 +414,7 @@ impl ControlServer {
         registry: &Registry,
         arena: &mut Arena,
         stats: &Stats,
+        peers: &Mutex<UnauthorizedPeers>,
     ) -> Option<bool> {
         let token = self.ready.pop_front()?;
         let Some(conn) = self.conns.get_mut(&token) else {
@@ -452,8 +455,9 @@ impl ControlServer {
         let mut warnings = std::mem::take(&mut self.warnings);
         let peer = conn.peer.clone();
         let secret = self.limits.token.clone();
-        let mut refused = false;
+        let mut refused: Option<&'static str> = None;
         let mut stats_asked = 0u64;
+        let mut synced: Option<u64> = None;
         let mut outcome = loop {
             let room = max_held.saturating_sub(conn.lines.pending()).min(turn);
             if room == 0 {
@@ -466,7 +470,7 @@ impl ControlServer {
                     let authed = &mut conn.authed;
                     let mut on_line = |line: &[u8]| {
                         completed += 1;
-                        if refused {
+                        if refused.is_some() {
                             return;
                         }
                         let object = control::parse_object_line(line);
@@ -475,38 +479,38 @@ impl ControlServer {
                                 Some(control::ObjectLine::Token(t)) => {
                                     // A right token authorizes the connection (again: a no-op);
                                     // a wrong one closes it.
-                                    refused =
-                                        !control::tokens_equal(t.as_bytes(), expected.as_bytes());
-                                    *authed |= !refused;
+                                    if control::tokens_equal(t.as_bytes(), expected.as_bytes()) {
+                                        *authed = true;
+                                    } else {
+                                        refused = Some(control::WRONG_TOKEN);
+                                    }
                                     return;
                                 }
                                 _ if !*authed && !line.trim_ascii().is_empty() => {
-                                    refused = true;
+                                    refused = Some(control::MISSING_TOKEN);
                                     return;
                                 }
                                 _ => {}
                             }
                         }
-                        if object == Some(control::ObjectLine::Stats) {
-                            stats_asked += 1; // answered at the end of the turn
-                            return;
+                        match object {
+                            // Answered at the end of the turn, after its frees.
+                            Some(control::ObjectLine::Stats) => stats_asked += 1,
+                            Some(control::ObjectLine::Sync(n)) => synced = Some(n),
+                            _ => {
+                                freed_any |=
+                                    apply_line(line, object, &peer, arena, stats, &mut warnings)
+                            }
                         }
-                        freed_any |= apply_line(line, object, &peer, arena, stats, &mut warnings)
                     };
                     let pushed = conn
                         .lines
                         .push_capped(&self.scratch[..n], max_held, &mut on_line);
-                    refused |= !conn.authed && conn.lines.pending() > AUTH_LINE_BYTES;
-                    if refused {
-                        bump(&stats.unauthorized_lines, 1);
-                        warnings.warn(Warn::Unauthorized, |suppressed| {
-                            tracing::warn!(
-                                %peer,
-                                suppressed,
-                                "control connection without the right token closed; nothing it \
-                                 sent was applied (counted in unauthorized_lines)"
-                            )
-                        });
+                    if refused.is_none() && !conn.authed && conn.lines.pending() > AUTH_LINE_BYTES {
+                        refused = Some(control::MISSING_TOKEN);
+                    }
+                    if let Some(reason) = refused {
+                        refuse(&conn.stream, &peer, reason, stats, peers, &mut warnings);
                         break Turn::Close;
                     }
                     if let Err(o) = pushed {
@@ -531,6 +535,15 @@ impl ControlServer {
                 }
             }
         };
+        if let Some(n) = synced.filter(|_| !matches!(outcome, Turn::Close)) {
+            // After the turn's frees: every line before the sync was applied. One answer a
+            // turn (the last sync), so a peer gets at most as many bytes as it sends.
+            bump(&stats.sync_requests, 1);
+            if !conn.stream.write_now(&control::synced_line(n)) {
+                tracing::debug!(%peer, "sync answer not taken whole; closing");
+                outcome = Turn::Close;
+            }
+        }
         if stats_asked > 0 && !matches!(outcome, Turn::Close) {
             // After the turn's frees, so an answer reflects every line sent before its request.
             let now = Instant::now();
@@ -560,7 +573,8 @@ impl ControlServer {
                 conn.last_stats = Some(now);
                 self.stats_answers.1 += 1;
                 bump(&stats.stats_requests, 1);
-                let answer = stats_answer(&mut self.store_table, arena, stats, now);
+                let unauthorized = lock(peers).rows(now);
+                let answer = stats_answer(&mut self.store_table, arena, stats, unauthorized, now);
                 if !conn.stream.write_now(&answer) {
                     tracing::debug!(%peer, "stats answer not taken whole; closing");
                     outcome = Turn::Close;
@@ -755,6 +769,52 @@ enum Turn {
     Eof,
     /// Close it (an error, a line too long).
     Close,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Closes out a connection for the control token: tells it why (best effort: a client that
+/// never reads is not held up), counts it and its peer's address, and warns with the likely
+/// cause.
+fn refuse(
+    stream: &Stream,
+    peer: &str,
+    reason: &'static str,
+    stats: &Stats,
+    peers: &Mutex<UnauthorizedPeers>,
+    warnings: &mut Warnings,
+) {
+    // Counted before the peer hears: whoever it tells sees the count.
+    bump(&stats.unauthorized_lines, 1);
+    let connections = lock(peers).note(peer, reason, Instant::now());
+    let _ = stream.write_now(&control::unauthorized_line(reason));
+    warnings.warn(Warn::Unauthorized, |suppressed| {
+        if reason == control::MISSING_TOKEN {
+            tracing::warn!(
+                %peer,
+                connections,
+                suppressed,
+                "a control connection sent frees without the control token and was closed: \
+                 nothing it sent was applied, so those objects stay resident until freed with \
+                 the token (or until SGLANG_SPEC_CAPTURE_OBJECT_TTL_S, if set). A reader that \
+                 sends no token cannot free here (SpecForge's ArenaObjectClient is one): give \
+                 it the token (a result's arena.token), or unset \
+                 SGLANG_SPEC_CAPTURE_CONTROL_TOKEN (counted in unauthorized_lines; `capture-arena \
+                 stats` lists such peers)"
+            )
+        } else {
+            tracing::warn!(
+                %peer,
+                connections,
+                suppressed,
+                "a control connection presented a wrong control token and was closed: nothing \
+                 it sent was applied (a trainer holding the token of this producer's previous \
+                 run? counted in unauthorized_lines)"
+            )
+        }
+    });
 }
 
 /// Binds the reply path's listener on a fresh abstract name.
