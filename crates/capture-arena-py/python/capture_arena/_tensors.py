@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 from typing import Any, Optional
 
-import ml_dtypes
 import numpy as np
 
 from .errors import InvalidReadError, InvalidSampleError
@@ -18,11 +17,11 @@ from .errors import InvalidReadError, InvalidSampleError
 HostBytes = tuple[Any, list[int], str]
 """``(uint8 view, shape, dtype name)``: the view keeps the tensor's memory alive."""
 
-_NP_DTYPES = {
+_NP_DTYPES: dict[str, Any] = {
     "float32": np.float32,
     "float64": np.float64,
     "float16": np.float16,
-    "bfloat16": ml_dtypes.bfloat16,
+    "bfloat16": None,  # ml_dtypes.bfloat16, imported at its first use (importing it takes ~1 s)
     "int64": np.int64,
     "int32": np.int32,
     "int16": np.int16,
@@ -38,11 +37,12 @@ DTYPES = tuple(_NP_DTYPES)
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
     """The numpy dtype of a contract dtype name (bfloat16 through ml_dtypes)."""
-    try:
-        dt: np.dtype[Any] = np.dtype(_NP_DTYPES[name])
-        return dt
-    except KeyError:
-        raise InvalidSampleError(f"unsupported dtype {name!r} (supported: {', '.join(_NP_DTYPES)})") from None
+    if name not in _NP_DTYPES:
+        raise InvalidSampleError(f"unsupported dtype {name!r} (supported: {', '.join(_NP_DTYPES)})")
+    if _NP_DTYPES[name] is None:
+        _NP_DTYPES[name] = importlib.import_module("ml_dtypes").bfloat16
+    dt: np.dtype[Any] = np.dtype(_NP_DTYPES[name])
+    return dt
 
 
 def _torch() -> Any:
