@@ -802,6 +802,28 @@ impl Shared {
                     return Ok(());
                 }
                 Err((source, back)) => {
+                    // Refused for the token: keys released from a result (they carry its
+                    // session) were published by another producer than the one there now (a
+                    // result carries its producer's token, presented with its keys): never to
+                    // be applied, so dropped. Keys sent without a result (by key or prefix)
+                    // wait for a token.
+                    let (back, foreign): (Vec<Waiting>, Vec<Waiting>) =
+                        if source.kind() == ErrorKind::PermissionDenied {
+                            back.into_iter().partition(|(_, session)| session.is_none())
+                        } else {
+                            (back, Vec::new())
+                        };
+                    if !foreign.is_empty() {
+                        s.dropped += foreign.len() as u64;
+                        tracing::warn!(
+                            %endpoint,
+                            reason = %source,
+                            dropped = foreign.len(),
+                            "frees of results refused for the control token: the producer there \
+                             now is not the one that published them (it restarted with another \
+                             token); dropped"
+                        );
+                    }
                     // Back in front of anything queued meanwhile (those of producers found gone
                     // meanwhile are no longer waiting).
                     s.pending -= taken - back.len();
@@ -817,6 +839,12 @@ impl Shared {
                         source.to_string(),
                     ));
                     let pending = e.pending.len();
+                    if pending == 0 {
+                        // Nothing waits (all dropped): no back-off to report.
+                        e.backoff = None;
+                        e.conn = None;
+                        return Ok(());
+                    }
                     if source.kind() == ErrorKind::PermissionDenied {
                         tracing::error!(
                             %endpoint,

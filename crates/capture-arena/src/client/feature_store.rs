@@ -31,8 +31,10 @@ pub struct Health {
     pub resident_samples: u64,
     /// Their bytes.
     pub resident_bytes: u64,
-    /// Keys whose free has not been sent yet.
+    /// Keys whose free the producer has not confirmed yet (not sent, or not applied).
     pub pending_frees: u64,
+    /// Of those, keys a producer refused for its control token (a missing or wrong token).
+    pub refused_frees: u64,
     /// Keys dropped because too many frees were waiting (their objects stay resident).
     pub dropped_frees: u64,
     /// Sessions (producers) open in the reader.
@@ -310,7 +312,7 @@ impl FeatureStore {
             keys,
         ) {
             // Released all the same: the keys wait for the endpoint (its sender warns).
-            Err(Error::FreeNotSent { .. }) | Ok(()) => Ok(()),
+            Err(Error::FreeNotSent { .. } | Error::Unauthorized { .. }) | Ok(()) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -346,6 +348,7 @@ impl FeatureStore {
             resident_samples: st.resident.len() as u64,
             resident_bytes: st.resident.values().flat_map(|f| f.values()).sum(),
             pending_frees: self.control.pending() as u64,
+            refused_frees: self.control.refused() as u64,
             dropped_frees: self.control.dropped(),
             open_sessions: self.reader.open_sessions() as u64,
         }
