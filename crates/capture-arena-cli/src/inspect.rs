@@ -270,6 +270,26 @@ fn render(control: &str, r: &StatsReport, since: Option<(Duration, &StatsReport)
             r.stores_total - r.stores.len() as u64
         );
     }
+    if !r.unauthorized_peers.is_empty() {
+        // Readers whose frees were refused: their objects stay until freed with the token.
+        let _ = writeln!(
+            o,
+            "frees refused for the control token (readers without it, e.g. SpecForge's \
+             ArenaObjectClient):"
+        );
+        let _ = writeln!(
+            o,
+            "{:<40} {:>11} {:<14} {:>8}",
+            "peer", "connections", "reason", "last"
+        );
+        for p in &r.unauthorized_peers {
+            let _ = writeln!(
+                o,
+                "{:<40} {:>11} {:<14} {:>7.1}s",
+                p.peer, p.connections, p.reason, p.last_age_s
+            );
+        }
+    }
     o
 }
 

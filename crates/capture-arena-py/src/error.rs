@@ -33,6 +33,8 @@ pub fn to_py(e: Error) -> PyErr {
         Error::Released { .. } | Error::Changed { found: 0, .. } => "ReleasedError",
         Error::Changed { .. } => "ObjectChangedError",
         Error::FreeNotSent { .. } => "FreeNotSentError",
+        Error::Unauthorized { .. } => "FreeRefusedError",
+        Error::Timeout { .. } => "PublishTimeoutError",
         Error::Io { .. } => "ArenaOSError",
         Error::Device { .. } => "DeviceError",
         Error::Transport { .. } => "TransportError",

@@ -88,6 +88,8 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan::_plan_batch, m)?)?;
     m.add_function(wrap_pyfunction!(store::_store_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store::_send_frees, m)?)?;
+    m.add_function(wrap_pyfunction!(store::_result_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(store::_stats_query, m)?)?;
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_function(wrap_pyfunction!(_parse_bytes, m)?)?;

@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use capture_arena::{Error, Sample};
+use std::time::Duration;
+
+use capture_arena::{Error, Sample, TensorData};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pythonize::pythonize;
@@ -18,8 +20,9 @@ pub struct PyBatch {
     samples: Mutex<Vec<Sample>>,
 }
 
-/// One object: `(sample index, name, key, shape, dtype, host address, byte length)`.
-type Planned = (usize, String, String, Vec<u64>, String, u64, u64);
+/// One object: `(sample index, name, key, shape, dtype, address, byte length, device)`; the
+/// device is -1 for host memory, else the GPU whose memory the address is in.
+type Planned = (usize, String, String, Vec<u64>, String, u64, u64, i32);
 
 #[pymethods]
 impl PyBatch {
@@ -30,22 +33,28 @@ impl PyBatch {
         for (i, s) in samples.iter().enumerate() {
             for (_, t) in s.tensors() {
                 let key = store_key(s, t.name())?;
-                let (ptr, len) = t.data().host_ptr().ok_or_else(|| {
-                    to_py(Error::InvalidTensor {
-                        name: t.name().to_owned(),
-                        reason: "the store placement publishes host bytes; move device tensors \
-                                 to the host first"
-                            .into(),
-                    })
-                })?;
+                let (ptr, len, device) = match t.data() {
+                    TensorData::Device(d) => (d.ptr(), t.data().len(), d.device()),
+                    data => data
+                        .host_ptr()
+                        .map(|(p, n)| (p as u64, n as u64, -1))
+                        .ok_or_else(|| {
+                            to_py(Error::InvalidTensor {
+                                name: t.name().to_owned(),
+                                reason: "this memory cannot be published into the Mooncake store"
+                                    .into(),
+                            })
+                        })?,
+                };
                 out.push((
                     i,
                     t.name().to_owned(),
                     key,
                     t.shape().to_vec(),
                     t.dtype().name().to_owned(),
-                    ptr as u64,
-                    len as u64,
+                    ptr,
+                    len,
+                    device,
                 ));
             }
         }
@@ -78,6 +87,26 @@ impl PyBatch {
             })
             .collect();
         pythonize(py, &results).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Waits (GIL released) until the device tensors' writers have finished: the work enqueued
+    /// on each tensor's stream before it was handed over, at most `timeout_s` for each.
+    #[pyo3(signature = (timeout_s))]
+    fn wait_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        let samples = &self.samples;
+        crate::exit::detach(py, || {
+            let samples = samples.lock().unwrap_or_else(|p| p.into_inner());
+            for s in samples.iter() {
+                for (_, t) in s.tensors() {
+                    if let TensorData::Device(d) = t.data() {
+                        d.wait_ready(timeout)?;
+                    }
+                }
+            }
+            Ok(())
+        })
+        .map_err(to_py)
     }
 
     /// `(sample_id, replace, keys)` per sample.

@@ -698,10 +698,16 @@ impl PySink {
     /// Publishes a batch and waits for its rows (GIL released while the writer starts, places
     /// and copies), one per item as `_submit` gives them. The call holds the sink until its rows
     /// are back, so a `close()` meanwhile lets it finish.
+    ///
+    /// With `within_s`, a synchronous caller's bound: the batch waits at most that long to
+    /// start (for room, earlier batches, frees) and the writer is never started here; a batch
+    /// that did not start gets every sample's error row and is never written.
+    #[pyo3(signature = (samples, within_s=None))]
     fn _put<'py>(
         &self,
         py: Python<'py>,
         samples: &Bound<'py, PyAny>,
+        within_s: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let sink = self.sink(py)?;
         let Built { samples, refused } = self.samples(&sink, samples)?;
@@ -709,8 +715,36 @@ impl PySink {
             return merge_rows(py, &[], refused);
         }
         let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
-        let outcome = crate::exit::detach(py, || sink.submit(samples).map(|h| h.wait()));
+        let outcome = match within_s {
+            Some(s) => {
+                let within = Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX);
+                crate::exit::detach(py, || Ok(sink.put_within(samples, within)))
+            }
+            None => crate::exit::detach(py, || sink.submit(samples).map(|h| h.wait())),
+        };
         merge_rows(py, &outcome_results(&ids, outcome.py_err()?), refused)
+    }
+
+    /// Frees `keys` from this process (a capture it drops), without a control connection;
+    /// nothing before the writer has started.
+    fn _free_local(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        sink.free_local(keys);
+        Ok(())
+    }
+
+    /// Peers whose control connections were closed for the control token, the most recent
+    /// first: a list of dicts `peer`, `connections`, `reason`, `last_age_s`.
+    fn unauthorized_peers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let peers = self.sink(py)?.unauthorized_peers();
+        pythonize(py, &peers).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// How long a synchronous caller waits for its batch to start
+    /// (`SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`), in seconds.
+    #[getter]
+    fn sync_wait_s(&self, py: Python<'_>) -> PyResult<f64> {
+        Ok(self.sink(py)?.config().sync_wait.as_secs_f64())
     }
 
     /// Creates the arena and starts the writer now (GIL released), as the first capture would;

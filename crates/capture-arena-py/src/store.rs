@@ -188,14 +188,15 @@ impl PyStore {
         .py_err()
     }
 
-    /// `{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",
-    /// "open_sessions"}`.
+    /// `{"resident_samples", "resident_bytes", "pending_frees", "refused_frees",
+    /// "dropped_frees", "open_sessions"}`.
     fn health<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let h = crate::exit::detach(py, || self.store.health());
         let d = serde_json::json!({
             "resident_samples": h.resident_samples,
             "resident_bytes": h.resident_bytes,
             "pending_frees": h.pending_frees,
+            "refused_frees": h.refused_frees,
             "dropped_frees": h.dropped_frees,
             "open_sessions": h.open_sessions,
         });
@@ -256,6 +257,56 @@ pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Ve
             Ok((key, n))
         })
         .collect()
+}
+
+/// The object keys of a result's features (`{store_id}/{sample_id}/g{gen}/{name}`, parts
+/// escaped as the arena escapes them; the Mooncake store's keys with `store=True`), validated.
+#[pyfunction]
+#[pyo3(signature = (result, store=false))]
+pub fn _result_keys(result: &Bound<'_, PyAny>, store: bool) -> PyResult<Vec<String>> {
+    let r: StoreResult = depythonize(result).map_err(|e| {
+        to_py(Error::InvalidRead {
+            key: "result".into(),
+            reason: format!("not a result: {e}"),
+        })
+    })?;
+    if r.features.len() > capture_arena::sample::MAX_FEATURES {
+        return Err(to_py(Error::InvalidRead {
+            key: "result".into(),
+            reason: format!("{} features, more than a result may have", r.features.len()),
+        }));
+    }
+    r.features
+        .keys()
+        .map(|name| {
+            if store {
+                capture_arena::key::store_key(&r.store_id, &r.sample_id, r.gen, name).py_err()
+            } else {
+                capture_arena::Key::new(&r.store_id, &r.sample_id, r.gen, name)
+                    .map(|k| k.as_str().to_owned())
+                    .py_err()
+            }
+        })
+        .collect()
+}
+
+/// Asks a control endpoint for its stats answer once (the Rust core's `client::StatsQuery`),
+/// with the GIL released: `{"stats", "stores", "stores_total", "pid", "unauthorized_peers"}`.
+#[pyfunction]
+#[pyo3(signature = (control, token=None, timeout_s=2.0))]
+pub fn _stats_query<'py>(
+    py: Python<'py>,
+    control: String,
+    token: Option<String>,
+    timeout_s: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let timeout = std::time::Duration::try_from_secs_f64(timeout_s.max(0.001))
+        .unwrap_or(std::time::Duration::MAX);
+    let report = crate::exit::detach(py, || {
+        capture_arena::client::StatsQuery::connect(&control, token.as_deref(), timeout)?.ask()
+    })
+    .py_err()?;
+    pythonize(py, &report).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 /// Frees keys and everything under prefixes at a control endpoint, once (the Rust core's

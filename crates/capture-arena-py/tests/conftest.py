@@ -1,9 +1,14 @@
-"""Shared fixtures: sinks with small arenas, closed after each test."""
+"""Shared fixtures: sinks with small arenas, closed after each test; SGLang's real wheels."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
@@ -11,6 +16,63 @@ import numpy as np
 import pytest
 
 import capture_arena as ca
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def _wheel_cache() -> Path:
+    env = os.environ.get("CAPTURE_ARENA_CACHE")
+    return Path(env) if env else REPO / ".cache" / "sglang-wheel"
+
+
+def sglang_wheel_of(version: str) -> Path:
+    """The sglang wheel of ``version`` from PyPI, downloaded once into the cache
+    (``$CAPTURE_ARENA_CACHE`` or ``<repo>/.cache/sglang-wheel``). No network is a failure, not a
+    skip: CI has PyPI."""
+    cache = _wheel_cache()
+    found = sorted(cache.glob(f"sglang-{version}-*.whl"))
+    if found:
+        return found[0]
+    cache.mkdir(parents=True, exist_ok=True)
+    # One fixed file whatever this machine is (the tests only unzip it): pure-Python sources
+    # plus a few extension modules that are never loaded.
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+        "--only-binary=:all:", "--implementation", "cp", "--python-version", "3.11", "--abi", "cp311",
+        "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(cache),
+    ]  # fmt: skip
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.fail(f"could not download the sglang wheel ({' '.join(cmd)}): {e}", pytrace=False)
+    found = sorted(cache.glob(f"sglang-{version}-*.whl"))
+    if p.returncode != 0 or not found:
+        pytest.fail(
+            f"could not download the sglang {version} wheel from PyPI (these tests need it; "
+            f"put it in {cache} or set CAPTURE_ARENA_CACHE to a directory holding it):\n"
+            f"$ {' '.join(cmd)}\n{p.stdout[-2000:]}{p.stderr[-2000:]}",
+            pytrace=False,
+        )
+    return found[0]
+
+
+@pytest.fixture(scope="session")
+def sglang_tree(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tree(version)``: the real sglang wheel of that version unpacked (once a session): the
+    directory that goes on PYTHONPATH. Copy it before changing it."""
+    trees: dict[str, Path] = {}
+
+    def tree(version: str) -> Path:
+        if version not in trees:
+            root = tmp_path_factory.mktemp(f"sglang-{version}-pristine")
+            with zipfile.ZipFile(sglang_wheel_of(version)) as z:
+                z.extractall(root)
+            assert (root / "sglang" / "srt").is_dir(), f"sglang {version} has no sglang/srt"
+            assert not (root / "sglang" / "srt" / "spec_capture_sink.py").exists(), "the wheel already has the hook module"
+            trees[version] = root
+        return trees[version]
+
+    return tree
 
 
 @pytest.fixture
@@ -63,3 +125,46 @@ def wait_stats(sink: ca.ArenaSink, pred: Callable[[dict[str, int]], bool], timeo
         if pred(s) or time.monotonic() > deadline:
             return s
         time.sleep(0.005)
+
+
+@pytest.fixture
+def scheduler_module(sglang_tree: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
+    """``import_hook(variant, version="0.5.20")``: a copy of the real sglang wheel with
+    ``variant``'s calls in its scheduler and result processor (``sglang_patches``), a hook module
+    standing where SpecForge's patch puts it, ``python -m capture_arena.sglang install`` run on
+    it, and ``sglang.srt.spec_capture_sink`` imported the way the patched scheduler imports it
+    (the real package's ``srt``; ``sglang/__init__.py``, which needs SGLang's dependencies, is not
+    run). Returns that module, which is ``capture_arena.sglang``; its sink is reset afterwards."""
+    import importlib.util
+
+    import sglang_patches
+    from capture_arena import _install
+
+    saved = {k: v for k, v in sys.modules.items() if k == "sglang" or k.startswith("sglang.")}
+
+    def import_hook(variant: str, version: str = "0.5.20") -> Any:
+        root = sglang_patches.copy_tree(sglang_tree(version), tmp_path / f"site-{variant}-{version}")
+        sglang_patches.apply(root / "sglang", variant)
+        (root / "sglang" / "srt" / "spec_capture_sink.py").write_text(
+            "# stands where SpecForge's hook module is\ndef maybe_init_sink(server_args):\n    pass\n\n\ndef get_sink():\n    pass\n"
+        )
+        assert _install.main(["install", "--sglang-dir", str(root / "sglang")]) == 0
+        monkeypatch.syspath_prepend(str(root))
+        for k in [k for k in sys.modules if k == "sglang" or k.startswith("sglang.")]:
+            del sys.modules[k]
+        spec = importlib.util.find_spec("sglang")
+        assert spec is not None and spec.origin is not None and spec.origin.startswith(str(root)), spec
+        sys.modules["sglang"] = importlib.util.module_from_spec(spec)  # not executed
+        return importlib.import_module("sglang.srt.spec_capture_sink")
+
+    yield import_hook
+    from capture_arena import sglang
+
+    sglang.reset_sink()
+    for k in [k for k in sys.modules if k == "sglang" or k.startswith("sglang.")]:
+        del sys.modules[k]
+    sys.modules.update(saved)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "queue(n): the live capture queue's size (SPEC_CAPTURE_LIVE_QUEUE) for the test's server")

@@ -468,8 +468,18 @@ def test_gpu_put_enabled_follows_the_placement_and_nvlink_with_gpu_put_0_is_refu
     arena_env.setenv("MOONCAKE_PROTOCOL", "tcp")
     assert sglang.gpu_put_enabled() is False
     arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "1")
-    with pytest.raises(ca.ConfigError, match="store placement"):
+    # SpecForge's rule for the store: device publication needs RDMA.
+    with pytest.raises(ca.ConfigError, match="needs MOONCAKE_PROTOCOL=rdma"):
         sglang.maybe_init_sink(server_args())
+    arena_env.setenv("MOONCAKE_PROTOCOL", "rdma")
+    assert sglang.gpu_put_enabled() is True
+    arena_env.delenv("SGLANG_SPEC_CAPTURE_GPU_PUT")
+    # Unset under rdma: on where torch sees CUDA (not on this machine), as upstream.
+    assert sglang.gpu_put_enabled() is torch.cuda.is_available()
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "0")
+    assert sglang.gpu_put_enabled() is False
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "1")
+    arena_env.setenv("MOONCAKE_PROTOCOL", "tcp")
     arena_env.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
     assert sglang.gpu_put_enabled() is True
     sink = sglang.maybe_init_sink(server_args())

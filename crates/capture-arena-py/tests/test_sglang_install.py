@@ -21,13 +21,13 @@ import stat
 import subprocess
 import sys
 import textwrap
-import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+import sglang_patches
+
 SGLANG_VERSION = "0.5.20"
 CLI = "capture_arena._install"  # what `python -m capture_arena.sglang` runs
 BACKUP = "spec_capture_sink.py.capture-arena-orig"
@@ -88,50 +88,9 @@ STANDIN = (
 )
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("CAPTURE_ARENA_CACHE")
-    return Path(env) if env else REPO / ".cache" / "sglang-wheel"
-
-
 @pytest.fixture(scope="session")
-def sglang_wheel() -> Path:
-    """The sglang wheel from PyPI, downloaded once into the cache (``$CAPTURE_ARENA_CACHE`` or
-    ``<repo>/.cache/sglang-wheel``). No network is a failure, not a skip: CI has PyPI."""
-    cache = _cache_dir()
-    found = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if found:
-        return found[0]
-    cache.mkdir(parents=True, exist_ok=True)
-    # One fixed file whatever this machine is (the tests only unzip it): pure-Python sources
-    # plus a few extension modules that are never loaded.
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-        "--only-binary=:all:", "--implementation", "cp", "--python-version", "3.11", "--abi", "cp311",
-        "--platform", "manylinux_2_34_x86_64", f"sglang=={SGLANG_VERSION}", "-d", str(cache),
-    ]  # fmt: skip
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        pytest.fail(f"could not download the sglang wheel ({' '.join(cmd)}): {e}", pytrace=False)
-    found = sorted(cache.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if p.returncode != 0 or not found:
-        pytest.fail(
-            f"could not download the sglang {SGLANG_VERSION} wheel from PyPI (these tests need it; "
-            f"put it in {cache} or set CAPTURE_ARENA_CACHE to a directory holding it):\n"
-            f"$ {' '.join(cmd)}\n{p.stdout[-2000:]}{p.stderr[-2000:]}",
-            pytrace=False,
-        )
-    return found[0]
-
-
-@pytest.fixture(scope="session")
-def pristine_wheel_tree(sglang_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("sglang-wheel-pristine")
-    with zipfile.ZipFile(sglang_wheel) as z:
-        z.extractall(root)
-    assert (root / "sglang" / "srt").is_dir(), f"{sglang_wheel} has no sglang/srt"
-    assert not (root / "sglang" / "srt" / "spec_capture_sink.py").exists(), "the wheel already has the hook module"
-    return root
+def pristine_wheel_tree(sglang_tree: Callable[[str], Path]) -> Path:
+    return sglang_tree(SGLANG_VERSION)
 
 
 @pytest.fixture
@@ -149,7 +108,9 @@ def sglang_dir(unpacked: Path) -> Path:
 
 @pytest.fixture
 def with_standin(sglang_dir: Path) -> Iterator[Path]:
-    """The stand-in hook module where SpecForge's patch puts it (mode 0o640, to see it kept)."""
+    """The stand-in hook module where SpecForge's patch puts it (mode 0o640, to see it kept), and
+    the v0.5.20 patch's calls in the scheduler and its result processor."""
+    sglang_patches.apply(sglang_dir, "v0.5.20")
     target = sglang_dir / "srt" / "spec_capture_sink.py"
     target.write_bytes(STANDIN)
     target.chmod(0o640)
@@ -456,3 +417,61 @@ def test_documented_entry_point_python_m_capture_arena_sglang(sglang_dir: Path, 
     assert p.returncode == 1 and "SpecForge's original hook module" in p.stdout, _out(p)
     h = cli("--help", cwd=tmp_path, module="capture_arena.sglang")
     assert h.returncode == 0 and "python -m capture_arena.sglang" in h.stdout and "uninstall" in h.stdout, _out(h)
+
+
+@pytest.mark.parametrize(
+    "variant,version",
+    # Every patch on 0.5.20's files; the newest wheel (0.5.23) with the newest patches.
+    [(v, "0.5.20") for v in sorted(sglang_patches.FOUND)] + [("main-923e4a56", "0.5.23"), ("online-live", "0.5.23")],
+)
+def test_install_says_which_published_patch_it_found_and_keeps_the_module_in_real_sglang_wheel(
+    sglang_tree: Callable[[str], Path], tmp_path: Path, variant: str, version: str
+) -> None:
+    """Each published patch, its calls added to a copy of the real wheel's scheduler and result
+    processor: install names the patch, keeps SpecForge's module byte for byte, and the shim
+    serves every name the patch calls; check names it too; uninstall restores the module."""
+    root = sglang_patches.copy_tree(sglang_tree(version), tmp_path / "site")
+    sglang_dir = root / "sglang"
+    sglang_patches.apply(sglang_dir, variant)
+    module = sglang_dir / "srt" / "spec_capture_sink.py"
+    module.write_bytes(STANDIN)
+    found = f"found SpecForge's {sglang_patches.FOUND[variant]} patch"
+    p = cli("install", "--sglang-dir", str(sglang_dir), cwd=tmp_path)
+    assert p.returncode == 0 and found in p.stdout, _out(p)
+    _no_traceback(p)
+    assert (sglang_dir / "srt" / BACKUP).read_bytes() == STANDIN
+    c = cli("check", "--sglang-dir", str(sglang_dir), cwd=tmp_path)
+    assert c.returncode == 0 and found in c.stdout and "installed:" in c.stdout, _out(c)
+    # Every name the patch calls resolves through the shim (the module and its sinks).
+    from capture_arena import _install
+
+    v = _install.detect(sglang_dir / "srt")
+    assert v is not None and v.missing() == [] and v.synchronous == (variant in ("kimi-k3-f8493a4", "online-live"))
+    u = cli("uninstall", "--sglang-dir", str(sglang_dir), cwd=tmp_path)
+    assert u.returncode == 0 and module.read_bytes() == STANDIN, _out(u)
+
+
+def test_install_refuses_a_patch_that_calls_what_capture_arena_does_not_implement_in_real_sglang_wheel(
+    sglang_dir: Path, tmp_path: Path
+) -> None:
+    sglang_patches.apply(sglang_dir, "unknown")
+    (sglang_dir / "srt" / "spec_capture_sink.py").write_bytes(STANDIN)
+    before = _snapshot(sglang_dir / "srt")
+    p = cli("install", "--sglang-dir", str(sglang_dir), cwd=tmp_path)
+    assert p.returncode == 2, _out(p)
+    assert "does not implement spec_capture_sink.drain_live_records, sink.put_sample_stream" in p.stderr, p.stderr
+    assert "not supported" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    _no_traceback(p)
+    assert _snapshot(sglang_dir / "srt") == before, "nothing was written"
+
+
+def test_install_refuses_when_the_scheduler_does_not_use_the_hook_module_in_real_sglang_wheel(
+    sglang_dir: Path, tmp_path: Path
+) -> None:
+    # The hook module is there, but the scheduler was not patched (a patch applied in part).
+    (sglang_dir / "srt" / "spec_capture_sink.py").write_bytes(STANDIN)
+    before = _snapshot(sglang_dir / "srt")
+    p = cli("install", "--sglang-dir", str(sglang_dir), cwd=tmp_path)
+    assert p.returncode == 2 and "is not applied to the scheduler" in p.stderr, _out(p)
+    _no_traceback(p)
+    assert _snapshot(sglang_dir / "srt") == before

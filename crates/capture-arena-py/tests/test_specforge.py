@@ -63,6 +63,10 @@ from types import SimpleNamespace
 import capture_arena as ca
 from capture_arena import sglang
 sink = sglang.maybe_init_sink(SimpleNamespace(enable_spec_capture=True, spec_capture_aux_layer_ids="2,5,8"))
+# A server that captures on the request's thread, as a synchronous patch does: its arena (or
+# store connection) exists before the first request (SGLang makes it in the background at start).
+if isinstance(sink, ca.ArenaSink):
+    sink._ensure_started()
 mode = {"drop": False}
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *a):
@@ -341,7 +345,7 @@ def test_specforge_vendored_drain_is_bounded_when_an_endpoint_does_not_answer(pr
     t0 = time.monotonic()
     store.abort("run:never-seen", reason="test")  # queued: never waits on the network
     assert time.monotonic() - t0 < 0.5
-    with pytest.raises(RuntimeError, match="could not send 1 frees"):
+    with pytest.raises(RuntimeError, match="could not deliver 1 frees"):
         store.drain_pending_removals(max_attempts=3, retry_interval_s=0.2)
     assert time.monotonic() - t0 < 20
     assert store.health()["release_pending"] == 1

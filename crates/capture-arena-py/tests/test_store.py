@@ -64,6 +64,7 @@ def test_get_after_release_raises_key_error(make_sink):
         "resident_samples": 1,
         "resident_bytes": 8 * 12 * 2 + 8 * 4 * 2 + 128,
         "pending_frees": 0,
+        "refused_frees": 0,
         "dropped_frees": 0,
         "open_sessions": 1,
     }
@@ -152,14 +153,23 @@ def test_a_control_token_travels_in_the_result_and_release_presents_it(make_sink
     r = sink.put_sample(spec("tok"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
     token = r["arena"]["token"]
     assert isinstance(token, str) and len(token) == 32
-    # A peer without the token frees nothing and is cut off.
+    # A peer without the token (SpecForge's ArenaObjectClient sends none) frees nothing, is told
+    # why and cut off, and the producer names it.
     host, port = r["arena"]["control"].rsplit(":", 1)
     with socket.create_connection((host, int(port))) as s:
         keys = [f"st/tok/g1/{n}" for n in r["features"]]
         s.sendall((json.dumps(keys) + "\n").encode())
         s.settimeout(2)
-        assert s.recv(1) == b""
+        told = b""
+        while True:  # to the end: a socket left open fails here with a timeout
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            told += chunk
+    assert json.loads(told) == {"error": "unauthorized", "reason": "missing token"}
     wait_stats(sink, lambda s: s["unauthorized_lines"] == 1)
+    (peer,) = sink.unauthorized_peers()
+    assert (peer["peer"], peer["connections"], peer["reason"]) == ("127.0.0.1", 1, "missing token")
     assert sink.stats()["resident_objects"] == 4
     store = ca.ArenaFeatureStore()
     store.release(r)

@@ -16,6 +16,7 @@ import pytest
 import capture_arena as ca
 
 from mooncake_master import needs_mooncake
+from test_device import fake_gpu  # noqa: F401 (a fixture)
 
 pytestmark = needs_mooncake
 
@@ -246,3 +247,95 @@ def test_invalid_samples_are_refused_before_anything_is_written(master, monkeypa
     assert set(row) == {"sample_id", "error"} and "aux" in row["error"], row
     assert not sink.started, "nothing was connected, let alone written"
     sink.close()
+
+
+# A producer under the fake CUDA driver: a "device" tensor (memory of the fake's cuMemAlloc,
+# host memory standing in for a GPU's) whose final bytes arrive by a slow copy on the producer's
+# stream, handed to a StoreSink with device publication as the v0.5.20 patch's GPU put hands a
+# CUDA tensor (torch CUDA tensors need a GPU: this stands in for one at the compiled module's
+# interface). The sink must register the device range with the store client, wait for the
+# producer's work, and put from device memory.
+FAKE_GPU_PUT = r"""
+import ctypes, json, numpy as np, ml_dtypes
+import capture_arena as ca
+from capture_arena import _capture_arena
+from capture_arena._tensors import CudaBytes
+
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+ctx = ctypes.c_void_p()
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0 and cuda.cuCtxSetCurrent(ctx) == 0
+L, W = 64, 96
+n = L * W * 2
+dev = ctypes.c_uint64()
+assert cuda.cuMemAlloc_v2(ctypes.byref(dev), n) == 0
+ctypes.memset(dev.value, 0, n)  # what is there before the producer's kernels finish
+final = np.random.default_rng(7).standard_normal((L, W), dtype=np.float32).astype(ml_dtypes.bfloat16)
+stream = ctypes.c_void_p()
+assert cuda.cuStreamCreate(ctypes.byref(stream), 0) == 0
+# The producer's work: a copy that lands FAKE_CUDA_COPY_US later, enqueued before the hand-over.
+assert cuda.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(dev.value), final.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(n), stream) == 0
+
+class DeviceTensor:  # what the compiled module reads of a torch CUDA tensor
+    is_cuda = True
+    def is_contiguous(self): return True
+    def data_ptr(self): return dev.value
+    def numel(self): return L * W
+    def element_size(self): return 2
+    def get_device(self): return 0
+
+cb = CudaBytes.__new__(CudaBytes)
+cb.tensor, cb.stream = DeviceTensor(), stream.value
+sink = ca.StoreSink(gpu_put=True)
+assert sink.device_publication
+spec = ca._coerce_spec({"store_id": "gp", "sample_id": "s0", "features": {"aux": "hidden_state"},
+                        "passthrough": [{"name": "input_ids", "data": list(range(L)), "shape": [1, L]}]})
+batch, refused = _capture_arena._plan_batch([(spec, (cb, [L, W], "bfloat16"), None, None)], None)
+assert refused == [] and [t[7] for t in batch.tensors()] == [0, -1], batch.tensors()
+rows = sink._publish(batch, refused)
+assert "error" not in rows[0], rows
+store = ca.ArenaFeatureStore()
+got = store.get(rows[0])
+assert np.array_equal(got["hidden_state"][0].view(np.uint16), final.view(np.uint16)), "the put read the bytes before the producer's copy finished"
+assert got["input_ids"][0].tolist() == list(range(L))
+store.release(rows[0])
+store.flush(10)
+print("gpu put ok", sink.stats()["published_bytes"])
+sink.close()
+"""
+
+
+def test_fake_gpu_device_tensors_are_put_into_the_store_from_device_memory_after_their_writers(
+    master: dict[str, str], fake_gpu: dict[str, str]
+) -> None:
+    env = {**master, **fake_gpu, "FAKE_CUDA_COPY_US": "300000", "MOONCAKE_PROTOCOL": "tcp"}
+    out = subprocess.run([sys.executable, "-c", FAKE_GPU_PUT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "gpu put ok" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_client_without_hard_pins_gets_soft_pins_as_specforges_patches_fall_back() -> None:
+    from capture_arena._store import replicate_config
+
+    class Hard:
+        replica_num = 0
+        with_hard_pin = False
+        with_soft_pin = False
+
+    class SoftOnly:
+        replica_num = 0
+        with_soft_pin = False
+
+    class Neither:
+        replica_num = 0
+
+    mods = {c: type("M", (), {"ReplicateConfig": c}) for c in (Hard, SoftOnly, Neither)}
+    hard = replicate_config(mods[Hard])
+    assert (hard.replica_num, hard.with_hard_pin, hard.with_soft_pin) == (1, True, False)
+    soft = replicate_config(mods[SoftOnly])
+    assert (soft.replica_num, soft.with_soft_pin, hasattr(soft, "with_hard_pin")) == (1, True, False)
+    neither = replicate_config(mods[Neither])
+    assert neither.replica_num == 1 and not hasattr(neither, "with_hard_pin") and not hasattr(neither, "with_soft_pin")
+    # Mooncake's own config (0.3.13.post1) has the hard pin.
+    from mooncake.store import ReplicateConfig
+
+    assert hasattr(ReplicateConfig(), "with_hard_pin")

@@ -141,6 +141,34 @@ impl DeviceData {
     pub fn device(&self) -> i32 {
         self.device
     }
+
+    /// Waits until the work the producer enqueued before handing the tensor over has finished
+    /// (its readiness event), at most `timeout`: for publishers that read the bytes with
+    /// something other than the writer's streams (the Mooncake store's transfer engine).
+    ///
+    /// # Errors
+    /// [`Error::Device`] when the event reports an error, or `timeout` passes first.
+    pub fn wait_ready(&self, timeout: std::time::Duration) -> Result<()> {
+        let Some(ready) = &self.ready else {
+            return Ok(());
+        };
+        let deadline = std::time::Instant::now() + timeout;
+        let mut pause = std::time::Duration::from_micros(20);
+        while !ready.0.query()? {
+            if std::time::Instant::now() >= deadline {
+                return Err(Error::device(
+                    format!("a tensor of device {}", self.device),
+                    format!(
+                        "the work that writes it did not finish within {:.0} s",
+                        timeout.as_secs_f64()
+                    ),
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    }
 }
 
 /// Host bytes lent by address; see [`TensorData::lent`].

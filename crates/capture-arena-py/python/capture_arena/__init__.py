@@ -29,8 +29,9 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _tensors, errors
-from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _exiting, _send_frees, _Store, arena_enabled, placement
+from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _exiting, _result_keys, _send_frees, _Store, arena_enabled, placement
 from . import _pool
+from ._live import LiveSink
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
@@ -243,7 +244,11 @@ def _log_failures_of(rows: list[Result]) -> None:
         )
 
 
-class ArenaSink(_ArenaSink):
+#: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
+_SINK_BOUND: Any = object()
+
+
+class ArenaSink(LiveSink, _ArenaSink):
     """The sink an inference server's capture hook calls.
 
     Every keyword argument defaults to its environment variable:
@@ -268,6 +273,11 @@ class ArenaSink(_ArenaSink):
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 
+    ``sync_wait_s`` is ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (default 1): with ``sync_bound`` set
+    to it (as :mod:`capture_arena.sglang` does), :meth:`put_samples` and :meth:`put_sample`
+    never create the arena on the caller's thread and wait at most that long for their batch to
+    start (see :meth:`put_samples`).
+
     Nothing is allocated until the first capture: that creates the arena (and pre-faults it,
     about half a second per GiB) on a background thread, so the caller's thread pays nothing;
     the first batches wait for it there, in order. With ``eager=True`` the arena is created
@@ -287,6 +297,11 @@ class ArenaSink(_ArenaSink):
         self._early: collections.deque[tuple[list[Any], concurrent.futures.Future[list[Result]]]] = collections.deque()
         self._early_lock = threading.Condition()
         self._starter: Optional[threading.Thread] = None
+        #: Seconds a synchronous call waits for its batch to start (None: as long as the arena's
+        #: wait for frees, creating the arena on the caller's thread if needed).
+        self.sync_bound: Optional[float] = None
+        #: Why the last start on the starter thread failed (None once one succeeded).
+        self._start_error: Optional[str] = None
         if self.eager:
             self._ensure_started()  # the engine placement's arena (the others started already)
 
@@ -403,11 +418,13 @@ class ArenaSink(_ArenaSink):
             try:
                 self._ensure_started(items or None, device)
             except Exception as e:
+                self._start_error = str(e)
                 if fut is None:
                     _log.error("creating the capture arena in the background failed (the first capture tries again): %s", e)
                 else:
                     _complete(fut, items, str(e))
             else:
+                self._start_error = None
                 if fut is not None:
                     self._submit_now(items, fut, True)
             with self._early_lock:
@@ -429,14 +446,25 @@ class ArenaSink(_ArenaSink):
         if starter is not None:
             starter.join()
 
-    def put_samples(self, samples: Sequence[Sample]) -> list[Result]:
+    def put_samples(self, samples: Sequence[Sample], *, within_s: Optional[float] = _SINK_BOUND) -> list[Result]:
         """Publishes a batch and waits for its rows (one per sample, as :meth:`submit_samples`
-        gives them; never raises for a sample or the machine). The arena is created on this
-        thread if it has not been; a ``close()`` from another thread lets this call finish."""
+        gives them; never raises for a sample or the machine).
+
+        Unbounded (``within_s=None``, or the sink's ``sync_bound`` left at None): the arena is
+        created on this thread if it has not been, and a batch that does not fit waits for frees
+        up to ``wait_s``. Bounded (``within_s`` seconds, or ``sync_bound``: what SGLang's
+        scheduler thread gets under a patch that calls ``put_sample``): the arena is never
+        created here but on the sink's starter thread, and the batch waits at most that long to
+        start (for the arena, earlier batches, frees); one that did not start gets every
+        sample's error row and is never written. Once its copy started, the call returns when it
+        is done. A ``close()`` from another thread lets this call finish."""
+        bound = self.sync_bound if within_s is _SINK_BOUND else within_s
         items = _convert(samples)
         rows: list[Result]
         if all(isinstance(it, dict) for it in items):
             rows = items
+        elif bound is not None:
+            rows = self._put_within(items, float(bound))
         else:
             try:
                 self._ensure_started(items)
@@ -446,6 +474,61 @@ class ArenaSink(_ArenaSink):
         if any("error" in r for r in rows):
             _log_failures_of(rows)
         return rows
+
+    def _put_within(self, items: list[Any], bound: float) -> list[Result]:
+        """A bounded synchronous publish (see :meth:`put_samples`)."""
+        deadline = time.monotonic() + max(0.0, bound)
+        try:
+            if not self.started and not self._wait_started(items, deadline):
+                if self._start_error is not None:
+                    return _rows_for(items, f"not captured: creating the capture arena failed ({self._start_error}); the next capture tries again")
+                return _rows_for(
+                    items,
+                    f"not captured: the capture arena is still being created, off this thread (about half a second per "
+                    f"GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES), and a synchronous caller waits at most {bound:g} s "
+                    "(SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); later captures go in once it exists",
+                )
+            return self._put(items, max(0.0, deadline - time.monotonic()))
+        except Exception as e:
+            return _rows_for(items, str(e))
+
+    def _wait_started(self, items: list[Any], deadline: float) -> bool:
+        """Has the starter thread create the arena (once; a failed start is tried again by the
+        next call) and waits until it exists or ``deadline``."""
+        with self._early_lock:
+            if self._starter is None and not self.started:
+                device = next((d for d in (_cuda_device(x) for s in items if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
+                self._early.append(([], None))  # type: ignore[arg-type]
+                self._starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
+                self._starter.start()
+            while not self.started:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._early_lock.wait(left)
+            return True
+
+    def stats(self) -> dict[str, int]:
+        """The writer's counters (all zero before the first capture), and live capture's
+        (``live_*``) when it is on."""
+        d = dict(super().stats())
+        d.update(self._live_stats())
+        return d
+
+    def close(self) -> None:
+        """Stops live capture, the writer, and removes the arena. Idempotent."""
+        self._stop_live()
+        super().close()
+
+    def _publish_live(self, item: Any) -> Result:
+        return self.put_samples([item], within_s=self.sync_wait_s)[0]
+
+    def _drop_published(self, result: Mapping[str, Any]) -> None:
+        """Frees a result this process published and will never hand out, at once."""
+        try:
+            self._free_local(_result_keys(result))
+        except Exception as e:  # closed meanwhile: its arena went with it
+            _log.debug("freeing a dropped capture: %s", e)
 
     def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> Result:
         """Publishes one sample and returns its result."""

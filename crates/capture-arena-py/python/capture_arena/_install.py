@@ -10,6 +10,11 @@ gpu_put_enabled``). ``install`` keeps that file byte for byte as
 name at it, so there is one module and one ``_SINK``). ``uninstall`` puts the original back;
 ``check`` says which of the two is there.
 
+``install`` and ``check`` also read the patched scheduler and its result processor to tell which
+of SpecForge's published patches the installation has (:func:`detect`: what they import from the
+hook module and call on it and on its sink), say which one they found, and refuse one that calls
+a name :mod:`capture_arena.sglang` does not implement, naming it.
+
 The sglang package directory (the one holding ``srt/``) is ``--sglang-dir`` or, by default, the
 one this Python would import, found without importing sglang.
 """
@@ -17,6 +22,7 @@ one this Python would import, found without importing sglang.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import importlib
 import importlib.util
@@ -29,7 +35,7 @@ from typing import Optional, Sequence
 
 from . import __version__
 
-__all__ = ["main", "shim_text", "find_sglang_dir", "SHIM_MARKER"]
+__all__ = ["main", "shim_text", "find_sglang_dir", "SHIM_MARKER", "detect", "Variant"]
 
 PROG = "python -m capture_arena.sglang"
 MODULE = "spec_capture_sink"
@@ -38,7 +44,7 @@ BACKUP_SUFFIX = ".capture-arena-orig"
 SHIM_MARKER = "# capture-arena-shim for sglang.srt.spec_capture_sink"
 _MARKER_RE = re.compile(r"^# capture-arena-shim for sglang\.srt\.spec_capture_sink version=(\S+)\s*$")
 #: The names the published SpecForge patches import from the hook module.
-REQUIRED_NAMES = ("maybe_init_sink", "get_sink", "gpu_put_enabled")
+REQUIRED_NAMES = ("maybe_init_sink", "get_sink", "gpu_put_enabled", "maybe_live_spec")
 _HOOK_DEFS = (re.compile(rb"^def maybe_init_sink\b", re.M), re.compile(rb"^def get_sink\b", re.M))
 
 _PATCH_HOW = (
@@ -50,6 +56,102 @@ _APPLY_PATCH = f"apply SpecForge's SGLang patch first: {_PATCH_HOW}"
 
 # Indirection so tests can pretend sglang is not installed.
 _find_spec = importlib.util.find_spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """What a patched SGLang asks of the hook module (see :func:`detect`)."""
+
+    #: Which published patch this is (or family of them).
+    name: str
+    #: The scheduler thread calls ``put_sample`` itself and waits for it.
+    synchronous: bool
+    #: Module-level names it imports or calls (``maybe_init_sink``, ``gpu_put_enabled``, ...).
+    module_names: tuple[str, ...]
+    #: Methods it calls on ``get_sink()``'s sink (``submit_samples``, ``put_sample``, ...).
+    sink_methods: tuple[str, ...]
+    #: The files that use the hook module, relative to ``srt/``.
+    files: tuple[str, ...]
+
+    def missing(self) -> list[str]:
+        """The names capture_arena.sglang (and its sinks) lack, as ``module.name`` / ``sink.name``."""
+        mod = importlib.import_module("capture_arena.sglang")
+        sinks = (importlib.import_module("capture_arena").ArenaSink, importlib.import_module("capture_arena").StoreSink)
+        out = [f"spec_capture_sink.{n}" for n in self.module_names if not callable(getattr(mod, n, None))]
+        out += [f"sink.{n}" for n in self.sink_methods if not all(callable(getattr(c, n, None)) for c in sinks)]
+        return out
+
+    def describe(self) -> str:
+        calls = ", ".join(self.module_names)
+        methods = ", ".join(f"sink.{m}" for m in self.sink_methods) or "no sink method"
+        return f"SpecForge's {self.name} patch ({', '.join(self.files)} use {calls}; {methods})"
+
+
+#: How a patched file reaches the hook module.
+_FROM_IMPORT = re.compile(r"from\s+sglang\.srt\.spec_capture_sink\s+import\s+(?:\(([^)]*)\)|([\w \t,]+))")
+_MODULE_IMPORT = re.compile(r"from\s+sglang\.srt\s+import\s+spec_capture_sink\b|import\s+sglang\.srt\.spec_capture_sink\b")
+_MODULE_CALL = re.compile(r"\bspec_capture_sink\.(\w+)\b")
+_SINK_CALL = re.compile(r"\bsink\.(\w+)\(")
+#: Files of ``srt/`` the patches change to call the hook module (the scheduler, its result
+#: processor: a mixin in older SGLang, a component since 0.5.14).
+_PATCHED_GLOBS = ("managers/*.py", "managers/scheduler_components/*.py")
+#: The longest file read (SGLang's scheduler is about 150 KB).
+_MAX_SOURCE = 8 << 20
+
+
+def detect(srt: Path) -> Optional[Variant]:
+    """Which SpecForge patch the SGLang at ``srt`` has, read from what its scheduler and result
+    processor import from ``sglang.srt.spec_capture_sink`` and call on it and on the sink
+    ``get_sink()`` returns; None when nothing there uses the hook module (the patch is not
+    applied). Read only, never imports SGLang."""
+    module: dict[str, None] = {}
+    methods: dict[str, None] = {}
+    files: list[str] = []
+    texts: dict[str, str] = {}
+    for pattern in _PATCHED_GLOBS:
+        for f in sorted(srt.glob(pattern)):
+            try:
+                if f.stat().st_size > _MAX_SOURCE:
+                    continue
+                text = f.read_text("utf-8", "replace")
+            except OSError:
+                continue
+            uses = False
+            for m in _FROM_IMPORT.finditer(text):
+                uses = True
+                for n in (m.group(1) or m.group(2)).split(","):
+                    if n.strip():
+                        module[n.split()[0]] = None
+            if _MODULE_IMPORT.search(text):
+                uses = True
+                for m in _MODULE_CALL.finditer(text):
+                    module[m.group(1)] = None
+            if uses:
+                rel = str(f.relative_to(srt))
+                files.append(rel)
+                texts[rel] = text
+                if "get_sink" in text:
+                    for m in _SINK_CALL.finditer(text):
+                        methods[m.group(1)] = None
+    if not files:
+        return None
+    names, calls = tuple(module), tuple(methods)
+    scheduler = texts.get("managers/scheduler.py", "")
+    if "maybe_live_spec" in names or "put_sample_live" in calls:
+        name, sync = "online-live (live capture, a layer over the synchronous v0.5.14 patch)", True
+    elif "submit_samples" in calls and "gpu_put_enabled" in names:
+        if 'getattr(self, "batch_result_processor"' in scheduler:
+            name = "v0.5.20 (asynchronous, device publication)"
+        else:
+            name = "main-923e4a56 (asynchronous, device publication)"
+        sync = False
+    elif "submit_samples" in calls:
+        name, sync = "v0.5.18 / v0.5.14 / kimi-k3 main (asynchronous, host staging)", False
+    elif "put_sample" in calls or "put_samples" in calls:
+        name, sync = "kimi-k3-f8493a4 / early v0.5.14 (synchronous put_sample on the scheduler thread)", True
+    else:
+        name, sync = "unrecognised", False
+    return Variant(name, sync, names, calls, tuple(files))
 
 
 class _Fail(Exception):
@@ -180,11 +282,39 @@ def _mode(p: Path) -> int:
         return 0o644
 
 
+def _variant(srt: Path, say: bool = True) -> Variant:
+    """The patch at ``srt``, said; a refusal if it is not applied or asks for a name
+    capture_arena.sglang does not implement."""
+    variant = detect(srt)
+    if variant is None:
+        raise _Fail(
+            f"nothing in {srt / 'managers'} imports sglang.srt.{MODULE}: SpecForge's SGLang patch is not applied "
+            f"to the scheduler; {_APPLY_PATCH}"
+        )
+    missing = variant.missing()
+    if missing:
+        raise _Fail(
+            f"found {variant.describe()}, but capture-arena {__version__} does not implement {', '.join(missing)}: "
+            "this variant of the patch is not supported; keep SpecForge's module, or upgrade capture-arena"
+        )
+    if say:
+        print(f"found {variant.describe()}")
+    return variant
+
+
 def install(sglang_dir: Optional[str]) -> int:
     srt = _srt_dir(sglang_dir)
     target, backup = srt / f"{MODULE}.py", srt / f"{MODULE}.py{BACKUP_SUFFIX}"
     current, saved = _read(target), _read(backup)
     shim = shim_text().encode()
+    if current is None and saved is None:
+        raise _Fail(f"{target} does not exist: SpecForge's SGLang patch is not applied; {_APPLY_PATCH}")
+    if current is not None and _shim_version(current) is None and not _looks_like_hook_module(current):
+        raise _Fail(
+            f"{target} does not look like SpecForge's hook module (no `def maybe_init_sink` and "
+            f"`def get_sink`); not replacing it; {_APPLY_PATCH}"
+        )
+    _variant(srt)
     if current == shim:
         print(f"already installed: {target} is capture-arena {__version__}'s shim")
         if saved is None:
@@ -273,7 +403,13 @@ def check(sglang_dir: Optional[str]) -> int:
     if missing:
         print(f"broken: {target} is the shim but capture_arena.sglang lacks {', '.join(missing)}")
         return 1
+    try:
+        variant = _variant(srt, say=False)
+    except _Fail as e:
+        print(f"broken: {target} is the shim, but {e}")
+        return 1
     print(f"installed: {target} is capture-arena {__version__}'s shim (sglang.srt.{MODULE} -> capture_arena.sglang)")
+    print(f"found {variant.describe()}")
     if not backup.exists():
         print(f"note: no backup of SpecForge's module at {backup}; uninstall will not be able to restore it")
     return 0

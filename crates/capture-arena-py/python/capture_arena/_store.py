@@ -4,7 +4,12 @@
 ``put_samples``, ``put_sample``, ``stats``, ``close``). A batch is validated and built by the same
 compiled code as an arena batch (so the same errors are raised before anything is written), and
 published straight from the tensors' memory (registered with the store for the call) with one
-``batch_put_from`` per scheduler batch, hard-pinned. ``replace`` removes the old keys first (a
+``batch_put_from`` per scheduler batch, hard-pinned (soft-pinned where the client has no hard pin,
+as SpecForge's patches fall back: older and Ascend clients). With device publication (SpecForge's
+``SGLANG_SPEC_CAPTURE_GPU_PUT``: on by default under ``MOONCAKE_PROTOCOL=rdma`` when torch sees
+CUDA, ``1`` requires ``rdma``) CUDA tensors are registered and put from device memory, after the
+work that wrote them (an event recorded when they were handed over); otherwise they are copied to
+the host first. ``replace`` removes the old keys first (a
 re-put of an existing key keeps the old bytes in Mooncake). Any failed status removes every key of
 the batch and fails each sample with the count and the first failure: nothing is half-published.
 Results are the store sink's: ``{"sample_id", "store_id", "gen", "aux_layer_ids", "features":
@@ -41,6 +46,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _capture_arena
+from ._live import LiveSink, sync_wait_s
 from .errors import (
     ArenaOSError,
     ConfigError,
@@ -55,6 +61,11 @@ from .errors import (
 
 # Mooncake status codes worth naming in messages.
 NOT_FOUND = -704
+
+#: How long the store worker waits for device tensors to be written before it puts them.
+READY_TIMEOUT_S = 60.0
+
+_log = logging.getLogger("capture_arena")
 
 #: Defaults of the sink this one replaces (SpecForge's ``spec_capture_sink``), shared by sinks and
 #: readers.
@@ -124,18 +135,67 @@ def _reachable(var: str, addr: str) -> None:
         ) from None
 
 
-class _Registered:
-    """Host ranges registered with the store for one call (about 0.1 ms each, measured), and
-    unregistered after it, also when it fails."""
+def store_gpu_put() -> bool:
+    """SpecForge's rule for the store placement's device publication (its ``gpu_put_enabled``,
+    v0.5.20 and main): ``SGLANG_SPEC_CAPTURE_GPU_PUT`` unset is on under
+    ``MOONCAKE_PROTOCOL=rdma`` when torch is a CUDA build that sees a GPU; ``1`` is on (and needs
+    ``rdma``: :func:`check_store_gpu_put` says so at startup); anything else is off. Never
+    raises."""
+    protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower() or "tcp"
+    configured = os.environ.get("SGLANG_SPEC_CAPTURE_GPU_PUT")
+    if configured is None or configured.strip() == "":
+        if protocol != "rdma":
+            return False
+        try:
+            torch = importlib.import_module("torch")
+            return torch.version.cuda is not None and bool(torch.cuda.is_available())
+        except Exception:
+            return False
+    return configured.strip() == "1"
 
-    def __init__(self, store: Any, ranges: list[tuple[int, int]]) -> None:
+
+def check_store_gpu_put() -> None:
+    """ConfigError for device publication into the store without RDMA (SpecForge's sink raises
+    the same in its scheduler loop; here the server does not start)."""
+    protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower() or "tcp"
+    if os.environ.get("SGLANG_SPEC_CAPTURE_GPU_PUT", "").strip() == "1" and protocol != "rdma":
+        raise ConfigError(
+            f"SGLANG_SPEC_CAPTURE_GPU_PUT=1 publishes device memory into the Mooncake store, which needs "
+            f"MOONCAKE_PROTOCOL=rdma (it is {protocol}): set MOONCAKE_PROTOCOL=rdma, unset SGLANG_SPEC_CAPTURE_GPU_PUT, "
+            "or choose an arena (SGLANG_SPEC_CAPTURE_PLACEMENT=arena) for device publication over another transport"
+        )
+
+
+def replicate_config(mod: Any) -> Any:
+    """One replica, hard-pinned; soft-pinned where the client has no hard pin (older and Ascend
+    Mooncake clients), as SpecForge's patches (v0.5.18 on) fall back; unpinned if it has neither."""
+    cfg = mod.ReplicateConfig()
+    cfg.replica_num = 1
+    if hasattr(cfg, "with_hard_pin"):
+        cfg.with_hard_pin = True
+    elif hasattr(cfg, "with_soft_pin"):
+        cfg.with_soft_pin = True
+    return cfg
+
+
+class _Registered:
+    """Ranges registered with the store for one call (about 0.1 ms each for host memory,
+    measured), and unregistered after it, also when it fails."""
+
+    def __init__(self, store: Any, ranges: list[tuple[int, int, int]]) -> None:
         self._store = store
         self._done: list[int] = []
-        for ptr, n in ranges:
+        for ptr, n, device in dict.fromkeys(ranges):
             rc = store.register_buffer(ptr, n)
-            if rc != 0:
+            if rc not in (0, None):
                 self.close()
-                raise ArenaOSError(f"registering {n} bytes with the Mooncake store returned {rc}")
+                hint = (
+                    f" (device memory of GPU {device}: the Mooncake client must be a CUDA build with GPUDirect RDMA, "
+                    "and torch's memory registerable: unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments)"
+                    if device >= 0
+                    else ""
+                )
+                raise ArenaOSError(f"registering {n} bytes with the Mooncake store returned {rc}{hint}")
             self._done.append(ptr)
 
     def close(self) -> None:
@@ -144,14 +204,57 @@ class _Registered:
         self._done = []
 
 
-class StoreSink:
+class _Ticket:
+    """A bounded caller's batch (see :meth:`StoreSink.put_samples`): the worker publishes it
+    only if its caller still waits, and removes what it published if the caller gave up
+    meanwhile."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "queued"
+
+    def start(self) -> bool:
+        with self._lock:
+            if self._state == "abandoned":
+                return False
+            self._state = "started"
+            return True
+
+    def abandon(self) -> bool:
+        """True if the batch had not started (it never will)."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "abandoned"
+                return True
+            return False
+
+
+#: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
+_SINK_BOUND: Any = object()
+
+
+class StoreSink(LiveSink):
     """The sink of the store placement. See the module docs."""
 
-    def __init__(self, *, aux_layer_ids: Optional[list[int]] = None, max_pending_batches: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        *,
+        aux_layer_ids: Optional[list[int]] = None,
+        max_pending_batches: Optional[int] = None,
+        gpu_put: Optional[bool] = None,
+    ) -> None:
         self.aux_layer_ids = aux_layer_ids
         pending = max_pending_batches or _capture_arena._max_pending_batches()
         if pending < 1:
             raise ConfigError("max_pending_batches must be >= 1")
+        if gpu_put is None:
+            check_store_gpu_put()
+        #: Device tensors are put from device memory (else copied to the host first).
+        self.device_publication = store_gpu_put() if gpu_put is None else bool(gpu_put)
+        #: ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S``; and the bound of :meth:`put_samples` when set
+        #: (None: it waits for the store as long as the store takes).
+        self.sync_wait_s = sync_wait_s()
+        self.sync_bound: Optional[float] = None
         self._slots = threading.BoundedSemaphore(pending)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-arena-store")
         self._lock = threading.Lock()
@@ -165,7 +268,6 @@ class StoreSink:
     placement = "store"
     session = None
     control = None
-    device_publication = False
 
     @property
     def started(self) -> bool:
@@ -175,6 +277,22 @@ class StoreSink:
         if self._store is None:
             self._store = connect(True)
         return self._store
+
+    def start_in_background(self) -> None:
+        """Connects to the store on the sink's worker now, before the first capture (a failure
+        is logged; the first capture tries again)."""
+
+        def connect_now() -> None:
+            try:
+                with self._lock:
+                    self._client()
+            except Exception as e:
+                _log.error("connecting to the Mooncake store in the background failed (the first capture tries again): %s", e)
+
+        try:
+            self._pool.submit(connect_now)
+        except RuntimeError:  # closed
+            pass
 
     def _after_fork_in_child(self) -> None:
         """A forked child must not close or destroy the parent's store client (the parent's
@@ -186,26 +304,26 @@ class StoreSink:
         self._lock = threading.Lock()
 
     def _config(self) -> Any:
-        cfg = importlib.import_module("mooncake.store").ReplicateConfig()
-        cfg.replica_num = 1
-        cfg.with_hard_pin = True
-        return cfg
+        return replicate_config(importlib.import_module("mooncake.store"))
 
-    def _publish(self, batch: Any, refused: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    def _publish(
+        self, batch: Any, refused: list[tuple[int, dict[str, Any]]], ticket: Optional[_Ticket] = None
+    ) -> list[dict[str, Any]]:
         """One batch's rows: its samples published (or failed together), the rows of the samples
         refused before it put back in their places."""
         try:
-            rows = self._publish_batch(batch)
+            rows = self._publish_batch(batch, ticket)
         except Exception as e:  # nothing of a batch may escape as an exception
             rows = self._fail(batch, f"publishing to the Mooncake store failed: {e}")
         for i, row in refused:
             rows.insert(i, row)
         return rows
 
-    def _publish_batch(self, batch: Any) -> list[dict[str, Any]]:
+    def _publish_batch(self, batch: Any, ticket: Optional[_Ticket] = None) -> list[dict[str, Any]]:
         """One batch: replace (or refuse keys already there), one batched put straight from the
-        tensors' memory (registered for the call); on any failure every key this batch wrote is
-        removed again."""
+        tensors' memory (registered for the call; device memory once the work that wrote it has
+        finished); on any failure every key this batch wrote is removed again. A bounded
+        caller's batch starts only if its caller still waits."""
         if not batch.samples():
             return []
         with self._lock:
@@ -213,8 +331,13 @@ class StoreSink:
                 store = self._client()
             except Exception as e:  # connecting failed: nothing was written
                 return self._fail(batch, str(e))
+            if ticket is not None and not ticket.start():
+                return self._fail(batch, "its synchronous caller stopped waiting before it could start (never written)")
             samples = batch.samples()
             tensors = [t for t in batch.tensors() if t[6] > 0]  # Mooncake cannot store 0 bytes
+            if any(t[7] >= 0 for t in tensors):
+                # The capture kernels that wrote them, enqueued before the hand-over, finish first.
+                batch.wait_ready(READY_TIMEOUT_S)
             for sid, replace, keys in samples:
                 if replace:
                     for k, rc in zip(keys, store.batch_remove(keys, True)):
@@ -236,7 +359,7 @@ class StoreSink:
             rcs: list[int] = []
             why = ""
             try:
-                registered = _Registered(store, list(zip(ptrs, sizes)))
+                registered = _Registered(store, [(t[5], t[6], t[7]) for t in tensors])
                 try:
                     rcs = list(store.batch_put_from(keys, ptrs, sizes, self._config())) if keys else []
                 finally:
@@ -269,11 +392,16 @@ class StoreSink:
         order: a result, or ``{"sample_id", "error"}``. Never raises for anything a request or
         the store causes (as :meth:`capture_arena.ArenaSink.submit_samples`). Blocks while
         ``max_pending_batches`` batches are pending (``block=False``: QueueFullError)."""
+        return self._submit(samples, block=block)
+
+    def _submit(
+        self, samples: Sequence[Any], *, block: bool = True, until: Optional[float] = None, ticket: Optional[_Ticket] = None
+    ) -> "concurrent.futures.Future[list[dict[str, Any]]]":
         from . import _complete, _convert, _log_failures
 
         fut: concurrent.futures.Future[list[dict[str, Any]]] = concurrent.futures.Future()
         try:
-            items = _convert(samples, host=True)
+            items = _convert(samples, host=not self.device_publication)
         except Exception as e:  # not a sequence of samples: no rows can be made
             fut.set_running_or_notify_cancel()
             fut.set_exception(InvalidSampleError(f"submit_samples takes a list of (spec, aux, last_hidden): {e}"))
@@ -286,10 +414,15 @@ class StoreSink:
             fut.set_running_or_notify_cancel()
             _complete(fut, items, str(e))
             return fut
-        if not self._slots.acquire(blocking=block):
+        if until is not None:
+            if not self._slots.acquire(timeout=max(0.0, until - time.monotonic())):
+                fut.set_running_or_notify_cancel()
+                _complete(fut, items, "not captured: the store sink still held max_pending_batches batches when its synchronous caller stopped waiting")
+                return fut
+        elif not self._slots.acquire(blocking=block):
             raise QueueFullError("the store sink already holds max_pending_batches batches")
         try:
-            fut = self._pool.submit(self._publish, batch, refused)
+            fut = self._pool.submit(self._publish, batch, refused, ticket)
         except RuntimeError:  # closed meanwhile
             self._slots.release()
             fut.set_running_or_notify_cancel()
@@ -299,24 +432,73 @@ class StoreSink:
         fut.add_done_callback(_log_failures)
         return fut
 
-    def put_samples(self, samples: Sequence[Any]) -> list[dict[str, Any]]:
-        """Publishes a batch and waits for its results."""
-        return self.submit_samples(samples).result()
+    def put_samples(self, samples: Sequence[Any], *, within_s: Optional[float] = _SINK_BOUND) -> list[dict[str, Any]]:
+        """Publishes a batch and waits for its results. Bounded (``within_s`` seconds, or the
+        sink's ``sync_bound``; what SGLang's scheduler thread gets under a patch that calls
+        ``put_sample``): the batch waits at most that long to start (for the store connection,
+        earlier batches); one that did not start gets every sample's error row and is never
+        written. Never raises for a sample or the store."""
+        bound = self.sync_bound if within_s is _SINK_BOUND else within_s
+        if bound is None:
+            return self.submit_samples(samples).result()
+        deadline = time.monotonic() + max(0.0, float(bound))
+        ticket = _Ticket()
+        fut = self._submit(samples, until=deadline, ticket=ticket)
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            if not ticket.abandon():
+                return fut.result()  # started in time: its own put is waited for
+            rows: list[dict[str, Any]] = []
+            for item in samples:
+                spec = item[0] if isinstance(item, (tuple, list)) and item else None
+                sid = spec.get("sample_id") if isinstance(spec, Mapping) else None
+                rows.append(
+                    {
+                        "sample_id": sid,
+                        "error": f"not captured: the Mooncake store sink did not start this batch within {bound:g} s "
+                        "(connecting to the store, or earlier batches; SGLANG_SPEC_CAPTURE_SYNC_WAIT_S)",
+                    }
+                )
+            return rows
+
+    def _publish_live(self, item: Any) -> dict[str, Any]:
+        return self.put_samples([item], within_s=self.sync_wait_s)[0]
+
+    def _drop_published(self, result: Mapping[str, Any]) -> None:
+        """Removes a result this process published and will never hand out (on the worker)."""
+        try:
+            keys = _capture_arena._result_keys(result, True)
+            self._pool.submit(self._remove_quietly, keys)
+        except Exception as e:  # closed meanwhile: its client's objects went with it
+            _log.debug("removing a dropped capture: %s", e)
+
+    def _remove_quietly(self, keys: list[str]) -> None:
+        with self._lock:
+            store = self._store
+            if store is None:
+                return
+            bad = [(k, rc) for k, rc in zip(keys, store.batch_remove(keys, True)) if rc not in (0, NOT_FOUND)]
+        if bad:
+            _log.warning("removing %d objects of a dropped capture from the Mooncake store failed (first: %s: %s)", len(bad), *bad[0])
 
     def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> dict[str, Any]:
         """Publishes one sample and returns its result."""
         return self.put_samples([(spec, aux, last_hidden)])[0]
 
     def stats(self) -> dict[str, int]:
-        """Counters of this sink."""
+        """Counters of this sink, and live capture's (``live_*``) when it is on."""
         with self._lock:
-            return dict(self._stats)
+            d = dict(self._stats)
+        d.update(self._live_stats())
+        return d
 
     def close(self) -> None:
         """Waits for pending batches and closes the store client (its objects stay in the store
         only while a client holds them: Mooncake drops the keys of a closed client). Idempotent."""
         if self._closed:
             return
+        self._stop_live()
         self._closed = True
         self._pool.shutdown(wait=True)
         with self._lock:
@@ -419,7 +601,7 @@ class StoreReader:
             store = self._client()
             used.append(store)
             ptrs = [int(v.ctypes.data) for _, _, v in wanted]
-            registered = _Registered(store, [(p, n) for p, (_, n, _) in zip(ptrs, wanted)])
+            registered = _Registered(store, [(p, n, -1) for p, (_, n, _) in zip(ptrs, wanted)])
             try:
                 rcs = store.batch_get_into([k for k, _, _ in wanted], ptrs, [n for _, n, _ in wanted])
             finally:

@@ -21,6 +21,8 @@ __all__ = [
     "ReleasedError",
     "ObjectChangedError",
     "FreeNotSentError",
+    "FreeRefusedError",
+    "PublishTimeoutError",
     "ArenaOSError",
     "DeviceError",
     "TransportError",
@@ -101,7 +103,20 @@ class ObjectChangedError(CaptureArenaError, KeyError):
 
 
 class FreeNotSentError(CaptureArenaError, ConnectionError):
-    """Frees could not reach a control endpoint; they stay pending and are retried."""
+    """Frees could not reach a control endpoint, or it did not confirm them; they stay pending
+    and are retried."""
+
+
+class FreeRefusedError(FreeNotSentError):
+    """A control endpoint refused frees for its control token (a missing or wrong token):
+    nothing sent on that connection was applied. They stay pending and are retried; give the
+    client the producer's token (a result's ``arena.token``)."""
+
+
+class PublishTimeoutError(CaptureArenaError, TimeoutError):
+    """A synchronous publish did not start within its bound (``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S``):
+    the arena was still being created, full, or busy with earlier batches. Nothing of it was
+    written, nor will be."""
 
 
 class ArenaOSError(CaptureArenaError, OSError):

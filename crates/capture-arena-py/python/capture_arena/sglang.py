@@ -1,24 +1,42 @@
-"""capture-arena as SGLang's ``sglang.srt.spec_capture_sink``: the module SpecForge's SGLang patch
-adds, with the same module-level names and semantics, for every published version of the patch.
+"""capture-arena as SGLang's ``sglang.srt.spec_capture_sink``: the module SpecForge's SGLang patches
+add, with the same module-level names and semantics, for every published version of the patch
+(v0.5.18, v0.5.20, main-923e4a56, kimi-k3, online-live over v0.5.14).
 
-The patched scheduler calls ``maybe_init_sink(server_args)`` once per scheduler process (every
-rank), ``gpu_put_enabled()`` per batch (v0.5.20), and ``get_sink().submit_samples(samples)`` per
-scheduler batch on attention-TP rank 0, then ``future.result()``. To put this module behind that
-import in an SGLang installation with the patch applied::
+What the patched scheduler calls, by patch (``python -m capture_arena.sglang check`` says which
+one an installation has):
+
+- every patch: ``maybe_init_sink(server_args)`` once per scheduler process (every rank), then
+  ``get_sink()`` on attention-TP rank 0 when requests finish;
+- asynchronous patches (v0.5.14 since August, v0.5.18, v0.5.20, main, kimi-k3's main):
+  ``get_sink().submit_samples(samples)`` per scheduler batch, then ``future.result()``;
+  ``gpu_put_enabled()`` per batch (v0.5.20, main);
+- synchronous patches (kimi-k3 at f8493a4, v0.5.14 before August, online-live's base):
+  ``get_sink().put_sample(spec, aux=, last_hidden=)`` on the scheduler thread, per request;
+- online-live: ``maybe_live_spec(rid)`` for every request on every rank, capture on or off, and
+  ``get_sink().put_sample_live(spec, aux=, last_hidden=, tokens=)`` for a sampled request.
+
+To put this module behind that import in an SGLang installation with a patch applied::
 
     python -m capture_arena.sglang install      # [--sglang-dir DIR]; `uninstall`, `check`
 
 What differs from the module it replaces, and why:
 
-- ``submit_samples`` never raises (the patch calls it without a ``try``, so an exception would end
-  the scheduler process): each sample gets its row, a result or ``{"sample_id", "error"}``, and a
-  bad request costs only its own row. The future never fails for a list of samples.
+- Nothing the scheduler calls raises for a request or the machine (the patches call
+  ``submit_samples``, ``put_sample_live``, ``maybe_live_spec`` and ``gpu_put_enabled`` without a
+  ``try``, so an exception would end the scheduler process): each sample gets its row, a result
+  or ``{"sample_id", "error"}``, and a bad request costs only its own row.
+- ``put_sample`` on the scheduler thread never creates the arena or waits out a full arena's
+  ``SGLANG_SPEC_CAPTURE_ARENA_WAIT_S``: it waits at most ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S``
+  (1 s) for its sample to start, else that sample's row is an error. Under a synchronous patch
+  the arena (or the store connection) is made in the background when the server starts, on the
+  capturing rank, so the first captures find it.
+- Live capture (:mod:`capture_arena._live`) never makes the scheduler wait on the network.
 - The placement follows ``MOONCAKE_PROTOCOL`` / ``SGLANG_SPEC_CAPTURE_PLACEMENT``
-  (:func:`capture_arena.placement`): the Mooncake store as before under ``tcp``/``rdma``, an arena
-  in device memory under ``nvlink``.
-- Setting errors (a bad variable, ``SGLANG_SPEC_CAPTURE_GPU_PUT=0`` with ``nvlink``) are raised by
-  ``maybe_init_sink``, when the server starts; nothing is allocated or connected there. The arena
-  is created (or the store connected) at the first capture, on a background thread.
+  (:func:`capture_arena.placement`): the Mooncake store as before under ``tcp``/``rdma`` (with
+  SpecForge's device publication under ``rdma``), an arena in device memory under ``nvlink``.
+- Setting errors (a bad variable, ``SGLANG_SPEC_CAPTURE_GPU_PUT=0`` with ``nvlink``,
+  ``SGLANG_SPEC_CAPTURE_GPU_PUT=1`` with the store placement but without ``rdma``, a bad intake
+  URL) are raised by ``maybe_init_sink``, when the server starts.
 """
 
 from __future__ import annotations
@@ -26,11 +44,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from . import ArenaSink, ConfigError, StoreSink, metrics, new_sink, placement
+from ._store import check_store_gpu_put, store_gpu_put
 
-__all__ = ["maybe_init_sink", "get_sink", "gpu_put_enabled", "reset_sink", "SpecCaptureSink"]
+__all__ = [
+    "maybe_init_sink",
+    "get_sink",
+    "gpu_put_enabled",
+    "maybe_live_spec",
+    "reset_sink",
+    "SpecCaptureSink",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +90,17 @@ def _device_publication() -> bool:
     except Exception:
         return False
     if where == "store":
-        return False
+        return store_gpu_put()
     protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower()
     return protocol in ("nvlink", "nvlink_intra") or _env_gpu_put() is True
 
 
 def gpu_put_enabled() -> bool:
-    """True when the scheduler hands the sink device tensors (the placement publishes from GPU
-    memory: ``nvlink`` always, ``SGLANG_SPEC_CAPTURE_GPU_PUT=1`` for capture-arena's own arena);
-    False when it copies them to the host first (the store placement, host arenas). The sink's
-    own answer once it exists; never raises (the v0.5.20 scheduler calls it on every batch, on
+    """True when the scheduler hands the sink device tensors: the placement publishes from GPU
+    memory (``nvlink`` always; ``SGLANG_SPEC_CAPTURE_GPU_PUT=1`` for capture-arena's own arena;
+    for the Mooncake store SpecForge's rule: on by default under ``MOONCAKE_PROTOCOL=rdma`` when
+    torch sees CUDA, ``=1`` on); False when it copies them to the host first. The sink's own
+    answer once it exists; never raises (the v0.5.20 scheduler calls it on every batch, on
     every rank, capture on or off)."""
     sink = _SINK
     if sink is not None:
@@ -87,27 +115,25 @@ def _check_settings() -> None:
     """Raises ConfigError for settings the server must not start with."""
     where = placement()
     protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower()
-    gpu_put = _env_gpu_put()
-    if protocol in ("nvlink", "nvlink_intra") and gpu_put is False:
+    if protocol in ("nvlink", "nvlink_intra") and _env_gpu_put() is False:
         raise ConfigError(
             f"MOONCAKE_PROTOCOL={protocol} always publishes from device memory, but SGLANG_SPEC_CAPTURE_GPU_PUT=0 "
             "asks for host publication: unset SGLANG_SPEC_CAPTURE_GPU_PUT, or choose MOONCAKE_PROTOCOL=tcp/rdma"
         )
-    if where == "store" and gpu_put is True:
-        raise ConfigError(
-            "SGLANG_SPEC_CAPTURE_GPU_PUT=1 asks for device publication, but the store placement "
-            f"(MOONCAKE_PROTOCOL={protocol or 'unset'}) publishes host memory here: unset SGLANG_SPEC_CAPTURE_GPU_PUT, "
-            "or set SGLANG_SPEC_CAPTURE_PLACEMENT=arena (a device arena) or MOONCAKE_PROTOCOL=nvlink"
-        )
+    if where == "store":
+        check_store_gpu_put()
 
 
 def _scheduler_state() -> tuple[Optional[int], Optional[int]]:
-    """``(attention-TP rank, GPU)`` of the SGLang scheduler calling :func:`maybe_init_sink`
-    (its ``self.ps.attn_tp_rank`` and ``self.gpu_id``), or None where the caller is not one."""
+    """``(attention-TP rank, GPU)`` of the SGLang scheduler calling :func:`maybe_init_sink`, or
+    None where the caller is not one: its ``self.ps.attn_tp_rank`` and ``self.ps.gpu_id``
+    (SGLang up to 0.5.20; ``self.gpu_id`` before), else SGLang's process-wide runtime context
+    (``get_parallel().attn_tp_rank``, ``get_device().gpu_id``: 0.5.23), read only if SGLang has
+    imported it."""
     try:
         frame = sys._getframe(2)
     except ValueError:  # called from the top of the stack: no scheduler above
-        return None, None
+        frame = None
     for _ in range(4):
         if frame is None:
             break
@@ -115,10 +141,42 @@ def _scheduler_state() -> tuple[Optional[int], Optional[int]]:
         ps = getattr(owner, "ps", None)
         rank = getattr(ps, "attn_tp_rank", None)
         if isinstance(rank, int):
-            gpu = getattr(owner, "gpu_id", None)
+            gpu = getattr(ps, "gpu_id", getattr(owner, "gpu_id", None))
             return rank, gpu if isinstance(gpu, int) else None
-        frame = frame.f_back  # type: ignore[assignment]
-    return None, None
+        frame = frame.f_back
+    ctx = sys.modules.get("sglang.srt.runtime_context")
+    try:
+        rank = getattr(ctx, "get_parallel")().attn_tp_rank
+        gpu = getattr(ctx, "get_device")().gpu_id
+    except Exception:
+        return None, None
+    return (rank if isinstance(rank, int) else None), (gpu if isinstance(gpu, int) else None)
+
+
+def _patch_variant() -> Any:
+    """The SpecForge patch of the SGLang this process runs (read from the patched files once,
+    at start), or None where that is not known (no SGLang imported, files unreadable)."""
+    srt = sys.modules.get("sglang.srt")
+    paths = list(getattr(srt, "__path__", None) or [])
+    if not paths:
+        return None
+    try:
+        from . import _install
+
+        return _install.detect(Path(paths[0]))
+    except Exception:
+        logger.debug("spec capture: could not tell which SpecForge patch this SGLang has", exc_info=True)
+        return None
+
+
+def _eager(variant: Any) -> bool:
+    """``SGLANG_SPEC_CAPTURE_ARENA_EAGER``: ``1`` makes the arena when the server starts, ``0``
+    at the first capture; unset, when the server starts under a synchronous patch (whose
+    scheduler thread would otherwise meet an arena still being made)."""
+    v = os.environ.get("SGLANG_SPEC_CAPTURE_ARENA_EAGER", "").strip()
+    if v in ("0", "1"):
+        return v == "1"
+    return bool(getattr(variant, "synchronous", False))
 
 
 def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
@@ -126,13 +184,14 @@ def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
     returns it; None when capture is off.
 
     Checks the settings (raising :class:`ConfigError` naming the variables, so a misconfigured
-    server does not start) but allocates and connects nothing: the arena is created, or the
-    Mooncake store connected, at the first capture on a background thread. With
-    ``SGLANG_SPEC_CAPTURE_ARENA_EAGER=1`` the arena is created in the background now instead,
-    on the rank that captures only (attention-TP rank 0, read from the calling scheduler), on
-    that rank's GPU for a device arena. The placement is the environment's
-    (:func:`capture_arena.placement`); ``aux_layer_ids`` come from
-    ``server_args.spec_capture_aux_layer_ids``.
+    server does not start). The arena is created (or the Mooncake store connected) on a
+    background thread: at the first capture, or now on the capturing rank (attention-TP rank 0,
+    read from the calling scheduler; on its GPU for a device arena) under a synchronous patch
+    or with ``SGLANG_SPEC_CAPTURE_ARENA_EAGER=1``. ``aux_layer_ids`` come from
+    ``server_args.spec_capture_aux_layer_ids``; with ``server_args.spec_capture_intake_url``
+    live capture starts (every rank fetches the intake's config in the background, so every
+    rank decides alike which requests are captured), sampling
+    ``server_args.spec_capture_sample_rate``.
     """
     global _SINK, _METRICS
     if not getattr(server_args, "enable_spec_capture", False):
@@ -140,20 +199,37 @@ def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
     if _SINK is None:
         _check_settings()
         ids = _layer_ids(getattr(server_args, "spec_capture_aux_layer_ids", None))
+        intake = getattr(server_args, "spec_capture_intake_url", None)
+        rate = getattr(server_args, "spec_capture_sample_rate", 1.0)
         rank, gpu = _scheduler_state()
+        variant = _patch_variant()
+        capturing = rank in (None, 0)
+        sink: "ArenaSink | StoreSink"
         if placement() == "store":
-            sink: "ArenaSink | StoreSink" = new_sink(aux_layer_ids=ids)
+            store = StoreSink(aux_layer_ids=ids)
+            if capturing and _eager(variant):
+                store.start_in_background()
+            sink = store
         else:
-            eager = os.environ.get("SGLANG_SPEC_CAPTURE_ARENA_EAGER", "").strip() == "1"
             arena = ArenaSink(aux_layer_ids=ids, eager=False)
-            if eager and rank in (None, 0):
+            if capturing and _eager(variant):
                 arena.start_in_background(arena.device if arena.device is not None else gpu)
             sink = arena
+        # put_sample is called on the scheduler thread: it waits a bounded time.
+        sink.sync_bound = sink.sync_wait_s
+        if intake:
+            try:
+                sink.start_live(intake, 1.0 if rate is None else rate)
+            except Exception:
+                sink.close()
+                raise
         _SINK = sink
         logger.info(
-            "spec capture: capture-arena %s placement, %s publication",
+            "spec capture: capture-arena %s placement, %s publication%s%s",
             sink.placement,
             "device" if gpu_put_enabled() else "host",
+            f", SpecForge patch: {variant.name}" if variant is not None else "",
+            f", live capture from {sink.intake_url} at rate {sink.sample_rate:g}" if intake else "",
         )
         _METRICS = metrics.register(sink)
     return _SINK
@@ -164,10 +240,35 @@ def get_sink() -> Optional["ArenaSink | StoreSink"]:
     return _SINK
 
 
-def SpecCaptureSink(aux_layer_ids: Optional[list[int]] = None) -> "ArenaSink | StoreSink":
-    """A sink of the placement the environment selects (the replaced module's class name, for
-    callers that construct one themselves): :func:`capture_arena.new_sink`."""
-    return new_sink(aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else None)
+def maybe_live_spec(rid: Any) -> Optional[dict[str, Any]]:
+    """The live spec of request ``rid`` when this server captures serving traffic and samples
+    it (the online-live patch calls this for every request on every rank, capture on or off,
+    without a ``try``): None without a sink, without an intake, before the intake's config is
+    known, or when the request is not sampled. Never raises."""
+    sink = _SINK
+    if sink is None:
+        return None
+    try:
+        return sink.maybe_live_spec(rid)
+    except Exception:
+        logger.warning("spec capture: maybe_live_spec(%r) failed", rid, exc_info=True)
+        return None
+
+
+def SpecCaptureSink(
+    aux_layer_ids: Optional[list[int]] = None, *, intake_url: Optional[str] = None, sample_rate: float = 1.0
+) -> "ArenaSink | StoreSink":
+    """A sink of the placement the environment selects (the replaced module's class name and
+    arguments, for callers that construct one themselves): :func:`capture_arena.new_sink`, with
+    live capture on when ``intake_url`` is given."""
+    sink = new_sink(aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else None)
+    if intake_url:
+        try:
+            sink.start_live(intake_url, sample_rate)
+        except Exception:
+            sink.close()
+            raise
+    return sink
 
 
 def reset_sink() -> None:

@@ -25,13 +25,31 @@ SpecForge                     capture-arena
 ``discard_external_attempts`` frees attempts whose response was lost, by prefix
                               (``{store_id}/{sample_id}/g{gen}/``), or by their recorded result
 ``gc()``                      frees samples held longer than ``max_hold_age_s`` and not leased
-``drain_*_removals``          waits (bounded) until every free went out; raises if not
-``health()``                  SpecForge's keys, with ``release_pending`` the frees not yet sent
+``drain_*_removals``          waits (bounded) until every free was applied; raises if not
+``health()``                  SpecForge's keys, with ``release_pending`` the frees not yet
+                              confirmed, ``refused_frees`` those a producer refused for its
+                              control token, ``tracked_results`` what this store remembers
 ============================  =================================================================
 
 Frees never wait on the network in the caller's thread: keys go out from capture-arena's free
 senders, prefixes from one sender thread of this module, each retried with a back-off until its
-endpoint answers, and dropped only once it refuses connections (its producer is gone).
+endpoint confirms it (a free counts as delivered only once the producer answered that it was
+applied), and dropped only once the endpoint refuses connections (its producer is gone). A
+producer that refuses frees for its control token (this store was given none, or a wrong one)
+leaves them pending: ``drain_*`` raise saying so, ``health()["refused_frees"]`` counts them, and
+a token learned later (``tokens=``, a result's ``arena.token``) gets them through.
+
+Live capture (SpecForge's online-live intake) builds refs from records, not from a ``/generate``
+response: wrap the intake's ref source with :meth:`SpecForgeArenaStore.live_ref_source` (or call
+:meth:`SpecForgeArenaStore.record_result` with each record before ``adopt``), and ``adopt`` finds
+the record's arena result.
+
+What a store remembers is bounded: a result is forgotten (never freed for that) once its sample
+is released or freed here, once a read finds it freed elsewhere, once its producer reports that
+the store's oldest resident object is younger than it (asked at most every
+``RESIDENCY_CHECK_S`` by ``gc()``, in the background), or when it is the oldest beyond
+``max_tracked`` results (65536) or older than ``forget_after_s`` (24 h; never less than
+``max_hold_age_s``). ``abort`` of a forgotten sample still frees it, by prefix.
 
 SpecForge is imported when this module is (``capture_arena`` itself never imports it).
 """
@@ -57,9 +75,9 @@ except ImportError as e:  # pragma: no cover - exercised only without SpecForge
     ) from e
 
 from . import ArenaFeatureStore
-from ._capture_arena import _send_frees
+from ._capture_arena import _send_frees, _stats_query
 from ._store import is_store_result
-from .errors import CaptureArenaError, FreeNotSentError
+from .errors import CaptureArenaError, FreeNotSentError, FreeRefusedError, ReleasedError
 
 log = logging.getLogger("capture_arena.specforge")
 
@@ -73,6 +91,12 @@ MAX_ENDPOINTS = 4096
 MAX_PREFIXES = 65536
 #: The longest response ``post_fn``'s default reads.
 MAX_RESPONSE_BYTES = 256 << 20
+#: Results a store tracks at most (the oldest not leased is forgotten beyond it, not freed).
+MAX_TRACKED = 65536
+#: Results older than this are forgotten (not freed), unless ``max_hold_age_s`` is longer.
+FORGET_AFTER_S = 24 * 3600.0
+#: How often ``gc()`` asks producers which of this store's samples are still resident.
+RESIDENCY_CHECK_S = 10.0
 
 
 def escape_part(part: str) -> str:
@@ -126,6 +150,26 @@ class _Prefixes:
         self._sending = 0
         self._thread: Optional[threading.Thread] = None
         self.dropped = 0
+        #: Prefixes waiting because their endpoint refused them for its control token, and why.
+        self._refused: Dict[Tuple[str, str], str] = {}
+
+    @property
+    def refused(self) -> int:
+        with self._lock:
+            return sum(1 for k in self._refused if k in self._waiting)
+
+    def last_refusal(self) -> str:
+        with self._lock:
+            live = [why for k, why in self._refused.items() if k in self._waiting]
+            return live[-1] if live else ""
+
+    def set_token(self, control: str, token: Optional[str]) -> None:
+        """A token learned for ``control``: its waiting prefixes carry it and go now."""
+        with self._lock:
+            for (c, p), (_, _, backoff) in list(self._waiting.items()):
+                if c == control:
+                    self._waiting[(c, p)] = (token, 0.0, backoff)
+            self._lock.notify_all()
 
     def add(self, control: str, token: Optional[str], prefix: str) -> None:
         with self._lock:
@@ -161,6 +205,16 @@ class _Prefixes:
             retry: Optional[float] = None
             try:
                 _send_frees(control, [], [prefix], token, 5.0)
+                with self._lock:
+                    self._refused.pop((control, prefix), None)
+            except FreeRefusedError as e:
+                # Not applied: it waits (a token learned later gets it through), said once.
+                with self._lock:
+                    first = (control, prefix) not in self._refused
+                    self._refused[(control, prefix)] = str(e)
+                if first:
+                    log.error("prefix free %s: %s", prefix, e)
+                retry = min(backoff * 2, 30.0)
             except FreeNotSentError as e:
                 if "refused" in str(e).lower():
                     log.warning("control endpoint %s refuses connections (its producer is gone): prefix free %s dropped", control, prefix)
@@ -216,6 +270,8 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         max_hold_age_s: Optional[float] = None,
         reader: Optional[ArenaFeatureStore] = None,
         clock: Callable[[], float] = time.monotonic,
+        max_tracked: int = MAX_TRACKED,
+        forget_after_s: float = FORGET_AFTER_S,
     ) -> None:
         import uuid
 
@@ -223,6 +279,10 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         if not isinstance(self.store_id, str) or not self.store_id or "/" in self.store_id:
             raise ValueError(f"store_id must be a non-empty string without '/': {self.store_id!r}")
         self.max_hold_age_s = max_hold_age_s
+        if max_tracked < 1:
+            raise ValueError(f"max_tracked must be >= 1, not {max_tracked}")
+        self.max_tracked = max_tracked
+        self.forget_after_s = max(forget_after_s, max_hold_age_s or 0.0)
         self.max_resident_bytes: Optional[int] = None
         self._reader = reader or ArenaFeatureStore()
         self._clock = clock
@@ -234,7 +294,8 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         # Tracked samples (adopted, or read here): sample_id -> its result, generation, time, bytes.
         self._results: Dict[str, Dict[str, Any]] = {}
         self._generation: Dict[str, int] = {}
-        self._put_time: Dict[str, float] = {}
+        # In tracking order (oldest first): what is forgotten first.
+        self._put_time: "collections.OrderedDict[str, float]" = collections.OrderedDict()
         self._bytes: Dict[str, int] = {}
         self._leases: Dict[str, Any] = {}
         self._counter = 0
@@ -242,7 +303,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._recorded: "collections.OrderedDict[Tuple[str, int], Dict[str, Any]]" = collections.OrderedDict()
         self._provisional: Dict[Tuple[str, int], List[str]] = {}
         self._prefixes = _Prefixes()
-        self._stats = {"force_freed": 0, "force_freed_bytes": 0}
+        self._stats = {"force_freed": 0, "force_freed_bytes": 0, "forgotten": 0}
+        self._residency: Optional[threading.Thread] = None
+        self._residency_at = -RESIDENCY_CHECK_S
 
     # -- what the adapter needs ---------------------------------------------------------------
     def post_fn(self, inner: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
@@ -294,8 +357,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
     def _learn(self, control: str, token: Optional[str]) -> None:
         if control in self._endpoints:
             self._endpoints.move_to_end(control)
-            if token:
+            if token and self._endpoints[control] != token:
                 self._endpoints[control] = token
+                self._prefixes.set_token(control, token)
             return
         self._endpoints[control] = token
         while len(self._endpoints) > MAX_ENDPOINTS:
@@ -329,6 +393,35 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             sample_ref.metadata[META_KEY] = result
             self._track(sid, gen, result)
             self._provisional.pop((sid, gen), None)
+
+    def record_result(self, record: Mapping[str, Any]) -> None:
+        """Remembers a capture result that reached this process another way than a
+        ``/generate`` response: a live capture's record (the sink's result plus ``num_tokens``),
+        as SpecForge's intake hands it to its ref source. The ``adopt`` of its ref then finds
+        it. Results of other stores, and rows with an error, are ignored."""
+        if not isinstance(record, Mapping) or record.get("error") or not isinstance(record.get("features"), Mapping):
+            return
+        if str(record.get("store_id")) != self.store_id:
+            return
+        try:
+            ident = (str(record["sample_id"]), int(record["gen"]))
+        except (KeyError, TypeError, ValueError):
+            return
+        result = {k: v for k, v in record.items() if k not in ("num_tokens", "origin")}
+        with self._lock:
+            self._recorded[ident] = result
+            self._learn_from(result)
+            while len(self._recorded) > MAX_RECORDED:
+                (sid, gen), old = self._recorded.popitem(last=False)
+                log.warning("%d capture results were never adopted: freeing the oldest, %s g%d", MAX_RECORDED, sid, gen)
+                self._free_result(old)
+
+    def live_ref_source(self, ref_source: Any) -> Any:
+        """Wraps SpecForge's live intake ref source (``LiveIntakeRefSource``: ``config_payload()``,
+        ``ref_from_record(record)``) so that every record it turns into a ref is remembered first
+        (:meth:`record_result`): give the wrapper to ``build_disagg_live_producer`` in its
+        place. Everything else goes to the wrapped source."""
+        return _RecordingRefSource(self, ref_source)
 
     def track_external_attempt(self, sample_id: str, *, generation: int, feature_names: List[str]) -> None:
         """Remembers an attempt before its request goes out, so that a response that never
@@ -391,7 +484,14 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._check_result(sample_ref, result, gen)
         wanted = list(names) if names else list(sample_ref.feature_keys)
         dev = str(device)
-        tensors = self._reader.get(result, wanted, torch=True, device=None if dev == "cpu" else dev)
+        try:
+            tensors = self._reader.get(result, wanted, torch=True, device=None if dev == "cpu" else dev)
+        except ReleasedError:
+            # Freed elsewhere (another trainer's release, an abort, its lease): nothing to keep.
+            with self._lock:
+                if self._generation.get(sid) == gen and not self._leased(sid, gen):
+                    self._forget(sid)
+            raise
         with self._lock:
             if sid not in self._generation:
                 self._track(sid, gen, result)
@@ -439,6 +539,8 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                         self._free_tracked(sid)
             self._stats["force_freed"] += freed
             self._stats["force_freed_bytes"] += freed_bytes
+            self._forget_beyond_bounds(now)
+        self._check_residency(now)
         return {"force_freed": freed, "force_freed_bytes": freed_bytes, "release_pending": self._pending()}
 
     def health(self) -> Dict[str, Any]:
@@ -455,7 +557,10 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                 "resident_bytes": sum(self._bytes.values()),
                 "max_resident_bytes": self.max_resident_bytes,
                 "release_pending": self._pending(),
+                "refused_frees": inner.get("refused_frees", 0) + self._prefixes.refused,
                 "dropped_frees": inner["dropped_frees"] + self._prefixes.dropped,
+                "tracked_results": len(self._results) + len(self._recorded),
+                "forgotten_total": self._stats["forgotten"],
                 "oldest_age_s": max(ages) if ages else 0.0,
                 "avg_age_s": (sum(ages) / len(ages)) if ages else 0.0,
                 "force_freed_total": self._stats["force_freed"],
@@ -485,8 +590,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             if self._pending() == 0:
                 return {"removed": before, "removed_bytes": 0, "release_pending": 0, "attempts": attempt + 1}
         left = self._pending()
+        last = last or self._prefixes.last_refusal()
         raise RuntimeError(
-            f"SpecForgeArenaStore {self.store_id} could not send {left} frees after {max_attempts} attempts"
+            f"SpecForgeArenaStore {self.store_id} could not deliver {left} frees after {max_attempts} attempts"
             + (f": {last}" if last else "")
             + "; they stay queued and keep being retried"
         )
@@ -525,8 +631,82 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._results[sid] = dict(result)
         self._generation[sid] = gen
         self._put_time[sid] = self._clock()
+        self._put_time.move_to_end(sid)
         self._bytes[sid] = _result_bytes(result)
         self._learn_from(result)
+        if len(self._results) > self.max_tracked:
+            self._forget_beyond_bounds(self._put_time[sid])
+
+    def _forget(self, sid: str) -> None:
+        """Stops tracking a sample without freeing it (it was freed, or is left to its producer
+        and to ``abort``'s prefix free)."""
+        self._results.pop(sid, None)
+        self._generation.pop(sid, None)
+        self._put_time.pop(sid, None)
+        self._bytes.pop(sid, None)
+        self._stats["forgotten"] += 1
+
+    def _forget_beyond_bounds(self, now: float) -> None:
+        """Forgets the oldest results not leased beyond ``max_tracked``, and those older than
+        ``forget_after_s``."""
+        over = len(self._results) - self.max_tracked
+        forgotten = 0
+        for sid, t in list(self._put_time.items()):
+            if over <= 0 and now - t <= self.forget_after_s:
+                break  # in tracking order: the rest are younger
+            if self._leased(sid, self._generation.get(sid)):
+                continue
+            self._forget(sid)
+            over -= 1
+            forgotten += 1
+        if forgotten:
+            log.info(
+                "forgot %d tracked capture results (beyond %d, or older than %.0f s); not freed: an abort still frees them by prefix",
+                forgotten,
+                self.max_tracked,
+                self.forget_after_s,
+            )
+
+    def _check_residency(self, now: float) -> None:
+        """At most every RESIDENCY_CHECK_S, asks each control endpoint (in the background)
+        which of this store's samples it still holds, and forgets those it no longer does."""
+        with self._lock:
+            if now - self._residency_at < RESIDENCY_CHECK_S or (self._residency is not None and self._residency.is_alive()):
+                return
+            self._residency_at = now
+            endpoints = list(self._endpoints.items())
+            if not endpoints or not self._results:
+                return
+            self._residency = threading.Thread(target=self._residency_pass, args=(endpoints,), name="capture-arena-residency", daemon=True)
+            self._residency.start()
+
+    def _residency_pass(self, endpoints: List[Tuple[str, Optional[str]]]) -> None:
+        """Samples published before the oldest object a producer still holds for this store
+        are freed: a result adopted before that object was published is forgotten. (Adoption
+        follows publication, so this never forgets a resident sample.)"""
+        for control, token in endpoints:
+            asked = self._clock()
+            try:
+                report = _stats_query(control, token, 2.0)
+            except Exception as e:  # unreachable, refused: nothing learned
+                log.debug("residency of %s at %s: %s", self.store_id, control, e)
+                continue
+            rows = [r for r in report.get("stores", []) if r.get("store_id") == self.store_id]
+            if rows:
+                # Published no later than this; everything adopted before it was freed.
+                cutoff = asked - float(rows[0].get("oldest_age_s", 0.0)) - 1.0
+            elif int(report.get("stores_total", 0)) <= len(report.get("stores", [])):
+                cutoff = asked  # holds nothing of this store: all adopted before asking is gone
+            else:
+                continue  # not among the listed holders: nothing can be said
+            with self._lock:
+                for sid, t in list(self._put_time.items()):
+                    if t >= cutoff:
+                        break
+                    result = self._results.get(sid, {})
+                    arena = result.get("arena") if isinstance(result, Mapping) else None
+                    if isinstance(arena, Mapping) and arena.get("control") == control and not self._leased(sid, self._generation.get(sid)):
+                        self._forget(sid)
 
     def _leased(self, sid: str, gen: Optional[int]) -> bool:
         return any(h.sample_id == sid and h.generation == gen for h in self._leases.values())
@@ -564,6 +744,21 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
 
     def _pending(self) -> int:
         return int(self._reader.health()["pending_frees"]) + self._prefixes.pending
+
+
+class _RecordingRefSource:
+    """See :meth:`SpecForgeArenaStore.live_ref_source`."""
+
+    def __init__(self, store: SpecForgeArenaStore, inner: Any) -> None:
+        self._store = store
+        self._inner = inner
+
+    def ref_from_record(self, record: Mapping[str, Any]) -> Any:
+        self._store.record_result(record)
+        return self._inner.ref_from_record(record)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 __all__ = ["SpecForgeArenaStore", "META_KEY", "escape_part"]

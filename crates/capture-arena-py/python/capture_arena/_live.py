@@ -1,0 +1,504 @@
+"""Live capture from serving traffic: the semantics of SpecForge's online-live SGLang patch
+(``patches/sglang/online-live/spec-capture-live.patch``), with capture-arena's sinks behind it.
+
+The patched scheduler asks ``maybe_live_spec(rid)`` for every request it receives, on every rank;
+a request the sink samples gets a spec (``{"store_id", "sample_id": "live-{rid}", "gen",
+"replace": False, "features", "live": True}``, from the intake's config), so the scheduler
+captures its hidden states; when it finishes, attention-TP rank 0 hands them over with
+``put_sample_live(spec, aux=, last_hidden=, tokens=)``. A worker thread publishes the sample and
+posts its record (the sink's result plus ``num_tokens``) to the intake
+(``POST {intake}/v1/spec-capture/records``), whose trainer adopts it.
+
+What follows upstream exactly: the sampling rule (the first 8 bytes of SHA-1 of ``str(rid)`` as
+a big-endian integer over 2**64, below ``sample_rate``; so every rank decides alike), the sample
+ids, the passthrough synthesis from the config (``source: "tokens"`` the token ids, anything
+else ones; ``[1, L]`` int64), the row checks (rows == tokens, ``min_num_tokens`` default 2,
+``max_num_tokens`` 0 = no cap), the record body, and the queue (``SPEC_CAPTURE_LIVE_QUEUE``,
+default 64).
+
+What is added:
+
+- the scheduler thread never waits on the network: the config is fetched by a thread of its own
+  (every 5 s until it succeeds, and again when records are rejected: the producer may have
+  restarted with a new ``store_id``); requests that arrive before it are not captured;
+- ``maybe_live_spec`` and ``put_sample_live`` never raise;
+- a full queue, a failed publish or a refused record drops that capture alone, and its objects
+  are freed at once by the sink itself (no control round trip). Any non-2xx answer is a refusal.
+  A first attempt answered ``duplicate`` means the rid was captured before and that sample was
+  given to a trainer: this one never will be, so it is freed; only a retry's ``duplicate`` (the
+  first attempt's answer was lost) is a success;
+- records carry the arena result (``arena``, each feature's ``address`` and ``stamp``), so a
+  trainer reads them through :mod:`capture_arena.specforge` (``SpecForgeArenaStore.adopt_record``);
+- counters (``live_captured`` and ``live_dropped_*`` by cause) are in the sink's ``stats()``, so
+  SGLang's ``/metrics`` shows them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .errors import ConfigError
+
+__all__ = ["LiveCapture", "LiveSink", "CONFIG_PATH", "RECORDS_PATH", "sampled", "QUEUE_ENV", "sync_wait_s"]
+
+_log = logging.getLogger("capture_arena")
+
+#: The intake's endpoints (SpecForge's ``CaptureIntakeServer``).
+CONFIG_PATH = "/v1/spec-capture/config"
+RECORDS_PATH = "/v1/spec-capture/records"
+#: The environment variable of the queue's size (upstream's name and default).
+QUEUE_ENV = "SPEC_CAPTURE_LIVE_QUEUE"
+DEFAULT_QUEUE = 64
+#: Upstream's timeouts: the config fetch, and each record post (two attempts).
+CONFIG_TIMEOUT_S = 5.0
+CONFIG_RETRY_S = 5.0
+POST_TIMEOUT_S = 10.0
+POST_ATTEMPTS = 2
+#: The intake refuses records over 1 MiB; a config or an answer is read up to this much.
+MAX_RECORD_BYTES = 1 << 20
+MAX_ANSWER_BYTES = 64 << 10
+#: The longest prompt a live capture takes, whatever the config says (tokens are ints).
+MAX_TOKENS = 1 << 24
+
+#: Counters, all present from the start (zero), in the order ``stats()`` lists them.
+COUNTERS = (
+    "live_captured",
+    "live_not_ready",
+    "live_dropped_queue_full",
+    "live_dropped_bad_rows",
+    "live_dropped_publish",
+    "live_dropped_shed",
+    "live_dropped_rejected",
+    "live_dropped_duplicate",
+    "live_dropped_intake_down",
+    "live_dropped_no_intake",
+)
+
+
+def sampled(rid: Any, rate: float) -> bool:
+    """Upstream's sampling rule: every rank makes the same decision for a request id."""
+    if rate >= 1.0:
+        return True
+    if rate <= 0.0:
+        return False
+    digest = hashlib.sha1(str(rid).encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < rate
+
+
+def check_intake_url(url: Any) -> str:
+    """The intake's origin (``http://host:port``, no trailing slash), or ConfigError."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"--spec-capture-intake-url must be an http:// URL, not {url!r:.80}")
+    u = url.strip().rstrip("/")
+    parts = urllib.parse.urlsplit(u)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"--spec-capture-intake-url {u!r:.200}: expected http://host:port (SpecForge's capture intake), "
+            "e.g. http://127.0.0.1:8600"
+        )
+    return u
+
+
+def check_sample_rate(rate: Any) -> float:
+    try:
+        r = float(rate)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--spec-capture-sample-rate must be a number in [0, 1], not {rate!r:.40}") from None
+    if not 0.0 <= r <= 1.0:
+        raise ConfigError(f"--spec-capture-sample-rate must be in [0, 1], not {r}")
+    return r
+
+
+def _queue_size() -> int:
+    raw = os.environ.get(QUEUE_ENV, "").strip()
+    if not raw:
+        return DEFAULT_QUEUE
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ConfigError(f"{QUEUE_ENV}={raw!r}: the live capture queue's size must be an integer >= 1") from None
+    if not 1 <= n <= 1 << 20:
+        raise ConfigError(f"{QUEUE_ENV}={n}: the live capture queue's size must be in [1, 1048576]")
+    return n
+
+
+class _Config:
+    """The intake's config, checked once (so the scheduler thread reads plain fields)."""
+
+    __slots__ = ("store_id", "gen", "features", "passthrough", "min_tokens", "max_tokens")
+
+    def __init__(self, raw: Any) -> None:
+        if not isinstance(raw, Mapping):
+            raise ValueError("the config is not a JSON object")
+        store_id = raw.get("store_id")
+        if not isinstance(store_id, str) or not store_id or "/" in store_id or len(store_id) > 256:
+            raise ValueError(f"store_id must be a non-empty string without '/', not {store_id!r:.80}")
+        gen = raw.get("gen", 1)
+        if isinstance(gen, bool) or not isinstance(gen, int) or not 1 <= gen < 2**63:
+            raise ValueError(f"gen must be an integer >= 1, not {gen!r:.40}")
+        feats = raw.get("features") or {}
+        if not isinstance(feats, Mapping) or not all(
+            a in ("aux", "last_hidden") and isinstance(n, str) and n for a, n in feats.items()
+        ):
+            raise ValueError("features must map aux/last_hidden to feature names")
+        passthrough = []
+        for p in raw.get("passthrough") or []:
+            if not isinstance(p, Mapping) or not isinstance(p.get("name"), str) or not p["name"]:
+                raise ValueError("each passthrough needs a name")
+            passthrough.append((p["name"], p.get("source") == "tokens"))
+        if len(passthrough) > 64:
+            raise ValueError(f"{len(passthrough)} passthrough features, more than 64")
+        lo, hi = raw.get("min_num_tokens") or 2, raw.get("max_num_tokens") or 0
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (lo, hi)):
+            raise ValueError("min_num_tokens and max_num_tokens must be integers >= 0")
+        self.store_id: str = store_id
+        self.gen: int = gen
+        self.features: dict[str, str] = dict(feats)
+        self.passthrough: list[tuple[str, bool]] = passthrough
+        self.min_tokens: int = lo
+        self.max_tokens: int = min(hi, MAX_TOKENS) if hi else MAX_TOKENS
+
+
+Publish = Callable[[Any], "dict[str, Any]"]
+Drop = Callable[["dict[str, Any]"], None]
+
+
+class LiveCapture:
+    """Live capture for one sink: see the module docs. ``publish(item)`` publishes one
+    ``(spec, aux, last_hidden)`` and returns its row (never raises); ``drop(result)`` frees a
+    published result's objects at once."""
+
+    def __init__(self, intake_url: Any, sample_rate: Any, publish: Publish, drop: Drop) -> None:
+        self.intake_url = check_intake_url(intake_url)
+        self.sample_rate = check_sample_rate(sample_rate)
+        self._publish = publish
+        self._drop = drop
+        self._queue: "queue.Queue[Optional[tuple[Any, Any, Any, Any]]]" = queue.Queue(maxsize=_queue_size())
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._counts_lock = threading.Lock()
+        self._config: Optional[_Config] = None
+        self._refetch = threading.Event()
+        self._closed = threading.Event()
+        self._last_log = 0.0
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="capture-arena-live-config", daemon=True)
+        self._worker = threading.Thread(target=self._work, name="capture-arena-live", daemon=True)
+        self._fetcher.start()
+        self._worker.start()
+
+    # -- what the scheduler calls (never raises, never waits) ---------------------------------
+    def maybe_live_spec(self, rid: Any) -> Optional[dict[str, Any]]:
+        """The spec of a sampled request, None for the others and until the config is known."""
+        try:
+            cfg = self._config
+            if cfg is None:
+                self._count("live_not_ready")
+                return None
+            if not sampled(rid, self.sample_rate):
+                return None
+            return {
+                "store_id": cfg.store_id,
+                "sample_id": f"live-{rid}",
+                "gen": cfg.gen,
+                "replace": False,
+                "features": dict(cfg.features),
+                "live": True,
+            }
+        except Exception:  # a rid whose str() raises: not captured, never the scheduler's problem
+            _log.warning("live capture: cannot make a spec for request %r", rid, exc_info=True)
+            return None
+
+    def put_sample_live(self, spec: Any, aux: Any = None, last_hidden: Any = None, tokens: Any = None) -> None:
+        """Queues a finished request's capture for the worker; a full queue drops it."""
+        try:
+            self._queue.put_nowait((spec, aux, last_hidden, tokens))
+        except queue.Full:
+            self._count("live_dropped_queue_full")
+        except Exception:
+            self._count("live_dropped_bad_rows")
+
+    # -- counters ------------------------------------------------------------------------------
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._counts_lock:
+            self._counts[what] += n
+
+    def stats(self) -> dict[str, int]:
+        with self._counts_lock:
+            return dict(self._counts)
+
+    @property
+    def config(self) -> Optional[dict[str, Any]]:
+        """The intake's config in use (None until fetched)."""
+        cfg = self._config
+        if cfg is None:
+            return None
+        return {"store_id": cfg.store_id, "gen": cfg.gen, "features": dict(cfg.features)}
+
+    def _log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= 60.0:
+            self._last_log = now
+            _log.info("spec-capture live stats: %s", self.stats())
+
+    # -- the config thread ---------------------------------------------------------------------
+    def _fetch_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                cfg = _Config(self._get_json(self.intake_url + CONFIG_PATH))
+            except Exception as e:
+                _log.warning("live capture: fetching the intake's config from %s failed (retrying in %.0f s): %s", self.intake_url, CONFIG_RETRY_S, e)
+                self._closed.wait(CONFIG_RETRY_S)
+                continue
+            old = self._config
+            self._config = cfg
+            if old is None or old.store_id != cfg.store_id or old.gen != cfg.gen:
+                _log.info("live capture: intake %s, store_id %s, gen %d, features %s", self.intake_url, cfg.store_id, cfg.gen, cfg.features)
+            # Fetched again only when records are rejected (a producer restarted with a new
+            # store_id), at most every CONFIG_RETRY_S.
+            self._refetch.wait()
+            self._refetch.clear()
+            self._closed.wait(CONFIG_RETRY_S)
+
+    @staticmethod
+    def _get_json(url: str) -> Any:
+        with urllib.request.urlopen(url, timeout=CONFIG_TIMEOUT_S) as resp:
+            body = resp.read(MAX_RECORD_BYTES + 1)
+        if len(body) > MAX_RECORD_BYTES:
+            raise ValueError(f"the config is over {MAX_RECORD_BYTES} bytes")
+        return json.loads(body)
+
+    # -- the worker ----------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._write(*item)
+            except Exception:  # never ends the worker: the next capture goes on
+                _log.warning("live capture: a capture failed", exc_info=True)
+            finally:
+                del item
+                self._log_stats()
+
+    def _write(self, spec: Any, aux: Any, last_hidden: Any, tokens: Any) -> None:
+        cfg = self._config
+        toks = self._tokens(tokens)
+        rows = int(aux.shape[0]) if aux is not None and len(getattr(aux, "shape", ())) > 0 else -1
+        lo, hi = (cfg.min_tokens, cfg.max_tokens) if cfg is not None else (2, MAX_TOKENS)
+        if toks is None or rows != len(toks) or not lo <= len(toks) <= hi or not isinstance(spec, Mapping):
+            self._count("live_dropped_bad_rows")
+            return
+        n = len(toks)
+        ones = None
+        passthrough = []
+        for name, from_tokens in cfg.passthrough if cfg is not None else ():
+            if from_tokens:
+                data = toks
+            else:
+                ones = np.ones((1, n), dtype=np.int64) if ones is None else ones
+                data = ones
+            passthrough.append({"name": name, "data": data, "shape": [1, n], "dtype": "int64"})
+        row = self._publish((dict(spec, passthrough=passthrough), aux, last_hidden))
+        if "error" in row:
+            self._count("live_dropped_publish")
+            _log.warning("live capture: publishing %s failed: %s", spec.get("sample_id"), row["error"])
+            return
+        record = dict(row, num_tokens=n)
+        outcome = self._post(record)
+        if outcome == "accepted":
+            self._count("live_captured")
+            return
+        # Never given to a trainer: free it now.
+        self._drop(row)
+        self._count({"shed": "live_dropped_shed", "duplicate": "live_dropped_duplicate", "down": "live_dropped_intake_down"}.get(outcome, "live_dropped_rejected"))
+
+    @staticmethod
+    def _tokens(tokens: Any) -> Optional[np.ndarray[Any, Any]]:
+        """The token ids as ``[1, L]`` int64 (None if they are not a sequence of ints)."""
+        try:
+            if isinstance(tokens, np.ndarray):
+                t = tokens
+            else:
+                if not isinstance(tokens, Sequence) or len(tokens) > MAX_TOKENS:
+                    return None
+                t = np.asarray(list(tokens))
+            if t.ndim != 1 or len(t) > MAX_TOKENS or not np.issubdtype(t.dtype, np.integer):
+                return None
+            out: np.ndarray[Any, Any] = t.astype(np.int64, copy=False)
+            return out
+        except Exception:
+            return None
+
+    def _post(self, record: Mapping[str, Any]) -> str:
+        """Posts a record: ``accepted``, ``duplicate`` (a first attempt's), ``shed`` (429),
+        ``rejected`` (any other non-2xx), or ``down`` (no answer after every attempt)."""
+        body = json.dumps(record, separators=(",", ":")).encode()
+        if len(body) > MAX_RECORD_BYTES:
+            _log.warning("live capture: the record of %s is %d bytes, over the intake's %d", record.get("sample_id"), len(body), MAX_RECORD_BYTES)
+            return "rejected"
+        url = self.intake_url + RECORDS_PATH
+        last = ""
+        for attempt in range(POST_ATTEMPTS):
+            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=POST_TIMEOUT_S) as resp:
+                    if not 200 <= resp.status < 300:  # urllib raises for most; a 1xx/3xx here
+                        return "rejected"
+                    answer = resp.read(MAX_ANSWER_BYTES)
+            except urllib.error.HTTPError as e:
+                detail = _answer_of(e)
+                if e.code == 429:
+                    return "shed"
+                _log.warning("live capture: the intake refused %s: HTTP %d %s", record.get("sample_id"), e.code, detail)
+                if e.code in (404, 422):
+                    self._refetch.set()  # a producer restarted with a new store_id?
+                return "rejected"
+            except Exception as e:  # the intake is down or did not answer: try again once
+                last = str(e)
+                continue
+            status = _status_of(answer)
+            if status == "duplicate" and attempt == 0:
+                _log.warning(
+                    "live capture: %s was already accepted by the intake (a repeated request id): this capture is freed",
+                    record.get("sample_id"),
+                )
+                return "duplicate"
+            return "accepted"
+        _log.warning("live capture: the intake %s did not answer for %s: %s", self.intake_url, record.get("sample_id"), last)
+        return "down"
+
+    def close(self) -> None:
+        """Stops the threads (captures still queued are dropped and counted)."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._refetch.set()
+        dropped = 0
+        while True:
+            try:
+                if self._queue.get_nowait() is not None:
+                    dropped += 1
+            except queue.Empty:
+                break
+        if dropped:
+            self._count("live_dropped_queue_full", dropped)
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass
+
+
+def _status_of(answer: bytes) -> Optional[str]:
+    try:
+        v = json.loads(answer)
+    except ValueError:
+        return None
+    return v.get("status") if isinstance(v, dict) and isinstance(v.get("status"), str) else None
+
+
+def _answer_of(e: urllib.error.HTTPError) -> str:
+    try:
+        return e.read(512).decode("utf-8", "replace")
+    except Exception:
+        return ""
+
+
+#: How long a synchronous caller waits by default (``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S``, as the
+#: compiled sink reads it).
+SYNC_WAIT_ENV = "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S"
+
+
+def sync_wait_s() -> float:
+    """``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (default 1): seconds a synchronous caller waits."""
+    raw = os.environ.get(SYNC_WAIT_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 86400.0:
+        raise ConfigError(f"invalid configuration {SYNC_WAIT_ENV}: {raw!r} is not a number of seconds in [0, 86400]")
+    return v
+
+
+class LiveSink:
+    """What both sinks (the arena's and the store's) have for live capture: the online-live
+    patch's names (``maybe_live_spec``, ``put_sample_live``, ``intake_url``, ``sample_rate``),
+    over a :class:`LiveCapture` made by :meth:`start_live`. A sink class using it provides
+    ``_publish_live(item) -> row`` and ``_drop_published(result)``."""
+
+    _live: Optional[LiveCapture] = None
+    _no_intake = 0
+
+    @property
+    def intake_url(self) -> Optional[str]:
+        """The intake live captures are posted to (None: live capture is off)."""
+        live = self._live
+        return None if live is None else live.intake_url
+
+    @property
+    def sample_rate(self) -> float:
+        """The fraction of requests captured live (1.0 when live capture is off)."""
+        live = self._live
+        return 1.0 if live is None else live.sample_rate
+
+    def start_live(self, intake_url: Any, sample_rate: Any = 1.0) -> None:
+        """Turns live capture on (once): the config fetch and the worker start now, in threads
+        of their own. ConfigError for a bad URL, rate or ``SPEC_CAPTURE_LIVE_QUEUE``."""
+        if self._live is None:
+            self._live = LiveCapture(intake_url, sample_rate, self._publish_live, self._drop_published)
+
+    def maybe_live_spec(self, rid: Any) -> Optional[dict[str, Any]]:
+        """A live spec for request ``rid`` if it is sampled (never raises; None when live
+        capture is off or its config is not known yet)."""
+        live = self._live
+        return None if live is None else live.maybe_live_spec(rid)
+
+    def put_sample_live(self, spec: Any, *, aux: Any = None, last_hidden: Any = None, tokens: Any = None) -> None:
+        """Hands a finished live request's capture to the worker; returns at once, never raises.
+        Without an intake (a client that sent ``"live": true`` itself) it is dropped and
+        counted (``live_dropped_no_intake``)."""
+        live = self._live
+        if live is not None:
+            live.put_sample_live(spec, aux, last_hidden, tokens)
+            return
+        self._no_intake += 1
+        if self._no_intake == 1 or self._no_intake % 1000 == 0:
+            _log.warning(
+                "a live capture arrived but this server has no --spec-capture-intake-url: dropped "
+                "(%d so far; counted in live_dropped_no_intake)",
+                self._no_intake,
+            )
+
+    def _live_stats(self) -> dict[str, int]:
+        live = self._live
+        if live is None:
+            return {"live_dropped_no_intake": self._no_intake} if self._no_intake else {}
+        s = live.stats()
+        s["live_dropped_no_intake"] += self._no_intake
+        return s
+
+    def _stop_live(self) -> None:
+        live = self._live
+        if live is not None:
+            live.close()
+
+    def _publish_live(self, item: Any) -> dict[str, Any]:  # pragma: no cover - provided by the sink
+        raise NotImplementedError
+
+    def _drop_published(self, result: Mapping[str, Any]) -> None:  # pragma: no cover - provided by the sink
+        raise NotImplementedError

@@ -1,0 +1,343 @@
+"""Live capture from serving traffic (SpecForge's online-live patch) through the real sglang wheel,
+with an intake that speaks SpecForge's protocol (``intake.py``) and a trainer that reads through
+``capture_arena.specforge``.
+
+``LiveScheduler`` is our own code following the online-live patch's scheduler and result
+processor on attention-TP rank 0 (``patches/sglang/online-live/spec-capture-live.patch``): every
+request asks ``spec_capture_sink.maybe_live_spec(rid)`` (module level, no ``try``) when the client
+sent no spec; a finished live request hands ``put_sample_live(spec, aux=, last_hidden=,
+tokens=origin_input_ids + output_ids[:-1])`` to ``get_sink()`` (no ``try``); a driven one calls
+``put_sample`` inside a ``try``. The hook module is imported the way the patched scheduler
+imports it, from a copy of the real wheel with the patch's calls and ``install`` run
+(``scheduler_module``). Tensors are real torch tensors (CPU, as the patch clones them).
+
+In every case the arena ends fully free: accepted records once the trainer releases them, every
+other capture at once, by the sink itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import pathlib
+import socket
+import sys
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+
+if importlib.util.find_spec("specforge") is None:  # SpecForge's trainer stack (tests/specforge_src)
+    sys.path.insert(0, str(pathlib.Path(__file__).parent / "specforge_src"))
+
+import capture_arena as ca  # noqa: E402
+from capture_arena.specforge import SpecForgeArenaStore  # noqa: E402
+from intake import Intake, Producer, config_payload, ref_from_record  # noqa: E402
+
+K, H = 3, 32  # aux layers, hidden size
+#: What the trainer's schema expects (SpecForge checks the aux width against its contract).
+AUX_WIDTH = K * H
+
+
+class Req:
+    """The scheduler's request, reduced to what the capture hooks touch."""
+
+    def __init__(self, rid: str, input_ids: list[int], spec_capture: Optional[dict[str, Any]]) -> None:
+        self.rid = rid
+        self.origin_input_ids = input_ids
+        self.output_ids = [7]  # max_new_tokens=1: one sampled token, which has no hidden row
+        self.spec_capture = spec_capture
+        self.spec_capture_result: Optional[dict[str, Any]] = None
+
+
+class LiveScheduler:
+    """The online-live patch's flow (see the module docs)."""
+
+    def __init__(self, hook: Any) -> None:
+        self.hook = hook
+
+    def handle_generate_request(self, rid: str, input_ids: list[int], spec_capture: Optional[dict[str, Any]] = None) -> Req:
+        return Req(rid, input_ids, spec_capture or self.hook.maybe_live_spec(rid))
+
+    def sink_spec_capture(self, req: Req, aux: Any, last_hidden: Any) -> None:
+        sink = self.hook.get_sink()
+        if sink is None or req.spec_capture is None:
+            return
+        if req.spec_capture.get("live"):
+            tokens = list(req.origin_input_ids) + list(req.output_ids)[:-1]
+            sink.put_sample_live(req.spec_capture, aux=aux, last_hidden=last_hidden, tokens=tokens)
+            return
+        try:
+            req.spec_capture_result = sink.put_sample(req.spec_capture, aux=aux, last_hidden=last_hidden)
+        except Exception as e:
+            req.spec_capture_result = {"sample_id": req.spec_capture.get("sample_id"), "error": str(e)}
+
+    def serve(self, rid: str, n: int = 8, seed: int = 0) -> tuple[Req, Any, Any]:
+        """One request through prefill: its capture (if any) handed to the sink."""
+        req = self.handle_generate_request(rid, [(seed * 31 + i) % 1000 for i in range(n)])
+        g = torch.Generator().manual_seed(seed)
+        aux = torch.randn((n, K * H), generator=g).to(torch.bfloat16)
+        last = torch.randn((n, H), generator=g).to(torch.bfloat16)
+        self.sink_spec_capture(req, aux, last)
+        return req, aux, last
+
+
+def wait_for(pred: Any, what: str, timeout: float = 30.0) -> None:
+    """Waits (polling a condition, up to `timeout`) until `pred()` holds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def live(scheduler_module: Any, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """An SGLang server with the online-live patch (a host arena of 16 MiB), an intake, and the
+    trainer-side producer behind it; yields a namespace of them. Afterwards: the arena fully
+    free."""
+    store_id = f"live{abs(hash(request.node.name)) % 10**8}"
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "16MiB")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN", "auto")
+    marker = request.node.get_closest_marker("queue")
+    if marker is not None:
+        monkeypatch.setenv("SPEC_CAPTURE_LIVE_QUEUE", str(marker.args[0]))
+    store = SpecForgeArenaStore(store_id=store_id)
+    producer = Producer(store, store.live_ref_source(_RefSource(store_id)))
+    intake = Intake(config_payload(store_id), producer.on_record)
+    hook = scheduler_module("online-live")
+
+    class Scheduler:  # what maybe_init_sink reads of its caller: attention-TP rank 0
+        ps = SimpleNamespace(attn_tp_rank=0, gpu_id=0)
+
+        def __init__(self) -> None:
+            args = SimpleNamespace(
+                enable_spec_capture=True,
+                spec_capture_aux_layer_ids=[1, 2, 3],
+                spec_capture_intake_url=intake.url,
+                spec_capture_sample_rate=1.0,
+            )
+            self.sink = hook.maybe_init_sink(args)
+
+    sink = Scheduler().sink
+    assert isinstance(sink, ca.ArenaSink) and sink.intake_url == intake.url
+    # The synchronous base patch: the arena is made in the background as the server starts.
+    wait_for(lambda: sink.started, "the arena, made in the background")
+    wait_for(lambda: sink._live.config is not None, "the intake's config")
+    ns = SimpleNamespace(hook=hook, sink=sink, intake=intake, producer=producer, store=store, store_id=store_id, server=LiveScheduler(hook))
+    yield ns
+    intake.stop()
+    s = sink.stats()
+    assert s["free_bytes"] == s["capacity"] and s["resident_objects"] == 0, s
+
+
+class _RefSource:
+    """SpecForge's ``LiveIntakeRefSource`` for this test's schema (see ``intake.py``)."""
+
+    def __init__(self, store_id: str) -> None:
+        self.store_id = store_id
+
+    def ref_from_record(self, record: dict[str, Any]) -> Any:
+        return ref_from_record(record, store_id=self.store_id, aux_width=AUX_WIDTH)
+
+
+def trainer_reads_and_releases(ns: Any, expected: dict[str, tuple[Any, Any, list[int]]]) -> None:
+    """A trainer in the SpecForge stack: a store of its own, fed the refs as SpecForge
+    serializes them; reads every feature bit-exact, then releases."""
+    from specforge.runtime.data_plane.ref_serialization import ref_from_dict, ref_to_dict
+
+    trainer = SpecForgeArenaStore(store_id=ns.store_id)
+    for ref in list(ns.producer.refs):
+        ref = ref_from_dict(json.loads(json.dumps(ref_to_dict(ref))))
+        aux, last, tokens = expected[ref.sample_id]
+        got, handle = trainer.get(ref)
+        assert torch.equal(got["hidden_states"][0], aux) and torch.equal(got["target_last_hidden_states"][0], last)
+        assert got["input_ids"][0].tolist() == tokens and got["loss_mask"][0].tolist() == [1] * len(tokens)
+        trainer.release(handle)
+    trainer.drain_pending_removals(max_attempts=40)
+    ns.producer.refs.clear()
+
+
+def test_sampled_requests_are_published_posted_adopted_read_bit_exact_and_freed(live: Any) -> None:
+    expected = {}
+    for i in range(4):
+        req, aux, last = live.server.serve(f"rid-{i}", n=8 + i, seed=i)
+        assert req.spec_capture == {
+            "store_id": live.store_id, "sample_id": f"live-rid-{i}", "gen": 1, "replace": False,
+            "features": {"aux": "hidden_states", "last_hidden": "target_last_hidden_states"}, "live": True,
+        }  # fmt: skip
+        expected[f"live-rid-{i}"] = (aux, last, req.origin_input_ids)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 4, "4 records accepted")
+    assert len(live.producer.refs) == 4
+    # The record carries the arena result: the trainer needs nothing else (no /generate response).
+    ref = live.producer.refs[0]
+    result = ref.metadata["capture_arena"]
+    assert result["arena"]["control"] == live.sink.control and "token" in result["arena"]
+    assert all("address" in f and "stamp" in f for f in result["features"].values())
+    trainer_reads_and_releases(live, expected)
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
+    s = live.sink.stats()
+    assert s["live_captured"] == 4 and all(s[k] == 0 for k in s if k.startswith("live_dropped_")), s
+
+
+def test_every_rank_samples_the_same_requests_by_the_sha1_of_the_rid(live: Any) -> None:
+    live.sink._live.sample_rate = 0.5
+    picked = [rid for rid in (f"r{i}" for i in range(200)) if live.hook.maybe_live_spec(rid) is not None]
+    expect = [f"r{i}" for i in range(200) if int.from_bytes(hashlib.sha1(f"r{i}".encode()).digest()[:8], "big") / 2**64 < 0.5]
+    assert picked == expect and 60 < len(picked) < 140
+    live.sink._live.sample_rate = 0.0
+    assert live.hook.maybe_live_spec("r1") is None
+
+
+@pytest.mark.parametrize("refusal", ["shed", "rejected"])
+def test_a_shed_or_rejected_record_is_freed_at_once(live: Any, refusal: str) -> None:
+    live.producer.mode = refusal
+    live.server.serve("a", seed=1)
+    key = "live_dropped_shed" if refusal == "shed" else "live_dropped_rejected"
+    wait_for(lambda: live.sink.stats()[key] == 1, f"the {refusal} record counted")
+    # Freed by the sink itself (no control connection): nothing was ever given to a trainer.
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the capture freed")
+    s = live.sink.stats()
+    assert s["local_freed_objects"] == 4 and s["control_connections"] == 0, s
+    assert live.producer.refs == []
+
+
+def test_records_of_a_restarted_producer_refetch_the_config_and_go_to_the_new_store(live: Any) -> None:
+    # The trainer side restarted with a new store_id: records of the old one are rejected (422).
+    new = live.store_id + "b"
+    live.intake.config = config_payload(new)
+    live.producer.store = SpecForgeArenaStore(store_id=new)
+    live.producer.ref_source = live.producer.store.live_ref_source(_RefSource(new))
+    live.server.serve("before", seed=2)
+    wait_for(lambda: live.sink.stats()["live_dropped_rejected"] == 1, "the stale record rejected")
+    wait_for(lambda: (live.sink._live.config or {}).get("store_id") == new, "the config fetched again")
+    req, aux, last = live.server.serve("after", seed=3)
+    assert req.spec_capture["store_id"] == new
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the new store's record accepted")
+    live.store_id = new
+    trainer_reads_and_releases(live, {"live-after": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
+
+
+def test_a_repeated_rid_is_freed_but_a_retry_answered_duplicate_is_kept(live: Any) -> None:
+    req, aux, last = live.server.serve("same", seed=4)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the first capture")
+    trainer_reads_and_releases(live, {"live-same": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "its frees")
+    # The client repeats the rid: published again (the first was freed), answered "duplicate" at
+    # the first attempt: no trainer will ever get it, so the sink frees it.
+    live.server.serve("same", seed=5)
+    wait_for(lambda: live.sink.stats()["live_dropped_duplicate"] == 1, "the duplicate dropped")
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the duplicate freed")
+    assert live.intake.counts["duplicate"] == 1 and live.producer.refs == []
+
+
+def test_a_lost_answer_is_retried_and_its_duplicate_answer_is_a_success(live: Any) -> None:
+    # The intake accepts the record but its answer is lost (the connection closes): the retry is
+    # answered "duplicate", which means the first attempt got through and a trainer has it.
+    live.intake.lose_answers = 1
+    req, aux, last = live.server.serve("lost", seed=6)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the retry's duplicate counted as a success")
+    assert live.intake.counts["duplicate"] == 1 and len(live.producer.refs) == 1
+    trainer_reads_and_releases(live, {"live-lost": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
+
+
+def test_an_intake_that_is_down_drops_captures_and_the_server_keeps_serving(live: Any) -> None:
+    live.intake.stop()
+    for i in range(3):
+        req, _, _ = live.server.serve(f"down-{i}", seed=i)
+        assert req.spec_capture is not None  # the config is known: requests are still sampled
+    wait_for(lambda: live.sink.stats()["live_dropped_intake_down"] == 3, "3 captures dropped")
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "their objects freed")
+    # Driven captures (a client's own spec) go on.
+    spec = {"store_id": "drv", "sample_id": "d0", "features": {"aux": "h"}}
+    req = live.server.handle_generate_request("d0", [1, 2, 3], spec)
+    live.server.sink_spec_capture(req, torch.ones((3, K * H), dtype=torch.bfloat16), None)
+    assert "error" not in req.spec_capture_result, req.spec_capture_result
+    reader = ca.ArenaFeatureStore()
+    reader.release(req.spec_capture_result)
+    reader.flush(10)  # confirmed by the producer: applied
+    assert live.sink.stats()["resident_objects"] == 0
+
+
+@pytest.mark.queue(1)
+def test_a_full_queue_drops_captures_and_counts_them(live: Any) -> None:
+    live.producer.gate = threading.Event()  # the intake holds every record: the worker waits
+    expected = {}
+    for i in range(5):
+        req, aux, last = live.server.serve(f"q{i}", seed=10 + i)
+        expected[f"live-q{i}"] = (aux, last, req.origin_input_ids)
+        if i == 0:  # the worker took the first and is posting it
+            with live.producer.seen:
+                live.producer.seen.wait_for(lambda: live.producer.received == 1, 30)
+    # One at the intake, one in the queue (its size is 1), three dropped.
+    assert live.sink.stats()["live_dropped_queue_full"] == 3
+    live.producer.gate.set()
+    wait_for(lambda: live.sink.stats()["live_captured"] == 2, "the two kept")
+    trainer_reads_and_releases(live, {k: v for k, v in expected.items() if k in ("live-q0", "live-q1")})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
+
+
+def test_what_the_scheduler_hands_over_never_raises_and_bad_rows_are_dropped(live: Any) -> None:
+    sink = live.sink
+    spec = live.hook.maybe_live_spec("bad")
+    sink.put_sample_live(spec, aux=torch.ones((4, K * H)), last_hidden=None, tokens=[1, 2, 3])  # rows != tokens
+    sink.put_sample_live(spec, aux=None, last_hidden=None, tokens=[1, 2])
+    sink.put_sample_live(spec, aux=torch.ones((1, K * H)), last_hidden=None, tokens=[1])  # < min_num_tokens
+    sink.put_sample_live(spec, aux=torch.ones((2, K * H)), last_hidden=None, tokens="ab")  # not token ids
+    sink.put_sample_live("not a spec", aux=torch.ones((2, K * H)), last_hidden=None, tokens=[1, 2])
+    wait_for(lambda: sink.stats()["live_dropped_bad_rows"] == 5, "5 bad captures dropped")
+
+    class Unprintable:
+        def __str__(self) -> str:
+            raise RuntimeError("no str")
+
+    assert live.hook.maybe_live_spec(Unprintable()) is None
+    assert sink.stats()["resident_objects"] == 0
+
+
+def test_the_scheduler_thread_never_waits_for_the_config(scheduler_module: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An intake that accepts connections and never answers: the config fetch hangs in its thread.
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "1MiB")
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted = threading.Event()
+    threading.Thread(target=lambda: (silent.accept(), accepted.set()), daemon=True).start()
+    hook = scheduler_module("online-live")
+    args = SimpleNamespace(enable_spec_capture=True, spec_capture_intake_url=f"http://127.0.0.1:{silent.getsockname()[1]}")
+    sink = hook.maybe_init_sink(args)
+    assert accepted.wait(30), "the config fetch connected"
+    # The fetch is in progress: a request is not captured and the call returns at once.
+    assert hook.maybe_live_spec("r0") is None
+    assert sink.stats()["live_not_ready"] == 1
+    silent.close()
+
+
+def test_live_counters_reach_sglangs_metrics(live: Any) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from capture_arena import metrics
+
+    live.producer.mode = "shed"
+    live.server.serve("m", seed=9)
+    wait_for(lambda: live.sink.stats()["live_dropped_shed"] == 1, "a shed record")
+    registry = CollectorRegistry()
+    handle = metrics.register(live.sink, registry)
+    text = generate_latest(registry).decode()
+    metrics.unregister(handle)
+    assert "capture_arena_live_dropped_shed_total 1.0" in text and "capture_arena_live_captured_total 0.0" in text, text
+
+
+def test_a_client_sent_live_spec_without_an_intake_is_dropped_and_counted(make_sink: Any) -> None:
+    sink = make_sink()
+    spec = {"store_id": "st", "sample_id": "x", "features": {"aux": "h"}, "live": True}
+    sink.put_sample_live(spec, aux=np.ones((2, 4), np.float32), tokens=[1, 2])
+    assert sink.stats()["live_dropped_no_intake"] == 1 and not sink.started
+    assert sink.intake_url is None and sink.maybe_live_spec("r") is None
