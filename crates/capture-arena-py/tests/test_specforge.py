@@ -410,3 +410,99 @@ def test_post_fn_never_raises_for_what_it_cannot_use_and_records_only_this_store
     bad = SampleRef(**{**ref.__dict__, "sample_id": "run:e", "metadata": {"generation": 1}})
     with pytest.raises(ValueError, match="post_fn"):
         store.adopt(bad)
+
+
+def _published(sink: ca.ArenaSink, store_id: str, n: int, tag: str) -> list[dict[str, Any]]:
+    import numpy as np
+
+    rows = sink.put_samples(
+        [({"store_id": store_id, "sample_id": f"{tag}{i}", "features": {"aux": "h"}}, np.full((4, 8), i, np.float32), None) for i in range(n)]
+    )
+    assert all("error" not in r for r in rows), rows
+    return rows
+
+
+def _adopted(store: SpecForgeArenaStore, rows: list[dict[str, Any]]) -> list[SampleRef]:
+    refs = []
+    for r in rows:
+        ref = SampleRef(
+            sample_id=r["sample_id"], run_id="run", source_task_id=r["sample_id"], feature_store_uri=f"mooncake://{r['store_id']}/{r['sample_id']}",
+            feature_keys={"h": f"{r['sample_id']}/h"}, feature_specs={}, strategy="eagle3", metadata={"generation": 1},
+        )  # fmt: skip
+        store.record_result(r)
+        store.adopt(ref)
+        refs.append(ref)
+    return refs
+
+
+def test_a_controller_without_the_producers_token_is_told_its_frees_were_refused(make_sink: Any) -> None:
+    """abort() of samples a controller never saw goes by prefix; a producer with a control token
+    refuses a controller that has none: drain and health say so instead of reporting success, and
+    the token (learned later) gets the frees through."""
+    sink = make_sink(control_token="auto")
+    rows = _published(sink, "tok", 3, "s")
+    token = rows[0]["arena"]["token"]
+    controller = SpecForgeArenaStore(store_id="tok", controls=[sink.control])  # no token
+    for r in rows:
+        controller.abort(r["sample_id"], reason="reconciled")
+    with pytest.raises(RuntimeError, match="missing token") as e:
+        controller.drain_pending_removals(max_attempts=3, retry_interval_s=0.2)
+    assert "could not deliver 3 frees" in str(e.value)
+    h = controller.health()
+    assert h["release_pending"] == 3 and h["refused_frees"] == 3 and h["dropped_frees"] == 0, h
+    assert sink.stats()["resident_objects"] == 3, "nothing was freed"
+    assert sink.unauthorized_peers()[0]["reason"] == "missing token"
+    # A result carrying the token teaches it to the controller: the refused frees go through.
+    controller.record_result(_published(sink, "tok", 1, "late")[0])
+    controller.drain_pending_removals(max_attempts=40, retry_interval_s=0.5)
+    h = controller.health()
+    assert h["release_pending"] == 0 and h["refused_frees"] == 0, h
+    deadline = time.monotonic() + 10
+    while sink.stats()["resident_objects"] != 1:  # the late one is still held
+        assert time.monotonic() < deadline, sink.stats()
+        time.sleep(0.01)
+    assert token == controller._endpoints[sink.control]
+
+
+def test_a_controllers_memory_forgets_samples_freed_elsewhere_and_stays_within_its_bounds(make_sink: Any) -> None:
+    sink = make_sink()
+    controller = SpecForgeArenaStore(store_id="mem")
+    refs = _adopted(controller, _published(sink, "mem", 12, "a"))
+    assert controller.health()["tracked_results"] == 12
+    # Trainers in other stores (processes) read and free every one of them.
+    from specforge.runtime.data_plane.ref_serialization import ref_from_dict
+
+    trainer = SpecForgeArenaStore(store_id="mem")
+    for ref in refs:
+        _, handle = trainer.get(ref_from_dict(ref_to_dict(ref)))
+        trainer.release(handle)
+    trainer.drain_pending_removals(max_attempts=40)
+    assert sink.stats()["resident_objects"] == 0
+    # The controller learns it from the producer: gc() asks it (in the background, at most every
+    # 10 s: each call here is "10 s later") which of this store's samples it still holds.
+    deadline = time.monotonic() + 20
+    later = 0.0
+    while controller.health()["tracked_results"]:
+        assert time.monotonic() < deadline, controller.health()
+        later += 10.0
+        controller.gc(now=time.monotonic() + later)
+        time.sleep(0.05)
+    assert controller.health()["forgotten_total"] == 12
+    # Still resident samples are kept; a read that finds one freed elsewhere forgets it.
+    kept = _adopted(controller, _published(sink, "mem", 2, "b"))
+    controller.gc(now=time.monotonic() + later + 60)
+    h = controller.health()
+    assert h["tracked_results"] == 2, h
+    gone = kept[0]
+    _, handle = trainer.get(ref_from_dict(ref_to_dict(gone)))
+    trainer.release(handle)
+    trainer.drain_pending_removals(max_attempts=40)
+    with pytest.raises(KeyError):
+        controller.get(gone)
+    assert controller.health()["tracked_results"] == 1
+    # A bound on count: the oldest beyond it are forgotten, not freed.
+    small = SpecForgeArenaStore(store_id="mem", max_tracked=3)
+    _adopted(small, _published(sink, "mem", 5, "c"))
+    assert small.health()["tracked_results"] == 3 and small.health()["forgotten_total"] == 2
+    assert sink.stats()["resident_objects"] == 1 + 5, "forgetting frees nothing"
+    ca.ArenaFeatureStore.reclaim(sink.control, prefixes=["mem/"])

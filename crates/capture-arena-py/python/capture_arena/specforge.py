@@ -97,6 +97,8 @@ MAX_TRACKED = 65536
 FORGET_AFTER_S = 24 * 3600.0
 #: How often ``gc()`` asks producers which of this store's samples are still resident.
 RESIDENCY_CHECK_S = 10.0
+#: How old a producer's per-store table may be when it answers (``STATS_TABLE_INTERVAL``).
+TABLE_AGE_S = 1.0
 
 
 def escape_part(part: str) -> str:
@@ -152,20 +154,24 @@ class _Prefixes:
         self.dropped = 0
         #: Prefixes waiting because their endpoint refused them for its control token, and why.
         self._refused: Dict[Tuple[str, str], str] = {}
+        #: Tokens learned after prefixes were queued, by endpoint.
+        self._tokens: Dict[str, Optional[str]] = {}
 
     @property
     def refused(self) -> int:
+        """Prefixes whose last try was refused for the control token (still pending)."""
         with self._lock:
-            return sum(1 for k in self._refused if k in self._waiting)
+            return len(self._refused)
 
     def last_refusal(self) -> str:
         with self._lock:
-            live = [why for k, why in self._refused.items() if k in self._waiting]
-            return live[-1] if live else ""
+            return next(reversed(self._refused.values()), "")
 
     def set_token(self, control: str, token: Optional[str]) -> None:
-        """A token learned for ``control``: its waiting prefixes carry it and go now."""
+        """A token learned for ``control``: its waiting prefixes (and one being sent now, when
+        it comes back) carry it and go now."""
         with self._lock:
+            self._tokens[control] = token
             for (c, p), (_, _, backoff) in list(self._waiting.items()):
                 if c == control:
                     self._waiting[(c, p)] = (token, 0.0, backoff)
@@ -220,16 +226,20 @@ class _Prefixes:
                     log.warning("control endpoint %s refuses connections (its producer is gone): prefix free %s dropped", control, prefix)
                     with self._lock:
                         self.dropped += 1
+                        self._refused.pop((control, prefix), None)
                 else:
                     retry = backoff
             except CaptureArenaError as e:  # a prefix or token that is not one: never sendable
                 log.error("prefix free %s to %s dropped: %s", prefix, control, e)
                 with self._lock:
                     self.dropped += 1
+                    self._refused.pop((control, prefix), None)
             with self._lock:
                 self._sending -= 1
                 if retry is not None and (control, prefix) not in self._waiting:
-                    self._waiting[(control, prefix)] = (token, time.monotonic() + retry, min(retry * 2, 30.0))
+                    if self._tokens.get(control, token) != token:
+                        token, retry = self._tokens[control], 0.0  # a token learned meanwhile
+                    self._waiting[(control, prefix)] = (token, time.monotonic() + retry, min(max(retry, 0.1) * 2, 30.0))
                 self._lock.notify_all()
 
     def wait(self, timeout_s: float) -> bool:
@@ -693,10 +703,14 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                 continue
             rows = [r for r in report.get("stores", []) if r.get("store_id") == self.store_id]
             if rows:
-                # Published no later than this; everything adopted before it was freed.
+                # Its oldest object was published no later than this: everything adopted before
+                # it was freed. (A table made earlier lists the same oldest object, or an older
+                # one freed since: an earlier, safe, cutoff.)
                 cutoff = asked - float(rows[0].get("oldest_age_s", 0.0)) - 1.0
             elif int(report.get("stores_total", 0)) <= len(report.get("stores", [])):
-                cutoff = asked  # holds nothing of this store: all adopted before asking is gone
+                # It held nothing of this store when the table was made, which may be up to
+                # TABLE_AGE_S before the answer: everything adopted before that is gone.
+                cutoff = asked - TABLE_AGE_S - 1.0
             else:
                 continue  # not among the listed holders: nothing can be said
             with self._lock:
