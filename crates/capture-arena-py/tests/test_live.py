@@ -341,3 +341,19 @@ def test_a_client_sent_live_spec_without_an_intake_is_dropped_and_counted(make_s
     sink.put_sample_live(spec, aux=np.ones((2, 4), np.float32), tokens=[1, 2])
     assert sink.stats()["live_dropped_no_intake"] == 1 and not sink.started
     assert sink.intake_url is None and sink.maybe_live_spec("r") is None
+
+
+def test_a_record_sent_and_never_answered_is_left_to_the_trainer(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from capture_arena import _live
+
+    # The intake takes the record and never answers either attempt: it may have accepted it,
+    # and a trainer may read it, so the sink must not free it.
+    monkeypatch.setattr(_live, "POST_TIMEOUT_S", 0.5)
+    live.producer.gate = threading.Event()
+    req, aux, last = live.server.serve("silent", seed=8)
+    wait_for(lambda: live.sink.stats()["live_unconfirmed"] == 1, "the record left unconfirmed")
+    assert live.sink.stats()["resident_objects"] == 4, "not freed: a trainer may hold it"
+    live.producer.gate.set()
+    wait_for(lambda: len(live.producer.refs) == 1, "the intake's trainer side adopting it")
+    trainer_reads_and_releases(live, {"live-silent": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")

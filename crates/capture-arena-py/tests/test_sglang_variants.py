@@ -200,3 +200,34 @@ def test_put_sample_never_makes_the_arena_on_the_scheduler_thread(scheduler_modu
     flow.sink_spec_capture(again, aux, last)
     assert "error" not in again.spec_capture_result, again.spec_capture_result
     read_in_another_process([again.spec_capture_result])
+
+
+def test_a_failed_start_fails_synchronous_captures_at_once_and_is_retried_later(scheduler_module: Any, env: pytest.MonkeyPatch) -> None:
+    import socket
+
+    # The control port is held by another process: the arena cannot be made.
+    holder = socket.create_server(("127.0.0.1", 0))
+    env.setenv("SGLANG_SPEC_CAPTURE_CONTROL_PORT", str(holder.getsockname()[1]))
+    env.setenv("SGLANG_SPEC_CAPTURE_ARENA_EAGER", "0")
+    env.setenv("SGLANG_SPEC_CAPTURE_SYNC_WAIT_S", "30")
+    hook = scheduler_module("kimi-k3-f8493a4")
+    sink = Scheduler(hook).sink
+    flow = SyncFlow(hook)
+    L = 4
+    aux, last = batch_tensors([L], 3 * 16, 16)
+    reqs = [Req(spec(f"r{i}", L), L) for i in range(3)]
+    t0 = time.monotonic()
+    for r in reqs:
+        flow.sink_spec_capture(r, aux, last)
+    took = time.monotonic() - t0
+    for r in reqs:
+        assert "creating the capture arena failed" in r.spec_capture_result.get("error", ""), r.spec_capture_result
+    # One start was tried (the others fail at once with its reason), and nobody waited out the
+    # 30 s bound for an arena that will not come.
+    assert sink._starts_done == 1 and took < 30, (sink._starts_done, took)
+    holder.close()
+    sink._start_failed_at -= 60  # the retry interval (5 s) has passed
+    again = Req(spec("again", L), L)
+    flow.sink_spec_capture(again, aux, last)
+    assert "error" not in again.spec_capture_result, again.spec_capture_result
+    read_in_another_process([again.spec_capture_result])

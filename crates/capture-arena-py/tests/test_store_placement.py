@@ -339,3 +339,51 @@ def test_a_client_without_hard_pins_gets_soft_pins_as_specforges_patches_fall_ba
     from mooncake.store import ReplicateConfig
 
     assert hasattr(ReplicateConfig(), "with_hard_pin")
+
+
+def test_a_stalled_master_costs_a_synchronous_caller_its_bound_and_leaves_nothing_behind() -> None:
+    """The scheduler thread's put_sample under a synchronous patch, against a mooncake_master
+    that stops answering (SIGSTOP) mid-run: the call returns at its bound with error rows, and
+    what the worker publishes once the master answers again is removed (never half-kept)."""
+    import signal
+
+    import mooncake_master
+
+    p, env = mooncake_master.start()
+    code = r"""
+import json, os, signal, sys, time, numpy as np
+import capture_arena as ca
+sink = ca.StoreSink()
+sink.sync_bound = 1.0
+def sample(i):
+    return ({"store_id": "stall", "sample_id": f"s{i}", "features": {"aux": "h"}}, np.full((64, 32), i, np.float32), None)
+assert "error" not in sink.put_sample(sample(0)[0], aux=sample(0)[1]), "connected"
+os.kill(int(sys.argv[1]), signal.SIGSTOP)
+t0 = time.monotonic()
+row = sink.put_samples([sample(1)])[0]
+took = time.monotonic() - t0
+os.kill(int(sys.argv[1]), signal.SIGCONT)
+assert "error" in row and "did not publish this batch within 1 s" in row["error"], row
+assert took < 30, took  # the bound (1 s), not the store's own timeouts
+sink._pool.submit(lambda: None).result(timeout=120)  # the worker is done with it
+with sink._lock:
+    exists = [int(sink._store.is_exist("stall/s1/g1/h"))]
+print(json.dumps({"exists": exists, "stats": sink.stats()}), flush=True)
+sink.close()
+"""
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, str(p.pid)],
+            env={**os.environ, **env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stdout + out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got["exists"] == [0], got
+        assert got["stats"]["published_samples"] == 1, got
+    finally:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except OSError:
+            pass
+        mooncake_master.stop(p)

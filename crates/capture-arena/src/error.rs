@@ -167,7 +167,8 @@ pub enum Error {
         reason: String,
     },
     /// A control endpoint refused frees for the control token (a missing or wrong token);
-    /// nothing sent on that connection was applied. The frees stay pending and are retried.
+    /// nothing sent on that connection was applied. Frees sent without a result (by key or
+    /// prefix) stay pending and are retried; see [`crate::ControlClient`].
     Unauthorized {
         /// The control endpoint.
         endpoint: String,
@@ -337,8 +338,8 @@ impl fmt::Display for Error {
             } => write!(
                 f,
                 "control endpoint {endpoint} refused frees ({reason}): nothing sent on that \
-                 connection was applied; {pending} keys stay pending and are retried. Give this \
-                 client the producer's control token (a result's arena.token, \
+                 connection was applied; {pending} keys wait for a token. Give this client the \
+                 producer's control token (a result's arena.token, \
                  SGLANG_SPEC_CAPTURE_CONTROL_TOKEN)"
             ),
             Error::Device { what, reason } => write!(f, "{what}: {reason}"),

@@ -112,8 +112,7 @@ fn stats_need_the_token_when_one_is_set() {
     let token = r[0].arena.token.clone().unwrap();
     // Without it: closed, no answer, counted.
     let err = StatsQuery::connect(&control, None, T)
-        .unwrap()
-        .ask()
+        .and_then(|mut q| q.ask())
         .unwrap_err()
         .to_string();
     assert!(err.contains("--token"), "{err}");
@@ -122,8 +121,7 @@ fn stats_need_the_token_when_one_is_set() {
     // A wrong token is refused the same way; a malformed one before anything is sent.
     let wrong = "x".repeat(token.len());
     assert!(StatsQuery::connect(&control, Some(&wrong), T)
-        .unwrap()
-        .ask()
+        .and_then(|mut q| q.ask())
         .is_err());
     assert!(StatsQuery::connect(&control, Some("short"), T).is_err());
     // With it: answered, and the answer does not carry the token.

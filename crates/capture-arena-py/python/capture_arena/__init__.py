@@ -236,16 +236,34 @@ def _log_failures(fut: "concurrent.futures.Future[list[Result]]") -> None:
     _log_failures_of(rows)
 
 
+_failures = {"next": 0.0, "suppressed": 0}
+_failures_lock = threading.Lock()
+
+
 def _log_failures_of(rows: list[Result]) -> None:
+    """One warning per batch with failures, at most one a second (the scheduler thread calls
+    this per request under a synchronous patch: a full arena would flood the log); the ones
+    left out are counted in the next."""
     bad = [r for r in rows if "error" in r]
-    if bad:
-        _log.warning(
-            "%d of %d captured samples failed (first: sample %r: %s)", len(bad), len(rows), bad[0].get("sample_id"), bad[0]["error"]
-        )
+    if not bad:
+        return
+    now = time.monotonic()
+    with _failures_lock:
+        if now < _failures["next"]:
+            _failures["suppressed"] += 1
+            return
+        _failures["next"] = now + 1.0
+        suppressed, _failures["suppressed"] = _failures["suppressed"], 0
+    more = f"; {suppressed} more batches with failures since the last warning" if suppressed else ""
+    _log.warning(
+        "%d of %d captured samples failed (first: sample %r: %s)%s", len(bad), len(rows), bad[0].get("sample_id"), bad[0]["error"], more
+    )
 
 
 #: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
 _SINK_BOUND: Any = object()
+#: After the arena could not be created, a synchronous caller tries again at most this often.
+START_RETRY_S = 5.0
 
 
 class ArenaSink(LiveSink, _ArenaSink):
@@ -300,8 +318,11 @@ class ArenaSink(LiveSink, _ArenaSink):
         #: Seconds a synchronous call waits for its batch to start (None: as long as the arena's
         #: wait for frees, creating the arena on the caller's thread if needed).
         self.sync_bound: Optional[float] = None
-        #: Why the last start on the starter thread failed (None once one succeeded).
+        #: Why the last start on the starter thread failed (None once one succeeded), when, and
+        #: how many starts the starter thread has finished.
         self._start_error: Optional[str] = None
+        self._start_failed_at = -START_RETRY_S
+        self._starts_done = 0
         if self.eager:
             self._ensure_started()  # the engine placement's arena (the others started already)
 
@@ -419,6 +440,7 @@ class ArenaSink(LiveSink, _ArenaSink):
                 self._ensure_started(items or None, device)
             except Exception as e:
                 self._start_error = str(e)
+                self._start_failed_at = time.monotonic()
                 if fut is None:
                     _log.error("creating the capture arena in the background failed (the first capture tries again): %s", e)
                 else:
@@ -429,6 +451,7 @@ class ArenaSink(LiveSink, _ArenaSink):
                     self._submit_now(items, fut, True)
             with self._early_lock:
                 self._early.popleft()
+                self._starts_done += 1
                 self._early_lock.notify_all()
             del items, fut
 
@@ -481,7 +504,11 @@ class ArenaSink(LiveSink, _ArenaSink):
         try:
             if not self.started and not self._wait_started(items, deadline):
                 if self._start_error is not None:
-                    return _rows_for(items, f"not captured: creating the capture arena failed ({self._start_error}); the next capture tries again")
+                    return _rows_for(
+                        items,
+                        f"not captured: creating the capture arena failed ({self._start_error}); tried again at a capture "
+                        f"at least {START_RETRY_S:g} s after the last try",
+                    )
                 return _rows_for(
                     items,
                     f"not captured: the capture arena is still being created, off this thread (about half a second per "
@@ -493,17 +520,24 @@ class ArenaSink(LiveSink, _ArenaSink):
             return _rows_for(items, str(e))
 
     def _wait_started(self, items: list[Any], deadline: float) -> bool:
-        """Has the starter thread create the arena (once; a failed start is tried again by the
-        next call) and waits until it exists or ``deadline``."""
+        """Has the starter thread create the arena and waits until it exists, or until
+        ``deadline``, or until that start failed (False at once). A failed start is tried again
+        by a call at least ``START_RETRY_S`` later; the calls between fail at once with its
+        reason, so a machine that cannot make the arena costs each capture nothing."""
         with self._early_lock:
-            if self._starter is None and not self.started:
+            if self.started:
+                return True
+            if self._starter is None:
+                if self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S:
+                    return False
                 device = next((d for d in (_cuda_device(x) for s in items if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
                 self._early.append(([], None))  # type: ignore[arg-type]
                 self._starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
                 self._starter.start()
+            seen = self._starts_done
             while not self.started:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (self._starts_done > seen and self._start_error is not None):
                     return False
                 self._early_lock.wait(left)
             return True

@@ -23,10 +23,13 @@ What is added:
   restarted with a new ``store_id``); requests that arrive before it are not captured;
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
 - a full queue, a failed publish or a refused record drops that capture alone, and its objects
-  are freed at once by the sink itself (no control round trip). Any non-2xx answer is a refusal.
-  A first attempt answered ``duplicate`` means the rid was captured before and that sample was
-  given to a trainer: this one never will be, so it is freed; only a retry's ``duplicate`` (the
-  first attempt's answer was lost) is a success;
+  are freed at once by the sink itself (no control round trip). Any non-2xx answer (redirects
+  included) is a refusal. A first attempt answered ``duplicate`` means the rid was captured
+  before and that sample was given to a trainer: this one never will be, so it is freed; only a
+  retry's ``duplicate`` (the first attempt's answer was lost) is a success. A record whose
+  fate is unknown (sent, and no answer to any attempt: the intake may have accepted it and a
+  trainer may hold it) is not freed: it is counted (``live_unconfirmed``) and left to the
+  trainer, or to ``SGLANG_SPEC_CAPTURE_OBJECT_TTL_S``;
 - records carry the arena result (``arena``, each feature's ``address`` and ``stamp``), so a
   trainer reads them through :mod:`capture_arena.specforge` (``SpecForgeArenaStore.adopt_record``);
 - counters (``live_captured`` and ``live_dropped_*`` by cause) are in the sink's ``stats()``, so
@@ -36,13 +39,13 @@ What is added:
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import logging
 import os
 import queue
 import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -76,6 +79,7 @@ MAX_TOKENS = 1 << 24
 #: Counters, all present from the start (zero), in the order ``stats()`` lists them.
 COUNTERS = (
     "live_captured",
+    "live_unconfirmed",
     "live_not_ready",
     "live_dropped_queue_full",
     "live_dropped_bad_rows",
@@ -85,6 +89,7 @@ COUNTERS = (
     "live_dropped_duplicate",
     "live_dropped_intake_down",
     "live_dropped_no_intake",
+    "live_dropped_closed",
 )
 
 
@@ -222,6 +227,9 @@ class LiveCapture:
 
     def put_sample_live(self, spec: Any, aux: Any = None, last_hidden: Any = None, tokens: Any = None) -> None:
         """Queues a finished request's capture for the worker; a full queue drops it."""
+        if self._closed.is_set():
+            self._count("live_dropped_closed")
+            return
         try:
             self._queue.put_nowait((spec, aux, last_hidden, tokens))
         except queue.Full:
@@ -316,10 +324,22 @@ class LiveCapture:
             self._count("live_dropped_publish")
             _log.warning("live capture: publishing %s failed: %s", spec.get("sample_id"), row["error"])
             return
-        record = dict(row, num_tokens=n)
-        outcome = self._post(record)
+        try:
+            outcome = self._post(dict(row, num_tokens=n))
+        except Exception:  # never leave a published capture behind
+            _log.warning("live capture: posting the record of %s failed", spec.get("sample_id"), exc_info=True)
+            outcome = "rejected"
         if outcome == "accepted":
             self._count("live_captured")
+            return
+        if outcome == "unknown":
+            # The intake may have taken it, and a trainer may read it: not ours to free.
+            self._count("live_unconfirmed")
+            _log.warning(
+                "live capture: no answer from the intake for %s after it was sent: left to the trainer "
+                "(or to SGLANG_SPEC_CAPTURE_OBJECT_TTL_S)",
+                spec.get("sample_id"),
+            )
             return
         # Never given to a trainer: free it now.
         self._drop(row)
@@ -344,33 +364,30 @@ class LiveCapture:
 
     def _post(self, record: Mapping[str, Any]) -> str:
         """Posts a record: ``accepted``, ``duplicate`` (a first attempt's), ``shed`` (429),
-        ``rejected`` (any other non-2xx), or ``down`` (no answer after every attempt)."""
+        ``rejected`` (any other non-2xx answer, redirects included), ``down`` (no attempt
+        connected), or ``unknown`` (an attempt was sent and no attempt got an answer)."""
         body = json.dumps(record, separators=(",", ":")).encode()
         if len(body) > MAX_RECORD_BYTES:
             _log.warning("live capture: the record of %s is %d bytes, over the intake's %d", record.get("sample_id"), len(body), MAX_RECORD_BYTES)
             return "rejected"
-        url = self.intake_url + RECORDS_PATH
-        last = ""
+        last, sent = "", False
         for attempt in range(POST_ATTEMPTS):
-            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
             try:
-                with urllib.request.urlopen(req, timeout=POST_TIMEOUT_S) as resp:
-                    if not 200 <= resp.status < 300:  # urllib raises for most; a 1xx/3xx here
-                        return "rejected"
-                    answer = resp.read(MAX_ANSWER_BYTES)
-            except urllib.error.HTTPError as e:
-                detail = _answer_of(e)
-                if e.code == 429:
-                    return "shed"
-                _log.warning("live capture: the intake refused %s: HTTP %d %s", record.get("sample_id"), e.code, detail)
-                if e.code in (404, 422):
-                    self._refetch.set()  # a producer restarted with a new store_id?
-                return "rejected"
-            except Exception as e:  # the intake is down or did not answer: try again once
-                last = str(e)
+                status, answer = self._post_once(body)
+            except _NotSent as e:
+                last = str(e.__cause__ or e)
                 continue
-            status = _status_of(answer)
-            if status == "duplicate" and attempt == 0:
+            except Exception as e:  # sent, no answer: try again once (the intake dedups ids)
+                last, sent = str(e), True
+                continue
+            if status == 429:
+                return "shed"
+            if not 200 <= status < 300:
+                _log.warning("live capture: the intake refused %s: HTTP %d %s", record.get("sample_id"), status, answer[:512].decode("utf-8", "replace"))
+                if status in (404, 422):
+                    self._refetch.set()  # a trainer restarted with a new store_id?
+                return "rejected"
+            if _status_of(answer) == "duplicate" and attempt == 0:
                 _log.warning(
                     "live capture: %s was already accepted by the intake (a repeated request id): this capture is freed",
                     record.get("sample_id"),
@@ -378,7 +395,25 @@ class LiveCapture:
                 return "duplicate"
             return "accepted"
         _log.warning("live capture: the intake %s did not answer for %s: %s", self.intake_url, record.get("sample_id"), last)
-        return "down"
+        return "unknown" if sent else "down"
+
+    def _post_once(self, body: bytes) -> tuple[int, bytes]:
+        """One POST of a record: its status and answer (read within POST_TIMEOUT_S); _NotSent
+        when nothing connected, another exception when it was sent and no answer came."""
+        parts = urllib.parse.urlsplit(self.intake_url)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = cls(parts.hostname or "", parts.port, timeout=POST_TIMEOUT_S)
+        try:
+            try:
+                conn.connect()
+            except OSError as e:
+                raise _NotSent(f"connecting to {self.intake_url}") from e
+            deadline = time.monotonic() + POST_TIMEOUT_S
+            conn.request("POST", (parts.path or "") + RECORDS_PATH, body=body, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, _read_within(resp, MAX_ANSWER_BYTES, deadline)
+        finally:
+            conn.close()
 
     def close(self) -> None:
         """Stops the threads (captures still queued are dropped and counted)."""
@@ -401,19 +436,30 @@ class LiveCapture:
             pass
 
 
+class _NotSent(Exception):
+    """A post that cannot have reached the intake (it did not connect)."""
+
+
+def _read_within(resp: Any, limit: int, deadline: float) -> bytes:
+    """At most ``limit`` bytes of an answer, by ``deadline`` (an intake that drips its answer
+    does not hold the worker past it)."""
+    out = b""
+    while len(out) < limit:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the intake's answer did not come in time")
+        chunk = resp.read1(min(65536, limit - len(out))) if hasattr(resp, "read1") else resp.read(limit - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
 def _status_of(answer: bytes) -> Optional[str]:
     try:
         v = json.loads(answer)
-    except ValueError:
+    except Exception:  # not JSON, or JSON nested too deep to read: no status
         return None
     return v.get("status") if isinstance(v, dict) and isinstance(v.get("status"), str) else None
-
-
-def _answer_of(e: urllib.error.HTTPError) -> str:
-    try:
-        return e.read(512).decode("utf-8", "replace")
-    except Exception:
-        return ""
 
 
 #: How long a synchronous caller waits by default (``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S``, as the

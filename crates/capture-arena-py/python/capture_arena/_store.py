@@ -205,28 +205,35 @@ class _Registered:
 
 
 class _Ticket:
-    """A bounded caller's batch (see :meth:`StoreSink.put_samples`): the worker publishes it
-    only if its caller still waits, and removes what it published if the caller gave up
-    meanwhile."""
+    """A bounded caller's batch (see :meth:`StoreSink.put_samples`): the worker starts it only
+    if its caller still waits, and removes what it published if the caller gave up meanwhile
+    (the caller's wait is bounded whatever the store does)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._state = "queued"
+        self._state = "waiting"
 
-    def start(self) -> bool:
+    @property
+    def abandoned(self) -> bool:
+        with self._lock:
+            return self._state == "abandoned"
+
+    def finish(self) -> bool:
+        """The worker is done: False if the caller gave up first (then what was published
+        must go)."""
         with self._lock:
             if self._state == "abandoned":
                 return False
-            self._state = "started"
+            self._state = "done"
             return True
 
     def abandon(self) -> bool:
-        """True if the batch had not started (it never will)."""
+        """The caller gives up: True unless the batch is done already."""
         with self._lock:
-            if self._state == "queued":
-                self._state = "abandoned"
-                return True
-            return False
+            if self._state == "done":
+                return False
+            self._state = "abandoned"
+            return True
 
 
 #: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
@@ -327,12 +334,12 @@ class StoreSink(LiveSink):
         if not batch.samples():
             return []
         with self._lock:
+            if ticket is not None and ticket.abandoned:
+                return self._fail(batch, "its synchronous caller stopped waiting before it could start (never written)")
             try:
                 store = self._client()
             except Exception as e:  # connecting failed: nothing was written
                 return self._fail(batch, str(e))
-            if ticket is not None and not ticket.start():
-                return self._fail(batch, "its synchronous caller stopped waiting before it could start (never written)")
             samples = batch.samples()
             tensors = [t for t in batch.tensors() if t[6] > 0]  # Mooncake cannot store 0 bytes
             if any(t[7] >= 0 for t in tensors):
@@ -377,6 +384,10 @@ class StoreSink(LiveSink):
                 left = [k for k, rc in zip(keys, store.batch_remove(keys, True) if keys else []) if rc not in (0, NOT_FOUND)]
                 kept = f"; {len(left)} could not be removed (first: {left[0]})" if left else "; none kept"
                 return self._fail(batch, why + kept)
+            if ticket is not None and not ticket.finish():
+                # Its caller gave up meanwhile and told its request so: never to be read.
+                left = [k for k, rc in zip(keys, store.batch_remove(keys, True)) if rc not in (0, NOT_FOUND)]
+                return self._fail(batch, "its synchronous caller stopped waiting; removed again" + (f" ({len(left)} could not be)" if left else ""))
             self._stats["published_batches"] += 1
             self._stats["published_samples"] += len(samples)
             self._stats["published_objects"] += len(keys)
@@ -435,9 +446,10 @@ class StoreSink(LiveSink):
     def put_samples(self, samples: Sequence[Any], *, within_s: Optional[float] = _SINK_BOUND) -> list[dict[str, Any]]:
         """Publishes a batch and waits for its results. Bounded (``within_s`` seconds, or the
         sink's ``sync_bound``; what SGLang's scheduler thread gets under a patch that calls
-        ``put_sample``): the batch waits at most that long to start (for the store connection,
-        earlier batches); one that did not start gets every sample's error row and is never
-        written. Never raises for a sample or the store."""
+        ``put_sample``): the call returns within that long whatever the store does (the store
+        connection, earlier batches, a stalled master); a batch not published by then gets every
+        sample's error row, and what of it the worker publishes later is removed again. Never
+        raises for a sample or the store."""
         bound = self.sync_bound if within_s is _SINK_BOUND else within_s
         if bound is None:
             return self.submit_samples(samples).result()
@@ -448,7 +460,7 @@ class StoreSink(LiveSink):
             return fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             if not ticket.abandon():
-                return fut.result()  # started in time: its own put is waited for
+                return fut.result()  # done just now
             rows: list[dict[str, Any]] = []
             for item in samples:
                 spec = item[0] if isinstance(item, (tuple, list)) and item else None
@@ -456,8 +468,9 @@ class StoreSink(LiveSink):
                 rows.append(
                     {
                         "sample_id": sid,
-                        "error": f"not captured: the Mooncake store sink did not start this batch within {bound:g} s "
-                        "(connecting to the store, or earlier batches; SGLANG_SPEC_CAPTURE_SYNC_WAIT_S)",
+                        "error": f"not captured: the Mooncake store sink did not publish this batch within {bound:g} s "
+                        "(connecting to the store, earlier batches, or the store itself; SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); "
+                        "nothing of it stays in the store",
                     }
                 )
             return rows

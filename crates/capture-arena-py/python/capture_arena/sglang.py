@@ -203,7 +203,11 @@ def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
         rate = getattr(server_args, "spec_capture_sample_rate", 1.0)
         rank, gpu = _scheduler_state()
         variant = _patch_variant()
-        capturing = rank in (None, 0)
+        # Under the default, only a rank known to capture starts early (an unknown rank could be
+        # any of the TP ranks: each would take an arena); SGLANG_SPEC_CAPTURE_ARENA_EAGER=1 also
+        # starts where the rank is unknown, as before.
+        forced = os.environ.get("SGLANG_SPEC_CAPTURE_ARENA_EAGER", "").strip() == "1"
+        capturing = rank == 0 or (rank is None and forced)
         sink: "ArenaSink | StoreSink"
         if placement() == "store":
             store = StoreSink(aux_layer_ids=ids)

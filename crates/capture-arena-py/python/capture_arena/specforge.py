@@ -660,15 +660,17 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         """Forgets the oldest results not leased beyond ``max_tracked``, and those older than
         ``forget_after_s``."""
         over = len(self._results) - self.max_tracked
-        forgotten = 0
-        for sid, t in list(self._put_time.items()):
+        doomed = []
+        for sid, t in self._put_time.items():  # oldest first; stops at the first kept
             if over <= 0 and now - t <= self.forget_after_s:
-                break  # in tracking order: the rest are younger
+                break
             if self._leased(sid, self._generation.get(sid)):
                 continue
-            self._forget(sid)
+            doomed.append(sid)
             over -= 1
-            forgotten += 1
+        for sid in doomed:
+            self._forget(sid)
+        forgotten = len(doomed)
         if forgotten:
             log.info(
                 "forgot %d tracked capture results (beyond %d, or older than %.0f s); not freed: an abort still frees them by prefix",
@@ -714,13 +716,16 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             else:
                 continue  # not among the listed holders: nothing can be said
             with self._lock:
-                for sid, t in list(self._put_time.items()):
+                doomed = []
+                for sid, t in self._put_time.items():  # oldest first
                     if t >= cutoff:
                         break
                     result = self._results.get(sid, {})
                     arena = result.get("arena") if isinstance(result, Mapping) else None
                     if isinstance(arena, Mapping) and arena.get("control") == control and not self._leased(sid, self._generation.get(sid)):
-                        self._forget(sid)
+                        doomed.append(sid)
+                for sid in doomed:
+                    self._forget(sid)
 
     def _leased(self, sid: str, gen: Optional[int]) -> bool:
         return any(h.sample_id == sid and h.generation == gen for h in self._leases.values())

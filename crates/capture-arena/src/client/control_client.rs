@@ -15,10 +15,14 @@
 //!   [`ControlClient::flush_within`]);
 //! - a failed send (not written, not confirmed) stays pending and its sender retries it after
 //!   a back-off (100 ms, doubling to 30 s) until it goes out, or until the endpoint refuses
-//!   connections (its producer is gone). Frees the server refused for the control token (a
-//!   missing or wrong token) stay pending too, counted in [`ControlClient::refused`], and are
-//!   retried with the same back-off: a token set meanwhile ([`ControlClient::set_token`]) gets
-//!   them through;
+//!   connections (its producer is gone);
+//! - frees the server refuses for the control token (a missing or wrong token): keys released
+//!   from a result (they carry its session, and the result its producer's token) are dropped,
+//!   since the producer there now is another one (it restarted with another token); keys freed
+//!   without a result (by key or prefix) stay pending, counted in [`ControlClient::refused`], and
+//!   are retried with the back-off; a token set meanwhile ([`ControlClient::set_token`]) ends the
+//!   back-off and gets them through. Every new connection confirms a sync line before it
+//!   carries keys, so a refusal is read back cleanly (not lost in a reset after a large write);
 //! - keys waiting for a producer that is gone are dropped before they are sent (a producer that
 //!   is gone has nothing left to free, and a producer restarted on the same port must not
 //!   receive frees meant for its predecessor): keys carry their session, and the owner of the
@@ -444,6 +448,11 @@ impl Shared {
             if e.token.as_deref() != token {
                 e.token = token.map(Arc::from);
                 e.conn = None;
+                // Refused for want of a token: try the new one now.
+                if matches!(&e.backoff, Some((_, _, k, _)) if *k == ErrorKind::PermissionDenied) {
+                    e.backoff = None;
+                    self.work.notify_all();
+                }
             }
         }
     }
@@ -509,7 +518,7 @@ impl Shared {
                 let Some(e) = st.endpoints.get_mut(name) else {
                     continue;
                 };
-                if e.pending.is_empty() && e.unconfirmed.is_empty() {
+                if e.pending.is_empty() && e.unconfirmed.is_empty() && e.in_flight == 0 {
                     continue;
                 }
                 if let Some((at, _, kind, why)) = &e.backoff {
@@ -517,7 +526,7 @@ impl Shared {
                         let wait = at.saturating_duration_since(now);
                         first = Some(not_sent(
                             name,
-                            e.pending.len(),
+                            e.pending.len() + e.in_flight,
                             *kind,
                             why,
                             &format!(
@@ -587,6 +596,9 @@ impl Shared {
         let live = waiting.len();
         let keys: Vec<&Key> = waiting.iter().map(|(k, _)| k).collect();
         let wrote = match free_lines_synced(&keys, sync) {
+            // Every key's producer is gone: nothing to write (a bare sync's answer would be
+            // left unread on the connection).
+            _ if keys.is_empty() => Some(true),
             Ok(buf) if alive(&conn) && has_room(&conn, buf.len()) => {
                 Some((&conn).write_all(&buf).is_ok())
             }
@@ -672,7 +684,15 @@ impl Shared {
                     })
                 }
             };
-            std::thread::sleep(sleep);
+            // Out of the back-off early when woken (keys, or a token for a refused endpoint).
+            if !sleep.is_zero() {
+                let s = self.state();
+                drop(
+                    self.work
+                        .wait_timeout(s, sleep)
+                        .map_or_else(|p| p.into_inner().0, |(g, _)| g),
+                );
+            }
         }
     }
 

@@ -17,8 +17,13 @@ use crate::key::Key;
 /// valid key fits.
 const LINE_BYTES: usize = 64 * 1024;
 
-/// Connects within `timeout` (also the write timeout), and presents `token` first when there is
-/// one.
+/// Connects within `timeout` (also the write timeout), presents `token` first when there is
+/// one, and has the server confirm a first sync line (sync 0) before anything else is sent: a
+/// server that wants another token refuses the connection there, and says so, before keys are
+/// written (a refusal after a large write could be lost in the reset its unread bytes cause).
+///
+/// # Errors
+/// As [`confirm`] (`PermissionDenied` for a refused token), or the connection's error.
 pub(super) fn connect(
     endpoint: &str,
     token: Option<&str>,
@@ -30,11 +35,15 @@ pub(super) fn connect(
             Ok(mut s) => {
                 s.set_write_timeout(Some(timeout))?;
                 s.set_nodelay(true)?;
+                let mut first = Vec::with_capacity(320);
                 if let Some(t) = token {
-                    let mut line = crate::control::token_line(t).into_bytes();
-                    line.push(b'\n');
-                    s.write_all(&line)?;
+                    first.extend_from_slice(crate::control::token_line(t).as_bytes());
+                    first.push(b'\n');
                 }
+                first.extend_from_slice(crate::control::sync_line(0).as_bytes());
+                first.push(b'\n');
+                s.write_all(&first)?;
+                confirm(&s, 0, timeout)?;
                 return Ok(s);
             }
             Err(e) => last = e,
@@ -152,10 +161,20 @@ pub fn send_frees(
     if let Some(t) = token {
         check_token(t)?;
     }
-    let not_sent = |source: std::io::Error| Error::FreeNotSent {
-        endpoint: endpoint.to_owned(),
-        pending: keys.len() + prefixes.len(),
-        source,
+    let not_sent = |source: std::io::Error| {
+        let pending = keys.len() + prefixes.len();
+        if source.kind() == ErrorKind::PermissionDenied {
+            return Error::Unauthorized {
+                endpoint: endpoint.to_owned(),
+                pending,
+                reason: source.to_string(),
+            };
+        }
+        Error::FreeNotSent {
+            endpoint: endpoint.to_owned(),
+            pending,
+            source,
+        }
     };
     let refs: Vec<&Key> = keys.iter().collect();
     let mut buf = free_lines(&refs).map_err(not_sent)?;
@@ -172,15 +191,7 @@ pub fn send_frees(
     let left = deadline.saturating_duration_since(Instant::now());
     let confirmed = confirm(&stream, 1, left.max(Duration::from_millis(1)));
     let _ = stream.shutdown(std::net::Shutdown::Both);
-    match confirmed {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == ErrorKind::PermissionDenied => Err(Error::Unauthorized {
-            endpoint: endpoint.to_owned(),
-            pending: keys.len() + prefixes.len(),
-            reason: e.to_string(),
-        }),
-        Err(e) => Err(not_sent(e)),
-    }
+    confirmed.map_err(not_sent)
 }
 
 /// Checks a token a caller passes before it is sent.

@@ -25,13 +25,25 @@ impl StatsQuery {
     ///
     /// # Errors
     /// [`Error::Config`] for a token that is not one; [`Error::Io`] when the endpoint cannot be
-    /// reached.
+    /// reached, or refuses the connection for its control token (a missing or wrong one).
     pub fn connect(endpoint: &str, token: Option<&str>, timeout: Duration) -> Result<StatsQuery> {
         if let Some(t) = token {
             check_token(t)?;
         }
-        let stream = connect(endpoint, token, timeout)
-            .map_err(|e| Error::io(format!("connecting to the control endpoint {endpoint}"), e))?;
+        let stream = connect(endpoint, token, timeout).map_err(|e| {
+            let e = if e.kind() == ErrorKind::PermissionDenied {
+                std::io::Error::new(
+                    ErrorKind::PermissionDenied,
+                    format!(
+                        "the producer refused the connection ({e}): pass its control token with \
+                         --token (SGLANG_SPEC_CAPTURE_CONTROL_TOKEN)"
+                    ),
+                )
+            } else {
+                e
+            };
+            Error::io(format!("connecting to the control endpoint {endpoint}"), e)
+        })?;
         stream
             .set_read_timeout(Some(timeout))
             .map_err(|e| Error::io("setting a read timeout", e))?;

@@ -331,7 +331,12 @@ impl Placer {
         stats.set_report(&arena.report());
         if let Err(e) = &outcome {
             bump(&stats.failed_batches, 1);
-            tracing::warn!(samples = job.samples.len(), error = %e, "capture batch failed");
+            if matches!(e, Error::Timeout { .. }) {
+                // Its submitter gave up and says so itself (one line per batch is enough).
+                tracing::debug!(samples = job.samples.len(), error = %e, "capture batch given up");
+            } else {
+                tracing::warn!(samples = job.samples.len(), error = %e, "capture batch failed");
+            }
         }
         // The caller's buffers go before the caller hears back.
         drop(std::mem::take(&mut job.samples));
