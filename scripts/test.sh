@@ -6,7 +6,8 @@
 # .cache/cargo-fuzz (scripts/fuzz.sh), a venv in .venv with the
 # test tools, the NIXL wheel's libraries in .cache/nixl (scripts/nixl-lib.sh), Mooncake's wheel
 # and the libraries it loads (apt), torch (PyPI's wheel, used on the CPU), and SGLang's wheel in
-# .cache/sglang-wheel (downloaded by test_sglang_install.py, unpacked without its dependencies).
+# .cache/sglang-wheel (downloaded by the tests, unpacked without their dependencies), and
+# specforge 0.2.0 without its pinned dependencies.
 # Usage: scripts/test.sh            (the README's test command; .ci/run calls it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -133,6 +134,11 @@ step "python: torch (the registry's wheel, used on the CPU: SGLang hands the sin
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q torch
 fi
+
+step "python: SpecForge's trainer stack (specforge 0.2.0 from PyPI, without its pinned dependencies)"
+# Its declared dependencies pin torch 2.11 and sglang 0.5.14; the modules the tests drive
+# (runtime/contracts, runtime/data_plane, inference/adapters) import only torch at module level.
+.venv/bin/python -m pip install -q --no-deps specforge==0.2.0
 
 step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
 (cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \

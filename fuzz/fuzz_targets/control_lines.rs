@@ -99,8 +99,18 @@ fn check_line(line: &[u8]) {
                 assert!(p.ends_with('/'));
             }
         }
+        Some(ObjectLine::Sync(n)) => {
+            // The answer a client parses back names the same sync.
+            let answer = control::synced_line(n);
+            assert_eq!(
+                control::parse_answer(&answer[..answer.len() - 1]),
+                Some(control::Answer::Synced(n))
+            );
+        }
         Some(ObjectLine::Stats) | None => {}
     }
+    // Anything a server could be sent, read as an answer, never panics.
+    let _ = control::parse_answer(line);
     if let Ok(Some(keys)) = control::parse_line(line) {
         for k in keys {
             if let Ok(key) = k.parse::<Key>() {

@@ -5,7 +5,7 @@ A capture server process (SGLang's ``/generate`` reduced to the capture, as in
 ``tests/test_specforge.py``: each request's capture is published through capture-arena's real sink)
 runs once with ``SGLANG_SPEC_CAPTURE_PLACEMENT=arena`` and once with ``=store`` (a
 ``mooncake_master`` started here). This process is the trainer: SpecForge's own adapter
-(``SGLangServerCaptureAdapter``, vendored in ``tests/specforge_src``) produces refs, and each ref is
+(``SGLangServerCaptureAdapter``, ``specforge`` 0.2.0 from PyPI, installed with ``--no-deps``) produces refs, and each ref is
 read and released the way ``FeatureDataLoader`` does (``get`` then ``release(handle)``), through
 ``capture_arena.specforge.SpecForgeArenaStore``. Rounds alternate between the two servers.
 
@@ -30,7 +30,7 @@ import urllib.request
 
 HERE = pathlib.Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
-sys.path[:0] = [str(TESTS / "specforge_src"), str(TESTS)]
+sys.path[:0] = [str(TESTS)]
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--tokens", type=int, default=4096)

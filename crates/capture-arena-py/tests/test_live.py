@@ -18,11 +18,8 @@ other capture at once, by the sink itself.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import pathlib
 import socket
-import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -33,8 +30,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
 
-if importlib.util.find_spec("specforge") is None:  # SpecForge's trainer stack (tests/specforge_src)
-    sys.path.insert(0, str(pathlib.Path(__file__).parent / "specforge_src"))
+pytest.importorskip("specforge", reason="specforge is not installed (scripts/test.sh installs specforge==0.2.0)")
 
 import capture_arena as ca  # noqa: E402
 from capture_arena.specforge import SpecForgeArenaStore  # noqa: E402

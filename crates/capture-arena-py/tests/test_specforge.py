@@ -1,21 +1,25 @@
-"""capture_arena.specforge driven by SpecForge's own trainer stack, vendored.
-
-SpecForge is not on the package registries, so CI cannot install it. ``specforge_src/`` holds its
-files at commit a6b6b023 (MIT, its LICENSE beside them), unchanged: the adapter
+"""capture_arena.specforge driven by SpecForge's own trainer stack: ``specforge`` 0.2.0 from PyPI,
+installed without its declared dependencies (they pin torch 2.11 and sglang 0.5.14; the modules
+used here import only torch, which the test command installs): the adapter
 (``SGLangServerCaptureAdapter``), the capture contract (``verify_capture_specs``), the
 ``FeatureStore`` ABC, ``FeatureDataLoader``, ``ref_to_dict``/``ref_from_dict`` and, for the store
-placement side by side, ``MooncakeFeatureStore``. The tests name them "vendored". What stands in:
-the SGLang server, here a producer process whose ``/generate`` publishes each request's capture
-through capture-arena's real sink (as ``capture_arena.sglang`` does inside SGLang's scheduler) and
-answers SGLang's row shape (``meta_info["spec_capture"]``). Everything else is real: HTTP, the
-arena, the control port, trainers in other processes.
+placement side by side, ``MooncakeFeatureStore``. The tests name them "specforge". What stands
+in: the SGLang server, here a producer process whose ``/generate`` publishes each request's
+capture through capture-arena's real sink (as ``capture_arena.sglang`` does inside SGLang's
+scheduler) and answers SGLang's row shape (``meta_info["spec_capture"]``). Everything else is
+real: HTTP, the arena, the control port, trainers in other processes.
+
+Where 0.2.0 differs from SpecForge's main (the commit these tests were first written against,
+a6b6b023): its adapter asks for ``max_new_tokens: 0`` (main: 1), which the producer here ignores
+(it captures the prompt either way); its ``MooncakeFeatureStore`` sets a soft pin where the
+client has no hard pin, and its removals retry 40 x 0.5 s (main: 8 x 0.25 s); neither is on a
+path these tests take.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pathlib
 import socket
 import subprocess
 import sys
@@ -26,8 +30,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
 
-SPECFORGE_SRC = str(pathlib.Path(__file__).parent / "specforge_src")
-sys.path.insert(0, SPECFORGE_SRC)
+pytest.importorskip("specforge", reason="specforge is not installed (scripts/test.sh installs specforge==0.2.0)")
 
 from specforge.inference.adapters.server_capture import (  # noqa: E402
     ServerCaptureFailure,
@@ -180,7 +183,7 @@ def clean_env() -> dict[str, str]:
 @pytest.fixture
 def producer(request: pytest.FixtureRequest) -> Iterator[Producer]:
     env = clean_env()
-    env.update({"SGLANG_SPEC_CAPTURE_PLACEMENT": "arena", "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "16MiB", "SGLANG_SPEC_CAPTURE_ARENA_WAIT_S": "10", "PYTHONPATH": SPECFORGE_SRC})
+    env.update({"SGLANG_SPEC_CAPTURE_PLACEMENT": "arena", "SGLANG_SPEC_CAPTURE_ARENA_BYTES": "16MiB", "SGLANG_SPEC_CAPTURE_ARENA_WAIT_S": "10"})
     transport = getattr(request, "param", "shm")
     if transport == "nixl":
         if "nixl" not in ca.FEATURES:
@@ -215,7 +218,7 @@ def adapter(producer: Producer, store: SpecForgeArenaStore) -> SGLangServerCaptu
 
 
 @pytest.mark.parametrize("producer", ["shm", "nixl"], indirect=True)
-def test_specforge_vendored_adapter_and_loader_read_every_arena_sample_in_another_process_and_free_it(producer: Producer) -> None:
+def test_specforge_adapter_and_loader_read_every_arena_sample_in_another_process_and_free_it(producer: Producer) -> None:
     store = SpecForgeArenaStore(store_id="run1")
     refs = adapter(producer, store).produce_refs(tasks(6), capture=capture())
     assert all(isinstance(r, SampleRef) for r in refs), refs
@@ -223,7 +226,7 @@ def test_specforge_vendored_adapter_and_loader_read_every_arena_sample_in_anothe
     lines = "".join(json.dumps(ref_to_dict(r)) + "\n" for r in refs)
     sessions = {r.metadata["capture_arena"]["arena"]["session"].split("://")[0] for r in refs}
     assert sessions <= {"shm", "nixl"} and len(sessions) == 1, sessions
-    env = {**os.environ, "PYTHONPATH": SPECFORGE_SRC, "UCX_TLS": "tcp"}
+    env = {**os.environ, "UCX_TLS": "tcp"}
     out = subprocess.run([sys.executable, "-c", LOADER, "run1"], input=lines, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.splitlines()[-1])
@@ -236,14 +239,14 @@ def test_specforge_vendored_adapter_and_loader_read_every_arena_sample_in_anothe
 
 
 @needs_mooncake
-def test_specforge_vendored_adapter_and_loader_read_and_free_store_placement_samples() -> None:
+def test_specforge_adapter_and_loader_read_and_free_store_placement_samples() -> None:
     """The same trainer stack over the store placement (the Mooncake store, a real master): read
     through capture-arena's store reader, removed from the store on release."""
     import mooncake_master
 
     master, menv = mooncake_master.start()
     env = {**clean_env(), **menv, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "48MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"}
-    prod = Producer({**env, "SGLANG_SPEC_CAPTURE_PLACEMENT": "store", "PYTHONPATH": SPECFORGE_SRC})
+    prod = Producer({**env, "SGLANG_SPEC_CAPTURE_PLACEMENT": "store"})
     try:
         store = SpecForgeArenaStore(store_id="st1")
         refs = adapter(prod, store).produce_refs(tasks(4, "st"), capture=capture())
@@ -252,7 +255,7 @@ def test_specforge_vendored_adapter_and_loader_read_and_free_store_placement_sam
         assert prod.post("/exists", {"keys": keys}) == [1] * 12
         lines = "".join(json.dumps(ref_to_dict(r)) + "\n" for r in refs)
         out = subprocess.run(
-            [sys.executable, "-c", LOADER, "st1"], input=lines, env={**env, "PYTHONPATH": SPECFORGE_SRC}, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", LOADER, "st1"], input=lines, env=env, capture_output=True, text=True, timeout=120
         )
         assert out.returncode == 0, out.stderr[-3000:]
         got = json.loads(out.stdout.splitlines()[-1])
@@ -263,7 +266,7 @@ def test_specforge_vendored_adapter_and_loader_read_and_free_store_placement_sam
         mooncake_master.stop(master)
 
 
-def test_specforge_vendored_adapter_frees_what_fails_its_contract_and_what_lost_its_response(producer: Producer) -> None:
+def test_specforge_adapter_frees_what_fails_its_contract_and_what_lost_its_response(producer: Producer) -> None:
     store = SpecForgeArenaStore(store_id="run2")
     ad = adapter(producer, store)
     # The contract check fails every sample (the trainer expects another hidden size): the
@@ -300,7 +303,7 @@ def test_specforge_vendored_adapter_frees_what_fails_its_contract_and_what_lost_
     assert producer.wait_free()["resident_objects"] == 0
 
 
-def test_specforge_vendored_lifecycle_abort_gc_and_release_each_free_the_sample(producer: Producer) -> None:
+def test_specforge_lifecycle_abort_gc_and_release_each_free_the_sample(producer: Producer) -> None:
     store = SpecForgeArenaStore(store_id="run3", max_hold_age_s=60.0)
     refs = adapter(producer, store).produce_refs(tasks(4, "life"), capture=capture())
     assert producer.get()["stats"]["resident_objects"] == 12
@@ -329,7 +332,7 @@ def test_specforge_vendored_lifecycle_abort_gc_and_release_each_free_the_sample(
     assert h["resident_samples"] == 0 and h["active_leases"] == 0 and h["force_freed_total"] == 2, h
 
 
-def test_specforge_vendored_drain_is_bounded_when_an_endpoint_does_not_answer(producer: Producer) -> None:
+def test_specforge_drain_is_bounded_when_an_endpoint_does_not_answer(producer: Producer) -> None:
     # A listener whose backlog is full: connections to it hang (SYN unanswered).
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))

@@ -70,8 +70,8 @@ try:
     from specforge.runtime.data_plane.feature_store import FeatureStore  # type: ignore[import-not-found,unused-ignore]
 except ImportError as e:  # pragma: no cover - exercised only without SpecForge
     raise ImportError(
-        "capture_arena.specforge needs SpecForge importable (https://github.com/sgl-project/SpecForge; "
-        f"it is not on PyPI: install it from its repository): {e}"
+        "capture_arena.specforge needs SpecForge importable: pip install specforge (0.2.0 on PyPI; its declared "
+        f"dependencies pin torch and sglang, so `pip install --no-deps specforge` beside your own torch works): {e}"
     ) from e
 
 from . import ArenaFeatureStore

@@ -1,2 +1,0 @@
-# coding=utf-8
-"""Feature-source adapters for external server transport."""
