@@ -201,28 +201,35 @@ print(r["arena"]["session"][:7])
     assert out.strip() == "cuda://"
 
 
-def test_a_cuda_dlpack_object_without_torch_is_refused_before_anything_is_written(make_sink):
-    class CudaArray:
-        """A DLPack look-alike that says it lives on CUDA device 0."""
+def test_a_cuda_dlpack_object_without_torch_is_refused_before_anything_is_written() -> None:
+    # In a process where torch cannot be imported (it is installed here: an import of it fails
+    # there as it would where it is not), so the test runs in every configuration.
+    out = run(
+        r'''
+import sys
+sys.modules["torch"] = None  # `import torch` raises ImportError from here on
+import capture_arena as ca
+import numpy as np
 
-        shape = (8, 12)
+class CudaArray:
+    """A DLPack look-alike that says it lives on CUDA device 0."""
+    shape = (8, 12)
+    def __dlpack_device__(self):
+        return (2, 0)
+    def __dlpack__(self, **kw):
+        raise AssertionError("must not be exported")
 
-        def __dlpack_device__(self) -> tuple[int, int]:
-            return (2, 0)
-
-        def __dlpack__(self, **kw: object) -> object:
-            raise AssertionError("must not be exported")
-
-    try:
-        import torch  # noqa: F401
-
-        pytest.skip("torch is installed: CUDA DLPack objects go through it (gpu-check.sh)")
-    except ImportError:
-        pass
-    sink = make_sink()
-    with pytest.raises(ca.InvalidSampleError, match="needs torch"):
-        sink.put_sample(spec("dl"), aux=CudaArray(), last_hidden=hidden(8, 4))
-    assert not sink.started
+sink = ca.ArenaSink(arena_bytes="1MiB")
+spec = {"store_id": "st", "sample_id": "dl", "features": {"aux": "hidden_state", "last_hidden": "target"}}
+row = sink.put_sample(spec, aux=CudaArray(), last_hidden=np.zeros((8, 4), np.float32))
+# The sample's own error row (a sink never raises for a sample), before anything was written.
+assert set(row) == {"sample_id", "error"} and "needs torch" in row["error"], row
+assert not sink.started
+print("refused")
+''',
+        dict(os.environ),
+    )
+    assert out.strip() == "refused"
 
 
 def test_fake_gpu_an_eager_device_arena_goes_to_the_capturing_schedulers_gpu(fake_gpu):
