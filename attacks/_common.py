@@ -4,6 +4,7 @@ memory."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -50,7 +51,7 @@ def wait_stats(sink: ca.ArenaSink, pred: Callable[[dict[str, int]], bool], timeo
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def legit_free_still_works(sink: ca.ArenaSink, result: dict[str, Any]) -> None:
