@@ -115,3 +115,20 @@ pub fn settled(want: u64, f: impl Fn() -> u64) -> u64 {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+/// True when the server closed `s` within `within`: the read ends (EOF) or the connection was
+/// reset (closed with our bytes unread). False when it is still open: the read times out. Any
+/// bytes the server writes before closing (an `unauthorized` line) are read past.
+pub fn closed_by_server(s: &mut TcpStream, within: Duration) -> bool {
+    use std::io::{ErrorKind, Read};
+    s.set_read_timeout(Some(within)).unwrap();
+    let mut buf = [0u8; 512];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return e.kind() == ErrorKind::ConnectionReset,
+        }
+    }
+}
