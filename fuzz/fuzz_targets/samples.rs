@@ -30,10 +30,17 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(result) = serde_json::from_slice::<Published>(data) {
         if result.validate().is_ok() {
             // What validation promises: keys and sizes that a reader can compute safely.
-            for name in result.features.keys() {
+            for (name, f) in &result.features {
                 result.key(name).expect("a validated result has valid keys");
+                let len = f
+                    .byte_len()
+                    .expect("a validated result's sizes do not overflow");
+                // A stamped object's stamp lies after it, inside the address space.
+                if f.stamp.is_some() {
+                    assert!(f.address % 8 == 0);
+                    assert!(f.address.checked_add(len.div_ceil(8) * 8 + 8).is_some());
+                }
             }
-            let _ = capture_arena::Reader::new().checked_len(&result, "aux");
         }
     }
 });
