@@ -66,8 +66,8 @@ import urllib.request
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 try:
-    from specforge.runtime.contracts import FeatureHandle, SampleRef  # type: ignore[import-not-found,unused-ignore]
-    from specforge.runtime.data_plane.feature_store import FeatureStore  # type: ignore[import-not-found,unused-ignore]
+    from specforge.runtime.contracts import FeatureHandle, SampleRef  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    from specforge.runtime.data_plane.feature_store import FeatureStore  # type: ignore[import-not-found,import-untyped,unused-ignore]
 except ImportError as e:  # pragma: no cover - exercised only without SpecForge
     raise ImportError(
         "capture_arena.specforge needs SpecForge importable: pip install specforge (0.2.0 on PyPI; its declared "
