@@ -380,10 +380,11 @@ fn a_completion_runs_once_for_an_accepted_batch_and_never_for_a_refused_one() {
 /// Bytes of an object's stamp: an object of `n * KIB - STAMP` bytes takes `n` KiB in the arena.
 const STAMP: usize = capture_arena::sample::STAMP_BYTES as usize;
 
-/// A device stand-in (there is no GPU here): a region whose copies complete on another thread,
-/// which then wakes the writer through its notifier, as a CUDA host callback would.
+/// A device stand-in (there is no GPU here): a region whose copies complete on another thread
+/// once the test opens `gate`, which then wakes the writer through its notifier, as a CUDA host
+/// callback would.
 mod fake_device {
-    use std::sync::{Arc, Mutex};
+    use std::sync::{Arc, Condvar, Mutex};
 
     use capture_arena::memory::{CopyOp, Notifier, Progress, Region};
 
@@ -391,7 +392,10 @@ mod fake_device {
     pub struct FakeDevice {
         pub bytes: Arc<Mutex<Vec<u8>>>,
         notifier: Option<Notifier>,
-        done: Arc<Mutex<Option<bool>>>,
+        /// `Some(false)` while a copy is in flight, `Some(true)` once it completed.
+        pub done: Arc<Mutex<Option<bool>>>,
+        /// Copies complete only once this is true.
+        pub gate: Arc<(Mutex<bool>, Condvar)>,
     }
 
     impl FakeDevice {
@@ -400,6 +404,7 @@ mod fake_device {
                 bytes: Arc::new(Mutex::new(vec![0u8; 1 << 20])),
                 notifier: None,
                 done: Arc::new(Mutex::new(None)),
+                gate: Arc::new((Mutex::new(false), Condvar::new())),
             }
         }
     }
@@ -418,19 +423,21 @@ mod fake_device {
             self.notifier = Some(n);
         }
         fn start(&mut self, ops: &[CopyOp<'_>]) -> capture_arena::Result<()> {
-            // Copy into a staging buffer now; "complete" 100 ms later on another thread.
+            // "Complete" on another thread, once the gate opens.
             let mut staged = Vec::new();
             for op in ops {
                 staged.push((op.offset, op.data.len()));
             }
-            let (done, n, bytes) = (
+            let (done, n, bytes, gate) = (
                 self.done.clone(),
                 self.notifier.clone().expect("notifier set before copies"),
                 self.bytes.clone(),
+                self.gate.clone(),
             );
             *done.lock().unwrap() = Some(false);
             std::thread::spawn(move || {
-                std::thread::sleep(std::time::Duration::from_millis(100));
+                let (open, cv) = &*gate;
+                drop(cv.wait_while(open.lock().unwrap(), |o| !*o).unwrap());
                 let mut b = bytes.lock().unwrap();
                 for (off, len) in staged {
                     b[off as usize..(off + len) as usize].fill(7);
@@ -460,7 +467,15 @@ mod fake_device {
 fn a_region_that_completes_later_is_committed_only_then_and_frees_flow_meanwhile_with_a_fake_device(
 ) {
     let region = fake_device::FakeDevice::new();
-    let bytes = region.bytes.clone();
+    let (bytes, done, gate) = (
+        region.bytes.clone(),
+        region.done.clone(),
+        region.gate.clone(),
+    );
+    {
+        // The first batch's copy completes at once.
+        *gate.0.lock().unwrap() = true;
+    }
     let w = Writer::start_with_region(&config(1 << 20, Duration::from_secs(5)), Box::new(region))
         .unwrap();
     let first = w
@@ -469,23 +484,25 @@ fn a_region_that_completes_later_is_committed_only_then_and_frees_flow_meanwhile
         .wait()
         .unwrap();
     assert_eq!(first[0].arena.session, "fake-device://test");
-    // While the second batch's copy is in flight, a free of the first is applied.
-    let t0 = Instant::now();
+    // While the second batch's copy is in flight (held there until the gate opens), a free of the
+    // first is applied.
+    *gate.0.lock().unwrap() = false;
     let h = w.submit(vec![sample("b", &[2000])]).unwrap();
-    std::thread::sleep(Duration::from_millis(20));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while *done.lock().unwrap() != Some(false) {
+        assert!(Instant::now() < deadline, "the second copy never started");
+        std::thread::yield_now();
+    }
     free(&w.arena_ref().control, &keys(&first));
     let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.freed_objects == 1);
     assert!(ok, "{s:?}");
     assert_eq!(
         s.published_batches, 1,
-        "the batch in flight is not committed yet"
+        "the free was applied while the batch's copy was in flight (not committed yet)"
     );
-    assert!(
-        t0.elapsed() < Duration::from_millis(100),
-        "the free did not wait for the copy"
-    );
+    *gate.0.lock().unwrap() = true;
+    gate.1.notify_all();
     let second = h.wait().unwrap();
-    assert!(t0.elapsed() >= Duration::from_millis(100));
     let off = (second[0].features["t0"].address - 0x1000_0000) as usize;
     assert!(bytes.lock().unwrap()[off..off + 2000]
         .iter()
