@@ -102,6 +102,30 @@ pub const MAX_ALIGNMENT: u64 = 4096;
 pub const DEFAULT_ARENA_WAIT: Duration = Duration::from_secs(30);
 /// Default writer queue capacity.
 pub const DEFAULT_MAX_PENDING_BATCHES: usize = 2;
+/// The control host must be one address trainers can reach, never all interfaces: a producer
+/// advertises where it listens, and `0.0.0.0:port` is no place to connect to (it would also
+/// expose the port on every network of the host).
+fn check_control_host(var: &'static str, host: &str) -> Result<()> {
+    if host.is_empty() {
+        return Err(Error::config(var, "empty host"));
+    }
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if bare
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified())
+    {
+        return Err(Error::config(
+            var,
+            format!(
+                "{host} is every interface: the control endpoint binds one address, which \
+                 results advertise to trainers; name this host's address on the trainers' \
+                 network (or set SGLANG_SPEC_CAPTURE_CONTROL_HOST to it)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Default control host: loopback, never all interfaces.
 pub const DEFAULT_CONTROL_HOST: &str = "127.0.0.1";
 /// Default bound on control connections.
@@ -298,8 +322,12 @@ impl Config {
         if let Some(v) = get(ENV_EAGER) {
             c.eager = parse_flag(&v).map_err(|r| Error::config(ENV_EAGER, r))?;
         }
-        if let Some(h) = get(ENV_CONTROL_HOST).or_else(|| get(ENV_LOCAL_HOSTNAME)) {
+        let named = get(ENV_CONTROL_HOST).map(|h| (ENV_CONTROL_HOST, h));
+        if let Some((var, h)) =
+            named.or_else(|| get(ENV_LOCAL_HOSTNAME).map(|h| (ENV_LOCAL_HOSTNAME, h)))
+        {
             c.control_host = h.trim().to_owned();
+            check_control_host(var, &c.control_host)?;
         }
         if let Some(v) = get(ENV_CONTROL_PORT) {
             c.control_port = v.trim().parse().map_err(|_| {
@@ -429,9 +457,7 @@ impl Config {
                  SGLANG_SPEC_CAPTURE_GPU_PUT=0 is not supported with it (unset it or set 1)",
             ));
         }
-        if self.control_host.is_empty() {
-            return Err(Error::config(ENV_CONTROL_HOST, "empty host"));
-        }
+        check_control_host(ENV_CONTROL_HOST, &self.control_host)?;
         if self.max_connections < 1 {
             return Err(Error::config(
                 ENV_MAX_CONNS,
@@ -508,6 +534,11 @@ mod tests {
         let c = cfg(&[]).unwrap();
         assert_eq!(c, Config::default());
         assert_eq!(c.control_host, "127.0.0.1");
+        // The documented defaults, as numbers (not the constants compared with themselves): the
+        // seed's 30 s wait for frees, a synchronous caller's 1 s, two pending batches.
+        assert_eq!(c.arena_wait, Duration::from_secs(30));
+        assert_eq!(c.sync_wait, Duration::from_secs(1));
+        assert_eq!(c.max_pending_batches, 2);
         let e = c.required_arena_bytes().unwrap_err();
         assert!(
             e.to_string().contains("SGLANG_SPEC_CAPTURE_ARENA_BYTES"),
@@ -535,6 +566,23 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.control_host, "127.0.0.2", "the explicit host wins");
+        // Never all interfaces, whichever variable names it.
+        for (var, host) in [
+            (ENV_LOCAL_HOSTNAME, "0.0.0.0"),
+            (ENV_CONTROL_HOST, "::"),
+            (ENV_CONTROL_HOST, "[::]"),
+        ] {
+            let e = cfg(&[(var, host)]).unwrap_err().to_string();
+            assert!(e.contains(var) && e.contains("every interface"), "{e}");
+        }
+        let bad = Config {
+            control_host: "0.0.0.0".into(),
+            ..Config::default()
+        };
+        assert!(
+            bad.validate().is_err(),
+            "a Config made in code is checked too"
+        );
     }
 
     #[test]
