@@ -243,10 +243,7 @@ impl Writer {
         )?;
         let reason = match ticket.wait_start(deadline) {
             TicketState::Started | TicketState::Finished => return handle.wait(),
-            TicketState::WaitingForSpace(needed, free) => format!(
-                "the arena was full: the batch needs {needed} bytes and {free} were free \
-                 (frees did not come in time; SGLANG_SPEC_CAPTURE_ARENA_BYTES sets its size)"
-            ),
+            TicketState::WaitingForSpace(needed, free) => placer::full_within(needed, free),
             _ => "earlier batches still held the writer (a batch waiting for frees, or a \
                   large copy)"
                 .to_owned(),
@@ -628,5 +625,48 @@ impl Loop {
             }
         }
         self.shared.awake();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::{Dtype, Tensor, TensorData};
+
+    fn one(id: &str, bytes: usize) -> Vec<Sample> {
+        let mut s = Sample::new("st", id, 1).unwrap();
+        let data = TensorData::host(vec![7u8; bytes]);
+        s.push(Tensor::new("t", vec![bytes as u64], Dtype::Uint8, data).unwrap())
+            .unwrap();
+        vec![s]
+    }
+
+    /// The placer's side of the race `submit_within` has with it: when the submitter's bound
+    /// runs out while the batch waits for frees and the placer gets there first (the submitter
+    /// here never gives up), the batch fails with the same timeout, not "arena full".
+    #[test]
+    fn a_bounded_batch_the_placer_gives_up_on_fails_with_the_callers_timeout() {
+        let config = Config {
+            arena_bytes: Some(1 << 20),
+            arena_wait: Duration::from_secs(30),
+            ..Config::default()
+        };
+        let w = Writer::start(&config).unwrap();
+        w.submit(one("first", 700 << 10)).unwrap().wait().unwrap();
+        let deadline = Instant::now() + Duration::from_millis(100);
+        let (handle, done) = BatchHandle::new(&one("late", 700 << 10));
+        w.submitter
+            .send(
+                one("late", 700 << 10),
+                done,
+                Block::Until(deadline),
+                Some(Arc::new(Ticket::default())),
+                || w.stopped(),
+            )
+            .unwrap();
+        match handle.wait() {
+            Err(Error::Timeout { reason, .. }) => assert!(reason.contains("arena was full")),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -143,6 +143,14 @@ impl Placer {
                     bump(&shared.stats.wait_ns, (now - since).as_nanos() as u64);
                     let e = if closing {
                         Error::WriterStopped
+                    } else if job.ticket.is_some() && deadline == job.deadline {
+                        // The submitter's bound ran out, not the arena's wait: the same
+                        // timeout its submitter reports if it gives up first.
+                        Error::Timeout {
+                            what: "publishing a batch".into(),
+                            waited: t0.elapsed(),
+                            reason: full_within(needed, arena.report().free_bytes),
+                        }
                     } else {
                         full(needed, &arena.report(), now - since)
                     };
@@ -352,6 +360,14 @@ impl Placer {
             arena.abort(reservation);
         }
     }
+}
+
+/// Why a bounded caller's batch did not start: the arena stayed too full until its bound.
+pub(crate) fn full_within(needed: u64, free: u64) -> String {
+    format!(
+        "the arena was full: the batch needs {needed} bytes and {free} were free (frees did \
+         not come in time; SGLANG_SPEC_CAPTURE_ARENA_BYTES sets its size)"
+    )
 }
 
 fn full(needed: u64, r: &ArenaReport, waited: Duration) -> Error {
