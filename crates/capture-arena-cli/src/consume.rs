@@ -110,14 +110,22 @@ struct HostOuts {
     spans: Vec<(usize, usize)>,
 }
 
+/// Lays out `lens` one after another, each from a page boundary of `page` bytes (this host's page
+/// size, 64 KiB on Grace): fills `spans` with `(offset, len)` and returns the bytes needed.
+fn spans(lens: &[usize], page: usize, spans: &mut Vec<(usize, usize)>) -> usize {
+    spans.clear();
+    let mut end = 0usize;
+    for &n in lens {
+        spans.push((end, n));
+        let rounded = capture_arena::page::round_up_to_page(n, page).unwrap_or(usize::MAX);
+        end = end.saturating_add(rounded);
+    }
+    end
+}
+
 impl HostOuts {
     fn reserve(&mut self, lens: &[usize]) -> capture_arena::Result<()> {
-        self.spans.clear();
-        let mut end = 0usize;
-        for &n in lens {
-            self.spans.push((end, n));
-            end = end.saturating_add(n.div_ceil(4096).saturating_mul(4096));
-        }
+        let end = spans(lens, capture_arena::page::page_size(), &mut self.spans);
         let have = self.buf.as_ref().map_or(0, |b| b.len());
         if have < end.max(1) {
             self.buf = None; // the old one (and its registrations) goes first
@@ -343,4 +351,28 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_output_starts_on_a_page_at_64k_and_4k() {
+        let mut v = Vec::new();
+        let lens = [1usize, 65536, 65537, 0, 10];
+        assert_eq!(spans(&lens, 64 << 10, &mut v), 5 * 65536);
+        assert_eq!(
+            v,
+            [
+                (0, 1),
+                (65536, 65536),
+                (131072, 65537),
+                (262144, 0),
+                (262144, 10)
+            ]
+        );
+        assert_eq!(spans(&lens, 4096, &mut v), 4096 + 65536 + 69632 + 4096);
+        assert!(v.iter().all(|&(o, _)| o % 4096 == 0));
+    }
 }

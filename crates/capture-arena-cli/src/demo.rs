@@ -137,7 +137,7 @@ fn result_bytes(v: &Value) -> u64 {
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let w = args.workload.resolved()?;
     let total = w.total_bytes();
-    let slack = (w.batch as u64) * 4 * 4096;
+    let slack = (w.batch as u64) * 4 * capture_arena::config::MAX_ALIGNMENT;
     let arena = args
         .arena_bytes
         .unwrap_or_else(|| (2u64 << 30).min(total / 2).max(w.max_batch_bytes() + slack));

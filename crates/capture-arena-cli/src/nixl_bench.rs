@@ -45,7 +45,9 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let n = usize::try_from(args.size)?;
     let part = usize::try_from(part_len(args.size))?;
     let config = Config {
-        arena_bytes: Some(2 * args.size + (PARTS as u64 + 2) * 4096 + (1 << 20)),
+        arena_bytes: Some(
+            2 * args.size + (PARTS as u64 + 2) * capture_arena::config::MAX_ALIGNMENT + (1 << 20),
+        ),
         ..Config::from_env()?
     };
     let w = Writer::start(&config).context("starting the NIXL arena")?;

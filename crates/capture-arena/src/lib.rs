@@ -19,7 +19,7 @@
 //!
 //! | layer | module | noun |
 //! |---|---|---|
-//! | base | [`error`](Error), `random` | errors; random bits for names, tokens and stamps |
+//! | base | [`error`](Error), `random`, [`page`] | errors; random bits for names, tokens and stamps; this host's page size and page arithmetic |
 //! | device | `driver` (feature `cuda`) | the CUDA driver: contexts, streams, events, VMM allocations, pinned host ranges; NVML's fabric state (it knows errors only) |
 //! | data | [`key`], [`tensor`], [`sample`], [`limits`], [`report`], [`stats`] | object keys; tensors (a device tensor holds its readiness event); requests and results (the wire); bounds every input is checked against; what the writer reports, and its counters |
 //! | memory | [`alloc`], [`memory`] | extent allocator over `[0, capacity)`; regions (batch copies that may complete later), the one mapping type |
@@ -42,6 +42,7 @@ mod error;
 pub mod key;
 pub mod limits;
 pub mod memory;
+pub mod page;
 mod random;
 pub mod reply;
 pub mod report;

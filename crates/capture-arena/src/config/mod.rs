@@ -94,9 +94,10 @@ pub const ENV_BUFFER_BYTES: &str = "SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES";
 /// line before it is closed.
 pub const ENV_LINE_TIMEOUT_S: &str = "SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S";
 
-/// The largest alignment: the page size regions are mapped with (addresses are `base + offset`
-/// and `base` is page-aligned).
-pub const MAX_ALIGNMENT: u64 = 4096;
+/// The largest alignment: the smallest page size ([`crate::page::MIN_PAGE`]). Addresses are
+/// `base + offset` with `base` page-aligned, so every alignment up to it holds on every host,
+/// at 4 KiB pages and at Grace's 64 KiB alike; a larger one would hold on some hosts only.
+pub const MAX_ALIGNMENT: u64 = crate::page::MIN_PAGE as u64;
 
 /// Default wait for frees.
 pub const DEFAULT_ARENA_WAIT: Duration = Duration::from_secs(30);

@@ -187,6 +187,23 @@ impl Drop for LazyPin {
 ///
 /// # Safety
 /// The range stays mapped until the pins are dropped.
+/// `[ptr, ptr + len)` cut into registrations of at most [`MAX_CHUNK`] bytes, each cut on a
+/// boundary of `page` (this host's page size): two registrations never share a page, which the
+/// driver refuses (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`), whatever the page size (64 KiB
+/// on Grace) and even if `ptr` were not page-aligned.
+fn chunks(ptr: usize, len: usize, page: usize) -> Vec<(usize, usize)> {
+    let end = ptr.saturating_add(len);
+    let mut out = Vec::with_capacity(len.div_ceil(MAX_CHUNK));
+    let mut at = ptr;
+    while at < end {
+        let cut = crate::page::page_start(at.saturating_add(MAX_CHUNK), page);
+        let next = if cut > at && cut < end { cut } else { end };
+        out.push((at, next - at));
+        at = next;
+    }
+    out
+}
+
 unsafe fn pin_all(
     ordinal: i32,
     ptr: usize,
@@ -217,12 +234,11 @@ unsafe fn pin_all(
         );
         return None;
     }
-    let mut pins = Vec::with_capacity(len.div_ceil(MAX_CHUNK));
-    let mut at = 0;
-    while at < len {
-        let n = (len - at).min(MAX_CHUNK);
+    let ranges = chunks(ptr, len, crate::page::page_size());
+    let mut pins = Vec::with_capacity(ranges.len());
+    for (at, n) in ranges {
         // SAFETY: a sub-range of the caller's, mapped as long as the pins live.
-        match unsafe { HostPin::new(&ctx, ptr + at, n, read_only) } {
+        match unsafe { HostPin::new(&ctx, at, n, read_only) } {
             Ok(p) => pins.push(p),
             Err(e) => {
                 tracing::warn!(
@@ -234,7 +250,6 @@ unsafe fn pin_all(
                 return None; // the chunks pinned so far are unpinned as `pins` drops
             }
         }
-        at += n;
     }
     tracing::info!(
         what,
@@ -244,4 +259,35 @@ unsafe fn pin_all(
         "pinned for device copies"
     );
     Some(pins)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Registrations at Grace's 64 KiB pages and at 4 KiB: whole range, at most MAX_CHUNK each,
+    /// every cut on a page boundary (no page in two registrations), also from an unaligned start.
+    #[test]
+    fn registrations_never_share_a_page_at_64k_or_4k() {
+        for page in [4096usize, 64 << 10] {
+            for (ptr, len) in [
+                (1usize << 40, 3 * MAX_CHUNK + 12345),
+                ((1 << 40) + 4096, 2 * MAX_CHUNK),
+                ((1 << 40) + 100, MAX_CHUNK + 1),
+                (1 << 40, 1),
+                (1 << 40, 0),
+            ] {
+                let c = chunks(ptr, len, page);
+                assert_eq!(c.iter().map(|&(_, n)| n).sum::<usize>(), len);
+                assert!(c.iter().all(|&(_, n)| n > 0 && n <= MAX_CHUNK), "{c:?}");
+                for w in c.windows(2) {
+                    assert_eq!(w[0].0 + w[0].1, w[1].0, "contiguous");
+                    assert_eq!(w[1].0 % page, 0, "cut off a page boundary at {page}: {c:?}");
+                }
+                if let Some(&(first, _)) = c.first() {
+                    assert_eq!(first, ptr);
+                }
+            }
+        }
+    }
 }

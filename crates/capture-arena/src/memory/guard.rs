@@ -19,6 +19,8 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+use crate::page::{page_start, MIN_PAGE};
+
 /// Ranges watched at once (a producer's arena, a trainer's cached sessions).
 pub const SLOTS: usize = 256;
 
@@ -146,8 +148,10 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             }
             if (start..end).contains(&addr) {
                 // SAFETY: sysconf is async-signal-safe in practice (a cached value in glibc).
-                let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
-                let from = addr & !(page - 1);
+                // (Not `page_size()`: its first call allocates nothing but may run here.)
+                let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+                let page = usize::try_from(page).map_or(MIN_PAGE, |p| p.max(MIN_PAGE));
+                let from = page_start(addr, page);
                 // Lost before the zero pages go in: a thread that reads them without faulting
                 // then sees the mark when it checks after its copy.
                 s.lost.store(true, Ordering::SeqCst);

@@ -21,9 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
-
-/// Alignment of a read buffer: a page, as RDMA registrations prefer.
-const ALIGN: usize = 4096;
+use crate::page::page_size;
 
 /// Zeroed, page-aligned host memory for reads, registered once with the transports that need
 /// it. Dereferences to `[u8]`; any sub-slice of it is a registered destination.
@@ -70,7 +68,7 @@ impl ReadBuffer {
         if len == 0 {
             return Err(refuse("a read buffer holds at least one byte"));
         }
-        let layout = Layout::from_size_align(len, ALIGN).map_err(|_| refuse("too large"))?;
+        let layout = Layout::from_size_align(len, page_size()).map_err(|_| refuse("too large"))?;
         // SAFETY: the layout has a non-zero size.
         let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) })
             .ok_or_else(|| refuse("out of memory"))?;
@@ -130,7 +128,7 @@ impl Drop for ReadBuffer {
         unsafe {
             alloc::dealloc(
                 self.ptr.as_ptr(),
-                Layout::from_size_align_unchecked(self.len, ALIGN),
+                Layout::from_size_align_unchecked(self.len, page_size()),
             )
         };
     }
@@ -205,7 +203,7 @@ mod tests {
     fn ranges_inside_a_live_buffer_are_registered_once_and_released_with_it() {
         let mut b = ReadBuffer::new(10_000).unwrap();
         assert!(b.iter().all(|&x| x == 0));
-        assert_eq!(b.as_ptr() as usize % ALIGN, 0);
+        assert_eq!(b.as_ptr() as usize % page_size(), 0);
         b[9_999] = 7;
         let start = b.as_ptr() as u64;
         let mut calls = 0;

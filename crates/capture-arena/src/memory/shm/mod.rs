@@ -41,8 +41,11 @@ use crate::memory::{CopyOp, Progress, Region, Reply};
 
 const MAGIC: [u8; 8] = *b"CAPARENA";
 const VERSION: u32 = 1;
-/// Bytes before the data region: one page, so data stays aligned up to 4096.
-pub const HEADER_BYTES: u64 = 4096;
+/// Bytes before the data region, part of the format (a reader on any host finds the data
+/// there): the smallest page, so data stays aligned up to [`crate::config::MAX_ALIGNMENT`]
+/// whatever the host's page size. Every mapping starts at offset 0 of the object, so a 64 KiB
+/// page size (Grace) needs no offset in the file to be page-aligned.
+pub const HEADER_BYTES: u64 = crate::page::MIN_PAGE as u64;
 /// Bytes of the header that carry fields.
 const HEADER_FIELDS: usize = 52;
 /// The prefix of every arena's shared-memory name (`/dev/shm/capture-arena-*`).
@@ -629,6 +632,29 @@ mod tests {
         r.start(&ops)?;
         while r.progress(&ops, 7)? != Progress::Done {}
         Ok(())
+    }
+
+    /// At 4 KiB and Grace's 64 KiB pages: a page-aligned mapping of the object (from offset 0)
+    /// puts the data region at an address aligned to every alignment a request may ask for.
+    #[test]
+    fn data_stays_aligned_to_the_largest_alignment_at_64k_pages() {
+        for page in [4096u64, 16 << 10, 64 << 10] {
+            for base in [page, 7 * page, 1 << 40] {
+                let data = base + HEADER_BYTES;
+                for k in [0u64, 1, 3, 1 << 20] {
+                    assert_eq!(
+                        (data + k * crate::config::MAX_ALIGNMENT) % crate::config::MAX_ALIGNMENT,
+                        0
+                    );
+                }
+            }
+            assert_eq!(page % crate::config::MAX_ALIGNMENT, 0);
+        }
+        let r = ShmRegion::create(1 << 20).unwrap();
+        assert_eq!(
+            r.base_address() % crate::page::page_size() as u64,
+            HEADER_BYTES % crate::page::page_size() as u64
+        );
     }
 
     #[test]
