@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use capture_arena::config::DEFAULT_CONTROL_BUFFER_BYTES;
 use serde_json::Value;
 
 mod util;
@@ -86,6 +87,24 @@ fn final_line(mut p: Child, out: BufReader<ChildStdout>) -> Value {
     v
 }
 
+/// The producer's counters (`capture-arena stats --json`), asked again until `pred` holds (30 s).
+fn wait_stats(control: &str, pred: impl Fn(&Value) -> bool) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = Command::new(EXE)
+            .args(["stats", "--json", "--control", control])
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+        let s = v.get("stats").cloned().unwrap_or(v);
+        if pred(&s) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "condition never held: {s}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap()
@@ -102,7 +121,6 @@ fn idle_connections_holding_unfinished_lines_do_not_grow_the_producer() {
     let mut out = BufReader::new(p.stdout.take().unwrap());
     let lines = results(&mut out, 1);
     let control = field(&lines[0], "arena", "control");
-    std::thread::sleep(Duration::from_millis(200));
     let before = rss_kib(p.id());
     // 300 connections each send 1 MiB - 16 bytes of one line and never finish it.
     let partial = vec![b' '; (1 << 20) - 16];
@@ -115,7 +133,21 @@ fn idle_connections_holding_unfinished_lines_do_not_grow_the_producer() {
             c
         })
         .collect();
-    std::thread::sleep(Duration::from_secs(1));
+    // Measured once the producer took in all it will: its pool of buffered lines is full (300
+    // MiB of unfinished lines were offered) and every connection is open.
+    let full = DEFAULT_CONTROL_BUFFER_BYTES - (1 << 20);
+    let s = wait_stats(&control, |s| {
+        s["open_connections"].as_u64() >= Some(300)
+            && s["control_buffered_bytes"].as_u64() >= Some(full)
+    });
+    // What the producer holds: the pool, a small line (4 KiB) per connection and one maximal
+    // line (1 MiB).
+    let open = s["open_connections"].as_u64().unwrap_or(0);
+    let bound = DEFAULT_CONTROL_BUFFER_BYTES + open * 4096 + (1 << 20);
+    assert!(
+        s["control_buffered_bytes"].as_u64() <= Some(bound),
+        "{bound}: {s}"
+    );
     let grown_mib = rss_kib(p.id()).saturating_sub(before) / 1024;
     // The pool (16 MiB), a small line per connection and one maximal line: ~18 MiB.
     assert!(grown_mib <= 64, "the producer grew by {grown_mib} MiB");
@@ -136,10 +168,16 @@ fn a_flood_of_garbage_is_counted_and_its_warnings_are_rate_limited() {
     let control = field(&lines[0], "arena", "control");
     let t0 = Instant::now();
     {
+        // The flood, then a sync on the same connection: its answer comes once every line
+        // before it was handled (counted), so the count below is final, not a guess at timing.
         let mut c = TcpStream::connect(&control).unwrap();
         c.write_all(&b"x\n".repeat(100_000)).unwrap();
+        c.write_all(b"{\"sync\": 7}\n").unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut answer = String::new();
+        BufReader::new(&c).read_line(&mut answer).unwrap();
+        assert_eq!(answer.trim(), r#"{"synced":7}"#, "{answer:?}");
     }
-    std::thread::sleep(Duration::from_millis(300));
     let s = consume(&lines);
     assert_eq!(s["ok"], true, "{s}");
     let secs = t0.elapsed().as_secs() + 1;
@@ -387,8 +425,19 @@ fn a_reader_lets_go_of_a_producer_killed_outright() {
     assert!(mapped());
     p.kill().unwrap(); // no destructor: the object stays in /dev/shm, its lock goes
     p.wait().unwrap();
-    std::thread::sleep(Duration::from_millis(1100)); // readers try the lock once a second
-    let e = reader.read(&r, "input_ids", &mut vec![0u8; n]).unwrap_err();
+    // Readers try the lock once a second: reads go on (the bytes are still there) until one
+    // check finds it free. Three checks' time is the deadline.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    let e = loop {
+        match reader.read(&r, "input_ids", &mut vec![0u8; n]) {
+            Err(e) => break e,
+            Ok(_) => assert!(
+                Instant::now() < deadline,
+                "a dead producer's arena is still read"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(
         matches!(e, capture_arena::Error::StaleSession { .. }),
         "{e}"

@@ -188,7 +188,19 @@ fn clean_removes_only_the_arenas_no_producer_holds() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    // Held once an exclusive try fails (flock -n exits 1 while the shared lock is there).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while Command::new("flock")
+        .args(["-x", "-n"])
+        .arg(&held)
+        .arg("true")
+        .status()
+        .unwrap()
+        .success()
+    {
+        assert!(std::time::Instant::now() < deadline, "flock never took its lock");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     let dry = Command::new(EXE)
         .args(["clean", "--dry-run", "--dir"])
         .arg(&dir)

@@ -250,7 +250,10 @@ def test_close_while_another_thread_waits(make_sink):
     out: list[dict] = []
     t = threading.Thread(target=lambda: out.append(sink.put_sample(spec("b", 16), aux=hidden(16, 24576), last_hidden=hidden(16, 4))))
     t.start()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while sink.stats()["waiting_bytes"] == 0:  # "b" waits for the free of "a"
+        assert time.monotonic() < deadline, sink.stats()
+        time.sleep(0.01)
     sink.close()  # does not fail because of the call in flight
     with pytest.raises(ca.WriterStoppedError, match="closed"):
         sink.stats()

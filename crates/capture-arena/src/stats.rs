@@ -112,6 +112,9 @@ stats! {
     open_connections,
     /// Bytes of memory held for unfinished control lines, across connections.
     control_buffered_bytes,
+    /// Bytes the batch at the head of the queue needs while it waits for frees; 0 when none
+    /// waits (a trainer that stopped freeing shows here first).
+    waiting_bytes,
 }
 
 impl Stats {

@@ -127,26 +127,26 @@ fn a_free_from_another_thread_lets_a_waiting_batch_through() {
         .unwrap();
     let control = w.arena_ref().control.clone();
     let ks = keys(&first);
-    let t0 = Instant::now();
-    let freer = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(300));
-        free(&control, &ks);
-    });
-    let second = w
-        .submit(vec![sample("b", &[48 * KIB])])
-        .unwrap()
-        .wait()
-        .unwrap();
-    let took = t0.elapsed();
-    freer.join().unwrap();
-    verify(&second[0]);
+    let second = w.submit(vec![sample("b", &[48 * KIB])]).unwrap();
+    // The free comes from another thread once the batch is seen waiting for it.
+    let (s, waiting) = w.wait_for(Duration::from_secs(10), |s| s.waiting_bytes > 0);
+    assert!(waiting, "the batch never waited: {s:?}");
+    // What it needs (its 48 KiB, aligned, with its stamp) is more than is free.
     assert!(
-        took >= Duration::from_millis(300) && took < Duration::from_secs(10),
-        "{took:?}"
+        s.waiting_bytes >= (48 * KIB) as u64 && s.waiting_bytes > s.free_bytes,
+        "{s:?}"
     );
+    std::thread::spawn(move || free(&control, &ks))
+        .join()
+        .unwrap();
+    let second = second.wait().unwrap();
+    verify(&second[0]);
     let s = w.stats();
-    assert_eq!((s.waits, s.freed_objects, s.failed_batches), (1, 1, 0));
-    assert!(s.wait_ns >= 250_000_000, "{s:?}");
+    assert_eq!(
+        (s.waits, s.freed_objects, s.failed_batches, s.waiting_bytes),
+        (1, 1, 0, 0)
+    );
+    assert!(s.wait_ns > 0, "{s:?}");
 }
 
 #[test]
@@ -322,8 +322,12 @@ fn a_full_queue_blocks_or_signals_instead_of_dropping() {
     let ks = keys(&first);
     std::thread::scope(|s| {
         let blocked = s.spawn(|| w.submit(vec![sample("e", &[1])]).unwrap().wait());
-        std::thread::sleep(Duration::from_millis(200));
-        assert!(!blocked.is_finished(), "no room until a batch completes");
+        // "b" still waits for the free below, so "e" cannot have been taken yet.
+        let (st, _) = w.wait_for(Duration::from_secs(5), |s| s.waiting_bytes > 0);
+        assert!(
+            !blocked.is_finished(),
+            "no room until a batch completes: {st:?}"
+        );
         free(&control, &ks);
         blocked.join().unwrap().unwrap();
     });

@@ -76,6 +76,7 @@ GAUGES = frozenset(
         "resident_bytes",
         "open_connections",
         "control_buffered_bytes",
+        "waiting_bytes",
     }
 )
 

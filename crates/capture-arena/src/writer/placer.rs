@@ -14,6 +14,7 @@
 //! - each step does a bounded amount of work (one slice of a host copy, [`COPY_SLICE`]), so
 //!   peers are served while a large batch is copied.
 
+use std::sync::atomic::Ordering::Release;
 use std::time::{Duration, Instant};
 
 use crate::arena::{Arena, ArenaReport, Reservation};
@@ -271,6 +272,7 @@ impl Placer {
                 let t_copy = Instant::now();
                 let waited = match waiting {
                     Some((since, ..)) => {
+                        shared.stats.waiting_bytes.store(0, Release);
                         let w = t_copy - since;
                         bump(&shared.stats.waits, 1);
                         bump(&shared.stats.wait_ns, w.as_nanos() as u64);
@@ -302,6 +304,7 @@ impl Placer {
                     None => {
                         let free = arena.report().free_bytes;
                         tracing::debug!(needed, free, "batch waits for frees");
+                        shared.stats.waiting_bytes.store(needed, Release);
                         if let Some(t) = &job.ticket {
                             t.waiting(needed, free);
                         }
@@ -337,6 +340,8 @@ impl Placer {
     ) {
         let stats = &shared.stats;
         stats.set_report(&arena.report());
+        // One batch waits at a time (the placer's): a failed one is not waiting any more.
+        stats.waiting_bytes.store(0, Release);
         if let Err(e) = &outcome {
             bump(&stats.failed_batches, 1);
             if matches!(e, Error::Timeout { .. }) {
