@@ -10,9 +10,10 @@
 # standard library (libstd-rust-web-dev:arm64, after `dpkg --add-architecture arm64`), and the
 # cross linker and headers (gcc/g++-aarch64-linux-gnu: NIXL's stubs are C++, bindgen parses the
 # arm64 libc headers). rustup's own target would need static.rust-lang.org, which CI cannot reach.
-# One release build serves the wheel and the rest (same features: the Python module turns the
-# core's cuda feature on), in target/aarch64 of its own.
-# Usage: scripts/aarch64.sh
+# One build serves the wheel and the rest (same features: the Python module turns the core's cuda
+# feature on), in target/aarch64 of its own.
+# Usage: scripts/aarch64.sh            (release: the wheel to ship)
+#        AARCH64_PROFILE=dev scripts/aarch64.sh   (the test command: the same code built, unoptimised)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=aarch64-unknown-linux-gnu
@@ -43,20 +44,21 @@ export CARGO_TARGET_DIR="$PWD/target/aarch64"
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++
 export BINDGEN_EXTRA_CLANG_ARGS_aarch64_unknown_linux_gnu="--target=$TARGET --sysroot=/usr/aarch64-linux-gnu"
-# Release builds with less debug information than the workspace's release profile: nothing here
-# is run or profiled.
-export CARGO_PROFILE_RELEASE_DEBUG=0
+PROFILE=${AARCH64_PROFILE:-release}
+# Less debug information than the workspace's profiles: nothing here is run or profiled.
+export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_DEV_DEBUG=0 CARGO_INCREMENTAL=0
+dir=$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")
 
 t0=$SECONDS
 # The wheel first (abi3: no aarch64 Python needed), then the rest from the same build.
-.venv/bin/maturin build --release --target "$TARGET" -m crates/capture-arena-py/Cargo.toml \
+.venv/bin/maturin build --profile "$PROFILE" --target "$TARGET" -m crates/capture-arena-py/Cargo.toml \
   --features nixl --out target/wheels -q 2>&1 | grep -v '^$' || true
 wheel=$(ls -t target/wheels/capture_arena-*aarch64.whl 2>/dev/null | head -n 1)
 [ -n "$wheel" ] || { echo "aarch64: no wheel was built" >&2; exit 1; }
 # The core (cuda, nixl) was built for the wheel with these features; the CLI adds its own crate.
-cargo build --release --target "$TARGET" -q -p capture-arena --features cuda,nixl --lib
-cargo build --release --target "$TARGET" -q -p capture-arena-cli --features nixl --bins
-cli="$CARGO_TARGET_DIR/$TARGET/release/capture-arena"
+cargo build --profile "$PROFILE" --target "$TARGET" -q -p capture-arena --features cuda,nixl --lib
+cargo build --profile "$PROFILE" --target "$TARGET" -q -p capture-arena-cli --features nixl --bins
+cli="$CARGO_TARGET_DIR/$TARGET/$dir/capture-arena"
 # Each artefact is an aarch64 ELF (e_machine 183), the wheel's extension an abi3 one.
 python3 - "$wheel" "$cli" <<'EOF'
 import sys, zipfile
@@ -71,4 +73,4 @@ for name, head in [(so[0], z.read(so[0])[:20]), (cli, open(cli, "rb").read(20))]
     assert machine(head) == 183, f"{name} is not an aarch64 executable"
 print("aarch64 wheel:", wheel.rsplit("/", 1)[-1], "with", ", ".join(so))
 EOF
-echo "aarch64: core (cuda, nixl), CLI and abi3 wheel built in $((SECONDS - t0)) s"
+echo "aarch64 ($PROFILE): core (cuda, nixl), CLI and abi3 wheel built in $((SECONDS - t0)) s"

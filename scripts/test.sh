@@ -2,12 +2,12 @@
 # The whole test suite, installing what it needs: formatting, lints, every Rust test (unit,
 # property, integration, doc; benches run once in test mode), then the Python package's tests.
 # Installs: libclang-dev and g++ (apt, for the nixl feature's build), iproute2 (apt, for the
-# cluster tests' network namespaces), cargo-fuzz in
-# .cache/cargo-fuzz (scripts/fuzz.sh), a venv in .venv with the
-# test tools, the NIXL wheel's libraries in .cache/nixl (scripts/nixl-lib.sh), Mooncake's wheel
-# and the libraries it loads (apt), torch (PyPI's wheel, used on the CPU), and SGLang's wheel in
-# .cache/sglang-wheel (downloaded by the tests, unpacked without their dependencies), and
-# specforge 0.2.0 without its pinned dependencies.
+# cluster tests' network namespaces), a venv in .venv with the test tools, the NIXL wheel's
+# libraries in .cache/nixl (scripts/nixl-lib.sh), Mooncake's wheel and the libraries it loads
+# (apt), torch (PyPI's wheel, used on the CPU), SGLang's wheel in .cache/sglang-wheel (downloaded
+# by the tests, unpacked without their dependencies), specforge 0.2.0 without its pinned
+# dependencies, and Debian's rustc-web with the arm64 standard library and cross compilers
+# (scripts/aarch64.sh). The downloads run in the background while the Rust steps compile.
 # Usage: scripts/test.sh            (the README's test command; .ci/run calls it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,18 @@ times_per_step() {
   printf '\n==> time per step (%d s in all)\n' "$SECONDS"
   printf '%s\n' "${STEP_TIMES[@]}"
 }
-trap times_per_step EXIT
+# A run that stops early still lets the background installs finish (an apt or pip killed midway
+# leaves a broken install behind for the next run).
+on_exit() {
+  if [ -n "${INSTALLS:-}" ]; then wait "$INSTALLS" 2>/dev/null || true; fi
+  times_per_step
+}
+trap on_exit EXIT
+
+# One clean build, not an edited tree: no incremental state to write, and line tables only (the
+# backtraces of failing tests keep their lines) make every debug build below faster to compile
+# and link. The Python module is built with the same profile, from the same artefacts.
+export CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG=line-tables-only
 
 step "toolchain components"
 for c in rustfmt clippy; do
@@ -69,6 +80,44 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q maturin numpy ml_dtypes pytest mypy typing_extensions prometheus_client
+
+# What only downloads and unpacks, in the background while the Rust steps below compile (waited
+# for in "background installs" before the Python steps):
+# - Mooncake's non-CUDA wheel and the libraries it loads even for TCP (libibverbs, libnl);
+# - torch: PyPI's Linux wheel brings the CUDA libraries it loads at import (about 5 GB
+#   installed); no GPU is needed, tests that need one skip and say so;
+# - specforge 0.2.0 without its dependencies: they pin torch 2.11 and sglang 0.5.14, and the
+#   modules the tests drive (runtime/contracts, runtime/data_plane, inference/adapters) import
+#   only torch at module level;
+# - for the aarch64 build: Debian's rustc-web and cargo-web (1.96) with the arm64 standard
+#   library, and the cross compilers (scripts/aarch64.sh says why these).
+mkdir -p .cache
+INSTALL_LOG=.cache/background-installs.log
+(
+  set -e
+  apt_wants=()
+  if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnl-route-3.so.200 '; then
+    apt_wants+=(libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)
+  fi
+  if [ ! -x /usr/bin/cargo ] || [ ! -d /usr/lib/rustlib/aarch64-unknown-linux-gnu/lib ] \
+      || ! command -v aarch64-linux-gnu-g++ >/dev/null; then
+    if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+      $SUDO dpkg --add-architecture arm64
+    fi
+    apt_wants+=(rustc-web cargo-web libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu
+      g++-aarch64-linux-gnu libc6-dev-arm64-cross)
+  fi
+  if [ ${#apt_wants[@]} -gt 0 ]; then
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${apt_wants[@]}"
+  fi
+  .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    .venv/bin/python -m pip install -q torch
+  fi
+  .venv/bin/python -m pip install -q --no-deps specforge==0.2.0
+) >"$INSTALL_LOG" 2>&1 &
+INSTALLS=$!
 
 step "NIXL: the nixl-cu12 wheel's libraries (the nixl feature's tests run against them)"
 SGLANG_SPEC_CAPTURE_NIXL_LIB=$(scripts/nixl-lib.sh)
@@ -116,36 +165,30 @@ step "cargo doc (the core's docs build without broken links)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --features cuda,nixl --no-deps --quiet
 
-step "python: the capture_arena package (built with the nixl feature)"
-MATURIN_PEP517_ARGS="--features nixl" \
-  .venv/bin/python -m pip install -q --force-reinstall --no-deps ./crates/capture-arena-py
-
-step "python: Mooncake (the TransferEngine of the engine placement and of the compatibility tests)"
-# The non-CUDA wheel; its libraries load libibverbs and libnl even for TCP.
-if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnl-route-3.so.200 '; then
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4
-fi
-.venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
-
-step "python: torch (the registry's wheel, used on the CPU: SGLang hands the sink torch tensors)"
-# PyPI's Linux wheel brings the CUDA libraries it loads at import (about 5 GB installed); no GPU
-# is needed. Tests that need one skip and say so.
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/python -m pip install -q torch
+step "background installs (Mooncake, torch, specforge, the aarch64 toolchain): waiting for them"
+if ! wait "$INSTALLS"; then
+  tail -n 40 "$INSTALL_LOG"
+  echo "the background installs failed (whole log: $INSTALL_LOG)" >&2
+  exit 1
 fi
 
-step "python: SpecForge's trainer stack (specforge 0.2.0 from PyPI, without its pinned dependencies)"
-# Its declared dependencies pin torch 2.11 and sglang 0.5.14; the modules the tests drive
-# (runtime/contracts, runtime/data_plane, inference/adapters) import only torch at module level.
-.venv/bin/python -m pip install -q --no-deps specforge==0.2.0
+step "python: the capture_arena package (built with the nixl feature, from the test build's artefacts)"
+# The debug profile the tests above were built with: only pyo3 and the module itself compile
+# again (maturin sets pyo3's interpreter variables).
+rm -f target/wheels/capture_arena-*x86_64.whl
+.venv/bin/maturin build -q --profile dev --features nixl -i .venv/bin/python \
+  -m crates/capture-arena-py/Cargo.toml --out target/wheels
+.venv/bin/python -m pip install -q --force-reinstall --no-deps target/wheels/capture_arena-*x86_64.whl
+
+step "aarch64 (Grace): the core with cuda and nixl, the CLI and an abi3 wheel, cross-built"
+AARCH64_PROFILE=dev scripts/aarch64.sh
 
 step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
 (cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
   && ../../.venv/bin/python -m mypy --strict -p capture_arena)
 
 step "python: pytest"
-.venv/bin/python -m pytest crates/capture-arena-py/tests -q -rs
+.venv/bin/python -m pytest crates/capture-arena-py/tests -q -rs --durations=15
 
 step "attacks: the abuse corpus against a live producer (attacks/README.md)"
 .venv/bin/python -m pytest attacks -q -rs

@@ -198,7 +198,10 @@ fn clean_removes_only_the_arenas_no_producer_holds() {
         .unwrap()
         .success()
     {
-        assert!(std::time::Instant::now() < deadline, "flock never took its lock");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "flock never took its lock"
+        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     let dry = Command::new(EXE)
