@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # A dry run of scripts/gpu-check.sh on a machine without a GPU, in the test command: the debug
 # CLI and the core's device tests stand in for the carried artefacts, the fake driver
-# (crates/capture-arena/tests/fake_cuda) for libcuda.so.1, and a short global deadline for the
-# device run's. Fails unless the script finishes inside its deadline, reports every step (run or
-# skipped, with its exit status) and its first step, the handle types, ran against the driver.
-# Python steps fail here (no wheels are carried, no torch with CUDA): that is expected, and
-# they still have to be reported.
+# (crates/capture-arena/tests/fake_cuda) for libcuda.so.1, the wheel the test command built
+# (target/wheels, if there) for the carried ones, .venv's Python, small workloads
+# (GPU_CHECK_DRY=1) and a short global deadline for the device run's. Fails unless the script
+# finishes inside its deadline, runs every step (none skipped for want of time: a step skipped
+# here is a step nobody ran before the device does) and its first step, the handle types, passes
+# against the driver. Steps that need a real GPU (torch's CUDA round trip, Mooncake over NVLink)
+# fail here: that is expected, and they still have to run and report their exit status.
 # Usage: scripts/gpu-check-dry.sh [DEADLINE_S]   (default 60)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,11 +37,13 @@ for line in sys.stdin:
         print(m["executable"])')
 cp "$device_tests" "$tmp/artefacts/device-tests"
 cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py "$tmp/artefacts/"
+cp target/wheels/capture_arena-*x86_64.whl "$tmp/artefacts/wheels/" 2>/dev/null || true
 "${CC:-cc}" -shared -fPIC -O2 -Wl,-soname,libcuda.so.1 -o "$tmp/driver/libcuda.so.1" \
   crates/capture-arena/tests/fake_cuda/fake_cuda.c -lpthread
 
 t0=$SECONDS
-GPU_ARTEFACTS="$tmp/artefacts" OUT="$tmp/out" GPU_CHECK_DEADLINE_S=$deadline \
+GPU_ARTEFACTS="$tmp/artefacts" OUT="$tmp/out" GPU_CHECK_DEADLINE_S=$deadline GPU_CHECK_DRY=1 \
+  GPU_CHECK_PYTHON="$PWD/.venv/bin/python" \
   LD_LIBRARY_PATH="$tmp/driver${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   scripts/gpu-check.sh > "$tmp/stdout.txt" 2>&1
 took=$((SECONDS - t0))
@@ -51,6 +55,9 @@ for s in device-info python-install python-torch rust-device-tests demo-device b
   python-mooncake-nvlink bench-host python-suite; do
   grep -Eq "^$s +(rc=|skipped: )" <<< "$summary" || fail "step $s is not in the summary"
 done
+! grep -q "skipped: " <<< "$summary" || fail "steps were skipped"
+grep -Eq '^python-install +rc=0 ' <<< "$summary" || ! ls "$tmp"/artefacts/wheels/*.whl >/dev/null 2>&1 \
+  || fail "the carried wheel did not install"
 grep -Eq '^device-info +rc=0 ' <<< "$summary" || fail "device-info failed against the fake driver"
 grep -q "total " <<< "$summary" || fail "the summary has no total"
-echo "gpu-check dry run: every step reported, ${took}s of a ${deadline}s deadline"
+echo "gpu-check dry run: every step ran, ${took}s of a ${deadline}s deadline"

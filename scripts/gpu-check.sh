@@ -9,12 +9,26 @@
 # Writes the raw output of every step to $OUT (the device tool's output folder) or to
 # docs/gpu/<date>/, one file per step, and a summary on stdout. Never stops at a failed step:
 # every step's exit status is in summary.txt. scripts/gpu-check-dry.sh runs it in CI against the
-# fake driver with a short deadline.
+# fake driver with a short deadline and GPU_CHECK_DRY=1: every step runs, on a small workload
+# (a step skipped there would be one nobody ran before the device does).
 # Usage: scripts/gpu-check.sh
+#   GPU_CHECK_PYTHON   the Python of the Python steps (default python3)
+#   GPU_CHECK_DRY=1    small workloads: demo, benchmarks and a selection of the Python suite
 set -uo pipefail
 cd "$(dirname "$0")/.."
 A=${GPU_ARTEFACTS:-gpu-artefacts}
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-500}
+PY=${GPU_CHECK_PYTHON:-python3}
+# The workloads: the device run's, or the dry run's (the same steps, small).
+if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
+  DEMO_ARGS=(--samples 8 --min-len 16 --max-len 64 --hidden 256 --batch 4)
+  BENCH_DEVICE_SIZES=1MiB BENCH_HOST_SIZES=1MiB BENCH_REPS=1
+  SUITE_ARGS=(-k test_device)
+else
+  DEMO_ARGS=()
+  BENCH_DEVICE_SIZES=16MiB,100MiB,1GiB BENCH_HOST_SIZES=16MiB,100MiB BENCH_REPS=7
+  SUITE_ARGS=()
+fi
 case $DEADLINE_S in '' | *[!0-9]*)
   echo "GPU_CHECK_DEADLINE_S=$DEADLINE_S is not a whole number of seconds" >&2
   exit 2
@@ -52,7 +66,7 @@ skip() { # skip NAME WHY
 
 { date -u; uname -a; timeout 20 nvidia-smi 2>&1; timeout 20 nvidia-smi topo -m 2>&1;
   echo "IMEX channels:"; ls -la /dev/nvidia-caps-imex-channels 2>&1;
-  timeout 60 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' 2>&1;
+  timeout 60 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' 2>&1;
 } > "$dest/machine.txt"
 head -n 20 "$dest/machine.txt"
 
@@ -63,45 +77,46 @@ step device-info 30 "$A/capture-arena" device-info
 # only where this Python lacks them), then torch CUDA tensors across two processes.
 py=/tmp/capture-arena-py
 rm -rf "$py"
-step python-install 60 python3 -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" capture-arena
+step python-install 60 "$PY" -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" capture-arena
 for m in numpy ml_dtypes mooncake; do
   [ "$m" = mooncake ] && ! ls "$A"/wheels/mooncake_transfer_engine* >/dev/null 2>&1 && continue
-  python3 -c "import $m" 2>/dev/null \
-    || step "python-install-$m" 60 python3 -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" \
+  "$PY" -c "import $m" 2>/dev/null \
+    || step "python-install-$m" 60 "$PY" -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" \
          "$( [ "$m" = mooncake ] && echo mooncake-transfer-engine-cuda13 || echo "$m")"
 done
-step python-torch 120 env PYTHONPATH="$py" python3 "$A/gpu_torch_check.py"
+step python-torch 120 env PYTHONPATH="$py" "$PY" "$A/gpu_torch_check.py"
 
 # The core's device tests against the real driver (the fake driver's knob tests skip).
 step rust-device-tests 90 env CAPTURE_ARENA_TEST_REAL_GPU=1 "$A/device-tests" --test-threads=1
 # The main job on the GPU: producer and trainer in separate processes.
-step demo-device 60 "$A/capture-arena" demo --device --quiet
+step demo-device 60 "$A/capture-arena" demo --device --quiet "${DEMO_ARGS[@]}"
 # The bandwidth table: d2d_copy (reference), publish_device, read_device (another process),
 # end_to_end_device, batch_16x4_device.
-step bench-device 150 "$A/capture-arena" bench --device --sizes 16MiB,100MiB,1GiB \
+step bench-device 150 "$A/capture-arena" bench --device --sizes "$BENCH_DEVICE_SIZES" \
   --json "$dest/bench-device.json"
 
 # The engine placement over NVLink (Mooncake's CUDA wheel, if carried): nvlink_intra between two
 # processes on one GPU, a Mooncake-only trainer and ArenaFeatureStore. Mooncake's CUDA wheel finds
 # libcudart only once torch has loaded it, so the gate imports both, and says why it failed.
 if ! ls "$A"/wheels/mooncake_transfer_engine* >/dev/null 2>&1 \
-    && ! python3 -c 'import mooncake.engine' >/dev/null 2>&1; then
+    && ! "$PY" -c 'import mooncake.engine' >/dev/null 2>&1; then
   skip python-mooncake-nvlink "Mooncake is not carried (build the artefacts with MOONCAKE_CUDA=1)"
-elif gate=$(PYTHONPATH="$py" timeout 60 python3 -c 'import torch, mooncake.engine' 2>&1); then
-  step python-mooncake-nvlink 120 env PYTHONPATH="$py" python3 "$A/gpu_mooncake_check.py"
+elif gate=$(PYTHONPATH="$py" timeout 60 "$PY" -c 'import torch, mooncake.engine' 2>&1); then
+  step python-mooncake-nvlink 120 env PYTHONPATH="$py" "$PY" "$A/gpu_mooncake_check.py"
 else
   skip python-mooncake-nvlink "import torch, mooncake.engine failed: $(printf '%s' "$gate" | tail -n 1)"
 fi
 
 # Host rows on the same machine, for comparison.
-step bench-host 60 "$A/capture-arena" bench --sizes 16MiB,100MiB --reps 7 --json "$dest/bench-host.json"
+step bench-host 60 "$A/capture-arena" bench --sizes "$BENCH_HOST_SIZES" --reps "$BENCH_REPS" \
+  --json "$dest/bench-host.json"
 
 # The Python suite with the machine's torch and its GPU (the CUDA tests skip on the CPU machine),
 # if pytest is there. test_sglang_install.py unpacks SGLang's wheel from the package registry,
 # which this machine cannot reach; it runs in the test command on the CPU machine.
-if python3 -c 'import pytest' 2>/dev/null; then
-  step python-suite 180 env PYTHONPATH="$py" python3 -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider \
-    --ignore=crates/capture-arena-py/tests/test_sglang_install.py
+if "$PY" -c 'import pytest' 2>/dev/null; then
+  step python-suite 180 env PYTHONPATH="$py" "$PY" -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider \
+    --ignore=crates/capture-arena-py/tests/test_sglang_install.py "${SUITE_ARGS[@]}"
 else
   skip python-suite "this Python has no pytest"
 fi

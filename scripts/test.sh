@@ -155,9 +155,6 @@ cargo test -p capture-arena --lib --tests
 step "cargo test --doc"
 cargo test --workspace --doc --features "$NIXL_FEATURES"
 
-step "scripts/gpu-check.sh, dry run against the fake driver (finishes inside its deadline, reports every step)"
-GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 30
-
 step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; HARDENING.md)"
 FUZZ_FEATURES=nixl scripts/fuzz.sh 8
 
@@ -179,6 +176,9 @@ rm -f target/wheels/capture_arena-*x86_64.whl
 .venv/bin/maturin build -q --profile dev --features nixl -i .venv/bin/python \
   -m crates/capture-arena-py/Cargo.toml --out target/wheels
 .venv/bin/python -m pip install -q --force-reinstall --no-deps target/wheels/capture_arena-*x86_64.whl
+
+step "scripts/gpu-check.sh, dry run against the fake driver (every step runs, small, inside its deadline)"
+GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 60
 
 step "aarch64 (Grace): the core with cuda and nixl, the CLI and an abi3 wheel, cross-built"
 AARCH64_PROFILE=dev scripts/aarch64.sh

@@ -503,10 +503,16 @@ fn frees_meant_for_a_producer_that_is_gone_never_reach_its_successor_on_the_same
     assert_eq!(r_old.keys().unwrap(), r_new.keys().unwrap());
     // Releasing the old result must not free the new object.
     store.release(&r_old).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    // The free is dropped, not sent (the result's session is not the producer's there): once
+    // the store counts it dropped, nothing of it can reach the new producer.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.health().dropped_frees == 0 {
+        assert!(Instant::now() < deadline, "{:?}", store.health());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(store.health().dropped_frees, 1);
     let s = new.stats();
     assert_eq!((s.freed_objects, s.resident_objects), (0, 1), "{s:?}");
-    assert_eq!(store.health().dropped_frees, 1);
     store.release(&r_new).unwrap();
     wait_freed(&new, 1);
 }

@@ -65,7 +65,8 @@ impl Drop for Flood {
 fn a_flooding_client_does_not_stop_publication_or_the_wait_or_close() {
     let w = Writer::start(&config(64 * 1024, Duration::from_millis(500))).unwrap();
     let flood = Flood::start(&w.arena_ref().control, b"[\"no/such/g1/key\"]\n");
-    std::thread::sleep(Duration::from_millis(200));
+    let (s, on) = w.wait_for(Duration::from_secs(5), |s| s.unknown_frees > 1000);
+    assert!(on, "the flood never reached the writer: {s:?}");
     // Batches go through while the flood goes on.
     for i in 0..20 {
         let h = w.submit(vec![sample(&format!("s{i}"), &[1000])]).unwrap();
@@ -117,7 +118,8 @@ fn other_clients_are_served_while_one_floods() {
         (w, ks)
     };
     let _flood = Flood::start(&w.arena_ref().control, b"[\"no/such/g1/key\"]\n");
-    std::thread::sleep(Duration::from_millis(200));
+    let (s, on) = w.wait_for(Duration::from_secs(5), |s| s.unknown_frees > 1000);
+    assert!(on, "the flood never reached the writer: {s:?}");
     let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
     c.set_nodelay(true).unwrap();
     let mut worst = Duration::ZERO;
@@ -213,8 +215,11 @@ fn unfinished_lines_are_bounded_in_memory_and_nothing_sent_is_lost() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(500));
-    let s = w.stats();
+    // The pool fills (the connections offer more than it holds); it never exceeds its bound.
+    let (s, full) = w.wait_for(Duration::from_secs(10), |s| {
+        s.control_buffered_bytes > 2 << 20
+    });
+    assert!(full, "{s:?}");
     // The pool, plus each connection's small line, plus one maximal line.
     let bound = (4 << 20) + 12 * 4096 + (1 << 20) + 1;
     assert!(
@@ -325,7 +330,8 @@ fn a_connect_flood_does_not_stop_publication() {
         }
         n
     });
-    std::thread::sleep(Duration::from_millis(100));
+    let (s, on) = w.wait_for(Duration::from_secs(5), |s| s.control_connections > 10);
+    assert!(on, "the connect flood never reached the writer: {s:?}");
     for i in 0..50 {
         let h = w.submit(vec![sample(&format!("s{i}"), &[1000])]).unwrap();
         let r = h.wait_timeout(Duration::from_secs(5));
