@@ -231,34 +231,37 @@ fn clean_removes_only_the_arenas_no_producer_holds() {
 
 #[test]
 fn a_producer_stopped_by_a_signal_removes_its_arena() {
-    let mut producer = tiny_producer("1", "60").spawn().unwrap();
-    let mut first = String::new();
-    use std::io::BufRead;
-    std::io::BufReader::new(producer.stdout.take().unwrap())
-        .read_line(&mut first)
-        .unwrap();
-    let v: Value = serde_json::from_str(&first).unwrap();
-    let session = v["arena"]["session"].as_str().unwrap().to_owned();
-    let name = session
-        .trim_start_matches("shm://")
-        .split('?')
-        .next()
-        .unwrap()
-        .to_owned();
-    let path = std::path::Path::new("/dev/shm").join(&name);
-    assert!(path.exists(), "{path:?}");
-    let status = Command::new("kill")
-        .args(["-TERM", &producer.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    use std::os::unix::process::ExitStatusExt;
-    assert_eq!(
-        producer.wait().unwrap().signal(),
-        Some(15),
-        "it dies by the signal"
-    );
-    assert!(!path.exists(), "the arena was removed on SIGTERM");
+    // README: SIGTERM, SIGINT and SIGHUP remove the arena, then the process dies by the signal.
+    for (name, number) in [("TERM", 15), ("INT", 2), ("HUP", 1)] {
+        let mut producer = tiny_producer("1", "60").spawn().unwrap();
+        let mut first = String::new();
+        use std::io::BufRead;
+        std::io::BufReader::new(producer.stdout.take().unwrap())
+            .read_line(&mut first)
+            .unwrap();
+        let v: Value = serde_json::from_str(&first).unwrap();
+        let session = v["arena"]["session"].as_str().unwrap().to_owned();
+        let shm = session
+            .trim_start_matches("shm://")
+            .split('?')
+            .next()
+            .unwrap()
+            .to_owned();
+        let path = std::path::Path::new("/dev/shm").join(&shm);
+        assert!(path.exists(), "{path:?}");
+        let status = Command::new("kill")
+            .args([format!("-{name}"), producer.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            producer.wait().unwrap().signal(),
+            Some(number),
+            "it dies by SIG{name}"
+        );
+        assert!(!path.exists(), "the arena was not removed on SIG{name}");
+    }
 }
 
 #[test]

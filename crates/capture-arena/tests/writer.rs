@@ -272,7 +272,8 @@ fn a_bad_second_sample_fails_the_whole_batch() {
 #[test]
 fn replace_on_retry_keeps_the_key_and_leaves_no_second_copy() {
     let w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
-    w.submit(vec![sample("r", &[1000])])
+    let old = w
+        .submit(vec![sample("r", &[1000])])
         .unwrap()
         .wait()
         .unwrap();
@@ -289,6 +290,13 @@ fn replace_on_retry_keeps_the_key_and_leaves_no_second_copy() {
         .unwrap();
     assert_eq!(again[0].keys().unwrap()[0].as_str(), "st/r/g1/t0");
     verify(&again[0]);
+    // The replaced copy's result is refused (its stamp zeroed, or its space now the new
+    // copy's, with another stamp), never read as the new one.
+    let mut buf = vec![0u8; 1000];
+    let e = capture_arena::Reader::new()
+        .read(&old[0], "t0", &mut buf)
+        .unwrap_err();
+    assert!(matches!(e, Error::Changed { .. }), "{e}");
     let s = w.stats();
     assert_eq!(
         (s.resident_objects, s.replaced_objects, s.published_objects),

@@ -540,6 +540,13 @@ mod tests {
         assert_eq!(c.arena_wait, Duration::from_secs(30));
         assert_eq!(c.sync_wait, Duration::from_secs(1));
         assert_eq!(c.max_pending_batches, 2);
+        // README's table: alignment 256, 1024 connections, 16 MiB of unfinished lines, 10 s
+        // to finish a line, 60 s for a read.
+        assert_eq!(c.alignment, 256);
+        assert_eq!(c.max_connections, 1024);
+        assert_eq!(c.control_buffer_bytes, 16 << 20);
+        assert_eq!(c.line_timeout, Duration::from_secs(10));
+        assert_eq!(transport::DEFAULT_READ_TIMEOUT, Duration::from_secs(60));
         let e = c.required_arena_bytes().unwrap_err();
         assert!(
             e.to_string().contains("SGLANG_SPEC_CAPTURE_ARENA_BYTES"),
