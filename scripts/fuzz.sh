@@ -9,6 +9,7 @@
 # once fixed, with a unit test for the bug).
 # Usage: scripts/fuzz.sh [SECONDS per target, default 12] [TARGET ...]
 #   FUZZ_FEATURES=nixl  also fuzz the NIXL session parser (needs libclang and g++)
+#   FUZZ_STAGE=build|run  only build the targets, or only run what was built
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_EACH=${1:-12}
@@ -43,11 +44,17 @@ FEATURES=()
 if [ -n "${FUZZ_FEATURES:-}" ]; then
   FEATURES=(--features "$FUZZ_FEATURES")
 fi
-echo "fuzzing ${TARGETS[*]} for ${SECONDS_EACH} s each (sanitizer: $SANITIZER; features: ${FUZZ_FEATURES:-none})"
+[ "${FUZZ_STAGE:-all}" = build ] || echo "fuzzing ${TARGETS[*]} for ${SECONDS_EACH} s each (sanitizer: $SANITIZER; features: ${FUZZ_FEATURES:-none})"
 cd fuzz
-# --target: the flags reach the fuzzed code only, not build scripts and proc macros.
-RUSTFLAGS="$RUSTFLAGS_FUZZ" cargo "${TOOLCHAIN[@]}" build -q --release --target "$TRIPLE" \
-  --config 'profile.release.debug="line-tables-only"' "${FEATURES[@]}" --bins
+# FUZZ_STAGE: build, run (what an earlier build made) or both (the default). The test command
+# builds in the background while the Python suites run, and runs the targets after them.
+STAGE=${FUZZ_STAGE:-all}
+if [ "$STAGE" != run ]; then
+  # --target: the flags reach the fuzzed code only, not build scripts and proc macros.
+  RUSTFLAGS="$RUSTFLAGS_FUZZ" cargo "${TOOLCHAIN[@]}" build -q --release --target "$TRIPLE" \
+    --config 'profile.release.debug="line-tables-only"' "${FEATURES[@]}" --bins
+fi
+[ "$STAGE" != build ] || exit 0
 for t in "${TARGETS[@]}"; do
   mkdir -p "corpus/$t" "artifacts/$t"
   # corpus/<t> gathers what this machine found (ignored by git); seeds/<t> is only read.

@@ -24,10 +24,14 @@ if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
   DEMO_ARGS=(--samples 8 --min-len 16 --max-len 64 --hidden 256 --batch 4)
   BENCH_DEVICE_SIZES=1MiB BENCH_HOST_SIZES=1MiB BENCH_REPS=1
   SUITE_ARGS=(-k test_device)
+  # torch and Mooncake's CUDA checks would find the fake libcuda.so.1 and fail slowly there:
+  # without a visible device they fail at once, as they must without a GPU.
+  NO_GPU=(CUDA_VISIBLE_DEVICES=)
 else
   DEMO_ARGS=()
   BENCH_DEVICE_SIZES=16MiB,100MiB,1GiB BENCH_HOST_SIZES=16MiB,100MiB BENCH_REPS=7
   SUITE_ARGS=()
+  NO_GPU=()
 fi
 case $DEADLINE_S in '' | *[!0-9]*)
   echo "GPU_CHECK_DEADLINE_S=$DEADLINE_S is not a whole number of seconds" >&2
@@ -84,7 +88,7 @@ for m in numpy ml_dtypes mooncake; do
     || step "python-install-$m" 60 "$PY" -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" \
          "$( [ "$m" = mooncake ] && echo mooncake-transfer-engine-cuda13 || echo "$m")"
 done
-step python-torch 120 env PYTHONPATH="$py" "$PY" "$A/gpu_torch_check.py"
+step python-torch 120 env PYTHONPATH="$py" "${NO_GPU[@]}" "$PY" "$A/gpu_torch_check.py"
 
 # The core's device tests against the real driver (the fake driver's knob tests skip).
 step rust-device-tests 90 env CAPTURE_ARENA_TEST_REAL_GPU=1 "$A/device-tests" --test-threads=1
@@ -102,7 +106,7 @@ if ! ls "$A"/wheels/mooncake_transfer_engine* >/dev/null 2>&1 \
     && ! "$PY" -c 'import mooncake.engine' >/dev/null 2>&1; then
   skip python-mooncake-nvlink "Mooncake is not carried (build the artefacts with MOONCAKE_CUDA=1)"
 elif gate=$(PYTHONPATH="$py" timeout 60 "$PY" -c 'import torch, mooncake.engine' 2>&1); then
-  step python-mooncake-nvlink 120 env PYTHONPATH="$py" "$PY" "$A/gpu_mooncake_check.py"
+  step python-mooncake-nvlink 120 env PYTHONPATH="$py" "${NO_GPU[@]}" "$PY" "$A/gpu_mooncake_check.py"
 else
   skip python-mooncake-nvlink "import torch, mooncake.engine failed: $(printf '%s' "$gate" | tail -n 1)"
 fi

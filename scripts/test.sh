@@ -7,7 +7,8 @@
 # (apt), torch (PyPI's wheel, used on the CPU), SGLang's wheel in .cache/sglang-wheel (downloaded
 # by the tests, unpacked without their dependencies), specforge 0.2.0 without its pinned
 # dependencies, and Debian's rustc-web with the arm64 standard library and cross compilers
-# (scripts/aarch64.sh). The downloads run in the background while the Rust steps compile.
+# (scripts/aarch64.sh). The downloads run in the background while the Rust steps compile; three
+# builds run in the background, at the lowest priority, while the Python suites run.
 # Usage: scripts/test.sh            (the README's test command; .ci/run calls it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +31,8 @@ times_per_step() {
 # leaves a broken install behind for the next run).
 on_exit() {
   if [ -n "${INSTALLS:-}" ]; then wait "$INSTALLS" 2>/dev/null || true; fi
+  # The background builds are only compilers: stopped with the run (their own process group).
+  if [ -n "${BUILDS:-}" ]; then kill -- -"$BUILDS" 2>/dev/null || true; fi
   times_per_step
 }
 trap on_exit EXIT
@@ -143,20 +146,8 @@ cargo clippy --workspace --all-targets --features "$NIXL_FEATURES" -- -D warning
 step "cargo test (unit, property, integration, process-level, benches once)"
 cargo test --workspace --all-targets --features "$NIXL_FEATURES"
 
-step "the default builds (no nixl; the core without cuda either): clippy and tests"
-# The workspace build above has the core's cuda feature on (the CLI and the Python module enable
-# it; the driver is loaded at run time, and without a GPU the device tests run against the fake
-# driver in crates/capture-arena/tests/fake_cuda). This checks the build without it.
-cargo clippy -p capture-arena-cli --all-targets -- -D warnings
-cargo clippy -p capture-arena --all-targets -- -D warnings
-# Its library and tests (the benches ran once with the features above; they have no cfg of their own).
-cargo test -p capture-arena --lib --tests
-
 step "cargo test --doc"
 cargo test --workspace --doc --features "$NIXL_FEATURES"
-
-step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; HARDENING.md)"
-FUZZ_FEATURES=nixl scripts/fuzz.sh 8
 
 step "cargo doc (the core's docs build without broken links)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
@@ -178,10 +169,32 @@ rm -f target/wheels/capture_arena-*x86_64.whl
 .venv/bin/python -m pip install -q --force-reinstall --no-deps target/wheels/capture_arena-*x86_64.whl
 
 step "scripts/gpu-check.sh, dry run against the fake driver (every step runs, small, inside its deadline)"
-GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 60
+GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 90
 
-step "aarch64 (Grace): the core with cuda and nixl, the CLI and an abi3 wheel, cross-built"
-AARCH64_PROFILE=dev scripts/aarch64.sh
+step "builds started in the background, at the lowest CPU priority, while the Python suites run"
+# The Python suites wait on sockets, processes and deadlines much of the time: these builds take
+# the idle cores (nice 19: the suites keep priority), and their tests and runs come after them.
+# - the default builds (no nixl; the core without cuda either): the workspace build above has the
+#   core's cuda feature on (the CLI and the Python module enable it; the driver is loaded at run
+#   time, and without a GPU the device tests run against the fake driver in
+#   crates/capture-arena/tests/fake_cuda); clippy, and the core's library and tests compiled (the
+#   benches ran once with the features above; they have no cfg of their own);
+# - the fuzz targets (scripts/fuzz.sh), in fuzz/target;
+# - aarch64 (Grace): the core with cuda and nixl, the CLI and an abi3 wheel, cross-built
+#   (scripts/aarch64.sh), in target/aarch64.
+BUILD_LOG=.cache/background-builds.log
+setsid nice -n 19 bash -ec '
+  echo "== the default builds: clippy, tests compiled"
+  cargo clippy -q -p capture-arena-cli --all-targets -- -D warnings
+  cargo clippy -q -p capture-arena --all-targets -- -D warnings
+  cargo test -q -p capture-arena --lib --tests --no-run
+  echo "== fuzz targets built"
+  FUZZ_FEATURES=nixl FUZZ_STAGE=build scripts/fuzz.sh
+  echo "== aarch64"
+  AARCH64_PROFILE=dev scripts/aarch64.sh
+' >"$BUILD_LOG" 2>&1 &
+BUILDS=$!
+echo "logging to $BUILD_LOG"
 
 step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
 (cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
@@ -192,3 +205,19 @@ step "python: pytest"
 
 step "attacks: the abuse corpus against a live producer (attacks/README.md)"
 .venv/bin/python -m pytest attacks -q -rs
+
+step "background builds: waiting for them (default builds, fuzz targets, aarch64)"
+if ! wait "$BUILDS"; then
+  BUILDS=
+  tail -n 60 "$BUILD_LOG"
+  echo "a background build failed (whole log: $BUILD_LOG)" >&2
+  exit 1
+fi
+BUILDS=
+grep -E '^(== |aarch64)' "$BUILD_LOG"
+
+step "the default builds: the core's tests without nixl and cuda"
+cargo test -p capture-arena --lib --tests
+
+step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; HARDENING.md)"
+FUZZ_FEATURES=nixl FUZZ_STAGE=run scripts/fuzz.sh 8
