@@ -305,6 +305,35 @@ def test_timing_and_warnings_are_logged_to_stderr():
     assert "bad control line ignored" in out.stderr, out.stderr
 
 
+def test_a_token_is_never_logged() -> None:
+    """README: a token line sent to a server without a token is logged without its content; a
+    wrong token (server with one) is refused, likewise unlogged. Checked at the most verbose
+    log level, with the reply read back first so the server has handled each line."""
+    secret = "s3cr3t-" + "9" * 24
+    code = (
+        "import capture_arena as ca, socket, json, sys\n"
+        f"secret = {secret!r}\n"
+        "for token in (None, 'the-real-one-of-this-arena'):\n"
+        "    s = ca.ArenaSink(arena_bytes='1MiB', control_token=token)\n"
+        "    spec = {'store_id': 'a', 'sample_id': 's', 'passthrough': "
+        "[{'name': 'x', 'data': [1, 2], 'shape': [2], 'dtype': 'int64'}]}\n"
+        "    s.put_sample(spec)\n"
+        "    host, port = s.control.rsplit(':', 1)\n"
+        "    c = socket.create_connection((host, int(port)), timeout=10)\n"
+        "    c.sendall(json.dumps({'token': secret}).encode() + b'\\n' + b'{\"sync\": 1}\\n')\n"
+        "    answer = c.makefile().readline()\n"
+        "    print('answer', answer.strip(), file=sys.stderr)\n"
+        "    c.close(); s.close()\n"
+    )
+    env = {**os.environ, "CAPTURE_ARENA_LOG": "trace"}
+    env.pop("RUST_LOG", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    # Both lines were handled: a sync answer without a token, the refusal with one.
+    assert '"synced":1' in out.stderr and '"unauthorized"' in out.stderr, out.stderr
+    assert secret not in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize(
     "dtype, data, want",
     [
