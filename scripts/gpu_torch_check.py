@@ -123,6 +123,11 @@ def main() -> int:
         return producer(a)
     if a.role == "trainer":
         return trainer(a)
+    if not torch.cuda.is_available():
+        # Without a GPU the producer fails at its first tensor and the trainer would wait for
+        # results that never come: say so at once.
+        say(check="cuda", ok=False, reason=f"torch {torch.__version__} sees no CUDA device")
+        return 1
     flags = ["--samples", str(a.samples), "--len", str(a.len), "--hidden", str(a.hidden)]
     prod = subprocess.Popen([sys.executable, __file__, "--role", "producer", *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     train = subprocess.Popen([sys.executable, __file__, "--role", "trainer", *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
