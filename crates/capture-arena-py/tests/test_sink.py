@@ -296,13 +296,18 @@ def test_timing_and_warnings_are_logged_to_stderr():
         "while s.stats()['bad_lines'] == 0: time.sleep(0.01)\n"
         "s.close()\n"
     )
-    env = {**os.environ, "SGLANG_SPEC_CAPTURE_TIMING": "1"}
-    env.pop("RUST_LOG", None)
-    env.pop("CAPTURE_ARENA_LOG", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    err = _stderr_of(code, SGLANG_SPEC_CAPTURE_TIMING="1")
+    assert "capture batch published" in err and "samples=1" in err, err
+    assert "bad control line ignored" in err, err
+
+
+def _stderr_of(code: str, **env: str) -> str:
+    """What `code` writes to stderr in a fresh interpreter (the log filter is read when the
+    module is first imported), with the log variables unset but for `env`; it must succeed."""
+    full = {k: v for k, v in os.environ.items() if k not in ("RUST_LOG", "CAPTURE_ARENA_LOG")}
+    out = subprocess.run([sys.executable, "-c", code], env={**full, **env}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "capture batch published" in out.stderr and "samples=1" in out.stderr, out.stderr
-    assert "bad control line ignored" in out.stderr, out.stderr
+    return out.stderr
 
 
 def test_a_token_is_never_logged() -> None:
@@ -325,13 +330,10 @@ def test_a_token_is_never_logged() -> None:
         "    print('answer', answer.strip(), file=sys.stderr)\n"
         "    c.close(); s.close()\n"
     )
-    env = {**os.environ, "CAPTURE_ARENA_LOG": "trace"}
-    env.pop("RUST_LOG", None)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+    err = _stderr_of(code, CAPTURE_ARENA_LOG="trace")
     # Both lines were handled: a sync answer without a token, the refusal with one.
-    assert '"synced":1' in out.stderr and '"unauthorized"' in out.stderr, out.stderr
-    assert secret not in out.stderr, out.stderr
+    assert '"synced":1' in err and '"unauthorized"' in err, err
+    assert secret not in err, err
 
 
 @pytest.mark.parametrize(
