@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
-use crate::page::{page_start, MIN_PAGE};
+use crate::page::{page_size, page_start};
 
 /// Ranges watched at once (a producer's arena, a trainer's cached sessions).
 pub const SLOTS: usize = 256;
@@ -107,6 +107,8 @@ impl Drop for Watch {
 
 /// Installs the handler; returns the action it replaced (`None` if installing failed).
 fn install() -> Option<libc::sigaction> {
+    // Read now, so the handler only loads it (its first call is not async-signal-safe).
+    page_size();
     // SAFETY: sigaction with a fully initialised action; `previous` is written by the kernel.
     unsafe {
         let mut action: libc::sigaction = std::mem::zeroed();
@@ -147,11 +149,8 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                 continue; // being changed, free, or another process's
             }
             if (start..end).contains(&addr) {
-                // SAFETY: sysconf is async-signal-safe in practice (a cached value in glibc).
-                // (Not `page_size()`: its first call allocates nothing but may run here.)
-                let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-                let page = usize::try_from(page).map_or(MIN_PAGE, |p| p.max(MIN_PAGE));
-                let from = page_start(addr, page);
+                // Set before the handler was installed: here a plain atomic load.
+                let from = page_start(addr, page_size());
                 // Lost before the zero pages go in: a thread that reads them without faulting
                 // then sees the mark when it checks after its copy.
                 s.lost.store(true, Ordering::SeqCst);
