@@ -14,6 +14,7 @@
 # feature on), in target/aarch64 of its own.
 # Usage: scripts/aarch64.sh            (release: the wheel to ship)
 #        AARCH64_PROFILE=dev scripts/aarch64.sh   (the test command: the same code built, unoptimised)
+#        AARCH64_STAGE=install scripts/aarch64.sh (only install the toolchain)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=aarch64-unknown-linux-gnu
@@ -28,6 +29,8 @@ if [ ! -x /usr/bin/cargo ] || [ ! -d /usr/lib/rustlib/$TARGET/lib ] \
   $SUDO apt-get install -y -qq --no-install-recommends rustc-web cargo-web \
     libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross
 fi
+# AARCH64_STAGE=install: only that (the test command installs in the background, builds later).
+[ "${AARCH64_STAGE:-all}" != install ] || exit 0
 echo "$(/usr/bin/rustc --version) for $TARGET (Debian's rustc-web; the host builds use rustup's)"
 
 # Debian's cargo and rustc, first on PATH for maturin too; the linker and C/C++ compilers of the

@@ -98,22 +98,11 @@ mkdir -p .cache
 INSTALL_LOG=.cache/background-installs.log
 (
   set -e
-  apt_wants=()
   if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnl-route-3.so.200 '; then
-    apt_wants+=(libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4)
-  fi
-  if [ ! -x /usr/bin/cargo ] || [ ! -d /usr/lib/rustlib/aarch64-unknown-linux-gnu/lib ] \
-      || ! command -v aarch64-linux-gnu-g++ >/dev/null; then
-    if ! dpkg --print-foreign-architectures | grep -qx arm64; then
-      $SUDO dpkg --add-architecture arm64
-    fi
-    apt_wants+=(rustc-web cargo-web libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu
-      g++-aarch64-linux-gnu libc6-dev-arm64-cross)
-  fi
-  if [ ${#apt_wants[@]} -gt 0 ]; then
     $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq --no-install-recommends "${apt_wants[@]}"
+    $SUDO apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4
   fi
+  AARCH64_STAGE=install scripts/aarch64.sh
   .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
   if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     .venv/bin/python -m pip install -q torch
