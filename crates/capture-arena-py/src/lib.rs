@@ -99,6 +99,8 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     #[cfg(feature = "nixl")]
     m.add_function(wrap_pyfunction!(_nixl_serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // One value for the CLI and the package: both set it before NIXL loads.
+    m.add("UCX_TCP_SEG_SIZE", capture_arena::config::UCX_TCP_SEG_SIZE)?;
     // The optional transports this build reads and serves.
     let mut features = vec!["cuda"];
     if cfg!(feature = "nixl") {

@@ -9,7 +9,9 @@ use std::net::TcpStream;
 use std::time::Duration;
 
 use capture_arena::client::StatsQuery;
-use capture_arena::control::{StatsReport, STATS_INTERVAL, STATS_LINE, STATS_TABLE_INTERVAL};
+use capture_arena::control::{
+    StatsReport, STATS_INTERVAL, STATS_LINE, STATS_STORES, STATS_TABLE_INTERVAL,
+};
 use capture_arena::{Config, Writer};
 use util::*;
 
@@ -59,6 +61,24 @@ fn stats_name_the_stores_that_hold_the_arena() {
     std::thread::sleep(STATS_INTERVAL);
     assert_eq!(q.ask().unwrap().stats.freed_objects, 3);
     assert!(w.stats().stats_requests >= 3);
+}
+
+#[test]
+fn the_table_lists_the_64_largest_holders_and_counts_the_rest() {
+    // README: "the per-store table (the 64 largest holders)"; `stores_total` counts them all.
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    let samples = (0..70)
+        .map(|i| sample_in(&format!("s{i:02}"), "a", &[100 + i]))
+        .collect();
+    w.submit(samples).unwrap().wait().unwrap();
+    let control = w.arena_ref().control.clone();
+    let r = StatsQuery::connect(&control, None, T).unwrap().ask().unwrap();
+    assert_eq!(r.stores_total, 70);
+    assert_eq!(r.stores.len(), STATS_STORES);
+    assert_eq!(STATS_STORES, 64);
+    let listed: Vec<_> = r.stores.iter().map(|u| u.store_id.as_str()).collect();
+    let largest: Vec<String> = (6..70).rev().map(|i| format!("s{i:02}")).collect();
+    assert_eq!(listed, largest, "the largest first, the six smallest left out");
 }
 
 #[test]

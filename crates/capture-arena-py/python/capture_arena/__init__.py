@@ -29,16 +29,12 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _tensors, errors
-from ._capture_arena import FEATURES, ReadBuffer, __version__, _ArenaSink, _exiting, _result_keys, _send_frees, _Store, arena_enabled, placement
+from ._capture_arena import FEATURES, UCX_TCP_SEG_SIZE, ReadBuffer, __version__, _ArenaSink, _exiting, _result_keys, _send_frees, _Store, arena_enabled, placement
 from . import _pool
 from ._live import LiveSink
 from ._store import StoreReader, StoreSink, is_store_result
 from ._tensors import CudaBytes, HostBytes, host_bytes, new_array, out_bytes
 from .errors import *  # noqa: F401,F403
-
-
-#: UCX's TCP segment size, set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
-UCX_TCP_SEG_SIZE = "512k"
 
 
 def _nixl_defaults() -> None:
@@ -893,11 +889,19 @@ _OPEN_STORES: "weakref.WeakSet[ArenaFeatureStore]" = weakref.WeakSet()
 def _exit_flush_s() -> float:
     """``SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S`` (default 5): how long exit waits for frees."""
     raw = os.environ.get("SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S", "").strip()
+    if not raw:
+        return 5.0
     try:
-        v = float(raw) if raw else 5.0
+        v = float(raw)
     except ValueError:
-        v = 5.0
-    return v if 0.0 <= v <= 3600.0 else 5.0
+        v = -1.0
+    if 0.0 <= v <= 3600.0:
+        return v
+    # Read at exit: a bad value must not cost the frees, so it is named and the default used.
+    logging.getLogger("capture_arena").warning(
+        "SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S=%r is not a number of seconds in [0, 3600]; using 5", raw
+    )
+    return 5.0
 
 
 def _flush_quietly(store: "ArenaFeatureStore", timeout_s: float) -> None:

@@ -4,9 +4,11 @@ from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve"]
 
 __version__: str
+#: UCX's TCP segment size the package and the CLI set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
+UCX_TCP_SEG_SIZE: str
 
 def arena_enabled() -> bool:
     """True when the environment selects an arena placement (not the Mooncake store)."""

@@ -848,10 +848,7 @@ impl Shared {
                     // meanwhile are no longer waiting).
                     s.pending -= taken - back.len();
                     e.settle(back);
-                    let wait = e
-                        .backoff
-                        .as_ref()
-                        .map_or(FIRST_BACKOFF, |(_, d, _, _)| (*d * 2).min(MAX_BACKOFF));
+                    let wait = next_backoff(e.backoff.as_ref().map(|(_, d, _, _)| *d));
                     e.backoff = Some((
                         Instant::now() + wait,
                         wait,
@@ -926,6 +923,12 @@ impl Shared {
 
 /// The error for frees to `endpoint` that wait after a failure of `kind` (`why`): refused for
 /// the control token ([`Error::Unauthorized`]) or not sent ([`Error::FreeNotSent`]).
+/// The wait before an endpoint is tried again after `prev` (none: its first failure): 100 ms,
+/// doubling to 30 s.
+fn next_backoff(prev: Option<Duration>) -> Duration {
+    prev.map_or(FIRST_BACKOFF, |d| (d * 2).min(MAX_BACKOFF))
+}
+
 fn not_sent(endpoint: &str, pending: usize, kind: ErrorKind, why: &str, then: &str) -> Error {
     let sep = if then.is_empty() { "" } else { "; " };
     if kind == ErrorKind::PermissionDenied {
@@ -939,5 +942,31 @@ fn not_sent(endpoint: &str, pending: usize, kind: ErrorKind, why: &str, then: &s
         endpoint: endpoint.to_owned(),
         pending,
         source: std::io::Error::new(kind, format!("{why}{sep}{then}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_endpoint_is_retried_after_100_ms_doubling_to_30_s() {
+        // README: "a back-off per endpoint (100 ms doubling to 30 s)".
+        let mut waits = vec![next_backoff(None)];
+        for _ in 0..12 {
+            let last = waits[waits.len() - 1];
+            waits.push(next_backoff(Some(last)));
+        }
+        let ms: Vec<u128> = waits.iter().map(Duration::as_millis).collect();
+        assert_eq!(
+            ms,
+            [100, 200, 400, 800, 1600, 3200, 6400, 12800, 25600, 30000, 30000, 30000, 30000]
+        );
+    }
+
+    #[test]
+    fn at_most_262144_keys_wait() {
+        // README: "Pending keys are bounded (262144; ...)".
+        assert_eq!(DEFAULT_MAX_PENDING_KEYS, 262_144);
     }
 }
