@@ -343,6 +343,7 @@ def stuck():
         out["stuck"] = "read"
     except ca.StaleSessionError as e:
         out["stuck"] = f"stale after {time.monotonic() - span['t0']:.1f} s"
+        out["stuck_error"] = str(e)
     span["t1"] = time.monotonic()
     done.set()
 def reader(k):
@@ -408,6 +409,8 @@ def test_reads_from_one_host_run_side_by_side_and_a_hung_one_holds_up_no_other()
         got = json.loads(out.splitlines()[-1])
         assert got["errors"] == [], got
         assert got["stuck"].startswith("stale after"), got
+        # The error names what to change.
+        assert "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S" in got["stuck_error"], got
         # Reads kept completing while the hung one waited: it held up only its own agent.
         assert got["reads_while_hung"] >= 4, got
     finally:

@@ -71,10 +71,13 @@ pub const UCX_TCP_SEG_SIZE: &str = "512k";
 /// # Errors
 /// [`Error::Config`] for anything else.
 pub fn nixl_server() -> Result<Option<Vec<String>>> {
-    let v = match std::env::var(ENV_NIXL_SERVER) {
-        Ok(v) => v,
-        Err(_) => return Ok(None),
-    };
+    match std::env::var(ENV_NIXL_SERVER) {
+        Ok(v) => parse_nixl_server(&v),
+        Err(_) => Ok(None),
+    }
+}
+
+fn parse_nixl_server(v: &str) -> Result<Option<Vec<String>>> {
     let t = v.trim();
     if t.is_empty() || t == "inline" {
         return Ok(None);
@@ -92,4 +95,29 @@ pub fn nixl_server() -> Result<Option<Vec<String>>> {
         ));
     }
     Ok(Some(argv))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_nixl_server_command_is_inline_or_a_bounded_json_array_and_errors_name_the_variable() {
+        assert_eq!(parse_nixl_server(" inline ").unwrap(), None);
+        assert_eq!(parse_nixl_server("").unwrap(), None);
+        assert_eq!(
+            parse_nixl_server(r#"["python3", "-m", "capture_arena._nixl_serve"]"#).unwrap(),
+            Some(vec![
+                "python3".into(),
+                "-m".into(),
+                "capture_arena._nixl_serve".into()
+            ])
+        );
+        let long = format!(r#"["{}"]"#, "x".repeat(4097));
+        let many = serde_json::to_string(&vec!["a"; 65]).unwrap();
+        for bad in ["python3 -m x", "[]", r#"[""]"#, "[1]", long.as_str(), many.as_str()] {
+            let e = parse_nixl_server(bad).unwrap_err().to_string();
+            assert!(e.contains(ENV_NIXL_SERVER), "{bad:?}: {e}");
+        }
+    }
 }
