@@ -125,9 +125,10 @@ NIXL_FEATURES=capture-arena-cli/nixl,capture-arena-py/nixl
 step "cargo fmt --check"
 cargo fmt --all --check
 
-step "layers: the core's and the CLI's modules import only downward (no import circle)"
+step "layers: the core's and the CLI's modules import only downward; the Python package has no import circle, its adapters are siblings, __init__.py only re-exports"
 python3 scripts/layers.py crates/capture-arena/src
 python3 scripts/layers.py crates/capture-arena-cli/src
+python3 scripts/py_layers.py
 
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --features "$NIXL_FEATURES" -- -D warnings

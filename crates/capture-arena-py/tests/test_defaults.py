@@ -14,7 +14,7 @@ import sys
 import pytest
 
 import capture_arena as ca
-from capture_arena import _live, _pool, _store, metrics
+from capture_arena import _live, _pool, _reader, _store, metrics
 
 
 @pytest.fixture
@@ -28,12 +28,12 @@ def unset(monkeypatch):
 
 def test_exit_flush_waits_5_s_and_a_bad_value_is_named(unset, monkeypatch, caplog):
     unset("SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S")
-    assert ca._exit_flush_s() == 5.0
+    assert _reader._exit_flush_s() == 5.0
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S", "0.25")
-    assert ca._exit_flush_s() == 0.25
+    assert _reader._exit_flush_s() == 0.25
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S", "soon")
     with caplog.at_level("WARNING", logger="capture_arena"):
-        assert ca._exit_flush_s() == 5.0
+        assert _reader._exit_flush_s() == 5.0
     assert "SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S='soon'" in caplog.text
 
 

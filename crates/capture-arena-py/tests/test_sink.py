@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import capture_arena as ca
-from capture_arena import _convert
+from capture_arena._samples import _convert
 from conftest import hidden, spec, wait_stats
 
 

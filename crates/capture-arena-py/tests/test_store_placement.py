@@ -258,7 +258,7 @@ def test_invalid_samples_are_refused_before_anything_is_written(master, monkeypa
 FAKE_GPU_PUT = r"""
 import ctypes, json, numpy as np, ml_dtypes
 import capture_arena as ca
-from capture_arena import _capture_arena
+from capture_arena import _capture_arena, _samples
 from capture_arena._tensors import CudaBytes
 
 cuda = ctypes.CDLL("libcuda.so.1")
@@ -288,7 +288,7 @@ cb = CudaBytes.__new__(CudaBytes)
 cb.tensor, cb.stream = DeviceTensor(), stream.value
 sink = ca.StoreSink(gpu_put=True)
 assert sink.device_publication
-spec = ca._coerce_spec({"store_id": "gp", "sample_id": "s0", "features": {"aux": "hidden_state"},
+spec = _samples._coerce_spec({"store_id": "gp", "sample_id": "s0", "features": {"aux": "hidden_state"},
                         "passthrough": [{"name": "input_ids", "data": list(range(L)), "shape": [1, L]}]})
 batch, refused = _capture_arena._plan_batch([(spec, (cb, [L, W], "bfloat16"), None, None)], None)
 assert refused == [] and [t[7] for t in batch.tensors()] == [0, -1], batch.tensors()

@@ -408,7 +408,7 @@ class StoreSink(LiveSink):
     def _submit(
         self, samples: Sequence[Any], *, block: bool = True, until: Optional[float] = None, ticket: Optional[_Ticket] = None
     ) -> "concurrent.futures.Future[list[dict[str, Any]]]":
-        from . import _complete, _convert, _log_failures
+        from ._samples import _complete, _convert, _log_failures
 
         fut: concurrent.futures.Future[list[dict[str, Any]]] = concurrent.futures.Future()
         try:

@@ -74,7 +74,7 @@ except ImportError as e:  # pragma: no cover - exercised only without SpecForge
         f"dependencies pin torch and sglang, so `pip install --no-deps specforge` beside your own torch works): {e}"
     ) from e
 
-from . import ArenaFeatureStore
+from ._reader import ArenaFeatureStore
 from ._capture_arena import _send_frees, _stats_query
 from ._store import is_store_result
 from .errors import CaptureArenaError, FreeNotSentError, FreeRefusedError, ReleasedError

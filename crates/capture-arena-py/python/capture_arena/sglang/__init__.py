@@ -47,8 +47,11 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from . import ArenaSink, ConfigError, StoreSink, metrics, new_sink, placement
-from ._store import check_store_gpu_put, store_gpu_put
+from .. import _patches, metrics
+from .._capture_arena import placement
+from .._sink import ArenaSink, new_sink
+from .._store import StoreSink, check_store_gpu_put, store_gpu_put
+from ..errors import ConfigError
 
 __all__ = [
     "maybe_init_sink",
@@ -161,9 +164,7 @@ def _patch_variant() -> Any:
     if not paths:
         return None
     try:
-        from . import _install
-
-        return _install.detect(Path(paths[0]))
+        return _patches.detect(Path(paths[0]))
     except Exception:
         logger.debug("spec capture: could not tell which SpecForge patch this SGLang has", exc_info=True)
         return None
@@ -296,8 +297,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-if __name__ == "__main__":
-    from . import _install
-
-    raise SystemExit(_install.main())

@@ -1,0 +1,378 @@
+"""The arena sink: what an inference server's capture hook calls (:class:`ArenaSink`), and
+:func:`new_sink`, which picks the sink of the placement the environment selects."""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import concurrent.futures
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from ._capture_arena import _ArenaSink, _exiting, _result_keys, placement
+from ._live import LiveSink
+from ._store import StoreSink
+from .errors import ConfigError, InvalidSampleError, QueueFullError
+from ._samples import Result, Sample, _complete, _convert, _cuda_device, _log, _log_failures, _log_failures_of, _rows_for
+
+#: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
+_SINK_BOUND: Any = object()
+#: After the arena could not be created, a synchronous caller tries again at most this often.
+START_RETRY_S = 5.0
+
+
+class ArenaSink(LiveSink, _ArenaSink):
+    """The sink an inference server's capture hook calls.
+
+    Every keyword argument defaults to its environment variable:
+
+    ==========================  ============================================  =========
+    argument                    variable                                      default
+    ==========================  ============================================  =========
+    ``arena_bytes``             ``SGLANG_SPEC_CAPTURE_ARENA_BYTES``            required
+    ``control_host``            ``SGLANG_SPEC_CAPTURE_CONTROL_HOST``,          127.0.0.1
+                                else ``MOONCAKE_LOCAL_HOSTNAME``
+    ``control_port``            ``SGLANG_SPEC_CAPTURE_CONTROL_PORT``           0
+    ``alignment``               ``SGLANG_SPEC_CAPTURE_ARENA_ALIGN``            256
+    ``wait_s``                  ``SGLANG_SPEC_CAPTURE_ARENA_WAIT_S``           30
+    ``max_pending_batches``     ``SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES``    2
+    ``timing``                  ``SGLANG_SPEC_CAPTURE_TIMING``                 off
+    ``protocol``                ``MOONCAKE_PROTOCOL``                          unset
+    ``gpu_put``                 ``SGLANG_SPEC_CAPTURE_GPU_PUT``                unset
+    ``eager``                   ``SGLANG_SPEC_CAPTURE_ARENA_EAGER``            off
+    ``device``                  ``SGLANG_SPEC_CAPTURE_ARENA_DEVICE``           first CUDA tensor's
+    ``transport``               ``SGLANG_SPEC_CAPTURE_TRANSPORT``              auto (``nixl``: any host)
+    ``control_token``           ``SGLANG_SPEC_CAPTURE_CONTROL_TOKEN``          none (``auto``: random)
+    ``aux_layer_ids``           (none; echoed in every result)                None
+    ==========================  ============================================  =========
+
+    ``sync_wait_s`` is ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (default 1): with ``sync_bound`` set
+    to it (as :mod:`capture_arena.sglang` does), :meth:`put_samples` and :meth:`put_sample`
+    never create the arena on the caller's thread and wait at most that long for their batch to
+    start (see :meth:`put_samples`).
+
+    Nothing is allocated until the first capture: that creates the arena (and pre-faults it,
+    about half a second per GiB) on a background thread, so the caller's thread pays nothing;
+    the first batches wait for it there, in order. With ``eager=True`` the arena is created
+    here instead (GIL released); :func:`capture_arena.sglang.maybe_init_sink` starts it in the
+    background instead, and only on the rank that captures. The sink reads tensors in place: a
+    tensor handed to it must not be written, resized or freed until its batch's results are
+    back. ``close()`` (or leaving a ``with`` block, or interpreter exit) stops the writer and
+    removes the arena.
+    """
+
+    _starting = threading.Lock()
+
+    def __init__(self, **kwargs: Any) -> None:
+        # The arguments were taken by the compiled __new__; register for the close at exit.
+        _LIVE_SINKS.add(self)
+        # Batches that arrived before the writer started, in order, for the starter thread.
+        self._early: collections.deque[tuple[list[Any], concurrent.futures.Future[list[Result]]]] = collections.deque()
+        self._early_lock = threading.Condition()
+        self._starter: Optional[threading.Thread] = None
+        #: Seconds a synchronous call waits for its batch to start (None: as long as the arena's
+        #: wait for frees, creating the arena on the caller's thread if needed).
+        self.sync_bound: Optional[float] = None
+        #: Why the last start on the starter thread failed (None once one succeeded), when, and
+        #: how many starts the starter thread has finished.
+        self._start_error: Optional[str] = None
+        self._start_failed_at = -START_RETRY_S
+        self._starts_done = 0
+        if self.eager:
+            self._ensure_started()  # the engine placement's arena (the others started already)
+
+    def _ensure_started(self, converted: Optional[list[Any]] = None, device: Optional[int] = None) -> None:
+        """Creates the arena and starts the writer if it has not (the caller's thread pays): the
+        engine placement takes its arena from a Mooncake TransferEngine (on the configured GPU,
+        else the GPU of the batch's first CUDA tensor, else 0); the others create it in the
+        compiled sink. A configured device wins over ``device``."""
+        if self.started:
+            return
+        if self.device is not None:
+            device = self.device
+        if device is None:
+            device = next((d for d in (_cuda_device(x) for s in converted or () if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
+        if self.placement != "engine":
+            self._start(device)
+            return
+        with ArenaSink._starting:
+            if self.started:
+                return
+            nbytes = self.arena_bytes
+            if nbytes is None:
+                raise ConfigError(
+                    "the engine placement needs the arena size: set SGLANG_SPEC_CAPTURE_ARENA_BYTES "
+                    "(or arena_bytes=); it is never taken silently"
+                )
+            from ._engine import EngineArena, protocol_of
+
+            arena = EngineArena(nbytes, protocol_of(self.protocol), device)
+            self._start_with_region(arena.ptr, arena.nbytes, arena.session, arena, arena.device)
+
+    def start_in_background(self, device: Optional[int] = None) -> None:
+        """Creates the arena on the starter thread now, before the first capture (what
+        ``SGLANG_SPEC_CAPTURE_ARENA_EAGER=1`` does under SGLang); batches submitted meanwhile
+        wait for it there. A failure is logged, and the first capture tries again."""
+        self._enqueue([], None, block=True, device=device)
+
+    @classmethod
+    def from_env(cls) -> "ArenaSink":
+        """A sink configured from the environment alone."""
+        return cls()
+
+    def submit_samples(self, samples: Sequence[Sample], *, block: bool = True) -> "concurrent.futures.Future[list[Result]]":
+        """Queues a batch and returns a future of its rows, one per sample, in order: a result
+        dict, or ``{"sample_id", "error"}``.
+
+        Never raises for anything a request or the machine causes: a sample that cannot be
+        published (a bad spec, a tensor that does not match it, a key too long, a duplicate
+        within the batch) gets its own error row and the others are published; a batch that
+        fails as a whole (arena full after ``wait_s``, the arena cannot be created, the sink is
+        closed) gives every sample its row. Blocks (GIL released) while the writer already holds
+        ``max_pending_batches`` batches; ``block=False`` raises :class:`QueueFullError` instead
+        (and queues nothing). Before the writer has started, the batch waits on the starter
+        thread, not here. Do not write, resize or free the tensors until the future is done.
+        Callbacks added to the future run on the sink's helper thread and must not block.
+        """
+        fut: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
+        fut.set_running_or_notify_cancel()
+        fut.add_done_callback(_log_failures)
+        try:
+            items = _convert(samples)
+        except Exception as e:  # not a sequence of samples at all: no rows can be made
+            fut.set_exception(InvalidSampleError(f"submit_samples takes a list of (spec, aux, last_hidden): {e}"))
+            return fut
+        if all(isinstance(it, dict) for it in items):  # nothing to publish: no arena needed
+            fut.set_result(items)
+            return fut
+        try:
+            early = not self.started or bool(self._early)
+        except Exception as e:  # closed
+            _complete(fut, items, str(e))
+            return fut
+        if early:
+            self._enqueue(items, fut, block)
+        else:
+            self._submit_now(items, fut, block)
+        return fut
+
+    def _submit_now(self, items: list[Any], fut: "concurrent.futures.Future[list[Result]]", block: bool) -> None:
+        try:
+            self._submit(items, fut, block)
+        except QueueFullError:
+            if not block:
+                raise
+            _complete(fut, items, "the writer's queue is full")
+        except Exception as e:
+            _complete(fut, items, str(e))
+
+    def _enqueue(
+        self, items: list[Any], fut: "Optional[concurrent.futures.Future[list[Result]]]", block: bool, device: Optional[int] = None
+    ) -> None:
+        """Hands a batch that arrived before the writer started to the starter thread."""
+        limit = max(1, self.max_pending_batches)
+        with self._early_lock:
+            while fut is not None and len(self._early) >= limit:
+                if not block:
+                    raise QueueFullError(f"{len(self._early)} batches already wait for the arena to be created")
+                self._early_lock.wait(1.0)
+            self._early.append((items, fut))  # type: ignore[arg-type]
+            if self._starter is None:
+                self._starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
+                self._starter.start()
+
+    def _start_early(self, device: Optional[int]) -> None:
+        """The starter thread: creates the arena (GIL released while it does), then submits the
+        batches that waited for it, in order; a failed start fails the batch at hand with the
+        reason, and the next batch tries again."""
+        while True:
+            with self._early_lock:
+                if not self._early:
+                    self._starter = None
+                    return
+                items, fut = self._early[0]
+            try:
+                self._ensure_started(items or None, device)
+            except Exception as e:
+                self._start_error = str(e)
+                self._start_failed_at = time.monotonic()
+                if fut is None:
+                    _log.error("creating the capture arena in the background failed (the first capture tries again): %s", e)
+                else:
+                    _complete(fut, items, str(e))
+            else:
+                self._start_error = None
+                if fut is not None:
+                    self._submit_now(items, fut, True)
+            with self._early_lock:
+                self._early.popleft()
+                self._starts_done += 1
+                self._early_lock.notify_all()
+            del items, fut
+
+    def _drain_starter(self) -> None:
+        """Fails the batches still waiting for the arena and waits for the starter thread."""
+        with self._early_lock:
+            waiting = list(self._early)[1:]  # the first one is the starter's, in progress
+            for _ in waiting:
+                self._early.pop()
+            starter = self._starter
+            self._early_lock.notify_all()
+        for items, fut in waiting:
+            if fut is not None:
+                _complete(fut, items, "the interpreter is exiting")
+        if starter is not None:
+            starter.join()
+
+    def put_samples(self, samples: Sequence[Sample], *, within_s: Optional[float] = _SINK_BOUND) -> list[Result]:
+        """Publishes a batch and waits for its rows (one per sample, as :meth:`submit_samples`
+        gives them; never raises for a sample or the machine).
+
+        Unbounded (``within_s=None``, or the sink's ``sync_bound`` left at None): the arena is
+        created on this thread if it has not been, and a batch that does not fit waits for frees
+        up to ``wait_s``. Bounded (``within_s`` seconds, or ``sync_bound``: what SGLang's
+        scheduler thread gets under a patch that calls ``put_sample``): the arena is never
+        created here but on the sink's starter thread, and the batch waits at most that long to
+        start (for the arena, earlier batches, frees); one that did not start gets every
+        sample's error row and is never written. Once its copy started, the call returns when it
+        is done. A ``close()`` from another thread lets this call finish."""
+        bound = self.sync_bound if within_s is _SINK_BOUND else within_s
+        items = _convert(samples)
+        rows: list[Result]
+        if all(isinstance(it, dict) for it in items):
+            rows = items
+        elif bound is not None:
+            rows = self._put_within(items, float(bound))
+        else:
+            try:
+                self._ensure_started(items)
+                rows = self._put(items)
+            except Exception as e:
+                rows = _rows_for(items, str(e))
+        if any("error" in r for r in rows):
+            _log_failures_of(rows)
+        return rows
+
+    def _put_within(self, items: list[Any], bound: float) -> list[Result]:
+        """A bounded synchronous publish (see :meth:`put_samples`)."""
+        deadline = time.monotonic() + max(0.0, bound)
+        try:
+            if not self.started and not self._wait_started(items, deadline):
+                if self._start_error is not None:
+                    return _rows_for(
+                        items,
+                        f"not captured: creating the capture arena failed ({self._start_error}); tried again at a capture "
+                        f"at least {START_RETRY_S:g} s after the last try",
+                    )
+                return _rows_for(
+                    items,
+                    f"not captured: the capture arena is still being created, off this thread (about half a second per "
+                    f"GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES), and a synchronous caller waits at most {bound:g} s "
+                    "(SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); later captures go in once it exists",
+                )
+            return self._put(items, max(0.0, deadline - time.monotonic()))
+        except Exception as e:
+            return _rows_for(items, str(e))
+
+    def _wait_started(self, items: list[Any], deadline: float) -> bool:
+        """Has the starter thread create the arena and waits until it exists, or until
+        ``deadline``, or until that start failed (False at once). A failed start is tried again
+        by a call at least ``START_RETRY_S`` later; the calls between fail at once with its
+        reason, so a machine that cannot make the arena costs each capture nothing."""
+        with self._early_lock:
+            if self.started:
+                return True
+            if self._starter is None:
+                if self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S:
+                    return False
+                device = next((d for d in (_cuda_device(x) for s in items if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
+                self._early.append(([], None))  # type: ignore[arg-type]
+                self._starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
+                self._starter.start()
+            seen = self._starts_done
+            while not self.started:
+                left = deadline - time.monotonic()
+                if left <= 0 or (self._starts_done > seen and self._start_error is not None):
+                    return False
+                self._early_lock.wait(left)
+            return True
+
+    def stats(self) -> dict[str, int]:
+        """The writer's counters (all zero before the first capture), and live capture's
+        (``live_*``) when it is on."""
+        d = dict(super().stats())
+        d.update(self._live_stats())
+        return d
+
+    def close(self) -> None:
+        """Stops live capture, the writer, and removes the arena. Idempotent."""
+        self._stop_live()
+        super().close()
+
+    def _publish_live(self, item: Any) -> Result:
+        return self.put_samples([item], within_s=self.sync_wait_s)[0]
+
+    def _drop_published(self, result: Mapping[str, Any]) -> None:
+        """Frees a result this process published and will never hand out, at once."""
+        try:
+            self._free_local(_result_keys(result))
+        except Exception as e:  # closed meanwhile: its arena went with it
+            _log.debug("freeing a dropped capture: %s", e)
+
+    def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> Result:
+        """Publishes one sample and returns its result."""
+        return self.put_samples([(spec, aux, last_hidden)])[0]
+
+    def __enter__(self) -> "ArenaSink":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+
+def new_sink(**kwargs: Any) -> "ArenaSink | StoreSink":
+    """The sink of the placement the environment selects (:func:`placement`): an
+    :class:`ArenaSink` for ``arena`` and ``engine``, a :class:`StoreSink` for ``store``. Both have
+    the same API, so callers never branch on the placement. ``kwargs`` go to the sink
+    (``aux_layer_ids`` for both).
+
+    ==================================================  ===========  ========================================
+    protocol and settings                               placement    a trainer reads with
+    ==================================================  ===========  ========================================
+    ``nvlink`` / ``nvlink_intra`` (auto)                engine       a TransferEngine (``transfer_sync_read``)
+                                                                     or ArenaFeatureStore; frees to control
+    ``tcp`` / ``rdma`` (auto)                           store        the Mooncake store (``get_into``) or
+                                                                     ArenaFeatureStore; frees by ``remove``
+    ``SGLANG_SPEC_CAPTURE_PLACEMENT=engine``             engine       as above (a host arena under tcp/rdma)
+    ``SGLANG_SPEC_CAPTURE_PLACEMENT=arena``              arena        ArenaFeatureStore (``shm://``, ``cuda://``)
+    ==================================================  ===========  ========================================
+    """
+    if placement() == "store":
+        return StoreSink(**kwargs)
+    return ArenaSink(**kwargs)
+
+
+_LIVE_SINKS: "weakref.WeakSet[ArenaSink]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_sinks_at_exit() -> None:
+    """Stops every live sink's writer and removes its arena when the interpreter exits. A starter
+    thread still creating an arena is waited for first: it would otherwise come back to a
+    finalizing interpreter, which ends the thread in the middle of native code."""
+    sinks = list(_LIVE_SINKS)
+    for sink in sinks:
+        sink._drain_starter()
+    # From here on, another thread coming back from native code (a daemon thread's capture or
+    # read) parks instead of being ended mid-unwind by the finalizing interpreter; calls still in
+    # flight are waited for (a while), so no library is torn down under them.
+    left = _exiting()
+    if left:
+        _log.warning("exiting with %d capture_arena calls still running in other threads", left)
+    for sink in sinks:
+        sink.close()
+
