@@ -426,7 +426,7 @@ fn helper(rx: Receiver<Msg>) {
 }
 
 /// Keyword argument -> the environment variable it overrides.
-const OVERRIDES: [(&str, &str); 13] = [
+const OVERRIDES: [(&str, &str); 14] = [
     ("arena_bytes", config::ENV_ARENA_BYTES),
     ("control_host", config::ENV_CONTROL_HOST),
     ("control_port", config::ENV_CONTROL_PORT),
@@ -440,6 +440,7 @@ const OVERRIDES: [(&str, &str); 13] = [
     ("device", config::ENV_ARENA_DEVICE),
     ("transport", config::ENV_TRANSPORT),
     ("control_token", config::ENV_CONTROL_TOKEN),
+    ("placement", config::ENV_PLACEMENT),
 ];
 
 /// The compiled sink. Use `capture_arena.ArenaSink`.
@@ -533,7 +534,7 @@ impl PySink {
     #[pyo3(signature = (*, arena_bytes=None, control_host=None, control_port=None, alignment=None,
                         wait_s=None, max_pending_batches=None, aux_layer_ids=None, timing=None,
                         protocol=None, gpu_put=None, eager=None, device=None, transport=None,
-                        control_token=None))]
+                        control_token=None, placement=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         arena_bytes: Option<Bound<'_, PyAny>>,
@@ -550,6 +551,7 @@ impl PySink {
         device: Option<i32>,
         transport: Option<String>,
         control_token: Option<String>,
+        placement: Option<String>,
     ) -> PyResult<Self> {
         // Variables whose keyword argument is given are not read at all, so a keyword argument
         // can correct a bad environment.
@@ -567,6 +569,7 @@ impl PySink {
             device.is_some(),
             transport.is_some(),
             control_token.is_some(),
+            placement.is_some(),
         ];
         let skip: Vec<&str> = OVERRIDES
             .iter()
@@ -622,6 +625,14 @@ impl PySink {
         }
         if control_token.is_some() {
             c.control_token = control_token;
+        }
+        if let Some(p) = placement {
+            c.placement = config::parse_placement(&p).map_err(|reason| {
+                to_py(Error::Config {
+                    var: "placement",
+                    reason,
+                })
+            })?;
         }
         if let Some(t) = transport {
             c.transport = t.parse().map_err(|reason| {

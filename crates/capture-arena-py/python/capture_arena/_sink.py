@@ -46,6 +46,7 @@ class ArenaSink(LiveSink, _ArenaSink):
     ``device``                  ``SGLANG_SPEC_CAPTURE_ARENA_DEVICE``           first CUDA tensor's
     ``transport``               ``SGLANG_SPEC_CAPTURE_TRANSPORT``              auto (``nixl``: any host)
     ``control_token``           ``SGLANG_SPEC_CAPTURE_CONTROL_TOKEN``          none (``auto``: random)
+    ``placement``               ``SGLANG_SPEC_CAPTURE_PLACEMENT``              auto (by protocol)
     ``aux_layer_ids``           (none; echoed in every result)                None
     ==========================  ============================================  =========
 
