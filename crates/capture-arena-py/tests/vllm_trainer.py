@@ -1,0 +1,71 @@
+"""speculators' side of test_vllm.py, in a process of its own: reads requests through
+capture-arena's hs_connectors backend (as speculators' dataloader does: get_generated, check,
+delete) and checks every row against the hidden states the same model computes in transformers.
+
+Commands, one JSON line each on stdin, each answered with one JSON line:
+- ``{"read": kv_transfer_params, "prompt": [ids]}`` -> ``{"ok": true, "max_err": e}`` or ``{"error": "..."}``
+- ``{"delete": handle}`` -> ``{"ok": true}``; ``{"flush": true}`` -> ``{"ok": true}`` once every free is delivered
+
+Usage: python vllm_trainer.py MODEL_DIR LAYER_IDS_JSON
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+from transformers import LlamaForCausalLM
+
+import capture_arena.speculators  # noqa: F401  (registers the backend)
+from hs_connectors import HiddenStatesBackend
+
+model_dir, layers = sys.argv[1], json.loads(sys.argv[2])
+model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+n_layers = model.config.num_hidden_layers
+backend = HiddenStatesBackend.registry["capture-arena"]
+parser = argparse.ArgumentParser()
+backend.add_train_args(parser)
+transfer = backend.from_train_args(parser.parse_args([]), "/nonexistent")
+transfer.setup()
+
+
+def reference(prompt):
+    """[n, k, H]: transformers' hidden states at the layer ids, the last layer's before the final
+    norm (as vLLM captures it: the residual stream after that many decoder layers)."""
+    pre_norm = {}
+    hook = model.model.layers[-1].register_forward_hook(lambda m, i, o: pre_norm.setdefault("h", o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            hs = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    rows = [pre_norm["h"][0] if i == n_layers else hs[i][0] for i in sorted(set(layers))]
+    return torch.stack(rows, dim=1)
+
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        if "read" in cmd:
+            got = transfer.get_generated(cmd["read"])
+            want = reference(cmd["prompt"])
+            assert got["token_ids"].dtype == torch.int64 and got["token_ids"].tolist() == cmd["prompt"], "token ids"
+            assert got["hidden_states"].shape == want.shape, (tuple(got["hidden_states"].shape), tuple(want.shape))
+            assert got["hidden_states"].dtype == torch.bfloat16
+            err = (got["hidden_states"].float() - want.float()).abs()
+            # bf16 (8 significant bits): within 2 ulps of each layer's largest value; the two
+            # engines' kernels round differently. A row from another position is off by ~100 ulps.
+            scale = want.float().abs().amax(dim=(0, 2), keepdim=True)
+            assert bool((err <= 2 * 2.0**-7 * scale).all()), f"max err {err.max().item()} (layer scales {scale.flatten().tolist()})"
+            answer = {"ok": True, "max_err": err.max().item()}
+        elif "delete" in cmd:
+            transfer.delete(cmd["delete"])
+            answer = {"ok": True}
+        elif "flush" in cmd:
+            transfer.flush(10.0)
+            answer = {"ok": True}
+        else:
+            answer = {"error": f"unknown command {cmd}"}
+    except Exception as e:
+        answer = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(answer), flush=True)
