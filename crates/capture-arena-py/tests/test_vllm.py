@@ -184,3 +184,62 @@ def test_every_row_reaches_the_trainer_exactly_and_a_full_arena_costs_only_its_r
     assert trainer.ask({"flush": True}) == {"ok": True}
     s = resident(params[0])
     assert s["resident_objects"] == 0 and s["resident_bytes"] == 0, s
+
+
+def test_vllm_serve_returns_the_result_in_the_http_response(model_dir: Path, trainer: Proc, tmp_path: Path) -> None:
+    """The OpenAI server (`vllm serve`) with the connector: a completion's response carries the
+    arena result top-level in `kv_transfer_params`, which the trainer reads and frees."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    args = [
+        # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the version of a
+        # distribution named "vllm" (this one is "vllm-cpu") and exits before serving.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "512",
+        "--speculative-config", json.dumps({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}}),
+        "--kv-transfer-config", json.dumps({"kv_connector": "CaptureArenaConnector", "kv_role": "kv_producer",
+                                            "kv_connector_module_path": "capture_arena.vllm",
+                                            "kv_connector_extra_config": {"arena_bytes": "8MiB"}}),
+    ]
+    server = Proc(args, env)
+    try:
+        deadline = time.monotonic() + 600
+        while True:  # until the server answers /health (or exits, or the deadline)
+            assert server.p.poll() is None, f"vllm serve exited: {server.stderr()}"
+            assert time.monotonic() < deadline, f"vllm serve not up in 600 s: {server.stderr()}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        p = prompt(40, 11)
+        body = json.dumps({"model": str(model_dir), "prompt": p, "max_tokens": 1}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            answer = json.loads(r.read())
+        kv = answer["kv_transfer_params"]
+        r0 = kv["capture_arena"]
+        assert "error" not in r0, r0
+        assert r0["store_id"] == "vllm" and r0["features"]["hidden_states"]["shape"] == [1, 40, len(LAYERS) * 128]
+        got = trainer.ask({"read": kv, "prompt": p})
+        assert got.get("ok"), got
+        assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+        assert trainer.ask({"flush": True}) == {"ok": True}
+        s = resident(kv)
+        assert s["resident_objects"] == 0, s
+    finally:
+        server.p.terminate()
+        try:
+            server.p.wait(60)
+        except subprocess.TimeoutExpired:
+            server.p.kill()
+            server.p.wait()
