@@ -72,13 +72,19 @@ fn the_table_lists_the_64_largest_holders_and_counts_the_rest() {
         .collect();
     w.submit(samples).unwrap().wait().unwrap();
     let control = w.arena_ref().control.clone();
-    let r = StatsQuery::connect(&control, None, T).unwrap().ask().unwrap();
+    let r = StatsQuery::connect(&control, None, T)
+        .unwrap()
+        .ask()
+        .unwrap();
     assert_eq!(r.stores_total, 70);
     assert_eq!(r.stores.len(), STATS_STORES);
     assert_eq!(STATS_STORES, 64);
     let listed: Vec<_> = r.stores.iter().map(|u| u.store_id.as_str()).collect();
     let largest: Vec<String> = (6..70).rev().map(|i| format!("s{i:02}")).collect();
-    assert_eq!(listed, largest, "the largest first, the six smallest left out");
+    assert_eq!(
+        listed, largest,
+        "the largest first, the six smallest left out"
+    );
 }
 
 #[test]

@@ -39,7 +39,7 @@ NAME = "capture-arena"
 MAX_UNDELETED = 4096
 
 
-class CaptureArenaTransfer(HiddenStatesTransfer):  # type: ignore[misc]
+class CaptureArenaTransfer(HiddenStatesTransfer):
     """The trainer's reader. ``cache_dir``: where previously cached samples are
     (``hs_{file_idx}.safetensors``, as the file backend writes them), or None."""
 
@@ -111,7 +111,7 @@ def _add(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
 
 
 @HiddenStatesBackend.register(NAME)
-class CaptureArenaBackend(HiddenStatesBackend):  # type: ignore[misc]
+class CaptureArenaBackend(HiddenStatesBackend):
     """speculators' backend: the vLLM flags (:func:`build_kv_transfer_config`) and the trainer's
     reader (:func:`from_train_args`)."""
 

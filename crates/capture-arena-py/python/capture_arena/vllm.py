@@ -93,7 +93,7 @@ class _Save:
 
 
 @dataclass
-class CaptureArenaMetadata(KVConnectorMetadata):  # type: ignore[misc]
+class CaptureArenaMetadata(KVConnectorMetadata):
     """What the scheduler process tells the worker each step: the requests whose prompt
     finishes in it."""
 
@@ -135,7 +135,7 @@ def _aux_layer_ids(vllm_config: Any) -> list[int]:
     return sorted({int(i) for i in ids or ()})
 
 
-class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for capture-arena (see the module's description)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -186,7 +186,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[mi
             before, n = int(req.num_computed_tokens), int(req.num_prompt_tokens)
             if not before < n <= before + int(scheduled):
                 continue
-            blocks = list(self._kv_cache_manager.get_block_ids(rid)[self._group])
+            manager = self._kv_cache_manager
+            if manager is None:  # bound by the scheduler before its first step
+                continue
+            blocks = list(manager.get_block_ids(rid)[self._group])
             need = -(-n // self._block_size)
             if len(blocks) < need or req.prompt_token_ids is None:
                 continue  # not the layout this connector knows (prompt embeddings): no capture

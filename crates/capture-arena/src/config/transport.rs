@@ -115,7 +115,14 @@ mod tests {
         );
         let long = format!(r#"["{}"]"#, "x".repeat(4097));
         let many = serde_json::to_string(&vec!["a"; 65]).unwrap();
-        for bad in ["python3 -m x", "[]", r#"[""]"#, "[1]", long.as_str(), many.as_str()] {
+        for bad in [
+            "python3 -m x",
+            "[]",
+            r#"[""]"#,
+            "[1]",
+            long.as_str(),
+            many.as_str(),
+        ] {
             let e = parse_nixl_server(bad).unwrap_err().to_string();
             assert!(e.contains(ENV_NIXL_SERVER), "{bad:?}: {e}");
         }
