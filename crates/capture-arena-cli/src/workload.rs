@@ -348,6 +348,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_pattern_is_the_documented_one() {
+        // README's content pattern, from its published constants: 64-bit FNV-1a (offset basis
+        // 0xcbf29ce484222325, prime 0x100000001b3) has these known answers...
+        assert_eq!(key_hash(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(key_hash("a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(key_hash("foobar"), 0x8594_4171_f739_67e8);
+        // ...and byte i of key "a" is byte i % 8 (little-endian) of h XOR (w << 32 | w), w = i / 8
+        // (computed by an independent implementation).
+        let mut b = [0u8; 12];
+        fill("a", &mut b);
+        assert_eq!(b, [140, 236, 1, 134, 76, 220, 99, 175, 141, 236, 1, 134]);
+    }
+
+    #[test]
     fn pattern_round_trips_and_catches_shifts() {
         for n in [0, 1, 7, 8, 9, 1000] {
             let mut b = vec![0u8; n];

