@@ -4,7 +4,12 @@
   ``kv_transfer_params``) to speculators' trainer, in another process, holding its tensors
   (``get_generated`` returned), one request at a time;
 - **throughput**: prompt tokens per second of the engine over a batch of requests
-  (``max_tokens=1``), against the same engine with no extraction at all.
+  (``max_tokens=1``), against the same engine with no extraction at all (``none``) and with
+  ``extract_hidden_states`` but no connector (``extract``: the drafter writes its cache-only
+  layer and nobody takes the rows), and with ``null``, a connector that takes nothing
+  (``NullConnector``): vLLM's CPU build runs an engine with a KV connector differently from
+  one without (about twice the prompt throughput here, cause not found), so what a connector
+  adds is measured against ``null``.
 
 For capture-arena's connector (``capture_arena.vllm``, read through ``capture_arena.speculators``),
 vLLM's file connector (``FileConnectorOnHost``: its logic on host tensors, read by
@@ -31,7 +36,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 LAYERS = [1, 2, 4]
-MODES = ["none", "capture-arena", "file", "mooncake"]
+MODES = ["none", "extract", "null", "capture-arena", "file", "mooncake"]
 
 
 def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
@@ -48,14 +53,17 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}},
         }
+    if mode not in ("none", "extract"):
         kwargs["kv_transfer_config"] = {
             "capture-arena": {"kv_connector": "CaptureArenaConnector", "kv_connector_module_path": "capture_arena.vllm"},
             "file": {"kv_connector": "FileConnectorOnHost", "kv_connector_module_path": "vllm_host_connectors"},
             "mooncake": {"kv_connector": "MooncakeConnectorOnHost", "kv_connector_module_path": "vllm_host_connectors"},
+            "null": {"kv_connector": "NullConnector", "kv_connector_module_path": "vllm_host_connectors"},
         }[mode] | {"kv_role": "kv_producer", "kv_connector_extra_config": extra}
-    # The same step budget in every mode (vLLM raises it by itself under speculative decoding).
+    # The same step budget in every mode (vLLM raises it by itself under speculative decoding),
+    # and no prefix cache (a prompt seen before would cost next to nothing).
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05, max_model_len=1024,
-              max_num_batched_tokens=4096, **kwargs)
+              max_num_batched_tokens=4096, enable_prefix_caching=False, **kwargs)
     sp = SamplingParams(max_tokens=1, detokenize=False)
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
@@ -144,6 +152,10 @@ def prompt(n: int, seed: int) -> list[int]:
 def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    # Every engine's worker computes on all cores: vLLM sets OMP_NUM_THREADS itself only under
+    # speculative decoding (extract_hidden_states) and otherwise cuts torch to one thread, which
+    # would halve the engine without extraction.
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     if mode == "capture-arena":
         extra = {"arena_bytes": "1GiB"}
     elif mode == "file":
@@ -154,14 +166,14 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, moonca
                               "global_segment_size": 1 << 30, "local_buffer_size": 512 << 20}}
         env.update(mooncake_env)
     engine = Child([sys.executable, __file__, "engine", str(model), mode, json.dumps(extra)], env, log)
-    trainer = Child([sys.executable, __file__, "trainer", mode, json.dumps(extra)], env, log) if mode != "none" else None
+    trainer = Child([sys.executable, __file__, "trainer", mode, json.dumps(extra)], env, log) if mode not in ("none", "extract", "null") else None
     try:
         row: dict[str, Any] = {"mode": mode}
         # Throughput: whole batches, each consumed by the trainer afterwards (not timed).
-        batch = [prompt(args.prompt_len, 1000 + i) for i in range(args.batch)]
-        engine.ask({"prompts": batch[:2]})  # warm-up
+        engine.ask({"prompts": [prompt(args.prompt_len, 900 + i) for i in range(2)]})  # warm-up
         rates = []
         for r in range(args.rounds):
+            batch = [prompt(args.prompt_len, 1000 * (r + 1) + i) for i in range(args.batch)]
             a = engine.ask({"prompts": batch})
             rates.append(args.batch * args.prompt_len / (a["finished"] - a["t0"]))
             for p in a["params"] if trainer else []:
@@ -191,6 +203,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json")
+    ap.add_argument("--log", help="keep the engines' and trainers' output here (default: dropped)")
     args = ap.parse_args()
     sys.path.insert(0, str(HERE.parent / "tests"))
     import mooncake_master
@@ -201,22 +214,22 @@ def main() -> None:
         master, menv = mooncake_master.start()
         rows = []
         try:
-            with open(tmp / "log.txt", "w+") as log:
+            with open(args.log or tmp / "log.txt", "w+") as log:
                 for mode in args.modes.split(","):
                     rows.append(run_mode(mode, tmp / "model", args, tmp, menv, log))
                     print(json.dumps(rows[-1]), flush=True)
         finally:
             mooncake_master.stop(master)
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "none"), None)
+    ext = next((r["tokens_per_s"] for r in rows if r["mode"] == "null"), None)
     arena = next((r.get("hold_ms_median") for r in rows if r["mode"] == "capture-arena"), None)
-    print(f"\n{'connector':<15}{'tokens/s':>10}{'vs none':>9}{'hold ms (median)':>18}{'p90':>8}{'vs capture-arena':>18}")
+    print(f"\n{'connector':<15}{'tokens/s':>10}{'vs none':>9}{'vs null':>12}{'hold ms (median)':>18}{'p90':>8}{'vs capture-arena':>18}")
     for r in rows:
-        rel = f"{r['tokens_per_s'] / base:.3f}" if base else "-"
-        hold = r.get("hold_ms_median")
-        p90 = r.get("hold_ms_p90")
-        cols = ["-" if hold is None else f"{hold:.2f}", "-" if p90 is None else f"{p90:.2f}",
+        hold, p90 = r.get("hold_ms_median"), r.get("hold_ms_p90")
+        cols = [f"{r['tokens_per_s'] / base:.3f}" if base else "-", f"{r['tokens_per_s'] / ext:.3f}" if ext else "-",
+                "-" if hold is None else f"{hold:.2f}", "-" if p90 is None else f"{p90:.2f}",
                 "-" if hold is None or not arena else f"{hold / arena:.1f}x"]
-        print(f"{r['mode']:<15}{r['tokens_per_s']:>10.0f}{rel:>9}{cols[0]:>18}{cols[1]:>8}{cols[2]:>18}")
+        print(f"{r['mode']:<15}{r['tokens_per_s']:>10.0f}{cols[0]:>9}{cols[1]:>12}{cols[2]:>18}{cols[3]:>8}{cols[4]:>18}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 
