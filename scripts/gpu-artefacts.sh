@@ -39,12 +39,33 @@ if [ "${MOONCAKE_CUDA:-0}" = 1 ]; then
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 $platforms \
     -d "$out/wheels" mooncake-transfer-engine-cuda13==0.3.14 ml_dtypes
 else
-  echo "==> numpy and ml_dtypes wheels for Python 3.12 (installed there only if missing)"
+  # numpy is on the GPU machine's image (KINDS.md); ml_dtypes is carried in case it is not.
+  echo "==> ml_dtypes wheel for Python 3.12 (installed there only if missing)"
   # shellcheck disable=SC2086
-  .venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 $platforms \
-    -d "$out/wheels" numpy ml_dtypes
+  .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 $platforms \
+    -d "$out/wheels" ml_dtypes
+  # The Python suite's SGLang tests unpack SGLang's wheels, which the GPU machine cannot download:
+  # carried without their extension modules (the tests read only Python sources), for the
+  # versions that fit.
+  echo "==> SGLang's wheels, Python sources only (the suite's SGLang tests there)"
+  mkdir -p "$out/sglang-wheel"
+  for v in ${SGLANG_VERSIONS:-0.5.20 0.5.23}; do
+    .venv/bin/python -m pip download -q --no-deps --disable-pip-version-check --only-binary=:all: --implementation cp \
+      --python-version 3.11 --abi cp311 --platform manylinux_2_34_x86_64 "sglang==$v" -d "$out/sglang-full"
+    .venv/bin/python - "$out"/sglang-full/sglang-"$v"-*.whl "$out/sglang-wheel" <<'PY'
+import os, sys, zipfile
+src, dest = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(src) as a, zipfile.ZipFile(os.path.join(dest, os.path.basename(src)), "w", zipfile.ZIP_DEFLATED) as b:
+    for i in a.infolist():
+        if not i.filename.endswith(".so"):
+            b.writestr(i, a.read(i))
+PY
+  done
+  rm -rf "$out/sglang-full"
 fi
-cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py "$out/"
+echo "==> hs_connectors (speculators' backends: the vLLM check's trainer reads through it)"
+.venv/bin/python -m pip download -q --no-deps -d "$out/wheels" hs-connectors==0.9.0
+cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py scripts/gpu_vllm_check.py "$out/"
 du -sh "$out" && ls -la "$out" "$out/wheels"
 size=$(du -sm "$out" | cut -f1)
 [ "$size" -lt 64 ] || { echo "gpu-artefacts is ${size} MiB: over the 64 MiB a device run carries" >&2; exit 1; }

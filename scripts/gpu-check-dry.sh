@@ -36,7 +36,7 @@ for line in sys.stdin:
             and m["target"]["src_path"].endswith("crates/capture-arena/tests/device.rs"):
         print(m["executable"])')
 cp "$device_tests" "$tmp/artefacts/device-tests"
-cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py "$tmp/artefacts/"
+cp scripts/gpu_torch_check.py scripts/gpu_mooncake_check.py scripts/gpu_vllm_check.py "$tmp/artefacts/"
 cp target/wheels/capture_arena-*x86_64.whl "$tmp/artefacts/wheels/" 2>/dev/null || true
 "${CC:-cc}" -shared -fPIC -O2 -Wl,-soname,libcuda.so.1 -o "$tmp/driver/libcuda.so.1" \
   crates/capture-arena/tests/fake_cuda/fake_cuda.c -lpthread
@@ -51,7 +51,7 @@ summary=$(cat "$tmp"/out/*/summary.txt)
 echo "$summary"
 fail() { echo "gpu-check dry run: $*" >&2; tail -n 40 "$tmp/stdout.txt" >&2; exit 1; }
 [ "$took" -le $((deadline + 5)) ] || fail "took ${took}s, over its ${deadline}s deadline"
-for s in device-info python-install python-torch rust-device-tests demo-device bench-device \
+for s in device-info python-install python-torch python-vllm-stubbed rust-device-tests demo-device bench-device \
   python-mooncake-nvlink bench-host python-suite; do
   grep -Eq "^$s +(rc=|skipped: )" <<< "$summary" || fail "step $s is not in the summary"
 done
@@ -59,5 +59,7 @@ done
 grep -Eq '^python-install +rc=0 ' <<< "$summary" || ! ls "$tmp"/artefacts/wheels/*.whl >/dev/null 2>&1 \
   || fail "the carried wheel did not install"
 grep -Eq '^device-info +rc=0 ' <<< "$summary" || fail "device-info failed against the fake driver"
+# vLLM's connector runs its whole flow with the cache in host memory when no GPU is visible.
+grep -Eq '^python-vllm-stubbed +rc=0 ' <<< "$summary" || fail "the vLLM connector's flow failed on the CPU"
 grep -q "total " <<< "$summary" || fail "the summary has no total"
 echo "gpu-check dry run: every step ran, ${took}s of a ${deadline}s deadline"

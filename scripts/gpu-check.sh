@@ -5,7 +5,7 @@
 # the carry and start-up inside the 15 minutes of device time); every step is bounded by its own
 # limit and by what is left of the deadline, and a step with under 10 s left is skipped and says
 # so. The most wanted steps run first: the machine, the handle types, the torch round trip across
-# processes, then the Rust device tests, the demo, the benchmarks, Mooncake, the Python suite.
+# processes, vLLM's connector, then the Rust device tests, the demo, the benchmarks, Mooncake, the Python suite.
 # Writes the raw output of every step to $OUT (the device tool's output folder) or to
 # docs/gpu/<date>/, one file per step, and a summary on stdout. Never stops at a failed step:
 # every step's exit status is in summary.txt. scripts/gpu-check-dry.sh runs it in CI against the
@@ -24,6 +24,7 @@ if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
   DEMO_ARGS=(--samples 8 --min-len 16 --max-len 64 --hidden 256 --batch 4)
   BENCH_DEVICE_SIZES=1MiB BENCH_HOST_SIZES=1MiB BENCH_REPS=1
   SUITE_ARGS=(-k test_device)
+  VLLM_ARGS=(--hidden 256 --requests 8 --blocks 512)
   # torch and Mooncake's CUDA checks would find the fake libcuda.so.1 and fail slowly there:
   # without a visible device they fail at once, as they must without a GPU.
   NO_GPU=(CUDA_VISIBLE_DEVICES=)
@@ -31,6 +32,7 @@ else
   DEMO_ARGS=()
   BENCH_DEVICE_SIZES=16MiB,100MiB,1GiB BENCH_HOST_SIZES=16MiB,100MiB BENCH_REPS=7
   SUITE_ARGS=()
+  VLLM_ARGS=(--require-cuda)
   NO_GPU=()
 fi
 case $DEADLINE_S in '' | *[!0-9]*)
@@ -82,13 +84,16 @@ step device-info 30 "$A/capture-arena" device-info
 py=/tmp/capture-arena-py
 rm -rf "$py"
 step python-install 60 "$PY" -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" capture-arena
-for m in numpy ml_dtypes mooncake; do
+for m in numpy ml_dtypes mooncake hs_connectors; do
   [ "$m" = mooncake ] && ! ls "$A"/wheels/mooncake_transfer_engine* >/dev/null 2>&1 && continue
+  case $m in mooncake) pkg=mooncake-transfer-engine-cuda13 ;; hs_connectors) pkg=hs-connectors ;; *) pkg=$m ;; esac
   "$PY" -c "import $m" 2>/dev/null \
-    || step "python-install-$m" 60 "$PY" -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" \
-         "$( [ "$m" = mooncake ] && echo mooncake-transfer-engine-cuda13 || echo "$m")"
+    || step "python-install-$m" 60 "$PY" -m pip install --no-index --no-deps --find-links "$A/wheels" --target "$py" "$pkg"
 done
 step python-torch 120 env PYTHONPATH="$py" "${NO_GPU[@]}" "$PY" "$A/gpu_torch_check.py"
+# vLLM's connector with its cache on the GPU (vLLM's classes stubbed: its CUDA build cannot be
+# carried), a host and a device arena, read by speculators' backend in another process.
+step python-vllm-stubbed 120 env PYTHONPATH="$py" "${NO_GPU[@]}" "$PY" "$A/gpu_vllm_check.py" "${VLLM_ARGS[@]}"
 
 # The core's device tests against the real driver (the fake driver's knob tests skip).
 step rust-device-tests 90 env CAPTURE_ARENA_TEST_REAL_GPU=1 "$A/device-tests" --test-threads=1
@@ -116,10 +121,13 @@ step bench-host 60 "$A/capture-arena" bench --sizes "$BENCH_HOST_SIZES" --reps "
   --json "$dest/bench-host.json"
 
 # The Python suite with the machine's torch and its GPU (the CUDA tests skip on the CPU machine),
-# if pytest is there. test_sglang_install.py unpacks SGLang's wheel from the package registry,
-# which this machine cannot reach; it runs in the test command on the CPU machine.
+# if pytest is there. test_sglang_install.py installs SGLang's wheel whole, which this machine
+# cannot download; it runs in the test command on the CPU machine.
 if "$PY" -c 'import pytest' 2>/dev/null; then
-  step python-suite 180 env PYTHONPATH="$py" "$PY" -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider \
+  # SGLang's wheels carried by gpu-artefacts.sh (Python sources only), where there
+  cache=()
+  [ -d "$A/sglang-wheel" ] && cache=(CAPTURE_ARENA_CACHE="$(cd "$A/sglang-wheel" && pwd)")
+  step python-suite 180 env PYTHONPATH="$py" "${cache[@]}" "$PY" -m pytest crates/capture-arena-py/tests -q -rs -p no:cacheprovider \
     --ignore=crates/capture-arena-py/tests/test_sglang_install.py "${SUITE_ARGS[@]}"
 else
   skip python-suite "this Python has no pytest"

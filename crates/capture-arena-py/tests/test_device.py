@@ -232,6 +232,7 @@ print("refused")
     assert out.strip() == "refused"
 
 
+@pytest.mark.skipif(HAS_DRIVER, reason="needs the fake driver's two GPUs: on the GPU machine the child finds the real libcuda.so.1 (one GPU) before it")
 def test_fake_gpu_an_eager_device_arena_goes_to_the_capturing_schedulers_gpu(fake_gpu):
     # Under SGLang, SGLANG_SPEC_CAPTURE_ARENA_EAGER=1 creates the arena in the background on
     # attention-TP rank 0 only, on that scheduler's GPU (self.gpu_id), not on GPU 0.

@@ -63,7 +63,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ._capture_arena import _result_keys, _send_frees
+from ._capture_arena import _result_keys
 from ._live import sync_wait_s
 from ._sink import ArenaSink
 
@@ -200,7 +200,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._announced.add(rid)
         return meta
 
-    def _deliver(self, req_id: str, row: dict[str, Any]) -> None:
+    def _deliver(self, req_id: str, row: dict[str, Any]) -> Optional[list[str]]:
+        """Keeps a result for :meth:`request_finished`; returns the keys the worker must free
+        when its request was already answered with an error."""
         with self._cond:
             late = self._given_up.pop(req_id, False)
             if not late:
@@ -210,11 +212,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     log.warning("capture_arena.vllm: dropped the result of %s, never finished by the engine", dropped)
                 self._cond.notify_all()
         if late and "error" not in row:
-            # Its request was answered with an error already: nobody will read or free it.
-            try:
-                _send_frees(row["arena"]["control"], _result_keys(row), [], os.environ.get("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN") or None)
-            except Exception as e:
-                log.error("capture_arena.vllm: freeing the late result of %s failed: %s", req_id, e)
+            # Its request was answered with an error already: nobody will read or free it. The
+            # worker frees it (it holds the control token, which may be a random `auto` one).
+            log.warning("capture_arena.vllm: the result of %s came after its request was answered; the worker frees it", req_id)
+            return _result_keys(row)
+        return None
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """The request's arena result for its ``kv_transfer_params``; its blocks are freed at
@@ -286,7 +288,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._sink = ArenaSink(**kwargs)
         self._sink.sync_bound = self._bound
-        self._sink.start_in_background()
+        # A device arena (SGLANG_SPEC_CAPTURE_GPU_PUT=1) lives on the cache's GPU unless
+        # SGLANG_SPEC_CAPTURE_ARENA_DEVICE says otherwise.
+        self._sink.start_in_background(kv.device.index if kv.is_cuda else None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
@@ -328,8 +332,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         kv = self._kv
         bs = kv.shape[2]
         n = len(s.token_ids)
-        pos = torch.arange(n)
-        blocks = torch.tensor(s.block_ids, dtype=torch.long)[pos // bs]
+        pos = torch.arange(n, device=kv.device)
+        blocks = torch.tensor(s.block_ids, dtype=torch.long, device=kv.device)[pos // bs]
         rows = kv[blocks, :, pos % bs]  # [n, k, H]: the two indexed dimensions come first
         aux = rows.reshape(n, rows.shape[1] * rows.shape[2])  # stored as [1, n, k*H]
         spec = {
@@ -348,16 +352,40 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                     c.settimeout(self._bound + 1.0)
                     c.connect(self._channel)
+                    uid = _peer_uid(c)
+                    if uid != os.getuid():  # an abstract name anyone could have bound
+                        c.close()
+                        raise OSError(f"the result channel's listener runs as uid {uid}, not {os.getuid()}")
                     self._conn = c
+                    threading.Thread(target=self._read_frees, args=(c,), name="capture-arena-vllm-frees", daemon=True).start()
                 self._conn.sendall(data)
                 return
             except OSError as e:
                 if self._conn is not None:
+                    try:  # wakes the frees reader blocked on it, before the descriptor goes
+                        self._conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
                     self._conn.close()
                     self._conn = None
                 if attempt:
                     log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(rows), e)
                     self._free_rows([r for _, r in rows])
+
+    def _read_frees(self, conn: socket.socket) -> None:
+        """The worker's end of the channel's way back: ``{"free": [key, ...]}`` lines for results
+        that came after their request was answered. Bounded lines; a bad one closes the
+        connection (the next step opens another)."""
+        try:
+            for keys in _lines(conn, lambda m: m["free"]):
+                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                    raise ValueError('a free line is {"free": [str, ...]}')
+                if keys and self._sink is not None:
+                    self._sink._free_local(keys)
+        except OSError as e:  # closed by _send after a failed send, or the scheduler process ended
+            log.debug("capture_arena.vllm: the result channel closed: %s", e)
+        except Exception as e:
+            log.error("capture_arena.vllm: stopped reading frees from the scheduler process: %s", e)
 
     def _free_rows(self, rows: list[dict[str, Any]]) -> None:
         """Frees what was published for requests whose result cannot reach their client."""
@@ -376,6 +404,30 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._sink.close()  # type: ignore[union-attr]
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    return int(struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1])
+
+
+def _lines(conn: socket.socket, field: Any) -> Any:
+    """Yields ``field(message)`` for each JSON line read from ``conn`` until it closes; a line
+    over :data:`MAX_LINE` bytes raises ValueError before it is buffered further."""
+    buf = b""
+    while True:
+        try:
+            chunk = conn.recv(1 << 16)
+        except socket.timeout:
+            continue  # an idle channel: results come only when prompts finish
+        if not chunk:
+            return
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield field(json.loads(line))
+        if len(buf) > MAX_LINE:
+            raise ValueError(f"a line over {MAX_LINE} bytes")
 
 
 class _Listener:
@@ -398,10 +450,10 @@ class _Listener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+            uid = _peer_uid(conn)
             with self._lock:
                 full = self._open >= MAX_WORKERS
-                if not full:
+                if not full and uid == os.getuid():
                     self._open += 1
             if uid != os.getuid() or full:
                 log.warning("capture_arena.vllm: refused a result connection (uid %d, %d open)", uid, self._open)
@@ -410,22 +462,13 @@ class _Listener:
             threading.Thread(target=self._read, args=(conn,), name="capture-arena-vllm-read", daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
-        buf = b""
         try:
-            while True:
-                chunk = conn.recv(1 << 16)
-                if not chunk:
-                    return
-                buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    msg = json.loads(line)
-                    rid, row = msg["req_id"], msg["row"]
-                    if not isinstance(rid, str) or not isinstance(row, dict):
-                        raise ValueError("a result line is {\"req_id\": str, \"row\": dict}")
-                    self._deliver(rid, row)
-                if len(buf) > MAX_LINE:
-                    raise ValueError(f"a result line over {MAX_LINE} bytes")
+            for rid, row in _lines(conn, lambda m: (m["req_id"], m["row"])):
+                if not isinstance(rid, str) or not isinstance(row, dict):
+                    raise ValueError("a result line is {\"req_id\": str, \"row\": dict}")
+                free = self._deliver(rid, row)
+                if free:
+                    conn.sendall(json.dumps({"free": free}, separators=(",", ":")).encode() + b"\n")
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.error("capture_arena.vllm: closed a result connection: %s", e)
         finally:

