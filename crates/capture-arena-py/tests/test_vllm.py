@@ -243,3 +243,58 @@ def test_vllm_serve_returns_the_result_in_the_http_response(model_dir: Path, tra
         except subprocess.TimeoutExpired:
             server.p.kill()
             server.p.wait()
+
+
+LATE = r"""
+import json, os, time
+from types import SimpleNamespace as ns
+import torch
+import vllm.config
+import vllm.distributed.parallel_state as ps
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from capture_arena.vllm import CaptureArenaConnector
+
+def say(x):
+    print("@@" + json.dumps(x), flush=True)
+
+# vLLM's classes and the connector are real; only the model runner's plumbing is replaced (which
+# layer is the cache-only one, the tensor-parallel rank), so the two halves can run out of order.
+vllm.config.get_layers_from_vllm_config = lambda cfg, kind, names: {n: None for n in names}
+ps.get_tensor_model_parallel_rank = lambda: 0
+cfg = ns(kv_transfer_config=ns(engine_id=f"late-{os.getpid()}", kv_connector_extra_config={"arena_bytes": 1 << 20}),
+         parallel_config=ns(data_parallel_rank=0),
+         speculative_config=ns(method="extract_hidden_states",
+                               draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))))
+sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=4))]))
+sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: ([0, 1],), block_pool=None))
+worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
+worker.register_kv_caches({"drafter.cache_only": torch.randn(4, 2, 4, 8).to(torch.bfloat16)})
+req = ns(request_id="late", num_computed_tokens=0, num_prompt_tokens=6, prompt_token_ids=list(range(6)))
+sched.on_new_request(req)
+meta = sched.build_connector_meta(ns(num_scheduled_tokens={"late": 6}))
+# The scheduler answers before the worker publishes: its bound passes and the request gets an error.
+say(sched.request_finished(req, [0, 1])[1])
+worker.bind_connector_metadata(meta)
+worker.wait_for_save()  # the result arrives late: nobody will read or free it
+say(worker._sink.stats())
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline and worker._sink.stats()["resident_objects"]:
+    time.sleep(0.01)
+say(worker._sink.stats())
+"""
+
+
+def test_a_result_after_its_request_was_answered_is_freed_under_an_auto_control_token() -> None:
+    # The connector frees what was published for a request already answered with an error. With
+    # SGLANG_SPEC_CAPTURE_CONTROL_TOKEN=auto only the worker's sink knows its (random) token, so
+    # the scheduler process cannot free over the control port: the worker must.
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN": "auto", "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.2"}
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    out = subprocess.run([sys.executable, "-c", LATE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    params, published, end = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    assert "no result within 0.2 s" in params["capture_arena"]["error"] and "handle" not in params
+    assert published["published_objects"] == 2 and published["resident_objects"] == 2  # hidden_states, token_ids
+    assert end["resident_objects"] == 0 and end["free_bytes"] == end["capacity"], end
+    assert end["local_freed_objects"] == 2 and end["unauthorized_lines"] == 0, end
