@@ -53,7 +53,9 @@ export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_DEV_DEBUG=0 CARGO_INCREMENTAL
 dir=$([ "$PROFILE" = dev ] && echo debug || echo "$PROFILE")
 
 t0=$SECONDS
-# The wheel first (abi3: no aarch64 Python needed), then the rest from the same build.
+# The wheel first (abi3: no aarch64 Python needed), then the rest from the same build. An earlier
+# run's wheel goes first, so a failed build cannot pass for a built one below.
+rm -f target/wheels/capture_arena-*aarch64.whl
 .venv/bin/maturin build --profile "$PROFILE" --target "$TARGET" -m crates/capture-arena-py/Cargo.toml \
   --features nixl --out target/wheels -q 2>&1 | grep -v '^$' || true
 wheel=$(ls -t target/wheels/capture_arena-*aarch64.whl 2>/dev/null | head -n 1)

@@ -14,9 +14,21 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     # Answers go to the original stdout; everything vLLM and its processes print, to stderr.
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    import argparse
+
+    from hs_connectors import HiddenStatesBackend
     from vllm import LLM, SamplingParams
 
+    import capture_arena.speculators  # noqa: F401  (registers the backend)
+
     model, arena_bytes, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    # The connector's flags come from the backend's launch hooks, as speculators' launcher takes them.
+    backend = HiddenStatesBackend.registry["capture-arena"]
+    parser = argparse.ArgumentParser()
+    backend.add_launch_args(parser)
+    kv_transfer_config = backend.build_kv_transfer_config(
+        parser.parse_args(["--capture-arena-bytes", arena_bytes, "--capture-arena-store-id", "vllm-test"])
+    )
     llm = LLM(
         model=model,
         skip_tokenizer_init=True,
@@ -28,12 +40,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
         },
-        kv_transfer_config={
-            "kv_connector": "CaptureArenaConnector",
-            "kv_role": "kv_producer",
-            "kv_connector_module_path": "capture_arena.vllm",
-            "kv_connector_extra_config": {"arena_bytes": arena_bytes, "store_id": "vllm-test"},
-        },
+        kv_transfer_config=kv_transfer_config,
     )
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
