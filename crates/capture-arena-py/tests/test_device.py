@@ -90,6 +90,10 @@ r = sink.put_sample(spec, aux=aux, last_hidden=last)
 assert r["arena"]["session"].startswith("cuda://"), r
 print(json.dumps(r), flush=True)
 sys.stdin.readline()  # until the trainer is done
+import time
+deadline = time.monotonic() + 10  # frees are one-way: wait until the writer has applied them
+while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+    time.sleep(0.01)
 assert sink.stats()["resident_objects"] == 0, sink.stats()
 print("producer ok", flush=True)
 '''
@@ -115,10 +119,6 @@ print("trainer ok", flush=True)
     try:
         assert p.stdout is not None and p.stdin is not None
         run_trainer(p, trainer, fake_gpu)
-        # Frees are one-way: give the writer a moment to apply them, then let the producer check.
-        import time
-
-        time.sleep(0.5)
         p.stdin.write("\n")
         p.stdin.flush()
         rest = p.stdout.read()

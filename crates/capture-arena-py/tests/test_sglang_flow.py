@@ -437,16 +437,18 @@ def test_a_rank_that_never_captures_never_allocates_even_when_eager(arena_env):
             self.gpu_id = rank
             self.sink = sglang.maybe_init_sink(server_args())
 
+    def start_asked(s: Any) -> bool:  # start_in_background queues a start before it returns
+        return s._starter is not None or s._starts_done > 0 or s.started
+
     s1 = Scheduler(1).sink
     assert s1 is not None
-    import time
-
-    time.sleep(0.5)
-    assert not s1.started, "rank 1 never captures: no arena"
+    assert not start_asked(s1), "rank 1 never captures: no arena, not even one being made"
     sglang.reset_sink()
     s0 = Scheduler(0).sink
     assert s0 is not None
+    assert start_asked(s0), "the start is asked for before maybe_init_sink returns"
     assert _wait_started(s0), "rank 0 creates its arena in the background"
+    assert s1._starter is None and s1._starts_done == 0, "and rank 1 (closed by reset_sink) never made one"
 
 
 def _wait_started(sink: Any, timeout: float = 30.0) -> bool:
