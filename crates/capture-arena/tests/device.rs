@@ -527,13 +527,18 @@ fn fake_gpu_host_arenas_are_pinned_for_device_copies() {
     }
 
     fake_cuda::knob("host_register", 0);
+    let asks = fake_cuda::host_register_asks();
     let w = Writer::start(&util::config(1 << 20, Duration::from_secs(1))).unwrap();
     let store = FeatureStore::new();
     let s = device_sample("pageable", &[1000], false, false);
     let pageable = fake_cuda::host_copies(false);
     let p = publish(&w, s);
     read_and_check(&store, &p);
-    std::thread::sleep(Duration::from_millis(50)); // room for a pinning thread, which must fail
+    // The pinning threads (the arena's, the reader's view) asked and were told no.
+    assert!(
+        fake_cuda::wait_above(fake_cuda::host_register_asks, asks + 1),
+        "no pinning thread asked whether the device can pin"
+    );
     let again = publish(&w, device_sample("pageable2", &[1000], false, false));
     assert_eq!(fake_cuda::pinned_bytes(), 0);
     assert!(fake_cuda::host_copies(false) - pageable >= 4);
@@ -680,10 +685,14 @@ fn fake_gpu_a_gpu_fault_fails_the_batch_instead_of_hanging_the_writer() {
     // Each copy takes 300 ms: the batch is on the device when the context error hits. After it
     // the driver runs nothing more and never calls the host function that wakes the writer.
     fake_cuda::knob("copy_us", 300_000);
+    let begun = fake_cuda::copies_begun();
     let handle = w
         .submit(vec![device_sample("f", &[1000; 3], false, false)])
         .unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        fake_cuda::wait_above(fake_cuda::copies_begun, begun),
+        "the batch never reached the device"
+    );
     fake_cuda::knob("fault", 1);
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

@@ -107,8 +107,15 @@ CUresult cuDeviceGet(CUdevice *d, int ordinal) {
   *d = ordinal;
   return OK;
 }
+/* Events a test waits for instead of sleeping: copies begun on a stream, and questions whether
+ * the device can pin host memory (what a pinning thread asks first). */
+static long copies_begun, register_asks;
+long fake_cuda_events(int asks) {
+  return __atomic_load_n(asks ? &register_asks : &copies_begun, __ATOMIC_SEQ_CST);
+}
 CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
   (void)d;
+  if (attr == 99) __atomic_add_fetch(&register_asks, 1, __ATOMIC_SEQ_CST);
   if (attr == 128) *v = (int)knob(&knob_fabric_attr, "FAKE_CUDA_FABRIC_ATTR", 0);
   else if (attr == 103) *v = 1;
   else if (attr == 99) *v = (int)knob(&knob_host_register, "FAKE_CUDA_HOST_REGISTER", 1);
@@ -433,6 +440,7 @@ static void *worker(void *arg) {
     }
     switch (op->kind) {
       case OP_COPY: {
+        __atomic_add_fetch(&copies_begun, 1, __ATOMIC_SEQ_CST);
         long delay = knob(&knob_copy_us, "FAKE_CUDA_COPY_US", 0);
         if (delay > 0) usleep((useconds_t)delay);
         memcpy(op->dst, op->src, op->n);

@@ -122,6 +122,28 @@ pub fn host_copies(pinned: bool) -> i64 {
     count("fake_cuda_host_copies", pinned)
 }
 
+/// Copies the fake has begun running on a stream (each sleeps `copy_us` first).
+pub fn copies_begun() -> i64 {
+    count("fake_cuda_events", false)
+}
+
+/// Times anyone asked whether the device can pin host memory: a pinning thread's first step.
+pub fn host_register_asks() -> i64 {
+    count("fake_cuda_events", true)
+}
+
+/// Waits up to 5 s for `what` to exceed `than`; false if it never did.
+pub fn wait_above(what: fn() -> i64, than: i64) -> bool {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while what() <= than {
+        if std::time::Instant::now() > until {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    true
+}
+
 /// Bytes of host memory registered with the fake now.
 pub fn pinned_bytes() -> i64 {
     // SAFETY: the fake's function of this signature (fake_cuda.c).
