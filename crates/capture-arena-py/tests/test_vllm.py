@@ -186,9 +186,10 @@ def test_every_row_reaches_the_trainer_exactly_and_a_full_arena_costs_only_its_r
     assert s["resident_objects"] == 0 and s["resident_bytes"] == 0, s
 
 
-def test_vllm_serve_returns_the_result_in_the_http_response(model_dir: Path, trainer: Proc, tmp_path: Path) -> None:
+def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trains_from_it(model_dir: Path, trainer: Proc, tmp_path: Path) -> None:
     """The OpenAI server (`vllm serve`) with the connector: a completion's response carries the
-    arena result top-level in `kv_transfer_params`, which the trainer reads and frees."""
+    arena result top-level in `kv_transfer_params`, which the trainer reads and frees; then
+    speculators' own trainer dataset generates, reads, checks and deletes samples through it."""
     import socket
     import time
     import urllib.request
@@ -233,9 +234,14 @@ def test_vllm_serve_returns_the_result_in_the_http_response(model_dir: Path, tra
         got = trainer.ask({"read": kv, "prompt": p})
         assert got.get("ok"), got
         assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+        # speculators 0.9.0's ArrowDataset, as its trainer reads: its client asks the server (with
+        # return_token_ids), takes the handle, get_generated, check_hidden_states, delete.
+        prompts = [prompt(n, 30 + n) for n in (3, 64, 129)]
+        got = trainer.ask({"speculators": f"http://127.0.0.1:{port}/v1", "prompts": prompts, "dir": str(tmp_path / "ds")}, timeout=300)
+        assert got == {"ok": True, "read": len(prompts)}, got
         assert trainer.ask({"flush": True}) == {"ok": True}
         s = resident(kv)
-        assert s["resident_objects"] == 0, s
+        assert s["resident_objects"] == 0 and s["published_samples"] == 1 + len(prompts), s
     finally:
         server.p.terminate()
         try:

@@ -5,6 +5,11 @@ delete) and checks every row against the hidden states the same model computes i
 Commands, one JSON line each on stdin, each answered with one JSON line:
 - ``{"read": kv_transfer_params, "prompt": [ids]}`` -> ``{"ok": true, "max_err": e}`` or ``{"error": "..."}``
 - ``{"delete": handle}`` -> ``{"ok": true}``; ``{"flush": true}`` -> ``{"ok": true}`` once every free is delivered
+- ``{"speculators": base_url, "prompts": [[ids], ...], "dir": path}`` -> ``{"ok": true, "read": n}``:
+  speculators' own trainer dataset (``speculators.train.data.ArrowDataset``, speculators 0.9.0)
+  over a dataset of those prompts saved at ``path``, with this backend as its transfer: each item
+  is generated through vLLM's OpenAI server by speculators' client, read with ``get_generated``,
+  checked by speculators and deleted, then compared with transformers
 
 Usage: python vllm_trainer.py MODEL_DIR LAYER_IDS_JSON
 """
@@ -58,6 +63,26 @@ for line in sys.stdin:
             scale = want.float().abs().amax(dim=(0, 2), keepdim=True)
             assert bool((err <= 2 * 2.0**-7 * scale).all()), f"max err {err.max().item()} (layer scales {scale.flatten().tolist()})"
             answer = {"ok": True, "max_err": err.max().item()}
+        elif "speculators" in cmd:
+            from datasets import Dataset
+            from speculators.train.data import ArrowDataset
+
+            prompts = cmd["prompts"]
+            Dataset.from_dict(
+                {"input_ids": prompts, "seq_len": [len(p) for p in prompts], "loss_mask": [[1] * len(p) for p in prompts]}
+            ).with_format("torch").save_to_disk(cmd["dir"])
+            ds = ArrowDataset(max_len=512, datapath=cmd["dir"], transfer=transfer, vllm_endpoint=cmd["speculators"], on_missing="generate")
+            for i, p in enumerate(prompts):
+                item = ds[i]
+                want = reference(p)
+                assert item["input_ids"].tolist() == p, "input ids"
+                # speculators splits the captured layers: all but the last as the draft's input,
+                # the last as the verifier's hidden state.
+                for got, ref in ((item["hidden_states"], want[:, :-1].flatten(1)), (item["verifier_last_hidden_states"], want[:, -1])):
+                    assert got.shape == ref.shape, (tuple(got.shape), tuple(ref.shape))
+                    err = (got.float() - ref.float()).abs()
+                    assert bool((err <= 2 * 2.0**-7 * ref.float().abs().amax()).all()), f"item {i}: max err {err.max().item()}"
+            answer = {"ok": True, "read": len(prompts)}
         elif "delete" in cmd:
             transfer.delete(cmd["delete"])
             answer = {"ok": True}
