@@ -64,7 +64,8 @@ pub fn info(_args: InfoArgs) -> anyhow::Result<ExitCode> {
 /// `bench --device`: rows `d2d_copy` (the reference), `publish_device`, `read_device` (a
 /// trainer in another process, reading into device memory through the imported handle),
 /// `end_to_end_device`, and `batch_16x4_device` (a batch of 16 samples x 4 small tensors: the
-/// writer's per-batch overhead).
+/// writer's per-batch overhead), with `batch_1x1_device` (one small tensor: a batch's fixed cost)
+/// and `batch_16x4_host` (the same batch of host bytes into a host arena: no CUDA call) beside it.
 #[cfg(feature = "cuda")]
 pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::measure::Row>> {
     use std::io::{BufRead, BufReader, Write};
@@ -90,11 +91,13 @@ pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::meas
         let data = unsafe { TensorData::device(buf.ptr(), buf.len(), gpu, None, buf.clone()) }?;
         Ok(Tensor::new(name, vec![buf.len()], Dtype::Uint8, data)?)
     };
+    // The writer's other variables (SGLANG_SPEC_CAPTURE_DEVICE_SPIN_S, say) apply, so settings
+    // can be compared side by side.
     let w = Writer::start(&Config {
         arena_bytes: Some(3 * size + (64 << 20)),
         gpu_put: Some(true),
         device: Some(gpu),
-        ..Config::default()
+        ..Config::from_env()?
     })?;
     let exe = std::env::current_exe().context("finding the capture-arena executable")?;
     let mut trainer = Command::new(exe)
@@ -152,30 +155,49 @@ pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::meas
         t[2].push(read_remote(&line)?);
         t[3].push(t0.elapsed());
     }
-    // The writer's per-batch overhead: 16 samples x 4 tensors of 4 KiB.
+    // The writer's per-batch overhead: 16 samples x 4 tensors of 4 KiB (copies negligible). To
+    // tell its parts apart: one sample of one such tensor (the fixed cost of a batch), and the
+    // same 16 x 4 of host bytes into a host arena (the writer's own work, no CUDA call).
     let small: Vec<std::sync::Arc<DeviceBuffer>> = (0..4)
         .map(|_| DeviceBuffer::new(gpu, 4096).map(std::sync::Arc::new))
         .collect::<capture_arena::Result<_>>()?;
-    let mut batch_t = Vec::new();
+    let host_w = Writer::start(&Config {
+        arena_bytes: Some(64 << 20),
+        ..Config::default()
+    })?;
+    let mut batch_t: [Vec<Duration>; 3] = Default::default();
     for _ in 0..reps.max(5) {
-        let mut batch = Vec::new();
-        for _ in 0..16 {
-            let mut s = next()?.with_replace(true);
-            for (j, b) in small.iter().enumerate() {
-                s.push(tensor(&format!("t{j}"), b)?)?;
+        for (row, (samples, tensors)) in [(16, 4), (1, 1), (16, 4)].into_iter().enumerate() {
+            let on_host = row == 2;
+            let mut batch = Vec::new();
+            for _ in 0..samples {
+                let mut s = next()?.with_replace(true);
+                for (j, b) in small.iter().take(tensors).enumerate() {
+                    s.push(if on_host {
+                        Tensor::new(
+                            format!("t{j}"),
+                            vec![4096],
+                            Dtype::Uint8,
+                            TensorData::host(vec![7u8; 4096]),
+                        )?
+                    } else {
+                        tensor(&format!("t{j}"), b)?
+                    })?;
+                }
+                batch.push(s);
             }
-            batch.push(s);
+            let writer = if on_host { &host_w } else { &w };
+            let t0 = Instant::now();
+            let ps = writer.submit(batch)?.wait()?;
+            batch_t[row].push(t0.elapsed());
+            let keys: Vec<String> = ps
+                .iter()
+                .flat_map(|p| p.keys().unwrap_or_default())
+                .map(|k| k.to_string())
+                .collect();
+            let mut c = std::net::TcpStream::connect(&writer.arena_ref().control)?;
+            writeln!(c, "{}", serde_json::to_string(&keys)?)?;
         }
-        let t0 = Instant::now();
-        let ps = w.submit(batch)?.wait()?;
-        batch_t.push(t0.elapsed());
-        let keys: Vec<String> = ps
-            .iter()
-            .flat_map(|p| p.keys().unwrap_or_default())
-            .map(|k| k.to_string())
-            .collect();
-        let mut c = std::net::TcpStream::connect(&w.arena_ref().control)?;
-        writeln!(c, "{}", serde_json::to_string(&keys)?)?;
     }
     drop(to_trainer);
     let _ = trainer.wait();
@@ -197,14 +219,20 @@ pub fn bench(size: u64, reps: usize, gpu: i32) -> anyhow::Result<Vec<crate::meas
         median_us: d.as_secs_f64() * 1e6,
     })
     .collect();
-    let b = median(batch_t);
-    rows.push(crate::measure::Row {
-        what: "batch_16x4_device",
-        bytes: 16 * 4 * 4096,
-        gbps: (16 * 4 * 4096) as f64 / b.as_secs_f64().max(1e-12) / 1e9,
-        ratio_to_memcpy: 0.0,
-        median_us: b.as_secs_f64() * 1e6,
-    });
+    for (what, bytes, times) in [
+        ("batch_16x4_device", 16 * 4 * 4096u64, &batch_t[0]),
+        ("batch_1x1_device", 4096, &batch_t[1]),
+        ("batch_16x4_host", 16 * 4 * 4096, &batch_t[2]),
+    ] {
+        let b = median(times.clone());
+        rows.push(crate::measure::Row {
+            what,
+            bytes,
+            gbps: bytes as f64 / b.as_secs_f64().max(1e-12) / 1e9,
+            ratio_to_memcpy: 0.0,
+            median_us: b.as_secs_f64() * 1e6,
+        });
+    }
     Ok(rows)
 }
 

@@ -20,6 +20,7 @@
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES` | `control_buffer_bytes` | 16 MiB |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S` | `line_timeout` | 10 s |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_DEVICE` | `device` | unset: the first device tensor's GPU, else 0 |
+//! | `SGLANG_SPEC_CAPTURE_DEVICE_SPIN_S` | `device_spin` | 0.0002 (200 µs): how long the writer polls a device batch's completion before it sleeps until the driver's host function wakes it; 0: never polls; at most 0.01 |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_HANDLE` | `handle` | `auto`: fabric where NVML reports the fabric registered and a real export imports again, else POSIX fd |
 //! | `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S` | `object_ttl` | unset: objects stay until freed |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN` | `control_token` | unset: no token; `auto`: a random token per arena |
@@ -93,6 +94,8 @@ pub const ENV_BUFFER_BYTES: &str = "SGLANG_SPEC_CAPTURE_CONTROL_BUFFER_BYTES";
 /// `SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S`: how long a connection may hold an unfinished
 /// line before it is closed.
 pub const ENV_LINE_TIMEOUT_S: &str = "SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S";
+/// `SGLANG_SPEC_CAPTURE_DEVICE_SPIN_S`: how long the writer polls a device batch's completion.
+pub const ENV_DEVICE_SPIN_S: &str = "SGLANG_SPEC_CAPTURE_DEVICE_SPIN_S";
 
 /// The largest alignment: the smallest page size ([`crate::page::MIN_PAGE`]). Addresses are
 /// `base + offset` with `base` page-aligned, so every alignment up to it holds on every host,
@@ -135,6 +138,13 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 pub const DEFAULT_CONTROL_BUFFER_BYTES: u64 = 16 << 20;
 /// Default time a connection may hold an unfinished line.
 pub const DEFAULT_LINE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The writer polls a device batch's completion event this long after enqueueing its copies,
+/// then sleeps until the driver's host function wakes it: a small batch's copies are done within
+/// it, and on an H200 machine the wake-up alone took a 16 MiB publish from 45 to ~120 µs
+/// (BENCHMARKS.md, "Device path").
+pub const DEFAULT_DEVICE_SPIN: Duration = Duration::from_micros(200);
+/// The longest [`Config::device_spin`]: the writer serves nothing else while it polls.
+pub const MAX_DEVICE_SPIN: Duration = Duration::from_millis(10);
 
 /// True when this process's environment selects an arena (ours or a TransferEngine's), not the
 /// Mooncake store.
@@ -193,6 +203,9 @@ pub struct Config {
     pub line_timeout: Duration,
     /// The GPU a device arena lives on (`None`: the first device tensor's, else 0).
     pub device: Option<i32>,
+    /// How long the writer polls a device batch's completion before sleeping until the
+    /// driver's host function wakes it ([`ENV_DEVICE_SPIN_S`]; zero: it never polls).
+    pub device_spin: Duration,
     /// How a device arena is exported.
     pub handle: HandlePreference,
     /// `SGLANG_SPEC_CAPTURE_PLACEMENT` (`None`: auto, from the protocol).
@@ -228,6 +241,7 @@ impl std::fmt::Debug for Config {
             .field("max_connections", &self.max_connections)
             .field("control_buffer_bytes", &self.control_buffer_bytes)
             .field("line_timeout", &self.line_timeout)
+            .field("device_spin", &self.device_spin)
             .field("device", &self.device)
             .field("handle", &self.handle)
             .field("placement", &self.placement)
@@ -259,6 +273,7 @@ impl Default for Config {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             control_buffer_bytes: DEFAULT_CONTROL_BUFFER_BYTES,
             line_timeout: DEFAULT_LINE_TIMEOUT,
+            device_spin: DEFAULT_DEVICE_SPIN,
             device: None,
             handle: HandlePreference::Auto,
             placement: None,
@@ -310,6 +325,9 @@ impl Config {
         }
         if let Some(v) = get(ENV_LINE_TIMEOUT_S) {
             c.line_timeout = parse_seconds(&v).map_err(|r| Error::config(ENV_LINE_TIMEOUT_S, r))?;
+        }
+        if let Some(v) = get(ENV_DEVICE_SPIN_S) {
+            c.device_spin = parse_seconds(&v).map_err(|r| Error::config(ENV_DEVICE_SPIN_S, r))?;
         }
         if let Some(v) = get(ENV_MAX_CONNS) {
             c.max_connections = v.trim().parse().map_err(|_| {
@@ -459,6 +477,16 @@ impl Config {
             ));
         }
         check_control_host(ENV_CONTROL_HOST, &self.control_host)?;
+        if self.device_spin > MAX_DEVICE_SPIN {
+            return Err(Error::config(
+                ENV_DEVICE_SPIN_S,
+                format!(
+                    "{:?} would keep the writer from its control connections that long per \
+                     device batch; at most {MAX_DEVICE_SPIN:?} (default {DEFAULT_DEVICE_SPIN:?})",
+                    self.device_spin
+                ),
+            ));
+        }
         if self.max_connections < 1 {
             return Err(Error::config(
                 ENV_MAX_CONNS,
@@ -546,6 +574,7 @@ mod tests {
         assert_eq!(c.max_connections, 1024);
         assert_eq!(c.control_buffer_bytes, 16 << 20);
         assert_eq!(c.line_timeout, Duration::from_secs(10));
+        assert_eq!(c.device_spin, Duration::from_micros(200));
         assert_eq!(transport::DEFAULT_READ_TIMEOUT, Duration::from_secs(60));
         let e = c.required_arena_bytes().unwrap_err();
         assert!(
@@ -611,9 +640,16 @@ mod tests {
             (ENV_LINE_TIMEOUT_S, "0"),
             (ENV_LINE_TIMEOUT_S, "-3"),
             (ENV_EAGER, "2"),
+            (ENV_DEVICE_SPIN_S, "-0.001"),
+            (ENV_DEVICE_SPIN_S, "0.011"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();
             assert!(e.to_string().contains(k), "{e} should name {k}");
+        }
+        // Polling a device batch can be turned off, and lengthened up to 10 ms.
+        for (v, want) in [("0", 0), ("0.01", 10_000), ("0.00005", 50)] {
+            let c = cfg(&[(ENV_DEVICE_SPIN_S, v)]).unwrap();
+            assert_eq!(c.device_spin, Duration::from_micros(want));
         }
     }
 

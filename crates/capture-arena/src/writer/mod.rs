@@ -138,7 +138,7 @@ impl Writer {
             arena,
             poll,
             server,
-            placer: Placer::new(config.arena_wait, config.timing),
+            placer: Placer::new(config.arena_wait, config.timing, config.device_spin),
             queue,
             shared,
         };

@@ -44,8 +44,9 @@ enum State {
         needed: u64,
         stale: bool,
     },
-    /// Reserved and being copied; `remote` while a device copies (the region's notifier wakes
-    /// the writer, and it polls every [`DEVICE_POLL`] besides).
+    /// Reserved and being copied; `remote` while a device copies (the writer polls it for
+    /// `device_spin` (`Config::device_spin`), then the region's notifier wakes the writer, and
+    /// it polls every [`DEVICE_POLL`] besides).
     Copying {
         job: Job,
         reservation: Reservation,
@@ -72,14 +73,17 @@ pub(crate) struct Placer {
     state: State,
     wait: Duration,
     timing: bool,
+    /// How long a device batch's completion is polled before the writer sleeps on its notifier.
+    device_spin: Duration,
 }
 
 impl Placer {
-    pub fn new(wait: Duration, timing: bool) -> Placer {
+    pub fn new(wait: Duration, timing: bool, device_spin: Duration) -> Placer {
         Placer {
             state: State::Idle,
             wait,
             timing,
+            device_spin,
         }
     }
 
@@ -104,7 +108,7 @@ impl Placer {
                     || deadline.is_some_and(|d| Instant::now() >= d)
                     || shared.closing.load(std::sync::atomic::Ordering::SeqCst)
             }
-            State::Copying { remote, .. } => !remote,
+            State::Copying { remote, t_copy, .. } => !remote || t_copy.elapsed() < self.device_spin,
         }
     }
 
