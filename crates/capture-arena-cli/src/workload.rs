@@ -349,7 +349,7 @@ mod tests {
 
     #[test]
     fn the_pattern_is_the_documented_one() {
-        // README's content pattern, from its published constants: 64-bit FNV-1a (offset basis
+        // The content pattern of docs/commands.md, from its published constants: 64-bit FNV-1a (offset basis
         // 0xcbf29ce484222325, prime 0x100000001b3) has these known answers...
         assert_eq!(key_hash(""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(key_hash("a"), 0xaf63_dc4c_8601_ec8c);

@@ -231,7 +231,7 @@ fn clean_removes_only_the_arenas_no_producer_holds() {
 
 #[test]
 fn a_producer_stopped_by_a_signal_removes_its_arena() {
-    // README: SIGTERM, SIGINT and SIGHUP remove the arena, then the process dies by the signal.
+    // docs/commands.md: SIGTERM, SIGINT and SIGHUP remove the arena, then the process dies by the signal.
     for (name, number) in [("TERM", 15), ("INT", 2), ("HUP", 1)] {
         let mut producer = tiny_producer("1", "60").spawn().unwrap();
         let mut first = String::new();

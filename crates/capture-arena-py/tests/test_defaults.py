@@ -1,4 +1,4 @@
-"""README's documented defaults on the Python side, as the numbers README gives.
+"""The documented defaults on the Python side (README's guides, docs/), as the numbers they give.
 
 Each check reads the value the package actually uses with the variable unset (not a constant
 compared with itself); the Rust side's defaults are checked in `config` and `control_client`.
@@ -65,7 +65,7 @@ def test_metrics_are_written_every_5_s(unset, monkeypatch, caplog):
 
 
 def test_the_store_reader_keeps_at_most_262144_pending_keys():
-    # README: "Pending keys are bounded (262144; the oldest are dropped ...)".
+    # docs/protocol.md: "Pending keys are bounded (262144; the oldest are dropped ...)".
     assert (_store.StoreReader.MAX_PENDING_KEYS, _store.StoreReader.MAX_RELEASED) == (262144, 262144)
 
 

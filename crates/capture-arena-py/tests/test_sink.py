@@ -311,7 +311,7 @@ def _stderr_of(code: str, **env: str) -> str:
 
 
 def test_a_token_is_never_logged() -> None:
-    """README: a token line sent to a server without a token is logged without its content; a
+    """docs/protocol.md: a token line sent to a server without a token is logged without its content; a
     wrong token (server with one) is refused, likewise unlogged. Checked at the most verbose
     log level, with the reply read back first so the server has handled each line."""
     secret = "s3cr3t-" + "9" * 24

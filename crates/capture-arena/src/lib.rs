@@ -53,10 +53,13 @@ pub mod tensor;
 pub mod transport;
 pub mod writer;
 
-// The README's Rust examples run as doc tests.
+// The README's and the Rust guide's examples run as doc tests.
 #[cfg(doctest)]
 #[doc = include_str!("../../../README.md")]
 mod readme {}
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/rust.md")]
+mod rust_guide {}
 
 pub use arena::{Arena, StoreUsage};
 pub use client::{ControlClient, FeatureStore, Reader};

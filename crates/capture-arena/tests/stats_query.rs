@@ -65,7 +65,7 @@ fn stats_name_the_stores_that_hold_the_arena() {
 
 #[test]
 fn the_table_lists_the_64_largest_holders_and_counts_the_rest() {
-    // README: "the per-store table (the 64 largest holders)"; `stores_total` counts them all.
+    // docs/protocol.md: "the per-store table (the 64 largest holders)"; `stores_total` counts them all.
     let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
     let samples = (0..70)
         .map(|i| sample_in(&format!("s{i:02}"), "a", &[100 + i]))

@@ -951,7 +951,7 @@ mod tests {
 
     #[test]
     fn an_endpoint_is_retried_after_100_ms_doubling_to_30_s() {
-        // README: "a back-off per endpoint (100 ms doubling to 30 s)".
+        // docs/protocol.md: "a back-off per endpoint (100 ms doubling to 30 s)".
         let mut waits = vec![next_backoff(None)];
         for _ in 0..12 {
             let last = waits[waits.len() - 1];
@@ -966,7 +966,7 @@ mod tests {
 
     #[test]
     fn at_most_262144_keys_wait() {
-        // README: "Pending keys are bounded (262144; ...)".
+        // docs/protocol.md: "Pending keys are bounded (262144; ...)".
         assert_eq!(DEFAULT_MAX_PENDING_KEYS, 262_144);
     }
 }

@@ -568,7 +568,7 @@ mod tests {
         assert_eq!(c.arena_wait, Duration::from_secs(30));
         assert_eq!(c.sync_wait, Duration::from_secs(1));
         assert_eq!(c.max_pending_batches, 2);
-        // README's table: alignment 256, 1024 connections, 16 MiB of unfinished lines, 10 s
+        // docs/configuration.md's table: alignment 256, 1024 connections, 16 MiB of unfinished lines, 10 s
         // to finish a line, 60 s for a read.
         assert_eq!(c.alignment, 256);
         assert_eq!(c.max_connections, 1024);
