@@ -2,7 +2,7 @@
 by test_vllm.py: each input line is a JSON list of prompts (token id lists); the answer is one
 JSON line, the list of each request's ``kv_transfer_params``.
 
-Usage: python vllm_engine.py MODEL_DIR ARENA_BYTES LAYER_IDS_JSON [TENSOR_PARALLEL_SIZE]
+Usage: python vllm_engine.py MODEL_DIR ARENA_BYTES LAYER_IDS_JSON
 """
 
 import json
@@ -22,7 +22,6 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     import capture_arena.speculators  # noqa: F401  (registers the backend)
 
     model, arena_bytes, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    tp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     # The connector's flags come from the backend's launch hooks, as speculators' launcher takes them.
     backend = HiddenStatesBackend.registry["capture-arena"]
     parser = argparse.ArgumentParser()
@@ -42,8 +41,6 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
         },
         kv_transfer_config=kv_transfer_config,
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else None,
     )
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
