@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use capture_arena::{Config, Error, SampleResult, Writer};
 use util::*;
 
-/// A client writing `[]\n` lines as fast as it can until dropped.
+/// A client writing one line (the caller's) over and over, as fast as it can, until dropped.
 struct Flood {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<u64>>,
