@@ -285,13 +285,16 @@ sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups
 sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: ([0, 1],), block_pool=None))
 worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
 worker.register_kv_caches({"drafter.cache_only": torch.randn(4, 2, 4, 8).to(torch.bfloat16)})
-req = ns(request_id="late", num_computed_tokens=0, num_prompt_tokens=6, prompt_token_ids=list(range(6)))
+rid = os.environ.get("LATE_REQUEST_ID", "late")
+req = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=6, prompt_token_ids=list(range(6)))
 sched.on_new_request(req)
-meta = sched.build_connector_meta(ns(num_scheduled_tokens={"late": 6}))
+meta = sched.build_connector_meta(ns(num_scheduled_tokens={rid: 6}))
 # The scheduler answers before the worker publishes: its bound passes and the request gets an error.
 say(sched.request_finished(req, [0, 1])[1])
+if os.environ.get("LATE_SCHEDULER_GONE"):
+    sched.shutdown()  # nobody listens on the result channel any more
 worker.bind_connector_metadata(meta)
-worker.wait_for_save()  # the result arrives late: nobody will read or free it
+worker.wait_for_save()  # the result arrives late, or cannot be handed over: nobody will free it
 say(worker._sink.stats())
 deadline = time.monotonic() + 10
 while time.monotonic() < deadline and worker._sink.stats()["resident_objects"]:
@@ -314,3 +317,20 @@ def test_a_result_after_its_request_was_answered_is_freed_under_an_auto_control_
     assert published["published_objects"] == 2 and published["resident_objects"] == 2  # hidden_states, token_ids
     assert end["resident_objects"] == 0 and end["free_bytes"] == end["capacity"], end
     assert end["local_freed_objects"] == 2 and end["unauthorized_lines"] == 0, end
+
+
+def test_a_result_the_scheduler_process_cannot_take_is_freed_by_the_worker() -> None:
+    # The scheduler process is gone (its listener closed): the worker's result has nowhere to go,
+    # so the worker frees what it published, keys escaped as the arena escapes them (a request id
+    # with '/' and a space).
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.2", "LATE_SCHEDULER_GONE": "1", "LATE_REQUEST_ID": "cmpl/7 x"}
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    out = subprocess.run([sys.executable, "-c", LATE], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    _, published, end = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    # The closed listener refused it (not still accepting, as a listening socket closed while its
+    # thread waits in accept would).
+    assert "could not hand 1 results to the scheduler process" in out.stderr, out.stderr[-3000:]
+    assert published["published_objects"] == 2
+    assert end["resident_objects"] == 0 and end["local_freed_objects"] == 2, end

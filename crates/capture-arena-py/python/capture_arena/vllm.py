@@ -389,12 +389,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _free_rows(self, rows: list[dict[str, Any]]) -> None:
         """Frees what was published for requests whose result cannot reach their client."""
-        keys = [f"{r['store_id']}/{r['sample_id']}/g{r['gen']}/{n}" for r in rows if "error" not in r for n in r["features"]]
-        if keys and self._sink is not None:
-            try:
-                self._sink._free_local(keys)
-            except Exception:
-                log.exception("capture_arena.vllm: freeing %d undeliverable objects failed", len(keys))
+        if self._sink is not None:
+            for r in rows:
+                if "error" not in r:
+                    self._sink._drop_published(r)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         return None, None
@@ -477,4 +475,10 @@ class _Listener:
                 self._open -= 1
 
     def close(self) -> None:
+        """Stops listening: the name is free again and the accepting thread ends (closing alone
+        would leave both while that thread waits in accept)."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
