@@ -140,7 +140,7 @@ pub const DEFAULT_CONTROL_BUFFER_BYTES: u64 = 16 << 20;
 pub const DEFAULT_LINE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The writer polls a device batch's completion event this long after enqueueing its copies,
 /// then sleeps until the driver's host function wakes it: a small batch's copies are done within
-/// it, and on an H200 machine the wake-up alone took a 16 MiB publish from 45 to ~120 µs
+/// it, and on an H200 machine polling took a 16 MiB publish from 102 to 38 µs (medians)
 /// (BENCHMARKS.md, "Device path").
 pub const DEFAULT_DEVICE_SPIN: Duration = Duration::from_micros(200);
 /// The longest [`Config::device_spin`]: the writer serves nothing else while it polls.
