@@ -205,6 +205,7 @@ def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trai
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in cpus[:tp])}
     env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
     before = set(glob.glob("/dev/shm/capture-arena-*"))
+    vllm_shm = set(glob.glob("/dev/shm/vllm_dist_*"))
     args = [
         # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the version of a
         # distribution named "vllm" (this one is "vllm-cpu") and exits before serving.
@@ -259,6 +260,10 @@ def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trai
         except subprocess.TimeoutExpired:
             server.p.kill()
             server.p.wait()
+        # vllm-cpu's tensor-parallel workers leave their shared memory (4 MiB each) behind when
+        # the server is stopped; ours is gone with the worker.
+        for f in set(glob.glob("/dev/shm/vllm_dist_*")) - vllm_shm:
+            os.unlink(f)
 
 
 LATE = r"""
