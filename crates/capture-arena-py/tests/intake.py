@@ -54,11 +54,14 @@ class Intake:
 
             def _answer(self, status: int, body: Mapping[str, Any]) -> None:
                 data = json.dumps(body, separators=(",", ":")).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up waiting
+                    self.close_connection = True
 
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] != CONFIG_PATH:
@@ -206,3 +209,51 @@ class Producer:
         self.store.adopt(ref)
         self.refs.append(ref)
         return "accepted", "ok"
+
+
+class ForwardProxy:
+    """An HTTP forward proxy on 127.0.0.1 (what ``http_proxy`` names): takes requests for
+    absolute URLs, forwards them, and counts them by method and path (``seen``)."""
+
+    def __init__(self) -> None:
+        import http.client
+        import urllib.parse
+
+        self.seen = collections.Counter[str]()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a: Any) -> None:
+                pass
+
+            def _forward(self) -> None:
+                url = urllib.parse.urlsplit(self.path)
+                proxy.seen[f"{self.command} {url.path}"] += 1
+                length = int(self.headers.get("Content-Length") or "0")
+                body = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(url.hostname or "", url.port or 80, timeout=30)
+                try:
+                    conn.request(self.command, url.path, body=body, headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = _forward
+            do_POST = _forward
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="test-proxy", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import socket
 import threading
 import time
@@ -34,9 +35,10 @@ pytest.importorskip("specforge", reason="specforge is not installed (scripts/tes
 
 import capture_arena as ca  # noqa: E402
 from capture_arena.specforge import SpecForgeArenaStore  # noqa: E402
-from intake import Intake, Producer, config_payload, ref_from_record  # noqa: E402
+from intake import ForwardProxy, Intake, Producer, config_payload, ref_from_record  # noqa: E402
 
 K, H = 3, 32  # aux layers, hidden size
+PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY")
 #: What the trainer's schema expects (SpecForge checks the aux width against its contract).
 AUX_WIDTH = K * H
 
@@ -101,6 +103,11 @@ def live(scheduler_module: Any, monkeypatch: pytest.MonkeyPatch, request: pytest
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "16MiB")
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN", "auto")
+    for var in PROXY_VARS:  # the intake is reached directly unless a test routes it
+        monkeypatch.delenv(var, raising=False)
+    proxy = ForwardProxy() if request.node.get_closest_marker("proxy") is not None else None
+    if proxy is not None:
+        monkeypatch.setenv("http_proxy", proxy.url)
     marker = request.node.get_closest_marker("queue")
     if marker is not None:
         monkeypatch.setenv("SPEC_CAPTURE_LIVE_QUEUE", str(marker.args[0]))
@@ -126,9 +133,11 @@ def live(scheduler_module: Any, monkeypatch: pytest.MonkeyPatch, request: pytest
     # The synchronous base patch: the arena is made in the background as the server starts.
     wait_for(lambda: sink.started, "the arena, made in the background")
     wait_for(lambda: sink._live.config is not None, "the intake's config")
-    ns = SimpleNamespace(hook=hook, sink=sink, intake=intake, producer=producer, store=store, store_id=store_id, server=LiveScheduler(hook))
+    ns = SimpleNamespace(hook=hook, sink=sink, intake=intake, producer=producer, store=store, store_id=store_id, server=LiveScheduler(hook), proxy=proxy)
     yield ns
     intake.stop()
+    if proxy is not None:
+        proxy.stop()
     s = sink.stats()
     assert s["free_bytes"] == s["capacity"] and s["resident_objects"] == 0, s
 
@@ -316,6 +325,43 @@ def test_the_scheduler_thread_never_waits_for_the_config(scheduler_module: Any, 
     silent.close()
 
 
+def test_under_tensor_parallelism_every_rank_has_the_config_before_it_takes_a_request(scheduler_module: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every TP rank asks maybe_live_spec for every request, and a rank that captures runs the
+    # request's batch otherwise than one that does not (SGLang replays its CUDA graphs only for
+    # batches without captures): ranks that disagree hang their collectives. So with tp_size > 1
+    # each rank has the config when maybe_init_sink returns (before: a thread of each rank's
+    # fetched it, some ranks sooner than others).
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_ARENA_BYTES", "1MiB")
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    intake = Intake(config_payload("tp"), lambda r: ("accepted", "ok"))
+    hook = scheduler_module("online-live")
+
+    class Scheduler:  # attention-TP rank 1 of 2: it never publishes, but it decides
+        ps = SimpleNamespace(attn_tp_rank=1, gpu_id=1)
+
+        def __init__(self, url: str) -> None:
+            args = SimpleNamespace(enable_spec_capture=True, spec_capture_intake_url=url, tp_size=2)
+            self.sink = hook.maybe_init_sink(args)
+
+    try:
+        Scheduler(intake.url)
+        assert hook.maybe_live_spec("first") is not None, "the first request is captured on every rank"
+        assert hook.get_sink().stats()["live_not_ready"] == 0
+    finally:
+        hook.reset_sink()
+        intake.stop()
+    # An intake that does not answer: the rank does not start serving at all, within the wait.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_INTAKE_WAIT_S", "0.3")
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_INTAKE_WAIT_S") as e:
+        Scheduler(dead)
+    assert "did not give it within 0.3 s" in str(e.value) and hook.get_sink() is None
+
+
 def test_live_counters_reach_sglangs_metrics(live: Any) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
@@ -339,17 +385,154 @@ def test_a_client_sent_live_spec_without_an_intake_is_dropped_and_counted(make_s
     assert sink.intake_url is None and sink.maybe_live_spec("r") is None
 
 
-def test_a_record_sent_and_never_answered_is_left_to_the_trainer(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_records_no_attempt_got_an_answer_for_are_freed_after_the_retry_and_counted(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from capture_arena import _live
 
-    # The intake takes the record and never answers either attempt: it may have accepted it,
-    # and a trainer may read it, so the sink must not free it.
+    # A hung intake: it takes each record and never answers either attempt. The captures must
+    # not stay resident for ever (before: left to the trainer, 8 objects still held 30 s later):
+    # once the retry times out too they are freed and counted, with their cause.
     monkeypatch.setattr(_live, "POST_TIMEOUT_S", 0.5)
     live.producer.gate = threading.Event()
-    req, aux, last = live.server.serve("silent", seed=8)
-    wait_for(lambda: live.sink.stats()["live_unconfirmed"] == 1, "the record left unconfirmed")
-    assert live.sink.stats()["resident_objects"] == 4, "not freed: a trainer may hold it"
+    for i in range(2):
+        live.server.serve(f"hung-{i}", seed=20 + i)
+    wait_for(lambda: live.sink.stats()["live_dropped_unanswered"] == 2, "both records given up and counted")
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "their objects freed")
+    s = live.sink.stats()
+    assert s["live_captured"] == 0 and s["local_freed_objects"] == 8, s
+    assert live.intake.counts["accepted"] == 0
+    # The intake wakes up and hands them to its trainer after all: the trainer's read fails
+    # cleanly (the objects are gone), it never gets other bytes.
     live.producer.gate.set()
-    wait_for(lambda: len(live.producer.refs) == 1, "the intake's trainer side adopting it")
-    trainer_reads_and_releases(live, {"live-silent": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: len(live.producer.refs) == 2, "the intake's trainer side adopting them late")
+    trainer = SpecForgeArenaStore(store_id=live.store_id)
+    for ref in live.producer.refs:
+        with pytest.raises(ca.CaptureArenaError):
+            trainer.get(ref)
+    live.producer.refs.clear()
+
+
+def test_a_duplicate_answer_after_an_attempt_that_never_connected_is_not_a_success(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import http.client
+
+    # The rid was captured, read and freed before; the intake still remembers it.
+    req, aux, last = live.server.serve("again", seed=30)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the first capture")
+    trainer_reads_and_releases(live, {"live-again": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "its frees")
+    # Captured again; the first attempt cannot connect (simulated: the connection is refused),
+    # the retry is answered "duplicate". Nothing of this capture reached the intake: no trainer
+    # will ever get it, so it is freed (before: counted captured and left resident for ever).
+    real_connect = http.client.HTTPConnection.connect
+    failures = [ConnectionRefusedError(111, "Connection refused")]
+
+    def connect(self: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real_connect(self)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "connect", connect)
+    live.server.serve("again", seed=31)
+    wait_for(lambda: live.sink.stats()["live_dropped_duplicate"] == 1, "the duplicate dropped")
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the capture freed")
+    s = live.sink.stats()
+    assert s["live_captured"] == 1 and not failures and live.intake.counts["duplicate"] == 1, s
+
+
+@pytest.mark.proxy
+def test_the_config_and_the_records_take_the_same_route_through_the_environments_proxy(live: Any) -> None:
+    # http_proxy names a proxy and no_proxy does not exempt the intake: the config fetch went
+    # through it (the fixture waited for it), and so must every record (before: records went
+    # direct, so a proxy that is the only way to the intake made live capture post nowhere).
+    req, aux, last = live.server.serve("proxied", seed=40)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the record accepted")
+    seen = live.proxy.seen
+    assert seen["GET /v1/spec-capture/config"] >= 1 and seen["POST /v1/spec-capture/records"] == 1, seen
+    trainer_reads_and_releases(live, {"live-proxied": (aux, last, req.origin_input_ids)})
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
+
+
+def test_a_proxy_that_cannot_reach_the_intake_is_named_in_the_error(
+    scheduler_module: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from capture_arena import _live
+
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as s:  # a port nothing listens on: the proxy is down
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{dead}")
+    intake = Intake(config_payload("px"), lambda r: ("accepted", "ok"))
+    caplog.set_level(logging.WARNING, logger="capture_arena")
+    lc = _live.LiveCapture(intake.url, 1.0, lambda item: {}, lambda row: None)
+    try:
+        wait_for(lambda: "fetching the intake's config" in caplog.text, "the failed fetch logged")
+        assert f"through the proxy 127.0.0.1:{dead} from HTTP_PROXY" in caplog.text, caplog.text
+        assert "add 127.0.0.1 to no_proxy to connect directly" in caplog.text, caplog.text
+        assert lc.config is None
+    finally:
+        lc.close()
+    # With the intake in no_proxy it is reached directly.
+    monkeypatch.setenv("no_proxy", "127.0.0.1")
+    lc = _live.LiveCapture(intake.url, 1.0, lambda item: {}, lambda row: None)
+    try:
+        wait_for(lambda: lc.config is not None, "the config, fetched directly")
+    finally:
+        lc.close()
+        intake.stop()
+
+
+@pytest.mark.queue(1)
+def test_close_stops_the_worker_even_when_a_capture_is_queued_as_it_drains(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from capture_arena import _live
+
+    lc = live.sink._live
+    monkeypatch.setattr(_live, "POST_TIMEOUT_S", 0.5)
+    # The worker is busy posting a first capture the intake holds.
+    live.producer.gate = threading.Event()
+    live.server.serve("busy", seed=50)
+    with live.producer.seen:
+        live.producer.seen.wait_for(lambda: live.producer.received == 1, 30)
+    # The scheduler thread hands a capture over while close() runs: its put lands after close's
+    # drain (forced: the queue's put waits for the drain, for up to a second).
+    drained, entered, landed = threading.Event(), threading.Event(), threading.Event()
+    q = lc._queue
+    real_get, real_put = q.get_nowait, q.put_nowait
+
+    def get_nowait() -> Any:
+        try:
+            return real_get()
+        except queue.Empty:
+            drained.set()
+            raise
+
+    def put_nowait(item: Any) -> None:
+        if item is None:  # the stop signal goes after the capture
+            landed.wait(1.0)
+            return real_put(item)
+        entered.set()
+        drained.wait(1.0)
+        try:
+            real_put(item)
+        finally:
+            landed.set()
+
+    monkeypatch.setattr(q, "get_nowait", get_nowait)
+    monkeypatch.setattr(q, "put_nowait", put_nowait)
+    spec = live.hook.maybe_live_spec("late")
+    hand_over = threading.Thread(target=live.hook.get_sink().put_sample_live, args=(spec,),
+                                 kwargs={"aux": torch.ones((4, K * H), dtype=torch.bfloat16), "last_hidden": torch.ones((4, H), dtype=torch.bfloat16), "tokens": [1, 2, 3, 4]})
+    hand_over.start()
+    assert entered.wait(30)
+    lc.close()
+    hand_over.join(30)
+    live.producer.gate.set()
+    # The worker finishes what it holds, then stops (before: the stop signal did not fit in the
+    # full queue and the worker waited for captures for ever).
+    lc._worker.join(30)
+    assert not lc._worker.is_alive(), "the live worker still runs after close()"
+    s = live.sink.stats()
+    assert s["live_dropped_closed"] + s["live_captured"] + s["live_dropped_unanswered"] >= 1, s
+    live.producer.refs.clear()

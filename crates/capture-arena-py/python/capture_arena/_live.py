@@ -24,12 +24,19 @@ What is added:
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
 - a full queue, a failed publish or a refused record drops that capture alone, and its objects
   are freed at once by the sink itself (no control round trip). Any non-2xx answer (redirects
-  included) is a refusal. A first attempt answered ``duplicate`` means the rid was captured
-  before and that sample was given to a trainer: this one never will be, so it is freed; only a
-  retry's ``duplicate`` (the first attempt's answer was lost) is a success. A record whose
-  fate is unknown (sent, and no answer to any attempt: the intake may have accepted it and a
-  trainer may hold it) is not freed: it is counted (``live_unconfirmed``) and left to the
-  trainer, or to ``SGLANG_SPEC_CAPTURE_OBJECT_TTL_S``;
+  included) is a refusal. A ``duplicate`` answer means the rid was captured before and that
+  sample was given to a trainer: this one never will be, so it is freed. It means success only
+  when an earlier attempt of this record was sent and its answer lost (then the intake has this
+  one); an earlier attempt that never connected proves nothing;
+- a record no attempt got an answer for (each attempt waits ``POST_TIMEOUT_S``, 10 s, so at most
+  about 20 s after it was first sent) is freed too, and counted in
+  ``live_dropped_unanswered``: its fate is unknown, but a hung or flaky intake must not fill
+  the arena for ever. If the intake did take it, the trainer that reads it gets a clean error
+  (every address carries its object's stamp, and a freed object's reads fail);
+- the config and the records take one route to the intake: directly, or through the proxy the
+  environment names for its scheme (``http_proxy``/``https_proxy``, ``HTTP_PROXY``/...; a host in
+  ``no_proxy``/``NO_PROXY`` is reached directly), as ``urllib`` decides. The route is logged when
+  live capture starts, and every network error names it;
 - records carry the arena result (``arena``, each feature's ``address`` and ``stamp``), so a
   trainer reads them through :mod:`capture_arena.specforge` (``SpecForgeArenaStore.adopt_record``);
 - counters (``live_captured`` and ``live_dropped_*`` by cause) are in the sink's ``stats()``, so
@@ -55,7 +62,7 @@ import numpy as np
 
 from .errors import ConfigError
 
-__all__ = ["LiveCapture", "LiveSink", "CONFIG_PATH", "RECORDS_PATH", "sampled", "QUEUE_ENV", "sync_wait_s"]
+__all__ = ["LiveCapture", "LiveSink", "CONFIG_PATH", "RECORDS_PATH", "sampled", "QUEUE_ENV", "INTAKE_WAIT_ENV", "intake_wait_s", "sync_wait_s"]
 
 _log = logging.getLogger("capture_arena")
 
@@ -79,7 +86,6 @@ MAX_TOKENS = 1 << 24
 #: Counters, all present from the start (zero), in the order ``stats()`` lists them.
 COUNTERS = (
     "live_captured",
-    "live_unconfirmed",
     "live_not_ready",
     "live_dropped_queue_full",
     "live_dropped_bad_rows",
@@ -88,6 +94,7 @@ COUNTERS = (
     "live_dropped_rejected",
     "live_dropped_duplicate",
     "live_dropped_intake_down",
+    "live_dropped_unanswered",
     "live_dropped_no_intake",
     "live_dropped_closed",
 )
@@ -125,6 +132,26 @@ def check_sample_rate(rate: Any) -> float:
     if not 0.0 <= r <= 1.0:
         raise ConfigError(f"--spec-capture-sample-rate must be in [0, 1], not {r}")
     return r
+
+
+#: Seconds a server under tensor parallelism waits at start-up for the intake's config.
+INTAKE_WAIT_ENV = "SGLANG_SPEC_CAPTURE_INTAKE_WAIT_S"
+DEFAULT_INTAKE_WAIT_S = 60.0
+
+
+def intake_wait_s() -> float:
+    """``SGLANG_SPEC_CAPTURE_INTAKE_WAIT_S`` (default 60): how long a tensor-parallel server
+    waits at start-up for the intake's config."""
+    raw = os.environ.get(INTAKE_WAIT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_INTAKE_WAIT_S
+    try:
+        v = float(raw)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 3600.0:
+        raise ConfigError(f"invalid configuration {INTAKE_WAIT_ENV}: {raw!r} is not a number of seconds in [0, 3600]")
+    return v
 
 
 def _queue_size() -> int:
@@ -186,9 +213,11 @@ class LiveCapture:
     ``(spec, aux, last_hidden)`` and returns its row (never raises); ``drop(result)`` frees a
     published result's objects at once."""
 
-    def __init__(self, intake_url: Any, sample_rate: Any, publish: Publish, drop: Drop) -> None:
+    def __init__(self, intake_url: Any, sample_rate: Any, publish: Publish, drop: Drop, *, config_wait_s: Optional[float] = None) -> None:
         self.intake_url = check_intake_url(intake_url)
         self.sample_rate = check_sample_rate(sample_rate)
+        self._route = _Route(self.intake_url)
+        _log.info("live capture: the intake %s is reached %s", self.intake_url, self._route.describe())
         self._publish = publish
         self._drop = drop
         self._queue: "queue.Queue[Optional[tuple[Any, Any, Any, Any]]]" = queue.Queue(maxsize=_queue_size())
@@ -197,7 +226,16 @@ class LiveCapture:
         self._config: Optional[_Config] = None
         self._refetch = threading.Event()
         self._closed = threading.Event()
+        self._put_lock = threading.Lock()
         self._last_log = 0.0
+        if config_wait_s is not None:
+            # Under tensor parallelism every rank asks maybe_live_spec for every request, and a
+            # rank that captures runs that request's batch differently (SGLang's CUDA graphs are
+            # replayed only without captures): ranks that disagree hang their collectives. Ranks
+            # agree once each has a config, and keep agreeing (it is never taken away), so the
+            # config is known before the scheduler takes its first request.
+            self._config = self._fetch_at_start(config_wait_s)
+            _log.info("live capture: intake %s, store_id %s, gen %d (fetched at start-up)", self.intake_url, self._config.store_id, self._config.gen)
         self._fetcher = threading.Thread(target=self._fetch_loop, name="capture-arena-live-config", daemon=True)
         self._worker = threading.Thread(target=self._work, name="capture-arena-live", daemon=True)
         self._fetcher.start()
@@ -227,15 +265,16 @@ class LiveCapture:
 
     def put_sample_live(self, spec: Any, aux: Any = None, last_hidden: Any = None, tokens: Any = None) -> None:
         """Queues a finished request's capture for the worker; a full queue drops it."""
-        if self._closed.is_set():
-            self._count("live_dropped_closed")
-            return
-        try:
-            self._queue.put_nowait((spec, aux, last_hidden, tokens))
-        except queue.Full:
-            self._count("live_dropped_queue_full")
-        except Exception:
-            self._count("live_dropped_bad_rows")
+        with self._put_lock:  # never a put after close() has drained the queue
+            if self._closed.is_set():
+                self._count("live_dropped_closed")
+                return
+            try:
+                self._queue.put_nowait((spec, aux, last_hidden, tokens))
+            except queue.Full:
+                self._count("live_dropped_queue_full")
+            except Exception:
+                self._count("live_dropped_bad_rows")
 
     # -- counters ------------------------------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -262,27 +301,57 @@ class LiveCapture:
 
     # -- the config thread ---------------------------------------------------------------------
     def _fetch_loop(self) -> None:
+        if self._config is not None:  # fetched at start-up
+            self._await_refetch()
         while not self._closed.is_set():
             try:
-                cfg = _Config(self._get_json(self.intake_url + CONFIG_PATH))
+                cfg = _Config(self._get_json(CONFIG_PATH))
             except Exception as e:
-                _log.warning("live capture: fetching the intake's config from %s failed (retrying in %.0f s): %s", self.intake_url, CONFIG_RETRY_S, e)
+                _log.warning(
+                    "live capture: fetching the intake's config from %s %s failed (retrying in %.0f s): %s",
+                    self.intake_url, self._route.describe(), CONFIG_RETRY_S, e,
+                )
                 self._closed.wait(CONFIG_RETRY_S)
                 continue
             old = self._config
             self._config = cfg
             if old is None or old.store_id != cfg.store_id or old.gen != cfg.gen:
                 _log.info("live capture: intake %s, store_id %s, gen %d, features %s", self.intake_url, cfg.store_id, cfg.gen, cfg.features)
-            # Fetched again only when records are rejected (a producer restarted with a new
-            # store_id), at most every CONFIG_RETRY_S.
-            self._refetch.wait()
-            self._refetch.clear()
-            self._closed.wait(CONFIG_RETRY_S)
+            self._await_refetch()
 
-    @staticmethod
-    def _get_json(url: str) -> Any:
-        with urllib.request.urlopen(url, timeout=CONFIG_TIMEOUT_S) as resp:
-            body = resp.read(MAX_RECORD_BYTES + 1)
+    def _await_refetch(self) -> None:
+        """Until records are rejected (a producer restarted with a new store_id), then at
+        least CONFIG_RETRY_S more. Once known, the config is replaced, never taken away."""
+        self._refetch.wait()
+        self._refetch.clear()
+        self._closed.wait(CONFIG_RETRY_S)
+
+    def _fetch_at_start(self, wait_s: float) -> _Config:
+        """The config, fetched on the caller's thread (every second until ``wait_s`` passed), or
+        ConfigError."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return _Config(self._get_json(CONFIG_PATH, max(0.1, min(CONFIG_TIMEOUT_S, left))))
+            except Exception as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConfigError(
+                        f"live capture under tensor parallelism needs the intake's config before the server takes requests "
+                        f"(every rank must decide alike which requests are captured), and {self.intake_url} "
+                        f"{self._route.describe()} did not give it within {wait_s:g} s: {e}. Start the trainer's intake "
+                        f"first, or wait longer with {INTAKE_WAIT_ENV}"
+                    ) from None
+                time.sleep(min(1.0, left))
+
+    def _get_json(self, path: str, timeout: float = CONFIG_TIMEOUT_S) -> Any:
+        try:
+            status, body = self._route.request("GET", path, None, timeout, MAX_RECORD_BYTES + 1)
+        except _NotSent as e:
+            raise OSError(f"{e}: {e.__cause__}") from None
+        if status != 200:
+            raise ValueError(f"HTTP {status}: {body[:256].decode('utf-8', 'replace')}")
         if len(body) > MAX_RECORD_BYTES:
             raise ValueError(f"the config is over {MAX_RECORD_BYTES} bytes")
         return json.loads(body)
@@ -332,18 +401,17 @@ class LiveCapture:
         if outcome == "accepted":
             self._count("live_captured")
             return
-        if outcome == "unknown":
-            # The intake may have taken it, and a trainer may read it: not ours to free.
-            self._count("live_unconfirmed")
-            _log.warning(
-                "live capture: no answer from the intake for %s after it was sent: left to the trainer "
-                "(or to SGLANG_SPEC_CAPTURE_OBJECT_TTL_S)",
-                spec.get("sample_id"),
-            )
-            return
-        # Never given to a trainer: free it now.
+        # Never given to a trainer, or its fate unknown after every attempt went unanswered (a
+        # trainer holding it gets a clean error): freed now, never left to fill the arena.
         self._drop(row)
-        self._count({"shed": "live_dropped_shed", "duplicate": "live_dropped_duplicate", "down": "live_dropped_intake_down"}.get(outcome, "live_dropped_rejected"))
+        self._count(
+            {
+                "shed": "live_dropped_shed",
+                "duplicate": "live_dropped_duplicate",
+                "down": "live_dropped_intake_down",
+                "unknown": "live_dropped_unanswered",
+            }.get(outcome, "live_dropped_rejected")
+        )
 
     @staticmethod
     def _tokens(tokens: Any) -> Optional[np.ndarray[Any, Any]]:
@@ -373,13 +441,14 @@ class LiveCapture:
         last, sent = "", False
         for attempt in range(POST_ATTEMPTS):
             try:
-                status, answer = self._post_once(body)
+                status, answer = self._route.request("POST", RECORDS_PATH, body, POST_TIMEOUT_S, MAX_ANSWER_BYTES)
             except _NotSent as e:
-                last = str(e.__cause__ or e)
+                last = f"{e}: {e.__cause__}"
                 continue
             except Exception as e:  # sent, no answer: try again once (the intake dedups ids)
-                last, sent = str(e), True
+                last, sent = str(e) or type(e).__name__, True
                 continue
+            sent_before, sent = sent, True
             if status == 429:
                 return "shed"
             if not 200 <= status < 300:
@@ -387,57 +456,112 @@ class LiveCapture:
                 if status in (404, 422):
                     self._refetch.set()  # a trainer restarted with a new store_id?
                 return "rejected"
-            if _status_of(answer) == "duplicate" and attempt == 0:
+            if _status_of(answer) == "duplicate" and not sent_before:
+                # No earlier attempt reached the intake: the id it has is an earlier capture's.
                 _log.warning(
                     "live capture: %s was already accepted by the intake (a repeated request id): this capture is freed",
                     record.get("sample_id"),
                 )
                 return "duplicate"
             return "accepted"
-        _log.warning("live capture: the intake %s did not answer for %s: %s", self.intake_url, record.get("sample_id"), last)
+        _log.warning("live capture: the intake %s %s did not answer for %s: %s", self.intake_url, self._route.describe(), record.get("sample_id"), last)
         return "unknown" if sent else "down"
 
-    def _post_once(self, body: bytes) -> tuple[int, bytes]:
-        """One POST of a record: its status and answer (read within POST_TIMEOUT_S); _NotSent
-        when nothing connected, another exception when it was sent and no answer came."""
-        parts = urllib.parse.urlsplit(self.intake_url)
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = cls(parts.hostname or "", parts.port, timeout=POST_TIMEOUT_S)
+    def close(self) -> None:
+        """Stops the threads (captures still queued are dropped and counted); the worker ends
+        once the capture it holds, if any, is done. Never waits for it."""
+        with self._put_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+            self._refetch.set()
+            dropped = 0
+            while True:
+                try:
+                    if self._queue.get_nowait() is not None:
+                        dropped += 1
+                except queue.Empty:
+                    break
+            if dropped:
+                self._count("live_dropped_closed", dropped)
+            # Empty, and nothing is put once closed is set (under the same lock): the stop
+            # signal always fits.
+            self._queue.put_nowait(None)
+
+
+class _NotSent(Exception):
+    """A request that cannot have reached the intake (nothing connected); ``__cause__`` says why."""
+
+
+class _Route:
+    """The one way to the intake that the config fetch and every record post take: directly, or
+    through the proxy the environment names for the intake's scheme (``urllib``'s rule:
+    ``{scheme}_proxy`` or its upper-case name, skipped for hosts in ``no_proxy``/``NO_PROXY``)."""
+
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self.https = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if self.https else 80)
+        self.path = parts.path
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self.proxy: Optional[urllib.parse.SplitResult] = None
+        self.proxy_var = ""
+        proxies = urllib.request.getproxies_environment()
+        proxy = proxies.get(parts.scheme)
+        bypass = getattr(urllib.request, "proxy_bypass_environment")  # not in typeshed
+        if proxy and not bypass(f"{self.host}:{self.port}", proxies):
+            p = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
+            if p.hostname:
+                self.proxy = p
+                names = (f"{parts.scheme}_proxy", f"{parts.scheme.upper()}_PROXY", "all_proxy", "ALL_PROXY")
+                self.proxy_var = next((n for n in names if os.environ.get(n, "").strip() == proxy), names[0])
+
+    def describe(self) -> str:
+        """Says how the intake is reached, and how to change it."""
+        if self.proxy is None:
+            return "(directly: no proxy variable applies to it)"
+        return (
+            f"(through the proxy {self.proxy.hostname}:{self.proxy.port or 80} from {self.proxy_var}; "
+            f"add {self.host} to no_proxy to connect directly)"
+        )
+
+    def request(self, method: str, path: str, body: Optional[bytes], timeout: float, limit: int) -> tuple[int, bytes]:
+        """One request: its status and at most ``limit`` bytes of its answer, read within
+        ``timeout``. Raises _NotSent when nothing connected, another exception when it was sent
+        and no whole answer came."""
+        target = self.path + path
+        if self.proxy is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            conn = cls(self.host, self.port, timeout=timeout)
+        elif self.https:  # a tunnel through the proxy (CONNECT)
+            conn = http.client.HTTPSConnection(self.proxy.hostname or "", self.proxy.port or 80, timeout=timeout)
+            conn.set_tunnel(self.host, self.port, headers=self._proxy_auth())
+        else:  # the proxy takes the whole URL
+            conn = http.client.HTTPConnection(self.proxy.hostname or "", self.proxy.port or 80, timeout=timeout)
+            target = self.origin + target
         try:
             try:
                 conn.connect()
             except OSError as e:
-                raise _NotSent(f"connecting to {self.intake_url}") from e
-            deadline = time.monotonic() + POST_TIMEOUT_S
-            conn.request("POST", (parts.path or "") + RECORDS_PATH, body=body, headers={"Content-Type": "application/json"})
+                raise _NotSent(f"connecting to {self.origin} {self.describe()}") from e
+            deadline = time.monotonic() + timeout
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            if self.proxy is not None and not self.https:
+                headers.update(self._proxy_auth())
+            conn.request(method, target, body=body, headers=headers)
             resp = conn.getresponse()
-            return resp.status, _read_within(resp, MAX_ANSWER_BYTES, deadline)
+            return resp.status, _read_within(resp, limit, deadline)
         finally:
             conn.close()
 
-    def close(self) -> None:
-        """Stops the threads (captures still queued are dropped and counted)."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._refetch.set()
-        dropped = 0
-        while True:
-            try:
-                if self._queue.get_nowait() is not None:
-                    dropped += 1
-            except queue.Empty:
-                break
-        if dropped:
-            self._count("live_dropped_queue_full", dropped)
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass
+    def _proxy_auth(self) -> dict[str, str]:
+        if self.proxy is None or self.proxy.username is None:
+            return {}
+        import base64
 
-
-class _NotSent(Exception):
-    """A post that cannot have reached the intake (it did not connect)."""
+        cred = f"{urllib.parse.unquote(self.proxy.username)}:{urllib.parse.unquote(self.proxy.password or '')}"
+        return {"Proxy-Authorization": "Basic " + base64.b64encode(cred.encode()).decode()}
 
 
 def _read_within(resp: Any, limit: int, deadline: float) -> bytes:
@@ -502,11 +626,13 @@ class LiveSink:
         live = self._live
         return 1.0 if live is None else live.sample_rate
 
-    def start_live(self, intake_url: Any, sample_rate: Any = 1.0) -> None:
+    def start_live(self, intake_url: Any, sample_rate: Any = 1.0, *, config_wait_s: Optional[float] = None) -> None:
         """Turns live capture on (once): the config fetch and the worker start now, in threads
-        of their own. ConfigError for a bad URL, rate or ``SPEC_CAPTURE_LIVE_QUEUE``."""
+        of their own; with ``config_wait_s`` the config is fetched here first, waiting up to that
+        long (what a tensor-parallel server needs: see :class:`LiveCapture`). ConfigError for a
+        bad URL, rate or ``SPEC_CAPTURE_LIVE_QUEUE``, or no config within ``config_wait_s``."""
         if self._live is None:
-            self._live = LiveCapture(intake_url, sample_rate, self._publish_live, self._drop_published)
+            self._live = LiveCapture(intake_url, sample_rate, self._publish_live, self._drop_published, config_wait_s=config_wait_s)
 
     def maybe_live_spec(self, rid: Any) -> Optional[dict[str, Any]]:
         """A live spec for request ``rid`` if it is sampled (never raises; None when live

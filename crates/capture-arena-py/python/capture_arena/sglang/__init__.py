@@ -50,6 +50,7 @@ from typing import Any, Optional
 from .. import _patches, metrics
 from .._capture_arena import placement
 from .._sink import ArenaSink, new_sink
+from .._live import intake_wait_s
 from .._store import StoreSink, check_store_gpu_put, store_gpu_put
 from ..errors import ConfigError
 
@@ -224,7 +225,11 @@ def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
         sink.sync_bound = sink.sync_wait_s
         if intake:
             try:
-                sink.start_live(intake, 1.0 if rate is None else rate)
+                # Under tensor parallelism every rank must decide alike from the first request:
+                # the intake's config is fetched before the scheduler serves (bounded).
+                tp = getattr(server_args, "tp_size", 1)
+                wait = intake_wait_s() if not isinstance(tp, int) or tp > 1 else None
+                sink.start_live(intake, 1.0 if rate is None else rate, config_wait_s=wait)
             except Exception:
                 sink.close()
                 raise
