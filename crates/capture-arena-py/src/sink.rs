@@ -736,6 +736,35 @@ impl PySink {
         merge_rows(py, &outcome_results(&ids, outcome.py_err()?), refused)
     }
 
+    /// Publishes each item as a batch of its own and waits for every row (GIL released): the
+    /// whole call waits for space at most `within_s`; an item whose turn comes after that is
+    /// published if it fits at once and gets its error row at once otherwise. One row per item,
+    /// in order; the writer is never started here.
+    fn _put_each<'py>(
+        &self,
+        py: Python<'py>,
+        samples: &Bound<'py, PyAny>,
+        within_s: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let sink = self.sink(py)?;
+        let Built { samples, refused } = self.samples(&sink, samples)?;
+        if samples.is_empty() {
+            return merge_rows(py, &[], refused);
+        }
+        let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
+        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
+        let results: Vec<SampleResult> =
+            match crate::exit::detach(py, || Ok(sink.put_each_within(samples, within))).py_err()? {
+                Ok(outcomes) => ids
+                    .iter()
+                    .zip(outcomes)
+                    .flat_map(|(id, o)| outcome_results(std::slice::from_ref(id), o))
+                    .collect(),
+                Err(e) => batch_results(&ids, Err(&e)),
+            };
+        merge_rows(py, &results, refused)
+    }
+
     /// Frees `keys` from this process (a capture it drops), without a control connection;
     /// nothing before the writer has started.
     fn _free_local(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<()> {

@@ -195,6 +195,30 @@ impl Sink {
         }
     }
 
+    /// Publishes each sample as a batch of its own, the whole call waiting for space at most
+    /// `within` ([`Writer::submit_each_within`]); never starts the writer (as
+    /// [`Sink::put_within`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::Timeout`] when the writer has not started, else as
+    /// [`Writer::submit_each_within`].
+    pub fn put_each_within(
+        &self,
+        samples: Vec<Sample>,
+        within: std::time::Duration,
+    ) -> Result<Vec<crate::writer::Outcome>> {
+        match self.started() {
+            Some(w) => w.submit_each_within(samples, within),
+            None => Err(crate::Error::Timeout {
+                what: "publishing a batch".into(),
+                waited: std::time::Duration::ZERO,
+                reason: "the arena is still being created (it is made off the caller's thread; \
+                         about half a second per GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES)"
+                    .into(),
+            }),
+        }
+    }
+
     /// Frees `keys` from this process ([`Writer::free_local`]); nothing before the writer
     /// has started.
     pub fn free_local(&self, keys: impl IntoIterator<Item = String>) {

@@ -109,3 +109,38 @@ fn the_producer_frees_what_it_drops_itself_and_counts_it() {
     );
     verify(&b);
 }
+
+#[test]
+fn samples_published_each_alone_wait_for_space_at_most_one_bound_in_all_and_fail_alone() {
+    // vLLM's step: many requests, each a batch of its own, under one bound. The arena has
+    // ~300 KiB left: none of the 40 large samples fits, the small one after them does.
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(30))).unwrap();
+    let first = publish_one(&w, "first", &[700 << 10]);
+    let mut samples: Vec<_> = (0..40)
+        .map(|i| sample(&format!("big{i}"), &[400 << 10]))
+        .collect();
+    samples.push(sample("small", &[1 << 10]));
+    let t0 = Instant::now();
+    let out = w.submit_each_within(samples, BOUND).unwrap();
+    let took = t0.elapsed();
+    // One bound for the whole call, not one per sample (40 x 300 ms).
+    assert!(
+        took >= BOUND && took < BOUND + Duration::from_millis(250),
+        "took {took:?} for a bound of {BOUND:?}"
+    );
+    assert_eq!(out.len(), 41);
+    for o in &out[..40] {
+        assert!(matches!(o, Err(Error::ArenaFull { .. })), "{o:?}");
+    }
+    // The small one is published: it fails or succeeds alone.
+    let small = out[40].as_ref().unwrap();
+    verify(&small[0]);
+    free(&w.arena_ref().control, &keys(&[first, small[0].clone()]));
+    wait_freed(&w, 2);
+    let (s, _) = w.wait_for(Duration::from_secs(5), |s| s.failed_batches == 40);
+    assert_eq!(
+        (s.published_batches, s.failed_batches, s.resident_objects),
+        (2, 40, 0),
+        "{s:?}"
+    );
+}

@@ -257,8 +257,9 @@ class ArenaSink(LiveSink, _ArenaSink):
             _log_failures_of(rows)
         return rows
 
-    def _put_within(self, items: list[Any], bound: float) -> list[Result]:
-        """A bounded synchronous publish (see :meth:`put_samples`)."""
+    def _put_within(self, items: list[Any], bound: float, each: bool = False) -> list[Result]:
+        """A bounded synchronous publish (see :meth:`put_samples`; ``each``:
+        :meth:`put_each`)."""
         deadline = time.monotonic() + max(0.0, bound)
         try:
             if not self.started and not self._wait_started(items, deadline):
@@ -274,9 +275,29 @@ class ArenaSink(LiveSink, _ArenaSink):
                     f"GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES), and a synchronous caller waits at most {bound:g} s "
                     "(SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); later captures go in once it exists",
                 )
-            return self._put(items, max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            return self._put_each(items, left) if each else self._put(items, left)
         except Exception as e:
             return _rows_for(items, str(e))
+
+    def put_each(self, samples: Sequence[Sample], *, within_s: float) -> list[Result]:
+        """Publishes each sample as a batch of its own (whole, or failing alone), all handed to
+        the writer at once, and waits for every row (one per sample, in order; never raises for
+        a sample or the machine). The whole call waits at most ``within_s`` for space (and for
+        the arena, which is never created here): the samples wait for frees in order until that
+        one deadline, and a sample whose turn comes after it is published if it fits at once and
+        gets its error row at once otherwise. So the call takes ``within_s`` plus the copies of
+        what it publishes, however many samples it has (what vLLM's connector gives an engine
+        step). Batches other threads queued before it are waited for."""
+        items = _convert(samples)
+        rows: list[Result]
+        if all(isinstance(it, dict) for it in items):
+            rows = items
+        else:
+            rows = self._put_within(items, float(within_s), each=True)
+        if any("error" in r for r in rows):
+            _log_failures_of(rows)
+        return rows
 
     def _wait_started(self, items: list[Any], deadline: float) -> bool:
         """Has the starter thread create the arena and waits until it exists, or until

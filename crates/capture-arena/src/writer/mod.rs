@@ -255,6 +255,40 @@ impl Writer {
         })
     }
 
+    /// Publishes each sample as a batch of its own (it is published whole or fails alone),
+    /// handed to the writer at once, for a caller whose whole call waits for space at most
+    /// `within`: the samples wait for frees, in order, until that one deadline; a sample whose
+    /// turn comes after it is placed if it fits at once and fails at once otherwise, so the
+    /// call takes `within` plus its own copies, however many samples it has. Unlike
+    /// [`Writer::submit_within`] there is no ticket: a sample is never given up for batches
+    /// queued ahead of it by other callers, whose placing and copies it waits for (the callers
+    /// this is for, the vLLM connector's step, are a writer's only submitter).
+    ///
+    /// # Errors
+    /// Only when nothing could be queued ([`Error::Timeout`] for a writer still holding other
+    /// callers' batches at the deadline, [`Error::WriterStopped`]); otherwise one outcome per
+    /// sample, in order.
+    pub fn submit_each_within(
+        &self,
+        samples: Vec<Sample>,
+        within: Duration,
+    ) -> Result<Vec<Outcome>> {
+        let deadline = Instant::now()
+            .checked_add(within)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
+        let mut handles = Vec::with_capacity(samples.len());
+        let mut batches = Vec::with_capacity(samples.len());
+        for s in samples {
+            let one = vec![s];
+            let (handle, done) = BatchHandle::new(&one);
+            handles.push(handle);
+            batches.push((one, done));
+        }
+        self.submitter
+            .send_each(batches, deadline, || self.stopped())?;
+        Ok(handles.into_iter().map(BatchHandle::wait).collect())
+    }
+
     /// Frees `keys` from this process, without a control connection (a capture the producer
     /// itself drops): applied at the writer's next turn, counted in `freed_objects` and
     /// `local_freed_objects`. Keys not resident are counted in `unknown_frees`.

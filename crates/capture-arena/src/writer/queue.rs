@@ -351,68 +351,127 @@ impl Submitter {
         ticket: Option<Arc<Ticket>>,
         stopped: impl Fn() -> bool,
     ) -> Result<()> {
-        let t0 = Instant::now();
-        let tx = self
-            .tx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or(Error::WriterStopped)?;
-        {
-            let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
-            while *held >= self.max_pending {
-                if stopped() {
-                    return Err(Error::WriterStopped);
-                }
-                // Re-check the writer now and then: a stopped writer makes no room.
-                let mut wait = Duration::from_millis(100);
-                match block {
-                    Block::No => {
-                        return Err(Error::QueueFull {
-                            capacity: self.max_pending,
-                        })
-                    }
-                    Block::Yes => {}
-                    Block::Until(deadline) => {
-                        let now = Instant::now();
-                        if now >= deadline {
-                            return Err(Error::Timeout {
-                                what: "queueing a batch".into(),
-                                waited: now - t0,
-                                reason: format!(
-                                    "the writer still held {} earlier batches \
-                                     (SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES)",
-                                    self.max_pending
-                                ),
-                            });
-                        }
-                        wait = wait.min(deadline - now);
-                    }
-                }
-                held = self
-                    .shared
-                    .room
-                    .wait_timeout(held, wait)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0;
-            }
-            *held += 1;
-        }
+        let tx = self.sender()?;
+        let permit = self.permit(block, &stopped)?;
         let deadline = match block {
             Block::Until(d) => Some(d),
             _ => None,
         };
+        self.push(&tx, samples, done, deadline, ticket, Some(permit))
+            .map_err(|_refused| Error::WriterStopped)
+    }
+
+    /// Queues several batches that count as one against `max_pending_batches` (waiting for
+    /// room until `deadline`), in order, each with `deadline` as its bound on waiting for space
+    /// and no ticket: the placer gives each its turn whenever it comes, so a batch whose turn
+    /// comes after the deadline is placed if it fits at once and fails at once otherwise. If
+    /// nothing could be queued every `done` is dropped without being called; once the first is
+    /// queued, every later one is too, or (the writer stopped meanwhile) its `done` is called
+    /// with [`Error::WriterStopped`].
+    ///
+    /// # Errors
+    /// As [`Submitter::send`] with [`Block::Until`].
+    pub fn send_each(
+        &self,
+        batches: Vec<(Vec<Sample>, Done)>,
+        deadline: Instant,
+        stopped: impl Fn() -> bool,
+    ) -> Result<()> {
+        if batches.is_empty() {
+            return Ok(());
+        }
+        let tx = self.sender()?;
+        let mut permit = Some(self.permit(Block::Until(deadline), &stopped)?);
+        let n = batches.len();
+        for (i, (samples, done)) in batches.into_iter().enumerate() {
+            // The last holds the group's permit: the group leaves the count when it completes.
+            let p = if i + 1 == n { permit.take() } else { None };
+            if let Err(done) = self.push(&tx, samples, done, Some(deadline), None, p) {
+                if i == 0 {
+                    return Err(Error::WriterStopped);
+                }
+                done(Err(Error::WriterStopped));
+            }
+        }
+        Ok(())
+    }
+
+    fn sender(&self) -> Result<Sender<Job>> {
+        self.tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or(Error::WriterStopped)
+    }
+
+    /// One place among the `max_pending` held batches, waiting as `block` says.
+    fn permit(&self, block: Block, stopped: &impl Fn() -> bool) -> Result<Permit> {
+        let t0 = Instant::now();
+        let mut held = self.shared.held.lock().unwrap_or_else(|p| p.into_inner());
+        while *held >= self.max_pending {
+            if stopped() {
+                return Err(Error::WriterStopped);
+            }
+            // Re-check the writer now and then: a stopped writer makes no room.
+            let mut wait = Duration::from_millis(100);
+            match block {
+                Block::No => {
+                    return Err(Error::QueueFull {
+                        capacity: self.max_pending,
+                    })
+                }
+                Block::Yes => {}
+                Block::Until(deadline) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(Error::Timeout {
+                            what: "queueing a batch".into(),
+                            waited: now - t0,
+                            reason: format!(
+                                "the writer still held {} earlier batches \
+                                 (SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES)",
+                                self.max_pending
+                            ),
+                        });
+                    }
+                    wait = wait.min(deadline - now);
+                }
+            }
+            held = self
+                .shared
+                .room
+                .wait_timeout(held, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *held += 1;
+        Ok(Permit(self.shared.clone()))
+    }
+
+    /// Hands a job to the writer (waking it if it sleeps). On refusal (the writer stopped)
+    /// `done` comes back, not called.
+    fn push(
+        &self,
+        tx: &Sender<Job>,
+        samples: Vec<Sample>,
+        done: Done,
+        deadline: Option<Instant>,
+        ticket: Option<Arc<Ticket>>,
+        permit: Option<Permit>,
+    ) -> std::result::Result<(), Done> {
         let job = Job {
             samples,
             deadline,
             ticket,
             done: Some(done),
-            permit: Some(Permit(self.shared.clone())),
+            permit,
         };
         if let Err(mpsc::SendError(mut job)) = tx.send(job) {
-            // Refused after all: not accepted, so its completion must not run.
-            drop(job.done.take());
-            return Err(Error::WriterStopped);
+            // Refused after all: not accepted, so its completion must not run here.
+            return match job.done.take() {
+                Some(done) => Err(done),
+                None => Ok(()),
+            };
         }
         self.shared.sent.fetch_add(1, Ordering::SeqCst);
         if self.shared.sleeping.load(Ordering::SeqCst) {
