@@ -162,7 +162,8 @@ def test_every_row_reaches_the_trainer_exactly_and_a_full_arena_costs_only_its_r
     huge_tokens = ARENA // TOKEN_BYTES + 1
     assert big_tokens < 512 and huge_tokens < 512, "both fit vLLM's max_model_len"
     full, too_long, small = engine.ask([prompt(big_tokens, 7), prompt(huge_tokens, 8), prompt(2, 9)])
-    assert "error" in full["capture_arena"] and "handle" not in full, full
+    assert "error" in full["capture_arena"], full
+    assert full["handle"] == f"capture-arena-error:{full['capture_arena']['sample_id']}", full  # names no object
     assert "full" in full["capture_arena"]["error"], full
     assert "error" in too_long["capture_arena"], too_long
     assert "arena" in too_long["capture_arena"]["error"], too_long
@@ -216,7 +217,7 @@ def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trai
                                             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}}),
         "--kv-transfer-config", json.dumps({"kv_connector": "CaptureArenaConnector", "kv_role": "kv_producer",
                                             "kv_connector_module_path": "capture_arena.vllm",
-                                            "kv_connector_extra_config": {"arena_bytes": "8MiB"}}),
+                                            "kv_connector_extra_config": {"arena_bytes": "256KiB"}}),
     ]
     server = Proc(args, env)
     try:
@@ -243,13 +244,22 @@ def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trai
         assert got.get("ok"), got
         assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
         # speculators 0.9.0's ArrowDataset, as its trainer reads: its client asks the server (with
-        # return_token_ids), takes the handle, get_generated, check_hidden_states, delete.
-        prompts = [prompt(n, 30 + n) for n in (3, 64, 129)]
-        got = trainer.ask({"speculators": f"http://127.0.0.1:{port}/v1", "prompts": prompts, "dir": str(tmp_path / "ds")}, timeout=300)
-        assert got == {"ok": True, "read": len(prompts)}, got
+        # return_token_ids), takes the handle, get_generated, check_hidden_states, delete. The
+        # first read fails (simulated: a read deadline): speculators deletes the handle and asks
+        # again, and that delete must free the first capture (before: resident for ever). The
+        # last prompt is longer than the arena (400 tokens, 310 KB): its error result must reach
+        # the backend, whose reason speculators reports (before: its client refused a result
+        # without a handle, and the reason was lost).
+        prompts = [prompt(n, 30 + n) for n in (3, 64, 129, 400)]
+        got = trainer.ask(
+            {"speculators": f"http://127.0.0.1:{port}/v1", "prompts": prompts, "dir": str(tmp_path / "ds"), "fail_reads": 1}, timeout=300
+        )
+        assert got["ok"] and got["read"] == 3 and got["failed_reads"] == 1, got
+        (why,) = got["unavailable"]
+        assert "CaptureArenaError: vLLM did not publish request" in why and "arena" in why, why
         assert trainer.ask({"flush": True}) == {"ok": True}
         s = resident(kv)
-        assert s["resident_objects"] == 0 and s["published_samples"] == 1 + len(prompts), s
+        assert s["resident_objects"] == 0 and s["published_samples"] == 1 + 3 + 1, s
         # Only tensor-parallel rank 0 publishes: one arena was made, the one every result names.
         made = {os.path.basename(f) for f in set(glob.glob("/dev/shm/capture-arena-*")) - before}
         assert len(made) == 1 and next(iter(made)) in kv["capture_arena"]["arena"]["session"], (made, kv)
@@ -318,7 +328,7 @@ def test_a_result_after_its_request_was_answered_is_freed_under_an_auto_control_
     out = subprocess.run([sys.executable, "-c", LATE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     params, published, end = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
-    assert "no result within 0.2 s" in params["capture_arena"]["error"] and "handle" not in params
+    assert "no result within 0.2 s" in params["capture_arena"]["error"] and params["handle"].startswith("capture-arena-error:")
     assert published["published_objects"] == 2 and published["resident_objects"] == 2  # hidden_states, token_ids
     assert end["resident_objects"] == 0 and end["free_bytes"] == end["capacity"], end
     assert end["local_freed_objects"] == 2 and end["unauthorized_lines"] == 0, end
@@ -339,3 +349,209 @@ def test_a_result_the_scheduler_process_cannot_take_is_freed_by_the_worker() -> 
     assert "could not hand 1 results to the scheduler process" in out.stderr, out.stderr[-3000:]
     assert published["published_objects"] == 2
     assert end["resident_objects"] == 0 and end["local_freed_objects"] == 2, end
+
+
+# -- the connector's halves under faults (vllm_halves.py) ---------------------------------------
+
+#: The halves' step bound (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S) and a token's bytes in their arena.
+HALF_BOUND = 0.5
+HALF_TOKEN = 2 * 64 * 2 + 8
+
+
+def halves(role: str, engine_id: str, arena: int = 64 << 10, **env: str) -> Proc:
+    e = {**os.environ, "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": str(HALF_BOUND), **env}
+    e.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    e.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    p = Proc([sys.executable, str(HERE / "vllm_halves.py"), role, engine_id, str(arena)], e)
+    assert p.answer(120) == {"ready": True}
+    return p
+
+
+def release_all(params: list[dict[str, Any]]) -> None:
+    """A trainer frees these results (and waits until the producer applied the frees)."""
+    import capture_arena as ca
+
+    reader = ca.ArenaFeatureStore()
+    for kv in params:
+        reader.release(kv["capture_arena"])
+    reader.flush(10)
+
+
+def wait_resident(p: Proc, n: int, timeout: float = 20.0) -> dict[str, Any]:
+    """Waits until the worker's arena holds `n` objects; its stats."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        s = p.ask({"stats": True})
+        if s["resident_objects"] == n or time.monotonic() > deadline:
+            return dict(s)
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def both() -> Iterator[Proc]:
+    """Both halves in one process (a vLLM import costs each start ~10 s), shared by the tests
+    that leave its arena empty."""
+    p = halves("both", f"both-{os.getpid()}")
+    yield p
+    p.close()
+
+
+def test_a_step_waits_for_space_at_most_its_bound_however_many_requests_finish_in_it(both: Proc) -> None:
+    p = both
+    # A request held by its trainer fills the arena (64 KiB) but for ~11 KiB.
+    p.ask({"save": p.ask({"announce": [["held", 200]]})["meta"]})
+    held = p.ask({"finish": "held"})["params"]
+    assert "error" not in held["capture_arena"], held
+    # 40 requests of 26 KB finish in one step (none fits), and one of 2 KB (it fits). The
+    # step waits for frees at most its bound in all (before: the bound for the first, then
+    # 50 ms more for each of the others: 2.45 s here, ~14 s for 256 requests).
+    step = [[f"big{i}", 100] for i in range(40)] + [["small", 8]]
+    took = p.ask({"save": p.ask({"announce": step})["meta"]})["s"]
+    assert took <= HALF_BOUND + 0.25, f"the step took {took:.2f} s, its bound is {HALF_BOUND} s"
+    results = {rid: p.ask({"finish": rid})["params"] for rid, _ in step}
+    for i in range(40):
+        r = results[f"big{i}"]
+        assert "full" in r["capture_arena"]["error"], r
+        assert r["handle"] == f"capture-arena-error:big{i}", r  # names no object
+    assert "error" not in results["small"]["capture_arena"], results["small"]  # fails alone: not with the others
+    release_all([held, results["small"]])
+    s = wait_resident(p, 0)
+    assert s["resident_objects"] == 0 and s["free_bytes"] == s["capacity"], s
+
+
+def test_a_result_arriving_in_the_gap_as_its_request_gives_up_is_freed(both: Proc) -> None:
+    # request_finished's timed wait runs out; in the moment it lets go of its lock, the result
+    # arrives (forced: the connector's condition is instrumented to have the worker send it and
+    # the listener read it right then). Before: stored where nothing took it, never freed.
+    p = both
+    before = p.ask({"stats": True})
+    meta = p.ask({"announce": [["gap", 8]]})["meta"]
+    got = p.ask({"finish": "gap", "gap": meta})
+    assert "no result within" in got["params"]["capture_arena"]["error"], got
+    s = wait_resident(p, 0)
+    assert s["published_objects"] - before["published_objects"] == 2 and s["resident_objects"] == 0, s
+    assert s["local_freed_objects"] - before["local_freed_objects"] == 2, s
+
+
+def test_the_result_listener_survives_a_failed_accept() -> None:
+    # The engine core runs out of descriptors as the worker connects: accept() fails (EMFILE).
+    # Before, that ended the listener for the life of the engine: the worker's results sat in the
+    # backlog, every request waited its bound and its objects stayed resident.
+    eid = f"emfile-{os.getpid()}"
+    sched, worker = halves("scheduler", eid), halves("worker", eid)
+    try:
+        meta = sched.ask({"announce": [["a", 8]]})["meta"]
+        assert sched.ask({"fill_fds": True})["held"] > 0
+        assert "s" in worker.ask({"save": meta})
+        import time
+
+        deadline = time.monotonic() + 10
+        while sched.ask({"accept_errors": True}).get("accept_errors", 0) < 1:
+            assert time.monotonic() < deadline, "the scheduler process never failed to accept"
+            time.sleep(0.01)
+        assert sched.ask({"release_fds": True}) == {"ok": True}
+        params = sched.ask({"finish": "a"})["params"]
+        assert "error" not in params["capture_arena"], params
+        release_all([params])
+        s = wait_resident(worker, 0)
+        assert s["resident_objects"] == 0 and s["local_freed_objects"] == 0, s
+    finally:
+        sched.close()
+        worker.close()
+
+
+def test_a_worker_frees_what_a_stuck_scheduler_process_never_took() -> None:
+    # The engine core stops reading (stopped: SIGSTOP) after a first step went through: the
+    # worker's send succeeds into the socket's buffer, and nobody takes the result. The worker
+    # frees it once the bound plus its grace passed (before: resident for ever), and the
+    # scheduler process, reading it late, never hands it out.
+    import signal
+
+    eid = f"stuck-{os.getpid()}"
+    sched, worker = halves("scheduler", eid), halves("worker", eid)
+    try:
+        worker.ask({"save": sched.ask({"announce": [["first", 8]]})["meta"]})
+        first = sched.ask({"finish": "first"})["params"]
+        assert "error" not in first["capture_arena"], first
+        release_all([first])
+        meta = sched.ask({"announce": [["second", 8]]})["meta"]
+        os.kill(sched.p.pid, signal.SIGSTOP)
+        try:
+            worker.ask({"save": meta})
+            # capture_arena.vllm.ACK_GRACE_S is 2 s: freed after 2.5 s here.
+            s = wait_resident(worker, 0, timeout=15)
+            assert s["resident_objects"] == 0 and s["published_objects"] == 4 and s["local_freed_objects"] == 2, s
+        finally:
+            os.kill(sched.p.pid, signal.SIGCONT)
+        late = sched.ask({"finish": "second"})["params"]
+        assert "no result within" in late["capture_arena"]["error"], late
+    finally:
+        sched.close()
+        worker.close()
+
+
+def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(both: Proc) -> None:
+    # Results of requests the engine never finishes are remembered up to MAX_PENDING (65,536;
+    # 2 here): past it the oldest is forgotten and its objects are freed (before: dropped from
+    # the table and left resident).
+    p = both
+    assert p.ask({"max_pending": 2}) == {"ok": True}
+    try:
+        before = p.ask({"stats": True})["local_freed_objects"]
+        p.ask({"save": p.ask({"announce": [["old", 8]]})["meta"]})
+        assert wait_resident(p, 2)["resident_objects"] == 2
+        p.ask({"save": p.ask({"announce": [["b", 8], ["c", 8]]})["meta"]})
+        s = wait_resident(p, 4)
+        assert s["resident_objects"] == 4 and s["local_freed_objects"] - before == 2, s
+        release_all([p.ask({"finish": rid})["params"] for rid in ("b", "c")])
+        assert wait_resident(p, 0)["resident_objects"] == 0
+    finally:
+        p.ask({"max_pending": 65536})
+
+
+REFUSE = r"""
+import sys
+from types import SimpleNamespace as ns
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from capture_arena.vllm import CaptureArenaConnector
+spec = ns(method="extract_hidden_states", draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1])))
+for pc in (ns(data_parallel_rank=0, nnodes=2, distributed_executor_backend="mp", world_size=8),
+           ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="ray", world_size=2)):
+    cfg = ns(kv_transfer_config=ns(engine_id="refuse", kv_connector_extra_config={}), parallel_config=pc, speculative_config=spec)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        try:
+            CaptureArenaConnector(cfg, role, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=16))]))
+        except ValueError as e:
+            print("@@", e)
+        else:
+            print("@@ accepted")
+"""
+
+
+def test_an_engine_whose_workers_may_run_on_another_host_is_refused_at_start_up() -> None:
+    # Results cross an abstract Unix socket: a worker on another host could never hand one over,
+    # and every request would wait its bound. Refused before serving, saying what to change.
+    out = subprocess.run([sys.executable, "-c", REFUSE], capture_output=True, text=True, timeout=300)
+    lines = [line[3:] for line in out.stdout.splitlines() if line.startswith("@@ ")]
+    assert len(lines) == 4, out.stdout[-3000:] + out.stderr[-3000:]
+    assert all("--distributed-executor-backend mp on one node" in line for line in lines), lines
+    assert "spans 2 nodes (--nnodes)" in lines[0] and "Ray may place its 2 workers" in lines[2], lines
+
+
+def test_the_speculators_transfer_pickles_for_spawned_dataloader_workers(tmp_path: Path) -> None:
+    # speculators' dataloader spawns its workers (num_workers 12 by default) with a pickled copy
+    # of the dataset and its transfer: each opens its own reader.
+    import pickle
+
+    from capture_arena.speculators import CaptureArenaTransfer
+
+    t = CaptureArenaTransfer(tmp_path)
+    t.setup()
+    copy = pickle.loads(pickle.dumps(t))
+    copy.setup()
+    assert copy.get_cached(0) is None or isinstance(copy.get_cached(0), dict)
+    with pytest.raises(Exception, match="vLLM did not publish request 'r'"):
+        copy.get_generated({"capture_arena": {"sample_id": "r", "error": "the arena was full"}, "handle": "capture-arena-error:r"})
+    copy.delete("capture-arena-error:r")  # names no object: nothing to free, no error

@@ -5,11 +5,13 @@ delete) and checks every row against the hidden states the same model computes i
 Commands, one JSON line each on stdin, each answered with one JSON line:
 - ``{"read": kv_transfer_params, "prompt": [ids]}`` -> ``{"ok": true, "max_err": e}`` or ``{"error": "..."}``
 - ``{"delete": handle}`` -> ``{"ok": true}``; ``{"flush": true}`` -> ``{"ok": true}`` once every free is delivered
-- ``{"speculators": base_url, "prompts": [[ids], ...], "dir": path}`` -> ``{"ok": true, "read": n}``:
-  speculators' own trainer dataset (``speculators.train.data.ArrowDataset``, speculators 0.9.0)
-  over a dataset of those prompts saved at ``path``, with this backend as its transfer: each item
-  is generated through vLLM's OpenAI server by speculators' client, read with ``get_generated``,
-  checked by speculators and deleted, then compared with transformers
+- ``{"speculators": base_url, "prompts": [[ids], ...], "dir": path, "fail_reads": k}`` ->
+  ``{"ok": true, "read": n, "failed_reads": k, "unavailable": [reason, ...]}``: speculators' own
+  trainer dataset (``speculators.train.data.ArrowDataset``, speculators 0.9.0) over a dataset of
+  those prompts saved at ``path``, with this backend as its transfer: each item is generated
+  through vLLM's OpenAI server by speculators' client, read with ``get_generated``, checked by
+  speculators and deleted, then compared with transformers; the first ``k`` reads fail (as at a
+  read deadline); an item speculators gives up on (``SampleUnavailable``) reports its reason
 
 Usage: python vllm_trainer.py MODEL_DIR LAYER_IDS_JSON
 """
@@ -66,14 +68,30 @@ for line in sys.stdin:
         elif "speculators" in cmd:
             from datasets import Dataset
             from speculators.train.data import ArrowDataset
+            from speculators.train.recovery import SampleUnavailable
 
             prompts = cmd["prompts"]
             Dataset.from_dict(
                 {"input_ids": prompts, "seq_len": [len(p) for p in prompts], "loss_mask": [[1] * len(p) for p in prompts]}
             ).with_format("torch").save_to_disk(cmd["dir"])
             ds = ArrowDataset(max_len=512, datapath=cmd["dir"], transfer=transfer, vllm_endpoint=cmd["speculators"], on_missing="generate")
+            store, failed = transfer._store, []
+            real_get = store.get
+
+            def get(*args, **kwargs):  # the first `fail_reads` reads fail, as at a read deadline
+                if len(failed) < cmd.get("fail_reads", 0):
+                    failed.append(1)
+                    raise TimeoutError("simulated: the read's deadline passed")
+                return real_get(*args, **kwargs)
+
+            store.get = get
+            unavailable, read = [], 0
             for i, p in enumerate(prompts):
                 item = ds[i]
+                if isinstance(item, SampleUnavailable):  # speculators gave up after its retries
+                    unavailable.append(item.reason)
+                    continue
+                read += 1
                 want = reference(p)
                 assert item["input_ids"].tolist() == p, "input ids"
                 # speculators splits the captured layers: all but the last as the draft's input,
@@ -82,7 +100,8 @@ for line in sys.stdin:
                     assert got.shape == ref.shape, (tuple(got.shape), tuple(ref.shape))
                     err = (got.float() - ref.float()).abs()
                     assert bool((err <= 2 * 2.0**-7 * ref.float().abs().amax()).all()), f"item {i}: max err {err.max().item()}"
-            answer = {"ok": True, "read": len(prompts)}
+            store.get = real_get
+            answer = {"ok": True, "read": read, "failed_reads": len(failed), "unavailable": unavailable}
         elif "delete" in cmd:
             transfer.delete(cmd["delete"])
             answer = {"ok": True}

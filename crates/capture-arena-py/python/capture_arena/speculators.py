@@ -11,9 +11,15 @@ Importing this module registers the backend ``capture-arena`` with
 Reading needs only torch and this package (no vLLM): :meth:`CaptureArenaTransfer.get_generated`
 takes a request's ``kv_transfer_params`` and returns ``{"hidden_states": [n, k, H],
 "token_ids": [n]}`` (the arena's ``[1, n, k*H]`` reshaped; the model's dtype, int64), copied
-out; :meth:`CaptureArenaTransfer.delete` frees the request's objects. A request vLLM could not
-publish (a full arena, a prompt longer than the arena) raises :class:`CaptureArenaError` with
-vLLM's reason.
+out; :meth:`CaptureArenaTransfer.delete` frees the request's objects, whether or not their read
+succeeded (speculators deletes a handle whose ``get_generated`` raised, then asks again with a
+fresh request). A request vLLM could not publish (a full arena, a prompt longer than the arena)
+comes with a handle too (``capture-arena-error:{request id}``, naming no object), so that
+speculators' client hands it on: :meth:`~CaptureArenaTransfer.get_generated` raises
+:class:`CaptureArenaError` with vLLM's reason, which speculators logs with each attempt.
+
+A transfer pickles (speculators' dataloader workers are spawned with their copy): each process
+opens its own reader at ``setup()``.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ __all__ = ["CaptureArenaBackend", "CaptureArenaTransfer", "NAME"]
 
 #: The backend's name (``--hidden-states-backend``).
 NAME = "capture-arena"
-#: Results read and not yet deleted that a transfer remembers; past it the oldest are freed.
+#: Results handed to get_generated and not yet deleted that a transfer remembers; past it the
+#: oldest are freed.
 MAX_UNDELETED = 4096
 
 
@@ -71,32 +78,44 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             raise CaptureArenaError(f"vLLM did not publish request {result.get('sample_id')!r}: {result['error']}")
         self.setup()
         assert self._store is not None
+        # Remembered before the read: speculators deletes the handle when this raises, and that
+        # delete must free the objects (else every failed read leaves a sample resident).
+        handle = hs_transfer_params.get("handle")
+        if isinstance(handle, str):
+            self._remember(handle, result)
         got = self._store.get(result, ["hidden_states", "token_ids"], torch=True)
         hs, tokens = got["hidden_states"], got["token_ids"]
         k = len(result.get("aux_layer_ids") or ())
         n = int(tokens.numel())
         if k < 1 or hs.dim() != 3 or hs.shape[1] != n or hs.shape[2] % k:
             raise CaptureArenaError(f"request {result.get('sample_id')!r}: hidden_states {tuple(hs.shape)} is not [1, {n}, k*H] with k={k}")
-        handle = hs_transfer_params.get("handle")
-        if isinstance(handle, str):
-            self._remember(handle, result)
         return {"hidden_states": hs.view(n, k, hs.shape[2] // k), "token_ids": tokens.view(n)}
 
     def _remember(self, handle: str, result: dict[str, Any]) -> None:
         with self._lock:
             self._read[handle] = result
+            self._read.move_to_end(handle)
             old = [self._read.popitem(last=False)[1] for _ in range(len(self._read) - MAX_UNDELETED)]
-        for r in old:  # read long ago and never deleted: freed rather than held
+        for r in old:  # handed out long ago and never deleted: freed rather than held
             assert self._store is not None
             self._store.release(r)
 
     def delete(self, handle: str) -> None:
-        """Frees the request's objects (queued; never waits on the network). Unknown or
-        already deleted handles are ignored."""
+        """Frees the request's objects, read or not (queued; never waits on the network).
+        Unknown or already deleted handles, and those of requests vLLM could not publish, are
+        ignored."""
         with self._lock:
             result = self._read.pop(handle, None)
         if result is not None and self._store is not None:
             self._store.release(result)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a spawned dataloader worker gets: the cache directory only (a reader, its lock
+        and what it handed out stay with this process)."""
+        return {"cache_dir": self._cached.hidden_states_path if self._cached is not None else None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.get("cache_dir"))  # type: ignore[misc]
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Waits until every free has been delivered (``FreeNotSentError`` past ``timeout_s``)."""

@@ -14,11 +14,13 @@ states into an arena the worker owns, and returns the arena result in the reques
 How a request travels (vLLM 0.32's order within a step, measured on the CPU):
 
 - The scheduler process's connector (:meth:`build_connector_meta`) tells the worker which
-  requests finish their prompt in this step, with their blocks and prompt tokens.
+  requests finish their prompt in this step, with their blocks and prompt tokens, each with a
+  number of its own (a request id may come again).
 - The worker's connector copies those rows out of the cache-only layer in :meth:`wait_for_save`,
   the first hook after the drafter has written them (``get_finished`` runs before it, and would
-  read the previous step's rows), and publishes them as one batch. Only tensor-parallel rank 0
-  writes. The result goes to the scheduler process over a local socket before the step ends.
+  read the previous step's rows), and publishes each request as a batch of its own, all handed to
+  the writer at once. Only tensor-parallel rank 0 writes. The results go to the scheduler process
+  over a local socket before the step ends.
 - :meth:`request_finished` (scheduler process, same step) returns it. It frees the KV blocks at
   once (nothing is copied later), so the engine never holds blocks for the trainer.
 
@@ -26,9 +28,31 @@ Per request, ``kv_transfer_params`` is ``{"capture_arena": result, "handle": key
 ``result`` is the wire contract's (``features.hidden_states``: ``[1, n, k*H]`` in the model's
 dtype; ``features.token_ids``: ``[1, n]`` int64, a passthrough; ``aux_layer_ids``: the layers in
 the order stored, ascending) or, for a request that could not be published, ``{"sample_id",
-"error"}``, and no handle. A full arena (bounded by ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S``, 1 s: the
-engine step is never held for the arena's 30 s), a request longer than the arena, or a failed
-copy costs only that request its error; nothing raises into vLLM's engine loop.
+"error"}`` with the handle ``capture-arena-error:{request id}``, which names no object (so
+speculators' client hands the error to its backend, which raises with the reason).
+
+Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait for frees is 30 s):
+
+- a step's :meth:`wait_for_save` waits for space at most the bound in all, however many requests
+  finish in it: they wait in order until that one deadline, and a request whose turn comes after
+  it is published if it fits at once and gets its error at once otherwise. A request longer than
+  the arena, or a failed copy, costs only that request its error; nothing raises into vLLM's
+  engine loop;
+- :meth:`request_finished` waits at most the bound for its result, and gives up in the same hold
+  of its lock as its last look, so a result that comes later finds its request answered and is
+  freed by its worker, never kept where nobody reads it;
+- the worker frees every result the scheduler process has not taken (it answers each read with
+  what it took and what the worker must free) within the bound plus ``ACK_GRACE_S`` (2 s) of
+  sending it: a listener that cannot accept, a stuck or dead scheduler process. The scheduler
+  process never hands out a result read later than the bound plus half of that;
+- a failed ``accept()`` (EMFILE, ...) is logged, counted and retried after a back-off (10 ms
+  doubling to 1 s); it never ends the listener;
+- requests announced and not finished are remembered up to ``MAX_PENDING`` (65,536; an engine
+  holds far fewer); past it the oldest is forgotten and its result freed.
+
+Results cross an abstract Unix socket, which only the engine core's host (and network namespace)
+reaches: an engine whose workers may run elsewhere (``--nnodes`` > 1, or Ray with more than one
+worker) is refused at start-up with an error that says what to change.
 
 vLLM's last captured layer (``eagle_aux_hidden_state_layer_ids`` containing
 ``num_hidden_layers``) is the last decoder layer's output *before* the final norm, not
@@ -75,15 +99,23 @@ log = logging.getLogger("capture_arena.vllm")
 DEFAULT_ARENA_BYTES = 1 << 30
 #: The ``store_id`` of every key when ``kv_connector_extra_config`` names none.
 STORE_ID = "vllm"
-#: Results the scheduler process keeps for requests it has not finished yet (oldest dropped).
-MAX_WAITING_RESULTS = 65536
+#: Requests the scheduler process has announced and not finished (an engine holds far fewer);
+#: past it the oldest is forgotten, and its result, if any, freed.
+MAX_PENDING = 65536
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
-#: The least time a request of a step is given once the step's bound is spent (by a request
-#: before it that waited for frees): enough for the writer to place it if it fits.
-MIN_TRY_S = 0.05
 #: Connections the scheduler process accepts from workers at once.
 MAX_WORKERS = 16
+#: How long past the step's bound a worker waits for the scheduler process to say it took a
+#: result (``taken``, or ``free`` for a late one) before freeing it itself; the scheduler
+#: process refuses a result read later than the bound plus half of this after it was sent, so
+#: the two never both own one.
+ACK_GRACE_S = 2.0
+#: The handle of a request vLLM could not publish: it names no object (deleting it frees
+#: nothing), and lets speculators' client hand the error result to the backend.
+ERROR_HANDLE = "capture-arena-error:"
+#: The longest an accepting thread backs off after a failed accept (EMFILE, ENFILE, ENOBUFS...).
+MAX_ACCEPT_BACKOFF_S = 1.0
 
 
 @dataclass
@@ -91,6 +123,8 @@ class _Save:
     req_id: str
     block_ids: list[int]
     token_ids: list[int]
+    #: The scheduler process's number for this announcement (a request id may come again).
+    seq: int = 0
 
 
 @dataclass
@@ -136,6 +170,28 @@ def _aux_layer_ids(vllm_config: Any) -> list[int]:
     return sorted({int(i) for i in ids or ()})
 
 
+def _check_one_host(vllm_config: Any) -> None:
+    """Refuses, at start-up, an engine whose workers may run on another host than its engine
+    core: results travel over an abstract Unix socket, which only that host (and network
+    namespace) reaches. Each result of such a worker would cost its request the whole bound."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    nnodes = getattr(pc, "nnodes", 1)
+    backend = getattr(pc, "distributed_executor_backend", None)
+    world = getattr(pc, "world_size", 1)
+    why = None
+    if isinstance(nnodes, int) and nnodes > 1:
+        why = f"it spans {nnodes} nodes (--nnodes)"
+    elif str(getattr(backend, "__name__", backend)) == "ray" and isinstance(world, int) and world > 1:
+        why = f"Ray may place its {world} workers on other hosts (--distributed-executor-backend ray)"
+    if why is not None:
+        raise ValueError(
+            f"capture_arena.vllm cannot serve this engine: {why}. The worker that publishes (tensor-parallel rank 0 "
+            "of the stage with the cache-only layer) hands each result to the engine core over a local socket, so "
+            "every worker must run on the engine core's host: use --distributed-executor-backend mp on one node, "
+            "or one engine per node (data parallelism)"
+        )
+
+
 class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for capture-arena (see the module's description)."""
 
@@ -147,6 +203,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 "'{\"method\": \"extract_hidden_states\", \"num_speculative_tokens\": 1, \"draft_model_config\": "
                 "{\"hf_config\": {\"eagle_aux_hidden_state_layer_ids\": [...]}}}'"
             )
+        _check_one_host(vllm_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._store_id = str(extra.get("store_id", STORE_ID))
         self._arena_bytes = extra.get("arena_bytes")
@@ -156,16 +213,22 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._group, self._block_size = _hidden_group(kv_cache_config)
             self._requests: dict[str, Any] = {}
-            self._announced: set[str] = set()
-            self._results: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
-            #: Requests answered with an error because their result was late: freed on arrival.
-            self._given_up: collections.OrderedDict[str, bool] = collections.OrderedDict()
+            self._seq = 0
+            #: Requests announced to the worker and not finished: request id -> announcement.
+            #: A result is kept only for its own announcement; any other is late, and freed.
+            self._pending: collections.OrderedDict[str, int] = collections.OrderedDict()
+            #: Results waiting for request_finished: request id -> (row, the worker it came from).
+            self._results: dict[str, tuple[dict[str, Any], _Peer]] = {}
             self._cond = threading.Condition()
-            self._listener = _Listener(self._channel, self._deliver)
+            self._listener = _Listener(self._channel, self._deliver, self._bound + ACK_GRACE_S / 2)
         else:
             self._sink: Optional[ArenaSink] = None
             self._kv: Optional[torch.Tensor] = None
             self._conn: Optional[socket.socket] = None
+            #: Results sent and not yet taken (or freed) by the scheduler process:
+            #: request id -> (row, deadline); freed by the worker past the deadline.
+            self._unacked: dict[str, tuple[dict[str, Any], float]] = {}
+            self._unacked_lock = threading.Lock()
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -184,7 +247,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         meta = CaptureArenaMetadata()
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(rid)
-            if req is None or rid in self._announced:
+            if req is None or rid in self._pending:
                 continue
             before, n = int(req.num_computed_tokens), int(req.num_prompt_tokens)
             if not before < n <= before + int(scheduled):
@@ -196,56 +259,64 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             need = -(-n // self._block_size)
             if len(blocks) < need or req.prompt_token_ids is None:
                 continue  # not the layout this connector knows (prompt embeddings): no capture
-            meta.saves.append(_Save(rid, blocks[:need], list(req.prompt_token_ids)))
-            self._announced.add(rid)
+            self._seq += 1
+            meta.saves.append(_Save(rid, blocks[:need], list(req.prompt_token_ids), self._seq))
+            evicted = []
+            with self._cond:
+                self._pending[rid] = self._seq
+                while len(self._pending) > MAX_PENDING:
+                    old, _ = self._pending.popitem(last=False)
+                    got = self._results.pop(old, None)
+                    if got is not None:
+                        evicted.append(got)
+            for row, peer in evicted:  # never finished by the engine: nobody will read them
+                log.warning("capture_arena.vllm: forgot request %s (over %d pending); its result is freed", row.get("sample_id"), MAX_PENDING)
+                _reply_free(peer, row)
         return meta
 
-    def _deliver(self, req_id: str, row: dict[str, Any]) -> Optional[list[str]]:
-        """Keeps a result for :meth:`request_finished`; returns the keys the worker must free
-        when its request was already answered with an error."""
+    def _deliver(self, req_id: str, seq: Any, row: dict[str, Any], peer: "_Peer") -> bool:
+        """Keeps a result for :meth:`request_finished` if its announcement is still pending;
+        False when it is late (its request was answered already, or announced again since):
+        the worker frees it."""
         with self._cond:
-            late = self._given_up.pop(req_id, False)
-            if not late:
-                self._results[req_id] = row
-                while len(self._results) > MAX_WAITING_RESULTS:
-                    dropped, _ = self._results.popitem(last=False)
-                    log.warning("capture_arena.vllm: dropped the result of %s, never finished by the engine", dropped)
-                self._cond.notify_all()
-        if late and "error" not in row:
-            # Its request was answered with an error already: nobody will read or free it. The
-            # worker frees it (it holds the control token, which may be a random `auto` one).
-            log.warning("capture_arena.vllm: the result of %s came after its request was answered; the worker frees it", req_id)
-            return _result_keys(row)
-        return None
+            if self._pending.get(req_id) != seq:
+                return False
+            self._results[req_id] = (row, peer)
+            self._cond.notify_all()
+        return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """The request's arena result for its ``kv_transfer_params``; its blocks are freed at
         once (``False``): the rows were copied in the step that computed them."""
         rid = request.request_id
         self._requests.pop(rid, None)
-        if rid not in self._announced:
-            return False, {"capture_arena": {"sample_id": rid, "error": "no hidden states: the request ended before its prompt was computed"}}
-        self._announced.discard(rid)
         deadline = time.monotonic() + self._bound
         with self._cond:
-            while rid not in self._results:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(left)
-            row = self._results.pop(rid, None)
+            if rid not in self._pending:
+                row: Optional[dict[str, Any]] = {"sample_id": rid, "error": "no hidden states: the request ended before its prompt was computed"}
+            else:
+                while rid not in self._results:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                got = self._results.pop(rid, None)
+                row = got[0] if got is not None else None
+                # Given up in the same hold of the lock as the last look: a result that comes
+                # from now on finds its request gone, and its worker frees it.
+                del self._pending[rid]
         if row is None:
-            with self._cond:
-                self._given_up[rid] = True
-                while len(self._given_up) > MAX_WAITING_RESULTS:
-                    self._given_up.popitem(last=False)
             row = {
                 "sample_id": rid,
                 "error": f"the worker sent no result within {self._bound:g} s (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); "
                 "see the worker's log",
             }
         params: dict[str, Any] = {"capture_arena": row}
-        if "error" not in row:
+        if "error" in row:
+            # A handle naming no object: speculators' client hands the result (and its reason)
+            # on to the backend only if there is one.
+            params["handle"] = f"{ERROR_HANDLE}{rid}"
+        else:
             params["handle"] = f"{row['store_id']}/{row['sample_id']}/g{row['gen']}/"
         return False, params
 
@@ -303,7 +374,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         """Publishes the requests whose prompt finished in this step (the drafter has written
-        their rows), as one batch, and sends each result to the scheduler process. Never
+        their rows), each a batch of its own handed over at once, and sends each result to the
+        scheduler process. The whole step waits for space at most the bound: a request whose
+        turn comes after it is published if it fits at once and fails at once otherwise. Never
         raises: a request that cannot be published gets its error row."""
         if self._sink is None or self._kv is None or not self.has_connector_metadata():
             return
@@ -311,19 +384,19 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         saves = getattr(meta, "saves", None)
         if not saves:
             return
-        # Each request is a batch of its own (a batch is published whole or not at all, and one
-        # request's size must not cost the others theirs); together they wait at most the bound.
-        deadline = time.monotonic() + self._bound
-        out = []
+        samples: list[Any] = []
         for s in saves:
             try:
-                left = max(MIN_TRY_S, deadline - time.monotonic())
-                (row,) = self._sink.put_samples([self._sample(s)], within_s=left)
+                samples.append(self._sample(s))
             except Exception as e:  # a bug of ours or a broken cache: the request's error, never vLLM's
-                log.exception("capture_arena.vllm: publishing request %s failed", s.req_id)
-                row = {"sample_id": s.req_id, "error": f"publish failed: {e}"}
-            out.append((s.req_id, row))
-        self._send(out)
+                log.exception("capture_arena.vllm: copying request %s out of the cache failed", s.req_id)
+                samples.append({"sample_id": s.req_id, "error": f"publish failed: {e}"})
+        try:
+            rows = self._sink.put_each(samples, within_s=self._bound)
+        except Exception as e:
+            log.exception("capture_arena.vllm: publishing %d requests failed", len(saves))
+            rows = [{"sample_id": s.req_id, "error": f"publish failed: {e}"} for s in saves]
+        self._send([(s, row) for s, row in zip(saves, rows)])
 
     def _sample(self, s: _Save) -> tuple[dict[str, Any], torch.Tensor, None]:
         """One request's rows ``[1, n, k*H]`` copied out of the cache (position i is slot
@@ -344,55 +417,107 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         }
         return spec, aux, None
 
-    def _send(self, rows: list[tuple[str, dict[str, Any]]]) -> None:
-        data = b"".join(json.dumps({"req_id": rid, "row": row}, separators=(",", ":")).encode() + b"\n" for rid, row in rows)
+    def _send(self, results: list[tuple[_Save, dict[str, Any]]]) -> None:
+        """Hands the step's results to the scheduler process. Each published one is the
+        worker's to free until the scheduler process says it took it (``taken``) or asks for it
+        to be freed (``free``); with no word by the bound plus ACK_GRACE_S (a listener that
+        cannot accept, a scheduler process that is stuck or gone) the worker frees it."""
+        sent = time.monotonic()
+        data = b"".join(
+            json.dumps({"req_id": s.req_id, "seq": s.seq, "sent": sent, "row": row}, separators=(",", ":")).encode() + b"\n"
+            for s, row in results
+        )
+        published = {s.req_id: row for s, row in results if "error" not in row}
+        if published:
+            with self._unacked_lock:
+                deadline = sent + self._bound + ACK_GRACE_S
+                for rid, row in published.items():
+                    self._unacked[rid] = (row, deadline)
         for attempt in (0, 1):
             try:
                 if self._conn is None:
                     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    c.settimeout(self._bound + 1.0)
+                    # Sends to a scheduler process that reads nothing fail within this; the
+                    # answers reader wakes as often to free what was not taken in time.
+                    c.settimeout(ACK_GRACE_S / 4)
                     c.connect(self._channel)
                     uid = _peer_uid(c)
                     if uid != os.getuid():  # an abstract name anyone could have bound
                         c.close()
                         raise OSError(f"the result channel's listener runs as uid {uid}, not {os.getuid()}")
                     self._conn = c
-                    threading.Thread(target=self._read_frees, args=(c,), name="capture-arena-vllm-frees", daemon=True).start()
+                    threading.Thread(target=self._read_answers, args=(c,), name="capture-arena-vllm-answers", daemon=True).start()
                 self._conn.sendall(data)
                 return
             except OSError as e:
-                if self._conn is not None:
-                    try:  # wakes the frees reader blocked on it, before the descriptor goes
-                        self._conn.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    self._conn.close()
-                    self._conn = None
+                self._drop_conn()
                 if attempt:
-                    log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(rows), e)
-                    self._free_rows([r for _, r in rows])
+                    log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(results), e)
+                    self._free_unacked(list(published))
 
-    def _read_frees(self, conn: socket.socket) -> None:
-        """The worker's end of the channel's way back: ``{"free": [key, ...]}`` lines for results
-        that came after their request was answered. Bounded lines; a bad one closes the
-        connection (the next step opens another)."""
+    def _drop_conn(self) -> None:
+        if self._conn is not None:
+            try:  # wakes the answers reader blocked on it, before the descriptor goes
+                self._conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._conn.close()
+            self._conn = None
+
+    def _read_answers(self, conn: socket.socket) -> None:
+        """The worker's end of the channel's way back: ``{"taken": [request id, ...], "free":
+        [request id, ...], "drop": [key, ...]}`` lines (``drop``: a result taken, then forgotten
+        by the scheduler process). Results not taken by their deadline are freed here too (the
+        read wakes at least every ACK_GRACE_S / 4); when the channel closes, every result still
+        waiting is freed (no answer can come any more). A bad line closes the connection."""
         try:
-            for keys in _lines(conn, lambda m: m["free"]):
-                if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-                    raise ValueError('a free line is {"free": [str, ...]}')
-                if keys and self._sink is not None:
-                    self._sink._free_local(keys)
+            for msgs in _lines(conn, idle=self._free_expired):
+                for m in msgs:
+                    taken, free, drop = m.get("taken", []), m.get("free", []), m.get("drop", [])
+                    if not all(isinstance(x, list) and all(isinstance(r, str) for r in x) for x in (taken, free, drop)):
+                        raise ValueError('an answer line is {"taken": [str, ...], "free": [str, ...], "drop": [key, ...]}')
+                    with self._unacked_lock:
+                        for rid in taken:
+                            self._unacked.pop(rid, None)
+                    if free:
+                        log.warning("capture_arena.vllm: %d results came after their requests were answered; freed", len(free))
+                        self._free_unacked(free)
+                    if drop and self._sink is not None:  # taken, then forgotten by the scheduler process
+                        self._sink._free_local(drop)
+                self._free_expired()
         except OSError as e:  # closed by _send after a failed send, or the scheduler process ended
             log.debug("capture_arena.vllm: the result channel closed: %s", e)
         except Exception as e:
-            log.error("capture_arena.vllm: stopped reading frees from the scheduler process: %s", e)
+            log.error("capture_arena.vllm: stopped reading answers from the scheduler process: %s", e)
+        finally:
+            if self._conn is conn:
+                self._drop_conn()
+            # Nothing will answer for what was sent on this connection.
+            with self._unacked_lock:
+                left = list(self._unacked)
+            if left:
+                log.error("capture_arena.vllm: the result channel closed with %d results not taken; freed", len(left))
+                self._free_unacked(left)
 
-    def _free_rows(self, rows: list[dict[str, Any]]) -> None:
-        """Frees what was published for requests whose result cannot reach their client."""
+    def _free_expired(self) -> None:
+        now = time.monotonic()
+        with self._unacked_lock:
+            late = [rid for rid, (_, deadline) in self._unacked.items() if now >= deadline]
+        if late:
+            log.error(
+                "capture_arena.vllm: the scheduler process did not take %d results within %g s; freed (is it stuck, or "
+                "its listener failing to accept? see its log)",
+                len(late), self._bound + ACK_GRACE_S,
+            )
+            self._free_unacked(late)
+
+    def _free_unacked(self, rids: list[str]) -> None:
+        """Frees what was published for these requests (those still waiting for an answer)."""
+        with self._unacked_lock:
+            rows = [self._unacked.pop(rid)[0] for rid in rids if rid in self._unacked]
         if self._sink is not None:
             for r in rows:
-                if "error" not in r:
-                    self._sink._drop_published(r)
+                self._sink._drop_published(r)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         return None, None
@@ -409,46 +534,95 @@ def _peer_uid(conn: socket.socket) -> int:
     return int(struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1])
 
 
-def _lines(conn: socket.socket, field: Any) -> Any:
-    """Yields ``field(message)`` for each JSON line read from ``conn`` until it closes; a line
-    over :data:`MAX_LINE` bytes raises ValueError before it is buffered further."""
+def _lines(conn: socket.socket, idle: Any = None) -> Any:
+    """Yields the JSON messages of each read from ``conn`` (a list per read) until it closes;
+    calls ``idle()`` when a read times out. A line over :data:`MAX_LINE` bytes raises
+    ValueError before it is buffered further."""
     buf = b""
     while True:
         try:
             chunk = conn.recv(1 << 16)
         except socket.timeout:
+            if idle is not None:
+                idle()
             continue  # an idle channel: results come only when prompts finish
         if not chunk:
             return
         buf += chunk
+        msgs = []
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
-            yield field(json.loads(line))
+            m = json.loads(line)
+            if not isinstance(m, dict):
+                raise ValueError("a line is a JSON object")
+            msgs.append(m)
         if len(buf) > MAX_LINE:
             raise ValueError(f"a line over {MAX_LINE} bytes")
+        if msgs:
+            yield msgs
+
+
+class _Peer:
+    """A worker's connection, as the scheduler process answers on it (from the reading thread
+    and, for a result it forgets, the scheduler's): one whole line at a time."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            self.conn.sendall(data)
+
+
+def _reply_free(peer: Any, row: dict[str, Any]) -> None:
+    """Tells the worker that sent ``row`` (and was told it was taken) to free its objects."""
+    try:
+        peer.send({"drop": _result_keys(row)})
+    except Exception as e:  # the connection is gone (so is the worker's arena), or a bad row
+        log.warning("capture_arena.vllm: could not ask the worker to free %s: %s", row.get("sample_id"), e)
 
 
 class _Listener:
     """The scheduler process's end of the result channel: accepts the worker's connections
-    (same user only), reads bounded JSON lines, and hands each ``(req_id, row)`` on. A bad line
-    closes only its connection."""
+    (same user only), reads bounded JSON lines, hands each result on, and answers each read
+    with the requests it took and those the worker must free. A bad line closes only its
+    connection; a failed accept (EMFILE, ...) is logged, counted and retried after a back-off,
+    never the end of listening."""
 
-    def __init__(self, name: str, deliver: Any) -> None:
+    def __init__(self, name: str, deliver: Any, max_age_s: float) -> None:
         self._deliver = deliver
+        self._max_age_s = max_age_s
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(name)
         self._sock.listen(MAX_WORKERS)
         self._open = 0
+        self._closed = threading.Event()
         self._lock = threading.Lock()
+        #: Accepts that failed (each backed off and retried).
+        self.accept_errors = 0
         threading.Thread(target=self._accept, name="capture-arena-vllm", daemon=True).start()
 
     def _accept(self) -> None:
-        while True:
+        backoff = 0.0
+        while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return
-            uid = _peer_uid(conn)
+                uid = _peer_uid(conn)
+            except OSError as e:
+                if self._closed.is_set():
+                    return
+                self.accept_errors += 1
+                backoff = min(MAX_ACCEPT_BACKOFF_S, max(0.01, backoff * 2))
+                if self.accept_errors == 1 or self.accept_errors % 100 == 0:
+                    log.error(
+                        "capture_arena.vllm: accepting a result connection failed (%d so far): %s; trying again in %g s",
+                        self.accept_errors, e, backoff,
+                    )
+                self._closed.wait(backoff)
+                continue
+            backoff = 0.0
             with self._lock:
                 full = self._open >= MAX_WORKERS
                 if not full and uid == os.getuid():
@@ -460,13 +634,22 @@ class _Listener:
             threading.Thread(target=self._read, args=(conn,), name="capture-arena-vllm-read", daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
+        peer = _Peer(conn)
         try:
-            for rid, row in _lines(conn, lambda m: (m["req_id"], m["row"])):
-                if not isinstance(rid, str) or not isinstance(row, dict):
-                    raise ValueError("a result line is {\"req_id\": str, \"row\": dict}")
-                free = self._deliver(rid, row)
-                if free:
-                    conn.sendall(json.dumps({"free": free}, separators=(",", ":")).encode() + b"\n")
+            for msgs in _lines(conn):
+                taken, free = [], []
+                for m in msgs:
+                    rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
+                    if not isinstance(rid, str) or not isinstance(row, dict) or not isinstance(sent, (int, float)):
+                        raise ValueError('a result line is {"req_id": str, "seq": int, "sent": float, "row": dict}')
+                    # Read too late, the worker may be freeing it already: never handed out.
+                    fresh = time.monotonic() - sent <= self._max_age_s
+                    if fresh and self._deliver(rid, seq, row, peer):
+                        taken.append(rid)
+                    elif "error" not in row:
+                        log.warning("capture_arena.vllm: the result of %s came after its request was answered; the worker frees it", rid)
+                        free.append(rid)
+                peer.send({"taken": taken, "free": free})
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.error("capture_arena.vllm: closed a result connection: %s", e)
         finally:
@@ -477,6 +660,7 @@ class _Listener:
     def close(self) -> None:
         """Stops listening: the name is free again and the accepting thread ends (closing alone
         would leave both while that thread waits in accept)."""
+        self._closed.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

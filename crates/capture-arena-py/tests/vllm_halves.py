@@ -1,0 +1,160 @@
+"""The two halves of capture-arena's vLLM connector in processes of their own, driven over
+stdin/stdout by test_vllm.py (one JSON command a line, one JSON answer a line), so that a test
+can run them out of order and fault either one: the scheduler process's half (the engine core's)
+and the worker's, or both in one process.
+
+vLLM's classes and the connector are real; only the model runner's plumbing is replaced (which
+layer is the cache-only one, the tensor-parallel rank) and the scheduler's (a KV cache manager
+that gives every request blocks 0.., requests reduced to the fields the connector reads).
+
+Usage: python vllm_halves.py ROLE ENGINE_ID ARENA_BYTES   (ROLE: scheduler, worker or both)
+
+The cache is ``[64 blocks, 2 layers, 16 slots, 64]`` bf16: a token is 256 bytes of hidden
+states and 8 of its id. Commands:
+- ``{"announce": [[rid, n_tokens], ...]}`` (scheduler) -> ``{"meta": base64}``: one step's
+  metadata, pickled as vLLM sends it to the workers;
+- ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's wait_for_save;
+- ``{"finish": rid, "gap": bool}`` (scheduler) -> ``{"params": ..., "s": seconds}``:
+  request_finished; with ``gap`` (both in one process) the connector's condition is instrumented
+  so that, once its timed wait ran out and it releases the lock, a result for that request is
+  sent by the worker and read before request_finished goes on;
+- ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
+  the process, then gives them back;
+- ``{"stats": true}`` (worker): the worker's arena counters; ``{"accept_errors": true}``
+  (scheduler): the listener's failed accepts; ``{"max_pending": n}`` (scheduler): the table of
+  announced requests holds n.
+"""
+
+import base64
+import json
+import os
+import pickle
+import sys
+import threading
+import time
+from types import SimpleNamespace as ns
+
+import torch
+import vllm.config
+import vllm.distributed.parallel_state as ps
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from capture_arena.vllm import CaptureArenaConnector
+
+role, engine_id, arena_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+if role == "scheduler":  # few enough descriptors to take them all (fill_fds)
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+vllm.config.get_layers_from_vllm_config = lambda cfg, kind, names: {n: None for n in names}
+ps.get_tensor_model_parallel_rank = lambda: 0
+BLOCKS, LAYERS, SLOTS, HIDDEN = 64, 2, 16, 64
+cfg = ns(
+    kv_transfer_config=ns(engine_id=engine_id, kv_connector_extra_config={"arena_bytes": arena_bytes}),
+    parallel_config=ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="mp", world_size=1),
+    speculative_config=ns(method="extract_hidden_states", draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))),
+)
+sched = worker = None
+requests = {}
+if role in ("scheduler", "both"):
+    sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=SLOTS))]))
+    sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: (list(range(BLOCKS)),), block_pool=None))
+if role in ("worker", "both"):
+    worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
+    worker.register_kv_caches({"drafter.cache_only": torch.randn(BLOCKS, LAYERS, SLOTS, HIDDEN).to(torch.bfloat16)})
+    deadline = time.monotonic() + 60
+    while not worker._sink.started:  # the arena is made in the background as the engine starts
+        assert time.monotonic() < deadline, "the worker's arena was not made in 60 s"
+        time.sleep(0.01)
+held_fds = []
+
+
+def save(meta_b64):
+    worker.bind_connector_metadata(pickle.loads(base64.b64decode(meta_b64)))
+    t0 = time.monotonic()
+    worker.wait_for_save()
+    took = time.monotonic() - t0
+    worker.clear_connector_metadata()
+    return took
+
+
+class GapCondition(threading.Condition):
+    """The scheduler's condition, instrumented: when request_finished's timed wait for ``rid``
+    has run out and it releases the lock, the worker sends the result and the listener reads
+    it (``pending_save``) before request_finished may go on."""
+
+    def __init__(self, meta_b64):
+        super().__init__()
+        self.meta_b64 = meta_b64
+        self.timed_out = False
+        self.delivered = threading.Event()
+
+    def wait(self, timeout=None):
+        got = super().wait(timeout)
+        if not got and timeout is not None:
+            self.timed_out = True
+        return got
+
+    def __exit__(self, *exc):
+        me = threading.current_thread()
+        r = super().__exit__(*exc)
+        if me is not main:
+            self.delivered.set()  # the listener's delivery (or refusal) is done
+        elif self.timed_out and self.meta_b64 is not None:
+            meta, self.meta_b64 = self.meta_b64, None
+            threading.Thread(target=save, args=(meta,), daemon=True).start()
+            self.delivered.wait(10)
+        return r
+
+
+main = threading.main_thread()
+print(json.dumps({"ready": True}), file=answers, flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        if "announce" in cmd:
+            num = {}
+            for rid, n in cmd["announce"]:
+                req = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=n, prompt_token_ids=list(range(1, n + 1)))
+                requests[rid] = req
+                sched.on_new_request(req)
+                num[rid] = n
+            meta = sched.build_connector_meta(ns(num_scheduled_tokens=num))
+            answer = {"meta": base64.b64encode(pickle.dumps(meta)).decode()}
+        elif "save" in cmd:
+            answer = {"s": save(cmd["save"])}
+        elif "finish" in cmd:
+            if cmd.get("gap"):
+                sched._cond = GapCondition(cmd["gap"])
+            t0 = time.monotonic()
+            params = sched.request_finished(requests.pop(cmd["finish"]), [])[1]
+            answer = {"params": params, "s": time.monotonic() - t0}
+        elif "fill_fds" in cmd:
+            while True:
+                try:
+                    held_fds.append(os.open("/dev/null", os.O_RDONLY))
+                except OSError:
+                    break
+            answer = {"held": len(held_fds)}
+        elif "release_fds" in cmd:
+            for fd in held_fds:
+                os.close(fd)
+            held_fds.clear()
+            answer = {"ok": True}
+        elif "stats" in cmd:
+            answer = dict(worker._sink.stats())
+        elif "max_pending" in cmd:  # the scheduler's table of requests, made small (or not)
+            import capture_arena.vllm
+
+            capture_arena.vllm.MAX_PENDING = capture_arena.vllm.MAX_WAITING_RESULTS = int(cmd["max_pending"])
+            answer = {"ok": True}
+        elif "accept_errors" in cmd:
+            answer = {"accept_errors": sched._listener.accept_errors}
+        else:
+            answer = {"error": f"unknown command {cmd}"}
+    except Exception as e:
+        answer = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(answer), file=answers, flush=True)
