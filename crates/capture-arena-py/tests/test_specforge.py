@@ -468,6 +468,44 @@ def test_a_controller_without_the_producers_token_is_told_its_frees_were_refused
     assert token == controller._endpoints[sink.control]
 
 
+def test_a_controller_without_the_token_connects_at_the_rate_its_back_off_allows_through_specforges_drains(make_sink: Any) -> None:
+    """SpecForge's abort-and-drain against a token-protected producer, from a controller given
+    its control endpoint but no token: every try is refused, and each is a connection the
+    producer's writer thread serves. The tries follow one back-off per endpoint (100 ms doubling),
+    whatever the drains ask: before, each drain's short waits reset it, and one abort and drain
+    made 9,013 to 19,464 refused connections in a few seconds."""
+    import math
+
+    from specforge.runtime.data_plane.feature_store import drain_feature_store_removals, drain_feature_store_sample_removals
+
+    sink = make_sink(control_token="auto")
+    rows = _published(sink, "rate", 3, "s")
+    controller = SpecForgeArenaStore(store_id="rate", controls=[sink.control])  # no token
+    before = sink.stats()["unauthorized_lines"]
+    t0 = time.monotonic()
+    ids = [r["sample_id"] for r in rows]
+    for sid in ids:
+        controller.abort(sid, reason="reconciled")
+    with pytest.raises(RuntimeError, match="missing token"):
+        drain_feature_store_sample_removals(controller, ids)  # SpecForge's 8 x 0.25 s
+    with pytest.raises(RuntimeError, match="missing token"):
+        drain_feature_store_removals(controller, max_attempts=4, retry_interval_s=0.25)
+    took = time.monotonic() - t0
+    refused = sink.stats()["unauthorized_lines"] - before
+    # Tries at 0, 0.1, 0.3, 0.7, 1.5, 3.1 s...: 1 + log2(T / 0.1 s + 1) in T seconds, all three
+    # prefixes in each (one connection), and one residency question (every 10 s at most).
+    bound = 1 + int(math.log2(took / 0.1 + 1)) + 1
+    assert 1 <= refused <= bound, f"{refused} refused connections in {took:.1f} s (bound {bound})"
+    assert sink.stats()["resident_objects"] == 3
+    # The token, learned from a result, gets them through at once.
+    controller.record_result(_published(sink, "rate", 1, "late")[0])
+    drain_feature_store_removals(controller, max_attempts=40, retry_interval_s=0.25)
+    deadline = time.monotonic() + 10
+    while sink.stats()["resident_objects"] != 1:
+        assert time.monotonic() < deadline, sink.stats()
+        time.sleep(0.01)
+
+
 def test_a_controllers_memory_forgets_samples_freed_elsewhere_and_stays_within_its_bounds(make_sink: Any) -> None:
     sink = make_sink()
     controller = SpecForgeArenaStore(store_id="mem")

@@ -141,47 +141,79 @@ def _result_bytes(result: Mapping[str, Any]) -> int:
     return total
 
 
+class _Endpoint:
+    """One control endpoint's prefix frees: what waits, with which token, when it is next tried
+    and the back-off after that, and why its last try was refused (None: it was not)."""
+
+    __slots__ = ("prefixes", "token", "due", "backoff", "refused")
+
+    def __init__(self, token: Optional[str]) -> None:
+        self.prefixes: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        self.token = token
+        self.due = 0.0
+        self.backoff = PREFIX_BACKOFF_S
+        self.refused: Optional[str] = None
+
+
+#: A prefix free's back-off after a failed try: this, doubling to PREFIX_MAX_BACKOFF_S, per
+#: control endpoint (every prefix waiting for one endpoint goes in one connection).
+PREFIX_BACKOFF_S = 0.1
+PREFIX_MAX_BACKOFF_S = 30.0
+#: Prefixes sent in one connection at most.
+PREFIXES_PER_SEND = 512
+
+
 class _Prefixes:
-    """Prefix frees, sent from a thread of their own: each ``(control, token, prefix)`` is tried
-    until its endpoint takes it (back-off 100 ms to 30 s), or dropped once it refuses
-    connections."""
+    """Prefix frees, sent from a thread of their own, all of one control endpoint in one
+    connection; an endpoint that fails a try waits (100 ms doubling to 30 s, reset once one
+    goes through) whatever asks for its frees meanwhile, so a client the producer refuses
+    connects at most 1 + log2(T / 0.1 s) times in T seconds. An endpoint that refuses the
+    control token waits for a token (``set_token``) or its back-off; one that refuses
+    connections (its producer is gone) has its prefixes dropped."""
 
     def __init__(self) -> None:
         self._lock = threading.Condition()
-        self._waiting: "collections.OrderedDict[Tuple[str, str], Tuple[Optional[str], float, float]]" = collections.OrderedDict()
+        self._endpoints: Dict[str, _Endpoint] = {}
+        self._count = 0
         self._sending = 0
         self._thread: Optional[threading.Thread] = None
         self.dropped = 0
-        #: Prefixes waiting because their endpoint refused them for its control token, and why.
-        self._refused: Dict[Tuple[str, str], str] = {}
-        #: Tokens learned after prefixes were queued, by endpoint.
-        self._tokens: Dict[str, Optional[str]] = {}
+        #: Connections made to send prefix frees (each a try of one endpoint's).
+        self.tries = 0
 
     @property
     def refused(self) -> int:
         """Prefixes whose last try was refused for the control token (still pending)."""
         with self._lock:
-            return len(self._refused)
+            return sum(len(e.prefixes) for e in self._endpoints.values() if e.refused is not None)
 
     def last_refusal(self) -> str:
         with self._lock:
-            return next(reversed(self._refused.values()), "")
+            return next((e.refused for e in reversed(list(self._endpoints.values())) if e.refused), "")
 
     def set_token(self, control: str, token: Optional[str]) -> None:
-        """A token learned for ``control``: its waiting prefixes (and one being sent now, when
-        it comes back) carry it and go now."""
+        """A token learned for ``control``: its waiting prefixes carry it and go now."""
         with self._lock:
-            self._tokens[control] = token
-            for (c, p), (_, _, backoff) in list(self._waiting.items()):
-                if c == control:
-                    self._waiting[(c, p)] = (token, 0.0, backoff)
+            e = self._endpoints.get(control)
+            if e is None or e.token == token:
+                return
+            e.token, e.due, e.backoff, e.refused = token, 0.0, PREFIX_BACKOFF_S, None
             self._lock.notify_all()
 
     def add(self, control: str, token: Optional[str], prefix: str) -> None:
         with self._lock:
-            self._waiting[(control, prefix)] = (token, 0.0, 0.1)
-            while len(self._waiting) > MAX_PREFIXES:
-                self._waiting.popitem(last=False)
+            e = self._endpoints.get(control)
+            if e is None:
+                e = self._endpoints[control] = _Endpoint(token)
+            elif token is not None and e.token != token:
+                e.token, e.due, e.refused = token, 0.0, None
+            if prefix not in e.prefixes:
+                e.prefixes[prefix] = None
+                self._count += 1
+            while self._count > MAX_PREFIXES:  # the oldest endpoint's oldest prefix goes
+                oldest = next(c for c, x in self._endpoints.items() if x.prefixes)
+                self._endpoints[oldest].prefixes.popitem(last=False)
+                self._count -= 1
                 self.dropped += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="capture-arena-prefix-frees", daemon=True)
@@ -191,70 +223,121 @@ class _Prefixes:
     @property
     def pending(self) -> int:
         with self._lock:
-            return len(self._waiting) + self._sending
+            return self._count + self._sending
+
+    def _take(self) -> Optional[Tuple[str, Optional[str], List[str]]]:
+        """The next endpoint due and its prefixes (taken out), waiting for one; None when
+        nothing waits at all (the thread ends). Under the lock."""
+        while True:
+            waiting = {c: e for c, e in self._endpoints.items() if e.prefixes}
+            if not waiting:
+                self._endpoints = {c: e for c, e in self._endpoints.items() if e.prefixes or e.refused}
+                self._thread = None
+                self._lock.notify_all()
+                return None
+            now = time.monotonic()
+            due = next(((c, e) for c, e in waiting.items() if e.due <= now), None)
+            if due is None:
+                self._lock.wait(min(e.due for e in waiting.values()) - now)
+                continue
+            control, e = due
+            batch = []
+            while e.prefixes and len(batch) < PREFIXES_PER_SEND:
+                batch.append(e.prefixes.popitem(last=False)[0])
+            self._count -= len(batch)
+            self._sending += len(batch)
+            return control, e.token, batch
 
     def _run(self) -> None:
         while True:
             with self._lock:
-                if not self._waiting:
-                    self._thread = None
-                    self._lock.notify_all()
-                    return
-                now = time.monotonic()
-                due = [(k, v) for k, v in self._waiting.items() if v[1] <= now]
-                if not due:
-                    self._lock.wait(min(v[1] for v in self._waiting.values()) - now)
-                    continue
-                (control, prefix), (token, _, backoff) = due[0]
-                del self._waiting[(control, prefix)]
-                self._sending += 1
-            retry: Optional[float] = None
+                taken = self._take()
+            if taken is None:
+                return
+            control, token, batch = taken
+            failed: Optional[str] = None  # why the endpoint backs off (None: it does not)
+            retry: List[str] = []
             try:
-                _send_frees(control, [], [prefix], token, 5.0)
-                with self._lock:
-                    self._refused.pop((control, prefix), None)
+                self.tries += 1
+                _send_frees(control, [], batch, token, 5.0)
             except FreeRefusedError as e:
-                # Not applied: it waits (a token learned later gets it through), said once.
+                # Not applied: they wait (a token learned later gets them through), said once.
                 with self._lock:
-                    first = (control, prefix) not in self._refused
-                    self._refused[(control, prefix)] = str(e)
+                    first = self._endpoints[control].refused is None
+                    self._endpoints[control].refused = str(e)
                 if first:
-                    log.error("prefix free %s: %s", prefix, e)
-                retry = min(backoff * 2, 30.0)
+                    log.error("%d prefix frees to %s: %s", len(batch), control, e)
+                failed, retry = str(e), batch
             except FreeNotSentError as e:
                 if "refused" in str(e).lower():
-                    log.warning("control endpoint %s refuses connections (its producer is gone): prefix free %s dropped", control, prefix)
+                    log.warning("control endpoint %s refuses connections (its producer is gone): %d prefix frees dropped", control, len(batch))
                     with self._lock:
-                        self.dropped += 1
-                        self._refused.pop((control, prefix), None)
+                        self.dropped += len(batch)
                 else:
-                    retry = backoff
+                    failed, retry = "", batch
             except CaptureArenaError as e:  # a prefix or token that is not one: never sendable
-                log.error("prefix free %s to %s dropped: %s", prefix, control, e)
+                if len(batch) > 1:  # find which: each goes alone next
+                    with self._lock:
+                        self._sending -= len(batch)
+                    for prefix in batch:
+                        self._send_alone(control, token, prefix)
+                    continue
+                log.error("prefix free %s to %s dropped: %s", batch[0], control, e)
                 with self._lock:
                     self.dropped += 1
-                    self._refused.pop((control, prefix), None)
             with self._lock:
-                self._sending -= 1
-                if retry is not None and (control, prefix) not in self._waiting:
-                    if self._tokens.get(control, token) != token:
-                        token, retry = self._tokens[control], 0.0  # a token learned meanwhile
-                    self._waiting[(control, prefix)] = (token, time.monotonic() + retry, min(max(retry, 0.1) * 2, 30.0))
+                self._sending -= len(batch)
+                e = self._endpoints[control]
+                if failed is None:
+                    e.backoff, e.refused = PREFIX_BACKOFF_S, None
+                else:
+                    for prefix in reversed(retry):  # back in front, in order
+                        if prefix not in e.prefixes:
+                            e.prefixes[prefix] = None
+                            e.prefixes.move_to_end(prefix, last=False)
+                            self._count += 1
+                    if e.token != token:  # a token learned meanwhile: at once
+                        e.due = 0.0
+                    else:
+                        e.due = time.monotonic() + e.backoff
+                        e.backoff = min(e.backoff * 2, PREFIX_MAX_BACKOFF_S)
                 self._lock.notify_all()
 
+    def _send_alone(self, control: str, token: Optional[str], prefix: str) -> None:
+        """One prefix of a batch that was not sendable: sent alone, dropped if it is the bad one
+        (any other failure puts it back to wait with its endpoint)."""
+        try:
+            self.tries += 1
+            _send_frees(control, [], [prefix], token, 5.0)
+        except CaptureArenaError as e:
+            if isinstance(e, FreeNotSentError):
+                with self._lock:
+                    ep = self._endpoints[control]
+                    if prefix not in ep.prefixes:
+                        ep.prefixes[prefix] = None
+                        self._count += 1
+                        ep.due = max(ep.due, time.monotonic() + ep.backoff)
+                return
+            log.error("prefix free %s to %s dropped: %s", prefix, control, e)
+            with self._lock:
+                self.dropped += 1
+
     def wait(self, timeout_s: float) -> bool:
-        """Waits up to ``timeout_s`` for every prefix to go out; True if none waits."""
+        """Waits up to ``timeout_s`` for every prefix to go out; True if none waits. An
+        endpoint in its back-off is tried once now, unless it refused the control token (only a
+        token, or its back-off, changes that): a drain that waits in many short calls must not
+        turn the back-off into a retry loop."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
-            while self._waiting or self._sending:
+            for e in self._endpoints.values():
+                if e.prefixes and e.refused is None:
+                    e.due = 0.0
+            self._lock.notify_all()
+            while self._count or self._sending:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                # What is in its back-off is tried now.
-                for k, (token, _, backoff) in list(self._waiting.items()):
-                    self._waiting[k] = (token, 0.0, backoff)
-                self._lock.notify_all()
-                self._lock.wait(min(left, 0.05))
+                self._lock.wait(left)
             return True
 
 
