@@ -241,7 +241,7 @@ class _Prefixes:
                 self._lock.wait(min(e.due for e in waiting.values()) - now)
                 continue
             control, e = due
-            batch = []
+            batch: List[str] = []
             while e.prefixes and len(batch) < PREFIXES_PER_SEND:
                 batch.append(e.prefixes.popitem(last=False)[0])
             self._count -= len(batch)
@@ -287,20 +287,20 @@ class _Prefixes:
                     self.dropped += 1
             with self._lock:
                 self._sending -= len(batch)
-                e = self._endpoints[control]
+                ep = self._endpoints[control]
                 if failed is None:
-                    e.backoff, e.refused = PREFIX_BACKOFF_S, None
+                    ep.backoff, ep.refused = PREFIX_BACKOFF_S, None
                 else:
                     for prefix in reversed(retry):  # back in front, in order
-                        if prefix not in e.prefixes:
-                            e.prefixes[prefix] = None
-                            e.prefixes.move_to_end(prefix, last=False)
+                        if prefix not in ep.prefixes:
+                            ep.prefixes[prefix] = None
+                            ep.prefixes.move_to_end(prefix, last=False)
                             self._count += 1
-                    if e.token != token:  # a token learned meanwhile: at once
-                        e.due = 0.0
+                    if ep.token != token:  # a token learned meanwhile: at once
+                        ep.due = 0.0
                     else:
-                        e.due = time.monotonic() + e.backoff
-                        e.backoff = min(e.backoff * 2, PREFIX_MAX_BACKOFF_S)
+                        ep.due = time.monotonic() + ep.backoff
+                        ep.backoff = min(ep.backoff * 2, PREFIX_MAX_BACKOFF_S)
                 self._lock.notify_all()
 
     def _send_alone(self, control: str, token: Optional[str], prefix: str) -> None:
