@@ -435,61 +435,66 @@ def test_a_result_arriving_in_the_gap_as_its_request_gives_up_is_freed(both: Pro
     assert s["local_freed_objects"] - before["local_freed_objects"] == 2, s
 
 
-def test_the_result_listener_survives_a_failed_accept() -> None:
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Proc, Proc]]:
+    """The engine core's half and the worker's, each in a process of its own, shared by the
+    tests that leave the worker's arena empty and both processes running."""
+    eid = f"pair-{os.getpid()}"
+    sched, worker = halves("scheduler", eid), halves("worker", eid)
+    yield sched, worker
+    sched.close()
+    worker.close()
+
+
+def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:
     # The engine core runs out of descriptors as the worker connects: accept() fails (EMFILE).
     # Before, that ended the listener for the life of the engine: the worker's results sat in the
     # backlog, every request waited its bound and its objects stayed resident.
-    eid = f"emfile-{os.getpid()}"
-    sched, worker = halves("scheduler", eid), halves("worker", eid)
-    try:
-        meta = sched.ask({"announce": [["a", 8]]})["meta"]
-        assert sched.ask({"fill_fds": True})["held"] > 0
-        assert "s" in worker.ask({"save": meta})
-        import time
+    import time
 
-        deadline = time.monotonic() + 10
-        while sched.ask({"accept_errors": True}).get("accept_errors", 0) < 1:
-            assert time.monotonic() < deadline, "the scheduler process never failed to accept"
-            time.sleep(0.01)
-        assert sched.ask({"release_fds": True}) == {"ok": True}
-        params = sched.ask({"finish": "a"})["params"]
-        assert "error" not in params["capture_arena"], params
-        release_all([params])
-        s = wait_resident(worker, 0)
-        assert s["resident_objects"] == 0 and s["local_freed_objects"] == 0, s
-    finally:
-        sched.close()
-        worker.close()
+    sched, worker = pair
+    assert worker.ask({"reconnect": True}) == {"ok": True}  # its next results need an accept
+    errors, freed = sched.ask({"accept_errors": True}).get("accept_errors", 0), worker.ask({"stats": True})["local_freed_objects"]
+    meta = sched.ask({"announce": [["a", 8]]})["meta"]
+    assert sched.ask({"fill_fds": True})["held"] > 0
+    assert "s" in worker.ask({"save": meta})
+    deadline = time.monotonic() + 10
+    while sched.ask({"accept_errors": True}).get("accept_errors", 0) <= errors:
+        assert time.monotonic() < deadline, "the scheduler process never failed to accept"
+        time.sleep(0.01)
+    assert sched.ask({"release_fds": True}) == {"ok": True}
+    params = sched.ask({"finish": "a"})["params"]
+    assert "error" not in params["capture_arena"], params
+    release_all([params])
+    s = wait_resident(worker, 0)
+    assert s["resident_objects"] == 0 and s["local_freed_objects"] == freed, s
 
 
-def test_a_worker_frees_what_a_stuck_scheduler_process_never_took() -> None:
+def test_a_worker_frees_what_a_stuck_scheduler_process_never_took(pair: tuple[Proc, Proc]) -> None:
     # The engine core stops reading (stopped: SIGSTOP) after a first step went through: the
     # worker's send succeeds into the socket's buffer, and nobody takes the result. The worker
     # frees it once the bound plus its grace passed (before: resident for ever), and the
     # scheduler process, reading it late, never hands it out.
     import signal
 
-    eid = f"stuck-{os.getpid()}"
-    sched, worker = halves("scheduler", eid), halves("worker", eid)
+    sched, worker = pair
+    before = worker.ask({"stats": True})
+    worker.ask({"save": sched.ask({"announce": [["first", 8]]})["meta"]})
+    first = sched.ask({"finish": "first"})["params"]
+    assert "error" not in first["capture_arena"], first
+    release_all([first])
+    meta = sched.ask({"announce": [["second", 8]]})["meta"]
+    os.kill(sched.p.pid, signal.SIGSTOP)
     try:
-        worker.ask({"save": sched.ask({"announce": [["first", 8]]})["meta"]})
-        first = sched.ask({"finish": "first"})["params"]
-        assert "error" not in first["capture_arena"], first
-        release_all([first])
-        meta = sched.ask({"announce": [["second", 8]]})["meta"]
-        os.kill(sched.p.pid, signal.SIGSTOP)
-        try:
-            worker.ask({"save": meta})
-            # capture_arena.vllm.ACK_GRACE_S is 2 s: freed after 2.5 s here.
-            s = wait_resident(worker, 0, timeout=15)
-            assert s["resident_objects"] == 0 and s["published_objects"] == 4 and s["local_freed_objects"] == 2, s
-        finally:
-            os.kill(sched.p.pid, signal.SIGCONT)
-        late = sched.ask({"finish": "second"})["params"]
-        assert "no result within" in late["capture_arena"]["error"], late
+        worker.ask({"save": meta})
+        # capture_arena.vllm.ACK_GRACE_S is 2 s: freed after 2.5 s here.
+        s = wait_resident(worker, 0, timeout=15)
+        assert s["resident_objects"] == 0 and s["published_objects"] - before["published_objects"] == 4, s
+        assert s["local_freed_objects"] - before["local_freed_objects"] == 2, s
     finally:
-        sched.close()
-        worker.close()
+        os.kill(sched.p.pid, signal.SIGCONT)
+    late = sched.ask({"finish": "second"})["params"]
+    assert "no result within" in late["capture_arena"]["error"], late
 
 
 def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(both: Proc) -> None:

@@ -20,7 +20,8 @@ states and 8 of its id. Commands:
   sent by the worker and read before request_finished goes on;
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
   the process, then gives them back;
-- ``{"stats": true}`` (worker): the worker's arena counters; ``{"accept_errors": true}``
+- ``{"stats": true}`` (worker): the worker's arena counters; ``{"reconnect": true}`` (worker):
+  the next results go over a new connection; ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n.
 """
@@ -146,6 +147,9 @@ for line in sys.stdin:
             answer = {"ok": True}
         elif "stats" in cmd:
             answer = dict(worker._sink.stats())
+        elif "reconnect" in cmd:  # the next step's results go over a new connection
+            worker._drop_conn()
+            answer = {"ok": True}
         elif "max_pending" in cmd:  # the scheduler's table of requests, made small (or not)
             import capture_arena.vllm
 

@@ -185,13 +185,7 @@ impl Sink {
     ) -> Result<Vec<crate::Published>> {
         match self.started() {
             Some(w) => w.submit_within(samples, within),
-            None => Err(crate::Error::Timeout {
-                what: "publishing a batch".into(),
-                waited: std::time::Duration::ZERO,
-                reason: "the arena is still being created (it is made off the caller's thread; \
-                         about half a second per GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES)"
-                    .into(),
-            }),
+            None => Err(still_starting()),
         }
     }
 
@@ -209,13 +203,7 @@ impl Sink {
     ) -> Result<Vec<crate::writer::Outcome>> {
         match self.started() {
             Some(w) => w.submit_each_within(samples, within),
-            None => Err(crate::Error::Timeout {
-                what: "publishing a batch".into(),
-                waited: std::time::Duration::ZERO,
-                reason: "the arena is still being created (it is made off the caller's thread; \
-                         about half a second per GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES)"
-                    .into(),
-            }),
+            None => Err(still_starting()),
         }
     }
 
@@ -246,6 +234,17 @@ impl Sink {
             .get()
             .and_then(Writer::store_usage)
             .unwrap_or_default()
+    }
+}
+
+/// What a bounded caller gets before the arena exists.
+fn still_starting() -> crate::Error {
+    crate::Error::Timeout {
+        what: "publishing a batch".into(),
+        waited: std::time::Duration::ZERO,
+        reason: "the arena is still being created (it is made off the caller's thread; about \
+                 half a second per GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES)"
+            .into(),
     }
 }
 

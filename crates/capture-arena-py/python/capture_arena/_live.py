@@ -142,15 +142,21 @@ DEFAULT_INTAKE_WAIT_S = 60.0
 def intake_wait_s() -> float:
     """``SGLANG_SPEC_CAPTURE_INTAKE_WAIT_S`` (default 60): how long a tensor-parallel server
     waits at start-up for the intake's config."""
-    raw = os.environ.get(INTAKE_WAIT_ENV, "").strip()
+    return _seconds_env(INTAKE_WAIT_ENV, DEFAULT_INTAKE_WAIT_S, 3600.0)
+
+
+def _seconds_env(name: str, default: float, most: float) -> float:
+    """A number of seconds in [0, most] from the variable ``name`` (``default`` when unset), or
+    ConfigError naming it."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_INTAKE_WAIT_S
+        return default
     try:
         v = float(raw)
     except ValueError:
         v = -1.0
-    if not 0.0 <= v <= 3600.0:
-        raise ConfigError(f"invalid configuration {INTAKE_WAIT_ENV}: {raw!r} is not a number of seconds in [0, 3600]")
+    if not 0.0 <= v <= most:
+        raise ConfigError(f"invalid configuration {name}: {raw!r} is not a number of seconds in [0, {most:g}]")
     return v
 
 
@@ -593,16 +599,7 @@ SYNC_WAIT_ENV = "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S"
 
 def sync_wait_s() -> float:
     """``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (default 1): seconds a synchronous caller waits."""
-    raw = os.environ.get(SYNC_WAIT_ENV, "").strip()
-    if not raw:
-        return 1.0
-    try:
-        v = float(raw)
-    except ValueError:
-        v = -1.0
-    if not 0.0 <= v <= 86400.0:
-        raise ConfigError(f"invalid configuration {SYNC_WAIT_ENV}: {raw!r} is not a number of seconds in [0, 86400]")
-    return v
+    return _seconds_env(SYNC_WAIT_ENV, 1.0, 86400.0)
 
 
 class LiveSink:
