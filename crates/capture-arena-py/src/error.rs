@@ -32,6 +32,8 @@ pub fn to_py(e: Error) -> PyErr {
         Error::UnknownFeature { .. } => "UnknownFeatureError",
         Error::Released { .. } | Error::Changed { found: 0, .. } => "ReleasedError",
         Error::Changed { .. } => "ObjectChangedError",
+        Error::NotReady { .. } => "NotReadyError",
+        Error::WriteFailed { .. } => "WriteFailedError",
         Error::FreeNotSent { .. } => "FreeNotSentError",
         Error::Unauthorized { .. } => "FreeRefusedError",
         Error::Timeout { .. } => "PublishTimeoutError",

@@ -14,6 +14,14 @@
 //! it before the space can be placed again. Results carry it, so a reader compares it before
 //! and after its copy and never returns another object's bytes; the object's bytes stay raw at
 //! its address, so readers that know nothing of stamps are unaffected.
+//!
+//! A batch of reserved tensors ([`TensorData::Reserved`]) is written by its caller, not by the
+//! writer: [`Arena::commit_reserved`] enters its objects at once with their stamp word set to the
+//! stamp with [`PENDING_BIT`] (their results go out before their bytes), and
+//! [`Arena::finish_write`] then writes the stamp itself (the bytes are there) or the stamp with
+//! [`FAILED_BIT`] (they never will be: the space is freed). Until then a free of such an object
+//! is only noted, and applied once its write is finished, so the caller never writes into space
+//! placed again.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -24,7 +32,8 @@ use crate::key::Key;
 use crate::memory::{CopyOp, Progress, Region};
 pub use crate::report::{ArenaReport, StoreUsage};
 use crate::sample::{
-    check_unique, stamp_offset, ArenaRef, Feature, Published, Sample, MAX_STAMP, STAMP_BYTES,
+    check_unique, stamp_offset, ArenaRef, Feature, Published, Sample, FAILED_BIT, MAX_STAMP,
+    PENDING_BIT, STAMP_BYTES,
 };
 use crate::tensor::Dtype;
 use crate::tensor::TensorData;
@@ -44,6 +53,12 @@ pub struct Object {
     pub published: Instant,
     /// Its stamp (see the module docs).
     pub stamp: u64,
+    /// Its bytes are still being written by the caller that reserved it
+    /// ([`Arena::commit_reserved`]): its stamp word says so, and a free waits for
+    /// [`Arena::finish_write`].
+    pub writing: bool,
+    /// Freed while still being written: the free takes effect when its write is finished.
+    pub free_pending: bool,
 }
 
 /// What a successful publication did.
@@ -287,10 +302,14 @@ impl Arena {
     pub fn check(&self, samples: &[Sample]) -> Result<u64> {
         check_unique(samples)?;
         for s in samples {
-            if s.replace {
-                continue;
-            }
-            if let Some(k) = s.keys().find(|k| self.objects.contains_key(*k)) {
+            // An object still being written by its caller cannot be replaced either: its space
+            // is the caller's until its write is finished.
+            let taken = |k: &&Key| {
+                self.objects
+                    .get(*k)
+                    .is_some_and(|o| !s.replace || o.writing)
+            };
+            if let Some(k) = s.keys().find(taken) {
                 return Err(Error::KeyExists { key: k.to_string() });
             }
         }
@@ -396,6 +415,53 @@ impl Arena {
 
     /// Enters a reserved batch whose bytes have all landed into the object table.
     pub fn commit(&mut self, r: Reservation, samples: &[Sample]) -> Publication {
+        self.enter(r, samples, false)
+    }
+
+    /// Enters a reserved batch whose bytes its caller writes ([`TensorData::Reserved`]) into
+    /// the object table at once, each object's stamp word set to its stamp with
+    /// [`PENDING_BIT`] first: readers of its results wait until [`Arena::finish_write`].
+    pub fn commit_reserved(&mut self, r: Reservation, samples: &[Sample]) -> Publication {
+        for &((si, ti), e, stamp) in &r.placed {
+            let len = samples[si].tensors[ti].1.byte_len();
+            self.region
+                .set_word(e.offset + stamp_offset(len), stamp | PENDING_BIT);
+        }
+        self.enter(r, samples, true)
+    }
+
+    /// The caller finished writing the object under `key` (entered by
+    /// [`Arena::commit_reserved`]): its stamp word becomes its stamp (`ok`: readers may read
+    /// it), or the stamp with [`FAILED_BIT`] (readers fail) and its space is freed. A free
+    /// asked for meanwhile is applied now. False for a key that is not being written.
+    pub fn finish_write(&mut self, key: &str, ok: bool) -> bool {
+        let Some(o) = self.objects.get_mut(key).filter(|o| o.writing) else {
+            return false;
+        };
+        o.writing = false;
+        let (at, stamp, pending) = (
+            o.extent.offset + stamp_offset(o.len),
+            o.stamp,
+            o.free_pending,
+        );
+        if ok {
+            self.region.set_word(at, stamp);
+            if pending {
+                self.free(key);
+            }
+            return true;
+        }
+        // Its readers must learn the bytes never came: the word stays failed (not zeroed) until
+        // another object's copy writes over it, and no stamp ever equals it.
+        self.region.set_word(at, stamp | FAILED_BIT);
+        if let Some(o) = self.objects.remove(key) {
+            let freed = self.alloc.free(o.extent);
+            debug_assert!(freed, "a resident object's extent is live");
+        }
+        true
+    }
+
+    fn enter(&mut self, r: Reservation, samples: &[Sample], writing: bool) -> Publication {
         if self.region.renew() {
             self.arena_ref.session = self.region.session().to_owned();
         }
@@ -434,6 +500,8 @@ impl Arena {
                     dtype: t.dtype,
                     published: now,
                     stamp,
+                    writing,
+                    free_pending: false,
                 },
             );
             if self.ttl.is_some() {
@@ -498,11 +566,18 @@ impl Arena {
 
     /// Frees the object under `key`. Returns its bytes (`shape × item size`, as published), or
     /// `None` for a key that is not resident (already freed, never published, or in a batch
-    /// still being copied): freeing is idempotent.
+    /// still being copied): freeing is idempotent. An object its caller is still writing
+    /// ([`Arena::commit_reserved`]) is freed once its write is finished; it counts now.
     ///
     /// # Complexity
     /// O(1) for the table and O(log n) in the number of free extents.
     pub fn free(&mut self, key: &str) -> Option<u64> {
+        if let Some(o) = self.objects.get_mut(key).filter(|o| o.writing) {
+            // Its caller still writes there: freed when it is done (Arena::finish_write).
+            let first = !o.free_pending;
+            o.free_pending = true;
+            return first.then_some(o.len);
+        }
         let o = self.objects.remove(key)?;
         self.clear_stamp(&o);
         let freed = self.alloc.free(o.extent);

@@ -122,6 +122,20 @@ pub enum Error {
         /// What the arena held: 0 once freed.
         found: u64,
     },
+    /// An object's bytes were still being written when the reader's wait for them ended (its
+    /// result was handed out before its copy completed: the readiness rule of docs/protocol.md).
+    NotReady {
+        /// The object's key.
+        key: String,
+        /// How long the reader waited.
+        waited: Duration,
+    },
+    /// The producer could not write an object's bytes (its copy failed after its result was
+    /// handed out); its space is free again.
+    WriteFailed {
+        /// The object's key.
+        key: String,
+    },
     /// A read was refused before touching memory: a buffer of the wrong size, a shape that
     /// overflows.
     InvalidRead {
@@ -310,6 +324,18 @@ impl fmt::Display for Error {
                 f,
                 "{key} was freed and its space holds another object now (stamp {found}, the \
                  result's {stamp}): nothing read is returned"
+            ),
+            Error::NotReady { key, waited } => write!(
+                f,
+                "{key} was still being written after {:.3} s: its producer handed out its result \
+                 before its copy completed and has not finished it (read again later, or wait \
+                 longer: SGLANG_SPEC_CAPTURE_READY_WAIT_S)",
+                waited.as_secs_f64()
+            ),
+            Error::WriteFailed { key } => write!(
+                f,
+                "{key} was never written: the producer's copy of it failed after its result was \
+                 handed out (its log says why), and its space is free again"
             ),
             Error::InvalidRead { key, reason } => write!(f, "cannot read {key}: {reason}"),
             Error::FreeNotSent {

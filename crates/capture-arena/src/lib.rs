@@ -66,7 +66,10 @@ pub use client::{ControlClient, FeatureStore, Reader};
 pub use config::{arena_enabled, Config, Placement};
 pub use error::{Error, Result};
 pub use key::Key;
-pub use sample::{ArenaRef, Feature, Published, Sample, SampleResult, SampleSpec};
+pub use sample::{
+    ArenaRef, Feature, Published, Sample, SampleResult, SampleSpec, StampWord, FAILED_BIT,
+    PENDING_BIT,
+};
 pub use sink::Sink;
 pub use stats::StatsSnapshot;
 pub use tensor::{Dtype, Tensor, TensorData};

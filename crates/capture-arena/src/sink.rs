@@ -215,6 +215,14 @@ impl Sink {
         }
     }
 
+    /// Finishes the writes of objects published from reserved tensors
+    /// ([`Writer::finish_writes`]); nothing before the writer has started.
+    pub fn finish_writes(&self, keys: impl IntoIterator<Item = String>, ok: bool) {
+        if let Some(w) = self.started() {
+            w.finish_writes(keys, ok);
+        }
+    }
+
     /// Peers refused for the control token ([`Writer::unauthorized_peers`]).
     pub fn unauthorized_peers(&self) -> Vec<crate::report::UnauthorizedPeer> {
         self.started()

@@ -87,6 +87,11 @@ stats! {
     /// Objects freed by the producer's own process (a capture it dropped: a live record the
     /// intake refused, a synchronous caller that stopped waiting).
     local_freed_objects,
+    /// Objects whose bytes their submitter wrote itself (reserved tensors, published before
+    /// their bytes) and finished: readers may read them.
+    written_objects,
+    /// Objects whose submitter could not write their bytes: readers fail, their space was freed.
+    failed_writes,
     /// Batches that had to wait for frees.
     waits,
     /// Total time batches waited for frees, in nanoseconds.

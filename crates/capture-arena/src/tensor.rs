@@ -117,6 +117,10 @@ pub enum TensorData {
     /// Device memory (cargo feature `cuda`): see [`TensorData::device`].
     #[cfg(feature = "cuda")]
     Device(DeviceData),
+    /// This many bytes, which the submitter writes itself once their space is reserved: a batch
+    /// of such tensors is published at once with its objects marked as being written, and
+    /// finished with [`crate::Writer::finish_writes`] (see [`crate::arena`]).
+    Reserved(u64),
 }
 
 /// Device bytes lent by address; see [`TensorData::device`].
@@ -264,7 +268,13 @@ impl TensorData {
             TensorData::Lent(l) => l.len as u64,
             #[cfg(feature = "cuda")]
             TensorData::Device(d) => d.len,
+            TensorData::Reserved(n) => *n,
         }
+    }
+
+    /// True for bytes the submitter writes itself ([`TensorData::Reserved`]).
+    pub fn is_reserved(&self) -> bool {
+        matches!(self, TensorData::Reserved(_))
     }
 
     /// True if there are no bytes.
@@ -282,7 +292,7 @@ impl TensorData {
         self.host_source()
     }
 
-    /// `None` for device memory.
+    /// `None` for device memory and reserved bytes.
     pub(crate) fn host_source(&self) -> Option<(*const u8, usize)> {
         match self {
             TensorData::Host(b) => {
@@ -292,6 +302,7 @@ impl TensorData {
             TensorData::Lent(l) => Some((l.ptr, l.len)),
             #[cfg(feature = "cuda")]
             TensorData::Device(_) => None,
+            TensorData::Reserved(_) => None,
         }
     }
 }
@@ -301,6 +312,7 @@ impl fmt::Debug for TensorData {
         match self {
             TensorData::Host(_) => write!(f, "Host({} bytes)", self.len()),
             TensorData::Lent(_) => write!(f, "Lent({} bytes)", self.len()),
+            TensorData::Reserved(n) => write!(f, "Reserved({n} bytes)"),
             #[cfg(feature = "cuda")]
             TensorData::Device(d) => {
                 write!(

@@ -434,6 +434,10 @@ mod fake_device {
         fn set_notifier(&mut self, n: Notifier) {
             self.notifier = Some(n);
         }
+        fn set_word(&mut self, offset: u64, word: u64) {
+            let mut b = self.bytes.lock().unwrap();
+            b[offset as usize..offset as usize + 8].copy_from_slice(&word.to_le_bytes());
+        }
         fn start(&mut self, ops: &[CopyOp<'_>]) -> capture_arena::Result<()> {
             // "Complete" on another thread, once the gate opens.
             let mut staged = Vec::new();

@@ -20,6 +20,8 @@ __all__ = [
     "UnknownFeatureError",
     "ReleasedError",
     "ObjectChangedError",
+    "NotReadyError",
+    "WriteFailedError",
     "FreeNotSentError",
     "FreeRefusedError",
     "PublishTimeoutError",
@@ -100,6 +102,17 @@ class ObjectChangedError(CaptureArenaError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class NotReadyError(CaptureArenaError, TimeoutError):
+    """An object's bytes were still being written when the read's wait for them ended
+    (``SGLANG_SPEC_CAPTURE_READY_WAIT_S``): its producer handed out its result before its copy
+    completed (vLLM's connector does). Reading again later may succeed."""
+
+
+class WriteFailedError(CaptureArenaError, RuntimeError):
+    """The producer could not write an object's bytes after handing out its result (its copy
+    failed: its log says why); its space is free again. Nothing read is returned."""
 
 
 class FreeNotSentError(CaptureArenaError, ConnectionError):

@@ -7,10 +7,17 @@ use std::time::{Duration, Instant};
 use super::lock;
 use crate::error::{Error, Result};
 use crate::sample::{stamp_offset, Feature, Published, MAX_SESSION_BYTES, STAMP_BYTES};
-use crate::transport::{self, verify_stamps, Destination, ReadOp, Transport, View};
+use crate::transport::{
+    self, pause_or_give_up, verify_stamps, wait_ready, Destination, ReadOp, Transport, View,
+};
 
 /// The most sessions (producers) one reader keeps open at once.
 pub const MAX_SESSIONS: usize = 1024;
+/// How long a read waits for an object whose bytes are still being written (its result was
+/// handed out before its copy completed), unless `SGLANG_SPEC_CAPTURE_READY_WAIT_S` says.
+pub const DEFAULT_READY_WAIT: Duration = Duration::from_secs(30);
+/// The variable that sets [`Reader`]'s wait for objects still being written.
+pub const READY_WAIT_ENV: &str = "SGLANG_SPEC_CAPTURE_READY_WAIT_S";
 /// How often the cache looks for producers that are gone, at most.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
@@ -50,6 +57,7 @@ impl Cache {
 #[derive(Debug)]
 pub struct Reader {
     cache: Mutex<Cache>,
+    ready_wait: Duration,
 }
 
 impl Default for Reader {
@@ -59,11 +67,25 @@ impl Default for Reader {
 }
 
 impl Reader {
-    /// A reader with no open session.
+    /// A reader with no open session, that waits for objects still being written as long as
+    /// `SGLANG_SPEC_CAPTURE_READY_WAIT_S` says ([`DEFAULT_READY_WAIT`] when unset or invalid:
+    /// an invalid value is logged, naming the variable).
     pub fn new() -> Reader {
+        Reader::with_ready_wait(ready_wait_from_env())
+    }
+
+    /// A reader that waits at most `ready_wait` for an object whose bytes are still being
+    /// written (the readiness rule of docs/protocol.md).
+    pub fn with_ready_wait(ready_wait: Duration) -> Reader {
         Reader {
             cache: Mutex::new(Cache::new()),
+            ready_wait,
         }
+    }
+
+    /// How long a read waits for an object still being written.
+    pub fn ready_wait(&self) -> Duration {
+        self.ready_wait
     }
 
     /// The transport for `session`, opened on first use and cached. Each call also drops (at
@@ -224,11 +246,21 @@ impl Reader {
             t.check(c.0, STAMP_BYTES)?;
         }
         let key = |i: usize| key_of(result, checked[i]);
-        if t.stamps_are_cheap() {
-            verify_stamps(&*t, &checks, key)?;
+        // An object still being written (its stamp word pending) is waited for, bounded: before
+        // the copy where stamps cost nothing, else by copying again once it is there.
+        let since = Instant::now();
+        let deadline = since.checked_add(self.ready_wait).unwrap_or(since);
+        let mut pause = Duration::from_micros(50);
+        loop {
+            if t.stamps_are_cheap() {
+                wait_ready(&*t, &checks, key, since, deadline)?;
+            }
+            t.read(&mut ops)?;
+            match verify_stamps(&*t, &checks, key)? {
+                None => return Ok(()),
+                Some(i) => pause_or_give_up(&mut pause, since, deadline, || key(i))?,
+            }
         }
-        t.read(&mut ops)?;
-        verify_stamps(&*t, &checks, key)
     }
 
     /// Borrows feature `name` of `result` in place, without copying (transports that map the
@@ -248,8 +280,14 @@ impl Reader {
         let t = self.open(&result.arena.session)?;
         // SAFETY: the caller's promise, passed on.
         let v = unsafe { View::new(t, f.address, len) }?;
+        let deadline = Instant::now() + self.ready_wait;
         match f.stamp {
-            Some(stamp) => v.stamped(key_of(result, name), stamp_at(result, name, f, len)?, stamp),
+            Some(stamp) => v.stamped(
+                key_of(result, name),
+                stamp_at(result, name, f, len)?,
+                stamp,
+                deadline,
+            ),
             None => Ok(v),
         }
     }
@@ -293,4 +331,28 @@ pub(crate) fn feature<'a>(result: &'a Published, name: &str) -> Result<&'a Featu
             key: key_of(result, name),
             available: result.features.keys().cloned().collect(),
         })
+}
+
+/// `SGLANG_SPEC_CAPTURE_READY_WAIT_S` as a duration: [`DEFAULT_READY_WAIT`] when unset, or when
+/// not a number of seconds in `[0, 86400]` (then logged, naming the variable).
+fn ready_wait_from_env() -> Duration {
+    let Ok(raw) = std::env::var(READY_WAIT_ENV) else {
+        return DEFAULT_READY_WAIT;
+    };
+    let raw = raw.trim();
+    if raw.is_empty() {
+        return DEFAULT_READY_WAIT;
+    }
+    match raw.parse::<f64>() {
+        Ok(s) if (0.0..=86_400.0).contains(&s) => Duration::from_secs_f64(s),
+        _ => {
+            tracing::warn!(
+                value = raw,
+                "{READY_WAIT_ENV} is not a number of seconds in [0, 86400]; waiting {} s for \
+                 objects still being written",
+                DEFAULT_READY_WAIT.as_secs()
+            );
+            DEFAULT_READY_WAIT
+        }
+    }
 }

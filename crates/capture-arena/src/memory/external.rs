@@ -117,6 +117,17 @@ impl Region for ExternalHostRegion {
             unsafe { super::host::clear_host(self.ptr.as_ptr().add(offset as usize), len) }
         }
     }
+
+    fn set_word(&mut self, offset: u64, word: u64) {
+        let dst = self.ptr.as_ptr().wrapping_add(offset as usize);
+        if dst as usize % 8 != 0 || !super::clear_in_range(offset, 8, self.len) {
+            tracing::error!(offset, "a stamp word outside the region or not aligned");
+            return;
+        }
+        // SAFETY: an aligned word inside the region (checked), which the constructor's caller
+        // promised is valid for writes and written by nobody else.
+        unsafe { super::host::store_word(dst, word) }
+    }
 }
 
 #[cfg(test)]

@@ -102,6 +102,19 @@ pub(crate) unsafe fn copy_to_host(op: &CopyOp<'_>, from: u64, n: u64, dst: *mut 
     })
 }
 
+/// Stores `word` (little-endian) at `dst` for readers in other processes: a release fence, so
+/// that every store this thread made, or saw made, before is seen first, then the word (volatile:
+/// never split or elided for an aligned `dst`).
+///
+/// # Safety
+/// `[dst, dst + 8)` must be valid for writes and 8-byte aligned.
+pub(crate) unsafe fn store_word(dst: *mut u8, word: u64) {
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+    // SAFETY: the caller vouched for an aligned, writable word.
+    unsafe { dst.cast::<u64>().write_volatile(word.to_le()) };
+    std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+}
+
 /// Zeroes `len` bytes at `dst` for readers in other processes: volatile stores, then a release
 /// fence, so that every later store of this thread (a copy placing another object there) is seen
 /// after them.

@@ -190,6 +190,14 @@ pub trait Region: Send + fmt::Debug {
     /// copies. A range outside the region or a failed write is logged, never fatal.
     fn clear(&mut self, offset: u64, len: u64);
 
+    /// Stores the little-endian 8-byte `word` at `offset` (an object's stamp word,
+    /// [`crate::arena`]) for readers in other processes, and returns once they can see it: host
+    /// regions store at once with release ordering (every store this thread made before, and
+    /// what the threads it synchronised with wrote, is seen first); device regions write it and
+    /// wait until it landed. A range outside the region or a failed write is logged, never
+    /// fatal.
+    fn set_word(&mut self, offset: u64, word: u64);
+
     /// Answers a local reader's request on the reply path (`what` names the request), or
     /// `None` if this region has no such answer.
     fn reply(&self, _what: &str) -> Option<Result<Reply>> {

@@ -14,8 +14,9 @@ use crate::tensor::{byte_len, Dtype, Tensor, TensorData};
 pub mod result;
 
 pub use result::{
-    batch_results, stamp_offset, ArenaRef, Failed, Feature, Published, SampleResult,
-    MAX_ENDPOINT_BYTES, MAX_FEATURES, MAX_SESSION_BYTES, MAX_STAMP, STAMP_BYTES,
+    batch_results, stamp_offset, ArenaRef, Failed, Feature, Published, SampleResult, StampWord,
+    FAILED_BIT, MAX_ENDPOINT_BYTES, MAX_FEATURES, MAX_SESSION_BYTES, MAX_STAMP, PENDING_BIT,
+    STAMP_BYTES,
 };
 
 /// The per-sample request of the capture contract, as the inference server sends it.
@@ -442,6 +443,19 @@ fn encode_one(v: &Value, dtype: Dtype, out: &mut Vec<u8>) -> Result<(), String> 
 /// # Errors
 /// [`Error::InvalidSample`] naming the repeated key.
 pub fn check_unique(samples: &[Sample]) -> Result<()> {
+    // A batch is written by the writer or, for reserved tensors, by its submitter: not both.
+    let tensors = || {
+        samples
+            .iter()
+            .flat_map(|s| s.tensors.iter().map(move |(_, t)| (s, t)))
+    };
+    let any_reserved = tensors().any(|(_, t)| t.data.is_reserved());
+    if let Some((s, _)) = tensors().find(|(_, t)| any_reserved && !t.data.is_reserved()) {
+        return Err(Error::sample(
+            &s.sample_id,
+            "a batch mixes reserved tensors (written by their submitter) with bytes to copy",
+        ));
+    }
     let mut seen = HashSet::new();
     for s in samples {
         for k in s.keys() {

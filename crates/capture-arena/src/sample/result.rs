@@ -62,6 +62,42 @@ pub const fn stamp_offset(len: u64) -> u64 {
 }
 /// The largest stamp: stamps are in `[1, 2^53 - 1]`, exact as JSON numbers in every language.
 pub const MAX_STAMP: u64 = (1 << 53) - 1;
+/// Set in an object's stamp word, with its stamp in the low bits, while its bytes are still
+/// being written (a result handed out before its copy completed): a reader waits for the word to
+/// become the stamp ([`StampWord`]).
+pub const PENDING_BIT: u64 = 1 << 63;
+/// Set in an object's stamp word, with its stamp in the low bits, when its bytes could not be
+/// written: a reader fails, and the space is free again.
+pub const FAILED_BIT: u64 = 1 << 62;
+
+/// What an object's stamp word says about it, for a reader holding its result's stamp (the
+/// readiness rule of docs/protocol.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StampWord {
+    /// The stamp itself: the object's bytes are all there.
+    Ready,
+    /// [`PENDING_BIT`] with the stamp: its bytes are still being written; ask again.
+    Pending,
+    /// [`FAILED_BIT`] with the stamp: its bytes will never come.
+    Failed,
+    /// Anything else (0 once freed, another object's stamp): it is gone.
+    Gone,
+}
+
+impl StampWord {
+    /// Reads `found` against the result's `stamp`.
+    pub fn of(found: u64, stamp: u64) -> StampWord {
+        if found == stamp {
+            StampWord::Ready
+        } else if found == stamp | PENDING_BIT {
+            StampWord::Pending
+        } else if found == stamp | FAILED_BIT {
+            StampWord::Failed
+        } else {
+            StampWord::Gone
+        }
+    }
+}
 
 impl Feature {
     /// Bytes of this feature (`shape × item size`), `None` on overflow.

@@ -30,10 +30,11 @@ pub use shm::ShmTransport;
 use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::memory::Mapping;
-use crate::sample::STAMP_BYTES;
+use crate::sample::{StampWord, STAMP_BYTES};
 
 /// Where one read lands.
 #[derive(Debug)]
@@ -219,31 +220,78 @@ pub(crate) fn read_words<T: Transport + ?Sized>(
         .collect())
 }
 
-/// Reads the stamps at `checks` (`(where, stamp)`) and fails on the first that differs (the
-/// object was freed, or freed and its space placed again) with [`Error::Changed`], naming the
-/// object by `key_of(index)`.
+/// Compares the objects' stamp words at `checks` (`(where, the result's stamp)`) with their
+/// results' (the readiness rule of docs/protocol.md): `Ok(None)` when every object is there;
+/// `Ok(Some(i))` when object `i` is still being written (its stamp with [`PENDING_BIT`]).
 ///
 /// # Errors
-/// [`Error::Changed`], or the transport's.
+/// [`Error::Changed`] for an object freed (0) or replaced (another stamp);
+/// [`Error::WriteFailed`] for one whose copy failed; as [`Transport::stamps`].
 pub(crate) fn verify_stamps(
     t: &dyn Transport,
     checks: &[(u64, u64)],
     key_of: impl Fn(usize) -> String,
-) -> Result<()> {
+) -> Result<Option<usize>> {
     if checks.is_empty() {
-        return Ok(());
+        return Ok(None);
     }
     let at: Vec<u64> = checks.iter().map(|c| c.0).collect();
     let found = t.stamps(&at)?;
+    let mut pending = None;
     for (i, (&(_, stamp), found)) in checks.iter().zip(found).enumerate() {
-        if found != stamp {
-            return Err(Error::Changed {
-                key: key_of(i),
-                stamp,
-                found,
-            });
+        match StampWord::of(found, stamp) {
+            StampWord::Ready => {}
+            StampWord::Pending => pending = pending.or(Some(i)),
+            StampWord::Failed => return Err(Error::WriteFailed { key: key_of(i) }),
+            StampWord::Gone => {
+                return Err(Error::Changed {
+                    key: key_of(i),
+                    stamp,
+                    found,
+                })
+            }
         }
     }
+    Ok(pending)
+}
+
+/// Waits until no object at `checks` is still being written ([`verify_stamps`]), polling with
+/// a back-off from 50 µs to 10 ms, until `deadline` (then [`Error::NotReady`], `since` being
+/// when the read began).
+///
+/// # Errors
+/// As [`verify_stamps`]; [`Error::NotReady`].
+pub(crate) fn wait_ready(
+    t: &dyn Transport,
+    checks: &[(u64, u64)],
+    key_of: impl Fn(usize) -> String,
+    since: Instant,
+    deadline: Instant,
+) -> Result<()> {
+    let mut pause = Duration::from_micros(50);
+    while let Some(i) = verify_stamps(t, checks, &key_of)? {
+        pause_or_give_up(&mut pause, since, deadline, || key_of(i))?;
+    }
+    Ok(())
+}
+
+/// Sleeps the next back-off step (50 µs doubling to 10 ms, never past `deadline`), or
+/// [`Error::NotReady`] for `key()` once `deadline` has passed.
+pub(crate) fn pause_or_give_up(
+    pause: &mut Duration,
+    since: Instant,
+    deadline: Instant,
+    key: impl FnOnce() -> String,
+) -> Result<()> {
+    let now = Instant::now();
+    if now >= deadline {
+        return Err(Error::NotReady {
+            key: key(),
+            waited: now - since,
+        });
+    }
+    std::thread::sleep((*pause).min(deadline - now));
+    *pause = (*pause * 2).min(Duration::from_millis(10));
     Ok(())
 }
 
@@ -371,13 +419,28 @@ impl View {
     }
 
     /// Checks the object's stamp now (it must be `stamp` at `at`, an aligned word inside the
-    /// arena) and again in [`View::check`].
+    /// arena), waiting until `deadline` while its bytes are still being written, and again in
+    /// [`View::check`].
     ///
     /// # Errors
-    /// [`Error::Changed`] when the object was freed; as [`Transport::check`].
-    pub(crate) fn stamped(mut self, key: String, at: u64, stamp: u64) -> Result<View> {
+    /// [`Error::Changed`] when the object was freed, [`Error::WriteFailed`],
+    /// [`Error::NotReady`]; as [`Transport::check`].
+    pub(crate) fn stamped(
+        mut self,
+        key: String,
+        at: u64,
+        stamp: u64,
+        deadline: Instant,
+    ) -> Result<View> {
         self.transport.check(at, STAMP_BYTES)?;
-        verify_stamps(&*self.transport, &[(at, stamp)], |_| key.clone())?;
+        let checks = [(at, stamp)];
+        wait_ready(
+            &*self.transport,
+            &checks,
+            |_| key.clone(),
+            Instant::now(),
+            deadline,
+        )?;
         self.stamp = Some((key, at, stamp));
         Ok(self)
     }
@@ -395,7 +458,13 @@ impl View {
     /// truncated.
     pub fn check(&self) -> Result<()> {
         if let Some((key, at, stamp)) = &self.stamp {
-            verify_stamps(&*self.transport, &[(*at, *stamp)], |_| key.clone())?;
+            // Ready when the view was made, so it cannot be pending again: only freed.
+            if verify_stamps(&*self.transport, &[(*at, *stamp)], |_| key.clone())?.is_some() {
+                return Err(Error::NotReady {
+                    key: key.clone(),
+                    waited: Duration::ZERO,
+                });
+            }
         }
         match self.transport.mapped(self.address, self.len) {
             Some(Ok((map, _))) if map.lost() => Err(Error::StaleSession {

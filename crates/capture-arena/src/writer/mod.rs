@@ -308,6 +308,29 @@ impl Writer {
         }
     }
 
+    /// Finishes the writes of objects published from reserved tensors
+    /// ([`TensorData::Reserved`](crate::tensor::TensorData::Reserved)), whose submitter wrote
+    /// their bytes itself: with `ok`, every byte of each is in place (and visible to other
+    /// processes: a device copy has completed), and readers may read them; without, they never
+    /// will be, readers fail and their space is freed. A free asked for while an object was
+    /// written is applied now. Applied at the writer's next turn, counted in `written_objects`
+    /// and `failed_writes`; keys not being written are ignored.
+    pub fn finish_writes(&self, keys: impl IntoIterator<Item = String>, ok: bool) {
+        let mut q = self
+            .submitter
+            .shared
+            .finished_writes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let before = q.len();
+        q.extend(keys.into_iter().map(|k| (k, ok)));
+        let added = q.len() > before;
+        drop(q);
+        if added {
+            self.submitter.wake();
+        }
+    }
+
     /// Peers whose control connections were closed for the control token, the most recent
     /// first: readers that free without it (their frees were not applied).
     pub fn unauthorized_peers(&self) -> Vec<crate::report::UnauthorizedPeer> {
@@ -504,7 +527,7 @@ impl Loop {
                 }
             }
             self.answer_usage();
-            let mut peers = self.expire() | self.free_local();
+            let mut peers = self.expire() | self.free_local() | self.finish_writes();
             let registry = self.poll.registry();
             peers |= self.server.tick(registry, &self.shared.stats);
             peers |= self.server.accept(registry, &self.shared.stats);
@@ -602,6 +625,45 @@ impl Loop {
         crate::stats::bump(&stats.freed_bytes, bytes);
         crate::stats::bump(&stats.local_freed_objects, objects);
         crate::stats::bump(&stats.freed_objects, objects);
+        true
+    }
+
+    /// Applies the finished writes this process reported ([`Writer::finish_writes`]); true if
+    /// any.
+    fn finish_writes(&mut self) -> bool {
+        let done = std::mem::take(
+            &mut *self
+                .shared
+                .finished_writes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        if done.is_empty() {
+            return false;
+        }
+        let (mut written, mut failed) = (0, 0);
+        for (k, ok) in &done {
+            if self.arena.finish_write(k, *ok) {
+                if *ok {
+                    written += 1;
+                } else {
+                    failed += 1;
+                }
+            }
+        }
+        let stats = &self.shared.stats;
+        // Failed writes, and frees asked for while objects were written, made room.
+        stats.set_report(&self.arena.report());
+        self.placer.arena_changed();
+        crate::stats::bump(&stats.written_objects, written);
+        crate::stats::bump(&stats.failed_writes, failed);
+        if failed > 0 {
+            tracing::warn!(
+                objects = failed,
+                "objects published before their bytes were never written: their readers fail, \
+                 their space is free again (counted in failed_writes)"
+            );
+        }
         true
     }
 

@@ -272,6 +272,25 @@ impl Placer {
                 self.finish(job, Err(e), arena, shared);
                 State::Idle
             }
+            Ok((_, Some(reservation))) if is_reserved(&job.samples) => {
+                // Its submitter writes the bytes: published now, its objects marked as being
+                // written (Arena::commit_reserved), nothing to copy here.
+                if waiting.is_some() {
+                    shared.stats.waiting_bytes.store(0, Release);
+                }
+                let p = arena.commit_reserved(reservation, &job.samples);
+                let stats = &shared.stats;
+                stats.set_report(&arena.report());
+                bump(&stats.published_batches, 1);
+                bump(&stats.published_samples, p.published.len() as u64);
+                bump(&stats.published_objects, p.objects);
+                bump(&stats.published_bytes, p.bytes);
+                let mut job = job;
+                drop(std::mem::take(&mut job.samples));
+                job.complete(Ok(p.published));
+                shared.notify();
+                State::Idle
+            }
             Ok((_, Some(reservation))) => {
                 let t_copy = Instant::now();
                 let waited = match waiting {
@@ -369,6 +388,17 @@ impl Placer {
             arena.abort(reservation);
         }
     }
+}
+
+/// True for a batch whose bytes its submitter writes ([`crate::tensor::TensorData::Reserved`]):
+/// all of its tensors are reserved ones (a batch mixing them with bytes to copy is refused
+/// before it is queued).
+fn is_reserved(samples: &[crate::sample::Sample]) -> bool {
+    samples
+        .iter()
+        .flat_map(|s| s.tensors.iter())
+        .all(|(_, t)| t.data.is_reserved())
+        && samples.iter().any(|s| !s.tensors.is_empty())
 }
 
 /// Why a bounded caller's batch did not start: the arena stayed too full until its bound.

@@ -220,6 +220,9 @@ pub(crate) struct Shared {
     /// Keys this process frees itself ([`crate::Writer::free_local`]), applied at the writer's
     /// next turn.
     pub local_frees: Mutex<Vec<String>>,
+    /// Keys of objects whose submitter finished writing them, and whether it succeeded
+    /// ([`crate::Writer::finish_writes`]), applied at the writer's next turn.
+    pub finished_writes: Mutex<Vec<(String, bool)>>,
 }
 
 impl Shared {

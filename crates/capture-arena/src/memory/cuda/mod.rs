@@ -344,6 +344,27 @@ impl Copier {
     }
 }
 
+impl Copier {
+    /// Writes `word` at `offset` of `[base, base + region_len)` and waits until it landed (after
+    /// the copies enqueued before it: it is a stamp word, written once its object's bytes are).
+    fn set_word(&mut self, base: u64, region_len: u64, offset: u64, word: u64) {
+        if offset % 8 != 0 || !crate::memory::clear_in_range(offset, 8, region_len) {
+            tracing::error!(offset, "a stamp word outside the arena or not aligned");
+            return;
+        }
+        let bytes = word.to_le_bytes();
+        let written = self.ctx.enter().and_then(|_current| {
+            // SAFETY: the destination lies inside the region (checked); the source lives until
+            // the stream is synchronised below.
+            unsafe { self.stream.copy_htod(base + offset, bytes.as_ptr(), 8) }?;
+            self.stream.synchronize()
+        });
+        if let Err(e) = written {
+            tracing::error!(error = %e, "writing a stamp word on the device");
+        }
+    }
+}
+
 impl Drop for Copier {
     fn drop(&mut self) {
         // Host functions and copies must finish before the notifier and the memory go.
@@ -544,6 +565,11 @@ impl Region for DeviceRegion {
         self.copier.clear(self.mapped.ptr, self.len, offset, len);
     }
 
+    fn set_word(&mut self, offset: u64, word: u64) {
+        self.copier
+            .set_word(self.mapped.ptr, self.len, offset, word);
+    }
+
     /// `"cuda-fd"`: the arena's POSIX descriptor with the session as its bytes (so the reader
     /// checks it reached the arena it asked for); `"describe"`: the session, size and handle.
     fn reply(&self, what: &str) -> Option<Result<Reply>> {
@@ -684,6 +710,10 @@ impl Region for ExternalDeviceRegion {
 
     fn clear(&mut self, offset: u64, len: u64) {
         self.copier.clear(self.ptr, self.len, offset, len);
+    }
+
+    fn set_word(&mut self, offset: u64, word: u64) {
+        self.copier.set_word(self.ptr, self.len, offset, word);
     }
 }
 

@@ -248,6 +248,10 @@ impl Region for NixlRegion {
         self.inner.clear(offset, len);
     }
 
+    fn set_word(&mut self, offset: u64, word: u64) {
+        self.inner.set_word(offset, word);
+    }
+
     fn reply(&self, what: &str) -> Option<Result<Reply>> {
         self.inner.reply(what)
     }

@@ -524,6 +524,19 @@ impl Region for ShmRegion {
         }
     }
 
+    fn set_word(&mut self, offset: u64, word: u64) {
+        if offset % 8 != 0 || !super::clear_in_range(offset, 8, self.len) {
+            tracing::error!(offset, "a stamp word outside the arena or not aligned");
+            return;
+        }
+        match self.map.raw_range((HEADER_BYTES + offset) as usize, 8) {
+            // SAFETY: a checked, aligned word of this writable mapping (the header keeps the
+            // region's offsets 8-byte aligned), written by the writer thread only.
+            Ok(dst) => unsafe { super::host::store_word(dst, word) },
+            Err(e) => tracing::error!(error = %e, "writing a stamp word"),
+        }
+    }
+
     /// `"fd"`: a read-only descriptor of the object; `"describe"`: the session as JSON.
     fn reply(&self, what: &str) -> Option<Result<Reply>> {
         match what {
