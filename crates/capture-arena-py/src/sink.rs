@@ -94,6 +94,85 @@ pub(crate) fn build_batch(
     Ok(built)
 }
 
+/// What [`PySink::_reserve_each`] takes for each sample: its ids and each feature's shape and
+/// dtype; the bytes are the caller's to write.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReserveSpec {
+    store_id: String,
+    sample_id: String,
+    #[serde(default = "first_gen")]
+    gen: u64,
+    #[serde(default)]
+    replace: bool,
+    features: std::collections::BTreeMap<String, ReserveFeature>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReserveFeature {
+    shape: Vec<u64>,
+    dtype: String,
+}
+
+fn first_gen() -> u64 {
+    1
+}
+
+/// A sample of reserved tensors ([`TensorData::Reserved`]) from a [`ReserveSpec`].
+fn reserved_sample(item: &Bound<'_, PyAny>, aux_ids: &Option<Vec<i64>>) -> PyResult<Sample> {
+    let py = item.py();
+    let spec: ReserveSpec = depythonize(item).map_err(|e| {
+        named(
+            py,
+            "InvalidSampleError",
+            format!(
+                "a reservation is {{\"store_id\", \"sample_id\", \"gen\", \"replace\", \
+                 \"features\": {{name: {{\"shape\", \"dtype\"}}}}}}: {e}"
+            ),
+        )
+    })?;
+    if spec.features.is_empty() || spec.features.len() > capture_arena::sample::MAX_FEATURES {
+        return Err(named(
+            py,
+            "InvalidSampleError",
+            format!(
+                "sample {:?}: a reservation has 1 to {} features, not {}",
+                spec.sample_id,
+                capture_arena::sample::MAX_FEATURES,
+                spec.features.len()
+            ),
+        ));
+    }
+    let mut s = Sample::new(&spec.store_id, &spec.sample_id, spec.gen)
+        .map_err(to_py)?
+        .with_replace(spec.replace)
+        .with_aux_layer_ids(aux_ids.clone());
+    for (name, f) in spec.features {
+        let dtype = Dtype::from_name(&f.dtype).ok_or_else(|| {
+            named(
+                py,
+                "InvalidSampleError",
+                format!("feature {name:?}: unknown dtype {:?}", f.dtype),
+            )
+        })?;
+        let len = f
+            .shape
+            .iter()
+            .try_fold(dtype.item_size() as u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| {
+                named(
+                    py,
+                    "InvalidSampleError",
+                    format!("feature {name:?}: shape {:?} overflows", f.shape),
+                )
+            })?;
+        s.push(Tensor::new(name, f.shape, dtype, TensorData::Reserved(len)).map_err(to_py)?)
+            .map_err(to_py)?;
+    }
+    Ok(s)
+}
+
 /// `{"sample_id", "error"}` for an item of a batch (its spec's `sample_id` when it has one).
 fn refused_row(item: &Bound<'_, PyAny>, error: &str) -> PyResult<Py<PyAny>> {
     let py = item.py();
@@ -520,6 +599,33 @@ impl PySink {
             .ok_or_else(|| named(py, "WriterStoppedError", "the ArenaSink is closed".into()))
     }
 
+    /// Publishes each sample as a batch of its own under one bound ([`Sink::put_each_within`])
+    /// and merges the rows with those refused before.
+    fn put_each_rows<'py>(
+        &self,
+        py: Python<'py>,
+        sink: &Sink,
+        samples: Vec<Sample>,
+        refused: Vec<Refused>,
+        within_s: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        if samples.is_empty() {
+            return merge_rows(py, &[], refused);
+        }
+        let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
+        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
+        let results: Vec<SampleResult> =
+            match crate::exit::detach(py, || Ok(sink.put_each_within(samples, within))).py_err()? {
+                Ok(outcomes) => ids
+                    .iter()
+                    .zip(outcomes)
+                    .flat_map(|(id, o)| outcome_results(std::slice::from_ref(id), o))
+                    .collect(),
+                Err(e) => batch_results(&ids, Err(&e)),
+            };
+        merge_rows(py, &results, refused)
+    }
+
     fn samples(&self, sink: &Sink, samples: &Bound<'_, PyAny>) -> PyResult<Built> {
         let aux_ids = sink.config().aux_layer_ids.clone();
         build_batch(samples, Some(&self.tx), &aux_ids, |s| {
@@ -748,21 +854,50 @@ impl PySink {
     ) -> PyResult<Bound<'py, PyAny>> {
         let sink = self.sink(py)?;
         let Built { samples, refused } = self.samples(&sink, samples)?;
-        if samples.is_empty() {
-            return merge_rows(py, &[], refused);
+        self.put_each_rows(py, &sink, samples, refused, within_s)
+    }
+
+    /// Reserves each `{"store_id", "sample_id", "gen", "replace", "features": {name: {"shape",
+    /// "dtype"}}}` as a sample of its own whose bytes the caller writes itself, and returns its
+    /// row at once (GIL released while waiting): the result, whose objects' stamp words say
+    /// "still being written" until `_finish_writes`, or `{"sample_id", "error"}`. The whole call
+    /// waits for space at most `within_s` (as `_put_each`).
+    fn _reserve_each<'py>(
+        &self,
+        py: Python<'py>,
+        specs: &Bound<'py, PyAny>,
+        within_s: f64,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let sink = self.sink(py)?;
+        let aux_ids = sink.config().aux_layer_ids.clone();
+        let mut samples = Vec::new();
+        let mut refused: Vec<Refused> = Vec::new();
+        for (i, item) in specs.try_iter()?.enumerate() {
+            let item = item?;
+            match reserved_sample(&item, &aux_ids) {
+                Ok(s) => samples.push(s),
+                Err(e) => {
+                    let row = PyDict::new(py);
+                    row.set_item(
+                        "sample_id",
+                        item.get_item("sample_id")
+                            .unwrap_or_else(|_| py.None().into_bound(py)),
+                    )?;
+                    row.set_item("error", e.value(py).to_string())?;
+                    refused.push((i, row.into_any().unbind()));
+                }
+            }
         }
-        let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
-        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
-        let results: Vec<SampleResult> =
-            match crate::exit::detach(py, || Ok(sink.put_each_within(samples, within))).py_err()? {
-                Ok(outcomes) => ids
-                    .iter()
-                    .zip(outcomes)
-                    .flat_map(|(id, o)| outcome_results(std::slice::from_ref(id), o))
-                    .collect(),
-                Err(e) => batch_results(&ids, Err(&e)),
-            };
-        merge_rows(py, &results, refused)
+        self.put_each_rows(py, &sink, samples, refused, within_s)
+    }
+
+    /// The caller finished writing these objects' bytes (published by `_reserve_each`): with
+    /// `ok`, readers may read them; without, they never will be (readers fail, the space is
+    /// freed). Applied at the writer's next turn.
+    fn _finish_writes(&self, py: Python<'_>, keys: Vec<String>, ok: bool) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        sink.finish_writes(keys, ok);
+        Ok(())
     }
 
     /// Frees `keys` from this process (a capture it drops), without a control connection;

@@ -31,7 +31,16 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from . import _pool
-from .errors import ArenaOSError, ConfigError, InvalidReadError, ObjectChangedError, ReleasedError, StaleSessionError
+from .errors import (
+    ArenaOSError,
+    ConfigError,
+    InvalidReadError,
+    NotReadyError,
+    ObjectChangedError,
+    ReleasedError,
+    StaleSessionError,
+    WriteFailedError,
+)
 
 INSTALL_HINT = (
     "pip install mooncake-transfer-engine (CUDA 12), mooncake-transfer-engine-cuda13 (CUDA 13) "
@@ -267,6 +276,52 @@ def read_timeout_s() -> float:
     return v
 
 
+def _check_words(checks: Sequence[tuple[str, int, int]], found: Sequence[int]) -> Optional[str]:
+    """The readiness rule (docs/protocol.md) for ``(key, address, stamp)`` checks against the
+    words read: the key of an object still being written, or None when all are there; raises
+    for a freed, replaced or never written one."""
+    pending = None
+    for (key, _, stamp), word in zip(checks, found):
+        if word == stamp:
+            continue
+        if word == stamp | PENDING_BIT:
+            pending = pending or key
+        elif word == stamp | FAILED_BIT:
+            raise WriteFailedError(
+                f"{key} was never written: the producer's copy of it failed after its result was handed out (its log "
+                "says why), and its space is free again"
+            )
+        elif word == 0:
+            raise ReleasedError(
+                f"{key} was freed before or while it was read (another reader released it, it was aborted, "
+                "or its lease ended): nothing read is returned"
+            )
+        else:
+            raise ObjectChangedError(
+                f"{key} was freed and its space holds another object now (stamp {word}, the result's "
+                f"{stamp}): nothing read is returned"
+            )
+    return pending
+
+
+def ready_wait_s() -> float:
+    """``SGLANG_SPEC_CAPTURE_READY_WAIT_S`` (default 30): how long a read waits for objects whose
+    bytes are still being written (the readiness rule of docs/protocol.md)."""
+    raw = os.environ.get("SGLANG_SPEC_CAPTURE_READY_WAIT_S", "").strip()
+    try:
+        v = float(raw) if raw else 30.0
+    except ValueError:
+        v = -1.0
+    if not (0.0 <= v <= 86400.0):
+        raise ConfigError(f"SGLANG_SPEC_CAPTURE_READY_WAIT_S={raw!r} is not a number of seconds in [0, 86400]; default 30")
+    return v
+
+
+#: The stamp word's marks (docs/protocol.md): still being written, never written.
+PENDING_BIT = 1 << 63
+FAILED_BIT = 1 << 62
+
+
 # How long the outputs of a failed or abandoned read are kept from being freed: Mooncake's own
 # timeout gives up on a transfer without cancelling it, so bytes may still land for a while.
 QUARANTINE_S = 120.0
@@ -403,11 +458,19 @@ class EngineReader:
         # The stamps are read into host memory: not over NVLink, whose transfers move device memory.
         checks = list(stamps) if self._protocol not in ("nvlink", "nvlink_intra") else []
         words = np.zeros(max(len(checks), 1), dtype=np.uint64)
+        # Objects still being written are waited for (bounded by their own wait, on top).
+        ready = ready_wait_s() if checks else 0.0
         run_bounded(
-            "capture-arena-engine-read", lambda: self._read_in(te, session, targets, checks, words), (keep, words), timeout, timed_out
+            "capture-arena-engine-read",
+            lambda: self._read_in(te, session, targets, checks, words, ready),
+            (keep, words),
+            timeout + ready,
+            timed_out,
         )
 
-    def _read_in(self, te: Any, session: str, targets: list[tuple[int, int, int]], checks: list[tuple[str, int, int]], words: Any) -> None:
+    def _read_in(
+        self, te: Any, session: str, targets: list[tuple[int, int, int]], checks: list[tuple[str, int, int]], words: Any, ready: float
+    ) -> None:
         registered = []
         try:
             regions = [(local, n) for _, local, n in targets]
@@ -437,22 +500,28 @@ class EngineReader:
                 if rc != 0:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
                 registered.append(local)
-            self._transfer(te, session, targets)
-            if checks:
-                # After the copy completed: a stamp that still matches proves the bytes were the object's.
+            since = time.monotonic()
+            pause = 50e-6
+            while True:
+                self._transfer(te, session, targets)
+                if not checks:
+                    return
+                # After the copy completed: a stamp that still matches proves the bytes were the
+                # object's; a pending one (still being written) means copying again once it is not.
                 base = int(words.ctypes.data)
                 self._transfer(te, session, [(at, base + 8 * i, 8) for i, (_, at, _) in enumerate(checks)])
-                for (key, _, stamp), found in zip(checks, words.tolist()):
-                    if found == 0:
-                        raise ReleasedError(
-                            f"{key} was freed before or while it was read (another reader released it, it was aborted, "
-                            "or its lease ended): nothing read is returned"
-                        )
-                    if found != stamp:
-                        raise ObjectChangedError(
-                            f"{key} was freed and its space holds another object now (stamp {found}, the result's "
-                            f"{stamp}): nothing read is returned"
-                        )
+                pending = _check_words(checks, words.tolist())
+                if pending is None:
+                    return
+                waited = time.monotonic() - since
+                if waited >= ready:
+                    raise NotReadyError(
+                        f"{pending} was still being written after {waited:.3f} s: its producer handed out its result before "
+                        "its copy completed and has not finished it (read again later, or wait longer: "
+                        "SGLANG_SPEC_CAPTURE_READY_WAIT_S)"
+                    )
+                time.sleep(min(pause, ready - waited))
+                pause = min(pause * 2, 0.01)
         finally:
             for local in registered:
                 te.unregister_memory(local)

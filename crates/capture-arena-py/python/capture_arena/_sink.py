@@ -257,9 +257,9 @@ class ArenaSink(LiveSink, _ArenaSink):
             _log_failures_of(rows)
         return rows
 
-    def _put_within(self, items: list[Any], bound: float, each: bool = False) -> list[Result]:
+    def _put_within(self, items: list[Any], bound: float, each: bool = False, reserve: bool = False) -> list[Result]:
         """A bounded synchronous publish (see :meth:`put_samples`; ``each``:
-        :meth:`put_each`)."""
+        :meth:`put_each`; ``reserve``: :meth:`reserve_each`)."""
         deadline = time.monotonic() + max(0.0, bound)
         try:
             if not self.started and not self._wait_started(items, deadline):
@@ -276,6 +276,8 @@ class ArenaSink(LiveSink, _ArenaSink):
                     "(SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); later captures go in once it exists",
                 )
             left = max(0.0, deadline - time.monotonic())
+            if reserve:
+                return self._reserve_each(items, left)
             return self._put_each(items, left) if each else self._put(items, left)
         except Exception as e:
             return _rows_for(items, str(e))
@@ -321,6 +323,36 @@ class ArenaSink(LiveSink, _ArenaSink):
                     return False
                 self._early_lock.wait(left)
             return True
+
+    def reserve_each(self, specs: Sequence[Mapping[str, Any]], *, within_s: float) -> list[Result]:
+        """Reserves each ``{"store_id", "sample_id", "gen", "replace", "features": {name:
+        {"shape", "dtype"}}}`` as a sample of its own whose bytes the caller writes itself, and
+        returns the rows at once (one per spec, in order; never raises for a spec or the
+        machine): each a result whose objects' stamp words say "still being written" (readers
+        wait for them: the readiness rule of docs/protocol.md), or ``{"sample_id", "error"}``.
+        The caller writes each feature's bytes at its ``address`` (this process's own mapping of
+        the arena: host memory, or device memory of a device arena), then calls
+        :meth:`finish_writes`, always: a free meanwhile waits for it. The whole call waits for
+        space at most ``within_s``, as :meth:`put_each`."""
+        items: list[Any] = list(specs)
+        rows = self._put_within(items, float(within_s), reserve=True)
+        if any("error" in r for r in rows):
+            _log_failures_of(rows)
+        return rows
+
+    def finish_writes(self, results: Sequence[Mapping[str, Any]], ok: bool = True) -> None:
+        """The caller wrote every byte of these results (from :meth:`reserve_each`) and they
+        are visible to other processes (a device copy has completed): readers may read them. With
+        ``ok=False`` they never will be: their readers fail, and their space is freed. A free
+        asked for meanwhile is applied now. Never raises for a result (a closed sink has no
+        arena left to finish)."""
+        keys = [k for r in results if "error" not in r for k in _result_keys(r)]
+        if not keys:
+            return
+        try:
+            self._finish_writes(keys, ok)
+        except Exception as e:  # closed meanwhile: its arena went with it
+            _log.debug("finishing writes: %s", e)
 
     def stats(self) -> dict[str, int]:
         """The writer's counters (all zero before the first capture), and live capture's

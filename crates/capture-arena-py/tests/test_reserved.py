@@ -1,0 +1,141 @@
+"""Results handed out before their bytes (``ArenaSink.reserve_each`` / ``finish_writes``, what
+vLLM's connector uses), read by a trainer in another process through ``ArenaFeatureStore``:
+the readiness rule of docs/protocol.md. The trainer that comes before the bytes waits for them
+and gets exactly them; at its deadline it fails saying why; a failed write fails it at once and
+frees the space."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+import capture_arena as ca
+
+READER = r"""
+import json, sys, time
+import numpy as np
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    r = json.loads(line)
+    print(json.dumps({"reading": True}), flush=True)
+    t0 = time.monotonic()
+    try:
+        got = store.get(r, ["h", "ids"])
+        out = {"h": np.ascontiguousarray(got["h"]).view(np.uint8).tobytes().hex(), "ids": got["ids"].tolist()}
+    except ca.CaptureArenaError as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    out["s"] = time.monotonic() - t0
+    print(json.dumps(out), flush=True)
+"""
+
+
+def reservation(sample_id: str, n: int = 64) -> dict[str, Any]:
+    return {
+        "store_id": "st",
+        "sample_id": sample_id,
+        "features": {"h": {"shape": [1, n, 32], "dtype": "bfloat16"}, "ids": {"shape": [1, n], "dtype": "int64"}},
+    }
+
+
+def write(result: dict[str, Any], seed: int) -> tuple[bytes, list[list[int]]]:
+    """Writes the features' bytes where the result says (this process's mapping of the arena)."""
+    h = result["features"]["h"]
+    n = h["shape"][1]
+    data = np.random.default_rng(seed).integers(0, 255, size=n * 32 * 2, dtype=np.uint8).tobytes()
+    ids = np.arange(n, dtype=np.int64)[None, :] + seed
+    ctypes.memmove(h["address"], data, len(data))
+    ctypes.memmove(result["features"]["ids"]["address"], ids.tobytes(), ids.nbytes)
+    return data, ids.tolist()
+
+
+@pytest.fixture
+def reader() -> Any:
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_READY_WAIT_S": "20"}
+    p = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def ask(result: dict[str, Any]) -> Any:
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.write(json.dumps(result) + "\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline()) == {"reading": True}
+        return p
+
+    def answer() -> Any:
+        assert p.stdout is not None
+        return json.loads(p.stdout.readline())
+
+    yield ask, answer
+    p.kill()
+    p.wait()
+
+
+def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_them(make_sink: Any, reader: Any) -> None:
+    ask, answer = reader
+    sink = make_sink()
+    (r,) = sink.reserve_each([reservation("a")], within_s=5)
+    assert "error" not in r, r
+    assert r["features"]["h"]["shape"] == [1, 64, 32] and "stamp" in r["features"]["h"]
+    ask(r)  # the trainer is reading (it said so) while nothing is written yet
+    data, ids = write(r, seed=3)
+    sink.finish_writes([r])
+    got = answer()
+    assert "error" not in got, got
+    assert bytes.fromhex(got["h"]) == data and got["ids"] == ids
+    s = sink.stats()
+    assert s["written_objects"] == 2 and s["failed_writes"] == 0, s
+    reader_store = ca.ArenaFeatureStore()
+    reader_store.release(r)
+    reader_store.flush(10)
+    assert sink.stats()["resident_objects"] == 0
+
+
+def test_a_trainer_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_it_at_once(
+    make_sink: Any, reader: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sink = make_sink()
+    (r,) = sink.reserve_each([reservation("b")], within_s=5)
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READY_WAIT_S", "0.3")
+    store = ca.ArenaFeatureStore()  # a reader of this process, with a 0.3 s wait
+    t0 = time.monotonic()
+    with pytest.raises(ca.NotReadyError, match="SGLANG_SPEC_CAPTURE_READY_WAIT_S"):
+        store.get(r)
+    assert time.monotonic() - t0 >= 0.3
+    ask, answer = reader
+    ask(r)  # another trainer waits (20 s) ...
+    sink.finish_writes([r], ok=False)  # ... and the write fails
+    got = answer()
+    assert got["error"] == "WriteFailedError" and got["s"] < 10, got
+    deadline = time.monotonic() + 10
+    while sink.stats()["resident_objects"]:
+        assert time.monotonic() < deadline, sink.stats()
+        time.sleep(0.01)
+    s = sink.stats()
+    assert s["failed_writes"] == 2 and s["free_bytes"] == s["capacity"], s
+
+
+def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
+    sink = make_sink()
+    rows = sink.reserve_each(
+        [
+            reservation("ok"),
+            {"store_id": "st", "sample_id": "bad-dtype", "features": {"h": {"shape": [2], "dtype": "float128"}}},
+            {"store_id": "st", "sample_id": "no-features", "features": {}},
+            {"sample_id": "no-store", "features": {"h": {"shape": [2], "dtype": "int64"}}},
+            reservation("too-big", n=1 << 20),
+        ],
+        within_s=1,
+    )
+    assert "error" not in rows[0], rows[0]
+    assert [r["sample_id"] for r in rows] == ["ok", "bad-dtype", "no-features", "no-store", "too-big"]
+    assert all("error" in r for r in rows[1:]), rows
+    assert "float128" in rows[1]["error"] and "1 to" in rows[2]["error"] and "store_id" in rows[3]["error"]
+    sink.finish_writes([rows[0]], ok=False)
