@@ -858,9 +858,10 @@ impl PySink {
     }
 
     /// Reserves each `{"store_id", "sample_id", "gen", "replace", "features": {name: {"shape",
-    /// "dtype"}}}` as a sample of its own whose bytes the caller writes itself, and returns its
-    /// row at once (GIL released while waiting): the result, whose objects' stamp words say
-    /// "still being written" until `_finish_writes`, or `{"sample_id", "error"}`. The whole call
+    /// "dtype"}}}` as a sample of its own whose bytes the caller writes itself, and returns for
+    /// each at once (GIL released while waiting) `(row, writable)`: the result, whose objects'
+    /// stamp words say "still being written" until `_finish_writes`, and `{name: address}` where
+    /// this process writes each feature; or `({"sample_id", "error"}, None)`. The whole call
     /// waits for space at most `within_s` (as `_put_each`).
     fn _reserve_each<'py>(
         &self,
@@ -888,7 +889,50 @@ impl PySink {
                 }
             }
         }
-        self.put_each_rows(py, &sink, samples, refused, within_s)
+        let at: Vec<usize> = refused.iter().map(|(i, _)| *i).collect();
+        let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
+        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
+        let outcomes = if samples.is_empty() {
+            Ok(Vec::new())
+        } else {
+            crate::exit::detach(py, || Ok(sink.put_each_within(samples, within))).py_err()?
+        };
+        let (results, writable): (Vec<SampleResult>, Vec<Option<_>>) = match outcomes {
+            Ok(outcomes) => ids
+                .iter()
+                .zip(outcomes)
+                .flat_map(|(id, o)| outcome_results(std::slice::from_ref(id), o))
+                .map(|r| match r {
+                    SampleResult::Published(mut p) => {
+                        let w = p.writable.take();
+                        (SampleResult::Published(p), w)
+                    }
+                    failed => (failed, None),
+                })
+                .unzip(),
+            Err(e) => batch_results(&ids, Err(&e))
+                .into_iter()
+                .map(|r| (r, None))
+                .unzip(),
+        };
+        let rows = merge_rows(py, &results, refused)?;
+        let places = PyList::empty(py);
+        for w in writable {
+            places.append(pythonize(py, &w).map_err(|e| PyRuntimeError::new_err(e.to_string()))?)?;
+        }
+        for i in at {
+            places.insert(i, py.None())?;
+        }
+        let out = PyList::empty(py);
+        for (row, place) in rows.try_iter()?.zip(places.try_iter()?) {
+            out.append(PyTuple::new(py, [row?, place?])?)?;
+        }
+        Ok(out.into_any())
+    }
+
+    /// The arena's memory in this process, `(address, bytes)`, or None before it exists.
+    fn _local_region(&self, py: Python<'_>) -> PyResult<Option<(u64, u64)>> {
+        Ok(self.sink(py)?.local_region())
     }
 
     /// The caller finished writing these objects' bytes (published by `_reserve_each`): with

@@ -46,14 +46,13 @@ def reservation(sample_id: str, n: int = 64) -> dict[str, Any]:
     }
 
 
-def write(result: dict[str, Any], seed: int) -> tuple[bytes, list[list[int]]]:
-    """Writes the features' bytes where the result says (this process's mapping of the arena)."""
-    h = result["features"]["h"]
-    n = h["shape"][1]
+def write(result: dict[str, Any], at: dict[str, int], seed: int) -> tuple[bytes, list[list[int]]]:
+    """Writes the features' bytes where reserve_each said (this process's mapping of the arena)."""
+    n = result["features"]["h"]["shape"][1]
     data = np.random.default_rng(seed).integers(0, 255, size=n * 32 * 2, dtype=np.uint8).tobytes()
     ids = np.arange(n, dtype=np.int64)[None, :] + seed
-    ctypes.memmove(h["address"], data, len(data))
-    ctypes.memmove(result["features"]["ids"]["address"], ids.tobytes(), ids.nbytes)
+    ctypes.memmove(at["h"], data, len(data))
+    ctypes.memmove(at["ids"], ids.tobytes(), ids.nbytes)
     return data, ids.tolist()
 
 
@@ -81,11 +80,12 @@ def reader() -> Any:
 def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_them(make_sink: Any, reader: Any) -> None:
     ask, answer = reader
     sink = make_sink()
-    (r,) = sink.reserve_each([reservation("a")], within_s=5)
+    ((r, at),) = sink.reserve_each([reservation("a")], within_s=5)
     assert "error" not in r, r
     assert r["features"]["h"]["shape"] == [1, 64, 32] and "stamp" in r["features"]["h"]
+    assert set(at) == {"h", "ids"} and "writable" not in json.dumps(r)  # not part of the contract
     ask(r)  # the trainer is reading (it said so) while nothing is written yet
-    data, ids = write(r, seed=3)
+    data, ids = write(r, at, seed=3)
     sink.finish_writes([r])
     got = answer()
     assert "error" not in got, got
@@ -102,7 +102,7 @@ def test_a_trainer_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_
     make_sink: Any, reader: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sink = make_sink()
-    (r,) = sink.reserve_each([reservation("b")], within_s=5)
+    ((r, _),) = sink.reserve_each([reservation("b")], within_s=5)
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READY_WAIT_S", "0.3")
     store = ca.ArenaFeatureStore()  # a reader of this process, with a 0.3 s wait
     t0 = time.monotonic()
@@ -124,7 +124,7 @@ def test_a_trainer_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_
 
 def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
     sink = make_sink()
-    rows = sink.reserve_each(
+    reserved = sink.reserve_each(
         [
             reservation("ok"),
             {"store_id": "st", "sample_id": "bad-dtype", "features": {"h": {"shape": [2], "dtype": "float128"}}},
@@ -134,7 +134,9 @@ def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
         ],
         within_s=1,
     )
+    rows = [r for r, _ in reserved]
     assert "error" not in rows[0], rows[0]
+    assert reserved[0][1] is not None and all(at is None for _, at in reserved[1:])
     assert [r["sample_id"] for r in rows] == ["ok", "bad-dtype", "no-features", "no-store", "too-big"]
     assert all("error" in r for r in rows[1:]), rows
     assert "float128" in rows[1]["error"] and "1 to" in rows[2]["error"] and "store_id" in rows[3]["error"]

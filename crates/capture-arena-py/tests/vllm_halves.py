@@ -153,7 +153,7 @@ for line in sys.stdin:
         elif "max_pending" in cmd:  # the scheduler's table of requests, made small (or not)
             import capture_arena.vllm
 
-            capture_arena.vllm.MAX_PENDING = capture_arena.vllm.MAX_WAITING_RESULTS = int(cmd["max_pending"])
+            capture_arena.vllm.MAX_RESULTS = int(cmd["max_pending"])
             answer = {"ok": True}
         elif "accept_errors" in cmd:
             answer = {"accept_errors": sched._listener.accept_errors}

@@ -466,6 +466,7 @@ impl Arena {
             self.arena_ref.session = self.region.session().to_owned();
         }
         let base = self.region.base_address();
+        let local = self.region.local_base();
         let now = Instant::now();
         let mut published: Vec<Published> = samples
             .iter()
@@ -476,12 +477,16 @@ impl Arena {
                 aux_layer_ids: s.aux_layer_ids.clone(),
                 features: Default::default(),
                 arena: self.arena_ref.clone(),
+                writable: writing.then(Default::default),
             })
             .collect();
         let mut bytes = 0;
         for &((si, ti), extent, stamp) in &r.placed {
             let (key, t) = &samples[si].tensors[ti];
             bytes += t.byte_len();
+            if let Some(w) = &mut published[si].writable {
+                w.insert(t.name.clone(), local + extent.offset);
+            }
             published[si].features.insert(
                 t.name.clone(),
                 Feature {

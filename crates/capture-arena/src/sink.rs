@@ -215,6 +215,11 @@ impl Sink {
         }
     }
 
+    /// The arena's memory in this process ([`Writer::local_region`]); `None` before it exists.
+    pub fn local_region(&self) -> Option<(u64, u64)> {
+        self.started().map(Writer::local_region)
+    }
+
     /// Finishes the writes of objects published from reserved tensors
     /// ([`Writer::finish_writes`]); nothing before the writer has started.
     pub fn finish_writes(&self, keys: impl IntoIterator<Item = String>, ok: bool) {

@@ -66,6 +66,7 @@ fn result(i: usize, control: &str) -> Published {
             control: control.to_owned(),
             token: None,
         },
+        writable: None,
     }
 }
 

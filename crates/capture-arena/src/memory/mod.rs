@@ -142,6 +142,13 @@ pub trait Region: Send + fmt::Debug {
     /// What a reader opens to reach this region (the result's `arena.session`).
     fn session(&self) -> &str;
 
+    /// The address of offset 0 in this process (where the producer itself may write a
+    /// reserved object's bytes): [`Region::base_address`] unless the region is advertised at
+    /// other addresses (a NIXL server process's mapping).
+    fn local_base(&self) -> u64 {
+        self.base_address()
+    }
+
     /// The session of the memory itself: differs from [`Region::session`] for a region that
     /// serves other memory through another transport (a NIXL region over shared memory names
     /// the `shm://` object here), so its owner can still clean it up.

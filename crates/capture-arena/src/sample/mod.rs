@@ -585,6 +585,7 @@ mod tests {
                 control: "127.0.0.1:1".into(),
                 token: None,
             },
+            writable: None,
         }
     }
 

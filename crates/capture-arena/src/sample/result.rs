@@ -121,6 +121,11 @@ pub struct Published {
     pub features: BTreeMap<String, Feature>,
     /// The arena holding them.
     pub arena: ArenaRef,
+    /// For a result of reserved tensors only (bytes its submitter writes), where the producer's
+    /// own process writes each feature: its mapping of the arena, which a NIXL server process
+    /// advertises at other addresses. Never serialized: not part of the contract.
+    #[serde(skip)]
+    pub writable: Option<BTreeMap<String, u64>>,
 }
 
 /// The most features a result may name (a sample has four; room for extra passthroughs).

@@ -57,6 +57,7 @@ pub struct Writer {
     memory_session: String,
     reply_endpoint: String,
     capacity: u64,
+    local_base: u64,
 }
 
 impl Writer {
@@ -119,6 +120,7 @@ impl Writer {
         let reply_endpoint = server.reply_endpoint().to_owned();
         region.set_reply_endpoint(&reply_endpoint);
         let memory_session = region.memory_session().to_owned();
+        let local_base = region.local_base();
         let mut arena = Arena::new(region, config.alignment, control)?;
         arena.set_control_token(token);
         arena.set_ttl(config.object_ttl);
@@ -153,7 +155,14 @@ impl Writer {
             memory_session,
             reply_endpoint,
             capacity,
+            local_base,
         })
+    }
+
+    /// The arena's memory in this process: its address here and its usable bytes (host memory,
+    /// or device memory of a device arena).
+    pub fn local_region(&self) -> (u64, u64) {
+        (self.local_base, self.capacity)
     }
 
     fn stopped(&self) -> bool {

@@ -205,6 +205,10 @@ impl Region for NixlRegion {
         self.base
     }
 
+    fn local_base(&self) -> u64 {
+        self.inner.local_base()
+    }
+
     fn session(&self) -> &str {
         &self.session
     }
