@@ -47,10 +47,13 @@ class Proc:
         self.p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
 
     def ask(self, msg: Any, timeout: float = 120.0) -> Any:
+        self.send(msg)
+        return self.answer(timeout)
+
+    def send(self, msg: Any) -> None:
         assert self.p.stdin is not None
         self.p.stdin.write(json.dumps(msg) + "\n")
         self.p.stdin.flush()
-        return self.answer(timeout)
 
     def answer(self, timeout: float) -> Any:
         import selectors
@@ -131,6 +134,18 @@ def resident(params: dict[str, Any]) -> dict[str, Any]:
     return dict(_stats_query(params["capture_arena"]["arena"]["control"], None, 5.0)["stats"])
 
 
+def resident_of(engine: Proc) -> dict[str, Any]:
+    """The engine's arena counters (read through a tiny request's result, then freed)."""
+    import capture_arena as ca
+
+    (kv,) = engine.ask([prompt(2, 99)])
+    s = resident(kv)
+    reader = ca.ArenaFeatureStore()
+    reader.release(kv["capture_arena"])
+    reader.flush(10)
+    return s
+
+
 def test_every_row_reaches_the_trainer_exactly_and_a_full_arena_costs_only_its_requests(engine: Proc, trainer: Proc) -> None:
     # A batch of prompts of varied lengths (one spans two of vLLM's 128-token blocks).
     lengths = [3, 17, 64, 130, 1]
@@ -185,6 +200,48 @@ def test_every_row_reaches_the_trainer_exactly_and_a_full_arena_costs_only_its_r
     assert trainer.ask({"flush": True}) == {"ok": True}
     s = resident(params[0])
     assert s["resident_objects"] == 0 and s["resident_bytes"] == 0, s
+
+
+def test_the_step_only_hands_over_blocks_are_held_until_the_copy_is_done_and_a_reader_waits_for_it(engine: Proc, trainer: Proc) -> None:
+    # The connector's copy thread is held (gated): vLLM has answered the request (its result was
+    # handed out when its space was reserved) but not one row is copied yet.
+    assert engine.ask({"gate": "close"}) == {"ok": True}
+    p = prompt(150, 40)  # spans two of vLLM's 128-token blocks
+    (kv,) = engine.ask([p])
+    assert "error" not in kv["capture_arena"], kv
+    # vLLM holds the request's blocks (finished, not freed) while its copy has not run: nothing is
+    # ever copied from a block it reused (before: freed at request_finished).
+    held = engine.ask({"held": True})
+    (rid,) = [r for r in held if r.startswith(kv["capture_arena"]["sample_id"])]
+    assert len(held[rid]) == 2, held
+    # A trainer that reads now waits for the rows (it never sees unwritten bytes), and gets
+    # them exact once the copy runs.
+    trainer.send({"read": kv, "prompt": p})
+    drained = engine.ask({"drain": 0.5})  # the engine steps on meanwhile
+    assert drained["steps"] > 0 and drained["held"] == held, f"blocks freed before the copy: {drained}"
+    assert engine.ask({"gate": "open"}) == {"ok": True}
+    got = trainer.answer(60)
+    assert got.get("ok"), got
+    # Once copied, vLLM learns it (get_finished) and frees the blocks.
+    assert engine.ask({"drain": 30})["held"] == {}
+    assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    s = resident(kv)
+    assert s["resident_objects"] == 0, s
+
+
+def test_a_failed_copy_fails_its_reader_with_the_reason_and_frees_its_space(engine: Proc, trainer: Proc) -> None:
+    before = resident_of(engine)
+    assert engine.ask({"fail": 1}) == {"ok": True}
+    (kv,) = engine.ask([prompt(20, 41)])
+    assert "error" not in kv["capture_arena"], kv  # handed out before the copy
+    got = trainer.ask({"read": kv, "prompt": prompt(20, 41)})
+    assert "WriteFailedError" in got.get("error", "") and "never written" in got["error"], got
+    assert engine.ask({"drain": 30})["held"] == {}, "its blocks are given back all the same"
+    s = resident(kv)
+    assert s["failed_writes"] - before["failed_writes"] == 2 and s["resident_objects"] == 0, s
+    assert s["free_bytes"] == s["capacity"], s
+    assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}  # nothing left to free: no error
 
 
 def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trains_from_it(model_dir: Path, trainer: Proc, tmp_path: Path) -> None:
@@ -524,7 +581,7 @@ def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(b
         p.ask({"save": p.ask({"announce": [["old", 8]]})["meta"]})
         assert wait_resident(p, 2)["resident_objects"] == 2
         p.ask({"save": p.ask({"announce": [["b", 8], ["c", 8]]})["meta"]})
-        s = wait_resident(p, 4)
+        s = wait_stats(p, lambda s: s["resident_objects"] == 4 and s["local_freed_objects"] - before == 2)
         assert s["resident_objects"] == 4 and s["local_freed_objects"] - before == 2, s
         release_all([p.ask({"finish": rid})["params"] for rid in ("b", "c")])
         assert wait_resident(p, 0)["resident_objects"] == 0

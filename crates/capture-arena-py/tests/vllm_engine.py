@@ -2,6 +2,17 @@
 by test_vllm.py: each input line is a JSON list of prompts (token id lists); the answer is one
 JSON line, the list of each request's ``kv_transfer_params``.
 
+The engine core and its worker run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so a
+test can also look at vLLM's scheduler and hold the connector's copies:
+
+- ``{"gate": "close"}`` / ``{"gate": "open"}``: the connector's copy thread waits before copying
+  the next step's rows (results are handed out already), until opened;
+- ``{"fail": n}``: the next n requests' copies fail (raise);
+- ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
+- ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
+  serving engine does by itself) or for that long, and says how many steps it took and what it
+  still holds.
+
 Usage: python vllm_engine.py MODEL_DIR ARENA_BYTES LAYER_IDS_JSON
 """
 
@@ -14,12 +25,37 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     # Answers go to the original stdout; everything vLLM and its processes print, to stderr.
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import argparse
 
     from hs_connectors import HiddenStatesBackend
     from vllm import LLM, SamplingParams
 
     import capture_arena.speculators  # noqa: F401  (registers the backend)
+
+    import threading
+    import time
+
+    import capture_arena.vllm as connector
+
+    # Instrumentation of the connector's copy thread (see the module docs).
+    gate = threading.Event()
+    gate.set()
+    failing = [0]
+    real_copy, real_copy_host = connector._Rows.copy, connector._Rows._copy_host
+
+    def gated_copy(self, todo, event):
+        gate.wait()
+        return real_copy(self, todo, event)
+
+    def failing_copy_host(self, sv, at):
+        if failing[0] > 0:
+            failing[0] -= 1
+            raise RuntimeError("simulated: this copy failed")
+        return real_copy_host(self, sv, at)
+
+    connector._Rows.copy = gated_copy
+    connector._Rows._copy_host = failing_copy_host
 
     model, arena_bytes, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     # The connector's flags come from the backend's launch hooks, as speculators' launcher takes them.
@@ -42,8 +78,35 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         },
         kv_transfer_config=kv_transfer_config,
     )
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+
+    def held():
+        return {
+            rid: list(scheduler.kv_cache_manager.get_block_ids(rid)[0])
+            for rid, r in scheduler.requests.items()
+            if r.is_finished()
+        }
+
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
-        prompts = json.loads(line)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
-        print(json.dumps([o.kv_transfer_params for o in outs]), file=answers, flush=True)
+        cmd = json.loads(line)
+        if isinstance(cmd, list):
+            outs = llm.generate([{"prompt_token_ids": p} for p in cmd], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
+            answer = [o.kv_transfer_params for o in outs]
+        elif "gate" in cmd:
+            (gate.clear if cmd["gate"] == "close" else gate.set)()
+            answer = {"ok": True}
+        elif "fail" in cmd:
+            failing[0] = int(cmd["fail"])
+            answer = {"ok": True}
+        elif "held" in cmd:
+            answer = held()
+        elif "drain" in cmd:
+            steps, deadline = 0, time.monotonic() + float(cmd["drain"])
+            while held() and time.monotonic() < deadline:
+                llm.llm_engine.step()
+                steps += 1
+            answer = {"steps": steps, "held": held()}
+        else:
+            answer = {"error": f"unknown command {cmd}"}
+        print(json.dumps(answer), file=answers, flush=True)
