@@ -17,6 +17,12 @@ hs_connectors' file backend, which waits on the file's flock) and hs_connectors'
 backend (``MooncakeConnectorOnHost``, TCP on loopback to a mooncake_master this script starts).
 The relay between the processes (a pipe each way) is in every row alike.
 
+- **hooks**: the connector's time on vLLM's threads (every connector hook the scheduler and the
+  worker call: ``build_connector_meta``, ``request_finished``, ``wait_for_save``,
+  ``get_finished``, ...) per engine step that finished prompts, against the prompt bytes those
+  steps captured. The engine core and its worker run in the engine's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in every mode alike) so the hooks can be timed there.
+
 Usage: .venv/bin/python crates/capture-arena-py/benches/bench_vllm.py [--requests 16]
        [--batch 32] [--prompt-len 256] [--hidden 512] [--json OUT]
 """
@@ -44,6 +50,7 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
     stdout (vLLM's own output goes to stderr)."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     kwargs: dict[str, Any] = {}
@@ -62,16 +69,70 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
         }[mode] | {"kv_role": "kv_producer", "kv_connector_extra_config": extra}
     # The same step budget in every mode (vLLM raises it by itself under speculative decoding),
     # and no prefix cache (a prompt seen before would cost next to nothing).
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05, max_model_len=1024,
-              max_num_batched_tokens=4096, enable_prefix_caching=False, **kwargs)
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05,
+              max_model_len=int(extra.pop("max_model_len", 1024)), max_num_batched_tokens=4096, enable_prefix_caching=False,
+              **kwargs)
+    hooks = _time_hooks(llm) if mode not in ("none", "extract") else None
     sp = SamplingParams(max_tokens=1, detokenize=False)
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
+        if hooks is not None:
+            hooks.clear()
         t0 = time.monotonic()
         outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
         t1 = time.monotonic()
-        print(json.dumps({"params": [o.kv_transfer_params for o in outs], "t0": t0, "finished": t1}), file=answers, flush=True)
+        answer = {"params": [o.kv_transfer_params for o in outs], "t0": t0, "finished": t1}
+        if hooks is not None:
+            answer["hooks"] = hooks.per_step()
+        print(json.dumps(answer), file=answers, flush=True)
+
+
+class _Hooks:
+    """Time spent in the connector's hooks, by engine step (a step ends at ``wait_for_save``,
+    the last hook vLLM calls in it; steps whose metadata announced no prompt are left out)."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.current = 0.0
+
+    def clear(self) -> None:
+        self.steps, self.current = [], 0.0
+
+    def per_step(self) -> list[float]:
+        return list(self.steps)
+
+
+def _time_hooks(llm: Any) -> _Hooks:
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    hooks = _Hooks()
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    worker = get_kv_transfer_group()
+    names = ["build_connector_meta", "request_finished", "request_finished_all_groups", "update_state_after_alloc",
+             "get_num_new_matched_tokens", "on_new_request", "bind_connector_metadata", "start_load_kv", "wait_for_layer_load",
+             "save_kv_layer", "wait_for_save", "get_finished", "clear_connector_metadata", "handle_preemptions",
+             "update_connector_output"]
+    for obj in (scheduler, worker):
+        for name in names:
+            fn = getattr(obj, name, None)
+            if fn is None:
+                continue
+
+            def timed(*a: Any, _fn: Any = fn, _name: str = name, _obj: Any = obj, **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    hooks.current += time.perf_counter() - t
+                    if _name == "wait_for_save" and _obj is worker:
+                        announced = getattr(getattr(_obj, "_connector_metadata", None), "saves", None)
+                        if announced is None or announced:
+                            hooks.steps.append(hooks.current)
+                        hooks.current = 0.0
+
+            setattr(obj, name, timed)
+    return hooks
 
 
 def trainer_main(mode: str, extra: dict[str, Any]) -> None:
@@ -141,7 +202,7 @@ def make_model(d: Path, hidden: int) -> None:
 
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4, num_attention_heads=8,
-                      num_key_value_heads=8, vocab_size=4096, max_position_embeddings=1024)
+                      num_key_value_heads=8, vocab_size=4096, max_position_embeddings=8192)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
 
 
@@ -158,6 +219,7 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, moonca
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     if mode == "capture-arena":
         extra = {"arena_bytes": "1GiB"}
+    extra["max_model_len"] = max(1024, args.prompt_len + 16)
     elif mode == "file":
         extra = {"shared_storage_path": str(tmp / "hidden_states")}
     elif mode == "mooncake":
@@ -171,14 +233,22 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, moonca
         row: dict[str, Any] = {"mode": mode}
         # Throughput: whole batches, each consumed by the trainer afterwards (not timed).
         engine.ask({"prompts": [prompt(args.prompt_len, 900 + i) for i in range(2)]})  # warm-up
-        rates = []
+        rates, hooks = [], []
         for r in range(args.rounds):
             batch = [prompt(args.prompt_len, 1000 * (r + 1) + i) for i in range(args.batch)]
             a = engine.ask({"prompts": batch})
             rates.append(args.batch * args.prompt_len / (a["finished"] - a["t0"]))
+            hooks.extend(a.get("hooks") or [])
             for p in a["params"] if trainer else []:
                 trainer.ask(p)
         row["tokens_per_s"] = statistics.median(rates)
+        if hooks:
+            hooks.sort()
+            row["hook_ms_per_step_median"] = statistics.median(hooks) * 1e3
+            row["hook_ms_per_step_p99"] = hooks[min(len(hooks) - 1, int(0.99 * len(hooks)))] * 1e3
+            row["steps"] = len(hooks)
+            # Bytes captured per step: the batch's prompts' rows (k * hidden bf16 values a token).
+            row["captured_mb_per_step"] = args.batch * args.rounds * args.prompt_len * len(LAYERS) * args.hidden * 2 / len(hooks) / 1e6
         if trainer:
             holds = []
             for i in range(args.requests):
@@ -223,13 +293,17 @@ def main() -> None:
     base = next((r["tokens_per_s"] for r in rows if r["mode"] == "none"), None)
     ext = next((r["tokens_per_s"] for r in rows if r["mode"] == "null"), None)
     arena = next((r.get("hold_ms_median") for r in rows if r["mode"] == "capture-arena"), None)
-    print(f"\n{'connector':<15}{'tokens/s':>10}{'vs none':>9}{'vs null':>12}{'hold ms (median)':>18}{'p90':>8}{'vs capture-arena':>18}")
+    print(f"\n{'connector':<15}{'tokens/s':>10}{'vs none':>9}{'vs null':>12}{'hold ms (median)':>18}{'p90':>8}{'vs capture-arena':>18}"
+          f"{'hooks ms/step (median)':>24}{'p99':>8}{'MB/step':>9}")
     for r in rows:
         hold, p90 = r.get("hold_ms_median"), r.get("hold_ms_p90")
         cols = [f"{r['tokens_per_s'] / base:.3f}" if base else "-", f"{r['tokens_per_s'] / ext:.3f}" if ext else "-",
                 "-" if hold is None else f"{hold:.2f}", "-" if p90 is None else f"{p90:.2f}",
                 "-" if hold is None or not arena else f"{hold / arena:.1f}x"]
-        print(f"{r['mode']:<15}{r['tokens_per_s']:>10.0f}{cols[0]:>9}{cols[1]:>12}{cols[2]:>18}{cols[3]:>8}{cols[4]:>18}")
+        hk = [f"{r[k]:.3f}" if k in r else "-" for k in ("hook_ms_per_step_median", "hook_ms_per_step_p99")]
+        mb = f"{r['captured_mb_per_step']:.1f}" if "captured_mb_per_step" in r else "-"
+        print(f"{r['mode']:<15}{r['tokens_per_s']:>10.0f}{cols[0]:>9}{cols[1]:>12}{cols[2]:>18}{cols[3]:>8}{cols[4]:>18}"
+              f"{hk[0]:>24}{hk[1]:>8}{mb:>9}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
 

@@ -918,7 +918,8 @@ impl PySink {
         let rows = merge_rows(py, &results, refused)?;
         let places = PyList::empty(py);
         for w in writable {
-            places.append(pythonize(py, &w).map_err(|e| PyRuntimeError::new_err(e.to_string()))?)?;
+            places
+                .append(pythonize(py, &w).map_err(|e| PyRuntimeError::new_err(e.to_string()))?)?;
         }
         for i in at {
             places.insert(i, py.None())?;
