@@ -180,7 +180,8 @@ class Engine:
 
     def step(self, reqs: list[tuple[str, int, int]]) -> tuple[list[dict[str, Any]], float]:
         """One step that computes the whole prompt of each ``(req_id, seed, n)``; returns each
-        request's ``kv_transfer_params`` and how long ``wait_for_save`` held the step."""
+        request's ``kv_transfer_params`` and how long the connector held vLLM's thread
+        (``wait_for_save`` and every ``request_finished``)."""
         objs = []
         for rid, seed, n in reqs:
             need = -(-n // BLOCK)
@@ -202,11 +203,29 @@ class Engine:
         self.worker.wait_for_save()
         held = time.perf_counter() - t0
         self.worker.clear_connector_metadata()
-        out = []
+        out, delayed = [], set()
         for r in objs:
-            _, params = self.sched.request_finished(r, self.table[r.request_id])
-            self.free_blocks.extend(self.table.pop(r.request_id))  # freed at once, as vLLM does
+            t0 = time.perf_counter()
+            keep, params = self.sched.request_finished(r, self.table[r.request_id])
+            held += time.perf_counter() - t0
+            if keep:  # vLLM holds the blocks until the worker reports the copy done
+                delayed.add(r.request_id)
+            else:
+                self.free_blocks.extend(self.table.pop(r.request_id))
             out.append(params)
+        # The engine steps on (get_finished each step) until the worker reports every copy
+        # done; only then do the blocks go back (and get written by later steps).
+        finished, deadline = set(delayed), time.monotonic() + 60
+        while delayed:
+            done, _ = self.worker.get_finished(finished)
+            finished = set()
+            for rid in done or ():
+                delayed.discard(rid)
+                self.free_blocks.extend(self.table.pop(rid))
+            if delayed:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the worker never reported the copies of {sorted(delayed)} done")
+                time.sleep(0.001)
         return out, held
 
     def resident(self) -> dict[str, Any]:

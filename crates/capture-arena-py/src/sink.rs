@@ -159,7 +159,7 @@ fn reserved_sample(item: &Bound<'_, PyAny>, aux_ids: &Option<Vec<i64>>) -> PyRes
         let len = f
             .shape
             .iter()
-            .try_fold(dtype.item_size() as u64, |a, &d| a.checked_mul(d))
+            .try_fold(dtype.item_size(), |a, &d| a.checked_mul(d))
             .ok_or_else(|| {
                 named(
                     py,

@@ -16,13 +16,19 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
 - The scheduler process's connector (:meth:`build_connector_meta`) tells the worker which
   requests finish their prompt in this step, with their blocks and prompt tokens, each with a
   number of its own (a request id may come again).
-- The worker's connector copies those rows out of the cache-only layer in :meth:`wait_for_save`,
-  the first hook after the drafter has written them (``get_finished`` runs before it, and would
-  read the previous step's rows), and publishes each request as a batch of its own, all handed to
-  the writer at once. Only tensor-parallel rank 0 writes. The results go to the scheduler process
-  over a local socket before the step ends.
-- :meth:`request_finished` (scheduler process, same step) returns it. It frees the KV blocks at
-  once (nothing is copied later), so the engine never holds blocks for the trainer.
+- The worker's connector hands them to its copy thread in :meth:`wait_for_save`, the first hook
+  after the drafter has written their rows (``get_finished`` runs before it, and would see the
+  previous step's), and returns: one hand-over a step, nothing copied or waited for on vLLM's
+  thread (for a cache in device memory, an event recorded there orders the copies after the
+  drafter). Only tensor-parallel rank 0 captures.
+- The copy thread reserves each request's objects in the arena (each failing alone), sends the
+  results to the scheduler process at once, then copies the rows straight from the cache's blocks
+  into them (no gather of a request: on the CPU a strided copy per block; from device memory,
+  chunks through two fixed staging buffers of ``STAGING_BYTES``) and finishes the writes.
+- :meth:`request_finished` (scheduler process) returns the result: readers of it wait until its
+  bytes are written (the readiness rule of docs/protocol.md), never reading stale ones. It keeps
+  the request's blocks (``delay_free_blocks``) until the worker reports its copy done in
+  ``get_finished``, so nothing is copied from a block vLLM reused.
 
 Per request, ``kv_transfer_params`` is ``{"capture_arena": result, "handle": key_prefix}``:
 ``result`` is the wire contract's (``features.hidden_states``: ``[1, n, k*H]`` in the model's
@@ -33,11 +39,12 @@ speculators' client hands the error to its backend, which raises with the reason
 
 Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait for frees is 30 s):
 
-- a step's :meth:`wait_for_save` waits for space at most the bound in all, however many requests
-  finish in it: they wait in order until that one deadline, and a request whose turn comes after
-  it is published if it fits at once and gets its error at once otherwise. A request longer than
-  the arena, or a failed copy, costs only that request its error; nothing raises into vLLM's
-  engine loop;
+- a step's requests wait for space at most the bound in all (on the copy thread, which stops a
+  little before :meth:`request_finished`'s own bound), however many finish in it: they wait in
+  order until that one deadline, and a request whose turn comes after it is reserved if it fits
+  at once and gets its error at once otherwise. A request longer than the arena costs only that
+  request its error, and a failed copy fails only its readers (``WriteFailedError``) and frees its
+  space; nothing raises into vLLM's engine loop;
 - :meth:`request_finished` waits at most the bound for its result, and gives up in the same hold
   of its lock as its last look, so a result that comes later finds its request answered and is
   freed by its worker, never kept where nobody reads it;
