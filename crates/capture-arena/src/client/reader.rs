@@ -68,7 +68,7 @@ impl Default for Reader {
 
 impl Reader {
     /// A reader with no open session, that waits for objects still being written as long as
-    /// `SGLANG_SPEC_CAPTURE_READY_WAIT_S` says ([`DEFAULT_READY_WAIT`] when unset or invalid:
+    /// `SGLANG_SPEC_CAPTURE_READY_WAIT_S` says (30 s when unset or invalid:
     /// an invalid value is logged, naming the variable).
     pub fn new() -> Reader {
         Reader::with_ready_wait(ready_wait_from_env())
@@ -333,7 +333,7 @@ pub(crate) fn feature<'a>(result: &'a Published, name: &str) -> Result<&'a Featu
         })
 }
 
-/// `SGLANG_SPEC_CAPTURE_READY_WAIT_S` as a duration: [`DEFAULT_READY_WAIT`] when unset, or when
+/// `SGLANG_SPEC_CAPTURE_READY_WAIT_S` as a duration: `DEFAULT_READY_WAIT` when unset, or when
 /// not a number of seconds in `[0, 86400]` (then logged, naming the variable).
 fn ready_wait_from_env() -> Duration {
     let Ok(raw) = std::env::var(READY_WAIT_ENV) else {
