@@ -244,6 +244,60 @@ def test_a_failed_copy_fails_its_reader_with_the_reason_and_frees_its_space(engi
     assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}  # nothing left to free: no error
 
 
+#: The long-context check: a prompt of 32,768 tokens, every id different.
+LONG = 32768
+MAKE_LONG_MODEL = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(1)
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                  num_key_value_heads=2, vocab_size=40000, max_position_embeddings=33024)
+m = LlamaForCausalLM(cfg)
+for layer in m.model.layers:  # attention adds nothing: row i depends on token i only
+    torch.nn.init.zeros_(layer.self_attn.o_proj.weight)
+m.to(torch.bfloat16).save_pretrained(sys.argv[1])
+"""
+
+
+def test_a_prompt_of_32768_tokens_is_captured_exactly_with_no_extra_memory_for_its_copy(tmp_path: Path) -> None:
+    # A tiny model whose rows depend on their token alone (its attention output is zero), so
+    # every one of the 32,768 rows is checked against transformers cheaply; token ids all
+    # different, so a row from another position cannot pass. The copy is held until the engine
+    # is idle, then the engine's resident memory is sampled while it runs: the connector
+    # gathers nothing (vLLM's file connector gathers the whole request first), so what the copy
+    # adds stays far below the documented bound (two 32 MiB staging buffers, on a GPU only).
+    model = tmp_path / "long-model"
+    subprocess.run([sys.executable, "-c", MAKE_LONG_MODEL, str(model)], check=True, timeout=300)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    token_bytes = len(LAYERS) * 64 * 2 + 8
+    e = Proc([sys.executable, str(HERE / "vllm_engine.py"), str(model), str(LONG * token_bytes + (4 << 20)), json.dumps(LAYERS),
+              str(LONG + 256)], env)
+    t = Proc([sys.executable, str(HERE / "vllm_trainer.py"), str(model), json.dumps(LAYERS)], dict(os.environ))
+    try:
+        assert e.answer(600) == {"ready": True}
+        p = [(i * 7919) % 39000 + 1 for i in range(LONG)]
+        assert len(set(p)) == LONG
+        assert e.ask({"gate": "close"}) == {"ok": True}
+        (kv,) = e.ask([p], timeout=600)
+        assert "error" not in kv["capture_arena"], kv
+        assert kv["capture_arena"]["features"]["hidden_states"]["shape"] == [1, LONG, len(LAYERS) * 64]
+        copy = e.ask({"measure_copy": True}, timeout=300)
+        got = t.ask({"read": kv, "prompt": p, "by_token": True}, timeout=300)
+        assert got.get("ok"), got
+        # On the CPU the rows go block by block, with no staging at all: a quarter of the rows'
+        # bytes is far above what that takes, and far below a gather of the request.
+        assert copy["extra_bytes"] <= min(64 << 20, LONG * token_bytes // 4), copy
+        print(f"32768-token copy: {copy['extra_bytes'] / 2**20:.1f} MiB extra at its peak (rows: {LONG * token_bytes / 2**20:.1f} MiB)")
+        assert t.ask({"delete": kv["handle"]}) == {"ok": True}
+        assert t.ask({"flush": True}) == {"ok": True}
+        assert e.ask({"drain": 30})["held"] == {}
+    finally:
+        t.close()
+        e.close()
+
+
 def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trains_from_it(model_dir: Path, trainer: Proc, tmp_path: Path) -> None:
     """The OpenAI server (`vllm serve`) with the connector, and two tensor-parallel workers
     (vllm-cpu binds one CPU to each): a completion's response carries the arena result top-level

@@ -13,7 +13,11 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
 
-Usage: python vllm_engine.py MODEL_DIR ARENA_BYTES LAYER_IDS_JSON
+- ``{"measure_copy": true}``: opens the gate and samples this process's resident memory every
+  millisecond until every copy under way is done: how much the copies added at their peak
+  (``extra_bytes``; the engine is idle meanwhile).
+
+Usage: python vllm_engine.py MODEL_DIR ARENA_BYTES LAYER_IDS_JSON [MAX_MODEL_LEN]
 """
 
 import json
@@ -58,6 +62,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     connector._Rows._copy_host = failing_copy_host
 
     model, arena_bytes, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    max_model_len = int(sys.argv[4]) if len(sys.argv) > 4 else 512
     # The connector's flags come from the backend's launch hooks, as speculators' launcher takes them.
     backend = HiddenStatesBackend.registry["capture-arena"]
     parser = argparse.ArgumentParser()
@@ -70,7 +75,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         skip_tokenizer_init=True,
         enforce_eager=True,
         gpu_memory_utilization=0.05,
-        max_model_len=512,
+        max_model_len=max_model_len,
         speculative_config={
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
@@ -101,6 +106,23 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             answer = {"ok": True}
         elif "held" in cmd:
             answer = held()
+        elif "measure_copy" in cmd:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            worker = get_kv_transfer_group()
+            page = os.sysconf("SC_PAGE_SIZE")
+
+            def rss():
+                with open("/proc/self/statm") as f:
+                    return int(f.read().split()[1]) * page
+
+            before = peak = rss()
+            gate.set()
+            deadline = time.monotonic() + 120
+            while any(not c.done.is_set() for c in list(worker._copies.values())) and time.monotonic() < deadline:
+                peak = max(peak, rss())
+                time.sleep(0.001)
+            answer = {"extra_bytes": peak - before, "rss_bytes": before}
         elif "drain" in cmd:
             steps, deadline = 0, time.monotonic() + float(cmd["drain"])
             while held() and time.monotonic() < deadline:

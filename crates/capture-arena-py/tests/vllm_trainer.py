@@ -3,7 +3,8 @@ capture-arena's hs_connectors backend (as speculators' dataloader does: get_gene
 delete) and checks every row against the hidden states the same model computes in transformers.
 
 Commands, one JSON line each on stdin, each answered with one JSON line:
-- ``{"read": kv_transfer_params, "prompt": [ids]}`` -> ``{"ok": true, "max_err": e}`` or ``{"error": "..."}``
+- ``{"read": kv_transfer_params, "prompt": [ids], "by_token": bool}`` -> ``{"ok": true, "max_err": e}`` or
+  ``{"error": "..."}`` (``by_token``: the reference computed token by token, see ``reference``)
 - ``{"delete": handle}`` -> ``{"ok": true}``; ``{"flush": true}`` -> ``{"ok": true}`` once every free is delivered
 - ``{"speculators": base_url, "prompts": [[ids], ...], "dir": path, "fail_reads": k}`` ->
   ``{"ok": true, "read": n, "failed_reads": k, "unavailable": [reason, ...]}``: speculators' own
@@ -36,17 +37,21 @@ transfer = backend.from_train_args(parser.parse_args([]), "/nonexistent")
 transfer.setup()
 
 
-def reference(prompt):
+def reference(prompt, by_token=False):
     """[n, k, H]: transformers' hidden states at the layer ids, the last layer's before the final
-    norm (as vLLM captures it: the residual stream after that many decoder layers)."""
+    norm (as vLLM captures it: the residual stream after that many decoder layers). ``by_token``:
+    each token alone (a batch of n one-token sequences), for a model whose attention output is
+    zero, so that row i depends on token i only (a long prompt's rows, checked cheaply)."""
     pre_norm = {}
     hook = model.model.layers[-1].register_forward_hook(lambda m, i, o: pre_norm.setdefault("h", o[0] if isinstance(o, tuple) else o))
+    ids = torch.tensor(prompt).view(-1, 1) if by_token else torch.tensor([prompt])
     try:
         with torch.no_grad():
-            hs = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+            hs = model(ids, output_hidden_states=True).hidden_states
     finally:
         hook.remove()
-    rows = [pre_norm["h"][0] if i == n_layers else hs[i][0] for i in sorted(set(layers))]
+    take = (lambda t: t[:, 0]) if by_token else (lambda t: t[0])
+    rows = [take(pre_norm["h"]) if i == n_layers else take(hs[i]) for i in sorted(set(layers))]
     return torch.stack(rows, dim=1)
 
 
@@ -55,7 +60,7 @@ for line in sys.stdin:
     try:
         if "read" in cmd:
             got = transfer.get_generated(cmd["read"])
-            want = reference(cmd["prompt"])
+            want = reference(cmd["prompt"], by_token=cmd.get("by_token", False))
             assert got["token_ids"].dtype == torch.int64 and got["token_ids"].tolist() == cmd["prompt"], "token ids"
             assert got["hidden_states"].shape == want.shape, (tuple(got["hidden_states"].shape), tuple(want.shape))
             assert got["hidden_states"].dtype == torch.bfloat16

@@ -82,6 +82,9 @@ class ArenaSink(LiveSink, _ArenaSink):
         self._start_error: Optional[str] = None
         self._start_failed_at = -START_RETRY_S
         self._starts_done = 0
+        #: Threads that write reserved objects into the arena, stopped before it goes.
+        self._stops: list[Callable[[], bool]] = []
+        self._writers_stopped = True
         if self.eager:
             self._ensure_started()  # the engine placement's arena (the others started already)
 
@@ -395,16 +398,14 @@ class ArenaSink(LiveSink, _ArenaSink):
 
     def _stop_writers(self) -> bool:
         """Calls the :meth:`on_close` callbacks (once); whether every writing thread stopped."""
-        stops, self._stops = list(getattr(self, "_stops", ())), []
-        self._writers_stopped = all([_stopped(stop) for stop in stops]) and getattr(self, "_writers_stopped", True)
+        stops, self._stops = self._stops, []
+        self._writers_stopped = all([_stopped(stop) for stop in stops]) and self._writers_stopped
         return self._writers_stopped
 
     def on_close(self, stop: "Callable[[], bool]") -> None:
         """Registers ``stop``, called first by :meth:`close` (and at interpreter exit): it stops
         a thread that writes reserved objects' bytes into the arena (:meth:`reserve_each`) and
         returns whether it stopped, so the arena is never removed under a write."""
-        if not hasattr(self, "_stops"):
-            self._stops: "list[Callable[[], bool]]" = []
         self._stops.append(stop)
 
     def _publish_live(self, item: Any) -> Result:

@@ -422,7 +422,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             return
         event = None
         if self._kv.is_cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self._kv.device))
         for sv in saves:
             self._copies[sv.req_id] = _Copy()
@@ -669,7 +669,7 @@ class _Rows:
         self.stream: Any = None
         self.stage: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         if kv.is_cuda:
-            self.stream = torch.cuda.Stream(kv.device)
+            self.stream = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
             block = self.k * self.bs * self.h * kv.element_size()
             self.chunk = max(1, STAGING_BYTES // block)
             self.stage = (
@@ -775,7 +775,7 @@ def _register_host_arena(sink: ArenaSink) -> None:
     if region is None:
         return
     try:
-        rc = torch.cuda.cudart().cudaHostRegister(region[0], region[1], 0)
+        rc = torch.cuda.cudart().cudaHostRegister(region[0], region[1], 0)  # type: ignore[no-untyped-call]
         if int(rc) != 0:
             log.warning("capture_arena.vllm: registering the host arena with CUDA failed (%s); copies into it run at pageable speed", rc)
     except Exception as e:
