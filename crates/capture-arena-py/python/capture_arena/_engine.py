@@ -457,20 +457,38 @@ class EngineReader:
 
         # The stamps are read into host memory: not over NVLink, whose transfers move device memory.
         checks = list(stamps) if self._protocol not in ("nvlink", "nvlink_intra") else []
-        words = np.zeros(max(len(checks), 1), dtype=np.uint64)
-        # Objects still being written are waited for (bounded by their own wait, on top).
+        # Each copy is bounded by the read's deadline; one that found an object still being
+        # written (its stamp word pending) is made again once it may not be, for at most
+        # SGLANG_SPEC_CAPTURE_READY_WAIT_S in all.
         ready = ready_wait_s() if checks else 0.0
-        run_bounded(
-            "capture-arena-engine-read",
-            lambda: self._read_in(te, session, targets, checks, words, ready),
-            (keep, words),
-            timeout + ready,
-            timed_out,
-        )
+        since, pause = time.monotonic(), 50e-6
+        while True:
+            words = np.zeros(max(len(checks), 1), dtype=np.uint64)
+            pending: list[Optional[str]] = [None]
+            run_bounded(
+                "capture-arena-engine-read",
+                lambda: pending.__setitem__(0, self._read_in(te, session, targets, checks, words)),
+                (keep, words),
+                timeout,
+                timed_out,
+            )
+            if pending[0] is None:
+                return
+            waited = time.monotonic() - since
+            if waited >= ready:
+                raise NotReadyError(
+                    f"{pending[0]} was still being written after {waited:.3f} s: its producer handed out its result before "
+                    "its copy completed and has not finished it (read again later, or wait longer: "
+                    "SGLANG_SPEC_CAPTURE_READY_WAIT_S)"
+                )
+            time.sleep(min(pause, ready - waited))
+            pause = min(pause * 2, 0.01)
 
     def _read_in(
-        self, te: Any, session: str, targets: list[tuple[int, int, int]], checks: list[tuple[str, int, int]], words: Any, ready: float
-    ) -> None:
+        self, te: Any, session: str, targets: list[tuple[int, int, int]], checks: list[tuple[str, int, int]], words: Any
+    ) -> Optional[str]:
+        """One copy of every target, then of the stamps: the key of an object still being
+        written (copy again later), or None when every byte read is the objects'."""
         registered = []
         try:
             regions = [(local, n) for _, local, n in targets]
@@ -500,28 +518,14 @@ class EngineReader:
                 if rc != 0:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
                 registered.append(local)
-            since = time.monotonic()
-            pause = 50e-6
-            while True:
-                self._transfer(te, session, targets)
-                if not checks:
-                    return
-                # After the copy completed: a stamp that still matches proves the bytes were the
-                # object's; a pending one (still being written) means copying again once it is not.
-                base = int(words.ctypes.data)
-                self._transfer(te, session, [(at, base + 8 * i, 8) for i, (_, at, _) in enumerate(checks)])
-                pending = _check_words(checks, words.tolist())
-                if pending is None:
-                    return
-                waited = time.monotonic() - since
-                if waited >= ready:
-                    raise NotReadyError(
-                        f"{pending} was still being written after {waited:.3f} s: its producer handed out its result before "
-                        "its copy completed and has not finished it (read again later, or wait longer: "
-                        "SGLANG_SPEC_CAPTURE_READY_WAIT_S)"
-                    )
-                time.sleep(min(pause, ready - waited))
-                pause = min(pause * 2, 0.01)
+            self._transfer(te, session, targets)
+            if not checks:
+                return None
+            # After the copy completed: a stamp that still matches proves the bytes were the
+            # object's; a pending one (still being written) means copying again once it is not.
+            base = int(words.ctypes.data)
+            self._transfer(te, session, [(at, base + 8 * i, 8) for i, (_, at, _) in enumerate(checks)])
+            return _check_words(checks, words.tolist())
         finally:
             for local in registered:
                 te.unregister_memory(local)
