@@ -73,6 +73,7 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
               max_model_len=int(extra.pop("max_model_len", 1024)), max_num_batched_tokens=4096, enable_prefix_caching=False,
               **kwargs)
     hooks = _time_hooks(llm) if mode not in ("none", "extract") else None
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     sp = SamplingParams(max_tokens=1, detokenize=False)
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
@@ -86,6 +87,12 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
         if hooks is not None:
             answer["hooks"] = hooks.per_step()
         print(json.dumps(answer), file=answers, flush=True)
+        # A serving engine steps on while it holds finished requests' blocks (connectors that
+        # copy or write after the response report them done in later steps): so does this one,
+        # after answering, until it holds none.
+        deadline = time.monotonic() + 60
+        while scheduler.has_finished_requests() and time.monotonic() < deadline:
+            llm.llm_engine.step()
 
 
 class _Hooks:
@@ -219,7 +226,6 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, moonca
     env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     if mode == "capture-arena":
         extra = {"arena_bytes": "1GiB"}
-    extra["max_model_len"] = max(1024, args.prompt_len + 16)
     elif mode == "file":
         extra = {"shared_storage_path": str(tmp / "hidden_states")}
     elif mode == "mooncake":
@@ -227,6 +233,7 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, moonca
                               "master_server_address": mooncake_env["MOONCAKE_MASTER_SERVER_ADDR"], "protocol": "tcp",
                               "global_segment_size": 1 << 30, "local_buffer_size": 512 << 20}}
         env.update(mooncake_env)
+    extra["max_model_len"] = max(1024, args.prompt_len + 16)
     engine = Child([sys.executable, __file__, "engine", str(model), mode, json.dumps(extra)], env, log)
     trainer = Child([sys.executable, __file__, "trainer", mode, json.dumps(extra)], env, log) if mode not in ("none", "extract", "null") else None
     try:

@@ -11,6 +11,7 @@ mod error;
 mod exit;
 mod plan;
 mod readbuf;
+mod rows;
 mod sink;
 mod store;
 

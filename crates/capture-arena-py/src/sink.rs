@@ -945,6 +945,62 @@ impl PySink {
         Ok(())
     }
 
+    /// Copies rows `0..n` of a paged cache (`src` bytes at `src_base`; each `(block, layer,
+    /// slot)` row `row_bytes` contiguous at `src_base + block * strides[0] + layer * strides[1]
+    /// + slot * strides[2]`; token `i` in block `block_ids[i / block_size]`) into the reserved
+    /// object at `dst` (`dst_len` bytes, `[n, k, row]`), which must lie in this sink's arena as
+    /// this process maps it. Checked before anything is copied; the GIL is released while it
+    /// copies. The caller vouches that the cache's `src_len` bytes stay valid meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    fn _copy_block_rows(
+        &self,
+        py: Python<'_>,
+        dst: u64,
+        dst_len: u64,
+        src_base: u64,
+        src_len: u64,
+        strides: (u64, u64, u64),
+        block_ids: Vec<u64>,
+        n: u64,
+        block_size: u64,
+        k: u64,
+        row_bytes: u64,
+    ) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        let (base, len) = sink.local_region().ok_or_else(|| {
+            named(
+                py,
+                "WriterStoppedError",
+                "the arena does not exist yet".into(),
+            )
+        })?;
+        let inside = dst >= base
+            && dst
+                .checked_add(dst_len)
+                .is_some_and(|end| end <= base + len);
+        if !inside || sink.config().device_publication() {
+            return Err(named(
+                py,
+                "InvalidReadError",
+                format!(
+                    "copying cache rows: [{dst:#x}, +{dst_len}) is not in this sink's host arena"
+                ),
+            ));
+        }
+        let src = crate::rows::Paged {
+            base: src_base,
+            len: src_len,
+            strides,
+            block_size,
+            k,
+            row_bytes,
+        };
+        // SAFETY: the destination lies in this sink's own host mapping (checked), which only the
+        // caller of reserve_each writes for a reserved object; the cache range is the caller's
+        // promise (a tensor it holds); an arena never lies inside a cache.
+        unsafe { crate::rows::copy_rows(py, dst, dst_len, &src, &block_ids, n) }
+    }
+
     /// Frees `keys` from this process (a capture it drops), without a control connection;
     /// nothing before the writer has started.
     fn _free_local(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<()> {

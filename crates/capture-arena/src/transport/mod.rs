@@ -255,9 +255,15 @@ pub(crate) fn verify_stamps(
     Ok(pending)
 }
 
+/// The longest pause between two looks at a stamp word still pending where a look costs
+/// nothing (a mapped arena): the most a reader arrives late for bytes just written.
+pub(crate) const CHEAP_POLL_MAX: Duration = Duration::from_millis(1);
+/// The same where a look is a copy across a network: it is made again at most this often.
+pub(crate) const COPY_POLL_MAX: Duration = Duration::from_millis(10);
+
 /// Waits until no object at `checks` is still being written ([`verify_stamps`]), polling with
-/// a back-off from 50 µs to 10 ms, until `deadline` (then [`Error::NotReady`], `since` being
-/// when the read began).
+/// a back-off from 50 µs to [`CHEAP_POLL_MAX`] (a mapped arena's words cost nothing to read),
+/// until `deadline` (then [`Error::NotReady`], `since` being when the read began).
 ///
 /// # Errors
 /// As [`verify_stamps`]; [`Error::NotReady`].
@@ -270,15 +276,16 @@ pub(crate) fn wait_ready(
 ) -> Result<()> {
     let mut pause = Duration::from_micros(50);
     while let Some(i) = verify_stamps(t, checks, &key_of)? {
-        pause_or_give_up(&mut pause, since, deadline, || key_of(i))?;
+        pause_or_give_up(&mut pause, CHEAP_POLL_MAX, since, deadline, || key_of(i))?;
     }
     Ok(())
 }
 
-/// Sleeps the next back-off step (50 µs doubling to 10 ms, never past `deadline`), or
+/// Sleeps the next back-off step (doubling up to `most`, never past `deadline`), or
 /// [`Error::NotReady`] for `key()` once `deadline` has passed.
 pub(crate) fn pause_or_give_up(
     pause: &mut Duration,
+    most: Duration,
     since: Instant,
     deadline: Instant,
     key: impl FnOnce() -> String,
@@ -291,7 +298,7 @@ pub(crate) fn pause_or_give_up(
         });
     }
     std::thread::sleep((*pause).min(deadline - now));
-    *pause = (*pause * 2).min(Duration::from_millis(10));
+    *pause = (*pause * 2).min(most);
     Ok(())
 }
 
