@@ -33,7 +33,21 @@ STATUS = {"accepted": 200, "shed": 429, "rejected": 422}
 OnRecord = Callable[[dict[str, Any]], tuple[str, str]]
 
 
-class Intake:
+class _Served:
+    """A test HTTP server on 127.0.0.1 (``_server``): its URL, and stopping it."""
+
+    _server: ThreadingHTTPServer
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Intake(_Served):
     """The intake server on 127.0.0.1 (see the module docs). ``on_record`` may be replaced
     while it runs."""
 
@@ -117,13 +131,6 @@ class Intake:
                     self._accepted.popitem(last=False)
             return status, code, {"status": status, "detail": detail}
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
 
 def config_payload(store_id: str, *, run_id: str = "run", max_num_tokens: int = 4096) -> dict[str, Any]:
@@ -211,7 +218,7 @@ class Producer:
         return "accepted", "ok"
 
 
-class ForwardProxy:
+class ForwardProxy(_Served):
     """An HTTP forward proxy on 127.0.0.1 (what ``http_proxy`` names): takes requests for
     absolute URLs, forwards them, and counts them by method and path (``seen``)."""
 
@@ -250,10 +257,3 @@ class ForwardProxy:
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="test-proxy", daemon=True).start()
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
