@@ -31,7 +31,13 @@ rows copied device-to-host) and a device arena (``SGLANG_SPEC_CAPTURE_GPU_PUT=1`
 Exit status 0 only if every check passed. Without CUDA (the dry run against the fake driver) it
 runs the same flow with the cache in host memory and says so, unless ``--require-cuda``.
 
-Usage: python gpu_vllm_check.py [--require-cuda] [--hidden H] [--requests N]
+With ``--load NxLEN,...`` (#37) it also times steps of N requests of LEN tokens, five each, for
+each arena: the connector's time on the engine's thread per step beside vLLM's file-connector
+logic on the same cache (its engine-thread time and when its copies are done), the time until a
+trainer holds every request's tensors, and the extra device memory of one ``--long``-token
+request beside that logic's gather (``load`` and ``long`` lines).
+
+Usage: python gpu_vllm_check.py [--require-cuda] [--hidden H] [--requests N] [--load NxLEN,...] [--long TOKENS]
 """
 
 from __future__ import annotations
@@ -316,6 +322,99 @@ def engine(a: argparse.Namespace) -> int:
     return 0 if failures == 0 else 1
 
 
+def file_logic(kv: torch.Tensor, table: dict[str, list[int]], lengths: dict[str, int]) -> tuple[float, float]:
+    """vLLM's file connector's copy (``ExampleHiddenStatesConnector._submit_async_write``, in our
+    own words): per request, on a side stream after the current one, its rows gathered by slot
+    into a fresh device tensor, then copied without blocking into fresh pinned memory. Returns the
+    time on the calling (engine) thread and the time until every copy is done."""
+    t0 = time.perf_counter()
+    side = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record()
+    side.wait_event(ready)
+    done = []
+    keep = []
+    with torch.cuda.stream(side):
+        for rid, n in lengths.items():
+            blocks = torch.tensor(table[rid], dtype=torch.long)
+            slots = (blocks.view(-1, 1) * BLOCK + torch.arange(BLOCK).view(1, -1)).flatten()[:n].to(kv.device, non_blocking=True)
+            rows = kv[slots // BLOCK, :, slots % BLOCK]
+            pinned = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            pinned.copy_(rows, non_blocking=True)
+            ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ev.record(side)
+            done.append(ev)
+            keep.append((rows, pinned))
+    enqueued = time.perf_counter() - t0
+    for ev in done:
+        ev.synchronize()
+    return enqueued, time.perf_counter() - t0
+
+
+def load(a: argparse.Namespace) -> int:
+    """The connector at production load (#37): steps of ``--load`` (``NxLEN,...``) requests,
+    five of each, for this process's arena placement; the connector's time on the engine's
+    thread per step (``wait_for_save`` and every ``request_finished``) beside vLLM's
+    file-connector logic on the same cache; the time until a trainer in another process holds
+    every request's tensors; and the extra device memory of one ``--long``-token request."""
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    loads = [tuple(int(x) for x in spec.split("x")) for spec in a.load.split(",")]
+    per = lambda n: n * K * a.hidden * 2 + n * 8 + 4096  # noqa: E731
+    biggest = max([r * per(n) for r, n in loads] + [per(a.long)])
+    a.blocks = max(a.blocks, max([r * -(-n // BLOCK) for r, n in loads] + [-(-a.long // BLOCK)]) + 8)
+    eng = Engine(a, device, biggest + (64 << 20))
+    trainer = subprocess.Popen([sys.executable, __file__, "--role", "trainer", "--hidden", str(a.hidden)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert trainer.stdin and trainer.stdout
+    ok = True
+    for reqs, n in loads:
+        held, file_held, file_done, hold = [], [], [], []
+        for rep in range(5):
+            batch = [(f"l{reqs}x{n}-{rep}-{i}", 1000 + i, n) for i in range(reqs)]
+            params, h = eng.step(batch)
+            end = time.monotonic()
+            held.append(h)
+            for (rid, seed, m), p in zip(batch, params):
+                trainer.stdin.write(json.dumps({"params": p, "seed": seed, "n": m, "delete": True}) + "\n")
+            trainer.stdin.flush()
+            answers = [json.loads(trainer.stdout.readline()) for _ in batch]
+            ok = ok and all(x["ok"] for x in answers)
+            hold.append(max(x.get("held_at", end) for x in answers) - end)
+            if device != "cpu":  # the file connector's logic on the same cache, for comparison
+                table = {f"f{i}": list(range(i * -(-n // BLOCK), (i + 1) * -(-n // BLOCK))) for i in range(reqs)}
+                fe, fd = file_logic(eng.kv, table, {f"f{i}": n for i in range(reqs)})
+                file_held.append(fe)
+                file_done.append(fd)
+        held.sort()
+        say(check="load", ok=ok, placement=a.placement, cache=device, requests=reqs, tokens=n,
+            step_mb=round(reqs * per(n) / 1e6, 1),
+            engine_thread_ms_median=round(held[len(held) // 2] * 1e3, 3), engine_thread_ms_max=round(held[-1] * 1e3, 3),
+            trainer_holds_ms_median=round(sorted(hold)[len(hold) // 2] * 1e3, 2),
+            file_engine_thread_ms_median=round(sorted(file_held)[len(file_held) // 2] * 1e3, 3) if file_held else None,
+            file_copies_done_ms_median=round(sorted(file_done)[len(file_done) // 2] * 1e3, 3) if file_done else None)
+    # One long request: the device memory its capture adds, against the file logic's gather.
+    extra = file_extra = None
+    if device != "cpu":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        params, _ = eng.step([("long", 7, a.long)])
+        trainer.stdin.write(json.dumps({"params": params[0], "seed": 7, "n": a.long, "delete": True}) + "\n")
+        trainer.stdin.flush()
+        ok = ok and json.loads(trainer.stdout.readline())["ok"]
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        file_logic(eng.kv, {"f": list(range(-(-a.long // BLOCK)))}, {"f": a.long})
+        file_extra = torch.cuda.max_memory_allocated() - base
+    say(check="long", ok=ok, placement=a.placement, tokens=a.long, extra_device_bytes=extra, file_gather_extra_device_bytes=file_extra,
+        staging_bytes=2 * 32 << 20)
+    trainer.stdin.close()
+    trainer.wait(timeout=120)
+    eng.close()
+    return 0 if ok else 1
+
+
 def trainer(a: argparse.Namespace) -> int:
     from capture_arena.speculators import CaptureArenaTransfer
 
@@ -330,7 +429,7 @@ def trainer(a: argparse.Namespace) -> int:
             want = rows_of(seed, n, a.hidden, "cuda" if torch.cuda.is_available() else "cpu").cpu()
             hs, tok = got["hidden_states"], got["token_ids"]
             ok = tuple(hs.shape) == (n, K, a.hidden) and torch.equal(hs.cpu(), want) and tok.cpu().tolist() == tokens_of(seed, n)
-            ans: dict[str, Any] = {"ok": bool(ok), "device": str(hs.device)}
+            ans: dict[str, Any] = {"ok": bool(ok), "device": str(hs.device), "held_at": time.monotonic()}
             if m["delete"]:
                 t.delete(p["handle"])
         except Exception as e:
@@ -342,15 +441,19 @@ def trainer(a: argparse.Namespace) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--role", choices=["main", "engine", "trainer"], default="main")
+    ap.add_argument("--role", choices=["main", "engine", "trainer", "load"], default="main")
     ap.add_argument("--placement", default="host")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--blocks", type=int, default=2048)
     ap.add_argument("--require-cuda", action="store_true")
+    ap.add_argument("--load", default="", help="steps of NxLEN requests (e.g. 1x2048,8x2048,32x2048,4x16000): the load check")
+    ap.add_argument("--long", type=int, default=131072, help="the long request of the load check, in tokens")
     a = ap.parse_args()
     if a.role == "engine":
         return engine(a)
+    if a.role == "load":
+        return load(a)
     if a.role == "trainer":
         return trainer(a)
     cuda = torch.cuda.is_available()
@@ -366,6 +469,10 @@ def main() -> int:
         flags = ["--placement", placement, "--hidden", str(a.hidden), "--requests", str(a.requests), "--blocks", str(a.blocks)]
         p = subprocess.run([sys.executable, __file__, "--role", "engine", *flags], env={**os.environ, **env}, timeout=300)
         rc = rc or p.returncode
+        if a.load:
+            p = subprocess.run([sys.executable, __file__, "--role", "load", *flags, "--load", a.load, "--long", str(a.long)],
+                               env={**os.environ, **env}, timeout=300)
+            rc = rc or p.returncode
     say(check="all", ok=rc == 0)
     return rc
 
