@@ -534,7 +534,11 @@ CUresult cuEventRecord(Event *e, Stream *s) {
   e->pending++;
   pthread_mutex_unlock(&e->mu);
   Op o = {.kind = OP_RECORD, .ev = e};
-  return push(s, o);
+  CUresult rc = push(s, o);
+  /* Not queued (a sticky error, a bad stream): nothing will complete it, and a later destroy or
+   * wait must not wait for it. */
+  if (rc != OK) event_done(e);
+  return rc;
 }
 CUresult cuEventQuery(Event *e) {
   if (!e) return INVALID_HANDLE;
