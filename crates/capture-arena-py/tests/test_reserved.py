@@ -2,7 +2,9 @@
 vLLM's connector uses), read by a trainer in another process through ``ArenaFeatureStore``:
 the readiness rule of docs/protocol.md. The trainer that comes before the bytes waits for them
 and gets exactly them; at its deadline it fails saying why; a failed write fails it at once and
-frees the space."""
+frees the space. Both readers of the rule run: the mapped one (the ``arena`` placement, shared
+memory) and Mooncake's TransferEngine (the ``engine`` placement over TCP), which copies again
+while an object is pending."""
 
 from __future__ import annotations
 
@@ -19,13 +21,26 @@ import pytest
 
 import capture_arena as ca
 
+from mooncake_master import MISSING as MOONCAKE_MISSING
+
 READER = r"""
-import json, sys, time
+import json, os, sys, time, types
 import numpy as np
 import capture_arena as ca
+if os.environ.get("SGLANG_SPEC_CAPTURE_PLACEMENT") == "engine":
+    # Says when the TransferEngine reader first pauses between its copies (it found the object
+    # pending), so that the test writes the bytes only after the trainer has read them unwritten.
+    import capture_arena._engine as engine
+    said = []
+    def sleep(s):
+        if not said:
+            said.append(print(json.dumps({"waiting": True}), flush=True))
+        time.sleep(s)
+    engine.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
 store = ca.ArenaFeatureStore()
 for line in sys.stdin:
     r = json.loads(line)
+    said = []
     print(json.dumps({"reading": True}), flush=True)
     t0 = time.monotonic()
     try:
@@ -56,8 +71,31 @@ def write(result: dict[str, Any], at: dict[str, int], seed: int) -> tuple[bytes,
     return data, ids.tolist()
 
 
+# The engine placement: the arena inside a Mooncake TransferEngine, read over TCP on loopback.
+ENGINE_ENV = {
+    "SGLANG_SPEC_CAPTURE_PLACEMENT": "engine",
+    "MOONCAKE_PROTOCOL": "tcp",
+    "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+    "GLOG_minloglevel": "2",
+}
+
+
+@pytest.fixture(params=["arena", "engine"])
+def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The producer's placement, set in the environment its sink and the trainers start from."""
+    if request.param == "engine":
+        if MOONCAKE_MISSING:
+            pytest.skip(MOONCAKE_MISSING)
+        for k, v in ENGINE_ENV.items():
+            monkeypatch.setenv(k, v)
+    else:
+        monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
+    return str(request.param)
+
+
 @pytest.fixture
-def reader() -> Any:
+def reader(placement: str) -> Any:
     env = {**os.environ, "SGLANG_SPEC_CAPTURE_READY_WAIT_S": "20"}
     p = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -66,6 +104,8 @@ def reader() -> Any:
         p.stdin.write(json.dumps(result) + "\n")
         p.stdin.flush()
         assert json.loads(p.stdout.readline()) == {"reading": True}
+        if placement == "engine":  # it copied the object and found it pending
+            assert json.loads(p.stdout.readline()) == {"waiting": True}
         return p
 
     def answer() -> Any:
@@ -77,9 +117,10 @@ def reader() -> Any:
     p.wait()
 
 
-def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_them(make_sink: Any, reader: Any) -> None:
+def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_them(make_sink: Any, reader: Any, placement: str) -> None:
     ask, answer = reader
     sink = make_sink()
+    assert sink.placement == placement
     ((r, at),) = sink.reserve_each([reservation("a")], within_s=5)
     assert "error" not in r, r
     assert r["features"]["h"]["shape"] == [1, 64, 32] and "stamp" in r["features"]["h"]
@@ -99,9 +140,10 @@ def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_t
 
 
 def test_a_trainer_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_it_at_once(
-    make_sink: Any, reader: Any, monkeypatch: pytest.MonkeyPatch
+    make_sink: Any, reader: Any, placement: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sink = make_sink()
+    assert sink.placement == placement
     ((r, _),) = sink.reserve_each([reservation("b")], within_s=5)
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READY_WAIT_S", "0.3")
     store = ca.ArenaFeatureStore()  # a reader of this process, with a 0.3 s wait
