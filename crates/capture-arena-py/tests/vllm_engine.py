@@ -13,6 +13,16 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
 
+- ``{"preempt": {"prompt": [...], "max_tokens": n, "before": [...] or null, "open_gate": bool}}``:
+  vLLM preempts a request after its prompt was captured. ``before`` (if given) is a request
+  served first (its copy then holds the copy thread while the gate is closed); the request is
+  added and stepped until its prompt is computed; every free block is then taken out of vLLM's
+  pool (as other requests would hold them), so its decode runs out of blocks and vLLM's
+  scheduler preempts it; once it has, the blocks go back and it is stepped to its end.
+  ``open_gate``: the gate opens as the worker starts handling the preemption (a copy under
+  way). Answers the requests' ``kv_transfer_params``, the preemptions, the longest step while
+  preempting, and when the copy returned and the preemption's handling ended;
+
 - ``{"measure_copy": true}``: opens the gate and samples this process's resident memory every
   millisecond until every copy under way is done: how much the copies added at their peak
   (``extra_bytes``; the engine is idle meanwhile).
@@ -47,10 +57,28 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     gate.set()
     failing = [0]
     real_copy, real_copy_host = connector._Rows.copy, connector._Rows._copy_host
+    real_preemptions = connector.CaptureArenaConnector.handle_preemptions
+    preempting = threading.Event()
+    events = {}
 
     def gated_copy(self, todo, event):
         gate.wait()
-        return real_copy(self, todo, event)
+        try:
+            return real_copy(self, todo, event)
+        finally:
+            events.setdefault("copied", time.monotonic())  # the first copy since events were cleared
+
+    def handle_preemptions(self, meta):
+        if not getattr(meta, "preempted", None):
+            return real_preemptions(self, meta)
+        preempting.set()
+        events["preempting"] = time.monotonic()
+        try:
+            return real_preemptions(self, meta)
+        finally:
+            events["preempted"] = time.monotonic()
+
+    connector.CaptureArenaConnector.handle_preemptions = handle_preemptions
 
     def failing_copy_host(self, sv, at):
         if failing[0] > 0:
@@ -92,6 +120,46 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             if r.is_finished()
         }
 
+    def preempt(cmd):
+        engine, pool = llm.llm_engine, scheduler.kv_cache_manager.block_pool
+        params, steps, outs = {}, [0], {}
+
+        def step():
+            t0 = time.monotonic()
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id.split("-")[0]] = o.kv_transfer_params
+            steps[0] += 1
+            assert steps[0] < 2000, "the engine did not get there"
+            return time.monotonic() - t0
+
+        def ours(rid):  # vLLM adds a suffix to a request's id
+            return next(r for k, r in scheduler.requests.items() if k.startswith(rid))
+
+        if cmd.get("before"):
+            engine.add_request("before", {"prompt_token_ids": cmd["before"]}, SamplingParams(max_tokens=1, detokenize=False))
+            while "before" not in outs:
+                step()
+        p = cmd["prompt"]
+        engine.add_request("preempted", {"prompt_token_ids": p}, SamplingParams(max_tokens=int(cmd["max_tokens"]), ignore_eos=True, detokenize=False))
+        step()
+        while ours("preempted").num_computed_tokens < len(p):
+            step()
+        events.clear()
+        preempting.clear()
+        if cmd.get("open_gate"):
+            threading.Thread(target=lambda: preempting.wait(120) and gate.set(), daemon=True).start()
+        hoard = pool.get_new_blocks(pool.get_num_free_blocks())
+        longest = 0.0
+        while ours("preempted").num_preemptions == 0:
+            longest = max(longest, step())
+        longest = max(longest, step())  # the step whose worker handles the preemption
+        pool.free_blocks(hoard)
+        preemptions = ours("preempted").num_preemptions
+        while "preempted" not in outs:
+            step()
+        return {"params": outs, "preemptions": preemptions, "longest_step_s": longest, "events": events}
+
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -104,6 +172,8 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         elif "fail" in cmd:
             failing[0] = int(cmd["fail"])
             answer = {"ok": True}
+        elif "preempt" in cmd:
+            answer = preempt(cmd["preempt"])
         elif "held" in cmd:
             answer = held()
         elif "measure_copy" in cmd:

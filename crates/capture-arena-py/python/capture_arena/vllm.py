@@ -149,7 +149,7 @@ class CaptureArenaMetadata(KVConnectorMetadata):
 
     saves: list[_Save] = field(default_factory=list)
     #: Announced requests vLLM preempted in this step: their blocks go back before the forward,
-    #: so the worker finishes (or gives up) their copies first.
+    #: so the worker gives up their copies (or, under way, finishes them) first.
     preempted: list[str] = field(default_factory=list)
 
 
@@ -237,6 +237,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: announcement; any other is late, and freed. Their blocks are held at their finish
             #: until the worker says their copy is done.
             self._pending: dict[str, int] = {}
+            #: Requests preempted after their announcement, to be announced again.
+            self._again: set[str] = set()
             #: Results waiting for request_finished, oldest first: request id -> (row, the worker
             #: it came from).
             self._results: collections.OrderedDict[str, tuple[dict[str, Any], _Peer]] = collections.OrderedDict()
@@ -247,14 +249,17 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv: Optional[torch.Tensor] = None
             self._conn: Optional[socket.socket] = None
             #: Results sent and not yet taken (or freed) by the scheduler process:
-            #: request id -> (row, deadline); freed by the worker past the deadline.
+            #: announcement (:func:`_tag`) -> (row, deadline); freed by the worker past the deadline.
             self._unacked: dict[str, tuple[dict[str, Any], float]] = {}
             self._unacked_lock = threading.Lock()
             #: Announced requests whose copy vLLM has not been told is done: request id -> copy.
             self._copies: dict[str, _Copy] = {}
+            self._copy_lock = threading.Lock()
             #: Of those, the ones vLLM finished (their blocks wait for the copy).
             self._finished: set[str] = set()
-            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[tuple[dict[str, Any], Optional[dict[str, int]]]], Any]]]" = queue.Queue()
+            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[tuple[dict[str, Any], Optional[dict[str, int]]]], list[_Copy], Any]]]" = (
+                queue.Queue()
+            )
             self._copier: Optional[threading.Thread] = None
             self._stopping = False
             self._rows: Optional[_Rows] = None
@@ -271,15 +276,34 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests[request.request_id] = request
 
     def build_connector_meta(self, scheduler_output: Any) -> CaptureArenaMetadata:
-        """The requests whose last prompt token is computed in this step (each once, even after
-        a preemption recomputes it), with the blocks that hold their rows."""
+        """The requests whose last prompt token is computed in this step, with the blocks that
+        hold their rows: each once, and once more after each preemption (its first capture is
+        given up, its blocks having gone back to vLLM)."""
         meta = CaptureArenaMetadata()
+        # A preempted request's blocks went back to vLLM before its copy may have run: its
+        # announcement is given up (the worker cancels or finishes that copy before the blocks
+        # are written again, and its result is freed) and the request is announced again when
+        # its prompt is computed again, with a new number (so new keys).
+        gone = []
+        with self._cond:
+            for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                if self._pending.pop(rid, None) is not None:
+                    meta.preempted.append(rid)
+                    self._again.add(rid)
+                    got = self._results.pop(rid, None)
+                    if got is not None:
+                        gone.append(got)
+        for row, peer in gone:
+            log.info("capture_arena.vllm: request %s was preempted; its capture is freed and made again when its prompt is recomputed", row.get("sample_id"))
+            _reply_free(peer, row)
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(rid)
             if req is None or rid in self._pending:
                 continue
             before, n = int(req.num_computed_tokens), int(req.num_prompt_tokens)
-            if not before < n <= before + int(scheduled):
+            # A preempted request's prompt may come back from vLLM's prefix cache whole (only
+            # later tokens computed): it is announced at its first step whose end has it all.
+            if n > before + int(scheduled) or (before >= n and rid not in self._again):
                 continue
             manager = self._kv_cache_manager
             if manager is None:  # bound by the scheduler before its first step
@@ -289,10 +313,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if len(blocks) < need or req.prompt_token_ids is None:
                 continue  # not the layout this connector knows (prompt embeddings): no capture
             self._seq += 1
+            self._again.discard(rid)
             meta.saves.append(_Save(rid, blocks[:need], list(req.prompt_token_ids), self._seq))
             with self._cond:
                 self._pending[rid] = self._seq
-        meta.preempted = [rid for rid in getattr(scheduler_output, "preempted_req_ids", None) or () if rid in self._pending]
         return meta
 
     def _deliver(self, req_id: str, seq: Any, row: dict[str, Any], peer: "_Peer") -> bool:
@@ -320,6 +344,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         freed at once."""
         rid = request.request_id
         self._requests.pop(rid, None)
+        self._again.discard(rid)
         deadline = time.monotonic() + self._bound
         held = False
         with self._cond:
@@ -432,22 +457,32 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
             reserved = [({"sample_id": sv.req_id, "error": f"publish failed: {e}"}, None) for sv in saves]
         self._send([(sv, row) for sv, (row, _) in zip(saves, reserved)])
-        for sv in saves:
-            self._copies[sv.req_id] = _Copy()
+        copies = [_Copy() for _ in saves]
+        for sv, c in zip(saves, copies):
+            self._copies[sv.req_id] = c
         self._start_copier()
-        self._steps.put((list(saves), reserved, event))
+        self._steps.put((list(saves), reserved, copies, event))
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
-        """Requests vLLM preempted give their blocks back before this step's forward: a copy not
-        begun yet is given up (its result fails readers), one under way is waited for (at most
-        the bound plus PREEMPT_GRACE_S, on vLLM's thread: preemption is rare)."""
+        """Requests vLLM preempted gave their blocks back, and this step's forward may write
+        them: a copy not begun yet is given up at once (its objects fail their readers and are
+        freed), one under way is waited for (at most the bound plus PREEMPT_GRACE_S, on vLLM's
+        thread: preemption is rare, and a copy takes milliseconds). The scheduler process frees
+        the result and announces the request again when its prompt is recomputed."""
         for rid in getattr(kv_connector_metadata, "preempted", None) or ():
-            c = self._copies.get(rid)
+            c = self._copies.pop(rid, None)
+            self._finished.discard(rid)
             if c is None:
                 continue
-            c.cancelled = True
+            with self._copy_lock:
+                c.cancelled = not c.started
+            if c.cancelled:
+                continue
+            t0 = time.monotonic()
             if not c.done.wait(self._bound + PREEMPT_GRACE_S):
                 log.error("capture_arena.vllm: the copy of preempted request %s did not end in time; its blocks may be reused under it", rid)
+            else:
+                log.info("capture_arena.vllm: preempted request %s waited %.1f ms for its copy under way", rid, (time.monotonic() - t0) * 1e3)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         """The finished requests whose copy is done (or was never needed): vLLM may free their
@@ -491,35 +526,34 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             step = self._steps.get()
             if step is None:
                 return
-            saves, reserved, event = step
+            saves, reserved, copies, event = step
             if self._stopping:  # closing: nothing more is written (those objects fail)
                 self._sink.finish_writes([row for row, at in reserved if at is not None], ok=False)  # type: ignore[union-attr]
-                for sv in saves:
-                    c = self._copies.get(sv.req_id)
-                    if c is not None:
-                        c.done.set()
+                for c in copies:
+                    c.done.set()
                 continue
             try:
-                self._copy_step(saves, reserved, event)
+                self._copy_step(saves, reserved, copies, event)
             except Exception:  # a bug of ours: those requests fail, the next steps go on
                 log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
             finally:
-                for sv in saves:
-                    c = self._copies.get(sv.req_id)
-                    if c is not None:
-                        c.done.set()
+                for c in copies:
+                    c.done.set()
 
-    def _copy_step(self, saves: list[_Save], reserved: list[tuple[dict[str, Any], Optional[dict[str, int]]]], event: Any) -> None:
+    def _copy_step(
+        self, saves: list[_Save], reserved: list[tuple[dict[str, Any], Optional[dict[str, int]]]], copies: list[_Copy], event: Any
+    ) -> None:
         assert self._sink is not None and self._kv is not None
         if self._rows is None:  # here, not on vLLM's thread: it may register the arena with CUDA
             self._rows = _Rows(self._kv, self._sink)
         todo = []
-        for sv, (row, at) in zip(saves, reserved):
-            c = self._copies.get(sv.req_id)
+        for sv, (row, at), c in zip(saves, reserved, copies):
             if "error" in row or at is None:
                 continue
-            if c is not None and c.cancelled:
-                log.warning("capture_arena.vllm: request %s was preempted before its rows were copied: not captured", sv.req_id)
+            with self._copy_lock:  # from here a preemption waits for this copy
+                c.started = not c.cancelled
+            if not c.started:
+                log.info("capture_arena.vllm: request %s was preempted before its rows were copied; captured again when recomputed", sv.req_id)
                 self._sink.finish_writes([row], ok=False)
                 continue
             todo.append((sv, row, at))
@@ -539,12 +573,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             json.dumps({"req_id": s.req_id, "seq": s.seq, "sent": sent, "row": row}, separators=(",", ":")).encode() + b"\n"
             for s, row in results
         )
-        published = {s.req_id: row for s, row in results if "error" not in row}
+        published = {_tag(s.req_id, s.seq): row for s, row in results if "error" not in row}
         if published:
             with self._unacked_lock:
                 deadline = sent + self._bound + ACK_GRACE_S
-                for rid, row in published.items():
-                    self._unacked[rid] = (row, deadline)
+                for tag, row in published.items():
+                    self._unacked[tag] = (row, deadline)
         for attempt in (0, 1):
             try:
                 if self._conn is None:
@@ -577,9 +611,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._conn = None
 
     def _read_answers(self, conn: socket.socket) -> None:
-        """The worker's end of the channel's way back: ``{"taken": [request id, ...], "free":
-        [request id, ...], "drop": [key, ...]}`` lines (``drop``: a result taken, then forgotten
-        by the scheduler process). Results not taken by their deadline are freed here too (the
+        """The worker's end of the channel's way back: ``{"taken": [tag, ...], "free": [tag, ...],
+        "drop": [key, ...]}`` lines (a tag names one announcement of a request, :func:`_tag`;
+        ``drop``: a result taken, then forgotten by the scheduler process). Results not taken by their deadline are freed here too (the
         read wakes at least every ACK_GRACE_S / 4); when the channel closes, every result still
         waiting is freed (no answer can come any more). A bad line closes the connection."""
         try:
@@ -589,8 +623,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     if not all(isinstance(x, list) and all(isinstance(r, str) for r in x) for x in (taken, free, drop)):
                         raise ValueError('an answer line is {"taken": [str, ...], "free": [str, ...], "drop": [key, ...]}')
                     with self._unacked_lock:
-                        for rid in taken:
-                            self._unacked.pop(rid, None)
+                        for tag in taken:
+                            self._unacked.pop(tag, None)
                     if free:
                         log.warning("capture_arena.vllm: %d results came after their requests were answered; freed", len(free))
                         self._free_unacked(free)
@@ -614,7 +648,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def _free_expired(self) -> None:
         now = time.monotonic()
         with self._unacked_lock:
-            late = [rid for rid, (_, deadline) in self._unacked.items() if now >= deadline]
+            late = [tag for tag, (_, deadline) in self._unacked.items() if now >= deadline]
         if late:
             log.error(
                 "capture_arena.vllm: the scheduler process did not take %d results within %g s; freed (is it stuck, or "
@@ -623,10 +657,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             )
             self._free_unacked(late)
 
-    def _free_unacked(self, rids: list[str]) -> None:
-        """Frees what was published for these requests (those still waiting for an answer)."""
+    def _free_unacked(self, tags: list[str]) -> None:
+        """Frees what was published for these announcements (those still waiting for an answer)."""
         with self._unacked_lock:
-            rows = [self._unacked.pop(rid)[0] for rid in rids if rid in self._unacked]
+            rows = [self._unacked.pop(tag)[0] for tag in tags if tag in self._unacked]
         if self._sink is not None:
             for r in rows:
                 self._sink._drop_published(r)
@@ -643,8 +677,10 @@ class _Copy:
     """A request's copy, as the worker tracks it until vLLM is told it is done."""
 
     done: threading.Event = field(default_factory=threading.Event)
-    #: Preempted before its copy began: not copied (its blocks go back to vLLM).
+    #: Preempted before its copy began: not copied (its blocks went back to vLLM).
     cancelled: bool = False
+    #: Its copy began (a preemption waits for it): set with ``cancelled`` under the copy lock.
+    started: bool = False
 
 
 class _Rows:
@@ -764,6 +800,9 @@ def _spec(kv: torch.Tensor, store_id: str, sv: _Save) -> dict[str, Any]:
     return {
         "store_id": store_id,
         "sample_id": sv.req_id,
+        # The announcement's number: a request captured again (after a preemption, or a request
+        # id used again) never meets its earlier objects' keys, which may still be resident.
+        "gen": max(sv.seq, 1),
         "features": {
             "hidden_states": {"shape": [1, n, k * h], "dtype": str(kv.dtype).removeprefix("torch.")},
             "token_ids": {"shape": [1, n], "dtype": "int64"},
@@ -847,6 +886,12 @@ class _Peer:
             self.conn.sendall(data)
 
 
+def _tag(req_id: str, seq: Any) -> str:
+    """Names one announcement of a request in the worker's and the scheduler process's answers
+    (a request preempted and recomputed is announced again, under the same id)."""
+    return f"{seq}:{req_id}"
+
+
 def _reply_free(peer: Any, row: dict[str, Any]) -> None:
     """Tells the worker that sent ``row`` (and was told it was taken) to free its objects."""
     try:
@@ -916,10 +961,10 @@ class _Listener:
                     # Read too late, the worker may be freeing it already: never handed out.
                     fresh = time.monotonic() - sent <= self._max_age_s
                     if fresh and self._deliver(rid, seq, row, peer):
-                        taken.append(rid)
+                        taken.append(_tag(rid, seq))
                     elif "error" not in row:
                         log.warning("capture_arena.vllm: the result of %s came after its request was answered; the worker frees it", rid)
-                        free.append(rid)
+                        free.append(_tag(rid, seq))
                 peer.send({"taken": taken, "free": free})
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.error("capture_arena.vllm: closed a result connection: %s", e)
