@@ -351,6 +351,47 @@ def file_logic(kv: torch.Tensor, table: dict[str, list[int]], lengths: dict[str,
     return enqueued, time.perf_counter() - t0
 
 
+def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
+    """GB/s of the connector's copy of one ``n``-token request from the cache's blocks into its
+    arena object (timed on the copy's own thread, from its start until the bytes landed), beside
+    torch copying the same bytes at the same link: device to pinned host memory for a host
+    arena, device to device for a device arena (on the dry run's CPU: host to host). The best of
+    ``tries`` each."""
+    from capture_arena.vllm import _Save, _spec
+
+    w = eng.worker
+    sink, rows = w._sink, w._rows
+    assert sink is not None and rows is not None, "after the first step"
+    nbytes = n * K * eng.hidden * 2
+    sv = _Save("rate", list(range(-(-n // BLOCK))), tokens_of(3, n), 1)
+    cuda = eng.kv.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    ours = []
+    for _ in range(tries):
+        ((row, at),) = sink.reserve_each([_spec(eng.kv, "rate", sv)], within_s=10)
+        if at is None:
+            raise RuntimeError(f"the copy-rate request did not fit: {row}")
+        sync()
+        t0 = time.perf_counter()
+        (ok,) = rows.copy([(sv, at)], None)
+        ours.append(time.perf_counter() - t0)
+        if not ok:
+            raise RuntimeError("the copy-rate request's copy failed (see the log)")
+        sink.finish_writes([row], ok=ok)
+        sink._drop_published(row)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=eng.kv.device)
+    on_device = rows.device_arena or not cuda
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=eng.kv.device) if on_device else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    theirs = []
+    for _ in range(tries):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync()
+        theirs.append(time.perf_counter() - t0)
+    return nbytes / min(ours) / 1e9, nbytes / min(theirs) / 1e9
+
+
 def load(a: argparse.Namespace) -> int:
     """The connector at production load (#37): steps of ``--load`` (``NxLEN,...``) requests,
     five of each, for this process's arena placement; the connector's time on the engine's
@@ -365,7 +406,14 @@ def load(a: argparse.Namespace) -> int:
     eng = Engine(a, device, biggest + (64 << 20))
     trainer = subprocess.Popen([sys.executable, __file__, "--role", "trainer", "--hidden", str(a.hidden)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert trainer.stdin and trainer.stdout
-    ok = True
+    # The first step finds the arena still being created (in the background since the cache was
+    # registered; a real engine serves seconds later) and starts the copy thread, whose first
+    # copy registers a host arena with CUDA: reported on its own, not in the loads' figures.
+    params, warmup = eng.step([("warmup", 5, 16)])
+    trainer.stdin.write(json.dumps({"params": params[0], "seed": 5, "n": 16, "delete": True}) + "\n")
+    trainer.stdin.flush()
+    ok = bool(json.loads(trainer.stdout.readline())["ok"])
+    say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3))
     for reqs, n in loads:
         held, file_held, file_done, hold = [], [], [], []
         for rep in range(5):
@@ -391,6 +439,13 @@ def load(a: argparse.Namespace) -> int:
             trainer_holds_ms_median=round(sorted(hold)[len(hold) // 2] * 1e3, 2),
             file_engine_thread_ms_median=round(sorted(file_held)[len(file_held) // 2] * 1e3, 3) if file_held else None,
             file_copies_done_ms_median=round(sorted(file_done)[len(file_done) // 2] * 1e3, 3) if file_done else None)
+    # The link's rate: our copy beside torch's of the same bytes.
+    n = min(a.long, 32768)
+    gbps, torch_gbps = copy_rate(eng, n)
+    rows = eng.worker._rows
+    say(check="copy_rate", ok=True, placement=a.placement, cache=device, tokens=n, bytes=n * K * a.hidden * 2,
+        connector_gb_s=round(gbps, 2), torch_gb_s=round(torch_gbps, 2), ratio=round(gbps / torch_gbps, 3),
+        torch_copy="host to host" if device == "cpu" else "device to device" if rows is not None and rows.device_arena else "device to pinned host")
     # One long request: the device memory its capture adds, against the file logic's gather.
     extra = file_extra = None
     if device != "cpu":
