@@ -186,8 +186,9 @@ class Engine:
 
     def step(self, reqs: list[tuple[str, int, int]]) -> tuple[list[dict[str, Any]], float]:
         """One step that computes the whole prompt of each ``(req_id, seed, n)``; returns each
-        request's ``kv_transfer_params`` and how long the connector held vLLM's thread
-        (``wait_for_save`` and every ``request_finished``)."""
+        request's ``kv_transfer_params`` and how long the connector held vLLM's threads: every
+        hook vLLM calls in a step (``build_connector_meta``, ``wait_for_save``, each
+        ``request_finished``, and the step's ``get_finished``)."""
         objs = []
         for rid, seed, n in reqs:
             need = -(-n // BLOCK)
@@ -197,7 +198,9 @@ class Engine:
             r = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=n, prompt_token_ids=tokens_of(seed, n))
             self.sched.on_new_request(r)
             objs.append(r)
+        t0 = time.perf_counter()
         meta = self.sched.build_connector_meta(ns(num_scheduled_tokens={rid: n for rid, _, n in reqs}))
+        held = time.perf_counter() - t0
         # The drafter writes this step's rows (position i at block table[i // B], slot i % B).
         for rid, seed, n in reqs:
             rows = rows_of(seed, n, self.hidden, self.device)
@@ -207,7 +210,7 @@ class Engine:
         self.worker.bind_connector_metadata(meta)
         t0 = time.perf_counter()
         self.worker.wait_for_save()
-        held = time.perf_counter() - t0
+        held += time.perf_counter() - t0
         self.worker.clear_connector_metadata()
         out, delayed = [], set()
         for r in objs:
@@ -221,9 +224,13 @@ class Engine:
             out.append(params)
         # The engine steps on (get_finished each step) until the worker reports every copy
         # done; only then do the blocks go back (and get written by later steps).
-        finished, deadline = set(delayed), time.monotonic() + 60
+        finished, deadline, first = set(delayed), time.monotonic() + 60, True
         while delayed:
+            t0 = time.perf_counter()
             done, _ = self.worker.get_finished(finished)
+            if first:  # the step's own call; later ones are the next steps'
+                held += time.perf_counter() - t0
+                first = False
             finished = set()
             for rid in done or ():
                 delayed.discard(rid)
@@ -412,8 +419,9 @@ def load(a: argparse.Namespace) -> int:
     params, warmup = eng.step([("warmup", 5, 16)])
     trainer.stdin.write(json.dumps({"params": params[0], "seed": 5, "n": 16, "delete": True}) + "\n")
     trainer.stdin.flush()
-    ok = bool(json.loads(trainer.stdout.readline())["ok"])
-    say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3))
+    got = json.loads(trainer.stdout.readline())
+    ok = bool(got["ok"])
+    say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3), error=got.get("error"))
     for reqs, n in loads:
         held, file_held, file_done, hold = [], [], [], []
         for rep in range(5):
