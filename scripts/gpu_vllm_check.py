@@ -453,6 +453,7 @@ def load(a: argparse.Namespace) -> int:
     rows = eng.worker._rows
     say(check="copy_rate", ok=True, placement=a.placement, cache=device, tokens=n, bytes=n * K * a.hidden * 2,
         connector_gb_s=round(gbps, 2), torch_gb_s=round(torch_gbps, 2), ratio=round(gbps / torch_gbps, 3),
+        host_arena_registered=rows is not None and rows.registered is not None,
         torch_copy="host to host" if device == "cpu" else "device to device" if rows is not None and rows.device_arena else "device to pinned host")
     # One long request: the device memory its capture adds, against the file logic's gather.
     extra = file_extra = None
@@ -475,6 +476,10 @@ def load(a: argparse.Namespace) -> int:
     trainer.stdin.close()
     trainer.wait(timeout=120)
     eng.close()
+    if rows is not None and rows.stream is not None and not rows.device_arena:  # a host arena fed from the GPU
+        unpinned = rows.registered is None
+        say(check="host_arena_unregistered_at_close", ok=unpinned, placement=a.placement)
+        ok = ok and unpinned
     return 0 if ok else 1
 
 

@@ -515,7 +515,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._stopping = True
         self._steps.put(None)
         copier.join(self._bound + PREEMPT_GRACE_S)
-        return not copier.is_alive()
+        if copier.is_alive():
+            return False
+        if self._rows is not None and self._rows.registered is not None:
+            _unregister_host_arena(self._rows.registered)
+            self._rows.registered = None
+        return True
 
     def _copy_loop(self) -> None:
         """One step at a time: reserve every request's space (each its own, under the step's
@@ -707,6 +712,8 @@ class _Rows:
         self.device_arena = bool(sink.device_publication)
         self.stream: Any = None
         self.stage: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        #: The host arena's address, while it is registered with CUDA.
+        self.registered: Optional[int] = None
         if kv.is_cuda:
             self.stream = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
             block = self.k * self.bs * self.h * kv.element_size()
@@ -716,7 +723,7 @@ class _Rows:
                 torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
             )
             if not self.device_arena:
-                _register_host_arena(sink)
+                self.registered = _register_host_arena(sink)
 
     def copy(self, todo: list[tuple[_Save, dict[str, int]]], event: Any) -> list[bool]:
         """Copies each request's rows and token ids into its objects (``{name: address}`` where
@@ -824,19 +831,36 @@ def _arena_tensor(address: int, numel: int, dtype: torch.dtype, device: Any) -> 
     return torch.as_tensor(_Cuda(), device=device).view(dtype)
 
 
-def _register_host_arena(sink: ArenaSink) -> None:
+def _register_host_arena(sink: ArenaSink) -> Optional[int]:
     """Registers a host arena with the CUDA driver (pinned), so device-to-host copies into it run
-    at the link's rate: once, on the copy thread (never vLLM's); a failure is logged, and the
-    copies go on at pageable speed."""
+    at the link's rate: once, on the copy thread (never vLLM's). Returns the address registered
+    (unregistered by :func:`_unregister_host_arena` before the arena goes); a failure is logged,
+    and the copies go on at pageable speed."""
     region = sink.local_region
     if region is None:
-        return
+        return None
     try:
+        t0 = time.monotonic()
         rc = torch.cuda.cudart().cudaHostRegister(region[0], region[1], 0)  # type: ignore[no-untyped-call]
         if int(rc) != 0:
             log.warning("capture_arena.vllm: registering the host arena with CUDA failed (%s); copies into it run at pageable speed", rc)
+            return None
+        log.info("capture_arena.vllm: registered the %d MiB host arena with CUDA in %.2f s", region[1] >> 20, time.monotonic() - t0)
+        return region[0]
     except Exception as e:
         log.warning("capture_arena.vllm: registering the host arena with CUDA failed: %s; copies into it run at pageable speed", e)
+        return None
+
+
+def _unregister_host_arena(address: int) -> None:
+    """Undoes :func:`_register_host_arena` (the arena is about to be unmapped: its pages would
+    otherwise stay pinned until the process ends)."""
+    try:
+        rc = torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+        if int(rc) != 0:
+            log.warning("capture_arena.vllm: unregistering the host arena from CUDA failed (%s)", rc)
+    except Exception as e:
+        log.warning("capture_arena.vllm: unregistering the host arena from CUDA failed: %s", e)
 
 
 def _peer_uid(conn: socket.socket) -> int:
