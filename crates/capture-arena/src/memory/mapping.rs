@@ -81,7 +81,7 @@ unsafe impl Sync for Mapping {}
 
 impl Mapping {
     /// Maps `len` bytes of `fd` from offset 0, shared. `populate` pre-faults the page tables, a
-    /// chunk at a time ([`POPULATE_CHUNK`], `MADV_POPULATE_READ`/`_WRITE`, or touching each
+    /// chunk at a time (4 MiB per call, `MADV_POPULATE_READ`/`_WRITE`, or reading each
     /// page where the kernel predates them), so that other threads of this process go on
     /// meanwhile: for a reader it makes reads run at memcpy speed instead of taking a fault
     /// every few pages. A failure to pre-fault only leaves pages to fault in on first use.
