@@ -249,12 +249,13 @@ def test_a_request_preempted_after_its_capture_is_captured_again_and_no_copy_rea
     taken out of the pool, as other requests would hold them), and recomputes it (its prompt
     from the prefix cache) once they are back."""
     before = resident_of(engine)
-    # Preempted before its copy began (the copy thread is held on an earlier request's copy):
-    # that copy is given up at once, so vLLM's step does not wait for it (before: it waited the
-    # bound plus 30 s, then let the forward reuse the blocks), and its objects are freed.
+    # Preempted before its copy began (the copy thread is held on the copy of an earlier
+    # request, still decoding): that copy is given up at once, so vLLM's step does not wait for
+    # it (before: it waited the bound plus 30 s, then let the forward reuse the blocks), and its
+    # objects are freed.
     assert engine.ask({"gate": "close"}) == {"ok": True}
     first, p = prompt(40, 50), prompt(100, 51)
-    got = engine.ask({"preempt": {"before": first, "prompt": p, "max_tokens": 60}}, timeout=300)
+    got = engine.ask({"preempt": {"before": first, "before_tokens": 60, "prompt": p, "max_tokens": 60}}, timeout=300)
     assert got["preemptions"] >= 1, got
     assert got["longest_step_s"] < 5.0, f"a step waited for a copy that had not begun: {got}"
     assert "copied" not in got["events"], got  # nothing was copied meanwhile
@@ -289,6 +290,24 @@ def test_a_request_preempted_after_its_capture_is_captured_again_and_no_copy_rea
     assert trainer.ask({"flush": True}) == {"ok": True}
     s = resident(kv)
     assert s["resident_objects"] == 0 and s["free_bytes"] == s["capacity"], f"the first capture stayed: {s}"
+
+
+def test_blocks_held_for_a_copy_come_back_without_preempting_a_running_request(engine: Proc, trainer: Proc) -> None:
+    """vLLM runs out of blocks while a finished request's blocks wait for its copy (gated): its
+    scheduler waits for them (has_pending_block_frees) instead of preempting the running request
+    and recomputing it (before: preempted)."""
+    assert engine.ask({"gate": "close"}) == {"ok": True}
+    first, p = prompt(40, 53), prompt(100, 54)
+    got = engine.ask({"preempt": {"before": first, "prompt": p, "max_tokens": 60, "held_steps": 40}}, timeout=300)
+    assert got["preemptions_held"] == 0 and got["preemptions"] == 0, got
+    kv_first, kv = got["params"]["before"], got["params"]["preempted"]
+    assert trainer.ask({"read": kv, "prompt": p}).get("ok")
+    assert trainer.ask({"read": kv_first, "prompt": first}).get("ok")
+    assert engine.ask({"drain": 30})["held"] == {}
+    for k in (kv, kv_first):
+        assert trainer.ask({"delete": k["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    assert resident(kv)["resident_objects"] == 0
 
 
 #: The long-context check: a prompt of 32,768 tokens, every id different.
@@ -510,6 +529,71 @@ def test_a_result_the_scheduler_process_cannot_take_is_freed_by_the_worker() -> 
     assert "could not hand 1 results to the scheduler process" in out.stderr, out.stderr[-3000:]
     assert published["published_objects"] == 2
     assert end["resident_objects"] == 0 and end["local_freed_objects"] == 2, end
+
+
+KERNEL_BLOCKS = r"""
+import json, os, time
+from types import SimpleNamespace as ns
+import numpy as np
+import torch
+import vllm.config
+import vllm.distributed.parallel_state as ps
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+import capture_arena as ca
+from capture_arena.vllm import CaptureArenaConnector
+
+# vLLM's classes and the connector are real; only the model runner's plumbing is replaced (which
+# layer is the cache-only one, the tensor-parallel rank).
+vllm.config.get_layers_from_vllm_config = lambda cfg, kind, names: {n: None for n in names}
+ps.get_tensor_model_parallel_rank = lambda: 0
+cfg = ns(kv_transfer_config=ns(engine_id=f"kernel-{os.getpid()}", kv_connector_extra_config={"arena_bytes": 1 << 20}),
+         parallel_config=ns(data_parallel_rank=0),
+         speculative_config=ns(method="extract_hidden_states",
+                               draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))))
+# The scheduler's blocks hold 16 tokens; the worker's cache splits each into two kernel blocks
+# of 8 (what vLLM does for attention backends that need smaller blocks).
+sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=16))]))
+sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: ([2, 0],), block_pool=None))
+worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
+kv = torch.randn(6, 2, 8, 16).to(torch.bfloat16)
+worker.register_kv_caches({"drafter.cache_only": kv})
+req = ns(request_id="k", num_computed_tokens=0, num_prompt_tokens=20, prompt_token_ids=list(range(20)))
+sched.on_new_request(req)
+meta = sched.build_connector_meta(ns(num_scheduled_tokens={"k": 20}))
+worker.bind_connector_metadata(meta)
+worker.wait_for_save()
+held, params = sched.request_finished(req, [2, 0])
+pending = sched.has_pending_block_frees()
+got = ca.ArenaFeatureStore().get(params["capture_arena"], ["hidden_states"])["hidden_states"]
+kernel = [4, 5, 0, 1]  # manager blocks 2, 0 as kernel blocks
+want = torch.stack([kv[kernel[i // 8], :, i % 8, :].reshape(-1) for i in range(20)])
+exact = np.array_equal(np.asarray(got).reshape(20, -1).view(np.uint16), want.view(torch.int16).numpy().view(np.uint16))
+done = set()
+deadline = time.monotonic() + 10
+while not done and time.monotonic() < deadline:
+    done = worker.get_finished({"k"})[0] or set()
+    time.sleep(0.01)
+sched.update_connector_output(ns(finished_sending=done))
+print("@@" + json.dumps({"held": held, "exact": bool(exact), "pending_while_copying": pending,
+                         "reported": sorted(done), "pending_after": sched.has_pending_block_frees()}), flush=True)
+worker.shutdown()
+sched.shutdown()
+"""
+
+
+def test_kernel_blocks_smaller_than_the_schedulers_are_read_where_vllm_put_the_rows() -> None:
+    """vLLM splits each of the scheduler's blocks into smaller kernel blocks in the worker's
+    cache where an attention backend needs them: the rows are copied from the kernel blocks
+    that hold them (before: from the scheduler's block numbers in the kernel numbering, wrong
+    rows or none), and vLLM's scheduler is told that the held blocks come back without a
+    preemption (has_pending_block_frees) until the copy is reported."""
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "2"}
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    out = subprocess.run([sys.executable, "-c", KERNEL_BLOCKS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (got,) = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    assert got == {"held": True, "exact": True, "pending_while_copying": True, "reported": ["k"], "pending_after": False}, got
 
 
 # -- the connector's halves under faults (vllm_halves.py) ---------------------------------------

@@ -13,15 +13,19 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
 
-- ``{"preempt": {"prompt": [...], "max_tokens": n, "before": [...] or null, "open_gate": bool}}``:
-  vLLM preempts a request after its prompt was captured. ``before`` (if given) is a request
-  served first (its copy then holds the copy thread while the gate is closed); the request is
-  added and stepped until its prompt is computed; every free block is then taken out of vLLM's
-  pool (as other requests would hold them), so its decode runs out of blocks and vLLM's
-  scheduler preempts it; once it has, the blocks go back and it is stepped to its end.
-  ``open_gate``: the gate opens as the worker starts handling the preemption (a copy under
-  way). Answers the requests' ``kv_transfer_params``, the preemptions, the longest step while
-  preempting, and when the copy returned and the preemption's handling ended;
+- ``{"preempt": {"prompt": [...], "max_tokens": n, "before": [...] or null, "before_tokens": m,
+  "open_gate": bool, "held_steps": k or null}}``: vLLM runs out of blocks while a request
+  decodes after its prompt was captured. ``before`` (if given) is a request served first, for
+  ``before_tokens`` tokens (default 1: it finishes at once, and vLLM holds its blocks while its
+  copy is gated); its prompt is computed before the request is added and stepped until its own
+  is. Every free block is then taken out of vLLM's pool (as other requests would hold them), so
+  the request's decode runs out of blocks. Without ``held_steps``, the engine steps until vLLM's
+  scheduler preempts the request; ``open_gate``: the gate opens as the worker starts handling
+  the preemption (a copy under way). With ``held_steps``, it steps that many times (the gate
+  closed), then opens the gate. Either way the blocks then go back and every request is
+  stepped to its end. Answers the requests' ``kv_transfer_params``, the request's preemptions
+  (and those while ``held_steps`` ran), the longest step meanwhile, and when the copy returned
+  and the preemption's handling ended;
 
 - ``{"measure_copy": true}``: opens the gate and samples this process's resident memory every
   millisecond until every copy under way is done: how much the copies added at their peak
@@ -122,13 +126,16 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
 
     def preempt(cmd):
         engine, pool = llm.llm_engine, scheduler.kv_cache_manager.block_pool
-        params, steps, outs = {}, [0], {}
+        steps, outs, seen = [0], {}, {}
 
         def step():
             t0 = time.monotonic()
             for o in engine.step():
                 if o.finished:
                     outs[o.request_id.split("-")[0]] = o.kv_transfer_params
+            for k, r in scheduler.requests.items():  # the request's preemptions, while vLLM has it
+                if k.startswith("preempted"):
+                    seen["preempted"] = r.num_preemptions
             steps[0] += 1
             assert steps[0] < 2000, "the engine did not get there"
             return time.monotonic() - t0
@@ -136,9 +143,12 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         def ours(rid):  # vLLM adds a suffix to a request's id
             return next(r for k, r in scheduler.requests.items() if k.startswith(rid))
 
-        if cmd.get("before"):
-            engine.add_request("before", {"prompt_token_ids": cmd["before"]}, SamplingParams(max_tokens=1, detokenize=False))
-            while "before" not in outs:
+        first = cmd.get("before")
+        if first:
+            engine.add_request(
+                "before", {"prompt_token_ids": first}, SamplingParams(max_tokens=int(cmd.get("before_tokens", 1)), ignore_eos=True, detokenize=False)
+            )
+            while "before" not in outs and ours("before").num_computed_tokens < len(first):
                 step()
         p = cmd["prompt"]
         engine.add_request("preempted", {"prompt_token_ids": p}, SamplingParams(max_tokens=int(cmd["max_tokens"]), ignore_eos=True, detokenize=False))
@@ -150,15 +160,20 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         if cmd.get("open_gate"):
             threading.Thread(target=lambda: preempting.wait(120) and gate.set(), daemon=True).start()
         hoard = pool.get_new_blocks(pool.get_num_free_blocks())
-        longest = 0.0
-        while ours("preempted").num_preemptions == 0:
-            longest = max(longest, step())
-        longest = max(longest, step())  # the step whose worker handles the preemption
+        longest, answer = 0.0, {}
+        if cmd.get("held_steps"):
+            for _ in range(int(cmd["held_steps"])):
+                longest = max(longest, step())
+            answer["preemptions_held"] = ours("preempted").num_preemptions
+            gate.set()
+        else:
+            while ours("preempted").num_preemptions == 0:
+                longest = max(longest, step())
+            longest = max(longest, step())  # the step whose worker handles the preemption
         pool.free_blocks(hoard)
-        preemptions = ours("preempted").num_preemptions
-        while "preempted" not in outs:
+        while "preempted" not in outs or (first and "before" not in outs):
             step()
-        return {"params": outs, "preemptions": preemptions, "longest_step_s": longest, "events": events}
+        return {**answer, "params": outs, "preemptions": seen.get("preempted", 0), "longest_step_s": longest, "events": events}
 
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:

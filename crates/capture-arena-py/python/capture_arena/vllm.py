@@ -76,6 +76,7 @@ given (said in the log).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import ctypes
 import json
 import logging
@@ -148,6 +149,9 @@ class CaptureArenaMetadata(KVConnectorMetadata):
     finishes in it."""
 
     saves: list[_Save] = field(default_factory=list)
+    #: The block size of the scheduler's block ids (vLLM may split each into smaller kernel
+    #: blocks in the worker's cache).
+    block_size: int = 0
     #: Announced requests vLLM preempted in this step: their blocks go back before the forward,
     #: so the worker gives up their copies (or, under way, finishes them) first.
     preempted: list[str] = field(default_factory=list)
@@ -239,6 +243,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending: dict[str, int] = {}
             #: Requests preempted after their announcement, to be announced again.
             self._again: set[str] = set()
+            #: Finished requests whose blocks vLLM holds for their copy (until the worker
+            #: reports it done, through ``update_connector_output``).
+            self._held: set[str] = set()
             #: Results waiting for request_finished, oldest first: request id -> (row, the worker
             #: it came from).
             self._results: collections.OrderedDict[str, tuple[dict[str, Any], _Peer]] = collections.OrderedDict()
@@ -279,7 +286,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         """The requests whose last prompt token is computed in this step, with the blocks that
         hold their rows: each once, and once more after each preemption (its first capture is
         given up, its blocks having gone back to vLLM)."""
-        meta = CaptureArenaMetadata()
+        meta = CaptureArenaMetadata(block_size=self._block_size)
         # A preempted request's blocks went back to vLLM before its copy may have run: its
         # announcement is given up (the worker cancels or finishes that copy before the blocks
         # are written again, and its result is freed) and the request is announced again when
@@ -352,6 +359,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 row: Optional[dict[str, Any]] = {"sample_id": rid, "error": "no hidden states: the request ended before its prompt was computed"}
             else:
                 held = True
+                self._held.add(rid)
                 while rid not in self._results:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -376,6 +384,16 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             params["handle"] = f"{row['store_id']}/{row['sample_id']}/g{row['gen']}/"
         return held, params
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The requests whose copies the worker reported done: vLLM frees their blocks now."""
+        for rid in getattr(connector_output, "finished_sending", None) or ():
+            self._held.discard(rid)
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests' blocks wait only for their copies (milliseconds): vLLM's
+        scheduler then waits for them instead of preempting a running request."""
+        return bool(self._held)
 
     def get_finished_count(self) -> Optional[int]:
         """Only the worker that copies (tensor-parallel rank 0) reports finished copies."""
@@ -451,6 +469,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self._kv.device))
         try:
+            saves = _kernel_blocks(saves, int(getattr(meta, "block_size", 0) or 0), int(self._kv.shape[2]))
             specs = [_spec(self._kv, self._store_id, sv) for sv in saves]
             reserved = self._sink.reserve_each(specs, within_s=self._bound)
         except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
@@ -523,6 +542,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         return True
 
     def _copy_loop(self) -> None:
+        if self._kv is not None and self._kv.is_cuda:
+            # A new thread's current device is 0: without this, its first stream switch would
+            # open a context on GPU 0 (another worker's), and the arena would be registered there.
+            torch.cuda.set_device(self._kv.device)
+        self._copy_steps()
+
+    def _copy_steps(self) -> None:
         """One step at a time: reserve every request's space (each its own, under the step's
         bound), send the results to the scheduler process at once, then copy the rows straight
         from the cache's blocks into the arena and finish the writes. Never raises: a request
@@ -710,6 +736,10 @@ class _Rows:
         self.k, self.bs, self.h = int(kv.shape[1]), int(kv.shape[2]), int(kv.shape[3])
         self.dtype = str(kv.dtype).removeprefix("torch.")
         self.device_arena = bool(sink.device_publication)
+        # A device arena lives on the GPU SGLANG_SPEC_CAPTURE_ARENA_DEVICE names, else on the
+        # cache's (register_kv_caches starts it there): its tensors are labelled with that one.
+        configured = sink.device
+        self.arena_device = torch.device("cuda", configured) if self.device_arena and configured is not None else kv.device
         self.stream: Any = None
         self.stage: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         #: The host arena's address, while it is registered with CUDA.
@@ -718,10 +748,11 @@ class _Rows:
             self.stream = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
             block = self.k * self.bs * self.h * kv.element_size()
             self.chunk = max(1, STAGING_BYTES // block)
-            self.stage = (
-                torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
-                torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
-            )
+            with torch.cuda.stream(self.stream):  # allocated on the stream that uses them
+                self.stage = (
+                    torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
+                    torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
+                )
             if not self.device_arena:
                 self.registered = _register_host_arena(sink)
 
@@ -787,7 +818,7 @@ class _Rows:
     def _copy_device(self, sv: _Save, at: dict[str, int]) -> None:
         assert self.stage is not None
         n = len(sv.token_ids)
-        hs, ids = self._objects(sv, at, self.kv.device if self.device_arena else None)
+        hs, ids = self._objects(sv, at, self.arena_device if self.device_arena else None)
         ids.copy_(torch.tensor(sv.token_ids, dtype=torch.int64), non_blocking=True)
         gathered, laid = self.stage
         blocks = torch.tensor(sv.block_ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
@@ -798,6 +829,22 @@ class _Rows:
             laid[:m].copy_(gathered[:m].transpose(1, 2))
             dst = hs[j0 * self.bs : j0 * self.bs + rows]
             dst.view(rows, self.k * self.h).copy_(laid[:m].view(m * self.bs, self.k * self.h)[:rows], non_blocking=True)
+
+
+def _kernel_blocks(saves: list[_Save], block_size: int, kernel_block_size: int) -> list[_Save]:
+    """The saves with their blocks as the worker's cache numbers them: where vLLM splits each
+    of the scheduler's blocks (``block_size``) into ``r`` kernel blocks (the cache's
+    ``kernel_block_size``, for attention backends that need smaller ones), block ``b`` is kernel
+    blocks ``b*r .. b*r + r-1``."""
+    if not block_size or block_size == kernel_block_size:
+        return saves
+    if kernel_block_size <= 0 or block_size % kernel_block_size:
+        raise ValueError(
+            f"capture_arena.vllm: the scheduler's blocks of {block_size} tokens are not whole kernel blocks of "
+            f"{kernel_block_size} in the worker's cache"
+        )
+    r = block_size // kernel_block_size
+    return [dataclasses.replace(sv, block_ids=[b * r + i for b in sv.block_ids for i in range(r)]) for sv in saves]
 
 
 def _spec(kv: torch.Tensor, store_id: str, sv: _Save) -> dict[str, Any]:
@@ -841,7 +888,8 @@ def _register_host_arena(sink: ArenaSink) -> Optional[int]:
         return None
     try:
         t0 = time.monotonic()
-        rc = torch.cuda.cudart().cudaHostRegister(region[0], region[1], 0)  # type: ignore[no-untyped-call]
+        # cudaHostRegisterPortable: pinned for every context, not only the current one.
+        rc = torch.cuda.cudart().cudaHostRegister(region[0], region[1], 1)  # type: ignore[no-untyped-call]
         if int(rc) != 0:
             log.warning("capture_arena.vllm: registering the host arena with CUDA failed (%s); copies into it run at pageable speed", rc)
             return None
