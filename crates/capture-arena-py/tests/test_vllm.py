@@ -453,7 +453,10 @@ def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trai
             os.unlink(f)
 
 
-LATE = r"""
+#: The connector's two halves in one process: vLLM's classes and the connector are real; only the
+#: model runner's plumbing is replaced (which layer is the cache-only one, the tensor-parallel
+#: rank), so a script can run the halves out of order. ``say`` prints a line the test reads.
+HALVES = r"""
 import json, os, time
 from types import SimpleNamespace as ns
 import torch
@@ -465,14 +468,15 @@ from capture_arena.vllm import CaptureArenaConnector
 def say(x):
     print("@@" + json.dumps(x), flush=True)
 
-# vLLM's classes and the connector are real; only the model runner's plumbing is replaced (which
-# layer is the cache-only one, the tensor-parallel rank), so the two halves can run out of order.
 vllm.config.get_layers_from_vllm_config = lambda cfg, kind, names: {n: None for n in names}
 ps.get_tensor_model_parallel_rank = lambda: 0
-cfg = ns(kv_transfer_config=ns(engine_id=f"late-{os.getpid()}", kv_connector_extra_config={"arena_bytes": 1 << 20}),
+cfg = ns(kv_transfer_config=ns(engine_id=f"halves-{os.getpid()}", kv_connector_extra_config={"arena_bytes": 1 << 20}),
          parallel_config=ns(data_parallel_rank=0),
          speculative_config=ns(method="extract_hidden_states",
                                draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))))
+"""
+
+LATE = HALVES + r"""
 sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=4))]))
 sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: ([0, 1],), block_pool=None))
 worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
@@ -531,25 +535,10 @@ def test_a_result_the_scheduler_process_cannot_take_is_freed_by_the_worker() -> 
     assert end["resident_objects"] == 0 and end["local_freed_objects"] == 2, end
 
 
-KERNEL_BLOCKS = r"""
-import json, os, time
-from types import SimpleNamespace as ns
+KERNEL_BLOCKS = HALVES + r"""
 import numpy as np
-import torch
-import vllm.config
-import vllm.distributed.parallel_state as ps
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 import capture_arena as ca
-from capture_arena.vllm import CaptureArenaConnector
 
-# vLLM's classes and the connector are real; only the model runner's plumbing is replaced (which
-# layer is the cache-only one, the tensor-parallel rank).
-vllm.config.get_layers_from_vllm_config = lambda cfg, kind, names: {n: None for n in names}
-ps.get_tensor_model_parallel_rank = lambda: 0
-cfg = ns(kv_transfer_config=ns(engine_id=f"kernel-{os.getpid()}", kv_connector_extra_config={"arena_bytes": 1 << 20}),
-         parallel_config=ns(data_parallel_rank=0),
-         speculative_config=ns(method="extract_hidden_states",
-                               draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))))
 # The scheduler's blocks hold 16 tokens; the worker's cache splits each into two kernel blocks
 # of 8 (what vLLM does for attention backends that need smaller blocks).
 sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=16))]))
@@ -574,8 +563,8 @@ while not done and time.monotonic() < deadline:
     done = worker.get_finished({"k"})[0] or set()
     time.sleep(0.01)
 sched.update_connector_output(ns(finished_sending=done))
-print("@@" + json.dumps({"held": held, "exact": bool(exact), "pending_while_copying": pending,
-                         "reported": sorted(done), "pending_after": sched.has_pending_block_frees()}), flush=True)
+say({"held": held, "exact": bool(exact), "pending_while_copying": pending, "reported": sorted(done),
+     "pending_after": sched.has_pending_block_frees()})
 worker.shutdown()
 sched.shutdown()
 """
