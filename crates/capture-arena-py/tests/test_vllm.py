@@ -230,6 +230,27 @@ def test_the_step_only_hands_over_blocks_are_held_until_the_copy_is_done_and_a_r
     assert s["resident_objects"] == 0, s
 
 
+def test_each_request_is_readable_and_its_blocks_go_back_as_soon_as_its_own_copy_is_done(engine: Proc, trainer: Proc) -> None:
+    """Two requests finish in one step; the second's copy is held. The first's rows are read
+    and its blocks go back meanwhile (before: both waited for the step's last copy)."""
+    short, held = prompt(20, 42), prompt(30, 43)
+    assert engine.ask({"hold_len": 30}) == {"ok": True}
+    kv_short, kv_held = engine.ask([short, held])
+    assert trainer.ask({"read": kv_short, "prompt": short}, timeout=60).get("ok")
+    blocks = engine.ask({"drain": 0.5})["held"]
+    assert [r for r in blocks if r.startswith(kv_held["capture_arena"]["sample_id"])] and not [
+        r for r in blocks if r.startswith(kv_short["capture_arena"]["sample_id"])
+    ], blocks
+    trainer.send({"read": kv_held, "prompt": held})  # waits for its copy
+    assert engine.ask({"release": True}) == {"ok": True}
+    assert trainer.answer(60).get("ok")
+    assert engine.ask({"drain": 30})["held"] == {}
+    for k in (kv_short, kv_held):
+        assert trainer.ask({"delete": k["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    assert resident(kv_short)["resident_objects"] == 0
+
+
 def test_a_failed_copy_fails_its_reader_with_the_reason_and_frees_its_space(engine: Proc, trainer: Proc) -> None:
     before = resident_of(engine)
     assert engine.ask({"fail": 1}) == {"ok": True}

@@ -8,6 +8,8 @@ test can also look at vLLM's scheduler and hold the connector's copies:
 - ``{"gate": "close"}`` / ``{"gate": "open"}``: the connector's copy thread waits before copying
   the next step's rows (results are handed out already), until opened;
 - ``{"fail": n}``: the next n requests' copies fail (raise);
+- ``{"hold_len": n}``: the copy of a request of n prompt tokens waits (its rows not yet copied)
+  until ``{"release": true}``;
 - ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
 - ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
   serving engine does by itself) or for that long, and says how many steps it took and what it
@@ -65,10 +67,10 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     preempting = threading.Event()
     events = {}
 
-    def gated_copy(self, todo, event):
+    def gated_copy(self, todo, event, done=None):
         gate.wait()
         try:
-            return real_copy(self, todo, event)
+            return real_copy(self, todo, event, done)
         finally:
             events.setdefault("copied", time.monotonic())  # the first copy since events were cleared
 
@@ -84,7 +86,11 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
 
     connector.CaptureArenaConnector.handle_preemptions = handle_preemptions
 
+    held_len, release = [None], threading.Event()
+
     def failing_copy_host(self, sv, at):
+        if held_len[0] is not None and len(sv.token_ids) == held_len[0]:
+            release.wait()
         if failing[0] > 0:
             failing[0] -= 1
             raise RuntimeError("simulated: this copy failed")
@@ -183,6 +189,14 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             answer = [o.kv_transfer_params for o in outs]
         elif "gate" in cmd:
             (gate.clear if cmd["gate"] == "close" else gate.set)()
+            answer = {"ok": True}
+        elif "hold_len" in cmd:
+            held_len[0] = int(cmd["hold_len"])
+            release.clear()
+            answer = {"ok": True}
+        elif "release" in cmd:
+            release.set()
+            held_len[0] = None
             answer = {"ok": True}
         elif "fail" in cmd:
             failing[0] = int(cmd["fail"])

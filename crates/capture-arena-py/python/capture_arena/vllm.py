@@ -587,12 +587,25 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("capture_arena.vllm: request %s was preempted before its rows were copied; captured again when recomputed", sv.req_id)
                 self._sink.finish_writes([row], ok=False)
                 continue
-            todo.append((sv, row, at))
+            todo.append((sv, row, at, c))
         if not todo:
             return
-        ok = self._rows.copy([(sv, at) for sv, _, at in todo], event)
-        for (sv, row, _), good in zip(todo, ok):
-            self._sink.finish_writes([row], ok=good)
+        finished: set[int] = set()
+
+        def done(i: int, good: bool) -> None:
+            """Request i's bytes have landed (or never will): its readers may read them, and
+            vLLM may have its blocks back."""
+            finished.add(i)
+            self._sink.finish_writes([todo[i][1]], ok=good)  # type: ignore[union-attr]
+            todo[i][3].done.set()
+
+        try:
+            self._rows.copy([(sv, at) for sv, _, at, _ in todo], event, done)
+        finally:
+            left = [row for i, (_, row, _, _) in enumerate(todo) if i not in finished]
+            if left:  # a bug of ours stopped the copies: nothing more lands in those objects
+                self._rows.quiesce()
+                self._sink.finish_writes(left, ok=False)
 
     def _send(self, results: list[tuple[_Save, dict[str, Any]]]) -> None:
         """Hands the step's results to the scheduler process. Each published one is the
@@ -756,26 +769,48 @@ class _Rows:
             if not self.device_arena:
                 self.registered = _register_host_arena(sink)
 
-    def copy(self, todo: list[tuple[_Save, dict[str, int]]], event: Any) -> list[bool]:
+    def copy(self, todo: list[tuple[_Save, dict[str, int]]], event: Any, done: Any = None) -> list[bool]:
         """Copies each request's rows and token ids into its objects (``{name: address}`` where
-        this process writes them); whether each worked (all of them landed and are visible to
-        other processes when this returns)."""
+        this process writes them); whether each worked. ``done(i, ok)`` is called for each
+        request, in order, as soon as its bytes have landed and are visible to other processes
+        (not only once the whole step's have), so its readers and vLLM need not wait for the
+        step's later requests."""
+        report = done or (lambda i, good: None)
         ok = []
         if self.stream is None:
-            for sv, at in todo:
+            for i, (sv, at) in enumerate(todo):
                 ok.append(self._guarded(sv, lambda: self._copy_host(sv, at)))
+                report(i, ok[-1])
             return ok
+        landed = []
         with torch.cuda.stream(self.stream):
             if event is not None:
                 self.stream.wait_event(event)
             for sv, at in todo:
                 ok.append(self._guarded(sv, lambda: self._copy_device(sv, at)))
-        try:
-            self.stream.synchronize()
-        except Exception:
-            log.exception("capture_arena.vllm: the copies of %d requests failed on the device", len(todo))
-            return [False] * len(todo)
+                ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ev.record(self.stream)  # after all of this request's copies (a failed one's too)
+                landed.append(ev)
+        broken = False
+        for i, ev in enumerate(landed):
+            if not broken:
+                try:
+                    ev.synchronize()
+                except Exception:  # the context's sticky error: nothing later lands either
+                    log.exception("capture_arena.vllm: the copies of %d requests failed on the device", len(todo) - i)
+                    broken = True
+            ok[i] = ok[i] and not broken
+            report(i, ok[i])
         return ok
+
+    def quiesce(self) -> None:
+        """Waits for every copy enqueued on the side stream (before their objects are failed and
+        their space given back); never raises."""
+        if self.stream is not None:
+            try:
+                self.stream.synchronize()
+            except Exception:
+                log.exception("capture_arena.vllm: waiting for the side stream failed")
 
     @staticmethod
     def _guarded(sv: _Save, copy: Any) -> bool:
