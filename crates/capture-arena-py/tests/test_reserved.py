@@ -37,14 +37,28 @@ if os.environ.get("SGLANG_SPEC_CAPTURE_PLACEMENT") == "engine":
             said.append(print(json.dumps({"waiting": True}), flush=True))
         time.sleep(s)
     engine.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
-store = ca.ArenaFeatureStore()
+if os.environ.get("TEST_READER") == "specforge":
+    # SpecForge's trainer stack: its FeatureStore API over capture-arena (a SampleRef carrying
+    # the result, as SGLangServerCaptureAdapter builds it), reading into torch tensors.
+    import torch
+    from specforge.runtime.contracts import SampleRef
+    from capture_arena.specforge import SpecForgeArenaStore
+    specforge = SpecForgeArenaStore(store_id="st")
+    def get(r, names):
+        ref = SampleRef(sample_id=r["sample_id"], run_id="run", source_task_id=r["sample_id"], feature_store_uri="capture-arena",
+                        feature_keys=names, feature_specs={}, strategy="eagle3", metadata={"capture_arena": r, "generation": r["gen"]})
+        got, handle = specforge.get(ref, names=names)
+        specforge.release(handle)  # its last lease: the sample is freed
+        return {"h": got["h"].view(torch.int16).numpy(), "ids": got["ids"].numpy()}
+else:
+    get = ca.ArenaFeatureStore().get
 for line in sys.stdin:
     r = json.loads(line)
     said = []
     print(json.dumps({"reading": True}), flush=True)
     t0 = time.monotonic()
     try:
-        got = store.get(r, ["h", "ids"])
+        got = get(r, ["h", "ids"])
         out = {"h": np.ascontiguousarray(got["h"]).view(np.uint8).tobytes().hex(), "ids": got["ids"].tolist()}
     except ca.CaptureArenaError as e:
         out = {"error": type(e).__name__, "message": str(e)}
@@ -96,7 +110,20 @@ def placement(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.fixture
 def reader(placement: str) -> Any:
-    env = {**os.environ, "SGLANG_SPEC_CAPTURE_READY_WAIT_S": "20"}
+    yield from start_reader(placement, "store")
+
+
+@pytest.fixture
+def specforge_reader(monkeypatch: pytest.MonkeyPatch) -> Any:
+    pytest.importorskip("specforge", reason="specforge is not installed (scripts/test.sh installs specforge==0.2.0)")
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
+    yield from start_reader("arena", "specforge")
+
+
+def start_reader(placement: str, kind: str) -> Any:
+    """A trainer in another process reading each result it is sent: through ArenaFeatureStore
+    (``store``) or SpecForge's FeatureStore API (``specforge``)."""
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_READY_WAIT_S": "20", "TEST_READER": kind}
     p = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def ask(result: dict[str, Any]) -> Any:
@@ -162,6 +189,32 @@ def test_a_trainer_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_
         time.sleep(0.01)
     s = sink.stats()
     assert s["failed_writes"] == 2 and s["free_bytes"] == s["capacity"], s
+
+
+def test_specforges_trainer_stack_waits_for_the_bytes_and_fails_with_a_failed_write(make_sink: Any, specforge_reader: Any) -> None:
+    """capture_arena.specforge (SpecForgeArenaStore.get, what SpecForge's FeatureDataLoader
+    calls) follows the readiness rule as ArenaFeatureStore does: it reads exactly the bytes
+    written after it began, a failed write fails it with the reason, and its release frees what
+    it read."""
+    ask, answer = specforge_reader
+    sink = make_sink()
+    (a, at), (b, _) = sink.reserve_each([reservation("a"), reservation("b")], within_s=5)
+    ask(a)  # reading while nothing is written
+    data, ids = write(a, at, seed=5)
+    sink.finish_writes([a])
+    got = answer()
+    assert "error" not in got, got
+    assert bytes.fromhex(got["h"]) == data and got["ids"] == ids
+    ask(b)
+    sink.finish_writes([b], ok=False)
+    got = answer()
+    assert got["error"] == "WriteFailedError" and got["s"] < 10, got
+    deadline = time.monotonic() + 10
+    while sink.stats()["resident_objects"]:  # a: released by SpecForge's store; b: the failed write
+        assert time.monotonic() < deadline, sink.stats()
+        time.sleep(0.01)
+    s = sink.stats()
+    assert s["written_objects"] == 2 and s["failed_writes"] == 2 and s["free_bytes"] == s["capacity"], s
 
 
 def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
