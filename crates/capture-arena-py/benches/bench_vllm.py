@@ -23,6 +23,9 @@ The relay between the processes (a pipe each way) is in every row alike.
   steps captured. The engine core and its worker run in the engine's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in every mode alike) so the hooks can be timed there.
 
+Times a release build of the extension only (``--allow-debug-build`` to time another: its Rust
+runs several times slower; the test command installs a debug build).
+
 Usage: .venv/bin/python crates/capture-arena-py/benches/bench_vllm.py [--requests 16]
        [--batch 32] [--prompt-len 256] [--hidden 512] [--json OUT]
 """
@@ -36,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -86,6 +90,7 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
         answer = {"params": [o.kv_transfer_params for o in outs], "t0": t0, "finished": t1}
         if hooks is not None:
             answer["hooks"] = hooks.per_step()
+            answer["by_hook"] = hooks.by_hook
         print(json.dumps(answer), file=answers, flush=True)
         # A serving engine steps on while it holds finished requests' blocks (connectors that
         # copy or write after the response report them done in later steps): so does this one,
@@ -102,9 +107,24 @@ class _Hooks:
     def __init__(self) -> None:
         self.steps: list[float] = []
         self.current = 0.0
+        # Each hook's time in each of those steps (0 where it was not called in one).
+        self.by_hook: dict[str, list[float]] = {}
+        self.current_by_hook: dict[str, float] = {}
+        self.inside = threading.local()
 
     def clear(self) -> None:
-        self.steps, self.current = [], 0.0
+        self.steps, self.current, self.by_hook, self.current_by_hook = [], 0.0, {}, {}
+
+    def add(self, name: str, seconds: float) -> None:
+        self.current += seconds
+        self.current_by_hook[name] = self.current_by_hook.get(name, 0.0) + seconds
+
+    def end_step(self, counted: bool) -> None:
+        if counted:
+            for name in set(self.by_hook) | set(self.current_by_hook):
+                self.by_hook.setdefault(name, [0.0] * len(self.steps)).append(self.current_by_hook.get(name, 0.0))
+            self.steps.append(self.current)
+        self.current, self.current_by_hook = 0.0, {}
 
     def per_step(self) -> list[float]:
         return list(self.steps)
@@ -127,16 +147,18 @@ def _time_hooks(llm: Any) -> _Hooks:
                 continue
 
             def timed(*a: Any, _fn: Any = fn, _name: str = name, _obj: Any = obj, **kw: Any) -> Any:
+                if getattr(hooks.inside, "on", False):  # called by another hook (request_finished_all_groups): counted there
+                    return _fn(*a, **kw)
+                hooks.inside.on = True
                 t = time.perf_counter()
                 try:
                     return _fn(*a, **kw)
                 finally:
-                    hooks.current += time.perf_counter() - t
+                    hooks.inside.on = False
+                    hooks.add(_name, time.perf_counter() - t)
                     if _name == "wait_for_save" and _obj is worker:
                         announced = getattr(getattr(_obj, "_connector_metadata", None), "saves", None)
-                        if announced is None or announced:
-                            hooks.steps.append(hooks.current)
-                        hooks.current = 0.0
+                        hooks.end_step(announced is None or bool(announced))
 
             setattr(obj, name, timed)
     return hooks
@@ -240,12 +262,14 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, moonca
         row: dict[str, Any] = {"mode": mode}
         # Throughput: whole batches, each consumed by the trainer afterwards (not timed).
         engine.ask({"prompts": [prompt(args.prompt_len, 900 + i) for i in range(2)]})  # warm-up
-        rates, hooks = [], []
+        rates, hooks, by_hook = [], [], {}
         for r in range(args.rounds):
             batch = [prompt(args.prompt_len, 1000 * (r + 1) + i) for i in range(args.batch)]
             a = engine.ask({"prompts": batch})
             rates.append(args.batch * args.prompt_len / (a["finished"] - a["t0"]))
             hooks.extend(a.get("hooks") or [])
+            for name, times in (a.get("by_hook") or {}).items():
+                by_hook.setdefault(name, []).extend(times)
             for p in a["params"] if trainer else []:
                 trainer.ask(p)
         row["tokens_per_s"] = statistics.median(rates)
@@ -254,6 +278,12 @@ def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, moonca
             row["hook_ms_per_step_median"] = statistics.median(hooks) * 1e3
             row["hook_ms_per_step_p99"] = hooks[min(len(hooks) - 1, int(0.99 * len(hooks)))] * 1e3
             row["steps"] = len(hooks)
+            # Where a step's time goes: each hook's median and p99 over those steps (ms).
+            row["hook_ms_by_name"] = {
+                name: [round(statistics.median(t) * 1e3, 4), round(sorted(t)[min(len(t) - 1, int(0.99 * len(t)))] * 1e3, 4)]
+                for name, t in sorted(by_hook.items())
+                if max(t) > 0
+            }
             # Bytes captured per step: the batch's prompts' rows (k * hidden bf16 values a token).
             row["captured_mb_per_step"] = args.batch * args.rounds * args.prompt_len * len(LAYERS) * args.hidden * 2 / len(hooks) / 1e6
         if trainer:
@@ -281,7 +311,16 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json")
     ap.add_argument("--log", help="keep the engines' and trainers' output here (default: dropped)")
+    ap.add_argument("--allow-debug-build", action="store_true", help="time a debug build of the extension anyway")
     args = ap.parse_args()
+    from capture_arena import _capture_arena
+
+    if _capture_arena._BUILD != "release" and not args.allow_debug_build:
+        sys.exit(
+            f"bench_vllm.py: capture_arena's extension is a {_capture_arena._BUILD} build, whose Rust runs several times "
+            "slower than what users install; build and install a release wheel first (.venv/bin/maturin build --release "
+            "-m crates/capture-arena-py/Cargo.toml --out target/wheels, then pip install it), or pass --allow-debug-build"
+        )
     sys.path.insert(0, str(HERE.parent / "tests"))
     import mooncake_master
 
@@ -311,8 +350,12 @@ def main() -> None:
         mb = f"{r['captured_mb_per_step']:.1f}" if "captured_mb_per_step" in r else "-"
         print(f"{r['mode']:<15}{r['tokens_per_s']:>10.0f}{cols[0]:>9}{cols[1]:>12}{cols[2]:>18}{cols[3]:>8}{cols[4]:>18}"
               f"{hk[0]:>24}{hk[1]:>8}{mb:>9}")
+    for r in rows:
+        if r["mode"] == "capture-arena" and "hook_ms_by_name" in r:
+            print("capture-arena's hooks, ms per step (median / p99): " + ", ".join(
+                f"{name} {m:.3f} / {p:.3f}" for name, (m, p) in r["hook_ms_by_name"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "build": _capture_arena._BUILD, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

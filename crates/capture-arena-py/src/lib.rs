@@ -108,5 +108,14 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
         features.push("nixl");
     }
     m.add("FEATURES", features)?;
+    // Benchmarks refuse to time a debug build (its Rust runs several times slower).
+    m.add(
+        "_BUILD",
+        if cfg!(debug_assertions) {
+            "debug"
+        } else {
+            "release"
+        },
+    )?;
     Ok(())
 }

@@ -4,7 +4,7 @@ from typing import Any, Optional, final
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve"]
+__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve", "_BUILD"]
 
 __version__: str
 #: UCX's TCP segment size the package and the CLI set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
@@ -18,6 +18,8 @@ def _bench_rust_put(
 ) -> list[float]: ...
 
 FEATURES: list[str]
+#: "release" or "debug" (cfg!(debug_assertions)): how the extension was compiled.
+_BUILD: str
 
 def _nixl_serve(name: str, len: int, agent: str) -> None: ...
 def _exiting() -> int:
