@@ -236,3 +236,9 @@ def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
     assert all("error" in r for r in rows[1:]), rows
     assert "float128" in rows[1]["error"] and "1 to" in rows[2]["error"] and "store_id" in rows[3]["error"]
     sink.finish_writes([rows[0]], ok=False)
+    # vLLM's connector sends each row on as JSON encoded by the extension: the same rows, whether
+    # the writer made them or they were refused before it.
+    encoded = sink._reserve_each_json([reservation("ok2"), reservation("too-big2", n=1 << 20), {"sample_id": "x"}], within_s=1)
+    assert [json.loads(text) for _, _, text in encoded] == [row for row, _, _ in encoded]
+    assert "error" not in encoded[0][0] and encoded[0][1] is not None and all("error" in r for r, _, _ in encoded[1:])
+    sink.finish_writes([encoded[0][0]], ok=False)

@@ -1,6 +1,6 @@
 """Stubs of the compiled module (capture_arena._capture_arena)."""
 
-from typing import Any, Optional, final
+from typing import Any, Literal, Optional, final, overload
 
 from typing_extensions import disjoint_base
 
@@ -55,7 +55,14 @@ class _ArenaSink:
     def _submit(self, samples: Any, future: Any, block: bool = True) -> None: ...
     def _put(self, samples: Any, within_s: Optional[float] = None) -> list[dict[str, Any]]: ...
     def _put_each(self, samples: Any, within_s: float) -> list[dict[str, Any]]: ...
-    def _reserve_each(self, specs: Any, within_s: float) -> list[tuple[dict[str, Any], Optional[dict[str, int]]]]: ...
+    @overload
+    def _reserve_each(
+        self, specs: Any, within_s: float, encode: Literal[False] = False
+    ) -> list[tuple[dict[str, Any], Optional[dict[str, int]]]]: ...
+    @overload
+    def _reserve_each(
+        self, specs: Any, within_s: float, encode: Literal[True]
+    ) -> list[tuple[dict[str, Any], Optional[dict[str, int]], Optional[bytes]]]: ...
     def _local_region(self) -> Optional[tuple[int, int]]: ...
     def _copy_block_rows(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import json
 import threading
 import time
 import weakref
@@ -342,17 +343,34 @@ class ArenaSink(LiveSink, _ArenaSink):
         the result); or ``({"sample_id", "error"}, None)``. The caller then calls
         :meth:`finish_writes`, always: a free meanwhile waits for it. The whole call waits for
         space at most ``within_s``, as :meth:`put_each`."""
+        return [(row, at) for row, at, _ in self._reserve_rows(specs, within_s, encode=False)]
+
+    def _reserve_each_json(
+        self, specs: Sequence[Mapping[str, Any]], *, within_s: float
+    ) -> "list[tuple[Result, Optional[dict[str, int]], bytes]]":
+        """:meth:`reserve_each`, each row with its JSON text too (compact), encoded by the
+        extension for a caller that sends the results on (vLLM's connector)."""
+        return [
+            (row, at, text if text is not None else json.dumps(row, separators=(",", ":")).encode())
+            for row, at, text in self._reserve_rows(specs, within_s, encode=True)
+        ]
+
+    def _reserve_rows(
+        self, specs: Sequence[Mapping[str, Any]], within_s: float, encode: bool
+    ) -> "list[tuple[Result, Optional[dict[str, int]], Optional[bytes]]]":
         items: list[Any] = list(specs)
         deadline = time.monotonic() + max(0.0, float(within_s))
-        out: list[tuple[Result, Optional[dict[str, int]]]]
+        out: list[tuple[Result, Optional[dict[str, int]], Optional[bytes]]]
         try:
             if not self._started_within([], deadline, float(within_s)):
-                out = [(r, None) for r in _rows_for(items, self._not_started(float(within_s)))]
+                out = [(r, None, None) for r in _rows_for(items, self._not_started(float(within_s)))]
+            elif encode:
+                out = self._reserve_each(items, max(0.0, deadline - time.monotonic()), True)
             else:
-                out = self._reserve_each(items, max(0.0, deadline - time.monotonic()))
+                out = [(row, at, None) for row, at in self._reserve_each(items, max(0.0, deadline - time.monotonic()))]
         except Exception as e:
-            out = [(r, None) for r in _rows_for(items, str(e))]
-        rows = [r for r, _ in out]
+            out = [(r, None, None) for r in _rows_for(items, str(e))]
+        rows = [r for r, _, _ in out]
         if any("error" in r for r in rows):
             _log_failures_of(rows)
         return out

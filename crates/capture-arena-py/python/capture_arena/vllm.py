@@ -471,11 +471,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             saves = _kernel_blocks(saves, int(getattr(meta, "block_size", 0) or 0), int(self._kv.shape[2]))
             specs = [_spec(self._kv, self._store_id, sv) for sv in saves]
-            reserved = self._sink.reserve_each(specs, within_s=self._bound)
+            encoded = self._sink._reserve_each_json(specs, within_s=self._bound)
         except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
             log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
-            reserved = [({"sample_id": sv.req_id, "error": f"publish failed: {e}"}, None) for sv in saves]
-        self._send([(sv, row) for sv, (row, _) in zip(saves, reserved)])
+            rows = [{"sample_id": sv.req_id, "error": f"publish failed: {e}"} for sv in saves]
+            encoded = [(row, None, json.dumps(row).encode()) for row in rows]
+        self._send([(sv, row, text) for sv, (row, _, text) in zip(saves, encoded)])
+        reserved = [(row, at) for row, at, _ in encoded]
         copies = [_Copy() for _ in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
@@ -607,17 +609,19 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._rows.quiesce()
                 self._sink.finish_writes(left, ok=False)
 
-    def _send(self, results: list[tuple[_Save, dict[str, Any]]]) -> None:
+    def _send(self, results: list[tuple[_Save, dict[str, Any], bytes]]) -> None:
         """Hands the step's results to the scheduler process. Each published one is the
         worker's to free until the scheduler process says it took it (``taken``) or asks for it
         to be freed (``free``); with no word by the bound plus ACK_GRACE_S (a listener that
         cannot accept, a scheduler process that is stuck or gone) the worker frees it."""
         sent = time.monotonic()
+        # Each row's JSON text comes encoded from the extension (json.dumps of a row cost about
+        # as much as reserving it).
         data = b"".join(
-            json.dumps({"req_id": s.req_id, "seq": s.seq, "sent": sent, "row": row}, separators=(",", ":")).encode() + b"\n"
-            for s, row in results
+            b'{"req_id":%s,"seq":%d,"sent":%r,"row":%s}\n' % (json.dumps(s.req_id).encode(), s.seq, sent, text)
+            for s, _, text in results
         )
-        published = {_tag(s.req_id, s.seq): row for s, row in results if "error" not in row}
+        published = {_tag(s.req_id, s.seq): row for s, row, _ in results if "error" not in row}
         if published:
             with self._unacked_lock:
                 deadline = sent + self._bound + ACK_GRACE_S
