@@ -370,11 +370,13 @@ def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
     sink, rows = w._sink, w._rows
     assert sink is not None and rows is not None, "after the first step"
     nbytes = n * K * eng.hidden * 2
-    sv = _Save("rate", list(range(-(-n // BLOCK))), tokens_of(3, n), 1)
     cuda = eng.kv.is_cuda
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     ours = []
-    for _ in range(tries):
+    for i in range(tries):
+        # A key of its own each try: the previous try's free is applied at the writer's next
+        # turn, which this reservation may come before.
+        sv = _Save(f"rate{i}", list(range(-(-n // BLOCK))), tokens_of(3, n), 1)
         ((row, at),) = sink.reserve_each([_spec(eng.kv, "rate", sv)], within_s=10)
         if at is None:
             raise RuntimeError(f"the copy-rate request did not fit: {row}")
