@@ -23,6 +23,12 @@ The relay between the processes (a pipe each way) is in every row alike.
   steps captured. The engine core and its worker run in the engine's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in every mode alike) so the hooks can be timed there.
 
+Every mode's engine (and trainer) is started first and stays up; the throughput batches then
+alternate between the modes, each round in another order, and a mode's ratio to ``null`` (or
+``none``) is the median over rounds of its rate over theirs in the same round. (Run one engine
+after another, the same engine's rate drifted by up to 12 % between runs on this 2-core
+machine, more than the costs measured.) A mode named twice in ``--modes`` runs once.
+
 Times a release build of the extension only (``--allow-debug-build`` to time another: its Rust
 runs several times slower; the test command installs a debug build).
 
@@ -239,66 +245,86 @@ def prompt(n: int, seed: int) -> list[int]:
     return [(seed * 131 + i * 17) % 4000 + 1 for i in range(n)]
 
 
-def run_mode(mode: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any) -> dict[str, Any]:
-    extra: dict[str, Any] = {}
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    # Every engine's worker computes on all cores: vLLM sets OMP_NUM_THREADS itself only under
-    # speculative decoding (extract_hidden_states) and otherwise cuts torch to one thread, which
-    # would halve the engine without extraction.
-    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
-    if mode == "capture-arena":
-        extra = {"arena_bytes": "1GiB"}
-    elif mode == "file":
-        extra = {"shared_storage_path": str(tmp / "hidden_states")}
-    elif mode == "mooncake":
-        extra = {"mooncake": {"local_hostname": "127.0.0.1", "metadata_server": mooncake_env["MOONCAKE_METADATA_SERVER"],
-                              "master_server_address": mooncake_env["MOONCAKE_MASTER_SERVER_ADDR"], "protocol": "tcp",
-                              "global_segment_size": 1 << 30, "local_buffer_size": 512 << 20}}
-        env.update(mooncake_env)
-    extra["max_model_len"] = max(1024, args.prompt_len + 16)
-    engine = Child([sys.executable, __file__, "engine", str(model), mode, json.dumps(extra)], env, log)
-    trainer = Child([sys.executable, __file__, "trainer", mode, json.dumps(extra)], env, log) if mode not in ("none", "extract", "null") else None
-    try:
-        row: dict[str, Any] = {"mode": mode}
-        # Throughput: whole batches, each consumed by the trainer afterwards (not timed).
-        engine.ask({"prompts": [prompt(args.prompt_len, 900 + i) for i in range(2)]})  # warm-up
-        rates, hooks, by_hook = [], [], {}
-        for r in range(args.rounds):
-            batch = [prompt(args.prompt_len, 1000 * (r + 1) + i) for i in range(args.batch)]
-            a = engine.ask({"prompts": batch})
-            rates.append(args.batch * args.prompt_len / (a["finished"] - a["t0"]))
-            hooks.extend(a.get("hooks") or [])
-            for name, times in (a.get("by_hook") or {}).items():
-                by_hook.setdefault(name, []).extend(times)
-            for p in a["params"] if trainer else []:
-                trainer.ask(p)
-        row["tokens_per_s"] = statistics.median(rates)
+class Mode:
+    """One connector's engine (and its trainer), alive for the whole run: the modes' batches
+    alternate, so that each ratio compares batches run minutes apart at most (an idle vLLM
+    engine in this process layout does nothing between them)."""
+
+    def __init__(self, mode: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any) -> None:
+        extra: dict[str, Any] = {}
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        # Every engine's worker computes on all cores: vLLM sets OMP_NUM_THREADS itself only under
+        # speculative decoding (extract_hidden_states) and otherwise cuts torch to one thread, which
+        # would halve the engine without extraction.
+        env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        if mode == "capture-arena":
+            extra = {"arena_bytes": "1GiB"}
+        elif mode == "file":
+            extra = {"shared_storage_path": str(tmp / "hidden_states")}
+        elif mode == "mooncake":
+            extra = {"mooncake": {"local_hostname": "127.0.0.1", "metadata_server": mooncake_env["MOONCAKE_METADATA_SERVER"],
+                                  "master_server_address": mooncake_env["MOONCAKE_MASTER_SERVER_ADDR"], "protocol": "tcp",
+                                  "global_segment_size": 1 << 30, "local_buffer_size": 512 << 20}}
+            env.update(mooncake_env)
+        extra["max_model_len"] = max(1024, args.prompt_len + 16)
+        self.mode, self.args = mode, args
+        self.engine = Child([sys.executable, __file__, "engine", str(model), mode, json.dumps(extra)], env, log)
+        self.trainer = Child([sys.executable, __file__, "trainer", mode, json.dumps(extra)], env, log) if mode not in ("none", "extract", "null") else None
+        self.rates: list[float] = []
+        self.hooks: list[float] = []
+        self.by_hook: dict[str, list[float]] = {}
+        self.engine.ask({"prompts": [prompt(args.prompt_len, 900 + i) for i in range(2)]})  # warm-up
+
+    def batch(self, r: int) -> None:
+        """Throughput: one whole batch (the same prompts in every mode), consumed by the
+        trainer afterwards (not timed)."""
+        a = self.args
+        out = self.engine.ask({"prompts": [prompt(a.prompt_len, 1000 * (r + 1) + i) for i in range(a.batch)]})
+        self.rates.append(a.batch * a.prompt_len / (out["finished"] - out["t0"]))
+        self.hooks.extend(out.get("hooks") or [])
+        for name, times in (out.get("by_hook") or {}).items():
+            self.by_hook.setdefault(name, []).extend(times)
+        for p in out["params"] if self.trainer else []:
+            self.trainer.ask(p)
+
+    def finish(self) -> dict[str, Any]:
+        a = self.args
+        row: dict[str, Any] = {"mode": self.mode, "tokens_per_s": statistics.median(self.rates), "rates": self.rates}
+        hooks = sorted(self.hooks)
         if hooks:
-            hooks.sort()
             row["hook_ms_per_step_median"] = statistics.median(hooks) * 1e3
             row["hook_ms_per_step_p99"] = hooks[min(len(hooks) - 1, int(0.99 * len(hooks)))] * 1e3
             row["steps"] = len(hooks)
             # Where a step's time goes: each hook's median and p99 over those steps (ms).
             row["hook_ms_by_name"] = {
                 name: [round(statistics.median(t) * 1e3, 4), round(sorted(t)[min(len(t) - 1, int(0.99 * len(t)))] * 1e3, 4)]
-                for name, t in sorted(by_hook.items())
+                for name, t in sorted(self.by_hook.items())
                 if max(t) > 0
             }
             # Bytes captured per step: the batch's prompts' rows (k * hidden bf16 values a token).
-            row["captured_mb_per_step"] = args.batch * args.rounds * args.prompt_len * len(LAYERS) * args.hidden * 2 / len(hooks) / 1e6
-        if trainer:
+            row["captured_mb_per_step"] = a.batch * a.rounds * a.prompt_len * len(LAYERS) * a.hidden * 2 / len(hooks) / 1e6
+        if self.trainer:
             holds = []
-            for i in range(args.requests):
-                a = engine.ask({"prompts": [prompt(args.prompt_len, i)]})
-                held = trainer.ask(a["params"][0])["held"]
-                holds.append(held - a["finished"])
+            for i in range(a.requests):
+                out = self.engine.ask({"prompts": [prompt(a.prompt_len, i)]})
+                held = self.trainer.ask(out["params"][0])["held"]
+                holds.append(held - out["finished"])
             row["hold_ms_median"] = statistics.median(holds) * 1e3
             row["hold_ms_p90"] = sorted(holds)[int(0.9 * (len(holds) - 1))] * 1e3
         return row
-    finally:
-        if trainer:
-            trainer.close()
-        engine.close()
+
+    def close(self) -> None:
+        if self.trainer:
+            self.trainer.close()
+        self.engine.close()
+
+
+def paired(rows: list[dict[str, Any]], row: dict[str, Any], base: str) -> Any:
+    """The median over rounds of this mode's rate over ``base``'s in the same round."""
+    other = next((r for r in rows if r["mode"] == base), None)
+    if other is None:
+        return None
+    return statistics.median(x / y for x, y in zip(row["rates"], other["rates"]))
 
 
 def main() -> None:
@@ -329,21 +355,30 @@ def main() -> None:
         make_model(tmp / "model", args.hidden)
         master, menv = mooncake_master.start()
         rows = []
+        modes: list[Mode] = []
         try:
             with open(args.log or tmp / "log.txt", "w+") as log:
-                for mode in args.modes.split(","):
-                    rows.append(run_mode(mode, tmp / "model", args, tmp, menv, log))
+                for mode in dict.fromkeys(args.modes.split(",")):
+                    modes.append(Mode(mode, tmp / "model", args, tmp, menv, log))
+                # The modes' batches alternate, each round in another order.
+                for r in range(args.rounds):
+                    for m in modes[r % len(modes):] + modes[: r % len(modes)]:
+                        m.batch(r)
+                for m in modes:
+                    rows.append(m.finish())
                     print(json.dumps(rows[-1]), flush=True)
         finally:
+            for m in modes:
+                m.close()
             mooncake_master.stop(master)
-    base = next((r["tokens_per_s"] for r in rows if r["mode"] == "none"), None)
-    ext = next((r["tokens_per_s"] for r in rows if r["mode"] == "null"), None)
+    for r in rows:
+        r["vs_none"], r["vs_null"] = paired(rows, r, "none"), paired(rows, r, "null")
     arena = next((r.get("hold_ms_median") for r in rows if r["mode"] == "capture-arena"), None)
     print(f"\n{'connector':<15}{'tokens/s':>10}{'vs none':>9}{'vs null':>12}{'hold ms (median)':>18}{'p90':>8}{'vs capture-arena':>18}"
           f"{'hooks ms/step (median)':>24}{'p99':>8}{'MB/step':>9}")
     for r in rows:
         hold, p90 = r.get("hold_ms_median"), r.get("hold_ms_p90")
-        cols = [f"{r['tokens_per_s'] / base:.3f}" if base else "-", f"{r['tokens_per_s'] / ext:.3f}" if ext else "-",
+        cols = ["-" if r["vs_none"] is None else f"{r['vs_none']:.3f}", "-" if r["vs_null"] is None else f"{r['vs_null']:.3f}",
                 "-" if hold is None else f"{hold:.2f}", "-" if p90 is None else f"{p90:.2f}",
                 "-" if hold is None or not arena else f"{hold / arena:.1f}x"]
         hk = [f"{r[k]:.3f}" if k in r else "-" for k in ("hook_ms_per_step_median", "hook_ms_per_step_p99")]
