@@ -214,6 +214,24 @@ def _check_one_host(vllm_config: Any) -> None:
         )
 
 
+def _check_drafter_len(vllm_config: Any) -> None:
+    """Refuses, at start-up, a drafter shorter than the engine: vLLM skips the drafter (here
+    extract_hidden_states, which writes the rows) for a whole step whenever one of its sequences
+    does not fit the drafter's ``max_model_len``, and every prompt finishing in that step would
+    be copied from blocks nobody wrote. (vLLM 0.32 gives extract_hidden_states the engine's
+    length whatever ``speculative_config.max_model_len`` says: this guards against versions that
+    do not.)"""
+    draft = getattr(getattr(getattr(vllm_config, "speculative_config", None), "draft_model_config", None), "max_model_len", None)
+    engine = getattr(getattr(vllm_config, "model_config", None), "max_model_len", None)
+    if isinstance(draft, int) and isinstance(engine, int) and draft < engine:
+        raise ValueError(
+            f"capture_arena.vllm cannot serve this engine: its drafter's max_model_len ({draft}) is below the engine's "
+            f"({engine}), and vLLM skips extract_hidden_states for every step holding a longer sequence, so prompts "
+            "finishing in such a step would never have their rows written; remove max_model_len from "
+            "--speculative-config (or set it to the engine's --max-model-len)"
+        )
+
+
 class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for capture-arena (see the module's description)."""
 
@@ -226,6 +244,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 "{\"hf_config\": {\"eagle_aux_hidden_state_layer_ids\": [...]}}}'"
             )
         _check_one_host(vllm_config)
+        _check_drafter_len(vllm_config)
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         self._store_id = str(extra.get("store_id", STORE_ID))
         self._arena_bytes = extra.get("arena_bytes")
