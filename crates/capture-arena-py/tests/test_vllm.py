@@ -230,6 +230,31 @@ def test_the_step_only_hands_over_blocks_are_held_until_the_copy_is_done_and_a_r
     assert s["resident_objects"] == 0, s
 
 
+def test_vllm_will_not_sleep_and_discard_the_cache_under_a_copy(engine: Proc, trainer: Proc) -> None:
+    """vLLM's sleep mode discards the cache (level 1 and up, and release_kv_cache_memory). It
+    first resets the prefix cache, which fails while a finished request's blocks are held for
+    its copy. So vLLM raises instead of discarding blocks a copy still reads, and it sleeps once
+    the copy is reported done."""
+    assert engine.ask({"gate": "close"}) == {"ok": True}
+    p = prompt(150, 41)
+    (kv,) = engine.ask([p])
+    assert "error" not in kv["capture_arena"], kv
+    held = engine.ask({"held": True})
+    assert len(held) == 1, held
+    refused = engine.ask({"sleep": 1})
+    assert "Failed to reset KV cache" in refused.get("error", ""), refused
+    assert engine.ask({"held": True}) == held  # the blocks are still the copy's
+    assert engine.ask({"gate": "open"}) == {"ok": True}
+    trainer.send({"read": kv, "prompt": p})
+    got = trainer.answer(60)
+    assert got.get("ok"), got
+    assert engine.ask({"drain": 30})["held"] == {}
+    assert engine.ask({"sleep": 1}) == {"slept": True}
+    assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    assert resident(kv)["resident_objects"] == 0
+
+
 def test_each_request_is_readable_and_its_blocks_go_back_as_soon_as_its_own_copy_is_done(engine: Proc, trainer: Proc) -> None:
     """Two requests finish in one step; the second's copy is held. The first's rows are read
     and its blocks go back meanwhile (before: both waited for the step's last copy)."""

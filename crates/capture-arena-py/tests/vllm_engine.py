@@ -11,6 +11,8 @@ test can also look at vLLM's scheduler and hold the connector's copies:
 - ``{"hold_len": n}``: the copy of a request of n prompt tokens waits (its rows not yet copied)
   until ``{"release": true}``;
 - ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
+- ``{"sleep": level}``: ``LLM.sleep(level)`` then ``wake_up()``; ``{"slept": true}`` or
+  ``{"error": ...}`` (the scheduler is resumed either way);
 - ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
@@ -222,6 +224,18 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
                 peak = max(peak, rss())
                 time.sleep(0.001)
             answer = {"extra_bytes": peak - before, "rss_bytes": before}
+        elif "sleep" in cmd:
+            # vLLM's sleep (it discards the cache at level 1 and up), then wake_up; on the CPU the
+            # worker's part does nothing, but the engine core's (pause, reset the caches) runs.
+            core = llm.llm_engine.engine_core.engine_core
+            try:
+                llm.sleep(level=int(cmd["sleep"]))
+                llm.wake_up()
+                answer = {"slept": True}
+            except Exception as e:
+                answer = {"error": f"{type(e).__name__}: {e}"}
+            if core.is_scheduler_paused():  # a failed sleep leaves the scheduler paused
+                core.resume_scheduler()
         elif "drain" in cmd:
             steps, deadline = 0, time.monotonic() + float(cmd["drain"])
             while held() and time.monotonic() < deadline:
