@@ -351,7 +351,7 @@ class ArenaSink(LiveSink, _ArenaSink):
         """:meth:`reserve_each`, each row with its JSON text too (compact), encoded by the
         extension for a caller that sends the results on (vLLM's connector)."""
         return [
-            (row, at, text if text is not None else json.dumps(row, separators=(",", ":")).encode())
+            (row, at, text if text is not None else json.dumps(row, separators=(",", ":"), default=str).encode())
             for row, at, text in self._reserve_rows(specs, within_s, encode=True)
         ]
 
