@@ -19,8 +19,11 @@ The relay between the processes (a pipe each way) is in every row alike.
 
 - **hooks**: the connector's time on vLLM's threads (every connector hook the scheduler and the
   worker call: ``build_connector_meta``, ``request_finished``, ``wait_for_save``,
-  ``get_finished``, ...) per engine step that finished prompts, against the prompt bytes those
-  steps captured. The engine core and its worker run in the engine's process
+  ``get_finished``, ...) per engine step that ran the model (each finishes prompts here), a
+  step that did not (the engine stepping on until copies or writes are reported) adding its
+  hooks' time to the step before it, against the prompt bytes those steps captured. A
+  throughput batch's answer comes after those steps, so they are counted and end before the
+  next mode's batch. The engine core and its worker run in the engine's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, in every mode alike) so the hooks can be timed there.
 
 Every mode's engine (and trainer) is started first and stays up; the throughput batches then
@@ -82,8 +85,21 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, gpu_memory_utilization=0.05,
               max_model_len=int(extra.pop("max_model_len", 1024)), max_num_batched_tokens=4096, enable_prefix_caching=False,
               **kwargs)
+    core = llm.llm_engine.engine_core.engine_core
     hooks = _time_hooks(llm) if mode not in ("none", "extract") else None
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    if hooks is not None:
+        # Steps end when the engine core's step does: the scheduler's hooks after the forward
+        # (update_connector_output, request_finished) and the worker's after wait_for_save
+        # (get_finished) belong to the step they run in.
+        step_fn = core.step_fn
+
+        def timed_step() -> Any:
+            out = step_fn()
+            hooks.end_step(bool(out[1]))  # (outputs, whether the model ran)
+            return out
+
+        core.step_fn = timed_step
+    scheduler = core.scheduler
     sp = SamplingParams(max_tokens=1, detokenize=False)
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
@@ -94,21 +110,32 @@ def engine_main(model: str, mode: str, extra: dict[str, Any]) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], sp, use_tqdm=False)
         t1 = time.monotonic()
         answer = {"params": [o.kv_transfer_params for o in outs], "t0": t0, "finished": t1}
+
+        def drain() -> None:
+            # A serving engine steps on while it holds finished requests' blocks (connectors
+            # that copy or write after the response report them done in later steps): so does
+            # this one, until it holds none.
+            deadline = time.monotonic() + 60
+            while scheduler.has_finished_requests() and time.monotonic() < deadline:
+                llm.llm_engine.step()
+
+        if cmd.get("drain_first"):
+            # A throughput batch: its deferred work (the file connector writes in these steps)
+            # is counted in its hooks, and ends before the next mode's batch starts.
+            drain()
         if hooks is not None:
             answer["hooks"] = hooks.per_step()
             answer["by_hook"] = hooks.by_hook
         print(json.dumps(answer), file=answers, flush=True)
-        # A serving engine steps on while it holds finished requests' blocks (connectors that
-        # copy or write after the response report them done in later steps): so does this one,
-        # after answering, until it holds none.
-        deadline = time.monotonic() + 60
-        while scheduler.has_finished_requests() and time.monotonic() < deadline:
-            llm.llm_engine.step()
+        if not cmd.get("drain_first"):  # a hold: the trainer reads while the engine steps on
+            drain()
 
 
 class _Hooks:
-    """Time spent in the connector's hooks, by engine step (a step ends at ``wait_for_save``,
-    the last hook vLLM calls in it; steps whose metadata announced no prompt are left out)."""
+    """Time spent in the connector's hooks, by engine step that ran the model (each here
+    finishes prompts: ``max_tokens=1``). A step that did not (the engine stepping on only to
+    hear copies or writes reported done) adds its hooks' time to the step before it, whose
+    deferred work it is."""
 
     def __init__(self) -> None:
         self.steps: list[float] = []
@@ -125,11 +152,15 @@ class _Hooks:
         self.current += seconds
         self.current_by_hook[name] = self.current_by_hook.get(name, 0.0) + seconds
 
-    def end_step(self, counted: bool) -> None:
-        if counted:
+    def end_step(self, ran_model: bool) -> None:
+        if ran_model or not self.steps:
             for name in set(self.by_hook) | set(self.current_by_hook):
                 self.by_hook.setdefault(name, [0.0] * len(self.steps)).append(self.current_by_hook.get(name, 0.0))
             self.steps.append(self.current)
+        else:
+            self.steps[-1] += self.current
+            for name, t in self.current_by_hook.items():
+                self.by_hook[name][-1] += t
         self.current, self.current_by_hook = 0.0, {}
 
     def per_step(self) -> list[float]:
@@ -162,9 +193,6 @@ def _time_hooks(llm: Any) -> _Hooks:
                 finally:
                     hooks.inside.on = False
                     hooks.add(_name, time.perf_counter() - t)
-                    if _name == "wait_for_save" and _obj is worker:
-                        announced = getattr(getattr(_obj, "_connector_metadata", None), "saves", None)
-                        hooks.end_step(announced is None or bool(announced))
 
             setattr(obj, name, timed)
     return hooks
@@ -279,11 +307,12 @@ class Mode:
         """Throughput: one whole batch (the same prompts in every mode), consumed by the
         trainer afterwards (not timed)."""
         a = self.args
-        out = self.engine.ask({"prompts": [prompt(a.prompt_len, 1000 * (r + 1) + i) for i in range(a.batch)]})
+        out = self.engine.ask({"prompts": [prompt(a.prompt_len, 1000 * (r + 1) + i) for i in range(a.batch)], "drain_first": True})
         self.rates.append(a.batch * a.prompt_len / (out["finished"] - out["t0"]))
-        self.hooks.extend(out.get("hooks") or [])
-        for name, times in (out.get("by_hook") or {}).items():
-            self.by_hook.setdefault(name, []).extend(times)
+        steps = out.get("hooks") or []
+        for name in set(self.by_hook) | set(out.get("by_hook") or {}):  # 0 for a hook a step did not call
+            self.by_hook.setdefault(name, [0.0] * len(self.hooks)).extend((out.get("by_hook") or {}).get(name) or [0.0] * len(steps))
+        self.hooks.extend(steps)
         for p in out["params"] if self.trainer else []:
             self.trainer.ask(p)
 
@@ -360,9 +389,12 @@ def main() -> None:
             with open(args.log or tmp / "log.txt", "w+") as log:
                 for mode in dict.fromkeys(args.modes.split(",")):
                     modes.append(Mode(mode, tmp / "model", args, tmp, menv, log))
-                # The modes' batches alternate, each round in another order.
+                # The modes' batches alternate, each round in another order (rotated, and
+                # reversed every other round, so that no mode always follows the same one).
                 for r in range(args.rounds):
-                    for m in modes[r % len(modes):] + modes[: r % len(modes)]:
+                    k = (r // 2) % len(modes)
+                    order = modes[k:] + modes[:k]
+                    for m in order[::-1] if r % 2 else order:
                         m.batch(r)
                 for m in modes:
                     rows.append(m.finish())
