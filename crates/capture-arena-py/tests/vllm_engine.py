@@ -11,8 +11,8 @@ test can also look at vLLM's scheduler and hold the connector's copies:
 - ``{"hold_len": n}``: the copy of a request of n prompt tokens waits (its rows not yet copied)
   until ``{"release": true}``;
 - ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
-- ``{"sleep": level}``: ``LLM.sleep(level)`` then ``wake_up()``; ``{"slept": true}`` or
-  ``{"error": ...}`` (the scheduler is resumed either way);
+- ``{"sleep": level}``: ``LLM.sleep(level)`` then ``wake_up()`` (even after a refusal);
+  ``{"slept": true}`` or ``{"error": ...}``, and whether the scheduler is still ``paused``;
 - ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
@@ -230,12 +230,11 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             core = llm.llm_engine.engine_core.engine_core
             try:
                 llm.sleep(level=int(cmd["sleep"]))
-                llm.wake_up()
                 answer = {"slept": True}
             except Exception as e:
                 answer = {"error": f"{type(e).__name__}: {e}"}
-            if core.is_scheduler_paused():  # a failed sleep leaves the scheduler paused
-                core.resume_scheduler()
+            llm.wake_up()  # what docs/vllm.md tells a caller to do after a refusal too
+            answer["paused"] = core.is_scheduler_paused()
         elif "drain" in cmd:
             steps, deadline = 0, time.monotonic() + float(cmd["drain"])
             while held() and time.monotonic() < deadline:
