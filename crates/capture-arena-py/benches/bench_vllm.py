@@ -30,7 +30,9 @@ Every mode's engine (and trainer) is started first and stays up; the throughput 
 alternate between the modes, each round in another order, and a mode's ratio to ``null`` (or
 ``none``) is the median over rounds of its rate over theirs in the same round. (Run one engine
 after another, the same engine's rate drifted by up to 12 % between runs on this 2-core
-machine, more than the costs measured.) A mode named twice in ``--modes`` runs once.
+machine, more than the costs measured.) A mode named twice in ``--modes`` runs once; ``null#2``
+(any mode, any suffix) starts a second engine of that mode, whose ratio to the first shows how
+far two engines of one configuration differ in this run.
 
 Times a release build of the extension only (``--allow-debug-build`` to time another: its Rust
 runs several times slower; the test command installs a debug build).
@@ -278,7 +280,9 @@ class Mode:
     alternate, so that each ratio compares batches run minutes apart at most (an idle vLLM
     engine in this process layout does nothing between them)."""
 
-    def __init__(self, mode: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any) -> None:
+    def __init__(self, name: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any) -> None:
+        # "null#2": a second engine of a mode, to see how far two engines of one mode differ.
+        mode = name.split("#")[0]
         extra: dict[str, Any] = {}
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
         # Every engine's worker computes on all cores: vLLM sets OMP_NUM_THREADS itself only under
@@ -288,14 +292,14 @@ class Mode:
         if mode == "capture-arena":
             extra = {"arena_bytes": "1GiB"}
         elif mode == "file":
-            extra = {"shared_storage_path": str(tmp / "hidden_states")}
+            extra = {"shared_storage_path": str(tmp / f"hidden_states-{name}")}
         elif mode == "mooncake":
             extra = {"mooncake": {"local_hostname": "127.0.0.1", "metadata_server": mooncake_env["MOONCAKE_METADATA_SERVER"],
                                   "master_server_address": mooncake_env["MOONCAKE_MASTER_SERVER_ADDR"], "protocol": "tcp",
                                   "global_segment_size": 1 << 30, "local_buffer_size": 512 << 20}}
             env.update(mooncake_env)
         extra["max_model_len"] = max(1024, args.prompt_len + 16)
-        self.mode, self.args = mode, args
+        self.mode, self.args = name, args
         self.engine = Child([sys.executable, __file__, "engine", str(model), mode, json.dumps(extra)], env, log)
         self.trainer = Child([sys.executable, __file__, "trainer", mode, json.dumps(extra)], env, log) if mode not in ("none", "extract", "null") else None
         self.rates: list[float] = []
