@@ -922,9 +922,12 @@ impl PySink {
         let texts = PyList::empty(py);
         if encode {
             for r in &results {
-                let text =
-                    serde_json::to_vec(r).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
-                texts.append(PyBytes::new(py, &text))?;
+                // Never an error after the objects are reserved (their caller would never finish
+                // them): a row that cannot be encoded here is encoded by the caller (None).
+                match serde_json::to_vec(r) {
+                    Ok(text) => texts.append(PyBytes::new(py, &text))?,
+                    Err(_) => texts.append(py.None())?,
+                }
             }
             for &i in &at {
                 texts.insert(i, py.None())?;
