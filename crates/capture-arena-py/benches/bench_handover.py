@@ -25,15 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 
-from capture_arena import _capture_arena
+from _release import BUILD, require_release
 from capture_arena._sink import ArenaSink
-from capture_arena.vllm import _Save, _spec
+from capture_arena.vllm import _result_lines, _Save, _spec
 
 K, BLOCK = 3, 16
 
@@ -50,11 +49,7 @@ def lines_by_json_dumps(sink: ArenaSink, saves: list[_Save], specs: list[dict[st
 
 def lines_by_extension(sink: ArenaSink, saves: list[_Save], specs: list[dict[str, Any]]) -> tuple[list[Any], bytes]:
     rows = sink._reserve_each_json(specs, within_s=1.0)
-    sent = time.monotonic()
-    data = b"".join(
-        b'{"req_id":%s,"seq":%d,"sent":%r,"row":%s}\n' % (json.dumps(s.req_id).encode(), s.seq, sent, text)
-        for s, (_, _, text) in zip(saves, rows)
-    )
+    data = _result_lines([(s, text) for s, (_, _, text) in zip(saves, rows)], time.monotonic())
     return [row for row, _, _ in rows], data
 
 
@@ -111,11 +106,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--allow-debug-build", action="store_true")
     a = ap.parse_args()
-    if _capture_arena._BUILD != "release" and not a.allow_debug_build:
-        sys.exit(
-            f"bench_handover.py: capture_arena's extension is a {_capture_arena._BUILD} build; build and install a release "
-            "wheel first (.venv/bin/maturin build --release -m crates/capture-arena-py/Cargo.toml), or pass --allow-debug-build"
-        )
+    require_release("bench_handover.py", a.allow_debug_build)
     rows = []
     print(f"{'step':>12}{'MB':>8}{'extension ms (median / p99)':>30}{'json.dumps ms (median / p99)':>31}{'ratio':>8}")
     for spec in a.loads.split(","):
@@ -129,7 +120,7 @@ def main() -> None:
         )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "build": _capture_arena._BUILD, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(a), "build": BUILD, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

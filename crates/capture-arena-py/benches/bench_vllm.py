@@ -372,14 +372,9 @@ def main() -> None:
     ap.add_argument("--log", help="keep the engines' and trainers' output here (default: dropped)")
     ap.add_argument("--allow-debug-build", action="store_true", help="time a debug build of the extension anyway")
     args = ap.parse_args()
-    from capture_arena import _capture_arena
+    from _release import BUILD, require_release
 
-    if _capture_arena._BUILD != "release" and not args.allow_debug_build:
-        sys.exit(
-            f"bench_vllm.py: capture_arena's extension is a {_capture_arena._BUILD} build, whose Rust runs several times "
-            "slower than what users install; build and install a release wheel first (.venv/bin/maturin build --release "
-            "-m crates/capture-arena-py/Cargo.toml --out target/wheels, then pip install it), or pass --allow-debug-build"
-        )
+    require_release("bench_vllm.py", args.allow_debug_build)
     sys.path.insert(0, str(HERE.parent / "tests"))
     import mooncake_master
 
@@ -426,7 +421,7 @@ def main() -> None:
             print("capture-arena's hooks, ms per step (median / p99): " + ", ".join(
                 f"{name} {m:.3f} / {p:.3f}" for name, (m, p) in r["hook_ms_by_name"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "build": _capture_arena._BUILD, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "build": BUILD, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

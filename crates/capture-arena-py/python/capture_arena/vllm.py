@@ -634,12 +634,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         to be freed (``free``); with no word by the bound plus ACK_GRACE_S (a listener that
         cannot accept, a scheduler process that is stuck or gone) the worker frees it."""
         sent = time.monotonic()
-        # Each row's JSON text comes encoded from the extension (json.dumps of a row cost about
-        # as much as reserving it).
-        data = b"".join(
-            b'{"req_id":%s,"seq":%d,"sent":%r,"row":%s}\n' % (json.dumps(s.req_id).encode(), s.seq, sent, text)
-            for s, _, text in results
-        )
+        data = _result_lines([(s, text) for s, _, text in results], sent)
         published = {_tag(s.req_id, s.seq): row for s, row, _ in results if "error" not in row}
         if published:
             with self._unacked_lock:
@@ -903,6 +898,15 @@ def _kernel_blocks(saves: list[_Save], block_size: int, kernel_block_size: int) 
         )
     r = block_size // kernel_block_size
     return [dataclasses.replace(sv, block_ids=[b * r + i for b in sv.block_ids for i in range(r)]) for sv in saves]
+
+
+def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:
+    """The lines that carry a step's results to the scheduler process, each row's JSON text as
+    the extension encoded it (json.dumps of a row cost about as much as reserving it)."""
+    return b"".join(
+        b'{"req_id":%s,"seq":%d,"sent":%r,"row":%s}\n' % (json.dumps(s.req_id).encode(), s.seq, sent, text)
+        for s, text in results
+    )
 
 
 def _spec(kv: torch.Tensor, store_id: str, sv: _Save) -> dict[str, Any]:
