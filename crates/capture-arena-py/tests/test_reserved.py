@@ -37,6 +37,16 @@ if os.environ.get("SGLANG_SPEC_CAPTURE_PLACEMENT") == "engine":
             said.append(print(json.dumps({"waiting": True}), flush=True))
         time.sleep(s)
     engine.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
+    if os.environ.get("TEST_HOLD_AFTER_COPY"):
+        # After each copy of the objects' bytes (not of their words), says so and waits for a
+        # "go" line: the test finishes the write right then, before the reader looks again.
+        transfer = engine.EngineReader._transfer
+        def held_transfer(self, te, session, targets):
+            transfer(self, te, session, targets)
+            if any(n != 8 for _, _, n in targets):
+                print(json.dumps({"copied": True}), flush=True)
+                assert sys.stdin.readline().strip() == "go"
+        engine.EngineReader._transfer = held_transfer
 if os.environ.get("TEST_READER") == "specforge":
     # SpecForge's trainer stack: its FeatureStore API over capture-arena (a SampleRef carrying
     # the result, as SGLangServerCaptureAdapter builds it), reading into torch tensors.
@@ -151,7 +161,7 @@ def start_reader(placement: str, kind: str) -> Any:
         p.stdin.write(json.dumps(result) + "\n")
         p.stdin.flush()
         assert json.loads(p.stdout.readline()) == {"reading": True}
-        if placement == "engine":  # it copied the object and found it pending
+        if placement == "engine":  # it looked at the object's words and found it pending
             assert json.loads(p.stdout.readline()) == {"waiting": True}
         else:
             waits_between_looks(p.pid)
@@ -186,6 +196,47 @@ def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_t
     reader_store.release(r)
     reader_store.flush(10)
     assert sink.stats()["resident_objects"] == 0
+
+
+@pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=f"Mooncake: {MOONCAKE_MISSING}")
+def test_bytes_copied_before_they_were_finished_are_never_returned_however_soon_after_they_are(
+    make_sink: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader that copies across the network: the write finishing right after its copy of
+    the bytes, before its look at the stamp words, which then hold the stamps. Looking only
+    after the copy, it returned the unwritten bytes (zeros; seen before as a rare failure of the
+    test above). Now it copies only what was there when the copy began: it found the object
+    pending before copying, and the one copy it makes is of the written bytes."""
+    for k, v in ENGINE_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("TEST_HOLD_AFTER_COPY", "1")
+    sink = make_sink()
+    ((r, at),) = sink.reserve_each([reservation("race")], within_s=5)
+    assert "error" not in r, r
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_READY_WAIT_S": "20", "TEST_READER": "store"}
+    p = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        p.stdin.write(json.dumps(r) + "\n")
+        p.stdin.flush()
+        said = [json.loads(p.stdout.readline()) for _ in range(2)]
+        assert said[0] == {"reading": True}
+        # It copied the unwritten bytes first (the old reader), or found the object pending
+        # and waits (it copies nothing before the bytes are there).
+        assert said[1] in ({"copied": True}, {"waiting": True}), said
+        data, ids = write(r, at, seed=5)
+        sink.finish_writes([r])
+        got = said[1]
+        while got == {"copied": True} or got == {"waiting": True}:
+            if got == {"copied": True}:  # let it look at the words (they hold the stamps now)
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            got = json.loads(p.stdout.readline())
+        assert "error" not in got, got
+        assert bytes.fromhex(got["h"]) == data and got["ids"] == ids, "the reader returned bytes copied before they were written"
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_a_trainer_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_it_at_once(

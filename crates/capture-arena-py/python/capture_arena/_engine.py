@@ -436,9 +436,10 @@ class EngineReader:
         memory of this process (the outputs: host arrays, or CUDA tensors over NVLink), registered
         for the read and unregistered after (a few microseconds each over TCP, measured).
         ``keep`` owns that memory: it is held past a failed or abandoned read (see the class).
-        ``stamps``: ``(key, remote address, stamp)`` of each object's stamp, read once the copy
-        has completed (over TCP and RDMA); one that differs raises :class:`ReleasedError` (0:
-        freed) or :class:`ObjectChangedError`, so another object's bytes are never returned."""
+        ``stamps``: ``(key, remote address, stamp)`` of each object's stamp, read before the
+        copy and once it has completed (over TCP and RDMA): an object still being written is
+        waited for, and one whose word differs raises :class:`ReleasedError` (0: freed) or
+        :class:`ObjectChangedError`, so unwritten or another object's bytes are never returned."""
         timeout = read_timeout_s()
         te = self._te()
         targets = [t for t in targets if t[2] > 0]
@@ -457,8 +458,8 @@ class EngineReader:
 
         # The stamps are read into host memory: not over NVLink, whose transfers move device memory.
         checks = list(stamps) if self._protocol not in ("nvlink", "nvlink_intra") else []
-        # Each copy is bounded by the read's deadline; one that found an object still being
-        # written (its stamp word pending) is made again once it may not be, for at most
+        # Each look and copy is bounded by the read's deadline; an object still being written
+        # (its stamp word pending) is looked at again, and copied once it is there, for at most
         # SGLANG_SPEC_CAPTURE_READY_WAIT_S in all.
         ready = ready_wait_s() if checks else 0.0
         since, pause = time.monotonic(), 50e-6
@@ -487,8 +488,9 @@ class EngineReader:
     def _read_in(
         self, te: Any, session: str, targets: list[tuple[int, int, int]], checks: list[tuple[str, int, int]], words: Any
     ) -> Optional[str]:
-        """One copy of every target, then of the stamps: the key of an object still being
-        written (copy again later), or None when every byte read is the objects'."""
+        """A look at the stamps, then one copy of every target and another look: the key of an
+        object still being written at the first look (nothing copied; look again later), or
+        None when every byte read is the objects'."""
         registered = []
         try:
             regions = [(local, n) for _, local, n in targets]
@@ -518,14 +520,29 @@ class EngineReader:
                 if rc != 0:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
                 registered.append(local)
-            self._transfer(te, session, targets)
             if not checks:
+                self._transfer(te, session, targets)
                 return None
-            # After the copy completed: a stamp that still matches proves the bytes were the
-            # object's; a pending one (still being written) means copying again once it is not.
+            # The words before the copy, then after it (the readiness rule of docs/protocol.md).
+            # Before: a copy counts only if every object was there when it began (a word still
+            # pending may turn ready while, or just after, the copy reads unwritten bytes, and a
+            # look after alone would take those bytes for the written ones). After: the object
+            # was not freed or replaced meanwhile (a word never turns pending again).
             base = int(words.ctypes.data)
-            self._transfer(te, session, [(at, base + 8 * i, 8) for i, (_, at, _) in enumerate(checks)])
-            return _check_words(checks, words.tolist())
+            looks = [(at, base + 8 * i, 8) for i, (_, at, _) in enumerate(checks)]
+            self._transfer(te, session, looks)
+            pending = _check_words(checks, words.tolist())
+            if pending is not None:
+                return pending
+            self._transfer(te, session, targets)
+            self._transfer(te, session, looks)
+            pending = _check_words(checks, words.tolist())
+            if pending is not None:
+                raise ArenaOSError(
+                    f"{pending}'s stamp word turned back to 'being written' during the read: its producer does not "
+                    "follow the readiness rule of docs/protocol.md"
+                )
+            return None
         finally:
             for local in registered:
                 te.unregister_memory(local)

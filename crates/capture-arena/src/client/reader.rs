@@ -7,10 +7,7 @@ use std::time::{Duration, Instant};
 use super::lock;
 use crate::error::{Error, Result};
 use crate::sample::{stamp_offset, Feature, Published, MAX_SESSION_BYTES, STAMP_BYTES};
-use crate::transport::{
-    self, pause_or_give_up, verify_stamps, wait_ready, Destination, ReadOp, Transport, View,
-    COPY_POLL_MAX,
-};
+use crate::transport::{self, read_when_ready, Destination, ReadOp, Transport, View};
 
 /// The most sessions (producers) one reader keeps open at once.
 pub const MAX_SESSIONS: usize = 1024;
@@ -247,21 +244,11 @@ impl Reader {
             t.check(c.0, STAMP_BYTES)?;
         }
         let key = |i: usize| key_of(result, checked[i]);
-        // An object still being written (its stamp word pending) is waited for, bounded: before
-        // the copy where stamps cost nothing, else by copying again once it is there.
+        // An object still being written (its stamp word pending) is waited for, bounded, and
+        // copied only once it is there.
         let since = Instant::now();
         let deadline = since.checked_add(self.ready_wait).unwrap_or(since);
-        let mut pause = Duration::from_micros(50);
-        loop {
-            if t.stamps_are_cheap() {
-                wait_ready(&*t, &checks, key, since, deadline)?;
-            }
-            t.read(&mut ops)?;
-            match verify_stamps(&*t, &checks, key)? {
-                None => return Ok(()),
-                Some(i) => pause_or_give_up(&mut pause, COPY_POLL_MAX, since, deadline, || key(i))?,
-            }
-        }
+        read_when_ready(&*t, &mut ops, &checks, key, since, deadline)
     }
 
     /// Borrows feature `name` of `result` in place, without copying (transports that map the

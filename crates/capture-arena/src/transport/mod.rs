@@ -281,6 +281,52 @@ pub(crate) fn wait_ready(
     Ok(())
 }
 
+/// Copies `ops` once no object at `checks` is still being written, and returns only bytes that
+/// were the objects' (the readiness rule of docs/protocol.md): every word is looked at before
+/// the copy and again after it. The look before is what makes a copy valid: a word still
+/// pending then may turn ready while the copy reads unwritten bytes, or just after it, and the
+/// look after alone cannot tell those bytes from the written ones. The look after catches an
+/// object freed or replaced during the copy. Where looks cost nothing (a mapped arena) the
+/// look before polls from 50 µs to [`CHEAP_POLL_MAX`]; elsewhere each look is a small copy of
+/// the words, made again at most every [`COPY_POLL_MAX`]. Until `deadline`, then
+/// [`Error::NotReady`] (`since` being when the read began).
+///
+/// # Errors
+/// As [`verify_stamps`] and [`Transport::read`]; [`Error::NotReady`].
+pub(crate) fn read_when_ready(
+    t: &dyn Transport,
+    ops: &mut [ReadOp<'_>],
+    checks: &[(u64, u64)],
+    key_of: impl Fn(usize) -> String,
+    since: Instant,
+    deadline: Instant,
+) -> Result<()> {
+    let most = if t.stamps_are_cheap() {
+        CHEAP_POLL_MAX
+    } else {
+        COPY_POLL_MAX
+    };
+    let mut pause = Duration::from_micros(50);
+    loop {
+        if let Some(i) = verify_stamps(t, checks, &key_of)? {
+            pause_or_give_up(&mut pause, most, since, deadline, || key_of(i))?;
+            continue;
+        }
+        t.read(ops)?;
+        // A word never turns pending again once it held the stamp: after the look before, this
+        // finds the stamp, or fails for an object freed, replaced or failed meanwhile.
+        if let Some(i) = verify_stamps(t, checks, &key_of)? {
+            return Err(Error::InvalidRead {
+                key: key_of(i),
+                reason: "its stamp word turned back to \"being written\" during the read: the \
+                         producer does not follow the readiness rule of docs/protocol.md"
+                    .into(),
+            });
+        }
+        return Ok(());
+    }
+}
+
 /// Sleeps the next back-off step (doubling up to `most`, never past `deadline`), or
 /// [`Error::NotReady`] for `key()` once `deadline` has passed.
 pub(crate) fn pause_or_give_up(
@@ -512,5 +558,106 @@ impl fmt::Debug for View {
             .field("len", &self.len)
             .field("stamp", &self.stamp.as_ref().map(|c| c.2))
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::PENDING_BIT;
+    use std::sync::Mutex;
+
+    /// An arena of 16 bytes at 0 and its stamp word at 16, whose producer finishes the object
+    /// (bytes 0xab, the word its stamp) right after `finish_after` reads of the arena.
+    #[derive(Debug)]
+    struct Finishing {
+        mem: Mutex<(Vec<u8>, usize)>,
+        finish_after: usize,
+    }
+
+    const STAMP: u64 = 7;
+
+    impl Finishing {
+        fn new(finish_after: usize) -> Finishing {
+            let mut mem = vec![0u8; 24];
+            mem[16..].copy_from_slice(&(STAMP | PENDING_BIT).to_le_bytes());
+            Finishing {
+                mem: Mutex::new((mem, 0)),
+                finish_after,
+            }
+        }
+    }
+
+    impl Transport for Finishing {
+        fn session(&self) -> &str {
+            "test://finishing"
+        }
+        fn is_live(&self) -> bool {
+            true
+        }
+        fn capacity(&self) -> u64 {
+            24
+        }
+        fn check(&self, address: u64, len: u64) -> Result<()> {
+            offset_in(0, 24, address, len).map(drop)
+        }
+        fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {
+            let mut g = self.mem.lock().unwrap();
+            for r in reads.iter_mut() {
+                let Destination::Host(b) = &mut r.into else {
+                    panic!("host reads only")
+                };
+                let a = r.address as usize;
+                b.copy_from_slice(&g.0[a..a + b.len()]);
+            }
+            g.1 += 1;
+            if g.1 == self.finish_after {
+                g.0[..16].fill(0xab);
+                g.0[16..].copy_from_slice(&STAMP.to_le_bytes());
+            }
+            Ok(())
+        }
+    }
+
+    fn read(t: &Finishing, wait: Duration) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; 16];
+        let mut ops = [ReadOp {
+            address: 0,
+            into: Destination::Host(&mut out),
+        }];
+        let since = Instant::now();
+        read_when_ready(
+            t,
+            &mut ops,
+            &[(16, STAMP)],
+            |_| "st/a/g1/h".into(),
+            since,
+            since + wait,
+        )?;
+        Ok(out)
+    }
+
+    #[test]
+    fn bytes_copied_before_the_word_turned_ready_are_never_returned() {
+        // The producer finishes right after whichever read comes first: a reader that copies
+        // first and looks after would find the stamp and return the zeros it copied.
+        let t = Finishing::new(1);
+        assert_eq!(read(&t, Duration::from_secs(5)).unwrap(), vec![0xab; 16]);
+        // Finished later: the reader looks, waits, looks again, then copies.
+        let t = Finishing::new(3);
+        assert_eq!(read(&t, Duration::from_secs(5)).unwrap(), vec![0xab; 16]);
+        assert!(
+            t.mem.lock().unwrap().1 >= 5,
+            "looked before and after the copy"
+        );
+        // Never finished: NotReady at the deadline, naming the object.
+        let t = Finishing::new(usize::MAX);
+        match read(&t, Duration::from_millis(20)) {
+            Err(Error::NotReady { key, waited }) => {
+                assert_eq!(key, "st/a/g1/h");
+                assert!(waited >= Duration::from_millis(20), "{waited:?}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }
