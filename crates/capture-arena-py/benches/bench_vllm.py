@@ -32,7 +32,9 @@ alternate between the modes, each round in another order, and a mode's ratio to 
 after another, the same engine's rate drifted by up to 12 % between runs on this 2-core
 machine, more than the costs measured.) A mode named twice in ``--modes`` runs once; ``null#2``
 (any mode, any suffix) starts a second engine of that mode, whose ratio to the first shows how
-far two engines of one configuration differ in this run.
+far two engines of one configuration differ in this run. ``capture-arena@old`` with ``--build
+old=DIR`` runs that mode's engine and trainer on the package in DIR (an unpacked release wheel
+of another commit, say), so two versions of a connector compare in one run.
 
 Times a release build of the extension only (``--allow-debug-build`` to time another: its Rust
 runs several times slower; the test command installs a debug build).
@@ -280,11 +282,20 @@ class Mode:
     alternate, so that each ratio compares batches run minutes apart at most (an idle vLLM
     engine in this process layout does nothing between them)."""
 
-    def __init__(self, name: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any) -> None:
-        # "null#2": a second engine of a mode, to see how far two engines of one mode differ.
-        mode = name.split("#")[0]
+    def __init__(
+        self, name: str, model: Path, args: argparse.Namespace, tmp: Path, mooncake_env: dict[str, str], log: Any, builds: dict[str, str]
+    ) -> None:
+        # "null#2": a second engine of a mode, to see how far two engines of one mode differ;
+        # "capture-arena@old": the package of the build named "old".
+        mode, _, build = name.split("#")[0].partition("@")
         extra: dict[str, Any] = {}
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        path = [str(HERE), builds[build]] if build else [str(HERE)]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")])}
+        if build:
+            check = "import capture_arena, capture_arena._capture_arena as c; print(c._BUILD, capture_arena.__file__)"
+            got = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, check=True).stdout.split()
+            if got[1] != str(Path(builds[build]) / "capture_arena" / "__init__.py") or (got[0] != "release" and not args.allow_debug_build):
+                sys.exit(f"bench_vllm.py: build {build!r} ({builds[build]}) gives {got}: a release build's capture_arena is wanted there")
         # Every engine's worker computes on all cores: vLLM sets OMP_NUM_THREADS itself only under
         # speculative decoding (extract_hidden_states) and otherwise cuts torch to one thread, which
         # would halve the engine without extraction.
@@ -368,6 +379,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--build", action="append", default=[], metavar="NAME=DIR",
+                    help="a mode MODE@NAME runs on the capture_arena package in DIR (an unpacked wheel)")
     ap.add_argument("--json")
     ap.add_argument("--log", help="keep the engines' and trainers' output here (default: dropped)")
     ap.add_argument("--allow-debug-build", action="store_true", help="time a debug build of the extension anyway")
@@ -386,8 +399,9 @@ def main() -> None:
         modes: list[Mode] = []
         try:
             with open(args.log or tmp / "log.txt", "w+") as log:
+                builds = dict(b.split("=", 1) for b in args.build)
                 for mode in dict.fromkeys(args.modes.split(",")):
-                    modes.append(Mode(mode, tmp / "model", args, tmp, menv, log))
+                    modes.append(Mode(mode, tmp / "model", args, tmp, menv, log, builds))
                 # The modes' batches alternate, each round in another order (rotated, and
                 # reversed every other round, so that no mode always follows the same one).
                 for r in range(args.rounds):
@@ -417,8 +431,8 @@ def main() -> None:
         print(f"{r['mode']:<15}{r['tokens_per_s']:>10.0f}{cols[0]:>9}{cols[1]:>12}{cols[2]:>18}{cols[3]:>8}{cols[4]:>18}"
               f"{hk[0]:>24}{hk[1]:>8}{mb:>9}")
     for r in rows:
-        if r["mode"] == "capture-arena" and "hook_ms_by_name" in r:
-            print("capture-arena's hooks, ms per step (median / p99): " + ", ".join(
+        if r["mode"].startswith("capture-arena") and "hook_ms_by_name" in r:
+            print(f"{r['mode']}'s hooks, ms per step (median / p99): " + ", ".join(
                 f"{name} {m:.3f} / {p:.3f}" for name, (m, p) in r["hook_ms_by_name"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "build": BUILD, "rows": rows}, indent=1))

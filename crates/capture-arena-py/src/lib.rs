@@ -9,11 +9,15 @@
 mod array;
 mod error;
 mod exit;
+mod held;
 mod plan;
 mod readbuf;
+mod reserve;
+mod results;
 mod rows;
 mod sink;
 mod store;
+mod value;
 
 use pyo3::prelude::*;
 
@@ -86,6 +90,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyStore>()?;
     m.add_class::<plan::PyBatch>()?;
     m.add_class::<readbuf::PyReadBuffer>()?;
+    m.add_class::<reserve::PyReserving>()?;
     m.add_function(wrap_pyfunction!(plan::_plan_batch, m)?)?;
     m.add_function(wrap_pyfunction!(store::_store_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store::_send_frees, m)?)?;

@@ -15,11 +15,14 @@ use capture_arena::writer::Outcome;
 use capture_arena::{Config, Dtype, Error, Sample, Sink, Tensor, TensorData};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyDict, PyList, PyTuple};
 use pythonize::{depythonize, pythonize};
 
 use crate::array::bytes_of;
 use crate::error::{named, to_py, IntoPy};
+use crate::held::Held;
+use crate::reserve::{PyReserving, GIL_HELD_WAIT};
+use crate::results::{outcome_results, results_to_py};
 
 /// Work for the sink's helper thread, the only one of its threads that attaches to Python.
 pub(crate) enum Msg {
@@ -92,85 +95,6 @@ pub(crate) fn build_batch(
         }
     }
     Ok(built)
-}
-
-/// What [`PySink::_reserve_each`] takes for each sample: its ids and each feature's shape and
-/// dtype; the bytes are the caller's to write.
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ReserveSpec {
-    store_id: String,
-    sample_id: String,
-    #[serde(default = "first_gen")]
-    gen: u64,
-    #[serde(default)]
-    replace: bool,
-    features: std::collections::BTreeMap<String, ReserveFeature>,
-}
-
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ReserveFeature {
-    shape: Vec<u64>,
-    dtype: String,
-}
-
-fn first_gen() -> u64 {
-    1
-}
-
-/// A sample of reserved tensors ([`TensorData::Reserved`]) from a [`ReserveSpec`].
-fn reserved_sample(item: &Bound<'_, PyAny>, aux_ids: &Option<Vec<i64>>) -> PyResult<Sample> {
-    let py = item.py();
-    let spec: ReserveSpec = depythonize(item).map_err(|e| {
-        named(
-            py,
-            "InvalidSampleError",
-            format!(
-                "a reservation is {{\"store_id\", \"sample_id\", \"gen\", \"replace\", \
-                 \"features\": {{name: {{\"shape\", \"dtype\"}}}}}}: {e}"
-            ),
-        )
-    })?;
-    if spec.features.is_empty() || spec.features.len() > capture_arena::sample::MAX_FEATURES {
-        return Err(named(
-            py,
-            "InvalidSampleError",
-            format!(
-                "sample {:?}: a reservation has 1 to {} features, not {}",
-                spec.sample_id,
-                capture_arena::sample::MAX_FEATURES,
-                spec.features.len()
-            ),
-        ));
-    }
-    let mut s = Sample::new(&spec.store_id, &spec.sample_id, spec.gen)
-        .map_err(to_py)?
-        .with_replace(spec.replace)
-        .with_aux_layer_ids(aux_ids.clone());
-    for (name, f) in spec.features {
-        let dtype = Dtype::from_name(&f.dtype).ok_or_else(|| {
-            named(
-                py,
-                "InvalidSampleError",
-                format!("feature {name:?}: unknown dtype {:?}", f.dtype),
-            )
-        })?;
-        let len = f
-            .shape
-            .iter()
-            .try_fold(dtype.item_size(), |a, &d| a.checked_mul(d))
-            .ok_or_else(|| {
-                named(
-                    py,
-                    "InvalidSampleError",
-                    format!("feature {name:?}: shape {:?} overflows", f.shape),
-                )
-            })?;
-        s.push(Tensor::new(name, f.shape, dtype, TensorData::Reserved(len)).map_err(to_py)?)
-            .map_err(to_py)?;
-    }
-    Ok(s)
 }
 
 /// `{"sample_id", "error"}` for an item of a batch (its spec's `sample_id` when it has one).
@@ -408,7 +332,9 @@ fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyRes
         }
     }
     let features: SpecFeatures = match get("features")? {
-        Some(f) if !f.is_none() => depythonize(&f).map_err(|e| bad(format!("`features`: {e}")))?,
+        Some(f) if !f.is_none() => {
+            crate::value::from_py(&f).map_err(|e| bad(format!("`features`: {e}")))?
+        }
         _ => SpecFeatures::default(),
     };
     Ok(SampleSpec {
@@ -458,17 +384,6 @@ pub(crate) fn sample(
         }
     }
     Sample::from_spec_parts(&spec, aux, last, aux_ids.clone(), parts).py_err()
-}
-
-fn results_to_py<'py>(py: Python<'py>, results: &[SampleResult]) -> PyResult<Bound<'py, PyAny>> {
-    pythonize(py, results).map_err(|e| PyRuntimeError::new_err(e.to_string()))
-}
-
-fn outcome_results(ids: &[String], outcome: Outcome) -> Vec<SampleResult> {
-    match outcome {
-        Ok(p) => batch_results(ids, Ok(p)),
-        Err(e) => batch_results(ids, Err(&e)),
-    }
 }
 
 /// The helper thread: releases lent arrays and completes futures, attaching to Python once per
@@ -551,30 +466,6 @@ fn opt_bytes(v: Option<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
             reason,
         })
     })
-}
-
-/// A call's hold on the sink. If `close()` ran meanwhile, this may be the last hold: then the
-/// writer stops when it is dropped, and that must not keep the GIL (it waits for queued copies
-/// and unmaps the region). All holds are dropped with the GIL held, so the count check is not
-/// racy.
-struct Held(Option<Arc<Sink>>);
-
-impl std::ops::Deref for Held {
-    type Target = Sink;
-    fn deref(&self) -> &Sink {
-        self.0.as_deref().expect("held until dropped")
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        if let Some(s) = self.0.take() {
-            // The last hold (close() ran meanwhile): stop the writer without the GIL.
-            if let Some(last) = Arc::into_inner(s) {
-                Python::attach(|py| py.detach(move || drop(last)));
-            }
-        }
-    }
 }
 
 impl PySink {
@@ -859,98 +750,36 @@ impl PySink {
 
     /// Reserves each `{"store_id", "sample_id", "gen", "replace", "features": {name: {"shape",
     /// "dtype"}}}` as a sample of its own whose bytes the caller writes itself, and returns for
-    /// each at once (GIL released while waiting) `(row, writable)`: the result, whose objects'
-    /// stamp words say "still being written" until `_finish_writes`, and `{name: address}` where
-    /// this process writes each feature; or `({"sample_id", "error"}, None)`. The whole call
-    /// waits for space at most `within_s` (as `_put_each`). With `encode`, each is `(row,
-    /// writable, json)`: the row's JSON text as well (bytes; None for a row refused before the
-    /// writer), for a caller that sends it on, at a fraction of `json.dumps`'s cost.
-    #[pyo3(signature = (specs, within_s, encode = false))]
+    /// each at once `(row, writable)`: the result, whose objects' stamp words say "still being
+    /// written" until `_finish_writes`, and `{name: address}` where this process writes each
+    /// feature; or `({"sample_id", "error"}, None)`. The whole call waits for space at most
+    /// `within_s` (as `_put_each`): `_begin_reserving(...).wait(keys, hold_gil_s)` in one.
+    #[pyo3(signature = (specs, within_s, keys = false, hold_gil_s = GIL_HELD_WAIT.as_secs_f64()))]
     fn _reserve_each<'py>(
         &self,
         py: Python<'py>,
         specs: &Bound<'py, PyAny>,
         within_s: f64,
-        encode: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let sink = self.sink(py)?;
-        let aux_ids = sink.config().aux_layer_ids.clone();
-        let mut samples = Vec::new();
-        let mut refused: Vec<Refused> = Vec::new();
-        for (i, item) in specs.try_iter()?.enumerate() {
-            let item = item?;
-            match reserved_sample(&item, &aux_ids) {
-                Ok(s) => samples.push(s),
-                Err(e) => {
-                    let row = PyDict::new(py);
-                    row.set_item(
-                        "sample_id",
-                        item.get_item("sample_id")
-                            .unwrap_or_else(|_| py.None().into_bound(py)),
-                    )?;
-                    row.set_item("error", e.value(py).to_string())?;
-                    refused.push((i, row.into_any().unbind()));
-                }
-            }
-        }
-        let at: Vec<usize> = refused.iter().map(|(i, _)| *i).collect();
-        let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
+        keys: bool,
+        hold_gil_s: f64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        self._begin_reserving(py, specs, within_s)?
+            .wait(py, keys, hold_gil_s)
+    }
+
+    /// Hands the reservations of `_reserve_each` to the writer and returns at once (unless the
+    /// writer's queue has no room: then it waits for room, at most `within_s`), for a caller
+    /// that collects them later with `.wait()` (vLLM's connector: when a step begins, collected
+    /// after the forward, so vLLM's thread never waits for the writer). The space is waited for
+    /// at most `within_s` from now.
+    fn _begin_reserving(
+        &self,
+        py: Python<'_>,
+        specs: &Bound<'_, PyAny>,
+        within_s: f64,
+    ) -> PyResult<PyReserving> {
         let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
-        let outcomes = if samples.is_empty() {
-            Ok(Vec::new())
-        } else {
-            crate::exit::detach(py, || Ok(sink.put_each_within(samples, within))).py_err()?
-        };
-        let (results, writable): (Vec<SampleResult>, Vec<Option<_>>) = match outcomes {
-            Ok(outcomes) => ids
-                .iter()
-                .zip(outcomes)
-                .flat_map(|(id, o)| outcome_results(std::slice::from_ref(id), o))
-                .map(|r| match r {
-                    SampleResult::Published(mut p) => {
-                        let w = p.writable.take();
-                        (SampleResult::Published(p), w)
-                    }
-                    failed => (failed, None),
-                })
-                .unzip(),
-            Err(e) => batch_results(&ids, Err(&e))
-                .into_iter()
-                .map(|r| (r, None))
-                .unzip(),
-        };
-        let texts = PyList::empty(py);
-        if encode {
-            for r in &results {
-                // Never an error after the objects are reserved (their caller would never finish
-                // them): a row that cannot be encoded here is encoded by the caller (None).
-                match serde_json::to_vec(r) {
-                    Ok(text) => texts.append(PyBytes::new(py, &text))?,
-                    Err(_) => texts.append(py.None())?,
-                }
-            }
-            for &i in &at {
-                texts.insert(i, py.None())?;
-            }
-        }
-        let rows = merge_rows(py, &results, refused)?;
-        let places = PyList::empty(py);
-        for w in writable {
-            places
-                .append(pythonize(py, &w).map_err(|e| PyRuntimeError::new_err(e.to_string()))?)?;
-        }
-        for i in at {
-            places.insert(i, py.None())?;
-        }
-        let out = PyList::empty(py);
-        for (i, (row, place)) in rows.try_iter()?.zip(places.try_iter()?).enumerate() {
-            if encode {
-                out.append(PyTuple::new(py, [row?, place?, texts.get_item(i)?])?)?;
-            } else {
-                out.append(PyTuple::new(py, [row?, place?])?)?;
-            }
-        }
-        Ok(out.into_any())
+        PyReserving::begin(py, self.sink(py)?, specs, within)
     }
 
     /// The arena's memory in this process, `(address, bytes)`, or None before it exists.

@@ -9,10 +9,12 @@ while an object is pending."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -309,9 +311,116 @@ def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
     assert all("error" in r for r in rows[1:]), rows
     assert "float128" in rows[1]["error"] and "1 to" in rows[2]["error"] and "store_id" in rows[3]["error"]
     sink.finish_writes([rows[0]], ok=False)
-    # vLLM's connector sends each row on as JSON encoded by the extension: the same rows, whether
-    # the writer made them or they were refused before it.
-    encoded = sink._reserve_each_json([reservation("ok2"), reservation("too-big2", n=1 << 20), {"sample_id": "x"}], within_s=1)
-    assert [json.loads(text) for _, _, text in encoded] == [row for row, _, _ in encoded]
-    assert "error" not in encoded[0][0] and encoded[0][1] is not None and all("error" in r for r, _, _ in encoded[1:])
-    sink.finish_writes([encoded[0][0]], ok=False)
+    # vLLM's connector keeps only each request's keys and sends its row on as JSON, both made by
+    # the extension: the same rows whether the writer made them or they were refused before it.
+    specs = [reservation("ok2"), reservation("too-big2", n=1 << 20), {"sample_id": "x"}, {"sample_id": 7}]
+    got = sink._reserve_each_keys(specs, within_s=1)
+    lines = [json.loads(text) for _, _, text in got]
+    assert [r["sample_id"] for r in lines] == ["ok2", "too-big2", "x", None]
+    assert "error" not in lines[0] and all("error" in r for r in lines[1:]), lines
+    keys, at, _ = got[0]
+    assert keys == ca._capture_arena._result_keys(lines[0]) and at is not None and set(at) == {"h", "ids"}
+    assert all(k is None and a is None for k, a, _ in got[1:])
+    sink._finish_keys(keys, ok=False)
+
+
+def test_reservation_specs_are_read_as_their_json_would_be(make_sink: Any) -> None:
+    """Specs are read by their Python types (not through pythonize, whose probe of every dict for
+    a dataclass raised and discarded an AttributeError each time): tuples as lists, booleans not
+    as integers, every field checked as before."""
+    sink = make_sink()
+    ok = {"store_id": "st", "sample_id": "t", "gen": 2, "replace": False, "features": {"h": {"shape": (1, 3, 32), "dtype": "bfloat16"}}}
+    bad = [
+        {**ok, "sample_id": "extra", "colour": "red"},
+        {**ok, "sample_id": "neg", "features": {"h": {"shape": [1, -3], "dtype": "int64"}}},
+        {**ok, "sample_id": "huge", "features": {"h": {"shape": [2**64], "dtype": "int64"}}},
+        {**ok, "sample_id": "float", "features": {"h": {"shape": [1.5], "dtype": "int64"}}},
+        {**ok, "sample_id": "bool-gen", "gen": True},
+        {**ok, "sample_id": "deep", "features": {"h": {"shape": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]], "dtype": "int64"}}},
+        {**ok, "sample_id": "key", "features": {1: {"shape": [1], "dtype": "int64"}}},
+    ]
+    out = sink.reserve_each([ok, *bad], within_s=1)
+    (row, at), rest = out[0], out[1:]
+    assert "error" not in row and row["gen"] == 2 and row["features"]["h"]["shape"] == [1, 3, 32] and at is not None
+    errors = {r["sample_id"]: r["error"] for r, _ in rest}
+    assert all(a is None for _, a in rest) and set(errors) == {b["sample_id"] for b in bad}, errors
+    assert "unknown field `colour`" in errors["extra"], errors
+    assert "-3" in errors["neg"] and "64-bit" in errors["huge"] and "1.5" in errors["float"], errors
+    assert "bool" in errors["bool-gen"] and "32 levels" in errors["deep"] and "not a string" in errors["key"], errors
+    sink.finish_writes([row], ok=False)
+
+
+FREER = r"""
+import json, sys, time
+import capture_arena as ca
+r = json.loads(sys.stdin.readline())
+time.sleep(0.3)  # the reservation below is waiting for this free by then
+store = ca.ArenaFeatureStore()
+store.release(r)
+store.flush(10)
+"""
+
+
+def test_a_reservation_keeps_the_gil_while_it_waits_briefly_and_lets_other_threads_run_beyond(make_sink: Any) -> None:
+    """vLLM's thread reserves a step's objects while other Python threads run (vLLM's, the
+    connector's copy and listener threads). The writer places them in microseconds: the GIL is
+    kept while it does (at most 2 ms by default, ``hold_gil_s``), as a thread that lets it go
+    can wait the switch interval to get it back (5 ms by default; 20 s here, so a release shows).
+    A reservation waiting longer (for space) lets them run (here: one of them makes the space)."""
+    sink = make_sink(arena_bytes="160MiB")
+    # The arena full (101 MB of 160 MiB): a trainer in another process frees it in 0.3 s.
+    (big, _), = sink.reserve_each([reservation("big", n=1_400_000)], within_s=5)
+    assert "error" not in big, big
+    sink.finish_writes([big])
+    freer = subprocess.Popen([sys.executable, "-c", FREER], stdin=subprocess.PIPE, text=True)
+    assert freer.stdin is not None
+    freer.stdin.write(json.dumps(big) + "\n")
+    freer.stdin.close()
+    go, stop = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        go.wait()  # from here it waits for the GIL, with the switch interval set below
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=busy)
+    t.start()
+    interval = sys.getswitchinterval()
+    try:
+        # Earlier tests' garbage is collected now, not in the wait: a sink's finalizer lets the
+        # GIL go while it stops its writer.
+        gc.collect()
+        gc.disable()
+        sys.setswitchinterval(20.0)
+        go.set()
+        t0 = time.monotonic()
+        ((keys, _, text),) = sink._reserve_each_keys([reservation("after", n=1_400_000)], within_s=30, hold_gil_s=20.0)
+        waited = time.monotonic() - t0
+        assert keys is not None, text
+        # Letting the GIL go with the busy thread running costs the whole switch interval.
+        assert waited < 10, f"the reservation took {waited:.2f} s: it let the GIL go while it waited for the writer"
+        sink._finish_keys(keys, ok=False)
+    finally:
+        gc.enable()
+        stop.set()
+        sys.setswitchinterval(interval)
+        t.join()
+        assert freer.wait(30) == 0
+    # Waiting past hold_gil_s (2 ms by default), it lets the other threads run: here the one
+    # that makes the space.
+    (big, _), = sink.reserve_each([reservation("big2", n=1_400_000)], within_s=5)
+    assert "error" not in big, big
+    sink.finish_writes([big])
+    freed = threading.Event()
+
+    def free_soon() -> None:
+        deadline = time.monotonic() + 10
+        while not sink.stats()["waiting_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the reservation below waits for space
+        sink._drop_published(big)
+        freed.set()
+
+    threading.Thread(target=free_soon, daemon=True).start()
+    (keys, _, text), = sink._reserve_each_keys([reservation("after2", n=1_400_000)], within_s=10)
+    assert freed.is_set() and keys is not None, text
+    sink._finish_keys(keys, ok=False)

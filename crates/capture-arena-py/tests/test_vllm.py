@@ -713,6 +713,26 @@ def test_a_step_waits_for_space_at_most_its_bound_however_many_requests_finish_i
     assert s["resident_objects"] == 0 and s["free_bytes"] == s["capacity"], s
 
 
+def test_a_steps_objects_are_placed_while_it_runs_and_an_unsaved_step_frees_them(both: Proc) -> None:
+    """The writer places a step's objects once the step is bound, before its forward ends
+    (wait_for_save then only collects them). A step vLLM ends without wait_for_save (nothing
+    copied into its objects) frees them, and its requests are answered with the reason at
+    once, not after the bound."""
+    p = both
+    before = p.ask({"stats": True})
+    meta = p.ask({"announce": [["bound1", 40], ["bound2", 8]]})["meta"]
+    p.ask({"bind": meta})
+    s = wait_stats(p, lambda s: s["resident_objects"] == before["resident_objects"] + 4)
+    assert s["resident_objects"] == before["resident_objects"] + 4, s  # 2 requests x 2 objects, before wait_for_save
+    assert p.ask({"unsaved": 1}) == {"ok": True}
+    for rid in ("bound1", "bound2"):
+        got = p.ask({"finish": rid})
+        assert "wait_for_save" in got["params"]["capture_arena"]["error"], got
+        assert got["params"]["handle"] == f"capture-arena-error:{rid}" and got["s"] < HALF_BOUND / 2, got
+    s = wait_resident(p, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"] and s["failed_writes"] >= before["failed_writes"] + 4, s
+
+
 def test_a_result_arriving_in_the_gap_as_its_request_gives_up_is_freed(both: Proc) -> None:
     # request_finished's timed wait runs out; in the moment it lets go of its lock, the result
     # arrives (forced: the connector's condition is instrumented to have the worker send it and

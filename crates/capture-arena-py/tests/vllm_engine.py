@@ -220,7 +220,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             before = peak = rss()
             gate.set()
             deadline = time.monotonic() + 120
-            while any(not c.done.is_set() for c in list(worker._copies.values())) and time.monotonic() < deadline:
+            while any(not c.done for c in list(worker._copies.values())) and time.monotonic() < deadline:
                 peak = max(peak, rss())
                 time.sleep(0.001)
             answer = {"extra_bytes": peak - before, "rss_bytes": before}

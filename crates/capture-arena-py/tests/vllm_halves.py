@@ -13,7 +13,9 @@ The cache is ``[64 blocks, 2 layers, 16 slots, 64]`` bf16: a token is 256 bytes 
 states and 8 of its id. Commands:
 - ``{"announce": [[rid, n_tokens], ...]}`` (scheduler) -> ``{"meta": base64}``: one step's
   metadata, pickled as vLLM sends it to the workers;
-- ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's wait_for_save;
+- ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's bind_connector_metadata and wait_for_save;
+- ``{"bind": base64}`` (worker): only bind that step (its forward would run now); ``{"unsaved":
+  1}``: end it without wait_for_save;
 - ``{"finish": rid, "gap": bool}`` (scheduler) -> ``{"params": ..., "s": seconds}``:
   request_finished; with ``gap`` (both in one process) the connector's condition is instrumented
   so that, once its timed wait ran out and it releases the lock, a result for that request is
@@ -74,8 +76,9 @@ held_fds = []
 
 
 def save(meta_b64):
-    worker.bind_connector_metadata(pickle.loads(base64.b64decode(meta_b64)))
-    t0 = time.monotonic()
+    meta = pickle.loads(base64.b64decode(meta_b64))
+    t0 = time.monotonic()  # the step's hooks on vLLM's thread: bind (it begins the reservations) to wait_for_save
+    worker.bind_connector_metadata(meta)
     worker.wait_for_save()
     took = time.monotonic() - t0
     worker.clear_connector_metadata()
@@ -127,6 +130,12 @@ for line in sys.stdin:
             answer = {"meta": base64.b64encode(pickle.dumps(meta)).decode()}
         elif "save" in cmd:
             answer = {"s": save(cmd["save"])}
+        elif "bind" in cmd:  # a step bound (its forward running), not saved yet
+            worker.bind_connector_metadata(pickle.loads(base64.b64decode(cmd["bind"])))
+            answer = {"ok": True}
+        elif "unsaved" in cmd:  # the bound step ends without wait_for_save
+            worker.clear_connector_metadata()
+            answer = {"ok": True}
         elif "finish" in cmd:
             if cmd.get("gap"):
                 sched._cond = GapCondition(cmd["gap"])

@@ -207,6 +207,25 @@ impl Sink {
         }
     }
 
+    /// [`Sink::put_each_within`] returning the samples' handles once queued, without waiting
+    /// for them ([`Writer::submit_each`]); never starts the writer.
+    ///
+    /// # Errors
+    /// With the samples, when nothing was queued: [`crate::Error::Timeout`] when the writer
+    /// has not started, else as [`Writer::submit_each`].
+    pub fn put_each_handles(
+        &self,
+        samples: Vec<Sample>,
+        deadline: std::time::Instant,
+        wait_for_queue: bool,
+    ) -> std::result::Result<Vec<crate::writer::BatchHandle>, Box<(crate::Error, Vec<Sample>)>>
+    {
+        match self.started() {
+            Some(w) => w.submit_each(samples, deadline, wait_for_queue),
+            None => Err(Box::new((still_starting(), samples))),
+        }
+    }
+
     /// Frees `keys` from this process ([`Writer::free_local`]); nothing before the writer
     /// has started.
     pub fn free_local(&self, keys: impl IntoIterator<Item = String>) {

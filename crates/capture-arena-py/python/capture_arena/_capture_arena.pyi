@@ -4,7 +4,7 @@ from typing import Any, Literal, Optional, final, overload
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve", "_BUILD"]
+__all__ = ["_ArenaSink", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve", "_BUILD"]
 
 __version__: str
 #: UCX's TCP segment size the package and the CLI set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
@@ -30,6 +30,21 @@ def _exiting() -> int:
 def _send_frees(
     control: str, keys: list[str], prefixes: list[str], token: Optional[str] = None, timeout_s: float = 5.0
 ) -> None: ...
+
+@final
+class _Reserving:
+    """Reservations handed to the writer (`_ArenaSink._begin_reserving`), collected once with
+    `wait`. Dropped uncollected, its objects are failed and freed as they are placed: nothing
+    stays reserved that nobody will write."""
+
+    @overload
+    def wait(
+        self, keys: Literal[False] = False, hold_gil_s: float = ...
+    ) -> list[tuple[dict[str, Any], Optional[dict[str, int]]]]: ...
+    @overload
+    def wait(
+        self, keys: Literal[True], hold_gil_s: float = ...
+    ) -> list[tuple[Optional[list[str]], Optional[dict[str, int]], bytes]]: ...
 
 @disjoint_base
 class _ArenaSink:
@@ -57,12 +72,13 @@ class _ArenaSink:
     def _put_each(self, samples: Any, within_s: float) -> list[dict[str, Any]]: ...
     @overload
     def _reserve_each(
-        self, specs: Any, within_s: float, encode: Literal[False] = False
+        self, specs: Any, within_s: float, keys: Literal[False] = False, hold_gil_s: float = ...
     ) -> list[tuple[dict[str, Any], Optional[dict[str, int]]]]: ...
     @overload
     def _reserve_each(
-        self, specs: Any, within_s: float, encode: Literal[True]
-    ) -> list[tuple[dict[str, Any], Optional[dict[str, int]], Optional[bytes]]]: ...
+        self, specs: Any, within_s: float, keys: Literal[True], hold_gil_s: float = ...
+    ) -> list[tuple[Optional[list[str]], Optional[dict[str, int]], bytes]]: ...
+    def _begin_reserving(self, specs: Any, within_s: float) -> "_Reserving": ...
     def _local_region(self) -> Optional[tuple[int, int]]: ...
     def _copy_block_rows(
         self,

@@ -11,13 +11,15 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from ._capture_arena import _ArenaSink, _exiting, _result_keys, placement
 from ._live import LiveSink
 from ._store import StoreSink
 from .errors import ConfigError, InvalidSampleError, QueueFullError
 from ._samples import Result, Sample, _complete, _convert, _cuda_device, _log, _log_failures, _log_failures_of, _rows_for
+
+_T = TypeVar("_T")
 
 #: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
 _SINK_BOUND: Any = object()
@@ -343,37 +345,44 @@ class ArenaSink(LiveSink, _ArenaSink):
         the result); or ``({"sample_id", "error"}, None)``. The caller then calls
         :meth:`finish_writes`, always: a free meanwhile waits for it. The whole call waits for
         space at most ``within_s``, as :meth:`put_each`."""
-        return [(row, at) for row, at, _ in self._reserve_rows(specs, within_s, encode=False)]
-
-    def _reserve_each_json(
-        self, specs: Sequence[Mapping[str, Any]], *, within_s: float
-    ) -> "list[tuple[Result, Optional[dict[str, int]], bytes]]":
-        """:meth:`reserve_each`, each row with its JSON text too (compact), encoded by the
-        extension for a caller that sends the results on (vLLM's connector)."""
-        return [
-            (row, at, text if text is not None else json.dumps(row, separators=(",", ":"), default=str).encode())
-            for row, at, text in self._reserve_rows(specs, within_s, encode=True)
-        ]
-
-    def _reserve_rows(
-        self, specs: Sequence[Mapping[str, Any]], within_s: float, encode: bool
-    ) -> "list[tuple[Result, Optional[dict[str, int]], Optional[bytes]]]":
         items: list[Any] = list(specs)
+        out = self._reserved(within_s, lambda left: self._reserve_each(items, left))
+        if isinstance(out, str):
+            return [(r, None) for r in _rows_for(items, out)]
+        if any("error" in r for r, _ in out):
+            _log_failures_of([r for r, _ in out])
+        return out
+
+    def _reserve_each_keys(
+        self, specs: Sequence[Mapping[str, Any]], *, within_s: float, hold_gil_s: Optional[float] = None
+    ) -> "list[_Reserved]":
+        """:meth:`reserve_each` for a caller that sends each row on as JSON and keeps no dict of
+        it: :meth:`_reserve_each_begin` and its ``wait`` in one call."""
+        return self._reserve_each_begin(specs, within_s=within_s).wait(hold_gil_s)
+
+    def _reserve_each_begin(self, specs: Sequence[Mapping[str, Any]], *, within_s: float) -> "_Reservations":
+        """Hands :meth:`reserve_each`'s reservations to the writer and returns at once (waiting
+        only while the arena is being created or the writer's queue has no room), for a caller
+        that collects them later with ``wait()``: vLLM's connector begins when a step is bound
+        and collects after the forward, so vLLM's thread never waits for the writer to place
+        them. The space is waited for at most ``within_s`` from now. Each spec's reservation is
+        ``(keys, writable, json)``: the objects' keys for :meth:`_finish_keys` and
+        :meth:`_drop_keys` (None for an error row), where this process writes each feature, and
+        the row's compact JSON text, both made by the extension (no dict of the row)."""
+        items: list[Any] = list(specs)
+        begun = self._reserved(within_s, lambda left: self._begin_reserving(items, left))
+        return _Reservations(items, begun)
+
+    def _reserved(self, within_s: float, reserve: "Callable[[float], _T]") -> "_T | str":
+        """``reserve(seconds left)`` once the arena exists, waiting for it at most ``within_s``;
+        the reason instead when it does not, or the reservation raised (never raises)."""
         deadline = time.monotonic() + max(0.0, float(within_s))
-        out: list[tuple[Result, Optional[dict[str, int]], Optional[bytes]]]
         try:
             if not self._started_within([], deadline, float(within_s)):
-                out = [(r, None, None) for r in _rows_for(items, self._not_started(float(within_s)))]
-            elif encode:
-                out = self._reserve_each(items, max(0.0, deadline - time.monotonic()), True)
-            else:
-                out = [(row, at, None) for row, at in self._reserve_each(items, max(0.0, deadline - time.monotonic()))]
+                return self._not_started(float(within_s))
+            return reserve(max(0.0, deadline - time.monotonic()))
         except Exception as e:
-            out = [(r, None, None) for r in _rows_for(items, str(e))]
-        rows = [r for r, _, _ in out]
-        if any("error" in r for r in rows):
-            _log_failures_of(rows)
-        return out
+            return str(e)
 
     @property
     def local_region(self) -> Optional[tuple[int, int]]:
@@ -389,7 +398,10 @@ class ArenaSink(LiveSink, _ArenaSink):
         ``ok=False`` they never will be: their readers fail, and their space is freed. A free
         asked for meanwhile is applied now. Never raises for a result (a closed sink has no
         arena left to finish)."""
-        keys = [k for r in results if "error" not in r for k in _result_keys(r)]
+        self._finish_keys([k for r in results if "error" not in r for k in _result_keys(r)], ok)
+
+    def _finish_keys(self, keys: list[str], ok: bool = True) -> None:
+        """:meth:`finish_writes` by the objects' keys (:meth:`_reserve_each_keys`)."""
         if not keys:
             return
         try:
@@ -431,8 +443,12 @@ class ArenaSink(LiveSink, _ArenaSink):
 
     def _drop_published(self, result: Mapping[str, Any]) -> None:
         """Frees a result this process published and will never hand out, at once."""
+        self._drop_keys(_result_keys(result))
+
+    def _drop_keys(self, keys: list[str]) -> None:
+        """:meth:`_drop_published` by the objects' keys (:meth:`_reserve_each_keys`)."""
         try:
-            self._free_local(_result_keys(result))
+            self._free_local(keys)
         except Exception as e:  # closed meanwhile: its arena went with it
             _log.debug("freeing a dropped capture: %s", e)
 
@@ -446,6 +462,42 @@ class ArenaSink(LiveSink, _ArenaSink):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+#: A reservation as :meth:`ArenaSink._reserve_each_keys` returns it: the objects' keys (None:
+#: not published), where this process writes each feature, and the result's JSON text.
+_Reserved = tuple[Optional[list[str]], Optional[dict[str, int]], bytes]
+
+
+class _Reservations:
+    """Reservations handed to the writer (:meth:`ArenaSink._reserve_each_begin`), collected
+    once with :meth:`wait`. Dropped uncollected, the extension fails and frees their objects."""
+
+    def __init__(self, items: list[Any], begun: Any) -> None:
+        self._items, self._begun = items, begun
+
+    def wait(self, hold_gil_s: Optional[float] = None) -> "list[_Reserved]":
+        """Each spec's ``(keys, writable, json)``, in order, once the writer has placed them (or
+        the deadline passed); never raises. The wait keeps the GIL for its first 2 ms
+        (``hold_gil_s``): given up, the GIL can take Python's switch interval (5 ms) to come
+        back while another thread runs Python."""
+        begun, self._begun = self._begun, None
+        out: "list[_Reserved] | str"
+        if begun is None:
+            out = "these reservations were collected already"
+        elif isinstance(begun, str):
+            out = begun
+        else:
+            try:
+                out = begun.wait(True) if hold_gil_s is None else begun.wait(True, float(hold_gil_s))
+            except Exception as e:  # the extension fails what it reserved itself
+                out = str(e)
+        if isinstance(out, str):
+            return [(None, None, json.dumps(r, separators=(",", ":"), default=str).encode()) for r in _rows_for(self._items, out)]
+        failed = [json.loads(text) for keys, _, text in out if keys is None]
+        if failed:
+            _log_failures_of(failed)
+        return out
 
 
 def _stopped(stop: "Callable[[], bool]") -> bool:

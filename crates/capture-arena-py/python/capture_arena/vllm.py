@@ -100,7 +100,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ._capture_arena import _result_keys
 from ._live import sync_wait_s
-from ._sink import ArenaSink
+from ._sink import ArenaSink, _Reservations, _Reserved
 
 __all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID"]
 
@@ -275,20 +275,23 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._kv: Optional[torch.Tensor] = None
             self._conn: Optional[socket.socket] = None
             #: Results sent and not yet taken (or freed) by the scheduler process:
-            #: announcement (:func:`_tag`) -> (row, deadline); freed by the worker past the deadline.
-            self._unacked: dict[str, tuple[dict[str, Any], float]] = {}
+            #: announcement (:func:`_tag`) -> (its objects' keys, deadline); freed by the worker
+            #: past the deadline.
+            self._unacked: dict[str, tuple[list[str], float]] = {}
             self._unacked_lock = threading.Lock()
             #: Announced requests whose copy vLLM has not been told is done: request id -> copy.
             self._copies: dict[str, _Copy] = {}
-            self._copy_lock = threading.Lock()
+            #: Guards each copy's flags; notified when copies are done.
+            self._copy_cond = threading.Condition()
             #: Of those, the ones vLLM finished (their blocks wait for the copy).
             self._finished: set[str] = set()
-            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[tuple[dict[str, Any], Optional[dict[str, int]]]], list[_Copy], Any]]]" = (
-                queue.Queue()
-            )
+            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[_Reserved], list[_Copy], Any]]]" = queue.Queue()
             self._copier: Optional[threading.Thread] = None
             self._stopping = False
             self._rows: Optional[_Rows] = None
+            #: The bound step's requests and their reservations, begun when the step was bound
+            #: (or why they could not be), collected by its wait_for_save.
+            self._begun: Optional[tuple[list[_Save], "_Reservations | str"]] = None
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -340,7 +343,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 continue  # not the layout this connector knows (prompt embeddings): no capture
             self._seq += 1
             self._again.discard(rid)
-            meta.saves.append(_Save(rid, blocks[:need], list(req.prompt_token_ids), self._seq))
+            # Not copied on the scheduler's thread: vLLM never changes a request's prompt (the
+            # tokens it appends go to a copy, Request._all_token_ids).
+            tokens = req.prompt_token_ids
+            meta.saves.append(_Save(rid, blocks[:need], tokens if isinstance(tokens, list) else list(tokens), self._seq))
             with self._cond:
                 self._pending[rid] = self._seq
         return meta
@@ -470,38 +476,74 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The step begins (before its forward): the objects of the requests whose prompt
+        finishes in it are handed to the writer now, one hand-over for the step (each request
+        failing alone, the whole step waiting for space at most the bound from now), so that
+        the writer places them while the model runs and wait_for_save finds them placed."""
+        super().bind_connector_metadata(connector_metadata)
+        self._abandon("a step was bound before the last one's wait_for_save")
+        if getattr(self, "_sink", None) is None or self._kv is None:
+            return
+        saves = getattr(connector_metadata, "saves", None)
+        if saves:
+            self._begun = self._begin(connector_metadata, saves)
+
+    def _begin(self, meta: Any, saves: list[_Save]) -> tuple[list[_Save], "_Reservations | str"]:
+        assert self._sink is not None and self._kv is not None
+        try:
+            saves = _kernel_blocks(saves, int(getattr(meta, "block_size", 0) or 0), int(self._kv.shape[2]))
+            specs = [_spec(self._kv, self._store_id, sv) for sv in saves]
+            return saves, self._sink._reserve_each_begin(specs, within_s=self._bound)
+        except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
+            log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
+            return saves, f"publish failed: {e}"
+
     def wait_for_save(self) -> None:
-        """Reserves the objects of the requests whose prompt finished in this step (the drafter
-        has written their rows: one hand-over to the writer for the step, each request failing
-        alone, the whole step waiting for space at most the bound), sends their results to the
-        scheduler process, and hands the copies to the connector's copy thread: no row is copied
-        or waited for on vLLM's thread. For a cache in device memory, an event recorded on the
-        current stream orders the copies after the drafter's writes."""
+        """Collects the reservations of the requests whose prompt finished in this step (begun
+        when the step was bound; the drafter has now written their rows), sends their results
+        to the scheduler process, and hands the copies to the connector's copy thread: no row
+        is copied or waited for on vLLM's thread. For a cache in device memory, an event
+        recorded on the current stream orders the copies after the drafter's writes."""
         if self._sink is None or self._kv is None or not self.has_connector_metadata():
             return
-        meta = self._get_connector_metadata()
-        saves = getattr(meta, "saves", None)
-        if not saves:
-            return
+        begun, self._begun = self._begun, None
+        if begun is None:  # not begun at bind (the cache was registered after it)
+            meta = self._get_connector_metadata()
+            saves = getattr(meta, "saves", None)
+            if not saves:
+                return
+            begun = self._begin(meta, saves)
+        saves, reservations = begun
         event = None
         if self._kv.is_cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self._kv.device))
-        try:
-            saves = _kernel_blocks(saves, int(getattr(meta, "block_size", 0) or 0), int(self._kv.shape[2]))
-            specs = [_spec(self._kv, self._store_id, sv) for sv in saves]
-            encoded = self._sink._reserve_each_json(specs, within_s=self._bound)
-        except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
-            log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
-            rows = [{"sample_id": sv.req_id, "error": f"publish failed: {e}"} for sv in saves]
-            encoded = [(row, None, json.dumps(row).encode()) for row in rows]
-        self._send([(sv, row, text) for sv, (row, _, text) in zip(saves, encoded)])
-        reserved = [(row, at) for row, at, _ in encoded]
+        reserved = _collect(saves, reservations)
+        self._send(saves, reserved)
         copies = [_Copy() for _ in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
         self._start_copier()
         self._steps.put((list(saves), reserved, copies, event))
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._abandon("the step ended without wait_for_save")
+
+    def _abandon(self, why: str) -> None:
+        """A step's reservations that its wait_for_save never collected: nothing was copied into
+        them; they are freed, and their requests get error results at once."""
+        begun, self._begun = getattr(self, "_begun", None), None
+        if begun is None:
+            return
+        saves, reservations = begun
+        log.error("capture_arena.vllm: %s; the captures of %d requests fail", why, len(saves))
+        reserved = _collect(saves, reservations)
+        assert self._sink is not None
+        self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)
+        error = f"not captured: {why}"
+        self._send(saves, [(None, None, json.dumps({"sample_id": sv.req_id, "error": error}).encode()) for sv in saves])
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Requests vLLM preempted gave their blocks back, and this step's forward may write
@@ -514,12 +556,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._finished.discard(rid)
             if c is None:
                 continue
-            with self._copy_lock:
+            with self._copy_cond:
                 c.cancelled = not c.started
-            if c.cancelled:
-                continue
-            t0 = time.monotonic()
-            if not c.done.wait(self._bound + PREEMPT_GRACE_S):
+                if c.cancelled:
+                    continue
+                t0 = time.monotonic()
+                landed = self._copy_cond.wait_for(lambda: c.done, self._bound + PREEMPT_GRACE_S)
+            if not landed:
                 log.error("capture_arena.vllm: the copy of preempted request %s did not end in time; its blocks may be reused under it", rid)
             else:
                 log.info("capture_arena.vllm: preempted request %s waited %.1f ms for its copy under way", rid, (time.monotonic() - t0) * 1e3)
@@ -531,7 +574,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sink is None:
             return None, None
         self._finished.update(r for r in finished_req_ids if r in self._copies)
-        done = {r for r in self._finished if self._copies[r].done.is_set()}
+        done = {r for r in self._finished if self._copies[r].done}
         for r in done:
             del self._copies[r]
         self._finished -= done
@@ -580,35 +623,38 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 return
             saves, reserved, copies, event = step
             if self._stopping:  # closing: nothing more is written (those objects fail)
-                self._sink.finish_writes([row for row, at in reserved if at is not None], ok=False)  # type: ignore[union-attr]
-                for c in copies:
-                    c.done.set()
+                self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
+                self._mark_done(copies)
                 continue
             try:
                 self._copy_step(saves, reserved, copies, event)
             except Exception:  # a bug of ours: those requests fail, the next steps go on
                 log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
             finally:
-                for c in copies:
-                    c.done.set()
+                self._mark_done(copies)
 
-    def _copy_step(
-        self, saves: list[_Save], reserved: list[tuple[dict[str, Any], Optional[dict[str, int]]]], copies: list[_Copy], event: Any
-    ) -> None:
+    def _mark_done(self, copies: list["_Copy"]) -> None:
+        """These requests' copies are over (landed, failed or never begun)."""
+        with self._copy_cond:
+            for c in copies:
+                c.done = True
+            self._copy_cond.notify_all()
+
+    def _copy_step(self, saves: list[_Save], reserved: list["_Reserved"], copies: list["_Copy"], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
         if self._rows is None:  # here, not on vLLM's thread: it may register the arena with CUDA
             self._rows = _Rows(self._kv, self._sink)
         todo = []
-        for sv, (row, at), c in zip(saves, reserved, copies):
-            if "error" in row or at is None:
+        for sv, (keys, at, _), c in zip(saves, reserved, copies):
+            if keys is None or at is None:
                 continue
-            with self._copy_lock:  # from here a preemption waits for this copy
+            with self._copy_cond:  # from here a preemption waits for this copy
                 c.started = not c.cancelled
             if not c.started:
                 log.info("capture_arena.vllm: request %s was preempted before its rows were copied; captured again when recomputed", sv.req_id)
-                self._sink.finish_writes([row], ok=False)
+                self._sink._finish_keys(keys, ok=False)
                 continue
-            todo.append((sv, row, at, c))
+            todo.append((sv, keys, at, c))
         if not todo:
             return
         finished: set[int] = set()
@@ -617,30 +663,30 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             """Request i's bytes have landed (or never will): its readers may read them, and
             vLLM may have its blocks back."""
             finished.add(i)
-            self._sink.finish_writes([todo[i][1]], ok=good)  # type: ignore[union-attr]
-            todo[i][3].done.set()
+            self._sink._finish_keys(todo[i][1], ok=good)  # type: ignore[union-attr]
+            self._mark_done([todo[i][3]])
 
         try:
             self._rows.copy([(sv, at) for sv, _, at, _ in todo], event, done)
         finally:
-            left = [row for i, (_, row, _, _) in enumerate(todo) if i not in finished]
+            left = [k for i, (_, keys, _, _) in enumerate(todo) if i not in finished for k in keys]
             if left:  # a bug of ours stopped the copies: nothing more lands in those objects
                 self._rows.quiesce()
-                self._sink.finish_writes(left, ok=False)
+                self._sink._finish_keys(left, ok=False)
 
-    def _send(self, results: list[tuple[_Save, dict[str, Any], bytes]]) -> None:
+    def _send(self, saves: list[_Save], reserved: list["_Reserved"]) -> None:
         """Hands the step's results to the scheduler process. Each published one is the
         worker's to free until the scheduler process says it took it (``taken``) or asks for it
         to be freed (``free``); with no word by the bound plus ACK_GRACE_S (a listener that
         cannot accept, a scheduler process that is stuck or gone) the worker frees it."""
         sent = time.monotonic()
-        data = _result_lines([(s, text) for s, _, text in results], sent)
-        published = {_tag(s.req_id, s.seq): row for s, row, _ in results if "error" not in row}
+        data = _result_lines([(s, text) for s, (_, _, text) in zip(saves, reserved)], sent)
+        published = {_tag(s.req_id, s.seq): keys for s, (keys, _, _) in zip(saves, reserved) if keys is not None}
         if published:
             with self._unacked_lock:
                 deadline = sent + self._bound + ACK_GRACE_S
-                for tag, row in published.items():
-                    self._unacked[tag] = (row, deadline)
+                for tag, keys in published.items():
+                    self._unacked[tag] = (keys, deadline)
         for attempt in (0, 1):
             try:
                 if self._conn is None:
@@ -660,7 +706,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             except OSError as e:
                 self._drop_conn()
                 if attempt:
-                    log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(results), e)
+                    log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(saves), e)
                     self._free_unacked(list(published))
 
     def _drop_conn(self) -> None:
@@ -722,10 +768,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def _free_unacked(self, tags: list[str]) -> None:
         """Frees what was published for these announcements (those still waiting for an answer)."""
         with self._unacked_lock:
-            rows = [self._unacked.pop(tag)[0] for tag in tags if tag in self._unacked]
-        if self._sink is not None:
-            for r in rows:
-                self._sink._drop_published(r)
+            keys = [k for tag in tags if tag in self._unacked for k in self._unacked.pop(tag)[0]]
+        if self._sink is not None and keys:
+            self._sink._drop_keys(keys)
 
     def shutdown(self) -> None:
         if getattr(self, "_sink", None) is not None:
@@ -734,15 +779,19 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._listener.close()
 
 
-@dataclass
 class _Copy:
-    """A request's copy, as the worker tracks it until vLLM is told it is done."""
+    """A request's copy, as the worker tracks it until vLLM is told it is done; its flags are
+    set under the connector's copy condition."""
 
-    done: threading.Event = field(default_factory=threading.Event)
-    #: Preempted before its copy began: not copied (its blocks went back to vLLM).
-    cancelled: bool = False
-    #: Its copy began (a preemption waits for it): set with ``cancelled`` under the copy lock.
-    started: bool = False
+    __slots__ = ("done", "cancelled", "started")
+
+    def __init__(self) -> None:
+        #: Over: landed, failed, or never begun.
+        self.done = False
+        #: Preempted before its copy began: not copied (its blocks went back to vLLM).
+        self.cancelled = False
+        #: Its copy began (a preemption waits for it).
+        self.started = False
 
 
 class _Rows:
@@ -898,6 +947,14 @@ def _kernel_blocks(saves: list[_Save], block_size: int, kernel_block_size: int) 
         )
     r = block_size // kernel_block_size
     return [dataclasses.replace(sv, block_ids=[b * r + i for b in sv.block_ids for i in range(r)]) for sv in saves]
+
+
+def _collect(saves: list[_Save], reservations: "_Reservations | str") -> list[_Reserved]:
+    """The reservations' ``(keys, writable, json)``, or error rows for each request (with the
+    reason a string gives)."""
+    if isinstance(reservations, str):
+        return [(None, None, json.dumps({"sample_id": sv.req_id, "error": reservations}).encode()) for sv in saves]
+    return reservations.wait()
 
 
 def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:

@@ -282,20 +282,34 @@ impl Writer {
         samples: Vec<Sample>,
         within: Duration,
     ) -> Result<Vec<Outcome>> {
-        let deadline = Instant::now()
-            .checked_add(within)
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365));
-        let mut handles = Vec::with_capacity(samples.len());
-        let mut batches = Vec::with_capacity(samples.len());
-        for s in samples {
-            let one = vec![s];
-            let (handle, done) = BatchHandle::new(&one);
-            handles.push(handle);
-            batches.push((one, done));
-        }
-        self.submitter
-            .send_each(batches, deadline, || self.stopped())?;
+        let handles = self
+            .submit_each(samples, deadline_in(within), true)
+            .map_err(|e| e.0)?;
         Ok(handles.into_iter().map(BatchHandle::wait).collect())
+    }
+
+    /// [`Writer::submit_each_within`] with its deadline, returning the samples' handles as
+    /// soon as they are queued, for a caller that waits for them its own way. With
+    /// `wait_for_queue` false a writer already holding `max_pending_batches` batches refuses at
+    /// once ([`Error::QueueFull`]), so the call never blocks.
+    ///
+    /// # Errors
+    /// When nothing was queued, with the samples back: [`Error::QueueFull`] (without
+    /// `wait_for_queue`), [`Error::Timeout`] for a writer still holding other callers' batches
+    /// at the deadline, [`Error::WriterStopped`].
+    pub fn submit_each(
+        &self,
+        samples: Vec<Sample>,
+        deadline: Instant,
+        wait_for_queue: bool,
+    ) -> std::result::Result<Vec<BatchHandle>, Box<(Error, Vec<Sample>)>> {
+        let block = if wait_for_queue {
+            Block::Until(deadline)
+        } else {
+            Block::No
+        };
+        self.submitter
+            .send_each(samples, block, deadline, || self.stopped())
     }
 
     /// Frees `keys` from this process, without a control connection (a capture the producer
@@ -731,6 +745,13 @@ impl Loop {
         }
         self.shared.awake();
     }
+}
+
+/// The instant `within` from now; a year from now for a bound too large to add.
+pub fn deadline_in(within: Duration) -> Instant {
+    Instant::now()
+        .checked_add(within)
+        .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365))
 }
 
 #[cfg(test)]

@@ -360,43 +360,70 @@ impl Submitter {
             Block::Until(d) => Some(d),
             _ => None,
         };
-        self.push(&tx, samples, done, deadline, ticket, Some(permit))
+        let job = Job {
+            samples,
+            deadline,
+            ticket,
+            done: Some(done),
+            permit: Some(permit),
+        };
+        self.push(&tx, job, true)
             .map_err(|_refused| Error::WriterStopped)
     }
 
-    /// Queues several batches that count as one against `max_pending_batches` (waiting for
-    /// room until `deadline`), in order, each with `deadline` as its bound on waiting for space
+    /// Queues each sample as a batch of its own, the group counting as one against
+    /// `max_pending_batches`, in order, each with `deadline` as its bound on waiting for space
     /// and no ticket: the placer gives each its turn whenever it comes, so a batch whose turn
-    /// comes after the deadline is placed if it fits at once and fails at once otherwise. If
-    /// nothing could be queued every `done` is dropped without being called; once the first is
-    /// queued, every later one is too, or (the writer stopped meanwhile) its `done` is called
-    /// with [`Error::WriterStopped`].
+    /// comes after the deadline is placed if it fits at once and fails at once otherwise.
+    /// Returns their handles without waiting for them. `block` says how long to wait for the
+    /// group's place in the queue ([`Block::No`] or [`Block::Until`] the deadline); when none
+    /// comes, nothing is queued and the samples come back with the error. Once the first is
+    /// queued, every later one is too, or (the writer stopped meanwhile) its handle reports
+    /// [`Error::WriterStopped`].
     ///
     /// # Errors
-    /// As [`Submitter::send`] with [`Block::Until`].
+    /// As [`Submitter::send`], with the samples.
     pub fn send_each(
         &self,
-        batches: Vec<(Vec<Sample>, Done)>,
+        samples: Vec<Sample>,
+        block: Block,
         deadline: Instant,
         stopped: impl Fn() -> bool,
-    ) -> Result<()> {
-        if batches.is_empty() {
-            return Ok(());
+    ) -> std::result::Result<Vec<BatchHandle>, Box<(Error, Vec<Sample>)>> {
+        if samples.is_empty() {
+            return Ok(Vec::new());
         }
-        let tx = self.sender()?;
-        let mut permit = Some(self.permit(Block::Until(deadline), &stopped)?);
-        let n = batches.len();
-        for (i, (samples, done)) in batches.into_iter().enumerate() {
-            // The last holds the group's permit: the group leaves the count when it completes.
-            let p = if i + 1 == n { permit.take() } else { None };
-            if let Err(done) = self.push(&tx, samples, done, Some(deadline), None, p) {
-                if i == 0 {
-                    return Err(Error::WriterStopped);
-                }
+        let got = self
+            .sender()
+            .and_then(|tx| Ok((tx, self.permit(block, &stopped)?)));
+        let (tx, permit) = match got {
+            Ok(got) => got,
+            Err(e) => return Err(Box::new((e, samples))),
+        };
+        let mut permit = Some(permit);
+        let n = samples.len();
+        let mut handles = Vec::with_capacity(n);
+        for (i, s) in samples.into_iter().enumerate() {
+            let one = vec![s];
+            let (handle, done) = BatchHandle::new(&one);
+            handles.push(handle);
+            // The last holds the group's permit (the group leaves the count when it completes)
+            // and wakes the writer, once for the group: one that sleeps before the last is
+            // queued finds every earlier one when it wakes.
+            let last = i + 1 == n;
+            let p = if last { permit.take() } else { None };
+            let job = Job {
+                samples: one,
+                deadline: Some(deadline),
+                ticket: None,
+                done: Some(done),
+                permit: p,
+            };
+            if let Err(done) = self.push(&tx, job, last) {
                 done(Err(Error::WriterStopped));
             }
         }
-        Ok(())
+        Ok(handles)
     }
 
     fn sender(&self) -> Result<Sender<Job>> {
@@ -451,24 +478,9 @@ impl Submitter {
         Ok(Permit(self.shared.clone()))
     }
 
-    /// Hands a job to the writer (waking it if it sleeps). On refusal (the writer stopped)
-    /// `done` comes back, not called.
-    fn push(
-        &self,
-        tx: &Sender<Job>,
-        samples: Vec<Sample>,
-        done: Done,
-        deadline: Option<Instant>,
-        ticket: Option<Arc<Ticket>>,
-        permit: Option<Permit>,
-    ) -> std::result::Result<(), Done> {
-        let job = Job {
-            samples,
-            deadline,
-            ticket,
-            done: Some(done),
-            permit,
-        };
+    /// Hands a job to the writer, waking it if it sleeps and `wake` (the last of a group wakes
+    /// it for all). On refusal (the writer stopped) its `done` comes back, not called.
+    fn push(&self, tx: &Sender<Job>, job: Job, wake: bool) -> std::result::Result<(), Done> {
         if let Err(mpsc::SendError(mut job)) = tx.send(job) {
             // Refused after all: not accepted, so its completion must not run here.
             return match job.done.take() {
@@ -477,7 +489,7 @@ impl Submitter {
             };
         }
         self.shared.sent.fetch_add(1, Ordering::SeqCst);
-        if self.shared.sleeping.load(Ordering::SeqCst) {
+        if wake && self.shared.sleeping.load(Ordering::SeqCst) {
             if let Err(e) = self.waker.wake() {
                 // The batch is queued (accepted): the writer finds it at its next wake-up.
                 tracing::warn!(error = %e, "waking the writer failed");
