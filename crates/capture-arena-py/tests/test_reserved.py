@@ -424,3 +424,19 @@ def test_a_reservation_keeps_the_gil_while_it_waits_briefly_and_lets_other_threa
     (keys, _, text), = sink._reserve_each_keys([reservation("after2", n=1_400_000)], within_s=10)
     assert freed.is_set() and keys is not None, text
     sink._finish_keys(keys, ok=False)
+
+
+def test_reservations_dropped_uncollected_are_failed_and_freed(make_sink: Any) -> None:
+    """A caller that begins reservations and never collects them (a bug, or an exception between
+    the two): nothing stays reserved that nobody will write."""
+    sink = make_sink()
+    sink.reserve_each([reservation("warm", n=1)], within_s=5)
+    before = sink.stats()
+    begun = sink._reserve_each_begin([reservation(f"dropped{i}") for i in range(3)], within_s=5)
+    del begun
+    deadline = time.monotonic() + 10
+    while sink.stats()["failed_writes"] < before["failed_writes"] + 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    s = sink.stats()
+    assert s["failed_writes"] == before["failed_writes"] + 6, s  # 3 reservations x 2 objects
+    assert s["resident_objects"] == before["resident_objects"], s

@@ -534,9 +534,20 @@ impl BatchHandle {
         self.rx.recv().unwrap_or(Err(Error::WriterStopped))
     }
 
-    /// Waits at most `timeout`; `None` if the batch is not done yet.
+    /// Waits at most `timeout` (the first microseconds spinning, as [`BatchHandle::wait`]: a
+    /// batch that completes soon is taken without a wake-up); `None` if the batch is not done
+    /// yet.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Outcome> {
-        match self.rx.recv_timeout(timeout) {
+        let t0 = Instant::now();
+        let spin = SPIN.min(timeout);
+        while t0.elapsed() < spin {
+            match self.rx.try_recv() {
+                Ok(o) => return Some(o),
+                Err(mpsc::TryRecvError::Disconnected) => return Some(Err(Error::WriterStopped)),
+                Err(mpsc::TryRecvError::Empty) => std::hint::spin_loop(),
+            }
+        }
+        match self.rx.recv_timeout(timeout.saturating_sub(t0.elapsed())) {
             Ok(o) => Some(o),
             Err(mpsc::RecvTimeoutError::Timeout) => None,
             Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(Error::WriterStopped)),
