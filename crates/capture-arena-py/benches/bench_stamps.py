@@ -5,8 +5,8 @@ a ``ReadBuffer`` registered once; ``engine``: a Mooncake TransferEngine arena ov
 a producer process publishes one object (``_producer.py``), and this process reads it with
 ``ArenaFeatureStore.get(result, out=...)`` in interleaved rounds, alternately:
 
-- ``stamped``: the result as published (the reader checks the object's stamp: before and after the
-  copy on shared memory, after it elsewhere);
+- ``stamped``: the result as published (the reader checks the object's stamp before and after the
+  copy; before 2026-12-05 only after it, except on shared memory);
 - ``bare``: the same result with its ``stamp`` field removed (no check: what readers did before).
 
 The cost is ``stamped / bare - 1`` of the median read time. Targets (#21): <= 2 % at 1 MiB and
