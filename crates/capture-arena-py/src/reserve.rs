@@ -244,10 +244,16 @@ impl Reserving {
 
     /// Uncollected: fails and frees every object as it is placed, on a thread of its own (the
     /// placing may wait for space until the deadline).
-    fn abandon(mut self) {
-        let (Ok(handles), Some(sink)) = (self.queued, self.sink.0.take()) else {
-            return;
-        };
+    fn abandon(self) {
+        let Reserving {
+            sink: mut held,
+            queued,
+            ..
+        } = self;
+        // Nothing queued: the hold goes as any other (the writer stops without the GIL if it is
+        // the last).
+        let Ok(handles) = queued else { return };
+        let Some(sink) = held.0.take() else { return };
         let fail = move || {
             let mut n = 0;
             for h in handles {

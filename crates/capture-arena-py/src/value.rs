@@ -15,15 +15,24 @@ use serde_json::Value;
 /// How deeply nested an object may be (a spec is four levels deep).
 const MAX_DEPTH: usize = 32;
 
+/// How many values an object may hold in all (a spec holds about twenty): a list referenced
+/// many times is read as often, so shared references cannot make a small object cost more.
+const MAX_VALUES: usize = 1 << 16;
+
 /// `obj` as a `T` (the way serde reads the JSON `obj` would be); the reason otherwise.
 pub(crate) fn from_py<T: DeserializeOwned>(obj: &Bound<'_, PyAny>) -> Result<T, String> {
-    serde_json::from_value(value(obj, 0)?).map_err(|e| e.to_string())
+    let mut budget = MAX_VALUES;
+    serde_json::from_value(value(obj, 0, &mut budget)?).map_err(|e| e.to_string())
 }
 
-fn value(obj: &Bound<'_, PyAny>, depth: usize) -> Result<Value, String> {
+fn value(obj: &Bound<'_, PyAny>, depth: usize, budget: &mut usize) -> Result<Value, String> {
     if depth > MAX_DEPTH {
         return Err(format!("nested more than {MAX_DEPTH} levels deep"));
     }
+    if *budget == 0 {
+        return Err(format!("more than {MAX_VALUES} values in all"));
+    }
+    *budget -= 1;
     if obj.is_none() {
         return Ok(Value::Null);
     }
@@ -53,22 +62,27 @@ fn value(obj: &Bound<'_, PyAny>, depth: usize) -> Result<Value, String> {
     }
     if let Ok(d) = obj.cast_exact::<PyDict>() {
         let mut map = serde_json::Map::with_capacity(d.len());
-        for (k, v) in d.iter() {
+        // A snapshot of the items: a value read through depythonize may run code that changes
+        // the dict, which pyo3's iterator would panic on.
+        let items = d.items();
+        for item in items.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                item.extract().map_err(|e: PyErr| e.to_string())?;
             let k = k
                 .cast_exact::<PyString>()
                 .map_err(|_| format!("a key is not a string: {k}"))?
                 .to_str()
                 .map_err(|e| e.to_string())?
                 .to_owned();
-            map.insert(k, value(&v, depth + 1)?);
+            map.insert(k, value(&v, depth + 1, budget)?);
         }
         return Ok(Value::Object(map));
     }
     if let Ok(l) = obj.cast_exact::<PyList>() {
-        return l.iter().map(|v| value(&v, depth + 1)).collect();
+        return l.iter().map(|v| value(&v, depth + 1, budget)).collect();
     }
     if let Ok(t) = obj.cast_exact::<PyTuple>() {
-        return t.iter().map(|v| value(&v, depth + 1)).collect();
+        return t.iter().map(|v| value(&v, depth + 1, budget)).collect();
     }
     pythonize::depythonize(obj).map_err(|e| e.to_string())
 }

@@ -338,6 +338,8 @@ def test_reservation_specs_are_read_as_their_json_would_be(make_sink: Any) -> No
         {**ok, "sample_id": "bool-gen", "gen": True},
         {**ok, "sample_id": "deep", "features": {"h": {"shape": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]], "dtype": "int64"}}},
         {**ok, "sample_id": "key", "features": {1: {"shape": [1], "dtype": "int64"}}},
+        # Small in Python, 10^9 values if each reference were read: refused at 65,536.
+        {**ok, "sample_id": "shared", "features": {"h": {"shape": [[[0] * 1000] * 1000] * 1000, "dtype": "int64"}}},
     ]
     out = sink.reserve_each([ok, *bad], within_s=1)
     (row, at), rest = out[0], out[1:]
@@ -347,6 +349,7 @@ def test_reservation_specs_are_read_as_their_json_would_be(make_sink: Any) -> No
     assert "unknown field `colour`" in errors["extra"], errors
     assert "-3" in errors["neg"] and "64-bit" in errors["huge"] and "1.5" in errors["float"], errors
     assert "bool" in errors["bool-gen"] and "32 levels" in errors["deep"] and "not a string" in errors["key"], errors
+    assert "65536 values" in errors["shared"], errors
     sink.finish_writes([row], ok=False)
 
 

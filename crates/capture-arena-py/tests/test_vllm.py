@@ -729,6 +729,8 @@ def test_a_steps_objects_are_placed_while_it_runs_and_an_unsaved_step_frees_them
         got = p.ask({"finish": rid})
         assert "wait_for_save" in got["params"]["capture_arena"]["error"], got
         assert got["params"]["handle"] == f"capture-arena-error:{rid}" and got["s"] < HALF_BOUND / 2, got
+    # Their blocks, held since request_finished, go back: nothing will be copied from them.
+    assert p.ask({"get_finished": ["bound1", "bound2"]}) == {"done": ["bound1", "bound2"]}
     s = wait_resident(p, before["resident_objects"])
     assert s["resident_objects"] == before["resident_objects"] and s["failed_writes"] >= before["failed_writes"] + 4, s
 

@@ -15,7 +15,7 @@ states and 8 of its id. Commands:
   metadata, pickled as vLLM sends it to the workers;
 - ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's bind_connector_metadata and wait_for_save;
 - ``{"bind": base64}`` (worker): only bind that step (its forward would run now); ``{"unsaved":
-  1}``: end it without wait_for_save;
+  1}``: end it without wait_for_save; ``{"get_finished": [rid, ...]}``: the worker's get_finished;
 - ``{"finish": rid, "gap": bool}`` (scheduler) -> ``{"params": ..., "s": seconds}``:
   request_finished; with ``gap`` (both in one process) the connector's condition is instrumented
   so that, once its timed wait ran out and it releases the lock, a result for that request is
@@ -136,6 +136,9 @@ for line in sys.stdin:
         elif "unsaved" in cmd:  # the bound step ends without wait_for_save
             worker.clear_connector_metadata()
             answer = {"ok": True}
+        elif "get_finished" in cmd:  # vLLM's worker asks which finished requests' blocks may go
+            done, _ = worker.get_finished(set(cmd["get_finished"]))
+            answer = {"done": sorted(done or ())}
         elif "finish" in cmd:
             if cmd.get("gap"):
                 sched._cond = GapCondition(cmd["gap"])

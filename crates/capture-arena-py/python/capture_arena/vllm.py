@@ -343,10 +343,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 continue  # not the layout this connector knows (prompt embeddings): no capture
             self._seq += 1
             self._again.discard(rid)
-            # Not copied on the scheduler's thread: vLLM never changes a request's prompt (the
-            # tokens it appends go to a copy, Request._all_token_ids).
-            tokens = req.prompt_token_ids
-            meta.saves.append(_Save(rid, blocks[:need], tokens if isinstance(tokens, list) else list(tokens), self._seq))
+            # A copy: vLLM extends a resumable (streaming-input) request's prompt list in place,
+            # and the copy thread reads it after this step, against a reservation of n tokens.
+            meta.saves.append(_Save(rid, blocks[:need], list(req.prompt_token_ids)[:n], self._seq))
             with self._cond:
                 self._pending[rid] = self._seq
         return meta
@@ -544,6 +543,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)
         error = f"not captured: {why}"
         self._send(saves, [(None, None, json.dumps({"sample_id": sv.req_id, "error": error}).encode()) for sv in saves])
+        # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
+        # holds an announced request's blocks until then).
+        for sv in saves:
+            c = _Copy()
+            c.done = True
+            self._copies[sv.req_id] = c
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Requests vLLM preempted gave their blocks back, and this step's forward may write
