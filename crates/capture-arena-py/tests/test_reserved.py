@@ -443,3 +443,14 @@ def test_reservations_dropped_uncollected_are_failed_and_freed(make_sink: Any) -
     s = sink.stats()
     assert s["failed_writes"] == before["failed_writes"] + 6, s  # 3 reservations x 2 objects
     assert s["resident_objects"] == before["resident_objects"], s
+
+
+def test_reservations_before_the_arena_exists_fail_with_the_reason(make_sink: Any) -> None:
+    """A sink whose arena is not made within the bound: every reservation gets an error row
+    naming why (before: the specs themselves came back as if they were results)."""
+    sink = make_sink(arena_bytes="1GiB")
+    rows = sink.reserve_each([reservation("early1"), {"sample_id": 3}], within_s=0)
+    assert [r["sample_id"] for r, _ in rows] == ["early1", 3] and all(a is None for _, a in rows), rows
+    assert all("still being created" in r["error"] for r, _ in rows), rows
+    ((keys, at, text),) = sink._reserve_each_keys([reservation("early2")], within_s=0)
+    assert keys is None and at is None and "still being created" in json.loads(text)["error"], text

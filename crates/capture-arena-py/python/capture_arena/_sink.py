@@ -348,7 +348,7 @@ class ArenaSink(LiveSink, _ArenaSink):
         items: list[Any] = list(specs)
         out = self._reserved(within_s, lambda left: self._reserve_each(items, left))
         if isinstance(out, str):
-            return [(r, None) for r in _rows_for(items, out)]
+            return [(r, None) for r in _unreserved(items, out)]
         if any("error" in r for r, _ in out):
             _log_failures_of([r for r, _ in out])
         return out
@@ -493,11 +493,17 @@ class _Reservations:
             except Exception as e:  # the extension fails what it reserved itself
                 out = str(e)
         if isinstance(out, str):
-            return [(None, None, json.dumps(r, separators=(",", ":"), default=str).encode()) for r in _rows_for(self._items, out)]
+            return [(None, None, json.dumps(r, separators=(",", ":"), default=str).encode()) for r in _unreserved(self._items, out)]
         failed = [json.loads(text) for keys, _, text in out if keys is None]
         if failed:
             _log_failures_of(failed)
         return out
+
+
+def _unreserved(specs: Sequence[Any], error: str) -> list[Result]:
+    """``{"sample_id", "error"}`` for each reservation spec when none could be reserved (its
+    ``sample_id`` if it has one)."""
+    return [{"sample_id": sp.get("sample_id") if isinstance(sp, Mapping) else None, "error": error} for sp in specs]
 
 
 def _stopped(stop: "Callable[[], bool]") -> bool:

@@ -542,7 +542,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sink is not None
         self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)
         error = f"not captured: {why}"
-        self._send(saves, [(None, None, json.dumps({"sample_id": sv.req_id, "error": error}).encode()) for sv in saves])
+        self._send(saves, _collect(saves, error))
         # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
         # holds an announced request's blocks until then).
         for sv in saves:
