@@ -71,6 +71,11 @@ class Proc:
     def stderr(self) -> str:
         if self.p.poll() is None:
             self.p.kill()
+        return self.log_tail()
+
+    def log_tail(self) -> str:
+        """The end of its log, the child left running."""
+        self.log.flush()
         self.log.seek(0)
         return self.log.read()[-6000:]
 
@@ -527,6 +532,9 @@ sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups
 sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: ([0, 1],), block_pool=None))
 worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
 worker.register_kv_caches({"drafter.cache_only": torch.randn(4, 2, 4, 8).to(torch.bfloat16)})
+import capture_arena.vllm
+# Over the socket, as a worker of another process hands results over (or, by default, in memory).
+capture_arena.vllm.IN_PROCESS = not os.environ.get("LATE_OVER_SOCKET")
 rid = os.environ.get("LATE_REQUEST_ID", "late")
 req = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=6, prompt_token_ids=list(range(6)))
 sched.on_new_request(req)
@@ -548,11 +556,15 @@ say(worker._sink.stats())
 """
 
 
-def test_a_result_after_its_request_was_answered_is_freed_under_an_auto_control_token() -> None:
+@pytest.mark.parametrize("way", ["in_process", "over_socket"])
+def test_a_result_after_its_request_was_answered_is_freed_under_an_auto_control_token(way: str) -> None:
     # The connector frees what was published for a request already answered with an error. With
     # SGLANG_SPEC_CAPTURE_CONTROL_TOKEN=auto only the worker's sink knows its (random) token, so
-    # the scheduler process cannot free over the control port: the worker must.
+    # the scheduler process cannot free over the control port: the worker must, whether it
+    # handed the result over in memory (the engine core's own worker) or over the socket.
     env = {**os.environ, "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN": "auto", "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.2"}
+    if way == "over_socket":
+        env["LATE_OVER_SOCKET"] = "1"
     env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
     env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
     out = subprocess.run([sys.executable, "-c", LATE], env=env, capture_output=True, text=True, timeout=300)
@@ -579,6 +591,59 @@ def test_a_result_the_scheduler_process_cannot_take_is_freed_by_the_worker() -> 
     assert "could not hand 1 results to the scheduler process" in out.stderr, out.stderr[-3000:]
     assert published["published_objects"] == 2
     assert end["resident_objects"] == 0 and end["local_freed_objects"] == 2, end
+
+
+FORKED = HALVES + r"""
+import numpy as np
+import capture_arena as ca
+
+# The engine core's process makes its scheduler, then forks a worker (vLLM's multiprocessing
+# executor may fork): the child's copy of the scheduler is nobody's, so its results must go over
+# the socket to the parent's.
+sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=4))]))
+sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: ([1, 0],), block_pool=None))
+req = ns(request_id="forked", num_computed_tokens=0, num_prompt_tokens=6, prompt_token_ids=list(range(6)))
+sched.on_new_request(req)
+meta = sched.build_connector_meta(ns(num_scheduled_tokens={"forked": 6}))
+kv = torch.randn(4, 2, 4, 8).to(torch.bfloat16)
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(w)
+    worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
+    worker.register_kv_caches({"drafter.cache_only": kv})
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
+    os.read(r, 1)  # until the parent has read the rows
+    worker.shutdown()
+    os._exit(0)
+os.close(r)
+held, params = sched.request_finished(req, [1, 0])
+row = params["capture_arena"]
+exact = None
+if "error" not in row:
+    got = ca.ArenaFeatureStore().get(row, ["hidden_states"])["hidden_states"]
+    want = torch.stack([kv[[1, 0][i // 4], :, i % 4, :].reshape(-1) for i in range(6)])
+    exact = bool(np.array_equal(np.asarray(got).reshape(6, -1).view(np.uint16), want.view(torch.int16).numpy().view(np.uint16)))
+os.close(w)
+_, status = os.waitpid(child, 0)
+say({"row": row, "exact": exact, "child": status})
+sched.shutdown()
+"""
+
+
+def test_a_worker_forked_after_the_scheduler_was_made_hands_its_result_to_the_engine_cores_scheduler() -> None:
+    # A worker hands its results straight to a scheduler in its own process, but a forked
+    # worker's copy of the engine core's scheduler is not the engine core's: its result goes
+    # over the socket and request_finished in the parent gets it, rows exact (handed to the copy,
+    # it would wait out its bound and fail).
+    env = {**os.environ, "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "5"}
+    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    out = subprocess.run([sys.executable, "-c", FORKED], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (got,) = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    assert "error" not in got["row"] and got["exact"] is True and got["child"] == 0, got
 
 
 KERNEL_BLOCKS = HALVES + r"""
@@ -735,10 +800,28 @@ def test_a_steps_objects_are_placed_while_it_runs_and_an_unsaved_step_frees_them
     assert s["resident_objects"] == before["resident_objects"] and s["failed_writes"] >= before["failed_writes"] + 4, s
 
 
+def test_a_worker_in_the_engine_cores_process_hands_its_results_over_in_memory(both: Proc) -> None:
+    # At tensor parallelism 1 vLLM runs the worker in the engine core's process: wait_for_save
+    # puts the result in the scheduler's table itself, so request_finished never waits for the
+    # listener's thread (nor for the GIL that thread needs: the p99 of the step's hooks), and
+    # nothing waits for an acknowledgement. Before: over the socket, as between processes.
+    p = both
+    before = p.ask({"stats": True})
+    p.ask({"save": p.ask({"announce": [["mine", 8]]})["meta"]})
+    d = p.ask({"debug": True})
+    assert d["conn"] is None and d["unacked"] == {}, d
+    got = p.ask({"finish": "mine"})
+    assert "error" not in got["params"]["capture_arena"], got
+    release_all([got["params"]])
+    s = wait_resident(p, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"] and s["local_freed_objects"] == before["local_freed_objects"], s
+
+
 def test_a_result_arriving_in_the_gap_as_its_request_gives_up_is_freed(both: Proc) -> None:
     # request_finished's timed wait runs out; in the moment it lets go of its lock, the result
-    # arrives (forced: the connector's condition is instrumented to have the worker send it and
-    # the listener read it right then). Before: stored where nothing took it, never freed.
+    # arrives (forced: the connector's condition is instrumented to have the worker hand it over
+    # right then, in memory as the engine core's own worker does). Before: stored where nothing
+    # took it, never freed.
     p = both
     before = p.ask({"stats": True})
     meta = p.ask({"announce": [["gap", 8]]})["meta"]
@@ -747,6 +830,30 @@ def test_a_result_arriving_in_the_gap_as_its_request_gives_up_is_freed(both: Pro
     s = wait_resident(p, 0)
     assert s["published_objects"] - before["published_objects"] == 2 and s["resident_objects"] == 0, s
     assert s["local_freed_objects"] - before["local_freed_objects"] == 2, s
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP, and waits until every thread of the process has stopped. kill() returns before
+    that: the kernel hands a process's SIGSTOP to one thread, and the others run on (reading a
+    socket, say) until that one has been scheduled and stopped them all."""
+    import glob
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        states = []
+        for f in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(f) as fh:
+                    states.append(fh.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass  # a thread that ended
+        if states and all(s in "Tt" for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped 10 s after SIGSTOP: its threads are {states}"
+        time.sleep(0.001)
 
 
 @pytest.fixture(scope="module")
@@ -798,14 +905,15 @@ def test_a_worker_frees_what_a_stuck_scheduler_process_never_took(pair: tuple[Pr
     assert "error" not in first["capture_arena"], first
     release_all([first])
     meta = sched.ask({"announce": [["second", 8]]})["meta"]
-    os.kill(sched.p.pid, signal.SIGSTOP)
+    stop(sched.p.pid)
     try:
         worker.ask({"save": meta})
         # capture_arena.vllm.ACK_GRACE_S is 2 s: freed after 2.5 s here.
         freed = before["local_freed_objects"] + 2
         s = wait_stats(worker, lambda s: s["local_freed_objects"] >= freed and s["resident_objects"] == 0, timeout=15)
-        assert s["resident_objects"] == 0 and s["published_objects"] - before["published_objects"] == 4, s
-        assert s["local_freed_objects"] - before["local_freed_objects"] == 2, s
+        why = f"before {before}\nafter {s}\nworker: {json.dumps(worker.ask({'debug': True}), indent=1)}\nits log: {worker.log_tail()}"
+        assert s["resident_objects"] == 0 and s["published_objects"] - before["published_objects"] == 4, why
+        assert s["local_freed_objects"] - before["local_freed_objects"] == 2, why
     finally:
         os.kill(sched.p.pid, signal.SIGCONT)
     late = sched.ask({"finish": "second"})["params"]

@@ -87,8 +87,8 @@ def save(meta_b64):
 
 class GapCondition(threading.Condition):
     """The scheduler's condition, instrumented: when request_finished's timed wait for ``rid``
-    has run out and it releases the lock, the worker sends the result and the listener reads
-    it (``pending_save``) before request_finished may go on."""
+    has run out and it releases the lock, the worker hands the result over (from another
+    thread) before request_finished may go on."""
 
     def __init__(self, meta_b64):
         super().__init__()
@@ -106,7 +106,7 @@ class GapCondition(threading.Condition):
         me = threading.current_thread()
         r = super().__exit__(*exc)
         if me is not main:
-            self.delivered.set()  # the listener's delivery (or refusal) is done
+            self.delivered.set()  # the hand-over (or its refusal) is done
         elif self.timed_out and self.meta_b64 is not None:
             meta, self.meta_b64 = self.meta_b64, None
             threading.Thread(target=save, args=(meta,), daemon=True).start()
@@ -159,6 +159,18 @@ for line in sys.stdin:
             answer = {"ok": True}
         elif "stats" in cmd:
             answer = dict(worker._sink.stats())
+        elif "debug" in cmd:  # what a failed test reports: the worker's threads and waiting results
+            import traceback
+
+            now = time.monotonic()
+            answer = {
+                "unacked": {t: round(d - now, 3) for t, (_, d, _) in worker._unacked.items()},
+                "conn": None if worker._conn is None else worker._conn.fileno(),
+                "threads": {
+                    t.name: "".join(traceback.format_stack(sys._current_frames()[t.ident])[-4:])
+                    for t in threading.enumerate() if t.ident in sys._current_frames()
+                },
+            }
         elif "reconnect" in cmd:  # the next step's results go over a new connection
             worker._drop_conn()
             answer = {"ok": True}

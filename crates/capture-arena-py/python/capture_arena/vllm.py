@@ -19,7 +19,9 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
 - The worker's connector, in :meth:`wait_for_save` (the first hook after the drafter has
   written their rows; ``get_finished`` runs before it, and would see the previous step's),
   reserves each request's objects in the arena (one hand-over to the writer for the step, each
-  request failing alone), sends the results to the scheduler process, and hands the copies to
+  request failing alone), hands the results to the scheduler process (in memory when the
+  worker runs in the engine core's process, as vLLM runs it at tensor parallelism 1; over the
+  result channel's socket from a worker process of its own), and hands the copies to
   its copy thread: no row is copied or waited for on vLLM's thread (for a cache in device memory,
   an event recorded there orders the copies after the drafter). Only tensor-parallel rank 0
   captures.
@@ -58,8 +60,8 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
 - requests announced and not finished are remembered up to ``MAX_PENDING`` (65,536; an engine
   holds far fewer); past it the oldest is forgotten and its result freed.
 
-Results cross an abstract Unix socket, which only the engine core's host (and network namespace)
-reaches: an engine whose workers may run elsewhere (``--nnodes`` > 1, or Ray with more than one
+Results of a worker in a process of its own cross an abstract Unix socket, which only the engine
+core's host (and network namespace) reaches: an engine whose workers may run elsewhere (``--nnodes`` > 1, or Ray with more than one
 worker) is refused at start-up with an error that says what to change.
 
 vLLM's last captured layer (``eagle_aux_hidden_state_layer_ids`` containing
@@ -267,17 +269,26 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._held: set[str] = set()
             #: Results waiting for request_finished, oldest first: request id -> (row, the worker
             #: it came from).
-            self._results: collections.OrderedDict[str, tuple[dict[str, Any], _Peer]] = collections.OrderedDict()
+            self._results: collections.OrderedDict[str, tuple[dict[str, Any], Any]] = collections.OrderedDict()
+            #: The announcements whose results request_finished handed out, the latest
+            #: MAX_RESULTS: one that comes again is not freed.
+            self._handed: collections.OrderedDict[str, None] = collections.OrderedDict()
             self._cond = threading.Condition()
             self._listener = _Listener(self._channel, self._deliver, self._bound + ACK_GRACE_S / 2)
+            with _SCHEDULERS_LOCK:
+                _SCHEDULERS[self._channel] = (os.getpid(), self)
         else:
             self._sink: Optional[ArenaSink] = None
             self._kv: Optional[torch.Tensor] = None
             self._conn: Optional[socket.socket] = None
+            #: Guards ``_conn``: vLLM's thread replaces it after a failed send while the
+            #: connection's reader may be dropping it.
+            self._conn_lock = threading.Lock()
             #: Results sent and not yet taken (or freed) by the scheduler process:
-            #: announcement (:func:`_tag`) -> (its objects' keys, deadline); freed by the worker
-            #: past the deadline.
-            self._unacked: dict[str, tuple[list[str], float]] = {}
+            #: announcement (:func:`_tag`) -> (its objects' keys, deadline, the connection it
+            #: was sent on, None while it is sent again); freed by the worker past the deadline,
+            #: or when that connection closes.
+            self._unacked: dict[str, tuple[list[str], float, Optional[socket.socket]]] = {}
             self._unacked_lock = threading.Lock()
             #: Announced requests whose copy vLLM has not been told is done: request id -> copy.
             self._copies: dict[str, _Copy] = {}
@@ -292,6 +303,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: The bound step's requests and their reservations, begun when the step was bound
             #: (or why they could not be), collected by its wait_for_save.
             self._begun: Optional[tuple[list[_Save], "_Reservations | str"]] = None
+            #: How the scheduler in this process (if it is here) answers this worker.
+            self._in_process = _InProcess(self)
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -350,22 +363,28 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._pending[rid] = self._seq
         return meta
 
-    def _deliver(self, req_id: str, seq: Any, row: dict[str, Any], peer: "_Peer") -> bool:
-        """Keeps a result for :meth:`request_finished` if its announcement is still pending;
-        False when it is late (its request was answered already, or announced again since):
-        the worker frees it."""
-        evicted = []
+    def _deliver(self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any) -> list[bool]:
+        """Keeps each result (request id, announcement, row) for :meth:`request_finished` if
+        its announcement is still pending, all under one hold of the lock; False for one that
+        is late (its request was answered already, or announced again since): its worker frees
+        it. ``peer`` is where a result forgotten later is sent to be freed (:func:`_reply_free`)."""
+        evicted, kept = [], []
         with self._cond:
-            if self._pending.get(req_id) != seq:
-                return False
-            self._results[req_id] = (row, peer)
+            for req_id, seq, row in results:
+                keep = self._pending.get(req_id) == seq
+                # One the worker sent again (its connection failed before our answer reached
+                # it) after its request was answered with it: still the trainer's, not freed.
+                kept.append(keep or _tag(req_id, seq) in self._handed)
+                if keep:
+                    self._results[req_id] = (row, peer)
             while len(self._results) > MAX_RESULTS:
                 evicted.append(self._results.popitem(last=False)[1])
-            self._cond.notify_all()
+            if any(kept):
+                self._cond.notify_all()
         for old, old_peer in evicted:  # never finished by the engine: nobody will read them
             log.warning("capture_arena.vllm: forgot the result of %s (over %d waiting); freed", old.get("sample_id"), MAX_RESULTS)
             _reply_free(old_peer, old)
-        return True
+        return kept
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """The request's arena result for its ``kv_transfer_params``. The result comes from the
@@ -391,6 +410,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     self._cond.wait(left)
                 got = self._results.pop(rid, None)
                 row = got[0] if got is not None else None
+                if row is not None:
+                    self._handed[_tag(rid, self._pending[rid])] = None
+                    while len(self._handed) > MAX_RESULTS:
+                        self._handed.popitem(last=False)
                 # Given up in the same hold of the lock as the last look: a result that comes
                 # from now on finds its request gone, and its worker frees it.
                 del self._pending[rid]
@@ -684,44 +707,87 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         worker's to free until the scheduler process says it took it (``taken``) or asks for it
         to be freed (``free``); with no word by the bound plus ACK_GRACE_S (a listener that
         cannot accept, a scheduler process that is stuck or gone) the worker frees it."""
+        local = _local_scheduler(self._channel)
+        if local is not None:
+            self._hand_in_process(local, saves, reserved)
+            return
         sent = time.monotonic()
         data = _result_lines([(s, text) for s, (_, _, text) in zip(saves, reserved)], sent)
         published = {_tag(s.req_id, s.seq): keys for s, (keys, _, _) in zip(saves, reserved) if keys is not None}
-        if published:
-            with self._unacked_lock:
-                deadline = sent + self._bound + ACK_GRACE_S
-                for tag, keys in published.items():
-                    self._unacked[tag] = (keys, deadline)
+        deadline = sent + self._bound + ACK_GRACE_S
+        with self._unacked_lock:
+            for tag, keys in published.items():
+                self._unacked[tag] = (keys, deadline, None)
         for attempt in (0, 1):
+            c = None
             try:
-                if self._conn is None:
-                    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    # Sends to a scheduler process that reads nothing fail within this; the
-                    # answers reader wakes as often to free what was not taken in time.
-                    c.settimeout(ACK_GRACE_S / 4)
-                    c.connect(self._channel)
-                    uid = _peer_uid(c)
-                    if uid != os.getuid():  # an abstract name anyone could have bound
-                        c.close()
-                        raise OSError(f"the result channel's listener runs as uid {uid}, not {os.getuid()}")
-                    self._conn = c
-                    threading.Thread(target=self._read_answers, args=(c,), name="capture-arena-vllm-answers", daemon=True).start()
-                self._conn.sendall(data)
+                c = self._connection()
+                with self._unacked_lock:  # before the send: an answer may come at once
+                    for tag in published:
+                        if tag in self._unacked:  # sent again: not if taken meanwhile
+                            self._unacked[tag] = (self._unacked[tag][0], deadline, c)
+                c.sendall(data)
                 return
             except OSError as e:
-                self._drop_conn()
+                with self._unacked_lock:  # sent again, or freed below: not the closing connection's
+                    for tag in published:
+                        if tag in self._unacked:
+                            self._unacked[tag] = (self._unacked[tag][0], deadline, None)
+                if c is not None:
+                    self._drop_conn(c)
                 if attempt:
                     log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(saves), e)
                     self._free_unacked(list(published))
 
-    def _drop_conn(self) -> None:
-        if self._conn is not None:
-            try:  # wakes the answers reader blocked on it, before the descriptor goes
-                self._conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._conn.close()
+    def _connection(self) -> socket.socket:
+        """The connection to the scheduler process, made (and its answers' reader started)
+        if there is none."""
+        with self._conn_lock:
+            if self._conn is not None:
+                return self._conn
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # Sends to a scheduler process that reads nothing fail within this; the answers
+            # reader wakes as often to free what was not taken in time.
+            c.settimeout(ACK_GRACE_S / 4)
+            c.connect(self._channel)
+            uid = _peer_uid(c)
+            if uid != os.getuid():  # an abstract name anyone could have bound
+                raise OSError(f"the result channel's listener runs as uid {uid}, not {os.getuid()}")
+        except OSError:
+            c.close()
+            raise
+        with self._conn_lock:
+            self._conn = c
+        threading.Thread(target=self._read_answers, args=(c,), name="capture-arena-vllm-answers", daemon=True).start()
+        return c
+
+    def _hand_in_process(self, sched: "CaptureArenaConnector", saves: list[_Save], reserved: list["_Reserved"]) -> None:
+        """Hands the step's results to the scheduler in this process (vLLM's UniProcExecutor,
+        tensor parallelism 1: the engine core runs this worker) on this thread: no socket, no
+        listener thread for :meth:`request_finished` to wait for (nor the GIL it would need),
+        nothing to acknowledge. A late result is freed here at once."""
+        rows = json.loads(b"[" + b",".join(text for _, _, text in reserved) + b"]")
+        kept = sched._deliver([(s.req_id, s.seq, row) for s, row in zip(saves, rows)], self._in_process)
+        late = [k for (keys, _, _), keep in zip(reserved, kept) if not keep and keys for k in keys]
+        if late and self._sink is not None:
+            log.warning("capture_arena.vllm: %d results came after their requests were answered; freed", len(reserved) - sum(kept))
+            self._sink._drop_keys(late)
+
+    def _drop_conn(self, conn: Optional[socket.socket] = None) -> None:
+        """Closes the connection to the scheduler process (only if it is ``conn``, when given:
+        a reader ending, or a failed send, never closes a newer one); the next results make a
+        new one."""
+        with self._conn_lock:
+            c = self._conn
+            if c is None or (conn is not None and c is not conn):
+                return
             self._conn = None
+        try:  # wakes the answers reader blocked on it, before the descriptor goes
+            c.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        c.close()
 
     def _read_answers(self, conn: socket.socket) -> None:
         """The worker's end of the channel's way back: ``{"taken": [tag, ...], "free": [tag, ...],
@@ -749,11 +815,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         except Exception as e:
             log.error("capture_arena.vllm: stopped reading answers from the scheduler process: %s", e)
         finally:
-            if self._conn is conn:
-                self._drop_conn()
-            # Nothing will answer for what was sent on this connection.
+            self._drop_conn(conn)
+            # Nothing will answer for what was sent on this connection (what was sent on a
+            # newer one is that one's reader's).
             with self._unacked_lock:
-                left = list(self._unacked)
+                left = [tag for tag, (_, _, c) in self._unacked.items() if c is conn]
             if left:
                 log.error("capture_arena.vllm: the result channel closed with %d results not taken; freed", len(left))
                 self._free_unacked(left)
@@ -761,7 +827,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def _free_expired(self) -> None:
         now = time.monotonic()
         with self._unacked_lock:
-            late = [tag for tag, (_, deadline) in self._unacked.items() if now >= deadline]
+            late = [tag for tag, (_, deadline, _) in self._unacked.items() if now >= deadline]
         if late:
             log.error(
                 "capture_arena.vllm: the scheduler process did not take %d results within %g s; freed (is it stuck, or "
@@ -781,6 +847,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if getattr(self, "_sink", None) is not None:
             self._sink.close()  # type: ignore[union-attr]
         if getattr(self, "_listener", None) is not None:
+            with _SCHEDULERS_LOCK:
+                if _SCHEDULERS.get(self._channel, (0, None))[1] is self:
+                    del _SCHEDULERS[self._channel]
             self._listener.close()
 
 
@@ -1088,6 +1157,37 @@ def _tag(req_id: str, seq: Any) -> str:
     return f"{seq}:{req_id}"
 
 
+#: The scheduler-side connectors of this process by result channel, with the process they
+#: were made in (a worker forked from it after must not hand its results to a copy).
+_SCHEDULERS: dict[str, tuple[int, "CaptureArenaConnector"]] = {}
+_SCHEDULERS_LOCK = threading.Lock()
+#: Whether a worker hands its results to a scheduler in its own process without the socket
+#: (tests of the socket's faults in one process turn it off).
+IN_PROCESS = True
+
+
+def _local_scheduler(channel: str) -> Optional["CaptureArenaConnector"]:
+    """The scheduler of this engine if it runs in this process."""
+    if not IN_PROCESS:
+        return None
+    with _SCHEDULERS_LOCK:
+        pid, sched = _SCHEDULERS.get(channel, (0, None))
+    return sched if pid == os.getpid() else None
+
+
+class _InProcess:
+    """The worker as the scheduler in its own process answers it (as :class:`_Peer` answers
+    one over the socket): a result the scheduler forgot is freed in the worker's arena."""
+
+    def __init__(self, worker: "CaptureArenaConnector") -> None:
+        self._worker = worker
+
+    def send(self, msg: dict[str, Any]) -> None:
+        sink = self._worker._sink
+        if msg.get("drop") and sink is not None:
+            sink._drop_keys(list(msg["drop"]))
+
+
 def _reply_free(peer: Any, row: dict[str, Any]) -> None:
     """Tells the worker that sent ``row`` (and was told it was taken) to free its objects."""
     try:
@@ -1149,18 +1249,24 @@ class _Listener:
         peer = _Peer(conn)
         try:
             for msgs in _lines(conn):
-                taken, free = [], []
+                fresh, free = [], []
                 for m in msgs:
                     rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
                     if not isinstance(rid, str) or not isinstance(row, dict) or not isinstance(sent, (int, float)):
                         raise ValueError('a result line is {"req_id": str, "seq": int, "sent": float, "row": dict}')
                     # Read too late, the worker may be freeing it already: never handed out.
-                    fresh = time.monotonic() - sent <= self._max_age_s
-                    if fresh and self._deliver(rid, seq, row, peer):
+                    if time.monotonic() - sent <= self._max_age_s:
+                        fresh.append((rid, seq, row))
+                    elif "error" not in row:
+                        free.append(_tag(rid, seq))
+                taken = []
+                for (rid, seq, row), kept in zip(fresh, self._deliver(fresh, peer) if fresh else []):
+                    if kept:
                         taken.append(_tag(rid, seq))
                     elif "error" not in row:
-                        log.warning("capture_arena.vllm: the result of %s came after its request was answered; the worker frees it", rid)
                         free.append(_tag(rid, seq))
+                if free:
+                    log.warning("capture_arena.vllm: %d results came after their requests were answered; the worker frees them", len(free))
                 peer.send({"taken": taken, "free": free})
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.error("capture_arena.vllm: closed a result connection: %s", e)
