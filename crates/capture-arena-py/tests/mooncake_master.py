@@ -33,41 +33,47 @@ def free_port() -> int:
 
 def start() -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     """A running master (with its HTTP metadata server) and the ``MOONCAKE_*`` variables that
-    reach it; stop it with :func:`stop`."""
+    reach it; stop it with :func:`stop`. Ready once all three of its ports accept: a port another
+    process took after :func:`free_port` let it go ends the master (its RPC port may already
+    accept by then), and it is started again on new ports, up to three times."""
     import mooncake
 
-    rpc, http, metrics = free_port(), free_port(), free_port()
-    p = subprocess.Popen(
-        [
-            str(pathlib.Path(mooncake.__file__).parent / "mooncake_master"),
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-            "--rpc_address=127.0.0.1",
-            f"--rpc_port={rpc}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", rpc), timeout=0.2).close()
-            break
-        except OSError:
-            if p.poll() is not None or time.time() > deadline:
-                stop(p)
-                raise RuntimeError(f"mooncake_master did not start (exit {p.poll()})") from None
-            time.sleep(0.05)
-    return p, {
-        "MOONCAKE_PROTOCOL": "tcp",
-        "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{rpc}",
-        "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{http}/metadata",
-        "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
-        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-    }
+    why = ""
+    for _ in range(3):
+        rpc, http, metrics = free_port(), free_port(), free_port()
+        p = subprocess.Popen(
+            [
+                str(pathlib.Path(mooncake.__file__).parent / "mooncake_master"),
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={http}",
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 30
+        waiting = [rpc, http, metrics]
+        while waiting and p.poll() is None and time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", waiting[0]), timeout=0.2).close()
+                waiting.pop(0)
+            except OSError:
+                time.sleep(0.05)
+        if not waiting and p.poll() is None:
+            return p, {
+                "MOONCAKE_PROTOCOL": "tcp",
+                "MOONCAKE_MASTER_SERVER_ADDR": f"127.0.0.1:{rpc}",
+                "MOONCAKE_METADATA_SERVER": f"http://127.0.0.1:{http}/metadata",
+                "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1",
+                "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+            }
+        why = f"exit {p.poll()}, ports {waiting} not accepting"
+        stop(p)
+    raise RuntimeError(f"mooncake_master did not start in 3 tries ({why})")
 
 
 def stop(p: subprocess.Popen[bytes]) -> None:
