@@ -96,3 +96,22 @@ where
     IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
     out
 }
+
+/// `Python::attach(f)` for a thread of ours that Python did not start (the sink's helper), safe
+/// against the interpreter's exit: counted as in flight from before it asks for the GIL until it
+/// has given it back, so the exit hook waits for it (up to [`EXIT_WAIT`]); once the hook has run
+/// the thread parks instead of attaching. Checked only before attaching, a burst that began as
+/// the exit hook gave the GIL up ran Python (a TransferEngine's destructor, which gives the GIL
+/// up and takes it back) into the interpreter's finalization: "PyGILState_Release: thread state
+/// must be current", an abort.
+pub fn attach<T>(f: impl for<'py> FnOnce(Python<'py>) -> T) -> T {
+    // Counted before the check, so the exit hook either waits for this call or it parks.
+    IN_NATIVE.fetch_add(1, Ordering::SeqCst);
+    if exiting_elsewhere() {
+        IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
+        park_forever();
+    }
+    let out = Python::attach(f);
+    IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
+    out
+}

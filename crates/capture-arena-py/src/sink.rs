@@ -390,9 +390,8 @@ pub(crate) fn sample(
 /// burst of messages. User callbacks on the futures run here: they should not block.
 fn helper(rx: Receiver<Msg>) {
     while let Ok(first) = rx.recv() {
-        // After the exit hook, attaching could end this thread mid-unwind (see `exit`).
-        crate::exit::park_if_exiting();
-        Python::attach(|py| {
+        // The exit hook waits for a burst under way, and after it this thread parks (`exit`).
+        crate::exit::attach(|py| {
             let mut next = Some(first);
             while let Some(msg) = next.take() {
                 match msg {
