@@ -61,8 +61,9 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
   holds far fewer); past it the oldest is forgotten and its result freed.
 
 Results of a worker in a process of its own cross an abstract Unix socket, which only the engine
-core's host (and network namespace) reaches: an engine whose workers may run elsewhere (``--nnodes`` > 1, or Ray with more than one
-worker) is refused at start-up with an error that says what to change.
+core's host (and network namespace) reaches: an engine whose workers may run elsewhere
+(``--nnodes`` > 1, or Ray with more than one worker) is refused at start-up with an error that
+says what to change.
 
 vLLM's last captured layer (``eagle_aux_hidden_state_layer_ids`` containing
 ``num_hidden_layers``) is the last decoder layer's output *before* the final norm, not
