@@ -527,6 +527,17 @@ cfg = ns(kv_transfer_config=ns(engine_id=f"halves-{os.getpid()}", kv_connector_e
                                draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))))
 """
 
+def run_script(script: str, **env: str) -> tuple[list[Any], str]:
+    """Runs a script built on HALVES in a process of its own, with the default placement and
+    arena size and these variables: the values it said (``say``), and its stderr."""
+    e = {**os.environ, **env}
+    e.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
+    e.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
+    out = subprocess.run([sys.executable, "-c", script], env=e, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@")], out.stderr
+
+
 LATE = HALVES + r"""
 sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=4))]))
 sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: ([0, 1],), block_pool=None))
@@ -562,14 +573,10 @@ def test_a_result_after_its_request_was_answered_is_freed_under_an_auto_control_
     # SGLANG_SPEC_CAPTURE_CONTROL_TOKEN=auto only the worker's sink knows its (random) token, so
     # the scheduler process cannot free over the control port: the worker must, whether it
     # handed the result over in memory (the engine core's own worker) or over the socket.
-    env = {**os.environ, "SGLANG_SPEC_CAPTURE_CONTROL_TOKEN": "auto", "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.2"}
+    env = {"SGLANG_SPEC_CAPTURE_CONTROL_TOKEN": "auto", "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.2"}
     if way == "over_socket":
         env["LATE_OVER_SOCKET"] = "1"
-    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
-    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
-    out = subprocess.run([sys.executable, "-c", LATE], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    params, published, end = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    (params, published, end), _ = run_script(LATE, **env)
     assert "no result within 0.2 s" in params["capture_arena"]["error"] and params["handle"].startswith("capture-arena-error:")
     assert published["published_objects"] == 2 and published["written_objects"] == 2  # hidden_states, token_ids
     assert end["resident_objects"] == 0 and end["free_bytes"] == end["capacity"], end
@@ -580,15 +587,12 @@ def test_a_result_the_scheduler_process_cannot_take_is_freed_by_the_worker() -> 
     # The scheduler process is gone (its listener closed): the worker's result has nowhere to go,
     # so the worker frees what it published, keys escaped as the arena escapes them (a request id
     # with '/' and a space).
-    env = {**os.environ, "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "0.2", "LATE_SCHEDULER_GONE": "1", "LATE_REQUEST_ID": "cmpl/7 x"}
-    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
-    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
-    out = subprocess.run([sys.executable, "-c", LATE], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    _, published, end = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    (_, published, end), stderr = run_script(
+        LATE, SGLANG_SPEC_CAPTURE_SYNC_WAIT_S="0.2", LATE_SCHEDULER_GONE="1", LATE_REQUEST_ID="cmpl/7 x"
+    )
     # The closed listener refused it (not still accepting, as a listening socket closed while its
     # thread waits in accept would).
-    assert "could not hand 1 results to the scheduler process" in out.stderr, out.stderr[-3000:]
+    assert "could not hand 1 results to the scheduler process" in stderr, stderr[-3000:]
     assert published["published_objects"] == 2
     assert end["resident_objects"] == 0 and end["local_freed_objects"] == 2, end
 
@@ -637,12 +641,7 @@ def test_a_worker_forked_after_the_scheduler_was_made_hands_its_result_to_the_en
     # worker's copy of the engine core's scheduler is not the engine core's: its result goes
     # over the socket and request_finished in the parent gets it, rows exact (handed to the copy,
     # it would wait out its bound and fail).
-    env = {**os.environ, "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "5"}
-    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
-    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
-    out = subprocess.run([sys.executable, "-c", FORKED], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (got,) = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    (got,), _ = run_script(FORKED, SGLANG_SPEC_CAPTURE_SYNC_WAIT_S="5")
     assert "error" not in got["row"] and got["exact"] is True and got["child"] == 0, got
 
 
@@ -687,12 +686,7 @@ def test_kernel_blocks_smaller_than_the_schedulers_are_read_where_vllm_put_the_r
     that hold them (before: from the scheduler's block numbers in the kernel numbering, wrong
     rows or none), and vLLM's scheduler is told that the held blocks come back without a
     preemption (has_pending_block_frees) until the copy is reported."""
-    env = {**os.environ, "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S": "2"}
-    env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
-    env.pop("SGLANG_SPEC_CAPTURE_ARENA_BYTES", None)
-    out = subprocess.run([sys.executable, "-c", KERNEL_BLOCKS], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (got,) = (json.loads(line[2:]) for line in out.stdout.splitlines() if line.startswith("@@"))
+    (got,), _ = run_script(KERNEL_BLOCKS, SGLANG_SPEC_CAPTURE_SYNC_WAIT_S="2")
     assert got == {"held": True, "exact": True, "pending_while_copying": True, "reported": ["k"], "pending_after": False}, got
 
 
