@@ -770,10 +770,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         nothing to acknowledge. A late result is freed here at once."""
         rows = json.loads(b"[" + b",".join(text for _, _, text in reserved) + b"]")
         kept = sched._deliver([(s.req_id, s.seq, row) for s, row in zip(saves, rows)], self._in_process)
-        late = [k for (keys, _, _), keep in zip(reserved, kept) if not keep and keys for k in keys]
+        late = [keys for (keys, _, _), keep in zip(reserved, kept) if not keep and keys]
         if late and self._sink is not None:
-            log.warning("capture_arena.vllm: %d results came after their requests were answered; freed", len(reserved) - sum(kept))
-            self._sink._drop_keys(late)
+            log.warning("capture_arena.vllm: %d results came after their requests were answered; freed", len(late))
+            self._sink._drop_keys([k for keys in late for k in keys])
 
     def _drop_conn(self, conn: Optional[socket.socket] = None) -> None:
         """Closes the connection to the scheduler process (only if it is ``conn``, when given:
