@@ -364,6 +364,7 @@ def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
     torch copying the same bytes at the same link: device to pinned host memory for a host
     arena, device to device for a device arena (on the dry run's CPU: host to host). The best of
     ``tries`` each."""
+    from capture_arena._capture_arena import _result_keys
     from capture_arena.vllm import _Save, _spec
 
     w = eng.worker
@@ -382,11 +383,10 @@ def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
             raise RuntimeError(f"the copy-rate request did not fit: {row}")
         sync()
         t0 = time.perf_counter()
-        (ok,) = rows.copy([(sv, at)], None)
+        (ok,) = rows.copy([(sv, _result_keys(row), at)], None)  # finishes its writes
         ours.append(time.perf_counter() - t0)
         if not ok:
             raise RuntimeError("the copy-rate request's copy failed (see the log)")
-        sink.finish_writes([row], ok=ok)
         sink._drop_published(row)
     src = torch.empty(nbytes, dtype=torch.uint8, device=eng.kv.device)
     on_device = rows.device_arena or not cuda

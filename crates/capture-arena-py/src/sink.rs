@@ -13,7 +13,7 @@ use capture_arena::sample::{
 };
 use capture_arena::writer::Outcome;
 use capture_arena::{Config, Dtype, Error, Sample, Sink, Tensor, TensorData};
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use pythonize::{depythonize, pythonize};
@@ -795,60 +795,62 @@ impl PySink {
         Ok(())
     }
 
-    /// Copies rows `0..n` of a paged cache (`src` bytes at `src_base`; each `(block, layer,
-    /// slot)` row `row_bytes` contiguous at `src_base + block * strides[0] + layer * strides[1]
-    /// + slot * strides[2]`; token `i` in block `block_ids[i / block_size]`) into the reserved
-    /// object at `dst` (`dst_len` bytes, `[n, k, row]`), which must lie in this sink's arena as
-    /// this process maps it. Checked before anything is copied; the GIL is released while it
-    /// copies. The caller vouches that the cache's `src_len` bytes stay valid meanwhile.
-    #[allow(clippy::too_many_arguments)]
-    fn _copy_block_rows(
+    /// Copies a step's requests from a paged cache (`cache`: `(base, bytes, strides, block_size,
+    /// k, row_bytes)`; each `(block, layer, slot)` row `row_bytes` contiguous at `base + block *
+    /// strides[0] + layer * strides[1] + slot * strides[2]`) into their reserved objects, one
+    /// after another with the GIL released, and finishes each one's writes as soon as its bytes
+    /// have landed, then sets its flag in `landed` (request `j` is flag `first + j`). Each
+    /// request is `(keys, ids_at, token_ids, rows_at, rows_len, block_ids)`: its token ids go to
+    /// `ids_at` as int64, its rows `0..len(token_ids)` (token `i` in block `block_ids[i /
+    /// block_size]`) to `rows_at`, laid out `[n, k, row]`; both must lie in this sink's host
+    /// arena. Returns, per request, None or why it was not copied (its readers fail and its
+    /// space is freed). The caller vouches that the cache's bytes stay valid meanwhile.
+    #[pyo3(signature = (cache, requests, landed, first=0))]
+    fn _copy_requests_rows(
         &self,
         py: Python<'_>,
-        dst: u64,
-        dst_len: u64,
-        src_base: u64,
-        src_len: u64,
-        strides: (u64, u64, u64),
-        block_ids: Vec<u64>,
-        n: u64,
-        block_size: u64,
-        k: u64,
-        row_bytes: u64,
-    ) -> PyResult<()> {
+        cache: crate::rows::PagedArgs,
+        requests: Vec<crate::rows::RequestArgs>,
+        landed: &Bound<'_, crate::rows::PyLanded>,
+        first: usize,
+    ) -> PyResult<Vec<Option<String>>> {
+        let flags = landed.get().0.clone();
+        if first.saturating_add(requests.len()) > flags.len() {
+            return Err(PyValueError::new_err(format!(
+                "copying cache rows: requests {first}..{} have no flags (the step has {})",
+                first.saturating_add(requests.len()),
+                flags.len()
+            )));
+        }
         let sink = self.sink(py)?;
-        let (base, len) = sink.local_region().ok_or_else(|| {
+        let arena = sink.local_region().ok_or_else(|| {
             named(
                 py,
                 "WriterStoppedError",
                 "the arena does not exist yet".into(),
             )
         })?;
-        let inside = dst >= base
-            && dst
-                .checked_add(dst_len)
-                .is_some_and(|end| end <= base + len);
-        if !inside || sink.config().device_publication() {
+        if sink.config().device_publication() {
             return Err(named(
                 py,
                 "InvalidReadError",
-                format!(
-                    "copying cache rows: [{dst:#x}, +{dst_len}) is not in this sink's host arena"
-                ),
+                "copying cache rows: this sink's arena is in device memory".into(),
             ));
         }
-        let src = crate::rows::Paged {
-            base: src_base,
-            len: src_len,
-            strides,
-            block_size,
-            k,
-            row_bytes,
-        };
-        // SAFETY: the destination lies in this sink's own host mapping (checked), which only the
-        // caller of reserve_each writes for a reserved object; the cache range is the caller's
-        // promise (a tensor it holds); an arena never lies inside a cache.
-        unsafe { crate::rows::copy_rows(py, dst, dst_len, &src, &block_ids, n) }
+        let src = crate::rows::Paged::from(cache);
+        let requests = requests.into_iter().map(Into::into).collect();
+        let held = &*sink;
+        Ok(crate::exit::detach(py, || {
+            // SAFETY: the destinations are checked to lie in this sink's own host mapping, which
+            // only the caller of reserve_each writes for a reserved object; the cache range is
+            // the caller's promise (a tensor it holds); an arena never lies inside a cache.
+            unsafe {
+                crate::rows::copy_requests(&src, arena, requests, |j, keys, ok| {
+                    held.finish_writes(keys, ok);
+                    flags[first + j].store(true, std::sync::atomic::Ordering::Release);
+                })
+            }
+        }))
     }
 
     /// Frees `keys` from this process (a capture it drops), without a control connection;

