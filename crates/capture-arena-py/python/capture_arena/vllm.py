@@ -687,8 +687,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             todo.append((sv, keys, at, c))
         if not todo:
             return
-        # Set in native code as each request lands (a host cache): get_finished gives vLLM its
-        # blocks back without waiting for the step's later requests, or for this thread's GIL.
+        # Set in native code as each request lands (a host cache with contiguous rows; else as
+        # each is reported done): get_finished gives vLLM its blocks back without waiting for
+        # the step's later requests, or for this thread's GIL.
         landed = _Landed(len(todo))
         for i, (_, _, _, c) in enumerate(todo):
             c.landed, c.index = landed, i
@@ -872,7 +873,7 @@ class _Copy:
         self.cancelled = False
         #: Its copy began (a preemption waits for it).
         self.started = False
-        #: Its step's landed flags (index ``index``), once its step is copied.
+        #: Its step's landed flags (index ``index``), from just before its step is copied.
         self.landed: Optional[_Landed] = None
         self.index = 0
 
