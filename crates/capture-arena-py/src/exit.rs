@@ -74,6 +74,30 @@ pub fn park_if_exiting() {
     }
 }
 
+/// A call counted in [`IN_NATIVE`] until [`Counted::release`] or its drop: a call that unwinds
+/// (a panic, which PyO3 turns into `PanicException`) is not counted in flight for ever, which
+/// would hold the exit hook for all of [`EXIT_WAIT`].
+struct Counted(AtomicBool);
+
+impl Counted {
+    fn new() -> Self {
+        IN_NATIVE.fetch_add(1, Ordering::SeqCst);
+        Counted(AtomicBool::new(false))
+    }
+
+    fn release(&self) {
+        if !self.0.swap(true, Ordering::SeqCst) {
+            IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
 /// `py.detach(f)`, safe against the interpreter's exit (see the module docs).
 pub fn detach<T, F>(py: Python<'_>, f: F) -> T
 where
@@ -81,10 +105,11 @@ where
     T: Send,
 {
     // Counted before the check, so the exit hook either waits for this call or it parks.
-    IN_NATIVE.fetch_add(1, Ordering::SeqCst);
-    let out = py.detach(move || {
+    let counted = Counted::new();
+    let held = &counted;
+    py.detach(move || {
         if exiting_elsewhere() {
-            IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
+            held.release();
             park_forever();
         }
         let out = f();
@@ -92,9 +117,8 @@ where
             park_if_exiting();
         }
         out
-    });
-    IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
-    out
+    })
+    // `counted` is dropped here, with the GIL held again.
 }
 
 /// `Python::attach(f)` for a thread of ours that Python did not start (the sink's helper), safe
@@ -106,12 +130,10 @@ where
 /// must be current", an abort.
 pub fn attach<T>(f: impl for<'py> FnOnce(Python<'py>) -> T) -> T {
     // Counted before the check, so the exit hook either waits for this call or it parks.
-    IN_NATIVE.fetch_add(1, Ordering::SeqCst);
+    let counted = Counted::new();
     if exiting_elsewhere() {
-        IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
+        counted.release();
         park_forever();
     }
-    let out = Python::attach(f);
-    IN_NATIVE.fetch_sub(1, Ordering::SeqCst);
-    out
+    Python::attach(f)
 }

@@ -295,6 +295,27 @@ def test_a_failed_copy_fails_its_reader_with_the_reason_and_frees_its_space(engi
     assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}  # nothing left to free: no error
 
 
+def test_a_panic_in_a_steps_copy_fails_only_that_step_and_later_steps_are_copied(engine: Proc, trainer: Proc) -> None:
+    """A panic in the native copy reaches Python as a BaseException (PyO3's PanicException),
+    simulated here where the copy would raise it. Its step's readers fail and its blocks go back;
+    the copy thread goes on (before: the thread ended, and every later request waited for a copy
+    that never came, its blocks held by vLLM for good)."""
+    before = resident_of(engine)
+    assert engine.ask({"panic": 1}) == {"ok": True}
+    first, second = prompt(20, 44), prompt(20, 45)
+    (kv,) = engine.ask([first])
+    got = trainer.ask({"read": kv, "prompt": first})
+    assert "WriteFailedError" in got.get("error", ""), got
+    assert engine.ask({"drain": 30})["held"] == {}
+    (kv2,) = engine.ask([second])
+    assert trainer.ask({"read": kv2, "prompt": second}, timeout=60).get("ok"), "a later step was not copied"
+    assert engine.ask({"drain": 30})["held"] == {}
+    assert trainer.ask({"delete": kv2["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    s = resident(kv2)
+    assert s["failed_writes"] - before["failed_writes"] == 2 and s["resident_objects"] == 0, s
+
+
 def test_a_request_preempted_after_its_capture_is_captured_again_and_no_copy_reads_a_reused_block(engine: Proc, trainer: Proc) -> None:
     """vLLM's own scheduler preempts a request after its prompt was captured (its free blocks are
     taken out of the pool, as other requests would hold them), and recomputes it (its prompt

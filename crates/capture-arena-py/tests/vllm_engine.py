@@ -8,6 +8,8 @@ test can also look at vLLM's scheduler and hold the connector's copies:
 - ``{"gate": "close"}`` / ``{"gate": "open"}``: the connector's copy thread waits before copying
   the next step's rows (results are handed out already), until opened;
 - ``{"fail": n}``: the next n requests' copies fail (the native copy refuses their destination);
+- ``{"panic": n}``: the next n steps' copies raise a BaseException, as a panic in native code
+  does (PyO3's PanicException), before copying anything;
 - ``{"hold_len": n}``: the copy of a request of n prompt tokens waits (its rows not yet copied)
   until ``{"release": true}``;
 - ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
@@ -90,7 +92,15 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
 
     held_len, release = [None], threading.Event()
 
+    class SimulatedPanic(BaseException):
+        """Raised where the native copy would panic (PyO3's PanicException is a BaseException)."""
+
+    panics = [0]
+
     def instrumented_copy_native(self, todo, landed, first=0):
+        if panics[0] > 0:
+            panics[0] -= 1
+            raise SimulatedPanic("simulated: the native copy panicked")
         # The step's requests one native call each here, so that one can be held or failed alone
         # (the connector copies them in one call, which lands and flags each in turn: the order
         # is tested in crates/capture-arena-py/src/rows.rs).
@@ -208,6 +218,9 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             answer = {"ok": True}
         elif "fail" in cmd:
             failing[0] = int(cmd["fail"])
+            answer = {"ok": True}
+        elif "panic" in cmd:
+            panics[0] = int(cmd["panic"])
             answer = {"ok": True}
         elif "preempt" in cmd:
             answer = preempt(cmd["preempt"])

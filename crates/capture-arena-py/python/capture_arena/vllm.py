@@ -658,7 +658,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 continue
             try:
                 self._copy_step(saves, reserved, copies, event)
-            except Exception:  # a bug of ours: those requests fail, the next steps go on
+            except BaseException:  # a bug of ours (a Rust panic is a BaseException): those requests
+                # fail, the next steps go on; a thread that ended here would leave every later
+                # request's blocks held by vLLM for good
                 log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
             finally:
                 self._mark_done(copies)
