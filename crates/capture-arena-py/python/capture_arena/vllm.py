@@ -591,7 +591,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 if c.cancelled:
                     continue
                 t0 = time.monotonic()
-                landed = self._copy_cond.wait_for(lambda: c.done, self._bound + PREEMPT_GRACE_S)
+                deadline = t0 + self._bound + PREEMPT_GRACE_S
+                # The step's native copy flags each request as it lands without a notify (that
+                # comes when the whole step is copied): look every millisecond.
+                while not c.done and time.monotonic() < deadline:
+                    self._copy_cond.wait(min(0.001, max(0.0, deadline - time.monotonic())))
+                landed = c.done
             if not landed:
                 log.error("capture_arena.vllm: the copy of preempted request %s did not end in time; its blocks may be reused under it", rid)
             else:
