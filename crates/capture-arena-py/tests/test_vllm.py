@@ -316,6 +316,20 @@ def test_a_panic_in_a_steps_copy_fails_only_that_step_and_later_steps_are_copied
     assert s["failed_writes"] - before["failed_writes"] == 2 and s["resident_objects"] == 0, s
 
 
+def test_an_aborted_request_frees_its_capture(engine: Proc) -> None:
+    """A client that goes away (or times out, as speculators' client does before it retries)
+    has vLLM abort its request after the prompt's capture was published. vLLM drops what
+    request_finished returns for it, so nobody would ever read or free that capture: the
+    connector frees it (before: it stayed resident for good, and retries filled the arena)."""
+    before = resident_of(engine)
+    got = engine.ask({"abort": {"prompt": prompt(60, 46), "max_tokens": 40}})
+    assert got["running_at_abort"] and not got["left"], got
+    assert engine.ask({"drain": 30})["held"] == {}
+    s = resident_of(engine)
+    assert s["resident_objects"] == before["resident_objects"], f"the aborted request's capture stayed: {before} -> {s}"
+    assert s["published_objects"] - before["published_objects"] == 4, s  # it was published (and the probe's)
+
+
 def test_a_request_preempted_after_its_capture_is_captured_again_and_no_copy_reads_a_reused_block(engine: Proc, trainer: Proc) -> None:
     """vLLM's own scheduler preempts a request after its prompt was captured (its free blocks are
     taken out of the pool, as other requests would hold them), and recomputes it (its prompt
@@ -880,6 +894,32 @@ def pair() -> Iterator[tuple[Proc, Proc]]:
     yield sched, worker
     sched.close()
     worker.close()
+
+
+def test_a_malformed_result_line_costs_only_its_connection(pair: tuple[Proc, Proc]) -> None:
+    # Any process of the engine's user can reach the result channel. A line whose row lacks
+    # what request_finished reads (a published row's store_id, gen, ...) for a pending request
+    # closes that connection; the request gets the bound's error, and nothing raises into vLLM's
+    # loop (before: the row was kept, and request_finished raised KeyError).
+    import base64
+    import pickle
+    import socket
+    import time
+
+    sched, _ = pair
+    meta = pickle.loads(base64.b64decode(sched.ask({"announce": [["malformed", 8]]})["meta"]))
+    (sv,) = meta.saves
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(10)
+    try:
+        c.connect(f"\0capture-arena-vllm/pair-{os.getpid()}/0")
+        line = {"req_id": "malformed", "seq": sv.seq, "sent": time.monotonic(), "row": {"sample_id": "malformed"}}
+        c.sendall(json.dumps(line).encode() + b"\n")
+        assert c.recv(100) == b"", "the listener answered a malformed line"
+    finally:
+        c.close()
+    got = sched.ask({"finish": "malformed"})
+    assert "sent no result" in got["params"]["capture_arena"]["error"], got
 
 
 def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:

@@ -33,6 +33,10 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   (and those while ``held_steps`` ran), the longest step meanwhile, and when the copy returned
   and the preemption's handling ended;
 
+- ``{"abort": {"prompt": [...], "max_tokens": n}}``: a request is served until its prompt's
+  step is done (its capture published), then aborted as vLLM's API server aborts a request whose
+  client went away; answers how many steps that took and whether vLLM still has the request;
+
 - ``{"measure_copy": true}``: opens the gate and samples this process's resident memory every
   millisecond until every copy under way is done: how much the copies added at their peak
   (``extra_bytes``; the engine is idle meanwhile).
@@ -199,6 +203,23 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             step()
         return {**answer, "params": outs, "preemptions": seen.get("preempted", 0), "longest_step_s": longest, "events": events}
 
+    def abort(cmd):
+        engine, p = llm.llm_engine, cmd["prompt"]
+        engine.add_request("aborted", {"prompt_token_ids": p}, SamplingParams(max_tokens=int(cmd["max_tokens"]), ignore_eos=True, detokenize=False))
+
+        def ours():  # vLLM adds a suffix to a request's id
+            return next((r for k, r in scheduler.requests.items() if k.startswith("aborted")), None)
+
+        steps = 0
+        while ours() is not None and ours().num_computed_tokens < len(p):
+            engine.step()
+            steps += 1
+            assert steps < 2000, "the engine did not get there"
+        engine.step()  # a decode step: the prompt's own step has surely run its wait_for_save
+        still = ours() is not None and not ours().is_finished()
+        engine.abort_request(["aborted"])
+        return {"steps": steps + 1, "running_at_abort": still, "left": ours() is not None and not ours().is_finished()}
+
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -224,6 +245,8 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             answer = {"ok": True}
         elif "preempt" in cmd:
             answer = preempt(cmd["preempt"])
+        elif "abort" in cmd:
+            answer = abort(cmd["abort"])
         elif "held" in cmd:
             answer = held()
         elif "measure_copy" in cmd:

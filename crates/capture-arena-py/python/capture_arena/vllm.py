@@ -352,15 +352,17 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             manager = self._kv_cache_manager
             if manager is None:  # bound by the scheduler before its first step
                 continue
-            blocks = list(manager.get_block_ids(rid)[self._group])
+            blocks = manager.get_block_ids(rid)[self._group]
             need = -(-n // self._block_size)
-            if len(blocks) < need or req.prompt_token_ids is None:
+            ids = req.prompt_token_ids
+            if len(blocks) < need or ids is None:
                 continue  # not the layout this connector knows (prompt embeddings): no capture
             self._seq += 1
             self._again.discard(rid)
-            # A copy: vLLM extends a resumable (streaming-input) request's prompt list in place,
-            # and the copy thread reads it after this step, against a reservation of n tokens.
-            meta.saves.append(_Save(rid, blocks[:need], list(req.prompt_token_ids)[:n], self._seq))
+            # Copies, each made once (a slice of a list is one; 2048 tokens cost about 10 µs):
+            # vLLM extends a resumable (streaming-input) request's prompt list in place, and the
+            # copy thread reads it after this step, against a reservation of n tokens.
+            meta.saves.append(_Save(rid, list(blocks[:need]), ids[:n] if isinstance(ids, list) else list(ids)[:n], self._seq))
             with self._cond:
                 self._pending[rid] = self._seq
         return meta
@@ -397,8 +399,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self._requests.pop(rid, None)
         self._again.discard(rid)
-        deadline = time.monotonic() + self._bound
+        # An aborted request (a client that went away or timed out, a streaming-input session's
+        # end): vLLM drops what this returns (Scheduler.finish_requests), so its capture is
+        # freed here, and its result is not waited for (one that comes later is freed too).
+        aborted = getattr(getattr(request, "status", None), "name", None) == "FINISHED_ABORTED"
+        deadline = time.monotonic() + (0.0 if aborted else self._bound)
         held = False
+        dropped = None
         with self._cond:
             if rid not in self._pending:
                 row: Optional[dict[str, Any]] = {"sample_id": rid, "error": "no hidden states: the request ended before its prompt was computed"}
@@ -412,13 +419,19 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     self._cond.wait(left)
                 got = self._results.pop(rid, None)
                 row = got[0] if got is not None else None
-                if row is not None:
+                if row is not None and aborted:
+                    dropped, row = got, {"sample_id": rid, "error": "the request was aborted; its capture was freed"}
+                elif row is not None:
                     self._handed[_tag(rid, self._pending[rid])] = None
                     while len(self._handed) > MAX_RESULTS:
                         self._handed.popitem(last=False)
                 # Given up in the same hold of the lock as the last look: a result that comes
                 # from now on finds its request gone, and its worker frees it.
                 del self._pending[rid]
+        if dropped is not None and "error" not in dropped[0]:
+            _reply_free(dropped[1], dropped[0])
+        if row is None and aborted:
+            row = {"sample_id": rid, "error": "the request was aborted before its capture was published"}
         if row is None:
             row = {
                 "sample_id": rid,
@@ -548,6 +561,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         copies = [_Copy() for _ in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
+        if self._stopping:  # the sink is closing and the copy thread gone: nothing is copied
+            self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)
+            self._mark_done(copies)
+            return
         self._start_copier()
         self._steps.put((list(saves), reserved, copies, event))
 
@@ -644,7 +661,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._kv is not None and self._kv.is_cuda:
             # A new thread's current device is 0: without this, its first stream switch would
             # open a context on GPU 0 (another worker's), and the arena would be registered there.
-            torch.cuda.set_device(self._kv.device)
+            try:
+                torch.cuda.set_device(self._kv.device)
+            except Exception:  # the copies then fail on their own, step by step
+                log.exception("capture_arena.vllm: the copy thread could not select the cache's GPU")
         self._copy_steps()
 
     def _copy_steps(self) -> None:
@@ -667,6 +687,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 # fail, the next steps go on; a thread that ended here would leave every later
                 # request's blocks held by vLLM for good
                 log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
+                # Whatever of the step was not finished never will be (keys finished already
+                # are not being written any more: ignored).
+                self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
             finally:
                 self._mark_done(copies)
 
@@ -1201,6 +1224,19 @@ class _Peer:
             self.conn.sendall(data)
 
 
+def _row_ok(row: dict[str, Any]) -> bool:
+    """Whether a row from the result channel has what :meth:`request_finished` and speculators'
+    backend read: an error, or a published result's keys and features."""
+    if "error" in row:
+        return isinstance(row["error"], str)
+    return (
+        isinstance(row.get("store_id"), str)
+        and isinstance(row.get("sample_id"), str)
+        and type(row.get("gen")) is int
+        and isinstance(row.get("features"), dict)
+    )
+
+
 def _tag(req_id: str, seq: Any) -> str:
     """Names one announcement of a request in the worker's and the scheduler process's answers
     (a request preempted and recomputed is announced again, under the same id)."""
@@ -1296,14 +1332,20 @@ class _Listener:
             threading.Thread(target=self._read, args=(conn,), name="capture-arena-vllm-read", daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
+        # An answer to a worker that reads nothing fails within this instead of blocking (it
+        # may be sent from vLLM's thread: a result freed at a preemption or an abort).
+        conn.settimeout(ACK_GRACE_S / 4)
         peer = _Peer(conn)
         try:
             for msgs in _lines(conn):
                 fresh, free = [], []
                 for m in msgs:
                     rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
-                    if not isinstance(rid, str) or not isinstance(row, dict) or not isinstance(sent, (int, float)):
-                        raise ValueError('a result line is {"req_id": str, "seq": int, "sent": float, "row": dict}')
+                    if not isinstance(rid, str) or not isinstance(row, dict) or not isinstance(sent, (int, float)) or not _row_ok(row):
+                        raise ValueError(
+                            'a result line is {"req_id": str, "seq": int, "sent": float, "row": {"error": str, ...} or '
+                            '{"store_id": str, "sample_id": str, "gen": int, "features": {...}, ...}}'
+                        )
                     # Read too late, the worker may be freeing it already: never handed out.
                     if time.monotonic() - sent <= self._max_age_s:
                         fresh.append((rid, seq, row))
