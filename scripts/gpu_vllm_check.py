@@ -179,16 +179,20 @@ class Engine:
         self.kv = torch.zeros(a.blocks, BLOCK, K, a.hidden, dtype=torch.bfloat16, device=device).permute(0, 2, 1, 3)
         self.table: dict[str, list[int]] = {}
         self.free_blocks = list(range(a.blocks))
+        #: Each hook's time on vLLM's threads, summed over the steps since it was last cleared.
+        self.hooks: dict[str, float] = {}
         self.sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, kv_cfg)
         self.sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: (self.table[rid],)))
         self.worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
         self.worker.register_kv_caches({"model.layers.0.attn": torch.empty(0), "drafter.cache_only": self.kv})
 
     def step(self, reqs: list[tuple[str, int, int]]) -> tuple[list[dict[str, Any]], float]:
-        """One step that computes the whole prompt of each ``(req_id, seed, n)``; returns each
-        request's ``kv_transfer_params`` and how long the connector held vLLM's threads: every
-        hook vLLM calls in a step (``build_connector_meta``, ``wait_for_save``, each
-        ``request_finished``, and the step's ``get_finished``)."""
+        """One step that computes the whole prompt of each ``(req_id, seed, n)``, its hooks in
+        vLLM's order (the drafter's writes standing for the forward between the bind and
+        ``wait_for_save``); returns each request's ``kv_transfer_params`` and how long the
+        connector held vLLM's threads: every hook vLLM calls in a step (``build_connector_meta``,
+        ``bind_connector_metadata``, ``wait_for_save``, each ``request_finished``, and the step's
+        ``get_finished``), each hook's share added to ``self.hooks``."""
         objs = []
         for rid, seed, n in reqs:
             need = -(-n // BLOCK)
@@ -198,25 +202,36 @@ class Engine:
             r = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=n, prompt_token_ids=tokens_of(seed, n))
             self.sched.on_new_request(r)
             objs.append(r)
+        held = 0.0
+
+        def timed(hook: str, t0: float) -> None:
+            nonlocal held
+            dt = time.perf_counter() - t0
+            held += dt
+            self.hooks[hook] = self.hooks.get(hook, 0.0) + dt
+
         t0 = time.perf_counter()
         meta = self.sched.build_connector_meta(ns(num_scheduled_tokens={rid: n for rid, _, n in reqs}))
-        held = time.perf_counter() - t0
-        # The drafter writes this step's rows (position i at block table[i // B], slot i % B).
+        timed("build_connector_meta", t0)
+        t0 = time.perf_counter()
+        self.worker.bind_connector_metadata(meta)  # before the forward, as vLLM binds
+        timed("bind_connector_metadata", t0)
+        # The forward: the drafter writes this step's rows (position i at block table[i // B],
+        # slot i % B).
         for rid, seed, n in reqs:
             rows = rows_of(seed, n, self.hidden, self.device)
             pos = torch.arange(n, device=self.device)
             blocks = torch.tensor(self.table[rid], dtype=torch.long, device=self.device)[pos // BLOCK]
             self.kv[blocks, :, pos % BLOCK] = rows
-        self.worker.bind_connector_metadata(meta)
         t0 = time.perf_counter()
         self.worker.wait_for_save()
-        held += time.perf_counter() - t0
+        timed("wait_for_save", t0)
         self.worker.clear_connector_metadata()
         out, delayed = [], set()
         for r in objs:
             t0 = time.perf_counter()
             keep, params = self.sched.request_finished(r, self.table[r.request_id])
-            held += time.perf_counter() - t0
+            timed("request_finished", t0)
             if keep:  # vLLM holds the blocks until the worker reports the copy done
                 delayed.add(r.request_id)
             else:
@@ -229,7 +244,7 @@ class Engine:
             t0 = time.perf_counter()
             done, _ = self.worker.get_finished(finished)
             if first:  # the step's own call; later ones are the next steps'
-                held += time.perf_counter() - t0
+                timed("get_finished", t0)
                 first = False
             finished = set()
             for rid in done or ():
@@ -426,6 +441,7 @@ def load(a: argparse.Namespace) -> int:
     say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3), error=got.get("error"))
     for reqs, n in loads:
         held, file_held, file_done, hold = [], [], [], []
+        eng.hooks.clear()
         for rep in range(5):
             batch = [(f"l{reqs}x{n}-{rep}-{i}", 1000 + i, n) for i in range(reqs)]
             params, h = eng.step(batch)
@@ -446,6 +462,7 @@ def load(a: argparse.Namespace) -> int:
         say(check="load", ok=ok, placement=a.placement, cache=device, requests=reqs, tokens=n,
             step_mb=round(reqs * per(n) / 1e6, 1),
             engine_thread_ms_median=round(held[len(held) // 2] * 1e3, 3), engine_thread_ms_max=round(held[-1] * 1e3, 3),
+            hooks_ms_mean={h: round(t / 5 * 1e3, 3) for h, t in eng.hooks.items()},
             trainer_holds_ms_median=round(sorted(hold)[len(hold) // 2] * 1e3, 2),
             file_engine_thread_ms_median=round(sorted(file_held)[len(file_held) // 2] * 1e3, 3) if file_held else None,
             file_copies_done_ms_median=round(sorted(file_done)[len(file_done) // 2] * 1e3, 3) if file_done else None)
