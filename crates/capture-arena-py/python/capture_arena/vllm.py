@@ -519,7 +519,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         failing alone, the whole step waiting for space at most the bound from now), so that
         the writer places them while the model runs and wait_for_save finds them placed."""
         super().bind_connector_metadata(connector_metadata)
-        self._abandon("a step was bound before the last one's wait_for_save")
+        self._abandon("a step was bound before the last one's wait_for_save", getattr(connector_metadata, "preempted", None) or ())
         if getattr(self, "_sink", None) is None or self._kv is None:
             return
         saves = getattr(connector_metadata, "saves", None)
@@ -572,9 +572,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         super().clear_connector_metadata()
         self._abandon("the step ended without wait_for_save")
 
-    def _abandon(self, why: str) -> None:
+    def _abandon(self, why: str, preempted: Any = ()) -> None:
         """A step's reservations that its wait_for_save never collected: nothing was copied into
-        them; they are freed, and their requests get error results at once."""
+        them; they are freed, and their requests get error results at once. ``preempted``: the
+        new step's preempted requests, whose blocks went back to vLLM already (and whose
+        announcement the scheduler gave up): not reported as copies done."""
         begun, self._begun = getattr(self, "_begun", None), None
         if begun is None:
             return
@@ -587,7 +589,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._send(saves, _collect(saves, error))
         # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
         # holds an announced request's blocks until then).
+        gone = set(preempted)
         for sv in saves:
+            if sv.req_id in gone:  # a copy reported for a request vLLM no longer holds for us
+                continue  # would be a request vLLM does not know (its scheduler asserts)
             c = _Copy()
             c.over = True
             self._copies[sv.req_id] = c
