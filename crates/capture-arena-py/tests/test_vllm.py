@@ -975,6 +975,37 @@ def test_a_worker_frees_what_a_stuck_scheduler_process_never_took(pair: tuple[Pr
     assert "no result within" in late["capture_arena"]["error"], late
 
 
+def test_a_result_whose_answer_was_lost_with_its_connection_is_sent_again_not_freed(pair: tuple[Proc, Proc]) -> None:
+    # The engine core takes a result, but its answer ("taken") is lost: the worker closed the
+    # connection first (as it does after a send that timed out while the engine core stalled).
+    # Before, the worker freed every result still waiting for an answer on that connection, so
+    # the engine core handed out freed objects. Now the worker sends them again on a new
+    # connection, and the engine core answers for certain that it holds them.
+    import signal
+    import time
+
+    sched, worker = pair
+    before = worker.ask({"stats": True})
+    meta = sched.ask({"announce": [["resend", 8]]})["meta"]
+    stop(sched.p.pid)
+    try:
+        worker.ask({"save": meta})  # into the socket's buffer, unanswered while stopped
+        assert worker.ask({"reconnect": True}) == {"ok": True}  # the connection closes: no answer can come on it
+    finally:
+        os.kill(sched.p.pid, signal.SIGCONT)
+    got = sched.ask({"finish": "resend"})["params"]
+    assert "error" not in got["capture_arena"], got
+    deadline = time.monotonic() + 10
+    while worker.ask({"debug": True})["unacked"]:
+        assert time.monotonic() < deadline, f"no answer for the result sent again: {worker.ask({'debug': True})}"
+        time.sleep(0.02)
+    s = worker.ask({"stats": True})
+    assert s["local_freed_objects"] == before["local_freed_objects"], f"the worker freed a result the engine core handed out: {s}"
+    release_all([got])  # the trainer reads and frees it: it was never freed under it
+    s = wait_resident(worker, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"] and s["local_freed_objects"] == before["local_freed_objects"], s
+
+
 def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(both: Proc) -> None:
     # Results of requests the engine never finishes are remembered up to MAX_RESULTS (65,536;
     # 2 here): past it the oldest is forgotten and its objects are freed (before: dropped from

@@ -164,7 +164,7 @@ for line in sys.stdin:
 
             now = time.monotonic()
             answer = {
-                "unacked": {t: round(d - now, 3) for t, (_, d, _) in worker._unacked.items()},
+                "unacked": {t: round(d - now, 3) for t, (_, d, *_) in worker._unacked.items()},
                 "conn": None if worker._conn is None else worker._conn.fileno(),
                 "threads": {
                     t.name: "".join(traceback.format_stack(sys._current_frames()[t.ident])[-4:])

@@ -55,7 +55,10 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
 - the worker frees every result the scheduler process has not taken (it answers each read with
   what it took and what the worker must free) within the bound plus ``ACK_GRACE_S`` (2 s) of
   sending it: a listener that cannot accept, a stuck or dead scheduler process. The scheduler
-  process never hands out a result read later than the bound plus half of that;
+  process never hands out a result read later than the bound plus half of that. Results whose
+  connection closed before their answer are sent again on a new one, with ``ACK_GRACE_S`` more:
+  the scheduler process answers for certain whether it holds them (its answer may have been
+  lost with the connection), and takes none anew past its bound;
 - a failed ``accept()`` (EMFILE, ...) is logged, counted and retried after a back-off (10 ms
   doubling to 1 s); it never ends the listener;
 - requests announced and not finished are remembered up to ``MAX_PENDING`` (65,536; an engine
@@ -288,9 +291,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._conn_lock = threading.Lock()
             #: Results sent and not yet taken (or freed) by the scheduler process:
             #: announcement (:func:`_tag`) -> (its objects' keys, deadline, the connection it
-            #: was sent on, None while it is sent again); freed by the worker past the deadline,
-            #: or when that connection closes.
-            self._unacked: dict[str, tuple[list[str], float, Optional[socket.socket]]] = {}
+            #: was sent on (None while it is sent again), its line); freed by the worker past
+            #: the deadline. When that connection closes they are sent again on a new one (the
+            #: scheduler process may have taken them, its answer lost with the connection).
+            self._unacked: dict[str, tuple[list[str], float, Optional[socket.socket], bytes]] = {}
             self._unacked_lock = threading.Lock()
             #: Announced requests whose copy vLLM has not been told is done: request id -> copy.
             self._copies: dict[str, _Copy] = {}
@@ -367,18 +371,22 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._pending[rid] = self._seq
         return meta
 
-    def _deliver(self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any) -> list[bool]:
+    def _deliver(self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any, fresh: Optional[list[bool]] = None) -> list[bool]:
         """Keeps each result (request id, announcement, row) for :meth:`request_finished` if
         its announcement is still pending, all under one hold of the lock; False for one that
         is late (its request was answered already, or announced again since): its worker frees
-        it. ``peer`` is where a result forgotten later is sent to be freed (:func:`_reply_free`)."""
+        it. ``peer`` is where a result forgotten later is sent to be freed (:func:`_reply_free`).
+        A result not ``fresh`` (read past the age its worker waits for an answer) is never kept
+        anew: True only if it is this process's already (kept, or handed out), as a worker that
+        sends it again after losing its connection asks."""
         evicted, kept = [], []
         with self._cond:
-            for req_id, seq, row in results:
-                keep = self._pending.get(req_id) == seq
+            for i, (req_id, seq, row) in enumerate(results):
+                pending = self._pending.get(req_id) == seq
+                keep = pending and (fresh is None or fresh[i])
                 # One the worker sent again (its connection failed before our answer reached
-                # it) after its request was answered with it: still the trainer's, not freed.
-                kept.append(keep or _tag(req_id, seq) in self._handed)
+                # it) after its request was answered with it, or while we hold it: ours.
+                kept.append(keep or _tag(req_id, seq) in self._handed or (pending and req_id in self._results))
                 if keep:
                     self._results[req_id] = (row, peer)
             while len(self._results) > MAX_RESULTS:
@@ -754,52 +762,79 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._hand_in_process(local, saves, reserved)
             return
         sent = time.monotonic()
-        data = _result_lines([(s, text) for s, (_, _, text) in zip(saves, reserved)], sent)
-        published = {_tag(s.req_id, s.seq): keys for s, (keys, _, _) in zip(saves, reserved) if keys is not None}
+        lines = {_tag(s.req_id, s.seq): (keys, _result_lines([(s, text)], sent)) for s, (keys, _, text) in zip(saves, reserved)}
+        data = b"".join(line for _, line in lines.values())
+        published = {tag: kl for tag, kl in lines.items() if kl[0] is not None}
         deadline = sent + self._bound + ACK_GRACE_S
         with self._unacked_lock:
-            for tag, keys in published.items():
-                self._unacked[tag] = (keys, deadline, None)
+            for tag, (keys, line) in published.items():
+                self._unacked[tag] = (keys, deadline, None, line)  # type: ignore[assignment]
         for attempt in (0, 1):
             c = None
             try:
                 c = self._connection()
-                with self._unacked_lock:  # before the send: an answer may come at once
-                    for tag in published:
-                        if tag in self._unacked:  # sent again: not if taken meanwhile
-                            self._unacked[tag] = (self._unacked[tag][0], deadline, c)
+                self._mark_sent(list(published), c)  # before the send: an answer may come at once
                 c.sendall(data)
                 return
             except OSError as e:
-                with self._unacked_lock:  # sent again, or freed below: not the closing connection's
-                    for tag in published:
-                        if tag in self._unacked:
-                            self._unacked[tag] = (self._unacked[tag][0], deadline, None)
+                self._mark_sent(list(published), None)  # sent again, or freed below: not the closing connection's
                 if c is not None:
                     self._drop_conn(c)
                 if attempt:
                     log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(saves), e)
                     self._free_unacked(list(published))
 
+    def _mark_sent(self, tags: list[str], conn: Optional[socket.socket], deadline: Optional[float] = None) -> None:
+        """Records the connection these results (those still waiting for an answer) were sent
+        on, and a new deadline if given."""
+        with self._unacked_lock:
+            for tag in tags:
+                if tag in self._unacked:  # not if taken (or freed) meanwhile
+                    keys, d, _, line = self._unacked[tag]
+                    self._unacked[tag] = (keys, d if deadline is None else deadline, conn, line)
+
+    def _resend(self, tags: list[str]) -> None:
+        """Results sent on a connection that closed before their answers came: the scheduler
+        process may have taken them (its answer lost with the connection), so they are sent
+        again on a new connection, with ACK_GRACE_S more to answer; it answers each for certain
+        (``taken`` if it holds it or handed it out, else ``free``: it takes no new result read
+        past its bound). If they cannot be sent, they are freed."""
+        with self._unacked_lock:
+            lines = [self._unacked[t][3] for t in tags if t in self._unacked]
+        if not lines:
+            return
+        c = None
+        try:
+            c = self._connection()
+            self._mark_sent(tags, c, time.monotonic() + ACK_GRACE_S)
+            c.sendall(b"".join(lines))
+            log.warning("capture_arena.vllm: sent %d results again after their connection closed", len(lines))
+        except OSError as e:
+            self._mark_sent(tags, None)
+            if c is not None:
+                self._drop_conn(c)
+            log.error("capture_arena.vllm: the result channel closed with %d results not answered, and they could not be sent again (%s); freed", len(lines), e)
+            self._free_unacked(tags)
+
     def _connection(self) -> socket.socket:
         """The connection to the scheduler process, made (and its answers' reader started)
-        if there is none."""
+        if there is none; made under the lock, so that vLLM's thread and a reader sending
+        results again never make two."""
         with self._conn_lock:
             if self._conn is not None:
                 return self._conn
-        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            # Sends to a scheduler process that reads nothing fail within this; the answers
-            # reader wakes as often to free what was not taken in time.
-            c.settimeout(ACK_GRACE_S / 4)
-            c.connect(self._channel)
-            uid = _peer_uid(c)
-            if uid != os.getuid():  # an abstract name anyone could have bound
-                raise OSError(f"the result channel's listener runs as uid {uid}, not {os.getuid()}")
-        except OSError:
-            c.close()
-            raise
-        with self._conn_lock:
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                # Sends to a scheduler process that reads nothing fail within this; the answers
+                # reader wakes as often to free what was not taken in time.
+                c.settimeout(ACK_GRACE_S / 4)
+                c.connect(self._channel)
+                uid = _peer_uid(c)
+                if uid != os.getuid():  # an abstract name anyone could have bound
+                    raise OSError(f"the result channel's listener runs as uid {uid}, not {os.getuid()}")
+            except OSError:
+                c.close()
+                raise
             self._conn = c
         threading.Thread(target=self._read_answers, args=(c,), name="capture-arena-vllm-answers", daemon=True).start()
         return c
@@ -858,18 +893,17 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("capture_arena.vllm: stopped reading answers from the scheduler process: %s", e)
         finally:
             self._drop_conn(conn)
-            # Nothing will answer for what was sent on this connection (what was sent on a
-            # newer one is that one's reader's).
+            # Nothing will answer on this connection for what was sent on it (what was sent on a
+            # newer one is that one's reader's): sent again.
             with self._unacked_lock:
-                left = [tag for tag, (_, _, c) in self._unacked.items() if c is conn]
+                left = [tag for tag, (_, _, c, _) in self._unacked.items() if c is conn]
             if left:
-                log.error("capture_arena.vllm: the result channel closed with %d results not taken; freed", len(left))
-                self._free_unacked(left)
+                self._resend(left)
 
     def _free_expired(self) -> None:
         now = time.monotonic()
         with self._unacked_lock:
-            late = [tag for tag, (_, deadline, _) in self._unacked.items() if now >= deadline]
+            late = [tag for tag, (_, deadline, _, _) in self._unacked.items() if now >= deadline]
         if late:
             log.error(
                 "capture_arena.vllm: the scheduler process did not take %d results within %g s; freed (is it stuck, or "
@@ -1343,7 +1377,7 @@ class _Listener:
         peer = _Peer(conn)
         try:
             for msgs in _lines(conn):
-                fresh, free = [], []
+                results, fresh = [], []
                 for m in msgs:
                     rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
                     if not isinstance(rid, str) or not isinstance(row, dict) or not isinstance(sent, (int, float)) or not _row_ok(row):
@@ -1351,13 +1385,11 @@ class _Listener:
                             'a result line is {"req_id": str, "seq": int, "sent": float, "row": {"error": str, ...} or '
                             '{"store_id": str, "sample_id": str, "gen": int, "features": {...}, ...}}'
                         )
-                    # Read too late, the worker may be freeing it already: never handed out.
-                    if time.monotonic() - sent <= self._max_age_s:
-                        fresh.append((rid, seq, row))
-                    elif "error" not in row:
-                        free.append(_tag(rid, seq))
-                taken = []
-                for (rid, seq, row), kept in zip(fresh, self._deliver(fresh, peer) if fresh else []):
+                    results.append((rid, seq, row))
+                    # Read too late, the worker may be freeing it already: never taken anew.
+                    fresh.append(time.monotonic() - sent <= self._max_age_s)
+                taken, free = [], []
+                for (rid, seq, row), kept in zip(results, self._deliver(results, peer, fresh) if results else []):
                     if kept:
                         taken.append(_tag(rid, seq))
                     elif "error" not in row:
