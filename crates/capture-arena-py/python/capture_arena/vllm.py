@@ -291,9 +291,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._conn_lock = threading.Lock()
             #: Results sent and not yet taken (or freed) by the scheduler process:
             #: announcement (:func:`_tag`) -> (its objects' keys, deadline, the connection it
-            #: was sent on (None while it is sent again), its line); freed by the worker past
-            #: the deadline. When that connection closes they are sent again on a new one (the
-            #: scheduler process may have taken them, its answer lost with the connection).
+            #: was sent on (None while it is sent again), its line (empty once sent again));
+            #: freed by the worker past the deadline. When that connection closes they are sent
+            #: again on a new one, once (the scheduler process may have taken them, its answer
+            #: lost with the connection).
             self._unacked: dict[str, tuple[list[str], float, Optional[socket.socket], bytes]] = {}
             self._unacked_lock = threading.Lock()
             #: Announced requests whose copy vLLM has not been told is done: request id -> copy.
@@ -798,11 +799,22 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         process may have taken them (its answer lost with the connection), so they are sent
         again on a new connection, with ACK_GRACE_S more to answer; it answers each for certain
         (``taken`` if it holds it or handed it out, else ``free``: it takes no new result read
-        past its bound). If they cannot be sent, they are freed."""
+        past its bound). Each is sent again once (a listener that closes every connection, full
+        or refusing, would otherwise have them sent for ever): if that connection closes too,
+        or they cannot be sent, they are freed."""
         with self._unacked_lock:
-            lines = [self._unacked[t][3] for t in tags if t in self._unacked]
-        if not lines:
+            again = [t for t in tags if t in self._unacked and self._unacked[t][3]]
+            twice = [t for t in tags if t in self._unacked and not self._unacked[t][3]]
+            lines = [self._unacked[t][3] for t in again]
+            for t in again:  # its line is not kept: it is sent again only once
+                keys, d, c, _ = self._unacked[t]
+                self._unacked[t] = (keys, d, c, b"")
+        if twice:
+            log.error("capture_arena.vllm: the result channel closed again with %d results sent twice and not answered; freed", len(twice))
+            self._free_unacked(twice)
+        if not again:
             return
+        tags = again
         c = None
         try:
             c = self._connection()
