@@ -901,19 +901,16 @@ def test_a_malformed_result_line_costs_only_its_connection(pair: tuple[Proc, Pro
     # what request_finished reads (a published row's store_id, gen, ...) for a pending request
     # closes that connection; the request gets the bound's error, and nothing raises into vLLM's
     # loop (before: the row was kept, and request_finished raised KeyError).
-    import base64
-    import pickle
     import socket
     import time
 
     sched, _ = pair
-    meta = pickle.loads(base64.b64decode(sched.ask({"announce": [["malformed", 8]]})["meta"]))
-    (sv,) = meta.saves
+    seq = sched.ask({"announce": [["malformed", 8]]})["seqs"]["malformed"]
     c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     c.settimeout(10)
     try:
         c.connect(f"\0capture-arena-vllm/pair-{os.getpid()}/0")
-        line = {"req_id": "malformed", "seq": sv.seq, "sent": time.monotonic(), "row": {"sample_id": "malformed"}}
+        line = {"req_id": "malformed", "seq": seq, "sent": time.monotonic(), "row": {"sample_id": "malformed"}}
         c.sendall(json.dumps(line).encode() + b"\n")
         assert c.recv(100) == b"", "the listener answered a malformed line"
     finally:

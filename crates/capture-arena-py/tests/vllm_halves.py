@@ -11,8 +11,9 @@ Usage: python vllm_halves.py ROLE ENGINE_ID ARENA_BYTES   (ROLE: scheduler, work
 
 The cache is ``[64 blocks, 2 layers, 16 slots, 64]`` bf16: a token is 256 bytes of hidden
 states and 8 of its id. Commands:
-- ``{"announce": [[rid, n_tokens], ...]}`` (scheduler) -> ``{"meta": base64}``: one step's
-  metadata, pickled as vLLM sends it to the workers;
+- ``{"announce": [[rid, n_tokens], ...]}`` (scheduler) -> ``{"meta": base64, "seqs": {rid:
+  n}}``: one step's metadata, pickled as vLLM sends it to the workers, and each announcement's
+  number;
 - ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's bind_connector_metadata and wait_for_save;
 - ``{"bind": base64}`` (worker): only bind that step (its forward would run now); ``{"unsaved":
   1}``: end it without wait_for_save; ``{"get_finished": [rid, ...]}``: the worker's get_finished;
@@ -127,7 +128,7 @@ for line in sys.stdin:
                 sched.on_new_request(req)
                 num[rid] = n
             meta = sched.build_connector_meta(ns(num_scheduled_tokens=num))
-            answer = {"meta": base64.b64encode(pickle.dumps(meta)).decode()}
+            answer = {"meta": base64.b64encode(pickle.dumps(meta)).decode(), "seqs": {sv.req_id: sv.seq for sv in meta.saves}}
         elif "save" in cmd:
             answer = {"s": save(cmd["save"])}
         elif "bind" in cmd:  # a step bound (its forward running), not saved yet
