@@ -571,8 +571,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
         if self._stopping:  # the sink is closing and the copy thread gone: nothing is copied
-            self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)
-            self._mark_done(copies)
+            self._fail_step(reserved, copies)
             return
         self._start_copier()
         self._steps.put((list(saves), reserved, copies, event))
@@ -591,9 +590,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             return
         saves, reservations = begun
         log.error("capture_arena.vllm: %s; the captures of %d requests fail", why, len(saves))
-        reserved = _collect(saves, reservations)
-        assert self._sink is not None
-        self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)
+        self._fail_step(_collect(saves, reservations), [])
         error = f"not captured: {why}"
         self._send(saves, _collect(saves, error))
         # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
@@ -692,8 +689,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 return
             saves, reserved, copies, event = step
             if self._stopping:  # closing: nothing more is written (those objects fail)
-                self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
-                self._mark_done(copies)
+                self._fail_step(reserved, copies)
                 continue
             try:
                 self._copy_step(saves, reserved, copies, event)
@@ -703,9 +699,15 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
                 # Whatever of the step was not finished never will be (keys finished already
                 # are not being written any more: ignored).
-                self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
+                self._fail_step(reserved, [])
             finally:
                 self._mark_done(copies)
+
+    def _fail_step(self, reserved: list["_Reserved"], copies: list["_Copy"]) -> None:
+        """A step's objects are never written: their readers fail and their space is freed, and
+        its copies are over."""
+        self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
+        self._mark_done(copies)
 
     def _mark_done(self, copies: list["_Copy"]) -> None:
         """These requests' copies are over (landed, failed or never begun)."""
@@ -763,27 +765,40 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._hand_in_process(local, saves, reserved)
             return
         sent = time.monotonic()
-        lines = {_tag(s.req_id, s.seq): (keys, _result_lines([(s, text)], sent)) for s, (keys, _, text) in zip(saves, reserved)}
-        data = b"".join(line for _, line in lines.values())
-        published = {tag: kl for tag, kl in lines.items() if kl[0] is not None}
         deadline = sent + self._bound + ACK_GRACE_S
+        lines, published = [], []
         with self._unacked_lock:
-            for tag, (keys, line) in published.items():
-                self._unacked[tag] = (keys, deadline, None, line)  # type: ignore[assignment]
+            for s, (keys, _, text) in zip(saves, reserved):
+                line = _result_lines([(s, text)], sent)
+                lines.append(line)
+                if keys is not None:
+                    tag = _tag(s.req_id, s.seq)
+                    published.append(tag)
+                    self._unacked[tag] = (keys, deadline, None, line)
+        data = b"".join(lines)
         for attempt in (0, 1):
-            c = None
-            try:
-                c = self._connection()
-                self._mark_sent(list(published), c)  # before the send: an answer may come at once
-                c.sendall(data)
+            e = self._send_on(published, data)
+            if e is None:
                 return
-            except OSError as e:
-                self._mark_sent(list(published), None)  # sent again, or freed below: not the closing connection's
-                if c is not None:
-                    self._drop_conn(c)
-                if attempt:
-                    log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(saves), e)
-                    self._free_unacked(list(published))
+            if attempt:
+                log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(saves), e)
+                self._free_unacked(published)
+
+    def _send_on(self, tags: list[str], data: bytes, deadline: Optional[float] = None) -> Optional[OSError]:
+        """Sends these results' lines on the connection (made if there is none), recording it
+        (and ``deadline``, if given) for those still waiting for an answer; on a failure the
+        connection is dropped and the results are no connection's, and the error returned."""
+        c = None
+        try:
+            c = self._connection()
+            self._mark_sent(tags, c, deadline)  # before the send: an answer may come at once
+            c.sendall(data)
+            return None
+        except OSError as e:
+            self._mark_sent(tags, None)  # sent again, or freed: not the closing connection's
+            if c is not None:
+                self._drop_conn(c)
+            return e
 
     def _mark_sent(self, tags: list[str], conn: Optional[socket.socket], deadline: Optional[float] = None) -> None:
         """Records the connection these results (those still waiting for an answer) were sent
@@ -814,19 +829,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._free_unacked(twice)
         if not again:
             return
-        tags = again
-        c = None
-        try:
-            c = self._connection()
-            self._mark_sent(tags, c, time.monotonic() + ACK_GRACE_S)
-            c.sendall(b"".join(lines))
-            log.warning("capture_arena.vllm: sent %d results again after their connection closed", len(lines))
-        except OSError as e:
-            self._mark_sent(tags, None)
-            if c is not None:
-                self._drop_conn(c)
-            log.error("capture_arena.vllm: the result channel closed with %d results not answered, and they could not be sent again (%s); freed", len(lines), e)
-            self._free_unacked(tags)
+        e = self._send_on(again, b"".join(lines), time.monotonic() + ACK_GRACE_S)
+        if e is None:
+            log.warning("capture_arena.vllm: sent %d results again after their connection closed", len(again))
+        else:
+            log.error("capture_arena.vllm: the result channel closed with %d results not answered, and they could not be sent again (%s); freed", len(again), e)
+            self._free_unacked(again)
 
     def _connection(self) -> socket.socket:
         """The connection to the scheduler process, made (and its answers' reader started)
