@@ -379,8 +379,7 @@ def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
     torch copying the same bytes at the same link: device to pinned host memory for a host
     arena, device to device for a device arena (on the dry run's CPU: host to host). The best of
     ``tries`` each."""
-    from capture_arena._capture_arena import _result_keys
-    from capture_arena.vllm import _Save, _spec
+    from capture_arena.vllm import _Save
 
     w = eng.worker
     sink, rows = w._sink, w._rows
@@ -392,13 +391,13 @@ def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
     for i in range(tries):
         # A key of its own each try: the previous try's free is applied at the writer's next
         # turn, which this reservation may come before.
-        sv = _Save(f"rate{i}", list(range(-(-n // BLOCK))), tokens_of(3, n), 1)
-        ((row, at),) = sink.reserve_each([_spec(eng.kv, "rate", sv)], within_s=10)
-        if at is None:
+        sv = _Save(f"rate{i}", list(range(-(-n // BLOCK))), tokens_of(3, n), n, 1)
+        ((keys, at, row),) = sink._reserve_rows_begin("rate", "bfloat16", K * eng.hidden, [(sv.req_id, 1, n)], within_s=10).wait_dicts()
+        if keys is None or at is None:
             raise RuntimeError(f"the copy-rate request did not fit: {row}")
         sync()
         t0 = time.perf_counter()
-        (ok,) = rows.copy([(sv, _result_keys(row), at)], None)  # finishes its writes
+        (ok,) = rows.copy([(sv, keys, at)], None)  # finishes its writes
         ours.append(time.perf_counter() - t0)
         if not ok:
             raise RuntimeError("the copy-rate request's copy failed (see the log)")

@@ -9,9 +9,9 @@ use capture_arena::sample::SampleResult;
 use capture_arena::writer::{deadline_in, Outcome};
 use capture_arena::{BatchHandle, Dtype, Error, Sample, Sink, Tensor, TensorData};
 use pyo3::exceptions::PyRuntimeError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
-use pythonize::pythonize;
 
 use crate::error::{named, to_py};
 use crate::held::Held;
@@ -147,6 +147,44 @@ impl PyReserving {
                 }
             }
         }
+        Self::queue(py, sink, samples, refused, within)
+    }
+
+    /// [`PyReserving::begin`] for requests of rows (`_begin_reserving_rows`): each `(sample_id,
+    /// gen, n)` is `hidden_states` `[1, n, width]` of `dtype` and `token_ids` `[1, n]` int64,
+    /// built here with no spec to read.
+    pub(crate) fn begin_rows(
+        py: Python<'_>,
+        sink: Held,
+        rows: &RowsSpec,
+        requests: Vec<(String, u64, u64)>,
+        within: Duration,
+    ) -> PyResult<Self> {
+        let aux_ids = sink.config().aux_layer_ids.clone();
+        let mut samples = Vec::with_capacity(requests.len());
+        let mut refused = Vec::new();
+        for (i, (sample_id, gen, n)) in requests.into_iter().enumerate() {
+            match rows.sample(&sample_id, gen, n, &aux_ids) {
+                Ok(s) => samples.push(s),
+                Err(e) => refused.push((
+                    i,
+                    pyo3::types::PyString::new(py, &sample_id)
+                        .into_any()
+                        .unbind(),
+                    e.to_string(),
+                )),
+            }
+        }
+        Self::queue(py, sink, samples, refused, within)
+    }
+
+    fn queue(
+        py: Python<'_>,
+        sink: Held,
+        samples: Vec<Sample>,
+        refused: Vec<RefusedSpec>,
+        within: Duration,
+    ) -> PyResult<Self> {
         let ids = samples.iter().map(|s| s.sample_id().to_owned()).collect();
         let deadline = deadline_in(within);
         let queued = if samples.is_empty() {
@@ -166,25 +204,88 @@ impl PyReserving {
     }
 }
 
+/// The requests of `_begin_reserving_rows`: their `store_id`, and the dtype and width of their
+/// rows.
+pub(crate) struct RowsSpec {
+    pub store_id: String,
+    pub dtype: Dtype,
+    pub width: u64,
+}
+
+impl RowsSpec {
+    /// A request of `n` rows as a sample of two reserved tensors.
+    fn sample(
+        &self,
+        sample_id: &str,
+        gen: u64,
+        n: u64,
+        aux_ids: &Option<Vec<i64>>,
+    ) -> capture_arena::Result<Sample> {
+        let overflow = || Error::InvalidSample {
+            sample_id: sample_id.to_owned(),
+            reason: format!("{n} rows of {} elements overflow", self.width),
+        };
+        let rows = n
+            .checked_mul(self.width)
+            .and_then(|e| e.checked_mul(self.dtype.item_size()))
+            .ok_or_else(overflow)?;
+        let ids = n.checked_mul(8).ok_or_else(overflow)?;
+        let mut s =
+            Sample::new(&self.store_id, sample_id, gen)?.with_aux_layer_ids(aux_ids.clone());
+        s.push(Tensor::new(
+            "hidden_states",
+            vec![1, n, self.width],
+            self.dtype,
+            TensorData::Reserved(rows),
+        )?)?;
+        s.push(Tensor::new(
+            "token_ids",
+            vec![1, n],
+            Dtype::Int64,
+            TensorData::Reserved(ids),
+        )?)?;
+        Ok(s)
+    }
+}
+
 #[pymethods]
 impl PyReserving {
     /// Each spec's reservation, in order, waiting for the writer (with the GIL held for at most
     /// `hold_gil_s`, without it beyond) until the space is there or the deadline passed:
     /// `(row, writable)`, or with `keys` `(keys, writable, json)` (the objects' keys, None for a
-    /// row with an error, and the row's JSON text). Once only.
-    #[pyo3(signature = (keys = false, hold_gil_s = GIL_HELD_WAIT.as_secs_f64()))]
+    /// row with an error, and the row's JSON text; with `dicts` too, the row as a dict instead of
+    /// its text). Once only.
+    #[pyo3(signature = (keys = false, hold_gil_s = GIL_HELD_WAIT.as_secs_f64(), dicts = false))]
     pub(crate) fn wait<'py>(
         &self,
         py: Python<'py>,
         keys: bool,
         hold_gil_s: f64,
+        dicts: bool,
     ) -> PyResult<Bound<'py, PyList>> {
         let taken = self.state.lock().unwrap_or_else(|p| p.into_inner()).take();
         let r = taken
             .ok_or_else(|| PyRuntimeError::new_err("these reservations were collected already"))?;
         let hold = Duration::try_from_secs_f64(hold_gil_s.max(0.0)).unwrap_or(GIL_HELD_WAIT);
-        r.collect(py, keys, hold)
+        let form = match (keys, dicts) {
+            (false, _) => Form::Rows,
+            (true, false) => Form::KeysJson,
+            (true, true) => Form::KeysDicts,
+        };
+        r.collect(py, form, hold)
     }
+}
+
+/// How [`PyReserving::wait`] hands each reservation back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Form {
+    /// `(row, writable)`.
+    Rows,
+    /// `(keys, writable, json)`.
+    KeysJson,
+    /// `(keys, writable, row)`: what a caller in this process keeps, without a JSON text to
+    /// parse (the row built here costs about a third of `json.loads` of its text).
+    KeysDicts,
 }
 
 impl Drop for PyReserving {
@@ -200,7 +301,7 @@ impl Reserving {
     fn collect<'py>(
         self,
         py: Python<'py>,
-        keys: bool,
+        form: Form,
         hold: Duration,
     ) -> PyResult<Bound<'py, PyList>> {
         let Reserving {
@@ -236,7 +337,7 @@ impl Reserving {
             .filter(|(_, w)| w.is_some())
             .flat_map(|(r, _)| published_keys(r).unwrap_or_default())
             .collect();
-        rows_out(py, &sink, made, refused, keys).inspect_err(|_| {
+        rows_out(py, &sink, made, refused, form).inspect_err(|_| {
             // Nobody learns these objects' keys: nothing will ever be written into them.
             sink.finish_writes(reserved, false);
         })
@@ -351,7 +452,7 @@ fn rows_out<'py>(
         Option<std::collections::BTreeMap<String, u64>>,
     )>,
     refused: Vec<RefusedSpec>,
-    keys: bool,
+    form: Form,
 ) -> PyResult<Bound<'py, PyList>> {
     let out = PyList::empty(py);
     let mut refused = refused.into_iter().peekable();
@@ -361,7 +462,12 @@ fn rows_out<'py>(
             let Some((_, id, error)) = refused.next() else {
                 break;
             };
-            if keys {
+            if form == Form::KeysDicts {
+                let row = PyDict::new(py);
+                row.set_item(intern!(py, "sample_id"), id)?;
+                row.set_item(intern!(py, "error"), error)?;
+                PyTuple::new(py, [py.None(), py.None(), row.into_any().unbind()])?
+            } else if form == Form::KeysJson {
                 let text = refused_json(id.bind(py), &error);
                 PyTuple::new(
                     py,
@@ -379,12 +485,27 @@ fn rows_out<'py>(
             }
         } else if let Some((r, w)) = made.next() {
             let place = match &w {
-                Some(w) => pythonize(py, w)
-                    .map_err(|e| PyRuntimeError::new_err(e.to_string()))?
-                    .unbind(),
+                Some(w) => {
+                    let d = PyDict::new(py);
+                    for (name, at) in w {
+                        d.set_item(name, at)?;
+                    }
+                    d.into_any().unbind()
+                }
                 None => py.None(),
             };
-            if keys {
+            if form == Form::KeysDicts {
+                let names = if w.is_some() {
+                    published_keys(&r)
+                } else {
+                    None
+                };
+                let names = match names {
+                    Some(k) => PyList::new(py, k)?.into_any().unbind(),
+                    None => py.None(),
+                };
+                PyTuple::new(py, [names, place, row_to_py(py, &r)?.into_any().unbind()])?
+            } else if form == Form::KeysJson {
                 let (names, text) = keys_and_json(sink, r, w.is_some());
                 let names = match names {
                     Some(k) => PyList::new(py, k)?.into_any().unbind(),
@@ -427,6 +548,45 @@ fn keys_and_json(sink: &Sink, r: SampleResult, reserved: bool) -> (Option<Vec<St
             (None, text)
         }
     }
+}
+
+/// A result as a dict, as `pythonize` (or `json.loads` of its JSON text) would make it, built
+/// with interned keys and no serializer: the shape of [`SampleResult`] (fields absent when
+/// serde skips them).
+fn row_to_py<'py>(py: Python<'py>, r: &SampleResult) -> PyResult<Bound<'py, PyDict>> {
+    let row = PyDict::new(py);
+    match r {
+        SampleResult::Failed(f) => {
+            row.set_item(intern!(py, "sample_id"), &f.sample_id)?;
+            row.set_item(intern!(py, "error"), &f.error)?;
+        }
+        SampleResult::Published(p) => {
+            row.set_item(intern!(py, "sample_id"), &p.sample_id)?;
+            row.set_item(intern!(py, "store_id"), &p.store_id)?;
+            row.set_item(intern!(py, "gen"), p.gen)?;
+            row.set_item(intern!(py, "aux_layer_ids"), p.aux_layer_ids.as_deref())?;
+            let features = PyDict::new(py);
+            for (name, f) in &p.features {
+                let d = PyDict::new(py);
+                d.set_item(intern!(py, "shape"), PyList::new(py, &f.shape)?)?;
+                d.set_item(intern!(py, "dtype"), f.dtype.name())?;
+                d.set_item(intern!(py, "address"), f.address)?;
+                if let Some(stamp) = f.stamp {
+                    d.set_item(intern!(py, "stamp"), stamp)?;
+                }
+                features.set_item(name, d)?;
+            }
+            row.set_item(intern!(py, "features"), features)?;
+            let arena = PyDict::new(py);
+            arena.set_item(intern!(py, "session"), &p.arena.session)?;
+            arena.set_item(intern!(py, "control"), &p.arena.control)?;
+            if let Some(token) = &p.arena.token {
+                arena.set_item(intern!(py, "token"), token)?;
+            }
+            row.set_item(intern!(py, "arena"), arena)?;
+        }
+    }
+    Ok(row)
 }
 
 /// `{"sample_id", "error"}` as JSON for a spec refused before the writer (its `sample_id` if it

@@ -763,7 +763,7 @@ impl PySink {
         hold_gil_s: f64,
     ) -> PyResult<Bound<'py, PyList>> {
         self._begin_reserving(py, specs, within_s)?
-            .wait(py, keys, hold_gil_s)
+            .wait(py, keys, hold_gil_s, false)
     }
 
     /// Hands the reservations of `_reserve_each` to the writer and returns at once (unless the
@@ -779,6 +779,35 @@ impl PySink {
     ) -> PyResult<PyReserving> {
         let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
         PyReserving::begin(py, self.sink(py)?, specs, within)
+    }
+
+    /// `_begin_reserving` for requests of rows, with no spec to read: each `(sample_id, gen,
+    /// n)` of `requests` is `{"store_id": store_id, "sample_id", "gen", "features":
+    /// {"hidden_states": {"shape": [1, n, width], "dtype": dtype}, "token_ids": {"shape": [1,
+    /// n], "dtype": "int64"}}}` (vLLM's connector: a step's finished prompts).
+    fn _begin_reserving_rows(
+        &self,
+        py: Python<'_>,
+        store_id: String,
+        dtype: &str,
+        width: u64,
+        requests: Vec<(String, u64, u64)>,
+        within_s: f64,
+    ) -> PyResult<PyReserving> {
+        let dtype = capture_arena::Dtype::from_name(dtype).ok_or_else(|| {
+            named(
+                py,
+                "InvalidSampleError",
+                format!("reserving rows: unknown dtype {dtype:?}"),
+            )
+        })?;
+        let rows = crate::reserve::RowsSpec {
+            store_id,
+            dtype,
+            width,
+        };
+        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
+        PyReserving::begin_rows(py, self.sink(py)?, &rows, requests, within)
     }
 
     /// The arena's memory in this process, `(address, bytes)`, or None before it exists.

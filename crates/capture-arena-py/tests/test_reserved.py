@@ -324,6 +324,51 @@ def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
     sink._finish_keys(keys, ok=False)
 
 
+def test_requests_of_rows_are_reserved_as_their_specs_would_be_and_fail_alone(make_sink: Any) -> None:
+    """vLLM's connector reserves a step's requests as ``(sample_id, gen, n)`` (no spec dicts),
+    and keeps each row as a dict the extension builds (no JSON to parse): the same rows, field
+    for field, as a spec reserved through ``reserve_each`` (serde's own serialization) and as
+    the JSON text sent to a scheduler in another process; a bad request fails only itself."""
+    sink = make_sink(aux_layer_ids=[1, 2, 4])
+    spec = {
+        "store_id": "st",
+        "sample_id": "spec",
+        "gen": 3,
+        "features": {"hidden_states": {"shape": [1, 40, 96], "dtype": "bfloat16"}, "token_ids": {"shape": [1, 40], "dtype": "int64"}},
+    }
+    ((by_spec, at_spec),) = sink.reserve_each([spec], within_s=1)
+    requests = [("rows", 3, 40), ("", 1, 40), ("huge", 1, 1 << 62), ("too-big", 1, 1 << 20), ("rows2", 5, 40)]
+    as_dicts = sink._reserve_rows_begin("st", "bfloat16", 96, requests, within_s=1).wait_dicts()
+    as_json = sink._reserve_rows_begin("st", "bfloat16", 96, [("json", 3, 40)], within_s=1).wait()
+
+    def shape_of(row: dict[str, Any]) -> dict[str, Any]:
+        """The row without what differs between objects: its sample id, addresses and stamps
+        (each checked to be an integer)."""
+        out = dict(row, sample_id="-")
+        feats = {}
+        for name, f in row["features"].items():
+            assert type(f["address"]) is int and type(f["stamp"]) is int, f
+            feats[name] = dict(f, address=0, stamp=0)
+        out["features"] = feats
+        return out
+
+    assert "error" not in by_spec and at_spec is not None, by_spec
+    rows = [r for _, _, r in as_dicts]
+    assert [r["sample_id"] for r in rows] == [q[0] for q in requests]
+    assert shape_of(rows[0]) == shape_of(by_spec) and shape_of(rows[4]) == shape_of(dict(by_spec, gen=5)), (rows[0], by_spec)
+    assert rows[0]["aux_layer_ids"] == [1, 2, 4] and rows[0]["features"]["hidden_states"]["shape"] == [1, 40, 96]
+    ((json_keys, json_at, text),) = as_json
+    assert shape_of(json.loads(text)) == shape_of(by_spec)
+    for keys, at, row in [as_dicts[0], as_dicts[4]]:
+        assert keys == ca._capture_arena._result_keys(row) and at is not None and set(at) == {"hidden_states", "token_ids"}
+    # An empty id, an overflowing length, one longer than the arena: each only its own error.
+    assert all(k is None and a is None and set(r) == {"sample_id", "error"} for k, a, r in as_dicts[1:4]), as_dicts[1:4]
+    assert "empty" in rows[1]["error"] and "overflow" in rows[2]["error"] and "arena" in rows[3]["error"], rows[1:4]
+    sink.finish_writes([by_spec, rows[0], rows[4]], ok=False)
+    sink._finish_keys(json_keys or [], ok=False)
+    assert json_at is not None
+
+
 def test_reservation_specs_are_read_as_their_json_would_be(make_sink: Any) -> None:
     """Specs are read by their Python types (not through pythonize, whose probe of every dict for
     a dataclass raised and discarded an AttributeError each time): tuples as lists, booleans not

@@ -373,6 +373,15 @@ class ArenaSink(LiveSink, _ArenaSink):
         begun = self._reserved(within_s, lambda left: self._begin_reserving(items, left))
         return _Reservations(items, begun)
 
+    def _reserve_rows_begin(
+        self, store_id: str, dtype: str, width: int, requests: list[tuple[str, int, int]], *, within_s: float
+    ) -> "_Reservations":
+        """:meth:`_reserve_each_begin` for requests of rows, with no spec to build or read: each
+        ``(sample_id, gen, n)`` is ``hidden_states`` ``[1, n, width]`` of ``dtype`` and
+        ``token_ids`` ``[1, n]`` int64 (vLLM's connector: a step's finished prompts)."""
+        begun = self._reserved(within_s, lambda left: self._begin_reserving_rows(store_id, dtype, width, requests, left))
+        return _Reservations(requests, begun)
+
     def _reserved(self, within_s: float, reserve: "Callable[[float], _T]") -> "_T | str":
         """``reserve(seconds left)`` once the arena exists, waiting for it at most ``within_s``;
         the reason instead when it does not, or the reservation raised (never raises)."""
@@ -467,6 +476,8 @@ class ArenaSink(LiveSink, _ArenaSink):
 #: A reservation as :meth:`ArenaSink._reserve_each_keys` returns it: the objects' keys (None:
 #: not published), where this process writes each feature, and the result's JSON text.
 _Reserved = tuple[Optional[list[str]], Optional[dict[str, int]], bytes]
+#: A reservation as :meth:`_Reservations.wait_dicts` returns it: its result as a dict.
+_ReservedRow = tuple[Optional[list[str]], Optional[dict[str, int]], dict[str, Any]]
 
 
 class _Reservations:
@@ -481,17 +492,7 @@ class _Reservations:
         the deadline passed); never raises. The wait keeps the GIL for its first 2 ms
         (``hold_gil_s``): given up, the GIL can take Python's switch interval (5 ms) to come
         back while another thread runs Python."""
-        begun, self._begun = self._begun, None
-        out: "list[_Reserved] | str"
-        if begun is None:
-            out = "these reservations were collected already"
-        elif isinstance(begun, str):
-            out = begun
-        else:
-            try:
-                out = begun.wait(True) if hold_gil_s is None else begun.wait(True, float(hold_gil_s))
-            except Exception as e:  # the extension fails what it reserved itself
-                out = str(e)
+        out: "list[_Reserved] | str" = self._collect(False, hold_gil_s)
         if isinstance(out, str):
             return [(None, None, json.dumps(r, separators=(",", ":"), default=str).encode()) for r in _unreserved(self._items, out)]
         failed = [json.loads(text) for keys, _, text in out if keys is None]
@@ -499,11 +500,47 @@ class _Reservations:
             _log_failures_of(failed)
         return out
 
+    def wait_dicts(self, hold_gil_s: Optional[float] = None) -> "list[_ReservedRow]":
+        """:meth:`wait` with each result as a dict, made by the extension (no JSON text to parse
+        for a caller that keeps the row in this process)."""
+        out: "list[_ReservedRow] | str" = self._collect(True, hold_gil_s)
+        if isinstance(out, str):
+            return [(None, None, r) for r in _unreserved(self._items, out)]
+        failed = [row for keys, _, row in out if keys is None]
+        if failed:
+            _log_failures_of(failed)
+        return out
+
+    def _collect(self, dicts: bool, hold_gil_s: Optional[float]) -> Any:
+        """The extension's reservations (JSON texts, or with ``dicts`` dicts), or why there are
+        none."""
+        begun, self._begun = self._begun, None
+        if begun is None:
+            return "these reservations were collected already"
+        if isinstance(begun, str):
+            return begun
+        try:
+            if hold_gil_s is None:
+                return begun.wait(True, dicts=dicts)
+            return begun.wait(True, float(hold_gil_s), dicts=dicts)
+        except Exception as e:  # the extension fails what it reserved itself
+            return str(e)
+
 
 def _unreserved(specs: Sequence[Any], error: str) -> list[Result]:
     """``{"sample_id", "error"}`` for each reservation spec when none could be reserved (its
     ``sample_id`` if it has one)."""
-    return [{"sample_id": sp.get("sample_id") if isinstance(sp, Mapping) else None, "error": error} for sp in specs]
+    return [{"sample_id": _spec_id(sp), "error": error} for sp in specs]
+
+
+def _spec_id(spec: Any) -> Any:
+    """A reservation's ``sample_id``: a spec's, or the first of a request of rows
+    (:meth:`ArenaSink._reserve_rows_begin`)."""
+    if isinstance(spec, Mapping):
+        return spec.get("sample_id")
+    if isinstance(spec, tuple) and spec:
+        return spec[0]
+    return None
 
 
 def _stopped(stop: "Callable[[], bool]") -> bool:

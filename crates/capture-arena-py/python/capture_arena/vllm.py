@@ -107,7 +107,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ._capture_arena import _Landed, _result_keys
 from ._live import sync_wait_s
-from ._sink import ArenaSink, _Reservations, _Reserved
+from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
 __all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID"]
 
@@ -145,7 +145,12 @@ MAX_ACCEPT_BACKOFF_S = 1.0
 class _Save:
     req_id: str
     block_ids: list[int]
+    #: The request's prompt token ids, of which the first ``n`` are captured: vLLM's own list,
+    #: not copied on its thread (a resumable, streaming-input request's list only grows after,
+    #: in place); the copy thread copies ``token_ids[:n]``.
     token_ids: list[int]
+    #: The prompt's length: the rows captured.
+    n: int
     #: The scheduler process's number for this announcement (a request id may come again).
     seq: int = 0
 
@@ -303,7 +308,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._copy_cond = threading.Condition()
             #: Of those, the ones vLLM finished (their blocks wait for the copy).
             self._finished: set[str] = set()
-            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[_Reserved], list[_Copy], Any]]]" = queue.Queue()
+            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[_Placed], list[_Copy], Any]]]" = queue.Queue()
             self._copier: Optional[threading.Thread] = None
             self._stopping = False
             self._rows: Optional[_Rows] = None
@@ -364,12 +369,14 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 continue  # not the layout this connector knows (prompt embeddings): no capture
             self._seq += 1
             self._again.discard(rid)
-            # Copies, each made once (a slice of a list is one; 2048 tokens cost about 10 µs):
-            # vLLM extends a resumable (streaming-input) request's prompt list in place, and the
-            # copy thread reads it after this step, against a reservation of n tokens.
-            meta.saves.append(_Save(rid, list(blocks[:need]), ids[:n] if isinstance(ids, list) else list(ids)[:n], self._seq))
+            # The blocks copied (vLLM appends to the list as the request grows); the token ids
+            # not (2.5 µs a request at 2048 tokens, 20 at 16,000): the copy thread reads their
+            # first n after this step, and vLLM only ever extends a prompt's list.
+            meta.saves.append(_Save(rid, blocks[:need], ids if isinstance(ids, list) else list(ids), n, self._seq))
+        if meta.saves:
             with self._cond:
-                self._pending[rid] = self._seq
+                for sv in meta.saves:
+                    self._pending[sv.req_id] = sv.seq
         return meta
 
     def _deliver(self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any, fresh: Optional[list[bool]] = None) -> list[bool]:
@@ -496,6 +503,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if get_tensor_model_parallel_rank() != 0:
             return
         self._kv = kv
+        self._dtype = str(kv.dtype).removeprefix("torch.")
         kwargs: dict[str, Any] = {"aux_layer_ids": self._aux_layer_ids}
         if not os.environ.get("SGLANG_SPEC_CAPTURE_PLACEMENT", "").strip():
             kwargs["placement"] = "arena"
@@ -539,8 +547,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sink is not None and self._kv is not None
         try:
             saves = _kernel_blocks(saves, int(getattr(meta, "block_size", 0) or 0), int(self._kv.shape[2]))
-            specs = [_spec(self._kv, self._store_id, sv) for sv in saves]
-            return saves, self._sink._reserve_each_begin(specs, within_s=self._bound)
+            # Each request: hidden_states [1, n, k*H] in the cache's dtype, token_ids [1, n]
+            # int64; its generation is the announcement's number, so a request captured again
+            # (after a preemption, or a request id used again) never meets its earlier objects'
+            # keys, which may still be resident.
+            width = int(self._kv.shape[1]) * int(self._kv.shape[3])
+            requests = [(sv.req_id, max(sv.seq, 1), sv.n) for sv in saves]
+            return saves, self._sink._reserve_rows_begin(self._store_id, self._dtype, width, requests, within_s=self._bound)
         except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
             log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
             return saves, f"publish failed: {e}"
@@ -565,8 +578,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if self._kv.is_cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self._kv.device))
-        reserved = _collect(saves, reservations)
-        self._send(saves, reserved)
+        reserved = self._publish(saves, reservations)
         copies = [_Copy() for _ in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
@@ -591,8 +603,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         saves, reservations = begun
         log.error("capture_arena.vllm: %s; the captures of %d requests fail", why, len(saves))
         self._fail_step(_collect(saves, reservations), [])
-        error = f"not captured: {why}"
-        self._send(saves, _collect(saves, error))
+        self._publish(saves, f"not captured: {why}")
         # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
         # holds an announced request's blocks until then).
         gone = set(preempted)
@@ -703,7 +714,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             finally:
                 self._mark_done(copies)
 
-    def _fail_step(self, reserved: list["_Reserved"], copies: list["_Copy"]) -> None:
+    def _fail_step(self, reserved: list["_Placed"], copies: list["_Copy"]) -> None:
         """A step's objects are never written: their readers fail and their space is freed, and
         its copies are over."""
         self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
@@ -716,7 +727,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 c.over = True
             self._copy_cond.notify_all()
 
-    def _copy_step(self, saves: list[_Save], reserved: list["_Reserved"], copies: list["_Copy"], event: Any) -> None:
+    def _copy_step(self, saves: list[_Save], reserved: list["_Placed"], copies: list["_Copy"], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
         if self._rows is None:  # here, not on vLLM's thread: it may register the arena with CUDA
             self._rows = _Rows(self._kv, self._sink)
@@ -755,15 +766,24 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._rows.quiesce()
                 self._sink._finish_keys(left, ok=False)
 
+    def _publish(self, saves: list[_Save], reservations: "_Reservations | str") -> list["_Placed"]:
+        """Collects the step's reservations (or error rows with the reason a string gives) and
+        hands their results to the scheduler process: as dicts to one in this process, as JSON
+        lines to one of its own."""
+        local = _local_scheduler(self._channel)
+        if local is not None:
+            rows = _collect_dicts(saves, reservations)
+            self._hand_in_process(local, saves, rows)
+            return list(rows)
+        reserved = _collect(saves, reservations)
+        self._send(saves, reserved)
+        return list(reserved)
+
     def _send(self, saves: list[_Save], reserved: list["_Reserved"]) -> None:
-        """Hands the step's results to the scheduler process. Each published one is the
+        """Hands the step's results to a scheduler process of its own. Each published one is the
         worker's to free until the scheduler process says it took it (``taken``) or asks for it
         to be freed (``free``); with no word by the bound plus ACK_GRACE_S (a listener that
         cannot accept, a scheduler process that is stuck or gone) the worker frees it."""
-        local = _local_scheduler(self._channel)
-        if local is not None:
-            self._hand_in_process(local, saves, reserved)
-            return
         sent = time.monotonic()
         deadline = sent + self._bound + ACK_GRACE_S
         lines, published = [], []
@@ -859,13 +879,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         threading.Thread(target=self._read_answers, args=(c,), name="capture-arena-vllm-answers", daemon=True).start()
         return c
 
-    def _hand_in_process(self, sched: "CaptureArenaConnector", saves: list[_Save], reserved: list["_Reserved"]) -> None:
+    def _hand_in_process(self, sched: "CaptureArenaConnector", saves: list[_Save], reserved: list["_ReservedRow"]) -> None:
         """Hands the step's results to the scheduler in this process (vLLM's UniProcExecutor,
         tensor parallelism 1: the engine core runs this worker) on this thread: no socket, no
         listener thread for :meth:`request_finished` to wait for (nor the GIL it would need),
         nothing to acknowledge. A late result is freed here at once."""
-        rows = json.loads(b"[" + b",".join(text for _, _, text in reserved) + b"]")
-        kept = sched._deliver([(s.req_id, s.seq, row) for s, row in zip(saves, rows)], self._in_process)
+        kept = sched._deliver([(s.req_id, s.seq, row) for s, (_, _, row) in zip(saves, reserved)], self._in_process)
         late = [keys for (keys, _, _), keep in zip(reserved, kept) if not keep and keys]
         if late and self._sink is not None:
             log.warning("capture_arena.vllm: %d results came after their requests were answered; freed", len(late))
@@ -1078,7 +1097,7 @@ class _Rows:
             return False
 
     def _objects(self, sv: _Save, at: dict[str, int], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        n = len(sv.token_ids)
+        n = sv.n
         hs = _arena_tensor(at["hidden_states"], n * self.k * self.h, self.kv.dtype, device).view(n, self.k, self.h)
         ids = _arena_tensor(at["token_ids"], n, torch.int64, device)
         return hs, ids
@@ -1096,7 +1115,7 @@ class _Rows:
         try:
             why = self.sink._copy_requests_rows(
                 cache,
-                [(keys, at["token_ids"], sv.token_ids, at["hidden_states"], len(sv.token_ids) * rows, sv.block_ids) for sv, keys, at in todo],
+                [(keys, at["token_ids"], sv.token_ids[: sv.n], at["hidden_states"], sv.n * rows, sv.block_ids) for sv, keys, at in todo],
                 landed,
                 first,
             )
@@ -1112,8 +1131,8 @@ class _Rows:
 
     def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
         """A cache whose rows are not contiguous: a strided torch copy per block."""
-        n = len(sv.token_ids)
-        ids = np.asarray(sv.token_ids, dtype=np.int64)
+        n = sv.n
+        ids = np.asarray(sv.token_ids[:n], dtype=np.int64)
         ctypes.memmove(at["token_ids"], ids.ctypes.data, ids.nbytes)
         hs, _ = self._objects(sv, at, None)
         for j, b in enumerate(sv.block_ids):
@@ -1125,9 +1144,9 @@ class _Rows:
 
     def _copy_device(self, sv: _Save, at: dict[str, int]) -> None:
         assert self.stage is not None
-        n = len(sv.token_ids)
+        n = sv.n
         hs, ids = self._objects(sv, at, self.arena_device if self.device_arena else None)
-        ids.copy_(torch.tensor(sv.token_ids, dtype=torch.int64), non_blocking=True)
+        ids.copy_(torch.tensor(sv.token_ids[:n], dtype=torch.int64), non_blocking=True)
         gathered, laid = self.stage
         blocks = torch.tensor(sv.block_ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
         for j0 in range(0, len(sv.block_ids), self.chunk):
@@ -1163,6 +1182,18 @@ def _collect(saves: list[_Save], reservations: "_Reservations | str") -> list[_R
     return reservations.wait()
 
 
+def _collect_dicts(saves: list[_Save], reservations: "_Reservations | str") -> list[_ReservedRow]:
+    """:func:`_collect` with each result as a dict."""
+    if isinstance(reservations, str):
+        return [(None, None, {"sample_id": sv.req_id, "error": reservations}) for sv in saves]
+    return reservations.wait_dicts()
+
+
+#: A request's reservation as the copy thread takes it: its objects' keys (None: not
+#: published), where this process writes each feature, and its result (text or dict).
+_Placed = tuple[Optional[list[str]], Optional[dict[str, int]], Any]
+
+
 def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:
     """The lines that carry a step's results to the scheduler process, each row's JSON text as
     the extension encoded it (json.dumps of a row cost about as much as reserving it)."""
@@ -1170,23 +1201,6 @@ def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:
         b'{"req_id":%s,"seq":%d,"sent":%r,"row":%s}\n' % (json.dumps(s.req_id).encode(), s.seq, sent, text)
         for s, text in results
     )
-
-
-def _spec(kv: torch.Tensor, store_id: str, sv: _Save) -> dict[str, Any]:
-    """A request's reservation: ``hidden_states`` ``[1, n, k*H]`` in the cache's dtype and
-    ``token_ids`` ``[1, n]`` int64."""
-    n, k, h = len(sv.token_ids), int(kv.shape[1]), int(kv.shape[3])
-    return {
-        "store_id": store_id,
-        "sample_id": sv.req_id,
-        # The announcement's number: a request captured again (after a preemption, or a request
-        # id used again) never meets its earlier objects' keys, which may still be resident.
-        "gen": max(sv.seq, 1),
-        "features": {
-            "hidden_states": {"shape": [1, n, k * h], "dtype": str(kv.dtype).removeprefix("torch.")},
-            "token_ids": {"shape": [1, n], "dtype": "int64"},
-        },
-    }
 
 
 def _arena_tensor(address: int, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
