@@ -332,13 +332,12 @@ impl Reserving {
                 .map(|r| (r, None))
                 .collect(),
         };
-        let reserved: Vec<String> = made
-            .iter()
-            .filter(|(_, w)| w.is_some())
-            .flat_map(|(r, _)| published_keys(r).unwrap_or_default())
-            .collect();
-        rows_out(py, &sink, made, refused, form).inspect_err(|_| {
+        rows_out(py, &sink, &made, refused, form).inspect_err(|_| {
             // Nobody learns these objects' keys: nothing will ever be written into them.
+            let reserved = made
+                .iter()
+                .filter(|(_, w)| w.is_some())
+                .flat_map(|(r, _)| published_keys(r).unwrap_or_default());
             sink.finish_writes(reserved, false);
         })
     }
@@ -447,16 +446,16 @@ fn published_keys(r: &SampleResult) -> Option<Vec<String>> {
 fn rows_out<'py>(
     py: Python<'py>,
     sink: &Sink,
-    made: Vec<(
+    made: &[(
         SampleResult,
         Option<std::collections::BTreeMap<String, u64>>,
-    )>,
+    )],
     refused: Vec<RefusedSpec>,
     form: Form,
 ) -> PyResult<Bound<'py, PyList>> {
     let out = PyList::empty(py);
     let mut refused = refused.into_iter().peekable();
-    let mut made = made.into_iter();
+    let mut made = made.iter();
     for i in 0.. {
         let item = if refused.peek().is_some_and(|(at, _, _)| *at == i) {
             let Some((_, id, error)) = refused.next() else {
@@ -495,16 +494,12 @@ fn rows_out<'py>(
                 None => py.None(),
             };
             if form == Form::KeysDicts {
-                let names = if w.is_some() {
-                    published_keys(&r)
-                } else {
-                    None
-                };
+                let names = if w.is_some() { published_keys(r) } else { None };
                 let names = match names {
                     Some(k) => PyList::new(py, k)?.into_any().unbind(),
                     None => py.None(),
                 };
-                PyTuple::new(py, [names, place, row_to_py(py, &r)?.into_any().unbind()])?
+                PyTuple::new(py, [names, place, row_to_py(py, r)?.into_any().unbind()])?
             } else if form == Form::KeysJson {
                 let (names, text) = keys_and_json(sink, r, w.is_some());
                 let names = match names {
@@ -516,7 +511,7 @@ fn rows_out<'py>(
                     [names, place, PyBytes::new(py, &text).into_any().unbind()],
                 )?
             } else {
-                let row = results_to_py(py, std::slice::from_ref(&r))?.get_item(0)?;
+                let row = results_to_py(py, std::slice::from_ref(r))?.get_item(0)?;
                 PyTuple::new(py, [row.unbind(), place])?
             }
         } else {
@@ -530,12 +525,12 @@ fn rows_out<'py>(
 /// A reserved sample's object keys (None for a failed one) and its row's JSON text. A row that
 /// cannot be encoded (no result type today has such a field) fails its objects here, freeing
 /// them, and becomes an error row: nothing stays reserved that its caller cannot name.
-fn keys_and_json(sink: &Sink, r: SampleResult, reserved: bool) -> (Option<Vec<String>>, Vec<u8>) {
-    let names = if reserved { published_keys(&r) } else { None };
-    match serde_json::to_vec(&r) {
+fn keys_and_json(sink: &Sink, r: &SampleResult, reserved: bool) -> (Option<Vec<String>>, Vec<u8>) {
+    let names = if reserved { published_keys(r) } else { None };
+    match serde_json::to_vec(r) {
         Ok(text) => (names, text),
         Err(e) => {
-            let id = match &r {
+            let id = match r {
                 SampleResult::Published(p) => p.sample_id.clone(),
                 SampleResult::Failed(f) => f.sample_id.clone(),
             };
