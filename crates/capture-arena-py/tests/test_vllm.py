@@ -829,6 +829,24 @@ def test_a_steps_objects_are_placed_while_it_runs_and_an_unsaved_step_frees_them
     assert s["resident_objects"] == before["resident_objects"] and s["failed_writes"] >= before["failed_writes"] + 4, s
 
 
+def test_an_unsaved_steps_request_preempted_by_the_next_step_is_not_reported_to_vllm(both: Proc) -> None:
+    # A step bound and never saved, and the next step preempts one of its requests: its blocks
+    # went back to vLLM with the preemption, and vLLM's scheduler no longer holds it for us, so
+    # get_finished must not report it (vLLM's scheduler asserts on a request it does not know);
+    # the step's other request is reported at once, nothing having been copied for it.
+    first = both.ask({"announce": [["unsaved-preempted", 8], ["unsaved-kept", 8]]})["meta"]
+    assert both.ask({"bind": first}) == {"ok": True}
+    second = both.ask({"announce": [], "preempt": ["unsaved-preempted"]})["meta"]
+    assert both.ask({"bind": second}) == {"ok": True}  # the first step is given up here
+    assert both.ask({"get_finished": ["unsaved-preempted", "unsaved-kept"]}) == {"done": ["unsaved-kept"]}
+    assert both.ask({"unsaved": True}) == {"ok": True}
+    for rid in ("unsaved-kept", "unsaved-preempted"):
+        row = both.ask({"finish": rid})["params"]["capture_arena"]
+        assert "error" in row, row
+    s = wait_resident(both, 0)
+    assert s["resident_objects"] == 0, s
+
+
 def test_a_worker_in_the_engine_cores_process_hands_its_results_over_in_memory(both: Proc) -> None:
     # At tensor parallelism 1 vLLM runs the worker in the engine core's process: wait_for_save
     # puts the result in the scheduler's table itself, so request_finished never waits for the
@@ -1001,6 +1019,50 @@ def test_a_result_whose_answer_was_lost_with_its_connection_is_sent_again_not_fr
     release_all([got])  # the trainer reads and frees it: it was never freed under it
     s = wait_resident(worker, before["resident_objects"])
     assert s["resident_objects"] == before["resident_objects"] and s["local_freed_objects"] == before["local_freed_objects"], s
+
+
+def test_a_result_whose_connections_keep_closing_is_sent_again_once_then_freed_and_never_handed_out(pair: tuple[Proc, Proc]) -> None:
+    # Each connection the worker sends a result on closes before its answer (the worker's
+    # reconnect stands for a send that timed out; the engine core is stopped, so nothing is
+    # answered). The first close sends the result again on a new connection; the second frees
+    # it, and no third connection is made (without the limit: sent again for ever, a connection
+    # and a thread each time). The engine core then wakes within its bound and reads both
+    # copies of the line, fresh: its answers cannot reach the worker, so it gives the result
+    # back instead of handing out objects the worker freed (before: handed out).
+    import signal
+    import time
+
+    sched, worker = pair
+    before = worker.ask({"stats": True})
+    meta = sched.ask({"announce": [["closed-twice", 8]]})["meta"]
+
+    def sent_again() -> int:
+        worker.log.flush()
+        worker.log.seek(0)
+        return worker.log.read().count("sent 1 results again after their connection closed")
+
+    resent = sent_again()
+    stop(sched.p.pid)
+    try:
+        worker.ask({"save": meta})  # into connection A's buffer
+        assert worker.ask({"reconnect": True}) == {"ok": True}  # A closes: sent again on B
+        deadline = time.monotonic() + 10
+        while sent_again() == resent:
+            assert time.monotonic() < deadline, f"never sent again: {worker.log_tail()}"
+            time.sleep(0.01)
+        assert worker.ask({"reconnect": True}) == {"ok": True}  # B closes: freed
+        freed = before["local_freed_objects"] + 2
+        s = wait_stats(worker, lambda s: s["local_freed_objects"] >= freed, timeout=10)
+        dbg = worker.ask({"debug": True})
+        why = f"before {before}\nafter {s}\nworker: {json.dumps(dbg, indent=1)}\nits log: {worker.log_tail()}"
+        assert s["local_freed_objects"] - before["local_freed_objects"] == 2, why
+        assert dbg["conn"] is None and not dbg["unacked"] and sent_again() == resent + 1, why
+    finally:
+        os.kill(sched.p.pid, signal.SIGCONT)
+    got = sched.ask({"finish": "closed-twice"})["params"]
+    assert "no result within" in got["capture_arena"].get("error", ""), f"handed out a result its worker freed: {got}"
+    s = wait_resident(worker, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"], s
 
 
 def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(both: Proc) -> None:

@@ -127,7 +127,7 @@ for line in sys.stdin:
                 requests[rid] = req
                 sched.on_new_request(req)
                 num[rid] = n
-            meta = sched.build_connector_meta(ns(num_scheduled_tokens=num))
+            meta = sched.build_connector_meta(ns(num_scheduled_tokens=num, preempted_req_ids=set(cmd.get("preempt", ()))))
             answer = {"meta": base64.b64encode(pickle.dumps(meta)).decode(), "seqs": {sv.req_id: sv.seq for sv in meta.saves}}
         elif "save" in cmd:
             answer = {"s": save(cmd["save"])}

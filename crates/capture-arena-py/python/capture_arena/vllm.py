@@ -58,7 +58,9 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
   process never hands out a result read later than the bound plus half of that. Results whose
   connection closed before their answer are sent again on a new one, with ``ACK_GRACE_S`` more:
   the scheduler process answers for certain whether it holds them (its answer may have been
-  lost with the connection), and takes none anew past its bound;
+  lost with the connection), and takes none anew past its bound. Sent again once: when that
+  connection closes too, they are freed. The scheduler process sends its answer before it can
+  hand a result out, and gives back what it took from a line whose answer it could not send;
 - a failed ``accept()`` (EMFILE, ...) is logged, counted and retried after a back-off (10 ms
   doubling to 1 s); it never ends the listener;
 - requests announced and not finished are remembered up to ``MAX_PENDING`` (65,536; an engine
@@ -379,14 +381,20 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     self._pending[sv.req_id] = sv.seq
         return meta
 
-    def _deliver(self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any, fresh: Optional[list[bool]] = None) -> list[bool]:
+    def _deliver(
+        self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any, fresh: Optional[list[bool]] = None, answer: Any = None
+    ) -> list[bool]:
         """Keeps each result (request id, announcement, row) for :meth:`request_finished` if
         its announcement is still pending, all under one hold of the lock; False for one that
         is late (its request was answered already, or announced again since): its worker frees
         it. ``peer`` is where a result forgotten later is sent to be freed (:func:`_reply_free`).
         A result not ``fresh`` (read past the age its worker waits for an answer) is never kept
         anew: True only if it is this process's already (kept, or handed out), as a worker that
-        sends it again after losing its connection asks."""
+        sends it again after losing its connection asks. ``answer(kept)`` (a worker's line) is
+        sent before any of them can be handed out, under the same hold of the lock: if it cannot
+        be (the worker closed that connection first, so it never learns they were taken, and
+        frees them or sends them again), those not handed out yet are given back, and its
+        OSError raised."""
         evicted, kept = [], []
         with self._cond:
             for i, (req_id, seq, row) in enumerate(results):
@@ -397,6 +405,14 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 kept.append(keep or _tag(req_id, seq) in self._handed or (pending and req_id in self._results))
                 if keep:
                     self._results[req_id] = (row, peer)
+            if answer is not None:
+                try:
+                    answer(kept)
+                except OSError:
+                    for req_id, seq, _ in results:
+                        if self._pending.get(req_id) == seq:
+                            self._results.pop(req_id, None)
+                    raise
             while len(self._results) > MAX_RESULTS:
                 evicted.append(self._results.popitem(last=False)[1])
             if any(kept):
@@ -1422,15 +1438,15 @@ class _Listener:
                     results.append((rid, seq, row))
                     # Read too late, the worker may be freeing it already: never taken anew.
                     fresh.append(time.monotonic() - sent <= self._max_age_s)
-                taken, free = [], []
-                for (rid, seq, row), kept in zip(results, self._deliver(results, peer, fresh) if results else []):
-                    if kept:
-                        taken.append(_tag(rid, seq))
-                    elif "error" not in row:
-                        free.append(_tag(rid, seq))
-                if free:
-                    log.warning("capture_arena.vllm: %d results came after their requests were answered; the worker frees them", len(free))
-                peer.send({"taken": taken, "free": free})
+
+                def answer(kept: list[bool]) -> None:
+                    taken = [_tag(rid, seq) for (rid, seq, _), k in zip(results, kept) if k]
+                    free = [_tag(rid, seq) for (rid, seq, row), k in zip(results, kept) if not k and "error" not in row]
+                    if free:
+                        log.warning("capture_arena.vllm: %d results came after their requests were answered; the worker frees them", len(free))
+                    peer.send({"taken": taken, "free": free})
+
+                self._deliver(results, peer, fresh, answer)
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.error("capture_arena.vllm: closed a result connection: %s", e)
         finally:
