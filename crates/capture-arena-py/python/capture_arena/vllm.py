@@ -1148,7 +1148,7 @@ class _Rows:
     def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
         """A cache whose rows are not contiguous: a strided torch copy per block."""
         n = sv.n
-        ids = np.asarray(sv.token_ids[:n], dtype=np.int64)
+        ids = np.asarray(_prompt_ids(sv), dtype=np.int64)
         ctypes.memmove(at["token_ids"], ids.ctypes.data, ids.nbytes)
         hs, _ = self._objects(sv, at, None)
         for j, b in enumerate(sv.block_ids):
@@ -1162,7 +1162,7 @@ class _Rows:
         assert self.stage is not None
         n = sv.n
         hs, ids = self._objects(sv, at, self.arena_device if self.device_arena else None)
-        ids.copy_(torch.tensor(sv.token_ids[:n], dtype=torch.int64), non_blocking=True)
+        ids.copy_(torch.tensor(_prompt_ids(sv), dtype=torch.int64), non_blocking=True)
         gathered, laid = self.stage
         blocks = torch.tensor(sv.block_ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
         for j0 in range(0, len(sv.block_ids), self.chunk):
@@ -1172,6 +1172,16 @@ class _Rows:
             laid[:m].copy_(gathered[:m].transpose(1, 2))
             dst = hs[j0 * self.bs : j0 * self.bs + rows]
             dst.view(rows, self.k * self.h).copy_(laid[:m].view(m * self.bs, self.k * self.h)[:rows], non_blocking=True)
+
+
+def _prompt_ids(sv: _Save) -> list[int]:
+    """The request's captured token ids (the first ``n`` of vLLM's list); raises if vLLM's list
+    no longer holds them (it only ever grows: never expected), so that the request fails rather
+    than have some of its ids unwritten."""
+    ids = sv.token_ids[: sv.n]
+    if len(ids) != sv.n:
+        raise ValueError(f"request {sv.req_id}: its prompt holds {len(ids)} token ids, {sv.n} were captured")
+    return ids
 
 
 def _kernel_blocks(saves: list[_Save], block_size: int, kernel_block_size: int) -> list[_Save]:
