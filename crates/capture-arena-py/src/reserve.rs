@@ -494,18 +494,11 @@ fn rows_out<'py>(
                 None => py.None(),
             };
             if form == Form::KeysDicts {
-                let names = if w.is_some() { published_keys(r) } else { None };
-                let names = match names {
-                    Some(k) => PyList::new(py, k)?.into_any().unbind(),
-                    None => py.None(),
-                };
+                let names = keys_to_py(py, if w.is_some() { published_keys(r) } else { None })?;
                 PyTuple::new(py, [names, place, row_to_py(py, r)?.into_any().unbind()])?
             } else if form == Form::KeysJson {
                 let (names, text) = keys_and_json(sink, r, w.is_some());
-                let names = match names {
-                    Some(k) => PyList::new(py, k)?.into_any().unbind(),
-                    None => py.None(),
-                };
+                let names = keys_to_py(py, names)?;
                 PyTuple::new(
                     py,
                     [names, place, PyBytes::new(py, &text).into_any().unbind()],
@@ -543,6 +536,14 @@ fn keys_and_json(sink: &Sink, r: &SampleResult, reserved: bool) -> (Option<Vec<S
             (None, text)
         }
     }
+}
+
+/// A reservation's object keys as a list, or None for a row with an error.
+fn keys_to_py(py: Python<'_>, keys: Option<Vec<String>>) -> PyResult<Py<PyAny>> {
+    Ok(match keys {
+        Some(k) => PyList::new(py, k)?.into_any().unbind(),
+        None => py.None(),
+    })
 }
 
 /// A result as a dict, as `pythonize` (or `json.loads` of its JSON text) would make it, built

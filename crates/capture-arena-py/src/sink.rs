@@ -503,7 +503,7 @@ impl PySink {
             return merge_rows(py, &[], refused);
         }
         let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
-        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
+        let within = bound_of(within_s);
         let results: Vec<SampleResult> =
             match crate::exit::detach(py, || Ok(sink.put_each_within(samples, within))).py_err()? {
                 Ok(outcomes) => ids
@@ -724,7 +724,7 @@ impl PySink {
         let ids: Vec<String> = samples.iter().map(|s| s.sample_id().to_owned()).collect();
         let outcome = match within_s {
             Some(s) => {
-                let within = Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX);
+                let within = bound_of(s);
                 crate::exit::detach(py, || Ok(sink.put_within(samples, within)))
             }
             None => crate::exit::detach(py, || sink.submit(samples).map(|h| h.wait())),
@@ -777,7 +777,7 @@ impl PySink {
         specs: &Bound<'_, PyAny>,
         within_s: f64,
     ) -> PyResult<PyReserving> {
-        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
+        let within = bound_of(within_s);
         PyReserving::begin(py, self.sink(py)?, specs, within)
     }
 
@@ -806,7 +806,7 @@ impl PySink {
             dtype,
             width,
         };
-        let within = Duration::try_from_secs_f64(within_s.max(0.0)).unwrap_or(Duration::MAX);
+        let within = bound_of(within_s);
         PyReserving::begin_rows(py, self.sink(py)?, &rows, requests, within)
     }
 
@@ -1141,4 +1141,10 @@ pub fn _bench_rust_put(
         Ok(times)
     })
     .py_err()
+}
+
+/// A caller's bound in seconds as a duration: none below zero, and one too large (or not a
+/// number) as no bound.
+fn bound_of(seconds: f64) -> Duration {
+    Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)
 }
