@@ -96,7 +96,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -310,7 +310,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._copy_cond = threading.Condition()
             #: Of those, the ones vLLM finished (their blocks wait for the copy).
             self._finished: set[str] = set()
-            self._steps: "queue.Queue[Optional[tuple[list[_Save], list[_Placed], list[_Copy], Any]]]" = queue.Queue()
+            self._steps: "queue.Queue[Optional[tuple[list[_Save], Sequence[_Placed], list[_Copy], Any]]]" = queue.Queue()
             self._copier: Optional[threading.Thread] = None
             self._stopping = False
             self._rows: Optional[_Rows] = None
@@ -730,7 +730,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             finally:
                 self._mark_done(copies)
 
-    def _fail_step(self, reserved: list["_Placed"], copies: list["_Copy"]) -> None:
+    def _fail_step(self, reserved: Sequence["_Placed"], copies: list["_Copy"]) -> None:
         """A step's objects are never written: their readers fail and their space is freed, and
         its copies are over."""
         self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
@@ -743,7 +743,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 c.over = True
             self._copy_cond.notify_all()
 
-    def _copy_step(self, saves: list[_Save], reserved: list["_Placed"], copies: list["_Copy"], event: Any) -> None:
+    def _copy_step(self, saves: list[_Save], reserved: Sequence["_Placed"], copies: list["_Copy"], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
         if self._rows is None:  # here, not on vLLM's thread: it may register the arena with CUDA
             self._rows = _Rows(self._kv, self._sink)
@@ -782,7 +782,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._rows.quiesce()
                 self._sink._finish_keys(left, ok=False)
 
-    def _publish(self, saves: list[_Save], reservations: "_Reservations | str") -> list["_Placed"]:
+    def _publish(self, saves: list[_Save], reservations: "_Reservations | str") -> Sequence["_Placed"]:
         """Collects the step's reservations (or error rows with the reason a string gives) and
         hands their results to the scheduler process: as dicts to one in this process, as JSON
         lines to one of its own."""
@@ -790,10 +790,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if local is not None:
             rows = _collect_dicts(saves, reservations)
             self._hand_in_process(local, saves, rows)
-            return list(rows)
+            return rows
         reserved = _collect(saves, reservations)
         self._send(saves, reserved)
-        return list(reserved)
+        return reserved
 
     def _send(self, saves: list[_Save], reserved: list["_Reserved"]) -> None:
         """Hands the step's results to a scheduler process of its own. Each published one is the
@@ -1317,10 +1317,24 @@ class _Peer:
         self.conn = conn
         self._lock = threading.Lock()
 
-    def send(self, msg: dict[str, Any]) -> None:
+    def send(self, msg: dict[str, Any], now: bool = False) -> None:
+        """Sends one line. ``now``: without waiting for room (an answer sent under the
+        scheduler's lock): a worker that leaves its answers unread has its line refused
+        (OSError), never holding that lock for the send's timeout."""
         data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
         with self._lock:
-            self.conn.sendall(data)
+            if not now:
+                self.conn.sendall(data)
+            else:
+                # Non-blocking for this send (with a timeout, a send first waits for room);
+                # every other send on this connection holds the same lock.
+                timeout = self.conn.gettimeout()
+                self.conn.settimeout(0.0)
+                try:
+                    if self.conn.send(data) != len(data):
+                        raise OSError("the worker leaves its answers unread: a line cut short")
+                finally:
+                    self.conn.settimeout(timeout)
 
 
 def _row_ok(row: dict[str, Any]) -> bool:
@@ -1454,7 +1468,7 @@ class _Listener:
                     free = [_tag(rid, seq) for (rid, seq, row), k in zip(results, kept) if not k and "error" not in row]
                     if free:
                         log.warning("capture_arena.vllm: %d results came after their requests were answered; the worker frees them", len(free))
-                    peer.send({"taken": taken, "free": free})
+                    peer.send({"taken": taken, "free": free}, now=True)
 
                 self._deliver(results, peer, fresh, answer)
         except (OSError, ValueError, KeyError, TypeError) as e:
