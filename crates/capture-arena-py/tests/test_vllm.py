@@ -1065,6 +1065,83 @@ def test_a_result_whose_connections_keep_closing_is_sent_again_once_then_freed_a
     assert s["resident_objects"] == before["resident_objects"], s
 
 
+def test_an_answer_that_reached_the_worker_is_read_even_when_it_gives_its_connection_up(pair: tuple[Proc, Proc]) -> None:
+    # The engine core takes a result and its answer ("taken") reaches the worker's end of the
+    # connection, but the worker gives that connection up (as after a send that timed out)
+    # before its reader read the answer; then the same with the connection it sent the result
+    # again on. Before: each answer was lost with its closed connection, so the worker sent the
+    # result again, then freed it, while the engine core handed it out (a trainer reading freed
+    # space). Now the worker shuts a connection it gives up (the engine core's later answers on
+    # it fail, and it gives back what they were for) and reads what reached it before closing.
+    import time
+
+    sched, worker = pair
+    before = worker.ask({"stats": True})
+
+    def wait_for(what: str, pred: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + 10
+        while True:
+            got = worker.ask({"queued": True}) | {"unacked": worker.ask({"debug": True})["unacked"]}
+            if pred(got):
+                return got
+            assert time.monotonic() < deadline, f"{what}: {got}\n{worker.log_tail()}"
+            time.sleep(0.005)
+
+    assert worker.ask({"hold_answers": True}) == {"ok": True}
+    try:
+        worker.ask({"save": sched.ask({"announce": [["unread", 8]]})["meta"]})
+        for attempt in range(2):
+            wait_for("the engine core's answer never reached the worker", lambda g: g["bytes"] > 0)
+            assert worker.ask({"reconnect": True}) == {"ok": True}  # given up with the answer unread
+            # Read (nothing waits for an answer any more), or lost and the result sent again on a
+            # new connection, whose answer comes back in turn: given up too, on the first round.
+            got = wait_for("neither read nor sent again", lambda g: not g["unacked"] or (g["conn"] and g["bytes"] > 0))
+            if not got["unacked"]:
+                break
+    finally:
+        assert worker.ask({"hold_answers": False}) == {"ok": True}
+    params = sched.ask({"finish": "unread"})["params"]
+    assert "error" not in params["capture_arena"], params
+    s = worker.ask({"stats": True})
+    why = f"before {before}\nafter {s}\nits log: {worker.log_tail()}"
+    assert s["local_freed_objects"] == before["local_freed_objects"], f"the worker freed a result the engine core handed out: {why}"
+    assert attempt == 0, f"the answer was lost with its connection and the result sent again: {why}"
+    release_all([params])  # the trainer reads and frees it: never freed under it
+    s = wait_resident(worker, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"] and s["local_freed_objects"] == before["local_freed_objects"], s
+
+
+def test_a_result_line_whose_answer_fails_gives_back_only_what_that_line_kept(pair: tuple[Proc, Proc]) -> None:
+    # A worker's result reaches the engine core twice: on a second connection, which keeps it
+    # and is answered; then, late, on the first one, which the worker gave up (shut: the answer
+    # fails). Only what a line kept is given back when its answer fails: before, the late line
+    # gave back the result the other line holds (the request got no result, and the worker,
+    # told it was taken, never freed it). The test is the worker here, on sockets of its own.
+    import socket
+    import time
+
+    sched, _ = pair
+    seq = sched.ask({"announce": [["twice", 8]]})["seqs"]["twice"]
+    row = {"store_id": "vllm", "sample_id": "twice", "gen": seq, "features": {}}
+    line = json.dumps({"req_id": "twice", "seq": seq, "sent": time.monotonic(), "row": row}).encode() + b"\n"
+    name = f"\0capture-arena-vllm/pair-{os.getpid()}/0"
+    first, second = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        for c in (first, second):
+            c.settimeout(10)
+            c.connect(name)
+        second.sendall(line)
+        assert json.loads(second.recv(1000)) == {"taken": [f"{seq}:twice"], "free": []}
+        first.shutdown(socket.SHUT_RD)  # given up: the engine core's answer on it fails
+        first.sendall(line)
+        assert first.recv(1000) == b"", "the engine core answered on a connection the worker gave up"
+    finally:
+        first.close()
+        second.close()
+    params = sched.ask({"finish": "twice"})["params"]
+    assert params["capture_arena"] == row and params["handle"] == f"vllm/twice/g{seq}/", params
+
+
 def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(both: Proc) -> None:
     # Results of requests the engine never finishes are remembered up to MAX_RESULTS (65,536;
     # 2 here): past it the oldest is forgotten and its objects are freed (before: dropped from

@@ -24,7 +24,10 @@ states and 8 of its id. Commands:
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
   the process, then gives them back;
 - ``{"stats": true}`` (worker): the worker's arena counters; ``{"reconnect": true}`` (worker):
-  the next results go over a new connection; ``{"accept_errors": true}``
+  the next results go over a new connection (the current one is given up, as after a failed
+  send); ``{"hold_answers": bool}`` (worker): its connections' readers read nothing more until
+  released or their connection is given up; ``{"queued": true}`` (worker): the bytes of answers
+  waiting unread in its current connection; ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n.
 """
@@ -67,7 +70,31 @@ if role in ("scheduler", "both"):
     sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=SLOTS))]))
     sched.bind_kv_cache_manager(ns(get_block_ids=lambda rid: (list(range(BLOCKS)),), block_pool=None))
 if role in ("worker", "both"):
+    import socket as _socket
+    import types
+
+    import capture_arena.vllm
+
+    hold = threading.Event()  # the worker's answers readers read nothing while set...
+    given_up = set()  # ...but for those of connections it gave up
+
+    class _HeldSocket(_socket.socket):
+        def recv(self, n, *flags):
+            while hold.is_set() and self not in given_up:
+                time.sleep(0.001)
+            return super().recv(n, *flags)
+
+    capture_arena.vllm.socket = types.SimpleNamespace(**{**vars(_socket), "socket": _HeldSocket})
     worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
+    _drop_conn = worker._drop_conn
+
+    def _record_drop(conn=None):
+        c = worker._conn
+        _drop_conn(conn)
+        if c is not None and worker._conn is not c:
+            given_up.add(c)
+
+    worker._drop_conn = _record_drop
     worker.register_kv_caches({"drafter.cache_only": torch.randn(BLOCKS, LAYERS, SLOTS, HIDDEN).to(torch.bfloat16)})
     deadline = time.monotonic() + 60
     while not worker._sink.started:  # the arena is made in the background as the engine starts
@@ -172,6 +199,16 @@ for line in sys.stdin:
                     for t in threading.enumerate() if t.ident in sys._current_frames()
                 },
             }
+        elif "hold_answers" in cmd:
+            (hold.set if cmd["hold_answers"] else hold.clear)()
+            answer = {"ok": True}
+        elif "queued" in cmd:  # answers waiting unread in the worker's connection (SIOCINQ)
+            import fcntl
+            import termios
+
+            c = worker._conn
+            n = fcntl.ioctl(c.fileno(), termios.FIONREAD, b"\0\0\0\0") if c is not None else b"\0\0\0\0"
+            answer = {"bytes": int.from_bytes(n, sys.byteorder), "conn": c is not None}
         elif "reconnect" in cmd:  # the next step's results go over a new connection
             worker._drop_conn()
             answer = {"ok": True}

@@ -60,7 +60,9 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
   the scheduler process answers for certain whether it holds them (its answer may have been
   lost with the connection), and takes none anew past its bound. Sent again once: when that
   connection closes too, they are freed. The scheduler process sends its answer before it can
-  hand a result out, and gives back what it took from a line whose answer it could not send;
+  hand a result out, and gives back what it took from a line whose answer it could not send; the
+  worker shuts a connection it gives up (answers on it fail from then on) and reads every answer
+  that reached it before, so an answer sent is an answer read;
 - a failed ``accept()`` (EMFILE, ...) is logged, counted and retried after a back-off (10 ms
   doubling to 1 s); it never ends the listener;
 - requests announced and not finished are remembered up to ``MAX_PENDING`` (65,536; an engine
@@ -392,26 +394,29 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         anew: True only if it is this process's already (kept, or handed out), as a worker that
         sends it again after losing its connection asks. ``answer(kept)`` (a worker's line) is
         sent before any of them can be handed out, under the same hold of the lock: if it cannot
-        be (the worker closed that connection first, so it never learns they were taken, and
-        frees them or sends them again), those not handed out yet are given back, and its
-        OSError raised."""
-        evicted, kept = [], []
+        be (the worker shut that connection first, so it never learns they were taken, and
+        frees them or sends them again), those this line kept are given back, and its OSError
+        raised. The worker reads every answer that reached its end before it shut it, so an
+        answer sent is an answer read."""
+        evicted, kept, new = [], [], []
         with self._cond:
             for i, (req_id, seq, row) in enumerate(results):
                 pending = self._pending.get(req_id) == seq
-                keep = pending and (fresh is None or fresh[i])
                 # One the worker sent again (its connection failed before our answer reached
-                # it) after its request was answered with it, or while we hold it: ours.
-                kept.append(keep or _tag(req_id, seq) in self._handed or (pending and req_id in self._results))
+                # it) after its request was answered with it, or while we hold it: ours, and
+                # kept as it is (its line on the other connection is the one that holds it).
+                ours = _tag(req_id, seq) in self._handed or (pending and req_id in self._results)
+                keep = pending and not ours and (fresh is None or fresh[i])
+                kept.append(keep or ours)
                 if keep:
                     self._results[req_id] = (row, peer)
+                    new.append(req_id)
             if answer is not None:
                 try:
                     answer(kept)
                 except OSError:
-                    for req_id, seq, _ in results:
-                        if self._pending.get(req_id) == seq:
-                            self._results.pop(req_id, None)
+                    for req_id in new:  # only those this line holds
+                        self._results.pop(req_id, None)
                     raise
             while len(self._results) > MAX_RESULTS:
                 evicted.append(self._results.popitem(last=False)[1])
@@ -888,11 +893,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 uid = _peer_uid(c)
                 if uid != os.getuid():  # an abstract name anyone could have bound
                     raise OSError(f"the result channel's listener runs as uid {uid}, not {os.getuid()}")
-            except OSError:
+                self._conn = c
+                # Its reader owns it from here: it closes it once it is given up.
+                threading.Thread(target=self._read_answers, args=(c,), name="capture-arena-vllm-answers", daemon=True).start()
+            except (OSError, RuntimeError) as e:  # RuntimeError: no thread to read its answers
+                self._conn = None
                 c.close()
-                raise
-            self._conn = c
-        threading.Thread(target=self._read_answers, args=(c,), name="capture-arena-vllm-answers", daemon=True).start()
+                raise e if isinstance(e, OSError) else OSError(f"could not start the result channel's reader: {e}")
         return c
 
     def _hand_in_process(self, sched: "CaptureArenaConnector", saves: list[_Save], reserved: list["_ReservedRow"]) -> None:
@@ -907,19 +914,22 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._sink._drop_keys([k for keys in late for k in keys])
 
     def _drop_conn(self, conn: Optional[socket.socket] = None) -> None:
-        """Closes the connection to the scheduler process (only if it is ``conn``, when given:
-        a reader ending, or a failed send, never closes a newer one); the next results make a
-        new one."""
+        """Gives up the connection to the scheduler process (only if it is ``conn``, when given:
+        a reader ending, or a failed send, never gives up a newer one); the next results make a
+        new one. It is shut, not closed: from now on the scheduler process's answers on it fail
+        (EPIPE), and it gives back what they were for; an answer that reached this end before is
+        read by the connection's reader, which wakes, reads what is left and closes it. (Closed
+        here, an answer "taken" still unread would be lost with it, and its results freed or
+        sent again while the scheduler process hands them out.)"""
         with self._conn_lock:
             c = self._conn
             if c is None or (conn is not None and c is not conn):
                 return
             self._conn = None
-        try:  # wakes the answers reader blocked on it, before the descriptor goes
+        try:
             c.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        c.close()
 
     def _read_answers(self, conn: socket.socket) -> None:
         """The worker's end of the channel's way back: ``{"taken": [tag, ...], "free": [tag, ...],
@@ -948,6 +958,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("capture_arena.vllm: stopped reading answers from the scheduler process: %s", e)
         finally:
             self._drop_conn(conn)
+            conn.close()
             # Nothing will answer on this connection for what was sent on it (what was sent on a
             # newer one is that one's reader's): sent again.
             with self._unacked_lock:
