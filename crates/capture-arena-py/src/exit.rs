@@ -137,3 +137,32 @@ pub fn attach<T>(f: impl for<'py> FnOnce(Python<'py>) -> T) -> T {
     }
     Python::attach(f)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call that unwinds (a panic, as PyO3 turns into `PanicException`) leaves the count of
+    /// calls in flight as it found it, and a call released early (it parks) is not uncounted
+    /// twice: otherwise the exit hook would wait all of [`EXIT_WAIT`] for a call long gone, or
+    /// not wait for one still running.
+    #[test]
+    fn a_call_that_unwinds_or_parks_is_uncounted_exactly_once() {
+        let before = IN_NATIVE.load(Ordering::SeqCst);
+        let unwound = std::panic::catch_unwind(|| {
+            let _counted = Counted::new();
+            assert_eq!(IN_NATIVE.load(Ordering::SeqCst), before + 1);
+            panic!("a bug of ours in native code");
+        });
+        assert!(unwound.is_err());
+        assert_eq!(IN_NATIVE.load(Ordering::SeqCst), before);
+
+        let outer = Counted::new(); // another call in flight meanwhile
+        let parked = Counted::new();
+        parked.release();
+        drop(parked);
+        assert_eq!(IN_NATIVE.load(Ordering::SeqCst), before + 1);
+        drop(outer);
+        assert_eq!(IN_NATIVE.load(Ordering::SeqCst), before);
+    }
+}

@@ -847,6 +847,55 @@ def test_an_unsaved_steps_request_preempted_by_the_next_step_is_not_reported_to_
     assert s["resident_objects"] == 0, s
 
 
+def test_a_step_whose_copy_cannot_be_set_up_fails_its_objects_and_gives_its_blocks_back(both: Proc) -> None:
+    # The copy thread cannot set a step's copy up (_Rows raises: on a GPU, say, its staging
+    # buffers cannot be allocated). The step's results were handed out already (reserved when it
+    # was bound); their objects are failed (their readers fail, their space is freed) and vLLM
+    # gets their blocks back. Before: left unfinished (readers waited out their deadline and the
+    # space stayed taken until then). The next step, once the setup works, is copied.
+    p = both
+    before = p.ask({"stats": True})
+    assert p.ask({"break_rows": "no staging buffers (the test's fault)"}) == {"ok": True}
+    try:
+        p.ask({"save": p.ask({"announce": [["unset", 8]]})["meta"]})
+        got = p.ask({"finish": "unset"})["params"]
+        assert "error" not in got["capture_arena"], got  # published before the copy
+        s = wait_stats(p, lambda s: s["failed_writes"] >= before["failed_writes"] + 2 and s["resident_objects"] == before["resident_objects"])
+        why = f"before {before}\nafter {s}\nits log: {p.log_tail()}"
+        assert s["failed_writes"] - before["failed_writes"] == 2 and s["resident_objects"] == before["resident_objects"], why
+        assert p.ask({"get_finished": ["unset"]}) == {"done": ["unset"]}
+        assert "no staging buffers (the test's fault)" in p.log_tail()
+    finally:
+        assert p.ask({"break_rows": None}) == {"ok": True}
+    p.ask({"save": p.ask({"announce": [["set", 8]]})["meta"]})
+    got = p.ask({"finish": "set"})["params"]
+    s = wait_stats(p, lambda s: s["written_objects"] >= before["written_objects"] + 2)
+    assert s["written_objects"] - before["written_objects"] == 2 and s["failed_writes"] - before["failed_writes"] == 2, s
+    release_all([got])
+    assert wait_resident(p, before["resident_objects"])["resident_objects"] == before["resident_objects"]
+
+
+def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc) -> None:
+    # The sink is closing (vLLM's shutdown) and has stopped the copy thread, and vLLM saves one
+    # more step: nothing will copy it, so its objects fail at once and vLLM gets its blocks
+    # back at once. Before: queued for a thread that was gone, the request's blocks held by
+    # vLLM for good and its readers waiting out their deadline.
+    p = both
+    before = p.ask({"stats": True})
+    assert p.ask({"stop_copier": True}) == {"stopped": True, "stopping": True}
+    try:
+        p.ask({"save": p.ask({"announce": [["after-stop", 8]]})["meta"]})
+        got = p.ask({"finish": "after-stop"})["params"]
+        assert "error" not in got["capture_arena"], got
+        assert p.ask({"get_finished": ["after-stop"]}) == {"done": ["after-stop"]}  # at once
+        s = p.ask({"stats": True})
+        assert s["failed_writes"] - before["failed_writes"] == 2 and s["written_objects"] == before["written_objects"], s
+        s = wait_resident(p, before["resident_objects"])
+        assert s["resident_objects"] == before["resident_objects"], s
+    finally:
+        assert p.ask({"restart_copier": True}) == {"ok": True}
+
+
 def test_a_worker_in_the_engine_cores_process_hands_its_results_over_in_memory(both: Proc) -> None:
     # At tensor parallelism 1 vLLM runs the worker in the engine core's process: wait_for_save
     # puts the result in the scheduler's table itself, so request_finished never waits for the
@@ -959,6 +1008,54 @@ def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -
     release_all([params])
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0 and s["local_freed_objects"] == freed, s
+
+
+def test_a_peer_that_floods_lines_and_reads_no_answers_is_closed_and_never_holds_vllms_thread(pair: tuple[Proc, Proc]) -> None:
+    # Any process of the engine's user can reach the result channel. One that sends lines as
+    # fast as it can and reads none of the answers fills its connection's buffer; the engine core
+    # answers under the lock its scheduler hooks take, so an answer that waited for room (as
+    # 7c2399c's did, up to its 0.5 s send timeout) held vLLM's thread as long. Now an answer
+    # with no room closes that connection at once: vLLM's hooks never wait behind it, and the
+    # worker's results still go through.
+    import socket
+    import threading
+    import time
+
+    sched, worker = pair
+    worst, calls, flooding = [0.0], [0], threading.Event()
+    flooding.set()
+
+    def hooks() -> None:  # the scheduler's hook, called throughout the flood: it takes that lock
+        while flooding.is_set():
+            worst[0] = max(worst[0], sched.ask({"announce": []})["s"])
+            calls[0] += 1
+
+    line = json.dumps({"req_id": "nobody", "seq": 1, "sent": time.monotonic(), "row": {"error": "x"}}).encode() + b"\n"
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(10)
+    c.connect(f"\0capture-arena-vllm/pair-{os.getpid()}/0")
+    t = threading.Thread(target=hooks)
+    t.start()
+    sent, closed = 0, None
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            c.sendall(line * 50)
+            sent += 50
+    except OSError as e:  # closed by the engine core: EPIPE or ECONNRESET
+        closed = e
+    finally:
+        flooding.clear()
+        t.join()
+        c.close()
+    assert closed is not None, f"the engine core still read the flood after {sent} lines, never answered and never closed"
+    assert calls[0] > 0 and worst[0] < 0.25, f"build_connector_meta took up to {worst[0]:.3f} s during the flood ({calls[0]} calls)"
+    assert "closed a result connection" in sched.log_tail(), sched.log_tail()
+    worker.ask({"save": sched.ask({"announce": [["after-flood", 8]]})["meta"]})
+    params = sched.ask({"finish": "after-flood"})["params"]
+    assert "error" not in params["capture_arena"], params
+    release_all([params])
+    assert wait_resident(worker, 0)["resident_objects"] == 0
 
 
 def test_a_worker_frees_what_a_stuck_scheduler_process_never_took(pair: tuple[Proc, Proc]) -> None:

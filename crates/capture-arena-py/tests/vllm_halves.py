@@ -12,8 +12,8 @@ Usage: python vllm_halves.py ROLE ENGINE_ID ARENA_BYTES   (ROLE: scheduler, work
 The cache is ``[64 blocks, 2 layers, 16 slots, 64]`` bf16: a token is 256 bytes of hidden
 states and 8 of its id. Commands:
 - ``{"announce": [[rid, n_tokens], ...]}`` (scheduler) -> ``{"meta": base64, "seqs": {rid:
-  n}}``: one step's metadata, pickled as vLLM sends it to the workers, and each announcement's
-  number;
+  n}, "s": seconds}``: one step's metadata, pickled as vLLM sends it to the workers, each
+  announcement's number, and the time build_connector_meta took;
 - ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's bind_connector_metadata and wait_for_save;
 - ``{"bind": base64}`` (worker): only bind that step (its forward would run now); ``{"unsaved":
   1}``: end it without wait_for_save; ``{"get_finished": [rid, ...]}``: the worker's get_finished;
@@ -21,6 +21,10 @@ states and 8 of its id. Commands:
   request_finished; with ``gap`` (both in one process) the connector's condition is instrumented
   so that, once its timed wait ran out and it releases the lock, a result for that request is
   sent by the worker and read before request_finished goes on;
+- ``{"break_rows": why}`` (worker): the copy's setup (``_Rows``) raises ``why`` for every step
+  from now on, ``{"break_rows": null}`` mends it; ``{"stop_copier": true}`` (worker): the copy
+  thread is stopped as the sink's closing stops it (the sink left open), ``{"restart_copier":
+  true}``: the next step starts a new one;
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
   the process, then gives them back;
 - ``{"stats": true}`` (worker): the worker's arena counters; ``{"reconnect": true}`` (worker):
@@ -154,8 +158,10 @@ for line in sys.stdin:
                 requests[rid] = req
                 sched.on_new_request(req)
                 num[rid] = n
+            t0 = time.monotonic()
             meta = sched.build_connector_meta(ns(num_scheduled_tokens=num, preempted_req_ids=set(cmd.get("preempt", ()))))
-            answer = {"meta": base64.b64encode(pickle.dumps(meta)).decode(), "seqs": {sv.req_id: sv.seq for sv in meta.saves}}
+            took = time.monotonic() - t0
+            answer = {"meta": base64.b64encode(pickle.dumps(meta)).decode(), "seqs": {sv.req_id: sv.seq for sv in meta.saves}, "s": took}
         elif "save" in cmd:
             answer = {"s": save(cmd["save"])}
         elif "bind" in cmd:  # a step bound (its forward running), not saved yet
@@ -199,6 +205,25 @@ for line in sys.stdin:
                     for t in threading.enumerate() if t.ident in sys._current_frames()
                 },
             }
+        elif "break_rows" in cmd:
+            import capture_arena.vllm
+
+            if not hasattr(capture_arena.vllm, "_real_rows"):
+                capture_arena.vllm._real_rows = capture_arena.vllm._Rows
+            why = cmd["break_rows"]
+
+            def _broken(*a, why=why):
+                raise RuntimeError(why)
+
+            capture_arena.vllm._Rows = capture_arena.vllm._real_rows if why is None else _broken
+            worker._rows = None  # made again by the next step
+            answer = {"ok": True}
+        elif "stop_copier" in cmd:
+            worker._start_copier()  # (if none was started yet)
+            answer = {"stopped": worker._stop_copier(), "stopping": worker._stopping}
+        elif "restart_copier" in cmd:
+            worker._stopping, worker._copier = False, None
+            answer = {"ok": True}
         elif "hold_answers" in cmd:
             (hold.set if cmd["hold_answers"] else hold.clear)()
             answer = {"ok": True}
