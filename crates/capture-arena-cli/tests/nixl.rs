@@ -141,6 +141,35 @@ fn a_trainer_killed_mid_run_is_replaced_and_the_new_one_reads_the_rest() {
         let v: Value = serde_json::from_str(&answer).unwrap();
         assert_eq!(v["ok"], true, "{v}");
     }
+    // A trainer's frees go out from a sender of its own, after its answer: the kill waits
+    // until the producer has applied all three samples' (killed before, the last one's free is
+    // lost with the trainer, and the producer waits for it until its idle timeout).
+    let first_result: Value = serde_json::from_str(&lines[0]).unwrap();
+    let control = first_result["arena"]["control"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let objects = first_result["features"].as_object().unwrap().len() as u64;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let out = Command::new(EXE)
+            .args(["stats", "--control", &control, "--json"])
+            .env_remove("SGLANG_SPEC_CAPTURE_CONTROL_TOKEN")
+            .output()
+            .unwrap();
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let freed = r["stats"]["freed_objects"].as_u64().unwrap_or(0);
+        if freed >= 3 * objects {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first trainer's frees never reached the producer: {freed} of {} objects freed; {}",
+            3 * objects,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     first.kill().unwrap();
     first.wait().unwrap();
     // A new trainer process (a new NIXL agent) reads the rest from the same producer.
