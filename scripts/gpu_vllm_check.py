@@ -37,7 +37,12 @@ logic on the same cache (its engine-thread time and when its copies are done), t
 trainer holds every request's tensors, and the extra device memory of one ``--long``-token
 request beside that logic's gather (``load`` and ``long`` lines).
 
-Usage: python gpu_vllm_check.py [--require-cuda] [--hidden H] [--requests N] [--load NxLEN,...] [--long TOKENS]
+A device cache's rows are copied by the connector's native path (2-D copies on a stream of its
+own, the GIL released, no staging buffer): every line says which (``copy``). ``--copy staging``
+forces its fallback (torch's gather through two staging buffers), and with CUDA the host arena's
+load runs once more that way at 32 x 2048, for the two side by side.
+
+Usage: python gpu_vllm_check.py [--require-cuda] [--hidden H] [--requests N] [--load NxLEN,...] [--long TOKENS] [--copy native|staging]
 """
 
 from __future__ import annotations
@@ -161,6 +166,13 @@ class Engine:
 
     def __init__(self, a: argparse.Namespace, device: str, arena_bytes: int) -> None:
         install_vllm_stubs()
+        if getattr(a, "copy", "native") == "staging":  # the fallback, as without our driver
+            import capture_arena.vllm as connector
+
+            def no_native(ordinal: int) -> Any:
+                raise RuntimeError("--copy staging")
+
+            connector._DeviceRows = no_native  # type: ignore[assignment]
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
 
@@ -305,7 +317,8 @@ def engine(a: argparse.Namespace) -> int:
             where = where or ans.get("device")
             if not ans["ok"]:
                 bad.append({"req": rid, "n": n, **ans})
-    check("rows", not bad, requests=len(reqs), lengths=lengths, hidden=a.hidden, bad=bad[:3], held_max_ms=round(held_max * 1e3, 2), read_to=where)
+    check("rows", not bad, requests=len(reqs), lengths=lengths, hidden=a.hidden, bad=bad[:3], held_max_ms=round(held_max * 1e3, 2), read_to=where,
+          copy=copy_path(eng.worker._rows))
 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and eng.resident()["resident_objects"]:
@@ -421,6 +434,17 @@ def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
     return nbytes / min(ours) / 1e9, nbytes / min(theirs) / 1e9
 
 
+def copy_path(rows: Any) -> str:
+    """How the connector copies from the cache: ``native`` (a device cache's 2-D copies, or the
+    host cache's native copy), ``staging`` (torch's gather through staging buffers) or ``torch``
+    (a host cache whose rows are not contiguous)."""
+    if rows is None:
+        return "none yet"
+    if rows.native is not None or (not rows.kv.is_cuda and rows.kv.stride(3) == 1):
+        return "native"
+    return "staging" if rows.kv.is_cuda else "torch"
+
+
 def load(a: argparse.Namespace) -> int:
     """The connector at production load (#37): steps of ``--load`` (``NxLEN,...``) requests,
     five of each, for this process's arena placement; the connector's time on the engine's
@@ -464,7 +488,7 @@ def load(a: argparse.Namespace) -> int:
                 file_held.append(fe)
                 file_done.append(fd)
         held.sort()
-        say(check="load", ok=ok, placement=a.placement, cache=device, requests=reqs, tokens=n,
+        say(check="load", ok=ok, placement=a.placement, cache=device, copy=copy_path(eng.worker._rows), requests=reqs, tokens=n,
             step_mb=round(reqs * per(n) / 1e6, 1),
             engine_thread_ms_median=round(held[len(held) // 2] * 1e3, 3), engine_thread_ms_max=round(held[-1] * 1e3, 3),
             hooks_ms_mean={h: round(t / 5 * 1e3, 3) for h, t in eng.hooks.items()},
@@ -496,11 +520,11 @@ def load(a: argparse.Namespace) -> int:
         file_logic(eng.kv, {"f": list(range(-(-a.long // BLOCK)))}, {"f": a.long})
         file_extra = torch.cuda.max_memory_allocated() - base
     say(check="long", ok=ok, placement=a.placement, tokens=a.long, extra_device_bytes=extra, file_gather_extra_device_bytes=file_extra,
-        staging_bytes=2 * 32 << 20)
+        copy=copy_path(rows), staging_bytes=0 if rows is None or rows.stage is None else 2 * 32 << 20)
     trainer.stdin.close()
     trainer.wait(timeout=120)
     eng.close()
-    if rows is not None and rows.stream is not None and not rows.device_arena:  # a host arena fed from the GPU
+    if rows is not None and rows.kv.is_cuda and not rows.device_arena:  # a host arena fed from the GPU
         unpinned = rows.registered is None
         say(check="host_arena_unregistered_at_close", ok=unpinned, placement=a.placement)
         ok = ok and unpinned
@@ -541,6 +565,7 @@ def main() -> int:
     ap.add_argument("--require-cuda", action="store_true")
     ap.add_argument("--load", default="", help="steps of NxLEN requests (e.g. 1x2048,8x2048,32x2048,4x16000): the load check")
     ap.add_argument("--long", type=int, default=131072, help="the long request of the load check, in tokens")
+    ap.add_argument("--copy", choices=["native", "staging"], default="native", help="staging: force the device copies' torch fallback")
     a = ap.parse_args()
     if a.role == "engine":
         return engine(a)
@@ -558,13 +583,18 @@ def main() -> int:
         if placement == "device" and not cuda:
             say(check="device_arena", ok=True, skipped="no CUDA device")
             continue
-        flags = ["--placement", placement, "--hidden", str(a.hidden), "--requests", str(a.requests), "--blocks", str(a.blocks)]
+        flags = ["--placement", placement, "--hidden", str(a.hidden), "--requests", str(a.requests), "--blocks", str(a.blocks), "--copy", a.copy]
         p = subprocess.run([sys.executable, __file__, "--role", "engine", *flags], env={**os.environ, **env}, timeout=300)
         rc = rc or p.returncode
         if a.load:
             p = subprocess.run([sys.executable, __file__, "--role", "load", *flags, "--load", a.load, "--long", str(a.long)],
                                env={**os.environ, **env}, timeout=300)
             rc = rc or p.returncode
+            if cuda and placement == "host" and a.copy == "native":  # the fallback, side by side
+                staging = [*flags[:-1], "staging"]
+                p = subprocess.run([sys.executable, __file__, "--role", "load", *staging, "--load", "32x2048", "--long", "2048"],
+                                   env={**os.environ, **env}, timeout=300)
+                rc = rc or p.returncode
     say(check="all", ok=rc == 0)
     return rc
 

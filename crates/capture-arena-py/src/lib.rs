@@ -92,6 +92,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<readbuf::PyReadBuffer>()?;
     m.add_class::<reserve::PyReserving>()?;
     m.add_class::<rows::PyLanded>()?;
+    m.add_class::<rows::PyDeviceRows>()?;
     m.add_function(wrap_pyfunction!(plan::_plan_batch, m)?)?;
     m.add_function(wrap_pyfunction!(store::_store_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store::_send_frees, m)?)?;

@@ -866,18 +866,78 @@ impl PySink {
                 "copying cache rows: this sink's arena is in device memory".into(),
             ));
         }
-        let src = crate::rows::Paged::from(cache);
-        let requests = requests.into_iter().map(Into::into).collect();
+        let src = crate::rows::paged(cache);
+        let requests = requests.into_iter().map(crate::rows::request).collect();
         let held = &*sink;
         Ok(crate::exit::detach(py, || {
             // SAFETY: the destinations are checked to lie in this sink's own host mapping, which
             // only the caller of reserve_each writes for a reserved object; the cache range is
             // the caller's promise (a tensor it holds); an arena never lies inside a cache.
             unsafe {
-                crate::rows::copy_requests(&src, arena, requests, |j, keys, ok| {
+                capture_arena::paged::copy_requests(&src, arena, requests, |j, keys, ok| {
                     held.finish_writes(keys, ok);
                     flags[first + j].store(true, std::sync::atomic::Ordering::Release);
                 })
+            }
+        }))
+    }
+
+    /// `_copy_requests_rows` from a cache in device memory (its addresses device pointers),
+    /// through `rows`' stream, after `after` (a raw event recorded on the stream that wrote the
+    /// cache, `torch.cuda.Event.cuda_event`; 0 for none): straight from the cache's blocks into
+    /// a host arena (device-to-host) or a device arena (device-to-device), no staging buffer,
+    /// the GIL released from the first request to the last. Each request's flag is set as its
+    /// write is finished, once its copies have landed. The caller vouches that the cache and the
+    /// event stay valid meanwhile.
+    #[pyo3(signature = (rows, cache, requests, landed, after, first=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn _copy_requests_rows_device(
+        &self,
+        py: Python<'_>,
+        rows: &Bound<'_, crate::rows::PyDeviceRows>,
+        cache: crate::rows::PagedArgs,
+        requests: Vec<crate::rows::RequestArgs>,
+        landed: &Bound<'_, crate::rows::PyLanded>,
+        after: u64,
+        first: usize,
+    ) -> PyResult<Vec<Option<String>>> {
+        let flags = landed.get().0.clone();
+        if first.saturating_add(requests.len()) > flags.len() {
+            return Err(PyValueError::new_err(format!(
+                "copying cache rows: requests {first}..{} have no flags (the step has {})",
+                first.saturating_add(requests.len()),
+                flags.len()
+            )));
+        }
+        let sink = self.sink(py)?;
+        let arena = sink.local_region().ok_or_else(|| {
+            named(
+                py,
+                "WriterStoppedError",
+                "the arena does not exist yet".into(),
+            )
+        })?;
+        let dst_host = !sink.config().device_publication();
+        let src = crate::rows::paged(cache);
+        let requests = requests.into_iter().map(crate::rows::request).collect();
+        let (held, copies) = (&*sink, &rows.get().0);
+        Ok(crate::exit::detach(py, || {
+            // SAFETY: the destinations are checked to lie in this sink's own mapping, which only
+            // the caller of reserve_each writes for a reserved object; the cache's range and the
+            // event are the caller's promise (a tensor and an event it holds).
+            unsafe {
+                capture_arena::paged::copy_requests_device(
+                    copies,
+                    after,
+                    &src,
+                    arena,
+                    dst_host,
+                    requests,
+                    |j, keys, ok| {
+                        held.finish_writes(keys, ok);
+                        flags[first + j].store(true, std::sync::atomic::Ordering::Release);
+                    },
+                )
             }
         }))
     }

@@ -295,3 +295,86 @@ print(dev1 != dev(on0))
         env,
     )
     assert out.strip() == "True"
+
+
+DEVICE_ROWS_PRODUCER = r'''
+import ctypes, json, sys, time
+import numpy as np
+import capture_arena as ca
+from capture_arena._capture_arena import _DeviceRows, _Landed
+
+# A cache-only layer in "device" memory (the fake's: host memory): [8 blocks, 3 layers, 4 slots,
+# 16] bf16 through its logical view, its memory ordered [blocks, slots, layers, 16] (one of
+# vLLM's layouts), bytes from a seeded generator the trainer makes again.
+BLOCKS, K, BS, H = 8, 3, 4, 16
+cu = ctypes.CDLL("libcuda.so.1")
+ctx, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0 and cu.cuCtxSetCurrent(ctx) == 0
+cache = np.random.default_rng(3).integers(0, 1 << 16, size=BLOCKS * BS * K * H, dtype=np.uint16)
+assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cache.nbytes)) == 0
+ctypes.memmove(ptr.value, cache.ctypes.data, cache.nbytes)
+layout = (ptr.value, cache.nbytes, (BS * K * H * 2, H * 2, K * H * 2), BS, K, H * 2)
+
+device_arena = sys.argv[1] == "device"
+sink = ca.ArenaSink(arena_bytes=1 << 20, gpu_put=device_arena, wait_s=2, aux_layer_ids=[1, 2, 3])
+sink._start(0 if device_arena else None)
+requests = [("a", 1, 10, [5, 2, 7]), ("b", 1, 4, [1]), ("far", 1, 4, [9])]  # block 9 is not in the cache
+rows = sink._reserve_rows_begin("st", "bfloat16", K * H, [(i, g, n) for i, g, n, _ in requests], within_s=2).wait_dicts()
+landed = _Landed(len(requests))
+copies = [(keys, at["token_ids"], list(range(100, 100 + n)), at["hidden_states"], n * K * H * 2, blocks)
+          for (keys, at, _), (_, _, n, blocks) in zip(rows, requests)]
+why = sink._copy_requests_rows_device(_DeviceRows(0), layout, copies, landed, 0)
+assert why[0] is None and why[1] is None and "(block 9) lie outside the cache" in why[2], why
+assert [landed[i] for i in range(3)] == [True, True, True]
+for (_, _, row), (_, _, _, blocks) in zip(rows[:2], requests):
+    print(json.dumps({"row": row, "blocks": blocks}), flush=True)
+sys.stdin.readline()  # until the trainer is done
+deadline = time.monotonic() + 10
+while sink.stats()["resident_objects"] and time.monotonic() < deadline:
+    time.sleep(0.01)
+s = sink.stats()
+assert s["resident_objects"] == 0 and s["failed_writes"] == 2 and s["written_objects"] == 4, s
+print("producer ok", flush=True)
+'''
+
+DEVICE_ROWS_TRAINER = r'''
+import json, sys
+import numpy as np
+import capture_arena as ca
+
+BLOCKS, K, BS, H = 8, 3, 4, 16
+cache = np.random.default_rng(3).integers(0, 1 << 16, size=BLOCKS * BS * K * H, dtype=np.uint16).reshape(BLOCKS, BS, K, H)
+with ca.ArenaFeatureStore() as store:
+    for line in sys.stdin:
+        got = json.loads(line)
+        row, blocks = got["row"], got["blocks"]
+        n = row["features"]["token_ids"]["shape"][1]
+        want = np.concatenate([cache[b] for b in blocks])[:n].reshape(1, n, K * H)
+        t = store.get(row)
+        assert np.array_equal(t["hidden_states"].view(np.uint16), want), row["sample_id"]
+        assert t["token_ids"].tolist() == [list(range(100, 100 + n))]
+        store.release(row)
+print("trainer ok", flush=True)
+'''
+
+
+@pytest.mark.parametrize("arena", ["host", "device"])
+def test_fake_gpu_a_connectors_rows_go_straight_from_a_device_caches_blocks_into_the_arena(fake_gpu, arena):
+    """vLLM's connector with a cache in device memory: each request's rows are copied by the
+    native path (2-D copies on a stream of its own, the GIL released, no staging buffer) from
+    the cache's blocks into its reserved objects, in a host arena (device-to-host) or a device
+    arena (device-to-device); a trainer process reads every byte; a request whose blocks lie
+    outside the cache fails alone and its space is freed."""
+    p = subprocess.Popen([sys.executable, "-c", DEVICE_ROWS_PRODUCER, arena], env=fake_gpu, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        lines = [p.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("{") for line in lines), lines
+        t = subprocess.run([sys.executable, "-c", DEVICE_ROWS_TRAINER], env=fake_gpu, input="".join(lines), capture_output=True, text=True, timeout=120)
+        assert t.returncode == 0 and "trainer ok" in t.stdout, t.stdout + t.stderr
+        p.stdin.write("\n")
+        p.stdin.flush()
+        rest = p.stdout.read()
+        assert p.wait(timeout=60) == 0 and "producer ok" in rest, rest
+    finally:
+        p.kill()

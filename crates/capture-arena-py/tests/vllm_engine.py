@@ -70,7 +70,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
     gate = threading.Event()
     gate.set()
     failing = [0]
-    real_copy, real_copy_native = connector._Rows.copy, connector._Rows._copy_host_native
+    real_copy, real_copy_native = connector._Rows.copy, connector._Rows._copy_native
     real_preemptions = connector.CaptureArenaConnector.handle_preemptions
     preempting = threading.Event()
     events = {}
@@ -101,7 +101,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
 
     panics = [0]
 
-    def instrumented_copy_native(self, todo, landed, first=0):
+    def instrumented_copy_native(self, todo, landed, event=None, first=0):
         if panics[0] > 0:
             panics[0] -= 1
             raise SimulatedPanic("simulated: the native copy panicked")
@@ -115,11 +115,11 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             if failing[0] > 0:  # a real failed copy: the native copy refuses its destination
                 failing[0] -= 1
                 at = {**at, "hidden_states": 8}
-            ok += real_copy_native(self, [(sv, keys, at)], landed, first + i)
+            ok += real_copy_native(self, [(sv, keys, at)], landed, event, first + i)
         return ok
 
     connector._Rows.copy = gated_copy
-    connector._Rows._copy_host_native = instrumented_copy_native
+    connector._Rows._copy_native = instrumented_copy_native
 
     model, arena_bytes, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     max_model_len = int(sys.argv[4]) if len(sys.argv) > 4 else 512

@@ -853,3 +853,175 @@ fn fake_gpu_a_read_into_another_gpus_vmm_memory_copies_on_that_gpu() {
     assert_eq!(back, &bytes_of("q", "t0", 30_000)[..]);
     release_all(&store, &p, &w);
 }
+
+/// A cache `[blocks, k, bs, row]` of distinct bytes in device memory of GPU 0 (`slot_major`:
+/// memory ordered `[blocks, bs, k, row]`, as one of vLLM's layouts is), its bytes and its layout.
+fn device_cache(
+    blocks: u64,
+    k: u64,
+    bs: u64,
+    row: u64,
+    slot_major: bool,
+) -> (DeviceBuffer, Vec<u8>, capture_arena::paged::Paged) {
+    let len = blocks * k * bs * row;
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    let cache = DeviceBuffer::new(0, len).unwrap();
+    cache.upload(0, &bytes).unwrap();
+    let strides = if slot_major {
+        (k * bs * row, row, k * row)
+    } else {
+        (k * bs * row, bs * row, row)
+    };
+    let paged = capture_arena::paged::Paged {
+        base: cache.ptr(),
+        len,
+        strides,
+        block_size: bs,
+        k,
+        row_bytes: row,
+    };
+    (cache, bytes, paged)
+}
+
+/// The object `[n, k, row]` a row-by-row reading of `bytes` (laid out as `src`) makes.
+fn rows_of(bytes: &[u8], src: &capture_arena::paged::Paged, blocks: &[u64], n: u64) -> Vec<u8> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let b = blocks[(i / src.block_size) as usize];
+        for l in 0..src.k {
+            let at = (b * src.strides.0 + l * src.strides.1 + (i % src.block_size) * src.strides.2)
+                as usize;
+            out.extend_from_slice(&bytes[at..at + src.row_bytes as usize]);
+        }
+    }
+    out
+}
+
+#[test]
+fn fake_gpu_a_requests_rows_go_straight_from_the_cache_blocks_into_host_and_device_objects() {
+    use capture_arena::paged::DeviceCopies;
+    let _g = setup();
+    let copies = DeviceCopies::new(0).unwrap();
+    for slot_major in [false, true] {
+        let (_cache, bytes, src) = device_cache(6, 3, 4, 16, slot_major);
+        let (blocks, n) = ([2u64, 0, 5], 10u64);
+        let len = n * 3 * 16;
+        let strips = src.plan(len, &blocks, n).unwrap();
+        let mut host = vec![0u8; len as usize];
+        let device = DeviceBuffer::new(0, len).unwrap();
+        let before = if real_gpu() {
+            0
+        } else {
+            fake_cuda::copies_2d()
+        };
+        // SAFETY: the plan is checked against both lengths; the cache, the host buffer and the
+        // device buffer live until the mark below has been waited for.
+        unsafe {
+            copies
+                .rows(src.base, host.as_mut_ptr() as u64, true, &strips)
+                .unwrap();
+            copies.rows(src.base, device.ptr(), false, &strips).unwrap();
+        }
+        copies.mark().unwrap().wait().unwrap();
+        let want = rows_of(&bytes, &src, &blocks, n);
+        assert_eq!(host, want, "device-to-host, slot-major {slot_major}");
+        let mut back = vec![0u8; len as usize];
+        device.download(0, &mut back).unwrap();
+        assert_eq!(back, want, "device-to-device, slot-major {slot_major}");
+        if !real_gpu() {
+            // A copy per block and layer, or per block where a slot holds its layers side by
+            // side: never one per row.
+            let per_object = if slot_major { 3 } else { 9 };
+            assert_eq!(fake_cuda::copies_2d() - before, 2 * per_object);
+        }
+    }
+}
+
+#[test]
+fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_alone() {
+    use capture_arena::paged::{copy_requests_device, DeviceCopies, Request};
+    let Some(_g) = setup_fake("fake_gpu_rows_are_copied_only_after_the_writers_event") else {
+        return;
+    };
+    let (cache, _old, src) = device_cache(4, 2, 4, 8, true);
+    // The "drafter" rewrites the cache on a stream of its own, slowly (every copy takes 50 ms,
+    // and it writes 8 times, the last time what the rows must be): they are read after it,
+    // through its event, never while it runs (the rows' own copies take 50 ms each too).
+    fake_cuda::knob("copy_us", 50_000);
+    let drafter = DeviceCopies::new(0).unwrap();
+    let new: Vec<u8> = (0..src.len).map(|i| (i * 13 % 241) as u8).collect();
+    for pass in 0..8u8 {
+        let bytes: Vec<u8> = if pass == 7 {
+            new.clone()
+        } else {
+            vec![pass; src.len as usize]
+        };
+        // SAFETY: the cache is device memory of `src.len` bytes, alive until the end.
+        unsafe { drafter.bytes(cache.ptr(), &bytes).unwrap() };
+    }
+    let written = drafter.mark().unwrap();
+    let copies = DeviceCopies::new(0).unwrap();
+    let n = 6u64;
+    let rows_len = n * 2 * 8;
+    let mut arena = vec![0u8; 1024];
+    let base = arena.as_mut_ptr() as u64;
+    let request = |at: u64, keys: &str, blocks: Vec<u64>| Request {
+        keys: vec![keys.into()],
+        ids_dst: base + at,
+        ids: (0..n as i64).map(|i| 100 + i).collect(),
+        rows_dst: base + at + 64,
+        rows_len,
+        block_ids: blocks,
+    };
+    let requests = vec![
+        request(0, "a", vec![3, 1]),
+        request(256, "outside", vec![9, 1]), // block 9 is not in the cache
+        request(512, "b", vec![0, 2]),
+    ];
+    let mut finished = Vec::new();
+    // SAFETY: the cache lives until the end, the arena stands in for a host arena (alive, not
+    // overlapping it), and the event lives until the call returns.
+    let why = unsafe {
+        copy_requests_device(
+            &copies,
+            written.handle(),
+            &src,
+            (base, 1024),
+            true,
+            requests,
+            |i, keys, ok| finished.push((i, keys[0].clone(), ok)),
+        )
+    };
+    fake_cuda::knob("copy_us", 0);
+    // The bad request fails alone, and at once (before the good ones land, in order).
+    assert_eq!(
+        finished,
+        [
+            (1, "outside".into(), false),
+            (0, "a".into(), true),
+            (2, "b".into(), true)
+        ]
+    );
+    assert!(why[0].is_none() && why[2].is_none(), "{why:?}");
+    assert!(
+        why[1]
+            .as_deref()
+            .unwrap()
+            .contains("(block 9) lie outside the cache"),
+        "{why:?}"
+    );
+    for (at, blocks) in [(0usize, [3u64, 1]), (512, [0, 2])] {
+        let ids: Vec<i64> = arena[at..at + 48]
+            .chunks(8)
+            .map(|c| i64::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(ids, (100..106).collect::<Vec<i64>>());
+        let want = rows_of(&new, &src, &blocks, n);
+        assert_eq!(
+            arena[at + 64..at + 64 + rows_len as usize],
+            want[..],
+            "the rows as the drafter left them"
+        );
+    }
+    assert!(arena[256..512].iter().all(|&b| b == 0));
+}

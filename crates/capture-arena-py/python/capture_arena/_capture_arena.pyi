@@ -4,7 +4,7 @@ from typing import Any, Literal, Optional, final, overload
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Landed", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve", "_BUILD"]
+__all__ = ["_ArenaSink", "_Landed", "_DeviceRows", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_nixl_serve", "_BUILD"]
 
 __version__: str
 #: UCX's TCP segment size the package and the CLI set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
@@ -39,6 +39,15 @@ class _Landed:
     def __new__(cls, n: int) -> "_Landed": ...
     def __len__(self) -> int: ...
     def __getitem__(self, i: int, /) -> bool: ...
+
+@final
+class _DeviceRows:
+    """A stream of its own on the cache's GPU, for a connector's copies from a device cache
+    (`_ArenaSink._copy_requests_rows_device`)."""
+
+    def __new__(cls, ordinal: int) -> "_DeviceRows": ...
+    def synchronize(self) -> Optional[str]:
+        """Waits until every copy enqueued on the stream has finished; why one failed, or None."""
 
 @final
 class _Reserving:
@@ -101,6 +110,15 @@ class _ArenaSink:
         cache: tuple[int, int, tuple[int, int, int], int, int, int],
         requests: list[tuple[list[str], int, list[int], int, int, list[int]]],
         landed: _Landed,
+        first: int = 0,
+    ) -> list[Optional[str]]: ...
+    def _copy_requests_rows_device(
+        self,
+        rows: _DeviceRows,
+        cache: tuple[int, int, tuple[int, int, int], int, int, int],
+        requests: list[tuple[list[str], int, list[int], int, int, list[int]]],
+        landed: _Landed,
+        after: int,
         first: int = 0,
     ) -> list[Optional[str]]: ...
     def _finish_writes(self, keys: list[str], ok: bool) -> None: ...

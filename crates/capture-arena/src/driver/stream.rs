@@ -60,6 +60,79 @@ impl Stream {
         check(rc, || "waiting on the producer's event".into())
     }
 
+    /// Makes later work on this stream wait for `event`, a raw event handle of this process
+    /// (another library's: a `cudaEvent_t` is a `CUevent`).
+    ///
+    /// # Safety
+    /// `event` must be a valid event until this returns.
+    pub unsafe fn wait_raw(&self, event: u64) -> Result<()> {
+        let _current = self.ctx.enter()?;
+        // SAFETY: the caller's promise; the driver validates the handle's context.
+        let rc = unsafe { api::cuStreamWaitEvent(self.raw, event as usize as cu::CUevent, 0) };
+        check(rc, || "waiting on the caller's event".into())
+    }
+
+    /// The context the stream belongs to.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Enqueues a 2-D copy: `height` rows of `width` bytes from device address `src` (rows
+    /// `src_pitch` apart) to `dst` (rows `dst_pitch` apart), host memory when `dst_host`, else
+    /// device memory (nothing for an empty copy).
+    ///
+    /// # Safety
+    /// Both ranges must be valid for the copy's duration (host memory for writes when
+    /// `dst_host`), and each pitch at least `width`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_2d(
+        &self,
+        src: u64,
+        src_pitch: u64,
+        dst: u64,
+        dst_pitch: u64,
+        dst_host: bool,
+        width: u64,
+        height: u64,
+    ) -> Result<()> {
+        if width == 0 || height == 0 {
+            return Ok(());
+        }
+        let _current = self.ctx.enter()?;
+        let copy = cu::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: cu::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: if dst_host {
+                cu::CUmemorytype::CU_MEMORYTYPE_HOST
+            } else {
+                cu::CUmemorytype::CU_MEMORYTYPE_DEVICE
+            },
+            dstHost: if dst_host {
+                dst as usize as *mut c_void
+            } else {
+                std::ptr::null_mut()
+            },
+            dstDevice: if dst_host { 0 } else { dst },
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch as usize,
+            WidthInBytes: width as usize,
+            Height: height as usize,
+        };
+        // SAFETY: the caller's promise; the descriptor lives for the call (the driver reads it
+        // before returning).
+        let rc = unsafe { api::cuMemcpy2DAsync_v2(&copy, self.raw) };
+        check(rc, || {
+            format!("copying {height} rows of {width} bytes from the cache (cuMemcpy2DAsync)")
+        })
+    }
+
     /// Enqueues `f(data)` on a driver thread once all earlier work on the stream has finished.
     ///
     /// # Safety
@@ -154,6 +227,33 @@ impl Event {
             raw: e,
             ctx: ctx.clone(),
         })
+    }
+
+    /// A new event whose [`Event::synchronize`] puts the waiting thread to sleep
+    /// (CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) instead of spinning a core.
+    pub fn new_blocking(ctx: &Arc<Context>) -> Result<Event> {
+        let _current = ctx.enter()?;
+        let mut e = std::ptr::null_mut();
+        // SAFETY: writes one handle. 1 | 2 = CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING.
+        let rc = unsafe { api::cuEventCreate(&mut e, 3) };
+        check(rc, || "cuEventCreate".into())?;
+        Ok(Event {
+            raw: e,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// The raw handle, for a stream of another owner to wait on ([`Stream::wait_raw`]).
+    pub fn handle(&self) -> u64 {
+        self.raw as usize as u64
+    }
+
+    /// Waits until all work before the event's record has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        let _current = self.ctx.enter()?;
+        // SAFETY: a valid event.
+        let rc = unsafe { api::cuEventSynchronize(self.raw) };
+        check(rc, || "a device copy failed (cuEventSynchronize)".into())
     }
 
     /// Records the event on `stream`, a raw `CUstream` of this process (a caller's stream, on

@@ -398,7 +398,9 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
 /* ---- streams and events ---- */
 typedef struct Event { pthread_mutex_t mu; pthread_cond_t cv; long pending; void *ctx; } Event;
 enum { OP_COPY, OP_RECORD, OP_WAIT, OP_HOST };
-typedef struct Op { int kind; void *dst; const void *src; size_t n; Event *ev; CUhostFn fn; void *data; struct Op *next; } Op;
+/* A copy of h rows of n bytes, sp and dp bytes apart at the source and the destination (h 1: a
+ * plain copy). */
+typedef struct Op { int kind; void *dst; const void *src; size_t n, h, sp, dp; void *staged; Event *ev; CUhostFn fn; void *data; struct Op *next; } Op;
 typedef struct Stream {
   pthread_mutex_t mu; pthread_cond_t cv; Op *head, *tail; int busy, stop; pthread_t thread;
   void *ctx; /* the context it was created in */
@@ -432,6 +434,7 @@ static void *worker(void *arg) {
       /* After a context error nothing more runs: no copy, no host function (the driver's
        * documented behaviour); events never complete, and queries report the error. */
       if (op->kind == OP_RECORD) event_done(op->ev);
+      free(op->staged);
       free(op);
       pthread_mutex_lock(&s->mu);
       s->busy = 0;
@@ -443,13 +446,15 @@ static void *worker(void *arg) {
         __atomic_add_fetch(&copies_begun, 1, __ATOMIC_SEQ_CST);
         long delay = knob(&knob_copy_us, "FAKE_CUDA_COPY_US", 0);
         if (delay > 0) usleep((useconds_t)delay);
-        memcpy(op->dst, op->src, op->n);
+        for (size_t r = 0; r < (op->h ? op->h : 1); r++)
+          memcpy((char *)op->dst + r * op->dp, (const char *)op->src + r * op->sp, op->n);
         break;
       }
       case OP_RECORD: event_done(op->ev); break;
       case OP_WAIT: event_wait(op->ev); break;
       case OP_HOST: op->fn(op->data); break;
     }
+    free(op->staged);
     free(op);
     pthread_mutex_lock(&s->mu);
     s->busy = 0;
@@ -549,6 +554,14 @@ CUresult cuEventQuery(Event *e) {
   long p = e->pending;
   pthread_mutex_unlock(&e->mu);
   return p > 0 ? NOT_READY : OK;
+}
+CUresult cuEventSynchronize(Event *e) {
+  if (!e) return INVALID_HANDLE;
+  NEED_CONTEXT();
+  int err = __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
+  if (err) return err; /* after a context error the event never completes: report it */
+  event_wait(e);
+  return __atomic_load_n(&sticky, __ATOMIC_SEQ_CST);
 }
 CUresult cuStreamWaitEvent(Stream *s, Event *e, unsigned flags) {
   (void)flags;
@@ -664,7 +677,17 @@ static CUresult copy(void *dst, const void *src, size_t n, Stream *s, const void
     __atomic_add_fetch(pinned((uintptr_t)host, n, s ? s->ctx : current) ? &pinned_copies : &pageable_copies, 1,
                        __ATOMIC_SEQ_CST);
   Op o = {.kind = OP_COPY, .dst = dst, .src = src, .n = n};
-  return push(s, o);
+  /* From pageable host memory the driver stages the bytes before it returns (the caller may
+   * reuse its buffer at once); from pinned memory it reads them when the copy runs. */
+  if (host && host == src && n && !pinned((uintptr_t)host, n, s ? s->ctx : current)) {
+    o.staged = malloc(n);
+    if (!o.staged) return OUT_OF_MEMORY;
+    memcpy(o.staged, src, n);
+    o.src = o.staged;
+  }
+  CUresult rc = push(s, o);
+  if (rc != OK) free(o.staged);
+  return rc;
 }
 CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, Stream *s) {
   return copy((void *)(uintptr_t)dst, src, n, s, src);
@@ -674,4 +697,41 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, Stream *s) {
 }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, Stream *s) {
   return copy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n, s, NULL);
+}
+/* The driver's CUDA_MEMCPY2D (cuda.h), and its 2-D copy: host (1) or device (2) memory at each
+ * end (arrays are not modelled); each pitch at least the width, as the driver requires. */
+typedef struct {
+  size_t srcXInBytes, srcY; int srcMemoryType; const void *srcHost; CUdeviceptr srcDevice; void *srcArray; size_t srcPitch;
+  size_t dstXInBytes, dstY; int dstMemoryType; void *dstHost; CUdeviceptr dstDevice; void *dstArray; size_t dstPitch;
+  size_t WidthInBytes, Height;
+} Memcpy2D;
+static long copies_2d;
+/* 2-D copies enqueued (the argument is unused: the tests' counters take one). */
+long fake_cuda_copies_2d(int unused) { (void)unused; return __atomic_load_n(&copies_2d, __ATOMIC_SEQ_CST); }
+CUresult cuMemcpy2DAsync_v2(const Memcpy2D *c, Stream *s) {
+  if (!c) return INVALID_VALUE;
+  if (c->srcMemoryType < 1 || c->srcMemoryType > 2 || c->dstMemoryType < 1 || c->dstMemoryType > 2) return INVALID_VALUE;
+  if (c->srcPitch < c->WidthInBytes || c->dstPitch < c->WidthInBytes) return INVALID_VALUE;
+  if (!c->WidthInBytes || !c->Height) return OK;
+  const char *src = c->srcMemoryType == 1 ? (const char *)c->srcHost : (const char *)(uintptr_t)c->srcDevice;
+  char *dst = c->dstMemoryType == 1 ? (char *)c->dstHost : (char *)(uintptr_t)c->dstDevice;
+  src += c->srcY * c->srcPitch + c->srcXInBytes;
+  dst += c->dstY * c->dstPitch + c->dstXInBytes;
+  size_t last = c->Height - 1;
+  if (s) {
+    int dev = (int)(((intptr_t)s->ctx - 1) & 0xffff);
+    if (!accessible((uintptr_t)src, dev) || !accessible((uintptr_t)dst, dev) ||
+        !accessible((uintptr_t)src + last * c->srcPitch + c->WidthInBytes - 1, dev) ||
+        !accessible((uintptr_t)dst + last * c->dstPitch + c->WidthInBytes - 1, dev))
+      return INVALID_VALUE;
+  }
+  long limit = knob(&knob_fail_after, "FAKE_CUDA_FAIL_COPIES_AFTER", -1);
+  if (limit >= 0 && __atomic_add_fetch(&copies, 1, __ATOMIC_SEQ_CST) > limit) return INVALID_VALUE;
+  const void *host = c->dstMemoryType == 1 ? (const void *)dst : c->srcMemoryType == 1 ? (const void *)src : NULL;
+  if (host)
+    __atomic_add_fetch(pinned((uintptr_t)host, last * (c->dstMemoryType == 1 ? c->dstPitch : c->srcPitch) + c->WidthInBytes,
+                              s ? s->ctx : current) ? &pinned_copies : &pageable_copies, 1, __ATOMIC_SEQ_CST);
+  __atomic_add_fetch(&copies_2d, 1, __ATOMIC_SEQ_CST);
+  Op o = {.kind = OP_COPY, .dst = dst, .src = src, .n = c->WidthInBytes, .h = c->Height, .sp = c->srcPitch, .dp = c->dstPitch};
+  return push(s, o);
 }

@@ -122,6 +122,11 @@ pub fn host_copies(pinned: bool) -> i64 {
     count("fake_cuda_host_copies", pinned)
 }
 
+/// 2-D copies (`cuMemcpy2DAsync`) the fake has enqueued.
+pub fn copies_2d() -> i64 {
+    count("fake_cuda_copies_2d", false)
+}
+
 /// Copies the fake has begun running on a stream (each sleeps `copy_us` first).
 pub fn copies_begun() -> i64 {
     count("fake_cuda_events", false)

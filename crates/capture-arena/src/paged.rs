@@ -1,0 +1,697 @@
+//! A paged cache's rows, copied into an object with no gather.
+//!
+//! vLLM's cache-only layer (`extract_hidden_states`) keeps a request's hidden states spread over
+//! the cache's blocks: `[blocks, k, block_size, row]` through its strides, token `i` in block
+//! `block_ids[i / block_size]`, slot `i % block_size`. An object wants them as `[n, k, row]`.
+//! [`Paged::plan`] turns a request's blocks into [`Strip`]s, each a 2-D copy (rows of one width,
+//! at a pitch on either side), as few as the cache's layout allows: one per block and layer, one
+//! per block when a slot holds its k layers side by side, and one for a run of blocks that lie
+//! one after another in memory. [`copy_host`] runs them with `memcpy`; [`DeviceCopies`] (feature
+//! `cuda`) enqueues them as `cuMemcpy2DAsync` on a stream of its own, straight from the cache's
+//! blocks into a host arena (device-to-host) or a device arena (device-to-device): no staging
+//! buffer, and no Python.
+
+/// Where a request's rows are in a paged cache `[blocks, k, block_size, row]` (in bytes, through
+/// its strides): each `(block, layer, slot)` row is `row_bytes` contiguous bytes at
+/// `base + block * strides.0 + layer * strides.1 + slot * strides.2`, all inside
+/// `[base, base + len)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Paged {
+    /// The cache's first byte (an address in this process: host or device memory).
+    pub base: u64,
+    /// The cache's bytes from `base`.
+    pub len: u64,
+    /// The strides of blocks, layers and slots, in bytes.
+    pub strides: (u64, u64, u64),
+    /// Slots (tokens) per block.
+    pub block_size: u64,
+    /// Layers per slot.
+    pub k: u64,
+    /// Bytes of one layer's row.
+    pub row_bytes: u64,
+}
+
+/// One 2-D copy: `height` rows of `width` bytes, the first at offset `src` of the cache (from
+/// its base) and `dst` of the object, each next one `src_pitch` and `dst_pitch` further on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strip {
+    /// Offset of the first row from the cache's base.
+    pub src: u64,
+    /// Bytes from one row to the next in the cache.
+    pub src_pitch: u64,
+    /// Offset of the first row in the object.
+    pub dst: u64,
+    /// Bytes from one row to the next in the object.
+    pub dst_pitch: u64,
+    /// Bytes of each row.
+    pub width: u64,
+    /// Rows.
+    pub height: u64,
+}
+
+impl Strip {
+    /// One past its last byte on each side, `(cache, object)`; `None` if that overflows.
+    fn ends(&self) -> Option<(u64, u64)> {
+        let last = self.height.checked_sub(1)?;
+        let src = self.src.checked_add(last.checked_mul(self.src_pitch)?)?;
+        let dst = self.dst.checked_add(last.checked_mul(self.dst_pitch)?)?;
+        Some((src.checked_add(self.width)?, dst.checked_add(self.width)?))
+    }
+
+    /// Whether its rows follow one another on both sides (one run of `width * height` bytes).
+    fn flat(&self) -> bool {
+        self.height == 1 || (self.src_pitch == self.width && self.dst_pitch == self.width)
+    }
+}
+
+impl Paged {
+    /// The strips that copy rows `0..n` of a request (token `i` in block
+    /// `block_ids[i / block_size]`) into an object of `dst_len` bytes laid out `[n, k, row]`,
+    /// each checked to lie inside the cache and the object, which the rows must fill exactly.
+    ///
+    /// # Errors
+    /// Why not, naming the numbers: sizes that do not match, too few blocks, a row outside the
+    /// cache.
+    pub fn plan(&self, dst_len: u64, block_ids: &[u64], n: u64) -> Result<Vec<Strip>, String> {
+        let kr = self
+            .k
+            .checked_mul(self.row_bytes)
+            .ok_or_else(|| "the rows' size overflows".to_owned())?;
+        let want = n
+            .checked_mul(kr)
+            .ok_or_else(|| "the rows' size overflows".to_owned())?;
+        if want != dst_len {
+            return Err(format!(
+                "{n} rows of {} x {} bytes do not fill the {dst_len}-byte object",
+                self.k, self.row_bytes
+            ));
+        }
+        if self.block_size == 0 || n > (block_ids.len() as u64).saturating_mul(self.block_size) {
+            return Err(format!(
+                "{n} rows need more than {} blocks of {}",
+                block_ids.len(),
+                self.block_size
+            ));
+        }
+        // A slot's k layers side by side: each block's rows are one strip of k rows' width.
+        let slot_whole = self.k == 1 || self.strides.1 == self.row_bytes;
+        let mut strips: Vec<Strip> = Vec::new();
+        for (j, &block) in block_ids.iter().enumerate() {
+            let first = j as u64 * self.block_size;
+            if first >= n {
+                break;
+            }
+            let height = self.block_size.min(n - first);
+            for layer in 0..if slot_whole { 1 } else { self.k } {
+                let src = block
+                    .checked_mul(self.strides.0)
+                    .and_then(|b| b.checked_add(layer.checked_mul(self.strides.1)?))
+                    .ok_or_else(|| format!("block {block} lies outside the cache"))?;
+                let s = Strip {
+                    src,
+                    src_pitch: self.strides.2,
+                    dst: first * kr + layer * self.row_bytes,
+                    dst_pitch: kr,
+                    width: if slot_whole { kr } else { self.row_bytes },
+                    height,
+                };
+                let inside = s.ends().is_some_and(|(a, b)| a <= self.len && b <= dst_len);
+                if !inside {
+                    return Err(format!(
+                        "rows {first}..{} of layer {layer} (block {block}) lie outside the cache",
+                        first + height
+                    ));
+                }
+                push_strip(&mut strips, s);
+            }
+        }
+        Ok(strips)
+    }
+}
+
+/// Appends `s` to `strips`: as rows of their own when its source rows overlap (a pitch below
+/// the width, which a 2-D copy refuses), as one flat run when its rows follow one another, and
+/// merged into the last strip when both are flat and `s` continues it on both sides (blocks
+/// next to one another in memory).
+fn push_strip(strips: &mut Vec<Strip>, s: Strip) {
+    if s.height > 1 && s.src_pitch < s.width {
+        for r in 0..s.height {
+            push_strip(
+                strips,
+                Strip {
+                    src: s.src + r * s.src_pitch,
+                    dst: s.dst + r * s.dst_pitch,
+                    height: 1,
+                    ..s
+                },
+            );
+        }
+        return;
+    }
+    let s = if s.flat() {
+        Strip {
+            src_pitch: s.width * s.height,
+            dst_pitch: s.width * s.height,
+            width: s.width * s.height,
+            height: 1,
+            ..s
+        }
+    } else {
+        s
+    };
+    if let Some(last) = strips.last_mut() {
+        if s.height == 1
+            && last.height == 1
+            && last.src + last.width == s.src
+            && last.dst + last.width == s.dst
+        {
+            last.width += s.width;
+            last.src_pitch = last.width;
+            last.dst_pitch = last.width;
+            return;
+        }
+    }
+    strips.push(s);
+}
+
+/// Copies `strips` from the cache at `src_base` into the object at `dst_base` with `memcpy`.
+///
+/// # Safety
+/// Every strip lies inside the cache and the object ([`Paged::plan`] checks both against their
+/// lengths); both ranges are valid host memory for the call and do not overlap.
+pub unsafe fn copy_host(src_base: u64, dst_base: u64, strips: &[Strip]) {
+    for s in strips {
+        for r in 0..s.height {
+            // SAFETY: the caller's promise (above).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (src_base + s.src + r * s.src_pitch) as usize as *const u8,
+                    (dst_base + s.dst + r * s.dst_pitch) as usize as *mut u8,
+                    s.width as usize,
+                )
+            };
+        }
+    }
+}
+
+/// One request's copy ([`copy_requests`]): its token ids and rows, where they go, and its
+/// objects' keys (finished when it is done).
+pub struct Request {
+    /// Its objects' keys.
+    pub keys: Vec<String>,
+    /// Where its token ids go (`[n]` int64).
+    pub ids_dst: u64,
+    /// Its token ids: `n` of them.
+    pub ids: Vec<i64>,
+    /// Where its rows go (`[n, k, row]`).
+    pub rows_dst: u64,
+    /// The rows' bytes.
+    pub rows_len: u64,
+    /// Its blocks in the cache, in token order.
+    pub block_ids: Vec<u64>,
+}
+
+/// Whether `[at, at + len)` lies inside `[base, base + size)`.
+fn inside((base, size): (u64, u64), at: u64, len: u64) -> bool {
+    at >= base && at.checked_add(len).is_some_and(|end| end <= base + size)
+}
+
+/// Copies each request's token ids and rows into its reserved objects, which must lie in
+/// `arena` (`(address, bytes)` as this process maps it), and calls `finished(i, keys, ok)` as
+/// soon as request `i`'s bytes have landed (or never will): its readers need not wait for the
+/// others.
+/// Returns, per request, `None` or why it was not copied (checked before any of its bytes are:
+/// a destination outside the arena, rows outside the cache, sizes that do not match). Nothing
+/// here needs Python: a caller from Python releases the GIL for the whole step.
+///
+/// # Safety
+/// `[src.base, src.base + src.len)` must be valid for reads until this returns, and `arena`
+/// valid for writes; they must not overlap; nothing else may write the requests' objects
+/// meanwhile.
+pub unsafe fn copy_requests(
+    src: &Paged,
+    arena: (u64, u64),
+    requests: Vec<Request>,
+    mut finished: impl FnMut(usize, Vec<String>, bool),
+) -> Vec<Option<String>> {
+    let mut out = Vec::with_capacity(requests.len());
+    for (i, r) in requests.into_iter().enumerate() {
+        let ids_len = (r.ids.len() as u64) * 8;
+        let checked =
+            if !inside(arena, r.ids_dst, ids_len) || !inside(arena, r.rows_dst, r.rows_len) {
+                Err(format!(
+                    "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's host arena",
+                    r.ids_dst, r.rows_dst, r.rows_len
+                ))
+            } else {
+                src.plan(r.rows_len, &r.block_ids, r.ids.len() as u64)
+            };
+        match checked {
+            Ok(strips) => {
+                // SAFETY: the destinations lie inside the arena and the rows inside the cache
+                // (checked above); the caller vouched for both ranges and that nothing else
+                // writes these objects.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        r.ids.as_ptr() as *const u8,
+                        r.ids_dst as usize as *mut u8,
+                        ids_len as usize,
+                    );
+                    copy_host(src.base, r.rows_dst, &strips);
+                }
+                finished(i, r.keys, true);
+                out.push(None);
+            }
+            Err(why) => {
+                finished(i, r.keys, false);
+                out.push(Some(format!("copying cache rows: {why}")));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(feature = "cuda")]
+pub use device::{copy_requests_device, DeviceCopies, Landing};
+
+#[cfg(feature = "cuda")]
+mod device {
+    use super::{inside, Paged, Request, Strip};
+    use crate::driver::{context, Event, Stream};
+    use crate::error::Result;
+
+    /// Copies from a device cache on a stream of their own (non-blocking: it never waits for
+    /// the legacy default stream), enqueued from any thread without Python.
+    pub struct DeviceCopies {
+        stream: Stream,
+    }
+
+    /// The point a stream's copies had reached when [`DeviceCopies::mark`] was called.
+    pub struct Landing(Event);
+
+    impl Landing {
+        /// Waits (the thread sleeps) until every copy before the mark has landed.
+        ///
+        /// # Errors
+        /// [`crate::Error::Device`] when a copy failed (the context's error).
+        pub fn wait(&self) -> Result<()> {
+            self.0.synchronize()
+        }
+
+        /// Its raw event, which another stream may wait on ([`DeviceCopies::after`]); valid
+        /// while this lives.
+        pub fn handle(&self) -> u64 {
+            self.0.handle()
+        }
+    }
+
+    impl DeviceCopies {
+        /// A new stream on device `ordinal` (its primary context: torch's).
+        ///
+        /// # Errors
+        /// [`crate::Error::Device`] without a driver or with no such device.
+        pub fn new(ordinal: i32) -> Result<DeviceCopies> {
+            Ok(DeviceCopies {
+                stream: Stream::new(&context(ordinal)?)?,
+            })
+        }
+
+        /// Makes every later copy wait for `event`, a raw `CUevent` (a `cudaEvent_t`: torch's
+        /// `Event.cuda_event`) recorded on the stream that wrote the cache.
+        ///
+        /// # Safety
+        /// `event` must be a valid event of this process until this returns.
+        ///
+        /// # Errors
+        /// [`crate::Error::Device`] from the driver.
+        pub unsafe fn after(&self, event: u64) -> Result<()> {
+            // SAFETY: the caller's promise.
+            unsafe { self.stream.wait_raw(event) }
+        }
+
+        /// Enqueues `strips` from the cache at device address `src_base` into the object at
+        /// `dst_base`: host memory (pinned or not) when `dst_host`, else device memory.
+        ///
+        /// # Safety
+        /// Every strip lies inside the cache and the object ([`super::Paged::plan`]); both stay
+        /// valid, and nothing else writes the object, until a later [`Landing`] is waited for.
+        ///
+        /// # Errors
+        /// [`crate::Error::Device`] for the first copy the driver refused (those before it
+        /// are enqueued).
+        pub unsafe fn rows(
+            &self,
+            src_base: u64,
+            dst_base: u64,
+            dst_host: bool,
+            strips: &[Strip],
+        ) -> Result<()> {
+            for s in strips {
+                // SAFETY: the caller's promise.
+                unsafe {
+                    self.stream.copy_2d(
+                        src_base + s.src,
+                        s.src_pitch,
+                        dst_base + s.dst,
+                        s.dst_pitch,
+                        dst_host,
+                        s.width,
+                        s.height,
+                    )?
+                };
+            }
+            Ok(())
+        }
+
+        /// Enqueues a copy of `bytes` (host memory) to device address `dst`; `bytes` may be
+        /// dropped once this returns (the driver stages pageable memory before returning).
+        ///
+        /// # Safety
+        /// `dst` must be valid device memory for `bytes.len()` bytes until the copy lands.
+        ///
+        /// # Errors
+        /// [`crate::Error::Device`] from the driver.
+        pub unsafe fn bytes(&self, dst: u64, bytes: &[u8]) -> Result<()> {
+            // SAFETY: the caller's promise; `bytes` is valid for the call, and pageable memory
+            // is staged by the driver before it returns.
+            unsafe {
+                self.stream
+                    .copy_htod(dst, bytes.as_ptr(), bytes.len() as u64)
+            }
+        }
+
+        /// Marks how far the stream's copies have been enqueued.
+        ///
+        /// # Errors
+        /// [`crate::Error::Device`] from the driver.
+        pub fn mark(&self) -> Result<Landing> {
+            let e = Event::new_blocking(self.stream.context())?;
+            e.record(&self.stream)?;
+            Ok(Landing(e))
+        }
+
+        /// Waits until every copy enqueued so far has finished (before the objects they
+        /// write are given up).
+        ///
+        /// # Errors
+        /// [`crate::Error::Device`] when one failed.
+        pub fn synchronize(&self) -> Result<()> {
+            self.stream.synchronize()
+        }
+    }
+
+    /// [`copy_requests`] from a cache in device memory: every request's copies enqueued on
+    /// `copies`' stream (after `after`, a raw event recorded where the cache was written; 0 for
+    /// none), token ids written now into a host arena (`dst_host`) or copied to a device one, each
+    /// request's mark waited for in order and its write finished (`finished(i, keys, ok)`) as soon
+    /// as it has landed. A request whose copies could not all be enqueued is failed once the stream
+    /// has drained (nothing lands in its space after it is given back).
+    ///
+    /// # Safety
+    /// The cache's range must stay valid device memory until this returns; `arena` is this
+    /// process's mapping of the sink's arena (host memory when `dst_host`, else device memory),
+    /// whose reserved objects nothing else writes; `after` a valid event or 0.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_requests_device(
+        copies: &DeviceCopies,
+        after: u64,
+        src: &Paged,
+        arena: (u64, u64),
+        dst_host: bool,
+        requests: Vec<Request>,
+        mut finished: impl FnMut(usize, Vec<String>, bool),
+    ) -> Vec<Option<String>> {
+        let mut out: Vec<Option<String>> = vec![None; requests.len()];
+        let waited = if after == 0 {
+            Ok(())
+        } else {
+            // SAFETY: the caller's promise (a valid event).
+            unsafe { copies.after(after) }
+        };
+        let mut landing: Vec<(usize, Vec<String>, Landing)> = Vec::with_capacity(requests.len());
+        for (i, r) in requests.into_iter().enumerate() {
+            let ids_len = (r.ids.len() as u64) * 8;
+            let planned = if let Err(e) = &waited {
+                Err(e.to_string())
+            } else if !inside(arena, r.ids_dst, ids_len) || !inside(arena, r.rows_dst, r.rows_len) {
+                Err(format!(
+                    "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's arena",
+                    r.ids_dst, r.rows_dst, r.rows_len
+                ))
+            } else {
+                src.plan(r.rows_len, &r.block_ids, r.ids.len() as u64)
+            };
+            let enqueued = planned.and_then(|strips| {
+                let ids: Vec<u8> = r.ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
+                // SAFETY: the destinations lie in the arena (checked above), the rows in the cache
+                // (the plan); the caller vouched for both ranges and that nothing else writes these
+                // objects; a host arena is this process's own mapping.
+                let done = unsafe {
+                    if dst_host {
+                        std::ptr::copy_nonoverlapping(
+                            ids.as_ptr(),
+                            r.ids_dst as usize as *mut u8,
+                            ids.len(),
+                        );
+                    } else {
+                        copies.bytes(r.ids_dst, &ids).map_err(|e| e.to_string())?;
+                    }
+                    copies
+                        .rows(src.base, r.rows_dst, dst_host, &strips)
+                        .and_then(|()| copies.mark())
+                };
+                done.map_err(|e| {
+                    // Some of its copies may be enqueued: they land before its space goes back.
+                    let _ = copies.synchronize();
+                    e.to_string()
+                })
+            });
+            match enqueued {
+                Ok(mark) => landing.push((i, r.keys, mark)),
+                Err(why) => {
+                    out[i] = Some(format!("copying cache rows: {why}"));
+                    finished(i, r.keys, false);
+                }
+            }
+        }
+        for (i, keys, mark) in landing {
+            let landed = mark.wait();
+            if let Err(e) = &landed {
+                out[i] = Some(format!("copying cache rows: {e}"));
+            }
+            finished(i, keys, landed.is_ok());
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache of distinct bytes, `blocks x k x bs x row` in memory order `order` (`true`:
+    /// `[blocks, bs, k, row]`, slots outermost in a block; `false`: `[blocks, k, bs, row]`).
+    fn cache(blocks: u64, k: u64, bs: u64, row: u64, slot_major: bool) -> (Vec<u8>, Paged) {
+        let len = blocks * k * bs * row;
+        let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let strides = if slot_major {
+            (k * bs * row, row, k * row)
+        } else {
+            (k * bs * row, bs * row, row)
+        };
+        let src = Paged {
+            base: bytes.as_ptr() as u64,
+            len,
+            strides,
+            block_size: bs,
+            k,
+            row_bytes: row,
+        };
+        (bytes, src)
+    }
+
+    /// The object `[n, k, row]` as a row-by-row reading of the cache would make it.
+    fn expected(bytes: &[u8], src: &Paged, blocks: &[u64], n: u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for i in 0..n {
+            let b = blocks[(i / src.block_size) as usize];
+            for l in 0..src.k {
+                let at = (b * src.strides.0
+                    + l * src.strides.1
+                    + (i % src.block_size) * src.strides.2) as usize;
+                out.extend_from_slice(&bytes[at..at + src.row_bytes as usize]);
+            }
+        }
+        out
+    }
+
+    fn copied(src: &Paged, blocks: &[u64], n: u64) -> (Vec<u8>, Vec<Strip>) {
+        let len = n * src.k * src.row_bytes;
+        let strips = src.plan(len, blocks, n).unwrap();
+        let mut obj = vec![0u8; len as usize];
+        // SAFETY: the plan is checked against both lengths; both buffers live for the call.
+        unsafe { copy_host(src.base, obj.as_mut_ptr() as u64, &strips) };
+        (obj, strips)
+    }
+
+    #[test]
+    fn every_row_lands_where_the_object_wants_it_in_both_of_vllms_layouts() {
+        for slot_major in [false, true] {
+            let (bytes, src) = cache(6, 3, 4, 8, slot_major);
+            for (blocks, n) in [(vec![2u64, 0, 5], 10u64), (vec![1, 2, 3], 12), (vec![4], 1)] {
+                let (obj, _) = copied(&src, &blocks, n);
+                assert_eq!(
+                    obj,
+                    expected(&bytes, &src, &blocks, n),
+                    "slot-major {slot_major}, blocks {blocks:?}, n {n}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn strips_are_as_few_as_the_layout_allows() {
+        // [blocks, k, bs, row]: one strip per block and layer.
+        let (_b, src) = cache(6, 3, 4, 8, false);
+        let (_, strips) = copied(&src, &[2, 0, 5], 10);
+        assert_eq!(strips.len(), 9);
+        assert!(strips
+            .iter()
+            .all(|s| s.width == 8 && s.dst_pitch == 24 && s.src_pitch == 8));
+        // [blocks, bs, k, row]: a block's rows are one run, and blocks next to one another in
+        // memory one run together (blocks 1, 2, 3: the whole request in one copy).
+        let (_b, src) = cache(6, 3, 4, 8, true);
+        let (_, strips) = copied(&src, &[2, 0, 5], 10);
+        assert_eq!(strips.len(), 3);
+        let (_, strips) = copied(&src, &[1, 2, 3], 12);
+        assert_eq!(
+            strips,
+            [Strip {
+                src: 96,
+                src_pitch: 288,
+                dst: 0,
+                dst_pitch: 288,
+                width: 288,
+                height: 1
+            }]
+        );
+    }
+
+    #[test]
+    fn rows_that_do_not_fill_the_object_or_lie_outside_the_cache_are_refused() {
+        let (_b, src) = cache(2, 2, 4, 8, false);
+        assert!(src
+            .plan(2 * 2 * 8 + 1, &[0], 2)
+            .unwrap_err()
+            .contains("do not fill"));
+        assert!(src
+            .plan(5 * 2 * 8, &[0], 5)
+            .unwrap_err()
+            .contains("need more than 1 blocks of 4"));
+        assert!(src
+            .plan(6 * 2 * 8, &[1, 9], 6)
+            .unwrap_err()
+            .contains("(block 9) lie outside the cache"));
+        assert!(src
+            .plan(2 * 2 * 8, &[u64::MAX], 2)
+            .unwrap_err()
+            .contains("outside the cache"));
+    }
+
+    #[test]
+    fn overlapping_source_rows_are_copied_one_by_one() {
+        // A slot stride of 0 (every slot the same row): a 2-D copy refuses a pitch below its
+        // width, so each row is a strip of its own.
+        let bytes: Vec<u8> = (0..64u8).collect();
+        let src = Paged {
+            base: bytes.as_ptr() as u64,
+            len: 64,
+            strides: (32, 16, 0),
+            block_size: 4,
+            k: 2,
+            row_bytes: 16,
+        };
+        let (obj, strips) = copied(&src, &[1], 3);
+        assert!(strips.iter().all(|s| s.height == 1));
+        assert_eq!(
+            obj,
+            [&bytes[32..64], &bytes[32..64], &bytes[32..64]].concat()
+        );
+    }
+
+    #[test]
+    fn each_request_is_copied_and_finished_in_order_and_a_bad_one_costs_only_itself() {
+        let (k, bs, row) = (2u64, 4u64, 8u64);
+        let (bytes, src) = cache(4, k, bs, row, false);
+        let mut arena = vec![0u8; 4096];
+        let base = arena.as_mut_ptr() as u64;
+        let n = 6u64; // blocks [2, 0]: rows 0..4 from block 2, 4..6 from block 0
+        let rows_len = n * k * row;
+        let good = |at: u64, keys: &str| Request {
+            keys: vec![keys.into()],
+            ids_dst: base + at,
+            ids: (0..n as i64).map(|i| 100 + i).collect(),
+            rows_dst: base + at + 64,
+            rows_len,
+            block_ids: vec![2, 0],
+        };
+        let mut outside = good(1024, "outside");
+        outside.rows_dst = base + 4096 - 8; // past the arena's end
+        let mut beyond = good(2048, "beyond");
+        beyond.block_ids = vec![2, 9]; // block 9 is not in the cache
+        let requests = vec![good(0, "a"), outside, beyond, good(3072, "b")];
+        let mut finished = Vec::new();
+        // SAFETY: both buffers live until the call returns and do not overlap.
+        let why = unsafe {
+            copy_requests(&src, (base, 4096), requests, |i, keys, ok| {
+                finished.push((i, keys[0].clone(), ok))
+            })
+        };
+        assert_eq!(
+            finished,
+            [
+                (0, "a".into(), true),
+                (1, "outside".into(), false),
+                (2, "beyond".into(), false),
+                (3, "b".into(), true)
+            ]
+        );
+        assert!(why[0].is_none() && why[3].is_none());
+        assert!(
+            why[1]
+                .as_deref()
+                .unwrap()
+                .contains("not in this sink's host arena"),
+            "{why:?}"
+        );
+        assert!(
+            why[2]
+                .as_deref()
+                .unwrap()
+                .contains("(block 9) lie outside the cache"),
+            "{why:?}"
+        );
+        for at in [0usize, 3072] {
+            let ids: Vec<i64> = arena[at..at + 48]
+                .chunks(8)
+                .map(|c| i64::from_ne_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(ids, (100..106).collect::<Vec<i64>>());
+            for i in 0..n {
+                let block = [2u64, 0][(i / bs) as usize];
+                for layer in 0..k {
+                    let from = (block * k * bs * row + layer * bs * row + (i % bs) * row) as usize;
+                    let to = at + 64 + ((i * k + layer) * row) as usize;
+                    assert_eq!(
+                        arena[to..to + row as usize],
+                        bytes[from..from + row as usize],
+                        "row {i} layer {layer}"
+                    );
+                }
+            }
+        }
+        assert!(
+            arena[1024..2048].iter().all(|&b| b == 0) && arena[2048..3072].iter().all(|&b| b == 0)
+        );
+    }
+}
