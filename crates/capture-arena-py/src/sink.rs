@@ -467,7 +467,39 @@ fn opt_bytes(v: Option<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
     })
 }
 
+/// A step's landed flags ([`crate::rows::PyLanded`]).
+type Flags = std::sync::Arc<[std::sync::atomic::AtomicBool]>;
+
 impl PySink {
+    /// Where a step's `n` requests' rows are copied to (`_copy_requests_rows*`): the step's
+    /// flags (checked to hold requests `first..first + n`), the sink, and its arena as this
+    /// process maps it.
+    fn rows_target(
+        &self,
+        py: Python<'_>,
+        landed: &Bound<'_, crate::rows::PyLanded>,
+        first: usize,
+        n: usize,
+    ) -> PyResult<(Flags, Held, (u64, u64))> {
+        let flags = landed.get().0.clone();
+        if first.saturating_add(n) > flags.len() {
+            return Err(PyValueError::new_err(format!(
+                "copying cache rows: requests {first}..{} have no flags (the step has {})",
+                first.saturating_add(n),
+                flags.len()
+            )));
+        }
+        let sink = self.sink(py)?;
+        let arena = sink.local_region().ok_or_else(|| {
+            named(
+                py,
+                "WriterStoppedError",
+                "the arena does not exist yet".into(),
+            )
+        })?;
+        Ok((flags, sink, arena))
+    }
+
     fn sink(&self, py: Python<'_>) -> PyResult<Held> {
         if self.pid != std::process::id() {
             return Err(named(
@@ -843,22 +875,7 @@ impl PySink {
         landed: &Bound<'_, crate::rows::PyLanded>,
         first: usize,
     ) -> PyResult<Vec<Option<String>>> {
-        let flags = landed.get().0.clone();
-        if first.saturating_add(requests.len()) > flags.len() {
-            return Err(PyValueError::new_err(format!(
-                "copying cache rows: requests {first}..{} have no flags (the step has {})",
-                first.saturating_add(requests.len()),
-                flags.len()
-            )));
-        }
-        let sink = self.sink(py)?;
-        let arena = sink.local_region().ok_or_else(|| {
-            named(
-                py,
-                "WriterStoppedError",
-                "the arena does not exist yet".into(),
-            )
-        })?;
+        let (flags, sink, arena) = self.rows_target(py, landed, first, requests.len())?;
         if sink.config().device_publication() {
             return Err(named(
                 py,
@@ -901,22 +918,7 @@ impl PySink {
         after: u64,
         first: usize,
     ) -> PyResult<Vec<Option<String>>> {
-        let flags = landed.get().0.clone();
-        if first.saturating_add(requests.len()) > flags.len() {
-            return Err(PyValueError::new_err(format!(
-                "copying cache rows: requests {first}..{} have no flags (the step has {})",
-                first.saturating_add(requests.len()),
-                flags.len()
-            )));
-        }
-        let sink = self.sink(py)?;
-        let arena = sink.local_region().ok_or_else(|| {
-            named(
-                py,
-                "WriterStoppedError",
-                "the arena does not exist yet".into(),
-            )
-        })?;
+        let (flags, sink, arena) = self.rows_target(py, landed, first, requests.len())?;
         let dst_host = !sink.config().device_publication();
         let src = crate::rows::paged(cache);
         let requests = requests.into_iter().map(crate::rows::request).collect();

@@ -59,18 +59,34 @@ def run(code: str, env: dict[str, str]) -> str:
     return out.stdout
 
 
-def run_trainer(producer: subprocess.Popen[str], trainer: str, env: dict[str, str]) -> str:
-    """Hands the producer's first line (its result) to a `trainer` process, which must print
-    "trainer ok"; returns the trainer's stdout. The producer keeps running."""
+def run_trainer(producer: subprocess.Popen[str], trainer: str, env: dict[str, str], lines: int = 1) -> str:
+    """Hands the producer's first `lines` lines (its results) to a `trainer` process, which
+    must print "trainer ok"; returns the trainer's stdout. The producer keeps running."""
     assert producer.stdout is not None
-    line = producer.stdout.readline()
-    assert line.startswith("{"), line
-    t = subprocess.run([sys.executable, "-c", trainer], env=env, input=line, capture_output=True, text=True, timeout=120)
+    got = [producer.stdout.readline() for _ in range(lines)]
+    assert all(line.startswith("{") for line in got), got
+    t = subprocess.run([sys.executable, "-c", trainer], env=env, input="".join(got), capture_output=True, text=True, timeout=120)
     assert t.returncode == 0 and "trainer ok" in t.stdout, t.stdout + t.stderr
     return t.stdout
 
 
 @pytest.mark.skipif(ANY_DRIVER, reason="a CUDA driver library (libcuda.so.1) loads here, a real one or the dry run's fake; the test needs none")
+def produce_then_train(producer: list[str], trainer: str, env: dict[str, str], lines: int = 1) -> None:
+    """Runs a producer (``python -c`` with these arguments), hands its first `lines` results to
+    a trainer process (:func:`run_trainer`), then tells the producer (a line on its stdin) that
+    the trainer is done: it must print "producer ok"."""
+    p = subprocess.Popen([sys.executable, "-c", *producer], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        run_trainer(p, trainer, env, lines)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        rest = p.stdout.read()
+        assert p.wait(timeout=60) == 0 and "producer ok" in rest, rest
+    finally:
+        p.kill()
+
+
 def test_device_publication_without_a_driver_fails_the_batch_saying_what_to_change(make_sink):
     sink = make_sink(gpu_put=True)
     assert sink.device_publication and not sink.started
@@ -130,16 +146,7 @@ with ca.ArenaFeatureStore() as store:
     store.release(r)
 print("trainer ok", flush=True)
 '''
-    p = subprocess.Popen([sys.executable, "-c", producer], env=fake_gpu, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdin is not None
-        run_trainer(p, trainer, fake_gpu)
-        p.stdin.write("\n")
-        p.stdin.flush()
-        rest = p.stdout.read()
-        assert p.wait(timeout=60) == 0 and "producer ok" in rest, rest
-    finally:
-        p.kill()
+    produce_then_train([producer], trainer, fake_gpu)
 
 
 def test_fake_gpu_a_forked_child_is_refused_cuda_sessions_and_leaves_the_parents_alone(fake_gpu):
@@ -365,16 +372,4 @@ def test_fake_gpu_a_connectors_rows_go_straight_from_a_device_caches_blocks_into
     the cache's blocks into its reserved objects, in a host arena (device-to-host) or a device
     arena (device-to-device); a trainer process reads every byte; a request whose blocks lie
     outside the cache fails alone and its space is freed."""
-    p = subprocess.Popen([sys.executable, "-c", DEVICE_ROWS_PRODUCER, arena], env=fake_gpu, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdin is not None
-        lines = [p.stdout.readline() for _ in range(2)]
-        assert all(line.startswith("{") for line in lines), lines
-        t = subprocess.run([sys.executable, "-c", DEVICE_ROWS_TRAINER], env=fake_gpu, input="".join(lines), capture_output=True, text=True, timeout=120)
-        assert t.returncode == 0 and "trainer ok" in t.stdout, t.stdout + t.stderr
-        p.stdin.write("\n")
-        p.stdin.flush()
-        rest = p.stdout.read()
-        assert p.wait(timeout=60) == 0 and "producer ok" in rest, rest
-    finally:
-        p.kill()
+    produce_then_train([DEVICE_ROWS_PRODUCER, arena], DEVICE_ROWS_TRAINER, fake_gpu, lines=2)

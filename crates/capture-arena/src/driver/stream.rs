@@ -218,10 +218,15 @@ unsafe impl Sync for Event {}
 impl Event {
     /// A new event (CU_EVENT_DISABLE_TIMING).
     pub fn new(ctx: &Arc<Context>) -> Result<Event> {
+        Event::with_flags(ctx, 2)
+    }
+
+    /// A new event with `cuEventCreate`'s `flags`.
+    fn with_flags(ctx: &Arc<Context>, flags: u32) -> Result<Event> {
         let _current = ctx.enter()?;
         let mut e = std::ptr::null_mut();
-        // SAFETY: writes one handle. 2 = CU_EVENT_DISABLE_TIMING.
-        let rc = unsafe { api::cuEventCreate(&mut e, 2) };
+        // SAFETY: writes one handle.
+        let rc = unsafe { api::cuEventCreate(&mut e, flags) };
         check(rc, || "cuEventCreate".into())?;
         Ok(Event {
             raw: e,
@@ -232,15 +237,7 @@ impl Event {
     /// A new event whose [`Event::synchronize`] puts the waiting thread to sleep
     /// (CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING) instead of spinning a core.
     pub fn new_blocking(ctx: &Arc<Context>) -> Result<Event> {
-        let _current = ctx.enter()?;
-        let mut e = std::ptr::null_mut();
-        // SAFETY: writes one handle. 1 | 2 = CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING.
-        let rc = unsafe { api::cuEventCreate(&mut e, 3) };
-        check(rc, || "cuEventCreate".into())?;
-        Ok(Event {
-            raw: e,
-            ctx: ctx.clone(),
-        })
+        Event::with_flags(ctx, 1 | 2)
     }
 
     /// The raw handle, for a stream of another owner to wait on ([`Stream::wait_raw`]).
