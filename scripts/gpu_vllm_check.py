@@ -191,7 +191,9 @@ class Engine:
         # layer is handed is [blocks, k, block_size, H].
         self.kv = torch.zeros(a.blocks, BLOCK, K, a.hidden, dtype=torch.bfloat16, device=device).permute(0, 2, 1, 3)
         self.table: dict[str, list[int]] = {}
-        self.free_blocks = list(range(a.blocks))
+        # Handed out in ascending order, as a fresh vLLM engine's free queue does: a request's
+        # blocks then lie next to one another, and its rows go as one run.
+        self.free_blocks = list(range(a.blocks))[::-1]
         #: Each hook's time on vLLM's threads, summed over the steps since it was last cleared.
         self.hooks: dict[str, float] = {}
         self.sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, kv_cfg)
@@ -253,7 +255,7 @@ class Engine:
             if keep:  # vLLM holds the blocks until the worker reports the copy done
                 delayed.add(r.request_id)
             else:
-                self.free_blocks.extend(self.table.pop(r.request_id))
+                self.give_back(self.table.pop(r.request_id))
             out.append(params)
         # The engine steps on (get_finished each step) until the worker reports every copy
         # done; only then do the blocks go back (and get written by later steps).
@@ -267,12 +269,17 @@ class Engine:
             finished = set()
             for rid in done or ():
                 delayed.discard(rid)
-                self.free_blocks.extend(self.table.pop(rid))
+                self.give_back(self.table.pop(rid))
             if delayed:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the worker never reported the copies of {sorted(delayed)} done")
                 time.sleep(0.001)
         return out, held
+
+    def give_back(self, blocks: list[int]) -> None:
+        """Blocks back to the free list, the lowest handed out first."""
+        self.free_blocks.extend(blocks)
+        self.free_blocks.sort(reverse=True)
 
     def resident(self) -> dict[str, Any]:
         sink = self.worker._sink

@@ -6,7 +6,7 @@
 //! [`Paged::plan`] turns a request's blocks into [`Strip`]s, each a 2-D copy (rows of one width,
 //! at a pitch on either side), as few as the cache's layout allows: one per block and layer, one
 //! per block when a slot holds its k layers side by side, and one for a run of blocks that lie
-//! one after another in memory. [`copy_host`] runs them with `memcpy`; [`DeviceCopies`] (feature
+//! one after another in memory. [`copy_host`] runs them with `memcpy`; `DeviceCopies` (feature
 //! `cuda`) enqueues them as `cuMemcpy2DAsync` on a stream of its own, straight from the cache's
 //! blocks into a host arena (device-to-host) or a device arena (device-to-device): no staging
 //! buffer, and no Python.
@@ -284,6 +284,9 @@ mod device {
     /// the legacy default stream), enqueued from any thread without Python.
     pub struct DeviceCopies {
         stream: Stream,
+        /// The largest pitch a 2-D copy takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`: 2^31 - 1 on
+        /// an H100): a strip with a larger one goes row by row.
+        max_pitch: u64,
     }
 
     /// The point a stream's copies had reached when [`DeviceCopies::mark`] was called.
@@ -311,8 +314,17 @@ mod device {
         /// # Errors
         /// [`crate::Error::Device`] without a driver or with no such device.
         pub fn new(ordinal: i32) -> Result<DeviceCopies> {
+            let ctx = context(ordinal)?;
+            let max_pitch = ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PITCH);
             Ok(DeviceCopies {
-                stream: Stream::new(&context(ordinal)?)?,
+                stream: Stream::new(&ctx)?,
+                // A driver that does not say: the smallest limit of any GPU of the last decade.
+                max_pitch: if max_pitch > 0 {
+                    max_pitch as u64
+                } else {
+                    i32::MAX as u64
+                },
             })
         }
 
@@ -330,7 +342,9 @@ mod device {
         }
 
         /// Enqueues `strips` from the cache at device address `src_base` into the object at
-        /// `dst_base`: host memory (pinned or not) when `dst_host`, else device memory.
+        /// `dst_base`: host memory (pinned or not) when `dst_host`, else device memory. A flat
+        /// strip (one row: a run of blocks, which may pass 2 GiB) is a plain copy, which has no
+        /// pitch to limit it; a 2-D one whose pitch passes the device's limit goes row by row.
         ///
         /// # Safety
         /// Every strip lies inside the cache and the object ([`super::Paged::plan`]); both stay
@@ -347,18 +361,36 @@ mod device {
             strips: &[Strip],
         ) -> Result<()> {
             for s in strips {
-                // SAFETY: the caller's promise.
-                unsafe {
-                    self.stream.copy_2d(
-                        src_base + s.src,
-                        s.src_pitch,
-                        dst_base + s.dst,
-                        s.dst_pitch,
-                        dst_host,
-                        s.width,
-                        s.height,
-                    )?
-                };
+                let (src, dst) = (src_base + s.src, dst_base + s.dst);
+                if s.height > 1 && s.src_pitch.max(s.dst_pitch) <= self.max_pitch {
+                    // SAFETY: the caller's promise; both pitches are at least the width (the
+                    // plan's strips) and within the device's limit.
+                    unsafe {
+                        self.stream.copy_2d(
+                            src,
+                            s.src_pitch,
+                            dst,
+                            s.dst_pitch,
+                            dst_host,
+                            s.width,
+                            s.height,
+                        )?
+                    };
+                    continue;
+                }
+                for r in 0..s.height {
+                    let (src, dst) = (src + r * s.src_pitch, dst + r * s.dst_pitch);
+                    if dst_host {
+                        // SAFETY: the caller's promise (each row lies inside both).
+                        unsafe {
+                            self.stream
+                                .copy_dtoh(dst as usize as *mut u8, src, s.width)?
+                        };
+                    } else {
+                        // SAFETY: as above.
+                        unsafe { self.stream.copy_dtod(dst, src, s.width)? };
+                    }
+                }
             }
             Ok(())
         }
@@ -400,12 +432,18 @@ mod device {
         }
     }
 
-    /// [`copy_requests`] from a cache in device memory: every request's copies enqueued on
-    /// `copies`' stream (after `after`, a raw event recorded where the cache was written; 0 for
-    /// none), token ids written now into a host arena (`dst_host`) or copied to a device one, each
-    /// request's mark waited for in order and its write finished (`finished(i, keys, ok)`) as soon
-    /// as it has landed. A request whose copies could not all be enqueued is failed once the stream
-    /// has drained (nothing lands in its space after it is given back).
+    /// [`copy_requests`](super::copy_requests) from a cache in device memory, on `copies`' stream:
+    /// 1. each request is checked and planned, and its token ids written now into a host arena
+    ///    (`dst_host`) or enqueued to a device one: before the wait below, as a copy from
+    ///    pageable memory first waits for the stream's earlier work (after the rows of earlier
+    ///    requests, each would wait for them);
+    /// 2. the stream waits for `after`, a raw event recorded where the cache was written (0: none);
+    /// 3. each request's rows are enqueued, and a mark after them;
+    /// 4. each mark is waited for in order, and its request's write finished
+    ///    (`finished(i, keys, ok)`) as soon as it has landed.
+    ///
+    /// A request that fails before its copies fails at once; one whose copies could not all be
+    /// enqueued, once the stream has drained (nothing lands in its space after it is given back).
     ///
     /// # Safety
     /// The cache's range must stay valid device memory until this returns; `arena` is this
@@ -422,31 +460,30 @@ mod device {
         mut finished: impl FnMut(usize, Vec<String>, bool),
     ) -> Vec<Option<String>> {
         let mut out: Vec<Option<String>> = vec![None; requests.len()];
-        let waited = if after == 0 {
-            Ok(())
-        } else {
-            // SAFETY: the caller's promise (a valid event).
-            unsafe { copies.after(after) }
+        // Request i's write is over: landed, or failed with why.
+        let mut land = |i: usize, keys: Vec<String>, landed: Result<(), String>| {
+            if let Err(why) = &landed {
+                out[i] = Some(format!("copying cache rows: {why}"));
+            }
+            finished(i, keys, landed.is_ok());
         };
-        let mut landing: Vec<(usize, Vec<String>, Landing)> = Vec::with_capacity(requests.len());
+        let mut planned = Vec::with_capacity(requests.len());
         for (i, r) in requests.into_iter().enumerate() {
             let ids_len = (r.ids.len() as u64) * 8;
-            let planned = if let Err(e) = &waited {
-                Err(e.to_string())
-            } else if !inside(arena, r.ids_dst, ids_len) || !inside(arena, r.rows_dst, r.rows_len) {
-                Err(format!(
-                    "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's arena",
-                    r.ids_dst, r.rows_dst, r.rows_len
-                ))
-            } else {
-                src.plan(r.rows_len, &r.block_ids, r.ids.len() as u64)
-            };
-            let enqueued = planned.and_then(|strips| {
+            let checked =
+                if !inside(arena, r.ids_dst, ids_len) || !inside(arena, r.rows_dst, r.rows_len) {
+                    Err(format!(
+                        "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's arena",
+                        r.ids_dst, r.rows_dst, r.rows_len
+                    ))
+                } else {
+                    src.plan(r.rows_len, &r.block_ids, r.ids.len() as u64)
+                };
+            let ids = checked.and_then(|strips| {
                 let ids: Vec<u8> = r.ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
-                // SAFETY: the destinations lie in the arena (checked above), the rows in the cache
-                // (the plan); the caller vouched for both ranges and that nothing else writes these
-                // objects; a host arena is this process's own mapping.
-                let done = unsafe {
+                // SAFETY: the destination lies in the arena (checked above), which the caller
+                // vouched for; a host arena is this process's own mapping.
+                unsafe {
                     if dst_host {
                         std::ptr::copy_nonoverlapping(
                             ids.as_ptr(),
@@ -454,32 +491,47 @@ mod device {
                             ids.len(),
                         );
                     } else {
+                        // Nothing of it is enqueued if this fails.
                         copies.bytes(r.ids_dst, &ids).map_err(|e| e.to_string())?;
                     }
-                    copies
-                        .rows(src.base, r.rows_dst, dst_host, &strips)
-                        .and_then(|()| copies.mark())
-                };
-                done.map_err(|e| {
+                }
+                Ok(strips)
+            });
+            match ids {
+                Ok(strips) => planned.push((i, r.keys, r.rows_dst, strips)),
+                Err(why) => land(i, r.keys, Err(why)),
+            }
+        }
+        let waited = if after == 0 {
+            Ok(())
+        } else {
+            // SAFETY: the caller's promise (a valid event).
+            unsafe { copies.after(after) }
+        };
+        if let Err(e) = waited {
+            let _ = copies.synchronize(); // their token ids may be on their way
+            for (i, keys, _, _) in planned {
+                land(i, keys, Err(e.to_string()));
+            }
+            return out;
+        }
+        let mut landing: Vec<(usize, Vec<String>, Landing)> = Vec::with_capacity(planned.len());
+        for (i, keys, rows_dst, strips) in planned {
+            // SAFETY: the rows lie in the cache and the object (the plan), the object in the
+            // arena (checked above); the caller vouched for both ranges.
+            let marked = unsafe { copies.rows(src.base, rows_dst, dst_host, &strips) }
+                .and_then(|()| copies.mark());
+            match marked {
+                Ok(mark) => landing.push((i, keys, mark)),
+                Err(e) => {
                     // Some of its copies may be enqueued: they land before its space goes back.
                     let _ = copies.synchronize();
-                    e.to_string()
-                })
-            });
-            match enqueued {
-                Ok(mark) => landing.push((i, r.keys, mark)),
-                Err(why) => {
-                    out[i] = Some(format!("copying cache rows: {why}"));
-                    finished(i, r.keys, false);
+                    land(i, keys, Err(e.to_string()));
                 }
             }
         }
         for (i, keys, mark) in landing {
-            let landed = mark.wait();
-            if let Err(e) = &landed {
-                out[i] = Some(format!("copying cache rows: {e}"));
-            }
-            finished(i, keys, landed.is_ok());
+            land(i, keys, mark.wait().map_err(|e| e.to_string()));
         }
         out
     }
@@ -536,14 +588,14 @@ mod tests {
 
     #[test]
     fn every_row_lands_where_the_object_wants_it_in_both_of_vllms_layouts() {
-        for slot_major in [false, true] {
-            let (bytes, src) = cache(6, 3, 4, 8, slot_major);
+        for (slot_major, k) in [(false, 3), (true, 3), (false, 1)] {
+            let (bytes, src) = cache(6, k, 4, 8, slot_major);
             for (blocks, n) in [(vec![2u64, 0, 5], 10u64), (vec![1, 2, 3], 12), (vec![4], 1)] {
                 let (obj, _) = copied(&src, &blocks, n);
                 assert_eq!(
                     obj,
                     expected(&bytes, &src, &blocks, n),
-                    "slot-major {slot_major}, blocks {blocks:?}, n {n}"
+                    "slot-major {slot_major}, k {k}, blocks {blocks:?}, n {n}"
                 );
             }
         }

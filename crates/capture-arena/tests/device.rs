@@ -929,9 +929,9 @@ fn fake_gpu_a_requests_rows_go_straight_from_the_cache_blocks_into_host_and_devi
         device.download(0, &mut back).unwrap();
         assert_eq!(back, want, "device-to-device, slot-major {slot_major}");
         if !real_gpu() {
-            // A copy per block and layer, or per block where a slot holds its layers side by
-            // side: never one per row.
-            let per_object = if slot_major { 3 } else { 9 };
+            // A 2-D copy per block and layer; where a slot holds its layers side by side, a
+            // plain copy per block (a run of blocks: one): never a copy per row.
+            let per_object = if slot_major { 0 } else { 9 };
             assert_eq!(fake_cuda::copies_2d() - before, 2 * per_object);
         }
     }
@@ -1024,4 +1024,102 @@ fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_
         );
     }
     assert!(arena[256..512].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn fake_gpu_a_2d_copy_past_the_devices_pitch_limit_goes_row_by_row() {
+    use capture_arena::paged::DeviceCopies;
+    let Some(_g) = setup_fake("fake_gpu_a_2d_copy_past_the_devices_pitch_limit") else {
+        return;
+    };
+    // A device whose 2-D copies take pitches of at most 32 bytes (a real one: 2^31 - 1, which
+    // an object's rows of a long prompt pass as one run of blocks): the strips' 48-byte pitch
+    // goes row by row.
+    fake_cuda::knob("max_pitch", 32);
+    let copies = DeviceCopies::new(0).unwrap();
+    let (_cache, bytes, src) = device_cache(6, 3, 4, 16, false);
+    let (blocks, n) = ([2u64, 0, 5], 10u64);
+    let strips = src.plan(n * 48, &blocks, n).unwrap();
+    let mut host = vec![0u8; (n * 48) as usize];
+    // SAFETY: the plan is checked against both lengths; both live until the mark is waited for.
+    let enqueued = unsafe { copies.rows(src.base, host.as_mut_ptr() as u64, true, &strips) };
+    let landed = enqueued.and_then(|()| copies.mark()).and_then(|m| m.wait());
+    fake_cuda::knob("max_pitch", i32::MAX as i64);
+    landed.unwrap();
+    assert_eq!(host, rows_of(&bytes, &src, &blocks, n));
+}
+
+#[test]
+fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_enqueued_land() {
+    use capture_arena::paged::{copy_requests_device, DeviceCopies, Request};
+    let Some(_g) = setup_fake("fake_gpu_a_request_whose_copies_fail_midway") else {
+        return;
+    };
+    // Each request: 2 blocks x 2 layers, 4 copies of 20 ms each. The 7th copy fails to enqueue
+    // (and every later one): the second request has 2 copies on their way when it fails, the
+    // third none. Its space goes back (finished, false) only once those 2 have landed: its
+    // object holds at that moment what it holds at the end.
+    let (_cache, _bytes, src) = device_cache(4, 2, 4, 8, false);
+    let n = 6u64;
+    let rows_len = n * 2 * 8;
+    let mut arena = vec![0u8; 1024];
+    let base = arena.as_mut_ptr() as u64;
+    let request = |at: u64, keys: &str| Request {
+        keys: vec![keys.into()],
+        ids_dst: base + at,
+        ids: (0..n as i64).collect(),
+        rows_dst: base + at + 64,
+        rows_len,
+        block_ids: vec![3, 1],
+    };
+    let copies = DeviceCopies::new(0).unwrap();
+    fake_cuda::knob("copy_us", 20_000);
+    fake_cuda::knob("fail_copies_after", 6);
+    let mut finished = Vec::new();
+    let at_failure = std::cell::RefCell::new(Vec::new());
+    let b_rows = (base + 256 + 64) as usize;
+    // SAFETY: the cache and the arena live until the end; the arena stands in for a host arena.
+    let why = unsafe {
+        copy_requests_device(
+            &copies,
+            0,
+            &src,
+            (base, 1024),
+            true,
+            vec![request(0, "a"), request(256, "b"), request(512, "c")],
+            |i, keys, ok| {
+                if keys[0] == "b" {
+                    // SAFETY: the arena's bytes, read as they are when b is given back.
+                    let now = std::slice::from_raw_parts(b_rows as *const u8, rows_len as usize);
+                    at_failure.borrow_mut().extend_from_slice(now);
+                }
+                finished.push((i, keys[0].clone(), ok));
+            },
+        )
+    };
+    fake_cuda::knob("fail_copies_after", -1);
+    fake_cuda::knob("copy_us", 0);
+    copies.synchronize().unwrap();
+    assert_eq!(
+        finished,
+        [
+            (1, "b".into(), false),
+            (2, "c".into(), false),
+            (0, "a".into(), true)
+        ]
+    );
+    assert!(
+        why[0].is_none() && why[1].is_some() && why[2].is_some(),
+        "{why:?}"
+    );
+    let b_now = &arena[256 + 64..256 + 64 + rows_len as usize];
+    assert_eq!(
+        &at_failure.borrow()[..],
+        b_now,
+        "a copy landed in the second request's space after it was given back"
+    );
+    assert!(
+        b_now.iter().any(|&x| x != 0),
+        "its first copies landed before it was given back"
+    );
 }

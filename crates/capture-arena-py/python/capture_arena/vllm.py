@@ -1042,7 +1042,8 @@ class _Rows:
       staging buffer: no extra device memory, whatever the prompt length.
 
     Otherwise (a host cache whose rows are strided: a torch copy per block; a device cache where
-    the native copy cannot start, said in the log): on a torch side stream, blocks gathered a
+    the native copy cannot start, or whose device arena is on another GPU, said in the log): on a
+    torch side stream, blocks gathered a
     chunk at a time into a staging buffer (``index_select``), laid out as the rows (``[m, bs, k,
     H]``, a second buffer), then copied into the arena in one piece. Those two buffers,
     ``STAGING_BYTES`` each, are then the connector's extra device memory.
@@ -1068,11 +1069,15 @@ class _Rows:
             try:
                 if kv.stride(3) != 1:
                     raise ValueError(f"the cache's rows are not contiguous (strides {kv.stride()})")
+                if self.device_arena and self.arena_device != kv.device:
+                    # The cache's GPU may have no access to another GPU's arena mapping (no peer
+                    # access); torch's copies go through the host where it has none.
+                    raise ValueError(f"the device arena is on {self.arena_device}, the cache on {kv.device}")
                 self.native = _DeviceRows(kv.device.index)
             except Exception as e:  # no driver of our own to load: torch copies through staging
                 log.warning(
                     "capture_arena.vllm: copying rows from the device cache through torch and %d MiB of staging buffers "
-                    "(the native copy could not start: %s)", 2 * STAGING_BYTES >> 20, e,
+                    "(not natively: %s)", 2 * STAGING_BYTES >> 20, e,
                 )
                 self.stream = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
                 block = self.k * self.bs * self.h * kv.element_size()

@@ -22,6 +22,7 @@
  *                              allocation asking for gpuDirectRDMACapable then fails (NOT_SUPPORTED)
  *   FAKE_CUDA_COPY_US=N        every copy takes at least N microseconds on its stream
  *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
+ *   FAKE_CUDA_MAX_PITCH=N      the largest pitch a 2-D copy takes (attribute 11; default 2^31 - 1, an H100's)
  *   FAKE_CUDA_HOST_REGISTER=0  report no cuMemHostRegister support (attribute 99; default 1)
  *   FAKE_CUDA_CAPTURING=1      another thread is capturing a CUDA graph in global mode: calls
  *                              capture forbids (cuMemHostRegister, cuMemHostUnregister) fail with
@@ -72,7 +73,7 @@ static int devices(void) {
 
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
 static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2,
-  knob_fault = -2, knob_host_register = -2, knob_capturing = -2;
+  knob_fault = -2, knob_host_register = -2, knob_capturing = -2, knob_max_pitch = -2;
 static long copies;
 /* A context error (FAKE_CUDA_FAULT / the "fault" knob, set when a stream next runs an op): sticky,
  * as on a real GPU after an illegal address. */
@@ -90,6 +91,7 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "fault") ? &knob_fault
           : !strcmp(name, "host_register") ? &knob_host_register
           : !strcmp(name, "capturing") ? &knob_capturing
+          : !strcmp(name, "max_pitch") ? &knob_max_pitch
           : !strcmp(name, "devices") ? &knob_devices
           : !strcmp(name, "odd_error") ? &knob_odd_error : NULL;
   if (!k) return -3;
@@ -121,6 +123,7 @@ CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
   else if (attr == 99) *v = (int)knob(&knob_host_register, "FAKE_CUDA_HOST_REGISTER", 1);
   else if (attr == 113) *v = 1; /* read-only host registration */
   else if (attr == 110) *v = (int)knob(&knob_gdr_attr, "FAKE_CUDA_GDR_ATTR", 1); /* GPUDirect RDMA on VMM */
+  else if (attr == 11) *v = (int)knob(&knob_max_pitch, "FAKE_CUDA_MAX_PITCH", 2147483647); /* MAX_PITCH */
   else *v = 0;
   return OK;
 }
@@ -712,6 +715,8 @@ CUresult cuMemcpy2DAsync_v2(const Memcpy2D *c, Stream *s) {
   if (!c) return INVALID_VALUE;
   if (c->srcMemoryType < 1 || c->srcMemoryType > 2 || c->dstMemoryType < 1 || c->dstMemoryType > 2) return INVALID_VALUE;
   if (c->srcPitch < c->WidthInBytes || c->dstPitch < c->WidthInBytes) return INVALID_VALUE;
+  long max_pitch = knob(&knob_max_pitch, "FAKE_CUDA_MAX_PITCH", 2147483647);
+  if ((long)c->srcPitch > max_pitch || (long)c->dstPitch > max_pitch) return INVALID_VALUE; /* CU_DEVICE_ATTRIBUTE_MAX_PITCH */
   if (!c->WidthInBytes || !c->Height) return OK;
   const char *src = c->srcMemoryType == 1 ? (const char *)c->srcHost : (const char *)(uintptr_t)c->srcDevice;
   char *dst = c->dstMemoryType == 1 ? (char *)c->dstHost : (char *)(uintptr_t)c->dstDevice;
