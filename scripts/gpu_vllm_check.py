@@ -447,7 +447,7 @@ def copy_path(rows: Any) -> str:
     (a host cache whose rows are not contiguous)."""
     if rows is None:
         return "none yet"
-    if rows.native is not None or (not rows.kv.is_cuda and rows.kv.stride(3) == 1):
+    if getattr(rows, "native", None) is not None or (not rows.kv.is_cuda and rows.kv.stride(3) == 1):
         return "native"
     return "staging" if rows.kv.is_cuda else "torch"
 
@@ -527,7 +527,7 @@ def load(a: argparse.Namespace) -> int:
         file_logic(eng.kv, {"f": list(range(-(-a.long // BLOCK)))}, {"f": a.long})
         file_extra = torch.cuda.max_memory_allocated() - base
     say(check="long", ok=ok, placement=a.placement, tokens=a.long, extra_device_bytes=extra, file_gather_extra_device_bytes=file_extra,
-        copy=copy_path(rows), staging_bytes=0 if rows is None or rows.stage is None else 2 * 32 << 20)
+        copy=copy_path(rows), staging_bytes=0 if getattr(rows, "stage", None) is None else 2 * 32 << 20)
     trainer.stdin.close()
     trainer.wait(timeout=120)
     eng.close()

@@ -70,7 +70,6 @@ def run_trainer(producer: subprocess.Popen[str], trainer: str, env: dict[str, st
     return t.stdout
 
 
-@pytest.mark.skipif(ANY_DRIVER, reason="a CUDA driver library (libcuda.so.1) loads here, a real one or the dry run's fake; the test needs none")
 def produce_then_train(producer: list[str], trainer: str, env: dict[str, str], lines: int = 1) -> None:
     """Runs a producer (``python -c`` with these arguments), hands its first `lines` results to
     a trainer process (:func:`run_trainer`), then tells the producer (a line on its stdin) that
@@ -87,6 +86,7 @@ def produce_then_train(producer: list[str], trainer: str, env: dict[str, str], l
         p.kill()
 
 
+@pytest.mark.skipif(ANY_DRIVER, reason="a CUDA driver library (libcuda.so.1) loads here, a real one or the dry run's fake; the test needs none")
 def test_device_publication_without_a_driver_fails_the_batch_saying_what_to_change(make_sink):
     sink = make_sink(gpu_put=True)
     assert sink.device_publication and not sink.started
