@@ -302,6 +302,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: Guards ``_conn``: vLLM's thread replaces it after a failed send while the
             #: connection's reader may be dropping it.
             self._conn_lock = threading.Lock()
+            #: Held for each send and for a connection's close, so that a descriptor is never
+            #: closed (and its number reused by another file) under a send.
+            self._send_lock = threading.Lock()
             #: Results sent and not yet taken (or freed) by the scheduler process:
             #: announcement (:func:`_tag`) -> (its objects' keys, deadline, the connection it
             #: was sent on (None while it is sent again), its line (empty once sent again));
@@ -837,7 +840,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             c = self._connection()
             self._mark_sent(tags, c, deadline)  # before the send: an answer may come at once
-            c.sendall(data)
+            with self._send_lock:
+                if c.fileno() < 0:  # closed by its reader since
+                    raise OSError("the result channel's connection closed")
+                c.sendall(data)
             return None
         except OSError as e:
             self._mark_sent(tags, None)  # sent again, or freed: not the closing connection's
@@ -962,7 +968,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             log.error("capture_arena.vllm: stopped reading answers from the scheduler process: %s", e)
         finally:
             self._drop_conn(conn)
-            conn.close()
+            with self._send_lock:  # not under a send (at most its timeout)
+                conn.close()
             # Nothing will answer on this connection for what was sent on it (what was sent on a
             # newer one is that one's reader's): sent again.
             with self._unacked_lock:
