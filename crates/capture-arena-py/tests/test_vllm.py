@@ -1231,12 +1231,40 @@ def test_a_result_line_whose_answer_fails_gives_back_only_what_that_line_kept(pa
         assert json.loads(second.recv(1000)) == {"taken": [f"{seq}:twice"], "free": []}
         first.shutdown(socket.SHUT_RD)  # given up: the engine core's answer on it fails
         first.sendall(line)
-        assert first.recv(1000) == b"", "the engine core answered on a connection the worker gave up"
+        # The engine core closes it once its answer failed (both ends shut: POLLHUP); only then
+        # is the request finished, so that the late line has surely been read by then.
+        import select
+
+        poll = select.poll()
+        poll.register(first, select.POLLHUP)
+        assert poll.poll(10_000), "the engine core never closed the connection whose answer failed"
     finally:
         first.close()
         second.close()
     params = sched.ask({"finish": "twice"})["params"]
     assert params["capture_arena"] == row and params["handle"] == f"vllm/twice/g{seq}/", params
+
+
+def test_a_result_forgotten_after_its_worker_gave_its_connection_up_is_freed_through_the_new_one(pair: tuple[Proc, Proc]) -> None:
+    # The engine core holds a result that came on connection A; the worker gives A up (as after
+    # a send that timed out) and its next results come on B. Then vLLM preempts the request:
+    # the engine core forgets the result and asks the worker to free it. Before: asked on A,
+    # which fails (the worker shut it), and the objects stayed resident for good. Now the free
+    # goes on the worker's newest connection.
+    sched, worker = pair
+    before = worker.ask({"stats": True})
+    worker.ask({"save": sched.ask({"announce": [["kept-on-a", 8]]})["meta"]})
+    assert worker.ask({"reconnect": True}) == {"ok": True}  # A given up
+    worker.ask({"save": sched.ask({"announce": [["on-b", 8]]})["meta"]})
+    on_b = sched.ask({"finish": "on-b"})["params"]  # handed out: B is the worker's connection now
+    assert "error" not in on_b["capture_arena"], on_b
+    sched.ask({"announce": [], "preempt": ["kept-on-a"]})  # forgotten: its free goes to the worker
+    s = wait_stats(worker, lambda s: s["local_freed_objects"] >= before["local_freed_objects"] + 2)
+    why = f"before {before}\nafter {s}\nthe engine core's log: {sched.log_tail()}"
+    assert s["local_freed_objects"] - before["local_freed_objects"] == 2, why
+    release_all([on_b])
+    s = wait_resident(worker, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"], s
 
 
 def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(both: Proc) -> None:

@@ -828,28 +828,37 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             e = self._send_on(published, data)
             if e is None:
                 return
-            if attempt:
+            if attempt:  # no connection: nothing was sent
                 log.error("capture_arena.vllm: could not hand %d results to the scheduler process: %s", len(saves), e)
                 self._free_unacked(published)
 
     def _send_on(self, tags: list[str], data: bytes, deadline: Optional[float] = None) -> Optional[OSError]:
         """Sends these results' lines on the connection (made if there is none), recording it
-        (and ``deadline``, if given) for those still waiting for an answer; on a failure the
-        connection is dropped and the results are no connection's, and the error returned."""
-        c = None
+        (and ``deadline``, if given) for those still waiting for an answer. Returns the error
+        when no connection could be made: nothing was sent, and the results are no
+        connection's. A send that fails (some of its lines may have arrived, and been taken)
+        gives that connection up with the results still its own: its reader reads the answers
+        that reached it, then sends the rest again once, or frees them (:meth:`_resend`)."""
         try:
             c = self._connection()
-            self._mark_sent(tags, c, deadline)  # before the send: an answer may come at once
-            with self._send_lock:
-                if c.fileno() < 0:  # closed by its reader since
-                    raise OSError("the result channel's connection closed")
-                c.sendall(data)
-            return None
         except OSError as e:
-            self._mark_sent(tags, None)  # sent again, or freed: not the closing connection's
-            if c is not None:
-                self._drop_conn(c)
+            self._mark_sent(tags, None)
             return e
+        # Under the lock its reader closes it with: made its own before it closes, the results
+        # are in what its reader decides after reading its last answers.
+        with self._send_lock:
+            if c.fileno() < 0:  # closed by its reader since (nothing sent on it)
+                self._mark_sent(tags, None)
+                return OSError("the result channel's connection closed")
+            self._mark_sent(tags, c, deadline)  # before the send: an answer may come at once
+            try:
+                c.sendall(data)
+                return None
+            except OSError as e:
+                failed = e
+        log.warning("capture_arena.vllm: sending %d results to the scheduler process failed (%s); its answers decide what is sent again", len(tags), failed)
+        self._drop_conn(c)
+        return None
 
     def _mark_sent(self, tags: list[str], conn: Optional[socket.socket], deadline: Optional[float] = None) -> None:
         """Records the connection these results (those still waiting for an answer) were sent
@@ -858,7 +867,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             for tag in tags:
                 if tag in self._unacked:  # not if taken (or freed) meanwhile
                     keys, d, _, line = self._unacked[tag]
-                    self._unacked[tag] = (keys, d if deadline is None else deadline, conn, line)
+                    # Never earlier: the scheduler process may keep it until the bound plus half
+                    # of ACK_GRACE_S from when it was first sent.
+                    self._unacked[tag] = (keys, d if deadline is None else max(d, deadline), conn, line)
 
     def _resend(self, tags: list[str]) -> None:
         """Results sent on a connection that closed before their answers came: the scheduler
@@ -936,10 +947,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if c is None or (conn is not None and c is not conn):
                 return
             self._conn = None
-        try:
-            c.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        with self._send_lock:  # never on a descriptor its reader closed (its number reused)
+            if c.fileno() >= 0:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _read_answers(self, conn: socket.socket) -> None:
         """The worker's end of the channel's way back: ``{"taken": [tag, ...], "free": [tag, ...],
@@ -1329,9 +1342,15 @@ def _unregister_host_arena(address: int) -> None:
         log.warning("capture_arena.vllm: unregistering the host arena from CUDA failed: %s", e)
 
 
+def _peer_cred(conn: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(pid), int(uid)
+
+
 def _peer_uid(conn: socket.socket) -> int:
     """The uid of the process at the other end of a Unix socket (SO_PEERCRED)."""
-    return int(struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1])
+    return _peer_cred(conn)[1]
 
 
 def _lines(conn: socket.socket, idle: Any = None) -> Any:
@@ -1366,9 +1385,17 @@ class _Peer:
     """A worker's connection, as the scheduler process answers on it (from the reading thread
     and, for a result it forgets, the scheduler's): one whole line at a time."""
 
-    def __init__(self, conn: socket.socket) -> None:
+    def __init__(self, conn: socket.socket, pid: int = 0, latest: Optional[dict[int, "_Peer"]] = None) -> None:
         self.conn = conn
+        self.pid = pid
+        #: The listener's newest connection of each worker process (by pid).
+        self._latest = latest if latest is not None else {}
         self._lock = threading.Lock()
+
+    def latest(self) -> "_Peer":
+        """The newest connection of this one's worker: a result taken from a connection the
+        worker has given up since is freed through the one it uses now."""
+        return self._latest.get(self.pid, self)
 
     def send(self, msg: dict[str, Any], now: bool = False) -> None:
         """Sends one line. ``now``: without waiting for room (an answer sent under the
@@ -1385,6 +1412,8 @@ class _Peer:
                 self.conn.settimeout(0.0)
                 try:
                     if self.conn.send(data) != len(data):
+                        # Nothing more on it (a line appended to a cut one would be lost with it).
+                        self.conn.shutdown(socket.SHUT_RDWR)
                         raise OSError("the worker leaves its answers unread: a line cut short")
                 finally:
                     self.conn.settimeout(timeout)
@@ -1439,11 +1468,14 @@ class _InProcess:
         if msg.get("drop") and sink is not None:
             sink._drop_keys(list(msg["drop"]))
 
+    def latest(self) -> "_InProcess":
+        return self
+
 
 def _reply_free(peer: Any, row: dict[str, Any]) -> None:
     """Tells the worker that sent ``row`` (and was told it was taken) to free its objects."""
     try:
-        peer.send({"drop": _result_keys(row)})
+        peer.latest().send({"drop": _result_keys(row)})
     except Exception as e:  # the connection is gone (so is the worker's arena), or a bad row
         log.warning("capture_arena.vllm: could not ask the worker to free %s: %s", row.get("sample_id"), e)
 
@@ -1464,6 +1496,8 @@ class _Listener:
         self._open = 0
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        #: Each worker process's newest connection (by pid), where a forgotten result's free goes.
+        self._latest: dict[int, _Peer] = {}
         #: Accepts that failed (each backed off and retried).
         self.accept_errors = 0
         threading.Thread(target=self._accept, name="capture-arena-vllm", daemon=True).start()
@@ -1473,7 +1507,7 @@ class _Listener:
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-                uid = _peer_uid(conn)
+                pid, uid = _peer_cred(conn)
             except OSError as e:
                 if self._closed.is_set():
                     return
@@ -1495,13 +1529,15 @@ class _Listener:
                 log.warning("capture_arena.vllm: refused a result connection (uid %d, %d open)", uid, self._open)
                 conn.close()
                 continue
-            threading.Thread(target=self._read, args=(conn,), name="capture-arena-vllm-read", daemon=True).start()
+            threading.Thread(target=self._read, args=(conn, pid), name="capture-arena-vllm-read", daemon=True).start()
 
-    def _read(self, conn: socket.socket) -> None:
+    def _read(self, conn: socket.socket, pid: int = 0) -> None:
         # An answer to a worker that reads nothing fails within this instead of blocking (it
         # may be sent from vLLM's thread: a result freed at a preemption or an abort).
         conn.settimeout(ACK_GRACE_S / 4)
-        peer = _Peer(conn)
+        peer = _Peer(conn, pid, self._latest)
+        with self._lock:
+            self._latest[pid] = peer
         try:
             for msgs in _lines(conn):
                 results, fresh = [], []
@@ -1527,9 +1563,12 @@ class _Listener:
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.error("capture_arena.vllm: closed a result connection: %s", e)
         finally:
-            conn.close()
             with self._lock:
                 self._open -= 1
+                if self._latest.get(pid) is peer:
+                    del self._latest[pid]
+            with peer._lock:  # not under an answer or a free being sent on it
+                conn.close()
 
     def close(self) -> None:
         """Stops listening: the name is free again and the accepting thread ends (closing alone
