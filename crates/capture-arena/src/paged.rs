@@ -211,6 +211,21 @@ pub struct Request {
     pub block_ids: Vec<u64>,
 }
 
+impl Request {
+    /// Its rows' strips ([`Paged::plan`]), once both its destinations are checked to lie in
+    /// `arena` (`(address, bytes)` as this process maps it).
+    fn plan(&self, src: &Paged, arena: (u64, u64)) -> Result<Vec<Strip>, String> {
+        let ids_len = (self.ids.len() as u64) * 8;
+        if !inside(arena, self.ids_dst, ids_len) || !inside(arena, self.rows_dst, self.rows_len) {
+            return Err(format!(
+                "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's arena",
+                self.ids_dst, self.rows_dst, self.rows_len
+            ));
+        }
+        src.plan(self.rows_len, &self.block_ids, self.ids.len() as u64)
+    }
+}
+
 /// Whether `[at, at + len)` lies inside `[base, base + size)`.
 fn inside((base, size): (u64, u64), at: u64, len: u64) -> bool {
     at >= base && at.checked_add(len).is_some_and(|end| end <= base + size)
@@ -237,15 +252,7 @@ pub unsafe fn copy_requests(
     let mut out = Vec::with_capacity(requests.len());
     for (i, r) in requests.into_iter().enumerate() {
         let ids_len = (r.ids.len() as u64) * 8;
-        let checked =
-            if !inside(arena, r.ids_dst, ids_len) || !inside(arena, r.rows_dst, r.rows_len) {
-                Err(format!(
-                    "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's host arena",
-                    r.ids_dst, r.rows_dst, r.rows_len
-                ))
-            } else {
-                src.plan(r.rows_len, &r.block_ids, r.ids.len() as u64)
-            };
+        let checked = r.plan(src, arena);
         match checked {
             Ok(strips) => {
                 // SAFETY: the destinations lie inside the arena and the rows inside the cache
@@ -276,7 +283,7 @@ pub use device::{copy_requests_device, DeviceCopies, Landing};
 
 #[cfg(feature = "cuda")]
 mod device {
-    use super::{inside, Paged, Request, Strip};
+    use super::{Paged, Request, Strip};
     use crate::driver::{context, Event, Stream};
     use crate::error::Result;
 
@@ -469,16 +476,7 @@ mod device {
         };
         let mut planned = Vec::with_capacity(requests.len());
         for (i, r) in requests.into_iter().enumerate() {
-            let ids_len = (r.ids.len() as u64) * 8;
-            let checked =
-                if !inside(arena, r.ids_dst, ids_len) || !inside(arena, r.rows_dst, r.rows_len) {
-                    Err(format!(
-                        "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's arena",
-                        r.ids_dst, r.rows_dst, r.rows_len
-                    ))
-                } else {
-                    src.plan(r.rows_len, &r.block_ids, r.ids.len() as u64)
-                };
+            let checked = r.plan(src, arena);
             let ids = checked.and_then(|strips| {
                 let ids: Vec<u8> = r.ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
                 // SAFETY: the destination lies in the arena (checked above), which the caller
@@ -713,7 +711,7 @@ mod tests {
             why[1]
                 .as_deref()
                 .unwrap()
-                .contains("not in this sink's host arena"),
+                .contains("not in this sink's arena"),
             "{why:?}"
         );
         assert!(
