@@ -1208,6 +1208,35 @@ def test_an_answer_that_reached_the_worker_is_read_even_when_it_gives_its_connec
     assert s["resident_objects"] == before["resident_objects"] and s["local_freed_objects"] == before["local_freed_objects"], s
 
 
+def test_a_send_that_fails_after_some_lines_arrived_frees_only_what_was_not_taken(pair: tuple[Proc, Proc]) -> None:
+    # A step's four results: the send times out after the first two lines arrived, and the
+    # engine core took them (its answer waits unread: the worker's reads are held); the send on
+    # a new connection times out at once. Before: the worker freed all four while the engine
+    # core handed the first two out. Now the failed connection's reader reads the answer that
+    # reached it first: the two taken are handed out and kept, the two never taken are freed.
+    sched, worker = pair
+    before = worker.ask({"stats": True})
+    rids = [f"half-{i}" for i in range(4)]
+    meta = sched.ask({"announce": [[rid, 8] for rid in rids]})["meta"]
+    assert worker.ask({"hold_answers": True}) == {"ok": True}
+    try:
+        assert worker.ask({"fail_sends": ["half", "none"]}) == {"ok": True}
+        worker.ask({"save": meta})
+        s = wait_stats(worker, lambda s: s["local_freed_objects"] >= before["local_freed_objects"] + 4)
+    finally:
+        assert worker.ask({"hold_answers": False}) == {"ok": True}
+        assert worker.ask({"fail_sends": []}) == {"ok": True}
+    got = {rid: sched.ask({"finish": rid})["params"] for rid in rids}
+    handed = [rid for rid in rids if "error" not in got[rid]["capture_arena"]]
+    s = worker.ask({"stats": True})
+    why = f"handed out {handed}\nbefore {before}\nafter {s}\nits log: {worker.log_tail()}"
+    assert handed == rids[:2], why
+    assert s["local_freed_objects"] - before["local_freed_objects"] == 4, why  # the two never taken
+    release_all([got[rid] for rid in handed])  # the trainer frees what it was handed: never freed under it
+    s = wait_resident(worker, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"], s
+
+
 def test_a_result_line_whose_answer_fails_gives_back_only_what_that_line_kept(pair: tuple[Proc, Proc]) -> None:
     # A worker's result reaches the engine core twice: on a second connection, which keeps it
     # and is answered; then, late, on the first one, which the worker gave up (shut: the answer

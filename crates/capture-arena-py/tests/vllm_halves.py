@@ -31,7 +31,9 @@ states and 8 of its id. Commands:
   the next results go over a new connection (the current one is given up, as after a failed
   send); ``{"hold_answers": bool}`` (worker): its connections' readers read nothing more until
   released or their connection is given up; ``{"queued": true}`` (worker): the bytes of answers
-  waiting unread in its current connection; ``{"accept_errors": true}``
+  waiting unread in its current connection; ``{"fail_sends": ["half" | "none", ...]}`` (worker):
+  its next sends time out, after the first half of their lines arrived and were answered
+  (``half``) or at once (``none``); ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n.
 """
@@ -82,11 +84,31 @@ if role in ("worker", "both"):
     hold = threading.Event()  # the worker's answers readers read nothing while set...
     given_up = set()  # ...but for those of connections it gave up
 
+    fail_sends = []  # how the worker's next sends fail: "half" or "none" each
+
+    def _queued(sock):
+        import fcntl
+        import termios
+
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), sys.byteorder)
+
     class _HeldSocket(_socket.socket):
         def recv(self, n, *flags):
             while hold.is_set() and self not in given_up:
                 time.sleep(0.001)
             return super().recv(n, *flags)
+
+        def sendall(self, data, *flags):
+            how = fail_sends.pop(0) if fail_sends else None
+            if how == "half":  # the first half of its lines arrive, and are answered
+                lines = data.split(b"\n")[:-1]
+                super().sendall(b"".join(line + b"\n" for line in lines[: (len(lines) + 1) // 2]), *flags)
+                deadline = time.monotonic() + 10
+                while _queued(self) == 0 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            if how is not None:
+                raise _socket.timeout("timed out (the test's)")
+            return super().sendall(data, *flags)
 
     capture_arena.vllm.socket = types.SimpleNamespace(**{**vars(_socket), "socket": _HeldSocket})
     worker = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
@@ -228,12 +250,11 @@ for line in sys.stdin:
             (hold.set if cmd["hold_answers"] else hold.clear)()
             answer = {"ok": True}
         elif "queued" in cmd:  # answers waiting unread in the worker's connection (SIOCINQ)
-            import fcntl
-            import termios
-
             c = worker._conn
-            n = fcntl.ioctl(c.fileno(), termios.FIONREAD, b"\0\0\0\0") if c is not None else b"\0\0\0\0"
-            answer = {"bytes": int.from_bytes(n, sys.byteorder), "conn": c is not None}
+            answer = {"bytes": _queued(c) if c is not None else 0, "conn": c is not None}
+        elif "fail_sends" in cmd:
+            fail_sends[:] = cmd["fail_sends"]
+            answer = {"ok": True}
         elif "reconnect" in cmd:  # the next step's results go over a new connection
             worker._drop_conn()
             answer = {"ok": True}
