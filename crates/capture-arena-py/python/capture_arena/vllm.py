@@ -1063,10 +1063,10 @@ class _Rows:
 
     Otherwise (a host cache whose rows are strided: a torch copy per block; a device cache where
     the native copy cannot start, or whose device arena is on another GPU, said in the log): on a
-    torch side stream, blocks gathered a
-    chunk at a time into a staging buffer (``index_select``), laid out as the rows (``[m, bs, k,
-    H]``, a second buffer), then copied into the arena in one piece. Those two buffers,
-    ``STAGING_BYTES`` each, are then the connector's extra device memory.
+    torch side stream, blocks gathered a chunk at a time into a staging buffer
+    (``index_select``), laid out as the rows (``[m, bs, k, H]``, a second buffer), then copied
+    into the arena in one piece. Those two buffers, ``STAGING_BYTES`` each, are then the
+    connector's extra device memory.
     """
 
     def __init__(self, kv: torch.Tensor, sink: ArenaSink) -> None:
