@@ -266,15 +266,28 @@ def test_a_trainer_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_
     assert s["failed_writes"] == 2 and s["free_bytes"] == s["capacity"], s
 
 
-def test_specforges_trainer_stack_waits_for_the_bytes_and_fails_with_a_failed_write(make_sink: Any, specforge_reader: Any) -> None:
+def test_specforges_trainer_stack_waits_for_the_bytes_and_fails_with_a_failed_write(
+    make_sink: Any, specforge_reader: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """capture_arena.specforge (SpecForgeArenaStore.get, what SpecForge's FeatureDataLoader
-    calls) follows the readiness rule as ArenaFeatureStore does: it reads exactly the bytes
-    written after it began, a failed write fails it with the reason, and its release frees what
-    it read."""
+    calls) follows the readiness rule as ArenaFeatureStore does: it gives up at its deadline
+    saying why, reads exactly the bytes written after it began, a failed write fails it with
+    the reason, and its release frees what it read."""
     ask, answer = specforge_reader
     sink = make_sink()
     (a, at), (b, _) = sink.reserve_each([reservation("a"), reservation("b")], within_s=5)
-    ask(a)  # reading while nothing is written
+    # A SpecForge store of this process that waits 0.3 s (read when the store is made).
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READY_WAIT_S", "0.3")
+    from capture_arena.specforge import SpecForgeArenaStore
+    from specforge.runtime.contracts import SampleRef
+
+    ref = SampleRef(sample_id="a", run_id="run", source_task_id="a", feature_store_uri="capture-arena", feature_keys=["h", "ids"],
+                    feature_specs={}, strategy="eagle3", metadata={"capture_arena": a, "generation": a["gen"]})
+    t0 = time.monotonic()
+    with pytest.raises(ca.NotReadyError, match="SGLANG_SPEC_CAPTURE_READY_WAIT_S"):
+        SpecForgeArenaStore(store_id="st").get(ref, names=["h", "ids"])
+    assert 0.3 <= time.monotonic() - t0 < 1.3
+    ask(a)  # another trainer reads while nothing is written
     data, ids = write(a, at, seed=5)
     sink.finish_writes([a])
     got = answer()

@@ -235,6 +235,30 @@ def test_the_step_only_hands_over_blocks_are_held_until_the_copy_is_done_and_a_r
     assert s["resident_objects"] == 0, s
 
 
+def test_a_reader_before_the_copy_gives_up_at_its_deadline_saying_why_then_reads_the_rows_once_copied(engine: Proc, trainer: Proc) -> None:
+    """The readiness rule's deadline, on the engine and through speculators' backend: a trainer
+    that reads a result whose copy is held fails when its wait (SGLANG_SPEC_CAPTURE_READY_WAIT_S)
+    ends, with the reason and the variable to change; the rows are read exact once copied."""
+    assert engine.ask({"gate": "close"}) == {"ok": True}
+    try:
+        p = prompt(150, 44)
+        (kv,) = engine.ask([p])
+        assert "error" not in kv["capture_arena"], kv
+        got = trainer.ask({"read": kv, "prompt": p, "ready_wait_s": 1.0}, timeout=60)
+        assert "NotReadyError" in got.get("error", "") and "SGLANG_SPEC_CAPTURE_READY_WAIT_S" in got["error"], got
+        assert 1.0 <= got["s"] < 2.0, got
+        held = engine.ask({"held": True})  # not one row copied yet: vLLM still holds the blocks
+        assert [r for r in held if r.startswith(kv["capture_arena"]["sample_id"])], held
+    finally:
+        assert engine.ask({"gate": "open"}) == {"ok": True}
+    got = trainer.ask({"read": kv, "prompt": p}, timeout=60)
+    assert got.get("ok"), got
+    assert engine.ask({"drain": 30})["held"] == {}
+    assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    assert resident(kv)["resident_objects"] == 0
+
+
 def test_vllm_will_not_sleep_and_discard_the_cache_under_a_copy(engine: Proc, trainer: Proc) -> None:
     """vLLM's sleep mode discards the cache (level 1 and up, and release_kv_cache_memory). It
     first resets the prefix cache, which fails while a finished request's blocks are held for

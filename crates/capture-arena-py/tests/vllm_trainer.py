@@ -3,8 +3,10 @@ capture-arena's hs_connectors backend (as speculators' dataloader does: get_gene
 delete) and checks every row against the hidden states the same model computes in transformers.
 
 Commands, one JSON line each on stdin, each answered with one JSON line:
-- ``{"read": kv_transfer_params, "prompt": [ids], "by_token": bool}`` -> ``{"ok": true, "max_err": e}`` or
-  ``{"error": "..."}`` (``by_token``: the reference computed token by token, see ``reference``)
+- ``{"read": kv_transfer_params, "prompt": [ids], "by_token": bool, "ready_wait_s": s}`` -> ``{"ok": true,
+  "max_err": e, "s": t}`` or ``{"error": "...", "s": t}`` (``by_token``: the reference computed token by token,
+  see ``reference``; ``ready_wait_s``: read through a transfer of its own whose reader waits that long for
+  bytes still being written, ``SGLANG_SPEC_CAPTURE_READY_WAIT_S``; ``s``: how long the read took)
 - ``{"delete": handle}`` -> ``{"ok": true}``; ``{"flush": true}`` -> ``{"ok": true}`` once every free is delivered
 - ``{"speculators": base_url, "prompts": [[ids], ...], "dir": path, "fail_reads": k}`` ->
   ``{"ok": true, "read": n, "failed_reads": k, "unavailable": [reason, ...]}``: speculators' own
@@ -19,7 +21,9 @@ Usage: python vllm_trainer.py MODEL_DIR LAYER_IDS_JSON
 
 import argparse
 import json
+import os
 import sys
+import time
 
 import torch
 from transformers import LlamaForCausalLM
@@ -55,11 +59,24 @@ def reference(prompt, by_token=False):
     return torch.stack(rows, dim=1)
 
 
+def waiting(s):
+    """A transfer of its own whose reader waits ``s`` seconds for bytes still being written (the
+    variable is read when the reader is made)."""
+    os.environ["SGLANG_SPEC_CAPTURE_READY_WAIT_S"] = str(s)
+    try:
+        t = backend.from_train_args(parser.parse_args([]), "/nonexistent")
+        t.setup()
+        return t
+    finally:
+        del os.environ["SGLANG_SPEC_CAPTURE_READY_WAIT_S"]
+
+
 for line in sys.stdin:
     cmd = json.loads(line)
+    t0 = time.monotonic()
     try:
         if "read" in cmd:
-            got = transfer.get_generated(cmd["read"])
+            got = (waiting(cmd["ready_wait_s"]) if "ready_wait_s" in cmd else transfer).get_generated(cmd["read"])
             want = reference(cmd["prompt"], by_token=cmd.get("by_token", False))
             assert got["token_ids"].dtype == torch.int64 and got["token_ids"].tolist() == cmd["prompt"], "token ids"
             assert got["hidden_states"].shape == want.shape, (tuple(got["hidden_states"].shape), tuple(want.shape))
@@ -117,4 +134,6 @@ for line in sys.stdin:
             answer = {"error": f"unknown command {cmd}"}
     except Exception as e:
         answer = {"error": f"{type(e).__name__}: {e}"}
+    if "read" in cmd:
+        answer["s"] = time.monotonic() - t0
     print(json.dumps(answer), flush=True)
