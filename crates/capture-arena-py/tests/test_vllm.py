@@ -435,13 +435,14 @@ m.to(torch.bfloat16).save_pretrained(sys.argv[1])
 """
 
 
-def test_a_prompt_of_32768_tokens_is_captured_exactly_with_no_extra_memory_for_its_copy(tmp_path: Path) -> None:
+def test_a_prompt_of_32768_tokens_is_captured_exactly_and_its_copy_gathers_nothing(tmp_path: Path) -> None:
     # A tiny model whose rows depend on their token alone (its attention output is zero), so
     # every one of the 32,768 rows is checked against transformers cheaply; token ids all
     # different, so a row from another position cannot pass. The copy is held until the engine
     # is idle, then the engine's resident memory is sampled while it runs: the connector
     # gathers nothing (vLLM's file connector gathers the whole request first), so what the copy
-    # adds stays far below the documented bound (two 32 MiB staging buffers, on a GPU only).
+    # adds stays far below the request's bytes (on a GPU the native copy adds no device memory;
+    # torch's fallback holds staging_bound's fixed buffers).
     model = tmp_path / "long-model"
     subprocess.run([sys.executable, "-c", MAKE_LONG_MODEL, str(model)], check=True, timeout=300)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
@@ -1373,6 +1374,51 @@ def test_an_engine_whose_workers_may_run_on_another_host_or_whose_drafter_is_sho
     assert all("--distributed-executor-backend mp on one node" in line for line in lines[:4]), lines
     assert "spans 2 nodes (--nnodes)" in lines[0] and "Ray may place its 2 workers" in lines[2], lines
     assert all("drafter's max_model_len (256) is below the engine's (1024)" in line and "--speculative-config" in line for line in lines[4:]), lines
+
+
+@pytest.mark.parametrize("layout", ["slots_then_layers", "layers_then_slots"])
+def test_the_torch_fallback_copies_exact_rows_through_fixed_staging_buffers_on_cpu_tensors_standing_for_the_gpus(layout: str) -> None:
+    """Where a device cache's native copy cannot start (no driver library of ours, strided
+    rows, a device arena on another GPU), _Rows copies through torch: a chunk of blocks at a
+    time gathered into a staging buffer (their ids in another), laid out as rows, copied into
+    the arena. No GPU here: the same torch calls run on CPU tensors standing for the device's
+    (the side stream and its events are the GPU's alone). Chunks of 2 blocks, a request of 5
+    blocks out of order and its last part-full, both of vLLM's cache layouts: every row exact;
+    the buffers are the chunk's size, and staging_bound's by default, whatever the length."""
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena.vllm import STAGING_BYTES, _Rows, _Save, staging_bound
+
+    blocks, k, bs, h, n = 8, 3, 4, 16, 18
+    g = torch.Generator().manual_seed(7)
+    if layout == "slots_then_layers":  # memory [blocks, slots, layers, H], seen as [blocks, layers, slots, H]
+        kv = torch.randn(blocks, bs, k, h, generator=g).to(torch.bfloat16).permute(0, 2, 1, 3)
+    else:
+        kv = torch.randn(blocks, k, bs, h, generator=g).to(torch.bfloat16)
+    sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2, aux_layer_ids=[1, 2, 3])
+    sink._start(None)
+    try:
+        rows = _Rows(kv, sink)
+        rows._staging()
+        assert rows.extra_device_bytes <= staging_bound(k, bs, h, 2) <= 2 * STAGING_BYTES + 8 * rows.chunk + 1024
+        rows._staging(chunk=2)
+        assert rows.extra_device_bytes == 2 * (2 * k * bs * h * 2) + 2 * 8
+        stage = [t.data_ptr() for t in rows.stage or ()]
+        ((keys, at, row),) = sink._reserve_rows_begin("st", "bfloat16", k * h, [("r", 1, n)], within_s=2).wait_dicts()
+        block_ids = [5, 2, 7, 0, 3]
+        rows._copy_device(_Save("r", block_ids, list(range(100, 100 + n + 4)), n, 1), at)
+        sink._finish_keys(keys, ok=True)
+        assert [t.data_ptr() for t in rows.stage or ()] == stage  # the same buffers: nothing allocated per request
+        want = kv[block_ids].transpose(1, 2).reshape(len(block_ids) * bs, k * h)[:n]
+        with ca.ArenaFeatureStore() as store:
+            got = store.get(row)
+            assert np.array_equal(got["hidden_states"].reshape(n, k * h).view(np.uint16), want.view(torch.int16).numpy().view(np.uint16))
+            assert got["token_ids"].tolist() == [list(range(100, 100 + n))]
+            store.release(row)
+    finally:
+        sink.close()
 
 
 def test_the_speculators_transfer_pickles_for_spawned_dataloader_workers(tmp_path: Path) -> None:

@@ -30,8 +30,8 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
   write finished and flagged there as it lands, no gather of a request and no extra memory (on
   the CPU with ``memcpy``; from device memory as 2-D copies on a stream of its own, after the
   drafter's event, device-to-host or device-to-device). Only where that cannot start (no driver
-  library of its own, rows not contiguous) do device copies go through torch and two fixed
-  staging buffers of ``STAGING_BYTES``.
+  library of its own, rows not contiguous, a device arena on another GPU than the cache) do
+  device copies go through torch and fixed staging buffers (:func:`staging_bound`).
 - :meth:`request_finished` (scheduler process) returns the result: readers of it wait until its
   bytes are written (the readiness rule of docs/protocol.md), never reading stale ones. It keeps
   the request's blocks (``delay_free_blocks``) until the worker reports its copy done in
@@ -128,9 +128,26 @@ STORE_ID = "vllm"
 #: far fewer); past it the oldest is forgotten, and freed.
 MAX_RESULTS = 65536
 #: The staging buffers of a device cache's copies where the native copy cannot start (two of
-#: them): then the connector's extra device memory, whatever the prompt length (the native copy
-#: needs none).
+#: them, each of whole blocks: this many bytes, unless one block is larger): then the
+#: connector's extra device memory, whatever the prompt length (the native copy needs none).
 STAGING_BYTES = 32 << 20
+
+
+def staging_bound(k: int, block_size: int, hidden: int, element_size: int) -> int:
+    """The connector's extra device memory where a device cache's copies go through torch
+    (:class:`_Rows`' fallback), whatever the prompt length: two staging buffers of as many whole
+    blocks as fit in ``STAGING_BYTES`` (at least one), and those blocks' ids, each rounded up to
+    torch's 512-byte allocation unit: 63.8 MiB at 16-token blocks of 3 layers of 4096 bf16
+    values (85 blocks a buffer), 64 MiB and 8 bytes a block of a buffer at most, unless one block
+    is larger than ``STAGING_BYTES``. The native copy needs none."""
+    block = k * block_size * hidden * element_size
+    chunk = max(1, STAGING_BYTES // block)
+    return 2 * _allocation(chunk * block) + _allocation(8 * chunk)
+
+
+def _allocation(n: int) -> int:
+    """``n`` bytes as torch's caching allocator counts them (whole 512-byte units)."""
+    return -(-n // 512) * 512
 #: How long a preemption waits past the bound for a copy still reading the preempted blocks.
 PREEMPT_GRACE_S = 30.0
 #: The longest result line the scheduler process reads from the worker.
@@ -1064,9 +1081,9 @@ class _Rows:
     Otherwise (a host cache whose rows are strided: a torch copy per block; a device cache where
     the native copy cannot start, or whose device arena is on another GPU, said in the log): on a
     torch side stream, blocks gathered a chunk at a time into a staging buffer
-    (``index_select``), laid out as the rows (``[m, bs, k, H]``, a second buffer), then copied
-    into the arena in one piece. Those two buffers, ``STAGING_BYTES`` each, are then the
-    connector's extra device memory.
+    (``index_select``, the chunk's block ids in a third), laid out as the rows (``[m, bs, k, H]``,
+    a second buffer), then copied into the arena in one piece. Those buffers (:func:`staging_bound`,
+    about ``2 * STAGING_BYTES``) are then the connector's extra device memory.
     """
 
     def __init__(self, kv: torch.Tensor, sink: ArenaSink) -> None:
@@ -1080,7 +1097,8 @@ class _Rows:
         configured = sink.device
         self.arena_device = torch.device("cuda", configured) if self.device_arena and configured is not None else kv.device
         self.stream: Any = None
-        self.stage: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        #: The fallback's staging buffers: blocks as gathered, as laid out, and their ids.
+        self.stage: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         #: The native copies' stream (a device cache), or None: torch's path through staging.
         self.native: Optional[_DeviceRows] = None
         #: The host arena's address, while it is registered with CUDA.
@@ -1096,19 +1114,31 @@ class _Rows:
                 self.native = _DeviceRows(kv.device.index)
             except Exception as e:  # no driver of our own to load: torch copies through staging
                 log.warning(
-                    "capture_arena.vllm: copying rows from the device cache through torch and %d MiB of staging buffers "
-                    "(not natively: %s)", 2 * STAGING_BYTES >> 20, e,
+                    "capture_arena.vllm: copying rows from the device cache through torch and %.1f MiB of staging buffers "
+                    "(not natively: %s)", staging_bound(self.k, self.bs, self.h, kv.element_size()) / (1 << 20), e,
                 )
                 self.stream = torch.cuda.Stream(kv.device)  # type: ignore[no-untyped-call]
-                block = self.k * self.bs * self.h * kv.element_size()
-                self.chunk = max(1, STAGING_BYTES // block)
                 with torch.cuda.stream(self.stream):  # allocated on the stream that uses them
-                    self.stage = (
-                        torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
-                        torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
-                    )
+                    self._staging()
             if not self.device_arena:
                 self.registered = _register_host_arena(sink)
+
+    def _staging(self, chunk: Optional[int] = None) -> None:
+        """Allocates the fallback's staging buffers on the cache's device: ``chunk`` blocks each
+        (by default as many as fit in ``STAGING_BYTES``, at least one; :func:`staging_bound`)."""
+        block = self.k * self.bs * self.h * self.kv.element_size()
+        self.chunk = chunk or max(1, STAGING_BYTES // block)
+        kv = self.kv
+        self.stage = (
+            torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
+            torch.empty((self.chunk, self.bs, self.k, self.h), dtype=kv.dtype, device=kv.device),
+            torch.empty(self.chunk, dtype=torch.long, device=kv.device),
+        )
+
+    @property
+    def extra_device_bytes(self) -> int:
+        """The device memory this copier holds: its staging buffers (none on the native path)."""
+        return sum(t.numel() * t.element_size() for t in self.stage) if self.stage is not None else 0
 
     def copy(self, todo: list[tuple[_Save, list[str], dict[str, int]]], event: Any, done: Any = None, landed: Optional[_Landed] = None) -> list[bool]:
         """Copies each request's rows and token ids into its objects (``{name: address}`` where
@@ -1229,12 +1259,14 @@ class _Rows:
         n = sv.n
         hs, ids = self._objects(sv, at, self.arena_device if self.device_arena else None)
         ids.copy_(torch.tensor(_prompt_ids(sv), dtype=torch.int64), non_blocking=True)
-        gathered, laid = self.stage
-        blocks = torch.tensor(sv.block_ids, dtype=torch.long).to(self.kv.device, non_blocking=True)
+        gathered, laid, blocks = self.stage
         for j0 in range(0, len(sv.block_ids), self.chunk):
             m = min(self.chunk, len(sv.block_ids) - j0)
             rows = min(m * self.bs, n - j0 * self.bs)
-            torch.index_select(self.kv, 0, blocks[j0 : j0 + m], out=gathered[:m])
+            # The chunk's block ids into a buffer of its own (none the size of the request's):
+            # the stream runs this after the last chunk's gather read them.
+            blocks[:m].copy_(torch.tensor(sv.block_ids[j0 : j0 + m], dtype=torch.long), non_blocking=True)
+            torch.index_select(self.kv, 0, blocks[:m], out=gathered[:m])
             laid[:m].copy_(gathered[:m].transpose(1, 2))
             dst = hs[j0 * self.bs : j0 * self.bs + rows]
             dst.view(rows, self.k * self.h).copy_(laid[:m].view(m * self.bs, self.k * self.h)[:rows], non_blocking=True)
