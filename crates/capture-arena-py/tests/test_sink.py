@@ -48,6 +48,26 @@ def test_results_follow_the_contract(make_sink):
     assert r["arena"]["control"].startswith("127.0.0.1:")
 
 
+def test_the_sglang_sinks_results_come_only_after_their_bytes_so_readers_without_the_readiness_rule_read_as_before(make_sink):
+    """Only vLLM's connector hands results out before their bytes (docs/protocol.md, the
+    readiness rule). SGLang's sink, by either path its patches take, returns a result only once
+    every object is written: each stamp word (the 8 bytes after the object, rounded up to 8)
+    already holds its stamp, never pending or failed, so a reader that ignores the rule
+    (SpecForge's ArenaObjectClient) reads them as it always did."""
+    import ctypes
+
+    sink = make_sink()
+    put = sink.put_sample(spec("put", 8), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    (submitted,) = sink.submit_samples([(spec("submitted", 8), hidden(8, 12), hidden(8, 4))]).result(10)
+    size = {"bfloat16": 2, "int64": 8}
+    for r in (put, submitted):
+        assert "error" not in r, r
+        for name, f in r["features"].items():
+            nbytes = int(np.prod(f["shape"])) * size[f["dtype"]]
+            word = ctypes.c_uint64.from_address(f["address"] + -(-nbytes // 8) * 8).value
+            assert word == f["stamp"], (r["sample_id"], name, hex(word), f["stamp"])
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
