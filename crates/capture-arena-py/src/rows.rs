@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use capture_arena::paged::{DeviceCopies, Paged, Request};
 use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 /// The most requests one set of flags holds (a step of vLLM holds far fewer).
 pub(crate) const MAX_LANDED: usize = 1 << 20;
@@ -46,8 +48,17 @@ impl PyLanded {
     }
 }
 
-/// A request as Python passes it: `(keys, ids_at, token_ids, rows_at, rows_len, block_ids)`.
-pub(crate) type RequestArgs = (Vec<String>, u64, Vec<i64>, u64, u64, Vec<u64>);
+/// A request as Python passes it: `(keys, ids_at, token_ids, n, rows_at, rows_len, block_ids)`,
+/// its token ids the first `n` of `token_ids` (vLLM's own list, not sliced in Python).
+pub(crate) type RequestArgs<'py> = (
+    Vec<String>,
+    u64,
+    Bound<'py, PyList>,
+    usize,
+    u64,
+    u64,
+    Bound<'py, PyList>,
+);
 
 /// A paged cache as Python passes it: `(base, bytes, strides, block_size, k, row_bytes)`.
 pub(crate) type PagedArgs = (u64, u64, (u64, u64, u64), u64, u64, u64);
@@ -64,16 +75,69 @@ pub(crate) fn paged((base, len, strides, block_size, k, row_bytes): PagedArgs) -
     }
 }
 
-/// The request Python describes.
-pub(crate) fn request((keys, ids_dst, ids, rows_dst, rows_len, block_ids): RequestArgs) -> Request {
-    Request {
-        keys,
-        ids_dst,
-        ids,
-        rows_dst,
-        rows_len,
-        block_ids,
+/// The request Python describes, its ids read out of their lists (with the GIL, on the copy
+/// thread: each microsecond of it is one vLLM's thread may wait for); where they cannot be
+/// read, its objects' keys and why.
+pub(crate) fn request(
+    (keys, ids_dst, ids, n, rows_dst, rows_len, block_ids): RequestArgs<'_>,
+) -> Result<Request, (Vec<String>, String)> {
+    let blocks = first_ints(&block_ids, block_ids.len()).and_then(|b| {
+        b.into_iter()
+            .map(|b| {
+                u64::try_from(b)
+                    .map_err(|_| PyValueError::new_err(format!("block id {b} is negative")))
+            })
+            .collect::<PyResult<Vec<u64>>>()
+    });
+    match (first_ints(&ids, n), blocks) {
+        (Ok(ids), Ok(block_ids)) => Ok(Request {
+            keys,
+            ids_dst,
+            ids,
+            rows_dst,
+            rows_len,
+            block_ids,
+        }),
+        (Err(e), _) => Err((keys, format!("reading its token ids: {e}"))),
+        (_, Err(e)) => Err((keys, format!("reading its block ids: {e}"))),
     }
+}
+
+/// The first `n` items of `list` as int64 (all of them if it holds fewer: the request's plan
+/// then finds too few rows and fails it alone), read in place as cheaply as the C API allows:
+/// about 5 ns an id, against 15 for a sequence's generic extraction (a step of 32 prompts of
+/// 2048 tokens held the GIL 1 ms for its ids).
+fn first_ints(list: &Bound<'_, PyList>, n: usize) -> PyResult<Vec<i64>> {
+    let py = list.py();
+    let n = n.min(list.len());
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: `list` is a list this call holds a reference to, with the GIL held; the index
+        // is checked (NULL and an IndexError past the end). The item is borrowed: it lives while
+        // no Python code runs, and none runs before it is read (an exact int converts without
+        // any; anything else is read below through a reference of its own).
+        let item = unsafe { ffi::PyList_GetItem(list.as_ptr(), i as ffi::Py_ssize_t) };
+        if item.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        // SAFETY: `item` is a live object (above); comparing its type reads its header only.
+        let exact = unsafe { ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(ffi::PyLong_Type) };
+        let v = if exact {
+            // SAFETY: an exact int, live (above): PyLong_AsLongLong runs no Python code for one.
+            let v = unsafe { ffi::PyLong_AsLongLong(item) };
+            if v == -1 {
+                if let Some(e) = PyErr::take(py) {
+                    return Err(e); // out of int64's range
+                }
+            }
+            v
+        } else {
+            // An int subclass, or anything with __index__ (which may run Python code).
+            list.get_item(i)?.extract::<i64>()?
+        };
+        out.push(v);
+    }
+    Ok(out)
 }
 
 /// A stream of its own on the cache's GPU, for a connector's copies from a device cache

@@ -859,19 +859,20 @@ impl PySink {
     /// Copies a step's requests from a paged cache (`cache`: `(base, bytes, strides, block_size,
     /// k, row_bytes)`; each `(block, layer, slot)` row `row_bytes` contiguous at `base + block *
     /// strides[0] + layer * strides[1] + slot * strides[2]`) into their reserved objects, one
-    /// after another with the GIL released, and finishes each one's writes as soon as its bytes
-    /// have landed, then sets its flag in `landed` (request `j` is flag `first + j`). Each
-    /// request is `(keys, ids_at, token_ids, rows_at, rows_len, block_ids)`: its token ids go to
-    /// `ids_at` as int64, its rows `0..len(token_ids)` (token `i` in block `block_ids[i /
-    /// block_size]`) to `rows_at`, laid out `[n, k, row]`; both must lie in this sink's host
-    /// arena. Returns, per request, None or why it was not copied (its readers fail and its
-    /// space is freed). The caller vouches that the cache's bytes stay valid meanwhile.
+    /// after another, the GIL held only to read each one's ids, and finishes each one's writes
+    /// as soon as its bytes have landed, then sets its flag in `landed` (request `j` is flag
+    /// `first + j`). Each request is `(keys, ids_at, token_ids, n, rows_at, rows_len,
+    /// block_ids)`: the first `n` of its token ids go to `ids_at` as int64, its rows `0..n`
+    /// (token `i` in block `block_ids[i / block_size]`) to `rows_at`, laid out `[n, k, row]`;
+    /// both must lie in this sink's host arena. Returns, per request, None or why it was not
+    /// copied (its readers fail and its space is freed). The caller vouches that the cache's
+    /// bytes stay valid meanwhile.
     #[pyo3(signature = (cache, requests, landed, first=0))]
     fn _copy_requests_rows(
         &self,
         py: Python<'_>,
         cache: crate::rows::PagedArgs,
-        requests: Vec<crate::rows::RequestArgs>,
+        requests: Vec<crate::rows::RequestArgs<'_>>,
         landed: &Bound<'_, crate::rows::PyLanded>,
         first: usize,
     ) -> PyResult<Vec<Option<String>>> {
@@ -884,26 +885,41 @@ impl PySink {
             ));
         }
         let src = crate::rows::paged(cache);
-        let requests = requests.into_iter().map(crate::rows::request).collect();
         let held = &*sink;
-        Ok(crate::exit::detach(py, || {
-            // SAFETY: the destinations are checked to lie in this sink's own host mapping, which
-            // only the caller of reserve_each writes for a reserved object; the cache range is
-            // the caller's promise (a tensor it holds); an arena never lies inside a cache.
-            unsafe {
-                capture_arena::paged::copy_requests(&src, arena, requests, |j, keys, ok| {
-                    held.finish_writes(keys, ok);
-                    flags[first + j].store(true, std::sync::atomic::Ordering::Release);
-                })
+        let mut why = Vec::with_capacity(requests.len());
+        // A request at a time: its ids read with the GIL, its copy without it, so that the GIL
+        // is never held for more than one request's ids (vLLM's thread may take it meanwhile).
+        for (j, args) in requests.into_iter().enumerate() {
+            let finish = |keys: Vec<String>, ok: bool| {
+                held.finish_writes(keys, ok);
+                flags[first + j].store(true, std::sync::atomic::Ordering::Release);
+            };
+            match crate::rows::request(args) {
+                Ok(r) => why.extend(crate::exit::detach(py, || {
+                    // SAFETY: the destinations are checked to lie in this sink's own host
+                    // mapping, which only the caller of reserve_each writes for a reserved
+                    // object; the cache range is the caller's promise (a tensor it holds); an
+                    // arena never lies inside a cache.
+                    unsafe {
+                        capture_arena::paged::copy_requests(&src, arena, vec![r], |_, keys, ok| {
+                            finish(keys, ok)
+                        })
+                    }
+                })),
+                Err((keys, e)) => {
+                    finish(keys, false);
+                    why.push(Some(format!("copying cache rows: {e}")));
+                }
             }
-        }))
+        }
+        Ok(why)
     }
 
     /// `_copy_requests_rows` from a cache in device memory (its addresses device pointers),
     /// through `rows`' stream, after `after` (a raw event recorded on the stream that wrote the
     /// cache, `torch.cuda.Event.cuda_event`; 0 for none): straight from the cache's blocks into
     /// a host arena (device-to-host) or a device arena (device-to-device), no staging buffer,
-    /// the GIL released from the first request to the last. Each request's flag is set as its
+    /// the GIL held only to read each request's ids. Each request's flag is set as its
     /// write is finished, once its copies have landed. The caller vouches that the cache and the
     /// event stay valid meanwhile.
     #[pyo3(signature = (rows, cache, requests, landed, after, first=0))]
@@ -913,7 +929,7 @@ impl PySink {
         py: Python<'_>,
         rows: &Bound<'_, crate::rows::PyDeviceRows>,
         cache: crate::rows::PagedArgs,
-        requests: Vec<crate::rows::RequestArgs>,
+        requests: Vec<crate::rows::RequestArgs<'_>>,
         landed: &Bound<'_, crate::rows::PyLanded>,
         after: u64,
         first: usize,
@@ -921,25 +937,29 @@ impl PySink {
         let (flags, sink, arena) = self.rows_target(py, landed, first, requests.len())?;
         let dst_host = !sink.config().device_publication();
         let src = crate::rows::paged(cache);
-        let requests = requests.into_iter().map(crate::rows::request).collect();
         let (held, copies) = (&*sink, &rows.get().0);
+        let mut step = capture_arena::paged::DeviceStep::new(copies, &src, arena, dst_host);
+        // A request at a time: its ids read with the GIL, added to the step (its ids written or
+        // enqueued) without it, so that the GIL is never held for more than one request's ids.
+        for args in requests {
+            match crate::rows::request(args) {
+                Ok(r) => crate::exit::detach(py, || {
+                    // SAFETY: the destinations are checked to lie in this sink's own mapping,
+                    // which only the caller of reserve_each writes for a reserved object; the
+                    // cache's range is the caller's promise (a tensor it holds); the step is run
+                    // below, whatever happens.
+                    unsafe { step.add(r) }
+                }),
+                Err((keys, e)) => step.refuse(keys, e),
+            }
+        }
         Ok(crate::exit::detach(py, || {
-            // SAFETY: the destinations are checked to lie in this sink's own mapping, which only
-            // the caller of reserve_each writes for a reserved object; the cache's range and the
-            // event are the caller's promise (a tensor and an event it holds).
+            // SAFETY: as above; the event is the caller's promise (an event it holds).
             unsafe {
-                capture_arena::paged::copy_requests_device(
-                    copies,
-                    after,
-                    &src,
-                    arena,
-                    dst_host,
-                    requests,
-                    |j, keys, ok| {
-                        held.finish_writes(keys, ok);
-                        flags[first + j].store(true, std::sync::atomic::Ordering::Release);
-                    },
-                )
+                step.run(after, |j, keys, ok| {
+                    held.finish_writes(keys, ok);
+                    flags[first + j].store(true, std::sync::atomic::Ordering::Release);
+                })
             }
         }))
     }

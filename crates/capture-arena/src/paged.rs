@@ -279,7 +279,7 @@ pub unsafe fn copy_requests(
 }
 
 #[cfg(feature = "cuda")]
-pub use device::{copy_requests_device, DeviceCopies, Landing};
+pub use device::{copy_requests_device, DeviceCopies, DeviceStep, Landing};
 
 #[cfg(feature = "cuda")]
 mod device {
@@ -449,8 +449,9 @@ mod device {
     /// 4. each mark is waited for in order, and its request's write finished
     ///    (`finished(i, keys, ok)`) as soon as it has landed.
     ///
-    /// A request that fails before its copies fails at once; one whose copies could not all be
+    /// A request that fails before its copies fails first; one whose copies could not all be
     /// enqueued, once the stream has drained (nothing lands in its space after it is given back).
+    /// [`DeviceStep`] does the same a request at a time.
     ///
     /// # Safety
     /// The cache's range must stay valid device memory until this returns; `arena` is this
@@ -464,25 +465,69 @@ mod device {
         arena: (u64, u64),
         dst_host: bool,
         requests: Vec<Request>,
-        mut finished: impl FnMut(usize, Vec<String>, bool),
+        finished: impl FnMut(usize, Vec<String>, bool),
     ) -> Vec<Option<String>> {
-        let mut out: Vec<Option<String>> = vec![None; requests.len()];
-        // Request i's write is over: landed, or failed with why.
-        let mut land = |i: usize, keys: Vec<String>, landed: Result<(), String>| {
-            if let Err(why) = &landed {
-                out[i] = Some(format!("copying cache rows: {why}"));
+        let mut step = DeviceStep::new(copies, src, arena, dst_host);
+        for r in requests {
+            // SAFETY: the caller's promise, which run's below extends to.
+            unsafe { step.add(r) };
+        }
+        // SAFETY: the caller's promise.
+        unsafe { step.run(after, finished) }
+    }
+
+    /// A step of [`copy_requests_device`] built a request at a time: [`DeviceStep::add`] is
+    /// its step 1 for one request, [`DeviceStep::run`] steps 2 to 4. A caller from Python reads
+    /// each request's token ids with the GIL and adds the request without it, so that it never
+    /// holds the GIL for more than one request's ids.
+    pub struct DeviceStep<'a> {
+        copies: &'a DeviceCopies,
+        src: &'a Paged,
+        arena: (u64, u64),
+        dst_host: bool,
+        /// Requests added (or refused) so far: the next one's index.
+        added: usize,
+        /// `(index, keys, rows_dst, strips)` of each request planned, its ids on their way.
+        planned: Vec<(usize, Vec<String>, u64, Vec<Strip>)>,
+        /// `(index, keys, why)` of each request that failed before its copies.
+        failed: Vec<(usize, Vec<String>, String)>,
+    }
+
+    impl<'a> DeviceStep<'a> {
+        /// A step with no request yet, into `arena` (host memory when `dst_host`).
+        pub fn new(
+            copies: &'a DeviceCopies,
+            src: &'a Paged,
+            arena: (u64, u64),
+            dst_host: bool,
+        ) -> DeviceStep<'a> {
+            DeviceStep {
+                copies,
+                src,
+                arena,
+                dst_host,
+                added: 0,
+                planned: Vec::new(),
+                failed: Vec::new(),
             }
-            finished(i, keys, landed.is_ok());
-        };
-        let mut planned = Vec::with_capacity(requests.len());
-        for (i, r) in requests.into_iter().enumerate() {
-            let checked = r.plan(src, arena);
+        }
+
+        /// The next request: checked and planned, its token ids written into a host arena or
+        /// enqueued to a device one.
+        ///
+        /// # Safety
+        /// As [`copy_requests_device`]'s, from now until [`DeviceStep::run`] returns (which
+        /// must be called: it waits for what this enqueued).
+        pub unsafe fn add(&mut self, r: Request) {
+            let i = self.added;
+            self.added += 1;
+            let checked = r.plan(self.src, self.arena);
             let ids = checked.and_then(|strips| {
                 let ids: Vec<u8> = r.ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
                 // SAFETY: the destination lies in the arena (checked above), which the caller
                 // vouched for; a host arena is this process's own mapping.
                 unsafe {
-                    if dst_host {
+                    if self.dst_host {
                         std::ptr::copy_nonoverlapping(
                             ids.as_ptr(),
                             r.ids_dst as usize as *mut u8,
@@ -490,48 +535,89 @@ mod device {
                         );
                     } else {
                         // Nothing of it is enqueued if this fails.
-                        copies.bytes(r.ids_dst, &ids).map_err(|e| e.to_string())?;
+                        self.copies
+                            .bytes(r.ids_dst, &ids)
+                            .map_err(|e| e.to_string())?;
                     }
                 }
                 Ok(strips)
             });
             match ids {
-                Ok(strips) => planned.push((i, r.keys, r.rows_dst, strips)),
-                Err(why) => land(i, r.keys, Err(why)),
+                Ok(strips) => self.planned.push((i, r.keys, r.rows_dst, strips)),
+                Err(why) => self.failed.push((i, r.keys, why)),
             }
         }
-        let waited = if after == 0 {
-            Ok(())
-        } else {
-            // SAFETY: the caller's promise (a valid event).
-            unsafe { copies.after(after) }
-        };
-        if let Err(e) = waited {
-            let _ = copies.synchronize(); // their token ids may be on their way
-            for (i, keys, _, _) in planned {
-                land(i, keys, Err(e.to_string()));
-            }
-            return out;
+
+        /// The next request failed before it could be added (its objects' keys, and why).
+        pub fn refuse(&mut self, keys: Vec<String>, why: String) {
+            self.failed.push((self.added, keys, why));
+            self.added += 1;
         }
-        let mut landing: Vec<(usize, Vec<String>, Landing)> = Vec::with_capacity(planned.len());
-        for (i, keys, rows_dst, strips) in planned {
-            // SAFETY: the rows lie in the cache and the object (the plan), the object in the
-            // arena (checked above); the caller vouched for both ranges.
-            let marked = unsafe { copies.rows(src.base, rows_dst, dst_host, &strips) }
-                .and_then(|()| copies.mark());
-            match marked {
-                Ok(mark) => landing.push((i, keys, mark)),
-                Err(e) => {
-                    // Some of its copies may be enqueued: they land before its space goes back.
-                    let _ = copies.synchronize();
+
+        /// Steps 2 to 4 of [`copy_requests_device`] for the requests added: `finished(i, keys,
+        /// ok)` for each (those that failed before their copies first), and per request `None`
+        /// or why it was not copied.
+        ///
+        /// # Safety
+        /// As [`DeviceStep::add`]'s; `after` a valid event or 0.
+        pub unsafe fn run(
+            self,
+            after: u64,
+            mut finished: impl FnMut(usize, Vec<String>, bool),
+        ) -> Vec<Option<String>> {
+            let DeviceStep {
+                copies,
+                src,
+                dst_host,
+                added,
+                planned,
+                failed,
+                ..
+            } = self;
+            let mut out: Vec<Option<String>> = vec![None; added];
+            // Request i's write is over: landed, or failed with why.
+            let mut land = |i: usize, keys: Vec<String>, landed: Result<(), String>| {
+                if let Err(why) = &landed {
+                    out[i] = Some(format!("copying cache rows: {why}"));
+                }
+                finished(i, keys, landed.is_ok());
+            };
+            for (i, keys, why) in failed {
+                land(i, keys, Err(why));
+            }
+            let waited = if after == 0 {
+                Ok(())
+            } else {
+                // SAFETY: the caller's promise (a valid event).
+                unsafe { copies.after(after) }
+            };
+            if let Err(e) = waited {
+                let _ = copies.synchronize(); // their token ids may be on their way
+                for (i, keys, _, _) in planned {
                     land(i, keys, Err(e.to_string()));
                 }
+                return out;
             }
+            let mut landing: Vec<(usize, Vec<String>, Landing)> = Vec::with_capacity(planned.len());
+            for (i, keys, rows_dst, strips) in planned {
+                // SAFETY: the rows lie in the cache and the object (the plan), the object in the
+                // arena (checked when added); the caller vouched for both ranges.
+                let marked = unsafe { copies.rows(src.base, rows_dst, dst_host, &strips) }
+                    .and_then(|()| copies.mark());
+                match marked {
+                    Ok(mark) => landing.push((i, keys, mark)),
+                    Err(e) => {
+                        // Some of its copies may be enqueued: they land before its space goes back.
+                        let _ = copies.synchronize();
+                        land(i, keys, Err(e.to_string()));
+                    }
+                }
+            }
+            for (i, keys, mark) in landing {
+                land(i, keys, mark.wait().map_err(|e| e.to_string()));
+            }
+            out
         }
-        for (i, keys, mark) in landing {
-            land(i, keys, mark.wait().map_err(|e| e.to_string()));
-        }
-        out
     }
 }
 

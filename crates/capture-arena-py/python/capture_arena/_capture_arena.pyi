@@ -108,7 +108,7 @@ class _ArenaSink:
     def _copy_requests_rows(
         self,
         cache: tuple[int, int, tuple[int, int, int], int, int, int],
-        requests: list[tuple[list[str], int, list[int], int, int, list[int]]],
+        requests: list[tuple[list[str], int, list[int], int, int, int, list[int]]],
         landed: _Landed,
         first: int = 0,
     ) -> list[Optional[str]]: ...
@@ -116,7 +116,7 @@ class _ArenaSink:
         self,
         rows: _DeviceRows,
         cache: tuple[int, int, tuple[int, int, int], int, int, int],
-        requests: list[tuple[list[str], int, list[int], int, int, list[int]]],
+        requests: list[tuple[list[str], int, list[int], int, int, int, list[int]]],
         landed: _Landed,
         after: int,
         first: int = 0,
