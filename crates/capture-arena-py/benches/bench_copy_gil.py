@@ -6,12 +6,11 @@ vLLM's thread, which needs the GIL for every line of its loop, may wait for.
 Each step of ``N`` prompts of ``L`` tokens is handed to ``_copy_requests_rows`` as the
 connector's copy thread hands it (``_Rows._copy_native``), with destinations outside the arena,
 so that every request is refused before any byte is copied: the call's time is then the GIL-held
-part alone (plus, since 2026-12-05, one release of the GIL a request). Since 2026-12-05 the
-extension reads the first ``n`` ids of vLLM's list in place, one request at a time, each just
-before that request's copy; before, the connector sliced each list in Python and the extension
-read every request's ids through PyO3's sequence extraction before the first copy. Run it with
-each build on ``PYTHONPATH``, alternating: it hands a build the requests as that build takes
-them.
+part alone. Since 2026-12-05 the extension reads the first ``n`` ids of vLLM's list in place,
+in holds of at most 2^17 ids, each hold's requests copied with the GIL released before the next
+is read; before, the connector sliced each list in Python and the extension read every
+request's ids through PyO3's sequence extraction before the first copy. Run it with each build
+on ``PYTHONPATH``, alternating: it hands a build the requests as that build takes them.
 
 Run:  .venv/bin/python crates/capture-arena-py/benches/bench_copy_gil.py [--loads 32x2048,8x2048,4x16000,32x16000]
       [--steps 41] [--json out.json]
@@ -70,7 +69,7 @@ def main() -> None:
             got = sorted(step(sink, reqs, n, sliced) for _ in range(a.steps))
             row = {
                 "build": BUILD,
-                "ids": "sliced, all read first" if sliced else "read in place, a request at a time",
+                "ids": "sliced, all read first" if sliced else "read in place, in holds",
                 "requests": reqs,
                 "tokens": n,
                 "gil_ms_per_step_median": round(got[len(got) // 2] * 1e3, 3),

@@ -859,15 +859,16 @@ impl PySink {
     /// Copies a step's requests from a paged cache (`cache`: `(base, bytes, strides, block_size,
     /// k, row_bytes)`; each `(block, layer, slot)` row `row_bytes` contiguous at `base + block *
     /// strides[0] + layer * strides[1] + slot * strides[2]`) into their reserved objects, one
-    /// after another, the GIL held only to read each one's ids, and finishes each one's writes
-    /// as soon as its bytes have landed, then sets its flag in `landed` (request `j` is flag
+    /// after another, the GIL held only to read their ids (in holds of at most `ids_per_hold`
+    /// ids, each hold's requests then copied without it), and finishes each one's writes as
+    /// soon as its bytes have landed, then sets its flag in `landed` (request `j` is flag
     /// `first + j`). Each request is `(keys, ids_at, token_ids, n, rows_at, rows_len,
     /// block_ids)`: the first `n` of its token ids go to `ids_at` as int64, its rows `0..n`
     /// (token `i` in block `block_ids[i / block_size]`) to `rows_at`, laid out `[n, k, row]`;
     /// both must lie in this sink's host arena. Returns, per request, None or why it was not
     /// copied (its readers fail and its space is freed). The caller vouches that the cache's
     /// bytes stay valid meanwhile.
-    #[pyo3(signature = (cache, requests, landed, first=0))]
+    #[pyo3(signature = (cache, requests, landed, first=0, ids_per_hold=crate::rows::IDS_PER_HOLD))]
     fn _copy_requests_rows(
         &self,
         py: Python<'_>,
@@ -875,6 +876,7 @@ impl PySink {
         requests: Vec<crate::rows::RequestArgs<'_>>,
         landed: &Bound<'_, crate::rows::PyLanded>,
         first: usize,
+        ids_per_hold: usize,
     ) -> PyResult<Vec<Option<String>>> {
         let (flags, sink, arena) = self.rows_target(py, landed, first, requests.len())?;
         if sink.config().device_publication() {
@@ -886,30 +888,40 @@ impl PySink {
         }
         let src = crate::rows::paged(cache);
         let held = &*sink;
-        let mut why = Vec::with_capacity(requests.len());
-        // A request at a time: its ids read with the GIL, its copy without it, so that the GIL
-        // is never held for more than one request's ids (vLLM's thread may take it meanwhile).
-        for (j, args) in requests.into_iter().enumerate() {
-            let finish = |keys: Vec<String>, ok: bool| {
-                held.finish_writes(keys, ok);
-                flags[first + j].store(true, std::sync::atomic::Ordering::Release);
-            };
-            match crate::rows::request(args) {
-                Ok(r) => why.extend(crate::exit::detach(py, || {
-                    // SAFETY: the destinations are checked to lie in this sink's own host
-                    // mapping, which only the caller of reserve_each writes for a reserved
-                    // object; the cache range is the caller's promise (a tensor it holds); an
-                    // arena never lies inside a cache.
-                    unsafe {
-                        capture_arena::paged::copy_requests(&src, arena, vec![r], |_, keys, ok| {
-                            finish(keys, ok)
-                        })
+        let finish = |j: usize, keys: Vec<String>, ok: bool| {
+            held.finish_writes(keys, ok);
+            flags[first + j].store(true, std::sync::atomic::Ordering::Release);
+        };
+        let mut why = vec![None; requests.len()];
+        let mut requests = requests.into_iter().enumerate().peekable();
+        // The requests' ids read with the GIL, a hold of them at a time; that hold's requests
+        // copied without it. (Should the interpreter exit meanwhile, this thread parks in a
+        // release of the GIL, and later holds' requests are never finished: the process ends.)
+        while requests.peek().is_some() {
+            let mut ready = Vec::new();
+            for (j, read) in crate::rows::next_hold(&mut requests, ids_per_hold) {
+                match read {
+                    Ok(r) => ready.push((j, r)),
+                    Err((keys, e)) => {
+                        finish(j, keys, false);
+                        why[j] = Some(format!("copying cache rows: {e}"));
                     }
-                })),
-                Err((keys, e)) => {
-                    finish(keys, false);
-                    why.push(Some(format!("copying cache rows: {e}")));
                 }
+            }
+            let (at, ready): (Vec<usize>, Vec<_>) = ready.into_iter().unzip();
+            let copied = crate::exit::detach(py, || {
+                // SAFETY: the destinations are checked to lie in this sink's own host mapping,
+                // which only the caller of reserve_each writes for a reserved object; the cache
+                // range is the caller's promise (a tensor it holds); an arena never lies inside
+                // a cache.
+                unsafe {
+                    capture_arena::paged::copy_requests(&src, arena, ready, |i, keys, ok| {
+                        finish(at[i], keys, ok)
+                    })
+                }
+            });
+            for (i, w) in copied.into_iter().enumerate() {
+                why[at[i]] = w;
             }
         }
         Ok(why)
@@ -919,10 +931,12 @@ impl PySink {
     /// through `rows`' stream, after `after` (a raw event recorded on the stream that wrote the
     /// cache, `torch.cuda.Event.cuda_event`; 0 for none): straight from the cache's blocks into
     /// a host arena (device-to-host) or a device arena (device-to-device), no staging buffer,
-    /// the GIL held only to read each request's ids. Each request's flag is set as its
+    /// the GIL held only to read the requests' ids, as there. Each request's flag is set as its
     /// write is finished, once its copies have landed. The caller vouches that the cache and the
     /// event stay valid meanwhile.
-    #[pyo3(signature = (rows, cache, requests, landed, after, first=0))]
+    #[pyo3(signature = (
+        rows, cache, requests, landed, after, first=0, ids_per_hold=crate::rows::IDS_PER_HOLD
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn _copy_requests_rows_device(
         &self,
@@ -933,35 +947,52 @@ impl PySink {
         landed: &Bound<'_, crate::rows::PyLanded>,
         after: u64,
         first: usize,
+        ids_per_hold: usize,
     ) -> PyResult<Vec<Option<String>>> {
         let (flags, sink, arena) = self.rows_target(py, landed, first, requests.len())?;
         let dst_host = !sink.config().device_publication();
         let src = crate::rows::paged(cache);
         let (held, copies) = (&*sink, &rows.get().0);
-        let mut step = capture_arena::paged::DeviceStep::new(copies, &src, arena, dst_host);
-        // A request at a time: its ids read with the GIL, added to the step (its ids written or
-        // enqueued) without it, so that the GIL is never held for more than one request's ids.
-        for args in requests {
-            match crate::rows::request(args) {
-                Ok(r) => crate::exit::detach(py, || {
-                    // SAFETY: the destinations are checked to lie in this sink's own mapping,
-                    // which only the caller of reserve_each writes for a reserved object; the
-                    // cache's range is the caller's promise (a tensor it holds); the step is run
-                    // below, whatever happens.
-                    unsafe { step.add(r) }
-                }),
-                Err((keys, e)) => step.refuse(keys, e),
+        let mut step = Some(capture_arena::paged::DeviceStep::new(
+            copies, &src, arena, dst_host,
+        ));
+        let mut requests = requests.into_iter().enumerate().peekable();
+        // The requests' ids read with the GIL, a hold of them at a time; that hold's requests
+        // added to the step (their ids written or enqueued) without it, and with the last hold
+        // the step run.
+        loop {
+            let hold = crate::rows::next_hold(&mut requests, ids_per_hold);
+            let last = requests.peek().is_none();
+            let ran = crate::exit::detach(py, || {
+                let Some(s) = step.as_mut() else {
+                    return None; // run already (never: it runs with the last hold)
+                };
+                for (_, read) in hold {
+                    match read {
+                        // SAFETY: the destinations are checked to lie in this sink's own
+                        // mapping, which only the caller of reserve_each writes for a reserved
+                        // object; the cache's range is the caller's promise (a tensor it holds);
+                        // the step is run with the last hold (unless the interpreter exits
+                        // meanwhile: then this thread parks, and the process ends).
+                        Ok(r) => unsafe { s.add(r) },
+                        Err((keys, e)) => s.refuse(keys, e),
+                    }
+                }
+                if !last {
+                    return None;
+                }
+                // SAFETY: as above; the event is the caller's promise (an event it holds).
+                step.take().map(|s| unsafe {
+                    s.run(after, |j, keys, ok| {
+                        held.finish_writes(keys, ok);
+                        flags[first + j].store(true, std::sync::atomic::Ordering::Release);
+                    })
+                })
+            });
+            if last {
+                return Ok(ran.unwrap_or_default());
             }
         }
-        Ok(crate::exit::detach(py, || {
-            // SAFETY: as above; the event is the caller's promise (an event it holds).
-            unsafe {
-                step.run(after, |j, keys, ok| {
-                    held.finish_writes(keys, ok);
-                    flags[first + j].store(true, std::sync::atomic::Ordering::Release);
-                })
-            }
-        }))
     }
 
     /// Frees `keys` from this process (a capture it drops), without a control connection;

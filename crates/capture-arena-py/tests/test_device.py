@@ -332,8 +332,8 @@ landed, seen = _Landed(len(requests)), []
 
 class Id:  # read through __index__ (Python code) as the extension reads "b"'s ids
     def __index__(self):
-        # "a" was added by then: its ids written into a host arena (the GIL is held for one
-        # request's ids at a time). A device arena's are enqueued: not looked at.
+        # "a" was added by then, in the hold before: its ids written into a host arena. A
+        # device arena's are enqueued: not looked at.
         a = rows[0][1]["token_ids"]
         seen.append(device_arena or np.frombuffer(ctypes.string_at(a, 80), dtype=np.int64).tolist() == list(range(100, 110)))
         return 100
@@ -341,7 +341,8 @@ class Id:  # read through __index__ (Python code) as the extension reads "b"'s i
 ids = {"a": list(range(100, 110)), "b": [Id(), 101, 102, 103], "far": list(range(100, 104)), "bad": ["x"] * 4}
 copies = [(keys, at["token_ids"], ids[i], n, at["hidden_states"], n * K * H * 2, blocks)
           for (keys, at, _), (i, _, n, blocks) in zip(rows, requests)]
-why = sink._copy_requests_rows_device(_DeviceRows(0), layout, copies, landed, 0)
+# Holds of 4 ids: "a" (10) read alone, then "b" with "far".
+why = sink._copy_requests_rows_device(_DeviceRows(0), layout, copies, landed, 0, 0, 4)
 assert why[0] is None and why[1] is None and "(block 9) lie outside the cache" in why[2], why
 assert "reading its token ids" in why[3] and seen == [True], (why, seen)
 assert [landed[i] for i in range(4)] == [True, True, True, True]
@@ -380,9 +381,10 @@ print("trainer ok", flush=True)
 @pytest.mark.parametrize("arena", ["host", "device"])
 def test_fake_gpu_a_connectors_rows_go_straight_from_a_device_caches_blocks_into_the_arena(fake_gpu, arena):
     """vLLM's connector with a cache in device memory: each request's rows are copied by the
-    native path (2-D copies on a stream of its own, the GIL released, no staging buffer) from
-    the cache's blocks into its reserved objects, in a host arena (device-to-host) or a device
+    native path (2-D copies on a stream of its own, the GIL held only for the ids, no staging
+    buffer) from the cache's blocks into its reserved objects, in a host arena (device-to-host) or a device
     arena (device-to-device); a trainer process reads every byte; a request whose blocks lie
     outside the cache, or whose token ids cannot be read, fails alone and its space is freed.
-    Each request's ids are read (with the GIL) only once the one before was added."""
+    The requests' ids are read (with the GIL) in holds, each hold's requests added to the step
+    (the GIL released) before the next is read."""
     produce_then_train([DEVICE_ROWS_PRODUCER, arena], DEVICE_ROWS_TRAINER, fake_gpu, lines=2)

