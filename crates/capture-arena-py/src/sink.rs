@@ -470,6 +470,19 @@ fn opt_bytes(v: Option<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
 /// A step's landed flags ([`crate::rows::PyLanded`]).
 type Flags = std::sync::Arc<[std::sync::atomic::AtomicBool]>;
 
+/// What a step's copy does as request `j` is over: its writes finished (`ok` or failed), then
+/// its flag in the step's `landed` set (request `j` is flag `first + j`).
+fn landing<'a>(
+    sink: &'a capture_arena::Sink,
+    flags: &'a Flags,
+    first: usize,
+) -> impl Fn(usize, Vec<String>, bool) + Sync + 'a {
+    move |j, keys, ok| {
+        sink.finish_writes(keys, ok);
+        flags[first + j].store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
 impl PySink {
     /// Where a step's `n` requests' rows are copied to (`_copy_requests_rows*`): the step's
     /// flags (checked to hold requests `first..first + n`), the sink, and its arena as this
@@ -887,11 +900,7 @@ impl PySink {
             ));
         }
         let src = crate::rows::paged(cache);
-        let held = &*sink;
-        let finish = |j: usize, keys: Vec<String>, ok: bool| {
-            held.finish_writes(keys, ok);
-            flags[first + j].store(true, std::sync::atomic::Ordering::Release);
-        };
+        let finish = landing(&sink, &flags, first);
         let mut why = vec![None; requests.len()];
         let mut requests = requests.into_iter().enumerate().peekable();
         // The requests' ids read with the GIL, a hold of them at a time; that hold's requests
@@ -953,9 +962,8 @@ impl PySink {
         let dst_host = !sink.config().device_publication();
         let src = crate::rows::paged(cache);
         let (held, copies) = (&*sink, &rows.get().0);
-        let mut step = Some(capture_arena::paged::DeviceStep::new(
-            copies, &src, arena, dst_host,
-        ));
+        let mut step = capture_arena::paged::DeviceStep::new(copies, &src, arena, dst_host);
+        let finish = landing(held, &flags, first);
         let mut requests = requests.into_iter().enumerate().peekable();
         // The requests' ids read with the GIL, a hold of them at a time; that hold's requests
         // added to the step (their ids written or enqueued) without it, and with the last hold
@@ -964,9 +972,6 @@ impl PySink {
             let hold = crate::rows::next_hold(&mut requests, ids_per_hold);
             let last = requests.peek().is_none();
             let ran = crate::exit::detach(py, || {
-                let Some(s) = step.as_mut() else {
-                    return None; // run already (never: it runs with the last hold)
-                };
                 for (_, read) in hold {
                     match read {
                         // SAFETY: the destinations are checked to lie in this sink's own
@@ -974,23 +979,15 @@ impl PySink {
                         // object; the cache's range is the caller's promise (a tensor it holds);
                         // the step is run with the last hold (unless the interpreter exits
                         // meanwhile: then this thread parks, and the process ends).
-                        Ok(r) => unsafe { s.add(r) },
-                        Err((keys, e)) => s.refuse(keys, e),
+                        Ok(r) => unsafe { step.add(r) },
+                        Err((keys, e)) => step.refuse(keys, e),
                     }
                 }
-                if !last {
-                    return None;
-                }
                 // SAFETY: as above; the event is the caller's promise (an event it holds).
-                step.take().map(|s| unsafe {
-                    s.run(after, |j, keys, ok| {
-                        held.finish_writes(keys, ok);
-                        flags[first + j].store(true, std::sync::atomic::Ordering::Release);
-                    })
-                })
+                last.then(|| unsafe { step.run(after, &finish) })
             });
-            if last {
-                return Ok(ran.unwrap_or_default());
+            if let Some(why) = ran {
+                return Ok(why);
             }
         }
     }

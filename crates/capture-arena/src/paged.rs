@@ -224,6 +224,22 @@ impl Request {
         }
         src.plan(self.rows_len, &self.block_ids, self.ids.len() as u64)
     }
+
+    /// Writes its token ids where they go, in host memory.
+    ///
+    /// # Safety
+    /// `ids_dst` lies in a host arena of this process ([`Request::plan`] checks it against the
+    /// arena), which nothing else writes there.
+    unsafe fn write_ids(&self) {
+        // SAFETY: the caller's promise; the ids are `ids.len() * 8` bytes of this request's own.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ids.as_ptr() as *const u8,
+                self.ids_dst as usize as *mut u8,
+                self.ids.len() * 8,
+            )
+        };
+    }
 }
 
 /// Whether `[at, at + len)` lies inside `[base, base + size)`.
@@ -251,7 +267,6 @@ pub unsafe fn copy_requests(
 ) -> Vec<Option<String>> {
     let mut out = Vec::with_capacity(requests.len());
     for (i, r) in requests.into_iter().enumerate() {
-        let ids_len = (r.ids.len() as u64) * 8;
         let checked = r.plan(src, arena);
         match checked {
             Ok(strips) => {
@@ -259,11 +274,7 @@ pub unsafe fn copy_requests(
                 // (checked above); the caller vouched for both ranges and that nothing else
                 // writes these objects.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        r.ids.as_ptr() as *const u8,
-                        r.ids_dst as usize as *mut u8,
-                        ids_len as usize,
-                    );
+                    r.write_ids();
                     copy_host(src.base, r.rows_dst, &strips);
                 }
                 finished(i, r.keys, true);
@@ -523,17 +534,13 @@ mod device {
             self.added += 1;
             let checked = r.plan(self.src, self.arena);
             let ids = checked.and_then(|strips| {
-                let ids: Vec<u8> = r.ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
                 // SAFETY: the destination lies in the arena (checked above), which the caller
                 // vouched for; a host arena is this process's own mapping.
                 unsafe {
                     if self.dst_host {
-                        std::ptr::copy_nonoverlapping(
-                            ids.as_ptr(),
-                            r.ids_dst as usize as *mut u8,
-                            ids.len(),
-                        );
+                        r.write_ids();
                     } else {
+                        let ids: Vec<u8> = r.ids.iter().flat_map(|x| x.to_ne_bytes()).collect();
                         // Nothing of it is enqueued if this fails.
                         self.copies
                             .bytes(r.ids_dst, &ids)
@@ -554,26 +561,21 @@ mod device {
             self.added += 1;
         }
 
-        /// Steps 2 to 4 of [`copy_requests_device`] for the requests added: `finished(i, keys,
-        /// ok)` for each (those that failed before their copies first), and per request `None`
-        /// or why it was not copied.
+        /// Steps 2 to 4 of [`copy_requests_device`] for the requests added so far (the step is
+        /// empty after): `finished(i, keys, ok)` for each (those that failed before their copies
+        /// first), and per request `None` or why it was not copied.
         ///
         /// # Safety
         /// As [`DeviceStep::add`]'s; `after` a valid event or 0.
         pub unsafe fn run(
-            self,
+            &mut self,
             after: u64,
             mut finished: impl FnMut(usize, Vec<String>, bool),
         ) -> Vec<Option<String>> {
-            let DeviceStep {
-                copies,
-                src,
-                dst_host,
-                added,
-                planned,
-                failed,
-                ..
-            } = self;
+            let (copies, src, dst_host) = (self.copies, self.src, self.dst_host);
+            let added = std::mem::take(&mut self.added);
+            let planned = std::mem::take(&mut self.planned);
+            let failed = std::mem::take(&mut self.failed);
             let mut out: Vec<Option<String>> = vec![None; added];
             // Request i's write is over: landed, or failed with why.
             let mut land = |i: usize, keys: Vec<String>, landed: Result<(), String>| {

@@ -142,8 +142,14 @@ def staging_bound(k: int, block_size: int, hidden: int, element_size: int) -> in
     values (85 blocks a buffer), 64 MiB and 8 bytes a block of a buffer at most, unless one block
     is larger than ``STAGING_BYTES``. The native copy needs none."""
     block = k * block_size * hidden * element_size
-    chunk = max(1, STAGING_BYTES // block)
+    chunk = _staging_blocks(block)
     return 2 * _allocation(chunk * block) + _allocation(8 * chunk)
+
+
+def _staging_blocks(block: int) -> int:
+    """Whole blocks of ``block`` bytes a staging buffer holds: as many as fit in
+    ``STAGING_BYTES``, at least one."""
+    return max(1, STAGING_BYTES // block)
 
 
 def _allocation(n: int) -> int:
@@ -1128,8 +1134,7 @@ class _Rows:
     def _staging(self, chunk: Optional[int] = None) -> None:
         """Allocates the fallback's staging buffers on the cache's device: ``chunk`` blocks each
         (by default as many as fit in ``STAGING_BYTES``, at least one; :func:`staging_bound`)."""
-        block = self.k * self.bs * self.h * self.kv.element_size()
-        self.chunk = chunk or max(1, STAGING_BYTES // block)
+        self.chunk = chunk or _staging_blocks(self.k * self.bs * self.h * self.kv.element_size())
         kv = self.kv
         self.stage = (
             torch.empty((self.chunk, self.k, self.bs, self.h), dtype=kv.dtype, device=kv.device),
