@@ -62,6 +62,31 @@ if os.environ.get("TEST_READER") == "specforge":
         got, handle = specforge.get(ref, names=names)
         specforge.release(handle)  # its last lease: the sample is freed
         return {"h": got["h"].view(torch.int16).numpy(), "ids": got["ids"].numpy()}
+elif os.environ.get("TEST_READER") == "nvlink-faked":
+    # MOONCAKE_PROTOCOL=nvlink's reader, faked on the CPU (nothing here has a GPU, and Mooncake's
+    # NVLink transports need them): the reader takes that protocol's path (into tensors on the
+    # outputs' device, one transfer an object, the stamp words into a tensor there too) over a
+    # real TCP TransferEngine, CPU tensors standing for the CUDA ones it reads into.
+    import torch
+    import capture_arena._engine as engine
+    import capture_arena._reader as store_module
+    tcp_engine = engine.new_engine
+    engine.new_engine = lambda protocol: tcp_engine("tcp")
+    make_reader = engine.EngineReader.__init__
+    def nvlink_reader(self):
+        make_reader(self)
+        self._protocol = "nvlink"
+    engine.EngineReader.__init__ = nvlink_reader
+    host_array = store_module.new_array
+    def device_array(shape, dtype, as_torch, device=None):
+        arr, _ = host_array(shape, dtype, True, "cpu")
+        return arr, types.SimpleNamespace(tensor=arr)  # what a CudaBytes holds
+    store_module.new_array = device_array
+    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(synchronize=lambda: None)
+    nvlink_store = ca.ArenaFeatureStore()
+    def get(r, names):
+        got = nvlink_store.get(r, names, device="cuda:0")
+        return {"h": got["h"].view(torch.int16).numpy(), "ids": got["ids"].numpy()}
 else:
     get = ca.ArenaFeatureStore().get
 for line in sys.stdin:
@@ -303,6 +328,35 @@ def test_specforges_trainer_stack_waits_for_the_bytes_and_fails_with_a_failed_wr
         time.sleep(0.01)
     s = sink.stats()
     assert s["written_objects"] == 2 and s["failed_writes"] == 2 and s["free_bytes"] == s["capacity"], s
+
+
+@pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=f"Mooncake: {MOONCAKE_MISSING}")
+def test_a_multi_node_nvlink_reader_faked_on_the_cpu_waits_for_the_bytes_and_fails_with_a_failed_write(
+    make_sink: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mooncake's TransferEngine over NVLink moves device memory, so its reader read no stamp
+    words and returned a result handed out before its bytes (vLLM's connector) unwritten. It now
+    reads the words into a tensor on the outputs' GPU and follows the rule as over TCP. Faked
+    on the CPU: the reader's NVLink path over a real TCP engine, CPU tensors for CUDA ones."""
+    for k, v in ENGINE_ENV.items():
+        monkeypatch.setenv(k, v)
+    sink = make_sink()
+    (a, at), (b, _) = sink.reserve_each([reservation("a"), reservation("b")], within_s=5)
+    readers = start_reader("engine", "nvlink-faked")
+    ask, answer = next(readers)
+    try:
+        ask(a)  # it looked at the words, found them pending, and waits
+        data, ids = write(a, at, seed=7)
+        sink.finish_writes([a])
+        got = answer()
+        assert "error" not in got, got
+        assert bytes.fromhex(got["h"]) == data and got["ids"] == ids
+        ask(b)
+        sink.finish_writes([b], ok=False)
+        got = answer()
+        assert got["error"] == "WriteFailedError" and got["s"] < 10, got
+    finally:
+        next(readers, None)  # kills the reader
 
 
 def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:

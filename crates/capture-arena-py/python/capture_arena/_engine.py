@@ -430,16 +430,25 @@ class EngineReader:
         self._lock = threading.Lock()
 
     def read(
-        self, session: str, targets: list[tuple[int, int, int]], keep: Any = None, stamps: Sequence[tuple[str, int, int]] = ()
+        self,
+        session: str,
+        targets: list[tuple[int, int, int]],
+        keep: Any = None,
+        stamps: Sequence[tuple[str, int, int]] = (),
+        words_device: Any = None,
     ) -> None:
         """Reads each ``(remote address, local address, length)`` of ``session`` straight into
         memory of this process (the outputs: host arrays, or CUDA tensors over NVLink), registered
         for the read and unregistered after (a few microseconds each over TCP, measured).
         ``keep`` owns that memory: it is held past a failed or abandoned read (see the class).
         ``stamps``: ``(key, remote address, stamp)`` of each object's stamp, read before the
-        copy and once it has completed (over TCP and RDMA): an object still being written is
-        waited for, and one whose word differs raises :class:`ReleasedError` (0: freed) or
-        :class:`ObjectChangedError`, so unwritten or another object's bytes are never returned."""
+        copy and once it has completed: an object still being written is waited for, and one
+        whose word differs raises :class:`ReleasedError` (0: freed) or
+        :class:`ObjectChangedError`, so unwritten or another object's bytes are never returned.
+        Over NVLink, whose transports move device memory, the words are read into a small
+        tensor on ``words_device`` (the outputs' GPU; without one, no stamp is looked at) and
+        copied to the host from there: Mooncake reports a transfer done only once its copy
+        has finished on the device."""
         timeout = read_timeout_s()
         te = self._te()
         targets = [t for t in targets if t[2] > 0]
@@ -456,15 +465,15 @@ class EngineReader:
                 "a host down) or stopped; raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
             )
 
-        # The stamps are read into host memory: not over NVLink, whose transfers move device memory.
-        checks = list(stamps) if self._protocol not in ("nvlink", "nvlink_intra") else []
+        # Over NVLink the words land in device memory (the outputs' GPU), read back from there.
+        checks = list(stamps) if not self.nvlink or words_device is not None else []
         # Each look and copy is bounded by the read's deadline; an object still being written
         # (its stamp word pending) is looked at again, and copied once it is there, for at most
         # SGLANG_SPEC_CAPTURE_READY_WAIT_S in all.
         ready = ready_wait_s() if checks else 0.0
         since, pause = time.monotonic(), 50e-6
         while True:
-            words = np.zeros(max(len(checks), 1), dtype=np.uint64)
+            words = _Words(len(checks), words_device if self.nvlink else None)
             pending: list[Optional[str]] = [None]
             run_bounded(
                 "capture-arena-engine-read",
@@ -495,7 +504,7 @@ class EngineReader:
         try:
             regions = [(local, n) for _, local, n in targets]
             if checks:
-                regions.append((int(words.ctypes.data), int(words.nbytes)))
+                regions.append((words.address, words.nbytes))
             if self._protocol == "nvlink_intra":
                 # Mooncake's intra-node transport copies with cudaMemcpy from the producer's
                 # IPC-opened buffer straight into the local address: the local side needs no
@@ -528,15 +537,14 @@ class EngineReader:
             # pending may turn ready while, or just after, the copy reads unwritten bytes, and a
             # look after alone would take those bytes for the written ones). After: the object
             # was not freed or replaced meanwhile (a word never turns pending again).
-            base = int(words.ctypes.data)
-            looks = [(at, base + 8 * i, 8) for i, (_, at, _) in enumerate(checks)]
+            looks = [(at, words.address + 8 * i, 8) for i, (_, at, _) in enumerate(checks)]
             self._transfer(te, session, looks)
-            pending = _check_words(checks, words.tolist())
+            pending = _check_words(checks, words.values())
             if pending is not None:
                 return pending
             self._transfer(te, session, targets)
             self._transfer(te, session, looks)
-            pending = _check_words(checks, words.tolist())
+            pending = _check_words(checks, words.values())
             if pending is not None:
                 raise ArenaOSError(
                     f"{pending}'s stamp word turned back to 'being written' during the read: its producer does not "
@@ -563,6 +571,40 @@ class EngineReader:
         rc = te.batch_transfer_sync_read(session, [t[1] for t in targets], [t[0] for t in targets], [t[2] for t in targets])
         if rc != 0:
             raise StaleSessionError(f"TransferEngine batch read of {len(targets)} objects from {session} returned {rc}: {gone}")
+
+
+class _Words:
+    """Where a read's looks at the stamp words land: a host array, or over NVLink (``device``) a
+    tensor on the outputs' GPU, copied to the host to be compared. Mooncake copies on a stream of
+    its own, ordered with nothing of torch's: the tensor is allocated without a kernel
+    (``torch.empty``), and its stream is synchronized first, so that no kernel queued there
+    before (one still using this memory for the tensor it held before) writes into it after."""
+
+    __slots__ = ("_buf", "address", "nbytes")
+
+    def __init__(self, n: int, device: Any = None) -> None:
+        n = max(n, 1)
+        if device is None:
+            self._buf: Any = np.zeros(n, dtype=np.uint64)
+            self.address = int(self._buf.ctypes.data)
+        else:
+            import torch
+
+            self._buf = torch.empty(n, dtype=torch.int64, device=device)
+            if self._buf.is_cuda:
+                torch.cuda.current_stream(self._buf.device).synchronize()
+            self.address = int(self._buf.data_ptr())
+        self.nbytes = 8 * n
+
+    def values(self) -> list[int]:
+        """The words as unsigned integers (a device buffer copied to the host: Mooncake's
+        transfer has completed on the device when its read returns)."""
+        if isinstance(self._buf, np.ndarray):
+            return [int(w) for w in self._buf.tolist()]
+        return [int(w) & _U64 for w in self._buf.cpu().tolist()]
+
+
+_U64 = (1 << 64) - 1
 
 
 # Clients of Mooncake that a forked child must not destroy: the parent's.

@@ -250,7 +250,14 @@ class ArenaFeatureStore(_Store):
                 # the output (a zero_(), a kernel still reading it) finishes first.
                 _torch_module().cuda.current_stream(view.tensor.device).synchronize()
                 targets.append((int(feats[name]["address"]), int(view.tensor.data_ptr()), n))
-            reader.read(result["arena"]["session"], targets, keep=(arrays, views))
+            # The stamp words too (the readiness rule), read into a tensor on the outputs' GPU.
+            reader.read(
+                result["arena"]["session"],
+                targets,
+                keep=(arrays, views),
+                stamps=_stamps(result, wanted, lens),
+                words_device=views[0].tensor.device if views else None,
+            )
             return arrays
         arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
         reader.read(
