@@ -6,8 +6,12 @@ TransferEngine (``allocate_managed_buffer``: cudaMalloc + CUDA IPC) and publishe
 tensors into it. Two trainer processes read them: one that imports only ``mooncake.engine``,
 ``torch``, ``json`` and ``socket`` (``transfer_sync_read`` into a registered CUDA buffer, frees
 over the control socket), and one with ``capture_arena.ArenaFeatureStore.get(device="cuda:0")``.
-Every byte is compared; at the end the producer's arena must be fully free. One JSON line per
-check; exit status 0 only if all passed.
+Every byte is compared; at the end the producer's arena must be fully free. Then the readiness
+rule over NVLink (docs/protocol.md): the producer hands out two results before their bytes
+(``reserve_each``, as vLLM's connector does); a trainer (``ArenaFeatureStore``) starts reading
+the first, the producer writes it only after, and the trainer must wait for it and read exactly
+its bytes; the second's write fails, and the trainer must get ``WriteFailedError``. One JSON line
+per check; exit status 0 only if all passed.
 """
 
 from __future__ import annotations
@@ -48,6 +52,31 @@ for b in range(2):
         batch.append((spec, aux, last))
     for r in sink.put_samples(batch):
         print(json.dumps(r), flush=True)
+deadline = time.time() + 120
+while time.time() < deadline and sink.stats()["resident_objects"]:
+    time.sleep(0.05)
+print(json.dumps({"stats": sink.stats()}), flush=True)
+# Two results handed out before their bytes; the first written once the main process says a
+# trainer is reading it, the second never.
+L, H = 1024, 2048
+spec = lambda i: {"store_id": "gpu", "sample_id": f"s{i}", "gen": 1,
+                  "features": {"hidden_state": {"shape": [1, L, 3 * H], "dtype": "bfloat16"},
+                               "target": {"shape": [1, L, H], "dtype": "bfloat16"}}}
+early = sink.reserve_each([spec(8), spec(9)], within_s=10)
+for r, _ in early:
+    print(json.dumps(r), flush=True)
+assert sys.stdin.readline().strip() == "go"
+time.sleep(0.3)  # the trainer is polling the words by now (it said it was reading before "go")
+class Raw:
+    def __init__(self, address, nbytes):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
+(r8, at8), (r9, _) = early
+for name, t in zip(("hidden_state", "target"), make(8)):
+    dst = torch.as_tensor(Raw(at8[name], t.numel() * 2), device="cuda")
+    dst.copy_(t.contiguous().view(torch.uint8).reshape(-1))
+torch.cuda.synchronize()
+sink.finish_writes([r8])
+sink.finish_writes([r9], ok=False)
 deadline = time.time() + 120
 while time.time() < deadline and sink.stats()["resident_objects"]:
     time.sleep(0.05)
@@ -93,9 +122,34 @@ print(json.dumps({"check": "arena_feature_store_trainer", "ok": bool(ok)}), flus
 """
 
 
+EARLY = COMMON + r"""
+import json, sys, time
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+r8, r9 = (json.loads(line) for line in sys.stdin)
+print(json.dumps({"reading": True}), flush=True)
+t0 = time.monotonic()
+got = store.get(r8, device="cuda:0")
+waited = time.monotonic() - t0
+aux, last = make(8)
+exact = torch.equal(got["hidden_state"][0], aux) and torch.equal(got["target"][0], last)
+store.release(r8)
+try:
+    store.get(r9, device="cuda:0")
+    failed = "read"
+except ca.WriteFailedError:
+    failed = "WriteFailedError"
+except ca.CaptureArenaError as e:
+    failed = type(e).__name__
+store.flush(10)
+print(json.dumps({"check": "nvlink_reader_waits_for_early_results", "ok": bool(exact) and waited >= 0.25 and failed == "WriteFailedError",
+                  "exact": bool(exact), "waited_s": round(waited, 3), "failed_write": failed}), flush=True)
+"""
+
+
 def main() -> int:
-    prod = subprocess.Popen([sys.executable, "-c", PRODUCER], env=ENV, stdout=subprocess.PIPE, text=True)
-    assert prod.stdout is not None
+    prod = subprocess.Popen([sys.executable, "-c", PRODUCER], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert prod.stdin is not None and prod.stdout is not None
     lines = [prod.stdout.readline() for _ in range(8)]
     if not all(line.startswith("{") for line in lines):
         print(json.dumps({"check": "publish", "ok": False, "got": lines}))
@@ -113,6 +167,25 @@ def main() -> int:
     free = st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"]
     failures += not free
     print(json.dumps({"check": "arena_free_after_frees", "ok": free, "stats": st}), flush=True)
+    # The readiness rule over NVLink: a trainer reading results handed out before their bytes.
+    early = [prod.stdout.readline() for _ in range(2)]
+    reader = subprocess.Popen([sys.executable, "-c", EARLY], env={**ENV, "SGLANG_SPEC_CAPTURE_READY_WAIT_S": "20"},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert reader.stdin is not None and reader.stdout is not None
+    reader.stdin.write("".join(early))
+    reader.stdin.close()
+    started = reader.stdout.readline()
+    prod.stdin.write("go\n")
+    prod.stdin.flush()
+    out = reader.stdout.readline().strip()
+    reader.wait(timeout=60)
+    ok = started.strip() == json.dumps({"reading": True}) and out.startswith("{") and json.loads(out).get("ok") is True
+    failures += not ok
+    print(out or json.dumps({"check": "nvlink_reader_waits_for_early_results", "ok": False, "started": started}), flush=True)
+    st = json.loads(prod.stdout.readline())["stats"]
+    free = st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"]
+    failures += not free
+    print(json.dumps({"check": "arena_free_after_early_results", "ok": free, "stats": st}), flush=True)
     prod.wait(timeout=60)
     print(json.dumps({"check": "all", "ok": failures == 0}), flush=True)
     return 0 if failures == 0 else 1
