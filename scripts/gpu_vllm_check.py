@@ -33,9 +33,11 @@ runs the same flow with the cache in host memory and says so, unless ``--require
 
 With ``--load NxLEN,...`` (#37) it also times steps of N requests of LEN tokens, five each, for
 each arena: the connector's time on the engine's thread per step beside vLLM's file-connector
-logic on the same cache (its engine-thread time and when its copies are done), the time until a
-trainer holds every request's tensors, and the extra device memory of one ``--long``-token
-request beside that logic's gather (``load`` and ``long`` lines).
+logic on the same cache (its engine-thread time and when its copies are done), the time from
+the step's results (as vLLM hands them to its clients) until a trainer in another process holds
+every request's tensors (it reads while the copies run, each read stamped as it returns, before
+the check compares anything), and the extra device memory of one ``--long``-token request beside
+that logic's gather (``load`` and ``long`` lines).
 
 A device cache's rows are copied by the connector's native path (2-D copies on a stream of its
 own, the GIL released, no staging buffer): every line says which (``copy``). ``--copy staging``
@@ -206,13 +208,15 @@ class Engine:
         gc.collect()
         gc.freeze()
 
-    def step(self, reqs: list[tuple[str, int, int]]) -> tuple[list[dict[str, Any]], float]:
+    def step(self, reqs: list[tuple[str, int, int]], finished: Any = None) -> tuple[list[dict[str, Any]], float]:
         """One step that computes the whole prompt of each ``(req_id, seed, n)``, its hooks in
         vLLM's order (the drafter's writes standing for the forward between the bind and
         ``wait_for_save``); returns each request's ``kv_transfer_params`` and how long the
         connector held vLLM's threads: every hook vLLM calls in a step (``build_connector_meta``,
         ``bind_connector_metadata``, ``wait_for_save``, each ``request_finished``, and the step's
-        ``get_finished``), each hook's share added to ``self.hooks``."""
+        ``get_finished``), each hook's share added to ``self.hooks``. ``finished(params)`` is
+        called as soon as every request has its result (as vLLM answers its clients), while the
+        engine still steps on waiting for the copies."""
         objs = []
         for rid, seed, n in reqs:
             need = -(-n // BLOCK)
@@ -257,6 +261,8 @@ class Engine:
             else:
                 self.give_back(self.table.pop(r.request_id))
             out.append(params)
+        if finished is not None:
+            finished(out)
         # The engine steps on (get_finished each step) until the worker reports every copy
         # done; only then do the blocks go back (and get written by later steps).
         finished, deadline, first = set(delayed), time.monotonic() + 60, True
@@ -480,12 +486,20 @@ def load(a: argparse.Namespace) -> int:
         eng.hooks.clear()
         for rep in range(5):
             batch = [(f"l{reqs}x{n}-{rep}-{i}", 1000 + i, n) for i in range(reqs)]
-            params, h = eng.step(batch)
-            end = time.monotonic()
+            sent: list[float] = []
+
+            def to_trainer(params: list[dict[str, Any]]) -> None:
+                """The results, as their clients get them, go to the trainer at once: it reads
+                while the copies run (waiting for each object's bytes)."""
+                todo = [{"params": p, "seed": seed, "n": m, "delete": True} for (_, seed, m), p in zip(batch, params)]
+                sent.append(time.monotonic())
+                assert trainer.stdin is not None
+                trainer.stdin.write(json.dumps({"batch": todo}) + "\n")
+                trainer.stdin.flush()
+
+            params, h = eng.step(batch, to_trainer)
+            end = sent[0]
             held.append(h)
-            for (rid, seed, m), p in zip(batch, params):
-                trainer.stdin.write(json.dumps({"params": p, "seed": seed, "n": m, "delete": True}) + "\n")
-            trainer.stdin.flush()
             answers = [json.loads(trainer.stdout.readline()) for _ in batch]
             ok = ok and all(x["ok"] for x in answers)
             hold.append(max(x.get("held_at", end) for x in answers) - end)
@@ -557,20 +571,39 @@ def trainer(a: argparse.Namespace) -> int:
     t = CaptureArenaTransfer()
     t.setup()
     for line in sys.stdin:
-        m = json.loads(line)
-        p, seed, n = m["params"], m["seed"], m["n"]
-        try:
-            got = t.get_generated(p)
-            assert got is not None
-            want = rows_of(seed, n, a.hidden, "cuda" if torch.cuda.is_available() else "cpu").cpu()
-            hs, tok = got["hidden_states"], got["token_ids"]
-            ok = tuple(hs.shape) == (n, K, a.hidden) and torch.equal(hs.cpu(), want) and tok.cpu().tolist() == tokens_of(seed, n)
-            ans: dict[str, Any] = {"ok": bool(ok), "device": str(hs.device), "held_at": time.monotonic()}
-            if m["delete"]:
-                t.delete(p["handle"])
-        except Exception as e:
-            ans = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-        print(json.dumps(ans), flush=True)
+        # One request, or a step's ({"batch": [...]}): every request of it read first, each
+        # stamped as it is held, and only then compared (regenerating the rows to compare them
+        # takes longer than reading them: a stamp after it would time this check, not the read).
+        msg = json.loads(line)
+        todo = msg["batch"] if "batch" in msg else [msg]
+        held: list[tuple[dict[str, Any], Any, float, str]] = []
+        for m in todo:
+            try:
+                got = t.get_generated(m["params"])
+                assert got is not None, "get_generated returned None"
+                held.append((m, got, time.monotonic(), ""))
+            except Exception as e:
+                held.append((m, None, 0.0, f"{type(e).__name__}: {e}"[:300]))
+        answers = []
+        for m, got, at, error in held:
+            p, seed, n = m["params"], m["seed"], m["n"]
+            try:
+                if got is None:
+                    raise RuntimeError(error)
+                want = rows_of(seed, n, a.hidden, "cuda" if torch.cuda.is_available() else "cpu").cpu()
+                hs, tok = got["hidden_states"], got["token_ids"]
+                ok = tuple(hs.shape) == (n, K, a.hidden) and torch.equal(hs.cpu(), want) and tok.cpu().tolist() == tokens_of(seed, n)
+                ans: dict[str, Any] = {"ok": bool(ok), "device": str(hs.device), "held_at": at}
+                if m["delete"]:
+                    t.delete(p["handle"])
+            except Exception as e:
+                ans = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+            answers.append(ans)
+        # What the step's tensors held is given back before the answers: the next step must not
+        # share the CPU with it.
+        del held, got
+        for ans in answers:
+            print(json.dumps(ans), flush=True)
     t.flush()
     return 0
 
