@@ -438,8 +438,9 @@ class EngineReader:
         words_device: Any = None,
     ) -> None:
         """Reads each ``(remote address, local address, length)`` of ``session`` straight into
-        memory of this process (the outputs: host arrays, or CUDA tensors over NVLink), registered
-        for the read and unregistered after (a few microseconds each over TCP, measured).
+        memory of this process (the outputs: host arrays, registered for the read and
+        unregistered after, a few microseconds each over TCP, measured; or CUDA tensors over
+        NVLink, whose transports need no local registration).
         ``keep`` owns that memory: it is held past a failed or abandoned read (see the class).
         ``stamps``: ``(key, remote address, stamp)`` of each object's stamp, read before the
         copy and once it has completed: an object still being written is waited for, and one
@@ -505,13 +506,19 @@ class EngineReader:
             regions = [(local, n) for _, local, n in targets]
             if checks:
                 regions.append((words.address, words.nbytes))
-            if self._protocol == "nvlink_intra":
-                # Mooncake's intra-node transport copies with cudaMemcpy from the producer's
-                # IPC-opened buffer straight into the local address: the local side needs no
-                # registration, and registering it would export a whole caching-allocator segment
-                # with cudaIpcGetMemHandle, which fails on VMM and cudaMallocAsync memory (and
-                # registrations are kept by address, so unregistering one output could drop
-                # another's).
+            if self.nvlink:
+                # Mooncake's NVLink transports copy (cudaMemcpyAsync on a stream of their own)
+                # from the producer's mapped buffer straight into the local address, which they
+                # never look up: the local side needs no registration (Mooncake 3b5a594,
+                # nvlink_transport.cpp and intranode_nvlink_transport.cpp: only the remote address
+                # is relocated). Registering it does harm. Intra-node, it exports a whole
+                # caching-allocator segment with cudaIpcGetMemHandle, which fails on VMM and
+                # cudaMallocAsync memory (and registrations are kept by the segment's base, so
+                # unregistering one output could drop another's). Multi-node, it exports a fabric
+                # handle, which fails on PyTorch's expandable segments (cuMemCreate without one);
+                # for cudaMalloc memory it records nothing, so the unregister fails, the range
+                # stays reserved in the engine, and the next read into the same memory (the
+                # caching allocator hands it out again) fails as an overlapping registration.
                 regions = []
             for local, n in regions:
                 slab = _pool.POOL.slab_of(local, n)
