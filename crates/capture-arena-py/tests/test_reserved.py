@@ -203,6 +203,23 @@ def start_reader(placement: str, kind: str) -> Any:
     p.wait()
 
 
+def written_then_failed(sink: Any, reader: Any, first: tuple[dict[str, Any], dict[str, int]], second: dict[str, Any], seed: int) -> None:
+    """A trainer reads ``first`` before its bytes (it waits), gets exactly them once written;
+    then reads ``second``, whose write fails: it fails at once with WriteFailedError."""
+    ask, answer = reader
+    (a, at), b = first, second
+    ask(a)  # it found the object still being written, and waits
+    data, ids = write(a, at, seed=seed)
+    sink.finish_writes([a])
+    got = answer()
+    assert "error" not in got, got
+    assert bytes.fromhex(got["h"]) == data and got["ids"] == ids
+    ask(b)
+    sink.finish_writes([b], ok=False)
+    got = answer()
+    assert got["error"] == "WriteFailedError" and got["s"] < 10, got
+
+
 def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_them(make_sink: Any, reader: Any, placement: str) -> None:
     ask, answer = reader
     sink = make_sink()
@@ -298,7 +315,6 @@ def test_specforges_trainer_stack_waits_for_the_bytes_and_fails_with_a_failed_wr
     calls) follows the readiness rule as ArenaFeatureStore does: it gives up at its deadline
     saying why, reads exactly the bytes written after it began, a failed write fails it with
     the reason, and its release frees what it read."""
-    ask, answer = specforge_reader
     sink = make_sink()
     (a, at), (b, _) = sink.reserve_each([reservation("a"), reservation("b")], within_s=5)
     # A SpecForge store of this process that waits 0.3 s (read when the store is made).
@@ -312,16 +328,7 @@ def test_specforges_trainer_stack_waits_for_the_bytes_and_fails_with_a_failed_wr
     with pytest.raises(ca.NotReadyError, match="SGLANG_SPEC_CAPTURE_READY_WAIT_S"):
         SpecForgeArenaStore(store_id="st").get(ref, names=["h", "ids"])
     assert 0.3 <= time.monotonic() - t0 < 1.3
-    ask(a)  # another trainer reads while nothing is written
-    data, ids = write(a, at, seed=5)
-    sink.finish_writes([a])
-    got = answer()
-    assert "error" not in got, got
-    assert bytes.fromhex(got["h"]) == data and got["ids"] == ids
-    ask(b)
-    sink.finish_writes([b], ok=False)
-    got = answer()
-    assert got["error"] == "WriteFailedError" and got["s"] < 10, got
+    written_then_failed(sink, specforge_reader, (a, at), b, seed=5)
     deadline = time.monotonic() + 10
     while sink.stats()["resident_objects"]:  # a: released by SpecForge's store; b: the failed write
         assert time.monotonic() < deadline, sink.stats()
@@ -343,18 +350,8 @@ def test_a_multi_node_nvlink_reader_faked_on_the_cpu_waits_for_the_bytes_and_fai
     sink = make_sink()
     (a, at), (b, _) = sink.reserve_each([reservation("a"), reservation("b")], within_s=5)
     readers = start_reader("engine", "nvlink-faked")
-    ask, answer = next(readers)
     try:
-        ask(a)  # it looked at the words, found them pending, and waits
-        data, ids = write(a, at, seed=7)
-        sink.finish_writes([a])
-        got = answer()
-        assert "error" not in got, got
-        assert bytes.fromhex(got["h"]) == data and got["ids"] == ids
-        ask(b)
-        sink.finish_writes([b], ok=False)
-        got = answer()
-        assert got["error"] == "WriteFailedError" and got["s"] < 10, got
+        written_then_failed(sink, next(readers), (a, at), b, seed=7)
     finally:
         next(readers, None)  # kills the reader
 
