@@ -11,8 +11,9 @@ vLLM 0.32's order within a step (measured on the CPU, see ``capture_arena.vllm``
 layer (here: seeded bf16 rows written at each request's slots of a CUDA tensor
 ``[blocks, k, block_size, H]``, allocated as ``[blocks, block_size, k, H]`` and permuted, one of
 the two orderings of vLLM's view), ``wait_for_save`` (worker), ``request_finished``
-(scheduler). The scheduler and worker halves share a process here (in vLLM they are two; the
-result still travels over the connector's socket).
+(scheduler). The scheduler and worker halves share a process here, as in vLLM's engine core
+with tensor parallelism 1 (UniProcExecutor): the results are handed over in memory, not over the
+connector's socket (which a worker in a process of its own uses).
 
 A trainer in another process reads every request through the speculators backend
 (``capture_arena.speculators`` over the real ``hs_connectors`` 0.9.0, carried as a wheel),
@@ -565,6 +566,23 @@ def load(a: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def compare(t: Any, a: argparse.Namespace, m: dict[str, Any], got: Any, at: float, error: str) -> dict[str, Any]:
+    """The trainer's answer for one request it read (``got``, held at ``at``; None: ``error``):
+    its rows and token ids against what the seed regenerates, then deleted if asked."""
+    p, seed, n = m["params"], m["seed"], m["n"]
+    try:
+        if got is None:
+            raise RuntimeError(error)
+        want = rows_of(seed, n, a.hidden, "cuda" if torch.cuda.is_available() else "cpu").cpu()
+        hs, tok = got["hidden_states"], got["token_ids"]
+        ok = tuple(hs.shape) == (n, K, a.hidden) and torch.equal(hs.cpu(), want) and tok.cpu().tolist() == tokens_of(seed, n)
+        if m["delete"]:
+            t.delete(p["handle"])
+        return {"ok": bool(ok), "device": str(hs.device), "held_at": at}
+    except Exception as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
+
+
 def trainer(a: argparse.Namespace) -> int:
     from capture_arena.speculators import CaptureArenaTransfer
 
@@ -584,24 +602,10 @@ def trainer(a: argparse.Namespace) -> int:
                 held.append((m, got, time.monotonic(), ""))
             except Exception as e:
                 held.append((m, None, 0.0, f"{type(e).__name__}: {e}"[:300]))
-        answers = []
-        for m, got, at, error in held:
-            p, seed, n = m["params"], m["seed"], m["n"]
-            try:
-                if got is None:
-                    raise RuntimeError(error)
-                want = rows_of(seed, n, a.hidden, "cuda" if torch.cuda.is_available() else "cpu").cpu()
-                hs, tok = got["hidden_states"], got["token_ids"]
-                ok = tuple(hs.shape) == (n, K, a.hidden) and torch.equal(hs.cpu(), want) and tok.cpu().tolist() == tokens_of(seed, n)
-                ans: dict[str, Any] = {"ok": bool(ok), "device": str(hs.device), "held_at": at}
-                if m["delete"]:
-                    t.delete(p["handle"])
-            except Exception as e:
-                ans = {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
-            answers.append(ans)
+        answers = [compare(t, a, *h) for h in held]
         # What the step's tensors held is given back before the answers: the next step must not
         # share the CPU with it.
-        del held, got
+        held.clear()
         for ans in answers:
             print(json.dumps(ans), flush=True)
     t.flush()

@@ -369,3 +369,50 @@ def test_an_nvlink_intra_read_registers_no_output_with_a_stand_in_mooncake(monke
     out = np.zeros(16, dtype=np.uint8)
     reader.read("127.0.0.1:4242", [(8, int(out.ctypes.data), 16)], keep=out)
     assert out.tolist() == [7] * 16
+
+
+class _StandInFabricEngine(_StandInIntraEngine):
+    """A stand-in TransferEngine under nvlink (multi-node), registering as Mooncake 3b5a594 does
+    for cudaMalloc memory: the transport records nothing, so the unregister fails
+    (ERR_ADDRESS_NOT_REGISTERED) and TransferEngineImpl returns before forgetting the range; a
+    later registration overlapping it fails (ERR_ADDRESS_OVERLAPPED)."""
+
+    def __init__(self) -> None:
+        self.reserved: list[tuple[int, int]] = []
+
+    def register_memory(self, addr: int, n: int) -> int:
+        if any(a < addr + n and addr < a + m for a, m in self.reserved):
+            return -1
+        self.reserved.append((addr, n))
+        return 0
+
+    def unregister_memory(self, addr: int) -> int:
+        return -1
+
+
+def test_a_multi_node_nvlink_read_registers_no_output_so_memory_read_into_twice_reads_again_with_a_stand_in_mooncake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mooncake's multi-node NVLink transport never looks the local address up: a read under
+    nvlink registers no output. Registered, an output's range stayed reserved in the engine
+    after the read (its unregister fails for cudaMalloc memory), and the next read into the same
+    memory, which torch's caching allocator hands out again, failed. A stand-in mooncake.engine
+    module that registers as Mooncake does; a host array stands in for the CUDA output (no GPU
+    here)."""
+    import types
+
+    import numpy as np
+
+    from capture_arena import _engine
+
+    stand_in = types.SimpleNamespace(SUPPORT_MNNVL=True, SUPPORT_INTRA_NVLINK=False, TransferEngine=_StandInFabricEngine)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", stand_in)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink")
+    monkeypatch.setenv("MC_FORCE_MNNVL", "true")
+    reader = _engine.EngineReader()
+    out = np.zeros(16, dtype=np.uint8)
+    for _ in range(2):
+        out[:] = 0
+        reader.read("127.0.0.1:4242", [(8, int(out.ctypes.data), 16)], keep=out)
+        assert out.tolist() == [7] * 16
+    assert reader._te().reserved == []

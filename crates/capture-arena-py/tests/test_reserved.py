@@ -356,6 +356,40 @@ def test_a_multi_node_nvlink_reader_faked_on_the_cpu_waits_for_the_bytes_and_fai
         next(readers, None)  # kills the reader
 
 
+@pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=f"Mooncake: {MOONCAKE_MISSING}")
+def test_a_read_given_up_at_its_deadline_starts_no_transfer_after_it(make_sink: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TransferEngine read whose look at the stamp words outlasts the read's deadline: the
+    caller is told it failed, and the reading thread, once that look returns, starts no copy
+    into the outputs (the caller may be using them again by then). Before, it went on to copy
+    and look again."""
+    import capture_arena._engine as engine
+
+    for k, v in ENGINE_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "0.5")
+    sink = make_sink()
+    ((r, at),) = sink.reserve_each([reservation("late")], within_s=5)
+    write(r, at, seed=9)
+    sink.finish_writes([r])  # ready: the read would copy at once
+    transfer, release, calls = engine.EngineReader._transfer, threading.Event(), []
+
+    def first_look_hangs(self: Any, te: Any, session: str, targets: list[tuple[int, int, int]]) -> None:
+        calls.append([n for _, _, n in targets])
+        if len(calls) == 1:
+            release.wait(30)
+        transfer(self, te, session, targets)
+
+    monkeypatch.setattr(engine.EngineReader, "_transfer", first_look_hangs)
+    with pytest.raises(ca.StaleSessionError, match="did not finish in 0.5 s"):
+        ca.ArenaFeatureStore().get(r)
+    release.set()
+    deadline = time.monotonic() + 30
+    while any(t.name == "capture-arena-engine-read" and t.is_alive() for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the reading thread did not end"
+        time.sleep(0.01)
+    assert calls == [[8, 8]], calls  # the first look (two words) only
+
+
 def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
     sink = make_sink()
     reserved = sink.reserve_each(

@@ -19,6 +19,7 @@ documents batch transfers as unreliable).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -195,7 +196,7 @@ def new_engine(protocol: str) -> tuple[Any, str]:
 class _on_device:
     """``torch.cuda.device(d)`` when torch is there (the previous device restored on exit)."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: Any) -> None:
         self._ctx: Any = None
         try:
             self._ctx = importlib.import_module("torch").cuda.device(device)
@@ -351,13 +352,15 @@ class _Quarantine:
 QUARANTINE = _Quarantine()
 
 
-def run_bounded(name: str, work: Callable[[], None], keep: Any, timeout: float, timed_out: Callable[[], str]) -> None:
+def run_bounded(
+    name: str, work: Callable[[], None], keep: Any, timeout: float, timed_out: Callable[[], str], gone: Optional[threading.Event] = None
+) -> None:
     """Runs ``work`` on a thread of its own (named ``name``) and waits at most ``timeout``
     seconds: what a Mooncake read does under the read deadline. ``keep`` owns the memory the
     work writes: held from being freed when the work may still write it (past the deadline, or
-    failed after Mooncake's own timeout). Past the deadline ``timed_out()`` (which sets aside
-    what the work holds) says why, raised as :class:`StaleSessionError`; the work's own error is
-    raised as it is."""
+    failed after Mooncake's own timeout). Past the deadline ``gone`` is set (the work starts
+    nothing more) and ``timed_out()`` (which sets aside what the work holds) says why, raised
+    as :class:`StaleSessionError`; the work's own error is raised as it is."""
     done = threading.Event()
     outcome: list[BaseException] = []
     t0 = time.monotonic()
@@ -375,6 +378,8 @@ def run_bounded(name: str, work: Callable[[], None], keep: Any, timeout: float, 
 
     threading.Thread(target=run, name=name, daemon=True).start()
     if not done.wait(timeout):
+        if gone is not None:
+            gone.set()
         QUARANTINE.hold(keep, QUARANTINE_S + timeout)
         raise StaleSessionError(timed_out())
     if outcome:
@@ -466,23 +471,30 @@ class EngineReader:
                 "a host down) or stopped; raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
             )
 
-        # Over NVLink the words land in device memory (the outputs' GPU), read back from there.
-        checks = list(stamps) if not self.nvlink or words_device is not None else []
+        checks = list(stamps)
+        # Over NVLink the words land in device memory (the outputs' GPU), read back from there;
+        # the reading thread works on that GPU (Mooncake syncs the current device's work before
+        # it copies, and a thread starts on GPU 0).
+        device = words_device if self.nvlink else None
+        if self.nvlink and checks and device is None:
+            raise InvalidReadError("over NVLink the stamp words are read into device memory: pass words_device (the outputs' GPU)")
+        cuda = device is not None and getattr(device, "type", None) == "cuda"
+        words = _Words(len(checks), device)  # reused by every look: each has completed when its read returns
+        gone = threading.Event()  # set when the caller stops waiting: no later transfer starts
+        pending: list[Optional[str]] = [None]
+
+        def work() -> None:
+            with _on_device(device) if cuda else contextlib.nullcontext():
+                pending[0] = self._read_in(te, session, targets, checks, words, gone)
+
         # Each look and copy is bounded by the read's deadline; an object still being written
         # (its stamp word pending) is looked at again, and copied once it is there, for at most
         # SGLANG_SPEC_CAPTURE_READY_WAIT_S in all.
         ready = ready_wait_s() if checks else 0.0
         since, pause = time.monotonic(), 50e-6
         while True:
-            words = _Words(len(checks), words_device if self.nvlink else None)
-            pending: list[Optional[str]] = [None]
-            run_bounded(
-                "capture-arena-engine-read",
-                lambda: pending.__setitem__(0, self._read_in(te, session, targets, checks, words)),
-                (keep, words),
-                timeout,
-                timed_out,
-            )
+            pending[0] = None
+            run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone)
             if pending[0] is None:
                 return
             waited = time.monotonic() - since
@@ -496,11 +508,24 @@ class EngineReader:
             pause = min(pause * 2, 0.01)
 
     def _read_in(
-        self, te: Any, session: str, targets: list[tuple[int, int, int]], checks: list[tuple[str, int, int]], words: Any
+        self,
+        te: Any,
+        session: str,
+        targets: list[tuple[int, int, int]],
+        checks: list[tuple[str, int, int]],
+        words: "_Words",
+        gone: Optional[threading.Event] = None,
     ) -> Optional[str]:
         """A look at the stamps, then one copy of every target and another look: the key of an
         object still being written at the first look (nothing copied; look again later), or
-        None when every byte read is the objects'."""
+        None when every byte read is the objects'. Once ``gone`` is set (the caller gave up at
+        its deadline) no further transfer starts, so no later one writes into its outputs."""
+
+        def transfer(what: list[tuple[int, int, int]]) -> None:
+            if gone is not None and gone.is_set():
+                raise StaleSessionError("the read was given up at its deadline")
+            self._transfer(te, session, what)
+
         registered = []
         try:
             regions = [(local, n) for _, local, n in targets]
@@ -537,7 +562,7 @@ class EngineReader:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
                 registered.append(local)
             if not checks:
-                self._transfer(te, session, targets)
+                transfer(targets)
                 return None
             # The words before the copy, then after it (the readiness rule of docs/protocol.md).
             # Before: a copy counts only if every object was there when it began (a word still
@@ -545,12 +570,12 @@ class EngineReader:
             # look after alone would take those bytes for the written ones). After: the object
             # was not freed or replaced meanwhile (a word never turns pending again).
             looks = [(at, words.address + 8 * i, 8) for i, (_, at, _) in enumerate(checks)]
-            self._transfer(te, session, looks)
+            transfer(looks)
             pending = _check_words(checks, words.values())
             if pending is not None:
                 return pending
-            self._transfer(te, session, targets)
-            self._transfer(te, session, looks)
+            transfer(targets)
+            transfer(looks)
             pending = _check_words(checks, words.values())
             if pending is not None:
                 raise ArenaOSError(
@@ -595,11 +620,14 @@ class _Words:
             self._buf: Any = np.zeros(n, dtype=np.uint64)
             self.address = int(self._buf.ctypes.data)
         else:
-            import torch
+            try:
+                import torch
 
-            self._buf = torch.empty(n, dtype=torch.int64, device=device)
-            if self._buf.is_cuda:
-                torch.cuda.current_stream(self._buf.device).synchronize()
+                self._buf = torch.empty(n, dtype=torch.int64, device=device)
+                if self._buf.is_cuda:
+                    torch.cuda.current_stream(self._buf.device).synchronize()
+            except Exception as e:  # out of device memory, a CUDA error: a CaptureArenaError
+                raise ArenaOSError(f"could not make room for {n} stamp words on {device}: {e}") from e
             self.address = int(self._buf.data_ptr())
         self.nbytes = 8 * n
 
@@ -608,7 +636,11 @@ class _Words:
         transfer has completed on the device when its read returns)."""
         if isinstance(self._buf, np.ndarray):
             return [int(w) for w in self._buf.tolist()]
-        return [int(w) & _U64 for w in self._buf.cpu().tolist()]
+        try:
+            found = self._buf.cpu().tolist()
+        except Exception as e:  # a CUDA error: a CaptureArenaError
+            raise ArenaOSError(f"copying the stamp words from {self._buf.device} to the host failed: {e}") from e
+        return [int(w) & _U64 for w in found]
 
 
 _U64 = (1 << 64) - 1
