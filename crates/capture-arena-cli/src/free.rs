@@ -34,7 +34,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     capture_arena::client::send_frees(control, token, &keys, &args.prefix, timeout)
         .with_context(|| format!("freeing at {control}"))?;
     println!(
-        "sent to {}: {} keys, {} prefixes{} (frees are one-way: see the producer's stats)",
+        "applied at {}: {} keys, {} prefixes{} (the producer confirmed them; keys it did not \
+         hold are counted in its stats, not errors)",
         control,
         keys.len(),
         args.prefix.len(),

@@ -16,10 +16,12 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
 - The scheduler process's connector (:meth:`build_connector_meta`) tells the worker which
   requests finish their prompt in this step, with their blocks and prompt tokens, each with a
   number of its own (a request id may come again).
-- The worker's connector, in :meth:`wait_for_save` (the first hook after the drafter has
-  written their rows; ``get_finished`` runs before it, and would see the previous step's),
-  reserves each request's objects in the arena (one hand-over to the writer for the step, each
-  request failing alone), hands the results to the scheduler process (in memory when the
+- The worker's connector hands the step's requests to the writer when the step is bound
+  (:meth:`bind_connector_metadata`, before the forward: one hand-over for the step, each request
+  failing alone), so that the writer reserves their objects while the model runs. In
+  :meth:`wait_for_save` (the first hook after the drafter has written their rows;
+  ``get_finished`` runs before it, and would see the previous step's) it collects those
+  reservations, hands the results to the scheduler process (in memory when the
   worker runs in the engine core's process, as vLLM runs it at tensor parallelism 1; over the
   result channel's socket from a worker process of its own), and hands the copies to
   its copy thread: no row is copied or waited for on vLLM's thread (for a cache in device memory,
@@ -69,8 +71,9 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
   that reached it before, so an answer sent is an answer read;
 - a failed ``accept()`` (EMFILE, ...) is logged, counted and retried after a back-off (10 ms
   doubling to 1 s); it never ends the listener;
-- requests announced and not finished are remembered up to ``MAX_PENDING`` (65,536; an engine
-  holds far fewer); past it the oldest is forgotten and its result freed.
+- results that reached the scheduler process for requests vLLM has not finished are kept up to
+  ``MAX_RESULTS`` (65,536; an engine holds far fewer); past it the oldest is forgotten and
+  freed.
 
 Results of a worker in a process of its own cross an abstract Unix socket, which only the engine
 core's host (and network namespace) reaches: an engine whose workers may run elsewhere
@@ -742,10 +745,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._copy_steps()
 
     def _copy_steps(self) -> None:
-        """One step at a time: reserve every request's space (each its own, under the step's
-        bound), send the results to the scheduler process at once, then copy the rows straight
-        from the cache's blocks into the arena and finish the writes. Never raises: a request
-        whose copy fails fails its readers, and its space is freed."""
+        """One step at a time (reserved and its results handed to the scheduler process already,
+        on vLLM's thread): copy the rows straight from the cache's blocks into the arena and
+        finish the writes. Never raises: a request whose copy fails fails its readers, and its
+        space is freed."""
         while True:
             step = self._steps.get()
             if step is None:
