@@ -122,17 +122,18 @@ print(json.dumps({"check": "arena_feature_store_trainer", "ok": bool(ok)}), flus
 
 
 EARLY = COMMON + r"""
-import json, sys, time, types
+import json, sys, time
 import capture_arena as ca
 import capture_arena._engine as engine
-# Says when the reader first pauses between two looks at the words: it found r8 still being
-# written (the producer writes it only after this line).
-said = []
-def sleep(s):
-    if not said:
+# Says when the reader first finds a word saying "still being written" (r8's: the producer
+# writes it only after this line).
+said, check_words = [], engine._check_words
+def first_pending_said(checks, found):
+    pending = check_words(checks, found)
+    if pending is not None and not said:
         said.append(print(json.dumps({"waiting": True}), flush=True))
-    time.sleep(s)
-engine.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=sleep)
+    return pending
+engine._check_words = first_pending_said
 store = ca.ArenaFeatureStore()
 torch.cuda.init()
 store._engines()._te()  # the engine made before the read, so that its first look is timely

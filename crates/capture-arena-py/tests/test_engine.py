@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -349,23 +350,29 @@ class _StandInIntraEngine(_StandInEngine):
         return 0
 
 
+def _stand_in_reader(monkeypatch: pytest.MonkeyPatch, engine: type, protocol: str) -> Any:
+    """An EngineReader under an NVLink ``protocol`` over a stand-in mooncake.engine module whose
+    TransferEngine is ``engine`` (Mooncake's CUDA wheels cannot run here)."""
+    import types
+
+    from capture_arena import _engine
+
+    stand_in = types.SimpleNamespace(SUPPORT_MNNVL=True, SUPPORT_INTRA_NVLINK=True, TransferEngine=engine)
+    monkeypatch.setitem(sys.modules, "mooncake.engine", stand_in)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", protocol)
+    monkeypatch.setenv("MC_FORCE_MNNVL" if protocol == "nvlink" else "MC_INTRANODE_NVLINK", "true")
+    return _engine.EngineReader()
+
+
 def test_an_nvlink_intra_read_registers_no_output_with_a_stand_in_mooncake(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mooncake's intra-node NVLink transport copies straight into the local address: an
     nvlink_intra read registers no output (registering one exports its whole caching-allocator
     segment with cudaIpcGetMemHandle, which fails on torch's expandable segments). A stand-in
     mooncake.engine module whose registration fails as that does; host arrays stand in for the
     CUDA outputs (no GPU here)."""
-    import types
-
     import numpy as np
 
-    from capture_arena import _engine
-
-    stand_in = types.SimpleNamespace(SUPPORT_MNNVL=False, SUPPORT_INTRA_NVLINK=True, TransferEngine=_StandInIntraEngine)
-    monkeypatch.setitem(sys.modules, "mooncake.engine", stand_in)
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink_intra")
-    monkeypatch.setenv("MC_INTRANODE_NVLINK", "true")
-    reader = _engine.EngineReader()
+    reader = _stand_in_reader(monkeypatch, _StandInIntraEngine, "nvlink_intra")
     out = np.zeros(16, dtype=np.uint8)
     reader.read("127.0.0.1:4242", [(8, int(out.ctypes.data), 16)], keep=out)
     assert out.tolist() == [7] * 16
@@ -399,17 +406,9 @@ def test_a_multi_node_nvlink_read_registers_no_output_so_memory_read_into_twice_
     memory, which torch's caching allocator hands out again, failed. A stand-in mooncake.engine
     module that registers as Mooncake does; a host array stands in for the CUDA output (no GPU
     here)."""
-    import types
-
     import numpy as np
 
-    from capture_arena import _engine
-
-    stand_in = types.SimpleNamespace(SUPPORT_MNNVL=True, SUPPORT_INTRA_NVLINK=False, TransferEngine=_StandInFabricEngine)
-    monkeypatch.setitem(sys.modules, "mooncake.engine", stand_in)
-    monkeypatch.setenv("MOONCAKE_PROTOCOL", "nvlink")
-    monkeypatch.setenv("MC_FORCE_MNNVL", "true")
-    reader = _engine.EngineReader()
+    reader = _stand_in_reader(monkeypatch, _StandInFabricEngine, "nvlink")
     out = np.zeros(16, dtype=np.uint8)
     for _ in range(2):
         out[:] = 0
