@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -388,6 +389,53 @@ def test_a_read_given_up_at_its_deadline_starts_no_transfer_after_it(make_sink: 
         assert time.monotonic() < deadline, "the reading thread did not end"
         time.sleep(0.01)
     assert calls == [[8, 8]], calls  # the first look (two words) only
+
+
+@pytest.mark.skipif(bool(MOONCAKE_MISSING), reason=f"Mooncake: {MOONCAKE_MISSING}")
+def test_an_nvlink_read_asked_for_host_arrays_gets_them_read_on_the_current_gpu_faked_on_the_cpu(
+    make_sink: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over NVLink the objects land on a GPU: the one asked for, else this thread's current one.
+    A caller that asks for host arrays (no device=: speculators' backend, SpecForge's store for
+    "cpu") gets host arrays, as from every other placement; before, it got CUDA tensors, on
+    GPU 0 whichever GPU it trained on. Faked on the CPU: the reader's NVLink path over a real TCP
+    engine, CPU tensors standing for CUDA ones, GPU 3 the current one."""
+    import torch
+
+    import capture_arena._engine as engine
+    import capture_arena._reader as store_module
+
+    for k, v in ENGINE_ENV.items():
+        monkeypatch.setenv(k, v)
+    sink = make_sink()
+    ((r, at),) = sink.reserve_each([reservation("host")], within_s=5)
+    data, ids = write(r, at, seed=11)
+    sink.finish_writes([r])
+    tcp, made, on = engine.new_engine, store_module.new_array, []
+
+    def device_array(shape: list[int], dtype: str, as_torch: bool, device: Any = None) -> Any:
+        on.append(str(device))
+        if not str(device).startswith("cuda"):
+            return made(shape, dtype, as_torch, device)
+        arr, _ = made(shape, dtype, True, "cpu")
+        return arr, types.SimpleNamespace(tensor=arr)  # what a CudaBytes holds
+
+    monkeypatch.setattr(engine, "new_engine", lambda protocol: tcp("tcp"))
+    monkeypatch.setattr(store_module, "new_array", device_array)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
+    store = ca.ArenaFeatureStore()
+    store._engines()._protocol = "nvlink"
+    got = store.get(r)
+    assert isinstance(got["h"], np.ndarray) and isinstance(got["ids"], np.ndarray), got
+    assert got["h"].view(np.uint8).tobytes() == data and got["ids"].tolist() == ids
+    assert on[:2] == ["cuda:3", "cuda:3"], on
+    got = store.get(r, torch=True)
+    assert isinstance(got["h"], torch.Tensor) and got["h"].device.type == "cpu"
+    assert got["h"].view(torch.uint8).numpy().tobytes() == data
+    got = store.get(r, device="cuda:1")  # kept on the GPU asked for
+    assert on[-2:] == ["cuda:1", "cuda:1"], on
+    assert got["h"].view(torch.uint8).numpy().tobytes() == data
 
 
 def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:

@@ -234,14 +234,19 @@ class ArenaFeatureStore(_Store):
         self, result: Mapping[str, Any], wanted: list[str], out: Optional[Mapping[str, Any]], torch: bool, device: Optional[str]
     ) -> dict[str, Any]:
         """A TransferEngine session: validated here (released? names, sizes), then read with this
-        process's engine: into host arrays over TCP/RDMA (moved to ``device`` if asked), into CUDA
-        tensors on ``device`` (default ``cuda:0``) over NVLink, whose transports move device
-        memory."""
+        process's engine: into host arrays over TCP/RDMA (moved to ``device`` if asked). Over
+        NVLink, whose transports move device memory, into CUDA tensors on ``device``, else on
+        this thread's current GPU; a caller that asked for host arrays (no ``device``, or
+        ``"cpu"``, and no ``out=``) gets them copied to the host from there, as every other
+        placement hands them."""
         lens = self._validate(result, wanted)
         reader = self._engines()
         feats = result["features"]
         if reader.nvlink:
-            arrays, views = self._outputs(result, wanted, out, True, device or "cuda:0")
+            t = _torch_module()
+            to_host = out is None and (device is None or t.device(device).type == "cpu")
+            gpu = device if device is not None and not to_host else f"cuda:{t.cuda.current_device()}"
+            arrays, views = self._outputs(result, wanted, out, True, gpu)
             targets = []
             for name, n, view in zip(wanted, lens, views):
                 if isinstance(view, np.ndarray):
@@ -258,7 +263,12 @@ class ArenaFeatureStore(_Store):
                 stamps=_stamps(result, wanted, lens),
                 words_device=views[0].tensor.device if views else None,
             )
-            return arrays
+            if not to_host:
+                return arrays
+            host, host_views = self._host_outputs(result, wanted, lens, None, torch or device is not None)
+            for src, dst in zip(views, host_views):
+                np.copyto(dst, src.tensor.reshape(-1).view(t.uint8).cpu().numpy())
+            return host
         arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
         reader.read(
             result["arena"]["session"],
