@@ -143,6 +143,9 @@ got = store.get(r8, device="cuda:0")
 waited = time.monotonic() - t0
 aux, last = make(8)
 exact = torch.equal(got["hidden_state"][0], aux) and torch.equal(got["target"][0], last)
+# Asked for host tensors (no device): read on the current GPU, then copied to the host.
+host = store.get(r8, torch=True)
+on_host = host["hidden_state"].device.type == "cpu" and torch.equal(host["hidden_state"][0], aux.cpu())
 store.release(r8)
 try:
     store.get(r9, device="cuda:0")
@@ -152,8 +155,8 @@ except ca.WriteFailedError:
 except ca.CaptureArenaError as e:
     failed = type(e).__name__
 store.flush(10)
-print(json.dumps({"check": "nvlink_reader_waits_for_early_results", "ok": bool(exact) and bool(said) and failed == "WriteFailedError",
-                  "exact": bool(exact), "waited": bool(said), "read_s": round(waited, 3), "failed_write": failed}), flush=True)
+print(json.dumps({"check": "nvlink_reader_waits_for_early_results", "ok": bool(exact) and bool(on_host) and bool(said) and failed == "WriteFailedError",
+                  "exact": bool(exact), "host_read": bool(on_host), "waited": bool(said), "read_s": round(waited, 3), "failed_write": failed}), flush=True)
 """
 
 
