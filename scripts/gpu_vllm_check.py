@@ -306,6 +306,7 @@ def engine(a: argparse.Namespace) -> int:
     eng = Engine(a, device, arena)
     trainer = subprocess.Popen([sys.executable, __file__, "--role", "trainer", "--hidden", str(a.hidden)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert trainer.stdin and trainer.stdout
+    assert json.loads(trainer.stdout.readline()) == {"ready": True}
     failures = 0
 
     def check(name: str, ok: bool, **kw: Any) -> None:
@@ -473,15 +474,25 @@ def load(a: argparse.Namespace) -> int:
     eng = Engine(a, device, biggest + (64 << 20))
     trainer = subprocess.Popen([sys.executable, __file__, "--role", "trainer", "--hidden", str(a.hidden)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert trainer.stdin and trainer.stdout
+    assert json.loads(trainer.stdout.readline()) == {"ready": True}
     # The first step finds the arena still being created (in the background since the cache was
     # registered; a real engine serves seconds later) and starts the copy thread, whose first
     # copy registers a host arena with CUDA: reported on its own, not in the loads' figures.
-    params, warmup = eng.step([("warmup", 5, 16)])
-    trainer.stdin.write(json.dumps({"params": params[0], "seed": 5, "n": 16, "delete": True}) + "\n")
-    trainer.stdin.flush()
+    # Its trainer's hold includes what the first copy waits for (a host arena's registration),
+    # and the trainer's first read (mapping the arena).
+    first: list[float] = []
+
+    def first_to_trainer(params: list[dict[str, Any]]) -> None:
+        first.append(time.monotonic())
+        assert trainer.stdin is not None
+        trainer.stdin.write(json.dumps({"batch": [{"params": params[0], "seed": 5, "n": 16, "delete": True}]}) + "\n")
+        trainer.stdin.flush()
+
+    params, warmup = eng.step([("warmup", 5, 16)], first_to_trainer)
     got = json.loads(trainer.stdout.readline())
     ok = bool(got["ok"])
-    say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3), error=got.get("error"))
+    say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3),
+        trainer_holds_ms=round((got.get("held_at", first[0]) - first[0]) * 1e3, 2), error=got.get("error"))
     for reqs, n in loads:
         held, file_held, file_done, hold = [], [], [], []
         eng.hooks.clear()
@@ -588,6 +599,7 @@ def trainer(a: argparse.Namespace) -> int:
 
     t = CaptureArenaTransfer()
     t.setup()
+    print(json.dumps({"ready": True}), flush=True)  # imported and set up: reads are timed from here
     for line in sys.stdin:
         # One request, or a step's ({"batch": [...]}): every request of it read first, each
         # stamped as it is held, and only then compared (regenerating the rows to compare them
