@@ -209,13 +209,13 @@ class Engine:
         gc.collect()
         gc.freeze()
 
-    def step(self, reqs: list[tuple[str, int, int]], finished: Any = None) -> tuple[list[dict[str, Any]], float]:
+    def step(self, reqs: list[tuple[str, int, int]], answered: Any = None) -> tuple[list[dict[str, Any]], float]:
         """One step that computes the whole prompt of each ``(req_id, seed, n)``, its hooks in
         vLLM's order (the drafter's writes standing for the forward between the bind and
         ``wait_for_save``); returns each request's ``kv_transfer_params`` and how long the
         connector held vLLM's threads: every hook vLLM calls in a step (``build_connector_meta``,
         ``bind_connector_metadata``, ``wait_for_save``, each ``request_finished``, and the step's
-        ``get_finished``), each hook's share added to ``self.hooks``. ``finished(params)`` is
+        ``get_finished``), each hook's share added to ``self.hooks``. ``answered(params)`` is
         called as soon as every request has its result (as vLLM answers its clients), while the
         engine still steps on waiting for the copies."""
         objs = []
@@ -262,8 +262,8 @@ class Engine:
             else:
                 self.give_back(self.table.pop(r.request_id))
             out.append(params)
-        if finished is not None:
-            finished(out)
+        if answered is not None:
+            answered(out)
         # The engine steps on (get_finished each step) until the worker reports every copy
         # done; only then do the blocks go back (and get written by later steps).
         finished, deadline, first = set(delayed), time.monotonic() + 60, True
@@ -478,17 +478,25 @@ def load(a: argparse.Namespace) -> int:
     # The first step finds the arena still being created (in the background since the cache was
     # registered; a real engine serves seconds later) and starts the copy thread, whose first
     # copy registers a host arena with CUDA: reported on its own, not in the loads' figures.
+    def to_trainer(batch: list[tuple[str, int, int]], sent: list[float]) -> Any:
+        """What step() calls once the results are out (as vLLM answers its clients): they go to
+        the trainer at once, which reads while the copies run (waiting for each object's
+        bytes); ``sent`` gets the time."""
+
+        def send(params: list[dict[str, Any]]) -> None:
+            todo = [{"params": p, "seed": seed, "n": m, "delete": True} for (_, seed, m), p in zip(batch, params)]
+            sent.append(time.monotonic())
+            assert trainer.stdin is not None
+            trainer.stdin.write(json.dumps({"batch": todo}) + "\n")
+            trainer.stdin.flush()
+
+        return send
+
     # Its trainer's hold includes what the first copy waits for (a host arena's registration),
     # and the trainer's first read (mapping the arena).
     first: list[float] = []
-
-    def first_to_trainer(params: list[dict[str, Any]]) -> None:
-        first.append(time.monotonic())
-        assert trainer.stdin is not None
-        trainer.stdin.write(json.dumps({"batch": [{"params": params[0], "seed": 5, "n": 16, "delete": True}]}) + "\n")
-        trainer.stdin.flush()
-
-    params, warmup = eng.step([("warmup", 5, 16)], first_to_trainer)
+    warm = [("warmup", 5, 16)]
+    params, warmup = eng.step(warm, to_trainer(warm, first))
     got = json.loads(trainer.stdout.readline())
     ok = bool(got["ok"])
     say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3),
@@ -499,17 +507,7 @@ def load(a: argparse.Namespace) -> int:
         for rep in range(5):
             batch = [(f"l{reqs}x{n}-{rep}-{i}", 1000 + i, n) for i in range(reqs)]
             sent: list[float] = []
-
-            def to_trainer(params: list[dict[str, Any]]) -> None:
-                """The results, as their clients get them, go to the trainer at once: it reads
-                while the copies run (waiting for each object's bytes)."""
-                todo = [{"params": p, "seed": seed, "n": m, "delete": True} for (_, seed, m), p in zip(batch, params)]
-                sent.append(time.monotonic())
-                assert trainer.stdin is not None
-                trainer.stdin.write(json.dumps({"batch": todo}) + "\n")
-                trainer.stdin.flush()
-
-            params, h = eng.step(batch, to_trainer)
+            params, h = eng.step(batch, to_trainer(batch, sent))
             end = sent[0]
             held.append(h)
             answers = [json.loads(trainer.stdout.readline()) for _ in batch]

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import types
 from typing import Any
 
 import numpy as np
@@ -64,26 +63,10 @@ if os.environ.get("TEST_READER") == "specforge":
         specforge.release(handle)  # its last lease: the sample is freed
         return {"h": got["h"].view(torch.int16).numpy(), "ids": got["ids"].numpy()}
 elif os.environ.get("TEST_READER") == "nvlink-faked":
-    # MOONCAKE_PROTOCOL=nvlink's reader, faked on the CPU (nothing here has a GPU, and Mooncake's
-    # NVLink transports need them): the reader takes that protocol's path (into tensors on the
-    # outputs' device, one transfer an object, the stamp words into a tensor there too) over a
-    # real TCP TransferEngine, CPU tensors standing for the CUDA ones it reads into.
+    # MOONCAKE_PROTOCOL=nvlink's reader, faked on the CPU (tests/nvlink_fake.py).
     import torch
-    import capture_arena._engine as engine
-    import capture_arena._reader as store_module
-    tcp_engine = engine.new_engine
-    engine.new_engine = lambda protocol: tcp_engine("tcp")
-    make_reader = engine.EngineReader.__init__
-    def nvlink_reader(self):
-        make_reader(self)
-        self._protocol = "nvlink"
-    engine.EngineReader.__init__ = nvlink_reader
-    host_array = store_module.new_array
-    def device_array(shape, dtype, as_torch, device=None):
-        arr, _ = host_array(shape, dtype, True, "cpu")
-        return arr, types.SimpleNamespace(tensor=arr)  # what a CudaBytes holds
-    store_module.new_array = device_array
-    torch.cuda.current_stream = lambda device=None: types.SimpleNamespace(synchronize=lambda: None)
+    from nvlink_fake import fake_nvlink
+    fake_nvlink(setattr)
     nvlink_store = ca.ArenaFeatureStore()
     def get(r, names):
         got = nvlink_store.get(r, names, device="cuda:0")
@@ -182,6 +165,7 @@ def start_reader(placement: str, kind: str) -> Any:
     """A trainer in another process reading each result it is sent: through ArenaFeatureStore
     (``store``) or SpecForge's FeatureStore API (``specforge``)."""
     env = {**os.environ, "SGLANG_SPEC_CAPTURE_READY_WAIT_S": "20", "TEST_READER": kind}
+    env["PYTHONPATH"] = os.pathsep.join(d for d in (os.path.dirname(os.path.abspath(__file__)), env.get("PYTHONPATH")) if d)
     p = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def ask(result: dict[str, Any]) -> Any:
@@ -401,9 +385,7 @@ def test_an_nvlink_read_asked_for_host_arrays_gets_them_read_on_the_current_gpu_
     GPU 0 whichever GPU it trained on. Faked on the CPU: the reader's NVLink path over a real TCP
     engine, CPU tensors standing for CUDA ones, GPU 3 the current one."""
     import torch
-
-    import capture_arena._engine as engine
-    import capture_arena._reader as store_module
+    from nvlink_fake import fake_nvlink
 
     for k, v in ENGINE_ENV.items():
         monkeypatch.setenv(k, v)
@@ -411,21 +393,9 @@ def test_an_nvlink_read_asked_for_host_arrays_gets_them_read_on_the_current_gpu_
     ((r, at),) = sink.reserve_each([reservation("host")], within_s=5)
     data, ids = write(r, at, seed=11)
     sink.finish_writes([r])
-    tcp, made, on = engine.new_engine, store_module.new_array, []
-
-    def device_array(shape: list[int], dtype: str, as_torch: bool, device: Any = None) -> Any:
-        on.append(str(device))
-        if not str(device).startswith("cuda"):
-            return made(shape, dtype, as_torch, device)
-        arr, _ = made(shape, dtype, True, "cpu")
-        return arr, types.SimpleNamespace(tensor=arr)  # what a CudaBytes holds
-
-    monkeypatch.setattr(engine, "new_engine", lambda protocol: tcp("tcp"))
-    monkeypatch.setattr(store_module, "new_array", device_array)
+    on = fake_nvlink(monkeypatch.setattr)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
     store = ca.ArenaFeatureStore()
-    store._engines()._protocol = "nvlink"
     got = store.get(r)
     assert isinstance(got["h"], np.ndarray) and isinstance(got["ids"], np.ndarray), got
     assert got["h"].view(np.uint8).tobytes() == data and got["ids"].tolist() == ids

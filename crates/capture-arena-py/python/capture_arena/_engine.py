@@ -514,7 +514,7 @@ class EngineReader:
         targets: list[tuple[int, int, int]],
         checks: list[tuple[str, int, int]],
         words: "_Words",
-        gone: Optional[threading.Event] = None,
+        gone: threading.Event,
     ) -> Optional[str]:
         """A look at the stamps, then one copy of every target and another look: the key of an
         object still being written at the first look (nothing copied; look again later), or
@@ -522,7 +522,7 @@ class EngineReader:
         its deadline) no further transfer starts, so no later one writes into its outputs."""
 
         def transfer(what: list[tuple[int, int, int]]) -> None:
-            if gone is not None and gone.is_set():
+            if gone.is_set():
                 raise StaleSessionError("the read was given up at its deadline")
             self._transfer(te, session, what)
 
@@ -635,7 +635,7 @@ class _Words:
         """The words as unsigned integers (a device buffer copied to the host: Mooncake's
         transfer has completed on the device when its read returns)."""
         if isinstance(self._buf, np.ndarray):
-            return [int(w) for w in self._buf.tolist()]
+            return list(self._buf.tolist())
         try:
             found = self._buf.cpu().tolist()
         except Exception as e:  # a CUDA error: a CaptureArenaError

@@ -253,7 +253,7 @@ class ArenaFeatureStore(_Store):
                     raise InvalidReadError("over NVLink, TransferEngine sessions are read into CUDA tensors")
                 # The engine's copy is not ordered with the caller's stream: work queued there on
                 # the output (a zero_(), a kernel still reading it) finishes first.
-                _torch_module().cuda.current_stream(view.tensor.device).synchronize()
+                t.cuda.current_stream(view.tensor.device).synchronize()
                 targets.append((int(feats[name]["address"]), int(view.tensor.data_ptr()), n))
             # The stamp words too (the readiness rule), read into a tensor on the outputs' GPU.
             reader.read(
