@@ -88,6 +88,12 @@ for line in sys.stdin:
 """
 
 
+#: A new sink's first reserve waits for its arena, made on the sink's starter thread: on a loaded
+#: machine (CI's two cores, with builds in the background) that took over 1 s. The tests that
+#: pass this are about rows, not the bound, and a refused row comes back at once all the same.
+FIRST_WAIT_S = 30.0
+
+
 def reservation(sample_id: str, n: int = 64) -> dict[str, Any]:
     return {
         "store_id": "st",
@@ -418,7 +424,7 @@ def test_bad_reservations_cost_only_their_own_rows(make_sink: Any) -> None:
             {"sample_id": "no-store", "features": {"h": {"shape": [2], "dtype": "int64"}}},
             reservation("too-big", n=1 << 20),
         ],
-        within_s=1,
+        within_s=FIRST_WAIT_S,
     )
     rows = [r for r, _ in reserved]
     assert "error" not in rows[0], rows[0]
@@ -452,7 +458,7 @@ def test_requests_of_rows_are_reserved_as_their_specs_would_be_and_fail_alone(ma
         "gen": 3,
         "features": {"hidden_states": {"shape": [1, 40, 96], "dtype": "bfloat16"}, "token_ids": {"shape": [1, 40], "dtype": "int64"}},
     }
-    ((by_spec, at_spec),) = sink.reserve_each([spec], within_s=1)
+    ((by_spec, at_spec),) = sink.reserve_each([spec], within_s=FIRST_WAIT_S)
     requests = [("rows", 3, 40), ("", 1, 40), ("huge", 1, 1 << 62), ("too-big", 1, 1 << 20), ("rows2", 5, 40)]
     as_dicts = sink._reserve_rows_begin("st", "bfloat16", 96, requests, within_s=1).wait_dicts()
     as_json = sink._reserve_rows_begin("st", "bfloat16", 96, [("json", 3, 40)], within_s=1).wait()
@@ -502,7 +508,7 @@ def test_reservation_specs_are_read_as_their_json_would_be(make_sink: Any) -> No
         # Small in Python, 10^9 values if each reference were read: refused at 65,536.
         {**ok, "sample_id": "shared", "features": {"h": {"shape": [[[0] * 1000] * 1000] * 1000, "dtype": "int64"}}},
     ]
-    out = sink.reserve_each([ok, *bad], within_s=1)
+    out = sink.reserve_each([ok, *bad], within_s=FIRST_WAIT_S)
     (row, at), rest = out[0], out[1:]
     assert "error" not in row and row["gen"] == 2 and row["features"]["h"]["shape"] == [1, 3, 32] and at is not None
     errors = {r["sample_id"]: r["error"] for r, _ in rest}

@@ -6,7 +6,8 @@ The engine core and its worker run in this process (``VLLM_ENABLE_V1_MULTIPROCES
 test can also look at vLLM's scheduler and hold the connector's copies:
 
 - ``{"gate": "close"}`` / ``{"gate": "open"}``: the connector's copy thread waits before copying
-  the next step's rows (results are handed out already), until opened;
+  the next step's rows (results are handed out already), until opened; closing first steps the
+  engine until the earlier requests' copies gave their blocks back (as ``drain``, at most 30 s);
 - ``{"fail": n}``: the next n requests' copies fail (the native copy refuses their destination);
 - ``{"panic": n}``: the next n steps' copies raise a BaseException, as a panic in native code
   does (PyO3's PanicException), before copying anything;
@@ -152,6 +153,15 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             if r.is_finished()
         }
 
+    def drain(seconds):
+        """Steps the engine until it holds no finished request's blocks, or for ``seconds``: the
+        steps taken and what it still holds."""
+        steps, deadline = 0, time.monotonic() + seconds
+        while held() and time.monotonic() < deadline:
+            llm.llm_engine.step()
+            steps += 1
+        return steps, held()
+
     def preempt(cmd):
         engine, pool = llm.llm_engine, scheduler.kv_cache_manager.block_pool
         steps, outs, seen = [0], {}, {}
@@ -227,8 +237,16 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             outs = llm.generate([{"prompt_token_ids": p} for p in cmd], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False)
             answer = [o.kv_transfer_params for o in outs]
         elif "gate" in cmd:
-            (gate.clear if cmd["gate"] == "close" else gate.set)()
             answer = {"ok": True}
+            if cmd["gate"] == "close":
+                # Earlier requests' copies first: a request just answered (resident_of's probe)
+                # may not have reached the gate yet, and one caught by it would hold its blocks
+                # for the whole test (vLLM's scheduler then waits for them: has_pending_block_frees).
+                steps, still = drain(30.0)
+                if still:
+                    answer = {"error": f"earlier copies still held their blocks after {steps} steps: {still}"}
+            if "error" not in answer:
+                (gate.clear if cmd["gate"] == "close" else gate.set)()
         elif "hold_len" in cmd:
             held_len[0] = int(cmd["hold_len"])
             release.clear()
@@ -278,11 +296,8 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             llm.wake_up()  # what docs/vllm.md tells a caller to do after a refusal too
             answer["paused"] = core.is_scheduler_paused()
         elif "drain" in cmd:
-            steps, deadline = 0, time.monotonic() + float(cmd["drain"])
-            while held() and time.monotonic() < deadline:
-                llm.llm_engine.step()
-                steps += 1
-            answer = {"steps": steps, "held": held()}
+            steps, still = drain(float(cmd["drain"]))
+            answer = {"steps": steps, "held": still}
         else:
             answer = {"error": f"unknown command {cmd}"}
         print(json.dumps(answer), file=answers, flush=True)
