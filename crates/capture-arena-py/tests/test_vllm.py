@@ -420,6 +420,34 @@ def test_blocks_held_for_a_copy_come_back_without_preempting_a_running_request(e
     assert resident(kv)["resident_objects"] == 0
 
 
+def test_a_copy_that_does_not_land_keeps_vllm_from_preempting_only_for_the_bound_plus_its_grace(engine: Proc, trainer: Proc) -> None:
+    """A finished request's copy that does not land (gated) holds its blocks, and vLLM's
+    scheduler waits for them instead of preempting: for the bound plus HOLD_GRACE_S since the
+    hold began (here 0.5 s + 0), then it preempts as without a connector (before: it waited for
+    good, and the engine made no progress at all)."""
+    assert engine.ask({"hold_grace": 0}) == {"ok": True}
+    try:
+        assert engine.ask({"gate": "close"}) == {"ok": True}
+        first, p = prompt(40, 55), prompt(100, 56)
+        got = engine.ask({"preempt": {"before": first, "prompt": p, "max_tokens": 60}}, timeout=300)
+    finally:
+        assert engine.ask({"hold_grace": 30}) == {"ok": True}
+    assert got["preemptions"] >= 1 and got["held_since"] is not None, got
+    waited = got["events"]["preempting"] - got["held_since"]
+    assert 0.5 <= waited < 0.5 + 5.0, f"vLLM preempted {waited:.2f} s after the hold began, not after the bound (0.5 s): {got}"
+    assert "held its blocks for" in engine.log_tail(), "the stuck copy is not in the log"
+    kv_first, kv = got["params"]["before"], got["params"]["preempted"]
+    trainer.send({"read": kv, "prompt": p})
+    assert engine.ask({"gate": "open"}) == {"ok": True}
+    assert trainer.answer(60).get("ok")
+    assert trainer.ask({"read": kv_first, "prompt": first}).get("ok")
+    assert engine.ask({"drain": 30})["held"] == {}
+    for k in (kv, kv_first):
+        assert trainer.ask({"delete": k["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    assert resident(kv)["resident_objects"] == 0
+
+
 #: The long-context check: a prompt of 32,768 tokens, every id different.
 LONG = 32768
 MAKE_LONG_MODEL = """

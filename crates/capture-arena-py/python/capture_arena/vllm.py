@@ -73,7 +73,12 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
   doubling to 1 s); it never ends the listener;
 - results that reached the scheduler process for requests vLLM has not finished are kept up to
   ``MAX_RESULTS`` (65,536; an engine holds far fewer); past it the oldest is forgotten and
-  freed.
+  freed;
+- a finished request's blocks are held until its copy is done (milliseconds), and while they
+  are, vLLM's scheduler waits for them rather than preempt a running request
+  (:meth:`~CaptureArenaConnector.has_pending_block_frees`): for at most the bound plus
+  ``HOLD_GRACE_S`` (30 s) after the oldest was held. A copy that has not landed by then is taken
+  as stuck (logged), and vLLM preempts as it would without a connector.
 
 Results of a worker in a process of its own cross an abstract Unix socket, which only the engine
 core's host (and network namespace) reaches: an engine whose workers may run elsewhere
@@ -160,6 +165,10 @@ def _allocation(n: int) -> int:
     return -(-n // 512) * 512
 #: How long a preemption waits past the bound for a copy still reading the preempted blocks.
 PREEMPT_GRACE_S = 30.0
+#: How long past the bound vLLM's scheduler waits for held blocks (a finished request's copy)
+#: instead of preempting a running request; past it the copies are taken as stuck, and vLLM
+#: preempts (which never touches held blocks).
+HOLD_GRACE_S = 30.0
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
 #: Connections the scheduler process accepts from workers at once.
@@ -310,8 +319,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: Requests preempted after their announcement, to be announced again.
             self._again: set[str] = set()
             #: Finished requests whose blocks vLLM holds for their copy (until the worker
-            #: reports it done, through ``update_connector_output``).
-            self._held: set[str] = set()
+            #: reports it done, through ``update_connector_output``), oldest first: request id
+            #: -> when its hold began (monotonic).
+            self._held: dict[str, float] = {}
+            #: The held request last reported stuck (logged once).
+            self._stuck: Optional[str] = None
             #: Results waiting for request_finished, oldest first: request id -> (row, the worker
             #: it came from).
             self._results: collections.OrderedDict[str, tuple[dict[str, Any], Any]] = collections.OrderedDict()
@@ -482,7 +494,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 row: Optional[dict[str, Any]] = {"sample_id": rid, "error": "no hidden states: the request ended before its prompt was computed"}
             else:
                 held = True
-                self._held.add(rid)
+                self._held.pop(rid, None)  # oldest first: a request id used again goes last
+                self._held[rid] = time.monotonic()
                 while rid not in self._results:
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -521,12 +534,28 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: Any) -> None:
         """The requests whose copies the worker reported done: vLLM frees their blocks now."""
         for rid in getattr(connector_output, "finished_sending", None) or ():
-            self._held.discard(rid)
+            self._held.pop(rid, None)
 
     def has_pending_block_frees(self) -> bool:
         """Whether finished requests' blocks wait only for their copies (milliseconds): vLLM's
-        scheduler then waits for them instead of preempting a running request."""
-        return bool(self._held)
+        scheduler then waits for them instead of preempting a running request. For at most the
+        bound plus ``HOLD_GRACE_S`` since the oldest was held (copies land in order): a copy not
+        done by then is stuck, and waiting on would keep vLLM from preempting for good."""
+        oldest = next(iter(self._held.items()), None)
+        if oldest is None:
+            return False
+        rid, since = oldest
+        waited = time.monotonic() - since
+        if waited < self._bound + HOLD_GRACE_S:
+            return True
+        if self._stuck != rid:
+            self._stuck = rid
+            log.error(
+                "capture_arena.vllm: the copy of request %s has held its blocks for %.1f s (over SGLANG_SPEC_CAPTURE_SYNC_WAIT_S "
+                "plus %g s); vLLM preempts running requests again instead of waiting for it (see the worker's log)",
+                rid, waited, HOLD_GRACE_S,
+            )
+        return False
 
     def get_finished_count(self) -> Optional[int]:
         """Only the worker that copies (tensor-parallel rank 0) reports finished copies."""
