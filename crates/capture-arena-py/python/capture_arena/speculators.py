@@ -19,14 +19,19 @@ speculators' client hands it on: :meth:`~CaptureArenaTransfer.get_generated` rai
 :class:`CaptureArenaError` with vLLM's reason, which speculators logs with each attempt.
 
 A transfer pickles (speculators' dataloader workers are spawned with their copy): each process
-opens its own reader at ``setup()``.
+opens its own reader at ``setup()``. What a process read and speculators never deleted (a worker
+stopped between its read and its delete: Ctrl+C reaches dataloader workers as a
+``KeyboardInterrupt``, which speculators does not catch) is freed when that process exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
+import logging
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,6 +50,15 @@ NAME = "capture-arena"
 #: oldest are freed.
 MAX_UNDELETED = 4096
 
+log = logging.getLogger(__name__)
+#: The transfers of this process, for the exit hook.
+_TRANSFERS: "weakref.WeakSet[CaptureArenaTransfer]" = weakref.WeakSet()
+
+
+def _handle_of(result: dict[str, Any]) -> str:
+    """The handle capture_arena.vllm gives a published request: its objects' key prefix."""
+    return f"{result.get('store_id')}/{result.get('sample_id')}/g{result.get('gen')}/"
+
 
 class CaptureArenaTransfer(HiddenStatesTransfer):
     """The trainer's reader. ``cache_dir``: where previously cached samples are
@@ -60,6 +74,7 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         """Opens the reader (in the process that reads: a dataloader worker's own)."""
         if self._store is None:
             self._store = ArenaFeatureStore()
+            _TRANSFERS.add(self)
 
     def get_cached(self, file_idx: int) -> Optional[dict[str, torch.Tensor]]:
         return self._cached.get_cached(file_idx) if self._cached is not None else None
@@ -78,27 +93,58 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             raise CaptureArenaError(f"vLLM did not publish request {result.get('sample_id')!r}: {result['error']}")
         self.setup()
         assert self._store is not None
+        # What speculators' client took as the handle, and deletes: it must name this result's
+        # objects, else that delete would free nothing (or another request's).
+        handle = hs_transfer_params.get("hidden_states_path") or hs_transfer_params.get("handle")
+        expected = _handle_of(result)
+        if handle != expected:
+            why = ""
+            try:  # nobody could free it by that handle: freed here
+                self._store.release(result)
+            except Exception as e:
+                why = f"; freeing it failed too: {e}"
+            raise CaptureArenaError(
+                f"request {result.get('sample_id')!r}: its handle {str(handle)[:200]!r} does not name its result "
+                f"({expected[:200]!r}), so deleting it would free nothing; the result was freed{why}"
+            )
         # Remembered before the read: speculators deletes the handle when this raises, and that
         # delete must free the objects (else every failed read leaves a sample resident).
-        handle = hs_transfer_params.get("handle")
-        if isinstance(handle, str):
-            self._remember(handle, result)
+        self._remember(handle, result)
         got = self._store.get(result, ["hidden_states", "token_ids"], torch=True)
         hs, tokens = got["hidden_states"], got["token_ids"]
         k = len(result.get("aux_layer_ids") or ())
         n = int(tokens.numel())
-        if k < 1 or hs.dim() != 3 or hs.shape[1] != n or hs.shape[2] % k:
-            raise CaptureArenaError(f"request {result.get('sample_id')!r}: hidden_states {tuple(hs.shape)} is not [1, {n}, k*H] with k={k}")
+        if k < 1 or hs.dim() != 3 or hs.shape[0] != 1 or hs.shape[1] != n or hs.shape[2] % k or tokens.dtype != torch.int64:
+            raise CaptureArenaError(
+                f"request {result.get('sample_id')!r}: hidden_states {tuple(hs.shape)} and token_ids {tuple(tokens.shape)} "
+                f"{tokens.dtype} are not [1, {n}, k*H] with k={k} and [1, {n}] int64"
+            )
         return {"hidden_states": hs.view(n, k, hs.shape[2] // k), "token_ids": tokens.view(n)}
 
     def _remember(self, handle: str, result: dict[str, Any]) -> None:
         with self._lock:
+            before = self._read.pop(handle, None)
             self._read[handle] = result
-            self._read.move_to_end(handle)
             old = [self._read.popitem(last=False)[1] for _ in range(len(self._read) - MAX_UNDELETED)]
+        if before is not None and before.get("arena") != result.get("arena"):
+            old.append(before)  # the same keys in another arena (another server): its own objects
         for r in old:  # handed out long ago and never deleted: freed rather than held
             assert self._store is not None
             self._store.release(r)
+
+    def _release_all(self) -> None:
+        """Frees every result read and not deleted (at exit; never raises)."""
+        with self._lock:
+            left = list(self._read.values())
+            self._read.clear()
+        for r in left:
+            try:
+                assert self._store is not None
+                self._store.release(r)
+            except Exception as e:  # an exit path: say what stays, never raise
+                log.warning("capture_arena.speculators: could not free %r at exit: %s", r.get("sample_id"), e)
+        if left:
+            log.warning("capture_arena.speculators: freed %d results read and never deleted, at exit", len(left))
 
     def delete(self, handle: str) -> None:
         """Frees the request's objects, read or not (queued; never waits on the network).
@@ -121,6 +167,16 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         """Waits until every free has been delivered (``FreeNotSentError`` past ``timeout_s``)."""
         if self._store is not None:
             self._store.flush(timeout_s)
+
+
+def _release_at_exit() -> None:
+    for t in list(_TRANSFERS):
+        t._release_all()
+
+
+# Registered after the reader module's exit flush (imported above), so it runs first (atexit is
+# last in, first out), and that flush sends these frees.
+atexit.register(_release_at_exit)
 
 
 def _add(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,95 @@
+"""capture_arena.speculators' transfer (speculators' trainer side) against a real arena: results
+shaped as capture_arena.vllm publishes them (``hidden_states`` [1, n, k*H], ``token_ids`` [1, n],
+the handle their key prefix), read and freed as speculators' dataset does
+(speculators/train/data.py: ``get_generated``, then ``delete(handle)``, also when it raised)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("hs_connectors")
+
+import capture_arena as ca  # noqa: E402
+from capture_arena.speculators import CaptureArenaTransfer  # noqa: E402
+
+K, H = 3, 8
+
+
+def publish(sink: ca.ArenaSink, sample_id: str, n: int = 5) -> dict[str, Any]:
+    """A request's result as vLLM's connector hands it out (rows written, ids 0..n-1)."""
+    spec = {
+        "store_id": "vllm",
+        "sample_id": sample_id,
+        "gen": 1,
+        "features": {"hidden_states": {"shape": [1, n, K * H], "dtype": "bfloat16"}, "token_ids": {"shape": [1, n], "dtype": "int64"}},
+    }
+    ((row, at),) = sink.reserve_each([spec], within_s=30)
+    assert "error" not in row and at is not None, row
+    sink.finish_writes([row])
+    return row
+
+
+def params(row: dict[str, Any], handle: Any = None) -> dict[str, Any]:
+    """kv_transfer_params as vLLM's response carries them."""
+    return {"capture_arena": row, "handle": f"vllm/{row['sample_id']}/g{row['gen']}/" if handle is None else handle}
+
+
+def wait_resident(sink: ca.ArenaSink, n: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sink.stats()["resident_objects"] != n:
+        assert time.monotonic() < deadline, f"resident objects: {sink.stats()['resident_objects']}, expected {n}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def sink(make_sink: Callable[..., ca.ArenaSink]) -> ca.ArenaSink:
+    return make_sink(aux_layer_ids=[1, 2, 4])
+
+
+def test_a_read_result_is_deleted_by_its_handle(sink: ca.ArenaSink) -> None:
+    row = publish(sink, "r1")
+    t = CaptureArenaTransfer()
+    got = t.get_generated(params(row))
+    assert tuple(got["hidden_states"].shape) == (5, K, H) and got["token_ids"].dtype == torch.int64
+    wait_resident(sink, 2)
+    t.delete(params(row)["handle"])
+    t.flush(10)
+    wait_resident(sink, 0)
+
+
+def test_a_handle_that_does_not_name_its_result_is_refused_and_the_result_freed(sink: ca.ArenaSink) -> None:
+    """speculators deletes by the handle: one naming other keys would free nothing (before:
+    remembered under it, read, and left resident for good when the handle was not a string)."""
+    t = CaptureArenaTransfer()
+    for i, bad in enumerate(["vllm/someone-else/g1/", 7]):
+        row = publish(sink, f"r-bad{i}")
+        with pytest.raises(ca.CaptureArenaError, match="does not name its result"):
+            t.get_generated(params(row, bad))
+        t.delete(bad if isinstance(bad, str) else str(bad))  # what speculators does next: frees nothing
+        t.flush(10)
+        wait_resident(sink, 0)
+
+
+READ_AND_EXIT = """
+import json, sys
+from capture_arena.speculators import CaptureArenaTransfer
+t = CaptureArenaTransfer()
+got = t.get_generated(json.loads(sys.argv[1]))
+print(tuple(got["hidden_states"].shape), flush=True)
+raise KeyboardInterrupt  # between speculators' read and its delete (a dataloader worker's Ctrl+C)
+"""
+
+
+def test_what_a_process_read_and_never_deleted_is_freed_when_it_exits(sink: ca.ArenaSink) -> None:
+    row = publish(sink, "r-exit")
+    out = subprocess.run([sys.executable, "-c", READ_AND_EXIT, json.dumps(params(row))], capture_output=True, text=True, timeout=120)
+    assert "(5, 3, 8)" in out.stdout and "KeyboardInterrupt" in out.stderr, out.stderr[-3000:]
+    assert "freed 1 results read and never deleted" in out.stderr, out.stderr[-3000:]
+    wait_resident(sink, 0)
