@@ -539,3 +539,61 @@ def test_close_stops_the_worker_even_when_a_capture_is_queued_as_it_drains(live:
     # by the worker before it (then unanswered too).
     assert s["live_dropped_unanswered"] + s["live_dropped_closed"] == 2 and s["live_captured"] == 0, s
     live.producer.refs.clear()
+
+
+def _stalling_intake(pattern: str) -> tuple[int, threading.Event]:
+    """An intake on loopback that reads a request and never finishes its answer: it sends
+    ``"100 Continue"`` answers, or its headers, or its body, a piece every 0.2 s until the
+    client goes away (or the event is set)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    pieces = {
+        "continue": [b"HTTP/1.1 100 Continue\r\n\r\n"],
+        "headers": [bytes([c]) for c in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"x" * 100000],
+        "body": [b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"] + [b'{"status": "accepted"} '] * 10000,
+    }[pattern]
+
+    def serve() -> None:
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                for i in range(10**6):
+                    if stop.is_set():
+                        return
+                    try:
+                        conn.sendall(pieces[i % len(pieces)])
+                    except OSError:
+                        return  # the client went away
+                    time.sleep(0.2)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], stop
+
+
+@pytest.mark.parametrize("pattern", ["continue", "headers", "body"])
+def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_whatever_it_sends(pattern: str) -> None:
+    """http.client bounds each read, not the request: an intake sending "100 Continue" again and
+    again, or its headers or body a piece every 0.2 s, held the live worker (and every capture
+    queued behind it) for good before. Now each request ends at its timeout."""
+    from capture_arena import _live
+
+    port, stop = _stalling_intake(pattern)
+    outcome: list[Any] = []
+
+    def post() -> None:
+        t0 = time.monotonic()
+        try:
+            outcome.append(_live._Route(f"http://127.0.0.1:{port}").request("POST", "/records", b"{}", 1.0, 1 << 20))
+        except Exception as e:
+            outcome.append(e)
+        outcome.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=post, daemon=True)
+    t.start()
+    t.join(10)
+    stop.set()
+    assert not t.is_alive(), f"a request to an intake sending its {pattern} piece by piece still waits after 10 s"
+    err, took = outcome
+    assert isinstance(err, TimeoutError) and "within 1 s" in str(err), err
+    assert 1.0 <= took < 2.0, took

@@ -28,8 +28,9 @@ What is added:
   sample was given to a trainer: this one never will be, so it is freed. It means success only
   when an earlier attempt of this record was sent and its answer lost (then the intake has this
   one); an earlier attempt that never connected proves nothing;
-- a record no attempt got an answer for (each attempt waits ``POST_TIMEOUT_S``, 10 s, so at most
-  about 20 s after it was first sent) is freed too, and counted in
+- a record no attempt got an answer for (each attempt ends ``POST_TIMEOUT_S``, 10 s, after it
+  began, whatever the intake sends meanwhile; so at most about 20 s after it was first sent) is
+  freed too, and counted in
   ``live_dropped_unanswered``: its fate is unknown, but a hung or flaky intake must not fill
   the arena for ever. If the intake did take it, the trainer that reads it gets a clean error
   (every address carries its object's stamp, and a freed object's reads fail);
@@ -51,6 +52,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 import urllib.parse
@@ -533,9 +535,11 @@ class _Route:
         )
 
     def request(self, method: str, path: str, body: Optional[bytes], timeout: float, limit: int) -> tuple[int, bytes]:
-        """One request: its status and at most ``limit`` bytes of its answer, read within
-        ``timeout``. Raises _NotSent when nothing connected, another exception when it was sent
-        and no whole answer came."""
+        """One request: its status and at most ``limit`` bytes of its answer, all within
+        ``timeout`` of the call, connect, proxy tunnel and headers included (name resolution
+        aside: the system's). Raises _NotSent when nothing connected, another exception when it
+        was sent and no whole answer came."""
+        deadline = time.monotonic() + timeout
         target = self.path + path
         if self.proxy is None:
             cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
@@ -546,19 +550,47 @@ class _Route:
         else:  # the proxy takes the whole URL
             conn = http.client.HTTPConnection(self.proxy.hostname or "", self.proxy.port or 80, timeout=timeout)
             target = self.origin + target
+        # http.client bounds each socket operation, not the request: an intake (or proxy) that
+        # sends "100 Continue" again and again, or its headers a byte at a time, would hold the
+        # worker for good. At the deadline the socket is shut down under whatever reads it.
+        cut = threading.Event()
+
+        def at_deadline() -> None:
+            cut.set()
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(timeout, at_deadline)
+        watchdog.daemon = True
+        watchdog.start()
+        late = TimeoutError(f"no whole answer from {self.origin} {self.describe()} within {timeout:g} s")
         try:
             try:
                 conn.connect()
             except OSError as e:
-                raise _NotSent(f"connecting to {self.origin} {self.describe()}") from e
-            deadline = time.monotonic() + timeout
+                raise _NotSent(f"connecting to {self.origin} {self.describe()}") from (late if cut.is_set() else e)
+            if cut.is_set():  # connected as the deadline passed: nothing sent
+                raise _NotSent(f"connecting to {self.origin} {self.describe()}") from late
             headers = {"Content-Type": "application/json"} if body is not None else {}
             if self.proxy is not None and not self.https:
                 headers.update(self._proxy_auth())
-            conn.request(method, target, body=body, headers=headers)
-            resp = conn.getresponse()
-            return resp.status, _read_within(resp, limit, deadline)
+            try:
+                conn.request(method, target, body=body, headers=headers)
+                resp = conn.getresponse()
+                answer = _read_within(resp, limit, deadline)
+            except (OSError, http.client.HTTPException) as e:
+                if cut.is_set():
+                    raise late from e
+                raise
+            if cut.is_set():  # the shutdown ended the answer early: not a whole one
+                raise late
+            return resp.status, answer
         finally:
+            watchdog.cancel()
             conn.close()
 
     def _proxy_auth(self) -> dict[str, str]:
