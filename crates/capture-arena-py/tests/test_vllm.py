@@ -1016,6 +1016,22 @@ def pair() -> Iterator[tuple[Proc, Proc]]:
     worker.close()
 
 
+def test_the_requests_that_finish_in_one_step_wait_for_their_results_within_one_bound(pair: tuple[Proc, Proc]) -> None:
+    """vLLM calls request_finished for each request of a step in turn, on the engine core's
+    thread. When no result comes (a worker that is stuck or gone), the step's requests share one
+    bound: 0.5 s for four, not 4 x 0.5 s (before: each waited the bound, so a step of 32
+    requests held vLLM's engine 16 s)."""
+    sched, _ = pair
+    rids = [f"unsent-{i}" for i in range(4)]
+    sched.ask({"announce": [[r, 8] for r in rids]})  # the worker never gets this step
+    took = []
+    for r in rids:
+        got = sched.ask({"finish": r})
+        assert "within 0.5 s" in got["params"]["capture_arena"]["error"], got
+        took.append(got["s"])
+    assert took[0] >= HALF_BOUND and sum(took) < HALF_BOUND + 0.25, took
+
+
 def test_a_malformed_result_line_costs_only_its_connection(pair: tuple[Proc, Proc]) -> None:
     # Any process of the engine's user can reach the result channel. A line whose row lacks
     # what request_finished reads (a published row's store_id, gen, ...) for a pending request

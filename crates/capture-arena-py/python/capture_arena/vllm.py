@@ -55,8 +55,9 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
   error at once otherwise. A request longer than the arena costs only that
   request its error, and a failed copy fails only its readers (``WriteFailedError``) and frees its
   space; nothing raises into vLLM's engine loop;
-- :meth:`request_finished` waits at most the bound for its result, and gives up in the same hold
-  of its lock as its last look, so a result that comes later finds its request answered and is
+- :meth:`request_finished` waits at most the bound for its result, the requests that finish in
+  one step all within the same bound (after the first), however many they are; it gives up in
+  the same hold of its lock as its last look, so a result that comes later finds its request answered and is
   freed by its worker, never kept where nobody reads it;
 - the worker frees every result the scheduler process has not taken (it answers each read with
   what it took and what the worker must free) within the bound plus ``ACK_GRACE_S`` (2 s) of
@@ -324,6 +325,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._held: dict[str, float] = {}
             #: The held request last reported stuck (logged once).
             self._stuck: Optional[str] = None
+            #: Until when the requests finished since the last step was built wait for their
+            #: results (None: no request finished since).
+            self._finish_by: Optional[float] = None
             #: Results waiting for request_finished, oldest first: request id -> (row, the worker
             #: it came from).
             self._results: collections.OrderedDict[str, tuple[dict[str, Any], Any]] = collections.OrderedDict()
@@ -384,6 +388,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         hold their rows: each once, and once more after each preemption (its first capture is
         given up, its blocks having gone back to vLLM)."""
         meta = CaptureArenaMetadata(block_size=self._block_size)
+        self._finish_by = None  # a new step: its finished requests share a new bound
         # A preempted request's blocks went back to vLLM before its copy may have run: its
         # announcement is given up (the worker cancels or finishes that copy before the blocks
         # are written again, and its result is freed) and the request is announced again when
@@ -476,7 +481,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Optional[dict[str, Any]]]:
         """The request's arena result for its ``kv_transfer_params``. The result comes from the
         worker as soon as its space is reserved (its rows are copied after, off vLLM's threads),
-        so this waits only for that, at most the bound. An announced request's blocks are held
+        so this waits only for that, at most the bound (shared by the requests that finish in one
+        step: it runs from the first of them). An announced request's blocks are held
         (``True``) until the worker reports its copy done (``get_finished``); any other's are
         freed at once."""
         rid = request.request_id
@@ -486,7 +492,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         # end): vLLM drops what this returns (Scheduler.finish_requests), so its capture is
         # freed here, and its result is not waited for (one that comes later is freed too).
         aborted = getattr(getattr(request, "status", None), "name", None) == "FINISHED_ABORTED"
-        deadline = time.monotonic() + (0.0 if aborted else self._bound)
+        # The requests that finish in one step (vLLM calls this for each in turn, on the engine
+        # core's thread) wait for their results until one deadline, the bound after the first.
+        now = time.monotonic()
+        if self._finish_by is None:
+            self._finish_by = now + self._bound
+        deadline = now if aborted else self._finish_by
         held = False
         dropped = None
         with self._cond:
