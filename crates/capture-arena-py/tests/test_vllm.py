@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -926,6 +927,33 @@ def test_a_step_whose_copy_cannot_be_set_up_fails_its_objects_and_gives_its_bloc
     assert s["written_objects"] - before["written_objects"] == 2 and s["failed_writes"] - before["failed_writes"] == 2, s
     release_all([got])
     assert wait_resident(p, before["resident_objects"])["resident_objects"] == before["resident_objects"]
+
+
+def test_a_panic_while_failing_a_steps_objects_does_not_end_the_copy_thread() -> None:
+    """The copy's setup panics, and so does failing that step's objects (a process of its own:
+    those objects stay unfinished). vLLM still gets the step's blocks back, and the next step is
+    copied (before: the copy thread ended, and every later request's blocks were held by vLLM
+    for good)."""
+    p = halves("both", f"panics-{os.getpid()}")
+    try:
+        assert p.ask({"break_rows": "simulated: the copy's setup panicked", "panic": True}) == {"ok": True}
+        assert p.ask({"break_finish": 1}) == {"ok": True}
+        p.ask({"save": p.ask({"announce": [["twice", 8]]})["meta"]})
+        p.ask({"finish": "twice"})
+        deadline = time.monotonic() + 20
+        while p.ask({"get_finished": ["twice"]}) != {"done": ["twice"]}:
+            assert time.monotonic() < deadline, f"the panicking step's blocks never went back; its log: {p.log_tail()}"
+            time.sleep(0.02)
+        assert p.ask({"break_rows": None}) == {"ok": True}
+        p.ask({"save": p.ask({"announce": [["after", 8]]})["meta"]})
+        got = p.ask({"finish": "after"})["params"]
+        s = wait_stats(p, lambda s: s["written_objects"] == 2)
+        assert s["written_objects"] == 2, f"the next step was not copied: {s}; its log: {p.log_tail()}"
+        assert p.ask({"get_finished": ["after"]}) == {"done": ["after"]}
+        assert "failing the step's objects panicked" in p.log_tail()
+        release_all([got])
+    finally:
+        p.close()
 
 
 def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc) -> None:

@@ -21,8 +21,10 @@ states and 8 of its id. Commands:
   request_finished; with ``gap`` (both in one process) the connector's condition is instrumented
   so that, once its timed wait ran out and it releases the lock, a result for that request is
   sent by the worker and read before request_finished goes on;
-- ``{"break_rows": why}`` (worker): the copy's setup (``_Rows``) raises ``why`` for every step
-  from now on, ``{"break_rows": null}`` mends it; ``{"stop_copier": true}`` (worker): the copy
+- ``{"break_rows": why, "panic": bool}`` (worker): the copy's setup (``_Rows``) raises ``why``
+  (a BaseException with ``panic``, as a panic in native code) for every step from now on,
+  ``{"break_rows": null}`` mends it; ``{"break_finish": n}`` (worker): the next n failings of a
+  step's objects raise such a panic; ``{"stop_copier": true}`` (worker): the copy
   thread is stopped as the sink's closing stops it (the sink left open), ``{"restart_copier":
   true}``: the next step starts a new one;
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
@@ -53,6 +55,12 @@ import vllm.distributed.parallel_state as ps
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from capture_arena.vllm import CaptureArenaConnector
+
+
+
+class SimulatedPanic(BaseException):
+    """Raised where native code would panic (PyO3's PanicException is a BaseException)."""
+
 
 role, engine_id, arena_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 answers = os.fdopen(os.dup(1), "w")
@@ -234,11 +242,24 @@ for line in sys.stdin:
                 capture_arena.vllm._real_rows = capture_arena.vllm._Rows
             why = cmd["break_rows"]
 
-            def _broken(*a, why=why):
-                raise RuntimeError(why)
+            panic = bool(cmd.get("panic"))
+
+            def _broken(*a, why=why, panic=panic):
+                raise (SimulatedPanic if panic else RuntimeError)(why)
 
             capture_arena.vllm._Rows = capture_arena.vllm._real_rows if why is None else _broken
             worker._rows = None  # made again by the next step
+            answer = {"ok": True}
+        elif "break_finish" in cmd:  # the next n failings of objects raise as a panic would
+            left, real_finish = [int(cmd["break_finish"])], type(worker._sink)._finish_keys
+
+            def _finish_keys(keys, ok=True, left=left, real=real_finish, sink=worker._sink):
+                if not ok and left[0] > 0:
+                    left[0] -= 1
+                    raise SimulatedPanic("simulated: failing the step's objects panicked")
+                return real(sink, keys, ok)
+
+            worker._sink._finish_keys = _finish_keys
             answer = {"ok": True}
         elif "stop_copier" in cmd:
             worker._start_copier()  # (if none was started yet)

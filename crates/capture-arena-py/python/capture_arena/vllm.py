@@ -794,18 +794,22 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if step is None:
                 return
             saves, reserved, copies, event = step
-            if self._stopping:  # closing: nothing more is written (those objects fail)
-                self._fail_step(reserved, copies)
-                continue
             try:
-                self._copy_step(saves, reserved, copies, event)
-            except BaseException:  # a bug of ours (a Rust panic is a BaseException): those requests
-                # fail, the next steps go on; a thread that ended here would leave every later
-                # request's blocks held by vLLM for good
-                log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
-                # Whatever of the step was not finished never will be (keys finished already
-                # are not being written any more: ignored).
-                self._fail_step(reserved, [])
+                if self._stopping:  # closing: nothing more is written (those objects fail)
+                    self._fail_step(reserved, copies)
+                    continue
+                try:
+                    self._copy_step(saves, reserved, copies, event)
+                except BaseException:  # a bug of ours (a Rust panic is a BaseException): those
+                    # requests fail, the next steps go on; a thread that ended here would leave
+                    # every later request's blocks held by vLLM for good
+                    log.exception("capture_arena.vllm: copying a step's %d requests failed", len(saves))
+                    # Whatever of the step was not finished never will be (keys finished already
+                    # are not being written any more: ignored).
+                    self._fail_step(reserved, [])
+            except BaseException:  # failing them failed too: their objects stay unfinished (their
+                # readers fail at their deadline); the thread goes on all the same
+                log.exception("capture_arena.vllm: failing the objects of a step's %d requests failed too", len(saves))
             finally:
                 self._mark_done(copies)
 
