@@ -597,3 +597,20 @@ def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_wh
     err, took = outcome
     assert isinstance(err, TimeoutError) and "within 1 s" in str(err), err
     assert 1.0 <= took < 2.0, took
+
+
+def test_a_clients_own_live_spec_is_published_under_the_intakes_config_and_replaces_nothing(live: Any) -> None:
+    """SpecForge's online-live patch hands the sink a request's own ``spec_capture`` when the
+    client sent one, so a client can send a "live" spec naming another request's sample, with
+    ``replace`` and a store of its choosing. Only its sample id is taken: the victim's capture
+    stays whole (before: replaced under its trainer, then freed as a duplicate)."""
+    req, aux, last = live.server.serve("victim", n=8, seed=70)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the victim's record accepted")
+    forged = {"store_id": "elsewhere", "sample_id": "live-victim", "gen": 1, "replace": True, "features": {"aux": "hidden_states"}, "live": True}
+    client = live.server.handle_generate_request("forger", [5] * 8, forged)
+    g = torch.Generator().manual_seed(71)
+    live.server.sink_spec_capture(client, torch.randn((8, K * H), generator=g).to(torch.bfloat16), torch.randn((8, H), generator=g).to(torch.bfloat16))
+    wait_for(lambda: live.sink.stats()["live_dropped_publish"] == 1, "the forged capture refused (its key exists)")
+    assert live.sink.stats()["live_captured"] == 1 and live.intake.counts["accepted"] == 1
+    trainer_reads_and_releases(live, {"live-victim": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")

@@ -78,6 +78,8 @@ DEFAULT_QUEUE = 64
 CONFIG_TIMEOUT_S = 5.0
 CONFIG_RETRY_S = 5.0
 POST_TIMEOUT_S = 10.0
+#: The longest sample id a live capture takes (a client may send its own).
+MAX_SAMPLE_ID = 512
 POST_ATTEMPTS = 2
 #: The intake refuses records over 1 MiB; a config or an answer is read up to this much.
 MAX_RECORD_BYTES = 1 << 20
@@ -382,14 +384,22 @@ class LiveCapture:
         cfg = self._config
         toks = self._tokens(tokens)
         rows = int(aux.shape[0]) if aux is not None and len(getattr(aux, "shape", ())) > 0 else -1
-        lo, hi = (cfg.min_tokens, cfg.max_tokens) if cfg is not None else (2, MAX_TOKENS)
-        if toks is None or rows != len(toks) or not lo <= len(toks) <= hi or not isinstance(spec, Mapping):
+        if cfg is None:  # a client's own live spec before the intake's config is known
+            self._count("live_not_ready")
+            return
+        sample_id = spec.get("sample_id") if isinstance(spec, Mapping) else None
+        if toks is None or rows != len(toks) or not cfg.min_tokens <= len(toks) <= cfg.max_tokens or not isinstance(sample_id, str) or len(sample_id) > MAX_SAMPLE_ID:
             self._count("live_dropped_bad_rows")
             return
+        # The patch passes a request's own spec_capture when it has one, so a client can send a
+        # "live" spec: only its sample id is kept. The store, generation, features and no
+        # replace are the intake's config's, as maybe_live_spec makes them: a client never
+        # replaces another request's capture, nor publishes under another store.
+        spec = {"store_id": cfg.store_id, "sample_id": sample_id, "gen": cfg.gen, "replace": False, "features": dict(cfg.features)}
         n = len(toks)
         ones = None
         passthrough = []
-        for name, from_tokens in cfg.passthrough if cfg is not None else ():
+        for name, from_tokens in cfg.passthrough:
             if from_tokens:
                 data = toks
             else:
