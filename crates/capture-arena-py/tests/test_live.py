@@ -111,6 +111,9 @@ def live(scheduler_module: Any, monkeypatch: pytest.MonkeyPatch, request: pytest
     marker = request.node.get_closest_marker("queue")
     if marker is not None:
         monkeypatch.setenv("SPEC_CAPTURE_LIVE_QUEUE", str(marker.args[0]))
+    marker = request.node.get_closest_marker("queue_bytes")
+    if marker is not None:
+        monkeypatch.setenv("SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES", str(marker.args[0]))
     store = SpecForgeArenaStore(store_id=store_id)
     producer = Producer(store, store.live_ref_source(_RefSource(store_id)))
     intake = Intake(config_payload(store_id), producer.on_record)
@@ -287,6 +290,31 @@ def test_a_full_queue_drops_captures_and_counts_them(live: Any) -> None:
     live.producer.gate.set()
     wait_for(lambda: live.sink.stats()["live_captured"] == 2, "the two kept")
     trainer_reads_and_releases(live, {k: v for k, v in expected.items() if k in ("live-q0", "live-q1")})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
+
+
+@pytest.mark.queue(8)
+@pytest.mark.queue_bytes(1000)
+def test_the_queue_holds_at_most_its_bytes_of_the_servers_tensors(live: Any) -> None:
+    """A queued capture keeps the server's tensors (device memory under SGLang) until the worker
+    publishes it: the queue is bounded by the memory they hold too, not only in captures. A
+    capture over the bound is still taken into an empty queue (else it never would be). Each
+    here holds 2,048 bytes (aux [8, 96] and last [8, 32], bf16). Before: all 8 would wait."""
+    live.producer.gate = threading.Event()  # the intake holds every record: the worker waits
+    expected = {}
+    for i in range(4):
+        req, aux, last = live.server.serve(f"b{i}", seed=40 + i)
+        expected[f"live-b{i}"] = (aux, last, req.origin_input_ids)
+        if i == 0:  # the worker took the first and is posting it
+            with live.producer.seen:
+                live.producer.seen.wait_for(lambda: live.producer.received == 1, 30)
+    # One at the intake, one in the (then empty) queue though over the bound, two dropped.
+    assert live.sink.stats()["live_dropped_queue_full"] == 2
+    assert live.sink._live._queued_bytes == 2048
+    live.producer.gate.set()
+    wait_for(lambda: live.sink.stats()["live_captured"] == 2, "the two kept")
+    assert live.sink._live._queued_bytes == 0
+    trainer_reads_and_releases(live, {k: v for k, v in expected.items() if k in ("live-b0", "live-b1")})
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
 
 

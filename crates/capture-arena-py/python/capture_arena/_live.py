@@ -18,6 +18,8 @@ default 64).
 
 What is added:
 
+- the queue is bounded by the memory its captures' tensors hold too
+  (``SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES``, 2 GiB; a capture over it only into an empty queue);
 - the scheduler thread never waits on the network: the config is fetched by a thread of its own
   (every 5 s until it succeeds, and again when records are rejected: the producer may have
   restarted with a new ``store_id``); requests that arrive before it are not captured;
@@ -74,6 +76,10 @@ RECORDS_PATH = "/v1/spec-capture/records"
 #: The environment variable of the queue's size (upstream's name and default).
 QUEUE_ENV = "SPEC_CAPTURE_LIVE_QUEUE"
 DEFAULT_QUEUE = 64
+#: The memory the queued captures' tensors may hold (the server's, in device memory under
+#: SGLang, until the worker has published them).
+QUEUE_BYTES_ENV = "SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES"
+DEFAULT_QUEUE_BYTES = 2 << 30
 #: Upstream's timeouts: the config fetch, and each record post (two attempts).
 CONFIG_TIMEOUT_S = 5.0
 CONFIG_RETRY_S = 5.0
@@ -164,6 +170,30 @@ def _seconds_env(name: str, default: float, most: float) -> float:
     return v
 
 
+def _queue_bytes() -> int:
+    raw = os.environ.get(QUEUE_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_QUEUE_BYTES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 1:
+        raise ConfigError(f"{QUEUE_BYTES_ENV}={raw!r}: the bytes live captures may hold while queued must be an integer >= 1")
+    return n
+
+
+def _held_bytes(x: Any) -> int:
+    """The memory ``x`` keeps alive: a tensor's whole storage (a view of a batch's tensor keeps
+    all of it), an array's bytes."""
+    if x is None:
+        return 0
+    storage = getattr(x, "untyped_storage", None)
+    if storage is not None:
+        return int(storage().nbytes())
+    return int(getattr(x, "nbytes", 0))
+
+
 def _queue_size() -> int:
     raw = os.environ.get(QUEUE_ENV, "").strip()
     if not raw:
@@ -230,7 +260,11 @@ class LiveCapture:
         _log.info("live capture: the intake %s is reached %s", self.intake_url, self._route.describe())
         self._publish = publish
         self._drop = drop
-        self._queue: "queue.Queue[Optional[tuple[Any, Any, Any, Any]]]" = queue.Queue(maxsize=_queue_size())
+        self._queue: "queue.Queue[Optional[tuple[Any, Any, Any, Any, int]]]" = queue.Queue(maxsize=_queue_size())
+        #: The bytes the queued captures' tensors hold, and the most they may (a capture over it
+        #: is taken only into an empty queue).
+        self._queued_bytes = 0
+        self._max_queued_bytes = _queue_bytes()
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._counts_lock = threading.Lock()
         self._config: Optional[_Config] = None
@@ -274,17 +308,29 @@ class LiveCapture:
             return None
 
     def put_sample_live(self, spec: Any, aux: Any = None, last_hidden: Any = None, tokens: Any = None) -> None:
-        """Queues a finished request's capture for the worker; a full queue drops it."""
+        """Queues a finished request's capture for the worker; a full queue (in captures, or in
+        the bytes their tensors hold) drops it."""
+        try:
+            held = _held_bytes(aux) + _held_bytes(last_hidden)
+        except Exception:
+            self._count("live_dropped_bad_rows")
+            return
         with self._put_lock:  # never a put after close() has drained the queue
             if self._closed.is_set():
                 self._count("live_dropped_closed")
                 return
+            if self._queued_bytes and self._queued_bytes + held > self._max_queued_bytes:
+                self._count("live_dropped_queue_full")
+                return
             try:
-                self._queue.put_nowait((spec, aux, last_hidden, tokens))
+                self._queue.put_nowait((spec, aux, last_hidden, tokens, held))
             except queue.Full:
                 self._count("live_dropped_queue_full")
+                return
             except Exception:
                 self._count("live_dropped_bad_rows")
+                return
+            self._queued_bytes += held
 
     # -- counters ------------------------------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -372,8 +418,11 @@ class LiveCapture:
             item = self._queue.get()
             if item is None:
                 return
+            held = item[4]
+            with self._put_lock:  # out of the queue: its tensors are the worker's to let go
+                self._queued_bytes -= held
             try:
-                self._write(*item)
+                self._write(*item[:4])
             except Exception:  # never ends the worker: the next capture goes on
                 _log.warning("live capture: a capture failed", exc_info=True)
             finally:
@@ -500,6 +549,7 @@ class LiveCapture:
                         dropped += 1
                 except queue.Empty:
                     break
+            self._queued_bytes = 0
             if dropped:
                 self._count("live_dropped_closed", dropped)
             # Empty, and nothing is put once closed is set (under the same lock): the stop
