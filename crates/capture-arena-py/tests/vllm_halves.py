@@ -24,7 +24,7 @@ states and 8 of its id. Commands:
 - ``{"break_rows": why, "panic": bool}`` (worker): the copy's setup (``_Rows``) raises ``why``
   (a BaseException with ``panic``, as a panic in native code) for every step from now on,
   ``{"break_rows": null}`` mends it; ``{"break_finish": n}`` (worker): the next n failings of a
-  step's objects raise such a panic; ``{"stop_copier": true}`` (worker): the copy
+  step's objects raise such a panic once they are done; ``{"stop_copier": true}`` (worker): the copy
   thread is stopped as the sink's closing stops it (the sink left open), ``{"restart_copier":
   true}``: the next step starts a new one;
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
@@ -254,10 +254,10 @@ for line in sys.stdin:
             left, real_finish = [int(cmd["break_finish"])], type(worker._sink)._finish_keys
 
             def _finish_keys(keys, ok=True, left=left, real=real_finish, sink=worker._sink):
+                real(sink, keys, ok)  # failed all the same: the arena is left as it would be
                 if not ok and left[0] > 0:
                     left[0] -= 1
                     raise SimulatedPanic("simulated: failing the step's objects panicked")
-                return real(sink, keys, ok)
 
             worker._sink._finish_keys = _finish_keys
             answer = {"ok": True}
