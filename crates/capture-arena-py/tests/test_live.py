@@ -275,16 +275,23 @@ def test_an_intake_that_is_down_drops_captures_and_the_server_keeps_serving(live
     assert live.sink.stats()["resident_objects"] == 0
 
 
-@pytest.mark.queue(1)
-def test_a_full_queue_drops_captures_and_counts_them(live: Any) -> None:
-    live.producer.gate = threading.Event()  # the intake holds every record: the worker waits
+def serve_behind_a_held_intake(live: Any, prefix: str, n: int, seed: int) -> dict[str, tuple[Any, Any, list[int]]]:
+    """Serves n requests while the intake holds every record: the worker takes the first and
+    waits on its post, the others go to the queue (or are dropped). What each capture holds."""
+    live.producer.gate = threading.Event()
     expected = {}
-    for i in range(5):
-        req, aux, last = live.server.serve(f"q{i}", seed=10 + i)
-        expected[f"live-q{i}"] = (aux, last, req.origin_input_ids)
+    for i in range(n):
+        req, aux, last = live.server.serve(f"{prefix}{i}", seed=seed + i)
+        expected[f"live-{prefix}{i}"] = (aux, last, req.origin_input_ids)
         if i == 0:  # the worker took the first and is posting it
             with live.producer.seen:
                 live.producer.seen.wait_for(lambda: live.producer.received == 1, 30)
+    return expected
+
+
+@pytest.mark.queue(1)
+def test_a_full_queue_drops_captures_and_counts_them(live: Any) -> None:
+    expected = serve_behind_a_held_intake(live, "q", 5, seed=10)
     # One at the intake, one in the queue (its size is 1), three dropped.
     assert live.sink.stats()["live_dropped_queue_full"] == 3
     live.producer.gate.set()
@@ -300,14 +307,7 @@ def test_the_queue_holds_at_most_its_bytes_of_the_servers_tensors(live: Any) -> 
     publishes it: the queue is bounded by the memory they hold too, not only in captures. A
     capture over the bound is still taken into an empty queue (else it never would be). Each
     here holds 2,048 bytes (aux [8, 96] and last [8, 32], bf16). Before: all 8 would wait."""
-    live.producer.gate = threading.Event()  # the intake holds every record: the worker waits
-    expected = {}
-    for i in range(4):
-        req, aux, last = live.server.serve(f"b{i}", seed=40 + i)
-        expected[f"live-b{i}"] = (aux, last, req.origin_input_ids)
-        if i == 0:  # the worker took the first and is posting it
-            with live.producer.seen:
-                live.producer.seen.wait_for(lambda: live.producer.received == 1, 30)
+    expected = serve_behind_a_held_intake(live, "b", 4, seed=40)
     # One at the intake, one in the (then empty) queue though over the bound, two dropped.
     assert live.sink.stats()["live_dropped_queue_full"] == 2
     assert live.sink._live._queued_bytes == 2048

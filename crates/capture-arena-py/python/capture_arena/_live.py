@@ -170,19 +170,6 @@ def _seconds_env(name: str, default: float, most: float) -> float:
     return v
 
 
-def _queue_bytes() -> int:
-    raw = os.environ.get(QUEUE_BYTES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_QUEUE_BYTES
-    try:
-        n = int(raw)
-    except ValueError:
-        n = -1
-    if n < 1:
-        raise ConfigError(f"{QUEUE_BYTES_ENV}={raw!r}: the bytes live captures may hold while queued must be an integer >= 1")
-    return n
-
-
 def _held_bytes(x: Any) -> int:
     """The memory ``x`` keeps alive: a tensor's whole storage (a view of a batch's tensor keeps
     all of it), an array's bytes."""
@@ -194,17 +181,27 @@ def _held_bytes(x: Any) -> int:
     return int(getattr(x, "nbytes", 0))
 
 
-def _queue_size() -> int:
-    raw = os.environ.get(QUEUE_ENV, "").strip()
+def _int_env(name: str, default: int, most: int, what: str) -> int:
+    """An integer in [1, most] from the variable ``name`` (``default`` when unset), or
+    ConfigError naming it and ``what`` it sets."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_QUEUE
+        return default
     try:
         n = int(raw)
     except ValueError:
-        raise ConfigError(f"{QUEUE_ENV}={raw!r}: the live capture queue's size must be an integer >= 1") from None
-    if not 1 <= n <= 1 << 20:
-        raise ConfigError(f"{QUEUE_ENV}={n}: the live capture queue's size must be in [1, 1048576]")
+        n = 0
+    if not 1 <= n <= most:
+        raise ConfigError(f"{name}={raw!r}: {what} must be an integer in [1, {most}]")
     return n
+
+
+def _queue_size() -> int:
+    return _int_env(QUEUE_ENV, DEFAULT_QUEUE, 1 << 20, "the live capture queue's size")
+
+
+def _queue_bytes() -> int:
+    return _int_env(QUEUE_BYTES_ENV, DEFAULT_QUEUE_BYTES, 1 << 50, "the bytes live captures may hold while queued")
 
 
 class _Config:
