@@ -23,7 +23,9 @@ PY=${GPU_CHECK_PYTHON:-python3}
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
   DEMO_ARGS=(--samples 8 --min-len 16 --max-len 64 --hidden 256 --batch 4)
   BENCH_DEVICE_SIZES=1MiB BENCH_HOST_SIZES=1MiB BENCH_REPS=1
-  SUITE_ARGS=(-k test_device)
+  # The slowest tests, and a test stuck past 30 s dumps its threads' stacks: a clean clone's
+  # dry run once took this step past its share of the deadline (59 s, 11 s elsewhere).
+  SUITE_ARGS=(-k test_device --durations=5 -o faulthandler_timeout=30)
   VLLM_ARGS=(--hidden 256 --requests 8 --blocks 512 --load 1x64,4x100 --long 512)
   # torch and Mooncake's CUDA checks would find the fake libcuda.so.1 and fail slowly there:
   # without a visible device they fail at once, as they must without a GPU.
