@@ -240,6 +240,11 @@ class _Config:
         self.min_tokens: int = lo
         self.max_tokens: int = min(hi, MAX_TOKENS) if hi else MAX_TOKENS
 
+    def spec(self, sample_id: str) -> dict[str, Any]:
+        """A live capture's spec: the store, generation and features of this config, never a
+        replace."""
+        return {"store_id": self.store_id, "sample_id": sample_id, "gen": self.gen, "replace": False, "features": dict(self.features)}
+
 
 Publish = Callable[[Any], "dict[str, Any]"]
 Drop = Callable[["dict[str, Any]"], None]
@@ -292,14 +297,7 @@ class LiveCapture:
                 return None
             if not sampled(rid, self.sample_rate):
                 return None
-            return {
-                "store_id": cfg.store_id,
-                "sample_id": f"live-{rid}",
-                "gen": cfg.gen,
-                "replace": False,
-                "features": dict(cfg.features),
-                "live": True,
-            }
+            return dict(cfg.spec(f"live-{rid}"), live=True)
         except Exception:  # a rid whose str() raises: not captured, never the scheduler's problem
             _log.warning("live capture: cannot make a spec for request %r", rid, exc_info=True)
             return None
@@ -441,7 +439,7 @@ class LiveCapture:
         # "live" spec: only its sample id is kept. The store, generation, features and no
         # replace are the intake's config's, as maybe_live_spec makes them: a client never
         # replaces another request's capture, nor publishes under another store.
-        spec = {"store_id": cfg.store_id, "sample_id": sample_id, "gen": cfg.gen, "replace": False, "features": dict(cfg.features)}
+        spec = cfg.spec(sample_id)
         n = len(toks)
         ones = None
         passthrough = []

@@ -23,6 +23,13 @@ from ._samples import _torch_module
 from .errors import InvalidReadError
 
 
+def key_prefix(result: Mapping[str, Any]) -> str:
+    """The key prefix of a result's objects, ``{store_id}/{sample_id}/g{gen}/`` (vLLM's
+    connector hands it out as a request's handle)."""
+    return f"{result.get('store_id')}/{result.get('sample_id')}/g{result.get('gen')}/"
+
+
+
 def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
     """Host arrays read for ``device=``: torch tensors (from ``new_array(torch=True)``) moved
     there; a numpy ``out=`` array cannot be, and is refused."""
@@ -42,7 +49,7 @@ def _stamps(result: Mapping[str, Any], wanted: list[str], lens: list[int]) -> li
     for name, n in zip(wanted, lens):
         stamp = feats[name].get("stamp")
         if stamp is not None:
-            key = f"{result['store_id']}/{result['sample_id']}/g{result['gen']}/{name}"
+            key = key_prefix(result) + name
             out.append((key, int(feats[name]["address"]) + (n + 7) // 8 * 8, int(stamp)))
     return out
 

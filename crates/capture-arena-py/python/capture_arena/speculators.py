@@ -39,7 +39,7 @@ import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 from hs_connectors.transfer import FileTransfer
 
-from ._reader import ArenaFeatureStore
+from ._reader import ArenaFeatureStore, key_prefix
 from .errors import CaptureArenaError
 
 __all__ = ["CaptureArenaBackend", "CaptureArenaTransfer", "NAME"]
@@ -53,11 +53,6 @@ MAX_UNDELETED = 4096
 log = logging.getLogger(__name__)
 #: The transfers of this process, for the exit hook.
 _TRANSFERS: "weakref.WeakSet[CaptureArenaTransfer]" = weakref.WeakSet()
-
-
-def _handle_of(result: dict[str, Any]) -> str:
-    """The handle capture_arena.vllm gives a published request: its objects' key prefix."""
-    return f"{result.get('store_id')}/{result.get('sample_id')}/g{result.get('gen')}/"
 
 
 class CaptureArenaTransfer(HiddenStatesTransfer):
@@ -96,7 +91,7 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         # What speculators' client took as the handle, and deletes: it must name this result's
         # objects, else that delete would free nothing (or another request's).
         handle = hs_transfer_params.get("hidden_states_path") or hs_transfer_params.get("handle")
-        expected = _handle_of(result)
+        expected = key_prefix(result)
         if handle != expected:
             why = ""
             try:  # nobody could free it by that handle: freed here

@@ -124,6 +124,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ._capture_arena import _DeviceRows, _Landed, _result_keys
 from ._live import sync_wait_s
+from ._reader import key_prefix
 from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
 __all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID"]
@@ -539,7 +540,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             # on to the backend only if there is one.
             params["handle"] = f"{ERROR_HANDLE}{rid}"
         else:
-            params["handle"] = f"{row['store_id']}/{row['sample_id']}/g{row['gen']}/"
+            params["handle"] = key_prefix(row)
         return held, params
 
     def update_connector_output(self, connector_output: Any) -> None:
