@@ -37,7 +37,8 @@ states and 8 of its id. Commands:
   its next sends time out, after the first half of their lines arrived and were answered
   (``half``) or at once (``none``); ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"max_pending": n}`` (scheduler): the table of
-  announced requests holds n.
+  announced requests holds n; ``{"send_timeout": s}`` (scheduler): the connections it accepts
+  from now on wait up to s for room in a send (``ACK_GRACE_S / 4``; 0.5 unless set).
 """
 
 import base64
@@ -283,6 +284,11 @@ for line in sys.stdin:
             import capture_arena.vllm
 
             capture_arena.vllm.MAX_RESULTS = int(cmd["max_pending"])
+            answer = {"ok": True}
+        elif "send_timeout" in cmd:  # how long the listener's next connections wait for room in a send
+            import capture_arena.vllm
+
+            capture_arena.vllm.ACK_GRACE_S = 4 * float(cmd["send_timeout"])
             answer = {"ok": True}
         elif "accept_errors" in cmd:
             answer = {"accept_errors": sched._listener.accept_errors}
