@@ -975,6 +975,30 @@ def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc) ->
         assert p.ask({"restart_copier": True}) == {"ok": True}
 
 
+def test_a_close_in_the_midst_of_a_save_still_gives_the_steps_blocks_back(both: Proc) -> None:
+    # The sink closes (vLLM's shutdown, on another thread) just as vLLM's thread hands a step to
+    # the copy thread: the close comes before the hand-over (the step fails at once) or after
+    # (the copy thread takes the step before it stops: copied, or failed if it saw the close
+    # first). Before: the step was queued behind the copy thread's end, never taken, and vLLM
+    # held its blocks for good.
+    p = both
+    before = p.ask({"stats": True})
+    try:
+        meta = p.ask({"announce": [["closing", 8]]})["meta"]
+        assert p.ask({"stop_in_save": meta}) == {"stopped": True, "stopping": True}
+        got = p.ask({"finish": "closing"})["params"]
+        assert "error" not in got["capture_arena"], got
+        assert p.ask({"get_finished": ["closing"]}) == {"done": ["closing"]}, p.log_tail()
+        s = p.ask({"stats": True})
+        ended = (s["failed_writes"] - before["failed_writes"]) + (s["written_objects"] - before["written_objects"])
+        assert ended == 2, s  # both objects written or failed: none left unfinished
+        release_all([got])
+        s = wait_resident(p, before["resident_objects"])
+        assert s["resident_objects"] == before["resident_objects"], s
+    finally:
+        assert p.ask({"restart_copier": True}) == {"ok": True}
+
+
 def test_a_worker_in_the_engine_cores_process_hands_its_results_over_in_memory(both: Proc) -> None:
     # At tensor parallelism 1 vLLM runs the worker in the engine core's process: wait_for_save
     # puts the result in the scheduler's table itself, so request_finished never waits for the

@@ -26,7 +26,9 @@ states and 8 of its id. Commands:
   ``{"break_rows": null}`` mends it; ``{"break_finish": n}`` (worker): the next n failings of a
   step's objects raise such a panic once they are done; ``{"stop_copier": true}`` (worker): the copy
   thread is stopped as the sink's closing stops it (the sink left open), ``{"restart_copier":
-  true}``: the next step starts a new one;
+  true}``: the next step starts a new one; ``{"stop_in_save": base64}`` (worker): that step is
+  saved, and the copy thread stopped so (on a thread of its own) in the midst of its
+  wait_for_save, between its look at whether the sink is closing and its hand-over of the step;
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
   the process, then gives them back;
 - ``{"stats": true}`` (worker): the worker's arena counters; ``{"reconnect": true}`` (worker):
@@ -265,6 +267,24 @@ for line in sys.stdin:
         elif "stop_copier" in cmd:
             worker._start_copier()  # (if none was started yet)
             answer = {"stopped": worker._stop_copier(), "stopping": worker._stopping}
+        elif "stop_in_save" in cmd:  # the next wait_for_save is met by the sink's closing
+            stopper = {}
+
+            def _start_copier(real=type(worker)._start_copier, stopper=stopper):
+                # Between wait_for_save's look at whether the sink is closing and its hand-over
+                # of the step: the close runs now, on a thread of its own, and is given until it
+                # is done or 0.5 s (it may have to wait for wait_for_save).
+                del worker._start_copier
+                real(worker)
+                t = threading.Thread(target=lambda: stopper.update(stopped=worker._stop_copier()))
+                t.start()
+                stopper["thread"] = t
+                t.join(0.5)
+
+            worker._start_copier = _start_copier
+            save(cmd["stop_in_save"])
+            stopper["thread"].join(10)
+            answer = {"stopped": stopper.get("stopped"), "stopping": worker._stopping}
         elif "restart_copier" in cmd:
             worker._stopping, worker._copier = False, None
             answer = {"ok": True}

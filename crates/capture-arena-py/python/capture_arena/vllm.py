@@ -366,6 +366,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._steps: "queue.Queue[Optional[tuple[list[_Save], Sequence[_Placed], list[_Copy], Any]]]" = queue.Queue()
             self._copier: Optional[threading.Thread] = None
             self._stopping = False
+            #: Held while a step is handed to the copy thread and while its end is queued.
+            self._steps_lock = threading.Lock()
             self._rows: Optional[_Rows] = None
             #: The bound step's requests and their reservations, begun when the step was bound
             #: (or why they could not be), collected by its wait_for_save.
@@ -678,11 +680,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         copies = [_Copy() for _ in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
-        if self._stopping:  # the sink is closing and the copy thread gone: nothing is copied
-            self._fail_step(reserved, copies)
-            return
-        self._start_copier()
-        self._steps.put((list(saves), reserved, copies, event))
+        with self._steps_lock:  # a close stopping the copy thread now comes before or after the step
+            if not self._stopping:
+                self._start_copier()
+                self._steps.put((list(saves), reserved, copies, event))
+                return
+        self._fail_step(reserved, copies)  # the sink is closing and the copy thread gone: nothing is copied
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -765,8 +768,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         copier = self._copier
         if copier is None:
             return True
-        self._stopping = True
-        self._steps.put(None)
+        with self._steps_lock:  # a step handed over before this is copied (failed: closing)
+            self._stopping = True
+            self._steps.put(None)
         copier.join(self._bound + PREEMPT_GRACE_S)
         if copier.is_alive():
             return False
