@@ -135,7 +135,7 @@ def first_pending_said(checks, found):
 engine._check_words = first_pending_said
 store = ca.ArenaFeatureStore()
 torch.cuda.init()
-store._engines()._te()  # the engine made before the read, so that its first look is timely
+store._engines()._engines.get()  # the engine made before the read, so that its first look is timely
 r8, r9 = (json.loads(line) for line in sys.stdin)
 t0 = time.monotonic()
 got = store.get(r8, device="cuda:0")

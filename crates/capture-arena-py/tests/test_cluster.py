@@ -108,12 +108,15 @@ print(json.dumps({"health": store.health()}), flush=True)
 TRAINER = (
     COMMON
     + r"""
-import json, sys, time
+import json, os, sys, time
 import numpy as np
 import capture_arena as ca
 store = ca.ArenaFeatureStore()
 for line in sys.stdin:
     r = json.loads(line)
+    if r.get("_health"):  # only the reader's health, and the process's threads
+        print(json.dumps({**store.health(), "threads": len(os.listdir("/proc/self/task"))}), flush=True)
+        continue
     r.pop("_put_s", None)
     keep = r.pop("_keep", False)  # read only: the same result comes again
     i = int(r["sample_id"][1:])
@@ -409,20 +412,55 @@ def _has_mooncake() -> Optional[str]:
     return None
 
 
+def wait_health(trainer: Proc, done: Any, timeout: float = 60.0) -> dict[str, Any]:
+    """Asks the trainer for its reader's health until ``done(health)`` (at most ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        h = trainer.send({"_health": True})
+        if done(h) or time.monotonic() > deadline:
+            return h  # type: ignore[no-any-return]
+        time.sleep(0.1)
+
+
 @pytest.mark.skipif(_has_mooncake() is not None, reason=_has_mooncake() or "")
-def test_engine_reads_time_out_across_a_partition_and_a_killed_producer_is_stale() -> None:
+def test_engine_reads_time_out_across_a_partition_on_one_engine_and_a_killed_producer_is_stale() -> None:
     with Cluster(["p1", "t1"]) as c:
         engine = {"SGLANG_SPEC_CAPTURE_PLACEMENT": "engine", "SGLANG_SPEC_CAPTURE_TRANSPORT": "auto", "MOONCAKE_PROTOCOL": "tcp"}
         prod, results = producer(c, "p1", 4, **engine)
-        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **engine))
+        # Mooncake gives up on a transfer after MC_TRANSFER_TIMEOUT (30 s by default; at least 5).
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **engine, MC_TRANSFER_TIMEOUT="5"))
         assert trainer.send(results[0])["ok"]
         c.partition("p1")
-        got = trainer.send(results[1])
-        assert got["error"] == "StaleSessionError", got
-        assert READ_TIMEOUT_S - 0.5 <= got["read_s"] < READ_TIMEOUT_S + 3, got
+        for _ in range(2):
+            got = trainer.send({**results[1], "_keep": True})
+            assert got["error"] == "StaleSessionError", got
+            assert READ_TIMEOUT_S - 0.5 <= got["read_s"] < READ_TIMEOUT_S + 3, got
+            # The engine is set aside while Mooncake still holds the transfer, and destroyed
+            # once Mooncake's own timeout ends it: its threads (the read's, and the engine's)
+            # end. Before: kept for good, one more engine for each read that timed out, with
+            # its threads and its port.
+            stuck = trainer.send({"_health": True})
+            assert stuck["mooncake_clients"] == 1 and stuck["stuck_clients"] == 1, stuck
+            h = wait_health(trainer, lambda h: h["stuck_clients"] == 0)
+            assert h["mooncake_clients"] == 0 and h["threads"] <= stuck["threads"] - 2, (stuck["threads"], h["threads"])
+        # A trainer whose deadline is far shorter than Mooncake's own timeout (30 s): eight
+        # engines stuck at once, then reads fail at once instead of making more.
+        hasty = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **engine, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="0.3"))
+        for _ in range(8):
+            got = hasty.send({**results[1], "_keep": True})
+            assert got["error"] == "StaleSessionError" and got["read_s"] >= 0.3, got
+        got = hasty.send({**results[1], "_keep": True})
+        assert got["error"] == "StaleSessionError" and "8 TransferEngines of this process have reads stuck" in got["why"], got
+        assert got["read_s"] < 0.3, got
+        h = hasty.send({"_health": True})
+        assert h["mooncake_clients"] == h["stuck_clients"] == 8, h
+        hasty.p.kill()
         c.heal("p1")
-        got = trainer.send(results[2])
-        assert got["ok"], got
+        for r in results[1:3]:
+            got = trainer.send(r)
+            assert got["ok"], got
+        h = trainer.send({"_health": True})
+        assert h["mooncake_clients"] == 1 and h["stuck_clients"] == 0, h
         c.killed(prod.p)
         got = trainer.send(results[3])
         assert got["error"] == "StaleSessionError", got
@@ -604,16 +642,23 @@ def test_store_reads_across_hosts_are_bounded_and_stale_like_every_transport() -
             "MOONCAKE_LOCAL_BUFFER_SIZE": "64MiB",
         }
         prod, results = producer(c, "p1", 4, **store)
-        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **store))
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **store, MC_TRANSFER_TIMEOUT="5"))
         got = trainer.send(results[0])
         assert got["ok"], got
         c.partition("p1")  # the objects' segment is cut off
         got = trainer.send({**results[1], "_keep": True})
         assert got["error"] == "StaleSessionError", got
         assert got["read_s"] < READ_TIMEOUT_S + 3, got
+        stuck = trainer.send({"_health": True})
+        assert stuck["mooncake_clients"] == 1 and stuck["stuck_clients"] == 1, stuck
         c.heal("p1")
-        got = trainer.send(results[1])
+        got = trainer.send(results[1])  # through a new client
         assert got["ok"], got
+        # The stuck one is destroyed once Mooncake gives its read up: the process has one
+        # client's threads (about 20), not two (before: kept for good, one more client for each
+        # read that timed out).
+        h = wait_health(trainer, lambda h: h["stuck_clients"] == 0)
+        assert h["mooncake_clients"] == 1 and h["threads"] <= stuck["threads"] + 5, (stuck["threads"], h)
         c.killed(prod.p)
         for r in results[2:]:
             got = trainer.send(r)

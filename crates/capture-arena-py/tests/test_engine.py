@@ -414,4 +414,4 @@ def test_a_multi_node_nvlink_read_registers_no_output_so_memory_read_into_twice_
         out[:] = 0
         reader.read("127.0.0.1:4242", [(8, int(out.ctypes.data), 16)], keep=out)
         assert out.tolist() == [7] * 16
-    assert reader._te().reserved == []
+    assert reader._engines.get().reserved == []

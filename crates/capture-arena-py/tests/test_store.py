@@ -67,6 +67,8 @@ def test_get_after_release_raises_key_error(make_sink):
         "refused_frees": 0,
         "dropped_frees": 0,
         "open_sessions": 1,
+        "mooncake_clients": 0,
+        "stuck_clients": 0,
     }
     store.release(r)
     with pytest.raises(KeyError, match="already released"):

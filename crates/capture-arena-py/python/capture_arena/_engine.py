@@ -353,17 +353,27 @@ QUARANTINE = _Quarantine()
 
 
 def run_bounded(
-    name: str, work: Callable[[], None], keep: Any, timeout: float, timed_out: Callable[[], str], gone: Optional[threading.Event] = None
+    name: str,
+    work: Callable[[], None],
+    keep: Any,
+    timeout: float,
+    timed_out: Callable[[], str],
+    gone: Optional[threading.Event] = None,
+    late: Optional[Callable[[], None]] = None,
 ) -> None:
     """Runs ``work`` on a thread of its own (named ``name``) and waits at most ``timeout``
     seconds: what a Mooncake read does under the read deadline. ``keep`` owns the memory the
     work writes: held from being freed when the work may still write it (past the deadline, or
     failed after Mooncake's own timeout). Past the deadline ``gone`` is set (the work starts
     nothing more) and ``timed_out()`` (which sets aside what the work holds) says why, raised
-    as :class:`StaleSessionError`; the work's own error is raised as it is."""
+    as :class:`StaleSessionError`; the work's own error is raised as it is. ``late()`` is
+    called on the work's thread when work the caller gave up on ends after all (never before
+    ``timed_out()`` has returned)."""
     done = threading.Event()
     outcome: list[BaseException] = []
     t0 = time.monotonic()
+    lock = threading.Lock()
+    state = {"ended": False, "given_up": False}
 
     def run() -> None:
         try:
@@ -374,16 +384,117 @@ def run_bounded(
                 # Mooncake's own timeout ended it: the transfer was not cancelled.
                 QUARANTINE.hold(keep)
         finally:
+            with lock:
+                state["ended"] = True
+                given_up = state["given_up"]
             done.set()
+            if given_up:
+                # Nobody reads it: its traceback (which holds this frame, and so the list) would
+                # keep the work's objects, a Mooncake client among them, until a full collection.
+                outcome.clear()
+            if given_up and late is not None:
+                try:
+                    late()
+                except Exception:  # what it tidies stays as it was: never an error of ours here
+                    logging.getLogger("capture_arena").exception("after a read that ended past its deadline")
 
     threading.Thread(target=run, name=name, daemon=True).start()
     if not done.wait(timeout):
-        if gone is not None:
-            gone.set()
-        QUARANTINE.hold(keep, QUARANTINE_S + timeout)
-        raise StaleSessionError(timed_out())
+        why = None
+        with lock:  # the work ends now or after: ``late`` then comes after ``timed_out``
+            if not state["ended"]:
+                state["given_up"] = True
+                if gone is not None:
+                    gone.set()
+                QUARANTINE.hold(keep, QUARANTINE_S + timeout)
+                why = timed_out()
+        if why is not None:
+            raise StaleSessionError(why)
+        done.wait()  # it ended just as the deadline came: as if in time
     if outcome:
         raise outcome[0]
+
+
+#: How many Mooncake clients (TransferEngines, store clients) of one reader may have reads stuck
+#: in them past their deadline at once (each holds threads and sockets); past it a read fails at
+#: once, until one of those reads returns.
+MAX_STUCK_CLIENTS = 8
+
+
+class _Clients:
+    """The Mooncake client a reader uses (a TransferEngine or a store client), made on first
+    use. One with a read that ran past its deadline is set aside (that read may hold its lock)
+    and kept (Mooncake may still complete the transfer) until every such read of it has
+    returned (Mooncake's own timeout, ``MC_TRANSFER_TIMEOUT``), then let go: destroyed, its
+    threads and port with it (a store client's close holds the GIL about 0.7 s: Mooncake's,
+    measured once per such client). Not used again: its connection to the peer that stalled stays
+    broken (measured: a read through it after the network healed timed out). At most
+    :data:`MAX_STUCK_CLIENTS` are stuck at once; past that a read fails at once. So a long
+    partition costs a client per read only while Mooncake holds them (before: one more for
+    each read that timed out, for good)."""
+
+    def __init__(self, make: Callable[[], Any], what: str) -> None:
+        self._make = make
+        self._what = what
+        self._lock = threading.Lock()
+        self._current: Optional[Any] = None
+        #: Set-aside clients with reads stuck in them: id -> (client, reads).
+        self._stuck: dict[int, tuple[Any, int]] = {}
+        #: Clients made by threads that raced to make the first: used next.
+        self._spare: list[Any] = []
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._current is None and self._spare:
+                self._current = self._spare.pop()
+            if self._current is not None:
+                return self._current
+            if len(self._stuck) >= MAX_STUCK_CLIENTS:
+                raise StaleSessionError(
+                    f"{len(self._stuck)} {self._what}s of this process have reads stuck in them past their deadline (the "
+                    "network to their peers is down, or Mooncake hangs): no new one is made until one of those reads "
+                    f"returns (at most {MAX_STUCK_CLIENTS}); read again later"
+                )
+        made = self._make()  # outside the lock: it may connect over the network
+        with self._lock:
+            if self._current is None:
+                self._current = made
+            else:  # another thread made one first: kept for later
+                self._spare.append(made)
+            return self._current
+
+    def set_aside(self, client: Any) -> None:
+        """A read in ``client`` ran past its deadline: later reads use another."""
+        with self._lock:
+            if self._current is client:
+                self._current = None
+            self._spare = [c for c in self._spare if c is not client]
+            held, n = self._stuck.get(id(client), (client, 0))
+            self._stuck[id(client)] = (held, n + 1)
+
+    def returned(self, client: Any) -> bool:
+        """One of its stuck reads has returned; whether that was the last, so that ``client``
+        is let go (the caller drops its own references too)."""
+        with self._lock:
+            held, n = self._stuck.get(id(client), (client, 1))
+            if n > 1:
+                self._stuck[id(client)] = (held, n - 1)
+                return False
+            self._stuck.pop(id(client), None)
+            return True
+
+    def counts(self) -> tuple[int, int]:
+        """How many clients there are, and how many of them have reads stuck in them."""
+        with self._lock:
+            return (self._current is not None) + len(self._spare) + len(self._stuck), len(self._stuck)
+
+    def after_fork_in_child(self, leftovers: list[Any]) -> None:
+        """The parent's clients go to ``leftovers`` (never destroyed: their destructors would
+        act on the parent's connections and threads); the child starts afresh."""
+        leftovers.extend(c for c in [self._current, *self._spare] if c is not None)
+        leftovers.extend(c for c, _ in self._stuck.values())
+        self._lock = threading.Lock()
+        self._current, self._stuck, self._spare = None, {}, []
 
 
 class EngineReader:
@@ -395,17 +506,19 @@ class EngineReader:
     says, and its sync calls poll a core meanwhile) and the caller waits at most that long. A
     read that fails or times out raises :class:`StaleSessionError`, as on every transport; its
     outputs are held from being freed for ``QUARANTINE_S`` when the transfer may still be in
-    flight (Mooncake does not cancel a transfer it gave up on), and after a timeout the engine, whose lock the stuck transfer may hold, is
-    set aside and a new one reads from then on.
+    flight (Mooncake does not cancel a transfer it gave up on). After a timeout the engine, whose
+    lock the stuck transfer may hold, is set aside and another reads from then on; once the
+    stuck transfer returns (Mooncake's own timeout), the engine is destroyed (see
+    :class:`_Clients`: at most ``MAX_STUCK_CLIENTS`` engines stuck at once).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._engine: Optional[Any] = None
+        self._protocol = protocol_of(os.environ.get("MOONCAKE_PROTOCOL"))
+        self._engines = _Clients(lambda: new_engine(self._protocol)[0], "TransferEngine")
         # Output pool slabs registered with each engine (held, so its id is not reused).
         self._slabs: dict[int, tuple[Any, set[tuple[int, int]]]] = {}
         _READERS.add(self)
-        self._protocol = protocol_of(os.environ.get("MOONCAKE_PROTOCOL"))
 
     @property
     def nvlink(self) -> bool:
@@ -413,25 +526,20 @@ class EngineReader:
         memory."""
         return is_nvlink(self._protocol)
 
-    def _te(self) -> Any:
-        with self._lock:
-            if self._engine is None:
-                self._engine, _ = new_engine(self._protocol)
-            return self._engine
+    def _returned(self, te: Any) -> None:
+        """A read stuck in ``te`` returned: let go once it was the last."""
+        if self._engines.returned(te):
+            with self._lock:
+                self._slabs.pop(id(te), None)
 
-    def _set_aside(self, te: Any) -> None:
-        """Stops using ``te`` (a transfer in it is stuck): kept referenced, never destroyed."""
-        with self._lock:
-            if self._engine is te:
-                self._engine = None
-        _ABANDONED.append(te)
+    def clients(self) -> tuple[int, int]:
+        """How many engines this reader holds, and how many have reads stuck in them."""
+        return self._engines.counts()
 
     def _after_fork_in_child(self) -> None:
-        """A forked child keeps the parent's engine referenced (its destructor would act on the
-        parent's connections and threads) and starts afresh with a new lock."""
-        if self._engine is not None:
-            _FORKED_LEFTOVERS.append(self._engine)
-        self._engine = None
+        """A forked child keeps the parent's engines referenced (their destructors would act on
+        the parent's connections and threads) and starts afresh with a new lock."""
+        self._engines.after_fork_in_child(_FORKED_LEFTOVERS)
         self._lock = threading.Lock()
 
     def read(
@@ -456,12 +564,12 @@ class EngineReader:
         copied to the host from there: Mooncake reports a transfer done only once its copy
         has finished on the device."""
         timeout = read_timeout_s()
-        te = self._te()
+        te = self._engines.get()
         targets = [t for t in targets if t[2] > 0]
         if not targets:
             return
         def timed_out() -> str:
-            self._set_aside(te)
+            self._engines.set_aside(te)
             logging.getLogger("capture_arena").warning(
                 "TransferEngine read from %s timed out after %.1f s; later reads use a new engine", session, timeout
             )
@@ -494,7 +602,7 @@ class EngineReader:
         since, pause = time.monotonic(), 50e-6
         while True:
             pending[0] = None
-            run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone)
+            run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone, lambda: self._returned(te))
             if pending[0] is None:
                 return
             waited = time.monotonic() - since
@@ -648,8 +756,6 @@ _U64 = (1 << 64) - 1
 
 # Clients of Mooncake that a forked child must not destroy: the parent's.
 _FORKED_LEFTOVERS: list[Any] = []
-# Engines with a transfer stuck in them: never destroyed (the transfer may complete later).
-_ABANDONED: list[Any] = []
 _READERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 

@@ -213,11 +213,20 @@ class ArenaFeatureStore(_Store):
 
     def health(self) -> dict[str, int]:
         """``{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",
-        "open_sessions"}``; frees count the store placement's queued removals too."""
+        "open_sessions", "mooncake_clients", "stuck_clients"}``; frees count the store
+        placement's queued removals too. ``mooncake_clients``: the TransferEngines and store
+        clients this reader holds; ``stuck_clients``: those with a read stuck in them past its
+        deadline (a partition; reads fail at once while there are ``MAX_STUCK_CLIENTS``)."""
         h = dict(super().health())
+        h["mooncake_clients"] = h["stuck_clients"] = 0
         if self._store_reader is not None:
             h["pending_frees"] += self._store_reader.pending
             h["dropped_frees"] += self._store_reader.dropped
+        for reader in (self._store_reader, self._engine_reader):
+            if reader is not None:
+                held, stuck = reader.clients()
+                h["mooncake_clients"] += held
+                h["stuck_clients"] += stuck
         return h
 
     @staticmethod

@@ -545,9 +545,12 @@ class StoreReader:
     MAX_PENDING_KEYS = 262144
 
     def __init__(self) -> None:
+        from ._engine import _Clients
+
         _CLIENTS.add(self)
         self._lock = threading.Lock()
-        self._store: Optional[Any] = None
+        #: The store clients reads and removals use (one unless reads got stuck).
+        self._clients = _Clients(lambda: connect(False), "Mooncake store client")
         self._released: set[tuple[str, str, int]] = set()
         self._order: deque[tuple[str, str, int]] = deque()
         self._removals: deque[str] = deque()
@@ -557,30 +560,16 @@ class StoreReader:
         self.dropped = 0
 
     def _client(self) -> Any:
-        with self._lock:
-            store = self._store
-        if store is None:
-            store = connect(False)
-            with self._lock:
-                if self._store is None:
-                    self._store = store
-                else:
-                    _ABANDONED.append(store)  # another thread connected first: kept, unused
-                store = self._store
-        return store
+        return self._clients.get()
 
-    def _set_aside(self, store: Any) -> None:
-        with self._lock:
-            if self._store is store:
-                self._store = None
-        _ABANDONED.append(store)
+    def clients(self) -> tuple[int, int]:
+        """How many store clients this reader holds, and how many have reads stuck in them."""
+        return self._clients.counts()
 
     def _after_fork_in_child(self) -> None:
-        """A forked child keeps the parent's client referenced (its destructor would unmount the
-        parent's connections) and starts afresh with a new lock."""
-        if self._store is not None:
-            _FORKED_LEFTOVERS.append(self._store)
-        self._store = None
+        """A forked child keeps the parent's clients referenced (their destructors would unmount
+        the parent's connections) and starts afresh with a new lock."""
+        self._clients.after_fork_in_child(_FORKED_LEFTOVERS)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._remover = None
@@ -629,7 +618,7 @@ class StoreReader:
 
         def timed_out() -> str:
             if used:
-                self._set_aside(used[0])
+                self._clients.set_aside(used[0])
             logging.getLogger("capture_arena").warning("a Mooncake store read timed out after %.1f s; later reads use a new client", timeout)
             return (
                 f"the Mooncake store read of {len(wanted)} objects ({sum(n for _, n, _ in wanted)} bytes) did not finish in "
@@ -637,7 +626,11 @@ class StoreReader:
                 "raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S for slower links"
             )
 
-        run_bounded("capture-arena-store-read", work, views, timeout, timed_out)
+        def late() -> None:  # the stuck read returned: its client is let go when it was the last
+            if used:
+                self._clients.returned(used[0])
+
+        run_bounded("capture-arena-store-read", work, views, timeout, timed_out, late=late)
 
     def release(self, result: Mapping[str, Any]) -> None:
         """Marks ``result`` released (later reads raise ReleasedError) and queues the removal of
@@ -715,8 +708,6 @@ def is_store_result(result: Mapping[str, Any]) -> bool:
 
 # Store clients a forked child must not destroy: the parent's.
 _FORKED_LEFTOVERS: list[Any] = []
-# Clients with a read stuck in them: never destroyed (the transfer may complete later).
-_ABANDONED: list[Any] = []
 _CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
