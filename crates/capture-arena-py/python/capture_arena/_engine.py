@@ -415,10 +415,19 @@ def run_bounded(
         raise outcome[0]
 
 
-#: How many Mooncake clients (TransferEngines, store clients) of one reader may have reads stuck
-#: in them past their deadline at once (each holds threads and sockets); past it a read fails at
-#: once, until one of those reads returns.
-MAX_STUCK_CLIENTS = 8
+def max_stuck_clients() -> int:
+    """``SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS`` (default 8): how many Mooncake clients
+    (TransferEngines, store clients) of one reader may have reads stuck in them past their
+    deadline at once (each holds threads and sockets); past it a read fails at once, until one of
+    those reads returns."""
+    raw = os.environ.get("SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS", "").strip()
+    try:
+        v = int(raw) if raw else 8
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 1024:
+        raise ConfigError(f"SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS={raw!r} is not a whole number in [1, 1024]; default 8")
+    return v
 
 
 class _Clients:
@@ -429,7 +438,7 @@ class _Clients:
     threads and port with it (a store client's close holds the GIL about 0.7 s: Mooncake's,
     measured once per such client). Not used again: its connection to the peer that stalled stays
     broken (measured: a read through it after the network healed timed out). At most
-    :data:`MAX_STUCK_CLIENTS` are stuck at once; past that a read fails at once. So a long
+    :func:`max_stuck_clients` are stuck at once; past that a read fails at once. So a long
     partition costs a client per read only while Mooncake holds them (before: one more for
     each read that timed out, for good)."""
 
@@ -449,11 +458,13 @@ class _Clients:
                 self._current = self._spare.pop()
             if self._current is not None:
                 return self._current
-            if len(self._stuck) >= MAX_STUCK_CLIENTS:
+            cap = max_stuck_clients()
+            if len(self._stuck) >= cap:
                 raise StaleSessionError(
                     f"{len(self._stuck)} {self._what}s of this process have reads stuck in them past their deadline (the "
                     "network to their peers is down, or Mooncake hangs): no new one is made until one of those reads "
-                    f"returns (at most {MAX_STUCK_CLIENTS}); read again later"
+                    f"returns (SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS={cap}); read again later, or raise "
+                    "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S towards Mooncake's own MC_TRANSFER_TIMEOUT (30 s)"
                 )
         made = self._make()  # outside the lock: it may connect over the network
         with self._lock:
@@ -509,7 +520,7 @@ class EngineReader:
     flight (Mooncake does not cancel a transfer it gave up on). After a timeout the engine, whose
     lock the stuck transfer may hold, is set aside and another reads from then on; once the
     stuck transfer returns (Mooncake's own timeout), the engine is destroyed (see
-    :class:`_Clients`: at most ``MAX_STUCK_CLIENTS`` engines stuck at once).
+    :class:`_Clients`: at most ``SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS`` engines stuck at once).
     """
 
     def __init__(self) -> None:

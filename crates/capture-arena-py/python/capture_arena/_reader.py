@@ -216,7 +216,8 @@ class ArenaFeatureStore(_Store):
         "open_sessions", "mooncake_clients", "stuck_clients"}``; frees count the store
         placement's queued removals too. ``mooncake_clients``: the TransferEngines and store
         clients this reader holds; ``stuck_clients``: those with a read stuck in them past its
-        deadline (a partition; reads fail at once while there are ``MAX_STUCK_CLIENTS``)."""
+        deadline (a partition; reads fail at once while there are
+        ``SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS``, 8)."""
         h = dict(super().health())
         h["mooncake_clients"] = h["stuck_clients"] = 0
         if self._store_reader is not None:
