@@ -93,3 +93,32 @@ def test_what_a_process_read_and_never_deleted_is_freed_when_it_exits(sink: ca.A
     assert "(5, 3, 8)" in out.stdout and "KeyboardInterrupt" in out.stderr, out.stderr[-3000:]
     assert "freed 1 results read and never deleted" in out.stderr, out.stderr[-3000:]
     wait_resident(sink, 0)
+
+
+def test_a_response_speculators_client_refuses_has_its_capture_freed_with_a_stand_in_http_client(sink: ca.ArenaSink) -> None:
+    """speculators' client (its real ``generate_hidden_states``) refuses a response whose prompt
+    token ids differ from the sample's (a chat template re-rendered otherwise) before the handle
+    reaches ``delete``; vLLM published the capture already, and each retry of the sample
+    publishes another. Before: all of them resident for good (the arena fills, then every
+    request fails). The HTTP client is a stand-in that returns vLLM's response (no server here)."""
+    from types import SimpleNamespace
+
+    from openai.types.completion import Completion
+    from speculators.data_generation import vllm_client
+
+    CaptureArenaTransfer()  # a transfer in this process wraps speculators' extract_output
+    rows = [publish(sink, f"refused{i}") for i in range(2)]
+    wait_resident(sink, 4)
+
+    def create(**kwargs: Any) -> Completion:
+        return Completion.model_validate({
+            "id": "cmpl", "object": "text_completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "text": "", "finish_reason": "length", "prompt_token_ids": [9, 9]}],
+            "kv_transfer_params": params(rows.pop(0)),
+        })
+
+    client = SimpleNamespace(completions=SimpleNamespace(create=create))
+    for _ in range(2):  # the sample, and its retry
+        with pytest.raises(vllm_client.InvalidResponseError, match="mismatch"):
+            vllm_client.generate_hidden_states(client, "m", {"input_ids": [1, 2]}, timeout=None)
+    wait_resident(sink, 0)

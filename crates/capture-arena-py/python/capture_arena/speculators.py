@@ -22,6 +22,13 @@ A transfer pickles (speculators' dataloader workers are spawned with their copy)
 opens its own reader at ``setup()``. What a process read and speculators never deleted (a worker
 stopped between its read and its delete: Ctrl+C reaches dataloader workers as a
 ``KeyboardInterrupt``, which speculators does not catch) is freed when that process exits.
+
+speculators' client takes the handle out of vLLM's response in ``extract_output``
+(speculators/data_generation/vllm_client.py), which refuses a response whose prompt token ids
+differ from the sample's (a chat template re-rendered otherwise) or that lacks a field. vLLM has
+published that capture already, and the handle never reaches :meth:`CaptureArenaTransfer.delete`;
+each retry publishes another. A transfer therefore wraps ``extract_output`` (once per process):
+a response it refuses has its capture freed before the error goes on.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import collections
+import functools
+import importlib
 import logging
 import threading
 import weakref
@@ -55,11 +64,63 @@ log = logging.getLogger(__name__)
 _TRANSFERS: "weakref.WeakSet[CaptureArenaTransfer]" = weakref.WeakSet()
 
 
+#: Frees the captures of responses speculators' client refused (made on first use).
+_REFUSED: Optional[ArenaFeatureStore] = None
+_REFUSED_LOCK = threading.Lock()
+
+
+def _free_refused(response: Any) -> None:
+    """Frees the capture a response refused by speculators' client carries, if any (never
+    raises: the client's own error goes on)."""
+    global _REFUSED
+    params = getattr(response, "kv_transfer_params", None)
+    result = params.get("capture_arena") if isinstance(params, dict) else None
+    if not isinstance(result, dict) or "error" in result:
+        return  # no capture: nothing was published
+    try:
+        with _REFUSED_LOCK:
+            if _REFUSED is None:
+                _REFUSED = ArenaFeatureStore()
+            reader = _REFUSED
+        reader.release(result)
+        log.warning(
+            "capture_arena.speculators: speculators' client refused vLLM's response for %r; its capture was freed",
+            result.get("sample_id"),
+        )
+    except Exception as e:  # a result that is not one: nothing of ours to free
+        log.warning("capture_arena.speculators: could not free the capture of a refused response: %s", e)
+
+
+def _wrap_extract_output() -> None:
+    """Has speculators' ``extract_output`` free the capture of a response it refuses (once per
+    process; a speculators without it is left as it is)."""
+    try:
+        client = importlib.import_module("speculators.data_generation.vllm_client")
+    except ImportError:
+        return
+    real = getattr(client, "extract_output", None)
+    if not callable(real) or getattr(real, "_frees_refused", False):
+        return
+
+    @functools.wraps(real)
+    def extract_output(response: Any, token_ids: Any) -> Any:
+        try:
+            return real(response, token_ids)
+        except Exception:
+            _free_refused(response)
+            raise
+
+    extract_output._frees_refused = True  # type: ignore[attr-defined]
+    client.extract_output = extract_output
+
+
 class CaptureArenaTransfer(HiddenStatesTransfer):
     """The trainer's reader. ``cache_dir``: where previously cached samples are
     (``hs_{file_idx}.safetensors``, as the file backend writes them), or None."""
 
     def __init__(self, cache_dir: Optional[Path] = None) -> None:
+        # In every process that has a transfer (a spawned dataloader worker makes its copy here).
+        _wrap_extract_output()
         self._cached = FileTransfer(cache_dir) if cache_dir is not None else None
         self._store: Optional[ArenaFeatureStore] = None
         self._read: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
