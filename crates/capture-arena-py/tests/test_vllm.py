@@ -1105,6 +1105,39 @@ def test_a_malformed_result_line_costs_only_its_connection(pair: tuple[Proc, Pro
     assert "sent no result" in got["params"]["capture_arena"]["error"], got
 
 
+def test_a_result_line_naming_another_requests_objects_is_refused(pair: tuple[Proc, Proc]) -> None:
+    # Any process of the engine's user can reach the result channel. A line for a pending request
+    # whose row is another request's published result (well formed) closes its connection: the
+    # row must name the keys the worker publishes that request under (store_id/req_id/g{seq}/).
+    # Before: kept, and handed out as the victim's result (its trainer read, then freed, the other
+    # request's objects), while the victim's own capture, answered as taken, stayed resident.
+    import socket
+    import time
+
+    sched, worker = pair
+    worker.ask({"save": sched.ask({"announce": [["other", 8]]})["meta"]})
+    other = sched.ask({"finish": "other"})["params"]
+    assert "error" not in other["capture_arena"], other
+    got = sched.ask({"announce": [["victim", 8]]})
+    seq = got["seqs"]["victim"]
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.settimeout(10)
+    try:
+        c.connect(f"\0capture-arena-vllm/pair-{os.getpid()}/0")
+        line = {"req_id": "victim", "seq": seq, "sent": time.monotonic(), "row": other["capture_arena"]}
+        c.sendall(json.dumps(line).encode() + b"\n")
+        answered = c.recv(100)
+    finally:
+        c.close()
+    worker.ask({"save": got["meta"]})
+    victim = sched.ask({"finish": "victim"})["params"]
+    row = victim["capture_arena"]
+    assert (row.get("sample_id"), row.get("gen")) == ("victim", seq), row
+    assert answered == b"", f"the listener took the forged line: {answered!r}"
+    release_all([other, victim])
+    assert wait_resident(worker, 0)["resident_objects"] == 0
+
+
 def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:
     # The engine core runs out of descriptors as the worker connects: accept() fails (EMFILE).
     # Before, that ended the listener for the life of the engine: the worker's results sat in the

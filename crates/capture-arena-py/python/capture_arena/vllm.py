@@ -336,7 +336,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: MAX_RESULTS: one that comes again is not freed.
             self._handed: collections.OrderedDict[str, None] = collections.OrderedDict()
             self._cond = threading.Condition()
-            self._listener = _Listener(self._channel, self._deliver, self._bound + ACK_GRACE_S / 2)
+            self._listener = _Listener(self._channel, self._deliver, self._bound + ACK_GRACE_S / 2, self._store_id)
             with _SCHEDULERS_LOCK:
                 _SCHEDULERS[self._channel] = (os.getpid(), self)
         else:
@@ -1515,15 +1515,19 @@ class _Peer:
                     self.conn.settimeout(timeout)
 
 
-def _row_ok(row: dict[str, Any]) -> bool:
-    """Whether a row from the result channel has what :meth:`request_finished` and speculators'
-    backend read: an error, or a published result's keys and features."""
+def _row_ok(row: dict[str, Any], req_id: str, seq: int, store_id: str) -> bool:
+    """Whether a row from the result channel is the result of announcement ``seq`` of request
+    ``req_id``, as :meth:`request_finished` and speculators' backend read it: an error, or the
+    keys the worker publishes it under (``store_id/req_id/g{seq}/``) and its features. Any
+    process of the engine's user can reach the channel: a row naming another request's objects
+    would hand them out under this one."""
     if "error" in row:
-        return isinstance(row["error"], str)
+        return isinstance(row["error"], str) and row.get("sample_id", req_id) == req_id
     return (
-        isinstance(row.get("store_id"), str)
-        and isinstance(row.get("sample_id"), str)
+        row.get("store_id") == store_id
+        and row.get("sample_id") == req_id
         and type(row.get("gen")) is int
+        and row.get("gen") == max(seq, 1)
         and isinstance(row.get("features"), dict)
     )
 
@@ -1583,9 +1587,11 @@ class _Listener:
     connection; a failed accept (EMFILE, ...) is logged, counted and retried after a back-off,
     never the end of listening."""
 
-    def __init__(self, name: str, deliver: Any, max_age_s: float) -> None:
+    def __init__(self, name: str, deliver: Any, max_age_s: float, store_id: str) -> None:
         self._deliver = deliver
         self._max_age_s = max_age_s
+        #: The store_id of every result's keys (the connector's, as the worker's).
+        self._store_id = store_id
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(name)
         self._sock.listen(MAX_WORKERS)
@@ -1639,10 +1645,16 @@ class _Listener:
                 results, fresh = [], []
                 for m in msgs:
                     rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
-                    if not isinstance(rid, str) or not isinstance(row, dict) or not isinstance(sent, (int, float)) or not _row_ok(row):
+                    if (
+                        not isinstance(rid, str)
+                        or type(seq) is not int
+                        or not isinstance(row, dict)
+                        or not isinstance(sent, (int, float))
+                        or not _row_ok(row, rid, seq, self._store_id)
+                    ):
                         raise ValueError(
                             'a result line is {"req_id": str, "seq": int, "sent": float, "row": {"error": str, ...} or '
-                            '{"store_id": str, "sample_id": str, "gen": int, "features": {...}, ...}}'
+                            f'{{"store_id": "{self._store_id}", "sample_id": req_id, "gen": seq, "features": {{...}}, ...}}}}'
                         )
                     results.append((rid, seq, row))
                     # Read too late, the worker may be freeing it already: never taken anew.
