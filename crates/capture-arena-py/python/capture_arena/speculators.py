@@ -111,7 +111,7 @@ def _wrap_extract_output() -> None:
             raise
 
     extract_output._frees_refused = True  # type: ignore[attr-defined]
-    client.extract_output = extract_output
+    setattr(client, "extract_output", extract_output)
 
 
 class CaptureArenaTransfer(HiddenStatesTransfer):
