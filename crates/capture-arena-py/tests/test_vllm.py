@@ -1138,6 +1138,33 @@ def test_a_result_line_naming_another_requests_objects_is_refused(pair: tuple[Pr
     assert wait_resident(worker, 0)["resident_objects"] == 0
 
 
+def test_a_taken_result_freed_while_its_worker_has_no_connection_is_freed_on_its_next(pair: tuple[Proc, Proc]) -> None:
+    # The engine core took a result (answered "taken": the worker forgets it), then the worker's
+    # connection closed (a failed send, a bad line), and vLLM preempts the request before the
+    # worker has new results to connect with. The free goes on the worker's next connection.
+    # Before: sent on the closed one, logged, and lost: the capture stayed resident for good.
+    import time
+
+    sched, worker = pair
+    worker.ask({"save": sched.ask({"announce": [["unlinked", 8]]})["meta"]})
+    deadline = time.monotonic() + 10
+    while worker.ask({"debug": True})["unacked"]:  # taken: the worker no longer frees it itself
+        assert time.monotonic() < deadline, "the engine core never answered the result"
+        time.sleep(0.01)
+    assert worker.ask({"reconnect": True}) == {"ok": True}
+    while sched.ask({"peers": True})["peers"]:
+        assert time.monotonic() < deadline, "the engine core never saw the connection close"
+        time.sleep(0.01)
+    sched.ask({"announce": [], "preempt": ["unlinked"]})  # its result freed: no connection to say so on
+    assert worker.ask({"stats": True})["resident_objects"] == 2
+    worker.ask({"save": sched.ask({"announce": [["next", 8]]})["meta"]})  # a new connection
+    params = sched.ask({"finish": "next"})["params"]
+    assert "error" not in params["capture_arena"], params
+    release_all([params])
+    s = wait_resident(worker, 0)
+    assert s["resident_objects"] == 0, f"the preempted request's capture was never freed: {s}"
+
+
 def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:
     # The engine core runs out of descriptors as the worker connects: accept() fails (EMFILE).
     # Before, that ended the listener for the life of the engine: the worker's results sat in the

@@ -38,7 +38,8 @@ states and 8 of its id. Commands:
   waiting unread in its current connection; ``{"fail_sends": ["half" | "none", ...]}`` (worker):
   its next sends time out, after the first half of their lines arrived and were answered
   (``half``) or at once (``none``); ``{"accept_errors": true}``
-  (scheduler): the listener's failed accepts; ``{"max_pending": n}`` (scheduler): the table of
+  (scheduler): the listener's failed accepts; ``{"peers": true}`` (scheduler): the pids of the
+  workers it has a connection of; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n; ``{"send_timeout": s}`` (scheduler): the connections it accepts
   from now on wait up to s for room in a send (``ACK_GRACE_S / 4``; 0.5 unless set).
 """
@@ -310,6 +311,8 @@ for line in sys.stdin:
 
             capture_arena.vllm.ACK_GRACE_S = 4 * float(cmd["send_timeout"])
             answer = {"ok": True}
+        elif "peers" in cmd:  # the worker processes the listener has a connection of
+            answer = {"peers": sorted(sched._listener._latest)}
         elif "accept_errors" in cmd:
             answer = {"accept_errors": sched._listener.accept_errors}
         else:

@@ -175,6 +175,9 @@ HOLD_GRACE_S = 30.0
 MAX_LINE = 1 << 20
 #: Connections the scheduler process accepts from workers at once.
 MAX_WORKERS = 16
+#: Keys the scheduler process could not ask its workers to free (their connection closed) that
+#: it keeps for their next connection.
+MAX_DEFERRED_KEYS = 262144
 #: How long past the step's bound a worker waits for the scheduler process to say it took a
 #: result (``taken``, or ``free`` for a late one) before freeing it itself; the scheduler
 #: process refuses a result read later than the bound plus half of this after it was sent, so
@@ -1481,12 +1484,42 @@ class _Peer:
     """A worker's connection, as the scheduler process answers on it (from the reading thread
     and, for a result it forgets, the scheduler's): one whole line at a time."""
 
-    def __init__(self, conn: socket.socket, pid: int = 0, latest: Optional[dict[int, "_Peer"]] = None) -> None:
+    def __init__(
+        self, conn: socket.socket, pid: int = 0, latest: Optional[dict[int, "_Peer"]] = None, deferred: Optional["_Deferred"] = None
+    ) -> None:
         self.conn = conn
         self.pid = pid
         #: The listener's newest connection of each worker process (by pid).
         self._latest = latest if latest is not None else {}
+        #: The listener's frees that found no connection of their worker.
+        self._deferred = deferred if deferred is not None else _Deferred()
         self._lock = threading.Lock()
+
+    def drop(self, keys: list[str]) -> None:
+        """Asks this connection's worker to free ``keys`` (a result it was told was taken), on
+        its newest connection, without waiting for room (it may be vLLM's thread). When that
+        fails (the connection closed, or the worker leaves its answers unread), the keys go on
+        the worker's next connection. Never raises."""
+        target = self.latest()
+        try:
+            target.send({"drop": keys}, now=True)
+            return
+        except OSError as e:
+            self._deferred.add(self.pid, keys)
+            log.info("capture_arena.vllm: %d keys to free wait for their worker's next connection: %s", len(keys), e)
+        now = self.latest()  # one that came meanwhile may have taken what waited before these
+        if now is not target:
+            now.send_deferred()
+
+    def send_deferred(self) -> None:
+        """Sends what waits for this connection's worker (on the listener's thread: may wait
+        for room); what cannot be sent waits for the next one."""
+        keys = self._deferred.take(self.pid)
+        if keys:
+            try:
+                self.send({"drop": keys})
+            except OSError:
+                self._deferred.add(self.pid, keys)
 
     def latest(self) -> "_Peer":
         """The newest connection of this one's worker: a result taken from a connection the
@@ -1571,13 +1604,51 @@ class _InProcess:
     def latest(self) -> "_InProcess":
         return self
 
+    def drop(self, keys: list[str]) -> None:
+        self.send({"drop": keys})
+
+
+class _Deferred:
+    """Frees the scheduler process could not send, by worker process: sent on that worker's
+    next connection (it makes one when it next has results). At most :data:`MAX_DEFERRED_KEYS`
+    in all; past it the oldest are forgotten (logged)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[int, list[str]] = {}
+        self._n = 0
+
+    def add(self, pid: int, keys: list[str]) -> None:
+        with self._lock:
+            self._keys.setdefault(pid, []).extend(keys)
+            self._n += len(keys)
+            lost = 0
+            while self._n > MAX_DEFERRED_KEYS and self._keys:
+                oldest = next(iter(self._keys))
+                cut = min(self._n - MAX_DEFERRED_KEYS, len(self._keys[oldest]))
+                del self._keys[oldest][:cut]
+                if not self._keys[oldest]:
+                    del self._keys[oldest]
+                self._n -= cut
+                lost += cut
+        if lost:
+            log.error("capture_arena.vllm: forgot %d keys to free (over %d waiting for their workers); they stay resident", lost, MAX_DEFERRED_KEYS)
+
+    def take(self, pid: int) -> list[str]:
+        with self._lock:
+            keys = self._keys.pop(pid, [])
+            self._n -= len(keys)
+            return keys
+
 
 def _reply_free(peer: Any, row: dict[str, Any]) -> None:
     """Tells the worker that sent ``row`` (and was told it was taken) to free its objects."""
     try:
-        peer.latest().send({"drop": _result_keys(row)})
-    except Exception as e:  # the connection is gone (so is the worker's arena), or a bad row
+        keys = _result_keys(row)
+    except Exception as e:  # a bad row: nothing of ours to free
         log.warning("capture_arena.vllm: could not ask the worker to free %s: %s", row.get("sample_id"), e)
+        return
+    peer.drop(keys)
 
 
 class _Listener:
@@ -1600,6 +1671,8 @@ class _Listener:
         self._lock = threading.Lock()
         #: Each worker process's newest connection (by pid), where a forgotten result's free goes.
         self._latest: dict[int, _Peer] = {}
+        #: Frees that found no connection of their worker, for its next one.
+        self._deferred = _Deferred()
         #: Accepts that failed (each backed off and retried).
         self.accept_errors = 0
         threading.Thread(target=self._accept, name="capture-arena-vllm", daemon=True).start()
@@ -1637,9 +1710,10 @@ class _Listener:
         # An answer to a worker that reads nothing fails within this instead of blocking (it
         # may be sent from vLLM's thread: a result freed at a preemption or an abort).
         conn.settimeout(ACK_GRACE_S / 4)
-        peer = _Peer(conn, pid, self._latest)
+        peer = _Peer(conn, pid, self._latest, self._deferred)
         with self._lock:
             self._latest[pid] = peer
+        peer.send_deferred()
         try:
             for msgs in _lines(conn):
                 results, fresh = [], []
