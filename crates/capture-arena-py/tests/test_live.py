@@ -439,6 +439,24 @@ def test_records_no_attempt_got_an_answer_for_are_freed_after_the_retry_and_coun
     live.producer.refs.clear()
 
 
+def test_an_intake_that_refuses_every_record_costs_the_log_a_line_a_second(live: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # An intake that answers 422 to everything: one warning a second of that kind, the ones left
+    # out counted in the next (before: a line per sampled request in SGLang's log).
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="capture_arena")
+    live.producer.mode = "rejected"
+    t0 = time.monotonic()
+    for i in range(20):
+        live.server.serve(f"refused-{i}", seed=50 + i)
+    wait_for(lambda: live.sink.stats()["live_dropped_rejected"] == 20, "the records refused")
+    took = time.monotonic() - t0
+    lines = [r.getMessage() for r in caplog.records if "the intake refused" in r.getMessage()]
+    assert 1 <= len(lines) <= took + 1, (took, lines)
+    assert len(lines) == 1 or "more like it since the last" in lines[-1], lines
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the captures freed")
+
+
 def test_a_duplicate_answer_after_an_attempt_that_never_connected_is_not_a_success(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import http.client
 
@@ -460,6 +478,35 @@ def test_a_duplicate_answer_after_an_attempt_that_never_connected_is_not_a_succe
 
     monkeypatch.setattr(http.client.HTTPConnection, "connect", connect)
     live.server.serve("again", seed=31)
+    wait_for(lambda: live.sink.stats()["live_dropped_duplicate"] == 1, "the duplicate dropped")
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the capture freed")
+    s = live.sink.stats()
+    assert s["live_captured"] == 1 and not failures and live.intake.counts["duplicate"] == 1, s
+
+
+def test_a_duplicate_answer_after_an_attempt_cut_before_its_request_was_written_is_not_a_success(
+    live: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import http.client
+
+    req, aux, last = live.server.serve("again-cut", seed=32)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the first capture")
+    trainer_reads_and_releases(live, {"live-again-cut": (aux, last, req.origin_input_ids)})
+    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "its frees")
+    # Captured again; the first attempt connects, and its connection breaks before the request
+    # is written (simulated: an intake that accepted and closed, EPIPE); the retry is answered
+    # "duplicate". That attempt cannot have reached the intake whole: freed, as above (before:
+    # taken as sent, so the duplicate counted as this capture's, and it stayed resident for good).
+    real_send = http.client.HTTPConnection.send
+    failures = [BrokenPipeError(32, "Broken pipe")]
+
+    def send(self: Any, data: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real_send(self, data)
+
+    monkeypatch.setattr(http.client.HTTPConnection, "send", send)
+    live.server.serve("again-cut", seed=33)
     wait_for(lambda: live.sink.stats()["live_dropped_duplicate"] == 1, "the duplicate dropped")
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the capture freed")
     s = live.sink.stats()

@@ -250,6 +250,29 @@ Publish = Callable[[Any], "dict[str, Any]"]
 Drop = Callable[["dict[str, Any]"], None]
 
 
+class _Warnings:
+    """Per-capture warnings, at most one a second of each kind (an intake that refuses every
+    record, a full arena: one line per sampled request would flood the server's log); those
+    left out are counted in the next of their kind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(kind, 0.0):
+                self._left_out[kind] = self._left_out.get(kind, 0) + 1
+                return
+            self._next[kind] = now + 1.0
+            left_out = self._left_out.pop(kind, 0)
+        if left_out:
+            msg += f" ({left_out} more like it since the last)"
+        _log.warning(msg, *args, exc_info=exc_info)
+
+
 class LiveCapture:
     """Live capture for one sink: see the module docs. ``publish(item)`` publishes one
     ``(spec, aux, last_hidden)`` and returns its row (never raises); ``drop(result)`` frees a
@@ -259,6 +282,7 @@ class LiveCapture:
         self.intake_url = check_intake_url(intake_url)
         self.sample_rate = check_sample_rate(sample_rate)
         self._route = _Route(self.intake_url)
+        self._warnings = _Warnings()
         _log.info("live capture: the intake %s is reached %s", self.intake_url, self._route.describe())
         self._publish = publish
         self._drop = drop
@@ -299,7 +323,7 @@ class LiveCapture:
                 return None
             return dict(cfg.spec(f"live-{rid}"), live=True)
         except Exception:  # a rid whose str() raises: not captured, never the scheduler's problem
-            _log.warning("live capture: cannot make a spec for request %r", rid, exc_info=True)
+            self._warnings.warn("spec", "live capture: cannot make a spec for request %r", rid, exc_info=True)
             return None
 
     def put_sample_live(self, spec: Any, aux: Any = None, last_hidden: Any = None, tokens: Any = None) -> None:
@@ -419,7 +443,7 @@ class LiveCapture:
             try:
                 self._write(*item[:4])
             except Exception:  # never ends the worker: the next capture goes on
-                _log.warning("live capture: a capture failed", exc_info=True)
+                self._warnings.warn("capture", "live capture: a capture failed", exc_info=True)
             finally:
                 del item
                 self._log_stats()
@@ -453,12 +477,12 @@ class LiveCapture:
         row = self._publish((dict(spec, passthrough=passthrough), aux, last_hidden))
         if "error" in row:
             self._count("live_dropped_publish")
-            _log.warning("live capture: publishing %s failed: %s", spec.get("sample_id"), row["error"])
+            self._warnings.warn("publish", "live capture: publishing %s failed: %s", spec.get("sample_id"), row["error"])
             return
         try:
             outcome = self._post(dict(row, num_tokens=n))
         except Exception:  # never leave a published capture behind
-            _log.warning("live capture: posting the record of %s failed", spec.get("sample_id"), exc_info=True)
+            self._warnings.warn("post", "live capture: posting the record of %s failed", spec.get("sample_id"), exc_info=True)
             outcome = "rejected"
         if outcome == "accepted":
             self._count("live_captured")
@@ -495,10 +519,13 @@ class LiveCapture:
     def _post(self, record: Mapping[str, Any]) -> str:
         """Posts a record: ``accepted``, ``duplicate`` (a first attempt's), ``shed`` (429),
         ``rejected`` (any other non-2xx answer, redirects included), ``down`` (no attempt
-        connected), or ``unknown`` (an attempt was sent and no attempt got an answer)."""
+        reached the intake whole), or ``unknown`` (an attempt was sent and no attempt got an
+        answer)."""
         body = json.dumps(record, separators=(",", ":")).encode()
         if len(body) > MAX_RECORD_BYTES:
-            _log.warning("live capture: the record of %s is %d bytes, over the intake's %d", record.get("sample_id"), len(body), MAX_RECORD_BYTES)
+            self._warnings.warn(
+                "size", "live capture: the record of %s is %d bytes, over the intake's %d", record.get("sample_id"), len(body), MAX_RECORD_BYTES
+            )
             return "rejected"
         last, sent = "", False
         for attempt in range(POST_ATTEMPTS):
@@ -514,19 +541,25 @@ class LiveCapture:
             if status == 429:
                 return "shed"
             if not 200 <= status < 300:
-                _log.warning("live capture: the intake refused %s: HTTP %d %s", record.get("sample_id"), status, answer[:512].decode("utf-8", "replace"))
+                # The intake's words quoted (repr): its newlines never make log lines of their own.
+                self._warnings.warn(
+                    "refused", "live capture: the intake refused %s: HTTP %d %r", record.get("sample_id"), status, answer[:512].decode("utf-8", "replace")
+                )
                 if status in (404, 422):
                     self._refetch.set()  # a trainer restarted with a new store_id?
                 return "rejected"
             if _status_of(answer) == "duplicate" and not sent_before:
                 # No earlier attempt reached the intake: the id it has is an earlier capture's.
-                _log.warning(
+                self._warnings.warn(
+                    "duplicate",
                     "live capture: %s was already accepted by the intake (a repeated request id): this capture is freed",
                     record.get("sample_id"),
                 )
                 return "duplicate"
             return "accepted"
-        _log.warning("live capture: the intake %s %s did not answer for %s: %s", self.intake_url, self._route.describe(), record.get("sample_id"), last)
+        self._warnings.warn(
+            "unanswered", "live capture: the intake %s %s did not answer for %s: %s", self.intake_url, self._route.describe(), record.get("sample_id"), last
+        )
         return "unknown" if sent else "down"
 
     def close(self) -> None:
@@ -553,7 +586,8 @@ class LiveCapture:
 
 
 class _NotSent(Exception):
-    """A request that cannot have reached the intake (nothing connected); ``__cause__`` says why."""
+    """A request that cannot have reached the intake whole (nothing connected, or its connection
+    broke before it was written); ``__cause__`` says why."""
 
 
 class _Route:
@@ -592,8 +626,9 @@ class _Route:
     def request(self, method: str, path: str, body: Optional[bytes], timeout: float, limit: int) -> tuple[int, bytes]:
         """One request: its status and at most ``limit`` bytes of its answer, all within
         ``timeout`` of the call, connect, proxy tunnel and headers included (name resolution
-        aside: the system's). Raises _NotSent when nothing connected, another exception when it
-        was sent and no whole answer came."""
+        aside: the system's). Raises _NotSent when it was not written whole (nothing connected,
+        or the connection broke first), another exception when it was sent and no whole answer
+        came."""
         deadline = time.monotonic() + timeout
         target = self.path + path
         if self.proxy is None:
@@ -626,7 +661,7 @@ class _Route:
         try:
             try:
                 conn.connect()
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:  # a proxy's CONNECT answer included
                 raise _NotSent(f"connecting to {self.origin} {self.describe()}") from (late if cut.is_set() else e)
             if cut.is_set():  # connected as the deadline passed: nothing sent
                 raise _NotSent(f"connecting to {self.origin} {self.describe()}") from late
@@ -635,6 +670,9 @@ class _Route:
                 headers.update(self._proxy_auth())
             try:
                 conn.request(method, target, body=body, headers=headers)
+            except (OSError, http.client.HTTPException) as e:  # not written whole: never taken
+                raise _NotSent(f"sending to {self.origin} {self.describe()}") from (late if cut.is_set() else e)
+            try:
                 resp = conn.getresponse()
                 answer = _read_within(resp, limit, deadline)
             except (OSError, http.client.HTTPException) as e:
