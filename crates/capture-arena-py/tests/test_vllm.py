@@ -1082,6 +1082,33 @@ def test_the_requests_that_finish_in_one_step_wait_for_their_results_within_one_
     assert took[0] >= HALF_BOUND and sum(took) < HALF_BOUND + 0.25, took
 
 
+def test_the_preempted_requests_of_a_hung_copy_cost_vllm_one_wait_not_one_each(pair: tuple[Proc, Proc]) -> None:
+    # vLLM preempts three requests of one step whose copy is under way (each marked started) and
+    # hangs (a stuck device wait, here a gate). handle_preemptions, on vLLM's thread, waits for
+    # them together at most the bound plus PREEMPT_GRACE_S: 0.75 s here (before: that again for
+    # each, 2.25 s; at the defaults, 30.5 s a request).
+    import time
+
+    sched, worker = pair
+    rids = [f"hung-{i}" for i in range(3)]
+    assert worker.ask({"gate_copies": True}) == {"ok": True}
+    assert worker.ask({"preempt_grace": 0.25}) == {"ok": True}
+    try:
+        worker.ask({"save": sched.ask({"announce": [[r, 8] for r in rids]})["meta"]})
+        deadline = time.monotonic() + 20
+        while "copy_gate.wait" not in worker.ask({"debug": True})["threads"].get("capture-arena-vllm-copy", ""):
+            assert time.monotonic() < deadline, "the copy never began"
+            time.sleep(0.01)
+        meta = sched.ask({"announce": [], "preempt": rids})["meta"]
+        took = worker.ask({"handle_preemptions": meta})["s"]
+        assert HALF_BOUND + 0.25 <= took < HALF_BOUND + 0.25 + 0.5, f"vLLM's thread waited {took:.2f} s for three preempted requests"
+    finally:
+        assert worker.ask({"gate_copies": False}) == {"ok": True}
+        assert worker.ask({"preempt_grace": 30.0}) == {"ok": True}
+    s = wait_resident(worker, 0)  # the copies landed; the engine core had the results freed
+    assert s["resident_objects"] == 0, s
+
+
 def test_a_malformed_result_line_costs_only_its_connection(pair: tuple[Proc, Proc]) -> None:
     # Any process of the engine's user can reach the result channel. A line whose row lacks
     # what request_finished reads (a published row's store_id, gen, ...) for a pending request

@@ -29,6 +29,10 @@ states and 8 of its id. Commands:
   true}``: the next step starts a new one; ``{"stop_in_save": base64}`` (worker): that step is
   saved, and the copy thread stopped so (on a thread of its own) in the midst of its
   wait_for_save, between its look at whether the sink is closing and its hand-over of the step;
+  ``{"gate_copies": bool}`` (worker): from the next step, copies wait once begun (their requests
+  marked started) until the gate opens (false); ``{"preempt_grace": s}`` (worker):
+  ``PREEMPT_GRACE_S``; ``{"handle_preemptions": base64}`` (worker) -> ``{"s": seconds}``: that
+  step's handle_preemptions;
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
   the process, then gives them back;
 - ``{"stats": true}`` (worker): the worker's arena counters; ``{"reconnect": true}`` (worker):
@@ -181,6 +185,7 @@ class GapCondition(threading.Condition):
 
 
 main = threading.main_thread()
+copy_gate = threading.Event()
 print(json.dumps({"ready": True}), file=answers, flush=True)
 for line in sys.stdin:
     cmd = json.loads(line)
@@ -268,6 +273,34 @@ for line in sys.stdin:
         elif "stop_copier" in cmd:
             worker._start_copier()  # (if none was started yet)
             answer = {"stopped": worker._stop_copier(), "stopping": worker._stopping}
+        elif "gate_copies" in cmd:  # copies wait (once begun: their requests started) until the gate opens
+            import capture_arena.vllm
+
+            if not hasattr(capture_arena.vllm, "_real_rows"):
+                capture_arena.vllm._real_rows = capture_arena.vllm._Rows
+            if cmd["gate_copies"]:
+                copy_gate.clear()
+
+                class _Gated(capture_arena.vllm._real_rows):
+                    def copy(self, *a, **k):
+                        copy_gate.wait(60)
+                        return super().copy(*a, **k)
+
+                capture_arena.vllm._Rows = _Gated
+            else:
+                capture_arena.vllm._Rows = capture_arena.vllm._real_rows
+                copy_gate.set()
+            worker._rows = None  # made again by the next step
+            answer = {"ok": True}
+        elif "preempt_grace" in cmd:  # how much longer than the bound a preemption waits for a copy under way
+            import capture_arena.vllm
+
+            capture_arena.vllm.PREEMPT_GRACE_S = float(cmd["preempt_grace"])
+            answer = {"ok": True}
+        elif "handle_preemptions" in cmd:  # vLLM's worker hands a step's preempted requests over, before its forward
+            t0 = time.monotonic()
+            worker.handle_preemptions(pickle.loads(base64.b64decode(cmd["handle_preemptions"])))
+            answer = {"s": time.monotonic() - t0}
         elif "stop_in_save" in cmd:  # the next wait_for_save is met by the sink's closing
             stopper = {}
 

@@ -719,9 +719,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Requests vLLM preempted gave their blocks back, and this step's forward may write
         them: a copy not begun yet is given up at once (its objects fail their readers and are
-        freed), one under way is waited for (at most the bound plus PREEMPT_GRACE_S, on vLLM's
-        thread: preemption is rare, and a copy takes milliseconds). The scheduler process frees
-        the result and announces the request again when its prompt is recomputed."""
+        freed), one under way is waited for (all of them together at most the bound plus
+        PREEMPT_GRACE_S, on vLLM's thread: preemption is rare, and a copy takes milliseconds).
+        The scheduler process frees the result and announces the request again when its prompt
+        is recomputed."""
+        # One deadline for the step's preempted requests (their copies run together: one stuck
+        # copy would otherwise cost vLLM the bound again for each).
+        deadline = time.monotonic() + self._bound + PREEMPT_GRACE_S
         for rid in getattr(kv_connector_metadata, "preempted", None) or ():
             c = self._copies.pop(rid, None)
             self._finished.discard(rid)
@@ -732,7 +736,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 if c.cancelled:
                     continue
                 t0 = time.monotonic()
-                deadline = t0 + self._bound + PREEMPT_GRACE_S
                 # The step's native copy flags each request as it lands without a notify (that
                 # comes when the whole step is copied): look every millisecond.
                 while not c.done and time.monotonic() < deadline:
