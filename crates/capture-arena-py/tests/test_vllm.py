@@ -999,6 +999,29 @@ def test_a_close_in_the_midst_of_a_save_still_gives_the_steps_blocks_back(both: 
         assert p.ask({"restart_copier": True}) == {"ok": True}
 
 
+def test_a_copy_thread_that_cannot_start_fails_only_its_step(both: Proc) -> None:
+    # No thread to be had (a process at its limit) as a step needs the copy thread: that step's
+    # captures fail and vLLM gets its blocks back; nothing raises into vLLM's thread, and the next
+    # step starts the thread. Before: RuntimeError out of wait_for_save, and the thread never
+    # started stayed the copy thread, so no later step was ever copied.
+    p = both
+    before = p.ask({"stats": True})
+    assert p.ask({"stop_copier": True}) == {"stopped": True, "stopping": True}
+    assert p.ask({"restart_copier": True}) == {"ok": True}  # the next step starts a new one
+    assert p.ask({"fail_thread_start": ["capture-arena-vllm-copy", 1]}) == {"ok": True}
+    saved = p.ask({"save": p.ask({"announce": [["no-thread", 8]]})["meta"]})
+    assert "error" not in saved, saved
+    failed = p.ask({"finish": "no-thread"})["params"]
+    assert p.ask({"get_finished": ["no-thread"]}) == {"done": ["no-thread"]}
+    p.ask({"save": p.ask({"announce": [["thread-again", 8]]})["meta"]})
+    got = p.ask({"finish": "thread-again"})["params"]
+    s = wait_stats(p, lambda s: s["written_objects"] == before["written_objects"] + 2)
+    assert s["written_objects"] == before["written_objects"] + 2 and s["failed_writes"] == before["failed_writes"] + 2, s
+    assert p.ask({"get_finished": ["thread-again"]}) == {"done": ["thread-again"]}
+    release_all([failed, got])
+    assert wait_resident(p, before["resident_objects"])["resident_objects"] == before["resident_objects"]
+
+
 def test_a_worker_in_the_engine_cores_process_hands_its_results_over_in_memory(both: Proc) -> None:
     # At tensor parallelism 1 vLLM runs the worker in the engine core's process: wait_for_save
     # puts the result in the scheduler's table itself, so request_finished never waits for the
@@ -1190,6 +1213,21 @@ def test_a_taken_result_freed_while_its_worker_has_no_connection_is_freed_on_its
     release_all([params])
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, f"the preempted request's capture was never freed: {s}"
+
+
+def test_a_result_connection_with_no_thread_to_read_it_costs_only_that_connection(pair: tuple[Proc, Proc]) -> None:
+    # No thread to be had (a process at its limit) as the engine core accepts a worker's
+    # connection: that connection is closed, and the worker's result goes through on its next.
+    # Before: the RuntimeError ended the accepting thread, and every later result went unread.
+    sched, worker = pair
+    assert sched.ask({"fail_thread_start": ["capture-arena-vllm-read", 1]}) == {"ok": True}
+    assert worker.ask({"reconnect": True}) == {"ok": True}
+    worker.ask({"save": sched.ask({"announce": [["no-reader", 8]]})["meta"]})
+    params = sched.ask({"finish": "no-reader"})["params"]
+    assert "error" not in params["capture_arena"], (params, sched.log_tail())
+    assert "no thread to read a result connection" in sched.log_tail()
+    release_all([params])
+    assert wait_resident(worker, 0)["resident_objects"] == 0
 
 
 def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:

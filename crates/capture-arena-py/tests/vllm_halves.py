@@ -29,7 +29,8 @@ states and 8 of its id. Commands:
   true}``: the next step starts a new one; ``{"stop_in_save": base64}`` (worker): that step is
   saved, and the copy thread stopped so (on a thread of its own) in the midst of its
   wait_for_save, between its look at whether the sink is closing and its hand-over of the step;
-  ``{"gate_copies": bool}`` (worker): from the next step, copies wait once begun (their requests
+  ``{"fail_thread_start": [name, n]}``: the next n starts of threads of that name fail as at
+  the process's limit; ``{"gate_copies": bool}`` (worker): from the next step, copies wait once begun (their requests
   marked started) until the gate opens (false); ``{"preempt_grace": s}`` (worker):
   ``PREEMPT_GRACE_S``; ``{"handle_preemptions": base64}`` (worker) -> ``{"s": seconds}``: that
   step's handle_preemptions;
@@ -292,6 +293,18 @@ for line in sys.stdin:
                 copy_gate.set()
             worker._rows = None  # made again by the next step
             answer = {"ok": True}
+        elif "fail_thread_start" in cmd:  # the next n starts of threads of that name fail (no thread to be had)
+            name, left = cmd["fail_thread_start"][0], [int(cmd["fail_thread_start"][1])]
+            real_start = threading.Thread.start
+
+            def _start(self, real=real_start, name=name, left=left):
+                if self.name == name and left[0] > 0:
+                    left[0] -= 1
+                    raise RuntimeError("can't start new thread (simulated)")
+                return real(self)
+
+            threading.Thread.start = _start
+            answer = {"ok": True}
         elif "preempt_grace" in cmd:  # how much longer than the bound a preemption waits for a copy under way
             import capture_arena.vllm
 
@@ -309,11 +322,12 @@ for line in sys.stdin:
                 # of the step: the close runs now, on a thread of its own, and is given until it
                 # is done or 0.5 s (it may have to wait for wait_for_save).
                 del worker._start_copier
-                real(worker)
+                running = real(worker)
                 t = threading.Thread(target=lambda: stopper.update(stopped=worker._stop_copier()))
                 t.start()
                 stopper["thread"] = t
                 t.join(0.5)
+                return running
 
             worker._start_copier = _start_copier
             save(cmd["stop_in_save"])

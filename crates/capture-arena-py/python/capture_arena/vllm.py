@@ -684,11 +684,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
         with self._steps_lock:  # a close stopping the copy thread now comes before or after the step
-            if not self._stopping:
-                self._start_copier()
+            if not self._stopping and self._start_copier():
                 self._steps.put((list(saves), reserved, copies, event))
                 return
-        self._fail_step(reserved, copies)  # the sink is closing and the copy thread gone: nothing is copied
+        self._fail_step(reserved, copies)  # closing, or no copy thread: nothing is copied
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -761,12 +760,20 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- the copy thread ------------------------------------------------------------------
 
-    def _start_copier(self) -> None:
+    def _start_copier(self) -> bool:
+        """Whether the copy thread runs (started now if it was not): False when no thread can
+        be had (a process at its limit), which fails only this step."""
         if self._copier is None:
-            self._copier = threading.Thread(target=self._copy_loop, name="capture-arena-vllm-copy", daemon=True)
-            self._copier.start()
+            copier = threading.Thread(target=self._copy_loop, name="capture-arena-vllm-copy", daemon=True)
+            try:
+                copier.start()
+            except RuntimeError as e:
+                log.error("capture_arena.vllm: the copy thread could not start: %s; this step's captures fail", e)
+                return False
+            self._copier = copier
             assert self._sink is not None
             self._sink.on_close(self._stop_copier)
+        return True
 
     def _stop_copier(self) -> bool:
         """Stops the copy thread once the step it copies is done (later steps are not copied:
@@ -1707,7 +1714,15 @@ class _Listener:
                 log.warning("capture_arena.vllm: refused a result connection (uid %d, %d open)", uid, self._open)
                 conn.close()
                 continue
-            threading.Thread(target=self._read, args=(conn, pid), name="capture-arena-vllm-read", daemon=True).start()
+            try:
+                threading.Thread(target=self._read, args=(conn, pid), name="capture-arena-vllm-read", daemon=True).start()
+            except RuntimeError as e:  # no thread to be had (a process at its limit): that connection only
+                with self._lock:
+                    self._open -= 1
+                conn.close()
+                self.accept_errors += 1
+                log.error("capture_arena.vllm: no thread to read a result connection: %s; its worker sends again on a new one", e)
+                self._closed.wait(0.01)
 
     def _read(self, conn: socket.socket, pid: int = 0) -> None:
         # An answer to a worker that reads nothing fails within this instead of blocking (it
