@@ -457,56 +457,43 @@ def test_an_intake_that_refuses_every_record_costs_the_log_a_line_a_second(live:
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the captures freed")
 
 
-def test_a_duplicate_answer_after_an_attempt_that_never_connected_is_not_a_success(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import http.client
-
-    # The rid was captured, read and freed before; the intake still remembers it.
-    req, aux, last = live.server.serve("again", seed=30)
-    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the first capture")
-    trainer_reads_and_releases(live, {"live-again": (aux, last, req.origin_input_ids)})
-    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "its frees")
-    # Captured again; the first attempt cannot connect (simulated: the connection is refused),
-    # the retry is answered "duplicate". Nothing of this capture reached the intake: no trainer
-    # will ever get it, so it is freed (before: counted captured and left resident for ever).
-    real_connect = http.client.HTTPConnection.connect
-    failures = [ConnectionRefusedError(111, "Connection refused")]
-
-    def connect(self: Any) -> None:
-        if failures:
-            raise failures.pop()
-        real_connect(self)
-
-    monkeypatch.setattr(http.client.HTTPConnection, "connect", connect)
-    live.server.serve("again", seed=31)
-    wait_for(lambda: live.sink.stats()["live_dropped_duplicate"] == 1, "the duplicate dropped")
-    wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the capture freed")
-    s = live.sink.stats()
-    assert s["live_captured"] == 1 and not failures and live.intake.counts["duplicate"] == 1, s
-
-
-def test_a_duplicate_answer_after_an_attempt_cut_before_its_request_was_written_is_not_a_success(
-    live: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "cut",
+    [
+        # the first attempt cannot connect (simulated: the connection is refused)
+        ("connect", ConnectionRefusedError(111, "Connection refused")),
+        # it connects, and its connection breaks before the request is written (simulated: an
+        # intake that accepted and closed, EPIPE)
+        ("send", BrokenPipeError(32, "Broken pipe")),
+    ],
+    ids=["never_connected", "cut_before_its_request_was_written"],
+)
+def test_a_duplicate_answer_after_an_attempt_that_never_reached_the_intake_is_not_a_success(
+    live: Any, monkeypatch: pytest.MonkeyPatch, cut: tuple[str, OSError]
 ) -> None:
     import http.client
 
-    req, aux, last = live.server.serve("again-cut", seed=32)
+    rid = f"again-{cut[0]}"
+    # The rid was captured, read and freed before; the intake still remembers it.
+    req, aux, last = live.server.serve(rid, seed=30)
     wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the first capture")
-    trainer_reads_and_releases(live, {"live-again-cut": (aux, last, req.origin_input_ids)})
+    trainer_reads_and_releases(live, {f"live-{rid}": (aux, last, req.origin_input_ids)})
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "its frees")
-    # Captured again; the first attempt connects, and its connection breaks before the request
-    # is written (simulated: an intake that accepted and closed, EPIPE); the retry is answered
-    # "duplicate". That attempt cannot have reached the intake whole: freed, as above (before:
-    # taken as sent, so the duplicate counted as this capture's, and it stayed resident for good).
-    real_send = http.client.HTTPConnection.send
-    failures = [BrokenPipeError(32, "Broken pipe")]
+    # Captured again; the first attempt fails as `cut` says, the retry is answered "duplicate".
+    # Nothing of this capture reached the intake whole: no trainer will ever get it, so it is
+    # freed (before: counted captured and left resident for ever; for a broken send, until
+    # 1fa225c, taken as sent, so the duplicate counted as this capture's).
+    method, error = cut
+    real = getattr(http.client.HTTPConnection, method)
+    failures = [error]
 
-    def send(self: Any, data: Any) -> None:
+    def failing(self: Any, *args: Any) -> Any:
         if failures:
             raise failures.pop()
-        real_send(self, data)
+        return real(self, *args)
 
-    monkeypatch.setattr(http.client.HTTPConnection, "send", send)
-    live.server.serve("again-cut", seed=33)
+    monkeypatch.setattr(http.client.HTTPConnection, method, failing)
+    live.server.serve(rid, seed=31)
     wait_for(lambda: live.sink.stats()["live_dropped_duplicate"] == 1, "the duplicate dropped")
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the capture freed")
     s = live.sink.stats()
