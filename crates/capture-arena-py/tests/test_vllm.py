@@ -1230,6 +1230,42 @@ def test_a_result_connection_with_no_thread_to_read_it_costs_only_that_connectio
     assert wait_resident(worker, 0)["resident_objects"] == 0
 
 
+def test_another_users_connections_are_refused_without_flooding_the_engines_log(pair: tuple[Proc, Proc]) -> None:
+    # The result channel is an abstract socket: any local user can connect. Each connection of
+    # another user is refused; the first refusal and every 100th are logged (before: a warning
+    # each, so a loop of connects filled the engine core's log).
+    import socket
+
+    if os.getuid() != 0:
+        pytest.skip("connecting as another user (nobody) needs root, as CI runs")
+    sched, worker = pair
+    name = f"\0capture-arena-vllm/pair-{os.getpid()}/0"
+    child = os.fork()
+    if child == 0:  # another user (nobody), connecting in a loop; only sockets and _exit here
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            for _ in range(300):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.settimeout(10)
+                c.connect(name)
+                c.recv(1)  # refused: closed by the engine core
+                c.close()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    refusals = sched.log_tail().count("refused a result connection")
+    assert 1 <= refusals <= 4, sched.log_tail()
+    worker.ask({"save": sched.ask({"announce": [["after-refusals", 8]]})["meta"]})  # the worker's still go through
+    params = sched.ask({"finish": "after-refusals"})["params"]
+    assert "error" not in params["capture_arena"], params
+    release_all([params])
+    assert wait_resident(worker, 0)["resident_objects"] == 0
+
+
 def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:
     # The engine core runs out of descriptors as the worker connects: accept() fails (EMFILE).
     # Before, that ended the listener for the life of the engine: the worker's results sat in the

@@ -1685,6 +1685,8 @@ class _Listener:
         self._deferred = _Deferred()
         #: Accepts that failed (each backed off and retried).
         self.accept_errors = 0
+        #: Connections refused (another user's, or over MAX_WORKERS).
+        self.refused = 0
         threading.Thread(target=self._accept, name="capture-arena-vllm", daemon=True).start()
 
     def _accept(self) -> None:
@@ -1711,7 +1713,10 @@ class _Listener:
                 if not full and uid == os.getuid():
                     self._open += 1
             if uid != os.getuid() or full:
-                log.warning("capture_arena.vllm: refused a result connection (uid %d, %d open)", uid, self._open)
+                # Any local user can reach the name: the first refusal and every 100th are logged.
+                self.refused += 1
+                if self.refused == 1 or self.refused % 100 == 0:
+                    log.warning("capture_arena.vllm: refused a result connection (uid %d, %d open; %d refused so far)", uid, self._open, self.refused)
                 conn.close()
                 continue
             try:
