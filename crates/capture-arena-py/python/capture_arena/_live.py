@@ -64,6 +64,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ._samples import Warnings
 from .errors import ConfigError
 
 __all__ = ["LiveCapture", "LiveSink", "CONFIG_PATH", "RECORDS_PATH", "sampled", "QUEUE_ENV", "INTAKE_WAIT_ENV", "intake_wait_s", "sync_wait_s"]
@@ -250,29 +251,6 @@ Publish = Callable[[Any], "dict[str, Any]"]
 Drop = Callable[["dict[str, Any]"], None]
 
 
-class _Warnings:
-    """Per-capture warnings, at most one a second of each kind (an intake that refuses every
-    record, a full arena: one line per sampled request would flood the server's log); those
-    left out are counted in the next of their kind."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next: dict[str, float] = {}
-        self._left_out: dict[str, int] = {}
-
-    def warn(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next.get(kind, 0.0):
-                self._left_out[kind] = self._left_out.get(kind, 0) + 1
-                return
-            self._next[kind] = now + 1.0
-            left_out = self._left_out.pop(kind, 0)
-        if left_out:
-            msg += f" ({left_out} more like it since the last)"
-        _log.warning(msg, *args, exc_info=exc_info)
-
-
 class LiveCapture:
     """Live capture for one sink: see the module docs. ``publish(item)`` publishes one
     ``(spec, aux, last_hidden)`` and returns its row (never raises); ``drop(result)`` frees a
@@ -282,7 +260,7 @@ class LiveCapture:
         self.intake_url = check_intake_url(intake_url)
         self.sample_rate = check_sample_rate(sample_rate)
         self._route = _Route(self.intake_url)
-        self._warnings = _Warnings()
+        self._warnings = Warnings()
         _log.info("live capture: the intake %s is reached %s", self.intake_url, self._route.describe())
         self._publish = publish
         self._drop = drop

@@ -176,8 +176,30 @@ def _log_failures(fut: "concurrent.futures.Future[list[Result]]") -> None:
     _log_failures_of(rows)
 
 
-_failures = {"next": 0.0, "suppressed": 0}
-_failures_lock = threading.Lock()
+class Warnings:
+    """Warnings at most one a second of each kind (one per request or batch would flood the
+    server's log: a full arena, an intake that refuses every record); those left out are counted
+    in the next of their kind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next: dict[str, float] = {}
+        self._left_out: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next.get(kind, 0.0):
+                self._left_out[kind] = self._left_out.get(kind, 0) + 1
+                return
+            self._next[kind] = now + 1.0
+            left_out = self._left_out.pop(kind, 0)
+        if left_out:
+            msg += f" ({left_out} more like it since the last)"
+        _log.warning(msg, *args, exc_info=exc_info)
+
+
+_FAILURES = Warnings()
 
 
 def _log_failures_of(rows: list[Result]) -> None:
@@ -185,20 +207,10 @@ def _log_failures_of(rows: list[Result]) -> None:
     this per request under a synchronous patch: a full arena would flood the log); the ones
     left out are counted in the next."""
     bad = [r for r in rows if "error" in r]
-    if not bad:
-        return
-    now = time.monotonic()
-    with _failures_lock:
-        if now < _failures["next"]:
-            _failures["suppressed"] += 1
-            return
-        _failures["next"] = now + 1.0
-        suppressed, _failures["suppressed"] = _failures["suppressed"], 0
-    more = f"; {suppressed} more batches with failures since the last warning" if suppressed else ""
-    _log.warning(
-        "%d of %d captured samples failed (first: sample %r: %s)%s", len(bad), len(rows), bad[0].get("sample_id"), bad[0]["error"], more
-    )
-
+    if bad:
+        _FAILURES.warn(
+            "batch", "%d of %d captured samples failed (first: sample %r: %s)", len(bad), len(rows), bad[0].get("sample_id"), bad[0]["error"]
+        )
 
 
 def _complete(fut: "concurrent.futures.Future[list[Result]]", items: Sequence[Any], error: str) -> None:

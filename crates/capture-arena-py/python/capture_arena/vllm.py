@@ -653,7 +653,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             # (after a preemption, or a request id used again) never meets its earlier objects'
             # keys, which may still be resident.
             width = int(self._kv.shape[1]) * int(self._kv.shape[3])
-            requests = [(sv.req_id, max(sv.seq, 1), sv.n) for sv in saves]
+            requests = [(sv.req_id, _gen(sv.seq), sv.n) for sv in saves]
             return saves, self._sink._reserve_rows_begin(self._store_id, self._dtype, width, requests, within_s=self._bound)
         except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
             log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
@@ -1570,9 +1570,14 @@ def _row_ok(row: dict[str, Any], req_id: str, seq: int, store_id: str) -> bool:
         row.get("store_id") == store_id
         and row.get("sample_id") == req_id
         and type(row.get("gen")) is int
-        and row.get("gen") == max(seq, 1)
+        and row.get("gen") == _gen(seq)
         and isinstance(row.get("features"), dict)
     )
+
+
+def _gen(seq: int) -> int:
+    """The ``gen`` of the keys announcement ``seq`` of a request is published under."""
+    return max(seq, 1)
 
 
 def _tag(req_id: str, seq: Any) -> str:
