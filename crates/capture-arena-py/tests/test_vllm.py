@@ -141,10 +141,13 @@ def resident(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def resident_of(engine: Proc) -> dict[str, Any]:
-    """The engine's arena counters (read through a tiny request's result, then freed)."""
+    """The engine's arena counters (read through a tiny request's result, then freed), once
+    that request's copy is done: its answer comes before the copy, which a test's next command
+    (a copy made to fail, a gate closed) would otherwise catch under load."""
     import capture_arena as ca
 
     (kv,) = engine.ask([prompt(2, 99)])
+    assert engine.ask({"drain": 30})["held"] == {}, "the probe's copy never gave its blocks back"
     s = resident(kv)
     reader = ca.ArenaFeatureStore()
     reader.release(kv["capture_arena"])
