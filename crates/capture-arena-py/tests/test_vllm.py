@@ -1269,6 +1269,86 @@ def test_another_users_connections_are_refused_without_flooding_the_engines_log(
     assert wait_resident(worker, 0)["resident_objects"] == 0
 
 
+def test_connections_that_send_nothing_cannot_keep_the_workers_results_out(pair: tuple[Proc, Proc]) -> None:
+    # Any process of the engine's user can connect to the result channel. Before, connections
+    # that sent nothing held its 16 places for good, and every worker's connection after them was
+    # refused: each request got an error and its capture was freed. Now one process holds at most
+    # MAX_CONNECTIONS_PER_PROCESS (4) at once, and a connection that sends no line within
+    # FIRST_LINE_S (1 s here) is closed.
+    import selectors
+    import socket
+    import time
+
+    from capture_arena.vllm import MAX_CONNECTIONS_PER_PROCESS, MAX_WORKERS
+
+    sched, worker = pair
+    assert sched.ask({"first_line_s": 1.0}) == {"ok": True}
+    assert worker.ask({"reconnect": True}) == {"ok": True}  # its next results need an accept
+    refused = sched.ask({"accept_errors": True})["refused"]
+    name = f"\0capture-arena-vllm/pair-{os.getpid()}/0"
+    sel = selectors.DefaultSelector()
+    opened: dict[socket.socket, float] = {}
+    closed: dict[socket.socket, float] = {}
+    try:
+        for _ in range(MAX_WORKERS):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(name)
+            opened[c] = time.monotonic()
+            sel.register(c, selectors.EVENT_READ)
+
+        def wait_closed(n: int) -> None:  # until n of them were closed by the engine core
+            deadline = time.monotonic() + 10
+            while len(closed) < n:
+                assert time.monotonic() < deadline, f"{len(closed)} of {len(opened)} connections closed, not {n}"
+                for key, _ in sel.select(0.1):
+                    c = key.fileobj
+                    assert isinstance(c, socket.socket) and c.recv(1) == b""
+                    closed[c] = time.monotonic()
+                    sel.unregister(c)
+
+        wait_closed(MAX_WORKERS - MAX_CONNECTIONS_PER_PROCESS)  # those over this process's share, at once
+        # The worker's results go through while this process holds its share.
+        worker.ask({"save": sched.ask({"announce": [["beside-idle", 8]]})["meta"]})
+        params = sched.ask({"finish": "beside-idle"})["params"]
+        assert "error" not in params["capture_arena"], params
+        assert len(closed) == MAX_WORKERS - MAX_CONNECTIONS_PER_PROCESS, "the worker's results pushed out an idle connection"
+        wait_closed(MAX_WORKERS)  # the share itself, once FIRST_LINE_S passed without a line
+        held = sorted(closed[c] - opened[c] for c in closed)[-MAX_CONNECTIONS_PER_PROCESS:]
+        # Checked each time the read wakes (every ACK_GRACE_S / 4 = 0.5 s): 1 to 1.5 s.
+        assert 1.0 <= held[0] and held[-1] < 1.5 + 1.0, held
+        got = sched.ask({"accept_errors": True})["refused"] - refused
+        assert got == MAX_WORKERS, f"{got} connections refused or closed, not {MAX_WORKERS}"
+        release_all([params])
+        assert wait_resident(worker, 0)["resident_objects"] == 0
+    finally:
+        sched.ask({"first_line_s": 5.0})
+        for c in opened:
+            c.close()
+
+
+def test_a_result_read_before_the_listener_stalls_is_judged_fresh_after_the_stall(pair: tuple[Proc, Proc]) -> None:
+    # The engine core judged a result fresh (read within the time its worker waits for an
+    # answer) when it read it, then took the lock to keep it. A listener held up in between past
+    # the worker's deadline kept what the worker had freed meanwhile, and handed it out: the
+    # trainer got a result whose objects were gone. Now freshness is judged under the lock.
+    import time
+
+    sched, worker = pair
+    freed = worker.ask({"stats": True})["local_freed_objects"]
+    # Past the worker's deadline: the bound (0.5 s) + ACK_GRACE_S (2 s), and its reader's wake (0.5 s).
+    assert sched.ask({"delay_delivery": 3.5}) == {"ok": True}
+    worker.ask({"save": sched.ask({"announce": [["stalled", 8]]})["meta"]})
+    s = wait_stats(worker, lambda s: s["local_freed_objects"] > freed)
+    assert s["local_freed_objects"] == freed + 2 and s["resident_objects"] == 0, s  # freed by its worker
+    deadline = time.monotonic() + 10
+    while sched.ask({"delayed": True})["delayed"] < 1:  # the listener went on after its stall
+        assert time.monotonic() < deadline, "the listener's delivery never ended"
+        time.sleep(0.02)
+    params = sched.ask({"finish": "stalled"})["params"]
+    assert "error" in params["capture_arena"], f"handed out a result its worker freed: {params}"
+    assert wait_resident(worker, 0)["resident_objects"] == 0
+
+
 def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:
     # The engine core runs out of descriptors as the worker connects: accept() fails (EMFILE).
     # Before, that ended the listener for the life of the engine: the worker's results sat in the

@@ -46,7 +46,11 @@ states and 8 of its id. Commands:
   (scheduler): the listener's failed accepts; ``{"peers": true}`` (scheduler): the pids of the
   workers it has a connection of; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n; ``{"send_timeout": s}`` (scheduler): the connections it accepts
-  from now on wait up to s for room in a send (``ACK_GRACE_S / 4``; 0.5 unless set).
+  from now on wait up to s for room in a send (``ACK_GRACE_S / 4``; 0.5 unless set);
+  ``{"first_line_s": s}`` (scheduler): ``FIRST_LINE_S`` for the connections it accepts from now
+  on; ``{"delay_delivery": s}`` (scheduler): the next line the listener reads waits s between
+  its read and its delivery (a listener thread held up), ``{"delayed": true}``: how many such
+  lines were delivered so far.
 """
 
 import base64
@@ -88,6 +92,7 @@ cfg = ns(
     speculative_config=ns(method="extract_hidden_states", draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))),
 )
 sched = worker = None
+delayed = {"s": 0.0, "done": 0}
 requests = {}
 if role in ("scheduler", "both"):
     sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=SLOTS))]))
@@ -361,7 +366,27 @@ for line in sys.stdin:
         elif "peers" in cmd:  # the worker processes the listener has a connection of
             answer = {"peers": sorted(sched._listener._latest)}
         elif "accept_errors" in cmd:
-            answer = {"accept_errors": sched._listener.accept_errors}
+            answer = {"accept_errors": sched._listener.accept_errors, "refused": sched._listener.refused}
+        elif "first_line_s" in cmd:  # how long the listener's next connections may send no line
+            import capture_arena.vllm
+
+            capture_arena.vllm.FIRST_LINE_S = float(cmd["first_line_s"])
+            answer = {"ok": True}
+        elif "delay_delivery" in cmd:  # the listener's next line waits so long between its read and its delivery
+            real_deliver, delayed["s"] = sched._listener._deliver, float(cmd["delay_delivery"])
+
+            def _late(*a, real=real_deliver, **k):
+                sched._listener._deliver = real
+                time.sleep(delayed["s"])  # the instrumented stall (a listener thread held up)
+                try:
+                    return real(*a, **k)
+                finally:
+                    delayed["done"] += 1
+
+            sched._listener._deliver = _late
+            answer = {"ok": True}
+        elif "delayed" in cmd:  # lines delivered after such a delay so far
+            answer = {"delayed": delayed["done"]}
         else:
             answer = {"error": f"unknown command {cmd}"}
     except Exception as e:

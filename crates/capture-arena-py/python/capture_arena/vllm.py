@@ -111,7 +111,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -175,6 +175,13 @@ HOLD_GRACE_S = 30.0
 MAX_LINE = 1 << 20
 #: Connections the scheduler process accepts from workers at once.
 MAX_WORKERS = 16
+#: Connections the scheduler process accepts from one process at once (a worker has one, and
+#: for a moment a second while the first is given up), so that one process cannot take them all.
+MAX_CONNECTIONS_PER_PROCESS = 4
+#: How long a new connection may go without sending a whole line before the scheduler process
+#: closes it (a worker connects only to send results at once), so that connections which send
+#: nothing cannot keep the workers' results out.
+FIRST_LINE_S = 5.0
 #: Keys the scheduler process could not ask its workers to free (their connection closed) that
 #: it keeps for their next connection.
 MAX_DEFERRED_KEYS = 262144
@@ -441,15 +448,16 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def _deliver(
-        self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any, fresh: Optional[list[bool]] = None, answer: Any = None
+        self, results: list[tuple[str, Any, dict[str, Any]]], peer: Any, fresh: Optional[Callable[[int], bool]] = None, answer: Any = None
     ) -> list[bool]:
         """Keeps each result (request id, announcement, row) for :meth:`request_finished` if
         its announcement is still pending, all under one hold of the lock; False for one that
         is late (its request was answered already, or announced again since): its worker frees
         it. ``peer`` is where a result forgotten later is sent to be freed (:func:`_reply_free`).
-        A result not ``fresh`` (read past the age its worker waits for an answer) is never kept
-        anew: True only if it is this process's already (kept, or handed out), as a worker that
-        sends it again after losing its connection asks. ``answer(kept)`` (a worker's line) is
+        A result not ``fresh(i)`` (past the age its worker waits for an answer; judged under the
+        lock, so that a listener held up between its read and here never keeps what its worker
+        is freeing meanwhile) is never kept anew: True only if it is this process's already
+        (kept, or handed out), as a worker that sends it again after losing its connection asks. ``answer(kept)`` (a worker's line) is
         sent before any of them can be handed out, under the same hold of the lock: if it cannot
         be (the worker shut that connection first, so it never learns they were taken, and
         frees them or sends them again), those this line kept are given back, and its OSError
@@ -463,7 +471,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 # it) after its request was answered with it, or while we hold it: ours, and
                 # kept as it is (its line on the other connection is the one that holds it).
                 ours = _tag(req_id, seq) in self._handed or (pending and req_id in self._results)
-                keep = pending and not ours and (fresh is None or fresh[i])
+                keep = pending and not ours and (fresh is None or fresh(i))
                 kept.append(keep or ours)
                 if keep:
                     self._results[req_id] = (row, peer)
@@ -1666,12 +1674,17 @@ def _reply_free(peer: Any, row: dict[str, Any]) -> None:
     peer.drop(keys)
 
 
+class _Silent(OSError):
+    """A connection that sent no line within FIRST_LINE_S."""
+
+
 class _Listener:
     """The scheduler process's end of the result channel: accepts the worker's connections
-    (same user only), reads bounded JSON lines, hands each result on, and answers each read
-    with the requests it took and those the worker must free. A bad line closes only its
-    connection; a failed accept (EMFILE, ...) is logged, counted and retried after a back-off,
-    never the end of listening."""
+    (same user only; MAX_WORKERS at once, MAX_CONNECTIONS_PER_PROCESS of one process, each
+    closed if it sends no line within FIRST_LINE_S), reads bounded JSON lines, hands each
+    result on, and answers each read with the requests it took and those the worker must free.
+    A bad line closes only its connection; a failed accept (EMFILE, ...) is logged, counted and
+    retried after a back-off, never the end of listening."""
 
     def __init__(self, name: str, deliver: Any, max_age_s: float, store_id: str) -> None:
         self._deliver = deliver
@@ -1690,7 +1703,10 @@ class _Listener:
         self._deferred = _Deferred()
         #: Accepts that failed (each backed off and retried).
         self.accept_errors = 0
-        #: Connections refused (another user's, or over MAX_WORKERS).
+        #: Open connections of each peer process (by pid), at most MAX_CONNECTIONS_PER_PROCESS.
+        self._per_pid: dict[int, int] = {}
+        #: Connections refused (another user's, over MAX_WORKERS or MAX_CONNECTIONS_PER_PROCESS)
+        #: or closed for sending no line within FIRST_LINE_S.
         self.refused = 0
         threading.Thread(target=self._accept, name="capture-arena-vllm", daemon=True).start()
 
@@ -1714,21 +1730,25 @@ class _Listener:
                 continue
             backoff = 0.0
             with self._lock:
-                full = self._open >= MAX_WORKERS
-                if not full and uid == os.getuid():
+                # pid 0: a peer in a pid namespace this one cannot see (not counted per process).
+                mine = self._per_pid.get(pid, 0) if pid else 0
+                ok = uid == os.getuid() and self._open < MAX_WORKERS and mine < MAX_CONNECTIONS_PER_PROCESS
+                if ok:
                     self._open += 1
-            if uid != os.getuid() or full:
+                    if pid:
+                        self._per_pid[pid] = mine + 1
+            if not ok:
                 # Any local user can reach the name: the first refusal and every 100th are logged.
-                self.refused += 1
-                if self.refused == 1 or self.refused % 100 == 0:
-                    log.warning("capture_arena.vllm: refused a result connection (uid %d, %d open; %d refused so far)", uid, self._open, self.refused)
+                self._refuse(
+                    f"uid {uid}" if uid != os.getuid() else f"{self._open} open, at most {MAX_WORKERS}; "
+                    f"{mine} of pid {pid}, at most {MAX_CONNECTIONS_PER_PROCESS}"
+                )
                 conn.close()
                 continue
             try:
                 threading.Thread(target=self._read, args=(conn, pid), name="capture-arena-vllm-read", daemon=True).start()
             except RuntimeError as e:  # no thread to be had (a process at its limit): that connection only
-                with self._lock:
-                    self._open -= 1
+                self._closed_one(pid)
                 conn.close()
                 self.accept_errors += 1
                 log.error("capture_arena.vllm: no thread to read a result connection: %s; its worker sends again on a new one", e)
@@ -1742,9 +1762,16 @@ class _Listener:
         with self._lock:
             self._latest[pid] = peer
         peer.send_deferred()
+        silent_until = [time.monotonic() + FIRST_LINE_S]  # emptied once a line came
+
+        def silent() -> None:
+            if silent_until and time.monotonic() >= silent_until[0]:
+                raise _Silent(f"no line within FIRST_LINE_S ({FIRST_LINE_S:g} s) of connecting")
+
         try:
-            for msgs in _lines(conn):
-                results, fresh = [], []
+            for msgs in _lines(conn, idle=silent):
+                silent_until.clear()
+                results, sents = [], []
                 for m in msgs:
                     rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
                     if (
@@ -1759,8 +1786,10 @@ class _Listener:
                             f'{{"store_id": "{self._store_id}", "sample_id": req_id, "gen": seq, "features": {{...}}, ...}}}}'
                         )
                     results.append((rid, seq, row))
-                    # Read too late, the worker may be freeing it already: never taken anew.
-                    fresh.append(time.monotonic() - sent <= self._max_age_s)
+                    sents.append(float(sent))
+
+                def fresh(i: int) -> bool:  # too old, the worker may be freeing it: never taken anew
+                    return time.monotonic() - sents[i] <= self._max_age_s
 
                 def answer(kept: list[bool]) -> None:
                     taken = [_tag(rid, seq) for (rid, seq, _), k in zip(results, kept) if k]
@@ -1770,15 +1799,32 @@ class _Listener:
                     peer.send({"taken": taken, "free": free}, now=True)
 
                 self._deliver(results, peer, fresh, answer)
+        except _Silent as e:  # anyone of this user can connect: logged as refusals are
+            self._refuse(f"pid {pid}: {e}")
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.error("capture_arena.vllm: closed a result connection: %s", e)
         finally:
-            with self._lock:
-                self._open -= 1
-                if self._latest.get(pid) is peer:
-                    del self._latest[pid]
+            self._closed_one(pid, peer)
             with peer._lock:  # not under an answer or a free being sent on it
                 conn.close()
+
+    def _refuse(self, why: str) -> None:
+        """Counts a connection refused or closed unused; the first and every 100th are logged."""
+        self.refused += 1
+        if self.refused == 1 or self.refused % 100 == 0:
+            log.warning("capture_arena.vllm: refused a result connection (%s; %d refused so far)", why, self.refused)
+
+    def _closed_one(self, pid: int, peer: Optional[_Peer] = None) -> None:
+        """Gives back an accepted connection's place (and, if ``peer`` is its process's newest
+        connection, forgets it)."""
+        with self._lock:
+            self._open -= 1
+            if pid and self._per_pid.get(pid, 0) > 1:
+                self._per_pid[pid] -= 1
+            else:
+                self._per_pid.pop(pid, None)
+            if peer is not None and self._latest.get(pid) is peer:
+                del self._latest[pid]
 
     def close(self) -> None:
         """Stops listening: the name is free again and the accepting thread ends (closing alone
