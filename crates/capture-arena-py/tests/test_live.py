@@ -661,6 +661,42 @@ def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_wh
     assert 1.0 <= took < 2.0, took
 
 
+def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout_once_with_a_stand_in_resolver(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An intake's name that resolves to several addresses (IPv6 and IPv4, or several hosts),
+    none answering a connect: http.client gives each address the whole timeout in turn, so a
+    1 s request took 2 s here, and n s at n addresses. Now one deadline covers them all. The
+    addresses are real sockets whose accept queue is full (the kernel drops their SYNs); only
+    the resolver is a stand-in (this machine's names resolve to one address each)."""
+    from capture_arena import _live
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port), timeout=5)  # the accept queue is full
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *a: Any, **k: Any) -> Any:
+        if host == "intake.test":
+            (one,) = real("127.0.0.1", port, socket.AF_INET, socket.SOCK_STREAM)
+            return [one, one]
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(_live._NotSent) as err:
+            _live._Route(f"http://intake.test:{port}").request("POST", "/records", b"{}", 1.0, 1 << 20)
+        took = time.monotonic() - t0
+    finally:
+        filler.close()
+        srv.close()
+    assert isinstance(err.value.__cause__, TimeoutError), err.value.__cause__
+    assert 1.0 <= took < 1.5, f"a 1 s request took {took:.2f} s over two addresses"
+
+
 def test_a_clients_own_live_spec_is_published_under_the_intakes_config_and_replaces_nothing(live: Any) -> None:
     """SpecForge's online-live patch hands the sink a request's own ``spec_capture`` when the
     client sent one, so a client can send a "live" spec naming another request's sample, with

@@ -603,8 +603,8 @@ class _Route:
 
     def request(self, method: str, path: str, body: Optional[bytes], timeout: float, limit: int) -> tuple[int, bytes]:
         """One request: its status and at most ``limit`` bytes of its answer, all within
-        ``timeout`` of the call, connect, proxy tunnel and headers included (name resolution
-        aside: the system's). Raises _NotSent when it was not written whole (nothing connected,
+        ``timeout`` of the call, connect (to every address of the name), proxy tunnel and
+        headers included (name resolution aside: the system's). Raises _NotSent when it was not written whole (nothing connected,
         or the connection broke first), another exception when it was sent and no whole answer
         came."""
         deadline = time.monotonic() + timeout
@@ -618,6 +618,8 @@ class _Route:
         else:  # the proxy takes the whole URL
             conn = http.client.HTTPConnection(self.proxy.hostname or "", self.proxy.port or 80, timeout=timeout)
             target = self.origin + target
+        # http.client's connect gives each address of a name the whole timeout in turn.
+        conn._create_connection = _connect_by(deadline)  # type: ignore[attr-defined]
         # http.client bounds each socket operation, not the request: an intake (or proxy) that
         # sends "100 Continue" again and again, or its headers a byte at a time, would hold the
         # worker for good. At the deadline the socket is shut down under whatever reads it.
@@ -671,6 +673,38 @@ class _Route:
 
         cred = f"{urllib.parse.unquote(self.proxy.username)}:{urllib.parse.unquote(self.proxy.password or '')}"
         return {"Proxy-Authorization": "Basic " + base64.b64encode(cred.encode()).decode()}
+
+
+def _connect_by(deadline: float) -> Callable[..., socket.socket]:
+    """``socket.create_connection`` (as http.client calls it) with one deadline over every
+    address the name resolves to: each attempt gets what is left of it, not the whole timeout
+    again. Past the deadline it raises TimeoutError (the last attempt's error its cause)."""
+
+    def create(address: tuple[str, int], timeout: Any = None, source_address: Any = None, *_: Any, **__: Any) -> socket.socket:
+        host, port = address[0], address[1]
+        last: Optional[OSError] = None
+        for family, kind, proto, _name, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(left)
+                if source_address:
+                    sock.bind(source_address)
+                sock.connect(addr)
+            except OSError as e:
+                last = e
+                sock.close()
+                continue
+            # http.client's bound on each read and write from here.
+            sock.settimeout(timeout if isinstance(timeout, (int, float)) else None)
+            return sock
+        if last is not None and time.monotonic() < deadline:
+            raise last
+        raise TimeoutError(f"connecting to {host}:{port}: no address answered in time") from last
+
+    return create
 
 
 def _read_within(resp: Any, limit: int, deadline: float) -> bytes:
