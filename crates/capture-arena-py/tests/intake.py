@@ -48,10 +48,10 @@ class _Served:
 
 
 class Intake(_Served):
-    """The intake server on 127.0.0.1 (see the module docs). ``on_record`` may be replaced
-    while it runs."""
+    """The intake server on 127.0.0.1 (see the module docs), on ``port`` if given (an intake
+    started again where a stopped one was). ``on_record`` may be replaced while it runs."""
 
-    def __init__(self, config: Mapping[str, Any], on_record: OnRecord, dedup_capacity: int = 65536) -> None:
+    def __init__(self, config: Mapping[str, Any], on_record: OnRecord, dedup_capacity: int = 65536, port: int = 0) -> None:
         self.config = dict(config)
         self.on_record = on_record
         self.counts = collections.Counter[str]()
@@ -108,7 +108,7 @@ class Intake(_Served):
                     return
                 self._answer(code, body)
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="test-intake", daemon=True)
         self._thread.start()

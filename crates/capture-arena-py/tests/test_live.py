@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import queue
 import socket
 import threading
@@ -273,6 +274,56 @@ def test_an_intake_that_is_down_drops_captures_and_the_server_keeps_serving(live
     reader.release(req.spec_capture_result)
     reader.flush(10)  # confirmed by the producer: applied
     assert live.sink.stats()["resident_objects"] == 0
+
+
+def test_while_the_intake_is_down_captures_are_dropped_before_they_are_published(live: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # Before, every capture was published (its tensors copied into the arena), posted twice to
+    # an intake that refused both connects, then freed. Now, after a record that reached no
+    # intake, captures are dropped before they are published for a back-off (30 s here).
+    from capture_arena import _live
+
+    monkeypatch.setattr(_live, "DOWN_BACKOFF_S", 30.0)
+    monkeypatch.setattr(_live, "DOWN_BACKOFF_MAX_S", 30.0)
+    published = live.sink.stats()["published_batches"]
+    live.intake.stop()
+    with caplog.at_level(logging.WARNING, logger="capture_arena"):
+        for i in range(5):
+            live.server.serve(f"down-{i}", seed=i)
+        wait_for(lambda: live.sink.stats()["live_dropped_intake_down"] == 5, "5 captures dropped")
+    s = live.sink.stats()
+    assert s["published_batches"] - published == 1, f"{s['published_batches'] - published} of 5 captures published while the intake was down"
+    assert s["resident_objects"] == 0 and s["live_captured"] == 0, s
+    assert sum("captures are dropped for 30 s" in r.getMessage() for r in caplog.records) == 1, caplog.text
+
+
+def test_the_intake_back_ends_the_back_off_at_its_next_try(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from capture_arena import _live
+
+    monkeypatch.setattr(_live, "DOWN_BACKOFF_S", 0.3)
+    monkeypatch.setattr(_live, "DOWN_BACKOFF_MAX_S", 0.3)
+    port = int(live.intake.url.rsplit(":", 1)[1])
+    live.intake.stop()
+    live.server.serve("gone-0")
+    wait_for(lambda: live.sink.stats()["live_dropped_intake_down"] == 1, "the first capture dropped")
+    back = Intake(config_payload(live.store_id), live.producer.on_record, port=port)  # where it was
+    expected = {}
+
+    def fates() -> int:
+        s = live.sink.stats()
+        return int(s["live_captured"] + s["live_dropped_intake_down"])
+
+    try:
+        deadline = time.monotonic() + 10
+        while live.sink.stats()["live_captured"] == 0:  # one at a time, each accounted for before the next
+            assert time.monotonic() < deadline, f"no capture reached the intake 10 s after it came back: {live.sink.stats()}"
+            before = fates()
+            req, aux, last = live.server.serve(f"back-{before}", seed=before)
+            expected[f"live-back-{before}"] = (aux, last, req.origin_input_ids)
+            wait_for(lambda: fates() == before + 1, "the capture's fate")
+        assert live.sink._live._down_for == 0.0, "an answer did not end the back-off"
+        trainer_reads_and_releases(live, expected)
+    finally:
+        back.stop()
 
 
 def serve_behind_a_held_intake(live: Any, prefix: str, n: int, seed: int) -> dict[str, tuple[Any, Any, list[int]]]:

@@ -24,6 +24,9 @@ What is added:
   (every 5 s until it succeeds, and again when records are rejected: the producer may have
   restarted with a new ``store_id``); requests that arrive before it are not captured;
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
+- while the intake is down (no attempt of a record connected), captures are dropped before
+  they are published (``live_dropped_intake_down``): for 0.5 s, doubling up to 8 s while it
+  stays down; the first capture after that tries again, and any answer ends the back-off;
 - a full queue, a failed publish or a refused record drops that capture alone, and its objects
   are freed at once by the sink itself (no control round trip). Any non-2xx answer (redirects
   included) is a refusal. A ``duplicate`` answer means the rid was captured before and that
@@ -85,6 +88,11 @@ DEFAULT_QUEUE_BYTES = 2 << 30
 CONFIG_TIMEOUT_S = 5.0
 CONFIG_RETRY_S = 5.0
 POST_TIMEOUT_S = 10.0
+#: After a record that reached no intake (nothing connected), captures are dropped without
+#: being published or posted for this long, doubling up to the most while it stays down; the
+#: first capture after that tries again, and any answer ends the back-off.
+DOWN_BACKOFF_S = 0.5
+DOWN_BACKOFF_MAX_S = 8.0
 #: The longest sample id a live capture takes (a client may send its own).
 MAX_SAMPLE_ID = 512
 POST_ATTEMPTS = 2
@@ -276,6 +284,9 @@ class LiveCapture:
         self._closed = threading.Event()
         self._put_lock = threading.Lock()
         self._last_log = 0.0
+        #: The worker's back-off while the intake is down: captures are dropped until then.
+        self._down_until = 0.0
+        self._down_for = 0.0
         if config_wait_s is not None:
             # Under tensor parallelism every rank asks maybe_live_spec for every request, and a
             # rank that captures runs that request's batch differently (SGLang's CUDA graphs are
@@ -437,6 +448,9 @@ class LiveCapture:
         if toks is None or rows != len(toks) or not cfg.min_tokens <= len(toks) <= cfg.max_tokens or not isinstance(sample_id, str) or len(sample_id) > MAX_SAMPLE_ID:
             self._count("live_dropped_bad_rows")
             return
+        if time.monotonic() < self._down_until:  # the intake is down: not worth a publish, nor a connect
+            self._count("live_dropped_intake_down")
+            return
         # The patch passes a request's own spec_capture when it has one, so a client can send a
         # "live" spec: only its sample id is kept. The store, generation, features and no
         # replace are the intake's config's, as maybe_live_spec makes them: a client never
@@ -462,6 +476,15 @@ class LiveCapture:
         except Exception:  # never leave a published capture behind
             self._warnings.warn("post", "live capture: posting the record of %s failed", spec.get("sample_id"), exc_info=True)
             outcome = "rejected"
+        if outcome == "down":
+            self._down_for = min(DOWN_BACKOFF_MAX_S, max(DOWN_BACKOFF_S, 2 * self._down_for))
+            self._down_until = time.monotonic() + self._down_for
+            self._warnings.warn(
+                "down", "live capture: the intake %s is down; captures are dropped for %g s before trying it again",
+                self.intake_url, self._down_for,
+            )
+        else:
+            self._down_for = 0.0
         if outcome == "accepted":
             self._count("live_captured")
             return
