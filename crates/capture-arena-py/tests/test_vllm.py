@@ -1191,11 +1191,14 @@ def test_a_result_line_naming_another_requests_objects_is_refused(pair: tuple[Pr
     assert wait_resident(worker, 0)["resident_objects"] == 0
 
 
-def test_a_taken_result_freed_while_its_worker_has_no_connection_is_freed_on_its_next(pair: tuple[Proc, Proc]) -> None:
+@pytest.mark.parametrize("others", [0, 40000], ids=["alone", "behind_two_megabytes_of_others"])
+def test_a_taken_result_freed_while_its_worker_has_no_connection_is_freed_on_its_next(pair: tuple[Proc, Proc], others: int) -> None:
     # The engine core took a result (answered "taken": the worker forgets it), then the worker's
     # connection closed (a failed send, a bad line), and vLLM preempts the request before the
     # worker has new results to connect with. The free goes on the worker's next connection.
     # Before: sent on the closed one, logged, and lost: the capture stayed resident for good.
+    # Behind 40,000 other keys waiting (2 MiB of them): sent in lines the worker reads (before:
+    # one line over the worker's MAX_LINE, so it closed every connection that sent it).
     import time
 
     sched, worker = pair
@@ -1204,10 +1207,13 @@ def test_a_taken_result_freed_while_its_worker_has_no_connection_is_freed_on_its
     while worker.ask({"debug": True})["unacked"]:  # taken: the worker no longer frees it itself
         assert time.monotonic() < deadline, "the engine core never answered the result"
         time.sleep(0.01)
+    (pid,) = sched.ask({"peers": True})["peers"]
     assert worker.ask({"reconnect": True}) == {"ok": True}
     while sched.ask({"peers": True})["peers"]:
         assert time.monotonic() < deadline, "the engine core never saw the connection close"
         time.sleep(0.01)
+    if others:
+        assert sched.ask({"defer": [pid, others]}) == {"ok": True}
     sched.ask({"announce": [], "preempt": ["unlinked"]})  # its result freed: no connection to say so on
     assert worker.ask({"stats": True})["resident_objects"] == 2
     worker.ask({"save": sched.ask({"announce": [["next", 8]]})["meta"]})  # a new connection
@@ -1216,6 +1222,35 @@ def test_a_taken_result_freed_while_its_worker_has_no_connection_is_freed_on_its
     release_all([params])
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, f"the preempted request's capture was never freed: {s}"
+
+
+def test_a_taken_answer_waiting_unread_while_the_workers_reader_is_held_up_is_not_freed_under_it(pair: tuple[Proc, Proc]) -> None:
+    # The worker frees a result nobody answered by its deadline (the bound + ACK_GRACE_S: 2.5 s
+    # here). Its answers reader judged that by the time now, after a read timed out: held up
+    # there past the deadline (3 s here) with the engine core's "taken" answer (sent at 1.2 s,
+    # within the engine core's limit, 1.5 s) waiting unread, it freed the result the engine core
+    # had handed out. Now it frees only what was late by a time when it had read every answer
+    # sent before.
+    import time
+
+    sched, worker = pair
+    assert worker.ask({"stall_idle": 3.0}) == {"ok": True}
+    assert worker.ask({"reconnect": True}) == {"ok": True}  # a reader that is held up
+    done = sched.ask({"delayed": True})["delayed"]
+    assert sched.ask({"delay_delivery": 1.2}) == {"ok": True}
+    worker.ask({"save": sched.ask({"announce": [["held-up", 8]]})["meta"]})
+    deadline = time.monotonic() + 10
+    while sched.ask({"delayed": True})["delayed"] == done:  # kept, and answered "taken"
+        assert time.monotonic() < deadline, "the listener's delivery never ended"
+        time.sleep(0.02)
+    params = sched.ask({"finish": "held-up"})["params"]
+    assert "error" not in params["capture_arena"], params
+    while worker.ask({"debug": True})["unacked"]:  # the held-up reader went on, and read the answer
+        assert time.monotonic() < deadline, "the worker never read the answer"
+        time.sleep(0.02)
+    assert worker.ask({"stats": True})["resident_objects"] == 2, "the worker freed a result the engine core handed out"
+    release_all([params])
+    assert wait_resident(worker, 0)["resident_objects"] == 0
 
 
 def test_a_result_connection_with_no_thread_to_read_it_costs_only_that_connection(pair: tuple[Proc, Proc]) -> None:
@@ -1273,10 +1308,11 @@ def test_connections_that_send_nothing_cannot_keep_the_workers_results_out(pair:
     # Any process of the engine's user can connect to the result channel. Before, connections
     # that sent nothing held its 16 places for good, and every worker's connection after them was
     # refused: each request got an error and its capture was freed. Now one process holds at most
-    # MAX_CONNECTIONS_PER_PROCESS (4) at once, and a connection that sends no line within
-    # FIRST_LINE_S (1 s here) is closed.
+    # MAX_CONNECTIONS_PER_PROCESS (4) at once, and a connection that sends no whole line within
+    # FIRST_LINE_S (1 s here) is closed, one that trickles bytes of a line too.
     import selectors
     import socket
+    import threading
     import time
 
     from capture_arena.vllm import MAX_CONNECTIONS_PER_PROCESS, MAX_WORKERS
@@ -1312,7 +1348,22 @@ def test_connections_that_send_nothing_cannot_keep_the_workers_results_out(pair:
         params = sched.ask({"finish": "beside-idle"})["params"]
         assert "error" not in params["capture_arena"], params
         assert len(closed) == MAX_WORKERS - MAX_CONNECTIONS_PER_PROCESS, "the worker's results pushed out an idle connection"
-        wait_closed(MAX_WORKERS)  # the share itself, once FIRST_LINE_S passed without a line
+        # One of the share sends a byte of a line every 0.2 s (so no read of it times out).
+        trickling = next(c for c in opened if c not in closed)
+        stop = threading.Event()
+
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                try:
+                    trickling.send(b" ")
+                except OSError:
+                    return
+
+        threading.Thread(target=trickle, daemon=True).start()
+        try:
+            wait_closed(MAX_WORKERS)  # the share itself, once FIRST_LINE_S passed without a line
+        finally:
+            stop.set()
         held = sorted(closed[c] - opened[c] for c in closed)[-MAX_CONNECTIONS_PER_PROCESS:]
         # Checked each time the read wakes (every ACK_GRACE_S / 4 = 0.5 s): 1 to 1.5 s.
         assert 1.0 <= held[0] and held[-1] < 1.5 + 1.0, held

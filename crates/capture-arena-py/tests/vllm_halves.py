@@ -50,7 +50,9 @@ states and 8 of its id. Commands:
   ``{"first_line_s": s}`` (scheduler): ``FIRST_LINE_S`` for the connections it accepts from now
   on; ``{"delay_delivery": s}`` (scheduler): the next line the listener reads waits s between
   its read and its delivery (a listener thread held up), ``{"delayed": true}``: how many such
-  lines were delivered so far.
+  lines were delivered so far; ``{"defer": [pid, n]}`` (scheduler): n made-up keys wait among
+  the frees for that worker process's next connection; ``{"stall_idle": s}`` (worker): the
+  answers reader of its next connection is held up s once, after a read that timed out.
 """
 
 import base64
@@ -384,6 +386,22 @@ for line in sys.stdin:
                     delayed["done"] += 1
 
             sched._listener._deliver = _late
+            answer = {"ok": True}
+        elif "defer" in cmd:  # n made-up keys wait among the listener's frees for worker pid's next connection
+            pid, n = int(cmd["defer"][0]), int(cmd["defer"][1])
+            sched._listener._deferred.add(pid, [f"vllm/filler-{i:08d}/g1/hidden_states" for i in range(n)])
+            answer = {"ok": True}
+        elif "stall_idle" in cmd:  # the worker's next answers reader is held up once, after a read timed out
+            real_idle, left = worker._free_expired, [1]
+
+            def _stalled(*a, real=real_idle, s=float(cmd["stall_idle"]), left=left):
+                if left[0]:
+                    left[0] = 0
+                    time.sleep(s)  # the instrumented stall (a reader thread held off the GIL)
+                    worker._free_expired = real
+                return real(*a)
+
+            worker._free_expired = _stalled  # read by the reader of the next connection
             answer = {"ok": True}
         elif "delayed" in cmd:  # lines delivered after such a delay so far
             answer = {"delayed": delayed["done"]}

@@ -104,6 +104,7 @@ import dataclasses
 import ctypes
 import json
 import logging
+import math
 import os
 import queue
 import socket
@@ -1058,7 +1059,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         read wakes at least every ACK_GRACE_S / 4); when the channel closes, every result still
         waiting is freed (no answer can come any more). A bad line closes the connection."""
         try:
-            for msgs in _lines(conn, idle=self._free_expired):
+            for drained, msgs in _lines(conn, idle=self._free_expired):
                 for m in msgs:
                     taken, free, drop = m.get("taken", []), m.get("free", []), m.get("drop", [])
                     if not all(isinstance(x, list) and all(isinstance(r, str) for r in x) for x in (taken, free, drop)):
@@ -1070,8 +1071,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                         log.warning("capture_arena.vllm: %d results came after their requests were answered; freed", len(free))
                         self._free_unacked(free)
                     if drop and self._sink is not None:  # taken, then forgotten by the scheduler process
-                        self._sink._free_local(drop)
-                self._free_expired()
+                        self._sink._drop_keys(drop)
+                self._free_expired(drained)
         except OSError as e:  # closed by _send after a failed send, or the scheduler process ended
             log.debug("capture_arena.vllm: the result channel closed: %s", e)
         except Exception as e:
@@ -1087,10 +1088,14 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if left:
                 self._resend(left)
 
-    def _free_expired(self) -> None:
-        now = time.monotonic()
+    def _free_expired(self, drained: Optional[float]) -> None:
+        """Frees the results whose deadline passed by ``drained``, a time by which every answer
+        sent before it was read (None: no such time, nothing freed). Not by the time now: an
+        answer "taken" sent before the deadline may wait unread while this thread was held up."""
+        if drained is None:
+            return
         with self._unacked_lock:
-            late = [tag for tag, (_, deadline, _, _) in self._unacked.items() if now >= deadline]
+            late = [tag for tag, (_, deadline, _, _) in self._unacked.items() if drained >= deadline]
         if late:
             log.error(
                 "capture_arena.vllm: the scheduler process did not take %d results within %g s; freed (is it stuck, or "
@@ -1470,32 +1475,44 @@ def _peer_uid(conn: socket.socket) -> int:
     return _peer_cred(conn)[1]
 
 
+#: The most one read from a result connection takes.
+READ_CHUNK = 1 << 16
+
+
 def _lines(conn: socket.socket, idle: Any = None) -> Any:
-    """Yields the JSON messages of each read from ``conn`` (a list per read) until it closes;
-    calls ``idle()`` when a read times out. A line over :data:`MAX_LINE` bytes raises
+    """Yields ``(drained, msgs)``: the JSON messages of each read from ``conn`` that completes
+    lines, until it closes. ``drained`` is a time by which everything sent before it had been
+    read (the time before a read that emptied the socket), or None. Calls ``idle(drained)``
+    after a read that completes no line (one that timed out: an idle channel, as results come
+    only when prompts finish; or part of a line). A line over :data:`MAX_LINE` bytes raises
     ValueError before it is buffered further."""
     buf = b""
     while True:
+        before = time.monotonic()
         try:
-            chunk = conn.recv(1 << 16)
+            chunk = conn.recv(READ_CHUNK)
         except socket.timeout:
             if idle is not None:
-                idle()
-            continue  # an idle channel: results come only when prompts finish
+                idle(before)
+            continue
         if not chunk:
             return
+        drained = before if len(chunk) < READ_CHUNK else None
         buf += chunk
         msgs = []
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            m = json.loads(line)
-            if not isinstance(m, dict):
-                raise ValueError("a line is a JSON object")
-            msgs.append(m)
+        if b"\n" in chunk:
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                m = json.loads(line)
+                if not isinstance(m, dict):
+                    raise ValueError("a line is a JSON object")
+                msgs.append(m)
         if len(buf) > MAX_LINE:
             raise ValueError(f"a line over {MAX_LINE} bytes")
         if msgs:
-            yield msgs
+            yield drained, msgs
+        elif idle is not None:
+            idle(drained)
 
 
 class _Peer:
@@ -1527,17 +1544,27 @@ class _Peer:
             log.info("capture_arena.vllm: %d keys to free wait for their worker's next connection: %s", len(keys), e)
         now = self.latest()  # one that came meanwhile may have taken what waited before these
         if now is not target:
-            now.send_deferred()
+            now.send_deferred(now=True)
 
-    def send_deferred(self) -> None:
-        """Sends what waits for this connection's worker (on the listener's thread: may wait
-        for room); what cannot be sent waits for the next one."""
+    def send_deferred(self, now: bool = False) -> None:
+        """Sends what waits for this connection's worker, in lines the worker reads (at most
+        half of MAX_LINE each; on the listener's thread: may wait for room, unless ``now``); what
+        cannot be sent waits for the next connection."""
         keys = self._deferred.take(self.pid)
-        if keys:
+        lines: list[list[str]] = []
+        size = MAX_LINE
+        for k in keys:
+            if size + len(k) + 3 > MAX_LINE // 2:
+                lines.append([])
+                size = 16
+            lines[-1].append(k)
+            size += len(k) + 3
+        for i, line in enumerate(lines):
             try:
-                self.send({"drop": keys})
+                self.send({"drop": line}, now=now)
             except OSError:
-                self._deferred.add(self.pid, keys)
+                self._deferred.add(self.pid, [k for rest in lines[i:] for k in rest])
+                return
 
     def latest(self) -> "_Peer":
         """The newest connection of this one's worker: a result taken from a connection the
@@ -1551,7 +1578,15 @@ class _Peer:
         data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
         with self._lock:
             if not now:
-                self.conn.sendall(data)
+                try:
+                    self.conn.sendall(data)
+                except OSError:
+                    # Maybe cut short (sendall's timeout): nothing more on it, as below.
+                    try:
+                        self.conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                    raise
             else:
                 # Non-blocking for this send (with a timeout, a send first waits for room);
                 # every other send on this connection holds the same lock.
@@ -1755,21 +1790,21 @@ class _Listener:
                 self._closed.wait(0.01)
 
     def _read(self, conn: socket.socket, pid: int = 0) -> None:
-        # An answer to a worker that reads nothing fails within this instead of blocking (it
-        # may be sent from vLLM's thread: a result freed at a preemption or an abort).
-        conn.settimeout(ACK_GRACE_S / 4)
         peer = _Peer(conn, pid, self._latest, self._deferred)
-        with self._lock:
-            self._latest[pid] = peer
-        peer.send_deferred()
         silent_until = [time.monotonic() + FIRST_LINE_S]  # emptied once a line came
 
-        def silent() -> None:
+        def silent(_: Any) -> None:  # after each read that completed no line (a trickle too)
             if silent_until and time.monotonic() >= silent_until[0]:
                 raise _Silent(f"no line within FIRST_LINE_S ({FIRST_LINE_S:g} s) of connecting")
 
         try:
-            for msgs in _lines(conn, idle=silent):
+            # An answer to a worker that reads nothing fails within this instead of blocking (it
+            # may be sent from vLLM's thread: a result freed at a preemption or an abort).
+            conn.settimeout(ACK_GRACE_S / 4)
+            with self._lock:
+                self._latest[pid] = peer
+            peer.send_deferred()
+            for _, msgs in _lines(conn, idle=silent):
                 silent_until.clear()
                 results, sents = [], []
                 for m in msgs:
@@ -1779,6 +1814,7 @@ class _Listener:
                         or type(seq) is not int
                         or not isinstance(row, dict)
                         or not isinstance(sent, (int, float))
+                        or not math.isfinite(sent)
                         or not _row_ok(row, rid, seq, self._store_id)
                     ):
                         raise ValueError(
@@ -1801,8 +1837,8 @@ class _Listener:
                 self._deliver(results, peer, fresh, answer)
         except _Silent as e:  # anyone of this user can connect: logged as refusals are
             self._refuse(f"pid {pid}: {e}")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.error("capture_arena.vllm: closed a result connection: %s", e)
+        except Exception as e:  # a bad line (RecursionError, OverflowError too): that connection only
+            log.error("capture_arena.vllm: closed a result connection: %s: %s", type(e).__name__, e)
         finally:
             self._closed_one(pid, peer)
             with peer._lock:  # not under an answer or a free being sent on it
@@ -1810,9 +1846,11 @@ class _Listener:
 
     def _refuse(self, why: str) -> None:
         """Counts a connection refused or closed unused; the first and every 100th are logged."""
-        self.refused += 1
-        if self.refused == 1 or self.refused % 100 == 0:
-            log.warning("capture_arena.vllm: refused a result connection (%s; %d refused so far)", why, self.refused)
+        with self._lock:  # from the accepting thread and the reading ones
+            self.refused += 1
+            n = self.refused
+        if n == 1 or n % 100 == 0:
+            log.warning("capture_arena.vllm: refused a result connection (%s; %d refused so far)", why, n)
 
     def _closed_one(self, pid: int, peer: Optional[_Peer] = None) -> None:
         """Gives back an accepted connection's place (and, if ``peer`` is its process's newest
