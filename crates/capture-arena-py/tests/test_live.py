@@ -748,6 +748,63 @@ def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout
     assert 1.0 <= took < 1.5, f"a 1 s request took {took:.2f} s over two addresses"
 
 
+def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_slow_connect_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An https intake that accepts and never answers the TLS handshake, reached by a connect
+    that took 0.8 s (a stand-in delay after the real connect). The handshake runs on a socket
+    detached into an SSLSocket, which the deadline's shutdown did not reach: it ran its own
+    whole timeout from its start, 1.8 s for a 1 s request. Now it is cut at 1 s."""
+    from capture_arena import _live
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(srv.accept()[0]), daemon=True).start()
+    real = _live._connect_by
+
+    def slow_connect(*a: Any) -> Any:
+        create = real(*a)
+
+        def connect(*b: Any, **k: Any) -> Any:
+            sock = create(*b, **k)
+            time.sleep(0.8)  # the stand-in: a connect that took this long
+            return sock
+
+        return connect
+
+    monkeypatch.setattr(_live, "_connect_by", slow_connect)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Exception) as err:
+            _live._Route(f"https://127.0.0.1:{srv.getsockname()[1]}").request("POST", "/records", b"{}", 1.0, 1 << 20)
+        took = time.monotonic() - t0
+    finally:
+        srv.close()
+        for c in accepted:
+            c.close()
+    assert 1.0 <= took < 1.4, f"a 1 s request took {took:.2f} s in a TLS handshake ({err.value!r})"
+
+
+def test_an_address_this_host_cannot_make_a_socket_for_is_tried_past_with_a_stand_in_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The intake's name gives first an address of a family this host cannot make sockets of
+    (IPv6 turned off, a sandbox), then one that works: the request goes to the second (before:
+    the first's error ended the connect, and live capture took the intake as down)."""
+    from capture_arena import _live
+
+    port, stop = _stalling_intake("body")
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *a: Any, **k: Any) -> Any:
+        if host == "intake.test":
+            return [(12345, socket.SOCK_STREAM, 0, "", ("nowhere", 1))] + real("127.0.0.1", port, socket.AF_INET, socket.SOCK_STREAM)
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    try:  # reached: its answer then drips past the deadline
+        with pytest.raises(TimeoutError, match="no whole answer"):
+            _live._Route(f"http://intake.test:{port}").request("POST", "/records", b"{}", 1.0, 1 << 20)
+    finally:
+        stop.set()
+
+
 def test_a_clients_own_live_spec_is_published_under_the_intakes_config_and_replaces_nothing(live: Any) -> None:
     """SpecForge's online-live patch hands the sink a request's own ``spec_capture`` when the
     client sent one, so a client can send a "live" spec naming another request's sample, with

@@ -26,7 +26,7 @@ What is added:
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
 - while the intake is down (no attempt of a record connected), captures are dropped before
   they are published (``live_dropped_intake_down``): for 0.5 s, doubling up to 8 s while it
-  stays down; the first capture after that tries again, and any answer ends the back-off;
+  stays down; the first capture after that tries again, and any HTTP answer ends the back-off;
 - a full queue, a failed publish or a refused record drops that capture alone, and its objects
   are freed at once by the sink itself (no control round trip). Any non-2xx answer (redirects
   included) is a refusal. A ``duplicate`` answer means the rid was captured before and that
@@ -483,8 +483,6 @@ class LiveCapture:
                 "down", "live capture: the intake %s is down; captures are dropped for %g s before trying it again",
                 self.intake_url, self._down_for,
             )
-        else:
-            self._down_for = 0.0
         if outcome == "accepted":
             self._count("live_captured")
             return
@@ -539,6 +537,7 @@ class LiveCapture:
                 last, sent = str(e) or type(e).__name__, True
                 continue
             sent_before, sent = sent, True
+            self._down_for = 0.0  # an answer: the intake is up
             if status == 429:
                 return "shed"
             if not 200 <= status < 300:
@@ -642,16 +641,17 @@ class _Route:
             conn = http.client.HTTPConnection(self.proxy.hostname or "", self.proxy.port or 80, timeout=timeout)
             target = self.origin + target
         # http.client's connect gives each address of a name the whole timeout in turn.
-        conn._create_connection = _connect_by(deadline)  # type: ignore[attr-defined]
+        cut = threading.Event()
+        held: list[socket.socket] = []
+        conn._create_connection = _connect_by(deadline, held, cut)  # type: ignore[attr-defined]
         # http.client bounds each socket operation, not the request: an intake (or proxy) that
         # sends "100 Continue" again and again, or its headers a byte at a time, would hold the
-        # worker for good. At the deadline the socket is shut down under whatever reads it.
-        cut = threading.Event()
-
+        # worker for good. At the deadline the connection is shut down under whatever reads it:
+        # through a duplicate of its socket, which a TLS handshake (its socket detached into
+        # an SSLSocket) or a connect just returning cannot take away.
         def at_deadline() -> None:
             cut.set()
-            sock = conn.sock
-            if sock is not None:
+            for sock in held:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -688,6 +688,8 @@ class _Route:
         finally:
             watchdog.cancel()
             conn.close()
+            for sock in held:
+                sock.close()
 
     def _proxy_auth(self) -> dict[str, str]:
         if self.proxy is None or self.proxy.username is None:
@@ -698,10 +700,12 @@ class _Route:
         return {"Proxy-Authorization": "Basic " + base64.b64encode(cred.encode()).decode()}
 
 
-def _connect_by(deadline: float) -> Callable[..., socket.socket]:
+def _connect_by(deadline: float, held: list[socket.socket], cut: threading.Event) -> Callable[..., socket.socket]:
     """``socket.create_connection`` (as http.client calls it) with one deadline over every
     address the name resolves to: each attempt gets what is left of it, not the whole timeout
-    again. Past the deadline it raises TimeoutError (the last attempt's error its cause)."""
+    again. Past the deadline it raises TimeoutError (the last attempt's error its cause). The
+    connected socket's duplicate goes in ``held`` (for the watchdog to shut the connection
+    through), shut at once if ``cut`` is set (the deadline passed as it connected)."""
 
     def create(address: tuple[str, int], timeout: Any = None, source_address: Any = None, *_: Any, **__: Any) -> socket.socket:
         host, port = address[0], address[1]
@@ -710,16 +714,24 @@ def _connect_by(deadline: float) -> Callable[..., socket.socket]:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            sock = socket.socket(family, kind, proto)
-            try:
+            sock: Optional[socket.socket] = None
+            try:  # a family this host cannot make sockets of (IPv6 turned off) is tried past
+                sock = socket.socket(family, kind, proto)
                 sock.settimeout(left)
                 if source_address:
                     sock.bind(source_address)
                 sock.connect(addr)
+                held.append(sock.dup())
             except OSError as e:
                 last = e
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 continue
+            if cut.is_set():  # the watchdog may have looked before the duplicate was there
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             # http.client's bound on each read and write from here.
             sock.settimeout(timeout if isinstance(timeout, (int, float)) else None)
             return sock
