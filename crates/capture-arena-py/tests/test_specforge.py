@@ -379,6 +379,25 @@ def test_a_ref_without_a_capture_arena_result_is_refused_with_what_to_do() -> No
     assert ca.ArenaFeatureStore  # the package itself never imports SpecForge
 
 
+@pytest.mark.parametrize(
+    "shape", [[2**63 - 1] * 52000, [2**62, 4], ["9" * 5000], [1.5, 2], None, [-1]], ids=["52000_huge_dims", "overflowing", "string", "float", "none", "negative"]
+)
+def test_a_record_whose_feature_shape_is_not_one_is_refused_at_adopt_before_any_arithmetic(shape: Any) -> None:
+    # A record's shapes were multiplied out before anything checked them, under the store's
+    # lock: 52,000 dimensions of 2**63 - 1 (1 MiB of record) held it 7 s, and a string or
+    # None raised out of adopt with the sample half tracked. Now such a result is refused.
+    store = SpecForgeArenaStore(store_id="run9")
+    result = {"store_id": "run9", "sample_id": "run:s", "gen": 1, "features": {"target": {"shape": shape, "dtype": "bfloat16", "address": 0}}}
+    store.record_result(result)
+    ref = SampleRef(
+        sample_id="run:s", run_id="run", source_task_id="s", feature_store_uri="mooncake://run9/run:s",
+        feature_keys={"target": "run:s/target"}, feature_specs={}, strategy="eagle3", metadata={"generation": 1},
+    )  # fmt: skip
+    with pytest.raises(KeyError, match="has no shape of at most 8 dimensions"):
+        store.adopt(ref)
+    assert store.health()["resident_samples"] == 0
+
+
 def test_post_fn_never_raises_for_what_it_cannot_use_and_records_only_this_stores_results() -> None:
     """A response the store cannot use costs only the samples in it: post_fn hands it back
     unchanged, records nothing from it, and those samples' adopt() says what to do."""

@@ -130,14 +130,35 @@ def _flatten(value: Any) -> List[Any]:
     return [value]
 
 
+#: The most dimensions a feature's shape may have.
+MAX_DIMS = 8
+
+
+def _shape_ok(shape: Any) -> bool:
+    """Whether ``shape`` is a feature's shape: at most MAX_DIMS ints in [0, 2**63), their
+    product too (checked before any arithmetic on what a record says)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
+        return False
+    n = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < 2**63:
+            return False
+        n *= d
+    return n < 2**63
+
+
 def _result_bytes(result: Mapping[str, Any]) -> int:
+    """The bytes a result's features hold (a feature whose shape fails :func:`_shape_ok`
+    counts nothing): never raises."""
     sizes = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
     total = 0
     for f in result.get("features", {}).values():
-        n = 1
-        for d in f.get("shape", ()):
-            n *= int(d)
-        total += n * sizes.get(str(f.get("dtype")), 1)
+        shape = f.get("shape", ()) if isinstance(f, Mapping) else None
+        if shape is not None and _shape_ok(shape):
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * sizes.get(str(f.get("dtype")), 1)
     return total
 
 
@@ -511,7 +532,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
 
     def live_ref_source(self, ref_source: Any) -> Any:
         """Wraps SpecForge's live intake ref source (``LiveIntakeRefSource``: ``config_payload()``,
-        ``ref_from_record(record)``) so that every record it turns into a ref is remembered first
+        ``ref_from_record(record)``) so that every record it turns into a ref is remembered
         (:meth:`record_result`): give the wrapper to ``build_disagg_live_producer`` in its
         place. Everything else goes to the wrapped source."""
         return _RecordingRefSource(self, ref_source)
@@ -716,6 +737,13 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         missing = [n for n in ref.feature_keys if n not in result["features"]]
         if missing:
             raise KeyError(f"sample {ref.sample_id}: its capture-arena result lacks features {missing}")
+        for name, f in result["features"].items():
+            if not isinstance(f, Mapping) or not _shape_ok(f.get("shape")):
+                shape = f.get("shape") if isinstance(f, Mapping) else f
+                raise KeyError(
+                    f"sample {ref.sample_id}: its feature {str(name)[:80]!r} has no shape of at most {MAX_DIMS} "
+                    f"dimensions in [0, 2**63): {str(shape)[:120]}"
+                )
 
     def _track(self, sid: str, gen: int, result: Mapping[str, Any]) -> None:
         old = self._results.get(sid)
@@ -856,8 +884,10 @@ class _RecordingRefSource:
         self._inner = inner
 
     def ref_from_record(self, record: Mapping[str, Any]) -> Any:
+        # Remembered once the wrapped source took it: a record it rejects never gets a ref.
+        ref = self._inner.ref_from_record(record)
         self._store.record_result(record)
-        return self._inner.ref_from_record(record)
+        return ref
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
