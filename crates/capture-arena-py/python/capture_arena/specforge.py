@@ -62,7 +62,7 @@ import logging
 import threading
 import time
 import unicodedata
-import urllib.request
+import urllib.parse
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 try:
@@ -74,6 +74,7 @@ except ImportError as e:  # pragma: no cover - exercised only without SpecForge
         f"dependencies pin torch and sglang, so `pip install --no-deps specforge` beside your own torch works): {e}"
     ) from e
 
+from ._live import _Route
 from ._reader import ArenaFeatureStore
 from ._capture_arena import _send_frees, _stats_query
 from ._store import is_store_result
@@ -115,19 +116,31 @@ def escape_part(part: str) -> str:
 
 def _default_post(url: str, json_body: Dict[str, Any], timeout: float) -> Any:
     """SpecForge's default post (``requests.post(...).json()``) without ``requests``: JSON in,
-    JSON out, at most ``MAX_RESPONSE_BYTES`` read."""
-    req = urllib.request.Request(url, data=json.dumps(json_body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        body = resp.read(MAX_RESPONSE_BYTES + 1)
+    JSON out, at most ``MAX_RESPONSE_BYTES`` read, through the proxy the environment names (as
+    ``requests`` does), all within ``timeout``: connect, and an answer however slowly it comes
+    (``urlopen`` bounds each read only). An answer that is not 2xx raises, naming its status."""
+    query = urllib.parse.urlsplit(url).query
+    status, body = _Route(url).request("POST", "?" + query if query else "", json.dumps(json_body).encode(), timeout, MAX_RESPONSE_BYTES + 1)
     if len(body) > MAX_RESPONSE_BYTES:
         raise RuntimeError(f"{url} answered more than {MAX_RESPONSE_BYTES} bytes")
+    if not 200 <= status < 300:
+        raise RuntimeError(f"{url} answered HTTP {status}: {body[:256].decode('utf-8', 'replace')!r}")
     return json.loads(body)
 
 
 def _flatten(value: Any) -> List[Any]:
-    if isinstance(value, list):
-        return [x for v in value for x in _flatten(v)]
-    return [value]
+    """The leaves of nested lists, in order (in time linear in them, however deep)."""
+    out: List[Any] = []
+    stack = [iter((value,))]
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out
 
 
 #: The most dimensions a feature's shape may have.
