@@ -123,6 +123,16 @@ def test_unknown_features_failed_results_and_forged_addresses(make_sink):
     huge = {**r, "features": {"target": {**r["features"]["target"], "shape": [1, 1 << 40, 4]}}}
     with pytest.raises(ca.InvalidReadError, match="outside the arena"):
         store.get(huge)
+    # One that lost its `arena` is refused as such, not taken for a Mooncake store result: its
+    # read asked the store (localhost:50051), its release queued a store removal retried for
+    # good, and its producer was never told.
+    lost = {k: v for k, v in r.items() if k != "arena"}
+    for call in (store.get, store.release):
+        with pytest.raises(ca.InvalidReadError, match="missing field `arena`"):
+            call(lost)
+    assert store.health()["pending_frees"] == 0 and store._store_reader is None, store.health()
+    store.release(r)
+    store.flush(10)
 
 
 def test_results_of_a_closed_sink_are_stale(make_sink):

@@ -702,8 +702,14 @@ class StoreReader:
 
 
 def is_store_result(result: Mapping[str, Any]) -> bool:
-    """A store-placement result: features without addresses, no arena."""
-    return "arena" not in result and "features" in result
+    """A store-placement result: no arena, and features without addresses (an arena result
+    that lost its ``arena`` is not one: reading or freeing it as one would ask the store)."""
+    feats = result.get("features")
+    return (
+        "arena" not in result
+        and isinstance(feats, Mapping)
+        and not any(isinstance(f, Mapping) and "address" in f for f in feats.values())
+    )
 
 
 # Store clients a forked child must not destroy: the parent's.
