@@ -236,6 +236,31 @@ def test_the_store_placement_connects_at_the_first_capture_and_says_what_failed(
     sink.close()
 
 
+@needs_mooncake
+def test_a_forked_child_does_not_make_its_parents_queued_store_removals() -> None:
+    # A trainer released a store result while the master is unreachable: its removal waits in
+    # the queue. A child forked then (a dataloader worker) inherited the queue and made the
+    # parent's removals too (and waited for them at exit). Now it starts with none.
+    code = """
+import os, sys
+import capture_arena as ca
+reader = ca.ArenaFeatureStore()
+reader.release({"store_id": "st", "sample_id": "x", "gen": 1, "features": {"target": {"shape": [1, 4], "dtype": "float32"}}})
+assert reader.health()["pending_frees"] == 1, reader.health()
+pid = os.fork()
+if pid == 0:
+    print("child", reader.health()["pending_frees"], flush=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print("parent", reader.health()["pending_frees"], flush=True)
+os._exit(0)
+"""
+    env = {**os.environ, "MOONCAKE_MASTER_SERVER_ADDR": "127.0.0.1:1", "MOONCAKE_PROTOCOL": "tcp", "MOONCAKE_METADATA_SERVER": "P2PHANDSHAKE"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "child 0" in out.stdout and "parent 1" in out.stdout, out.stdout
+
+
 def test_invalid_samples_are_refused_before_anything_is_written(master, monkeypatch):
     for k in ("MOONCAKE_MASTER_SERVER_ADDR", "MOONCAKE_PROTOCOL"):
         monkeypatch.setenv(k, master[k])

@@ -568,8 +568,10 @@ class StoreReader:
 
     def _after_fork_in_child(self) -> None:
         """A forked child keeps the parent's clients referenced (their destructors would unmount
-        the parent's connections) and starts afresh with a new lock."""
+        the parent's connections) and starts afresh with a new lock, and without the parent's
+        queued removals (the parent's to make: made twice, one could remove a newer object)."""
         self._clients.after_fork_in_child(_FORKED_LEFTOVERS)
+        self._removals = deque()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._remover = None
