@@ -957,14 +957,20 @@ def test_a_panic_while_failing_a_steps_objects_does_not_end_the_copy_thread(both
     assert wait_resident(p, before["resident_objects"])["resident_objects"] == before["resident_objects"]
 
 
-def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc) -> None:
+@pytest.mark.parametrize("thread", ["running", "not_started_yet"])
+def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc, thread: str) -> None:
     # The sink is closing (vLLM's shutdown) and has stopped the copy thread, and vLLM saves one
     # more step: nothing will copy it, so its objects fail at once and vLLM gets its blocks
     # back at once. Before: queued for a thread that was gone, the request's blocks held by
-    # vLLM for good and its readers waiting out their deadline.
+    # vLLM for good and its readers waiting out their deadline. A close before any copy thread
+    # ran (not_started_yet) stops the next step too (before: it started one, which copied into
+    # the arena the close removed).
     p = both
     before = p.ask({"stats": True})
-    assert p.ask({"stop_copier": True}) == {"stopped": True, "stopping": True}
+    if thread == "not_started_yet":  # the running one stopped, then none: the next step would start one
+        assert p.ask({"stop_copier": True}) == {"stopped": True, "stopping": True}
+        assert p.ask({"restart_copier": True}) == {"ok": True}
+    assert p.ask({"stop_copier": "none_yet" if thread == "not_started_yet" else True}) == {"stopped": True, "stopping": True}
     try:
         p.ask({"save": p.ask({"announce": [["after-stop", 8]]})["meta"]})
         got = p.ask({"finish": "after-stop"})["params"]

@@ -25,7 +25,8 @@ states and 8 of its id. Commands:
   (a BaseException with ``panic``, as a panic in native code) for every step from now on,
   ``{"break_rows": null}`` mends it; ``{"break_finish": n}`` (worker): the next n failings of a
   step's objects raise such a panic once they are done; ``{"stop_copier": true}`` (worker): the copy
-  thread is stopped as the sink's closing stops it (the sink left open), ``{"restart_copier":
+  thread is stopped as the sink's closing stops it (the sink left open; ``"none_yet"``: as a
+  close before any step started one), ``{"restart_copier":
   true}``: the next step starts a new one; ``{"stop_in_save": base64}`` (worker): that step is
   saved, and the copy thread stopped so (on a thread of its own) in the midst of its
   wait_for_save, between its look at whether the sink is closing and its hand-over of the step;
@@ -279,7 +280,8 @@ for line in sys.stdin:
             worker._sink._finish_keys = _finish_keys
             answer = {"ok": True}
         elif "stop_copier" in cmd:
-            worker._start_copier()  # (if none was started yet)
+            if cmd["stop_copier"] != "none_yet":  # else as a close before any step started one
+                worker._start_copier()  # (if none was started yet)
             answer = {"stopped": worker._stop_copier(), "stopping": worker._stopping}
         elif "gate_copies" in cmd:  # copies wait (once begun: their requests started) until the gate opens
             import capture_arena.vllm

@@ -627,6 +627,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._sink = ArenaSink(**kwargs)
         self._sink.sync_bound = self._bound
+        # From the start, not the copy thread's: a close before the first step still stops
+        # every later step from being copied into an arena it removed.
+        self._sink.on_close(self._stop_copier)
         # A device arena (SGLANG_SPEC_CAPTURE_GPU_PUT=1) lives on the cache's GPU unless
         # SGLANG_SPEC_CAPTURE_ARENA_DEVICE says otherwise.
         self._sink.start_in_background(kv.device.index if kv.is_cuda else None)
@@ -780,18 +783,17 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 log.error("capture_arena.vllm: the copy thread could not start: %s; this step's captures fail", e)
                 return False
             self._copier = copier
-            assert self._sink is not None
-            self._sink.on_close(self._stop_copier)
         return True
 
     def _stop_copier(self) -> bool:
         """Stops the copy thread once the step it copies is done (later steps are not copied:
-        their readers fail); whether it stopped within the bound plus PREEMPT_GRACE_S."""
-        copier = self._copier
-        if copier is None:
-            return True
+        their readers fail); whether it stopped within the bound plus PREEMPT_GRACE_S. With no
+        copy thread yet, none is started after this (later steps fail at once)."""
         with self._steps_lock:  # a step handed over before this is copied (failed: closing)
             self._stopping = True
+            copier = self._copier
+            if copier is None:
+                return True
             self._steps.put(None)
         copier.join(self._bound + PREEMPT_GRACE_S)
         if copier.is_alive():
