@@ -984,6 +984,23 @@ def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc, th
         assert p.ask({"restart_copier": True}) == {"ok": True}
 
 
+def test_a_hand_over_that_raises_fails_its_step_and_gives_the_blocks_back(both: Proc) -> None:
+    # wait_for_save's hand-over raises (torch.cuda.Event() or its record in a failed CUDA
+    # context, simulated): the step's captures fail, its space is freed and vLLM gets its
+    # blocks back at once. Before: the exception went into vLLM's loop, and no copy was ever
+    # registered for the step, so get_finished never reported it: its blocks held for good.
+    p = both
+    before = p.ask({"stats": True})
+    assert p.ask({"break_publish": 1}) == {"ok": True}
+    meta = p.ask({"announce": [["cuda-error", 8]]})["meta"]
+    assert "error" not in p.ask({"save": meta}), "wait_for_save raised into vLLM's loop"
+    got = p.ask({"finish": "cuda-error"})["params"]
+    assert "handing the step to the copy thread failed" in got["capture_arena"].get("error", ""), got
+    assert p.ask({"get_finished": ["cuda-error"]}) == {"done": ["cuda-error"]}  # at once
+    s = wait_resident(p, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"] and s["free_bytes"] == before["free_bytes"], s
+
+
 def test_a_close_in_the_midst_of_a_save_still_gives_the_steps_blocks_back(both: Proc) -> None:
     # The sink closes (vLLM's shutdown, on another thread) just as vLLM's thread hands a step to
     # the copy thread: the close comes before the hand-over (the step fails at once) or after

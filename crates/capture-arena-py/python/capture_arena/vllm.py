@@ -688,10 +688,15 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             begun = self._begin(meta, saves)
         saves, reservations = begun
         event = None
-        if self._kv.is_cuda:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(torch.cuda.current_stream(self._kv.device))
-        reserved = self._publish(saves, reservations)
+        try:
+            if self._kv.is_cuda:
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(self._kv.device))
+            reserved = self._publish(saves, reservations)
+        except Exception as e:  # (a CUDA error, say): the step's captures fail, never vLLM's loop
+            self._begun = begun
+            self._abandon(f"handing the step to the copy thread failed ({type(e).__name__}: {e})")
+            return
         copies = [_Copy() for _ in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
@@ -716,7 +721,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         saves, reservations = begun
         log.error("capture_arena.vllm: %s; the captures of %d requests fail", why, len(saves))
         self._fail_step(_collect(saves, reservations), [])
-        self._publish(saves, f"not captured: {why}")
         # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
         # holds an announced request's blocks until then).
         gone = set(preempted)
@@ -726,6 +730,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             c = _Copy()
             c.over = True
             self._copies[sv.req_id] = c
+        try:
+            self._publish(saves, f"not captured: {why}")
+        except Exception as e:  # the requests get the bound's error instead
+            log.error("capture_arena.vllm: telling the scheduler why failed too: %s", e)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         """Requests vLLM preempted gave their blocks back, and this step's forward may write
