@@ -162,6 +162,42 @@ def test_store_placement_round_trip_replace_and_nothing_half_published(master):
         reader.kill()
 
 
+# A trainer that releases what it read from an exit hook (as speculators' backend does), on a
+# Python where no thread can start by then (3.12 and later: "can't create new thread at
+# interpreter shutdown"; this interpreter is made to refuse as they do).
+RELEASE_AT_EXIT = r"""
+import atexit, json, sys, threading
+import capture_arena as ca
+
+store = ca.ArenaFeatureStore()
+r = json.loads(sys.argv[1])
+store.get(r)
+
+def release_at_exit():  # runs before capture_arena's own exit flush (registered after it)
+    def start(self, *a, **k):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+    threading.Thread.start = start
+    store.release(r)
+
+atexit.register(release_at_exit)
+"""
+
+
+def test_a_release_at_exit_with_no_thread_to_be_had_is_removed_by_the_exit_flush(master):
+    # Before: the remover thread's start raised out of release (the keys queued, but nothing
+    # to remove them), and the exit flush waited its 5 s, then warned: the objects stayed.
+    prod = Proc(PRODUCER, master)
+    try:
+        (r,) = prod.ask({"samples": [{"id": "exiting", "L": 16, "seed": 1}]})
+        assert "error" not in r, r
+        out = subprocess.run([sys.executable, "-c", RELEASE_AT_EXIT, json.dumps(r)], capture_output=True, text=True, timeout=120, env=master)
+        assert out.returncode == 0 and "still wait" not in out.stderr, out.stderr
+        assert prod.ask({"exists": [f"st/exiting/g1/{n}" for n in r["features"]]}) == [0, 0, 0], out.stderr
+        prod.finish()
+    finally:
+        prod.kill()
+
+
 def test_arena_feature_store_reads_what_a_plain_mooncake_writer_put(master):
     writer = r"""
 import json, sys, numpy as np, ml_dtypes

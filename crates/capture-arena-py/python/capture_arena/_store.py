@@ -651,8 +651,15 @@ class StoreReader:
                 self._removals.popleft()
                 self.dropped += 1
             if self._remover is None or not self._remover.is_alive():
-                self._remover = threading.Thread(target=self._remove, name="capture-arena-store-remove", daemon=True)
-                self._remover.start()
+                remover = threading.Thread(target=self._remove, name="capture-arena-store-remove", daemon=True)
+                try:
+                    remover.start()
+                    self._remover = remover
+                except RuntimeError:
+                    # No thread to be had: Python 3.12 and later at interpreter exit (atexit
+                    # handlers release what was read), or a process at its limit. The keys
+                    # wait; flush removes them on its caller's thread.
+                    self._remover = None
 
     @property
     def pending(self) -> int:
@@ -669,29 +676,42 @@ class StoreReader:
                     self._remover = None
                     self._changed.notify_all()
                     return
-                keys = list(self._removals)
-                self._removals.clear()
-                self._removing = len(keys)
-            try:
-                rcs = self._client().batch_remove(keys, True)
-                bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
-            except Exception as e:  # the master unreachable, the client not connecting
-                bad = [(k, str(e)) for k in keys]
-            with self._lock:
-                self._removing = 0
-                if bad:
-                    self._removals.extendleft(reversed([k for k, _ in bad]))
-                self._changed.notify_all()
+            bad = self._remove_once()
             if bad:
-                log.warning("removing %d of %d objects from the Mooncake store failed (first: %s: %s); retrying in %.1f s", len(bad), len(keys), bad[0][0], bad[0][1], backoff)
+                log.warning("removing %d objects from the Mooncake store failed (first: %s: %s); retrying in %.1f s", len(bad), bad[0][0], bad[0][1], backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
             else:
                 backoff = 0.1
 
+    def _remove_once(self) -> list[tuple[str, Any]]:
+        """One try at removing what is queued; what failed (queued again), with why."""
+        with self._lock:
+            keys = list(self._removals)
+            self._removals.clear()
+            self._removing = len(keys)
+        if not keys:
+            return []
+        try:
+            rcs = self._client().batch_remove(keys, True)
+            bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
+        except Exception as e:  # the master unreachable, the client not connecting
+            bad = [(k, str(e)) for k in keys]
+        with self._lock:
+            self._removing = 0
+            if bad:
+                self._removals.extendleft(reversed([k for k, _ in bad]))
+            self._changed.notify_all()
+        return bad
+
     def flush(self, timeout_s: float) -> None:
-        """Waits up to ``timeout_s`` for the queued removals; FreeNotSentError if some still wait."""
+        """Waits up to ``timeout_s`` for the queued removals; FreeNotSentError if some still wait.
+        With no thread removing them (none could be started), one try is made on this thread."""
         deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._lock:
+            orphaned = bool(self._removals) and (self._remover is None or not self._remover.is_alive())
+        if orphaned and timeout_s > 0:
+            self._remove_once()
         with self._lock:
             while self._removals or self._removing:
                 left = deadline - time.monotonic()
