@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import collections
 import json
+import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
@@ -257,3 +259,54 @@ class ForwardProxy(_Served):
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="test-proxy", daemon=True).start()
 
+
+def stalling_server(pattern: str) -> tuple[int, threading.Event]:
+    """A server on loopback (an intake, a capture server) that reads a request and never
+    finishes its answer: it sends ``"100 Continue"`` answers, or its headers, or its body, a
+    piece every 0.2 s until the client goes away (or the event is set)."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+    pieces = {
+        "continue": [b"HTTP/1.1 100 Continue\r\n\r\n"],
+        "headers": [bytes([c]) for c in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"x" * 100000],
+        "body": [b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"] + [b'{"status": "accepted"} '] * 10000,
+    }[pattern]
+
+    def serve() -> None:
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                for i in range(10**6):
+                    if stop.is_set():
+                        return
+                    try:
+                        conn.sendall(pieces[i % len(pieces)])
+                    except OSError:
+                        return  # the client went away
+                    time.sleep(0.2)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1], stop
+
+def call_within(call: Callable[[], Any], wait_s: float, then: Optional[threading.Event] = None) -> tuple[Any, float]:
+    """Runs ``call`` on a thread of its own, waiting at most ``wait_s`` for it (``then`` is set
+    after, to stop a server it talks to); what it returned or raised, and how long it took.
+    Fails the test when it still runs."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            outcome.append(call())
+        except Exception as e:
+            outcome.append(e)
+        outcome.append(time.monotonic() - t0)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(wait_s)
+    if then is not None:
+        then.set()
+    assert not t.is_alive(), f"still waiting after {wait_s} s"
+    return outcome[0], outcome[1]

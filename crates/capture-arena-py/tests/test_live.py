@@ -36,7 +36,7 @@ pytest.importorskip("specforge", reason="specforge is not installed (scripts/tes
 
 import capture_arena as ca  # noqa: E402
 from capture_arena.specforge import SpecForgeArenaStore  # noqa: E402
-from intake import ForwardProxy, Intake, Producer, config_payload, ref_from_record  # noqa: E402
+from intake import ForwardProxy, Intake, Producer, call_within, config_payload, ref_from_record, stalling_server  # noqa: E402
 
 K, H = 3, 32  # aux layers, hidden size
 PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "no_proxy", "NO_PROXY")
@@ -654,36 +654,6 @@ def test_close_stops_the_worker_even_when_a_capture_is_queued_as_it_drains(live:
     live.producer.refs.clear()
 
 
-def _stalling_intake(pattern: str) -> tuple[int, threading.Event]:
-    """An intake on loopback that reads a request and never finishes its answer: it sends
-    ``"100 Continue"`` answers, or its headers, or its body, a piece every 0.2 s until the
-    client goes away (or the event is set)."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-    pieces = {
-        "continue": [b"HTTP/1.1 100 Continue\r\n\r\n"],
-        "headers": [bytes([c]) for c in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"x" * 100000],
-        "body": [b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"] + [b'{"status": "accepted"} '] * 10000,
-    }[pattern]
-
-    def serve() -> None:
-        with srv:
-            conn, _ = srv.accept()
-            with conn:
-                conn.recv(65536)
-                for i in range(10**6):
-                    if stop.is_set():
-                        return
-                    try:
-                        conn.sendall(pieces[i % len(pieces)])
-                    except OSError:
-                        return  # the client went away
-                    time.sleep(0.2)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return srv.getsockname()[1], stop
-
-
 @pytest.mark.parametrize("pattern", ["continue", "headers", "body"])
 def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_whatever_it_sends(pattern: str) -> None:
     """http.client bounds each read, not the request: an intake sending "100 Continue" again and
@@ -691,23 +661,8 @@ def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_wh
     queued behind it) for good before. Now each request ends at its timeout."""
     from capture_arena import _live
 
-    port, stop = _stalling_intake(pattern)
-    outcome: list[Any] = []
-
-    def post() -> None:
-        t0 = time.monotonic()
-        try:
-            outcome.append(_live._Route(f"http://127.0.0.1:{port}").request("POST", "/records", b"{}", 1.0, 1 << 20))
-        except Exception as e:
-            outcome.append(e)
-        outcome.append(time.monotonic() - t0)
-
-    t = threading.Thread(target=post, daemon=True)
-    t.start()
-    t.join(10)
-    stop.set()
-    assert not t.is_alive(), f"a request to an intake sending its {pattern} piece by piece still waits after 10 s"
-    err, took = outcome
+    port, stop = stalling_server(pattern)
+    err, took = call_within(lambda: _live._Route(f"http://127.0.0.1:{port}").request("POST", "/records", b"{}", 1.0, 1 << 20), 10, stop)
     assert isinstance(err, TimeoutError) and "within 1 s" in str(err), err
     assert 1.0 <= took < 2.0, took
 
@@ -789,7 +744,7 @@ def test_an_address_this_host_cannot_make_a_socket_for_is_tried_past_with_a_stan
     the first's error ended the connect, and live capture took the intake as down)."""
     from capture_arena import _live
 
-    port, stop = _stalling_intake("body")
+    port, stop = stalling_server("body")
     real = socket.getaddrinfo
 
     def getaddrinfo(host: Any, *a: Any, **k: Any) -> Any:

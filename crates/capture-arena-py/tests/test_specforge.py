@@ -402,41 +402,11 @@ def test_the_default_post_ends_at_its_timeout_however_slowly_the_server_answers(
     # SpecForge's post to the capture server (/generate), made by post_fn when it is given no
     # post of its own. urlopen bounds each read, not the call: a server sending its answer a
     # byte every 0.2 s held the trainer for good. Now the call ends at its timeout.
-    import threading
+    from intake import call_within, stalling_server
 
-    srv = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve() -> None:
-        with srv:
-            conn, _ = srv.accept()
-            with conn:
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
-                while not stop.wait(0.2):
-                    try:
-                        conn.sendall(b" ")
-                    except OSError:
-                        return  # the client went away
-
-    threading.Thread(target=serve, daemon=True).start()
+    port, stop = stalling_server("body")
     post = SpecForgeArenaStore(store_id="run10").post_fn()
-    outcome: list[Any] = []
-
-    def call() -> None:
-        t0 = time.monotonic()
-        try:
-            outcome.append(post(f"http://127.0.0.1:{srv.getsockname()[1]}/generate", json_body={"text": "x"}, timeout=1.0))
-        except Exception as e:
-            outcome.append(e)
-        outcome.append(time.monotonic() - t0)
-
-    t = threading.Thread(target=call, daemon=True)
-    t.start()
-    t.join(10)
-    stop.set()
-    assert not t.is_alive(), "the post still waits 10 s into a 1 s timeout"
-    err, took = outcome
+    err, took = call_within(lambda: post(f"http://127.0.0.1:{port}/generate", json_body={"text": "x"}, timeout=1.0), 10, stop)
     assert isinstance(err, TimeoutError) and "within 1 s" in str(err), err
     assert 1.0 <= took < 2.0, took
 
