@@ -131,6 +131,12 @@ def test_unknown_features_failed_results_and_forged_addresses(make_sink):
         with pytest.raises(ca.InvalidReadError, match="missing field `arena`"):
             call(lost)
     assert store.health()["pending_frees"] == 0 and store._store_reader is None, store.health()
+    # A store-placement result without its gen is invalid, not a KeyError (which a caller
+    # skipping released samples takes for one: ReleasedError is a KeyError).
+    no_gen = {"store_id": "st", "sample_id": "u", "features": {"target": {"shape": [1, 4], "dtype": "float32"}}}
+    for call in (store.get, store.release):
+        with pytest.raises(ca.InvalidReadError, match="missing field `gen`"):
+            call(no_gen)
     store.release(r)
     store.flush(10)
 

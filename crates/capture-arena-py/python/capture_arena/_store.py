@@ -104,9 +104,11 @@ def connect(contribute: bool) -> Any:
     # setup() holds the GIL while it retries an unreachable master (about 4 s a try, 20 tries):
     # the whole process, SGLang's scheduler included, would stand still for a minute and a half.
     # A short connect first turns that into this batch's error.
-    _reachable("MOONCAKE_MASTER_SERVER_ADDR", master)
+    # A sink's batch fails, and its next tries again; a reader's read fails, and its next does.
+    then = "This batch fails; the next tries again" if contribute else "This read fails; the next tries again"
+    _reachable("MOONCAKE_MASTER_SERVER_ADDR", master, then)
     if metadata.startswith(("http://", "https://")):
-        _reachable("MOONCAKE_METADATA_SERVER", metadata.split("://", 1)[1].split("/", 1)[0])
+        _reachable("MOONCAKE_METADATA_SERVER", metadata.split("://", 1)[1].split("/", 1)[0], then)
     s = store_mod.MooncakeDistributedStore()
     rc = s.setup(host, metadata, segment, local, protocol, devices, master)
     if rc != 0:
@@ -122,16 +124,17 @@ def connect(contribute: bool) -> Any:
 PROBE_TIMEOUT_S = 2.0
 
 
-def _reachable(var: str, addr: str) -> None:
-    """Raises ArenaOSError unless a TCP connection to ``addr`` (``host:port``) opens within
-    :data:`PROBE_TIMEOUT_S` (the GIL is released while it tries)."""
+def _reachable(var: str, addr: str, then: str) -> None:
+    """Raises ArenaOSError (ending with ``then``, what follows) unless a TCP connection to
+    ``addr`` (``host:port``) opens within :data:`PROBE_TIMEOUT_S` (the GIL is released while it
+    tries)."""
     host, _, port = addr.rpartition(":")
     try:
         socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=PROBE_TIMEOUT_S).close()
     except (OSError, ValueError) as e:
         raise ArenaOSError(
             f"the Mooncake store is not reachable: {var}={addr} ({e}); is mooncake_master running there "
-            f"(with --enable_http_metadata_server for an http:// metadata server)? This batch fails; the next tries again"
+            f"(with --enable_http_metadata_server for an http:// metadata server)? {then}"
         ) from None
 
 
@@ -583,13 +586,15 @@ class StoreReader:
 
     def check(self, result: Mapping[str, Any], names: list[str]) -> list[tuple[str, int]]:
         """``(key, bytes)`` of each name, validated (ids, shapes, dtypes) before anything is
-        allocated; ReleasedError after :meth:`release`."""
+        allocated; ReleasedError after :meth:`release`. (Validated first: a result without a
+        ``gen`` is InvalidReadError, never a KeyError taken for a released one.)"""
+        keys = [tuple(x) for x in _capture_arena._store_keys(result, names)]
         if self.ident(result) in self._released:
             raise ReleasedError(
                 f"sample {result['store_id']}/{result['sample_id']}/g{result['gen']} was already released: its "
                 "objects were removed from the store"
             )
-        return [tuple(x) for x in _capture_arena._store_keys(result, names)]  # type: ignore[misc]
+        return keys  # type: ignore[return-value]
 
     def read(self, planned: list[tuple[str, int]], views: list[np.ndarray[Any, Any]]) -> None:
         """Reads each ``(key, bytes)`` into the matching uint8 view, within the read deadline."""
