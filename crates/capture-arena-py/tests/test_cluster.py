@@ -428,13 +428,18 @@ def test_engine_reads_time_out_across_a_partition_on_one_engine_and_a_killed_pro
         engine = {"SGLANG_SPEC_CAPTURE_PLACEMENT": "engine", "SGLANG_SPEC_CAPTURE_TRANSPORT": "auto", "MOONCAKE_PROTOCOL": "tcp"}
         prod, results = producer(c, "p1", 4, **engine)
         # Mooncake gives up on a transfer after MC_TRANSFER_TIMEOUT (30 s by default; at least 5).
-        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **engine, MC_TRANSFER_TIMEOUT="5"))
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", **engine, MC_TRANSFER_TIMEOUT="5", SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S="1"))
         assert trainer.send(results[0])["ok"]
         c.partition("p1")
         for _ in range(2):
             got = trainer.send({**results[1], "_keep": True})
             assert got["error"] == "StaleSessionError", got
             assert READ_TIMEOUT_S - 0.5 <= got["read_s"] < READ_TIMEOUT_S + 3, got
+            # The next read from that producer fails at once for the back-off (1 s here), not
+            # after the whole timeout: before, each held a reading thread and the engine every
+            # producer's reads share (Mooncake's lock) for it.
+            got = trainer.send({**results[2], "_keep": True})
+            assert got["error"] == "StaleSessionError" and "fail at once" in got["why"] and got["read_s"] < 0.5, got
             # The engine is set aside while Mooncake still holds the transfer, and destroyed
             # once Mooncake's own timeout ends it: its threads (the read's, and the engine's)
             # end. Before: kept for good, one more engine for each read that timed out, with
@@ -445,7 +450,9 @@ def test_engine_reads_time_out_across_a_partition_on_one_engine_and_a_killed_pro
             assert gone["mooncake_clients"] == 0 and gone["threads"] <= stuck["threads"] - 2, (stuck["threads"], gone)
         # A trainer whose deadline is far shorter than Mooncake holds a stuck read (seconds):
         # two engines stuck at once (its bound), then reads fail at once instead of making more.
-        hasty_env = env_on(c, "t1", **engine, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="0.3", SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS="2")
+        hasty_env = env_on(
+            c, "t1", **engine, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="0.3", SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS="2", SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S="0"
+        )
         hasty = Proc(c, "t1", TRAINER, [], hasty_env)
         for _ in range(2):
             got = hasty.send({**results[1], "_keep": True})

@@ -19,6 +19,7 @@ documents batch transfers as unreliable).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import logging
@@ -277,6 +278,23 @@ def read_timeout_s() -> float:
     return v
 
 
+def unreachable_backoff_s() -> float:
+    """``SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S`` (default 10; 0: off): how long reads from
+    a producer fail at once after one timed out (at its deadline, or Mooncake's own)."""
+    raw = os.environ.get("SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S", "").strip()
+    try:
+        v = float(raw) if raw else 10.0
+    except ValueError:
+        v = -1.0
+    if not (0.0 <= v <= 86400.0):
+        raise ConfigError(f"SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S={raw!r} is not a number of seconds >= 0; default 10")
+    return v
+
+
+#: The most producers a reader remembers as unreachable at once (the oldest forgotten first).
+MAX_UNREACHABLE = 4096
+
+
 def _check_words(checks: Sequence[tuple[str, int, int]], found: Sequence[int]) -> Optional[str]:
     """The readiness rule (docs/protocol.md) for ``(key, address, stamp)`` checks against the
     words read: the key of an object still being written, or None when all are there; raises
@@ -529,7 +547,34 @@ class EngineReader:
         self._engines = _Clients(lambda: new_engine(self._protocol)[0], "TransferEngine")
         # Output pool slabs registered with each engine (held, so its id is not reused).
         self._slabs: dict[int, tuple[Any, set[tuple[int, int]]]] = {}
+        #: Sessions whose last read timed out: until when their reads fail at once.
+        self._unreachable: "collections.OrderedDict[str, float]" = collections.OrderedDict()
         _READERS.add(self)
+
+    def _check_reachable(self, session: str) -> None:
+        """Fails a read at once while ``session`` is backed off: a read from it timed out
+        within the last ``SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S``. Each read from a
+        partitioned producer would hold a reading thread (and, in Mooncake, the engine its
+        reads share with every other producer's) for the whole timeout."""
+        with self._lock:
+            until = self._unreachable.get(session)
+        left = (until or 0.0) - time.monotonic()
+        if left > 0:
+            raise StaleSessionError(
+                f"reads from {session} fail at once for {left:.1f} s more: the last one timed out (the producer is "
+                "unreachable from here, a partition or a host down); SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S="
+                f"{unreachable_backoff_s():g} sets how long, 0 turns this off"
+            )
+
+    def _mark(self, session: str, unreachable: bool) -> None:
+        """Records how a read from ``session`` ended: timed out (backed off from now), or not."""
+        backoff = unreachable_backoff_s() if unreachable else 0.0
+        with self._lock:
+            self._unreachable.pop(session, None)
+            if backoff > 0:
+                self._unreachable[session] = time.monotonic() + backoff
+                while len(self._unreachable) > MAX_UNREACHABLE:
+                    self._unreachable.popitem(last=False)
 
     @property
     def nvlink(self) -> bool:
@@ -575,11 +620,14 @@ class EngineReader:
         copied to the host from there: Mooncake reports a transfer done only once its copy
         has finished on the device."""
         timeout = read_timeout_s()
-        te = self._engines.get()
         targets = [t for t in targets if t[2] > 0]
         if not targets:
             return
+        self._check_reachable(session)
+        te = self._engines.get()
+
         def timed_out() -> str:
+            self._mark(session, True)
             self._engines.set_aside(te)
             logging.getLogger("capture_arena").warning(
                 "TransferEngine read from %s timed out after %.1f s; later reads use a new engine", session, timeout
@@ -613,7 +661,14 @@ class EngineReader:
         since, pause = time.monotonic(), 50e-6
         while True:
             pending[0] = None
-            run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone, lambda: self._returned(te))
+            t0 = time.monotonic()
+            try:
+                run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone, lambda: self._returned(te))
+            except StaleSessionError:
+                if time.monotonic() - t0 >= min(timeout, MOONCAKE_MIN_TIMEOUT_S):  # Mooncake's own timeout, or ours
+                    self._mark(session, True)
+                raise
+            self._mark(session, False)
             if pending[0] is None:
                 return
             waited = time.monotonic() - since
