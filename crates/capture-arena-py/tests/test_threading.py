@@ -1,12 +1,16 @@
-"""The GIL is released while the sink waits (and copies): other Python threads keep running."""
+"""The GIL is released while the sink waits (and copies): other Python threads keep running; and a
+process forked while another thread held a reader's lock reads all the same."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import pytest
 
 import capture_arena as ca
 from conftest import hidden, spec
@@ -102,3 +106,42 @@ def test_the_gil_is_released_while_an_eager_sink_creates_its_arena_and_a_store_m
         sys.setswitchinterval(switch)
     assert (got["hidden_state"][0] == hidden(8, 12)).all()
     assert stall < 0.5 * took, (took, stall)
+
+
+# A process forked (a dataloader worker) while another thread of its parent held one of the
+# readers' locks: making a 256 MiB output pool slab, making a Mooncake reader, holding a
+# transfer's outputs. Nothing releases it in the child, whose first read then waited for good.
+FORKED_WHILE_HELD = r"""
+import os, signal, sys, threading
+import capture_arena as ca
+from capture_arena import _engine, _pool
+
+lock = {"pool": lambda: _pool.POOL._lock, "readers": lambda: ca.ArenaFeatureStore._making,
+        "quarantine": lambda: _engine.QUARANTINE._lock}[sys.argv[1]]()
+held, release = threading.Event(), threading.Event()
+
+def hold():
+    with lock:
+        held.set()
+        release.wait(30)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait(30)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # the child ends at 10 s if it waits for the lock
+    assert _pool.POOL.bytes_u8(16) is not None
+    ca.ArenaFeatureStore()._stores()
+    _engine.QUARANTINE.hold(object())
+    os._exit(0)
+release.set()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.parametrize("lock", ["pool", "readers", "quarantine"])
+def test_a_child_forked_while_a_readers_lock_was_held_reads_all_the_same(lock: str) -> None:
+    out = subprocess.run([sys.executable, "-c", FORKED_WHILE_HELD, lock], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "0", f"the child ended {out.stdout.split()[-1]} (-14: it waited for the lock until its alarm)"

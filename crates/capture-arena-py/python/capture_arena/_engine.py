@@ -826,6 +826,7 @@ _READERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
+    QUARANTINE._lock = threading.Lock()  # the fork may have come while another thread held it
     for r in list(_READERS):
         r._after_fork_in_child()
 

@@ -138,7 +138,17 @@ class OutputPool:
             }
 
 
+    def _after_fork_in_child(self) -> None:
+        """A forked child starts with an empty pool and a new lock: the fork may have come while
+        another thread held the lock (a slab being made), which nobody would release here."""
+        self._lock = threading.Lock()
+        self._slabs = []
+        self._returned = collections.deque()
+        self._limit = None
+
+
 POOL = OutputPool()
+os.register_at_fork(after_in_child=POOL._after_fork_in_child)
 
 
 def fresh(shape: list[int], dtype: str, torch: bool) -> Optional[tuple[Any, np.ndarray[Any, Any]]]:

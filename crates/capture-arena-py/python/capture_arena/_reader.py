@@ -340,3 +340,11 @@ def _flush_stores_at_exit() -> None:
 
 atexit.register(_flush_stores_at_exit)
 
+
+def _after_fork_in_child() -> None:
+    # The fork may have come while another thread made a reader under this lock.
+    ArenaFeatureStore._making = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
