@@ -222,7 +222,8 @@ class Producer:
 
 class ForwardProxy(_Served):
     """An HTTP forward proxy on 127.0.0.1 (what ``http_proxy`` names): takes requests for
-    absolute URLs, forwards them, and counts them by method and path (``seen``)."""
+    absolute URLs, forwards them, and counts them by method and path (``seen``); answers 502
+    when the upstream refuses the connection, as nginx and squid do."""
 
     def __init__(self) -> None:
         import http.client
@@ -244,10 +245,12 @@ class ForwardProxy(_Served):
                 try:
                     conn.request(self.command, url.path, body=body, headers={"Content-Type": self.headers.get("Content-Type", "application/json")})
                     resp = conn.getresponse()
-                    data = resp.read()
+                    status, data = resp.status, resp.read()
+                except ConnectionRefusedError as e:  # as nginx and squid answer when the upstream is down
+                    status, data = 502, f"Bad Gateway: {e}".encode()
                 finally:
                     conn.close()
-                self.send_response(resp.status)
+                self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)

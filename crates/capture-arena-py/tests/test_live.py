@@ -296,6 +296,25 @@ def test_while_the_intake_is_down_captures_are_dropped_before_they_are_published
     assert sum("captures are dropped for 30 s" in r.getMessage() for r in caplog.records) == 1, caplog.text
 
 
+@pytest.mark.proxy
+def test_an_intake_down_behind_a_proxy_that_answers_502_is_backed_off_too(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Through http_proxy, a down intake is the proxy's 502 (Bad Gateway), not a refused
+    # connect: that is no answer of the intake's, so it is down as well (before: a refusal,
+    # each capture published and posted, then freed, and no back-off).
+    from capture_arena import _live
+
+    monkeypatch.setattr(_live, "DOWN_BACKOFF_S", 30.0)
+    monkeypatch.setattr(_live, "DOWN_BACKOFF_MAX_S", 30.0)
+    published = live.sink.stats()["published_batches"]
+    live.intake.stop()
+    for i in range(5):
+        live.server.serve(f"proxied-down-{i}", seed=i)
+    wait_for(lambda: live.sink.stats()["live_dropped_intake_down"] == 5, "5 captures dropped as the intake down")
+    s = live.sink.stats()
+    assert s["published_batches"] - published == 1 and s["live_dropped_rejected"] == 0, s
+    assert live.proxy.seen["POST /v1/spec-capture/records"] == 2, live.proxy.seen  # one record, two attempts
+
+
 def test_the_intake_back_ends_the_back_off_at_its_next_try(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from capture_arena import _live
 

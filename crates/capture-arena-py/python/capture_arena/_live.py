@@ -24,7 +24,8 @@ What is added:
   (every 5 s until it succeeds, and again when records are rejected: the producer may have
   restarted with a new ``store_id``); requests that arrive before it are not captured;
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
-- while the intake is down (no attempt of a record connected), captures are dropped before
+- while the intake is down (no attempt of a record connected, or the proxy answered 502 or
+  503: it could not reach the intake), captures are dropped before
   they are published (``live_dropped_intake_down``): for 0.5 s, doubling up to 8 s while it
   stays down; the first capture after that tries again, and any HTTP answer ends the back-off;
 - a full queue, a failed publish or a refused record drops that capture alone, and its objects
@@ -535,6 +536,12 @@ class LiveCapture:
                 continue
             except Exception as e:  # sent, no answer: try again once (the intake dedups ids)
                 last, sent = str(e) or type(e).__name__, True
+                continue
+            if self._route.proxy is not None and status in (502, 503, 504):
+                # The proxy's answer, not the intake's: it could not reach it (502, 503: the
+                # record never got there) or got no answer from it (504: it may have).
+                last = f"HTTP {status} from the proxy {self._route.describe()}: {answer[:200].decode('utf-8', 'replace')!r}"
+                sent = sent or status == 504
                 continue
             sent_before, sent = sent, True
             self._down_for = 0.0  # an answer: the intake is up
