@@ -99,6 +99,23 @@ def test_bad_passthrough_is_refused_before_writing(make_sink):
     assert sink.stats()["resident_objects"] == 0
 
 
+def test_a_sample_naming_more_features_than_a_result_may_is_refused_alone(make_sink):
+    # 300 passthroughs were published (301 objects), and then no reader could read or release
+    # the result (readers refuse more than 256 features): it stayed until its prefix was freed.
+    # A shape of more dimensions than a tensor may have is refused the same way, before its
+    # dimensions are converted.
+    sink = make_sink()
+    many = spec("many", aux=False, last=False)
+    many["passthrough"] = [{"name": f"p{i}", "dtype": "int64", "shape": [1], "data": [i]} for i in range(300)]
+    deep = spec("deep", aux=False, last=False)
+    deep["passthrough"][0]["shape"] = [1] * 1_000_000
+    rows = sink.put_samples([(many, None, None), (deep, None, None), (spec("fine"), hidden(8, 12), hidden(8, 4))])
+    refused(rows[0], r"300 features \(300 passthrough\), more than the 256 a result may name", "many")
+    refused(rows[1], "at most 8 integers", "deep")
+    assert "error" not in rows[2], rows[2]
+    assert sink.stats()["resident_objects"] == len(rows[2]["features"])  # the good sample's only
+
+
 def test_passthrough_arrays_travel_as_bytes(make_sink):
     sink = make_sink()
     s = spec("arr", aux=False, last=False)

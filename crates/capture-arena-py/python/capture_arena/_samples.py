@@ -35,6 +35,10 @@ def _torch_module() -> Any:
 
 #: The longest id or name text accepted (a key holds at most 1024 bytes in all).
 _MAX_TEXT = 1024
+#: The most features a result may name (readers refuse more: the core's ``MAX_FEATURES``).
+MAX_FEATURES = 256
+#: The highest rank a tensor may have (the core's ``MAX_RANK``).
+MAX_DIMS = 8
 
 
 def _text(what: str, v: Any) -> str:
@@ -74,6 +78,12 @@ def _coerce_spec(spec: Any) -> dict[str, Any]:
     passthrough = spec.get("passthrough") or ()
     if not isinstance(passthrough, (list, tuple)):
         raise InvalidSampleError("`passthrough` must be a list")
+    if len(out["features"]) + len(passthrough) > MAX_FEATURES:
+        # Readers refuse a result naming more (it could be neither read nor released).
+        raise InvalidSampleError(
+            f"{len(out['features']) + len(passthrough)} features ({len(passthrough)} passthrough), more than the "
+            f"{MAX_FEATURES} a result may name: send fewer passthrough tensors"
+        )
     items = []
     for p in passthrough:
         if not isinstance(p, Mapping):
@@ -86,6 +96,8 @@ def _coerce_spec(spec: Any) -> dict[str, Any]:
         shape = p.get("shape")
         if shape is None:
             raise InvalidSampleError(f"passthrough {name!r} lacks `shape`")
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS:
+            raise InvalidSampleError(f"passthrough {name!r}: `shape` must be a list of at most {MAX_DIMS} integers")
         try:
             shape = [int(d) for d in shape]
         except (TypeError, ValueError):
