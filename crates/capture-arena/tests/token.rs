@@ -190,6 +190,38 @@ fn before_the_token_a_connection_may_neither_idle_nor_send_a_long_line() {
 }
 
 #[test]
+fn blank_lines_before_the_token_do_not_put_off_its_deadline() {
+    // Blank lines are allowed before the token, and each one completed a line, which restarted
+    // the connection's clock: one every 100 ms kept it open for good without the token, and
+    // 1024 such connections would hold every place (trainers refused, no frees, a full arena).
+    let w = Writer::start(&Config {
+        control_token: Some(TOKEN.into()),
+        line_timeout: Duration::from_millis(300),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
+    let mut blank = c.try_clone().unwrap();
+    let t0 = std::time::Instant::now();
+    let writer = std::thread::spawn(move || {
+        while blank.write_all(b"\n").is_ok() && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    assert!(
+        closed_by_server(&mut c, Duration::from_secs(5)),
+        "still open after 5 s of blank lines"
+    );
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    wait_stats(&w, |s| s.timed_out_lines == 1 && s.open_connections == 0);
+    writer.join().unwrap();
+}
+
+#[test]
 fn a_control_client_without_the_token_reports_its_frees_refused_not_sent_and_a_token_gets_them_through(
 ) {
     use capture_arena::{ControlClient, Key};

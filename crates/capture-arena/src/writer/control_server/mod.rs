@@ -599,8 +599,11 @@ impl ControlServer {
                 conn.partial_since = None;
                 self.partials -= 1;
             }
-            // A new unfinished line: its clock starts now.
-            (true, true) if completed > 0 => conn.partial_since = Some(Instant::now()),
+            // A new unfinished line: its clock starts now. Not before the token: lines that
+            // authorize nothing (blank ones) never put off the deadline for presenting it.
+            (true, true) if completed > 0 && conn.authed => {
+                conn.partial_since = Some(Instant::now())
+            }
             _ => {}
         }
         match outcome {
