@@ -14,3 +14,11 @@ pub fn is_valid_token(t: &str) -> bool {
         && t.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b".-_~+/=".contains(&b))
 }
+
+/// The instant `within` from now; a year from now for a bound too large to add (a caller's
+/// timeout of `1e19` seconds is a wait, never an overflow panic).
+pub fn deadline_in(within: std::time::Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(within)
+        .unwrap_or_else(|| now + std::time::Duration::from_secs(86_400 * 365))
+}

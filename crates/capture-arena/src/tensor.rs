@@ -156,7 +156,7 @@ impl DeviceData {
         let Some(ready) = &self.ready else {
             return Ok(());
         };
-        let deadline = std::time::Instant::now() + timeout;
+        let deadline = crate::limits::deadline_in(timeout);
         let mut pause = std::time::Duration::from_micros(20);
         while !ready.0.query()? {
             if std::time::Instant::now() >= deadline {

@@ -294,7 +294,7 @@ impl ControlClient {
     /// [`Error::FreeNotSent`] for an endpoint that still has keys waiting after `timeout`.
     pub fn flush_within(&self, timeout: Duration) -> Result<()> {
         let _ = self.flush();
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::limits::deadline_in(timeout);
         let mut s = self.shared.state();
         loop {
             let waiting = s

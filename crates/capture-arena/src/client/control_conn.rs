@@ -90,7 +90,7 @@ pub(super) fn free_lines_synced(keys: &[&Key], sync: u64) -> std::io::Result<Vec
 /// token (nothing sent on it was applied); `UnexpectedEof` when it closed without answering;
 /// `TimedOut`; `InvalidData` for an answer longer than [`MAX_SYNC_ANSWER_BYTES`].
 pub(super) fn confirm(s: &TcpStream, n: u64, timeout: Duration) -> std::io::Result<()> {
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::limits::deadline_in(timeout);
     let mut buf: Vec<u8> = Vec::with_capacity(64);
     let mut chunk = [0u8; 512];
     loop {
@@ -184,7 +184,7 @@ pub fn send_frees(
     }
     buf.extend_from_slice(crate::control::sync_line(1).as_bytes());
     buf.push(b'\n');
-    let deadline = Instant::now() + timeout;
+    let deadline = crate::limits::deadline_in(timeout);
     let mut stream = connect(endpoint, token, timeout).map_err(not_sent)?;
     stream.write_all(&buf).map_err(not_sent)?;
     stream.flush().map_err(not_sent)?;

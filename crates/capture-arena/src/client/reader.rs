@@ -268,7 +268,7 @@ impl Reader {
         let t = self.open(&result.arena.session)?;
         // SAFETY: the caller's promise, passed on.
         let v = unsafe { View::new(t, f.address, len) }?;
-        let deadline = Instant::now() + self.ready_wait;
+        let deadline = crate::limits::deadline_in(self.ready_wait);
         match f.stamp {
             Some(stamp) => v.stamped(
                 key_of(result, name),

@@ -747,12 +747,7 @@ impl Loop {
     }
 }
 
-/// The instant `within` from now; a year from now for a bound too large to add.
-pub fn deadline_in(within: Duration) -> Instant {
-    Instant::now()
-        .checked_add(within)
-        .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400 * 365))
-}
+pub use crate::limits::deadline_in;
 
 #[cfg(test)]
 mod tests {
