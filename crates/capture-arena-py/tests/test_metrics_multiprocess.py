@@ -262,6 +262,26 @@ def test_without_the_multiprocess_dir_the_collector_goes_to_the_registry(make_si
     assert "capture_arena_" not in _registry_text()
 
 
+def test_the_collector_names_the_largest_stores_and_a_closed_sink_fails_no_scrape(make_sink, monkeypatch):
+    # Store ids come from clients: 40 of them made 40 series per metric, each scrape; and once
+    # the sink closed, its collector raised WriterStoppedError, failing the whole scrape of the
+    # registry it is in (SGLang's /metrics).
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    sink = make_sink()
+    rows = sink.put_samples([({**spec(f"s{i}"), "store_id": f"store{i:02d}"}, hidden(8, 12), hidden(8, 4)) for i in range(40)])
+    assert all("error" not in r for r in rows), rows
+    h = metrics.register(sink)
+    try:
+        text = _registry_text()
+        named = {line.split('"')[1] for line in text.splitlines() if line.startswith("capture_arena_store_resident_objects{")}
+        assert len(named) == metrics.MAX_STORE_SERIES + 1 and "_other" in named, named
+        assert 'capture_arena_store_resident_objects{store_id="_other"} 32.0' in text, text  # 8 stores x 4 objects
+        sink.close()
+        assert "capture_arena_" not in _registry_text()  # and no exception
+    finally:
+        metrics.unregister(h)
+
+
 def test_a_forked_child_registers_its_own_sink(make_sink, monkeypatch):
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     sink = make_sink()

@@ -34,7 +34,9 @@ In multiprocess mode, these differences apply:
 - A store that left the table, and the levels of a sink that closed, show 0: multiprocess mode
   cannot remove a series.
 - At most 256 ``store_id`` labels are made per process; the other stores are summed into
-  ``store_id="_other"``.
+  ``store_id="_other"``. Without ``PROMETHEUS_MULTIPROC_DIR`` a scrape names the 32 stores
+  holding the most bytes and sums the rest into ``_other``; a closed sink's collector yields
+  nothing (never a failed scrape).
 
 A forked child forgets the parent's registrations (:func:`after_fork_in_child`, run at every
 fork), so registering again in the child works.
@@ -87,6 +89,9 @@ DEFAULT_INTERVAL_S = 5.0
 MIN_INTERVAL_S = 0.05
 #: The most distinct ``store_id`` labels one process creates; the others go to ``_other``.
 MAX_STORE_LABELS = 256
+#: The stores a scrape of the in-process collector names (the largest); the rest are summed
+#: into ``store_id="_other"``.
+MAX_STORE_SERIES = 32
 OTHER_STORE = "_other"
 
 #: Per-store gauges: (metric suffix, store_usage() field, help).
@@ -152,7 +157,11 @@ class ArenaCollector(MetricsHandle):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         p = self._prefix
-        for name, value in sorted(self._sink.stats().items()):
+        try:
+            stats = self._sink.stats()
+        except Exception:  # closed (its levels end with it): never a failed scrape of the registry
+            return
+        for name, value in sorted(stats.items()):
             if name in GAUGES:
                 yield GaugeMetricFamily(f"{p}_{name}", f"capture-arena {name}", value=value)
             else:
@@ -165,7 +174,21 @@ class ArenaCollector(MetricsHandle):
         age = GaugeMetricFamily(
             f"{p}_store_oldest_age_seconds", "Age of the oldest resident object per trainer store", labels=["store_id"]
         )
-        for row in usage():
+        try:
+            rows = list(usage())
+        except Exception:
+            rows = []
+        # The largest stores by name, the rest summed: store ids come from clients, and each
+        # name would be a series of its own.
+        top, rest = rows[:MAX_STORE_SERIES], rows[MAX_STORE_SERIES:]
+        if rest:
+            top.append({
+                "store_id": OTHER_STORE,
+                "bytes": sum(r["bytes"] for r in rest),
+                "objects": sum(r["objects"] for r in rest),
+                "oldest_age_s": max(r["oldest_age_s"] for r in rest),
+            })
+        for row in top:
             by_bytes.add_metric([row["store_id"]], row["bytes"])
             by_objects.add_metric([row["store_id"]], row["objects"])
             age.add_metric([row["store_id"]], row["oldest_age_s"])
