@@ -119,7 +119,35 @@ fn merge_rows<'py>(
     results: &[SampleResult],
     refused: Vec<Refused>,
 ) -> PyResult<Bound<'py, PyAny>> {
+    merge_rows_alone(py, results, refused, false)
+}
+
+/// Whether a batch's outcome is one a single sample may have caused alone (a key of it already
+/// resident, or more bytes than the whole arena holds): the batch is placed whole, so each of
+/// its samples then fails; published one by one, only the samples at fault would.
+fn fails_alone(outcome: &Outcome, samples: usize) -> bool {
+    samples > 1
+        && matches!(
+            outcome,
+            Err(Error::KeyExists { .. }) | Err(Error::BatchTooLarge { .. })
+        )
+}
+
+/// [`merge_rows`]; with `alone`, each row of the batch (not those refused before it) carries
+/// `"_alone": True`, so that the Python sink publishes the batch's samples one by one instead
+/// ([`fails_alone`]).
+fn merge_rows_alone<'py>(
+    py: Python<'py>,
+    results: &[SampleResult],
+    refused: Vec<Refused>,
+    alone: bool,
+) -> PyResult<Bound<'py, PyAny>> {
     let list = results_to_py(py, results)?.cast_into::<PyList>()?;
+    if alone {
+        for row in list.iter() {
+            row.set_item("_alone", true)?;
+        }
+    }
     for (i, row) in refused {
         list.insert(i, row)?;
     }
@@ -403,8 +431,9 @@ fn helper(rx: Receiver<Msg>) {
                         refused,
                     } => {
                         let fut = future.bind(py);
+                        let alone = fails_alone(&outcome, ids.len());
                         let results = outcome_results(&ids, outcome);
-                        let r = match merge_rows(py, &results, refused) {
+                        let r = match merge_rows_alone(py, &results, refused, alone) {
                             Ok(list) => fut.call_method1("set_result", (list,)),
                             Err(e) => fut.call_method1("set_exception", (e.value(py),)),
                         };
@@ -774,7 +803,9 @@ impl PySink {
             }
             None => crate::exit::detach(py, || sink.submit(samples).map(|h| h.wait())),
         };
-        merge_rows(py, &outcome_results(&ids, outcome.py_err()?), refused)
+        let outcome = outcome.py_err()?;
+        let alone = fails_alone(&outcome, ids.len());
+        merge_rows_alone(py, &outcome_results(&ids, outcome), refused, alone)
     }
 
     /// Publishes each item as a batch of its own and waits for every row (GIL released): the
@@ -1005,6 +1036,13 @@ impl PySink {
     fn unauthorized_peers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         let peers = self.sink(py)?.unauthorized_peers();
         pythonize(py, &peers).map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// How long a batch waits for frees before it fails (`SGLANG_SPEC_CAPTURE_ARENA_WAIT_S`),
+    /// in seconds.
+    #[getter]
+    fn arena_wait_s(&self, py: Python<'_>) -> PyResult<f64> {
+        Ok(self.sink(py)?.config().arena_wait.as_secs_f64())
     }
 
     /// How long a synchronous caller waits for its batch to start

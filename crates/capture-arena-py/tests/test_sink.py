@@ -116,6 +116,32 @@ def test_a_sample_naming_more_features_than_a_result_may_is_refused_alone(make_s
     assert sink.stats()["resident_objects"] == len(rows[2]["features"])  # the good sample's only
 
 
+@pytest.mark.parametrize("how", ["submit_samples", "put_samples", "put_samples_bounded"])
+def test_a_sample_whose_key_is_resident_or_that_outgrows_the_arena_fails_alone(make_sink, how):
+    # A batch is placed whole, and the writer refuses a batch with a resident key (a request
+    # sent again, without replace) or more bytes than the whole arena: every other request of
+    # the batch failed with it. Now the batch is published again one sample at a time, and only
+    # the sample at fault fails.
+    sink = make_sink(arena_bytes="1MiB")
+    assert "error" not in sink.put_sample(spec("again"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    huge = (spec("huge", 4096), hidden(4096, 128), hidden(4096, 4))  # 1 MiB of aux alone
+
+    def publish(batch):
+        if how == "submit_samples":
+            return sink.submit_samples(batch).result(30)
+        return sink.put_samples(batch, within_s=5.0 if how == "put_samples_bounded" else None)
+
+    for batch, at_fault, why in [
+        ([(spec("again"), hidden(8, 12), hidden(8, 4)), (spec("mate1"), hidden(8, 12), hidden(8, 4))], 0, "already resident"),
+        ([huge, (spec("mate2"), hidden(8, 12), hidden(8, 4))], 0, "the whole arena holds"),
+    ]:
+        rows = publish(batch)
+        refused(rows[at_fault], why, batch[at_fault][0]["sample_id"])
+        mate = rows[1 - at_fault]
+        assert "error" not in mate and "_alone" not in mate, mate
+    assert sink.stats()["resident_objects"] == 3 * 4  # again, mate1, mate2
+
+
 def test_passthrough_arrays_travel_as_bytes(make_sink):
     sink = make_sink()
     s = spec("arr", aux=False, last=False)

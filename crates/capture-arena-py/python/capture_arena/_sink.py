@@ -167,14 +167,45 @@ class ArenaSink(LiveSink, _ArenaSink):
         return fut
 
     def _submit_now(self, items: list[Any], fut: "concurrent.futures.Future[list[Result]]", block: bool) -> None:
+        placed: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
+        placed.set_running_or_notify_cancel()
+        placed.add_done_callback(lambda f: self._settle(items, f, fut))
         try:
-            self._submit(items, fut, block)
+            self._submit(items, placed, block)
         except QueueFullError:
             if not block:
                 raise
             _complete(fut, items, "the writer's queue is full")
         except Exception as e:
             _complete(fut, items, str(e))
+
+    def _settle(
+        self, items: list[Any], placed: "concurrent.futures.Future[list[Result]]", fut: "concurrent.futures.Future[list[Result]]"
+    ) -> None:
+        """Passes a placed batch's rows on (on the sink's helper thread); a batch that failed as
+        a whole for what one sample may cause alone (a key already resident, more bytes than the
+        arena) is published again one sample at a time, on a thread of its own, so that only the
+        samples at fault fail."""
+        try:
+            rows = placed.result()
+        except BaseException as e:
+            fut.set_exception(e)
+            return
+        if not _alone(rows):
+            fut.set_result(rows)
+            return
+
+        def one_by_one() -> None:
+            try:
+                again = self._put_each(items, self.arena_wait_s)
+            except Exception as e:
+                again = _rows_for(items, str(e))
+            fut.set_result(again)
+
+        try:
+            threading.Thread(target=one_by_one, name="capture-arena-one-by-one", daemon=True).start()
+        except RuntimeError:  # no thread to be had: the batch's own rows
+            fut.set_result(rows)
 
     def _enqueue(
         self, items: list[Any], fut: "Optional[concurrent.futures.Future[list[Result]]]", block: bool, device: Optional[int] = None
@@ -257,6 +288,8 @@ class ArenaSink(LiveSink, _ArenaSink):
             try:
                 self._ensure_started(items)
                 rows = self._put(items)
+                if _alone(rows):  # see _settle
+                    rows = self._put_each(items, self.arena_wait_s)
             except Exception as e:
                 rows = _rows_for(items, str(e))
         if any("error" in r for r in rows):
@@ -270,7 +303,12 @@ class ArenaSink(LiveSink, _ArenaSink):
             if not self._started_within(items, deadline, bound):
                 return _rows_for(items, self._not_started(bound))
             left = max(0.0, deadline - time.monotonic())
-            return self._put_each(items, left) if each else self._put(items, left)
+            if each:
+                return self._put_each(items, left)
+            rows = self._put(items, left)
+            if _alone(rows):  # see _settle
+                return self._put_each(items, max(0.0, deadline - time.monotonic()))
+            return rows
         except Exception as e:
             return _rows_for(items, str(e))
 
@@ -525,6 +563,17 @@ class _Reservations:
             return begun.wait(True, float(hold_gil_s), dicts=dicts)
         except Exception as e:  # the extension fails what it reserved itself
             return str(e)
+
+
+def _alone(rows: list[Result]) -> bool:
+    """Whether a batch's rows ask for its samples to be published one by one (the native sink
+    marks them so when the batch failed whole for what one sample may cause alone); the marker
+    is taken off every row."""
+    alone = False
+    for r in rows:
+        if isinstance(r, dict) and r.pop("_alone", False):
+            alone = True
+    return alone
 
 
 def _unreserved(specs: Sequence[Any], error: str) -> list[Result]:
