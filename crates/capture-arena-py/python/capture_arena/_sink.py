@@ -186,13 +186,22 @@ class ArenaSink(LiveSink, _ArenaSink):
         a whole for what one sample may cause alone (a key already resident, more bytes than the
         arena) is published again one sample at a time, on a thread of its own, so that only the
         samples at fault fail."""
+        def settle(rows: Any = None, error: Optional[BaseException] = None) -> None:
+            try:
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(rows)
+            except concurrent.futures.InvalidStateError:  # cancelled by its caller: nothing to do
+                pass
+
         try:
             rows = placed.result()
         except BaseException as e:
-            fut.set_exception(e)
+            settle(error=e)
             return
         if not _alone(rows):
-            fut.set_result(rows)
+            settle(rows)
             return
 
         def one_by_one() -> None:
@@ -200,12 +209,12 @@ class ArenaSink(LiveSink, _ArenaSink):
                 again = self._put_each(items, self.arena_wait_s)
             except Exception as e:
                 again = _rows_for(items, str(e))
-            fut.set_result(again)
+            settle(again)
 
         try:
             threading.Thread(target=one_by_one, name="capture-arena-one-by-one", daemon=True).start()
         except RuntimeError:  # no thread to be had: the batch's own rows
-            fut.set_result(rows)
+            settle(rows)
 
     def _enqueue(
         self, items: list[Any], fut: "Optional[concurrent.futures.Future[list[Result]]]", block: bool, device: Optional[int] = None
