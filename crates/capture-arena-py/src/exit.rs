@@ -53,6 +53,13 @@ pub fn _exiting(py: Python<'_>) -> usize {
     left
 }
 
+/// In a process just forked: the calls in flight were the parent's threads', which the child
+/// does not have, so none is waited for at its exit (called from `capture_arena`'s fork hook).
+#[pyfunction]
+pub fn _forked_child() {
+    IN_NATIVE.store(0, Ordering::SeqCst);
+}
+
 /// True once the exit hook has run on another thread.
 fn exiting_elsewhere() -> bool {
     EXITING

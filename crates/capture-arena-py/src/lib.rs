@@ -104,6 +104,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_max_pending_batches, m)?)?;
     m.add_function(wrap_pyfunction!(sink::_bench_rust_put, m)?)?;
     m.add_function(wrap_pyfunction!(exit::_exiting, m)?)?;
+    m.add_function(wrap_pyfunction!(exit::_forked_child, m)?)?;
     #[cfg(feature = "nixl")]
     m.add_function(wrap_pyfunction!(_nixl_serve, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

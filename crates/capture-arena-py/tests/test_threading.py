@@ -145,3 +145,47 @@ def test_a_child_forked_while_a_readers_lock_was_held_reads_all_the_same(lock: s
     out = subprocess.run([sys.executable, "-c", FORKED_WHILE_HELD, lock], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "0", f"the child ended {out.stdout.split()[-1]} (-14: it waited for the lock until its alarm)"
+
+
+# A process forked while its parent had a sink: a thread of the parent held the sink's starter
+# lock, and another was in a call into native code (waiting for arena space). The child's exit
+# closed the parent's sink (taking that lock: it hung) and waited 5 s for the parent's call.
+FORKED_WITH_A_SINK = r"""
+import os, signal, sys, threading, time
+import numpy as np
+import capture_arena as ca
+
+sink = ca.ArenaSink(arena_bytes="64KiB", wait_s=30)
+spec = lambda i: {"store_id": "st", "sample_id": f"s{i}", "features": {"last_hidden": "target"}}
+assert "error" not in sink.put_sample(spec(0), last_hidden=np.ones((8, 1024), np.float32))  # 32 KiB
+waiting = threading.Thread(target=lambda: sink.put_sample(spec(1), last_hidden=np.ones((12, 1024), np.float32)), daemon=True)
+waiting.start()  # 48 KiB: waits for frees, in native code
+while sink.stats()["waiting_bytes"] == 0:
+    time.sleep(0.01)
+held, release = threading.Event(), threading.Event()
+
+def hold():
+    with sink._early_lock:
+        held.set()
+        release.wait(60)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait(30)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)  # ends a child that hangs at its exit
+    sys.exit(0)  # the exit hooks run
+t0 = time.monotonic()
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), round(time.monotonic() - t0, 2), flush=True)
+release.set()
+os._exit(0)
+"""
+
+
+def test_a_forked_childs_exit_closes_none_of_its_parents_sinks() -> None:
+    out = subprocess.run([sys.executable, "-c", FORKED_WITH_A_SINK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    code, took = out.stdout.split()
+    assert code == "0", f"the child ended {code} (-14: it hung at its exit until its 10 s alarm)"
+    assert float(took) < 4.0, f"the child's exit took {took} s (it waited for its parent's call in flight)"

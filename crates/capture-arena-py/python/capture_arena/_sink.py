@@ -7,13 +7,14 @@ import atexit
 import collections
 import concurrent.futures
 import json
+import os
 import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar
 
-from ._capture_arena import _ArenaSink, _exiting, _result_keys, placement
+from ._capture_arena import _ArenaSink, _exiting, _forked_child, _result_keys, placement
 from ._live import LiveSink
 from ._store import StoreSink
 from .errors import ConfigError, InvalidSampleError, QueueFullError
@@ -632,6 +633,18 @@ def new_sink(**kwargs: Any) -> "ArenaSink | StoreSink":
 
 
 _LIVE_SINKS: "weakref.WeakSet[ArenaSink]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child closes none of its parent's sinks at its exit (their writers, threads and
+    locks are the parent's: one held at the fork would hang the child's exit), and waits for
+    none of the parent's calls in flight."""
+    global _LIVE_SINKS
+    _LIVE_SINKS = weakref.WeakSet()
+    _forked_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register
