@@ -142,6 +142,30 @@ def test_a_sample_whose_key_is_resident_or_that_outgrows_the_arena_fails_alone(m
     assert sink.stats()["resident_objects"] == 3 * 4  # again, mate1, mate2
 
 
+def test_batches_queued_behind_a_failed_arena_creation_fail_at_once_with_its_reason(make_sink):
+    # The arena cannot be made (simulated: its creation fails, once every batch is queued).
+    # Three batches queued for it: the first pays the try; before, each of the others paid one
+    # more (a slow try holds every batch behind it), now they get its reason at once.
+    import threading
+    import time
+
+    sink = make_sink(max_pending_batches=4)  # room for the three to queue
+    tries, gate = [], threading.Event()
+
+    def failing_start(*a):
+        tries.append(time.monotonic())
+        gate.wait(10)  # held until every batch is queued
+        raise RuntimeError("simulated: cannot map the arena")
+
+    sink._start = failing_start
+    futs = [sink.submit_samples([(spec(f"q{i}"), hidden(8, 12), hidden(8, 4))]) for i in range(3)]
+    gate.set()
+    rows = [f.result(30)[0] for f in futs]
+    for i, r in enumerate(rows):
+        refused(r, "simulated: cannot map the arena", f"q{i}")
+    assert len(tries) == 1, f"{len(tries)} tries to make the arena for 3 batches"
+
+
 def test_passthrough_arrays_travel_as_bytes(make_sink):
     sink = make_sink()
     s = spec("arr", aux=False, last=False)

@@ -236,6 +236,7 @@ class ArenaSink(LiveSink, _ArenaSink):
         """The starter thread: creates the arena (GIL released while it does), then submits the
         batches that waited for it, in order; a failed start fails the batch at hand with the
         reason, and the next batch tries again."""
+        behind = 0  # batches that were queued behind a try that failed
         while True:
             with self._early_lock:
                 if not self._early:
@@ -243,8 +244,17 @@ class ArenaSink(LiveSink, _ArenaSink):
                     return
                 items, fut = self._early[0]
             try:
+                if fut is not None and behind > 0 and self._start_error is not None:
+                    # It waited behind that try: its reason at once, not another (slow) try;
+                    # a batch handed over after it tries again.
+                    behind -= 1
+                    raise _StartFailed(self._start_error)
                 self._ensure_started(items or None, device)
+            except _StartFailed as e:
+                _complete(fut, items, f"creating the capture arena failed ({e})")
             except Exception as e:
+                with self._early_lock:
+                    behind = len(self._early) - 1
                 self._start_error = str(e)
                 self._start_failed_at = time.monotonic()
                 if fut is None:
@@ -573,6 +583,10 @@ class _Reservations:
             return begun.wait(True, float(hold_gil_s), dicts=dicts)
         except Exception as e:  # the extension fails what it reserved itself
             return str(e)
+
+
+class _StartFailed(Exception):
+    """The arena's last creation failed within START_RETRY_S (its reason)."""
 
 
 def _alone(rows: list[Result]) -> bool:
