@@ -984,14 +984,17 @@ def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc, th
         assert p.ask({"restart_copier": True}) == {"ok": True}
 
 
-def test_a_hand_over_that_raises_fails_its_step_and_gives_the_blocks_back(both: Proc) -> None:
+@pytest.mark.parametrize("when", ["before_collecting", "collected"])
+def test_a_hand_over_that_raises_fails_its_step_and_gives_the_blocks_back(both: Proc, when: str) -> None:
     # wait_for_save's hand-over raises (torch.cuda.Event() or its record in a failed CUDA
-    # context, simulated): the step's captures fail, its space is freed and vLLM gets its
-    # blocks back at once. Before: the exception went into vLLM's loop, and no copy was ever
-    # registered for the step, so get_finished never reported it: its blocks held for good.
+    # context, simulated; or handing the results over, once the reservations were collected):
+    # the step's captures fail, its space is freed and vLLM gets its blocks back at once.
+    # Before: the exception went into vLLM's loop, and no copy was ever registered for the step,
+    # so get_finished never reported it: its blocks held for good. (Failed after collecting, a
+    # collect again found nothing: the space stayed reserved.)
     p = both
     before = p.ask({"stats": True})
-    assert p.ask({"break_publish": 1}) == {"ok": True}
+    assert p.ask({"break_publish": [1, when]}) == {"ok": True}
     meta = p.ask({"announce": [["cuda-error", 8]]})["meta"]
     assert "error" not in p.ask({"save": meta}), "wait_for_save raised into vLLM's loop"
     got = p.ask({"finish": "cuda-error"})["params"]

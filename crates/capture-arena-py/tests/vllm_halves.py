@@ -27,8 +27,9 @@ states and 8 of its id. Commands:
   step's objects raise such a panic once they are done; ``{"stop_copier": true}`` (worker): the copy
   thread is stopped as the sink's closing stops it (the sink left open; ``"none_yet"``: as a
   close before any step started one), ``{"restart_copier":
-  true}``: the next step starts a new one; ``{"break_publish": n}`` (worker): the next n
-  hand-overs of a step raise (as ``torch.cuda.Event()`` in a failed CUDA context would);
+  true}``: the next step starts a new one; ``{"break_publish": [n, when]}`` (worker): the next
+  n hand-overs of a step raise, before their reservations are collected (as
+  ``torch.cuda.Event()`` in a failed CUDA context would) or after (``"collected"``);
   ``{"stop_in_save": base64}`` (worker): that step is
   saved, and the copy thread stopped so (on a thread of its own) in the midst of its
   wait_for_save, between its look at whether the sink is closing and its hand-over of the step;
@@ -281,16 +282,30 @@ for line in sys.stdin:
 
             worker._sink._finish_keys = _finish_keys
             answer = {"ok": True}
-        elif "break_publish" in cmd:  # the next n hand-overs raise, as torch.cuda.Event() in a failed CUDA context would
-            real_publish, left = worker._publish, [int(cmd["break_publish"])]
+        elif "break_publish" in cmd:  # the next hand-over raises: before its reservations are collected
+            # (as torch.cuda.Event() in a failed CUDA context would), or after ("collected")
+            n, when = cmd["break_publish"]
+            left = [int(n)]
+            if when == "collected":
+                real_hand = worker._hand_in_process
 
-            def _publish(saves, reservations, real=real_publish, left=left):
-                if left[0] > 0 and not isinstance(reservations, str):
-                    left[0] -= 1
-                    raise RuntimeError("simulated: CUDA error: an illegal memory access was encountered")
-                return real(saves, reservations)
+                def _hand(sched, saves, reserved, real=real_hand, left=left):
+                    if left[0] > 0 and reserved and reserved[0][0] is not None:
+                        left[0] -= 1
+                        raise RuntimeError("simulated: handing the results over failed")
+                    return real(sched, saves, reserved)
 
-            worker._publish = _publish
+                worker._hand_in_process = _hand
+            else:
+                real_publish = worker._publish
+
+                def _publish(saves, reservations, *a, real=real_publish, left=left):
+                    if left[0] > 0 and not isinstance(reservations, str):
+                        left[0] -= 1
+                        raise RuntimeError("simulated: CUDA error: an illegal memory access was encountered")
+                    return real(saves, reservations, *a)
+
+                worker._publish = _publish
             answer = {"ok": True}
         elif "stop_copier" in cmd:
             if cmd["stop_copier"] != "none_yet":  # else as a close before any step started one

@@ -547,8 +547,10 @@ class EngineReader:
         self._engines = _Clients(lambda: new_engine(self._protocol)[0], "TransferEngine")
         # Output pool slabs registered with each engine (held, so its id is not reused).
         self._slabs: dict[int, tuple[Any, set[tuple[int, int]]]] = {}
-        #: Sessions whose last read timed out: until when their reads fail at once.
+        #: Sessions whose last read timed out: until when their reads fail at once (a lock of
+        #: its own: the engine's is held while a pool slab registers).
         self._unreachable: "collections.OrderedDict[str, float]" = collections.OrderedDict()
+        self._unreachable_lock = threading.Lock()
         _READERS.add(self)
 
     def _check_reachable(self, session: str) -> None:
@@ -556,7 +558,7 @@ class EngineReader:
         within the last ``SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S``. Each read from a
         partitioned producer would hold a reading thread (and, in Mooncake, the engine its
         reads share with every other producer's) for the whole timeout."""
-        with self._lock:
+        with self._unreachable_lock:
             until = self._unreachable.get(session)
         left = (until or 0.0) - time.monotonic()
         if left > 0:
@@ -566,10 +568,10 @@ class EngineReader:
                 f"{unreachable_backoff_s():g} sets how long, 0 turns this off"
             )
 
-    def _mark(self, session: str, unreachable: bool) -> None:
-        """Records how a read from ``session`` ended: timed out (backed off from now), or not."""
-        backoff = unreachable_backoff_s() if unreachable else 0.0
-        with self._lock:
+    def _mark(self, session: str, backoff: float) -> None:
+        """Records how a read from ``session`` ended: timed out (backed off ``backoff`` seconds
+        from now), or not (0)."""
+        with self._unreachable_lock:
             self._unreachable.pop(session, None)
             if backoff > 0:
                 self._unreachable[session] = time.monotonic() + backoff
@@ -597,6 +599,7 @@ class EngineReader:
         the parent's connections and threads) and starts afresh with a new lock."""
         self._engines.after_fork_in_child(_FORKED_LEFTOVERS)
         self._lock = threading.Lock()
+        self._unreachable_lock = threading.Lock()
 
     def read(
         self,
@@ -623,12 +626,13 @@ class EngineReader:
         targets = [t for t in targets if t[2] > 0]
         if not targets:
             return
+        backoff = unreachable_backoff_s()  # read before anything: a bad value fails this call alone
         self._check_reachable(session)
         te = self._engines.get()
 
         def timed_out() -> str:
-            self._mark(session, True)
             self._engines.set_aside(te)
+            self._mark(session, backoff)
             logging.getLogger("capture_arena").warning(
                 "TransferEngine read from %s timed out after %.1f s; later reads use a new engine", session, timeout
             )
@@ -666,9 +670,9 @@ class EngineReader:
                 run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone, lambda: self._returned(te))
             except StaleSessionError:
                 if time.monotonic() - t0 >= min(timeout, MOONCAKE_MIN_TIMEOUT_S):  # Mooncake's own timeout, or ours
-                    self._mark(session, True)
+                    self._mark(session, backoff)
                 raise
-            self._mark(session, False)
+            self._mark(session, 0.0)
             if pending[0] is None:
                 return
             waited = time.monotonic() - since

@@ -694,7 +694,7 @@ class StoreReader:
         with self._lock:
             keys = list(self._removals)
             self._removals.clear()
-            self._removing = len(keys)
+            self._removing += len(keys)  # flush's own try may run beside the remover's
         if not keys:
             return []
         try:
@@ -703,7 +703,7 @@ class StoreReader:
         except Exception as e:  # the master unreachable, the client not connecting
             bad = [(k, str(e)) for k in keys]
         with self._lock:
-            self._removing = 0
+            self._removing -= len(keys)
             if bad:
                 self._removals.extendleft(reversed([k for k, _ in bad]))
             self._changed.notify_all()

@@ -688,14 +688,16 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             begun = self._begin(meta, saves)
         saves, reservations = begun
         event = None
+        collected: list[Sequence[_Placed]] = []
         try:
             if self._kv.is_cuda:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(torch.cuda.current_stream(self._kv.device))
-            reserved = self._publish(saves, reservations)
+            reserved = self._publish(saves, reservations, collected)
         except Exception as e:  # (a CUDA error, say): the step's captures fail, never vLLM's loop
             self._begun = begun
-            self._abandon(f"handing the step to the copy thread failed ({type(e).__name__}: {e})")
+            why = f"handing the step to the copy thread failed ({type(e).__name__}: {e})"
+            self._abandon(why, collected=collected[0] if collected else None)
             return
         copies = [_Copy() for _ in saves]
         for sv, c in zip(saves, copies):
@@ -710,17 +712,18 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         super().clear_connector_metadata()
         self._abandon("the step ended without wait_for_save")
 
-    def _abandon(self, why: str, preempted: Any = ()) -> None:
-        """A step's reservations that its wait_for_save never collected: nothing was copied into
-        them; they are freed, and their requests get error results at once. ``preempted``: the
-        new step's preempted requests, whose blocks went back to vLLM already (and whose
-        announcement the scheduler gave up): not reported as copies done."""
+    def _abandon(self, why: str, preempted: Any = (), collected: Optional[Sequence["_Placed"]] = None) -> None:
+        """A step's reservations that its wait_for_save never handed over: nothing was copied
+        into them; they are freed, and their requests get error results at once. ``preempted``:
+        the new step's preempted requests, whose blocks went back to vLLM already (and whose
+        announcement the scheduler gave up): not reported as copies done. ``collected``: what a
+        hand-over that failed had collected of them already (collected once only)."""
         begun, self._begun = getattr(self, "_begun", None), None
         if begun is None:
             return
         saves, reservations = begun
         log.error("capture_arena.vllm: %s; the captures of %d requests fail", why, len(saves))
-        self._fail_step(_collect(saves, reservations), [])
+        self._fail_step(collected if collected is not None else _collect(saves, reservations), [])
         # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
         # holds an announced request's blocks until then).
         gone = set(preempted)
@@ -902,16 +905,23 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 self._rows.quiesce()
                 self._sink._finish_keys(left, ok=False)
 
-    def _publish(self, saves: list[_Save], reservations: "_Reservations | str") -> Sequence["_Placed"]:
-        """Collects the step's reservations (or error rows with the reason a string gives) and
-        hands their results to the scheduler process: as dicts to one in this process, as JSON
-        lines to one of its own."""
+    def _publish(
+        self, saves: list[_Save], reservations: "_Reservations | str", collected: Optional[list[Sequence["_Placed"]]] = None
+    ) -> Sequence["_Placed"]:
+        """Collects the step's reservations (or error rows with the reason a string gives; what
+        was collected goes in ``collected`` too, for a hand-over that then fails) and hands
+        their results to the scheduler process: as dicts to one in this process, as JSON lines
+        to one of its own."""
         local = _local_scheduler(self._channel)
         if local is not None:
             rows = _collect_dicts(saves, reservations)
+            if collected is not None:
+                collected.append(rows)
             self._hand_in_process(local, saves, rows)
             return rows
         reserved = _collect(saves, reservations)
+        if collected is not None:
+            collected.append(reserved)
         self._send(saves, reserved)
         return reserved
 
@@ -1550,16 +1560,15 @@ class _Peer:
             target.send({"drop": keys}, now=True)
             return
         except OSError as e:
+            # Sent by the worker's newest connection's reading thread (which may wait for room):
+            # at its start, or within ACK_GRACE_S / 4 when it idles (one that came meanwhile).
             self._deferred.add(self.pid, keys)
             log.info("capture_arena.vllm: %d keys to free wait for their worker's next connection: %s", len(keys), e)
-        now = self.latest()  # one that came meanwhile may have taken what waited before these
-        if now is not target:
-            now.send_deferred(now=True)
 
     def send_deferred(self, now: bool = False) -> None:
         """Sends what waits for this connection's worker, in lines the worker reads (at most
         half of MAX_LINE each; on the listener's thread: may wait for room, unless ``now``); what
-        cannot be sent waits for the next connection."""
+        cannot be sent waits for the next connection (or this one's next idle read)."""
         keys = self._deferred.take(self.pid)
         lines: list[list[str]] = []
         size = MAX_LINE
@@ -1806,6 +1815,8 @@ class _Listener:
         def silent(_: Any) -> None:  # after each read that completed no line (a trickle too)
             if silent_until and time.monotonic() >= silent_until[0]:
                 raise _Silent(f"no line within FIRST_LINE_S ({FIRST_LINE_S:g} s) of connecting")
+            if self._latest.get(pid) is peer:  # frees deferred after this connection began
+                peer.send_deferred()
 
         try:
             # An answer to a worker that reads nothing fails within this instead of blocking (it
