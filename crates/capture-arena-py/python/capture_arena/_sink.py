@@ -143,7 +143,9 @@ class ArenaSink(LiveSink, _ArenaSink):
         ``max_pending_batches`` batches; ``block=False`` raises :class:`QueueFullError` instead
         (and queues nothing). Before the writer has started, the batch waits on the starter
         thread, not here. Do not write, resize or free the tensors until the future is done.
-        Callbacks added to the future run on the sink's helper thread and must not block.
+        Callbacks added to the future run on the sink's helper thread (or, for a batch published
+        again one sample at a time, see :meth:`_settle`, on the thread that did it) and must not
+        block.
         """
         fut: concurrent.futures.Future[list[Result]] = concurrent.futures.Future()
         fut.set_running_or_notify_cancel()
