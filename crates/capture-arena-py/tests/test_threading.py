@@ -108,6 +108,21 @@ def test_the_gil_is_released_while_an_eager_sink_creates_its_arena_and_a_store_m
     assert stall < 0.5 * took, (took, stall)
 
 
+# Holds `lock` on a thread of its own, then forks (`pid`); `release` lets the lock go.
+HOLD_THEN_FORK = r"""
+held, release = threading.Event(), threading.Event()
+
+def hold():
+    with lock:
+        held.set()
+        release.wait(60)
+
+threading.Thread(target=hold, daemon=True).start()
+held.wait(30)
+pid = os.fork()
+"""
+
+
 # A process forked (a dataloader worker) while another thread of its parent held one of the
 # readers' locks: making a 256 MiB output pool slab, making a Mooncake reader, holding a
 # transfer's outputs. Nothing releases it in the child, whose first read then waited for good.
@@ -118,16 +133,7 @@ from capture_arena import _engine, _pool
 
 lock = {"pool": lambda: _pool.POOL._lock, "readers": lambda: ca.ArenaFeatureStore._making,
         "quarantine": lambda: _engine.QUARANTINE._lock}[sys.argv[1]]()
-held, release = threading.Event(), threading.Event()
-
-def hold():
-    with lock:
-        held.set()
-        release.wait(30)
-
-threading.Thread(target=hold, daemon=True).start()
-held.wait(30)
-pid = os.fork()
+""" + HOLD_THEN_FORK + r"""
 if pid == 0:
     signal.alarm(10)  # the child ends at 10 s if it waits for the lock
     assert _pool.POOL.bytes_u8(16) is not None
@@ -162,16 +168,8 @@ waiting = threading.Thread(target=lambda: sink.put_sample(spec(1), last_hidden=n
 waiting.start()  # 48 KiB: waits for frees, in native code
 while sink.stats()["waiting_bytes"] == 0:
     time.sleep(0.01)
-held, release = threading.Event(), threading.Event()
-
-def hold():
-    with sink._early_lock:
-        held.set()
-        release.wait(60)
-
-threading.Thread(target=hold, daemon=True).start()
-held.wait(30)
-pid = os.fork()
+lock = sink._early_lock
+""" + HOLD_THEN_FORK + r"""
 if pid == 0:
     signal.alarm(10)  # ends a child that hangs at its exit
     sys.exit(0)  # the exit hooks run

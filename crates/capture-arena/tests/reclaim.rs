@@ -187,13 +187,9 @@ fn a_timeout_too_long_to_add_to_now_is_a_long_wait_not_a_panic() {
     // `_send_frees(timeout_s=1e19)` from Python: `Instant::now() + timeout` overflowed and
     // panicked (a PanicException, which `except Exception` does not catch).
     let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
-    let r = w
-        .submit(vec![sample_in("run", "x", &[64])])
-        .unwrap()
-        .wait()
-        .unwrap();
+    let r = publish_one(&w, "x", &[64]);
+    let key: Key = keys(&[r])[0].parse().unwrap();
     let control = w.arena_ref().control.clone();
-    let key: Key = format!("run/x/g{}/t0", r[0].gen).parse().unwrap();
     send_frees(&control, None, &[key], &[], Duration::from_secs_f64(1e19)).unwrap();
     wait_freed(&w, 1);
 }

@@ -281,13 +281,18 @@ def read_timeout_s() -> float:
 def unreachable_backoff_s() -> float:
     """``SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S`` (default 10; 0: off): how long reads from
     a producer fail at once after one timed out (at its deadline, or Mooncake's own)."""
-    raw = os.environ.get("SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S", "").strip()
+    return _seconds_in_a_day("SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S", 10.0)
+
+
+def _seconds_in_a_day(name: str, default: float) -> float:
+    """Seconds in [0, 86400] from the variable ``name`` (``default`` unset), or ConfigError."""
+    raw = os.environ.get(name, "").strip()
     try:
-        v = float(raw) if raw else 10.0
+        v = float(raw) if raw else default
     except ValueError:
         v = -1.0
     if not (0.0 <= v <= 86400.0):
-        raise ConfigError(f"SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S={raw!r} is not a number of seconds >= 0; default 10")
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds in [0, 86400]; default {default:g}")
     return v
 
 
@@ -326,14 +331,7 @@ def _check_words(checks: Sequence[tuple[str, int, int]], found: Sequence[int]) -
 def ready_wait_s() -> float:
     """``SGLANG_SPEC_CAPTURE_READY_WAIT_S`` (default 30): how long a read waits for objects whose
     bytes are still being written (the readiness rule of docs/protocol.md)."""
-    raw = os.environ.get("SGLANG_SPEC_CAPTURE_READY_WAIT_S", "").strip()
-    try:
-        v = float(raw) if raw else 30.0
-    except ValueError:
-        v = -1.0
-    if not (0.0 <= v <= 86400.0):
-        raise ConfigError(f"SGLANG_SPEC_CAPTURE_READY_WAIT_S={raw!r} is not a number of seconds in [0, 86400]; default 30")
-    return v
+    return _seconds_in_a_day("SGLANG_SPEC_CAPTURE_READY_WAIT_S", 30.0)
 
 
 #: The stamp word's marks (docs/protocol.md): still being written, never written.
