@@ -805,6 +805,15 @@ def release_all(params: list[dict[str, Any]]) -> None:
     reader.flush(10)
 
 
+def goes_through(sched: Proc, worker: Proc, rid: str) -> dict[str, Any]:
+    """One step of request ``rid`` (8 tokens) through both halves: its result, asserted
+    published."""
+    worker.ask({"save": sched.ask({"announce": [[rid, 8]]})["meta"]})
+    params: dict[str, Any] = sched.ask({"finish": rid})["params"]
+    assert "error" not in params["capture_arena"], params
+    return params
+
+
 def wait_resident(p: Proc, n: int, timeout: float = 20.0) -> dict[str, Any]:
     """Waits until the worker's arena holds `n` objects; its stats."""
     return wait_stats(p, lambda s: s["resident_objects"] == n, timeout)
@@ -1242,9 +1251,7 @@ def test_a_taken_result_freed_while_its_worker_has_no_connection_is_freed_on_its
         assert sched.ask({"defer": [pid, others]}) == {"ok": True}
     sched.ask({"announce": [], "preempt": ["unlinked"]})  # its result freed: no connection to say so on
     assert worker.ask({"stats": True})["resident_objects"] == 2
-    worker.ask({"save": sched.ask({"announce": [["next", 8]]})["meta"]})  # a new connection
-    params = sched.ask({"finish": "next"})["params"]
-    assert "error" not in params["capture_arena"], params
+    params = goes_through(sched, worker, "next")  # a new connection
     release_all([params])
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, f"the preempted request's capture was never freed: {s}"
@@ -1323,9 +1330,7 @@ def test_another_users_connections_are_refused_without_flooding_the_engines_log(
     assert os.waitstatus_to_exitcode(status) == 0
     refusals = sched.log_tail().count("refused a result connection")
     assert 1 <= refusals <= 4, sched.log_tail()
-    worker.ask({"save": sched.ask({"announce": [["after-refusals", 8]]})["meta"]})  # the worker's still go through
-    params = sched.ask({"finish": "after-refusals"})["params"]
-    assert "error" not in params["capture_arena"], params
+    params = goes_through(sched, worker, "after-refusals")  # the worker's still go through
     release_all([params])
     assert wait_resident(worker, 0)["resident_objects"] == 0
 
@@ -1370,9 +1375,7 @@ def test_connections_that_send_nothing_cannot_keep_the_workers_results_out(pair:
 
         wait_closed(MAX_WORKERS - MAX_CONNECTIONS_PER_PROCESS)  # those over this process's share, at once
         # The worker's results go through while this process holds its share.
-        worker.ask({"save": sched.ask({"announce": [["beside-idle", 8]]})["meta"]})
-        params = sched.ask({"finish": "beside-idle"})["params"]
-        assert "error" not in params["capture_arena"], params
+        params = goes_through(sched, worker, "beside-idle")
         assert len(closed) == MAX_WORKERS - MAX_CONNECTIONS_PER_PROCESS, "the worker's results pushed out an idle connection"
         # One of the share sends a byte of a line every 0.2 s (so no read of it times out).
         trickling = next(c for c in opened if c not in closed)
@@ -1495,9 +1498,7 @@ def test_a_peer_that_floods_lines_and_reads_no_answers_is_closed_and_never_holds
     assert closed is not None, f"the engine core still read the flood after {sent} lines, never answered and never closed"
     assert calls[0] > 0 and worst[0] < 2.5, f"build_connector_meta took up to {worst[0]:.3f} s during the flood ({calls[0]} calls)"
     assert "closed a result connection" in sched.log_tail(), sched.log_tail()
-    worker.ask({"save": sched.ask({"announce": [["after-flood", 8]]})["meta"]})
-    params = sched.ask({"finish": "after-flood"})["params"]
-    assert "error" not in params["capture_arena"], params
+    params = goes_through(sched, worker, "after-flood")
     release_all([params])
     assert wait_resident(worker, 0)["resident_objects"] == 0
 

@@ -24,6 +24,16 @@ fn writer(token: Option<&str>) -> Writer {
     .unwrap()
 }
 
+/// A writer with the token whose connections must finish a line within 300 ms.
+fn writer_timing_lines() -> Writer {
+    Writer::start(&Config {
+        control_token: Some(TOKEN.into()),
+        line_timeout: Duration::from_millis(300),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap()
+}
+
 /// Sends `text` on a new connection and reports whether the server closed it within 2 s, having
 /// told it why (`{"error": "unauthorized", ...}`) unless its kernel reset the connection first.
 fn send(control: &str, text: &str) -> bool {
@@ -165,12 +175,7 @@ fn token_comparison_is_exact() {
 
 #[test]
 fn before_the_token_a_connection_may_neither_idle_nor_send_a_long_line() {
-    let w = Writer::start(&Config {
-        control_token: Some(TOKEN.into()),
-        line_timeout: Duration::from_millis(300),
-        ..config(1 << 20, Duration::from_secs(2))
-    })
-    .unwrap();
+    let w = writer_timing_lines();
     let control = w.arena_ref().control.clone();
     // Silent: closed after the line timeout (it would otherwise hold a connection slot).
     let mut idle = TcpStream::connect(&control).unwrap();
@@ -194,12 +199,7 @@ fn blank_lines_before_the_token_do_not_put_off_its_deadline() {
     // Blank lines are allowed before the token, and each one completed a line, which restarted
     // the connection's clock: one every 100 ms kept it open for good without the token, and
     // 1024 such connections would hold every place (trainers refused, no frees, a full arena).
-    let w = Writer::start(&Config {
-        control_token: Some(TOKEN.into()),
-        line_timeout: Duration::from_millis(300),
-        ..config(1 << 20, Duration::from_secs(2))
-    })
-    .unwrap();
+    let w = writer_timing_lines();
     let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
     let mut blank = c.try_clone().unwrap();
     let t0 = std::time::Instant::now();
