@@ -1565,10 +1565,10 @@ class _Peer:
             self._deferred.add(self.pid, keys)
             log.info("capture_arena.vllm: %d keys to free wait for their worker's next connection: %s", len(keys), e)
 
-    def send_deferred(self, now: bool = False) -> None:
+    def send_deferred(self) -> None:
         """Sends what waits for this connection's worker, in lines the worker reads (at most
-        half of MAX_LINE each; on the listener's thread: may wait for room, unless ``now``); what
-        cannot be sent waits for the next connection (or this one's next idle read)."""
+        half of MAX_LINE each; on the listener's thread: may wait for room); what cannot be sent
+        waits for the next connection (or this one's next idle read)."""
         keys = self._deferred.take(self.pid)
         lines: list[list[str]] = []
         size = MAX_LINE
@@ -1580,7 +1580,7 @@ class _Peer:
             size += len(k) + 3
         for i, line in enumerate(lines):
             try:
-                self.send({"drop": line}, now=now)
+                self.send({"drop": line})
             except OSError:
                 self._deferred.add(self.pid, [k for rest in lines[i:] for k in rest])
                 return
