@@ -222,6 +222,61 @@ fn blank_lines_before_the_token_do_not_put_off_its_deadline() {
 }
 
 #[test]
+fn a_token_and_a_long_line_in_one_write_are_not_starved_by_the_tokens_cap() {
+    // Before the token a turn reads at most 513 bytes. A token and a free line of 1 KiB in one
+    // write filled that cap within the turn that authorized the connection, which then waited
+    // for pool memory it did not need (its own small line holds it) behind connections holding
+    // the pool, until their lines timed out (3 s here).
+    let w = Writer::start(&Config {
+        control_token: Some(TOKEN.into()),
+        line_timeout: Duration::from_secs(3),
+        control_buffer_bytes: 1 << 20,
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let control = w.arena_ref().control.clone();
+    let r = publish_one(&w, "a", &[100, 50]);
+    // Two connections hold the pool with unfinished lines; the second ran out of it, so it is
+    // the one that may finish its line.
+    let mut holders = Vec::new();
+    for bytes in [1_000_000usize, 100_000] {
+        let mut c = TcpStream::connect(&control).unwrap();
+        // Authorized first (the sync's answer says so), then the unfinished line.
+        c.write_all(format!("{}\n{{\"sync\": 1}}\n", token_line(TOKEN)).as_bytes())
+            .unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut answer = [0u8; 64];
+        let n = c.read(&mut answer).unwrap();
+        assert!(
+            answer[..n].starts_with(b"{\"synced\""),
+            "{:?}",
+            &answer[..n]
+        );
+        c.write_all(b"[\"").unwrap();
+        c.write_all(&vec![b'x'; bytes]).unwrap();
+        holders.push(c);
+    }
+    wait_stats(&w, |s| s.control_buffered_bytes >= 1_100_000);
+    let keys: Vec<String> = r
+        .keys()
+        .unwrap()
+        .iter()
+        .map(|k| k.as_str().to_owned())
+        .collect();
+    let line = serde_json::json!([keys[0], keys[1], "p".repeat(1000)]).to_string();
+    let mut c = TcpStream::connect(&control).unwrap();
+    c.write_all(format!("{}\n{line}\n", token_line(TOKEN)).as_bytes())
+        .unwrap();
+    let (s, ok) = w.wait_for(Duration::from_secs(1), |s| s.freed_objects == 2);
+    assert!(
+        ok,
+        "the frees waited over 1 s behind the pool's holders: {s:?}"
+    );
+    assert_eq!(s.timed_out_lines, 0, "{s:?}");
+    drop(holders);
+}
+
+#[test]
 fn a_control_client_without_the_token_reports_its_frees_refused_not_sent_and_a_token_gets_them_through(
 ) {
     use capture_arena::{ControlClient, Key};

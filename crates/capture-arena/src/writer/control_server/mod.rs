@@ -458,10 +458,17 @@ impl ControlServer {
         let mut refused: Option<&'static str> = None;
         let mut stats_asked = 0u64;
         let mut synced: Option<u64> = None;
+        let authed_before = conn.authed;
         let mut outcome = loop {
             let room = max_held.saturating_sub(conn.lines.pending()).min(turn);
             if room == 0 {
-                break if turn == 0 { Turn::More } else { Turn::Starved };
+                // Authorized during this turn: its cap was the token's, not its share (its own
+                // small line, the pool): another turn, never a wait for memory it does not need.
+                break if turn == 0 || conn.authed != authed_before {
+                    Turn::More
+                } else {
+                    Turn::Starved
+                };
             }
             match conn.stream.read(&mut self.scratch[..room]) {
                 Ok(0) => break Turn::Eof,
