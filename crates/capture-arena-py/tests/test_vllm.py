@@ -288,6 +288,37 @@ def test_vllm_will_not_sleep_and_discard_the_cache_under_a_copy(engine: Proc, tr
     assert resident(kv)["resident_objects"] == 0
 
 
+@pytest.mark.parametrize("copy", ["lands_during_the_reset", "never_lands"])
+def test_vllm_will_not_discard_the_cache_under_the_copy_of_a_running_request(engine: Proc, trainer: Proc, copy: str) -> None:
+    """Sleep with ``mode="keep"`` resets vLLM's caches with the request still running: vLLM
+    preempts it (its blocks go back at once), then the worker's sleep discards the cache, while
+    the copy of its captured prompt may still be queued. The reset waits for that copy (the
+    connector's reset_cache), at most the bound plus PREEMPT_GRACE_S, and refuses past it, so the
+    worker's sleep never runs under a copy. Either way the request is captured again when it is
+    recomputed, and that capture reads back exactly."""
+    bound, grace = 0.5, 1.0  # the engine's SGLANG_SPEC_CAPTURE_SYNC_WAIT_S; a grace made short
+    assert engine.ask({"preempt_grace": grace}) == {"ok": True}
+    p = prompt(150, 44)
+    try:
+        assert engine.ask({"gate": "close"}) == {"ok": True}
+        got = engine.ask({"sleep_running": {"prompt": p, "max_tokens": 20, "open_after": 0.3 if copy == "lands_during_the_reset" else None}}, timeout=120)
+    finally:
+        assert engine.ask({"preempt_grace": 30.0}) == {"ok": True}
+        assert engine.ask({"gate": "open"}) == {"ok": True}
+    if copy == "lands_during_the_reset":
+        assert got.get("slept") and got["over_at_discard"] == [True], got
+        assert 0.3 <= got["s"] < bound + grace, got
+    else:
+        assert "Failed to reset the KV connector cache" in got.get("error", "") and got["over_at_discard"] == [], got
+        assert bound + grace <= got["s"] < bound + grace + 2.0, got
+    kv = got["params"]
+    assert "error" not in kv["capture_arena"], kv
+    assert trainer.ask({"read": kv, "prompt": p}, timeout=60).get("ok")
+    assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    assert resident(kv)["resident_objects"] == 0, got
+
+
 def test_each_request_is_readable_and_its_blocks_go_back_as_soon_as_its_own_copy_is_done(engine: Proc, trainer: Proc) -> None:
     """Two requests finish in one step; the second's copy is held. The first's rows are read
     and its blocks go back meanwhile (before: both waited for the step's last copy)."""
@@ -1167,6 +1198,37 @@ def test_the_preempted_requests_of_a_hung_copy_cost_vllm_one_wait_not_one_each(p
         assert worker.ask({"gate_copies": False}) == {"ok": True}
         assert worker.ask({"preempt_grace": 30.0}) == {"ok": True}
     s = wait_resident(worker, 0)  # the copies landed; the engine core had the results freed
+    assert s["resident_objects"] == 0, s
+
+
+def test_a_reset_of_vllms_caches_waits_for_the_copy_a_worker_of_its_own_reports_over(pair: tuple[Proc, Proc]) -> None:
+    """A worker in a process of its own reports each step's copies over on the result channel.
+    The scheduler process's reset_cache (vLLM's reset of its caches, before it discards the
+    cache) waits for a running request's copy: it refuses at the bound plus PREEMPT_GRACE_S
+    while the copy hangs, and returns once the copy is over (before: at once, either way)."""
+    import time
+
+    sched, worker = pair
+    assert worker.ask({"gate_copies": True}) == {"ok": True}
+    assert sched.ask({"preempt_grace": 0.25}) == {"ok": True}
+    try:
+        worker.ask({"save": sched.ask({"announce": [["resetting", 8]]})["meta"]})
+        deadline = time.monotonic() + 20
+        while "copy_gate.wait" not in worker.ask({"debug": True})["threads"].get("capture-arena-vllm-copy", ""):
+            assert time.monotonic() < deadline, "the copy never began"
+            time.sleep(0.01)
+        refused = sched.ask({"reset": True})
+        assert refused["ok"] is False and HALF_BOUND + 0.25 <= refused["s"] < HALF_BOUND + 0.25 + 0.5, refused
+        sched.send({"reset": True})
+        opened = time.monotonic()
+        assert worker.ask({"gate_copies": False}) == {"ok": True}
+        done = sched.answer(20)
+        assert done["ok"] is True and done["at"] >= opened and done["s"] < HALF_BOUND + 0.25, done
+    finally:
+        assert worker.ask({"gate_copies": False}) == {"ok": True}
+        assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
+    sched.ask({"announce": [], "preempt": ["resetting"]})  # given up: its result is freed
+    s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, s
 
 

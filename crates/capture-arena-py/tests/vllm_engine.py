@@ -18,6 +18,16 @@ test can also look at vLLM's scheduler and hold the connector's copies:
 - ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
 - ``{"sleep": level}``: ``LLM.sleep(level)`` then ``wake_up()`` (even after a refusal);
   ``{"slept": true}`` or ``{"error": ...}``, and whether the scheduler is still ``paused``;
+- ``{"sleep_running": {"prompt": [...], "max_tokens": n, "open_after": s or null}}``: a request
+  is served until its prompt's step is done (its copy waits at the gate, closed by the test
+  before), then ``LLM.sleep(1, mode="keep")`` runs: vLLM resets its caches, preempting the
+  running request (its blocks go back), and then its worker's sleep would discard the cache on a
+  GPU. With ``open_after``, the gate opens that many seconds after the sleep began. Then
+  ``wake_up()``, the gate opens, and the request is stepped to its end. Answers ``slept`` (or
+  ``error``), how long the sleep took (``s``), whether every copy was over at each call of the
+  worker's sleep (``over_at_discard``), and the request's ``params``;
+- ``{"preempt_grace": s}``: the connector's ``PREEMPT_GRACE_S`` (how long past the bound a
+  preemption, and a reset of the caches, waits for a copy under way);
 - ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
@@ -124,6 +134,20 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
 
     connector._Rows.copy = gated_copy
     connector._Rows._copy_native = instrumented_copy_native
+
+    # Where a GPU worker's sleep discards the cache (on the CPU it does nothing): whether every
+    # copy the connector had was over by then, at each call.
+    from vllm.v1.worker import cpu_worker
+
+    real_sleep, over_at_discard = cpu_worker.CPUWorker.sleep, []
+
+    def recording_sleep(self, level=1):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        over_at_discard.append(all(c.done for c in list(get_kv_transfer_group()._copies.values())))
+        return real_sleep(self, level)
+
+    cpu_worker.CPUWorker.sleep = recording_sleep
 
     model, arena_bytes, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     max_model_len = int(sys.argv[4]) if len(sys.argv) > 4 else 512
@@ -237,6 +261,46 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         engine.abort_request(["aborted"])
         return {"steps": steps + 1, "running_at_abort": still, "left": ours() is not None and not ours().is_finished()}
 
+    def sleep_running(cmd):
+        engine, p = llm.llm_engine, cmd["prompt"]
+        engine.add_request("sleeping", {"prompt_token_ids": p}, SamplingParams(max_tokens=int(cmd["max_tokens"]), ignore_eos=True, detokenize=False))
+
+        def ours():  # vLLM adds a suffix to a request's id
+            return next((r for k, r in scheduler.requests.items() if k.startswith("sleeping")), None)
+
+        outs, steps = {}, 0
+
+        def step():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id.split("-")[0]] = o.kv_transfer_params
+
+        while ours().num_computed_tokens < len(p):
+            step()
+            steps += 1
+            assert steps < 2000, "the engine did not get there"
+        step()  # a decode step: the prompt's own step has surely run its wait_for_save
+        assert not ours().is_finished(), "the request must still run when the engine sleeps"
+        over_at_discard.clear()
+        if cmd.get("open_after") is not None:
+            threading.Timer(float(cmd["open_after"]), gate.set).start()
+        t0 = time.monotonic()
+        try:
+            llm.sleep(level=1, mode="keep")
+            answer = {"slept": True}
+        except Exception as e:
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        answer["s"] = time.monotonic() - t0
+        answer["over_at_discard"] = list(over_at_discard)
+        llm.wake_up()
+        gate.set()
+        while "sleeping" not in outs:
+            step()
+            steps += 1
+            assert steps < 4000, "the request did not end"
+        answer["params"] = outs["sleeping"]
+        return answer
+
     print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -275,6 +339,11 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             answer = preempt(cmd["preempt"])
         elif "abort" in cmd:
             answer = abort(cmd["abort"])
+        elif "sleep_running" in cmd:
+            answer = sleep_running(cmd["sleep_running"])
+        elif "preempt_grace" in cmd:
+            connector.PREEMPT_GRACE_S = float(cmd["preempt_grace"])
+            answer = {"ok": True}
         elif "held" in cmd:
             answer = held()
         elif "measure_copy" in cmd:

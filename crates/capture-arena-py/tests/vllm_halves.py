@@ -38,6 +38,9 @@ states and 8 of its id. Commands:
   marked started) until the gate opens (false); ``{"preempt_grace": s}`` (worker):
   ``PREEMPT_GRACE_S``; ``{"handle_preemptions": base64}`` (worker) -> ``{"s": seconds}``: that
   step's handle_preemptions;
+- ``{"reset": true}`` (scheduler) -> ``{"ok": bool, "s": seconds, "at": monotonic}``: the
+  connector's reset_cache (as vLLM's reset of its caches calls it before discarding the cache),
+  what it returned, how long it took and when it returned;
 - ``{"fill_fds": true}`` / ``{"release_fds": true}`` (scheduler): takes every free descriptor of
   the process, then gives them back;
 - ``{"stats": true}`` (worker): the worker's arena counters; ``{"reconnect": true}`` (worker):
@@ -45,7 +48,7 @@ states and 8 of its id. Commands:
   send); ``{"hold_answers": bool}`` (worker): its connections' readers read nothing more until
   released or their connection is given up; ``{"queued": true}`` (worker): the bytes of answers
   waiting unread in its current connection; ``{"fail_sends": ["half" | "none", ...]}`` (worker):
-  its next sends time out, after the first half of their lines arrived and were answered
+  its next sends of results time out, after the first half of their lines arrived and were answered
   (``half``) or at once (``none``); ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"peers": true}`` (scheduler): the pids of the
   workers it has a connection of; ``{"max_pending": n}`` (scheduler): the table of
@@ -127,7 +130,8 @@ if role in ("worker", "both"):
             return super().recv(n, *flags)
 
         def sendall(self, data, *flags):
-            how = fail_sends.pop(0) if fail_sends else None
+            # Only sends of results (a copy thread's report of copies over goes as it would).
+            how = fail_sends.pop(0) if fail_sends and not data.startswith(b'{"over"') else None
             if how == "half":  # the first half of its lines arrive, and are answered
                 lines = data.split(b"\n")[:-1]
                 super().sendall(b"".join(line + b"\n" for line in lines[: (len(lines) + 1) // 2]), *flags)
@@ -230,6 +234,10 @@ for line in sys.stdin:
             t0 = time.monotonic()
             params = sched.request_finished(requests.pop(cmd["finish"]), [])[1]
             answer = {"params": params, "s": time.monotonic() - t0}
+        elif "reset" in cmd:
+            t0 = time.monotonic()
+            ok = sched.reset_cache()
+            answer = {"ok": ok, "s": time.monotonic() - t0, "at": time.monotonic()}
         elif "fill_fds" in cmd:
             while True:
                 try:

@@ -79,7 +79,11 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
   are, vLLM's scheduler waits for them rather than preempt a running request
   (:meth:`~CaptureArenaConnector.has_pending_block_frees`): for at most the bound plus
   ``HOLD_GRACE_S`` (30 s) after the oldest was held. A copy that has not landed by then is taken
-  as stuck (logged), and vLLM preempts as it would without a connector.
+  as stuck (logged), and vLLM preempts as it would without a connector;
+- vLLM's reset of its caches (sleep at level 1 and up, ``release_kv_cache_memory``: it preempts
+  running requests, then discards the cache) waits in :meth:`~CaptureArenaConnector.reset_cache`
+  until the worker reported every announced request's copy over, at most the bound plus
+  ``PREEMPT_GRACE_S``, and refuses past it (vLLM then discards nothing).
 
 Results of a worker in a process of its own cross an abstract Unix socket, which only the engine
 core's host (and network namespace) reaches: an engine whose workers may run elsewhere
@@ -174,6 +178,7 @@ PREEMPT_GRACE_S = 30.0
 HOLD_GRACE_S = 30.0
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
+
 #: Connections the scheduler process accepts from workers at once.
 MAX_WORKERS = 16
 #: Connections the scheduler process accepts from one process at once (a worker has one, and
@@ -331,6 +336,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending: dict[str, int] = {}
             #: Requests preempted after their announcement, to be announced again.
             self._again: set[str] = set()
+            #: Of the pending announcements, those whose copy the worker reported over (landed,
+            #: failed or never begun: it reads their blocks no more), request id -> announcement;
+            #: :meth:`reset_cache` waits for the others before vLLM may discard the cache.
+            self._over: dict[str, int] = {}
             #: Finished requests whose blocks vLLM holds for their copy (until the worker
             #: reports it done, through ``update_connector_output``), oldest first: request id
             #: -> when its hold began (monotonic).
@@ -347,7 +356,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: MAX_RESULTS: one that comes again is not freed.
             self._handed: collections.OrderedDict[str, None] = collections.OrderedDict()
             self._cond = threading.Condition()
-            self._listener = _Listener(self._channel, self._deliver, self._bound + ACK_GRACE_S / 2, self._store_id)
+            self._listener = _Listener(self._channel, self._deliver, self._bound + ACK_GRACE_S / 2, self._store_id, self._copies_over)
             with _SCHEDULERS_LOCK:
                 _SCHEDULERS[self._channel] = (os.getpid(), self)
         else:
@@ -410,6 +419,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         gone = []
         with self._cond:
             for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                self._over.pop(rid, None)
                 if self._pending.pop(rid, None) is not None:
                     meta.preempted.append(rid)
                     self._again.add(rid)
@@ -538,6 +548,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 # Given up in the same hold of the lock as the last look: a result that comes
                 # from now on finds its request gone, and its worker frees it.
                 del self._pending[rid]
+                self._over.pop(rid, None)
         if dropped is not None and "error" not in dropped[0]:
             _reply_free(dropped[1], dropped[0])
         if row is None and aborted:
@@ -561,6 +572,49 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         """The requests whose copies the worker reported done: vLLM frees their blocks now."""
         for rid in getattr(connector_output, "finished_sending", None) or ():
             self._held.pop(rid, None)
+
+    def _copies_over(self, tags: Sequence[str]) -> None:
+        """The worker reports these announcements' copies over (landed, failed or never begun):
+        it reads their blocks no more. Only a pending announcement's report is kept (one for an
+        announcement given up since is late)."""
+        with self._cond:
+            for tag in tags:
+                seq, _, rid = tag.partition(":")
+                if seq.isdigit() and self._pending.get(rid) == int(seq):
+                    self._over[rid] = int(seq)
+            self._cond.notify_all()
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches before it discards the KV cache's memory (sleep at level 1 and
+        up, ``release_kv_cache_memory``, a pause that clears the caches), preempting running
+        requests first: their blocks go back to vLLM at once, while a copy of a prompt captured
+        earlier may still be queued to read them. This waits until the worker reported every
+        announced request's copy over, at most the bound plus PREEMPT_GRACE_S (milliseconds,
+        as a rule); False past that (vLLM then raises "Failed to reset the KV connector cache"
+        and discards nothing: call it again once the copy is done, after ``wake_up``). A
+        finished request's blocks stay held for its copy, so vLLM fails its own reset first."""
+        if not hasattr(self, "_pending"):  # a worker's (vLLM asks only the scheduler's)
+            return True
+        t0 = time.monotonic()
+        deadline = t0 + self._bound + PREEMPT_GRACE_S
+        with self._cond:
+            while True:
+                waiting = [rid for rid, seq in self._pending.items() if self._over.get(rid) != seq]
+                left = deadline - time.monotonic()
+                if not waiting or left <= 0:
+                    break
+                self._cond.wait(left)
+        if waiting:
+            log.error(
+                "capture_arena.vllm: the copies of %d running requests (%s...) did not end within %g s (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S "
+                "plus %g s); the cache is not reset, so vLLM discards nothing they read (see the worker's log)",
+                len(waiting), waiting[0], self._bound + PREEMPT_GRACE_S, PREEMPT_GRACE_S,
+            )
+            return False
+        waited = time.monotonic() - t0
+        if waited > 0.001:
+            log.info("capture_arena.vllm: the cache's reset waited %.1f ms for copies under way", waited * 1e3)
+        return True
 
     def has_pending_block_frees(self) -> bool:
         """Whether finished requests' blocks wait only for their copies (milliseconds): vLLM's
@@ -699,7 +753,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             why = f"handing the step to the copy thread failed ({type(e).__name__}: {e})"
             self._abandon(why, collected=collected[0] if collected else None)
             return
-        copies = [_Copy() for _ in saves]
+        copies = [_Copy(_tag(sv.req_id, sv.seq)) for sv in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
         with self._steps_lock:  # a close stopping the copy thread now comes before or after the step
@@ -733,6 +787,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             c = _Copy()
             c.over = True
             self._copies[sv.req_id] = c
+        self._report_over([_tag(sv.req_id, sv.seq) for sv in saves])
         try:
             self._publish(saves, f"not captured: {why}")
         except Exception as e:  # the requests get the bound's error instead
@@ -859,12 +914,36 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
         self._mark_done(copies)
 
-    def _mark_done(self, copies: list["_Copy"]) -> None:
-        """These requests' copies are over (landed, failed or never begun)."""
+    def _mark_done(self, copies: list["_Copy"], report: bool = True) -> None:
+        """These requests' copies are over (landed, failed or never begun); with ``report``,
+        the scheduler is told (those not told yet)."""
+        tags = []
         with self._copy_cond:
             for c in copies:
                 c.over = True
+                if report and not c.reported:
+                    c.reported = True
+                    tags.append(c.tag)
             self._copy_cond.notify_all()
+        self._report_over(tags)
+
+    def _report_over(self, tags: list[str]) -> None:
+        """Tells the scheduler these announcements' copies are over, so that a reset of vLLM's
+        caches (before it discards the cache's memory) waits for no more of them: in memory to
+        one in this process, else as ``{"over": [tag, ...]}`` lines on the result channel (a
+        failed send is logged: that reset then waits its bound and refuses). Never raises."""
+        if not tags:
+            return
+        try:
+            local = _local_scheduler(self._channel)
+            if local is not None:
+                local._copies_over(tags)
+                return
+            e = self._send_on([], _over_lines(tags))
+            if e is not None:
+                raise e
+        except Exception as e:
+            log.warning("capture_arena.vllm: could not tell the scheduler process that %d copies are over (%s); a reset of vLLM's caches now waits for them until its bound", len(tags), e)
 
     def _copy_step(self, saves: list[_Save], reserved: Sequence["_Placed"], copies: list["_Copy"], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
@@ -895,7 +974,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             """Request i's write is finished (its readers may read it, or fail): vLLM may have
             its blocks back."""
             finished.add(i)
-            self._mark_done([todo[i][3]])
+            self._mark_done([todo[i][3]], report=False)  # the step's end reports them together
 
         try:
             self._rows.copy([(sv, keys, at) for sv, keys, at, _ in todo], event, done, landed)
@@ -1145,11 +1224,15 @@ class _Copy:
     """A request's copy, as the worker tracks it until vLLM is told it is done; its flags are
     set under the connector's copy condition (``landed`` in native code, as the bytes land)."""
 
-    __slots__ = ("over", "cancelled", "started", "landed", "index")
+    __slots__ = ("tag", "over", "reported", "cancelled", "started", "landed", "index")
 
-    def __init__(self) -> None:
+    def __init__(self, tag: str = "") -> None:
+        #: Its announcement (:func:`_tag`), reported to the scheduler once the copy is over.
+        self.tag = tag
         #: Over (failed, never begun, or its step's copies ended).
         self.over = False
+        #: Reported over to the scheduler (:meth:`CaptureArenaConnector._report_over`).
+        self.reported = False
         #: Preempted before its copy began: not copied (its blocks went back to vLLM).
         self.cancelled = False
         #: Its copy began (a preemption waits for it).
@@ -1435,6 +1518,28 @@ def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:
         b'{"req_id":%s,"seq":%d,"sent":%r,"row":%s}\n' % (json.dumps(s.req_id).encode(), s.seq, sent, text)
         for s, text in results
     )
+
+
+def _over_lines(tags: list[str]) -> bytes:
+    """The ``{"over": [tag, ...]}`` lines that report these copies over, each at most half of
+    MAX_LINE (a tag longer than that, a request id of over 512 KiB, is left out: the reset
+    that waits for it refuses at its bound)."""
+    lines: list[list[str]] = []
+    line: list[str] = []
+    size = 0
+    for tag in tags:
+        n = len(json.dumps(tag)) + 1
+        if n > MAX_LINE // 4:
+            log.error("capture_arena.vllm: a request id of %d bytes cannot be reported on the result channel", len(tag))
+            continue
+        if size + n > MAX_LINE // 2:
+            lines.append(line)
+            line, size = [], 0
+        line.append(tag)
+        size += n
+    if line:
+        lines.append(line)
+    return b"".join(json.dumps({"over": x}).encode() + b"\n" for x in lines)
 
 
 def _arena_tensor(address: int, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
@@ -1740,8 +1845,10 @@ class _Listener:
     A bad line closes only its connection; a failed accept (EMFILE, ...) is logged, counted and
     retried after a back-off, never the end of listening."""
 
-    def __init__(self, name: str, deliver: Any, max_age_s: float, store_id: str) -> None:
+    def __init__(self, name: str, deliver: Any, max_age_s: float, store_id: str, over: Any = None) -> None:
         self._deliver = deliver
+        #: Takes the announcements a worker reports its copies of over (``{"over": [tag, ...]}``).
+        self._over = over
         self._max_age_s = max_age_s
         #: The store_id of every result's keys (the connector's, as the worker's).
         self._store_id = store_id
@@ -1829,6 +1936,13 @@ class _Listener:
                 silent_until.clear()
                 results, sents = [], []
                 for m in msgs:
+                    if "over" in m:  # copies over: a reset of vLLM's caches waits for no more of them
+                        tags = m["over"]
+                        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+                            raise ValueError('an "over" line is {"over": [tag, ...]}')
+                        if self._over is not None:
+                            self._over(tags)
+                        continue
                     rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
                     if (
                         not isinstance(rid, str)
@@ -1855,7 +1969,8 @@ class _Listener:
                         log.warning("capture_arena.vllm: %d results came after their requests were answered; the worker frees them", len(free))
                     peer.send({"taken": taken, "free": free}, now=True)
 
-                self._deliver(results, peer, fresh, answer)
+                if results:
+                    self._deliver(results, peer, fresh, answer)
         except _Silent as e:  # anyone of this user can connect: logged as refusals are
             self._refuse(f"pid {pid}: {e}")
         except Exception as e:  # a bad line (RecursionError, OverflowError too): that connection only
