@@ -376,8 +376,15 @@ impl Shared {
         s.pending += added;
         let mut dropped = 0;
         while s.pending > self.max_pending {
-            // Drop from the longest queue: the endpoint least able to take its frees.
-            let Some(e) = s.endpoints.values_mut().max_by_key(|e| e.pending.len()) else {
+            // Drop from the endpoint holding the most, counting the keys its sender has in
+            // flight: the one least able to take its frees. When those are all in flight, none
+            // is dropped until they come back (they are then queued again, and bounded here):
+            // another endpoint's frees never pay for them.
+            let Some(e) = s
+                .endpoints
+                .values_mut()
+                .max_by_key(|e| e.pending.len() + e.in_flight)
+            else {
                 break;
             };
             if e.pending.pop_front().is_none() {

@@ -211,7 +211,9 @@ impl Published {
                         "feature {name:?} has stamp {stamp} (stamps are 1 to {MAX_STAMP})"
                     )));
                 }
-                let end = f.address.checked_add(stamp_offset(len) + STAMP_BYTES);
+                let end = stamp_offset(len)
+                    .checked_add(STAMP_BYTES)
+                    .and_then(|n| f.address.checked_add(n));
                 if f.address % STAMP_BYTES != 0 || end.is_none() {
                     return Err(bad(format!(
                         "feature {name:?} at {:#x}: a stamped object is 8-byte aligned and its \
