@@ -319,6 +319,28 @@ def test_vllm_will_not_discard_the_cache_under_the_copy_of_a_running_request(eng
     assert resident(kv)["resident_objects"] == 0, got
 
 
+def test_a_request_preempted_under_its_copy_then_aborted_still_keeps_the_cache_from_being_discarded(engine: Proc) -> None:
+    """The sleep of the test above refused (the copy held), its request preempted; the caller
+    wakes vLLM and sleeps again, in vLLM's default mode, which aborts the request first. Its
+    copy still reads the blocks the preemption gave back: the reset waits for it all the same,
+    and refuses (before: the request's end took its copy out of what the reset waited for, and
+    the worker's sleep ran under it)."""
+    bound, grace = 0.5, 1.0
+    before = resident_of(engine)["resident_objects"]
+    assert engine.ask({"preempt_grace": grace}) == {"ok": True}
+    try:
+        assert engine.ask({"gate": "close"}) == {"ok": True}
+        got = engine.ask({"sleep_running": {"prompt": prompt(150, 45), "max_tokens": 20, "open_after": None, "again": True}}, timeout=120)
+    finally:
+        assert engine.ask({"preempt_grace": 30.0}) == {"ok": True}
+        assert engine.ask({"gate": "open"}) == {"ok": True}
+    assert "Failed to reset the KV connector cache" in got.get("error", "") and got["over_at_discard"] == [], got
+    again = got["again"]
+    assert "Failed to reset the KV connector cache" in again.get("error", "") and again["over_at_discard"] == [], got
+    assert bound + grace <= again["s"] < bound + grace + 2.0, got
+    assert resident_of(engine)["resident_objects"] == before  # the aborted request's capture was freed
+
+
 def test_each_request_is_readable_and_its_blocks_go_back_as_soon_as_its_own_copy_is_done(engine: Proc, trainer: Proc) -> None:
     """Two requests finish in one step; the second's copy is held. The first's rows are read
     and its blocks go back meanwhile (before: both waited for the step's last copy)."""
@@ -1228,6 +1250,27 @@ def test_a_reset_of_vllms_caches_waits_for_the_copy_a_worker_of_its_own_reports_
         assert worker.ask({"gate_copies": False}) == {"ok": True}
         assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
     sched.ask({"announce": [], "preempt": ["resetting"]})  # given up: its result is freed
+    s = wait_resident(worker, 0)
+    assert s["resident_objects"] == 0, s
+
+
+def test_a_report_of_copies_over_that_could_not_be_sent_is_sent_again(pair: tuple[Proc, Proc]) -> None:
+    """The worker's report that a step's copies are over fails twice (a send timed out, then
+    again on a new connection). It is sent again ACK_GRACE_S / 4 later, so a reset of vLLM's
+    caches goes through (before: the report was lost, and every reset waited its bound and
+    refused while the request's announcement stood)."""
+    sched, worker = pair
+    grace = 2.0
+    assert sched.ask({"preempt_grace": grace}) == {"ok": True}
+    try:
+        assert worker.ask({"fail_reports": 2}) == {"ok": True}
+        worker.ask({"save": sched.ask({"announce": [["unreported", 8]]})["meta"]})
+        got = sched.ask({"reset": True})
+        assert got["ok"] is True and got["s"] < HALF_BOUND + grace, got
+    finally:
+        assert worker.ask({"fail_reports": 0}) == {"ok": True}
+        assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
+    sched.ask({"announce": [], "preempt": ["unreported"]})  # given up: its result is freed
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, s
 

@@ -25,7 +25,11 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   GPU. With ``open_after``, the gate opens that many seconds after the sleep began. Then
   ``wake_up()``, the gate opens, and the request is stepped to its end. Answers ``slept`` (or
   ``error``), how long the sleep took (``s``), whether every copy was over at each call of the
-  worker's sleep (``over_at_discard``), and the request's ``params``;
+  worker's sleep (``over_at_discard``), and the request's ``params``. With ``"again": true``,
+  after that sleep (refused: the gate closed) and ``wake_up()``, ``LLM.sleep(1)`` runs again,
+  as docs/vllm.md tells a caller to, in vLLM's default mode (``abort``: the request, preempted
+  by the first, is aborted now): answers ``again`` (``slept`` or ``error``, ``s``,
+  ``over_at_discard``), and no ``params`` (the aborted request's capture is freed);
 - ``{"preempt_grace": s}``: the connector's ``PREEMPT_GRACE_S`` (how long past the bound a
   preemption, and a reset of the caches, waits for a copy under way);
 - ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
@@ -293,6 +297,22 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         answer["s"] = time.monotonic() - t0
         answer["over_at_discard"] = list(over_at_discard)
         llm.wake_up()
+        if cmd.get("again"):
+            over_at_discard.clear()
+            t0 = time.monotonic()
+            try:
+                llm.sleep(level=1)
+                answer["again"] = {"slept": True}
+            except Exception as e:
+                answer["again"] = {"error": f"{type(e).__name__}: {e}"}
+            answer["again"].update(s=time.monotonic() - t0, over_at_discard=list(over_at_discard))
+            llm.wake_up()
+            # The pause aborted it in the engine core, which in this process does not reach the
+            # frontend's record of it (a server's engine core sends the abort out): told here.
+            engine.abort_request(["sleeping"])
+            gate.set()
+            drain(30.0)
+            return answer
         gate.set()
         while "sleeping" not in outs:
             step()

@@ -49,7 +49,8 @@ states and 8 of its id. Commands:
   released or their connection is given up; ``{"queued": true}`` (worker): the bytes of answers
   waiting unread in its current connection; ``{"fail_sends": ["half" | "none", ...]}`` (worker):
   its next sends of results time out, after the first half of their lines arrived and were answered
-  (``half``) or at once (``none``); ``{"accept_errors": true}``
+  (``half``) or at once (``none``); ``{"fail_reports": n}`` (worker): its next n sends of a
+  report of copies over time out at once; ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"peers": true}`` (scheduler): the pids of the
   workers it has a connection of; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n; ``{"send_timeout": s}`` (scheduler): the connections it accepts
@@ -116,6 +117,7 @@ if role in ("worker", "both"):
     given_up = set()  # ...but for those of connections it gave up
 
     fail_sends = []  # how the worker's next sends fail: "half" or "none" each
+    fail_reports = [0]  # how many of the worker's next reports of copies over fail
 
     def _queued(sock):
         import fcntl
@@ -130,6 +132,9 @@ if role in ("worker", "both"):
             return super().recv(n, *flags)
 
         def sendall(self, data, *flags):
+            if data.startswith(b'{"over"') and fail_reports[0] > 0:
+                fail_reports[0] -= 1
+                raise _socket.timeout("timed out (the test's)")
             # Only sends of results (a copy thread's report of copies over goes as it would).
             how = fail_sends.pop(0) if fail_sends and not data.startswith(b'{"over"') else None
             if how == "half":  # the first half of its lines arrive, and are answered
@@ -389,6 +394,9 @@ for line in sys.stdin:
             answer = {"bytes": _queued(c) if c is not None else 0, "conn": c is not None}
         elif "fail_sends" in cmd:
             fail_sends[:] = cmd["fail_sends"]
+            answer = {"ok": True}
+        elif "fail_reports" in cmd:
+            fail_reports[0] = int(cmd["fail_reports"])
             answer = {"ok": True}
         elif "reconnect" in cmd:  # the next step's results go over a new connection
             worker._drop_conn()

@@ -178,6 +178,9 @@ PREEMPT_GRACE_S = 30.0
 HOLD_GRACE_S = 30.0
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
+#: Copies over a worker keeps for its next report when their report could not be sent (the
+#: scheduler process keeps as many announcements waiting for theirs: MAX_RESULTS).
+MAX_UNREPORTED = 65536
 
 #: Connections the scheduler process accepts from workers at once.
 MAX_WORKERS = 16
@@ -336,10 +339,14 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending: dict[str, int] = {}
             #: Requests preempted after their announcement, to be announced again.
             self._again: set[str] = set()
-            #: Of the pending announcements, those whose copy the worker reported over (landed,
-            #: failed or never begun: it reads their blocks no more), request id -> announcement;
-            #: :meth:`reset_cache` waits for the others before vLLM may discard the cache.
-            self._over: dict[str, int] = {}
+            #: Announcements (:func:`_tag`) whose copy the worker has not reported over yet
+            #: (landed, failed or never begun: it reads their blocks no more), oldest first,
+            #: with when they were announced (None once their result came: the worker sends a
+            #: step's results before it queues its copies): :meth:`reset_cache` waits for them
+            #: before vLLM may discard the cache, whatever became of their requests since
+            #: (preempted, finished, aborted). One with no result past the bound plus
+            #: ACK_GRACE_S never reached the worker (or its result was lost): not waited for.
+            self._copying: collections.OrderedDict[str, Optional[float]] = collections.OrderedDict()
             #: Finished requests whose blocks vLLM holds for their copy (until the worker
             #: reports it done, through ``update_connector_output``), oldest first: request id
             #: -> when its hold began (monotonic).
@@ -394,6 +401,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._begun: Optional[tuple[list[_Save], "_Reservations | str"]] = None
             #: How the scheduler in this process (if it is here) answers this worker.
             self._in_process = _InProcess(self)
+            #: Copies over whose report could not be sent (:meth:`_report_over`), oldest first.
+            self._unreported: list[str] = []
+            #: A retry of those is waiting (:meth:`_retry_report`).
+            self._retrying = False
+            self._report_lock = threading.Lock()
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -419,7 +431,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         gone = []
         with self._cond:
             for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
-                self._over.pop(rid, None)
                 if self._pending.pop(rid, None) is not None:
                     meta.preempted.append(rid)
                     self._again.add(rid)
@@ -453,9 +464,20 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             # first n after this step, and vLLM only ever extends a prompt's list.
             meta.saves.append(_Save(rid, blocks[:need], ids if isinstance(ids, list) else list(ids), n, self._seq))
         if meta.saves:
+            forgot = 0
             with self._cond:
                 for sv in meta.saves:
                     self._pending[sv.req_id] = sv.seq
+                    self._copying[_tag(sv.req_id, sv.seq)] = time.monotonic()
+                self._unanswered()
+                while len(self._copying) > MAX_RESULTS:  # a worker that never reports (gone)
+                    self._copying.popitem(last=False)
+                    forgot += 1
+            if forgot:
+                log.error(
+                    "capture_arena.vllm: over %d copies were never reported over by the worker; the oldest %d are no longer waited "
+                    "for by a reset of vLLM's caches (see the worker's log)", MAX_RESULTS, forgot,
+                )
         return meta
 
     def _deliver(
@@ -477,6 +499,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         evicted, kept, new = [], [], []
         with self._cond:
             for i, (req_id, seq, row) in enumerate(results):
+                if _tag(req_id, seq) in self._copying:  # its copy is queued from now on
+                    self._copying[_tag(req_id, seq)] = None
                 pending = self._pending.get(req_id) == seq
                 # One the worker sent again (its connection failed before our answer reached
                 # it) after its request was answered with it, or while we hold it: ours, and
@@ -548,7 +572,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 # Given up in the same hold of the lock as the last look: a result that comes
                 # from now on finds its request gone, and its worker frees it.
                 del self._pending[rid]
-                self._over.pop(rid, None)
         if dropped is not None and "error" not in dropped[0]:
             _reply_free(dropped[1], dropped[0])
         if row is None and aborted:
@@ -575,13 +598,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _copies_over(self, tags: Sequence[str]) -> None:
         """The worker reports these announcements' copies over (landed, failed or never begun):
-        it reads their blocks no more. Only a pending announcement's report is kept (one for an
-        announcement given up since is late)."""
+        it reads their blocks no more."""
         with self._cond:
             for tag in tags:
-                seq, _, rid = tag.partition(":")
-                if seq.isdigit() and self._pending.get(rid) == int(seq):
-                    self._over[rid] = int(seq)
+                self._copying.pop(tag, None)
             self._cond.notify_all()
 
     def reset_cache(self) -> bool:
@@ -589,25 +609,29 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         up, ``release_kv_cache_memory``, a pause that clears the caches), preempting running
         requests first: their blocks go back to vLLM at once, while a copy of a prompt captured
         earlier may still be queued to read them. This waits until the worker reported every
-        announced request's copy over, at most the bound plus PREEMPT_GRACE_S (milliseconds,
-        as a rule); False past that (vLLM then raises "Failed to reset the KV connector cache"
-        and discards nothing: call it again once the copy is done, after ``wake_up``). A
-        finished request's blocks stay held for its copy, so vLLM fails its own reset first."""
-        if not hasattr(self, "_pending"):  # a worker's (vLLM asks only the scheduler's)
+        announced copy over, at most the bound plus PREEMPT_GRACE_S (milliseconds, as a rule),
+        whatever became of its request (a request preempted, then aborted, holds no blocks for
+        its copy any more); an announcement whose result never came (within the bound plus
+        ACK_GRACE_S) is not waited for past that. False past that: vLLM's sleep and release raise "Failed to reset the
+        KV connector cache" before they discard anything (its running requests were preempted
+        already, and its prefix cache reset); call it again once the copy is done, after
+        ``wake_up()``. vLLM's ``reset_prefix_cache(reset_connector=True)`` returns False."""
+        if not hasattr(self, "_copying"):  # a worker's (vLLM asks only the scheduler's)
             return True
         t0 = time.monotonic()
         deadline = t0 + self._bound + PREEMPT_GRACE_S
         with self._cond:
             while True:
-                waiting = [rid for rid, seq in self._pending.items() if self._over.get(rid) != seq]
+                expires = self._unanswered()
                 left = deadline - time.monotonic()
-                if not waiting or left <= 0:
+                if not self._copying or left <= 0:
                     break
-                self._cond.wait(left)
+                self._cond.wait(min(left, expires))
+            waiting = list(self._copying)
         if waiting:
             log.error(
-                "capture_arena.vllm: the copies of %d running requests (%s...) did not end within %g s (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S "
-                "plus %g s); the cache is not reset, so vLLM discards nothing they read (see the worker's log)",
+                "capture_arena.vllm: %d copies (%s...) were not reported over within %g s (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S plus "
+                "%g s); the cache is not reset, so vLLM discards nothing they read (see the worker's log)",
                 len(waiting), waiting[0], self._bound + PREEMPT_GRACE_S, PREEMPT_GRACE_S,
             )
             return False
@@ -615,6 +639,21 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if waited > 0.001:
             log.info("capture_arena.vllm: the cache's reset waited %.1f ms for copies under way", waited * 1e3)
         return True
+
+    def _unanswered(self) -> float:
+        """Forgets the announcements whose result did not come within the bound plus
+        ACK_GRACE_S (the step never reached the worker; the worker frees such a result, and
+        its copy, queued after it was sent, took milliseconds); under the lock. Returns how
+        soon the next one expires (inf: none waits for its result)."""
+        now, limit, soonest = time.monotonic(), self._bound + ACK_GRACE_S, math.inf
+        for tag, since in list(self._copying.items()):
+            if since is None:
+                continue
+            if now - since > limit:
+                del self._copying[tag]
+            else:
+                soonest = min(soonest, since + limit - now)
+        return soonest
 
     def has_pending_block_frees(self) -> bool:
         """Whether finished requests' blocks wait only for their copies (milliseconds): vLLM's
@@ -930,20 +969,65 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def _report_over(self, tags: list[str]) -> None:
         """Tells the scheduler these announcements' copies are over, so that a reset of vLLM's
         caches (before it discards the cache's memory) waits for no more of them: in memory to
-        one in this process, else as ``{"over": [tag, ...]}`` lines on the result channel (a
-        failed send is logged: that reset then waits its bound and refuses). Never raises."""
-        if not tags:
-            return
+        one in this process, else as ``{"over": [tag, ...]}`` lines on the result channel, sent
+        whole or not at all (a failed send is tried once more on a new connection; what could
+        not be sent, up to MAX_UNREPORTED tags, goes with the next report, or again ACK_GRACE_S /
+        4 later; meanwhile a reset waits for them at most its bound, and refuses). Never
+        raises."""
         try:
             local = _local_scheduler(self._channel)
             if local is not None:
-                local._copies_over(tags)
+                if tags:
+                    local._copies_over(tags)
                 return
-            e = self._send_on([], _over_lines(tags))
-            if e is not None:
-                raise e
-        except Exception as e:
-            log.warning("capture_arena.vllm: could not tell the scheduler process that %d copies are over (%s); a reset of vLLM's caches now waits for them until its bound", len(tags), e)
+            with self._report_lock:  # one report at a time, so none overtakes what failed before
+                todo, self._unreported = self._unreported + tags, []
+                if not todo:
+                    return
+                error = self._send_whole(_over_lines(todo))
+                if error is None:
+                    return
+                self._unreported = todo[-MAX_UNREPORTED:]
+                lost = len(todo) - len(self._unreported)
+                if not self._retrying:  # one retry waiting at a time
+                    retry = threading.Timer(ACK_GRACE_S / 4, self._retry_report)
+                    retry.daemon = True
+                    retry.start()
+                    self._retrying = True
+            log.warning(
+                "capture_arena.vllm: could not tell the scheduler process that %d copies are over (%s); sent with the next "
+                "report, and until then a reset of vLLM's caches waits for them until its bound%s",
+                len(todo), error, f" ({lost} over MAX_UNREPORTED are never sent)" if lost else "",
+            )
+        except Exception:  # a bug of ours: those copies are never reported (a reset refuses)
+            log.exception("capture_arena.vllm: reporting %d copies over failed", len(tags))
+
+    def _retry_report(self) -> None:
+        with self._report_lock:
+            self._retrying = False
+        self._report_over([])
+
+    def _send_whole(self, data: bytes) -> Optional[OSError]:
+        """Sends ``data`` (whole lines) on the connection to the scheduler process, once more on
+        a new connection if that send fails (the failed one is given up, so no part of a line
+        sent on it is ever completed). The error when neither went through."""
+        error: Optional[OSError] = None
+        for _ in (0, 1):
+            try:
+                c = self._connection()
+            except OSError as e:
+                return e
+            with self._send_lock:
+                if c.fileno() < 0:  # closed by its reader since
+                    error = OSError("the result channel's connection closed")
+                    continue
+                try:
+                    c.sendall(data)
+                    return None
+                except OSError as e:
+                    error = e
+            self._drop_conn(c)
+        return error
 
     def _copy_step(self, saves: list[_Save], reserved: Sequence["_Placed"], copies: list["_Copy"], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
@@ -1522,11 +1606,12 @@ def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:
 
 def _over_lines(tags: list[str]) -> bytes:
     """The ``{"over": [tag, ...]}`` lines that report these copies over, each at most half of
-    MAX_LINE (a tag longer than that, a request id of over 512 KiB, is left out: the reset
-    that waits for it refuses at its bound)."""
+    MAX_LINE (a tag over a quarter of it as JSON, a request id of about 256 KiB, is left out:
+    a reset that waits for it refuses at its bound)."""
+    empty = len(b'{"over":[]}\n')
     lines: list[list[str]] = []
     line: list[str] = []
-    size = 0
+    size = empty
     for tag in tags:
         n = len(json.dumps(tag)) + 1
         if n > MAX_LINE // 4:
@@ -1534,12 +1619,12 @@ def _over_lines(tags: list[str]) -> bytes:
             continue
         if size + n > MAX_LINE // 2:
             lines.append(line)
-            line, size = [], 0
+            line, size = [], empty
         line.append(tag)
         size += n
     if line:
         lines.append(line)
-    return b"".join(json.dumps({"over": x}).encode() + b"\n" for x in lines)
+    return b"".join(json.dumps({"over": x}, separators=(",", ":")).encode() + b"\n" for x in lines)
 
 
 def _arena_tensor(address: int, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
