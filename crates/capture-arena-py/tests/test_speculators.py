@@ -95,6 +95,30 @@ def test_what_a_process_read_and_never_deleted_is_freed_when_it_exits(sink: ca.A
     wait_resident(sink, 0)
 
 
+def test_a_forked_worker_frees_what_it_read_and_never_deleted_and_leaves_its_parents_reads(sink: ca.ArenaSink) -> None:
+    """speculators spawns its dataloader workers; a transfer used in workers multiprocessing
+    forks (torch's default) keeps the same promise: what the worker read and never deleted is
+    freed when it ends (it ends in os._exit, where atexit never runs: before, it stayed
+    resident), and what its parent read before the fork stays the parent's."""
+    import multiprocessing as mp
+
+    t = CaptureArenaTransfer()
+    mine, theirs = publish(sink, "r-parent"), publish(sink, "r-forked")
+    t.get_generated(params(mine))
+
+    def work(t: CaptureArenaTransfer) -> None:
+        t.get_generated(params(theirs))  # and never deleted: the worker ends
+
+    p = mp.get_context("fork").Process(target=work, args=(t,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    wait_resident(sink, 2)  # the worker's read freed, the parent's not
+    t.delete(params(mine)["handle"])
+    t.flush(10)
+    wait_resident(sink, 0)
+
+
 def test_a_response_speculators_client_refuses_has_its_capture_freed_with_a_stand_in_http_client(sink: ca.ArenaSink) -> None:
     """speculators' client (its real ``generate_hidden_states``) refuses a response whose prompt
     token ids differ from the sample's (a chat template re-rendered otherwise) before the handle

@@ -55,6 +55,26 @@ def test_every_dtype_round_trips_bit_exact_to_another_process(make_sink):
     assert s["free_extents"] == 1 and s["unknown_frees"] == 0
 
 
+def test_a_worker_forked_by_multiprocessing_frees_what_it_released_before_it_ends(make_sink):
+    """A DataLoader worker started with fork ends in os._exit: atexit never runs there, so the
+    exit flush did not either, and a free still queued (the worker's first: its connection not
+    made yet) ended with the process (before: its objects stayed resident)."""
+    sink = make_sink()
+    r = sink.put_sample(spec("forked"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    store = ca.ArenaFeatureStore()  # made before the fork, as a DataLoader's dataset holds it
+
+    def work(store: ca.ArenaFeatureStore) -> None:
+        store.get(r)
+        store.release(r)
+
+    p = mp.get_context("fork").Process(target=work, args=(store,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    s = wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    assert s["resident_objects"] == 0, s
+
+
 def test_get_after_release_raises_key_error(make_sink):
     sink = make_sink()
     r = sink.put_sample(spec("a"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import logging
+import multiprocessing.util
 import os
 import threading
 import time
@@ -347,4 +348,21 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class _ForkHooks:
+    """What multiprocessing's registry of after-fork hooks holds (weakly) for this module."""
+
+
+_FORK_HOOKS = _ForkHooks()
+
+
+def _in_forked_worker(_: object) -> None:
+    """In a process multiprocessing forked (a DataLoader worker): it ends in ``os._exit``, so
+    atexit never runs there; multiprocessing's own finalizers do, and this one flushes the
+    frees as the exit hook would. Priority 10: after a backend's release of what it read (20)."""
+    multiprocessing.util.Finalize(None, _flush_stores_at_exit, exitpriority=10)
+
+
+multiprocessing.util.register_after_fork(_FORK_HOOKS, _in_forked_worker)
 

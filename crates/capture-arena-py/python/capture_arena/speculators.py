@@ -39,6 +39,8 @@ import collections
 import functools
 import importlib
 import logging
+import multiprocessing.util
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -233,6 +235,26 @@ def _release_at_exit() -> None:
 # Registered after the reader module's exit flush (imported above), so it runs first (atexit is
 # last in, first out), and that flush sends these frees.
 atexit.register(_release_at_exit)
+
+
+def _after_fork_in_child() -> None:
+    """A forked process starts with nothing read: what its parent read is the parent's to
+    free (the child's exit would free it under the parent)."""
+    for t in list(_TRANSFERS):
+        t._lock = threading.Lock()
+        t._read = collections.OrderedDict()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _in_forked_worker(_: object) -> None:
+    """A dataloader worker multiprocessing forked ends in ``os._exit``, where atexit never
+    runs: multiprocessing's finalizers do. Priority 20: before the reader's flush (10)."""
+    multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=20)
+
+
+multiprocessing.util.register_after_fork(_TRANSFERS, _in_forked_worker)
 
 
 def _add(parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
