@@ -19,7 +19,7 @@ use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::memory::Reply;
@@ -159,18 +159,93 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Res
 
 /// False once nobody listens on `endpoint` any more: the producer's writer stopped or its
 /// process is gone (abstract sockets vanish with their process). One `connect`, answered by
-/// the writer as an empty request.
+/// the writer as an empty request; never a wait: a producer that accepts nothing (stopped,
+/// its queue of connections full) still listens.
 pub fn is_listening(endpoint: &str) -> bool {
-    let Ok(addr) = address(endpoint) else {
-        return false;
-    };
-    match UnixStream::connect_addr(&addr) {
+    match connect_within(endpoint, None) {
         Ok(_) => true,
         Err(e) => !matches!(
             e.kind(),
-            io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound
+            io::ErrorKind::ConnectionRefused
+                | io::ErrorKind::NotFound
+                | io::ErrorKind::InvalidInput
         ),
     }
+}
+
+/// Connects to the abstract socket `endpoint` (`@...`) without waiting past `within` (`None`:
+/// one try): a blocking connect to a listener whose queue of connections not yet accepted is
+/// full (its process stopped or stuck; each probe adds one) waits for good. The stream is
+/// blocking again when returned.
+fn connect_within(endpoint: &str, within: Option<Duration>) -> io::Result<UnixStream> {
+    let addr = address(endpoint)?;
+    let name = addr.as_abstract_name().unwrap_or_default();
+    // SAFETY: a zeroed sockaddr_un is a valid value; it is filled within its size below.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    if name.len() >= sa.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("reply endpoint {endpoint:?} is too long"),
+        ));
+    }
+    for (slot, &b) in sa.sun_path[1..].iter_mut().zip(name) {
+        *slot = b as libc::c_char; // sun_path[0] stays 0: the abstract namespace
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+    // SAFETY: plain FFI creating a socket; the descriptor is owned at once.
+    let raw = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+        )
+    };
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new descriptor nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    let deadline = within.map(crate::limits::deadline_in);
+    let mut pause = Duration::from_micros(100);
+    loop {
+        // SAFETY: `sa` is a filled sockaddr_un and `len` covers its family and name only.
+        let r = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                (&sa as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        if r == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => {}
+            Some(libc::EAGAIN) => {
+                let left = deadline.map_or(Duration::ZERO, |d| {
+                    d.saturating_duration_since(Instant::now())
+                });
+                if left.is_zero() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WouldBlock,
+                        format!(
+                            "{endpoint} accepts no connection (its queue is full: the producer \
+                             is stopped or stuck){}",
+                            within.map_or(String::new(), |w| format!(" within {w:?}"))
+                        ),
+                    ));
+                }
+                std::thread::sleep(pause.min(left));
+                pause = (pause * 2).min(Duration::from_millis(10));
+            }
+            _ => return Err(e),
+        }
+    }
+    let s = UnixStream::from(fd);
+    s.set_nonblocking(false)?;
+    Ok(s)
 }
 
 /// Asks the producer behind `endpoint` (`@capture-arena-reply-...`) for `what` and returns its
@@ -202,7 +277,7 @@ pub fn request_from(
             "request too long or multi-line",
         )));
     }
-    let mut s = UnixStream::connect_addr(&address(endpoint).map_err(io_err)?).map_err(io_err)?;
+    let mut s = connect_within(endpoint, Some(timeout)).map_err(io_err)?;
     let (uid, peer) = peer_cred(s.as_raw_fd()).map_err(io_err)?;
     if uid != my_uid() || pid.is_some_and(|p| p != peer) {
         return Err(io_err(io::Error::new(

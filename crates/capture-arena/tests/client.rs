@@ -392,6 +392,53 @@ fn a_dead_endpoints_keys_in_flight_never_cost_another_endpoint_its_frees() {
 }
 
 #[test]
+fn a_producer_that_accepts_nothing_holds_up_no_liveness_probe_or_request() {
+    // A stopped producer's reply socket: each liveness probe (a reader makes one a second for
+    // each session it caches) stays in its queue, and once the queue is full a blocking
+    // connect waits for good, inside the reader's cache lock (before: the third probe here
+    // never returned).
+    use std::os::fd::FromRawFd;
+    let name = format!("capture-arena-test-stopped-{}", std::process::id());
+    let endpoint = format!("@{name}");
+    // SAFETY: plain FFI: a socket bound to an abstract name, listening with a queue of one,
+    // owned by the test from here.
+    let _listener = unsafe {
+        let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0);
+        let mut sa: libc::sockaddr_un = std::mem::zeroed();
+        sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (slot, &b) in sa.sun_path[1..].iter_mut().zip(name.as_bytes()) {
+            *slot = b as libc::c_char;
+        }
+        let len = (std::mem::size_of::<libc::sa_family_t>() + 1 + name.len()) as libc::socklen_t;
+        assert_eq!(
+            libc::bind(fd, (&sa as *const libc::sockaddr_un).cast(), len),
+            0
+        );
+        assert_eq!(libc::listen(fd, 0), 0);
+        std::os::fd::OwnedFd::from_raw_fd(fd)
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let probe = endpoint.clone();
+    std::thread::spawn(move || {
+        for _ in 0..4 {
+            let _ = tx.send(capture_arena::reply::is_listening(&probe));
+        }
+        let t0 = Instant::now();
+        let asked = capture_arena::reply::request(&probe, "describe", Duration::from_millis(300));
+        let _ = tx.send(asked.is_err() && t0.elapsed() < Duration::from_secs(2));
+    });
+    for i in 0..5 {
+        let got = rx.recv_timeout(Duration::from_secs(5));
+        assert_eq!(
+            got,
+            Ok(true),
+            "answer {i}: a stopped producer's socket held it up"
+        );
+    }
+}
+
+#[test]
 fn waiting_frees_are_bounded_and_drops_are_counted() {
     let (dead, _held, _l) = unreachable_endpoint();
     let c = ControlClient::with_limit(Duration::from_millis(200), 100);

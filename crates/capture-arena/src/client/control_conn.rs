@@ -17,10 +17,11 @@ use crate::key::Key;
 /// valid key fits.
 const LINE_BYTES: usize = 64 * 1024;
 
-/// Connects within `timeout` (also the write timeout), presents `token` first when there is
-/// one, and has the server confirm a first sync line (sync 0) before anything else is sent: a
-/// server that wants another token refuses the connection there, and says so, before keys are
-/// written (a refusal after a large write could be lost in the reset its unread bytes cause).
+/// Connects within `timeout` (one deadline for every address the name resolves to; the name's
+/// resolution itself is the system resolver's), presents `token` first when there is one, and
+/// has the server confirm a first sync line (sync 0) before anything else is sent: a server
+/// that wants another token refuses the connection there, and says so, before keys are written
+/// (a refusal after a large write could be lost in the reset its unread bytes cause).
 ///
 /// # Errors
 /// As [`confirm`] (`PermissionDenied` for a refused token), or the connection's error.
@@ -29,11 +30,33 @@ pub(super) fn connect(
     token: Option<&str>,
     timeout: Duration,
 ) -> std::io::Result<TcpStream> {
+    let addrs: Vec<std::net::SocketAddr> = endpoint.to_socket_addrs()?.collect();
+    connect_to(&addrs, token, timeout)
+}
+
+/// [`connect`] to these addresses in turn, all within `timeout` (before: each address had the
+/// whole timeout, so a name with n unanswering addresses cost n times it).
+fn connect_to(
+    addrs: &[std::net::SocketAddr],
+    token: Option<&str>,
+    timeout: Duration,
+) -> std::io::Result<TcpStream> {
+    let deadline = crate::limits::deadline_in(timeout);
     let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
-    for addr in endpoint.to_socket_addrs()? {
-        match TcpStream::connect_timeout(&addr, timeout) {
+    for addr in addrs {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                format!("no address answered within {timeout:?} (last: {last})"),
+            ));
+        }
+        match TcpStream::connect_timeout(addr, left) {
             Ok(mut s) => {
-                s.set_write_timeout(Some(timeout))?;
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                s.set_write_timeout(Some(left))?;
                 s.set_nodelay(true)?;
                 let mut first = Vec::with_capacity(320);
                 if let Some(t) = token {
@@ -43,7 +66,8 @@ pub(super) fn connect(
                 first.extend_from_slice(crate::control::sync_line(0).as_bytes());
                 first.push(b'\n');
                 s.write_all(&first)?;
-                confirm(&s, 0, timeout)?;
+                confirm(&s, 0, left)?;
+                s.set_write_timeout(Some(timeout))?;
                 return Ok(s);
             }
             Err(e) => last = e,
@@ -239,4 +263,44 @@ pub(super) fn alive(s: &TcpStream) -> bool {
     let r = (&*s).read(&mut b);
     let ok = s.set_nonblocking(false).is_ok();
     ok && matches!(r, Err(ref e) if e.kind() == ErrorKind::WouldBlock)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_address_of_a_name_shares_one_deadline() {
+        // Two addresses whose accept queue is full (the kernel drops their SYNs): 0.5 s in
+        // all, not 0.5 s each.
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain FFI creating, binding and listening on a socket (a queue of one) that
+        // the test then owns.
+        let l = unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+            assert!(fd >= 0);
+            let mut a: libc::sockaddr_in = std::mem::zeroed();
+            a.sin_family = libc::AF_INET as libc::sa_family_t;
+            a.sin_addr.s_addr = u32::from_be_bytes([127, 0, 0, 1]).to_be();
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            assert_eq!(
+                libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len),
+                0
+            );
+            assert_eq!(libc::listen(fd, 0), 0);
+            std::net::TcpListener::from_raw_fd(fd)
+        };
+        let addr = l.local_addr().unwrap();
+        let filled: Vec<TcpStream> = (0..8)
+            .map_while(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
+            .collect();
+        assert!(filled.len() < 8, "the queue never filled");
+        let t0 = Instant::now();
+        let e = connect_to(&[addr, addr], None, Duration::from_millis(500)).unwrap_err();
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(500) && took < Duration::from_millis(900),
+            "{took:?}: {e}"
+        );
+    }
 }

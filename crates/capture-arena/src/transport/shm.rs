@@ -209,9 +209,11 @@ impl Transport for ShmTransport {
         Some(self.offset_of(address, len).map(|o| (&self.map, o)))
     }
 
-    /// Aligned 8-byte loads from the mapping, after an acquire fence: every byte copied before
-    /// this call was loaded before the stamps are (the writer zeroes a stamp, then fences, before
-    /// it places anything in that space).
+    /// Aligned 8-byte loads from the mapping, between two acquire fences: every byte copied
+    /// before this call was loaded before the stamps are (the writer zeroes a stamp, then
+    /// fences, before it places anything in that space), and every byte copied after it is
+    /// loaded after them (the writer stores the stamp after the object's bytes, with release
+    /// order). x86 keeps loads in order anyway; aarch64 (GH200) does not.
     fn stamps(&self, at: &[u64]) -> Result<Vec<u64>> {
         std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         let mut out = Vec::with_capacity(at.len());
@@ -228,6 +230,7 @@ impl Transport for ShmTransport {
             // `self` lives; another process writes it, hence the volatile load of a whole word.
             out.push(u64::from_le(unsafe { (p as *const u64).read_volatile() }));
         }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         if self.map.lost() {
             return Err(self.truncated());
         }
