@@ -78,3 +78,25 @@ def test_ucx_tcp_segments_are_512k_when_unset_and_a_users_value_stays():
     env["UCX_TCP_TX_SEG_SIZE"] = "64k"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout) == ["64k", "512k"]
+
+
+def test_ucx_infiniband_is_left_alone_where_the_machine_cannot_be_told_and_import_never_fails(unset, monkeypatch):
+    """``UCX_MODULES=^ib`` is set where the machine has no InfiniBand device. A ``/sys`` this
+    process may not list made ``import capture_arena`` raise PermissionError; now UCX is left as
+    it is there."""
+    from capture_arena import _nixl_env
+
+    if "nixl" not in ca.FEATURES:
+        pytest.skip("a build without the nixl feature sets no UCX defaults")
+    unset("UCX_MODULES")
+    real_isdir, real_listdir = os.path.isdir, os.listdir
+
+    def listdir(path):
+        if str(path) == "/sys/class/infiniband":
+            raise PermissionError(13, "Permission denied", path)
+        return real_listdir(path)
+
+    monkeypatch.setattr(os.path, "isdir", lambda p: True if str(p) == "/sys/class/infiniband" else real_isdir(p))
+    monkeypatch.setattr(os, "listdir", listdir)
+    _nixl_env._nixl_defaults()
+    assert "UCX_MODULES" not in os.environ

@@ -70,11 +70,32 @@ def test_a_handle_that_does_not_name_its_result_is_refused_and_the_result_freed(
     t = CaptureArenaTransfer()
     for i, bad in enumerate(["vllm/someone-else/g1/", 7]):
         row = publish(sink, f"r-bad{i}")
-        with pytest.raises(ca.CaptureArenaError, match="does not name its result"):
+        with pytest.raises(ca.CaptureArenaError, match="does not name its result.*; the result was freed$"):
             t.get_generated(params(row, bad))
         t.delete(bad if isinstance(bad, str) else str(bad))  # what speculators does next: frees nothing
         t.flush(10)
         wait_resident(sink, 0)
+
+
+def test_a_remembered_result_that_cannot_be_freed_costs_neither_other_reads_nor_their_frees(
+    sink: ca.ArenaSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads never deleted are freed past MAX_UNDELETED. One whose free raises (a malformed
+    result, remembered before its read failed) made the read that evicted it raise, and the
+    results evicted after it stayed resident; now it is logged, alone."""
+    import capture_arena.speculators as backend
+
+    monkeypatch.setattr(backend, "MAX_UNDELETED", 1)
+    t = CaptureArenaTransfer()
+    bad = {k: v for k, v in publish(sink, "r-malformed").items() if k != "arena"}
+    with pytest.raises(Exception):
+        t.get_generated(params(bad))  # and never deleted
+    rows = [publish(sink, f"r-good{i}") for i in range(3)]
+    for row in rows:  # each evicts the one before (past MAX_UNDELETED = 1)
+        assert tuple(t.get_generated(params(row))["hidden_states"].shape) == (5, K, H)
+    t.delete(params(rows[-1])["handle"])
+    t.flush(10)
+    wait_resident(sink, 2)  # only the malformed one's objects: nothing can free them by its result
 
 
 READ_AND_EXIT = """

@@ -10,6 +10,17 @@ import sys
 from ._capture_arena import FEATURES, UCX_TCP_SEG_SIZE
 
 
+def _infiniband_devices() -> int:
+    """How many InfiniBand devices this machine shows (-1: it cannot be told, such as a
+    ``/sys`` this process may not list: then UCX is left as it is)."""
+    try:
+        return len(os.listdir("/sys/class/infiniband"))
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return -1
+
+
 def _nixl_defaults() -> None:
     """NIXL's environment, set before its library loads (on the first ``nixl://`` session):
     ``SGLANG_SPEC_CAPTURE_NIXL_LIB`` from an installed ``nixl-cu12`` wheel when unset,
@@ -25,7 +36,7 @@ def _nixl_defaults() -> None:
             if os.path.exists(os.path.join(libs, "libnixl_capi.so")):
                 os.environ["SGLANG_SPEC_CAPTURE_NIXL_LIB"] = libs
                 break
-    if "UCX_MODULES" not in os.environ and not (os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband")):
+    if "UCX_MODULES" not in os.environ and _infiniband_devices() == 0:
         os.environ["UCX_MODULES"] = "^ib"
     # Over TCP a READ comes back in segments of this size (UCX's default, 8 KiB, made reads across
     # hosts 0.58 x a Mooncake TransferEngine's; 512 KiB: 2.3 x). Both sides need the same value.

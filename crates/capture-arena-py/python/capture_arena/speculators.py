@@ -156,14 +156,14 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         handle = hs_transfer_params.get("hidden_states_path") or hs_transfer_params.get("handle")
         expected = key_prefix(result)
         if handle != expected:
-            why = ""
             try:  # nobody could free it by that handle: freed here
                 self._store.release(result)
+                freed = "the result was freed"
             except Exception as e:
-                why = f"; freeing it failed too: {e}"
+                freed = f"freeing the result failed too ({e})"
             raise CaptureArenaError(
                 f"request {result.get('sample_id')!r}: its handle {str(handle)[:200]!r} does not name its result "
-                f"({expected[:200]!r}), so deleting it would free nothing; the result was freed{why}"
+                f"({expected[:200]!r}), so deleting it would free nothing; {freed}"
             )
         # Remembered before the read: speculators deletes the handle when this raises, and that
         # delete must free the objects (else every failed read leaves a sample resident).
@@ -188,7 +188,10 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             old.append(before)  # the same keys in another arena (another server): its own objects
         for r in old:  # handed out long ago and never deleted: freed rather than held
             assert self._store is not None
-            self._store.release(r)
+            try:  # each alone: one that cannot be freed (malformed) costs neither the others nor this read
+                self._store.release(r)
+            except Exception as e:
+                log.warning("capture_arena.speculators: could not free %r, read and never deleted: %s", r.get("sample_id"), e)
 
     def _release_all(self) -> None:
         """Frees every result read and not deleted (at exit; never raises)."""
