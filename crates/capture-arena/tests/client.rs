@@ -692,6 +692,19 @@ fn results_naming_endpoints_without_end_cost_a_bounded_number_of_sender_threads(
         "{during} threads for {n} endpoints (from {before})"
     );
     assert_eq!(c.pending(), n, "every key still waits");
+    // A healthy producer's free finds every sender taken by those endpoints, sleeping out
+    // their back-offs: one of them hands itself over (before: no sender ever started for it,
+    // and its object stayed resident).
+    let w = writer();
+    let r = publish_one(&w, "healthy", &[10]);
+    c.free(Some(&w.arena_ref().control), r.keys().unwrap())
+        .unwrap();
+    let (s, ok) = w.wait_for(Duration::from_secs(30), |s| s.freed_objects == 1);
+    assert!(ok, "the healthy producer's free never went out: {s:?}");
+    assert!(
+        threads() <= before + capture_arena::client::MAX_SENDERS + 8,
+        "a sender thread was added"
+    );
 }
 
 #[test]

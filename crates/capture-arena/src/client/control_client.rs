@@ -136,6 +136,9 @@ struct State {
     last_prune: Instant,
     /// Sender threads running (at most [`MAX_SENDERS`]).
     senders: usize,
+    /// Endpoints with keys waiting that found every sender thread taken: a sender sleeping
+    /// out its own endpoint's back-off (or lingering) serves one of them instead.
+    unserved: std::collections::BTreeSet<String>,
 }
 
 /// Sends frees to control endpoints. See the module docs.
@@ -189,6 +192,7 @@ impl ControlClient {
                 warned_drop: None,
                 last_prune: Instant::now(),
                 senders: 0,
+                unserved: std::collections::BTreeSet::new(),
             }),
             sent: Condvar::new(),
             work: Condvar::new(),
@@ -342,6 +346,7 @@ impl Shared {
             s.unlocated.clear();
             s.pending = 0;
             s.senders = 0;
+            s.unserved.clear();
         }
         s
     }
@@ -550,6 +555,11 @@ impl Shared {
                     e.sender = true;
                     st.senders += 1;
                     start.push(name.clone());
+                } else {
+                    // Every sender is taken (unreachable endpoints backing off hold them): one
+                    // of them hands itself over when it next waits.
+                    st.unserved.insert(name.clone());
+                    this.work.notify_all();
                 }
             }
         }
@@ -640,31 +650,56 @@ impl Shared {
     /// An endpoint's sender: sends until nothing waits (or the endpoint is forgotten), sleeping
     /// out each back-off.
     fn run_sender(&self, endpoint: &str) {
-        self.send_until_done(endpoint);
+        self.send_until_done(endpoint.to_owned());
         let mut st = self.state();
         st.senders = st.senders.saturating_sub(1);
     }
 
-    fn send_until_done(&self, endpoint: &str) {
+    /// Hands this sender thread from `endpoint` (which waits: its back-off runs, or nothing is
+    /// queued) to an endpoint that found every sender taken, if there is one: its name. Under
+    /// the state's lock.
+    fn hand_over(s: &mut State, endpoint: &str) -> Option<String> {
+        while let Some(next) = s.unserved.pop_first() {
+            let Some(n) = s.endpoints.get_mut(&next) else {
+                continue; // forgotten since
+            };
+            if n.sender || (n.pending.is_empty() && n.unconfirmed.is_empty()) {
+                continue; // served by now, or nothing left to send
+            }
+            n.sender = true;
+            if let Some(e) = s.endpoints.get_mut(endpoint) {
+                e.sender = false;
+                e.lingering = false;
+                if !e.pending.is_empty() || !e.unconfirmed.is_empty() {
+                    s.unserved.insert(endpoint.to_owned()); // its turn comes again
+                }
+            }
+            return Some(next);
+        }
+        None
+    }
+
+    fn send_until_done(&self, mut endpoint: String) {
         loop {
-            let _ = self.send(endpoint);
+            let _ = self.send(&endpoint);
             self.sent.notify_all();
-            let sleep = {
+            let backoff = {
                 let mut s = self.state();
-                let Some(e) = s.endpoints.get_mut(endpoint) else {
+                let Some(e) = s.endpoints.get_mut(&endpoint) else {
                     return;
                 };
                 if e.pending.is_empty() && e.unconfirmed.is_empty() {
-                    // Nothing waits: linger a while for more before the thread ends.
+                    // Nothing waits: linger a while for more before the thread ends (or serve
+                    // an endpoint that found every sender taken).
                     let until = Instant::now() + LINGER;
                     e.lingering = true;
                     loop {
                         let now = Instant::now();
                         let idle = s
                             .endpoints
-                            .get(endpoint)
+                            .get(&endpoint)
                             .is_some_and(|e| e.pending.is_empty() && e.unconfirmed.is_empty());
-                        if !idle || now >= until {
+                        if !idle || now >= until || !s.unserved.is_empty() {
                             break;
                         }
                         s = self
@@ -672,7 +707,11 @@ impl Shared {
                             .wait_timeout(s, until - now)
                             .map_or_else(|p| p.into_inner().0, |(g, _)| g);
                     }
-                    let Some(e) = s.endpoints.get_mut(endpoint) else {
+                    if let Some(next) = Self::hand_over(&mut s, &endpoint) {
+                        endpoint = next;
+                        continue;
+                    }
+                    let Some(e) = s.endpoints.get_mut(&endpoint) else {
                         return;
                     };
                     e.lingering = false;
@@ -684,21 +723,27 @@ impl Shared {
                 }
                 if e.sending {
                     // A free is writing inline: its keys are back or sent in microseconds.
-                    Duration::from_millis(1)
-                } else {
-                    e.backoff.as_ref().map_or(Duration::ZERO, |(at, ..)| {
-                        at.saturating_duration_since(Instant::now())
-                    })
+                    drop(s);
+                    std::thread::sleep(Duration::from_millis(1));
+                    continue;
                 }
+                e.backoff.as_ref().map_or(Duration::ZERO, |(at, ..)| {
+                    at.saturating_duration_since(Instant::now())
+                })
             };
-            // Out of the back-off early when woken (keys, or a token for a refused endpoint).
-            if !sleep.is_zero() {
-                let s = self.state();
-                drop(
-                    self.work
-                        .wait_timeout(s, sleep)
-                        .map_or_else(|p| p.into_inner().0, |(g, _)| g),
-                );
+            // Out of the back-off early when woken (keys, a token for a refused endpoint, or
+            // an endpoint waiting for a sender: this one's keys wait out the back-off anyway).
+            if !backoff.is_zero() {
+                let mut s = self.state();
+                if let Some(next) = Self::hand_over(&mut s, &endpoint) {
+                    endpoint = next;
+                    continue;
+                }
+                let s = self
+                    .work
+                    .wait_timeout(s, backoff)
+                    .map_or_else(|p| p.into_inner().0, |(g, _)| g);
+                drop(s);
             }
         }
     }
