@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Optional
 
 import pytest
@@ -249,6 +250,77 @@ store.flush(10)
         assert p.stderr is not None
         err = p.stderr.read()
         assert "the NIXL server process ended" in err and "was restarted" in err, err[-2000:]
+    finally:
+        p.kill()
+        t.kill()
+
+
+def test_a_ctrl_c_to_the_producers_process_group_leaves_its_nixl_server_serving() -> None:
+    """A terminal's Ctrl+C reaches the producer's whole process group, its NIXL server too;
+    the producer may go on (drain its work) and its trainers read through that server. The
+    server ignores SIGINT and serves until its stdin closes (before: Python's handler
+    interrupted its read of stdin, and it ended)."""
+    producer = COMMON + r"""
+import json, os, sys
+import capture_arena as ca
+sink = ca.ArenaSink(arena_bytes="4MiB", transport="nixl", wait_s=20)
+def servers():
+    me, found = os.getpid(), set()
+    for t in os.listdir(f"/proc/{me}/task"):
+        try:
+            found.update(open(f"/proc/{me}/task/{t}/children").read().split())
+        except FileNotFoundError:
+            pass
+    return sorted(found)
+for i, line in enumerate(sys.stdin):  # one sample a line, with the servers running then
+    L, aux, last = tensors(i)
+    (r,) = sink.put_samples([(spec(i, L), aux, last)])
+    print(json.dumps({"result": r, "servers": servers()}), flush=True)
+sink.close()
+"""
+    trainer = COMMON + r"""
+import json, sys
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    r = json.loads(line)
+    store.get(r)
+    store.release(r)
+    print(json.dumps({"ok": True}), flush=True)
+store.flush(10)
+"""
+    env = {**env_for("tcp"), "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S": "5"}
+    env.pop("SGLANG_SPEC_CAPTURE_NIXL_SERVER", None)  # the package's default: a server process
+    p = subprocess.Popen([sys.executable, "-c", producer], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    t = subprocess.Popen([sys.executable, "-c", trainer], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdin is not None and p.stdout is not None and t.stdin is not None and t.stdout is not None
+
+        def publish_and_read() -> list[str]:
+            assert p.stdin is not None and p.stdout is not None and t.stdin is not None and t.stdout is not None
+            p.stdin.write("\n")
+            p.stdin.flush()
+            got = json.loads(p.stdout.readline())
+            t.stdin.write(json.dumps(got["result"]) + "\n")
+            t.stdin.flush()
+            assert json.loads(t.stdout.readline()) == {"ok": True}
+            return list(got["servers"])
+
+        (server,) = publish_and_read()
+        os.kill(int(server), signal.SIGINT)
+        # Until the signal is no longer pending: handled, or ignored at once.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with open(f"/proc/{server}/status") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+            except FileNotFoundError:
+                break  # ended
+            if not (int(status["SigPnd"], 16) | int(status["ShdPnd"], 16)) & (1 << (signal.SIGINT - 1)):
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(0.001)
+        assert publish_and_read() == [server], "the NIXL server ended at the Ctrl+C (a new one was started)"
     finally:
         p.kill()
         t.kill()

@@ -348,10 +348,25 @@ pub fn serve(shm_name: &str, len: u64, agent: &str) -> Result<()> {
         .map_err(|e| Error::io("writing the agent's description", e))?;
     drop(out);
     tracing::info!(agent = %agent.agent.name(), bytes = len, "serving the arena through NIXL");
-    // Serve until the parent closes the pipe.
+    // Serve until the parent closes the pipe: not until a Ctrl+C, which the terminal sends to
+    // the producer's whole process group (the producer may drain its work meanwhile, and its
+    // trainers read through this server). A signal handled in this process (Python installs one
+    // for SIGINT) interrupts the read: read again.
+    // SAFETY: setting a signal's disposition to "ignore", before any other thread of ours
+    // relies on it.
+    unsafe {
+        libc::signal(libc::SIGINT, libc::SIG_IGN);
+    }
     let mut sink = [0u8; 64];
     let mut stdin = std::io::stdin().lock();
-    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+    loop {
+        match stdin.read(&mut sink) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => break,
+        }
+    }
     drop(registration);
     drop(agent);
     drop(map);
