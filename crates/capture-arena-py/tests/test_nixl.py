@@ -25,7 +25,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 COMMON = r"""
+import os
 import numpy as np, ml_dtypes
+def servers():  # the producer's child processes: its NIXL server
+    me, found = os.getpid(), set()
+    for t in os.listdir(f"/proc/{me}/task"):
+        try:
+            found.update(open(f"/proc/{me}/task/{t}/children").read().split())
+        except FileNotFoundError:
+            pass
+    return sorted(found)
 def tensors(i):
     rng = np.random.default_rng(i)
     L = 64 + 37 * i
@@ -167,15 +176,6 @@ def put(i):
     (r,) = sink.put_samples([(spec(i, L), aux, last)])
     print(json.dumps(r), flush=True)
     return r
-def servers():
-    me = os.getpid()
-    found = set()
-    for t in os.listdir(f"/proc/{me}/task"):
-        try:
-            found.update(open(f"/proc/{me}/task/{t}/children").read().split())
-        except FileNotFoundError:
-            pass
-    return sorted(found)
 first_session = put(0)["arena"]["session"]
 put(1)
 first = servers()
@@ -264,14 +264,6 @@ def test_a_ctrl_c_to_the_producers_process_group_leaves_its_nixl_server_serving(
 import json, os, sys
 import capture_arena as ca
 sink = ca.ArenaSink(arena_bytes="4MiB", transport="nixl", wait_s=20)
-def servers():
-    me, found = os.getpid(), set()
-    for t in os.listdir(f"/proc/{me}/task"):
-        try:
-            found.update(open(f"/proc/{me}/task/{t}/children").read().split())
-        except FileNotFoundError:
-            pass
-    return sorted(found)
 for i, line in enumerate(sys.stdin):  # one sample a line, with the servers running then
     L, aux, last = tensors(i)
     (r,) = sink.put_samples([(spec(i, L), aux, last)])

@@ -266,35 +266,20 @@ pub(super) fn alive(s: &TcpStream) -> bool {
 }
 
 #[cfg(test)]
+#[path = "../../tests/util/unreachable.rs"]
+mod unreachable;
+
+#[cfg(test)]
 mod tests {
     use super::*;
+    use crate::client::control_conn::unreachable;
 
     #[test]
     fn every_address_of_a_name_shares_one_deadline() {
         // Two addresses whose accept queue is full (the kernel drops their SYNs): 0.5 s in
         // all, not 0.5 s each.
-        use std::os::fd::FromRawFd;
-        // SAFETY: plain FFI creating, binding and listening on a socket (a queue of one) that
-        // the test then owns.
-        let l = unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-            assert!(fd >= 0);
-            let mut a: libc::sockaddr_in = std::mem::zeroed();
-            a.sin_family = libc::AF_INET as libc::sa_family_t;
-            a.sin_addr.s_addr = u32::from_be_bytes([127, 0, 0, 1]).to_be();
-            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            assert_eq!(
-                libc::bind(fd, (&a as *const libc::sockaddr_in).cast(), len),
-                0
-            );
-            assert_eq!(libc::listen(fd, 0), 0);
-            std::net::TcpListener::from_raw_fd(fd)
-        };
-        let addr = l.local_addr().unwrap();
-        let filled: Vec<TcpStream> = (0..8)
-            .map_while(|_| TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok())
-            .collect();
-        assert!(filled.len() < 8, "the queue never filled");
+        let (endpoint, _held, _listener) = unreachable::unreachable_endpoint();
+        let addr: std::net::SocketAddr = endpoint.parse().unwrap();
         let t0 = Instant::now();
         let e = connect_to(&[addr, addr], None, Duration::from_millis(500)).unwrap_err();
         let took = t0.elapsed();

@@ -7,6 +7,10 @@ use std::time::Duration;
 
 use capture_arena::{Config, Dtype, Published, Reader, Sample, Tensor, TensorData, Writer};
 
+mod unreachable;
+#[allow(unused_imports)] // not every test binary uses it
+pub use unreachable::unreachable_endpoint;
+
 /// A config with an arena of `bytes` and a short wait for frees.
 pub fn config(bytes: u64, wait: Duration) -> Config {
     Config {
