@@ -407,6 +407,52 @@ fn a_producer_that_accepts_nothing_holds_up_no_liveness_probe_or_request() {
 }
 
 #[test]
+fn more_unreachable_endpoints_than_senders_cost_no_cpu_while_they_back_off() {
+    // Names without a port fail at once, so every endpoint is soon in its back-off with more
+    // of them than sender threads: the senders hand endpoints over only when one can be tried,
+    // and otherwise wait (a review found them handing endpoints back and forth without a
+    // pause, both cores busy).
+    let c = ControlClient::new(Duration::from_secs(1));
+    let n = capture_arena::client::MAX_SENDERS + 44;
+    for i in 0..n {
+        let _ = c.free(Some(&format!("no-port-{i}")), [key("x/y/g1/z")]);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !matches!(c.flush(), Err(Error::FreeNotSent { .. })) {
+        assert!(Instant::now() < deadline, "never in their back-off");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let senders_cpu = || -> u64 {
+        // Clock ticks (10 ms) of the free senders' threads only: this binary's other tests
+        // run beside this one.
+        let mut ticks = 0;
+        for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+                continue; // a thread that ended
+            };
+            let Some((name, rest)) = stat.split_once(" (").and_then(|(_, r)| r.rsplit_once(')'))
+            else {
+                continue;
+            };
+            if name.starts_with("capture-arena-f") {
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+            }
+        }
+        ticks
+    };
+    let (before, t0) = (senders_cpu(), Instant::now());
+    std::thread::sleep(Duration::from_secs(1)); // the window measured
+    let used = (senders_cpu() - before) as f64 / 100.0;
+    assert!(
+        used < 0.3,
+        "the senders used {used:.2} s of CPU in {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(c.pending(), n, "every key still waits");
+}
+
+#[test]
 fn waiting_frees_are_bounded_and_drops_are_counted() {
     let (dead, _held, _l) = unreachable_endpoint();
     let c = ControlClient::with_limit(Duration::from_millis(200), 100);

@@ -384,12 +384,23 @@ impl Shared {
             // Drop from the endpoint holding the most, counting the keys its sender has in
             // flight: the one least able to take its frees. When those are all in flight, none
             // is dropped until they come back (they are then queued again, and bounded here):
-            // another endpoint's frees never pay for them.
-            let Some(e) = s
+            // another endpoint's frees never pay for them, up to twice the bound; past that,
+            // the longest queue pays.
+            let heaviest = s
                 .endpoints
-                .values_mut()
+                .values()
                 .max_by_key(|e| e.pending.len() + e.in_flight)
-            else {
+                .is_some_and(|e| !e.pending.is_empty());
+            let e = if heaviest {
+                s.endpoints
+                    .values_mut()
+                    .max_by_key(|e| e.pending.len() + e.in_flight)
+            } else if s.pending > self.max_pending.saturating_mul(2) {
+                s.endpoints.values_mut().max_by_key(|e| e.pending.len())
+            } else {
+                break;
+            };
+            let Some(e) = e else {
                 break;
             };
             if e.pending.pop_front().is_none() {
@@ -648,34 +659,78 @@ impl Shared {
     }
 
     /// An endpoint's sender: sends until nothing waits (or the endpoint is forgotten), sleeping
-    /// out each back-off.
+    /// out each back-off, and serving meanwhile endpoints that found every sender taken.
     fn run_sender(&self, endpoint: &str) {
         self.send_until_done(endpoint.to_owned());
-        let mut st = self.state();
-        st.senders = st.senders.saturating_sub(1);
+    }
+
+    /// Of the endpoints that found every sender taken, the first that can be served now (keys
+    /// waiting, no sender, no back-off running), taken out of `unserved`; and how soon the
+    /// first of the others' back-off ends. Under the state's lock.
+    fn servable(s: &mut State) -> (Option<String>, Option<Duration>) {
+        let now = Instant::now();
+        let mut soonest: Option<Duration> = None;
+        let mut found = None;
+        s.unserved.retain(|name| {
+            let Some(e) = s.endpoints.get(name) else {
+                return false; // forgotten since
+            };
+            if e.sender || (e.pending.is_empty() && e.unconfirmed.is_empty()) {
+                return false; // served by now, or nothing left to send
+            }
+            if found.is_some() {
+                return true;
+            }
+            match &e.backoff {
+                Some((at, ..)) if *at > now => {
+                    let left = *at - now;
+                    soonest = Some(soonest.map_or(left, |d| d.min(left)));
+                    true
+                }
+                _ => {
+                    found = Some(name.clone());
+                    false
+                }
+            }
+        });
+        (found, soonest)
     }
 
     /// Hands this sender thread from `endpoint` (which waits: its back-off runs, or nothing is
-    /// queued) to an endpoint that found every sender taken, if there is one: its name. Under
-    /// the state's lock.
-    fn hand_over(s: &mut State, endpoint: &str) -> Option<String> {
-        while let Some(next) = s.unserved.pop_first() {
-            let Some(n) = s.endpoints.get_mut(&next) else {
-                continue; // forgotten since
-            };
-            if n.sender || (n.pending.is_empty() && n.unconfirmed.is_empty()) {
-                continue; // served by now, or nothing left to send
-            }
+    /// queued) to an endpoint that found every sender taken and can be served now, if there is
+    /// one: its name (`endpoint` goes back among the unserved if it has keys). Else how soon one
+    /// of those can be served. Under the state's lock.
+    fn hand_over(s: &mut State, endpoint: &str) -> std::result::Result<String, Option<Duration>> {
+        let (next, soonest) = Self::servable(s);
+        let Some(next) = next else {
+            return Err(soonest);
+        };
+        if let Some(n) = s.endpoints.get_mut(&next) {
             n.sender = true;
-            if let Some(e) = s.endpoints.get_mut(endpoint) {
-                e.sender = false;
-                e.lingering = false;
-                if !e.pending.is_empty() || !e.unconfirmed.is_empty() {
-                    s.unserved.insert(endpoint.to_owned()); // its turn comes again
-                }
+        }
+        if let Some(e) = s.endpoints.get_mut(endpoint) {
+            e.sender = false;
+            e.lingering = false;
+            if !e.pending.is_empty() || !e.unconfirmed.is_empty() {
+                s.unserved.insert(endpoint.to_owned()); // its turn comes again
             }
+        }
+        Ok(next)
+    }
+
+    /// This sender thread ends (its endpoint has nothing to send, or is forgotten), unless an
+    /// endpoint that found every sender taken can be served now: its name. The thread's place
+    /// is given back under the same hold of the lock as the last look, so a `kick` never finds
+    /// every place taken by a thread that is ending.
+    fn end_or_serve(s: &mut State, endpoint: &str) -> Option<String> {
+        if let Ok(next) = Self::hand_over(s, endpoint) {
             return Some(next);
         }
+        if let Some(e) = s.endpoints.get_mut(endpoint) {
+            e.sender = false;
+            e.lingering = false;
+        }
+        s.senders = s.senders.saturating_sub(1);
         None
     }
 
@@ -686,11 +741,17 @@ impl Shared {
             let backoff = {
                 let mut s = self.state();
                 let Some(e) = s.endpoints.get_mut(&endpoint) else {
-                    return;
+                    match Self::end_or_serve(&mut s, &endpoint) {
+                        Some(next) => {
+                            endpoint = next;
+                            continue;
+                        }
+                        None => return,
+                    }
                 };
                 if e.pending.is_empty() && e.unconfirmed.is_empty() {
                     // Nothing waits: linger a while for more before the thread ends (or serve
-                    // an endpoint that found every sender taken).
+                    // an endpoint that found every sender taken and can be served now).
                     let until = Instant::now() + LINGER;
                     e.lingering = true;
                     loop {
@@ -699,27 +760,35 @@ impl Shared {
                             .endpoints
                             .get(&endpoint)
                             .is_some_and(|e| e.pending.is_empty() && e.unconfirmed.is_empty());
-                        if !idle || now >= until || !s.unserved.is_empty() {
+                        if !idle || now >= until {
                             break;
                         }
+                        let wait = match Self::hand_over(&mut s, &endpoint) {
+                            Ok(next) => {
+                                endpoint = next;
+                                break;
+                            }
+                            Err(soonest) => soonest.map_or(until - now, |d| d.min(until - now)),
+                        };
                         s = self
                             .work
-                            .wait_timeout(s, until - now)
+                            .wait_timeout(s, wait)
                             .map_or_else(|p| p.into_inner().0, |(g, _)| g);
                     }
-                    if let Some(next) = Self::hand_over(&mut s, &endpoint) {
-                        endpoint = next;
-                        continue;
-                    }
                     let Some(e) = s.endpoints.get_mut(&endpoint) else {
-                        return;
+                        continue; // handed over to one forgotten since: the top looks again
                     };
-                    e.lingering = false;
-                    if e.pending.is_empty() && e.unconfirmed.is_empty() {
-                        e.sender = false;
-                        return;
+                    if e.sender && (!e.pending.is_empty() || !e.unconfirmed.is_empty()) {
+                        e.lingering = false;
+                        continue; // keys came (or this thread serves another endpoint now)
                     }
-                    continue;
+                    match Self::end_or_serve(&mut s, &endpoint) {
+                        Some(next) => {
+                            endpoint = next;
+                            continue;
+                        }
+                        None => return,
+                    }
                 }
                 if e.sending {
                     // A free is writing inline: its keys are back or sent in microseconds.
@@ -732,16 +801,20 @@ impl Shared {
                 })
             };
             // Out of the back-off early when woken (keys, a token for a refused endpoint, or
-            // an endpoint waiting for a sender: this one's keys wait out the back-off anyway).
+            // an endpoint waiting for a sender: this one's keys wait out the back-off anyway),
+            // or to serve an endpoint whose back-off ended meanwhile.
             if !backoff.is_zero() {
                 let mut s = self.state();
-                if let Some(next) = Self::hand_over(&mut s, &endpoint) {
-                    endpoint = next;
-                    continue;
-                }
+                let wait = match Self::hand_over(&mut s, &endpoint) {
+                    Ok(next) => {
+                        endpoint = next;
+                        continue;
+                    }
+                    Err(soonest) => soonest.map_or(backoff, |d| d.min(backoff)),
+                };
                 let s = self
                     .work
-                    .wait_timeout(s, backoff)
+                    .wait_timeout(s, wait)
                     .map_or_else(|p| p.into_inner().0, |(g, _)| g);
                 drop(s);
             }

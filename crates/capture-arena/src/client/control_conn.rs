@@ -34,8 +34,9 @@ pub(super) fn connect(
     connect_to(&addrs, token, timeout)
 }
 
-/// [`connect`] to these addresses in turn, all within `timeout` (before: each address had the
-/// whole timeout, so a name with n unanswering addresses cost n times it).
+/// [`connect`] to these addresses in turn, all within `timeout`, each with an equal share of
+/// what is left (before: each address had the whole timeout, so a name with n unanswering
+/// addresses cost n times it).
 fn connect_to(
     addrs: &[std::net::SocketAddr],
     token: Option<&str>,
@@ -43,7 +44,7 @@ fn connect_to(
 ) -> std::io::Result<TcpStream> {
     let deadline = crate::limits::deadline_in(timeout);
     let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
-    for addr in addrs {
+    for (i, addr) in addrs.iter().enumerate() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(std::io::Error::new(
@@ -51,7 +52,10 @@ fn connect_to(
                 format!("no address answered within {timeout:?} (last: {last})"),
             ));
         }
-        match TcpStream::connect_timeout(addr, left) {
+        // An equal share of what is left for each address still to try (all of it for the
+        // last): one that never answers leaves the next its turn.
+        let share = left / u32::try_from(addrs.len() - i).unwrap_or(u32::MAX);
+        match TcpStream::connect_timeout(addr, share.max(Duration::from_millis(1))) {
             Ok(mut s) => {
                 let left = deadline
                     .saturating_duration_since(Instant::now())
@@ -287,5 +291,13 @@ mod tests {
             took >= Duration::from_millis(500) && took < Duration::from_millis(900),
             "{took:?}: {e}"
         );
+        // One that never answers leaves the next address its turn.
+        let w = crate::Writer::start(&crate::Config {
+            arena_bytes: Some(1 << 20),
+            ..crate::Config::default()
+        })
+        .unwrap();
+        let live: std::net::SocketAddr = w.arena_ref().control.parse().unwrap();
+        connect_to(&[addr, live], None, Duration::from_millis(500)).unwrap();
     }
 }
