@@ -1275,6 +1275,42 @@ def test_a_report_of_copies_over_that_could_not_be_sent_is_sent_again(pair: tupl
     assert s["resident_objects"] == 0, s
 
 
+def test_a_report_of_copies_over_on_a_connection_given_up_unread_is_sent_again(pair: tuple[Proc, Proc]) -> None:
+    """A worker's report reached the scheduler process's end of a connection that its
+    listener, held up on the step's result line, had not read yet; then the worker gave that
+    connection up (as after a failed send), and the listener's answer failed with it, unread.
+    The worker sends the report again on its next connection, so a reset goes through (before:
+    lost, and every reset waited its bound and refused while the announcement stood)."""
+    import time
+
+    sched, worker = pair
+    grace = 2.0
+    before = worker.ask({"reports_sent": True})["n"]
+    delayed = sched.ask({"delayed": True})["delayed"]
+    assert sched.ask({"preempt_grace": grace}) == {"ok": True}
+    assert worker.ask({"gate_copies": True}) == {"ok": True}
+    try:
+        assert sched.ask({"delay_delivery": 1.0}) == {"ok": True}  # the result line is read, then held
+        worker.ask({"save": sched.ask({"announce": [["unread", 8]]})["meta"]})
+        assert worker.ask({"gate_copies": False}) == {"ok": True}  # the copy lands: its report goes out
+        deadline = time.monotonic() + 20
+        while worker.ask({"reports_sent": True})["n"] == before:
+            assert time.monotonic() < deadline, "the copy's report never went out"
+            time.sleep(0.01)
+        assert worker.ask({"reconnect": True}) == {"ok": True}  # given up, the report unread
+        while sched.ask({"delayed": True})["delayed"] == delayed:
+            assert time.monotonic() < deadline, "the held result line was never delivered"
+            time.sleep(0.01)
+        got = sched.ask({"reset": True})
+        assert got["ok"] is True and got["s"] < HALF_BOUND + grace, got
+    finally:
+        assert worker.ask({"gate_copies": False}) == {"ok": True}
+        assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
+    sched.ask({"announce": [], "preempt": ["unread"]})  # given up: its result is freed
+    s = wait_resident(worker, 0)
+    assert s["resident_objects"] == 0, s
+
+
 def test_a_malformed_result_line_costs_only_its_connection(pair: tuple[Proc, Proc]) -> None:
     # Any process of the engine's user can reach the result channel. A line whose row lacks
     # what request_finished reads (a published row's store_id, gen, ...) for a pending request

@@ -50,7 +50,8 @@ states and 8 of its id. Commands:
   waiting unread in its current connection; ``{"fail_sends": ["half" | "none", ...]}`` (worker):
   its next sends of results time out, after the first half of their lines arrived and were answered
   (``half``) or at once (``none``); ``{"fail_reports": n}`` (worker): its next n sends of a
-  report of copies over time out at once; ``{"accept_errors": true}``
+  report of copies over time out at once; ``{"reports_sent": true}`` (worker): how many reports
+  of copies over were sent whole so far; ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"peers": true}`` (scheduler): the pids of the
   workers it has a connection of; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n; ``{"send_timeout": s}`` (scheduler): the connections it accepts
@@ -158,6 +159,16 @@ if role in ("worker", "both"):
             given_up.add(c)
 
     worker._drop_conn = _record_drop
+    reports_sent = [0]  # reports of copies over sent whole on the result channel
+    _send_whole = worker._send_whole
+
+    def _counted_send_whole(*a):
+        e = _send_whole(*a)
+        if e is None:
+            reports_sent[0] += 1
+        return e
+
+    worker._send_whole = _counted_send_whole
     worker.register_kv_caches({"drafter.cache_only": torch.randn(BLOCKS, LAYERS, SLOTS, HIDDEN).to(torch.bfloat16)})
     deadline = time.monotonic() + 60
     while not worker._sink.started:  # the arena is made in the background as the engine starts
@@ -395,6 +406,8 @@ for line in sys.stdin:
         elif "fail_sends" in cmd:
             fail_sends[:] = cmd["fail_sends"]
             answer = {"ok": True}
+        elif "reports_sent" in cmd:
+            answer = {"n": reports_sent[0]}
         elif "fail_reports" in cmd:
             fail_reports[0] = int(cmd["fail_reports"])
             answer = {"ok": True}

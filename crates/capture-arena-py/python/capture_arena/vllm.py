@@ -345,7 +345,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: step's results before it queues its copies): :meth:`reset_cache` waits for them
             #: before vLLM may discard the cache, whatever became of their requests since
             #: (preempted, finished, aborted). One with no result past the bound plus
-            #: ACK_GRACE_S never reached the worker (or its result was lost): not waited for.
+            #: PREEMPT_GRACE_S never reached the worker (or its result was lost): not waited for.
             self._copying: collections.OrderedDict[str, Optional[float]] = collections.OrderedDict()
             #: Finished requests whose blocks vLLM holds for their copy (until the worker
             #: reports it done, through ``update_connector_output``), oldest first: request id
@@ -403,6 +403,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._in_process = _InProcess(self)
             #: Copies over whose report could not be sent (:meth:`_report_over`), oldest first.
             self._unreported: list[str] = []
+            #: Copies over reported on each open connection (the latest MAX_UNREPORTED of each),
+            #: sent again if it is given up: the scheduler process may not have read them.
+            self._reported: dict[socket.socket, collections.deque[str]] = {}
             #: A retry of those is waiting (:meth:`_retry_report`).
             self._retrying = False
             self._report_lock = threading.Lock()
@@ -612,7 +615,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         announced copy over, at most the bound plus PREEMPT_GRACE_S (milliseconds, as a rule),
         whatever became of its request (a request preempted, then aborted, holds no blocks for
         its copy any more); an announcement whose result never came (within the bound plus
-        ACK_GRACE_S) is not waited for past that. False past that: vLLM's sleep and release raise "Failed to reset the
+        PREEMPT_GRACE_S of its announcement) is not waited for past that. False past that: vLLM's sleep and release raise "Failed to reset the
         KV connector cache" before they discard anything (its running requests were preempted
         already, and its prefix cache reset); call it again once the copy is done, after
         ``wake_up()``. vLLM's ``reset_prefix_cache(reset_connector=True)`` returns False."""
@@ -642,10 +645,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _unanswered(self) -> float:
         """Forgets the announcements whose result did not come within the bound plus
-        ACK_GRACE_S (the step never reached the worker; the worker frees such a result, and
-        its copy, queued after it was sent, took milliseconds); under the lock. Returns how
+        PREEMPT_GRACE_S of their announcement (the step never reached the worker; a step's
+        results come at its end, and a long prefill takes seconds); under the lock. Returns how
         soon the next one expires (inf: none waits for its result)."""
-        now, limit, soonest = time.monotonic(), self._bound + ACK_GRACE_S, math.inf
+        now, limit, soonest = time.monotonic(), self._bound + PREEMPT_GRACE_S, math.inf
         for tag, since in list(self._copying.items()):
             if since is None:
                 continue
@@ -972,8 +975,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         one in this process, else as ``{"over": [tag, ...]}`` lines on the result channel, sent
         whole or not at all (a failed send is tried once more on a new connection; what could
         not be sent, up to MAX_UNREPORTED tags, goes with the next report, or again ACK_GRACE_S /
-        4 later; meanwhile a reset waits for them at most its bound, and refuses). Never
-        raises."""
+        4 later; meanwhile a reset waits for them at most its bound, and refuses). A report sent
+        on a connection later given up (the scheduler process may not have read it) is sent
+        again on the next, as its results are (:meth:`_read_answers`). With no scheduler process
+        listening any more, nothing is kept. Never raises."""
         try:
             local = _local_scheduler(self._channel)
             if local is not None:
@@ -984,8 +989,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 todo, self._unreported = self._unreported + tags, []
                 if not todo:
                     return
-                error = self._send_whole(_over_lines(todo))
+                error = self._send_whole(_over_lines(todo), todo)
                 if error is None:
+                    return
+                if isinstance(error, (ConnectionRefusedError, FileNotFoundError)):
+                    log.debug("capture_arena.vllm: no scheduler process listens any more; %d copies over not reported", len(todo))
                     return
                 self._unreported = todo[-MAX_UNREPORTED:]
                 lost = len(todo) - len(self._unreported)
@@ -1007,10 +1015,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._retrying = False
         self._report_over([])
 
-    def _send_whole(self, data: bytes) -> Optional[OSError]:
-        """Sends ``data`` (whole lines) on the connection to the scheduler process, once more on
-        a new connection if that send fails (the failed one is given up, so no part of a line
-        sent on it is ever completed). The error when neither went through."""
+    def _send_whole(self, data: bytes, tags: list[str]) -> Optional[OSError]:
+        """Sends ``data`` (whole lines, the report of ``tags``) on the connection to the
+        scheduler process, once more on a new connection if that send fails (the failed one is
+        given up, so no part of a line sent on it is ever completed); the tags are kept with the
+        connection they went on (the latest MAX_UNREPORTED), for :meth:`_read_answers` to send
+        again if it is given up. The error when neither went through."""
         error: Optional[OSError] = None
         for _ in (0, 1):
             try:
@@ -1023,6 +1033,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     continue
                 try:
                     c.sendall(data)
+                    self._reported.setdefault(c, collections.deque(maxlen=MAX_UNREPORTED)).extend(tags)
                     return None
                 except OSError as e:
                     error = e
@@ -1270,6 +1281,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 left = [tag for tag, (_, _, c, _) in self._unacked.items() if c is conn]
             if left:
                 self._resend(left)
+            # Its reports of copies over too (a report the scheduler process read already is
+            # only looked up again).
+            with self._report_lock:
+                reported = list(self._reported.pop(conn, ()))
+                self._unreported = (reported + self._unreported)[-MAX_UNREPORTED:]
+            if reported:
+                self._report_over([])
 
     def _free_expired(self, drained: Optional[float]) -> None:
         """Frees the results whose deadline passed by ``drained``, a time by which every answer
