@@ -1275,16 +1275,17 @@ def test_a_report_of_copies_over_that_could_not_be_sent_is_sent_again(pair: tupl
     assert s["resident_objects"] == 0, s
 
 
-def test_a_report_of_copies_over_on_a_connection_given_up_unread_is_sent_again(pair: tuple[Proc, Proc]) -> None:
+def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_until_its_request_finishes(pair: tuple[Proc, Proc]) -> None:
     """A worker's report reached the scheduler process's end of a connection that its
     listener, held up on the step's result line, had not read yet; then the worker gave that
-    connection up (as after a failed send), and the listener's answer failed with it, unread.
-    The worker sends the report again on its next connection, so a reset goes through (before:
-    lost, and every reset waited its bound and refused while the announcement stood)."""
+    connection up (as after a failed send), and the listener's answer failed with it: the
+    report is lost. Resets refuse while its request runs (its copy cannot be told over); once
+    vLLM reports the request's copy done (finished_sending), they go through (before: they
+    refused for as long as 65,536 announcements had not pushed it out)."""
     import time
 
     sched, worker = pair
-    grace = 2.0
+    grace = 0.5
     before = worker.ask({"reports_sent": True})["n"]
     delayed = sched.ask({"delayed": True})["delayed"]
     assert sched.ask({"preempt_grace": grace}) == {"ok": True}
@@ -1301,12 +1302,18 @@ def test_a_report_of_copies_over_on_a_connection_given_up_unread_is_sent_again(p
         while sched.ask({"delayed": True})["delayed"] == delayed:
             assert time.monotonic() < deadline, "the held result line was never delivered"
             time.sleep(0.01)
-        got = sched.ask({"reset": True})
-        assert got["ok"] is True and got["s"] < HALF_BOUND + grace, got
+        refused = sched.ask({"reset": True})
+        assert refused["ok"] is False and HALF_BOUND + grace <= refused["s"] < HALF_BOUND + grace + 0.5, refused
+        got = sched.ask({"finish": "unread"})["params"]
+        assert worker.ask({"get_finished": ["unread"]}) == {"done": ["unread"]}
+        assert sched.ask({"finished_sending": ["unread"]}) == {"ok": True}
+        done = sched.ask({"reset": True})
+        assert done["ok"] is True and done["s"] < 0.1, done
     finally:
         assert worker.ask({"gate_copies": False}) == {"ok": True}
         assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
-    sched.ask({"announce": [], "preempt": ["unread"]})  # given up: its result is freed
+    if "error" not in got["capture_arena"]:
+        release_all([got])
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, s
 

@@ -51,7 +51,9 @@ states and 8 of its id. Commands:
   its next sends of results time out, after the first half of their lines arrived and were answered
   (``half``) or at once (``none``); ``{"fail_reports": n}`` (worker): its next n sends of a
   report of copies over time out at once; ``{"reports_sent": true}`` (worker): how many reports
-  of copies over were sent whole so far; ``{"accept_errors": true}``
+  of copies over were sent whole so far; ``{"finished_sending": [rid, ...]}`` (scheduler):
+  vLLM's update_connector_output with the copies the worker reported done;
+  ``{"accept_errors": true}``
   (scheduler): the listener's failed accepts; ``{"peers": true}`` (scheduler): the pids of the
   workers it has a connection of; ``{"max_pending": n}`` (scheduler): the table of
   announced requests holds n; ``{"send_timeout": s}`` (scheduler): the connections it accepts
@@ -405,6 +407,9 @@ for line in sys.stdin:
             answer = {"bytes": _queued(c) if c is not None else 0, "conn": c is not None}
         elif "fail_sends" in cmd:
             fail_sends[:] = cmd["fail_sends"]
+            answer = {"ok": True}
+        elif "finished_sending" in cmd:  # vLLM hands the worker's finished copies to the scheduler
+            sched.update_connector_output(ns(finished_sending=set(cmd["finished_sending"])))
             answer = {"ok": True}
         elif "reports_sent" in cmd:
             answer = {"n": reports_sent[0]}

@@ -403,9 +403,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._in_process = _InProcess(self)
             #: Copies over whose report could not be sent (:meth:`_report_over`), oldest first.
             self._unreported: list[str] = []
-            #: Copies over reported on each open connection (the latest MAX_UNREPORTED of each),
-            #: sent again if it is given up: the scheduler process may not have read them.
-            self._reported: dict[socket.socket, collections.deque[str]] = {}
             #: A retry of those is waiting (:meth:`_retry_report`).
             self._retrying = False
             self._report_lock = threading.Lock()
@@ -595,9 +592,17 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         return held, params
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The requests whose copies the worker reported done: vLLM frees their blocks now."""
-        for rid in getattr(connector_output, "finished_sending", None) or ():
+        """The requests whose copies the worker reported done: vLLM frees their blocks now. Their
+        copies are over, so a reset of vLLM's caches waits for none of them even if the report
+        of them was lost (sent on a connection that was given up before it was read)."""
+        done = set(getattr(connector_output, "finished_sending", None) or ())
+        for rid in done:
             self._held.pop(rid, None)
+        if done:
+            with self._cond:
+                for tag in [t for t in self._copying if t.partition(":")[2] in done]:
+                    del self._copying[tag]
+                self._cond.notify_all()
 
     def _copies_over(self, tags: Sequence[str]) -> None:
         """The worker reports these announcements' copies over (landed, failed or never begun):
@@ -975,10 +980,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         one in this process, else as ``{"over": [tag, ...]}`` lines on the result channel, sent
         whole or not at all (a failed send is tried once more on a new connection; what could
         not be sent, up to MAX_UNREPORTED tags, goes with the next report, or again ACK_GRACE_S /
-        4 later; meanwhile a reset waits for them at most its bound, and refuses). A report sent
-        on a connection later given up (the scheduler process may not have read it) is sent
-        again on the next, as its results are (:meth:`_read_answers`). With no scheduler process
-        listening any more, nothing is kept. Never raises."""
+        4 later; meanwhile a reset waits for them at most its bound, and refuses). With no
+        scheduler process listening any more, nothing is kept. Never raises."""
         try:
             local = _local_scheduler(self._channel)
             if local is not None:
@@ -989,7 +992,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 todo, self._unreported = self._unreported + tags, []
                 if not todo:
                     return
-                error = self._send_whole(_over_lines(todo), todo)
+                error = self._send_whole(_over_lines(todo))
                 if error is None:
                     return
                 if isinstance(error, (ConnectionRefusedError, FileNotFoundError)):
@@ -1015,12 +1018,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._retrying = False
         self._report_over([])
 
-    def _send_whole(self, data: bytes, tags: list[str]) -> Optional[OSError]:
-        """Sends ``data`` (whole lines, the report of ``tags``) on the connection to the
-        scheduler process, once more on a new connection if that send fails (the failed one is
-        given up, so no part of a line sent on it is ever completed); the tags are kept with the
-        connection they went on (the latest MAX_UNREPORTED), for :meth:`_read_answers` to send
-        again if it is given up. The error when neither went through."""
+    def _send_whole(self, data: bytes) -> Optional[OSError]:
+        """Sends ``data`` (whole lines) on the connection to the scheduler process, once more on
+        a new connection if that send fails (the failed one is given up, so no part of a line
+        sent on it is ever completed). The error when neither went through."""
         error: Optional[OSError] = None
         for _ in (0, 1):
             try:
@@ -1033,7 +1034,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     continue
                 try:
                     c.sendall(data)
-                    self._reported.setdefault(c, collections.deque(maxlen=MAX_UNREPORTED)).extend(tags)
                     return None
                 except OSError as e:
                     error = e
@@ -1281,13 +1281,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 left = [tag for tag, (_, _, c, _) in self._unacked.items() if c is conn]
             if left:
                 self._resend(left)
-            # Its reports of copies over too (a report the scheduler process read already is
-            # only looked up again).
-            with self._report_lock:
-                reported = list(self._reported.pop(conn, ()))
-                self._unreported = (reported + self._unreported)[-MAX_UNREPORTED:]
-            if reported:
-                self._report_over([])
+
 
     def _free_expired(self, drained: Optional[float]) -> None:
         """Frees the results whose deadline passed by ``drained``, a time by which every answer
