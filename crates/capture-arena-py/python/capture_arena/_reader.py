@@ -350,13 +350,6 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _ForkHooks:
-    """What multiprocessing's registry of after-fork hooks holds (weakly) for this module."""
-
-
-_FORK_HOOKS = _ForkHooks()
-
-
 def _in_forked_worker(_: object) -> None:
     """In a process multiprocessing forked (a DataLoader worker): it ends in ``os._exit``, so
     atexit never runs there; multiprocessing's own finalizers do, and this one flushes the
@@ -364,5 +357,5 @@ def _in_forked_worker(_: object) -> None:
     multiprocessing.util.Finalize(None, _flush_stores_at_exit, exitpriority=10)
 
 
-multiprocessing.util.register_after_fork(_FORK_HOOKS, _in_forked_worker)
+multiprocessing.util.register_after_fork(_OPEN_STORES, _in_forked_worker)
 

@@ -186,24 +186,24 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             old = [self._read.popitem(last=False)[1] for _ in range(len(self._read) - MAX_UNDELETED)]
         if before is not None and before.get("arena") != result.get("arena"):
             old.append(before)  # the same keys in another arena (another server): its own objects
-        for r in old:  # handed out long ago and never deleted: freed rather than held
-            assert self._store is not None
-            try:  # each alone: one that cannot be freed (malformed) costs neither the others nor this read
+        self._free_each(old, "read long ago and never deleted")  # freed rather than held
+
+    def _free_each(self, results: list[dict[str, Any]], why: str) -> None:
+        """Frees each result alone (never raises): one that cannot be freed (malformed) is
+        logged, and costs neither the others nor the caller."""
+        for r in results:
+            try:
+                assert self._store is not None
                 self._store.release(r)
             except Exception as e:
-                log.warning("capture_arena.speculators: could not free %r, read and never deleted: %s", r.get("sample_id"), e)
+                log.warning("capture_arena.speculators: could not free %r (%s): %s", r.get("sample_id"), why, e)
 
     def _release_all(self) -> None:
         """Frees every result read and not deleted (at exit; never raises)."""
         with self._lock:
             left = list(self._read.values())
             self._read.clear()
-        for r in left:
-            try:
-                assert self._store is not None
-                self._store.release(r)
-            except Exception as e:  # an exit path: say what stays, never raise
-                log.warning("capture_arena.speculators: could not free %r at exit: %s", r.get("sample_id"), e)
+        self._free_each(left, "at exit")
         if left:
             log.warning("capture_arena.speculators: freed %d results read and never deleted, at exit", len(left))
 

@@ -469,7 +469,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 for sv in meta.saves:
                     self._pending[sv.req_id] = sv.seq
                     self._copying[_tag(sv.req_id, sv.seq)] = time.monotonic()
-                self._unanswered()
                 while len(self._copying) > MAX_RESULTS:  # a worker that never reports (gone)
                     self._copying.popitem(last=False)
                     forgot += 1
@@ -499,8 +498,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         evicted, kept, new = [], [], []
         with self._cond:
             for i, (req_id, seq, row) in enumerate(results):
-                if _tag(req_id, seq) in self._copying:  # its copy is queued from now on
-                    self._copying[_tag(req_id, seq)] = None
+                tag = _tag(req_id, seq)
+                if tag in self._copying:  # its copy is queued from now on
+                    self._copying[tag] = None
                 pending = self._pending.get(req_id) == seq
                 # One the worker sent again (its connection failed before our answer reached
                 # it) after its request was answered with it, or while we hold it: ours, and
@@ -620,10 +620,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         announced copy over, at most the bound plus PREEMPT_GRACE_S (milliseconds, as a rule),
         whatever became of its request (a request preempted, then aborted, holds no blocks for
         its copy any more); an announcement whose result never came (within the bound plus
-        PREEMPT_GRACE_S of its announcement) is not waited for past that. False past that: vLLM's sleep and release raise "Failed to reset the
-        KV connector cache" before they discard anything (its running requests were preempted
-        already, and its prefix cache reset); call it again once the copy is done, after
-        ``wake_up()``. vLLM's ``reset_prefix_cache(reset_connector=True)`` returns False."""
+        PREEMPT_GRACE_S of its announcement) is not waited for past that. False past the bound:
+        vLLM's sleep and release raise "Failed to reset the KV connector cache" before they
+        discard anything (its running requests were preempted already, and its prefix cache
+        reset); call it again once the copy is done, after ``wake_up()``. vLLM's
+        ``reset_prefix_cache(reset_connector=True)`` returns False."""
         if not hasattr(self, "_copying"):  # a worker's (vLLM asks only the scheduler's)
             return True
         t0 = time.monotonic()
@@ -1281,7 +1282,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 left = [tag for tag, (_, _, c, _) in self._unacked.items() if c is conn]
             if left:
                 self._resend(left)
-
 
     def _free_expired(self, drained: Optional[float]) -> None:
         """Frees the results whose deadline passed by ``drained``, a time by which every answer
@@ -1942,7 +1942,7 @@ class _Listener:
     A bad line closes only its connection; a failed accept (EMFILE, ...) is logged, counted and
     retried after a back-off, never the end of listening."""
 
-    def __init__(self, name: str, deliver: Any, max_age_s: float, store_id: str, over: Any = None) -> None:
+    def __init__(self, name: str, deliver: Any, max_age_s: float, store_id: str, over: Any) -> None:
         self._deliver = deliver
         #: Takes the announcements a worker reports its copies of over (``{"over": [tag, ...]}``).
         self._over = over
@@ -2037,8 +2037,7 @@ class _Listener:
                         tags = m["over"]
                         if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
                             raise ValueError('an "over" line is {"over": [tag, ...]}')
-                        if self._over is not None:
-                            self._over(tags)
+                        self._over(tags)
                         continue
                     rid, seq, sent, row = m["req_id"], m["seq"], m["sent"], m["row"]
                     if (

@@ -105,6 +105,11 @@ struct Endpoint {
 
 impl Endpoint {
     /// Takes what waits for one write; others only queue until [`Endpoint::settle`].
+    /// Whether keys wait to be sent, or for their confirmation.
+    fn has_keys(&self) -> bool {
+        !self.pending.is_empty() || !self.unconfirmed.is_empty()
+    }
+
     fn take(&mut self) -> Vec<Waiting> {
         self.sending = true;
         let waiting: Vec<Waiting> = self.pending.drain(..).collect();
@@ -541,7 +546,7 @@ impl Shared {
                 let Some(e) = st.endpoints.get_mut(name) else {
                     continue;
                 };
-                if e.pending.is_empty() && e.unconfirmed.is_empty() && e.in_flight == 0 {
+                if !e.has_keys() && e.in_flight == 0 {
                     continue;
                 }
                 if let Some((at, _, kind, why)) = &e.backoff {
@@ -675,7 +680,7 @@ impl Shared {
             let Some(e) = s.endpoints.get(name) else {
                 return false; // forgotten since
             };
-            if e.sender || (e.pending.is_empty() && e.unconfirmed.is_empty()) {
+            if e.sender || !e.has_keys() {
                 return false; // served by now, or nothing left to send
             }
             if found.is_some() {
@@ -711,7 +716,7 @@ impl Shared {
         if let Some(e) = s.endpoints.get_mut(endpoint) {
             e.sender = false;
             e.lingering = false;
-            if !e.pending.is_empty() || !e.unconfirmed.is_empty() {
+            if e.has_keys() {
                 s.unserved.insert(endpoint.to_owned()); // its turn comes again
             }
         }
@@ -749,17 +754,14 @@ impl Shared {
                         None => return,
                     }
                 };
-                if e.pending.is_empty() && e.unconfirmed.is_empty() {
+                if !e.has_keys() {
                     // Nothing waits: linger a while for more before the thread ends (or serve
                     // an endpoint that found every sender taken and can be served now).
                     let until = Instant::now() + LINGER;
                     e.lingering = true;
                     loop {
                         let now = Instant::now();
-                        let idle = s
-                            .endpoints
-                            .get(&endpoint)
-                            .is_some_and(|e| e.pending.is_empty() && e.unconfirmed.is_empty());
+                        let idle = s.endpoints.get(&endpoint).is_some_and(|e| !e.has_keys());
                         if !idle || now >= until {
                             break;
                         }
@@ -778,7 +780,7 @@ impl Shared {
                     let Some(e) = s.endpoints.get_mut(&endpoint) else {
                         continue; // handed over to one forgotten since: the top looks again
                     };
-                    if e.sender && (!e.pending.is_empty() || !e.unconfirmed.is_empty()) {
+                    if e.sender && e.has_keys() {
                         e.lingering = false;
                         continue; // keys came (or this thread serves another endpoint now)
                     }
@@ -858,7 +860,7 @@ impl Shared {
                 let Some(e) = s.endpoints.get_mut(endpoint) else {
                     return Ok(()); // forgotten (its producer is gone)
                 };
-                if (e.pending.is_empty() && e.unconfirmed.is_empty()) || e.sending {
+                if !e.has_keys() || e.sending {
                     return Ok(());
                 }
                 if let Some((at, _, kind, why)) = &e.backoff {
