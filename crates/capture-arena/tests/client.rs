@@ -487,6 +487,14 @@ fn unlocated_keys_reach_endpoints_learned_later() {
 }
 
 /// The mappings of this process whose path names `name`.
+fn mappings(name: &str) -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(name))
+        .count()
+}
+
 fn mapped(name: &str) -> bool {
     std::fs::read_to_string("/proc/self/maps")
         .unwrap()
@@ -514,6 +522,48 @@ fn a_reader_drops_the_mappings_of_producers_that_are_gone() {
         assert!(!mapped(n), "{n} is still mapped by the reader");
     }
     assert_eq!(reader.open_sessions(), 1);
+}
+
+#[test]
+fn past_its_session_cap_a_reader_closes_the_session_read_least_recently() {
+    // Producers that cannot be proved gone (NIXL, another host) are never swept: a trainer that
+    // outlives more of them than its cap must still open new ones. Live writers here.
+    let reader = Reader::new().with_max_sessions(2);
+    let ws: Vec<Writer> = (0..3).map(|_| writer()).collect();
+    let rs: Vec<Published> = ws
+        .iter()
+        .enumerate()
+        .map(|(i, w)| publish_one(w, &format!("s{i}"), &[100]))
+        .collect();
+    let name = |r: &Published| r.arena.session.split(['/', '?']).nth(2).unwrap().to_owned();
+    let mut buf = [0u8; 100];
+    reader.read(&rs[0], "t0", &mut buf).unwrap();
+    reader.read(&rs[1], "t0", &mut buf).unwrap();
+    let first = reader.open(&rs[0].arena.session).unwrap();
+    // The writers map their arenas in this process too: the reader's mapping is one more.
+    let (by_writer, by_both) = (mappings(&name(&rs[2])), mappings(&name(&rs[1])));
+    assert!(by_both > by_writer);
+    // s0 was read last: opening s2 closes s1.
+    reader.read(&rs[2], "t0", &mut buf).unwrap();
+    assert_eq!(reader.open_sessions(), 2);
+    assert_eq!(
+        mappings(&name(&rs[1])),
+        by_writer,
+        "the session read least recently is closed"
+    );
+    assert_eq!(mappings(&name(&rs[0])), by_both);
+    assert_eq!(mappings(&name(&rs[2])), by_both);
+    assert!(std::sync::Arc::ptr_eq(
+        &first,
+        &reader.open(&rs[0].arena.session).unwrap()
+    ));
+    drop(first);
+    // A closed session opens again at its next read (closing s2 now: s0 was used since).
+    reader.read(&rs[1], "t0", &mut buf).unwrap();
+    verify(&rs[1]);
+    assert_eq!(reader.open_sessions(), 2);
+    assert_eq!(mappings(&name(&rs[2])), by_writer);
+    assert_eq!(mappings(&name(&rs[0])), by_both);
 }
 
 #[test]

@@ -347,3 +347,88 @@ fn a_free_counts_as_pending_until_the_server_confirms_it() {
     );
     assert_eq!(client.pending(), 1, "written is not delivered");
 }
+
+/// Accepts connections on a port of its own and passes their bytes to `upstream` both ways; the
+/// first connection's bytes wait for `go`. Says on the returned channel when it accepted that
+/// first connection.
+fn held_relay(
+    upstream: String,
+    go: std::sync::mpsc::Receiver<()>,
+) -> (String, std::sync::mpsc::Receiver<()>) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let (accepted, first) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut go = Some(go);
+        for c in l.incoming() {
+            let Ok(down) = c else { break };
+            let hold = go.take();
+            if hold.is_some() {
+                accepted.send(()).ok();
+            }
+            let upstream = upstream.clone();
+            std::thread::spawn(move || {
+                if let Some(go) = hold {
+                    go.recv().ok();
+                }
+                let up = TcpStream::connect(&upstream).unwrap();
+                let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                    std::thread::spawn(move || {
+                        std::io::copy(&mut from, &mut to).ok();
+                        to.shutdown(std::net::Shutdown::Write).ok();
+                    })
+                };
+                pipe(down.try_clone().unwrap(), up.try_clone().unwrap());
+                pipe(up, down);
+            });
+        }
+    });
+    (addr, first)
+}
+
+#[test]
+fn an_old_results_token_does_not_cost_the_frees_of_the_producer_there_now() {
+    // The producer at the endpoint now has TOKEN; an older result carries its predecessor's
+    // token (a producer restarted on the same port; here another live writer, so its session
+    // cannot be proved gone). Its release sets the endpoint's token to the old one while keys of
+    // the producer there now still wait: they must go with their own result's token, not be
+    // dropped as another producer's.
+    let now = writer(Some(TOKEN));
+    let before = writer(Some("auto"));
+    let (go, hold) = std::sync::mpsc::channel();
+    let (relay, accepted) = held_relay(now.arena_ref().control.clone(), hold);
+    let via_relay = |mut r: capture_arena::Published| {
+        r.arena.control = relay.clone();
+        r
+    };
+    let first = via_relay(publish_one(&now, "a", &[100]));
+    let current = via_relay(publish_one(&now, "b", &[100, 200]));
+    let old = via_relay(publish_one(&before, "c", &[100]));
+    let store = FeatureStore::new();
+    store.release(&first).unwrap();
+    // The sender's connection for `first` waits in the relay; meanwhile `current` and then the
+    // old result are released.
+    accepted.recv().unwrap();
+    store.release(&current).unwrap();
+    store.release(&old).unwrap();
+    go.send(()).unwrap();
+    store.flush_within(Duration::from_secs(10)).unwrap();
+    let s = wait_stats(&now, |s| s.freed_objects >= 3);
+    assert_eq!(
+        (s.freed_objects, s.resident_objects),
+        (3, 0),
+        "every object of the producer there now is freed"
+    );
+    // The old result's keys are dropped (its producer is not the one there), once.
+    assert_eq!(store.health().dropped_frees, 1);
+    assert_eq!(before.stats().resident_objects, 1);
+    // The old token, refused once, is not taken up again by another old result.
+    let unauthorized = now.stats().unauthorized_lines;
+    let older = via_relay(publish_one(&before, "d", &[100]));
+    store.release(&older).unwrap();
+    let later = via_relay(publish_one(&now, "e", &[100]));
+    store.release(&later).unwrap();
+    store.flush_within(Duration::from_secs(10)).unwrap();
+    wait_stats(&now, |s| s.freed_objects == 4);
+    assert_eq!(now.stats().unauthorized_lines, unauthorized);
+}

@@ -17,8 +17,11 @@
 //!   a back-off (100 ms, doubling to 30 s) until it goes out, or until the endpoint refuses
 //!   connections (its producer is gone);
 //! - frees the server refuses for the control token (a missing or wrong token): keys released
-//!   from a result (they carry its session, and the result its producer's token) are dropped,
-//!   since the producer there now is another one (it restarted with another token); keys freed
+//!   from a result with the token refused (they carry its session and its producer's token) are
+//!   dropped, since the producer there now is another one (it restarted with another token);
+//!   keys of results with another token go again at once with the latest of those (the token
+//!   refused came from an old result), and a refused token (the last
+//!   [`REMEMBERED_REFUSALS`]) is not taken up again from a result; keys freed
 //!   without a result (by key or prefix) stay pending, counted in [`ControlClient::refused`], and
 //!   are retried with the back-off; a token set meanwhile ([`ControlClient::set_token`]) ends the
 //!   back-off and gets them through. Every new connection confirms a sync line before it
@@ -75,8 +78,19 @@ pub const MAX_SENDERS: usize = 256;
 /// Says whether the producer of a session is gone (see [`ControlClient::with_liveness`]).
 pub type Liveness = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
-/// A key waiting to be sent, with the session it was published in (if known).
-type Waiting = (Key, Option<Arc<str>>);
+/// Where keys released from a result come from: the session it was published in and its
+/// producer's control token (a result's `arena.token`).
+#[derive(Debug)]
+struct Origin {
+    session: Arc<str>,
+    token: Option<Arc<str>>,
+}
+
+/// A key waiting to be sent, with the result it was released from (if known).
+type Waiting = (Key, Option<Arc<Origin>>);
+
+/// Tokens an endpoint refused, remembered so that an old result's token is not taken up again.
+const REMEMBERED_REFUSALS: usize = 8;
 
 #[derive(Debug, Default)]
 struct Endpoint {
@@ -101,6 +115,9 @@ struct Endpoint {
     sync: u64,
     /// The endpoint's control token, presented first on every new connection.
     token: Option<Arc<str>>,
+    /// Tokens the endpoint refused lately (at most [`REMEMBERED_REFUSALS`]): an old result's
+    /// token (its producer restarted) does not replace the one that works.
+    refused_tokens: VecDeque<Option<Arc<str>>>,
 }
 
 impl Endpoint {
@@ -268,11 +285,13 @@ impl ControlClient {
     /// send failed and it is in its back-off): its keys wait and its sender retries them. Other
     /// endpoints are not reported.
     pub fn free(&self, endpoint: Option<&str>, keys: impl IntoIterator<Item = Key>) -> Result<()> {
-        self.free_in(endpoint, None, keys)
+        self.free_in(endpoint, None, None, keys)
     }
 
-    /// As [`ControlClient::free`], for keys published in `session` (so they are dropped rather
-    /// than sent if that session's producer is gone by the time they go out).
+    /// As [`ControlClient::free`], for keys of a result published in `session` by a producer
+    /// with the control token `token`: they are dropped rather than sent if that session's
+    /// producer is gone by the time they go out, and sent with their own token when the
+    /// endpoint refuses another one (an old result's token, its producer since restarted).
     ///
     /// # Errors
     /// As [`ControlClient::free`].
@@ -280,9 +299,16 @@ impl ControlClient {
         &self,
         endpoint: Option<&str>,
         session: Option<&str>,
+        token: Option<&str>,
         keys: impl IntoIterator<Item = Key>,
     ) -> Result<()> {
-        let targets = self.shared.queue_frees(endpoint, session, keys);
+        let origin = session.map(|session| {
+            Arc::new(Origin {
+                session: Arc::from(session),
+                token: token.map(Arc::from),
+            })
+        });
+        let targets = self.shared.queue_frees(endpoint, origin, keys);
         Shared::kick(&self.shared, &targets)
     }
 
@@ -473,7 +499,9 @@ impl Shared {
         let s = &mut *guard;
         self.endpoint(s, endpoint);
         if let Some(e) = s.endpoints.get_mut(endpoint) {
-            if e.token.as_deref() != token {
+            if e.token.as_deref() != token
+                && !e.refused_tokens.iter().any(|t| t.as_deref() == token)
+            {
                 e.token = token.map(Arc::from);
                 e.conn = None;
                 // Refused for want of a token: try the new one now.
@@ -489,10 +517,9 @@ impl Shared {
     fn queue_frees(
         &self,
         endpoint: Option<&str>,
-        session: Option<&str>,
+        session: Option<Arc<Origin>>,
         keys: impl IntoIterator<Item = Key>,
     ) -> Vec<String> {
-        let session: Option<Arc<str>> = session.map(Arc::from);
         let mut guard = self.state();
         let s = &mut *guard;
         self.prune(s);
@@ -831,14 +858,16 @@ impl Shared {
         let mut verdicts: HashMap<Arc<str>, bool> = HashMap::new();
         let mut live = Vec::with_capacity(keys.len());
         let mut dropped = 0u64;
-        for (k, session) in keys {
-            let is_gone = session
-                .as_ref()
-                .is_some_and(|s| *verdicts.entry(s.clone()).or_insert_with(|| gone(s)));
+        for (k, origin) in keys {
+            let is_gone = origin.as_ref().is_some_and(|o| {
+                *verdicts
+                    .entry(o.session.clone())
+                    .or_insert_with(|| gone(&o.session))
+            });
             if is_gone {
                 dropped += 1;
             } else {
-                live.push((k, session));
+                live.push((k, origin));
             }
         }
         if dropped > 0 {
@@ -949,17 +978,24 @@ impl Shared {
                     return Ok(());
                 }
                 Err((source, back)) => {
-                    // Refused for the token: keys released from a result (they carry its
-                    // session) were published by another producer than the one there now (a
-                    // result carries its producer's token, presented with its keys): never to
-                    // be applied, so dropped. Keys sent without a result (by key or prefix)
-                    // wait for a token.
-                    let (back, foreign): (Vec<Waiting>, Vec<Waiting>) =
-                        if source.kind() == ErrorKind::PermissionDenied {
-                            back.into_iter().partition(|(_, session)| session.is_none())
-                        } else {
-                            (back, Vec::new())
-                        };
+                    // Refused for the token: keys released from a result whose producer has
+                    // the token refused were published by another producer than the one there
+                    // now (it restarted with another token): never to be applied, so dropped.
+                    // Keys of results with another token go again at once with theirs (the
+                    // token presented came from an old result); keys sent without a result (by
+                    // key or prefix) wait for a token.
+                    let refusal = source.kind() == ErrorKind::PermissionDenied;
+                    let (back, foreign): (Vec<Waiting>, Vec<Waiting>) = if refusal {
+                        back.into_iter().partition(|(_, origin)| {
+                            origin.as_ref().is_none_or(|o| o.token != token)
+                        })
+                    } else {
+                        (back, Vec::new())
+                    };
+                    let other_token = refusal
+                        .then(|| back.iter().rev().find_map(|(_, o)| o.as_ref()))
+                        .flatten()
+                        .map(|o| o.token.clone());
                     if !foreign.is_empty() {
                         s.dropped += foreign.len() as u64;
                         tracing::warn!(
@@ -975,6 +1011,29 @@ impl Shared {
                     // meanwhile are no longer waiting).
                     s.pending -= taken - back.len();
                     e.settle(back);
+                    if refusal {
+                        if !e.refused_tokens.contains(&token) {
+                            e.refused_tokens.push_back(token.clone());
+                            if e.refused_tokens.len() > REMEMBERED_REFUSALS {
+                                e.refused_tokens.pop_front();
+                            }
+                        }
+                        if let Some(theirs) = other_token {
+                            // The token came from an old result: the keys of the latest result
+                            // with another token go with that one now (each token is tried at
+                            // most once before its keys are dropped, so this ends).
+                            tracing::info!(
+                                %endpoint,
+                                "the producer refused a token of an older result; sending with \
+                                 the token of a later one"
+                            );
+                            e.refused_tokens.retain(|t| *t != theirs);
+                            e.token = theirs;
+                            e.conn = None;
+                            e.backoff = None;
+                            continue;
+                        }
+                    }
                     let wait = next_backoff(e.backoff.as_ref().map(|(_, d, _, _)| *d));
                     e.backoff = Some((
                         Instant::now() + wait,

@@ -309,6 +309,7 @@ impl FeatureStore {
         match self.control.free_in(
             Some(&result.arena.control),
             Some(&result.arena.session),
+            result.arena.token.as_deref(),
             keys,
         ) {
             // Released all the same: the keys wait for the endpoint (its sender warns).

@@ -9,7 +9,9 @@ use crate::error::{Error, Result};
 use crate::sample::{stamp_offset, Feature, Published, MAX_SESSION_BYTES, STAMP_BYTES};
 use crate::transport::{self, read_when_ready, Destination, ReadOp, Transport, View};
 
-/// The most sessions (producers) one reader keeps open at once.
+/// The most sessions (producers) one reader keeps open at once; opening one more closes the
+/// session used least recently (its mapping or connection goes once no view holds it, and a
+/// later read opens it again).
 pub const MAX_SESSIONS: usize = 1024;
 /// How long a read waits for an object whose bytes are still being written (its result was
 /// handed out before its copy completed), unless `SGLANG_SPEC_CAPTURE_READY_WAIT_S` says.
@@ -23,7 +25,10 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 struct Cache {
     /// The process the cached transports belong to; a forked child starts over.
     pid: u32,
-    sessions: HashMap<String, Arc<dyn Transport>>,
+    /// Each open session's transport and the tick of the last read that asked for it.
+    sessions: HashMap<String, (Arc<dyn Transport>, u64)>,
+    /// Counts the asks, to find the session used least recently.
+    tick: u64,
     last_sweep: Instant,
 }
 
@@ -32,6 +37,7 @@ impl Cache {
         Cache {
             pid: std::process::id(),
             sessions: HashMap::new(),
+            tick: 0,
             last_sweep: Instant::now(),
         }
     }
@@ -41,7 +47,7 @@ impl Cache {
     /// restarted.
     fn sweep(&mut self) {
         self.last_sweep = Instant::now();
-        self.sessions.retain(|session, t| {
+        self.sessions.retain(|session, (t, _)| {
             let live = t.is_live();
             if !live {
                 tracing::debug!(%session, "dropping the mapping of a producer that is gone");
@@ -56,6 +62,7 @@ impl Cache {
 pub struct Reader {
     cache: Mutex<Cache>,
     ready_wait: Duration,
+    max_sessions: usize,
 }
 
 impl Default for Reader {
@@ -78,7 +85,16 @@ impl Reader {
         Reader {
             cache: Mutex::new(Cache::new()),
             ready_wait,
+            max_sessions: MAX_SESSIONS,
         }
+    }
+
+    /// This reader, keeping at most `max_sessions` sessions open (at least 1; [`MAX_SESSIONS`]
+    /// by default): past it, the session used least recently is closed.
+    #[must_use]
+    pub fn with_max_sessions(mut self, max_sessions: usize) -> Reader {
+        self.max_sessions = max_sessions.max(1);
+        self
     }
 
     /// How long a read waits for an object still being written.
@@ -89,9 +105,13 @@ impl Reader {
     /// The transport for `session`, opened on first use and cached. Each call also drops (at
     /// most once a second) the cached sessions whose producer is gone.
     ///
+    /// With [`MAX_SESSIONS`] open, a new one closes the session used least recently (a trainer
+    /// outlives any number of producer restarts, even where a producer cannot be proved gone:
+    /// NIXL, another host).
+    ///
     /// # Errors
     /// As [`transport::open`]: unknown scheme, or a stale session; [`Error::InvalidSession`] for
-    /// a session string over [`MAX_SESSION_BYTES`] or beyond [`MAX_SESSIONS`] open sessions.
+    /// a session string over [`MAX_SESSION_BYTES`].
     pub fn open(&self, session: &str) -> Result<Arc<dyn Transport>> {
         if session.len() > MAX_SESSION_BYTES {
             return Err(Error::InvalidSession {
@@ -111,9 +131,12 @@ impl Reader {
             if c.last_sweep.elapsed() >= SWEEP_EVERY {
                 c.sweep();
             }
-            if let Some(t) = c.sessions.get(session).cloned() {
+            c.tick += 1;
+            let tick = c.tick;
+            if let Some((t, used)) = c.sessions.get_mut(session) {
                 if t.is_live() {
-                    return Ok(t);
+                    *used = tick;
+                    return Ok(t.clone());
                 }
                 c.sessions.remove(session);
                 // Opened again below: the transport says whether the producer is still there
@@ -121,29 +144,46 @@ impl Reader {
             }
             // A new session: often a producer restarted, so look for the ones that are gone now.
             c.sweep();
-            if c.sessions.len() >= MAX_SESSIONS {
-                return Err(Error::InvalidSession {
-                    session: session.to_owned(),
-                    reason: format!(
-                        "{MAX_SESSIONS} sessions of live producers are open already in this reader"
-                    ),
-                });
-            }
         }
         // Open without holding the lock (mapping a large region takes a moment).
         let t = transport::open(session)?;
-        Ok(lock(&self.cache)
+        let mut c = lock(&self.cache);
+        c.tick += 1;
+        let tick = c.tick;
+        let t = c
             .sessions
             .entry(session.to_owned())
-            .or_insert(t)
-            .clone())
+            .or_insert((t, tick))
+            .0
+            .clone();
+        while c.sessions.len() > self.max_sessions {
+            let Some(oldest) = c
+                .sessions
+                .iter()
+                .filter(|(s, _)| s.as_str() != session)
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(s, _)| s.clone())
+            else {
+                break;
+            };
+            tracing::debug!(
+                session = %oldest,
+                max_sessions = self.max_sessions,
+                "closing the session read least recently to open another"
+            );
+            c.sessions.remove(&oldest);
+        }
+        Ok(t)
     }
 
     /// True when the producer of `session` is provably gone (from the open session if it is
     /// cached, else from the session string itself): [`Transport::is_gone`], never a read that
     /// merely failed or timed out.
     pub fn is_gone(&self, session: &str) -> bool {
-        let cached = lock(&self.cache).sessions.get(session).cloned();
+        let cached = lock(&self.cache)
+            .sessions
+            .get(session)
+            .map(|(t, _)| t.clone());
         match cached {
             Some(t) => t.is_gone(),
             None => transport::is_gone(session),
