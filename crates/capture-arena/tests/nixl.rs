@@ -119,6 +119,36 @@ fn a_range_outside_the_arena_is_refused_before_any_read_and_the_session_stays_us
 }
 
 #[test]
+fn a_session_claiming_more_than_its_producer_registered_is_refused_before_any_allocation() {
+    // A forged result: a live producer's session with a larger arena claimed, and a feature of
+    // 1 GiB inside the claim. Only NIXL knows what the producer registered.
+    let w = writer(1 << 20);
+    let good = publish_one(&w, "a", &[100]);
+    let claimed = 8u64 << 30;
+    let mut forged = good.clone();
+    forged.arena.session = good.arena.session.replace(
+        &format!("?len={}&", 1u64 << 20),
+        &format!("?len={claimed}&"),
+    );
+    assert_ne!(forged.arena.session, good.arena.session);
+    forged.features.get_mut("t0").unwrap().shape = vec![1 << 30];
+    let reader = Reader::new();
+    let e = reader.open(&forged.arena.session).unwrap_err();
+    assert!(
+        matches!(&e, Error::StaleSession { reason, .. } if reason.contains(&format!("{claimed} bytes"))),
+        "{e}"
+    );
+    let store = capture_arena::client::FeatureStore::new();
+    assert!(matches!(
+        store.get(&forged, None).unwrap_err(),
+        Error::StaleSession { .. }
+    ));
+    // The producer is not taken for gone, nor its session spoilt.
+    assert!(reader.open(&good.arena.session).unwrap().is_live());
+    verify(&good);
+}
+
+#[test]
 fn one_reader_reads_shared_memory_and_nixl_sessions_at_once() {
     let nixl = writer(1 << 20);
     let shm = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();

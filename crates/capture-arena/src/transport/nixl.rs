@@ -12,6 +12,10 @@
 //! readers waiting at once, so that the process polls no more often with more threads), so a long
 //! read over TCP leaves the core to the producer's progress thread.
 //!
+//! Opening a session reads the first and last word of the arena it claims: NIXL refuses a
+//! request outside the producer's registered memory, so a forged length is refused before a
+//! reader allocates anything by it.
+//!
 //! Destinations are registered with the agent that reads into them: inside a
 //! [`super::ReadBuffer`] once per buffer and agent, otherwise for that one read.
 //!
@@ -351,7 +355,32 @@ impl NixlTransport {
         let until = Instant::now().checked_add(timeout);
         let agent = lease(&session.host, &[], until)?;
         t.loaded_in(&agent, until)?;
+        drop(agent);
+        t.prove_bounds()?;
         Ok(t)
+    }
+
+    /// Reads the first and the last word of the arena the session claims. NIXL refuses a
+    /// request for memory the producer did not register, so a session that claims more than
+    /// its producer's arena (a forged `len` or `base`) is refused here, before a reader
+    /// allocates anything by its length.
+    fn prove_bounds(&self) -> Result<()> {
+        let (base, len) = (self.session.base, self.session.len);
+        let Some(last) = len
+            .checked_sub(crate::sample::STAMP_BYTES)
+            .and_then(|l| base.checked_add(l))
+        else {
+            return Ok(()); // under a word: nothing to prove by length
+        };
+        self.stamps(&[base, last]).map(|_| ()).map_err(|e| match e {
+            Error::StaleSession { session, reason } => Error::StaleSession {
+                session,
+                reason: format!(
+                    "reading the bounds it claims ({len} bytes at {base:#x}) failed: {reason}"
+                ),
+            },
+            e => e,
+        })
     }
 
     /// The parsed session.
