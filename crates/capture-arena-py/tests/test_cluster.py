@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import subprocess
 import sys
 import threading
@@ -673,3 +674,49 @@ def test_store_reads_across_hosts_are_bounded_and_stale_like_every_transport() -
             assert got["error"] == "StaleSessionError" and got["release_s"] < CONNECT_S, got
         health = trainer.finish()
         assert health["dropped_frees"] == 0, health
+
+
+# Calls that name an endpoint by a name only the (unanswering) name server knows, each timed.
+NAMED = r"""
+import json, time
+import capture_arena as ca
+from capture_arena._live import LiveCapture
+from capture_arena.errors import ConfigError
+out = {}
+t0 = time.monotonic()
+try:
+    ca.ArenaFeatureStore.reclaim("producer.capture-arena.test:7000", prefixes=["st/"], timeout_s=1.0)
+except ca.CaptureArenaError as e:
+    out["reclaim"] = str(e)
+out["reclaim_s"] = time.monotonic() - t0
+t0 = time.monotonic()
+try:
+    LiveCapture("http://intake.capture-arena.test:9000", 1.0, lambda item: {}, lambda row: None, config_wait_s=1.0)
+except ConfigError as e:
+    out["live"] = str(e)
+out["live_s"] = time.monotonic() - t0
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_name_server_that_never_answers_costs_a_trainer_call_its_deadline_only() -> None:
+    """The system resolver waits for an unanswering name server as its configuration says
+    (here glibc's defaults, 5 s twice) and cannot be interrupted: a call with a deadline that
+    names its endpoint by a name must still end at that deadline (the control client's frees,
+    live capture's intake), the resolution left behind on a thread of its own."""
+    with Cluster(["t", "dns"]) as c:
+        etc = f"/etc/netns/{c.ns['t']}"  # ip netns exec binds its files over /etc
+        os.makedirs(etc, exist_ok=True)
+        try:
+            with open(f"{etc}/resolv.conf", "w") as f:
+                f.write(f"nameserver {c.addr['dns']}\noptions timeout:5 attempts:2\n")
+            c.partition("dns")  # its queries are sent and never answered
+            p = c.spawn("t", [sys.executable, "-c", NAMED], env_on(c, "t"), stdout=subprocess.PIPE, text=True)
+            stdout, _ = p.communicate(timeout=60)
+        finally:
+            shutil.rmtree(etc, ignore_errors=True)
+    got = json.loads(stdout.strip().splitlines()[-1])
+    assert "resolving producer.capture-arena.test:7000 took longer" in got["reclaim"], got
+    assert got["reclaim_s"] < 1.0 + 0.5, got
+    assert "did not give it within 1 s" in got["live"] and "resolving intake.capture-arena.test" in got["live"], got
+    assert got["live_s"] < 1.0 + 0.5, got

@@ -632,8 +632,8 @@ class _Route:
 
     def request(self, method: str, path: str, body: Optional[bytes], timeout: float, limit: int) -> tuple[int, bytes]:
         """One request: its status and at most ``limit`` bytes of its answer, all within
-        ``timeout`` of the call, connect (to every address of the name), proxy tunnel and
-        headers included (name resolution aside: the system's). Raises _NotSent when it was not written whole (nothing connected,
+        ``timeout`` of the call, name resolution, connect (to every address of the name), proxy
+        tunnel and headers included. Raises _NotSent when it was not written whole (nothing connected,
         or the connection broke first), another exception when it was sent and no whole answer
         came."""
         deadline = time.monotonic() + timeout
@@ -707,9 +707,48 @@ class _Route:
         return {"Proxy-Authorization": "Basic " + base64.b64encode(cred.encode()).decode()}
 
 
+#: Name resolutions running at once, at most (one abandoned at its deadline holds its thread
+#: until the system resolver gives up, seconds later).
+MAX_RESOLUTIONS = 8
+_resolutions = threading.BoundedSemaphore(MAX_RESOLUTIONS)
+
+
+def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
+    """``socket.getaddrinfo`` for a stream socket, by ``deadline``: on a thread of its own,
+    because the system resolver takes as long as its configuration says (10 s and more when its
+    name server does not answer) and cannot be interrupted. Past the deadline it raises
+    TimeoutError and the thread ends when the resolver does."""
+    try:  # an address needs no resolver
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+    except OSError:
+        pass
+    if not _resolutions.acquire(blocking=False):
+        raise TimeoutError(f"resolving {host}: {MAX_RESOLUTIONS} resolutions are running already (the name server does not answer?)")
+    got: list[Any] = []
+    done = threading.Event()
+
+    def resolve() -> None:
+        try:
+            got.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except BaseException as e:  # handed to the caller
+            got.append(e)
+        finally:
+            _resolutions.release()
+            done.set()
+
+    threading.Thread(target=resolve, name="capture-arena-resolve", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise TimeoutError(f"resolving {host} did not end in time (the system resolver's name server does not answer?)")
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    out: list[Any] = got[0]
+    return out
+
+
 def _connect_by(deadline: float, held: list[socket.socket], cut: threading.Event) -> Callable[..., socket.socket]:
-    """``socket.create_connection`` (as http.client calls it) with one deadline over every
-    address the name resolves to: each attempt gets what is left of it, not the whole timeout
+    """``socket.create_connection`` (as http.client calls it) with one deadline over the name's
+    resolution (:func:`_resolve_by`) and every address the name resolves to: each attempt gets what is left of it, not the whole timeout
     again. Past the deadline it raises TimeoutError (the last attempt's error its cause). The
     connected socket's duplicate goes in ``held`` (for the watchdog to shut the connection
     through), shut at once if ``cut`` is set (the deadline passed as it connected)."""
@@ -717,7 +756,7 @@ def _connect_by(deadline: float, held: list[socket.socket], cut: threading.Event
     def create(address: tuple[str, int], timeout: Any = None, source_address: Any = None, *_: Any, **__: Any) -> socket.socket:
         host, port = address[0], address[1]
         last: Optional[OSError] = None
-        for family, kind, proto, _name, addr in socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM):
+        for family, kind, proto, _name, addr in _resolve_by(host, port, deadline):
             left = deadline - time.monotonic()
             if left <= 0:
                 break

@@ -17,8 +17,8 @@ use crate::key::Key;
 /// valid key fits.
 const LINE_BYTES: usize = 64 * 1024;
 
-/// Connects within `timeout` (one deadline for every address the name resolves to; the name's
-/// resolution itself is the system resolver's), presents `token` first when there is one, and
+/// Connects within `timeout` (one deadline over the name's resolution and every address it
+/// resolves to: [`resolve_within`]), presents `token` first when there is one, and
 /// has the server confirm a first sync line (sync 0) before anything else is sent: a server
 /// that wants another token refuses the connection there, and says so, before keys are written
 /// (a refusal after a large write could be lost in the reset its unread bytes cause).
@@ -30,8 +30,68 @@ pub(super) fn connect(
     token: Option<&str>,
     timeout: Duration,
 ) -> std::io::Result<TcpStream> {
-    let addrs: Vec<std::net::SocketAddr> = endpoint.to_socket_addrs()?.collect();
-    connect_to(&addrs, token, timeout)
+    let deadline = crate::limits::deadline_in(timeout);
+    let addrs = resolve_within(endpoint, timeout)?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    connect_to(&addrs, token, left.max(Duration::from_millis(1)))
+}
+
+/// Name resolutions running at once, at most: one abandoned at its deadline holds its thread
+/// until the system resolver gives up (its own timeouts, seconds).
+const MAX_RESOLUTIONS: usize = 64;
+static RESOLUTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The addresses of `endpoint` (`host:port`), resolved within `timeout`. An address needs no
+/// resolution; a name is resolved on a thread of its own, because the system resolver
+/// (`getaddrinfo`) takes as long as its configuration says (10 s and more per name when the
+/// name server does not answer) and cannot be interrupted. A resolution past the deadline is
+/// abandoned (its thread ends when the resolver does); at most [`MAX_RESOLUTIONS`] run at once.
+///
+/// # Errors
+/// `TimedOut` past the deadline; `WouldBlock` while [`MAX_RESOLUTIONS`] are running (abandoned
+/// ones still waiting for the resolver); the resolver's error.
+pub(crate) fn resolve_within(
+    endpoint: &str,
+    timeout: Duration,
+) -> std::io::Result<Vec<std::net::SocketAddr>> {
+    use std::sync::atomic::Ordering;
+    if let Ok(addr) = endpoint.parse::<std::net::SocketAddr>() {
+        return Ok(vec![addr]);
+    }
+    if RESOLUTIONS.fetch_add(1, Ordering::SeqCst) >= MAX_RESOLUTIONS {
+        RESOLUTIONS.fetch_sub(1, Ordering::SeqCst);
+        return Err(std::io::Error::new(
+            ErrorKind::WouldBlock,
+            format!(
+                "resolving {endpoint}: {MAX_RESOLUTIONS} name resolutions are running already \
+                 (the system resolver's name server does not answer?)"
+            ),
+        ));
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let name = endpoint.to_owned();
+    let spawned = std::thread::Builder::new()
+        .name("capture-arena-resolve".into())
+        .spawn(move || {
+            let got = name.to_socket_addrs().map(Iterator::collect::<Vec<_>>);
+            RESOLUTIONS.fetch_sub(1, Ordering::SeqCst);
+            // Nobody reads it once the caller's deadline passed.
+            let _ = tx.send(got);
+        });
+    if let Err(e) = spawned {
+        RESOLUTIONS.fetch_sub(1, Ordering::SeqCst);
+        return Err(e);
+    }
+    match rx.recv_timeout(timeout) {
+        Ok(got) => got,
+        Err(_) => Err(std::io::Error::new(
+            ErrorKind::TimedOut,
+            format!(
+                "resolving {endpoint} took longer than {timeout:?} (the system resolver's \
+                     name server does not answer?); use an address, or fix the resolver"
+            ),
+        )),
+    }
 }
 
 /// [`connect`] to these addresses in turn, all within `timeout`, each with an equal share of
