@@ -5,7 +5,7 @@ use capture_arena::client::FeatureStore;
 use capture_arena::{Destination, DeviceSlice, Error, Published};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pythonize::{depythonize, pythonize};
+use pythonize::pythonize;
 
 use crate::array::{bytes_of, device_of, disjoint};
 use crate::error::{to_py, IntoPy};
@@ -23,7 +23,7 @@ fn published(result: &Bound<'_, PyAny>) -> PyResult<Published> {
             reason: format!("this sample failed to publish: {err}"),
         }));
     }
-    depythonize(result).map_err(|e| {
+    crate::value::from_py(result).map_err(|e| {
         to_py(Error::InvalidRead {
             key: "result".into(),
             reason: format!("not a published-sample result: {e}"),
@@ -131,8 +131,21 @@ impl PyStore {
         let names = names.unwrap_or_default();
         crate::exit::detach(py, || {
             self.store.check(&p)?;
+            let mut total = 0u64;
             for name in &names {
-                self.store.reader().checked_len(&p, name)?;
+                total = total.saturating_add(self.store.reader().checked_len(&p, name)?);
+            }
+            // A real result's objects are disjoint: together they fit in the arena, so a forged
+            // one (a feature under many names) cannot make the caller allocate more than that.
+            let capacity = self.store.reader().open(&p.arena.session)?.capacity();
+            if total > capacity {
+                return Err(Error::InvalidRead {
+                    key: p.sample_path(),
+                    reason: format!(
+                        "its features add up to {total} bytes, more than the {capacity}-byte \
+                         arena holds"
+                    ),
+                });
             }
             Ok(())
         })
@@ -229,8 +242,8 @@ pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Ve
             reason,
         })
     };
-    let r: StoreResult =
-        depythonize(result).map_err(|e| bad(format!("not a store-placement result: {e}")))?;
+    let r: StoreResult = crate::value::from_py(result)
+        .map_err(|e| bad(format!("not a store-placement result: {e}")))?;
     if r.features.len() > capture_arena::sample::MAX_FEATURES {
         return Err(bad(format!(
             "{} features, more than the {} a result may have",
@@ -264,7 +277,7 @@ pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Ve
 #[pyfunction]
 #[pyo3(signature = (result, store=false))]
 pub fn _result_keys(result: &Bound<'_, PyAny>, store: bool) -> PyResult<Vec<String>> {
-    let r: StoreResult = depythonize(result).map_err(|e| {
+    let r: StoreResult = crate::value::from_py(result).map_err(|e| {
         to_py(Error::InvalidRead {
             key: "result".into(),
             reason: format!("not a result: {e}"),

@@ -4,11 +4,16 @@
 //! (`getattr(obj, "__dataclass_fields__")`), which on a dict raises and formats an
 //! `AttributeError` that is then thrown away: about half of what reserving one request cost on
 //! vLLM's thread (four dicts a spec). Plain dicts, lists, tuples, strings, numbers, booleans and
-//! None are read here by their exact types; anything else (a dataclass, a numpy integer) still
-//! goes through `depythonize`.
+//! None are read here by their exact types, and other strings, integers, mappings and sequences
+//! (a `range`, a numpy array, a `MappingProxyType`) by what they are, within the same bounds (a
+//! sequence's length is checked before any of it is read, so one that claims 2^40 items costs
+//! nothing); anything else (a dataclass, a numpy integer) still goes through `depythonize`.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMapping, PySequence, PyString,
+    PyTuple,
+};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -84,5 +89,60 @@ fn value(obj: &Bound<'_, PyAny>, depth: usize, budget: &mut usize) -> Result<Val
     if let Ok(t) = obj.cast_exact::<PyTuple>() {
         return t.iter().map(|v| value(&v, depth + 1, budget)).collect();
     }
+    if let Ok(s) = obj.cast::<PyString>() {
+        // A subclass of str: its text (never iterated as a sequence of characters).
+        return s
+            .to_str()
+            .map(|s| Value::String(s.to_owned()))
+            .map_err(|e| e.to_string());
+    }
+    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+        if let Ok(u) = obj.extract::<u64>() {
+            return Ok(Value::from(u));
+        }
+        return obj
+            .extract::<i64>()
+            .map(Value::from)
+            .map_err(|_| "an integer out of the 64-bit range".to_owned());
+    }
+    let bytes_like = obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>();
+    if let Ok(m) = obj.cast::<PyMapping>() {
+        let items = m.items().map_err(|e| e.to_string())?;
+        check_len(items.len(), budget)?;
+        let mut map = serde_json::Map::new();
+        for item in items.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                item.extract().map_err(|e: PyErr| e.to_string())?;
+            let k = k
+                .cast::<PyString>()
+                .map_err(|_| "a key is not a string".to_owned())?
+                .to_str()
+                .map_err(|e| e.to_string())?
+                .to_owned();
+            map.insert(k, value(&v, depth + 1, budget)?);
+        }
+        return Ok(Value::Object(map));
+    }
+    if let (Ok(seq), false) = (obj.cast::<PySequence>(), bytes_like) {
+        let n = seq.len().map_err(|e| e.to_string())?;
+        check_len(n, budget)?;
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let v = seq.get_item(i).map_err(|e| e.to_string())?;
+            out.push(value(&v, depth + 1, budget)?);
+        }
+        return Ok(Value::Array(out));
+    }
     pythonize::depythonize(obj).map_err(|e| e.to_string())
+}
+
+/// Refuses a mapping or sequence of `n` items when the values left cannot hold them, before any
+/// is read.
+fn check_len(n: usize, budget: &usize) -> Result<(), String> {
+    if n > *budget {
+        return Err(format!(
+            "{n} items, more than the {MAX_VALUES} values an object may hold in all"
+        ));
+    }
+    Ok(())
 }

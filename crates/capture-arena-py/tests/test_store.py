@@ -161,6 +161,31 @@ def test_unknown_features_failed_results_and_forged_addresses(make_sink):
     store.flush(10)
 
 
+def test_forged_results_cost_at_most_an_arena_and_objects_that_lie_about_their_size_nothing(make_sink):
+    sink = make_sink(arena_bytes="1MiB")
+    r = sink.put_sample(spec("f", L=16), aux=hidden(16, 8192), last_hidden=hidden(16, 4))
+    store = ca.ArenaFeatureStore()
+    # One real 256 KiB object under eight names (each checks out alone, stamps included): the
+    # outputs would add up to twice the arena; refused before any is allocated.
+    aliased = {**r, "features": {f"x{i}": r["features"]["hidden_state"] for i in range(8)}}
+    with pytest.raises(ca.InvalidReadError, match=r"add up to 2097152 bytes, more than the 1048576-byte arena"):
+        store.get(aliased)
+    # A shape that claims 2^40 dimensions (a range, or any sequence whose len() says so) is
+    # refused by its length before a value is read, in reads and releases alike.
+    lying = {**r, "features": {"target": {**r["features"]["target"], "shape": range(1 << 40)}}}
+    for call in (store.get, store.release):
+        with pytest.raises(ca.InvalidReadError, match="1099511627776 items, more than the 65536 values"):
+            call(lying)
+    # A zero dimension does not make a shape numpy cannot describe a 0-byte tensor.
+    zero = {**r, "features": {"target": {**r["features"]["target"], "shape": [0, (1 << 64) - 1]}}}
+    with pytest.raises(ca.InvalidReadError, match="overflow"):
+        store.get(zero)
+    got = store.get(r, ["target"])  # the real result reads on
+    assert got["target"].shape == (1, 16, 4)
+    store.release(r)
+    store.flush(10)
+
+
 def test_results_of_a_closed_sink_are_stale(make_sink):
     sink = make_sink()
     r = sink.put_sample(spec("s"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

@@ -97,11 +97,15 @@ impl fmt::Display for Dtype {
 /// The highest rank a tensor may have (captured tensors are 3-D, passthroughs 2-D).
 pub const MAX_RANK: usize = 8;
 
-/// Bytes of a tensor of `shape` and `dtype`, or `None` on overflow.
+/// Bytes of a tensor of `shape` and `dtype`, or `None` when they, or the product of its non-zero
+/// dimensions, pass `i64::MAX` (what numpy and torch can describe: `[0, 2^64 - 1]` is no tensor
+/// of 0 bytes, it is refused).
 pub fn byte_len(shape: &[u64], dtype: Dtype) -> Option<u64> {
-    shape
+    let nonzero = shape
         .iter()
-        .try_fold(dtype.item_size(), |acc, &d| acc.checked_mul(d))
+        .try_fold(dtype.item_size(), |acc, &d| acc.checked_mul(d.max(1)))
+        .filter(|&n| i64::try_from(n).is_ok())?;
+    Some(if shape.contains(&0) { 0 } else { nonzero })
 }
 
 /// Where a tensor's bytes are. The caller's buffer is owned here until the writer has copied it,
@@ -408,6 +412,19 @@ mod tests {
             );
         }
         assert_eq!(Dtype::from_name("float8"), None);
+    }
+
+    #[test]
+    fn byte_lengths_numpy_cannot_describe_are_refused_even_with_a_zero() {
+        assert_eq!(byte_len(&[3, 5], Dtype::Bfloat16), Some(30));
+        assert_eq!(byte_len(&[0, 7], Dtype::Int64), Some(0));
+        assert_eq!(byte_len(&[0, u64::MAX], Dtype::Uint8), None);
+        assert_eq!(byte_len(&[1 << 62, 2, 0], Dtype::Uint8), None);
+        assert_eq!(byte_len(&[1 << 62], Dtype::Int64), None);
+        assert_eq!(
+            byte_len(&[(1 << 62) - 1], Dtype::Uint8),
+            Some((1 << 62) - 1)
+        );
     }
 
     #[test]

@@ -41,6 +41,15 @@ def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
     return {n: a.to(device) for n, a in arrays.items()}
 
 
+def _same_sizes(names: list[str], lens: list[int], got: list[int]) -> None:
+    """Raises unless each output holds exactly its feature's validated bytes (the result was
+    read again to size the outputs: an object that answers differently the second time must not
+    make a transfer write past one)."""
+    for name, n, m in zip(names, lens, got):
+        if n != m:
+            raise InvalidReadError(f"the output for {name!r} holds {m} bytes, but the result's feature has {n} (did the result change while it was read?)")
+
+
 def _stamps(result: Mapping[str, Any], wanted: list[str], lens: list[int]) -> list[tuple[str, int, int]]:
     """``(key, address, stamp)`` of each wanted feature whose result carries a stamp: the word
     after its ``n`` bytes rounded up to 8 (validated by ``_validate``: an aligned address, a stamp
@@ -269,6 +278,7 @@ class ArenaFeatureStore(_Store):
             for name, n, view in zip(wanted, lens, views):
                 if isinstance(view, np.ndarray):
                     raise InvalidReadError("over NVLink, TransferEngine sessions are read into CUDA tensors")
+                _same_sizes([name], [n], [int(view.tensor.numel() * view.tensor.element_size())])
                 # The engine's copy is not ordered with the caller's stream: work queued there on
                 # the output (a zero_(), a kernel still reading it) finishes first.
                 t.cuda.current_stream(view.tensor.device).synchronize()
@@ -288,9 +298,10 @@ class ArenaFeatureStore(_Store):
                 np.copyto(dst, src.tensor.reshape(-1).view(t.uint8).cpu().numpy())
             return host
         arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
+        _same_sizes(wanted, lens, [int(v.nbytes) for v in views])
         reader.read(
             result["arena"]["session"],
-            [(int(feats[n]["address"]), int(v.ctypes.data), int(v.nbytes)) for n, v in zip(wanted, views)],
+            [(int(feats[name]["address"]), int(v.ctypes.data), n) for name, n, v in zip(wanted, lens, views)],
             keep=(arrays, views),
             stamps=_stamps(result, wanted, lens),
         )

@@ -604,6 +604,9 @@ class StoreReader:
         wanted = [(k, n, v) for (k, n), v in zip(planned, views) if n > 0]
         if not wanted:
             return
+        for k, n, v in wanted:  # the outputs were sized from a second reading of the result
+            if int(v.nbytes) != n:
+                raise InvalidReadError(f"the output for {k} holds {int(v.nbytes)} bytes, but the result's feature has {n} (did the result change while it was read?)")
         used: list[Any] = []
 
         def work() -> None:
@@ -615,6 +618,8 @@ class StoreReader:
                 rcs = store.batch_get_into([k for k, _, _ in wanted], ptrs, [n for _, n, _ in wanted])
             finally:
                 registered.close()
+            if len(rcs) != len(wanted):  # never take an object without its status as read
+                raise StaleSessionError(f"the Mooncake store answered {len(rcs)} statuses for {len(wanted)} objects")
             for (k, n, _), rc in zip(wanted, rcs):
                 if rc == n:
                     continue
@@ -698,8 +703,10 @@ class StoreReader:
         if not keys:
             return []
         try:
-            rcs = self._client().batch_remove(keys, True)
+            rcs = list(self._client().batch_remove(keys, True))
             bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
+            # A key the store gave no status for was not removed as far as anyone knows.
+            bad += [(k, "no status answered") for k in keys[len(rcs) :]]
         except Exception as e:  # the master unreachable, the client not connecting
             bad = [(k, str(e)) for k in keys]
         with self._lock:
