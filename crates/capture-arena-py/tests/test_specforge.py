@@ -500,6 +500,32 @@ def test_a_controller_without_the_producers_token_is_told_its_frees_were_refused
     assert token == controller._endpoints[sink.control]
 
 
+def test_a_bad_endpoint_token_or_gen_in_a_result_costs_only_its_own_frees(make_sink: Any) -> None:
+    """Results are outside input: one naming an endpoint no socket can take (a lone surrogate), one
+    with a token that is not one for a real producer's endpoint, one with an infinite gen. The
+    prefix sender drops the bad endpoint's frees alone and lives on; the real endpoint keeps its
+    token; the record is ignored."""
+    sink = make_sink(control_token="auto")
+    rows = _published(sink, "bad", 3, "s")
+    controller = SpecForgeArenaStore(store_id="bad", controls=[sink.control])
+    controller.record_result(rows[0])  # the producer's token, learned
+    forged = {**rows[0], "sample_id": "forged"}
+    controller.record_result({**forged, "arena": {**rows[0]["arena"], "control": "\ud800:1"}})
+    controller.record_result({**forged, "sample_id": "f2", "arena": {**rows[0]["arena"], "token": "x"}})
+    controller.record_result({**forged, "sample_id": "f3", "gen": float("inf")})  # ignored, never raised
+    controller.abort("s1", reason="reconciled")  # never recorded: by prefix, at both endpoints
+    controller.drain_pending_removals(max_attempts=20, retry_interval_s=0.2)
+    controller.abort("s2", reason="reconciled")  # the sender still runs
+    controller.drain_pending_removals(max_attempts=20, retry_interval_s=0.2)
+    h = controller.health()
+    assert h["release_pending"] == 0 and h["dropped_frees"] == 2 and h["refused_frees"] == 0, h
+    deadline = time.monotonic() + 10
+    while sink.stats()["resident_objects"] != 1:  # s0 is still held
+        assert time.monotonic() < deadline, sink.stats()
+        time.sleep(0.01)
+    assert sink.stats()["unauthorized_lines"] == 0
+
+
 def test_a_controller_without_the_token_connects_at_the_rate_its_back_off_allows_through_specforges_drains(make_sink: Any) -> None:
     """SpecForge's abort-and-drain against a token-protected producer, from a controller given
     its control endpoint but no token: every try is refused, and each is a connection the

@@ -430,18 +430,25 @@ class LiveCapture:
             held = item[4]
             with self._put_lock:  # out of the queue: its tensors are the worker's to let go
                 self._queued_bytes -= held
+            capture = list(item[:4])
+            del item  # the capture's tensors are held by `capture` alone, let go once published
             try:
-                self._write(*item[:4])
+                self._write(capture)
             except Exception:  # never ends the worker: the next capture goes on
                 self._warnings.warn("capture", "live capture: a capture failed", exc_info=True)
             finally:
-                del item
+                del capture
                 self._log_stats()
 
-    def _write(self, spec: Any, aux: Any, last_hidden: Any, tokens: Any) -> None:
+    def _write(self, capture: list[Any]) -> None:
+        """Publishes ``[spec, aux, last_hidden, tokens]`` and posts its record; the tensors are
+        let go (the list emptied) once published, not held through the post."""
+        spec, tokens = capture[0], capture[3]
         cfg = self._config
         toks = self._tokens(tokens)
+        aux = capture[1]
         rows = int(aux.shape[0]) if aux is not None and len(getattr(aux, "shape", ())) > 0 else -1
+        del aux
         if cfg is None:  # a client's own live spec before the intake's config is known
             self._count("live_not_ready")
             return
@@ -467,7 +474,10 @@ class LiveCapture:
                 ones = np.ones((1, n), dtype=np.int64) if ones is None else ones
                 data = ones
             passthrough.append({"name": name, "data": data, "shape": [1, n], "dtype": "int64"})
-        row = self._publish((dict(spec, passthrough=passthrough), aux, last_hidden))
+        item = (dict(spec, passthrough=passthrough), capture[1], capture[2])
+        capture.clear()  # from here the item alone holds the tensors, and the publish takes it
+        row = self._publish(item)
+        del item
         if "error" in row:
             self._count("live_dropped_publish")
             self._warnings.warn("publish", "live capture: publishing %s failed: %s", spec.get("sample_id"), row["error"])
@@ -791,7 +801,7 @@ def _connect_by(deadline: float, held: list[socket.socket], cut: threading.Event
 def _read_within(resp: Any, limit: int, deadline: float) -> bytes:
     """At most ``limit`` bytes of an answer, by ``deadline`` (an intake that drips its answer
     does not hold the worker past it)."""
-    out = b""
+    out = bytearray()  # appended in place: a bytes += copied it all per chunk (minutes at 256 MiB)
     while len(out) < limit:
         if time.monotonic() > deadline:
             raise TimeoutError("the intake's answer did not come in time")
@@ -799,7 +809,7 @@ def _read_within(resp: Any, limit: int, deadline: float) -> bytes:
         if not chunk:
             break
         out += chunk
-    return out
+    return bytes(out)
 
 
 def _status_of(answer: bytes) -> Optional[str]:

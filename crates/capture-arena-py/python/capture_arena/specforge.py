@@ -59,6 +59,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import re
 import threading
 import time
 import unicodedata
@@ -145,6 +146,14 @@ def _flatten(value: Any) -> List[Any]:
 
 #: The most dimensions a feature's shape may have.
 MAX_DIMS = 8
+
+
+#: A control token: 16 to 256 of these characters (the Rust core's ``limits::is_valid_token``).
+_TOKEN = re.compile(r"[A-Za-z0-9.\-_~+/=]{16,256}")
+
+
+def _is_token(token: str) -> bool:
+    return isinstance(token, str) and _TOKEN.fullmatch(token) is not None
 
 
 def _shape_ok(shape: Any) -> bool:
@@ -303,13 +312,14 @@ class _Prefixes:
                     log.error("%d prefix frees to %s: %s", len(batch), control, e)
                 failed, retry = str(e), batch
             except FreeNotSentError as e:
-                if "refused" in str(e).lower():
+                # ECONNREFUSED by its errno, never by a word an endpoint's own name may hold.
+                if "(os error 111)" in str(e):
                     log.warning("control endpoint %s refuses connections (its producer is gone): %d prefix frees dropped", control, len(batch))
                     with self._lock:
                         self.dropped += len(batch)
                 else:
                     failed, retry = "", batch
-            except CaptureArenaError as e:  # a prefix or token that is not one: never sendable
+            except Exception as e:  # a prefix, token or endpoint that is not one: never sendable
                 if len(batch) > 1:  # find which: each goes alone next
                     with self._lock:
                         self._sending -= len(batch)
@@ -343,7 +353,7 @@ class _Prefixes:
         try:
             self.tries += 1
             _send_frees(control, [], [prefix], token, 5.0)
-        except CaptureArenaError as e:
+        except Exception as e:  # a bad endpoint may raise anything (UnicodeEncodeError)
             if isinstance(e, FreeNotSentError):
                 with self._lock:
                     ep = self._endpoints[control]
@@ -468,7 +478,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                     continue
                 try:
                     ident = (str(result["sample_id"]), int(result["gen"]))
-                except (KeyError, TypeError, ValueError):
+                except (KeyError, TypeError, ValueError, OverflowError):  # gen: 1e999
                     continue
                 if str(result.get("store_id")) != self.store_id:
                     continue
@@ -482,6 +492,10 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                         self._free_result(old)
 
     def _learn(self, control: str, token: Optional[str]) -> None:
+        if token is not None and not _is_token(token):
+            # Never presented: the client would refuse it before sending, and drop the frees.
+            log.warning("a result for control endpoint %r carries an arena.token that is not a control token: ignored", control[:256])
+            token = None
         if control in self._endpoints:
             self._endpoints.move_to_end(control)
             if token and self._endpoints[control] != token:
@@ -516,7 +530,12 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                     f"cannot adopt {sid} g{gen}: no capture-arena result recorded for it, nor carried in its ref "
                     "(give the adapter post_fn=store.post_fn())"
                 )
-            self._check_result(sample_ref, result, gen)
+            try:
+                self._check_result(sample_ref, result, gen)
+            except BaseException:
+                if recorded is not None:  # still recorded: abort and discard free it
+                    self._recorded[(sid, gen)] = recorded
+                raise
             sample_ref.metadata[META_KEY] = result
             self._track(sid, gen, result)
             self._provisional.pop((sid, gen), None)
@@ -532,7 +551,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             return
         try:
             ident = (str(record["sample_id"]), int(record["gen"]))
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # gen: 1e999
             return
         result = {k: v for k, v in record.items() if k not in ("num_tokens", "origin")}
         with self._lock:
