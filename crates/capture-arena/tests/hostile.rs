@@ -242,6 +242,56 @@ fn unfinished_lines_are_bounded_in_memory_and_nothing_sent_is_lost() {
 }
 
 #[test]
+fn a_connection_the_server_stops_reading_is_not_timed_out_for_anothers_stalled_line() {
+    // A trainer's free line is under way when two stalled peers' long lines take the pool (the
+    // second, first to run out, may go on to its line's limit); the trainer's next bytes find
+    // no room and wait, unread. Its line is older than theirs, but the wait is the server's:
+    // only the stallers are closed at the timeout, and the trainer's line then completes.
+    let c = Config {
+        control_buffer_bytes: 2 << 20,
+        line_timeout: Duration::from_secs(1),
+        ..config(1 << 20, Duration::from_secs(1))
+    };
+    let w = Writer::start(&c).unwrap();
+    let r = publish_one(&w, "v", &[10]);
+    let control = w.arena_ref().control.clone();
+    let spaces = |n: usize| vec![b' '; n];
+    let mut trainer = TcpStream::connect(&control).unwrap();
+    trainer.write_all(b"[").unwrap();
+    trainer.write_all(&spaces(300 << 10)).unwrap();
+    let buffered = |at_least: usize| {
+        let (s, ok) = w.wait_for(Duration::from_secs(5), |s| {
+            s.control_buffered_bytes >= at_least as u64
+        });
+        assert!(ok, "{s:?}");
+    };
+    buffered(300 << 10);
+    let mut stallers = Vec::new();
+    for n in 1..=2 {
+        let mut staller = TcpStream::connect(&control).unwrap();
+        staller.write_all(b"[").unwrap();
+        staller.write_all(&spaces(900 << 10)).unwrap();
+        buffered((300 + n * 900) << 10);
+        stallers.push(staller);
+    }
+    trainer.write_all(&spaces(100 << 10)).unwrap(); // no room: waits, unread
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.timed_out_lines >= 1);
+    assert!(ok, "{s:?}");
+    trainer
+        .write_all(format!("{}]\n", serde_json::to_string(&keys(&[r])[0]).unwrap()).as_bytes())
+        .unwrap();
+    wait_freed(&w, 1);
+    for mut s in stallers {
+        assert!(closed_by_server(&mut s, Duration::from_secs(5)));
+    }
+    assert_eq!(
+        w.stats().timed_out_lines,
+        2,
+        "only the stallers' lines timed out"
+    );
+}
+
+#[test]
 fn a_connection_holding_an_unfinished_line_is_closed_after_the_timeout() {
     let c = Config {
         line_timeout: Duration::from_millis(300),

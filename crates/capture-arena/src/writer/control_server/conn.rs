@@ -59,6 +59,8 @@ pub(super) struct Conn {
     pub(super) partial_since: Option<Instant>,
     /// In `ready` or `starved` (so never twice in either).
     pub(super) queued: bool,
+    /// In `starved`: waiting for the server to read it, so its line's clock does not run.
+    pub(super) starved: bool,
     /// Presented the control token (or none is needed).
     pub(super) authed: bool,
     /// When this connection's last stats request was answered.

@@ -22,8 +22,8 @@
 //! - **Time.** A connection whose unfinished line has been unfinished for longer than
 //!   `line_timeout` is closed (and counted): a peer cannot hold memory or a slot by never
 //!   finishing a line. The clock of a line starts when it starts (a connection streaming many
-//!   lines is never idle) and restarts when the server, not the peer, was the one that stopped
-//!   reading (a starved connection).
+//!   lines is never idle); it does not run while the server, not the peer, is the one that stopped
+//!   reading (a starved connection), and restarts when it reads it again.
 //! - **Answers.** The server writes only to answer a `{"stats": true}` line: at most once per
 //!   connection per [`control::STATS_INTERVAL`] and [`control::STATS_ANSWERS_PER_SECOND`] in
 //!   all, with the per-store table (a walk of the object table) remade at most once per
@@ -229,7 +229,9 @@ impl ControlServer {
         let old: Vec<Token> = self
             .conns
             .iter()
-            .filter(|(_, c)| c.partial_since.is_some_and(|t| now - t >= timeout))
+            // Not one the server stopped reading: its wait is another's doing (its clock restarts
+            // when memory comes back).
+            .filter(|(_, c)| !c.starved && c.partial_since.is_some_and(|t| now - t >= timeout))
             .map(|(t, _)| *t)
             .collect();
         let closed = !old.is_empty();
@@ -399,6 +401,7 @@ impl ControlServer {
                 lines: LineBuffer::default(),
                 partial_since: timed.then(Instant::now),
                 queued: true,
+                starved: false,
                 authed: self.limits.token.is_none(),
                 last_stats: None,
             },
@@ -628,6 +631,7 @@ impl ControlServer {
             }
             Turn::Starved => {
                 conn.queued = true;
+                conn.starved = true;
                 self.starved.push_back(token);
             }
             Turn::Eof => self.close(token, registry, stats, true),
@@ -645,6 +649,7 @@ impl ControlServer {
         let now = Instant::now();
         for t in &self.starved {
             if let Some(c) = self.conns.get_mut(t) {
+                c.starved = false;
                 if c.partial_since.is_some() {
                     c.partial_since = Some(now);
                 }
