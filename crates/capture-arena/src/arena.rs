@@ -444,11 +444,10 @@ impl Arena {
     /// The caller finished writing the object under `key` (entered by
     /// [`Arena::commit_reserved`]): its stamp word becomes its stamp (`ok`: readers may read
     /// it), or the stamp with [`FAILED_BIT`] (readers fail) and its space is freed. A free
-    /// asked for meanwhile is applied now. False for a key that is not being written.
-    pub fn finish_write(&mut self, key: &str, ok: bool) -> bool {
-        let Some(o) = self.objects.get_mut(key).filter(|o| o.writing) else {
-            return false;
-        };
+    /// asked for meanwhile is applied now. `None` for a key that is not being written; else the
+    /// tensor bytes a failed write freed (0 for a finished one).
+    pub fn finish_write(&mut self, key: &str, ok: bool) -> Option<u64> {
+        let o = self.objects.get_mut(key).filter(|o| o.writing)?;
         o.writing = false;
         let (at, stamp, pending) = (
             o.extent.offset + stamp_offset(o.len),
@@ -460,16 +459,16 @@ impl Arena {
             if pending {
                 self.free(key);
             }
-            return true;
+            return Some(0);
         }
         // Its readers must learn the bytes never came: the word stays failed (not zeroed) until
         // another object's copy writes over it, and no stamp ever equals it.
         self.region.set_word(at, stamp | FAILED_BIT);
-        if let Some(o) = self.objects.remove(key) {
-            let freed = self.alloc.free(o.extent);
-            debug_assert!(freed, "a resident object's extent is live");
-        }
-        true
+        let o = self.objects.remove(key)?;
+        let freed = self.alloc.free(o.extent);
+        debug_assert!(freed, "a resident object's extent is live");
+        // A free asked for meanwhile was counted then: these bytes are not counted twice.
+        Some(if pending { 0 } else { o.len })
     }
 
     fn enter(&mut self, r: Reservation, samples: &[Sample], writing: bool) -> Publication {

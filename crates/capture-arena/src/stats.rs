@@ -55,7 +55,8 @@ stats! {
     /// Objects freed by the writer because their lease (`SGLANG_SPEC_CAPTURE_OBJECT_TTL_S`)
     /// ended before a trainer freed them.
     expired_objects,
-    /// Their bytes. Resident bytes = published - freed - replaced - expired.
+    /// Their bytes. Resident bytes = published - freed - replaced - expired - failed writes'
+    /// (`failed_write_bytes`), once every free of an object being written was applied.
     expired_bytes,
     /// Keys freed that were not resident (already freed or never published).
     unknown_frees,
@@ -92,6 +93,8 @@ stats! {
     written_objects,
     /// Objects whose submitter could not write their bytes: readers fail, their space was freed.
     failed_writes,
+    /// Their bytes. Resident bytes = published - freed - replaced - expired - failed writes'.
+    failed_write_bytes,
     /// Batches that had to wait for frees.
     waits,
     /// Total time batches waited for frees, in nanoseconds.

@@ -113,11 +113,42 @@ fn a_reader_gives_up_at_its_deadline_saying_why_and_a_failed_write_fails_readers
         e.to_string().contains("SGLANG_SPEC_CAPTURE_READY_WAIT_S"),
         "{e}"
     );
+    // The per-store table of a stats answer lists it while it is being written...
+    let control = w.arena_ref().control.clone();
+    let table = || {
+        capture_arena::client::StatsQuery::connect(&control, None, Duration::from_secs(2))
+            .unwrap()
+            .ask()
+            .unwrap()
+            .stores
+    };
+    assert_eq!(table()[0].objects, 1);
     // The write fails: readers are told so at once, and the space is free again.
     w.finish_writes(keys(std::slice::from_ref(&p)), false);
     let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.failed_writes == 1);
     assert!(ok, "{s:?}");
     assert_eq!((s.resident_objects, s.free_bytes), (0, s.capacity), "{s:?}");
+    // Every byte published is accounted for: resident = published - freed - replaced - expired
+    // - failed writes'.
+    assert_eq!(s.failed_write_bytes, 4096);
+    assert_eq!(
+        s.published_bytes
+            - s.freed_bytes
+            - s.replaced_bytes
+            - s.expired_bytes
+            - s.failed_write_bytes,
+        0,
+        "{s:?}"
+    );
+    // ... and no longer once the table is made again (at most once a second).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !table().is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the stats table still lists the failed object"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     assert_eq!(word(&p), p.features["t0"].stamp.unwrap() | FAILED_BIT);
     let t0 = Instant::now();
     let e = Reader::new().read(&p, "t0", &mut out).unwrap_err();

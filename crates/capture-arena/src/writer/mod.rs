@@ -664,13 +664,14 @@ impl Loop {
         if done.is_empty() {
             return false;
         }
-        let (mut written, mut failed) = (0, 0);
+        let (mut written, mut failed, mut failed_bytes) = (0, 0, 0);
         for (k, ok) in &done {
-            if self.arena.finish_write(k, *ok) {
+            if let Some(freed) = self.arena.finish_write(k, *ok) {
                 if *ok {
                     written += 1;
                 } else {
                     failed += 1;
+                    failed_bytes += freed;
                 }
             }
         }
@@ -680,6 +681,7 @@ impl Loop {
         self.placer.arena_changed();
         crate::stats::bump(&stats.written_objects, written);
         crate::stats::bump(&stats.failed_writes, failed);
+        crate::stats::bump(&stats.failed_write_bytes, failed_bytes);
         if failed > 0 {
             tracing::warn!(
                 objects = failed,

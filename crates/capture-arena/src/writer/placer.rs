@@ -308,7 +308,10 @@ impl Placer {
                 let started = arena.region_mut().start(&ops);
                 drop(ops);
                 if let Err(e) = started {
-                    arena.abort(reservation);
+                    // The objects it replaced are gone all the same: counted as replaced.
+                    let (n, bytes) = arena.abort(reservation);
+                    bump(&shared.stats.replaced_objects, n);
+                    bump(&shared.stats.replaced_bytes, bytes);
                     self.finish(job, Err(e), arena, shared);
                     return State::Idle;
                 }

@@ -12,9 +12,10 @@ use crate::stats::{bump, Stats};
 #[derive(Debug)]
 pub(super) struct StoreTable {
     at: Instant,
-    /// `(published, freed + replaced + expired)` objects when it was made: unchanged means the
-    /// same objects are resident.
-    version: (u64, u64),
+    /// `(published, freed + replaced + expired, resident)` objects when it was made: unchanged
+    /// means the same objects are resident (the table's own count moves with the removals no
+    /// counter names: a failed write, a free applied once its write finished).
+    version: (u64, u64, u64),
     stores: Vec<crate::arena::StoreUsage>,
     total: u64,
 }
@@ -34,6 +35,7 @@ pub(super) fn stats_answer(
     let version = (
         snapshot.published_objects,
         snapshot.freed_objects + snapshot.replaced_objects + snapshot.expired_objects,
+        arena.report().resident_objects,
     );
     let reuse = cache.as_ref().is_some_and(|t| {
         t.version == version || now.saturating_duration_since(t.at) < control::STATS_TABLE_INTERVAL
