@@ -104,7 +104,16 @@ fn check_line(line: &[u8]) {
             let answer = control::synced_line(n);
             assert_eq!(
                 control::parse_answer(&answer[..answer.len() - 1]),
-                Some(control::Answer::Synced(n))
+                Some(control::Answer::Synced(n, true))
+            );
+        }
+        Some(ObjectLine::FreeStamped(entries)) => {
+            // The line a client writes for them parses back to them.
+            let pairs: Vec<(&str, u64)> = entries.iter().map(|(k, s)| (k.as_str(), *s)).collect();
+            let again = control::stamped_free_line(&pairs);
+            assert_eq!(
+                control::parse_object_line(again.as_bytes()),
+                Some(ObjectLine::FreeStamped(entries.clone()))
             );
         }
         Some(ObjectLine::Stats) | None => {}

@@ -176,7 +176,7 @@ fn a_flood_of_garbage_is_counted_and_its_warnings_are_rate_limited() {
         c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         let mut answer = String::new();
         BufReader::new(&c).read_line(&mut answer).unwrap();
-        assert_eq!(answer.trim(), r#"{"synced":7}"#, "{answer:?}");
+        assert_eq!(answer.trim(), r#"{"synced":7,"stamps":true}"#, "{answer:?}");
     }
     let s = consume(&lines);
     assert_eq!(s["ok"], true, "{s}");

@@ -186,6 +186,26 @@ def test_forged_results_cost_at_most_an_arena_and_objects_that_lie_about_their_s
     store.flush(10)
 
 
+def test_a_late_release_of_a_sample_published_again_frees_nothing_of_the_new_one(make_sink):
+    # A retried capture publishes the sample again under the same keys (replace=True) while a
+    # trainer still holds the first result: releasing that frees nothing of the new one.
+    sink = make_sink()
+    first = sink.put_sample(spec("r"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    again = sink.put_sample(spec("r", replace=True), aux=hidden(8, 12, 1), last_hidden=hidden(8, 4, 1))
+    store = ca.ArenaFeatureStore()
+    with pytest.raises(ca.ObjectChangedError):
+        store.get(first)
+    store.release(first)
+    store.flush(10)
+    s = sink.stats()
+    assert s["stale_frees"] == 4 and s["resident_objects"] == 4, s
+    got = store.get(again, ["hidden_state"])
+    assert (got["hidden_state"][0] == hidden(8, 12, 1)).all()
+    store.release(again)
+    s = wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    assert s["free_bytes"] == s["capacity"], s
+
+
 def test_results_of_a_closed_sink_are_stale(make_sink):
     sink = make_sink()
     r = sink.put_sample(spec("s"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

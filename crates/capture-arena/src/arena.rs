@@ -272,6 +272,11 @@ impl Arena {
             .map(|o| self.region.base_address() + o.extent.offset)
     }
 
+    /// The stamp of the object resident under `key`, if one is.
+    pub fn stamp_of(&self, key: &str) -> Option<u64> {
+        self.objects.get(key).map(|o| o.stamp)
+    }
+
     /// Occupancy figures.
     pub fn report(&self) -> ArenaReport {
         let r = self.alloc.report();

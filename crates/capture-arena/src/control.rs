@@ -94,9 +94,19 @@ pub fn sync_line(n: u64) -> String {
     format!(r#"{{"sync": {n}}}"#)
 }
 
-/// The answer to [`sync_line`] (with its `\n`): every line sent before it was applied.
+/// The answer to [`sync_line`] (with its `\n`): every line sent before it was applied. It says
+/// that this server applies [`stamped_free_line`]s (`"stamps": true`); a client that ignores
+/// the field is unaffected.
 pub fn synced_line(n: u64) -> Vec<u8> {
-    format!("{{\"synced\":{n}}}\n").into_bytes()
+    format!("{{\"synced\":{n},\"stamps\":true}}\n").into_bytes()
+}
+
+/// The line that frees each key only if its resident object still carries the stamp given
+/// with it (the object a result named, not one published since under the same key), without
+/// its `\n`: `{"free_stamped": [["<key>", <stamp>], ...]}`. Send it only to a server whose
+/// sync answer says `"stamps": true`; a server without the extension counts it as one bad line.
+pub fn stamped_free_line(entries: &[(&str, u64)]) -> String {
+    serde_json::json!({ "free_stamped": entries }).to_string()
 }
 
 /// Why a connection was closed for the control token (the `reason` of its last answer).
@@ -116,8 +126,9 @@ pub fn unauthorized_line(reason: &str) -> Vec<u8> {
 /// What a client reads back after a [`sync_line`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Answer {
-    /// `{"synced": n}`: every line sent before sync `n` was applied.
-    Synced(u64),
+    /// `{"synced": n}`: every line sent before sync `n` was applied; `true` when the server
+    /// says it applies [`stamped_free_line`]s.
+    Synced(u64, bool),
     /// `{"error": "unauthorized", "reason": ...}`: the connection was closed for the control
     /// token; nothing it sent was applied.
     Unauthorized(String),
@@ -131,19 +142,23 @@ pub fn parse_answer(line: &[u8]) -> Option<Answer> {
     #[derive(serde::Deserialize)]
     struct Fields {
         synced: Option<u64>,
+        #[serde(default)]
+        stamps: bool,
         error: Option<String>,
         reason: Option<String>,
     }
     match serde_json::from_slice::<Fields>(line.trim_ascii()).ok()? {
         Fields {
             synced: Some(n),
+            stamps,
             error: None,
             ..
-        } => Some(Answer::Synced(n)),
+        } => Some(Answer::Synced(n, stamps)),
         Fields {
             synced: None,
             error: Some(e),
             reason,
+            ..
         } if e == "unauthorized" => Some(Answer::Unauthorized(
             reason.unwrap_or_else(|| "unauthorized".into()),
         )),
@@ -196,10 +211,14 @@ pub enum ObjectLine {
     Stats,
     /// `{"sync": n}`: asks for `{"synced": n}` once the lines before it are applied.
     Sync(u64),
+    /// `{"free_stamped": [["<key>", <stamp>], ...]}`: frees each key whose resident object
+    /// carries that stamp ([`stamped_free_line`]; keys not checked here).
+    FreeStamped(Vec<(String, u64)>),
 }
 
 /// The object line `line` is, if it is one: a JSON object with exactly one of the fields
-/// `token` and `free_prefix` (a string), `stats` (`true`) and `sync` (an integer).
+/// `token` and `free_prefix` (a string), `stats` (`true`), `sync` (an integer) and
+/// `free_stamped` (a list of `[key, stamp]` pairs).
 pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
     let line = line.trim_ascii();
     if !line.starts_with(b"{") {
@@ -212,31 +231,41 @@ pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
         free_prefix: Option<String>,
         stats: Option<bool>,
         sync: Option<u64>,
+        free_stamped: Option<Vec<(String, u64)>>,
     }
-    match serde_json::from_slice::<Fields>(line).ok()? {
+    let f = serde_json::from_slice::<Fields>(line).ok()?;
+    if let Some(entries) = f.free_stamped {
+        let alone = f.token.is_none() && f.free_prefix.is_none() && f.stats.is_none();
+        return (alone && f.sync.is_none()).then_some(ObjectLine::FreeStamped(entries));
+    }
+    match f {
         Fields {
             token: Some(t),
             free_prefix: None,
             stats: None,
             sync: None,
+            ..
         } => Some(ObjectLine::Token(t)),
         Fields {
             token: None,
             free_prefix: Some(p),
             stats: None,
             sync: None,
+            ..
         } => Some(ObjectLine::FreePrefix(p)),
         Fields {
             token: None,
             free_prefix: None,
             stats: Some(true),
             sync: None,
+            ..
         } => Some(ObjectLine::Stats),
         Fields {
             token: None,
             free_prefix: None,
             stats: None,
             sync: Some(n),
+            ..
         } => Some(ObjectLine::Sync(n)),
         _ => None,
     }
@@ -426,8 +455,22 @@ mod tests {
         );
         assert_eq!(
             parse_answer(&synced_line(7)),
-            Some(Answer::Synced(7)),
-            "the server's answer is what a client parses"
+            Some(Answer::Synced(7, true)),
+            "the server's answer is what a client parses, and says it applies stamped frees"
+        );
+        assert_eq!(
+            parse_answer(br#"{"synced": 7}"#),
+            Some(Answer::Synced(7, false)),
+            "a server without the extension"
+        );
+        assert_eq!(
+            parse_object_line(
+                stamped_free_line(&[("st/a/g1/x", 7), ("st/b/g1/\"y", 1)]).as_bytes()
+            ),
+            Some(ObjectLine::FreeStamped(vec![
+                ("st/a/g1/x".into(), 7),
+                ("st/b/g1/\"y".into(), 1)
+            ]))
         );
         assert_eq!(
             parse_answer(&unauthorized_line(MISSING_TOKEN)),
@@ -445,6 +488,10 @@ mod tests {
             br#"{"stats": "yes"}"#,
             br#"{"stats": true, "token": "a"}"#,
             br#"{"tokens": "a"}"#,
+            br#"{"free_stamped": [["st/a/g1/x", 1]], "sync": 1}"#,
+            br#"{"free_stamped": [["st/a/g1/x"]]}"#,
+            br#"{"free_stamped": [["st/a/g1/x", -1]]}"#,
+            br#"{"free_stamped": ["st/a/g1/x"]}"#,
             br#"{}"#,
             br#"["st/a/g1/x"]"#,
             b"{",

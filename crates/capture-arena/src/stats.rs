@@ -60,6 +60,9 @@ stats! {
     expired_bytes,
     /// Keys freed that were not resident (already freed or never published).
     unknown_frees,
+    /// Stamped frees of a key whose resident object carries another stamp (one published since
+    /// under the same key: a late or resent free of the object it replaced): not applied.
+    stale_frees,
     /// Control lines that were not a JSON array of strings.
     bad_lines,
     /// Unterminated lines discarded when their connection closed.

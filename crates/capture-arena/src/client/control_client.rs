@@ -48,11 +48,10 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{ErrorKind, Write};
-use std::net::TcpStream;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::control_conn::{alive, confirm, connect, free_lines_synced, has_room};
+use super::control_conn::{alive, confirm, connect_conn, free_lines_synced, has_room, Conn};
 use super::lock;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -78,12 +77,20 @@ pub const MAX_SENDERS: usize = 256;
 /// Says whether the producer of a session is gone (see [`ControlClient::with_liveness`]).
 pub type Liveness = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
-/// Where keys released from a result come from: the session it was published in and its
-/// producer's control token (a result's `arena.token`).
+/// Where keys released from a result come from: the session it was published in, its
+/// producer's control token (a result's `arena.token`) and each object's stamp.
 #[derive(Debug)]
 struct Origin {
     session: Arc<str>,
     token: Option<Arc<str>>,
+    stamps: HashMap<Box<str>, u64>,
+}
+
+/// The stamp a key was released with, if its result gave one.
+fn stamp_of((key, origin): &Waiting) -> Option<u64> {
+    origin
+        .as_ref()
+        .and_then(|o| o.stamps.get(key.as_str()).copied())
 }
 
 /// A key waiting to be sent, with the result it was released from (if known).
@@ -96,7 +103,7 @@ const REMEMBERED_REFUSALS: usize = 8;
 struct Endpoint {
     pending: VecDeque<Waiting>,
     /// The persistent connection; `None` while none is open or while a sender has it.
-    conn: Option<TcpStream>,
+    conn: Option<Conn>,
     /// A thread is sending to this endpoint: others only queue.
     sending: bool,
     /// This endpoint's sender thread is running (it sends until nothing waits).
@@ -285,13 +292,15 @@ impl ControlClient {
     /// send failed and it is in its back-off): its keys wait and its sender retries them. Other
     /// endpoints are not reported.
     pub fn free(&self, endpoint: Option<&str>, keys: impl IntoIterator<Item = Key>) -> Result<()> {
-        self.free_in(endpoint, None, None, keys)
+        self.free_in(endpoint, None, None, keys.into_iter().map(|k| (k, None)))
     }
 
     /// As [`ControlClient::free`], for keys of a result published in `session` by a producer
-    /// with the control token `token`: they are dropped rather than sent if that session's
-    /// producer is gone by the time they go out, and sent with their own token when the
-    /// endpoint refuses another one (an old result's token, its producer since restarted).
+    /// with the control token `token`, each with its object's stamp: they are dropped rather
+    /// than sent if that session's producer is gone by the time they go out, sent with their
+    /// own token when the endpoint refuses another one (an old result's token, its producer
+    /// since restarted), and applied only to the objects the result named (a key published
+    /// again since, replacing it, is not freed), where the server applies stamped frees.
     ///
     /// # Errors
     /// As [`ControlClient::free`].
@@ -300,12 +309,18 @@ impl ControlClient {
         endpoint: Option<&str>,
         session: Option<&str>,
         token: Option<&str>,
-        keys: impl IntoIterator<Item = Key>,
+        keys: impl IntoIterator<Item = (Key, Option<u64>)>,
     ) -> Result<()> {
+        let (keys, stamped): (Vec<Key>, Vec<Option<u64>>) = keys.into_iter().unzip();
         let origin = session.map(|session| {
             Arc::new(Origin {
                 session: Arc::from(session),
                 token: token.map(Arc::from),
+                stamps: keys
+                    .iter()
+                    .zip(&stamped)
+                    .filter_map(|(k, s)| s.map(|s| (Box::from(k.as_str()), s)))
+                    .collect(),
             })
         });
         let targets = self.shared.queue_frees(endpoint, origin, keys);
@@ -477,7 +492,7 @@ impl Shared {
                 || !e.pending.is_empty()
                 || e.backoff.is_some()
                 || !e.unconfirmed.is_empty()
-                || e.conn.as_ref().is_some_and(alive);
+                || e.conn.as_ref().is_some_and(|c| alive(&c.stream));
             if !keep {
                 tracing::debug!(%endpoint, "forgetting a control endpoint that closed on us");
             }
@@ -654,13 +669,13 @@ impl Shared {
         let taken = waiting.len();
         let waiting = self.live_keys(waiting);
         let live = waiting.len();
-        let keys: Vec<&Key> = waiting.iter().map(|(k, _)| k).collect();
-        let wrote = match free_lines_synced(&keys, sync) {
+        let keys: Vec<(&Key, Option<u64>)> = waiting.iter().map(|w| (&w.0, stamp_of(w))).collect();
+        let wrote = match free_lines_synced(&keys, conn.stamps, sync) {
             // Every key's producer is gone: nothing to write (a bare sync's answer would be
             // left unread on the connection).
             _ if keys.is_empty() => Some(true),
-            Ok(buf) if alive(&conn) && has_room(&conn, buf.len()) => {
-                Some((&conn).write_all(&buf).is_ok())
+            Ok(buf) if alive(&conn.stream) && has_room(&conn.stream, buf.len()) => {
+                Some((&conn.stream).write_all(&buf).is_ok())
             }
             _ => None,
         };
@@ -683,7 +698,7 @@ impl Shared {
                 // (its keys go again on a new one: a free of a freed key is only counted).
                 e.settle(waiting);
                 s.pending -= taken - live;
-                if not_written.is_none() && alive(&conn) {
+                if not_written.is_none() && alive(&conn.stream) {
                     e.conn = Some(conn);
                 }
             }
@@ -918,7 +933,7 @@ impl Shared {
             } else {
                 let confirmed = conn.as_ref().map_or_else(
                     || Err(std::io::Error::from(ErrorKind::NotConnected)),
-                    |c| confirm(c, sync, self.timeout),
+                    |c| confirm(&c.stream, sync, self.timeout).map(|_| ()),
                 );
                 match confirmed {
                     Ok(()) => waiting,
@@ -939,7 +954,8 @@ impl Shared {
                 Some(e) => Err((e, keys)),
                 None if keys.is_empty() => Ok(conn), // every key's producer is gone
                 None => {
-                    let refs: Vec<&Key> = keys.iter().map(|(k, _)| k).collect();
+                    let refs: Vec<(&Key, Option<u64>)> =
+                        keys.iter().map(|w| (&w.0, stamp_of(w))).collect();
                     self.write(endpoint, conn, token.as_deref(), &refs, next)
                         .map(Some)
                         .map_err(|e| (e, keys))
@@ -1087,23 +1103,24 @@ impl Shared {
     fn write(
         &self,
         endpoint: &str,
-        conn: Option<TcpStream>,
+        conn: Option<Conn>,
         token: Option<&str>,
-        keys: &[&Key],
+        keys: &[(&Key, Option<u64>)],
         sync: u64,
-    ) -> std::io::Result<TcpStream> {
-        let buf = free_lines_synced(keys, sync)?;
-        let mut stream = match conn {
-            Some(c) if alive(&c) => c,
+    ) -> std::io::Result<Conn> {
+        let conn = match conn {
+            Some(c) if alive(&c.stream) => c,
             Some(_) => {
                 tracing::debug!(%endpoint, "control connection closed by the server; reconnecting");
-                connect(endpoint, token, self.timeout)?
+                connect_conn(endpoint, token, self.timeout)?
             }
-            None => connect(endpoint, token, self.timeout)?,
+            None => connect_conn(endpoint, token, self.timeout)?,
         };
-        stream.write_all(&buf)?;
-        confirm(&stream, sync, self.timeout)?;
-        Ok(stream)
+        // Stamped where this server applies stamped frees (its answers say so).
+        let buf = free_lines_synced(keys, conn.stamps, sync)?;
+        (&conn.stream).write_all(&buf)?;
+        confirm(&conn.stream, sync, self.timeout)?;
+        Ok(conn)
     }
 }
 

@@ -30,6 +30,23 @@ pub(super) fn connect(
     token: Option<&str>,
     timeout: Duration,
 ) -> std::io::Result<TcpStream> {
+    connect_conn(endpoint, token, timeout).map(|c| c.stream)
+}
+
+/// A connection to a control endpoint, and whether its server applies stamped frees (its first
+/// sync answer said `"stamps": true`).
+#[derive(Debug)]
+pub(super) struct Conn {
+    pub(super) stream: TcpStream,
+    pub(super) stamps: bool,
+}
+
+/// [`connect`], keeping what the server's first answer said of stamped frees.
+pub(super) fn connect_conn(
+    endpoint: &str,
+    token: Option<&str>,
+    timeout: Duration,
+) -> std::io::Result<Conn> {
     let deadline = crate::limits::deadline_in(timeout);
     let addrs = resolve_within(endpoint, timeout)?;
     let left = deadline.saturating_duration_since(Instant::now());
@@ -38,7 +55,7 @@ pub(super) fn connect(
 
 /// Name resolutions running at once, at most: one abandoned at its deadline holds its thread
 /// until the system resolver gives up (its own timeouts, seconds).
-const MAX_RESOLUTIONS: usize = 64;
+pub const MAX_RESOLUTIONS: usize = 64;
 static RESOLUTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// The addresses of `endpoint` (`host:port`), resolved within `timeout`. An address needs no
@@ -101,7 +118,7 @@ fn connect_to(
     addrs: &[std::net::SocketAddr],
     token: Option<&str>,
     timeout: Duration,
-) -> std::io::Result<TcpStream> {
+) -> std::io::Result<Conn> {
     let deadline = crate::limits::deadline_in(timeout);
     let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
     for (i, addr) in addrs.iter().enumerate() {
@@ -130,14 +147,53 @@ fn connect_to(
                 first.extend_from_slice(crate::control::sync_line(0).as_bytes());
                 first.push(b'\n');
                 s.write_all(&first)?;
-                confirm(&s, 0, left)?;
+                let stamps = confirm(&s, 0, left)?;
                 s.set_write_timeout(Some(timeout))?;
-                return Ok(s);
+                return Ok(Conn { stream: s, stamps });
             }
             Err(e) => last = e,
         }
     }
     Err(last)
+}
+
+/// `keys` as free lines, each well under the server's line limit; with `stamps` (the server
+/// applies stamped frees), the keys given with their object's stamp go as stamped free lines.
+pub(super) fn free_lines_stamped(
+    keys: &[(&Key, Option<u64>)],
+    stamps: bool,
+) -> std::io::Result<Vec<u8>> {
+    if !stamps {
+        let plain: Vec<&Key> = keys.iter().map(|(k, _)| *k).collect();
+        return free_lines(&plain);
+    }
+    let plain: Vec<&Key> = keys
+        .iter()
+        .filter(|(_, s)| s.is_none())
+        .map(|(k, _)| *k)
+        .collect();
+    let mut buf = free_lines(&plain)?;
+    let mut line: Vec<(&str, u64)> = Vec::new();
+    let mut bytes = 0;
+    for (k, s) in keys {
+        let Some(s) = s else { continue };
+        // A key escapes to at most 6 bytes a byte in JSON, plus its stamp and punctuation.
+        let more = k.as_str().len() * 6 + 32;
+        if !line.is_empty() && bytes + more > LINE_BYTES {
+            buf.extend_from_slice(crate::control::stamped_free_line(&line).as_bytes());
+            buf.push(b'\n');
+            line.clear();
+            bytes = 0;
+        }
+        line.push((k.as_str(), *s));
+        bytes += more;
+    }
+    if !line.is_empty() {
+        buf.extend_from_slice(crate::control::stamped_free_line(&line).as_bytes());
+        buf.push(b'\n');
+    }
+    debug_assert!(buf.split(|&b| b == b'\n').all(|l| l.len() < MAX_LINE_BYTES));
+    Ok(buf)
 }
 
 /// `keys` as free lines, each well under the server's line limit.
@@ -162,29 +218,35 @@ pub(super) fn free_lines(keys: &[&Key]) -> std::io::Result<Vec<u8>> {
     Ok(buf)
 }
 
-/// `keys` as free lines followed by the sync line `sync` (see [`confirm`]).
-pub(super) fn free_lines_synced(keys: &[&Key], sync: u64) -> std::io::Result<Vec<u8>> {
-    let mut buf = free_lines(keys)?;
+/// `keys` as free lines ([`free_lines_stamped`]) followed by the sync line `sync` (see
+/// [`confirm`]).
+pub(super) fn free_lines_synced(
+    keys: &[(&Key, Option<u64>)],
+    stamps: bool,
+    sync: u64,
+) -> std::io::Result<Vec<u8>> {
+    let mut buf = free_lines_stamped(keys, stamps)?;
     buf.extend_from_slice(crate::control::sync_line(sync).as_bytes());
     buf.push(b'\n');
     Ok(buf)
 }
 
 /// Reads the server's answers on `s` until the one to sync line `n` (`{"synced": m}`, `m >= n`),
-/// within `timeout`: then every line written before it was applied.
+/// within `timeout`: then every line written before it was applied. True when the answer says
+/// the server applies stamped frees.
 ///
 /// # Errors
 /// `PermissionDenied` with the server's reason when it closed the connection for the control
 /// token (nothing sent on it was applied); `UnexpectedEof` when it closed without answering;
 /// `TimedOut`; `InvalidData` for an answer longer than [`MAX_SYNC_ANSWER_BYTES`].
-pub(super) fn confirm(s: &TcpStream, n: u64, timeout: Duration) -> std::io::Result<()> {
+pub(super) fn confirm(s: &TcpStream, n: u64, timeout: Duration) -> std::io::Result<bool> {
     let deadline = crate::limits::deadline_in(timeout);
     let mut buf: Vec<u8> = Vec::with_capacity(64);
     let mut chunk = [0u8; 512];
     loop {
         while let Some(i) = buf.iter().position(|&b| b == b'\n') {
             match crate::control::parse_answer(&buf[..i]) {
-                Some(Answer::Synced(m)) if m >= n => return Ok(()),
+                Some(Answer::Synced(m, stamps)) if m >= n => return Ok(stamps),
                 Some(Answer::Unauthorized(reason)) => {
                     return Err(std::io::Error::new(ErrorKind::PermissionDenied, reason))
                 }
@@ -279,7 +341,7 @@ pub fn send_frees(
     let left = deadline.saturating_duration_since(Instant::now());
     let confirmed = confirm(&stream, 1, left.max(Duration::from_millis(1)));
     let _ = stream.shutdown(std::net::Shutdown::Both);
-    confirmed.map_err(not_sent)
+    confirmed.map(|_| ()).map_err(not_sent)
 }
 
 /// Checks a token a caller passes before it is sent.

@@ -46,7 +46,7 @@ pub struct Health {
 pub const RELEASED_MEMORY: usize = 1 << 18;
 
 /// The released samples, remembered by a 128-bit keyed hash of (session, store id, sample id,
-/// gen): bounded memory whatever the strings; oldest forgotten first.
+/// gen, objects' stamps): bounded memory whatever the strings; oldest forgotten first.
 #[derive(Debug)]
 struct Released {
     hashers: (RandomState, RandomState),
@@ -66,9 +66,12 @@ impl Default for Released {
 
 impl Released {
     fn id(&self, r: &Published) -> u128 {
-        let parts = (&r.arena.session, &r.store_id, &r.sample_id, r.gen);
-        let hi = self.hashers.0.hash_one(parts);
-        let lo = self.hashers.1.hash_one(parts);
+        // With its objects' stamps: a sample published again under the same keys (a retry with
+        // `replace`) is another one.
+        let stamps: Vec<Option<u64>> = r.features.values().map(|f| f.stamp).collect();
+        let parts = (&r.arena.session, &r.store_id, &r.sample_id, r.gen, stamps);
+        let hi = self.hashers.0.hash_one(&parts);
+        let lo = self.hashers.1.hash_one(&parts);
         (u128::from(hi) << 64) | u128::from(lo)
     }
 
@@ -94,9 +97,9 @@ impl Released {
 /// Results come from outside the process (a JSON line, a Python dict): each is validated
 /// ([`Published::validate`]) before anything is allocated or mapped for it. A released sample is
 /// remembered for the last [`RELEASED_MEMORY`] releases: reading it again is an error even
-/// though its bytes may still be in the region. A sample published again under the same key (a
-/// retry with `replace`) is therefore refused by a store that released the first one; a new
-/// `gen` is the contract's way to publish a sample again.
+/// though its bytes may still be in the region. A sample published again under the same keys (a
+/// retry with `replace`) is another sample: its objects carry other stamps, so it is read, and
+/// a late release of the first frees nothing of it (where the producer applies stamped frees).
 #[derive(Debug)]
 pub struct FeatureStore {
     reader: Arc<Reader>,
@@ -294,7 +297,12 @@ impl FeatureStore {
     /// [`Error::InvalidKey`] and the like for an invalid result (nothing is released then).
     pub fn release(&self, result: &Published) -> Result<()> {
         result.validate()?;
-        let keys = result.keys()?;
+        // Each key with its object's stamp: a late release never frees a replacement.
+        let keys: Vec<(crate::Key, Option<u64>)> = result
+            .features
+            .iter()
+            .map(|(name, f)| result.key(name).map(|k| (k, f.stamp)))
+            .collect::<Result<_>>()?;
         {
             let mut st = lock(&self.state);
             st.resident.remove(&sample_key(result));

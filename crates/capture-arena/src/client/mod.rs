@@ -22,7 +22,7 @@ mod stats_query;
 pub use control_client::{
     ControlClient, Liveness, DEFAULT_MAX_PENDING_KEYS, MAX_SENDERS, UNLOCATED_TTL,
 };
-pub use control_conn::send_frees;
+pub use control_conn::{send_frees, MAX_RESOLUTIONS};
 pub use feature_store::{FeatureStore, Health, OwnedTensor, RELEASED_MEMORY};
 pub use reader::{Reader, MAX_SESSIONS};
 pub use stats_query::StatsQuery;

@@ -138,6 +138,32 @@ pub(super) fn apply_line(
             }
         };
     }
+    if let Some(control::ObjectLine::FreeStamped(entries)) = object {
+        // Each key only if its object is the one the result named: a late or resent free of an
+        // object since replaced under the same key never frees the replacement.
+        let (mut objects, mut bytes, mut unknown, mut stale) = (0, 0, 0, 0);
+        for (key, stamp) in &entries {
+            match arena.stamp_of(key) {
+                Some(s) if s == *stamp => match arena.free(key) {
+                    Some(b) => {
+                        objects += 1;
+                        bytes += b;
+                    }
+                    None => unknown += 1,
+                },
+                Some(_) => stale += 1,
+                None => unknown += 1,
+            }
+        }
+        if objects > 0 {
+            stats.set_report(&arena.report());
+        }
+        bump(&stats.freed_bytes, bytes);
+        bump(&stats.unknown_frees, unknown);
+        bump(&stats.stale_frees, stale);
+        bump(&stats.freed_objects, objects);
+        return objects > 0;
+    }
     match control::parse_line(line) {
         Ok(Some(keys)) => {
             let (mut objects, mut bytes, mut unknown) = (0, 0, 0);
