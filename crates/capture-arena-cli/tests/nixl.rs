@@ -287,8 +287,9 @@ fn a_producer_that_stops_answering_fails_the_read_at_the_timeout_and_reads_resum
         .expect("a NIXL server process")
         .to_owned();
     let signal = |sig: &str| {
-        assert!(Command::new("kill")
-            .args([sig, &pid])
+        // The shell's own kill: a minimal Debian has no kill program (procps).
+        assert!(Command::new("sh")
+            .args(["-c", &format!("kill {sig} {pid}")])
             .status()
             .unwrap()
             .success())

@@ -249,8 +249,9 @@ fn a_producer_stopped_by_a_signal_removes_its_arena() {
             .to_owned();
         let path = std::path::Path::new("/dev/shm").join(&shm);
         assert!(path.exists(), "{path:?}");
-        let status = Command::new("kill")
-            .args([format!("-{name}"), producer.id().to_string()])
+        // The shell's own kill: a minimal Debian has no kill program (procps).
+        let status = Command::new("sh")
+            .args(["-c", &format!("kill -{name} {}", producer.id())])
             .status()
             .unwrap();
         assert!(status.success());
