@@ -17,8 +17,8 @@ states and 8 of its id. Commands:
 - ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's bind_connector_metadata and wait_for_save;
 - ``{"bind": base64}`` (worker): only bind that step (its forward would run now); ``{"unsaved":
   1}``: end it without wait_for_save; ``{"get_finished": [rid, ...]}``: the worker's get_finished;
-- ``{"finish": rid, "gap": bool}`` (scheduler) -> ``{"params": ..., "s": seconds}``:
-  request_finished; with ``gap`` (both in one process) the connector's condition is instrumented
+- ``{"finish": rid, "gap": bool, "abort": bool}`` (scheduler) -> ``{"params": ..., "s":
+  seconds}``: request_finished (``abort``: of a request vLLM aborted); with ``gap`` (both in one process) the connector's condition is instrumented
   so that, once its timed wait ran out and it releases the lock, a result for that request is
   sent by the worker and read before request_finished goes on;
 - ``{"break_rows": why, "panic": bool}`` (worker): the copy's setup (``_Rows``) raises ``why``
@@ -38,6 +38,7 @@ states and 8 of its id. Commands:
   marked started) until the gate opens (false); ``{"preempt_grace": s}`` (worker):
   ``PREEMPT_GRACE_S``; ``{"handle_preemptions": base64}`` (worker) -> ``{"s": seconds}``: that
   step's handle_preemptions;
+- ``{"threads": true}`` -> ``{"threads": {name: stack}}``: the end of each thread's stack;
 - ``{"reset": true}`` (scheduler) -> ``{"ok": bool, "s": seconds, "at": monotonic}``: the
   connector's reset_cache (as vLLM's reset of its caches calls it before discarding the cache),
   what it returned, how long it took and when it returned;
@@ -249,8 +250,11 @@ for line in sys.stdin:
         elif "finish" in cmd:
             if cmd.get("gap"):
                 sched._cond = GapCondition(cmd["gap"])
+            req = requests.pop(cmd["finish"])
+            if cmd.get("abort"):  # as vLLM finishes a request its client went away from
+                req.status = ns(name="FINISHED_ABORTED")
             t0 = time.monotonic()
-            params = sched.request_finished(requests.pop(cmd["finish"]), [])[1]
+            params = sched.request_finished(req, [])[1]
             answer = {"params": params, "s": time.monotonic() - t0}
         elif "reset" in cmd:
             t0 = time.monotonic()
@@ -270,6 +274,15 @@ for line in sys.stdin:
             answer = {"ok": True}
         elif "stats" in cmd:
             answer = dict(worker._sink.stats())
+        elif "threads" in cmd:  # this process's threads, each with the end of its stack
+            import traceback
+
+            answer = {
+                "threads": {
+                    t.name: "".join(traceback.format_stack(sys._current_frames()[t.ident])[-4:])
+                    for t in threading.enumerate() if t.ident in sys._current_frames()
+                }
+            }
         elif "debug" in cmd:  # what a failed test reports: the worker's threads and waiting results
             import traceback
 

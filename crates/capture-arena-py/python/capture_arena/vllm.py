@@ -339,6 +339,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending: dict[str, int] = {}
             #: Requests preempted after their announcement, to be announced again.
             self._again: set[str] = set()
+            #: Streamed requests (not captured: a streaming response carries no result), until
+            #: they finish.
+            self._streamed: set[str] = set()
             #: Announcements (:func:`_tag`) whose copy the worker has not reported over yet
             #: (landed, failed or never begun: it reads their blocks no more), oldest first,
             #: with when they were announced (None once their result came: the worker sends a
@@ -442,7 +445,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             _reply_free(peer, row)
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(rid)
-            if req is None or rid in self._pending:
+            if req is None or rid in self._pending or rid in self._streamed:
+                continue
+            if _streamed(req):
+                # vLLM's server puts kv_transfer_params only in a whole response: a streamed
+                # request's result would reach nobody, and its capture stay resident for good.
+                self._streamed.add(rid)
                 continue
             before, n = int(req.num_computed_tokens), int(req.num_prompt_tokens)
             # A preempted request's prompt may come back from vLLM's prefix cache whole (only
@@ -537,6 +545,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self._requests.pop(rid, None)
         self._again.discard(rid)
+        if rid in self._streamed:
+            self._streamed.discard(rid)
+            why = "a streaming response carries no kv_transfer_params (vLLM's server puts them in a whole response only): not captured; ask without stream"
+            return False, {"capture_arena": {"sample_id": rid, "error": why}, "handle": f"{ERROR_HANDLE}{rid}"}
         # An aborted request (a client that went away or timed out, a streaming-input session's
         # end): vLLM drops what this returns (Scheduler.finish_requests), so its capture is
         # freed here, and its result is not waited for (one that comes later is freed too).
@@ -804,6 +816,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         copies = [_Copy(_tag(sv.req_id, sv.seq)) for sv in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
+        # A request with nothing to copy (its reservation failed) holds no block past this step:
+        # over now, not when the copy thread reaches its step (after every step queued before,
+        # however long those take). Reported with the step's others at the step's end.
+        self._mark_done([c for (keys, at, _), c in zip(reserved, copies) if keys is None or at is None], report=False)
         with self._steps_lock:  # a close stopping the copy thread now comes before or after the step
             if not self._stopping and self._start_copier():
                 self._steps.put((list(saves), reserved, copies, event))
@@ -1254,7 +1270,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         read wakes at least every ACK_GRACE_S / 4); when the channel closes, every result still
         waiting is freed (no answer can come any more). A bad line closes the connection."""
         try:
-            for drained, msgs in _lines(conn, idle=self._free_expired):
+            for drained, msgs in _lines(conn, idle=lambda d: self._free_expired(d, conn)):
                 for m in msgs:
                     taken, free, drop = m.get("taken", []), m.get("free", []), m.get("drop", [])
                     if not all(isinstance(x, list) and all(isinstance(r, str) for r in x) for x in (taken, free, drop)):
@@ -1267,7 +1283,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                         self._free_unacked(free)
                     if drop and self._sink is not None:  # taken, then forgotten by the scheduler process
                         self._sink._drop_keys(drop)
-                self._free_expired(drained)
+                self._free_expired(drained, conn)
         except OSError as e:  # closed by _send after a failed send, or the scheduler process ended
             log.debug("capture_arena.vllm: the result channel closed: %s", e)
         except Exception as e:
@@ -1283,14 +1299,16 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if left:
                 self._resend(left)
 
-    def _free_expired(self, drained: Optional[float]) -> None:
+    def _free_expired(self, drained: Optional[float], conn: socket.socket) -> None:
         """Frees the results whose deadline passed by ``drained``, a time by which every answer
-        sent before it was read (None: no such time, nothing freed). Not by the time now: an
-        answer "taken" sent before the deadline may wait unread while this thread was held up."""
+        sent on ``conn`` before it was read (None: no such time, nothing freed): those sent on
+        ``conn``, and those no connection carried. Not by the time now: an answer "taken" sent
+        before the deadline may wait unread while this thread was held up; nor another
+        connection's (its answers may wait unread in it, its own reader frees them)."""
         if drained is None:
             return
         with self._unacked_lock:
-            late = [tag for tag, (_, deadline, _, _) in self._unacked.items() if drained >= deadline]
+            late = [tag for tag, (_, deadline, c, _) in self._unacked.items() if drained >= deadline and (c is conn or c is None)]
         if late:
             log.error(
                 "capture_arena.vllm: the scheduler process did not take %d results within %g s; freed (is it stuck, or "
@@ -1775,11 +1793,12 @@ class _Peer:
         lines: list[list[str]] = []
         size = MAX_LINE
         for k in keys:
-            if size + len(k) + 3 > MAX_LINE // 2:
+            n = len(json.dumps(k)) + 1  # as JSON escapes it (a non-ASCII character: 6 bytes)
+            if size + n > MAX_LINE // 2:
                 lines.append([])
                 size = 16
             lines[-1].append(k)
-            size += len(k) + 3
+            size += n
         for i, line in enumerate(lines):
             try:
                 self.send({"drop": line})
@@ -1797,29 +1816,43 @@ class _Peer:
         scheduler's lock): a worker that leaves its answers unread has its line refused
         (OSError), never holding that lock for the send's timeout."""
         data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
+        if now:
+            # Never waits, for room or for another send on this connection (the listener's may
+            # wait for room, holding the lock): the caller defers its keys instead.
+            if not self._lock.acquire(blocking=False):
+                raise OSError("another send on this connection waits for room")
+            try:
+                # With a timeout, Python keeps the descriptor non-blocking and waits for room in
+                # poll before a send; a write of the descriptor itself does not wait, and the
+                # socket's timeout, which its reader thread reads by, is never changed.
+                if self.conn.gettimeout() is None:
+                    sent = self.conn.send(data, socket.MSG_DONTWAIT)
+                else:
+                    sent = os.write(self.conn.fileno(), data)
+                if sent != len(data):
+                    # Nothing more on it (a line appended to a cut one would be lost with it).
+                    self.conn.shutdown(socket.SHUT_RDWR)
+                    raise OSError("the worker leaves its answers unread: a line cut short")
+            finally:
+                self._lock.release()
+            return
         with self._lock:
-            if not now:
+            try:
+                self.conn.sendall(data)
+            except OSError:
+                # Maybe cut short (sendall's timeout): nothing more on it, as below.
                 try:
-                    self.conn.sendall(data)
+                    self.conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
-                    # Maybe cut short (sendall's timeout): nothing more on it, as below.
-                    try:
-                        self.conn.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
-                    raise
-            else:
-                # Non-blocking for this send (with a timeout, a send first waits for room);
-                # every other send on this connection holds the same lock.
-                timeout = self.conn.gettimeout()
-                self.conn.settimeout(0.0)
-                try:
-                    if self.conn.send(data) != len(data):
-                        # Nothing more on it (a line appended to a cut one would be lost with it).
-                        self.conn.shutdown(socket.SHUT_RDWR)
-                        raise OSError("the worker leaves its answers unread: a line cut short")
-                finally:
-                    self.conn.settimeout(timeout)
+                    pass
+                raise
+
+
+def _streamed(request: Any) -> bool:
+    """Whether vLLM streams this request's output (``RequestOutputKind.DELTA``, as its OpenAI
+    server asks for ``"stream": true``)."""
+    kind = getattr(getattr(request, "sampling_params", None), "output_kind", None)
+    return getattr(kind, "name", None) == "DELTA"
 
 
 def _row_ok(row: dict[str, Any], req_id: str, seq: int, store_id: str) -> bool:
