@@ -875,6 +875,16 @@ def goes_through(sched: Proc, worker: Proc, rid: str) -> dict[str, Any]:
     return params
 
 
+def wait_gated(worker: Proc) -> None:
+    """Waits until the worker's copy thread is held at the copy gate (``gate_copies``)."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while "copy_gate.wait" not in worker.ask({"debug": True})["threads"].get("capture-arena-vllm-copy", ""):
+        assert time.monotonic() < deadline, "the copy never began"
+        time.sleep(0.01)
+
+
 def wait_resident(p: Proc, n: int, timeout: float = 20.0) -> dict[str, Any]:
     """Waits until the worker's arena holds `n` objects; its stats."""
     return wait_stats(p, lambda s: s["resident_objects"] == n, timeout)
@@ -1217,10 +1227,7 @@ def test_the_preempted_requests_of_a_hung_copy_cost_vllm_one_wait_not_one_each(p
     assert worker.ask({"preempt_grace": 0.25}) == {"ok": True}
     try:
         worker.ask({"save": sched.ask({"announce": [[r, 8] for r in rids]})["meta"]})
-        deadline = time.monotonic() + 20
-        while "copy_gate.wait" not in worker.ask({"debug": True})["threads"].get("capture-arena-vllm-copy", ""):
-            assert time.monotonic() < deadline, "the copy never began"
-            time.sleep(0.01)
+        wait_gated(worker)
         meta = sched.ask({"announce": [], "preempt": rids})["meta"]
         took = worker.ask({"handle_preemptions": meta})["s"]
         assert HALF_BOUND + 0.25 <= took < HALF_BOUND + 0.25 + 0.5, f"vLLM's thread waited {took:.2f} s for three preempted requests"
@@ -1242,10 +1249,7 @@ def test_a_request_with_nothing_to_copy_gives_its_blocks_back_whatever_the_copy_
     assert worker.ask({"gate_copies": True}) == {"ok": True}
     try:
         worker.ask({"save": sched.ask({"announce": [["copying", 8]]})["meta"]})
-        deadline = time.monotonic() + 20
-        while "copy_gate.wait" not in worker.ask({"debug": True})["threads"].get("capture-arena-vllm-copy", ""):
-            assert time.monotonic() < deadline, "the copy never began"
-            time.sleep(0.01)
+        wait_gated(worker)
         worker.ask({"save": sched.ask({"announce": [["too-long", 1000]]})["meta"]})  # 264 KB, the arena 64 KiB
         assert "error" in sched.ask({"finish": "too-long"})["params"]["capture_arena"]
         assert worker.ask({"get_finished": ["too-long", "copying"]}) == {"done": ["too-long"]}
@@ -1272,10 +1276,7 @@ def test_a_reset_of_vllms_caches_waits_for_the_copy_a_worker_of_its_own_reports_
     assert sched.ask({"preempt_grace": 0.25}) == {"ok": True}
     try:
         worker.ask({"save": sched.ask({"announce": [["resetting", 8]]})["meta"]})
-        deadline = time.monotonic() + 20
-        while "copy_gate.wait" not in worker.ask({"debug": True})["threads"].get("capture-arena-vllm-copy", ""):
-            assert time.monotonic() < deadline, "the copy never began"
-            time.sleep(0.01)
+        wait_gated(worker)
         refused = sched.ask({"reset": True})
         assert refused["ok"] is False and HALF_BOUND + 0.25 <= refused["s"] < HALF_BOUND + 0.25 + 0.5, refused
         sched.send({"reset": True})

@@ -93,6 +93,41 @@ const STATS_ROWS_BYTES: usize = 8 * 1024;
 
 /// Applies one line (`object`: what [`control::parse_object_line`] made of it): frees its keys.
 /// Returns true if anything was freed.
+/// Frees each key (given with a stamp: only if its resident object carries it) and counts what
+/// was freed, unknown and stale; true if anything was freed.
+fn free_keys<'a>(
+    arena: &mut Arena,
+    stats: &Stats,
+    keys: impl Iterator<Item = (&'a str, Option<u64>)>,
+) -> bool {
+    let (mut objects, mut bytes, mut unknown, mut stale) = (0, 0, 0, 0);
+    for (key, stamp) in keys {
+        if let Some(want) = stamp {
+            if arena.stamp_of(key).is_some_and(|s| s != want) {
+                stale += 1;
+                continue;
+            }
+        }
+        match arena.free(key) {
+            Some(b) => {
+                objects += 1;
+                bytes += b;
+            }
+            None => unknown += 1,
+        }
+    }
+    if objects > 0 {
+        // The occupancy first, then the counters: whoever sees a free counted (a `wait_for` on
+        // `freed_objects`) sees the arena with it applied.
+        stats.set_report(&arena.report());
+    }
+    bump(&stats.freed_bytes, bytes);
+    bump(&stats.unknown_frees, unknown);
+    bump(&stats.stale_frees, stale);
+    bump(&stats.freed_objects, objects);
+    objects > 0
+}
+
 pub(super) fn apply_line(
     line: &[u8],
     object: Option<control::ObjectLine>,
@@ -141,51 +176,14 @@ pub(super) fn apply_line(
     if let Some(control::ObjectLine::FreeStamped(entries)) = object {
         // Each key only if its object is the one the result named: a late or resent free of an
         // object since replaced under the same key never frees the replacement.
-        let (mut objects, mut bytes, mut unknown, mut stale) = (0, 0, 0, 0);
-        for (key, stamp) in &entries {
-            match arena.stamp_of(key) {
-                Some(s) if s == *stamp => match arena.free(key) {
-                    Some(b) => {
-                        objects += 1;
-                        bytes += b;
-                    }
-                    None => unknown += 1,
-                },
-                Some(_) => stale += 1,
-                None => unknown += 1,
-            }
-        }
-        if objects > 0 {
-            stats.set_report(&arena.report());
-        }
-        bump(&stats.freed_bytes, bytes);
-        bump(&stats.unknown_frees, unknown);
-        bump(&stats.stale_frees, stale);
-        bump(&stats.freed_objects, objects);
-        return objects > 0;
+        return free_keys(
+            arena,
+            stats,
+            entries.iter().map(|(k, s)| (k.as_str(), Some(*s))),
+        );
     }
     match control::parse_line(line) {
-        Ok(Some(keys)) => {
-            let (mut objects, mut bytes, mut unknown) = (0, 0, 0);
-            for key in &keys {
-                match arena.free(key) {
-                    Some(b) => {
-                        objects += 1;
-                        bytes += b;
-                    }
-                    None => unknown += 1,
-                }
-            }
-            if objects > 0 {
-                // The occupancy first, then the counters: whoever sees a free counted (a
-                // `wait_for` on `freed_objects`) sees the arena with it applied.
-                stats.set_report(&arena.report());
-            }
-            bump(&stats.freed_bytes, bytes);
-            bump(&stats.unknown_frees, unknown);
-            bump(&stats.freed_objects, objects);
-            objects > 0
-        }
+        Ok(Some(keys)) => free_keys(arena, stats, keys.iter().map(|k| (k.as_ref(), None))),
         Ok(None) => false,
         Err(why) => {
             bump(&stats.bad_lines, 1);
