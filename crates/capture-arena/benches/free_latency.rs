@@ -68,7 +68,8 @@ fn main() {
     assert_eq!((s.resident_objects, s.free_extents), (0, 1));
     let sizes: &[usize] = if quick { &[1000] } else { &[10_000, 100_000] };
     for &n in sizes {
-        let (w, keys) = many_objects(n);
+        let (w, stamped) = many_objects(n);
+        let keys: Vec<String> = stamped.into_iter().map(|(k, _)| k).collect();
         let took = time_free(&w, "{\"free_prefix\": \"bench/\"}\n", n);
         let line_keys: Vec<&String> = keys
             .iter()
@@ -80,18 +81,33 @@ fn main() {
         let (w2, _) = many_objects(line_keys.len());
         let line = format!("{}\n", serde_json::to_string(&line_keys).unwrap());
         let took_line = time_free(&w2, &line, line_keys.len());
+        // Keys with their stamps, as a release sends them (each looked up first), as many as fit
+        // in a line.
+        let (w3, stamped) = many_objects(line_keys.len());
+        let pairs: Vec<(&str, u64)> = stamped
+            .iter()
+            .scan(20usize, |len, (k, s)| {
+                *len += k.len() + 26;
+                (*len < 1 << 20).then_some((k.as_str(), *s))
+            })
+            .collect();
+        let line3 = format!("{}\n", capture_arena::control::stamped_free_line(&pairs));
+        let took_stamped = time_free(&w3, &line3, pairs.len());
         println!(
-            "one turn: a free_prefix line of {n} objects {:.1} ms; a line of keys of {} bytes ({} objects) {:.1} ms",
+            "one turn: a free_prefix line of {n} objects {:.1} ms; a line of keys of {} bytes ({} objects) {:.1} ms; a free_stamped line of {} bytes ({} objects) {:.1} ms",
             took.as_secs_f64() * 1e3,
             line.len(),
             line_keys.len(),
-            took_line.as_secs_f64() * 1e3
+            took_line.as_secs_f64() * 1e3,
+            line3.len(),
+            pairs.len(),
+            took_stamped.as_secs_f64() * 1e3
         );
     }
 }
 
-/// A writer holding `n` objects of 8 bytes (one a sample), and their keys.
-fn many_objects(n: usize) -> (Writer, Vec<String>) {
+/// A writer holding `n` objects of 8 bytes (one a sample), and their keys with their stamps.
+fn many_objects(n: usize) -> (Writer, Vec<(String, u64)>) {
     let w = Writer::start(&Config {
         arena_bytes: Some(((n as u64) * 512).max(1 << 20)),
         ..Config::default()
@@ -117,7 +133,13 @@ fn many_objects(n: usize) -> (Writer, Vec<String>) {
             })
             .collect();
         for p in w.submit(batch).unwrap().wait().unwrap() {
-            keys.extend(p.keys().unwrap().iter().map(|k| k.as_str().to_owned()));
+            let stamp = p.features["hidden_states"].stamp.unwrap();
+            keys.extend(
+                p.keys()
+                    .unwrap()
+                    .iter()
+                    .map(|k| (k.as_str().to_owned(), stamp)),
+            );
         }
     }
     (w, keys)
