@@ -18,7 +18,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TARGET=aarch64-unknown-linux-gnu
-SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+export DEBIAN_FRONTEND=noninteractive
+# sudo drops the environment: apt's noninteractive frontend goes through it explicitly.
+SUDO=$([ "$(id -u)" = 0 ] || echo "sudo env DEBIAN_FRONTEND=noninteractive")
 
 if [ ! -x /usr/bin/cargo ] || [ ! -d /usr/lib/rustlib/$TARGET/lib ] \
     || ! command -v aarch64-linux-gnu-g++ >/dev/null; then

@@ -51,7 +51,8 @@ for c in rustfmt clippy; do
   fi
 done
 
-SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+# sudo drops the environment: apt's noninteractive frontend goes through it explicitly.
+SUDO=$([ "$(id -u)" = 0 ] || echo "sudo env DEBIAN_FRONTEND=noninteractive")
 step "build tools for the nixl feature (bindgen needs libclang; NIXL's stubs need g++)"
 # bindgen (nixl-sys's build) loads libclang at run time through clang-sys, which accepts
 # libclang.so, libclang-N.so and their .so.M versions but never libclang-cpp.so.N (Clang's C++ API,
@@ -76,11 +77,10 @@ fi
 step "shared memory: /dev/shm holds the tests' arenas (up to 1.2 GiB at once)"
 # A container's default /dev/shm is 64 MiB: every arena test would fail on fallocate.
 shm_free_mib=$(( $(df -Pk /dev/shm | awk 'NR == 2 { print $4 }') / 1024 ))
-if [ "$shm_free_mib" -lt 4096 ]; then
+if [ "$shm_free_mib" -lt 2048 ]; then
   echo "/dev/shm has $shm_free_mib MiB free; remounting it with 8 GiB"
   if ! $SUDO mount -o remount,size=8G /dev/shm; then
-    echo "/dev/shm has $shm_free_mib MiB free and cannot be remounted larger: the tests' arenas need about 4 GiB (run as root, or give the container --shm-size=8g)" >&2
-    exit 1
+    echo "warning: /dev/shm has $shm_free_mib MiB free and cannot be remounted larger: tests whose arenas do not fit will fail (the largest takes 1.2 GiB; give the container --shm-size=8g)" >&2
   fi
 fi
 

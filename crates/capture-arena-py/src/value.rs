@@ -4,8 +4,8 @@
 //! (`getattr(obj, "__dataclass_fields__")`), which on a dict raises and formats an
 //! `AttributeError` that is then thrown away: about half of what reserving one request cost on
 //! vLLM's thread (four dicts a spec). Plain dicts, lists, tuples, strings, numbers, booleans and
-//! None are read here by their exact types, and other strings, integers, mappings and sequences
-//! (a `range`, a numpy array, a `MappingProxyType`) by what they are, within the same bounds (a
+//! None are read here by their exact types, and other strings, integers (numpy's too), mappings
+//! and sequences (a `range`, a `MappingProxyType`) by what they are, within the same bounds (a
 //! sequence's length is checked before any of it is read, so one that claims 2^40 items costs
 //! nothing); anything else (a dataclass, a numpy integer) still goes through `depythonize`.
 
@@ -96,14 +96,21 @@ fn value(obj: &Bound<'_, PyAny>, depth: usize, budget: &mut usize) -> Result<Val
             .map(|s| Value::String(s.to_owned()))
             .map_err(|e| e.to_string());
     }
-    if obj.is_instance_of::<PyInt>() && !obj.is_instance_of::<PyBool>() {
+    // An int subclass, or any integer that says so (`__index__`: numpy's, a result that went
+    // through pandas or datasets).
+    if !obj.is_instance_of::<PyBool>()
+        && (obj.is_instance_of::<PyInt>() || obj.hasattr("__index__").unwrap_or(false))
+    {
         if let Ok(u) = obj.extract::<u64>() {
             return Ok(Value::from(u));
         }
-        return obj
-            .extract::<i64>()
-            .map(Value::from)
-            .map_err(|_| "an integer out of the 64-bit range".to_owned());
+        if let Ok(i) = obj.extract::<i64>() {
+            return Ok(Value::from(i));
+        }
+        if obj.is_instance_of::<PyInt>() {
+            return Err("an integer out of the 64-bit range".to_owned());
+        }
+        // Something else with `__index__` (an array): read as what else it is.
     }
     let bytes_like = obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyByteArray>();
     if let Ok(m) = obj.cast::<PyMapping>() {

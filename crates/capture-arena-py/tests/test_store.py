@@ -182,6 +182,10 @@ def test_forged_results_cost_at_most_an_arena_and_objects_that_lie_about_their_s
         store.get(zero)
     got = store.get(r, ["target"])  # the real result reads on
     assert got["target"].shape == (1, 16, 4)
+    # Numpy integers (a result that went through pandas or datasets) are integers.
+    f = r["features"]["target"]
+    as_numpy = {**r, "gen": np.int64(r["gen"]), "features": {"target": {**f, "address": np.uint64(f["address"]), "shape": [np.int64(d) for d in f["shape"]], "stamp": np.uint64(f["stamp"])}}}
+    assert (store.get(as_numpy, ["target"])["target"] == got["target"]).all()
     store.release(r)
     store.flush(10)
 

@@ -723,6 +723,15 @@ MAX_RESOLUTIONS = 8
 _resolutions = threading.BoundedSemaphore(MAX_RESOLUTIONS)
 
 
+def _resolutions_in_child() -> None:
+    """A forked child has none of its parent's resolving threads: all its permits."""
+    global _resolutions
+    _resolutions = threading.BoundedSemaphore(MAX_RESOLUTIONS)
+
+
+os.register_at_fork(after_in_child=_resolutions_in_child)
+
+
 def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
     """``socket.getaddrinfo`` for a stream socket, by ``deadline``: on a thread of its own,
     because the system resolver takes as long as its configuration says (10 s and more when its
@@ -733,7 +742,8 @@ def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
         return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
     except OSError:
         pass
-    if not _resolutions.acquire(blocking=False):
+    permits = _resolutions  # a fork replaces it; this call's permit goes back to this one
+    if not permits.acquire(blocking=False):
         raise TimeoutError(f"resolving {host}: {MAX_RESOLUTIONS} resolutions are running already (the name server does not answer?)")
     got: list[Any] = []
     done = threading.Event()
@@ -744,10 +754,14 @@ def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
         except BaseException as e:  # handed to the caller
             got.append(e)
         finally:
-            _resolutions.release()
+            permits.release()
             done.set()
 
-    threading.Thread(target=resolve, name="capture-arena-resolve", daemon=True).start()
+    try:
+        threading.Thread(target=resolve, name="capture-arena-resolve", daemon=True).start()
+    except BaseException:  # no thread to be had: its permit goes back
+        permits.release()
+        raise
     if not done.wait(max(0.0, deadline - time.monotonic())):
         raise TimeoutError(f"resolving {host} did not end in time (the system resolver's name server does not answer?)")
     if isinstance(got[0], BaseException):

@@ -989,7 +989,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     c.reported = True
                     tags.append(c.tag)
             self._copy_cond.notify_all()
-        self._report_over(tags)
+        if report:  # never on vLLM's thread (its steps mark copies over without reporting)
+            self._report_over(tags)
 
     def _report_over(self, tags: list[str]) -> None:
         """Tells the scheduler these announcements' copies are over, so that a reset of vLLM's
@@ -1777,7 +1778,7 @@ class _Peer:
         the worker's next connection. Never raises."""
         target = self.latest()
         try:
-            target.send({"drop": keys}, now=True)
+            target.send({"drop": keys}, now=True, lock_free=True)
             return
         except OSError as e:
             # Sent by the worker's newest connection's reading thread (which may wait for room):
@@ -1811,15 +1812,15 @@ class _Peer:
         worker has given up since is freed through the one it uses now."""
         return self._latest.get(self.pid, self)
 
-    def send(self, msg: dict[str, Any], now: bool = False) -> None:
+    def send(self, msg: dict[str, Any], now: bool = False, lock_free: bool = False) -> None:
         """Sends one line. ``now``: without waiting for room (an answer sent under the
         scheduler's lock): a worker that leaves its answers unread has its line refused
-        (OSError), never holding that lock for the send's timeout."""
+        (OSError), never holding that lock for the send's timeout. ``lock_free`` (a free from
+        vLLM's thread): nor for another send on this connection (the listener's may wait for
+        room, holding the connection's lock): refused too, and the caller defers its keys."""
         data = json.dumps(msg, separators=(",", ":")).encode() + b"\n"
         if now:
-            # Never waits, for room or for another send on this connection (the listener's may
-            # wait for room, holding the lock): the caller defers its keys instead.
-            if not self._lock.acquire(blocking=False):
+            if not self._lock.acquire(blocking=not lock_free):
                 raise OSError("another send on this connection waits for room")
             try:
                 # With a timeout, Python keeps the descriptor non-blocking and waits for room in

@@ -278,9 +278,15 @@ impl ControlClient {
             .sum()
     }
 
-    /// Sets the control token of `endpoint` (from a result's `arena.token`).
+    /// Sets the control token of `endpoint` (an operator's, say), even one it refused before.
     pub fn set_token(&self, endpoint: &str, token: Option<&str>) {
-        self.shared.set_token(endpoint, token);
+        self.shared.set_token(endpoint, token, true);
+    }
+
+    /// Takes the token of a result for `endpoint` (its `arena.token`), unless the endpoint
+    /// refused it lately (an old result's: its producer restarted since).
+    pub(crate) fn learn_token(&self, endpoint: &str, token: Option<&str>) {
+        self.shared.set_token(endpoint, token, false);
     }
 
     /// Queues `keys` for `endpoint` and has its sender send them; returns without waiting on
@@ -509,11 +515,14 @@ impl Shared {
         }
     }
 
-    fn set_token(&self, endpoint: &str, token: Option<&str>) {
+    fn set_token(&self, endpoint: &str, token: Option<&str>, even_refused: bool) {
         let mut guard = self.state();
         let s = &mut *guard;
         self.endpoint(s, endpoint);
         if let Some(e) = s.endpoints.get_mut(endpoint) {
+            if even_refused {
+                e.refused_tokens.retain(|t| t.as_deref() != token);
+            }
             if e.token.as_deref() != token
                 && !e.refused_tokens.iter().any(|t| t.as_deref() == token)
             {

@@ -56,7 +56,31 @@ pub(super) fn connect_conn(
 /// Name resolutions running at once, at most: one abandoned at its deadline holds its thread
 /// until the system resolver gives up (its own timeouts, seconds).
 pub const MAX_RESOLUTIONS: usize = 64;
-static RESOLUTIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// The resolutions running, and the process they run in (a forked child has none of its
+/// parent's threads: it starts at 0).
+static RESOLUTIONS: std::sync::Mutex<(u32, usize)> = std::sync::Mutex::new((0, 0));
+
+/// Takes a place among the [`MAX_RESOLUTIONS`]; false when none is left.
+fn take_resolution() -> bool {
+    let mut r = RESOLUTIONS.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if r.0 != pid {
+        *r = (pid, 0);
+    }
+    if r.1 >= MAX_RESOLUTIONS {
+        return false;
+    }
+    r.1 += 1;
+    true
+}
+
+/// Gives back a place [`take_resolution`] took (in this process).
+fn give_resolution() {
+    let mut r = RESOLUTIONS.lock().unwrap_or_else(|p| p.into_inner());
+    if r.0 == std::process::id() {
+        r.1 = r.1.saturating_sub(1);
+    }
+}
 
 /// The addresses of `endpoint` (`host:port`), resolved within `timeout`. An address needs no
 /// resolution; a name is resolved on a thread of its own, because the system resolver
@@ -71,12 +95,10 @@ pub(crate) fn resolve_within(
     endpoint: &str,
     timeout: Duration,
 ) -> std::io::Result<Vec<std::net::SocketAddr>> {
-    use std::sync::atomic::Ordering;
     if let Ok(addr) = endpoint.parse::<std::net::SocketAddr>() {
         return Ok(vec![addr]);
     }
-    if RESOLUTIONS.fetch_add(1, Ordering::SeqCst) >= MAX_RESOLUTIONS {
-        RESOLUTIONS.fetch_sub(1, Ordering::SeqCst);
+    if !take_resolution() {
         return Err(std::io::Error::new(
             ErrorKind::WouldBlock,
             format!(
@@ -91,12 +113,12 @@ pub(crate) fn resolve_within(
         .name("capture-arena-resolve".into())
         .spawn(move || {
             let got = name.to_socket_addrs().map(Iterator::collect::<Vec<_>>);
-            RESOLUTIONS.fetch_sub(1, Ordering::SeqCst);
+            give_resolution();
             // Nobody reads it once the caller's deadline passed.
             let _ = tx.send(got);
         });
     if let Err(e) = spawned {
-        RESOLUTIONS.fetch_sub(1, Ordering::SeqCst);
+        give_resolution();
         return Err(e);
     }
     match rx.recv_timeout(timeout) {

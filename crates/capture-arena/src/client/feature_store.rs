@@ -312,7 +312,7 @@ impl FeatureStore {
         // restarted producer must not replace it (its keys are dropped as gone anyway).
         if result.arena.token.is_some() && !self.reader().is_gone(&result.arena.session) {
             self.control
-                .set_token(&result.arena.control, result.arena.token.as_deref());
+                .learn_token(&result.arena.control, result.arena.token.as_deref());
         }
         match self.control.free_in(
             Some(&result.arena.control),

@@ -59,7 +59,7 @@ pub(super) struct Conn {
     pub(super) partial_since: Option<Instant>,
     /// In `ready` or `starved` (so never twice in either).
     pub(super) queued: bool,
-    /// In `starved`: waiting for the server to read it, so its line's clock does not run.
+    /// In `starved`: waiting for the server to read it (its line has twice the timeout).
     pub(super) starved: bool,
     /// Presented the control token (or none is needed).
     pub(super) authed: bool,

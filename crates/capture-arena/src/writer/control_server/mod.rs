@@ -22,8 +22,9 @@
 //! - **Time.** A connection whose unfinished line has been unfinished for longer than
 //!   `line_timeout` is closed (and counted): a peer cannot hold memory or a slot by never
 //!   finishing a line. The clock of a line starts when it starts (a connection streaming many
-//!   lines is never idle); it does not run while the server, not the peer, is the one that stopped
-//!   reading (a starved connection), and restarts when it reads it again.
+//!   lines is never idle); a connection the server, not the peer, stopped reading (a starved one)
+//!   has twice the time (the lines it waits for, younger, are closed first), and its clock
+//!   restarts when the server reads it again.
 //! - **Answers.** The server writes only to answer a `{"stats": true}` line: at most once per
 //!   connection per [`control::STATS_INTERVAL`] and [`control::STATS_ANSWERS_PER_SECOND`] in
 //!   all, with the per-store table (a walk of the object table) remade at most once per
@@ -229,9 +230,13 @@ impl ControlServer {
         let old: Vec<Token> = self
             .conns
             .iter()
-            // Not one the server stopped reading: its wait is another's doing (its clock restarts
-            // when memory comes back).
-            .filter(|(_, c)| !c.starved && c.partial_since.is_some_and(|t| now - t >= timeout))
+            // One the server stopped reading waits for others' lines (whose clocks run, so they
+            // are closed first): twice the time, then it is closed all the same, so peers that
+            // starve each other cannot hold the pool for long.
+            .filter(|(_, c)| {
+                let limit = if c.starved { timeout * 2 } else { timeout };
+                c.partial_since.is_some_and(|t| now - t >= limit)
+            })
             .map(|(t, _)| *t)
             .collect();
         let closed = !old.is_empty();
