@@ -7,7 +7,7 @@
 //! None are read here by their exact types, and other strings, integers (numpy's too), mappings
 //! and sequences (a `range`, a `MappingProxyType`) by what they are, within the same bounds (a
 //! sequence's length is checked before any of it is read, so one that claims 2^40 items costs
-//! nothing); anything else (a dataclass, a numpy integer) still goes through `depythonize`.
+//! nothing); anything else (a dataclass, a numpy float) still goes through `depythonize`.
 
 use pyo3::prelude::*;
 use pyo3::types::{

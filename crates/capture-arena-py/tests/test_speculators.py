@@ -140,6 +140,35 @@ def test_a_forked_worker_frees_what_it_read_and_never_deleted_and_leaves_its_par
     wait_resident(sink, 0)
 
 
+def _read_then_hang(t: CaptureArenaTransfer, kv: Any, ready: Any) -> None:
+    import time
+
+    t.get_generated(kv)  # and never deleted
+    ready.put(True)
+    time.sleep(600)  # a worker that does not stop: its DataLoader terminates it
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_worker_terminated_by_its_dataloader_frees_what_it_read(sink: ca.ArenaSink, start: str) -> None:
+    """torch's DataLoader terminates (SIGTERM) a worker that does not stop in time; SIGTERM's
+    default action skips every exit hook, so what the worker read and never deleted stayed
+    resident. The worker's SIGTERM now frees it first, then ends the process as SIGTERM does."""
+    import multiprocessing as mp
+    import signal
+
+    ctx = mp.get_context(start)
+    t = CaptureArenaTransfer()
+    r = publish(sink, f"r-terminated-{start}")
+    ready = ctx.Queue()
+    p = ctx.Process(target=_read_then_hang, args=(t, params(r), ready))
+    p.start()
+    assert ready.get(timeout=120)
+    p.terminate()
+    p.join(60)
+    assert p.exitcode == -signal.SIGTERM
+    wait_resident(sink, 0)
+
+
 def test_a_response_speculators_client_refuses_has_its_capture_freed_with_a_stand_in_http_client(sink: ca.ArenaSink) -> None:
     """speculators' client (its real ``generate_hidden_states``) refuses a response whose prompt
     token ids differ from the sample's (a chat template re-rendered otherwise) before the handle

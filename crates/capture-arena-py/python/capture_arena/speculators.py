@@ -41,6 +41,7 @@ import importlib
 import logging
 import multiprocessing.util
 import os
+import signal
 import threading
 import weakref
 from pathlib import Path
@@ -223,6 +224,10 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.get("cache_dir"))  # type: ignore[misc]
+        # A spawned dataloader worker (unpickled before its parent is known: by its name, which
+        # multiprocessing sets first).
+        if multiprocessing.parent_process() is not None or multiprocessing.current_process().name != "MainProcess":
+            _free_on_sigterm()
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Waits until every free has been delivered (``FreeNotSentError`` past ``timeout_s``)."""
@@ -255,6 +260,30 @@ def _in_forked_worker(_: object) -> None:
     """A dataloader worker multiprocessing forked ends in ``os._exit``, where atexit never
     runs: multiprocessing's finalizers do. Priority 20: before the reader's flush (10)."""
     multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=20)
+    _free_on_sigterm()
+
+
+def _free_on_sigterm() -> None:
+    """In a worker process (torch's DataLoader terminates a worker that does not stop in time
+    with SIGTERM, whose default action skips every exit hook): SIGTERM first frees what this
+    process read and never deleted, flushes the frees (at most 2 s), then ends the process as
+    SIGTERM would. Only where SIGTERM has no handler yet, from the main thread."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        try:
+            _release_at_exit()
+            for t in list(_TRANSFERS):
+                try:
+                    t.flush(2.0)
+                except Exception as e:  # what is not out by then is lost with the process
+                    log.warning("capture_arena.speculators: frees not sent before SIGTERM ended the worker: %s", e)
+        finally:
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 multiprocessing.util.register_after_fork(_TRANSFERS, _in_forked_worker)

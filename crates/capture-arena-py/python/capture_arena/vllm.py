@@ -824,7 +824,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if not self._stopping and self._start_copier():
                 self._steps.put((list(saves), reserved, copies, event))
                 return
-        self._fail_step(reserved, copies)  # closing, or no copy thread: nothing is copied
+        self._fail_step(reserved, copies, report=False)  # closing, or no copy thread: nothing is copied
+        self._report_soon([c.tag for c in copies])
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
@@ -841,7 +842,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             return
         saves, reservations = begun
         log.error("capture_arena.vllm: %s; the captures of %d requests fail", why, len(saves))
-        self._fail_step(collected if collected is not None else _collect(saves, reservations), [])
+        self._fail_step(collected if collected is not None else _collect(saves, reservations), [], report=False)
         # Nothing to copy: get_finished reports them, so vLLM frees their blocks (request_finished
         # holds an announced request's blocks until then).
         gone = set(preempted)
@@ -851,7 +852,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             c = _Copy()
             c.over = True
             self._copies[sv.req_id] = c
-        self._report_over([_tag(sv.req_id, sv.seq) for sv in saves])
+        self._report_soon([_tag(sv.req_id, sv.seq) for sv in saves])
         try:
             self._publish(saves, f"not captured: {why}")
         except Exception as e:  # the requests get the bound's error instead
@@ -972,11 +973,23 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             finally:
                 self._mark_done(copies)
 
-    def _fail_step(self, reserved: Sequence["_Placed"], copies: list["_Copy"]) -> None:
+    def _fail_step(self, reserved: Sequence["_Placed"], copies: list["_Copy"], report: bool = True) -> None:
         """A step's objects are never written: their readers fail and their space is freed, and
-        its copies are over."""
+        its copies are over (reported with ``report``: not on vLLM's thread)."""
         self._sink._finish_keys([k for keys, _, _ in reserved if keys for k in keys], ok=False)  # type: ignore[union-attr]
-        self._mark_done(copies)
+        self._mark_done(copies, report=report)
+
+    def _report_soon(self, tags: list[str]) -> None:
+        """:meth:`_report_over` on a thread of its own: from vLLM's thread, which must not wait
+        for the report's lock or its send. Never raises."""
+        if not tags:
+            return
+        try:
+            t = threading.Timer(0, self._report_over, args=(tags,))
+            t.daemon = True
+            t.start()
+        except RuntimeError as e:  # no thread to be had: a reset waits for them until its bound
+            log.warning("capture_arena.vllm: could not report %d copies over: %s", len(tags), e)
 
     def _mark_done(self, copies: list["_Copy"], report: bool = True) -> None:
         """These requests' copies are over (landed, failed or never begun); with ``report``,

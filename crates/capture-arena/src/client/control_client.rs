@@ -520,8 +520,18 @@ impl Shared {
         let s = &mut *guard;
         self.endpoint(s, endpoint);
         if let Some(e) = s.endpoints.get_mut(endpoint) {
-            if even_refused {
+            if even_refused && e.refused_tokens.iter().any(|t| t.as_deref() == token) {
+                // Given again by the caller: tried again now (even the one presented last).
                 e.refused_tokens.retain(|t| t.as_deref() != token);
+                if e.token.as_deref() == token {
+                    e.conn = None;
+                    if matches!(&e.backoff, Some((_, _, k, _)) if *k == ErrorKind::PermissionDenied)
+                    {
+                        e.backoff = None;
+                        self.work.notify_all();
+                    }
+                    return;
+                }
             }
             if e.token.as_deref() != token
                 && !e.refused_tokens.iter().any(|t| t.as_deref() == token)

@@ -56,30 +56,34 @@ pub(super) fn connect_conn(
 /// Name resolutions running at once, at most: one abandoned at its deadline holds its thread
 /// until the system resolver gives up (its own timeouts, seconds).
 pub const MAX_RESOLUTIONS: usize = 64;
-/// The resolutions running, and the process they run in (a forked child has none of its
-/// parent's threads: it starts at 0).
-static RESOLUTIONS: std::sync::Mutex<(u32, usize)> = std::sync::Mutex::new((0, 0));
+/// The resolutions running (low 32 bits) and the process they run in (high 32 bits): a forked
+/// child has none of its parent's threads, so it starts at 0. One atomic word, no lock a fork
+/// could leave held.
+static RESOLUTIONS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Takes a place among the [`MAX_RESOLUTIONS`]; false when none is left.
 fn take_resolution() -> bool {
-    let mut r = RESOLUTIONS.lock().unwrap_or_else(|p| p.into_inner());
-    let pid = std::process::id();
-    if r.0 != pid {
-        *r = (pid, 0);
-    }
-    if r.1 >= MAX_RESOLUTIONS {
-        return false;
-    }
-    r.1 += 1;
-    true
+    use std::sync::atomic::Ordering;
+    let pid = u64::from(std::process::id()) << 32;
+    RESOLUTIONS
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+            let running = if w & !0xffff_ffff == pid {
+                w & 0xffff_ffff
+            } else {
+                0
+            };
+            (running < MAX_RESOLUTIONS as u64).then_some(pid | (running + 1))
+        })
+        .is_ok()
 }
 
 /// Gives back a place [`take_resolution`] took (in this process).
 fn give_resolution() {
-    let mut r = RESOLUTIONS.lock().unwrap_or_else(|p| p.into_inner());
-    if r.0 == std::process::id() {
-        r.1 = r.1.saturating_sub(1);
-    }
+    use std::sync::atomic::Ordering;
+    let pid = u64::from(std::process::id()) << 32;
+    let _ = RESOLUTIONS.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
+        (w & !0xffff_ffff == pid && w & 0xffff_ffff > 0).then_some(w - 1)
+    });
 }
 
 /// The addresses of `endpoint` (`host:port`), resolved within `timeout`. An address needs no

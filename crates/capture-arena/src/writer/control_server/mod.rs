@@ -227,20 +227,27 @@ impl ControlServer {
         }
         let timeout = self.limits.line_timeout;
         self.next_scan = Some(now + (timeout / 4).min(Duration::from_secs(1)));
+        // One the server stopped reading waits for others' lines (whose clocks run, so they are
+        // closed first): twice the time, then it is closed all the same, so peers that starve
+        // each other cannot hold the pool for long.
+        let late = |c: &Conn| {
+            let limit = if c.starved { timeout * 2 } else { timeout };
+            c.partial_since.is_some_and(|t| now - t >= limit)
+        };
         let old: Vec<Token> = self
             .conns
             .iter()
-            // One the server stopped reading waits for others' lines (whose clocks run, so they
-            // are closed first): twice the time, then it is closed all the same, so peers that
-            // starve each other cannot hold the pool for long.
-            .filter(|(_, c)| {
-                let limit = if c.starved { timeout * 2 } else { timeout };
-                c.partial_since.is_some_and(|t| now - t >= limit)
-            })
+            .filter(|(_, c)| late(c))
             .map(|(t, _)| *t)
             .collect();
-        let closed = !old.is_empty();
+        let mut closed = false;
         for t in old {
+            // Looked at again: closing one before may have given this one memory, restarting
+            // its clock.
+            if !self.conns.get(&t).is_some_and(&late) {
+                continue;
+            }
+            closed = true;
             bump(&stats.timed_out_lines, 1);
             if let Some(c) = self.conns.get(&t) {
                 let (peer, bytes) = (c.peer.clone(), c.lines.pending());
