@@ -432,3 +432,40 @@ fn an_old_results_token_does_not_cost_the_frees_of_the_producer_there_now() {
     wait_stats(&now, |s| s.freed_objects == 4);
     assert_eq!(now.stats().unauthorized_lines, unauthorized);
 }
+
+#[test]
+fn a_token_given_again_by_hand_is_tried_at_once_even_after_it_was_refused() {
+    use capture_arena::ControlClient;
+    // An operator's client frees by key with the token of a producer that is not up yet (the
+    // one on the port has another): refused, again and again, its back-off growing. Once that
+    // producer is up, giving the token again sends them at once, not after the back-off.
+    const LATER: &str = "token-of-the-next-producer-0123";
+    let now = writer(Some(TOKEN));
+    let port = control_port(&now);
+    let control = now.arena_ref().control.clone();
+    let client = ControlClient::new(Duration::from_secs(2));
+    client.set_token(&control, Some(LATER));
+    client
+        .free(Some(&control), vec!["st/a/g1/t0".parse().unwrap()])
+        .ok();
+    // Refused six times (0.1 + 0.2 + ... + 1.6 s apart): the next try is 3.2 s away.
+    let (s, ok) = now.wait_for(Duration::from_secs(20), |s| s.unauthorized_lines >= 6);
+    assert!(ok, "{s:?}");
+    drop(now);
+    let next = Writer::start(&capture_arena::Config {
+        control_token: Some(LATER.into()),
+        control_port: port,
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let r = publish_one(&next, "a", &[10]);
+    assert_eq!(keys(std::slice::from_ref(&r)), ["st/a/g1/t0"]);
+    let t0 = std::time::Instant::now();
+    client.set_token(&control, Some(LATER));
+    wait_freed(&next, 1);
+    assert!(
+        t0.elapsed() < Duration::from_secs(1),
+        "applied {:?} after the token was given again",
+        t0.elapsed()
+    );
+}
