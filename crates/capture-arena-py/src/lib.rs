@@ -96,6 +96,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan::_plan_batch, m)?)?;
     m.add_function(wrap_pyfunction!(store::_store_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store::_send_frees, m)?)?;
+    m.add_function(wrap_pyfunction!(store::_is_valid_token, m)?)?;
     m.add_function(wrap_pyfunction!(store::_result_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store::_stats_query, m)?)?;
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;

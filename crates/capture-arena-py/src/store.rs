@@ -322,6 +322,13 @@ pub fn _stats_query<'py>(
     pythonize(py, &report).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
+/// Whether `token` is a control token (the core's `limits::is_valid_token`): what a client may
+/// present.
+#[pyfunction]
+pub fn _is_valid_token(token: &str) -> bool {
+    capture_arena::limits::is_valid_token(token)
+}
+
 /// Frees keys and everything under prefixes at a control endpoint, once (the Rust core's
 /// `client::send_frees`), with the GIL released.
 #[pyfunction]

@@ -4,7 +4,7 @@ from typing import Any, Literal, Optional, final, overload
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Landed", "_DeviceRows", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_exiting", "_forked_child", "_nixl_serve", "_BUILD"]
+__all__ = ["_ArenaSink", "_Landed", "_DeviceRows", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_is_valid_token", "_exiting", "_forked_child", "_nixl_serve", "_BUILD"]
 
 __version__: str
 #: UCX's TCP segment size the package and the CLI set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
@@ -31,6 +31,7 @@ def _forked_child() -> None:
     """In a process just forked: the calls in flight were the parent's threads', which this
     process does not have; none is waited for at its exit."""
 
+def _is_valid_token(token: str) -> bool: ...
 def _send_frees(
     control: str, keys: list[str], prefixes: list[str], token: Optional[str] = None, timeout_s: float = 5.0
 ) -> None: ...

@@ -18,7 +18,7 @@ import numpy as np
 
 from ._capture_arena import _send_frees, _Store
 from . import _pool
-from ._store import StoreReader, is_store_result
+from ._store import StoreReader, is_store_result, same_sizes
 from ._tensors import new_array, out_bytes
 from ._samples import _torch_module
 from .errors import InvalidReadError
@@ -39,15 +39,6 @@ def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
     if any(isinstance(a, np.ndarray) for a in arrays.values()):
         raise InvalidReadError("device= needs torch outputs: pass torch out= tensors, or no out=")
     return {n: a.to(device) for n, a in arrays.items()}
-
-
-def _same_sizes(names: list[str], lens: list[int], got: list[int]) -> None:
-    """Raises unless each output holds exactly its feature's validated bytes (the result was
-    read again to size the outputs: an object that answers differently the second time must not
-    make a transfer write past one)."""
-    for name, n, m in zip(names, lens, got):
-        if n != m:
-            raise InvalidReadError(f"the output for {name!r} holds {m} bytes, but the result's feature has {n} (did the result change while it was read?)")
 
 
 def _stamps(result: Mapping[str, Any], wanted: list[str], lens: list[int]) -> list[tuple[str, int, int]]:
@@ -278,7 +269,7 @@ class ArenaFeatureStore(_Store):
             for name, n, view in zip(wanted, lens, views):
                 if isinstance(view, np.ndarray):
                     raise InvalidReadError("over NVLink, TransferEngine sessions are read into CUDA tensors")
-                _same_sizes([name], [n], [int(view.tensor.numel() * view.tensor.element_size())])
+                same_sizes([name], [n], [int(view.tensor.numel() * view.tensor.element_size())])
                 # The engine's copy is not ordered with the caller's stream: work queued there on
                 # the output (a zero_(), a kernel still reading it) finishes first.
                 t.cuda.current_stream(view.tensor.device).synchronize()
@@ -298,7 +289,7 @@ class ArenaFeatureStore(_Store):
                 np.copyto(dst, src.tensor.reshape(-1).view(t.uint8).cpu().numpy())
             return host
         arrays, views = self._host_outputs(result, wanted, lens, out, torch or device is not None)
-        _same_sizes(wanted, lens, [int(v.nbytes) for v in views])
+        same_sizes(wanted, lens, [int(v.nbytes) for v in views])
         reader.read(
             result["arena"]["session"],
             [(int(feats[name]["address"]), int(v.ctypes.data), n) for name, n, v in zip(wanted, lens, views)],

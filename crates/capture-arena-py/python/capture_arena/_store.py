@@ -604,9 +604,7 @@ class StoreReader:
         wanted = [(k, n, v) for (k, n), v in zip(planned, views) if n > 0]
         if not wanted:
             return
-        for k, n, v in wanted:  # the outputs were sized from a second reading of the result
-            if int(v.nbytes) != n:
-                raise InvalidReadError(f"the output for {k} holds {int(v.nbytes)} bytes, but the result's feature has {n} (did the result change while it was read?)")
+        same_sizes([k for k, _, _ in wanted], [n for _, n, _ in wanted], [int(v.nbytes) for _, _, v in wanted])
         used: list[Any] = []
 
         def work() -> None:
@@ -735,6 +733,15 @@ class StoreReader:
                 self._changed.wait(min(left, 0.1))
 
 
+def same_sizes(names: list[str], lens: list[int], got: list[int]) -> None:
+    """Raises unless each output holds exactly its feature's validated bytes (the result was
+    read again to size the outputs: an object that answers differently the second time must not
+    make a transfer write past one)."""
+    for name, n, m in zip(names, lens, got):
+        if n != m:
+            raise InvalidReadError(f"the output for {name!r} holds {m} bytes, but the result's feature has {n} (did the result change while it was read?)")
+
+
 def is_store_result(result: Mapping[str, Any]) -> bool:
     """A store-placement result: no arena, and features without addresses (an arena result
     that lost its ``arena`` is not one: reading or freeing it as one would ask the store)."""
@@ -758,4 +765,4 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
-__all__ = ["StoreSink", "StoreReader", "is_store_result", "connect"]
+__all__ = ["StoreSink", "StoreReader", "is_store_result", "same_sizes", "connect"]

@@ -59,7 +59,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import re
 import threading
 import time
 import unicodedata
@@ -77,7 +76,7 @@ except ImportError as e:  # pragma: no cover - exercised only without SpecForge
 
 from ._live import _Route
 from ._reader import ArenaFeatureStore
-from ._capture_arena import _send_frees, _stats_query
+from ._capture_arena import _is_valid_token, _send_frees, _stats_query
 from ._store import is_store_result
 from .errors import CaptureArenaError, FreeNotSentError, FreeRefusedError, ReleasedError
 
@@ -148,12 +147,9 @@ def _flatten(value: Any) -> List[Any]:
 MAX_DIMS = 8
 
 
-#: A control token: 16 to 256 of these characters (the Rust core's ``limits::is_valid_token``).
-_TOKEN = re.compile(r"[A-Za-z0-9.\-_~+/=]{16,256}")
-
-
 def _is_token(token: str) -> bool:
-    return isinstance(token, str) and _TOKEN.fullmatch(token) is not None
+    """Whether ``token`` is a control token, by the core's own rule."""
+    return isinstance(token, str) and _is_valid_token(token)
 
 
 def _shape_ok(shape: Any) -> bool:
