@@ -50,6 +50,26 @@ fn _parse_bytes(py: Python<'_>, var: &str, value: &str) -> PyResult<u64> {
     })
 }
 
+/// An on/off setting from the environment, spelled as the core reads it (`1`/`true`/`yes`/`on`,
+/// `0`/`false`/`no`/`off`): `None` when unset or blank; `ConfigError` naming `var` otherwise.
+#[pyfunction]
+fn _env_flag(py: Python<'_>, var: &str) -> PyResult<Option<bool>> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => {
+            capture_arena::config::parse_flag(&v)
+                .map(Some)
+                .map_err(|reason| {
+                    error::named(
+                        py,
+                        "ConfigError",
+                        format!("invalid configuration {var}: {reason}"),
+                    )
+                })
+        }
+        _ => Ok(None),
+    }
+}
+
 /// Serves a producer's arena through NIXL until stdin closes: what
 /// `python -m capture_arena._nixl_serve NAME LEN AGENT` runs (the core's
 /// `memory::nixl::serve`). The GIL is released meanwhile.
@@ -102,6 +122,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;
     m.add_function(wrap_pyfunction!(_parse_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(_env_flag, m)?)?;
     m.add_function(wrap_pyfunction!(_max_pending_batches, m)?)?;
     m.add_function(wrap_pyfunction!(sink::_bench_rust_put, m)?)?;
     m.add_function(wrap_pyfunction!(exit::_exiting, m)?)?;

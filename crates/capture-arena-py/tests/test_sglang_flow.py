@@ -466,9 +466,21 @@ def test_gpu_put_enabled_follows_the_placement_and_nvlink_with_gpu_put_0_is_refu
     assert sglang.gpu_put_enabled() is True
     arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "0")
     assert sglang.gpu_put_enabled() in (True, False)  # never raises, on any rank
-    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_GPU_PUT=0") as e:
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_GPU_PUT off") as e:
         sglang.maybe_init_sink(server_args())
-    assert "MOONCAKE_PROTOCOL" in str(e.value)
+    assert "MOONCAKE_PROTOCOL=nvlink always publishes from the device" in str(e.value)
+    # Spelled as the core reads flags: "off" is 0 (before: anything but "1" was off, so "true"
+    # under nvlink was refused as if it asked for host publication).
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", " Off ")
+    with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_GPU_PUT off"):
+        sglang.maybe_init_sink(server_args())
+    # A value that is no flag stops the server with the variable named (before: taken as off).
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "maybe")
+    assert sglang.gpu_put_enabled() in (True, False)
+    with pytest.raises(ca.ConfigError, match=r"SGLANG_SPEC_CAPTURE_GPU_PUT: \"maybe\" is not a flag"):
+        sglang.maybe_init_sink(server_args())
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "true")
+    assert sglang.gpu_put_enabled() is True
     arena_env.delenv("SGLANG_SPEC_CAPTURE_GPU_PUT")
     arena_env.setenv("MOONCAKE_PROTOCOL", "tcp")
     assert sglang.gpu_put_enabled() is False
@@ -483,7 +495,9 @@ def test_gpu_put_enabled_follows_the_placement_and_nvlink_with_gpu_put_0_is_refu
     assert sglang.gpu_put_enabled() is torch.cuda.is_available()
     arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "0")
     assert sglang.gpu_put_enabled() is False
-    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "1")
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "yes")
+    assert sglang.gpu_put_enabled() is True
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_GPU_PUT", "on")
     arena_env.setenv("MOONCAKE_PROTOCOL", "tcp")
     arena_env.setenv("SGLANG_SPEC_CAPTURE_PLACEMENT", "arena")
     assert sglang.gpu_put_enabled() is True

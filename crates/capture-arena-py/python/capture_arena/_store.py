@@ -142,11 +142,15 @@ def store_gpu_put() -> bool:
     """SpecForge's rule for the store placement's device publication (its ``gpu_put_enabled``,
     v0.5.20 and main): ``SGLANG_SPEC_CAPTURE_GPU_PUT`` unset is on under
     ``MOONCAKE_PROTOCOL=rdma`` when torch is a CUDA build that sees a GPU; ``1`` is on (and needs
-    ``rdma``: :func:`check_store_gpu_put` says so at startup); anything else is off. Never
-    raises."""
+    ``rdma``: :func:`check_store_gpu_put` says so at startup); off is off. Flags are spelled as
+    the core reads them (``true``, ``on``, ...; another value is refused at startup and off
+    here). Never raises."""
     protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower() or "tcp"
-    configured = os.environ.get("SGLANG_SPEC_CAPTURE_GPU_PUT")
-    if configured is None or configured.strip() == "":
+    try:
+        configured = _capture_arena._env_flag("SGLANG_SPEC_CAPTURE_GPU_PUT")
+    except ConfigError:
+        return False
+    if configured is None:
         if protocol != "rdma":
             return False
         try:
@@ -154,16 +158,16 @@ def store_gpu_put() -> bool:
             return torch.version.cuda is not None and bool(torch.cuda.is_available())
         except Exception:
             return False
-    return configured.strip() == "1"
+    return configured
 
 
 def check_store_gpu_put() -> None:
     """ConfigError for device publication into the store without RDMA (SpecForge's sink raises
     the same in its scheduler loop; here the server does not start)."""
     protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower() or "tcp"
-    if os.environ.get("SGLANG_SPEC_CAPTURE_GPU_PUT", "").strip() == "1" and protocol != "rdma":
+    if _capture_arena._env_flag("SGLANG_SPEC_CAPTURE_GPU_PUT") is True and protocol != "rdma":
         raise ConfigError(
-            f"SGLANG_SPEC_CAPTURE_GPU_PUT=1 publishes device memory into the Mooncake store, which needs "
+            f"SGLANG_SPEC_CAPTURE_GPU_PUT={os.environ['SGLANG_SPEC_CAPTURE_GPU_PUT'].strip()} publishes device memory into the Mooncake store, which needs "
             f"MOONCAKE_PROTOCOL=rdma (it is {protocol}): set MOONCAKE_PROTOCOL=rdma, unset SGLANG_SPEC_CAPTURE_GPU_PUT, "
             "or choose an arena (SGLANG_SPEC_CAPTURE_PLACEMENT=arena) for device publication over another transport"
         )

@@ -44,8 +44,8 @@ mod placement;
 mod transport;
 
 pub use crate::memory::mapping::ENV_PIN_HOST;
-pub use parse::parse_bytes;
-use parse::{parse_flag, parse_seconds};
+use parse::parse_seconds;
+pub use parse::{parse_bytes, parse_flag};
 pub use placement::{is_nvlink, parse_placement, placement, Placement, ENV_PLACEMENT};
 pub use transport::{
     nixl_server, read_timeout, ArenaTransport, DEFAULT_READ_TIMEOUT, ENV_NIXL_LIB, ENV_NIXL_SERVER,
@@ -472,8 +472,12 @@ impl Config {
         if is_nvlink(self.protocol.as_deref()) && self.gpu_put == Some(false) {
             return Err(Error::config(
                 ENV_GPU_PUT,
-                "MOONCAKE_PROTOCOL=nvlink always publishes from the device; \
-                 SGLANG_SPEC_CAPTURE_GPU_PUT=0 is not supported with it (unset it or set 1)",
+                format!(
+                    "MOONCAKE_PROTOCOL={} always publishes from the device; \
+                     SGLANG_SPEC_CAPTURE_GPU_PUT off (0, false, no or off) is not supported \
+                     with it (unset it or set 1)",
+                    self.protocol.as_deref().unwrap_or_default().trim()
+                ),
             ));
         }
         check_control_host(ENV_CONTROL_HOST, &self.control_host)?;
@@ -706,7 +710,7 @@ mod tests {
         let e = cfg(&[(ENV_PROTOCOL, "nvlink"), (ENV_GPU_PUT, "0")]).unwrap_err();
         assert!(
             e.to_string()
-                .contains("SGLANG_SPEC_CAPTURE_GPU_PUT=0 is not supported"),
+                .contains("SGLANG_SPEC_CAPTURE_GPU_PUT off (0, false, no or off) is not supported"),
             "{e}"
         );
         let c = cfg(&[(ENV_PROTOCOL, "tcp"), (ENV_GPU_PUT, "0")]).unwrap();

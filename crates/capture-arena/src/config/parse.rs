@@ -47,7 +47,9 @@ pub fn parse_bytes(v: &str) -> Result<u64, String> {
     }
 }
 
-pub(crate) fn parse_flag(v: &str) -> Result<bool, String> {
+/// An on/off setting: `1`, `true`, `yes`, `on` or `0`, `false`, `no`, `off` (any case, spaces
+/// around ignored); the reason otherwise.
+pub fn parse_flag(v: &str) -> Result<bool, String> {
     match v.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" => Ok(false),

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .. import _patches, metrics
-from .._capture_arena import placement
+from .._capture_arena import _env_flag, placement
 from .._sink import ArenaSink, new_sink
 from .._live import intake_wait_s
 from .._store import StoreSink, check_store_gpu_put, store_gpu_put
@@ -82,8 +82,8 @@ def _layer_ids(v: Any) -> Optional[list[int]]:
 
 
 def _env_gpu_put() -> Optional[bool]:
-    v = os.environ.get("SGLANG_SPEC_CAPTURE_GPU_PUT", "").strip()
-    return None if v == "" else v == "1"
+    """``SGLANG_SPEC_CAPTURE_GPU_PUT`` as the core spells flags; ConfigError for another value."""
+    return _env_flag("SGLANG_SPEC_CAPTURE_GPU_PUT")
 
 
 def _device_publication() -> bool:
@@ -96,7 +96,10 @@ def _device_publication() -> bool:
     if where == "store":
         return store_gpu_put()
     protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower()
-    return protocol in ("nvlink", "nvlink_intra") or _env_gpu_put() is True
+    try:
+        return protocol in ("nvlink", "nvlink_intra") or _env_gpu_put() is True
+    except ConfigError:
+        return False
 
 
 def gpu_put_enabled() -> bool:
@@ -116,15 +119,10 @@ def gpu_put_enabled() -> bool:
 
 
 def _check_settings() -> None:
-    """Raises ConfigError for settings the server must not start with."""
-    where = placement()
-    protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower()
-    if protocol in ("nvlink", "nvlink_intra") and _env_gpu_put() is False:
-        raise ConfigError(
-            f"MOONCAKE_PROTOCOL={protocol} always publishes from device memory, but SGLANG_SPEC_CAPTURE_GPU_PUT=0 "
-            "asks for host publication: unset SGLANG_SPEC_CAPTURE_GPU_PUT, or choose MOONCAKE_PROTOCOL=tcp/rdma"
-        )
-    if where == "store":
+    """Raises ConfigError for settings the server must not start with: the core reads and checks
+    every variable (flags spelled its way, ``SGLANG_SPEC_CAPTURE_GPU_PUT`` off under ``nvlink``
+    refused); the store placement adds SpecForge's rule."""
+    if placement() == "store":
         check_store_gpu_put()
 
 
@@ -175,9 +173,9 @@ def _eager(variant: Any) -> bool:
     """``SGLANG_SPEC_CAPTURE_ARENA_EAGER``: ``1`` makes the arena when the server starts, ``0``
     at the first capture; unset, when the server starts under a synchronous patch (whose
     scheduler thread would otherwise meet an arena still being made)."""
-    v = os.environ.get("SGLANG_SPEC_CAPTURE_ARENA_EAGER", "").strip()
-    if v in ("0", "1"):
-        return v == "1"
+    v = _env_flag("SGLANG_SPEC_CAPTURE_ARENA_EAGER")
+    if v is not None:
+        return v
     return bool(getattr(variant, "synchronous", False))
 
 
@@ -208,7 +206,7 @@ def maybe_init_sink(server_args: Any) -> Optional["ArenaSink | StoreSink"]:
         # Under the default, only a rank known to capture starts early (an unknown rank could be
         # any of the TP ranks: each would take an arena); SGLANG_SPEC_CAPTURE_ARENA_EAGER=1 also
         # starts where the rank is unknown, as before.
-        forced = os.environ.get("SGLANG_SPEC_CAPTURE_ARENA_EAGER", "").strip() == "1"
+        forced = _env_flag("SGLANG_SPEC_CAPTURE_ARENA_EAGER") is True
         capturing = rank == 0 or (rank is None and forced)
         sink: "ArenaSink | StoreSink"
         if placement() == "store":
