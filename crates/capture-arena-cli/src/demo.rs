@@ -74,6 +74,30 @@ impl Drop for Reaped {
     }
 }
 
+/// Has the kernel send `c`'s process SIGTERM when this process ends, however it ends (a SIGTERM
+/// from a supervisor or `timeout`, SIGKILL, a crash): [`Reaped`] runs only on a return, and an
+/// orphaned producer would hold its arena until its idle timeout.
+fn ends_with_us(c: &mut Command) -> &mut Command {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: pre_exec runs in the forked child before exec; prctl and getppid are
+    // async-signal-safe FFI calls that touch no memory of ours.
+    unsafe {
+        let parent = libc::getpid();
+        c.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // This process may have ended before the request was made: then no signal comes.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other(
+                    "demo ended while starting its children",
+                ));
+            }
+            Ok(())
+        })
+    }
+}
+
 /// A bar over bytes, with the sample count and rate in its message (see [`Progress`]).
 fn style() -> ProgressStyle {
     ProgressStyle::with_template(
@@ -152,7 +176,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         bail!("--transport nixl needs a build with the nixl feature (cargo build --release -p capture-arena-cli --features nixl)");
     }
     let exe = std::env::current_exe().context("finding the capture-arena executable")?;
-    let mut producer = Command::new(&exe)
+    let mut producer = Command::new(&exe);
+    producer
         .env(capture_arena::config::ENV_TRANSPORT, &args.transport)
         .arg("produce")
         .args(["--samples", &w.samples.to_string()])
@@ -182,15 +207,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ])
         .args(["--idle-timeout", &args.idle_timeout.to_string(), "--quiet"])
         .args(args.gpu.flags())
-        .stdout(Stdio::piped())
+        .stdout(Stdio::piped());
+    let mut producer = ends_with_us(&mut producer)
         .spawn()
         .map(Reaped::new)
         .context("starting the producer process")?;
-    let mut trainer = Command::new(&exe)
+    let mut trainer = Command::new(&exe);
+    trainer
         .args(["consume", "--progress", "--quiet"])
         .args(args.gpu.flags())
         .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
+        .stdout(Stdio::piped());
+    let mut trainer = ends_with_us(&mut trainer)
         .spawn()
         .map(Reaped::new)
         .context("starting the trainer process")?;
@@ -219,9 +247,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 continue;
             }
             pub_bar.add(result_bytes(&v));
-            t_in.write_all(line.as_bytes())?;
-            t_in.write_all(b"\n")?;
-            t_in.flush()?;
+            t_in.write_all(line.as_bytes())
+                .and_then(|()| t_in.write_all(b"\n"))
+                .and_then(|()| t_in.flush())
+                .context("writing a result to the trainer")?;
         }
         drop(t_in);
         Ok(last)
@@ -241,11 +270,23 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             lat_ok &= v["ok"].as_bool().unwrap_or(false);
         }
     }
+    // The trainer's output ended: it exited. One that died without its summary (killed, out of
+    // memory) frees nothing more, so its producer is stopped (it would wait for frees) and the
+    // trainer's own status is the error, not the broken pipe the forwarding then meets.
+    let t_status = trainer.wait()?;
+    if summary.is_none() && !t_status.success() {
+        drop(producer);
+        let _ = forward.join();
+        bail!(
+            "the trainer process failed ({t_status}) after reading {} samples",
+            read.samples
+        );
+    }
     let producer_final = forward
         .join()
-        .map_err(|_| anyhow::anyhow!("forwarding thread panicked"))??;
+        .map_err(|_| anyhow::anyhow!("forwarding thread panicked"))?
+        .context("forwarding results from the producer to the trainer")?;
     let p_status = producer.wait()?;
-    let t_status = trainer.wait()?;
     let elapsed = t0.elapsed();
     for b in [&published, &read, &freed] {
         b.bar.finish();

@@ -74,7 +74,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "the largest batch needs {need} bytes but the arena holds {capacity}; raise --arena-bytes \
          (SGLANG_SPEC_CAPTURE_ARENA_BYTES) or lower --batch / --max-len"
     );
-    let writer = Writer::start(&config).context("starting the arena")?;
+    let writer = Writer::start(&config).with_context(|| {
+        format!(
+            "starting the arena of {capacity} bytes (--arena-bytes, else \
+             SGLANG_SPEC_CAPTURE_ARENA_BYTES; the largest batch needs {need}: a smaller arena \
+             needs a smaller --batch or --max-len too)"
+        )
+    })?;
     remove_arena_on_signal(writer.memory_session())?;
     tracing::info!(
         samples = w.samples,
@@ -179,12 +185,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// Ctrl-C or by its supervisor must not leave `arena_bytes` of `/dev/shm` behind.
 pub(crate) fn remove_arena_on_signal(session: &str) -> anyhow::Result<()> {
     use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
-    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
-        .context("installing signal handlers")?;
-    // Device memory goes with the process; only shared memory outlives it.
+    // Device memory goes with the process; only shared memory outlives it. Decided before any
+    // handler is installed: signal-hook leaves a signal ignored once its handler is dropped.
     let Ok(session) = session.parse::<capture_arena::memory::ShmSession>() else {
         return Ok(());
     };
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("installing signal handlers")?;
     std::thread::Builder::new()
         .name("produce-signals".into())
         .spawn(move || {

@@ -140,6 +140,9 @@ impl Gpu {
     }
 }
 
+/// The most samples one workload may have (`--samples`).
+pub const MAX_SAMPLES: usize = 1 << 24;
+
 /// The shape of the synthetic workload (shared by `demo` and `produce`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct Workload {
@@ -191,6 +194,29 @@ impl Workload {
             w.batch >= 1 && w.hidden >= 1,
             "--batch and --hidden must be >= 1"
         );
+        anyhow::ensure!(
+            w.samples <= MAX_SAMPLES,
+            "--samples {} is more than {MAX_SAMPLES}: run several producers, or a soak",
+            w.samples
+        );
+        // Every size below is then computed without overflow.
+        let total = w
+            .aux_layers
+            .checked_add(1)
+            .and_then(|k| k.checked_mul(w.hidden))
+            .and_then(|x| x.checked_mul(2))
+            .and_then(|x| x.checked_add(16))
+            .and_then(|x| x.checked_mul(w.max_len))
+            .and_then(|x| x.checked_mul(w.samples as u64));
+        anyhow::ensure!(
+            total.is_some(),
+            "--samples {} x --max-len {} x ((--aux-layers {} + 1) x --hidden {} x 2 + 16) bytes \
+             does not fit in 64 bits: lower them",
+            w.samples,
+            w.max_len,
+            w.aux_layers,
+            w.hidden
+        );
         Ok(w)
     }
 
@@ -219,9 +245,12 @@ impl Workload {
     /// Bytes of the largest batch.
     pub fn max_batch_bytes(&self) -> u64 {
         (0..self.samples)
-            .collect::<Vec<_>>()
-            .chunks(self.batch)
-            .map(|c| c.iter().map(|&i| self.bytes_of(i)).sum())
+            .step_by(self.batch)
+            .map(|s| {
+                (s..(s + self.batch).min(self.samples))
+                    .map(|i| self.bytes_of(i))
+                    .sum()
+            })
             .max()
             .unwrap_or(0)
     }
@@ -406,11 +435,68 @@ mod tests {
         assert!((0..1000).all(|i| (512..=4096).contains(&w.len_of(i))));
         let s = Workload {
             seed_scenario: true,
-            ..w
+            ..w.clone()
         }
         .resolved()
         .unwrap();
         let total = s.total_bytes() as f64 / (1u64 << 30) as f64;
         assert!((total - 6.47).abs() < 0.01, "{total}");
+        // The largest batch: 1000 samples in batches of 8, the last one of 0 (1000 = 125 x 8).
+        let by_hand = (0..1000)
+            .collect::<Vec<usize>>()
+            .chunks(8)
+            .map(|c| c.iter().map(|&i| w.bytes_of(i)).sum::<u64>())
+            .max();
+        assert_eq!(Some(w.max_batch_bytes()), by_hand);
+        assert_eq!(
+            Workload {
+                batch: 7,
+                ..w.clone()
+            }
+            .max_batch_bytes(),
+            {
+                let w7 = Workload {
+                    batch: 7,
+                    ..w.clone()
+                };
+                (0..1000)
+                    .collect::<Vec<usize>>()
+                    .chunks(7)
+                    .map(|c| c.iter().map(|&i| w7.bytes_of(i)).sum::<u64>())
+                    .max()
+                    .unwrap()
+            }
+        );
+    }
+
+    #[test]
+    fn workloads_whose_sizes_overflow_or_that_are_too_many_are_refused_with_the_flags_named() {
+        // Before: --hidden 2^62 overflowed bytes_of (a panic in a debug build, a wrong arena size
+        // in a release one), and --samples 10^10 collected every index (80 GB) to size a batch.
+        let w = Workload {
+            samples: 128,
+            min_len: 512,
+            max_len: 4096,
+            hidden: 1 << 62,
+            aux_layers: 3,
+            batch: 8,
+            seed: 1,
+            store_id: "d".into(),
+            seed_scenario: false,
+        };
+        let e = w.resolved().unwrap_err().to_string();
+        assert!(
+            e.contains("--hidden 4611686018427387904") && e.contains("does not fit in 64 bits"),
+            "{e}"
+        );
+        let e = Workload {
+            hidden: 4096,
+            samples: MAX_SAMPLES + 1,
+            ..w
+        }
+        .resolved()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(&format!("--samples {}", MAX_SAMPLES + 1)), "{e}");
     }
 }

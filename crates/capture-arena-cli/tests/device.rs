@@ -55,6 +55,44 @@ fn fake_gpu_demo_device_runs_producer_and_trainer_processes() {
 }
 
 #[test]
+fn fake_gpu_a_device_arena_producer_dies_by_the_signal_it_is_sent() {
+    // docs/commands.md: a producer stops on SIGTERM, SIGINT and SIGHUP. A device arena has no
+    // shared memory to remove, and its producer once installed the handlers, returned, and left
+    // the three signals ignored (it ran on until --idle-timeout).
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    for (name, number) in [("TERM", 15), ("INT", 2), ("HUP", 1)] {
+        let mut producer = with_fake_gpu(&mut util::tiny_producer("1", "60"))
+            .arg("--device")
+            .spawn()
+            .unwrap();
+        let mut first = String::new();
+        std::io::BufReader::new(producer.stdout.take().unwrap())
+            .read_line(&mut first)
+            .unwrap();
+        assert!(first.contains("cuda://"), "{first}");
+        let status = Command::new("sh")
+            .args(["-c", &format!("kill -{name} {}", producer.id())])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let exit = loop {
+            if let Some(exit) = producer.try_wait().unwrap() {
+                break exit;
+            }
+            if std::time::Instant::now() > deadline {
+                let _ = producer.kill();
+                let _ = producer.wait();
+                panic!("the producer ignored SIG{name} for 10 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        assert_eq!(exit.signal(), Some(number), "it dies by SIG{name}");
+    }
+}
+
+#[test]
 fn device_flags_without_a_cuda_driver_fail_with_what_to_do() {
     if std::path::Path::new("/dev/nvidiactl").exists() {
         eprintln!("skipped: this machine has an NVIDIA driver; the test needs one without");

@@ -265,6 +265,179 @@ fn a_producer_stopped_by_a_signal_removes_its_arena() {
     }
 }
 
+/// The live children of `pid` (scanning /proc: a zombie counts as gone), with their command lines.
+fn children_of(pid: u32) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{child}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split_whitespace().collect();
+        if fields.len() > 1 && fields[0] != "Z" && fields[1] == pid.to_string() {
+            let cmd = std::fs::read(format!("/proc/{child}/cmdline")).unwrap_or_default();
+            out.push((child, String::from_utf8_lossy(&cmd).replace('\0', " ")));
+        }
+    }
+    out
+}
+
+/// Whether process `pid` is gone (or a zombie nobody has reaped yet).
+fn gone(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |s| {
+        s.rsplit_once(')')
+            .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+    })
+}
+
+/// Polls `cond` every 20 ms until it holds or `secs` pass.
+fn within(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !cond() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    true
+}
+
+#[test]
+fn a_demo_stopped_by_sigterm_takes_its_producer_and_trainer_and_the_arena_with_it() {
+    // `timeout`, a CI job's cancel or a supervisor sends SIGTERM to the demo alone (not its
+    // process group, as a terminal's Ctrl-C does). Before, the demo died at once and its
+    // children ran on: a producer waiting for frees held its arena for the arena's wait (30 s).
+    use std::io::BufRead;
+    let mut demo = Command::new(EXE)
+        .env("RUST_LOG", "capture_arena=debug")
+        .arg("demo")
+        .args(["--samples", "1000", "--min-len", "8", "--max-len", "8"])
+        .args(["--hidden", "64", "--batch", "1", "--arena-bytes", "64KiB"])
+        .args(["--idle-timeout", "60", "--quiet"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut kids = Vec::new();
+    assert!(
+        within(30, || {
+            kids = children_of(demo.id());
+            kids.len() == 2
+        }),
+        "the demo's two children did not start: {kids:?}"
+    );
+    let (producer, trainer) = match kids
+        .iter()
+        .partition::<Vec<_>, _>(|(_, c)| c.contains(" produce "))
+    {
+        (p, t) if p.len() == 1 && t.len() == 1 => (p[0].0, t[0].0),
+        _ => panic!("not one producer and one trainer: {kids:?}"),
+    };
+    // The trainer stops freeing; the producer fills its arena and waits for frees.
+    let signal = |sig: &str, pid: u32| {
+        let status = Command::new("sh")
+            .args(["-c", &format!("kill -{sig} {pid}")])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    signal("STOP", trainer);
+    let mut log = std::io::BufReader::new(demo.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("batch waits for frees") {
+        line.clear();
+        assert_ne!(
+            log.read_line(&mut line).unwrap(),
+            0,
+            "the demo's stderr ended"
+        );
+    }
+    let arena = || {
+        std::fs::read_dir("/dev/shm")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("capture-arena-{producer}-"))
+            })
+            .count()
+    };
+    assert_eq!(arena(), 1, "the producer's arena");
+    signal("TERM", demo.id());
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(demo.wait().unwrap().signal(), Some(15));
+    let ended = within(5, || gone(producer));
+    signal("CONT", trainer);
+    assert!(ended, "the producer outlived the demo by 5 s");
+    assert!(
+        within(5, || gone(trainer)),
+        "the trainer outlived the demo by 5 s"
+    );
+    assert_eq!(arena(), 0, "the producer's arena outlived it");
+}
+
+#[test]
+fn a_demo_whose_trainer_is_killed_says_so_and_stops_its_producer() {
+    // Before: the producer, waiting for frees, held the demo for the arena's wait (30 s), and
+    // the error was the forwarding's "Broken pipe (os error 32)", the trainer not named.
+    let mut demo = Command::new(EXE)
+        .arg("demo")
+        .args(["--samples", "1000", "--min-len", "8", "--max-len", "8"])
+        .args(["--hidden", "64", "--batch", "1", "--arena-bytes", "64KiB"])
+        .args(["--idle-timeout", "60", "--quiet"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut kids = Vec::new();
+    assert!(
+        within(30, || {
+            kids = children_of(demo.id());
+            kids.len() == 2
+        }),
+        "the demo's two children did not start: {kids:?}"
+    );
+    let trainer = kids
+        .iter()
+        .find(|(_, c)| c.contains(" consume "))
+        .map(|(p, _)| *p)
+        .expect("a trainer child");
+    let t0 = std::time::Instant::now();
+    let status = Command::new("sh")
+        .args(["-c", &format!("kill -KILL {trainer}")])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut err = String::new();
+    use std::io::Read;
+    demo.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let code = demo.wait().unwrap().code();
+    let took = t0.elapsed();
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("the trainer process failed (signal: 9 (SIGKILL))"),
+        "{err}"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(10),
+        "the demo took {took:?} to end"
+    );
+    for (pid, cmd) in &kids {
+        assert!(gone(*pid), "{cmd} ({pid}) outlived the demo");
+    }
+}
+
 #[test]
 fn an_operator_reclaims_a_dead_trainers_samples_with_free_prefix() {
     // The trainer died before freeing anything: the producer holds 3 samples.
