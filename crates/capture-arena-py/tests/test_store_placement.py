@@ -59,6 +59,22 @@ for line in sys.stdin:
         from capture_arena._store import connect
         print(json.dumps([int(sink._store.is_exist(k)) for k in req["exists"]]), flush=True)
         continue
+    if "answers" in req:  # the store's status lists from now on: "short" (none), "error" (-1 each)
+        real = getattr(sink._store, "real", sink._store)
+        mode = req["answers"]
+        class Answers:
+            def __init__(self, real):
+                self.real = real
+            def __getattr__(self, name):
+                return getattr(self.real, name)
+            def batch_is_exist(self, keys):
+                return [] if mode == "short" else [-1] * len(keys)
+            def batch_remove(self, keys, force):
+                got = self.real.batch_remove(keys, force)
+                return [] if mode == "short" else got
+        sink._store = Answers(real) if mode else real
+        print(json.dumps({}), flush=True)
+        continue
     batch = []
     for s in req["samples"]:
         L = s["L"]
@@ -144,6 +160,15 @@ def test_store_placement_round_trip_replace_and_nothing_half_published(master):
         dup = prod.ask({"samples": [{"id": "a", "L": 64, "seed": 9}]})
         assert isinstance(dup, list) and "already in the store" in dup[0]["error"], dup
         assert reader.ask([rs[0], 1, False]) == {"ok": True}
+        # A store that answers no status, or an error, for whether the keys exist: refused too
+        # (before: taken as absent, the put answered success over the old bytes, and the result
+        # pointed at the first sample's).
+        for mode, why in (("short", "answered 0 statuses for whether 3 keys exist"), ("error", "could not tell whether st/a/g1/hidden_state exists (status -1)")):
+            prod.ask({"answers": mode})
+            dup = prod.ask({"samples": [{"id": "a", "L": 64, "seed": 9}]})
+            assert isinstance(dup, list) and why in dup[0].get("error", ""), dup
+        prod.ask({"answers": None})
+        assert reader.ask([rs[0], 1, False]) == {"ok": True}
         # replace: new bytes under the same keys (Mooncake keeps old bytes on a re-put).
         again = prod.ask({"samples": [{"id": "a", "L": 64, "seed": 7, "replace": True}]})
         assert isinstance(again, list) and "error" not in again[0], again
@@ -156,7 +181,7 @@ def test_store_placement_round_trip_replace_and_nothing_half_published(master):
         assert prod.ask({"exists": big_keys}) == [0] * len(big_keys)
         reader.finish()
         stats = json.loads(prod.finish().strip().splitlines()[-1])["stats"]
-        assert stats["published_batches"] == 2 and stats["failed_batches"] == 2, stats
+        assert stats["published_batches"] == 2 and stats["failed_batches"] == 4, stats
     finally:
         prod.kill()
         reader.kill()
@@ -448,3 +473,30 @@ sink.close()
         except OSError:
             pass
         mooncake_master.stop(p)
+
+
+def test_removals_dropped_past_the_bound_are_logged_with_the_count(monkeypatch, caplog) -> None:
+    # Store objects have no lease: a removal dropped past MAX_PENDING_KEYS (the master unreachable
+    # meanwhile) leaves its object until the producer's client closes. Before: only counted, in
+    # silence; now a warning (at most one a second) says how many and what.
+    import logging
+    import socket
+
+    from capture_arena._store import StoreReader
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there: connecting is refused
+    monkeypatch.setenv("MOONCAKE_MASTER_SERVER_ADDR", f"127.0.0.1:{port}")
+    reader = StoreReader()
+    # One release queues its three keys and trims them to the bound under one lock (the remover
+    # thread takes keys only after): two dropped, whatever the thread does.
+    reader.MAX_PENDING_KEYS = 1
+    feats = {"hidden_state": {"shape": [1, 4, 8], "dtype": "bfloat16"}, "target": {"shape": [1, 4, 8], "dtype": "bfloat16"}, "input_ids": {"shape": [1, 4], "dtype": "int64"}}
+    with caplog.at_level(logging.WARNING, logger="capture_arena"):
+        reader.release({"sample_id": "s0", "store_id": "st", "gen": 1, "features": feats})
+    assert reader.dropped == 2
+    dropped = [r.getMessage() for r in caplog.records if "removals from the Mooncake store dropped" in r.getMessage()]
+    assert dropped and dropped[0].startswith("2 removals from the Mooncake store dropped, 2 in all (more than 1 waited"), dropped
+    assert "first dropped: st/s0/g1/hidden_state" in dropped[0], dropped

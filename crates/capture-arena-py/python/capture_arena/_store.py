@@ -47,6 +47,7 @@ import numpy as np
 
 from . import _capture_arena
 from ._live import LiveSink, sync_wait_s
+from ._samples import Warnings
 from .errors import (
     ArenaOSError,
     ConfigError,
@@ -66,6 +67,8 @@ NOT_FOUND = -704
 READY_TIMEOUT_S = 60.0
 
 _log = logging.getLogger("capture_arena")
+#: Dropped store removals: a warning at most once a second.
+_DROPPED = Warnings()
 
 #: Defaults of the sink this one replaces (SpecForge's ``spec_capture_sink``), shared by sinks and
 #: readers.
@@ -353,14 +356,25 @@ class StoreSink(LiveSink):
                 # The capture kernels that wrote them, enqueued before the hand-over, finish first.
                 batch.wait_ready(READY_TIMEOUT_S)
             for sid, replace, keys in samples:
+                # A status missing, or an error for existence, is never taken as "absent": a put
+                # over a key still there keeps Mooncake's old bytes and answers success.
                 if replace:
-                    for k, rc in zip(keys, store.batch_remove(keys, True)):
+                    removed = list(store.batch_remove(keys, True))
+                    if len(removed) != len(keys):
+                        return self._fail(batch, f"replace: the Mooncake store answered {len(removed)} statuses for removing {len(keys)} old objects")
+                    for k, rc in zip(keys, removed):
                         if rc not in (0, NOT_FOUND):
                             return self._fail(batch, f"replace: removing the old object {k} returned {rc}")
                         self._stats["replaced_objects"] += rc == 0
                 else:
                     # A re-put keeps Mooncake's old bytes: refuse instead, as the arena does.
-                    there = [k for k, e in zip(keys, store.batch_is_exist(keys)) if e == 1]
+                    exist = list(store.batch_is_exist(keys))
+                    if len(exist) != len(keys):
+                        return self._fail(batch, f"the Mooncake store answered {len(exist)} statuses for whether {len(keys)} keys exist")
+                    unknown = [(k, e) for k, e in zip(keys, exist) if e not in (0, 1)]
+                    if unknown:
+                        return self._fail(batch, f"the Mooncake store could not tell whether {unknown[0][0]} exists (status {unknown[0][1]})")
+                    there = [k for k, e in zip(keys, exist) if e == 1]
                     if there:
                         return self._fail(
                             batch,
@@ -659,8 +673,9 @@ class StoreReader:
             while len(self._order) > self.MAX_RELEASED:
                 self._released.discard(self._order.popleft())
             self._removals.extend(keys)
+            lost = []
             while len(self._removals) > self.MAX_PENDING_KEYS:
-                self._removals.popleft()
+                lost.append(self._removals.popleft())
                 self.dropped += 1
             if self._remover is None or not self._remover.is_alive():
                 remover = threading.Thread(target=self._remove, name="capture-arena-store-remove", daemon=True)
@@ -672,6 +687,17 @@ class StoreReader:
                     # handlers release what was read), or a process at its limit. The keys
                     # wait; flush removes them on its caller's thread.
                     self._remover = None
+        if lost:
+            # Store objects have no lease: these stay until their producer's client closes.
+            _DROPPED.warn(
+                "dropped_removals",
+                "%d removals from the Mooncake store dropped, %d in all (more than %d waited: the master has been unreachable); "
+                "they stay in the store until their producer's client closes (first dropped: %s)",
+                len(lost),
+                self.dropped,
+                self.MAX_PENDING_KEYS,
+                lost[0],
+            )
 
     @property
     def pending(self) -> int:
