@@ -500,3 +500,32 @@ def test_removals_dropped_past_the_bound_are_logged_with_the_count(monkeypatch, 
     dropped = [r.getMessage() for r in caplog.records if "removals from the Mooncake store dropped" in r.getMessage()]
     assert dropped and dropped[0].startswith("2 removals from the Mooncake store dropped, 2 in all (more than 1 waited"), dropped
     assert "first dropped: st/s0/g1/hidden_state" in dropped[0], dropped
+
+
+def test_a_readers_store_client_takes_no_local_buffer_unless_asked(master, monkeypatch) -> None:
+    # A reader reads straight into its registered outputs (batch_get_into): Mooncake's local
+    # buffer (1 GiB by default, registered, so pinned under RDMA) is never used by it. Before:
+    # every reader client took MOONCAKE_LOCAL_BUFFER_SIZE's 1 GiB. The real client, set up
+    # against a real master; the subclass only records what setup was asked.
+    import mooncake.store
+
+    from capture_arena import _store
+
+    asked = []
+
+    class Recorded(mooncake.store.MooncakeDistributedStore):  # type: ignore[misc]
+        def setup(self, *args: object) -> int:
+            asked.append(args)
+            return int(super().setup(*args))
+
+    monkeypatch.setattr(mooncake.store, "MooncakeDistributedStore", Recorded)
+    for k, v in master.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MOONCAKE_LOCAL_BUFFER_SIZE")
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "16MiB")
+    for contribute, local in ((False, 0), (True, 1 << 30)):
+        _store.connect(contribute)
+        assert asked[-1][2:4] == (16 << 20 if contribute else 0, local), asked[-1]
+    monkeypatch.setenv("MOONCAKE_LOCAL_BUFFER_SIZE", "8MiB")
+    _store.connect(False)
+    assert asked[-1][3] == 8 << 20, asked[-1]

@@ -103,7 +103,10 @@ def connect(contribute: bool) -> Any:
     protocol = os.environ.get("MOONCAKE_PROTOCOL", "").strip().lower() or "tcp"
     devices = os.environ.get("MOONCAKE_RDMA_DEVICES", "").strip()
     segment = _bytes_var("MOONCAKE_GLOBAL_SEGMENT_SIZE", 32 << 30) if contribute else 0
-    local = _bytes_var("MOONCAKE_LOCAL_BUFFER_SIZE", 1 << 30)
+    # A reader reads with batch_get_into straight into its registered outputs and never uses
+    # Mooncake's local buffer: none unless asked for (under RDMA it is registered, so pinned, for
+    # every reader client: with clients set aside after stuck reads, gigabytes per process).
+    local = _bytes_var("MOONCAKE_LOCAL_BUFFER_SIZE", 1 << 30 if contribute else 0)
     # setup() holds the GIL while it retries an unreachable master (about 4 s a try, 20 tries):
     # the whole process, SGLang's scheduler included, would stand still for a minute and a half.
     # A short connect first turns that into this batch's error.
