@@ -682,7 +682,10 @@ class _Route:
             try:
                 conn.connect()
             except (OSError, http.client.HTTPException) as e:  # a proxy's CONNECT answer included
-                raise _NotSent(f"connecting to {self.origin} {self.describe()}") from (late if cut.is_set() else e)
+                # A resolution cut at the deadline says so itself, whichever of it and the
+                # watchdog came first.
+                honest = isinstance(e, ResolveTimeout) or not cut.is_set()
+                raise _NotSent(f"connecting to {self.origin} {self.describe()}") from (e if honest else late)
             if cut.is_set():  # connected as the deadline passed: nothing sent
                 raise _NotSent(f"connecting to {self.origin} {self.describe()}") from late
             headers = {"Content-Type": "application/json"} if body is not None else {}
@@ -732,6 +735,10 @@ def _resolutions_in_child() -> None:
 os.register_at_fork(after_in_child=_resolutions_in_child)
 
 
+class ResolveTimeout(TimeoutError):
+    """A name's resolution not done by its deadline (:func:`_resolve_by`)."""
+
+
 def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
     """``socket.getaddrinfo`` for a stream socket, by ``deadline``: on a thread of its own,
     because the system resolver takes as long as its configuration says (10 s and more when its
@@ -744,7 +751,7 @@ def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
         pass
     permits = _resolutions  # a fork replaces it; this call's permit goes back to this one
     if not permits.acquire(blocking=False):
-        raise TimeoutError(f"resolving {host}: {MAX_RESOLUTIONS} resolutions are running already (the name server does not answer?)")
+        raise ResolveTimeout(f"resolving {host}: {MAX_RESOLUTIONS} resolutions are running already (the name server does not answer?)")
     got: list[Any] = []
     done = threading.Event()
 
@@ -763,7 +770,7 @@ def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
         permits.release()
         raise
     if not done.wait(max(0.0, deadline - time.monotonic())):
-        raise TimeoutError(f"resolving {host} did not end in time (the system resolver's name server does not answer?)")
+        raise ResolveTimeout(f"resolving {host} did not end in time (the system resolver's name server does not answer?)")
     if isinstance(got[0], BaseException):
         raise got[0]
     out: list[Any] = got[0]
