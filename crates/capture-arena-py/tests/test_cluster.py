@@ -95,10 +95,12 @@ sink.close()
 """
 )
 
-# How a trainer script ends: it waits for its frees (up to 30 s) and prints its health.
+# How a trainer script ends: it waits for its frees (up to 30 s, or FLUSH_S: a test whose
+# lost host holds frees for good need not wait them out) and prints its health.
 TRAINER_END = r"""
+import os as _os
 try:
-    store.flush(30)
+    store.flush(float(_os.environ.get("FLUSH_S", "30")))
 except ca.FreeNotSentError as e:
     print(json.dumps({"flush": str(e)}), flush=True)
 print(json.dumps({"health": store.health()}), flush=True)
@@ -516,7 +518,8 @@ def test_host_loss_fails_reads_at_the_deadline_and_costs_releases_nothing() -> N
     with Cluster(["p1", "p2", "t1"]) as c:
         p1, r1 = producer(c, "p1", 2)
         p2, r2 = producer(c, "p2", 2)
-        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
+        # Its frees for the lost host wait for good: the exit flush gives them 1 s, not 30.
+        trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1", FLUSH_S="1"))
         assert trainer.send(r1[0])["ok"]
         c.partition("p1")  # the host goes dark, then its producer dies
         c.killed(p1.p)
@@ -531,7 +534,7 @@ def test_host_loss_fails_reads_at_the_deadline_and_costs_releases_nothing() -> N
         # Nothing proves the lost host's producer gone: its frees are never dropped (they went
         # into the open connection, where TCP holds them, or wait for the endpoint).
         health = trainer.finish()
-        assert health["dropped_frees"] == 0, health
+        assert health["dropped_frees"] == 0 and health["pending_frees"] >= 1, health
 
 
 @needs_nixl
