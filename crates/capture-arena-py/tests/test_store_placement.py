@@ -529,3 +529,71 @@ def test_a_readers_store_client_takes_no_local_buffer_unless_asked(master, monke
     monkeypatch.setenv("MOONCAKE_LOCAL_BUFFER_SIZE", "8MiB")
     _store.connect(False)
     assert asked[-1][3] == 8 << 20, asked[-1]
+
+
+STALLED_AT_EXIT = r"""
+import atexit, json, sys, threading
+import capture_arena as ca
+
+store = ca.ArenaFeatureStore()
+r = json.loads(sys.argv[1])
+store.get(r)
+print("read", flush=True)
+sys.stdin.readline()  # the master is stopped meanwhile
+
+def release_at_exit():  # as speculators' backend does; no thread can start (Python 3.12+)
+    def start(self, *a, **k):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+    threading.Thread.start = start
+    store.release(r)
+
+atexit.register(release_at_exit)
+"""
+
+
+def test_a_release_at_exit_under_a_stalled_master_ends_within_the_exit_flush() -> None:
+    # The remover thread starts with the first read, so at exit (no thread to be had) the release
+    # is queued to it and the exit flush waits at most SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S. Before:
+    # the flush made the removal itself, on the exiting thread, with no deadline: a master that
+    # stopped answering held the exit 30 s before the flush could even warn (Mooncake's RPC timeout).
+    import signal
+    import time
+
+    import mooncake_master
+
+    p, env = mooncake_master.start()
+    env = {**os.environ, **env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"}
+    prod = Proc(PRODUCER, env)
+    try:
+        (r,) = prod.ask({"samples": [{"id": "stalled", "L": 16, "seed": 1}]})
+        assert "error" not in r, r
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", STALLED_AT_EXIT, json.dumps(r)],
+            env={**env, "SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S": "1"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert trainer.stdout is not None and trainer.stdin is not None
+        assert trainer.stdout.readline() == "read\n"
+        os.kill(p.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        # The exit flush's warning comes at its bound; Mooncake's own teardown then takes what
+        # its HTTP timeouts say (3 s each against the stopped metadata server), not ours to bound.
+        assert trainer.stderr is not None
+        seen = ""
+        for line in trainer.stderr:
+            seen += line
+            if "frees not sent before exit" in line:
+                break
+        took = time.monotonic() - t0
+        assert "still wait after 1.0 s" in seen, seen[-3000:]
+        assert took < 1 + 2, (took, seen[-3000:])
+        trainer.stderr.read()
+        assert trainer.wait(timeout=60) == 0
+    finally:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except OSError:
+            pass
+        prod.kill()
+        mooncake_master.stop(p)

@@ -622,6 +622,8 @@ class StoreReader:
         from ._engine import read_timeout_s, run_bounded
 
         timeout = read_timeout_s()
+        with self._lock:
+            self._ensure_remover()
         wanted = [(k, n, v) for (k, n), v in zip(planned, views) if n > 0]
         if not wanted:
             return
@@ -680,16 +682,8 @@ class StoreReader:
             while len(self._removals) > self.MAX_PENDING_KEYS:
                 lost.append(self._removals.popleft())
                 self.dropped += 1
-            if self._remover is None or not self._remover.is_alive():
-                remover = threading.Thread(target=self._remove, name="capture-arena-store-remove", daemon=True)
-                try:
-                    remover.start()
-                    self._remover = remover
-                except RuntimeError:
-                    # No thread to be had: Python 3.12 and later at interpreter exit (atexit
-                    # handlers release what was read), or a process at its limit. The keys
-                    # wait; flush removes them on its caller's thread.
-                    self._remover = None
+            self._changed.notify_all()
+            self._ensure_remover()
         if lost:
             # Store objects have no lease: these stay until their producer's client closes.
             _DROPPED.warn(
@@ -702,21 +696,37 @@ class StoreReader:
                 lost[0],
             )
 
+    def _ensure_remover(self) -> None:
+        """Starts the remover thread unless it runs (``self._lock`` held). It is started by the
+        first read as well as the first release: a release made at interpreter exit (as
+        speculators' backend makes them) finds it there, where Python 3.12 and later can start
+        no thread, so the exit flush waits for it within its bound."""
+        if self._remover is not None and self._remover.is_alive():
+            return
+        remover = threading.Thread(target=self._remove, name="capture-arena-store-remove", daemon=True)
+        try:
+            remover.start()
+            self._remover = remover
+        except RuntimeError:
+            # No thread to be had (a process at its limit, or an exit with no read before it):
+            # the keys wait; flush removes them on its caller's thread.
+            self._remover = None
+
     @property
     def pending(self) -> int:
         with self._lock:
             return len(self._removals) + self._removing
 
     def _remove(self) -> None:
-        """Removes what is queued, retrying with a back-off while it fails; exits when nothing waits."""
+        """Removes what is queued, retrying with a back-off while it fails; then waits for more
+        (for the life of the process: one idle thread per reader)."""
         backoff = 0.1
         log = logging.getLogger("capture_arena")
         while True:
             with self._lock:
-                if not self._removals:
-                    self._remover = None
+                while not self._removals:
                     self._changed.notify_all()
-                    return
+                    self._changed.wait()
             bad = self._remove_once()
             if bad:
                 log.warning("removing %d objects from the Mooncake store failed (first: %s: %s); retrying in %.1f s", len(bad), bad[0][0], bad[0][1], backoff)
