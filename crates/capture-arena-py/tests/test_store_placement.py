@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 import capture_arena as ca
@@ -597,3 +598,23 @@ def test_a_release_at_exit_under_a_stalled_master_ends_within_the_exit_flush() -
             pass
         prod.kill()
         mooncake_master.stop(p)
+
+
+def test_a_smaller_object_published_again_under_a_results_key_is_named_as_such(master, monkeypatch) -> None:
+    # Mooncake's batch_get_into answers the bytes it copied when the object there is smaller than
+    # the buffer. Before: "the store or the object's segment cannot be reached"
+    # (StaleSessionError), for a producer that is up and an object that is there.
+    for k, v in master.items():
+        monkeypatch.setenv(k, v)
+    sink = ca.StoreSink(aux_layer_ids=[1])
+    try:
+        spec = {"store_id": "again", "sample_id": "a", "features": {"aux": "hidden_state"}}
+        (old,) = sink.put_samples([(spec, np.full((64, 32), 3, np.float32), None)])
+        (new,) = sink.put_samples([({**spec, "replace": True}, np.full((16, 32), 4, np.float32), None)])
+        assert "error" not in old and "error" not in new, (old, new)
+        with ca.ArenaFeatureStore() as store:
+            with pytest.raises(ca.InvalidReadError, match=r"holds again/a/g1/hidden_state with 2048 bytes, not the result's 8192: the object was published again"):
+                store.get(old)
+            assert store.get(new)["hidden_state"].shape == (1, 16, 32)
+    finally:
+        sink.close()

@@ -646,6 +646,11 @@ class StoreReader:
                     continue
                 if rc == SIZE_MISMATCH:
                     raise InvalidReadError(f"the Mooncake store holds {k} with another size than the result's {n} bytes (status {rc})")
+                if rc >= 0:  # a smaller object there: published again under the key, with another shape
+                    raise InvalidReadError(
+                        f"the Mooncake store holds {k} with {rc} bytes, not the result's {n}: the object was published again "
+                        "under its key (replace) since this result was made"
+                    )
                 why = "no such object: its producer is gone (its segment unmounted) or it was removed" if rc == NOT_FOUND else "the store or the object's segment cannot be reached"
                 raise StaleSessionError(f"the Mooncake store returned {rc} for {k} ({n} bytes expected): {why}")
 
