@@ -629,10 +629,18 @@ class StoreReader:
             return
         same_sizes([k for k, _, _ in wanted], [n for _, n, _ in wanted], [int(v.nbytes) for _, _, v in wanted])
         used: list[Any] = []
+        # Set when the caller gave up (run_bounded sets it before timed_out runs): a read whose
+        # client was still connecting then starts no transfer into the abandoned outputs, and
+        # holds no client for timed_out or late to count.
+        gone = threading.Event()
+        guard = threading.Lock()
 
         def work() -> None:
             store = self._client()
-            used.append(store)
+            with guard:
+                if gone.is_set():
+                    return
+                used.append(store)
             ptrs = [int(v.ctypes.data) for _, _, v in wanted]
             registered = _Registered(store, [(p, n, -1) for p, (_, n, _) in zip(ptrs, wanted)])
             try:
@@ -655,8 +663,9 @@ class StoreReader:
                 raise StaleSessionError(f"the Mooncake store returned {rc} for {k} ({n} bytes expected): {why}")
 
         def timed_out() -> str:
-            if used:
-                self._clients.set_aside(used[0])
+            with guard:
+                if used:
+                    self._clients.set_aside(used[0])
             logging.getLogger("capture_arena").warning("a Mooncake store read timed out after %.1f s; later reads use a new client", timeout)
             return (
                 f"the Mooncake store read of {len(wanted)} objects ({sum(n for _, n, _ in wanted)} bytes) did not finish in "
@@ -668,7 +677,7 @@ class StoreReader:
             if used:
                 self._clients.returned(used[0])
 
-        run_bounded("capture-arena-store-read", work, views, timeout, timed_out, late=late)
+        run_bounded("capture-arena-store-read", work, views, timeout, timed_out, gone, late=late)
 
     def release(self, result: Mapping[str, Any]) -> None:
         """Marks ``result`` released (later reads raise ReleasedError) and queues the removal of
