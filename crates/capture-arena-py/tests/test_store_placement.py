@@ -483,6 +483,8 @@ def test_removals_dropped_past_the_bound_are_logged_with_the_count(monkeypatch, 
     import logging
     import socket
 
+    from capture_arena import _store
+    from capture_arena._samples import Warnings
     from capture_arena._store import StoreReader
 
     s = socket.socket()
@@ -490,6 +492,7 @@ def test_removals_dropped_past_the_bound_are_logged_with_the_count(monkeypatch, 
     port = s.getsockname()[1]
     s.close()  # nothing listens there: connecting is refused
     monkeypatch.setenv("MOONCAKE_MASTER_SERVER_ADDR", f"127.0.0.1:{port}")
+    monkeypatch.setattr(_store, "_DROPPED", Warnings())  # the rate limit is per process
     reader = StoreReader()
     # One release queues its three keys and trims them to the bound under one lock (the remover
     # thread takes keys only after): two dropped, whatever the thread does.
@@ -501,6 +504,12 @@ def test_removals_dropped_past_the_bound_are_logged_with_the_count(monkeypatch, 
     dropped = [r.getMessage() for r in caplog.records if "removals from the Mooncake store dropped" in r.getMessage()]
     assert dropped and dropped[0].startswith("2 removals from the Mooncake store dropped, 2 in all (more than 1 waited"), dropped
     assert "first dropped: st/s0/g1/hidden_state" in dropped[0], dropped
+    # Its remover would retry the kept key against the closed port for the rest of the session
+    # (reading the environment later tests set): the key goes, the reader with it.
+    with reader._lock:
+        reader._removals.clear()
+        while reader._removing:
+            reader._changed.wait(1.0)
 
 
 def test_a_readers_store_client_takes_no_local_buffer_unless_asked(master, monkeypatch) -> None:
@@ -616,5 +625,21 @@ def test_a_smaller_object_published_again_under_a_results_key_is_named_as_such(m
             with pytest.raises(ca.InvalidReadError, match=r"holds again/a/g1/hidden_state with 2048 bytes, not the result's 8192: the object was published again"):
                 store.get(old)
             assert store.get(new)["hidden_state"].shape == (1, 16, 32)
+        # The reader's remover thread (started by its first read) does not keep it: dropped, the
+        # reader is collected with its store clients and the thread ends (before: a thread and
+        # its clients held for the life of the process, per store ever made).
+        import gc
+        import threading
+        import time
+        import weakref
+
+        reader = weakref.ref(store._store_reader)
+        del store
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (reader() is not None or any(t.name == "capture-arena-store-remove" for t in threading.enumerate())):
+            gc.collect()
+            time.sleep(0.05)
+        assert reader() is None, gc.get_referrers(reader())
+        assert not [t for t in threading.enumerate() if t.name == "capture-arena-store-remove"]
     finally:
         sink.close()

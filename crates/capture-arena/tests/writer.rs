@@ -97,7 +97,8 @@ fn nvlink_rejects_host_publication() {
     };
     let e = Sink::new(c).unwrap_err();
     assert!(
-        e.to_string().contains("SGLANG_SPEC_CAPTURE_GPU_PUT=0"),
+        e.to_string()
+            .contains("SGLANG_SPEC_CAPTURE_GPU_PUT off (0, false, no or off)"),
         "{e}"
     );
     let c = Config {

@@ -717,7 +717,7 @@ class StoreReader:
         no thread, so the exit flush waits for it within its bound."""
         if self._remover is not None and self._remover.is_alive():
             return
-        remover = threading.Thread(target=self._remove, name="capture-arena-store-remove", daemon=True)
+        remover = threading.Thread(target=_remove_for, args=(weakref.ref(self),), name="capture-arena-store-remove", daemon=True)
         try:
             remover.start()
             self._remover = remover
@@ -730,24 +730,6 @@ class StoreReader:
     def pending(self) -> int:
         with self._lock:
             return len(self._removals) + self._removing
-
-    def _remove(self) -> None:
-        """Removes what is queued, retrying with a back-off while it fails; then waits for more
-        (for the life of the process: one idle thread per reader)."""
-        backoff = 0.1
-        log = logging.getLogger("capture_arena")
-        while True:
-            with self._lock:
-                while not self._removals:
-                    self._changed.notify_all()
-                    self._changed.wait()
-            bad = self._remove_once()
-            if bad:
-                log.warning("removing %d objects from the Mooncake store failed (first: %s: %s); retrying in %.1f s", len(bad), bad[0][0], bad[0][1], backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
-            else:
-                backoff = 0.1
 
     def _remove_once(self) -> list[tuple[str, Any]]:
         """One try at removing what is queued; what failed (queued again), with why."""
@@ -788,6 +770,39 @@ class StoreReader:
                         f"{timeout_s:.1f} s (the master is unreachable?); they keep being retried"
                     )
                 self._changed.wait(min(left, 0.1))
+
+
+#: How often an idle remover thread looks whether its reader is still there.
+IDLE_LOOK_S = 1.0
+
+
+def _remove_for(ref: "weakref.ref[StoreReader]") -> None:
+    """A reader's remover: removes what it queued, retrying with a back-off while that fails,
+    then waits for more. It holds the reader only while removals wait, so a reader nobody holds
+    any more is collected (its clients with it) and the thread ends within ``IDLE_LOOK_S``."""
+    backoff = 0.1
+    log = logging.getLogger("capture_arena")
+    while True:
+        reader = ref()
+        if reader is None:
+            return
+        lock, changed = reader._lock, reader._changed
+        with lock:
+            idle = not reader._removals
+            if idle:
+                changed.notify_all()
+                del reader  # not held while it waits
+                changed.wait(IDLE_LOOK_S)
+        if idle:
+            continue
+        bad = reader._remove_once()
+        del reader
+        if bad:
+            log.warning("removing %d objects from the Mooncake store failed (first: %s: %s); retrying in %.1f s", len(bad), bad[0][0], bad[0][1], backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+        else:
+            backoff = 0.1
 
 
 def same_sizes(names: list[str], lens: list[int], got: list[int]) -> None:

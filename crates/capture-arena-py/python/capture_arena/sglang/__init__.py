@@ -34,7 +34,7 @@ What differs from the module it replaces, and why:
 - The placement follows ``MOONCAKE_PROTOCOL`` / ``SGLANG_SPEC_CAPTURE_PLACEMENT``
   (:func:`capture_arena.placement`): the Mooncake store as before under ``tcp``/``rdma`` (with
   SpecForge's device publication under ``rdma``), an arena in device memory under ``nvlink``.
-- Setting errors (a bad variable, ``SGLANG_SPEC_CAPTURE_GPU_PUT=0`` with ``nvlink``,
+- Setting errors (a bad variable, ``SGLANG_SPEC_CAPTURE_GPU_PUT`` off with ``nvlink``/``nvlink_intra``,
   ``SGLANG_SPEC_CAPTURE_GPU_PUT=1`` with the store placement but without ``rdma``, a bad intake
   URL) are raised by ``maybe_init_sink``, when the server starts.
 """
