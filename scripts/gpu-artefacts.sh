@@ -28,7 +28,7 @@ cp "$exe" "$out/device-tests"
 strip "$out/capture-arena" "$out/device-tests"
 
 echo "==> Python wheel (abi3, runs on the GPU machine's Python 3.12)"
-.venv/bin/python -m pip install -q maturin
+.venv/bin/python -m pip install -q -c scripts/constraints.txt maturin
 .venv/bin/python -m maturin build -q --release -m crates/capture-arena-py/Cargo.toml -o "$out/wheels"
 platforms="--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64"
 if [ "${MOONCAKE_CUDA:-0}" = 1 ]; then

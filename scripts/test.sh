@@ -120,7 +120,7 @@ PIN="-c scripts/constraints.txt"
 #   library, and the cross compilers (scripts/aarch64.sh says why these).
 mkdir -p .cache
 INSTALL_LOG=.cache/background-installs.log
-TORCH_VERSION=2.13.0
+TORCH_VERSION=$(sed -n 's/^torch==//p' scripts/constraints.txt)  # the one pin of torch
 (
   set -e
   # Every library Mooncake's engine and store load (readelf -d), not only the first two: a

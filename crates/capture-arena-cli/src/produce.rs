@@ -76,9 +76,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     );
     let writer = Writer::start(&config).with_context(|| {
         format!(
-            "starting the arena of {capacity} bytes (--arena-bytes, else \
-             SGLANG_SPEC_CAPTURE_ARENA_BYTES; the largest batch needs {need}: a smaller arena \
-             needs a smaller --batch or --max-len too)"
+            "starting the arena ({capacity} bytes: --arena-bytes, else \
+             SGLANG_SPEC_CAPTURE_ARENA_BYTES; where memory is short, the largest batch needs \
+             {need}, so a smaller arena needs a smaller --batch or --max-len too)"
         )
     })?;
     remove_arena_on_signal(writer.memory_session())?;

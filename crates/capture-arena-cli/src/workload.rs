@@ -199,6 +199,11 @@ impl Workload {
             "--samples {} is more than {MAX_SAMPLES}: run several producers, or a soak",
             w.samples
         );
+        anyhow::ensure!(
+            w.batch <= MAX_SAMPLES,
+            "--batch {} is more than {MAX_SAMPLES}",
+            w.batch
+        );
         // Every size below is then computed without overflow.
         let total = w
             .aux_layers
@@ -492,11 +497,20 @@ mod tests {
         let e = Workload {
             hidden: 4096,
             samples: MAX_SAMPLES + 1,
-            ..w
+            ..w.clone()
         }
         .resolved()
         .unwrap_err()
         .to_string();
         assert!(e.contains(&format!("--samples {}", MAX_SAMPLES + 1)), "{e}");
+        let e = Workload {
+            hidden: 4096,
+            batch: 1 << 62,
+            ..w
+        }
+        .resolved()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--batch 4611686018427387904"), "{e}");
     }
 }

@@ -531,8 +531,8 @@ def test_host_loss_fails_reads_at_the_deadline_and_costs_releases_nothing() -> N
             got = trainer.send(r)
             assert got["ok"] and got["release_s"] < CONNECT_S, got
         ends_free(p2)
-        # Nothing proves the lost host's producer gone: its frees are never dropped (they went
-        # into the open connection, where TCP holds them, or wait for the endpoint).
+        # Nothing proves the lost host's producer gone: its frees are never dropped; unconfirmed
+        # by its server, they stay pending (written into the open connection or not).
         health = trainer.finish()
         assert health["dropped_frees"] == 0 and health["pending_frees"] >= 1, health
 
