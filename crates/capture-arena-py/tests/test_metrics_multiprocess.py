@@ -95,6 +95,16 @@ def _scheduler(out: Any, release: Any, done: Any) -> None:
     out.put(("closed",))
 
 
+def _idle_rank(out: Any, done: Any) -> None:
+    """A tensor-parallel rank that never captures: its sink is registered but never starts."""
+    sink = ca.ArenaSink(arena_bytes="16MiB", control_port=0)
+    handle = metrics.register(sink)
+    out.put(("registered", handle.active))
+    done.wait(30)
+    metrics.unregister(handle)
+    sink.close()
+
+
 class FakeSink:
     """A sink with many stores (more than the label bound)."""
 
@@ -135,6 +145,7 @@ def _lifecycle(out: Any) -> None:
         try:
             ok = not h2.active
             child_sink = ca.ArenaSink(arena_bytes="16MiB", control_port=0)
+            child_sink.put_sample(spec("child"), aux=hidden(8, 12), last_hidden=hidden(8, 4))  # started: it has levels
             h = metrics.register(child_sink)
             ok = ok and h is not None and h is not h2 and h.thread.is_alive()
             time.sleep(2 * INTERVAL_S)
@@ -211,6 +222,35 @@ def test_a_spawned_scheduler_shows_its_sink_on_sglangs_metrics(multiproc_env):
     finally:
         if p.is_alive():
             p.kill()
+
+
+def test_a_rank_that_never_captures_leaves_the_capturing_ranks_levels_alone(multiproc_env):
+    # Under tensor parallelism every rank registers; the ones that never capture have a sink
+    # that never starts. Before: they wrote their zeros as the most recent levels every
+    # interval, and most scrapes showed capacity 0.
+    ctx = mp.get_context("spawn")
+    out, release, done, idle_out, idle_done = ctx.Queue(), ctx.Event(), ctx.Event(), ctx.Queue(), ctx.Event()
+    p = _spawn(_scheduler, out, release, done)
+    q = None
+    try:
+        assert out.get(timeout=30)[0] == "published"
+        q = _spawn(_idle_rank, idle_out, idle_done)
+        assert idle_out.get(timeout=30) == ("registered", True)
+        seen = []
+        deadline = time.monotonic() + 8 * INTERVAL_S  # both write several times meanwhile
+        while time.monotonic() < deadline:
+            seen.append(scrape_like_sglang().get(("capture_arena_capacity", ())))
+            time.sleep(INTERVAL_S / 4)
+        assert set(seen) == {16 << 20}, seen
+    finally:
+        release.set()
+        done.set()
+        idle_done.set()
+        for proc in (p, q):
+            if proc is not None:
+                proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
 
 
 def test_register_unregister_lifecycle_and_the_store_label_bound(multiproc_env):

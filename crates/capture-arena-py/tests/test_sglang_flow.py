@@ -386,7 +386,8 @@ def test_a_failed_first_capture_leaves_the_sink_usable(arena_env):
     holder.bind(("127.0.0.1", 0))
     holder.listen(1)
     arena_env.setenv("SGLANG_SPEC_CAPTURE_CONTROL_PORT", str(holder.getsockname()[1]))
-    sglang.maybe_init_sink(server_args())
+    sink = sglang.maybe_init_sink(server_args())
+    assert sink is not None
     flow = PatchedSchedulerFlow()
     L = 4
     aux, last = batch_tensors([L, L], 24, 8)
@@ -398,6 +399,7 @@ def test_a_failed_first_capture_leaves_the_sink_usable(arena_env):
         assert r.spec_capture_result and "error" in r.spec_capture_result, r.spec_capture_result
         assert str(holder.getsockname()[1]) in r.spec_capture_result["error"] or "ddress" in r.spec_capture_result["error"]
     holder.close()
+    sink._start_failed_at -= 60  # the retry interval (START_RETRY_S, 5 s) has passed
     good = publish_and_verify(flow, [Req(spec("c", L), L)], aux[:L], last[:L])
     assert len(good) == 1
 

@@ -486,3 +486,81 @@ def test_a_request_sent_twice_in_one_batch_costs_only_the_second_row(make_sink):
     refused(rows[1], "also an object of another sample of this batch", "twice")
     got = ca.ArenaFeatureStore().get(rows[0])
     assert (got["hidden_state"][0] == hidden(8, 12, 1)).all()
+
+
+def test_no_thread_for_the_starter_fails_the_batch_and_a_later_one_starts_the_arena(make_sink, monkeypatch):
+    # A process at its thread limit (or exiting on Python 3.12+) cannot start the starter thread.
+    # Before: submit_samples raised RuntimeError into the scheduler, and the sink kept the thread
+    # that never ran as its starter: every later batch queued behind it for good.
+    sink = make_sink()
+    real = threading.Thread.start
+
+    def refuse(self: threading.Thread, *a: object, **k: object) -> None:
+        if self.name == "capture-arena-start":
+            raise RuntimeError("can't start new thread")
+        real(self, *a, **k)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    rows = sink.submit_samples([(spec("a"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+    assert "no thread to create it on: can't start new thread" in rows[0]["error"], rows
+    sink.sync_bound = 1.0  # as SGLang's scheduler thread calls it: failed at once, never raised
+    r = sink.put_sample(spec("b"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    assert "no thread to create it on" in r["error"] and not sink.started, r
+    sink.sync_bound = None
+    monkeypatch.setattr(threading.Thread, "start", real)
+    sink._start_failed_at -= 60  # START_RETRY_S has passed
+    rows = sink.submit_samples([(spec("c"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+    assert "error" not in rows[0] and sink.started, rows
+
+
+def test_a_failed_start_is_tried_again_only_after_the_retry_interval(make_sink, monkeypatch):
+    # Each try can allocate and pre-fault the whole arena before what fails (here the control
+    # port, held by another socket, as a second rank with a fixed port meets it). Before: every
+    # asynchronous batch that found the queue drained tried again: four batches, four tries.
+    import socket
+
+    holder = socket.create_server(("127.0.0.1", 0))
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_CONTROL_PORT", str(holder.getsockname()[1]))
+    sink = make_sink()
+    tries = []
+    ensure = sink._ensure_started
+
+    def counted(*a: object, **k: object) -> None:
+        tries.append(1)
+        ensure(*a, **k)
+
+    sink._ensure_started = counted
+    for i in range(4):
+        rows = sink.submit_samples([(spec(f"r{i}"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+        assert "error" in rows[0], rows
+    assert len(tries) == 1 and "creating the capture arena failed" in rows[0]["error"], (tries, rows)
+    holder.close()
+    sink._start_failed_at -= 60  # START_RETRY_S has passed
+    rows = sink.submit_samples([(spec("ok"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+    assert "error" not in rows[0] and len(tries) == 2, (tries, rows)
+
+
+def test_an_unsupported_torch_dtype_is_refused_before_any_copy_and_a_memmap_is_published(make_sink, monkeypatch, tmp_path):
+    # Before: a non-contiguous (or, for a host placement, CUDA) tensor of an unsupported dtype
+    # was copied whole (.contiguous(), .cpu()) on the caller's thread before its dtype was
+    # refused; and an np.memmap was refused as "expected a numpy.ndarray of bytes, got memmap".
+    torch = pytest.importorskip("torch")
+    sink = make_sink()
+    copies = []
+    contiguous = torch.Tensor.contiguous
+
+    def counted(self, *a, **k):  # the real method, counted
+        copies.append(self.dtype)
+        return contiguous(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", counted)
+    wide = torch.zeros((12, 8), dtype=torch.float8_e4m3fn).t()  # [8, 12], not contiguous
+    r = sink.put_sample(spec("f8"), aux=wide, last_hidden=hidden(8, 4))
+    assert "aux: unsupported dtype 'float8_e4m3fn'" in r["error"], r
+    assert copies == [], copies
+    mm = np.memmap(tmp_path / "last.bin", dtype=np.float32, mode="w+", shape=(8, 4))
+    mm[:] = np.arange(32, dtype=np.float32).reshape(8, 4)
+    r = sink.put_sample(spec("mm", last=True, aux=False), last_hidden=mm)
+    assert "error" not in r, r
+    got = ca.ArenaFeatureStore().get(r)
+    assert np.array_equal(got["target"][0], np.arange(32, dtype=np.float32).reshape(8, 4))

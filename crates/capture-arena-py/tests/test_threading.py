@@ -125,20 +125,24 @@ pid = os.fork()
 
 # A process forked (a dataloader worker) while another thread of its parent held one of the
 # readers' locks: making a 256 MiB output pool slab, making a Mooncake reader, holding a
-# transfer's outputs. Nothing releases it in the child, whose first read then waited for good.
+# transfer's outputs; or a sink's: making an engine-placement arena, a capture warning. Nothing releases it in the child, whose first read then waited for good.
 FORKED_WHILE_HELD = r"""
 import os, signal, sys, threading
 import capture_arena as ca
-from capture_arena import _engine, _pool
+from capture_arena import _engine, _pool, _samples
 
 lock = {"pool": lambda: _pool.POOL._lock, "readers": lambda: ca.ArenaFeatureStore._making,
-        "quarantine": lambda: _engine.QUARANTINE._lock}[sys.argv[1]]()
+        "quarantine": lambda: _engine.QUARANTINE._lock, "sink_starting": lambda: ca.ArenaSink._starting,
+        "warnings": lambda: _samples._FAILURES._lock}[sys.argv[1]]()
 """ + HOLD_THEN_FORK + r"""
 if pid == 0:
     signal.alarm(10)  # the child ends at 10 s if it waits for the lock
     assert _pool.POOL.bytes_u8(16) is not None
     ca.ArenaFeatureStore()._stores()
     _engine.QUARANTINE.hold(object())
+    with ca.ArenaSink._starting:  # what an engine-placement sink's start takes
+        pass
+    _samples._FAILURES.warn("forked", "a capture warning in the child")
     os._exit(0)
 release.set()
 _, status = os.waitpid(pid, 0)
@@ -146,7 +150,7 @@ print(os.waitstatus_to_exitcode(status), flush=True)
 """
 
 
-@pytest.mark.parametrize("lock", ["pool", "readers", "quarantine"])
+@pytest.mark.parametrize("lock", ["pool", "readers", "quarantine", "sink_starting", "warnings"])
 def test_a_child_forked_while_a_readers_lock_was_held_reads_all_the_same(lock: str) -> None:
     out = subprocess.run([sys.executable, "-c", FORKED_WHILE_HELD, lock], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -143,7 +144,10 @@ def _prepare(item: Any, host: bool) -> Any:
                     p["data"] = None
         captured = []
         for artifact, t in (("aux", aux), ("last_hidden", last_hidden)):
-            b = None if t is None else host_bytes(t, host)
+            try:
+                b = None if t is None else host_bytes(t, host)
+            except InvalidSampleError as e:
+                raise InvalidSampleError(f"{artifact}: {e}") from None
             if b is not None and b[2] not in _tensors.DTYPES:
                 raise InvalidSampleError(f"{artifact}: unsupported dtype {b[2]!r} (supported: {', '.join(_tensors.DTYPES)})")
             captured.append(b)
@@ -197,6 +201,11 @@ class Warnings:
         self._lock = threading.Lock()
         self._next: dict[str, float] = {}
         self._left_out: dict[str, int] = {}
+        # A fork may come while another thread holds the lock: the child's is a new one.
+        os.register_at_fork(after_in_child=self._after_fork_in_child)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
 
     def warn(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         now = time.monotonic()

@@ -24,7 +24,8 @@ _T = TypeVar("_T")
 
 #: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
 _SINK_BOUND: Any = object()
-#: After the arena could not be created, a synchronous caller tries again at most this often.
+#: After the arena could not be created, it is tried again at most this often (batches between
+#: fail at once with the reason, synchronous and asynchronous alike).
 START_RETRY_S = 5.0
 
 
@@ -230,14 +231,37 @@ class ArenaSink(LiveSink, _ArenaSink):
                     raise QueueFullError(f"{len(self._early)} batches already wait for the arena to be created")
                 self._early_lock.wait(1.0)
             self._early.append((items, fut))  # type: ignore[arg-type]
-            if self._starter is None:
-                self._starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
-                self._starter.start()
+            started = self._starter is not None or self._start_starter(device)
+            if not started:
+                self._early.pop()
+        if not started:
+            why = f"creating the capture arena failed ({self._start_error})"
+            if fut is None:
+                _log.error("%s; the first capture tries again", why)
+            else:
+                _complete(fut, items, why)
+
+    def _start_starter(self, device: Optional[int]) -> bool:
+        """Starts the starter thread (``_early_lock`` held); False, with the reason recorded as
+        a failed start, where no thread can be had (a process at its thread limit; interpreter
+        exit on Python 3.12+): the batches that asked fail, and the next try waits
+        ``START_RETRY_S`` as after any failed start."""
+        starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
+        try:
+            starter.start()
+        except RuntimeError as e:
+            self._starter = None
+            self._start_error = f"no thread to create it on: {e}"
+            self._start_failed_at = time.monotonic()
+            return False
+        self._starter = starter
+        return True
 
     def _start_early(self, device: Optional[int]) -> None:
         """The starter thread: creates the arena (GIL released while it does), then submits the
         batches that waited for it, in order; a failed start fails the batch at hand with the
-        reason, and the next batch tries again."""
+        reason, and a batch at least ``START_RETRY_S`` later tries again (those between fail at
+        once with the reason)."""
         behind = 0  # batches that were queued behind a try that failed
         while True:
             with self._early_lock:
@@ -247,13 +271,18 @@ class ArenaSink(LiveSink, _ArenaSink):
                 items, fut = self._early[0]
             try:
                 if fut is not None and behind > 0 and self._start_error is not None:
-                    # It waited behind that try: its reason at once, not another (slow) try;
-                    # a batch handed over after it tries again.
+                    # It waited behind that try: its reason at once, not another (slow) try.
                     behind -= 1
+                    raise _StartFailed(self._start_error)
+                if self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S:
+                    # A start failed a moment ago: its reason at once, not another try (each
+                    # can allocate and pre-fault the whole arena before what fails), as the
+                    # synchronous calls have it.
                     raise _StartFailed(self._start_error)
                 self._ensure_started(items or None, device)
             except _StartFailed as e:
-                _complete(fut, items, f"creating the capture arena failed ({e})")
+                if fut is not None:
+                    _complete(fut, items, f"creating the capture arena failed ({e})")
             except Exception as e:
                 with self._early_lock:
                     behind = len(self._early) - 1
@@ -382,8 +411,9 @@ class ArenaSink(LiveSink, _ArenaSink):
                     return False
                 device = next((d for d in (_cuda_device(x) for s in items if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
                 self._early.append(([], None))  # type: ignore[arg-type]
-                self._starter = threading.Thread(target=self._start_early, args=(device,), name="capture-arena-start", daemon=True)
-                self._starter.start()
+                if not self._start_starter(device):
+                    self._early.pop()
+                    return False
             seen = self._starts_done
             while not self.started:
                 left = deadline - time.monotonic()
@@ -657,6 +687,8 @@ def _after_fork_in_child() -> None:
     none of the parent's calls in flight."""
     global _LIVE_SINKS
     _LIVE_SINKS = weakref.WeakSet()
+    # The fork may have come while another thread made an engine arena under this lock.
+    ArenaSink._starting = threading.Lock()
     _forked_child()
 
 

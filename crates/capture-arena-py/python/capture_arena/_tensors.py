@@ -72,20 +72,23 @@ class CudaBytes:
 
 def _torch_bytes(t: Any, host: bool = False) -> HostBytes:
     torch = _torch()
+    # Refused before any copy below (.cpu(), .contiguous()) costs the whole tensor's bytes.
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in _NP_DTYPES:
+        raise InvalidSampleError(f"unsupported dtype {dtype!r} (supported: {', '.join(_NP_DTYPES)})")
     if t.device.type == "cuda" and host:
         t = t.detach().cpu()
     if t.device.type == "cuda":
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
-        return CudaBytes(t), [int(d) for d in t.shape], str(t.dtype).removeprefix("torch.")
+        return CudaBytes(t), [int(d) for d in t.shape], dtype
     if t.device.type != "cpu":
         raise InvalidSampleError(f"tensor on {t.device}: publish CPU or CUDA tensors")
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     shape = [int(d) for d in t.shape]
-    dtype = str(t.dtype).removeprefix("torch.")
     return t.reshape(-1).view(torch.uint8).numpy(), shape, dtype
 
 
@@ -107,6 +110,8 @@ def host_bytes(t: Any, host: bool = False) -> HostBytes:
     (unless it is not C-contiguous or not in native byte order). ``host=True`` copies CUDA tensors
     to the host."""
     if isinstance(t, np.ndarray):
+        if type(t) is not np.ndarray:  # a subclass (np.memmap, a masked array): its plain bytes
+            t = t.view(np.ndarray)
         if t.flags.c_contiguous and t.dtype.isnative:  # the common case, no conversion at all
             return t.reshape(-1).view(np.uint8), list(t.shape), t.dtype.name
         a = t

@@ -318,6 +318,10 @@ class MultiprocessExporter(MetricsHandle):
                     return "the sink is closed"
                 self._complain("reading the sink's stats", e)
                 return None
+            # Levels only from a sink that exists: under tensor parallelism every rank registers,
+            # and the ranks that never capture (their sinks never start, all zeros) would
+            # overwrite the capturing rank's most recent levels with 0 on most scrapes.
+            levels = getattr(sink, "started", True) is not False
             rows: Optional[list[Any]] = None
             usage = getattr(sink, "store_usage", None)
             if usage is not None:
@@ -331,12 +335,12 @@ class MultiprocessExporter(MetricsHandle):
             with _LOCK:
                 if self._stopped:
                     return None
-                self._write(stats, rows)
+                self._write(stats, rows, levels)
         except Exception as e:
             self._complain("refreshing", e)
         return None
 
-    def _write(self, stats: dict[str, Any], rows: Optional[list[Any]]) -> None:
+    def _write(self, stats: dict[str, Any], rows: Optional[list[Any]], levels: bool = True) -> None:
         for name, value in sorted(stats.items()):
             try:
                 v = float(value)
@@ -344,6 +348,8 @@ class MultiprocessExporter(MetricsHandle):
                 continue
             try:
                 if name in GAUGES:
+                    if not levels:
+                        continue
                     _gauge(name).set(v)
                     self._levels.add(name)
                 else:
