@@ -643,3 +643,46 @@ def test_a_smaller_object_published_again_under_a_results_key_is_named_as_such(m
         assert not [t for t in threading.enumerate() if t.name == "capture-arena-store-remove"]
     finally:
         sink.close()
+
+
+def test_a_stopped_master_fails_a_connect_within_the_probe_and_never_holds_the_gil(monkeypatch) -> None:
+    # Mooncake's setup() holds the GIL while it waits on a master that accepts connections but
+    # does not answer (SIGSTOP: the kernel still completes the handshake). Before: the TCP probe
+    # passed, and the whole process (a trainer's read deadline, SGLang's scheduler) stood still
+    # for the 30 s of one setup try. Now the http:// metadata server, served by the master
+    # itself, must answer first.
+    import signal
+    import threading
+    import time
+
+    import mooncake_master
+
+    from capture_arena import _store
+
+    p, env = mooncake_master.start()
+    try:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("MC_STORE_CLIENT_SETUP_RETRIES", "1")
+        os.kill(p.pid, signal.SIGSTOP)
+        ticks: list[float] = []
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.is_set():
+                ticks.append(time.monotonic())
+                stop.wait(0.05)
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        t0 = time.monotonic()
+        with pytest.raises(ca.ArenaOSError, match="metadata server does not answer"):
+            _store.connect(False)
+        took = time.monotonic() - t0
+        stop.set()
+        ticker.join(5)
+        gap = max(b - a for a, b in zip(ticks, ticks[1:]))
+        assert took < _store.PROBE_TIMEOUT_S + 1 and gap < 0.5, (took, gap)
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        mooncake_master.stop(p)

@@ -107,13 +107,19 @@ def connect(contribute: bool) -> Any:
     # Mooncake's local buffer: none unless asked for (under RDMA it is registered, so pinned, for
     # every reader client: with clients set aside after stuck reads, gigabytes per process).
     local = _bytes_var("MOONCAKE_LOCAL_BUFFER_SIZE", 1 << 30 if contribute else 0)
-    # setup() holds the GIL while it retries an unreachable master (about 4 s a try, 20 tries):
-    # the whole process, SGLang's scheduler included, would stand still for a minute and a half.
-    # A short connect first turns that into this batch's error.
+    # setup() holds the GIL while it retries an unreachable master (about 4 s a try, 20 tries),
+    # and while it waits on one that accepts connections but does not answer (stopped,
+    # overloaded: 30 s a try): the whole process, SGLang's scheduler or a trainer's read deadline
+    # included, would stand still. Short probes first turn that into this batch's error: a
+    # connection to the master, and an answer from an http:// metadata server (which
+    # mooncake_master serves itself under --enable_http_metadata_server, so a stopped master
+    # does not answer there either).
     # A sink's batch fails, and its next tries again; a reader's read fails, and its next does.
     then = "This batch fails; the next tries again" if contribute else "This read fails; the next tries again"
     _reachable("MOONCAKE_MASTER_SERVER_ADDR", master, then)
-    if metadata.startswith(("http://", "https://")):
+    if metadata.startswith("http://"):
+        _answers("MOONCAKE_METADATA_SERVER", metadata, then)
+    elif metadata.startswith("https://"):
         _reachable("MOONCAKE_METADATA_SERVER", metadata.split("://", 1)[1].split("/", 1)[0], then)
     s = store_mod.MooncakeDistributedStore()
     rc = s.setup(host, metadata, segment, local, protocol, devices, master)
@@ -128,6 +134,28 @@ def connect(contribute: bool) -> Any:
 #: How long a connection to the master (or the metadata server) may take before the store is
 #: taken as unreachable.
 PROBE_TIMEOUT_S = 2.0
+
+
+def _answers(var: str, url: str, then: str) -> None:
+    """Raises ArenaOSError (ending with ``then``) unless the HTTP server at ``url`` answers a GET
+    (any status: an unknown key is 404) within :data:`PROBE_TIMEOUT_S`, connecting included (the
+    GIL is released while it waits)."""
+    import http.client
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(u.hostname or "localhost", u.port or 80, timeout=PROBE_TIMEOUT_S)
+        try:
+            conn.request("GET", (u.path or "/") + "?key=capture_arena_probe")
+            conn.getresponse().read(4096)
+        finally:
+            conn.close()
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        raise ArenaOSError(
+            f"the Mooncake store's metadata server does not answer: {var}={url} ({e} within {PROBE_TIMEOUT_S:g} s); is "
+            f"mooncake_master running and not stopped (with --enable_http_metadata_server)? {then}"
+        ) from None
 
 
 def _reachable(var: str, addr: str, then: str) -> None:
