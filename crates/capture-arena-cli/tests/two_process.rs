@@ -308,14 +308,12 @@ fn within(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
     true
 }
 
-#[test]
-fn a_demo_stopped_by_sigterm_takes_its_producer_and_trainer_and_the_arena_with_it() {
-    // `timeout`, a CI job's cancel or a supervisor sends SIGTERM to the demo alone (not its
-    // process group, as a terminal's Ctrl-C does). Before, the demo died at once and its
-    // children ran on: a producer waiting for frees held its arena for the arena's wait (30 s).
-    use std::io::BufRead;
-    let mut demo = Command::new(EXE)
-        .env("RUST_LOG", "capture_arena=debug")
+/// A demo of 1000 tiny samples through a 64 KiB arena (it fills, so its producer waits for
+/// frees), its stderr piped, once both children have exec'd (a child between fork and exec
+/// still shows the demo's command line); with them, as `(pid, command line)`, producer first.
+fn demo_with_children(log: &str) -> (Child, [(u32, String); 2]) {
+    let demo = Command::new(EXE)
+        .env("RUST_LOG", log)
         .arg("demo")
         .args(["--samples", "1000", "--min-len", "8", "--max-len", "8"])
         .args(["--hidden", "64", "--batch", "1", "--arena-bytes", "64KiB"])
@@ -324,23 +322,31 @@ fn a_demo_stopped_by_sigterm_takes_its_producer_and_trainer_and_the_arena_with_i
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // Both exec'd: a child between fork and exec still shows the demo's command line.
     let mut kids = Vec::new();
+    let one = |kids: &[(u32, String)], what: &str| {
+        let of: Vec<_> = kids.iter().filter(|(_, c)| c.contains(what)).collect();
+        (of.len() == 1).then(|| of[0].clone())
+    };
     assert!(
         within(30, || {
             kids = children_of(demo.id());
-            kids.iter().filter(|(_, c)| c.contains(" produce ")).count() == 1
-                && kids.iter().filter(|(_, c)| c.contains(" consume ")).count() == 1
+            one(&kids, " produce ").is_some() && one(&kids, " consume ").is_some()
         }),
         "the demo's two children did not start: {kids:?}"
     );
-    let (producer, trainer) = match kids
-        .iter()
-        .partition::<Vec<_>, _>(|(_, c)| c.contains(" produce "))
-    {
-        (p, t) if p.len() == 1 && t.len() == 1 => (p[0].0, t[0].0),
-        _ => panic!("not one producer and one trainer: {kids:?}"),
-    };
+    let producer = one(&kids, " produce ").unwrap();
+    let trainer = one(&kids, " consume ").unwrap();
+    (demo, [producer, trainer])
+}
+
+#[test]
+fn a_demo_stopped_by_sigterm_takes_its_producer_and_trainer_and_the_arena_with_it() {
+    // `timeout`, a CI job's cancel or a supervisor sends SIGTERM to the demo alone (not its
+    // process group, as a terminal's Ctrl-C does). Before, the demo died at once and its
+    // children ran on: a producer waiting for frees held its arena for the arena's wait (30 s).
+    use std::io::BufRead;
+    let (mut demo, kids) = demo_with_children("capture_arena=debug");
+    let (producer, trainer) = (kids[0].0, kids[1].0);
     // The trainer stops freeing; the producer fills its arena and waits for frees.
     let signal = |sig: &str, pid: u32| {
         let status = Command::new("sh")
@@ -389,30 +395,8 @@ fn a_demo_stopped_by_sigterm_takes_its_producer_and_trainer_and_the_arena_with_i
 fn a_demo_whose_trainer_is_killed_says_so_and_stops_its_producer() {
     // Before: the producer, waiting for frees, held the demo for the arena's wait (30 s), and
     // the error was the forwarding's "Broken pipe (os error 32)", the trainer not named.
-    let mut demo = Command::new(EXE)
-        .arg("demo")
-        .args(["--samples", "1000", "--min-len", "8", "--max-len", "8"])
-        .args(["--hidden", "64", "--batch", "1", "--arena-bytes", "64KiB"])
-        .args(["--idle-timeout", "60", "--quiet"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Both exec'd: a child between fork and exec still shows the demo's command line.
-    let mut kids = Vec::new();
-    assert!(
-        within(30, || {
-            kids = children_of(demo.id());
-            kids.iter().filter(|(_, c)| c.contains(" produce ")).count() == 1
-                && kids.iter().filter(|(_, c)| c.contains(" consume ")).count() == 1
-        }),
-        "the demo's two children did not start: {kids:?}"
-    );
-    let trainer = kids
-        .iter()
-        .find(|(_, c)| c.contains(" consume "))
-        .map(|(p, _)| *p)
-        .expect("a trainer child");
+    let (mut demo, kids) = demo_with_children("warn");
+    let trainer = kids[1].0;
     let t0 = std::time::Instant::now();
     let status = Command::new("sh")
         .args(["-c", &format!("kill -KILL {trainer}")])
