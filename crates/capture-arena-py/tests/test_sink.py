@@ -564,3 +564,37 @@ def test_an_unsupported_torch_dtype_is_refused_before_any_copy_and_a_memmap_is_p
     assert "error" not in r, r
     got = ca.ArenaFeatureStore().get(r)
     assert np.array_equal(got["target"][0], np.arange(32, dtype=np.float32).reshape(8, 4))
+
+
+EXIT_BEHIND_A_FULL_ARENA = r"""
+import sys, time, numpy as np
+import capture_arena as ca
+sink = ca.ArenaSink(arena_bytes="64KiB", wait_s=30, max_pending_batches=3)
+spec = lambda i: {"store_id": "st", "sample_id": f"s{i}", "features": {"last_hidden": "target"}}
+# All through the starter thread (the lock held meanwhile, so it cannot empty its queue before
+# the last comes): the first fills the arena, the second waits for frees in the writer (30 s),
+# the next two fill the writer's queue, and the fifth holds the starter in its submit.
+with sink._early_lock:
+    futs = [sink.submit_samples([(spec(i), None, np.ones((12, 1024), np.float32))]) for i in range(5)]  # 48 KiB each
+while not (sink.stats()["waiting_bytes"] and len(sink._early) == 1):
+    time.sleep(0.01)
+assert sink._starter is not None and sink._starter.is_alive()
+print("exiting", flush=True)
+sys.exit(0)
+"""
+
+
+def test_exit_does_not_wait_out_a_starter_held_behind_a_full_arena() -> None:
+    # Before: the exit hook joined the starter thread without a bound: 30 s here (the arena's
+    # wait for frees of the batch ahead). Now at most STARTER_EXIT_WAIT_S (2 s), then the exit
+    # hook's own wait for calls in flight (5 s), and the call that comes back later parks.
+    from capture_arena import _sink
+
+    p = subprocess.Popen([sys.executable, "-c", EXIT_BEHIND_A_FULL_ARENA], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    assert p.stdout.readline() == "exiting\n"
+    t0 = time.monotonic()
+    _, err = p.communicate(timeout=120)
+    took = time.monotonic() - t0
+    assert p.returncode == 0 and "FATAL" not in err, err[-3000:]
+    assert took < _sink.STARTER_EXIT_WAIT_S + 5 + 3, (took, err[-3000:])

@@ -24,6 +24,9 @@ _T = TypeVar("_T")
 
 #: ``put_samples(within_s=...)`` left out: the sink's own ``sync_bound``.
 _SINK_BOUND: Any = object()
+#: How long interpreter exit waits for a sink's starter thread (see ``_drain_starter``).
+STARTER_EXIT_WAIT_S = 2.0
+
 #: After the arena could not be created, it is tried again at most this often (batches between
 #: fail at once with the reason, synchronous and asynchronous alike).
 START_RETRY_S = 5.0
@@ -314,7 +317,12 @@ class ArenaSink(LiveSink, _ArenaSink):
             if fut is not None:
                 _complete(fut, items, "the interpreter is exiting")
         if starter is not None:
-            starter.join()
+            # Creating an engine-placement arena runs in Mooncake (C++ that a finalizing
+            # interpreter must not unwind): waited for. Otherwise the starter is in Python or in
+            # a call of ours (a submit waiting for queue room behind a batch that waits for
+            # frees, up to SGLANG_SPEC_CAPTURE_ARENA_WAIT_S): the exit hook waits a while for
+            # such calls and parks what comes back later, so the exit need not wait it out.
+            starter.join(None if self.placement == "engine" else STARTER_EXIT_WAIT_S)
 
     def put_samples(self, samples: Sequence[Sample], *, within_s: Optional[float] = _SINK_BOUND) -> list[Result]:
         """Publishes a batch and waits for its rows (one per sample, as :meth:`submit_samples`
@@ -698,8 +706,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 @atexit.register
 def _close_sinks_at_exit() -> None:
     """Stops every live sink's writer and removes its arena when the interpreter exits. A starter
-    thread still creating an arena is waited for first: it would otherwise come back to a
-    finalizing interpreter, which ends the thread in the middle of native code."""
+    thread still creating an engine-placement arena (in Mooncake) is waited for first: it would
+    otherwise come back to a finalizing interpreter, which ends the thread in the middle of native
+    code; any other starter at most ``STARTER_EXIT_WAIT_S`` (its calls of ours park if they come
+    back after the exit hook)."""
     sinks = list(_LIVE_SINKS)
     for sink in sinks:
         # Threads that write reserved objects (vLLM's copies) stop before calls into the
