@@ -504,6 +504,7 @@ def test_no_thread_for_the_starter_fails_the_batch_and_a_later_one_starts_the_ar
     rows = sink.submit_samples([(spec("a"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
     assert "no thread to create it on: can't start new thread" in rows[0]["error"], rows
     sink.sync_bound = 1.0  # as SGLang's scheduler thread calls it: failed at once, never raised
+    sink._start_failed_at -= 60  # past the retry interval: this call tries, and gets no thread either
     r = sink.put_sample(spec("b"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
     assert "no thread to create it on" in r["error"] and not sink.started, r
     sink.sync_bound = None
@@ -571,12 +572,15 @@ import sys, time, numpy as np
 import capture_arena as ca
 sink = ca.ArenaSink(arena_bytes="64KiB", wait_s=30, max_pending_batches=3)
 spec = lambda i: {"store_id": "st", "sample_id": f"s{i}", "features": {"last_hidden": "target"}}
-# All through the starter thread (the lock held meanwhile, so it cannot empty its queue before
-# the last comes): the first fills the arena, the second waits for frees in the writer (30 s),
-# the next two fill the writer's queue, and the fifth holds the starter in its submit.
+# All through the starter thread (the lock held but while the caller waits for room, so the
+# starter cannot empty its queue before the last comes): the first fills the arena, the second
+# waits for frees in the writer (30 s), the next two fill the writer's queue, and the fifth
+# holds the starter in its submit.
 with sink._early_lock:
     futs = [sink.submit_samples([(spec(i), None, np.ones((12, 1024), np.float32))]) for i in range(5)]  # 48 KiB each
+deadline = time.monotonic() + 20
 while not (sink.stats()["waiting_bytes"] and len(sink._early) == 1):
+    assert time.monotonic() < deadline, "the starter never got held"
     time.sleep(0.01)
 assert sink._starter is not None and sink._starter.is_alive()
 print("exiting", flush=True)

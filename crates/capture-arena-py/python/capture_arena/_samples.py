@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -201,11 +202,7 @@ class Warnings:
         self._lock = threading.Lock()
         self._next: dict[str, float] = {}
         self._left_out: dict[str, int] = {}
-        # A fork may come while another thread holds the lock: the child's is a new one.
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
+        _ALL_WARNINGS.add(self)
 
     def warn(self, kind: str, msg: str, *args: Any, exc_info: bool = False) -> None:
         now = time.monotonic()
@@ -219,6 +216,17 @@ class Warnings:
             msg += f" ({left_out} more like it since the last)"
         _log.warning(msg, *args, exc_info=exc_info)
 
+
+#: Every limiter: a fork may come while another thread holds one's lock, so the child's are new.
+_ALL_WARNINGS: "weakref.WeakSet[Warnings]" = weakref.WeakSet()
+
+
+def _new_warning_locks() -> None:
+    for w in list(_ALL_WARNINGS):
+        w._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_warning_locks)
 
 _FAILURES = Warnings()
 

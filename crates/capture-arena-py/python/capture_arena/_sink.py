@@ -90,6 +90,8 @@ class ArenaSink(LiveSink, _ArenaSink):
         self._start_error: Optional[str] = None
         self._start_failed_at = -START_RETRY_S
         self._starts_done = 0
+        #: The starter thread is creating the arena (interpreter exit waits for that).
+        self._creating = False
         #: Threads that write reserved objects into the arena, stopped before it goes.
         self._stops: list[Callable[[], bool]] = []
         self._writers_stopped = True
@@ -127,7 +129,8 @@ class ArenaSink(LiveSink, _ArenaSink):
     def start_in_background(self, device: Optional[int] = None) -> None:
         """Creates the arena on the starter thread now, before the first capture (what
         ``SGLANG_SPEC_CAPTURE_ARENA_EAGER=1`` does under SGLang); batches submitted meanwhile
-        wait for it there. A failure is logged, and the first capture tries again."""
+        wait for it there. A failure is logged, and a capture at least ``START_RETRY_S`` (5 s)
+        later tries again."""
         self._enqueue([], None, block=True, device=device)
 
     @classmethod
@@ -233,16 +236,24 @@ class ArenaSink(LiveSink, _ArenaSink):
                 if not block:
                     raise QueueFullError(f"{len(self._early)} batches already wait for the arena to be created")
                 self._early_lock.wait(1.0)
-            self._early.append((items, fut))  # type: ignore[arg-type]
-            started = self._starter is not None or self._start_starter(device)
-            if not started:
-                self._early.pop()
+            if self._starter is None and not self.started and self._recently_failed():
+                # A start failed a moment ago: its reason at once, no thread for another try.
+                started, why = False, f"creating the capture arena failed ({self._start_error})"
+            else:
+                self._early.append((items, fut))  # type: ignore[arg-type]
+                started = self._starter is not None or self._start_starter(device)
+                if not started:
+                    self._early.pop()
+                why = f"creating the capture arena failed ({self._start_error})"
         if not started:
-            why = f"creating the capture arena failed ({self._start_error})"
             if fut is None:
-                _log.error("%s; the first capture tries again", why)
+                _log.error("%s; a capture at least %g s later tries again", why, START_RETRY_S)
             else:
                 _complete(fut, items, why)
+
+    def _recently_failed(self) -> bool:
+        """Whether the last start failed less than ``START_RETRY_S`` ago."""
+        return self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S
 
     def _start_starter(self, device: Optional[int]) -> bool:
         """Starts the starter thread (``_early_lock`` held); False, with the reason recorded as
@@ -273,16 +284,21 @@ class ArenaSink(LiveSink, _ArenaSink):
                     return
                 items, fut = self._early[0]
             try:
-                if fut is not None and behind > 0 and self._start_error is not None:
-                    # It waited behind that try: its reason at once, not another (slow) try.
-                    behind -= 1
-                    raise _StartFailed(self._start_error)
-                if self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S:
-                    # A start failed a moment ago: its reason at once, not another try (each
-                    # can allocate and pre-fault the whole arena before what fails), as the
-                    # synchronous calls have it.
-                    raise _StartFailed(self._start_error)
-                self._ensure_started(items or None, device)
+                if not self.started:  # (a synchronous call may have made it meanwhile)
+                    if fut is not None and behind > 0 and self._start_error is not None:
+                        # It waited behind that try: its reason at once, not another (slow) try.
+                        behind -= 1
+                        raise _StartFailed(self._start_error)
+                    if self._recently_failed():
+                        # A start failed a moment ago: its reason at once, not another try
+                        # (each can allocate and pre-fault the whole arena before what fails),
+                        # as the synchronous calls have it.
+                        raise _StartFailed(self._start_error)
+                self._creating = True
+                try:
+                    self._ensure_started(items or None, device)
+                finally:
+                    self._creating = False
             except _StartFailed as e:
                 if fut is not None:
                     _complete(fut, items, f"creating the capture arena failed ({e})")
@@ -292,7 +308,7 @@ class ArenaSink(LiveSink, _ArenaSink):
                 self._start_error = str(e)
                 self._start_failed_at = time.monotonic()
                 if fut is None:
-                    _log.error("creating the capture arena in the background failed (the first capture tries again): %s", e)
+                    _log.error("creating the capture arena in the background failed (a capture at least %g s later tries again): %s", START_RETRY_S, e)
                 else:
                     _complete(fut, items, str(e))
             else:
@@ -317,12 +333,15 @@ class ArenaSink(LiveSink, _ArenaSink):
             if fut is not None:
                 _complete(fut, items, "the interpreter is exiting")
         if starter is not None:
-            # Creating an engine-placement arena runs in Mooncake (C++ that a finalizing
-            # interpreter must not unwind): waited for. Otherwise the starter is in Python or in
-            # a call of ours (a submit waiting for queue room behind a batch that waits for
-            # frees, up to SGLANG_SPEC_CAPTURE_ARENA_WAIT_S): the exit hook waits a while for
-            # such calls and parks what comes back later, so the exit need not wait it out.
-            starter.join(None if self.placement == "engine" else STARTER_EXIT_WAIT_S)
+            # A starter creating the arena is waited for: it would leave the arena behind, and
+            # an engine-placement one runs in Mooncake (C++ that a finalizing interpreter must
+            # not unwind). Otherwise it is in Python or in a call of ours (a submit waiting for
+            # queue room behind a batch that waits for frees, up to
+            # SGLANG_SPEC_CAPTURE_ARENA_WAIT_S): the exit hook waits a while for such calls and
+            # parks what comes back later, so the exit need not wait that out.
+            starter.join(STARTER_EXIT_WAIT_S)
+            if self._creating:
+                starter.join()
 
     def put_samples(self, samples: Sequence[Sample], *, within_s: Optional[float] = _SINK_BOUND) -> list[Result]:
         """Publishes a batch and waits for its rows (one per sample, as :meth:`submit_samples`
@@ -415,7 +434,7 @@ class ArenaSink(LiveSink, _ArenaSink):
             if self.started:
                 return True
             if self._starter is None:
-                if self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S:
+                if self._recently_failed():
                     return False
                 device = next((d for d in (_cuda_device(x) for s in items if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
                 self._early.append(([], None))  # type: ignore[arg-type]

@@ -134,6 +134,8 @@ def connect(contribute: bool) -> Any:
 #: How long a connection to the master (or the metadata server) may take before the store is
 #: taken as unreachable.
 PROBE_TIMEOUT_S = 2.0
+#: How long an http:// metadata server may take to answer the probe (the GIL is free meanwhile).
+PROBE_ANSWER_S = 5.0
 
 
 def _answers(var: str, url: str, then: str) -> None:
@@ -147,13 +149,17 @@ def _answers(var: str, url: str, then: str) -> None:
     try:
         conn = http.client.HTTPConnection(u.hostname or "localhost", u.port or 80, timeout=PROBE_TIMEOUT_S)
         try:
+            conn.connect()
+            if conn.sock is not None:  # a loaded server may take longer to answer than to accept
+                conn.sock.settimeout(PROBE_ANSWER_S)
             conn.request("GET", (u.path or "/") + "?key=capture_arena_probe")
             conn.getresponse().read(4096)
         finally:
             conn.close()
     except (OSError, ValueError, http.client.HTTPException) as e:
         raise ArenaOSError(
-            f"the Mooncake store's metadata server does not answer: {var}={url} ({e} within {PROBE_TIMEOUT_S:g} s); is "
+            f"the Mooncake store's metadata server does not answer: {var}={url} ({e}; {PROBE_TIMEOUT_S:g} s to connect, "
+            f"{PROBE_ANSWER_S:g} s to answer); is "
             f"mooncake_master running and not stopped (with --enable_http_metadata_server)? {then}"
         ) from None
 
