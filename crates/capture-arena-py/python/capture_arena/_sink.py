@@ -251,6 +251,13 @@ class ArenaSink(LiveSink, _ArenaSink):
             else:
                 _complete(fut, items, why)
 
+    def _started_or_closed(self) -> bool:
+        """``started``, never raising (a closed sink's getters raise): True once closed."""
+        try:
+            return bool(self.started)
+        except Exception:
+            return True
+
     def _recently_failed(self) -> bool:
         """Whether the last start failed less than ``START_RETRY_S`` ago."""
         return self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S
@@ -340,8 +347,8 @@ class ArenaSink(LiveSink, _ArenaSink):
             # SGLANG_SPEC_CAPTURE_ARENA_WAIT_S): the exit hook waits a while for such calls and
             # parks what comes back later, so the exit need not wait that out.
             starter.join(STARTER_EXIT_WAIT_S)
-            if self._creating:
-                starter.join()
+            if starter.is_alive() and (self._creating or not self._started_or_closed()):
+                starter.join()  # it creates the arena, or is about to (its batch is the last)
 
     def put_samples(self, samples: Sequence[Sample], *, within_s: Optional[float] = _SINK_BOUND) -> list[Result]:
         """Publishes a batch and waits for its rows (one per sample, as :meth:`submit_samples`
