@@ -90,8 +90,6 @@ class ArenaSink(LiveSink, _ArenaSink):
         self._start_error: Optional[str] = None
         self._start_failed_at = -START_RETRY_S
         self._starts_done = 0
-        #: The starter thread is creating the arena (interpreter exit waits for that).
-        self._creating = False
         #: Threads that write reserved objects into the arena, stopped before it goes.
         self._stops: list[Callable[[], bool]] = []
         self._writers_stopped = True
@@ -283,7 +281,6 @@ class ArenaSink(LiveSink, _ArenaSink):
         batches that waited for it, in order; a failed start fails the batch at hand with the
         reason, and a batch at least ``START_RETRY_S`` later tries again (those between fail at
         once with the reason)."""
-        behind = 0  # batches that were queued behind a try that failed
         while True:
             with self._early_lock:
                 if not self._early:
@@ -291,27 +288,17 @@ class ArenaSink(LiveSink, _ArenaSink):
                     return
                 items, fut = self._early[0]
             try:
-                if not self.started:  # (a synchronous call may have made it meanwhile)
-                    if fut is not None and behind > 0 and self._start_error is not None:
-                        # It waited behind that try: its reason at once, not another (slow) try.
-                        behind -= 1
-                        raise _StartFailed(self._start_error)
-                    if self._recently_failed():
-                        # A start failed a moment ago: its reason at once, not another try
-                        # (each can allocate and pre-fault the whole arena before what fails),
-                        # as the synchronous calls have it.
-                        raise _StartFailed(self._start_error)
-                self._creating = True
-                try:
-                    self._ensure_started(items or None, device)
-                finally:
-                    self._creating = False
+                # A start failed a moment ago (the batches queued behind it among others): its
+                # reason at once, not another try (each can allocate and pre-fault the whole
+                # arena before what fails), as the synchronous calls have it; unless a
+                # synchronous call has made the arena meanwhile.
+                if not self.started and self._recently_failed():
+                    raise _StartFailed(self._start_error)
+                self._ensure_started(items or None, device)
             except _StartFailed as e:
                 if fut is not None:
                     _complete(fut, items, f"creating the capture arena failed ({e})")
             except Exception as e:
-                with self._early_lock:
-                    behind = len(self._early) - 1
                 self._start_error = str(e)
                 self._start_failed_at = time.monotonic()
                 if fut is None:
@@ -347,7 +334,7 @@ class ArenaSink(LiveSink, _ArenaSink):
             # SGLANG_SPEC_CAPTURE_ARENA_WAIT_S): the exit hook waits a while for such calls and
             # parks what comes back later, so the exit need not wait that out.
             starter.join(STARTER_EXIT_WAIT_S)
-            if starter.is_alive() and (self._creating or not self._started_or_closed()):
+            if starter.is_alive() and not self._started_or_closed():
                 starter.join()  # it creates the arena, or is about to (its batch is the last)
 
     def put_samples(self, samples: Sequence[Sample], *, within_s: Optional[float] = _SINK_BOUND) -> list[Result]:
