@@ -287,28 +287,27 @@ class ArenaSink(LiveSink, _ArenaSink):
                     self._starter = None
                     return
                 items, fut = self._early[0]
-            try:
+            if not self.started and self._recently_failed():
                 # A start failed a moment ago (the batches queued behind it among others): its
                 # reason at once, not another try (each can allocate and pre-fault the whole
                 # arena before what fails), as the synchronous calls have it; unless a
                 # synchronous call has made the arena meanwhile.
-                if not self.started and self._recently_failed():
-                    raise _StartFailed(self._start_error)
-                self._ensure_started(items or None, device)
-            except _StartFailed as e:
                 if fut is not None:
-                    _complete(fut, items, f"creating the capture arena failed ({e})")
-            except Exception as e:
-                self._start_error = str(e)
-                self._start_failed_at = time.monotonic()
-                if fut is None:
-                    _log.error("creating the capture arena in the background failed (a capture at least %g s later tries again): %s", START_RETRY_S, e)
-                else:
-                    _complete(fut, items, str(e))
+                    _complete(fut, items, f"creating the capture arena failed ({self._start_error})")
             else:
-                self._start_error = None
-                if fut is not None:
-                    self._submit_now(items, fut, True)
+                try:
+                    self._ensure_started(items or None, device)
+                except Exception as e:
+                    self._start_error = str(e)
+                    self._start_failed_at = time.monotonic()
+                    if fut is None:
+                        _log.error("creating the capture arena in the background failed (a capture at least %g s later tries again): %s", START_RETRY_S, e)
+                    else:
+                        _complete(fut, items, str(e))
+                else:
+                    self._start_error = None
+                    if fut is not None:
+                        self._submit_now(items, fut, True)
             with self._early_lock:
                 self._early.popleft()
                 self._starts_done += 1
@@ -636,10 +635,6 @@ class _Reservations:
             return begun.wait(True, float(hold_gil_s), dicts=dicts)
         except Exception as e:  # the extension fails what it reserved itself
             return str(e)
-
-
-class _StartFailed(Exception):
-    """The arena's last creation failed within START_RETRY_S (its reason)."""
 
 
 def _alone(rows: list[Result]) -> bool:

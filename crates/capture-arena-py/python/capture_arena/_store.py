@@ -820,15 +820,12 @@ def _remove_for(ref: "weakref.ref[StoreReader]") -> None:
         reader = ref()
         if reader is None:
             return
-        lock, changed = reader._lock, reader._changed
-        with lock:
-            idle = not reader._removals
-            if idle:
-                changed.notify_all()
+        changed = reader._changed
+        with changed:
+            if not reader._removals:
                 del reader  # not held while it waits
                 changed.wait(IDLE_LOOK_S)
-        if idle:
-            continue
+                continue
         bad = reader._remove_once()
         del reader
         if bad:
