@@ -55,14 +55,20 @@ impl Reaped {
     }
 }
 
+/// Sends child `c` SIGTERM (a producer then removes its arena, where SIGKILL would leave it to
+/// the next sweep).
+pub(crate) fn terminate(c: &Child) {
+    if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+        // SAFETY: plain FFI; `pid` is our own child, not yet reaped, so not reused.
+        unsafe { libc::kill(pid, libc::SIGTERM) };
+    }
+}
+
 impl Drop for Reaped {
     fn drop(&mut self) {
         let Some(c) = &mut self.0 else { return };
         // SIGTERM first, so a producer removes its arena; SIGKILL if it does not go.
-        if let Ok(pid) = libc::pid_t::try_from(c.id()) {
-            // SAFETY: plain FFI; `pid` is our own child, not yet reaped, so not reused.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
+        terminate(c);
         for _ in 0..50 {
             if matches!(c.try_wait(), Ok(Some(_))) {
                 return;

@@ -299,12 +299,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     stop.store(true, Ordering::Relaxed);
     drop(tx);
     if dispatched.is_err() {
-        // Nobody reads its results or frees its samples any more: do not wait for it. SIGTERM,
-        // so that it removes its arena (SIGKILL would leave it to the next sweep).
-        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-            // SAFETY: plain FFI; `pid` is our own child, not yet reaped, so not reused.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
+        // Nobody reads its results or frees its samples any more: do not wait for it.
+        crate::demo::terminate(&child);
     }
     let status = child.wait().context("waiting for the producer")?;
     let mut trained = 0;

@@ -206,11 +206,7 @@ impl Workload {
         );
         // Every size below is then computed without overflow.
         let total = w
-            .aux_layers
-            .checked_add(1)
-            .and_then(|k| k.checked_mul(w.hidden))
-            .and_then(|x| x.checked_mul(2))
-            .and_then(|x| x.checked_add(16))
+            .token_bytes()
             .and_then(|x| x.checked_mul(w.max_len))
             .and_then(|x| x.checked_mul(w.samples as u64));
         anyhow::ensure!(
@@ -237,9 +233,20 @@ impl Workload {
         self.min_len + x % (self.max_len - self.min_len + 1)
     }
 
+    /// Bytes a token takes in a sample: aux and last hidden state in bf16, and the int64 id and
+    /// loss-mask entry; `None` past 64 bits (a workload [`Workload::resolved`] refuses).
+    fn token_bytes(&self) -> Option<u64> {
+        self.aux_layers
+            .checked_add(1)
+            .and_then(|k| k.checked_mul(self.hidden))
+            .and_then(|x| x.checked_mul(2))
+            .and_then(|x| x.checked_add(16))
+    }
+
     /// Bytes of sample `i`.
     pub fn bytes_of(&self, i: usize) -> u64 {
-        self.len_of(i) * ((self.aux_layers + 1) * self.hidden * 2 + 16)
+        self.len_of(i)
+            .saturating_mul(self.token_bytes().unwrap_or(u64::MAX))
     }
 
     /// Total bytes of the workload.
@@ -446,32 +453,16 @@ mod tests {
         .unwrap();
         let total = s.total_bytes() as f64 / (1u64 << 30) as f64;
         assert!((total - 6.47).abs() < 0.01, "{total}");
-        // The largest batch: 1000 samples in batches of 8, the last one of 0 (1000 = 125 x 8).
-        let by_hand = (0..1000)
-            .collect::<Vec<usize>>()
-            .chunks(8)
-            .map(|c| c.iter().map(|&i| w.bytes_of(i)).sum::<u64>())
-            .max();
-        assert_eq!(Some(w.max_batch_bytes()), by_hand);
-        assert_eq!(
-            Workload {
-                batch: 7,
-                ..w.clone()
-            }
-            .max_batch_bytes(),
-            {
-                let w7 = Workload {
-                    batch: 7,
-                    ..w.clone()
-                };
-                (0..1000)
-                    .collect::<Vec<usize>>()
-                    .chunks(7)
-                    .map(|c| c.iter().map(|&i| w7.bytes_of(i)).sum::<u64>())
-                    .max()
-                    .unwrap()
-            }
-        );
+        // The largest batch, against every index collected and chunked (as it was computed).
+        for batch in [8, 7] {
+            let by_hand = (0..1000)
+                .collect::<Vec<usize>>()
+                .chunks(batch)
+                .map(|c| c.iter().map(|&i| w.bytes_of(i)).sum::<u64>())
+                .max();
+            let wb = Workload { batch, ..w.clone() };
+            assert_eq!(Some(wb.max_batch_bytes()), by_hand, "batch {batch}");
+        }
     }
 
     #[test]

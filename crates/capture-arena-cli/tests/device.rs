@@ -71,24 +71,21 @@ fn fake_gpu_a_device_arena_producer_dies_by_the_signal_it_is_sent() {
             .read_line(&mut first)
             .unwrap();
         assert!(first.contains("cuda://"), "{first}");
-        let status = Command::new("sh")
-            .args(["-c", &format!("kill -{name} {}", producer.id())])
-            .status()
-            .unwrap();
-        assert!(status.success());
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        let exit = loop {
-            if let Some(exit) = producer.try_wait().unwrap() {
-                break exit;
-            }
-            if std::time::Instant::now() > deadline {
-                let _ = producer.kill();
-                let _ = producer.wait();
-                panic!("the producer ignored SIG{name} for 10 s");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
-        assert_eq!(exit.signal(), Some(number), "it dies by SIG{name}");
+        util::signal(name, producer.id());
+        let mut exit = None;
+        if !util::within(10, || {
+            exit = producer.try_wait().unwrap();
+            exit.is_some()
+        }) {
+            let _ = producer.kill();
+            let _ = producer.wait();
+            panic!("the producer ignored SIG{name} for 10 s");
+        }
+        assert_eq!(
+            exit.and_then(|e| e.signal()),
+            Some(number),
+            "it dies by SIG{name}"
+        );
     }
 }
 

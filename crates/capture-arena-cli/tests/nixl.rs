@@ -286,14 +286,7 @@ fn a_producer_that_stops_answering_fails_the_read_at_the_timeout_and_reads_resum
         .next()
         .expect("a NIXL server process")
         .to_owned();
-    let signal = |sig: &str| {
-        // The shell's own kill: a minimal Debian has no kill program (procps).
-        assert!(Command::new("sh")
-            .args(["-c", &format!("kill {sig} {pid}")])
-            .status()
-            .unwrap()
-            .success())
-    };
+    let signal = |sig: &str| util::signal(sig.trim_start_matches('-'), pid.parse().unwrap());
     let mut c = Command::new(EXE);
     c.args(["consume", "--quiet", "--progress"])
         .stdin(Stdio::piped())

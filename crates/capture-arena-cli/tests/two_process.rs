@@ -8,7 +8,7 @@ use serde_json::Value;
 
 mod util;
 
-use util::{tiny_producer, EXE, SMALL};
+use util::{signal, tiny_producer, within, EXE, SMALL};
 
 /// A producer of the small workload into a 2 MiB arena (smaller than the ~5 MiB it publishes),
 /// its results on a pipe.
@@ -249,12 +249,7 @@ fn a_producer_stopped_by_a_signal_removes_its_arena() {
             .to_owned();
         let path = std::path::Path::new("/dev/shm").join(&shm);
         assert!(path.exists(), "{path:?}");
-        // The shell's own kill: a minimal Debian has no kill program (procps).
-        let status = Command::new("sh")
-            .args(["-c", &format!("kill -{name} {}", producer.id())])
-            .status()
-            .unwrap();
-        assert!(status.success());
+        signal(name, producer.id());
         use std::os::unix::process::ExitStatusExt;
         assert_eq!(
             producer.wait().unwrap().signal(),
@@ -294,18 +289,6 @@ fn gone(pid: u32) -> bool {
         s.rsplit_once(')')
             .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
     })
-}
-
-/// Polls `cond` every 20 ms until it holds or `secs` pass.
-fn within(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
-    while !cond() {
-        if std::time::Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    true
 }
 
 /// A demo of 1000 tiny samples through a 64 KiB arena (it fills, so its producer waits for
@@ -348,13 +331,6 @@ fn a_demo_stopped_by_sigterm_takes_its_producer_and_trainer_and_the_arena_with_i
     let (mut demo, kids) = demo_with_children("capture_arena=debug");
     let (producer, trainer) = (kids[0].0, kids[1].0);
     // The trainer stops freeing; the producer fills its arena and waits for frees.
-    let signal = |sig: &str, pid: u32| {
-        let status = Command::new("sh")
-            .args(["-c", &format!("kill -{sig} {pid}")])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    };
     signal("STOP", trainer);
     let mut log = std::io::BufReader::new(demo.stderr.take().unwrap());
     let mut line = String::new();
@@ -398,11 +374,7 @@ fn a_demo_whose_trainer_is_killed_says_so_and_stops_its_producer() {
     let (mut demo, kids) = demo_with_children("warn");
     let trainer = kids[1].0;
     let t0 = std::time::Instant::now();
-    let status = Command::new("sh")
-        .args(["-c", &format!("kill -KILL {trainer}")])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    signal("KILL", trainer);
     let mut err = String::new();
     use std::io::Read;
     demo.stderr

@@ -50,6 +50,28 @@ pub fn tiny_producer(samples: &str, idle: &str) -> Command {
     c
 }
 
+/// Sends process `pid` signal `sig` (`TERM`, `KILL`, `STOP`, ...) with the shell's own `kill`: a
+/// minimal Debian has no kill program (procps).
+pub fn signal(sig: &str, pid: u32) {
+    let status = Command::new("sh")
+        .args(["-c", &format!("kill -{sig} {pid}")])
+        .status()
+        .unwrap();
+    assert!(status.success(), "kill -{sig} {pid}");
+}
+
+/// Polls `cond` every 20 ms until it holds or `secs` pass; whether it held.
+pub fn within(secs: u64, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while !cond() {
+        if std::time::Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    true
+}
+
 /// Runs `c` to completion, asserts it succeeded (showing its stdout and stderr if not), and
 /// returns its stdout.
 pub fn stdout_of_success(c: &mut Command) -> String {
