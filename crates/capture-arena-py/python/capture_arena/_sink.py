@@ -234,15 +234,8 @@ class ArenaSink(LiveSink, _ArenaSink):
                 if not block:
                     raise QueueFullError(f"{len(self._early)} batches already wait for the arena to be created")
                 self._early_lock.wait(1.0)
-            if self._starter is None and not self.started and self._recently_failed():
-                # A start failed a moment ago: its reason at once, no thread for another try.
-                started, why = False, f"creating the capture arena failed ({self._start_error})"
-            else:
-                self._early.append((items, fut))  # type: ignore[arg-type]
-                started = self._starter is not None or self._start_starter(device)
-                if not started:
-                    self._early.pop()
-                why = f"creating the capture arena failed ({self._start_error})"
+            started = self._hand_to_starter((items, fut), device)
+            why = f"creating the capture arena failed ({self._start_error})"
         if not started:
             if fut is None:
                 _log.error("%s; a capture at least %g s later tries again", why, START_RETRY_S)
@@ -259,6 +252,21 @@ class ArenaSink(LiveSink, _ArenaSink):
     def _recently_failed(self) -> bool:
         """Whether the last start failed less than ``START_RETRY_S`` ago."""
         return self._start_error is not None and time.monotonic() - self._start_failed_at < START_RETRY_S
+
+    def _hand_to_starter(self, entry: Any, device: Optional[int]) -> bool:
+        """Queues ``entry`` for the starter thread, starting it if none runs (``_early_lock``
+        held); False, nothing queued, where no arena exists and a start failed moments ago (its
+        reason at once, no thread for another try) or no thread can be had."""
+        if self._starter is not None:
+            self._early.append(entry)
+            return True
+        if not self.started and self._recently_failed():
+            return False
+        self._early.append(entry)
+        if not self._start_starter(device):
+            self._early.pop()
+            return False
+        return True
 
     def _start_starter(self, device: Optional[int]) -> bool:
         """Starts the starter thread (``_early_lock`` held); False, with the reason recorded as
@@ -427,12 +435,8 @@ class ArenaSink(LiveSink, _ArenaSink):
             if self.started:
                 return True
             if self._starter is None:
-                if self._recently_failed():
-                    return False
                 device = next((d for d in (_cuda_device(x) for s in items if not isinstance(s, dict) for x in s[1:]) if d is not None), None)
-                self._early.append(([], None))  # type: ignore[arg-type]
-                if not self._start_starter(device):
-                    self._early.pop()
+                if not self._hand_to_starter(([], None), device):
                     return False
             seen = self._starts_done
             while not self.started:
