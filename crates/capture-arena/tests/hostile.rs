@@ -393,3 +393,77 @@ fn a_connect_flood_does_not_stop_publication() {
     let (st, ok) = w.wait_for(Duration::from_secs(5), |st| st.open_connections == 0);
     assert!(ok, "{st:?}");
 }
+
+/// A FIFO another local user made in `/dev/shm` under an arena's name, removed when dropped.
+struct Fifo(std::path::PathBuf);
+
+impl Fifo {
+    fn new() -> Fifo {
+        let mut nonce = [0u8; 16];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| f.read_exact(&mut nonce))
+            .unwrap();
+        let hex: String = nonce.iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("capture-arena-1-{hex}");
+        let path = std::path::Path::new("/dev/shm").join(&name);
+        let c = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: plain FFI on a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o666) }, 0, "mkfifo");
+        Fifo(path)
+    }
+
+    fn name(&self) -> String {
+        self.0.file_name().unwrap().to_string_lossy().into_owned()
+    }
+}
+
+impl Drop for Fifo {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Runs `f` on a thread of its own and gives its answer if it comes within `bound`.
+fn within<T: Send + 'static>(bound: Duration, f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(bound).ok()
+}
+
+#[test]
+fn a_fifo_under_an_arenas_name_stalls_neither_producer_nor_trainer() {
+    // `/dev/shm` is writable by every user: opening a FIFO read-only waits for a writer for
+    // good, and the sweep before a producer's arena, `is_gone` and a reader's open each
+    // opened such a name.
+    let fifo = Fifo::new();
+    let bound = Duration::from_secs(10);
+    let published = within(bound, || {
+        let w = Writer::start(&Config {
+            control_token: Some("auto".into()),
+            ..config(1 << 20, Duration::from_secs(1))
+        })
+        .unwrap();
+        let p = publish_one(&w, "after-the-fifo", &[1000]);
+        (w, p)
+    });
+    let (_w, p) = published.expect("the producer's start (its sweep) waited on the FIFO");
+    verify(&p);
+
+    let mut forged = p.clone();
+    forged.arena.session = format!("shm://{}?len=1048576&base=0x7f0000000000", fifo.name());
+    assert!(
+        forged.arena.token.is_some(),
+        "release asks is_gone for a token's result"
+    );
+    let store = Arc::new(capture_arena::client::FeatureStore::new());
+    let (s, f) = (store.clone(), forged.clone());
+    let read = within(bound, move || s.get(&f, None).map(|_| ()))
+        .expect("a reader's open of the FIFO waited for a writer");
+    let e = read.expect_err("a FIFO read as an arena");
+    assert!(e.to_string().contains("a FIFO"), "{e}");
+    let (s, f) = (store.clone(), forged);
+    within(bound, move || s.release(&f).unwrap()).expect("release (is_gone) waited on the FIFO");
+    within(bound, move || store.health()).expect("health (is_gone) waited on the FIFO");
+}

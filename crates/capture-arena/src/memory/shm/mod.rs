@@ -206,17 +206,60 @@ impl Header {
     }
 }
 
-/// Opens a shared-memory object by name.
+/// Opens a shared-memory object by name: a regular file only. `/dev/shm` is writable by every
+/// user, so anyone can put a FIFO under an arena's name; opening one without `O_NONBLOCK` would
+/// wait for a writer for good (`O_NONBLOCK` changes nothing for a regular file).
+///
+/// # Errors
+/// The open's own error, or [`io::ErrorKind::InvalidInput`] for anything but a regular file.
 pub(crate) fn open(name: &str, flags: libc::c_int, mode: libc::mode_t) -> io::Result<OwnedFd> {
     let cname = CString::new(format!("/{name}"))
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "name contains NUL"))?;
     // SAFETY: plain FFI on a NUL-terminated name.
-    let raw = unsafe { libc::shm_open(cname.as_ptr(), flags | libc::O_CLOEXEC, mode) };
+    let raw = unsafe {
+        libc::shm_open(
+            cname.as_ptr(),
+            flags | libc::O_CLOEXEC | libc::O_NONBLOCK,
+            mode,
+        )
+    };
     if raw < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: shm_open returned a fresh descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+    let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+    regular(&fd)?;
+    Ok(fd)
+}
+
+/// Refuses anything but a regular file (a FIFO, a socket) under an arena's name.
+///
+/// # Errors
+/// [`io::ErrorKind::InvalidInput`] naming the file's type, or fstat's own error.
+pub(crate) fn regular(fd: &impl AsRawFd) -> io::Result<()> {
+    // SAFETY: fstat fills a zeroed stat struct for a descriptor the caller holds open.
+    let st = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        st
+    };
+    let kind = st.st_mode & libc::S_IFMT;
+    if kind == libc::S_IFREG {
+        return Ok(());
+    }
+    let what = match kind {
+        libc::S_IFIFO => "a FIFO",
+        libc::S_IFSOCK => "a socket",
+        libc::S_IFDIR => "a directory",
+        libc::S_IFCHR | libc::S_IFBLK => "a device",
+        _ => "not a regular file",
+    };
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{what}, not an arena (a producer creates a regular file)"),
+    ))
 }
 
 /// Who owns a shared-memory object and its permission bits: `(uid, mode & 0o777)`.

@@ -28,13 +28,17 @@ pub fn owner_pid(name: &str) -> Option<u32> {
 /// `false` can be wrong (ask again later), a `true` never is.
 ///
 /// # Errors
-/// If the object cannot be opened or the lock attempt fails for another reason.
+/// If the object cannot be opened, is no regular file, or the lock attempt fails for another
+/// reason.
 pub fn is_abandoned(path: &Path) -> io::Result<bool> {
     use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW | libc::O_NONBLOCK)
         .open(path)?;
+    // Anyone can make a FIFO under an arena's name: opened without O_NONBLOCK it would wait
+    // for a writer for good; it is no arena either way.
+    super::regular(&f)?;
     // SAFETY: plain FFI on a descriptor `f` owns; the lock goes with it when `f` closes.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if rc == 0 {
