@@ -606,3 +606,39 @@ def test_a_controllers_memory_forgets_samples_freed_elsewhere_and_stays_within_i
     assert small.health()["tracked_results"] == 3 and small.health()["forgotten_total"] == 2
     assert sink.stats()["resident_objects"] == 1 + 5, "forgetting frees nothing"
     ca.ArenaFeatureStore.reclaim(sink.control, prefixes=["mem/"])
+
+
+def test_abort_at_the_optimizer_boundary_of_samples_released_already_sends_nothing(producer: Producer) -> None:
+    """SpecForge's DP acknowledgement aborts every sample of an optimizer window, then drains
+    them (``drain_feature_store_sample_removals``); most were released by the loader already.
+    Before, each such abort went by prefix to every known endpoint: with one endpoint that does
+    not answer, every drain raised, and SpecForge ends the run on it."""
+    from specforge.runtime.data_plane.feature_store import drain_feature_store_sample_removals
+
+    lst = socket.socket()  # a full backlog: connections to it hang
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(0)
+    held = []
+    for _ in range(8):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(lst.getsockname())
+        held.append(s)
+    try:
+        dead = "%s:%d" % lst.getsockname()
+        store = SpecForgeArenaStore(store_id="run9", controls=[dead])
+        refs = adapter(producer, store).produce_refs(tasks(2, "ack"), capture=capture())
+        for ref in refs:
+            _, handle = store.get(ref)
+            store.release(handle)
+        ids = [r.sample_id for r in refs]
+        for sid in ids:
+            store.abort(sid, reason="optimizer-boundary-durable-ack")
+        drain_feature_store_sample_removals(store, ids, max_attempts=2, retry_interval_s=0.2)
+        stats = producer.wait_free()
+        assert stats["resident_objects"] == 0, stats
+        assert store.health()["release_pending"] == 0, store.health()
+    finally:
+        for s in held:
+            s.close()
+        lst.close()

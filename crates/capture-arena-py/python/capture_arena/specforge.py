@@ -436,6 +436,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._recorded: "collections.OrderedDict[Tuple[str, int], Dict[str, Any]]" = collections.OrderedDict()
         self._provisional: Dict[Tuple[str, int], List[str]] = {}
         self._prefixes = _Prefixes()
+        # Samples freed here (sample_id -> generation), the latest max_tracked: SpecForge aborts
+        # every sample at its optimizer boundary, most of them released already.
+        self._freed: "collections.OrderedDict[str, int]" = collections.OrderedDict()
         self._stats = {"force_freed": 0, "force_freed_bytes": 0, "forgotten": 0}
         self._residency: Optional[threading.Thread] = None
         self._residency_at = -RESIDENCY_CHECK_S
@@ -633,6 +636,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             with self._lock:
                 if self._generation.get(sid) == gen and not self._leased(sid, gen):
                     self._forget(sid)
+                    self._remember_freed(sid, gen)
             raise
         with self._lock:
             if sid not in self._generation:
@@ -654,7 +658,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
 
     def abort(self, sample_id: str, *, reason: str = "aborted") -> None:
         """Frees the sample now, leases or not; one this process never tracked is freed by
-        prefix at every known control endpoint."""
+        prefix at every known control endpoint. One freed here already (released: SpecForge
+        aborts every sample at its optimizer boundary) is left alone, as Mooncake's store does,
+        unless an attempt of another generation was sent for it since."""
         sid = str(sample_id)
         with self._lock:
             if sid in self._generation:
@@ -665,6 +671,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                     del self._recorded[(s, gen)]
                     self._free_result(recorded)
                     return
+            freed = self._freed.get(sid)
+            if freed is not None and not any(s == sid and g != freed for s, g in self._provisional):
+                return  # its frees went when it was freed
             if not self._free_unseen(sid, None, []):
                 log.warning("abort of %s (%s): no control endpoint known to free it at; pass controls=[...]", sid, reason)
 
@@ -871,11 +880,19 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
 
     def _free_tracked(self, sid: str) -> None:
         result = self._results.pop(sid, None)
-        self._generation.pop(sid, None)
+        gen = self._generation.pop(sid, None)
+        if gen is not None:
+            self._remember_freed(sid, gen)
         self._put_time.pop(sid, None)
         self._bytes.pop(sid, None)
         if result is not None:
             self._free_result(result)
+
+    def _remember_freed(self, sid: str, gen: int) -> None:
+        self._freed[sid] = gen
+        self._freed.move_to_end(sid)
+        while len(self._freed) > self.max_tracked:
+            self._freed.popitem(last=False)
 
     def _free_result(self, result: Mapping[str, Any]) -> None:
         try:
