@@ -140,32 +140,50 @@ def test_a_forked_worker_frees_what_it_read_and_never_deleted_and_leaves_its_par
     wait_resident(sink, 0)
 
 
-def _read_then_hang(t: CaptureArenaTransfer, kv: Any, ready: Any) -> None:
-    import time
+class _ReadThenHang(torch.utils.data.Dataset):  # type: ignore[misc]
+    """A dataset whose one item reads a capture and then never returns (a worker that does not
+    stop: its DataLoader terminates it), as speculators' dataset reads in its workers."""
 
-    t.get_generated(kv)  # and never deleted
-    ready.put(True)
-    time.sleep(600)  # a worker that does not stop: its DataLoader terminates it
+    def __init__(self, t: CaptureArenaTransfer, kv: Any, ready: Any) -> None:
+        self.t, self.kv, self.ready = t, kv, ready
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> Any:
+        import time
+
+        self.t.get_generated(self.kv)  # and never deleted
+        self.ready.put(True)
+        time.sleep(600)
 
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
-def test_a_worker_terminated_by_its_dataloader_frees_what_it_read(sink: ca.ArenaSink, start: str) -> None:
-    """torch's DataLoader terminates (SIGTERM) a worker that does not stop in time; SIGTERM's
-    default action skips every exit hook, so what the worker read and never deleted stayed
-    resident. The worker's SIGTERM now frees it first, then ends the process as SIGTERM does."""
+def test_a_worker_terminated_by_its_dataloader_frees_what_it_read(sink: ca.ArenaSink, start: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's DataLoader (speculators' own: spawned workers) terminates (SIGTERM) a worker that
+    does not stop in time; SIGTERM's default action and torch's worker handler both skip every
+    exit hook, so what the worker read and never deleted stayed resident. The worker's SIGTERM
+    now frees it first, then ends the worker with status 0 as torch's handler does. (Before,
+    the handler was installed when the worker was made, and torch's worker loop put its own
+    over it: resident 1 for good.)"""
     import multiprocessing as mp
-    import signal
+
+    from torch.utils.data import DataLoader
+    from torch.utils.data import _utils as loader_utils
 
     ctx = mp.get_context(start)
     t = CaptureArenaTransfer()
     r = publish(sink, f"r-terminated-{start}")
     ready = ctx.Queue()
-    p = ctx.Process(target=_read_then_hang, args=(t, params(r), ready))
-    p.start()
+    loader = DataLoader(_ReadThenHang(t, params(r), ready), batch_size=None, num_workers=1, multiprocessing_context=ctx, persistent_workers=True)
+    it = iter(loader)  # the worker starts on the first item at once
     assert ready.get(timeout=120)
-    p.terminate()
-    p.join(60)
-    assert p.exitcode == -signal.SIGTERM
+    # The loader's shutdown waits this long for a worker before terminating it (5 s).
+    monkeypatch.setattr(loader_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    worker = it._workers[0]
+    it._shutdown_workers()
+    worker.join(60)
+    assert worker.exitcode == 0
     wait_resident(sink, 0)
 
 

@@ -43,6 +43,7 @@ import multiprocessing.util
 import os
 import signal
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any, Optional
@@ -130,10 +131,14 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         self._lock = threading.Lock()
 
     def setup(self) -> None:
-        """Opens the reader (in the process that reads: a dataloader worker's own)."""
+        """Opens the reader (in the process that reads: a dataloader worker's own). In a
+        worker, SIGTERM frees what it read first (installed here: torch's DataLoader puts its
+        own SIGTERM handler over any made before its worker loop starts)."""
         if self._store is None:
             self._store = ArenaFeatureStore()
             _TRANSFERS.add(self)
+        if multiprocessing.parent_process() is not None or torch.utils.data.get_worker_info() is not None:
+            _free_on_sigterm()
 
     def get_cached(self, file_idx: int) -> Optional[dict[str, torch.Tensor]]:
         return self._cached.get_cached(file_idx) if self._cached is not None else None
@@ -199,11 +204,17 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             except Exception as e:
                 log.warning("capture_arena.speculators: could not free %r (%s): %s", r.get("sample_id"), why, e)
 
-    def _release_all(self) -> None:
-        """Frees every result read and not deleted (at exit; never raises)."""
-        with self._lock:
+    def _release_all(self, lock_wait: float = -1) -> None:
+        """Frees every result read and not deleted (at exit; never raises). ``lock_wait``: how
+        long to wait for the lock, from a signal handler (which may have interrupted its holder
+        on this very thread: then it goes on without it, between two whole dict operations)."""
+        got = self._lock.acquire(timeout=lock_wait)
+        try:
             left = list(self._read.values())
             self._read.clear()
+        finally:
+            if got:
+                self._lock.release()
         self._free_each(left, "at exit")
         if left:
             log.warning("capture_arena.speculators: freed %d results read and never deleted, at exit", len(left))
@@ -235,9 +246,9 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             self._store.flush(timeout_s)
 
 
-def _release_at_exit() -> None:
+def _release_at_exit(lock_wait: float = -1) -> None:
     for t in list(_TRANSFERS):
-        t._release_all()
+        t._release_all(lock_wait)
 
 
 # Registered after the reader module's exit flush (imported above), so it runs first (atexit is
@@ -265,24 +276,39 @@ def _in_forked_worker(_: object) -> None:
 
 def _free_on_sigterm() -> None:
     """In a worker process (torch's DataLoader terminates a worker that does not stop in time
-    with SIGTERM, whose default action skips every exit hook): SIGTERM first frees what this
-    process read and never deleted, flushes the frees (at most 2 s), then ends the process as
-    SIGTERM would. Only where SIGTERM has no handler yet, from the main thread."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    with SIGTERM, whose default action, like torch's own worker handler, skips every exit hook):
+    SIGTERM first frees what this process read and never deleted, flushes the frees (at most
+    2 s), then ends the process: in a DataLoader worker with status 0, as torch's handler ends
+    one its parent terminates (the loader reports a worker killed by a signal as an error),
+    elsewhere as SIGTERM would. Installed from the main thread only, over no handler, ours, or
+    torch's (a C handler: Python does not see it and reports what it last set), never over the
+    application's own; again at each ``setup()``, since torch's worker loop puts its handler
+    over one installed when the worker was made."""
+    if threading.current_thread() is not threading.main_thread():
         return
+    if not (signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None) or getattr(signal.getsignal(signal.SIGTERM), "_capture_arena", False)):
+        return  # the application's own handler: left alone
 
     def on_sigterm(signum: int, _frame: Any) -> None:
         signal.signal(signum, signal.SIG_DFL)
+        in_loader = torch.utils.data.get_worker_info() is not None
         try:
-            _release_at_exit()
-            for t in list(_TRANSFERS):
+            _release_at_exit(lock_wait=0.5)
+            end = time.monotonic() + 2.0
+            stores = [t._store for t in list(_TRANSFERS)] + [_REFUSED]
+            for store in stores:
+                if store is None:
+                    continue
                 try:
-                    t.flush(2.0)
+                    store.flush(max(0.0, end - time.monotonic()))
                 except Exception as e:  # what is not out by then is lost with the process
                     log.warning("capture_arena.speculators: frees not sent before SIGTERM ended the worker: %s", e)
         finally:
+            if in_loader:
+                os._exit(0)
             os.kill(os.getpid(), signum)
 
+    on_sigterm._capture_arena = True  # type: ignore[attr-defined]
     signal.signal(signal.SIGTERM, on_sigterm)
 
 
