@@ -267,7 +267,19 @@ def test_vllm_will_not_sleep_and_discard_the_cache_under_a_copy(engine: Proc, tr
     """vLLM's sleep mode discards the cache (level 1 and up, and release_kv_cache_memory). It
     first resets the prefix cache, which fails while a finished request's blocks are held for
     its copy. So vLLM raises instead of discarding blocks a copy still reads, and it sleeps once
-    the copy is reported done."""
+    the copy is reported done. An engine in the caller's process steps only inside generate(),
+    so the last finished request's blocks stay held after it returns, its copy done or not:
+    ``settle`` steps it until they are given back (before it, the sleep failed the same way)."""
+    p0 = prompt(150, 40)
+    (first,) = engine.ask([p0])  # the copy runs at once: only the report waits
+    assert "error" not in first["capture_arena"], first
+    assert len(engine.ask({"held": True})) == 1
+    refused = engine.ask({"sleep": 1})  # its copy is done, its blocks held until a step
+    assert "Failed to reset KV cache" in refused.get("error", ""), refused
+    assert engine.ask({"settle": 30}) == {"settled": True, "held": {}}
+    trainer.send({"read": first, "prompt": p0})
+    assert trainer.answer(60).get("ok")
+    assert trainer.ask({"delete": first["handle"]}) == {"ok": True}
     assert engine.ask({"gate": "close"}) == {"ok": True}
     p = prompt(150, 41)
     (kv,) = engine.ask([p])
@@ -281,7 +293,7 @@ def test_vllm_will_not_sleep_and_discard_the_cache_under_a_copy(engine: Proc, tr
     trainer.send({"read": kv, "prompt": p})
     got = trainer.answer(60)
     assert got.get("ok"), got
-    assert engine.ask({"drain": 30})["held"] == {}
+    assert engine.ask({"settle": 30}) == {"settled": True, "held": {}}
     assert engine.ask({"sleep": 1}) == {"slept": True, "paused": False}
     assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
     assert trainer.ask({"flush": True}) == {"ok": True}
@@ -500,6 +512,27 @@ def test_a_copy_that_does_not_land_keeps_vllm_from_preempting_only_for_the_bound
     assert "held its blocks for" in engine.log_tail(), "the stuck copy is not in the log"
     assert engine.ask({"gate": "open"}) == {"ok": True}
     read_exact_then_free(engine, trainer, [(got["params"]["preempted"], p), (got["params"]["before"], first)])
+
+
+def test_blocks_held_past_the_bound_only_for_want_of_a_step_are_not_taken_as_stuck(engine: Proc, trainer: Proc) -> None:
+    """An engine in the caller's process does not step between generate() calls, so a
+    finished request's blocks stay held, its copy long done, until the next step reports it.
+    The hold's age then says nothing about the copy: vLLM's scheduler waits for these blocks
+    (they come back with this very step's report) and nothing is logged as stuck (before: past
+    the bound plus HOLD_GRACE_S of idling, it preempted and logged the copy as stuck)."""
+    assert engine.ask({"hold_grace": 0}) == {"ok": True}
+    try:
+        p = prompt(60, 57)
+        (kv,) = engine.ask([p])
+        assert "error" not in kv["capture_arena"], kv
+        bound = 0.5  # the engine's SGLANG_SPEC_CAPTURE_SYNC_WAIT_S, HOLD_GRACE_S 0
+        while (asked := engine.ask({"pending_frees": True}))["age"] < bound:
+            assert asked["pending"] is True, asked
+        assert asked["pending"] is True, f"an idle engine's done copy taken as stuck: {asked}"
+        assert f"the copy of request {next(iter(engine.ask({'held': True})))}" not in engine.log_tail()
+    finally:
+        assert engine.ask({"hold_grace": 30}) == {"ok": True}
+    read_exact_then_free(engine, trainer, [(kv, p)])
 
 
 #: The long-context check: a prompt of 32,768 tokens, every id different.

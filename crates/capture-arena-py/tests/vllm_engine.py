@@ -15,6 +15,8 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   until ``{"release": true}``;
 - ``{"hold_grace": s}``: sets the connector's ``HOLD_GRACE_S`` (how long past the bound vLLM's
   scheduler waits for held blocks instead of preempting);
+- ``{"pending_frees": true}``: the connector's ``has_pending_block_frees()`` (vLLM's question
+  before it preempts) and how old the oldest hold is;
 - ``{"held": true}``: the requests vLLM finished whose blocks it still holds, ``{rid: blocks}``;
 - ``{"sleep": level}``: ``LLM.sleep(level)`` then ``wake_up()`` (even after a refusal);
   ``{"slept": true}`` or ``{"error": ...}``, and whether the scheduler is still ``paused``;
@@ -32,6 +34,8 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   ``over_at_discard``), and no ``params`` (the aborted request's capture is freed);
 - ``{"preempt_grace": s}``: the connector's ``PREEMPT_GRACE_S`` (how long past the bound a
   preemption, and a reset of the caches, waits for a copy under way);
+- ``{"settle": seconds}``: ``capture_arena.vllm.settle(llm, seconds)``, and what the engine still
+  holds;
 - ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
@@ -352,6 +356,10 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         elif "hold_grace" in cmd:
             connector.HOLD_GRACE_S = float(cmd["hold_grace"])
             answer = {"ok": True}
+        elif "pending_frees" in cmd:
+            # What vLLM's scheduler asks before it preempts, once the oldest hold is this old.
+            since = min(scheduler.connector._held.values(), default=None)
+            answer = {"age": None if since is None else time.monotonic() - since, "pending": scheduler.connector.has_pending_block_frees()}
         elif "panic" in cmd:
             panics[0] = int(cmd["panic"])
             answer = {"ok": True}
@@ -394,6 +402,10 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
                 answer = {"error": f"{type(e).__name__}: {e}"}
             llm.wake_up()  # what docs/vllm.md tells a caller to do after a refusal too
             answer["paused"] = core.is_scheduler_paused()
+        elif "settle" in cmd:
+            from capture_arena.vllm import settle
+
+            answer = {"settled": settle(llm, float(cmd["settle"])), "held": held()}
         elif "drain" in cmd:
             steps, still = drain(float(cmd["drain"]))
             answer = {"steps": steps, "held": still}

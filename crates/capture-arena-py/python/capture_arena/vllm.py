@@ -132,7 +132,7 @@ from ._live import sync_wait_s
 from ._reader import key_prefix
 from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
-__all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID"]
+__all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID", "settle"]
 
 log = logging.getLogger("capture_arena.vllm")
 
@@ -147,6 +147,29 @@ MAX_RESULTS = 65536
 #: them, each of whole blocks: this many bytes, unless one block is larger): then the
 #: connector's extra device memory, whatever the prompt length (the native copy needs none).
 STAGING_BYTES = 32 << 20
+
+
+def settle(llm: Any, timeout_s: float = 30.0) -> bool:
+    """Steps an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the external launcher)
+    until its scheduler holds no finished request's blocks, at most ``timeout_s``; True when it
+    holds none. vLLM gives a finished request's blocks back when the connector reports its copy
+    done, at a step; an engine in the caller's process steps only inside ``generate()``, so the
+    last step's blocks stay held after it returns, and ``LLM.sleep`` (level 1 and up) and
+    ``reset_prefix_cache`` fail on them ("Failed to reset KV cache"). Call this first. An
+    engine core in a process of its own steps by itself (its sleep waits for the copies): True
+    at once. ``llm``: an ``LLM`` or its ``LLMEngine``."""
+    engine = getattr(llm, "llm_engine", llm)
+    core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
+    scheduler = getattr(core, "scheduler", None)
+    if scheduler is None or not hasattr(scheduler, "has_finished_requests"):
+        return True  # the engine core runs in a process of its own
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_finished_requests():
+        if time.monotonic() >= deadline:
+            return False
+        engine.step()
+        time.sleep(0.001)  # copies land in milliseconds: no busy loop meanwhile
+    return True
 
 
 def staging_bound(k: int, block_size: int, hidden: int, element_size: int) -> int:
@@ -356,6 +379,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._held: dict[str, float] = {}
             #: The held request last reported stuck (logged once).
             self._stuck: Optional[str] = None
+            # The held request whose clock started again once its copy was over (a step late).
+            self._restarted: Optional[str] = None
             #: Until when the requests finished since the last step was built wait for their
             #: results (None: no request finished since).
             self._finish_by: Optional[float] = None
@@ -688,6 +713,17 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         waited = time.monotonic() - since
         if waited < self._bound + HOLD_GRACE_S:
             return True
+        if self._restarted != rid:
+            with self._cond:
+                copying = any(t.partition(":")[2] == rid for t in self._copying)
+            if not copying:
+                # Its copy is over: the blocks come back with this step's report. They waited
+                # for a step, not for the copy (an engine in the caller's process does not step
+                # between generate() calls): the clock starts again, once, and a report that
+                # never comes is taken as stuck after the bound and the grace as any copy.
+                self._restarted = rid
+                self._held[rid] = time.monotonic()
+                return True
         if self._stuck != rid:
             self._stuck = rid
             log.error(
