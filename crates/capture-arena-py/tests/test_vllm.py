@@ -2026,6 +2026,9 @@ one = ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="mp", worl
 short = ns(method="extract_hidden_states", draft_model_config=ns(max_model_len=256, hf_config=ns(eagle_aux_hidden_state_layer_ids=[1])))
 for pc, sp in ((ns(data_parallel_rank=0, nnodes=2, distributed_executor_backend="mp", world_size=8), spec),
                (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="ray", world_size=2), spec),
+               (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend=type("RayDistributedExecutor", (), {}), world_size=2), spec),
+               (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="external_launcher", world_size=2), spec),
+               (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="mp", world_size=2, decode_context_parallel_size=2), spec),
                (one, short)):
     cfg = ns(kv_transfer_config=ns(engine_id="refuse", kv_connector_extra_config={}), parallel_config=pc, speculative_config=sp,
              model_config=ns(max_model_len=1024))
@@ -2041,15 +2044,18 @@ for pc, sp in ((ns(data_parallel_rank=0, nnodes=2, distributed_executor_backend=
 
 def test_an_engine_whose_workers_may_run_on_another_host_or_whose_drafter_is_shorter_is_refused_at_start_up() -> None:
     # Results cross an abstract Unix socket: a worker on another host could never hand one over,
-    # and every request would wait its bound. A drafter shorter than the engine is skipped for
-    # whole steps, leaving their prompts' rows unwritten. Refused before serving, saying what to
-    # change.
+    # and every request would wait its bound. Ray's executor given as a class; the external
+    # launcher's ranks each with an engine core of their own (only rank 0 captures: the others
+    # waited the bound each step and held their blocks for good); context parallelism (rank 0
+    # holds part of each row). A drafter shorter than the engine is skipped for whole steps,
+    # leaving their prompts' rows unwritten. Refused before serving, saying what to change.
     out = subprocess.run([sys.executable, "-c", REFUSE], capture_output=True, text=True, timeout=300)
     lines = [line[3:] for line in out.stdout.splitlines() if line.startswith("@@ ")]
-    assert len(lines) == 6, out.stdout[-3000:] + out.stderr[-3000:]
-    assert all("--distributed-executor-backend mp on one node" in line for line in lines[:4]), lines
-    assert "spans 2 nodes (--nnodes)" in lines[0] and "Ray may place its 2 workers" in lines[2], lines
-    assert all("drafter's max_model_len (256) is below the engine's (1024)" in line and "--speculative-config" in line for line in lines[4:]), lines
+    assert len(lines) == 12, out.stdout[-3000:] + out.stderr[-3000:]
+    assert all("--distributed-executor-backend mp on one node" in line for line in lines[:10]), lines
+    assert "spans 2 nodes (--nnodes)" in lines[0] and "Ray may place its 2 workers" in lines[2] and "Ray may place" in lines[4], lines
+    assert "only rank 0 captures" in lines[6] and "--decode-context-parallel-size 2" in lines[8], lines
+    assert all("drafter's max_model_len (256) is below the engine's (1024)" in line and "--speculative-config" in line for line in lines[10:]), lines
 
 
 @pytest.mark.parametrize("layout", ["slots_then_layers", "layers_then_slots"])

@@ -300,17 +300,30 @@ def _check_one_host(vllm_config: Any) -> None:
     nnodes = getattr(pc, "nnodes", 1)
     backend = getattr(pc, "distributed_executor_backend", None)
     world = getattr(pc, "world_size", 1)
+    name = str(getattr(backend, "__name__", backend)).lower()  # a name, or an executor class
+    cp = {f: getattr(pc, f, 1) for f in ("decode_context_parallel_size", "prefill_context_parallel_size")}
+    split = {f: n for f, n in cp.items() if isinstance(n, int) and n > 1}
     why = None
     if isinstance(nnodes, int) and nnodes > 1:
         why = f"it spans {nnodes} nodes (--nnodes)"
-    elif str(getattr(backend, "__name__", backend)) == "ray" and isinstance(world, int) and world > 1:
+    elif name.startswith("ray") and isinstance(world, int) and world > 1:
         why = f"Ray may place its {world} workers on other hosts (--distributed-executor-backend ray)"
+    elif name.startswith("external_launcher") and isinstance(world, int) and world > 1:
+        # Each rank runs an engine core of its own with its worker in its process: only rank
+        # 0's worker copies, so every other rank's scheduler would wait the bound for results
+        # that never come and hold its requests' blocks for good, and the ranks' schedules part.
+        why = f"under the external launcher each of its {world} ranks has an engine core of its own, and only rank 0 captures"
+    elif split:
+        # The cache-only layer's rows are spread over the context-parallel ranks: rank 0's
+        # blocks hold only part of each request's rows.
+        why = "context parallelism spreads each request's rows over ranks (" + ", ".join(f"--{f.replace('_', '-')} {n}" for f, n in split.items()) + ")"
     if why is not None:
         raise ValueError(
             f"capture_arena.vllm cannot serve this engine: {why}. The worker that publishes (tensor-parallel rank 0 "
             "of the stage with the cache-only layer) hands each result to the engine core over a local socket, so "
-            "every worker must run on the engine core's host: use --distributed-executor-backend mp on one node, "
-            "or one engine per node (data parallelism)"
+            "every worker must run on the engine core's host, under that one engine core, with whole rows: use "
+            "--distributed-executor-backend mp on one node without context parallelism, or one engine per node "
+            "(data parallelism)"
         )
 
 
