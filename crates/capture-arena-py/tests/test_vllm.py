@@ -2167,3 +2167,20 @@ def test_the_speculators_transfer_pickles_for_spawned_dataloader_workers(tmp_pat
     with pytest.raises(Exception, match="vLLM did not publish request 'r'"):
         copy.get_generated({"capture_arena": {"sample_id": "r", "error": "the arena was full"}, "handle": "capture-arena-error:r"})
     copy.delete("capture-arena-error:r")  # names no object: nothing to free, no error
+
+
+def test_a_request_id_too_long_for_a_key_costs_only_its_own_request(pair: tuple[Proc, Proc]) -> None:
+    """A request id has no length limit in vLLM's API; one of 600 KB can never be a key (1024
+    bytes at most), and its line on the result channel of a worker of its own went over the
+    line bound, which closed the connection under the step's other results. It is not
+    captured: its request is told why at once, and the other request of its step publishes."""
+    sched, worker = pair
+    long = "x" * (600 << 10)
+    worker.ask({"save": sched.ask({"announce": [[long, 8], ["beside-long", 8]]})["meta"]})
+    got = sched.ask({"finish": long})
+    assert "the request id is 614400 bytes" in got["params"]["capture_arena"]["error"], got["params"]["capture_arena"]["error"][:300]
+    assert got["s"] < HALF_BOUND, got["s"]  # told at once, not after the bound
+    params = sched.ask({"finish": "beside-long"})["params"]
+    assert "error" not in params["capture_arena"], params
+    release_all([params])
+    assert wait_resident(worker, 0)["resident_objects"] == 0

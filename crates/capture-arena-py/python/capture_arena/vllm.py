@@ -201,6 +201,8 @@ PREEMPT_GRACE_S = 30.0
 HOLD_GRACE_S = 30.0
 #: The longest result line the scheduler process reads from the worker.
 MAX_LINE = 1 << 20
+#: The longest request id captured (bytes): a key of the arena is at most this long.
+MAX_REQUEST_ID_BYTES = 1024
 #: Copies over a worker keeps for its next report when their report could not be sent (the
 #: scheduler process keeps as many announcements waiting for theirs: MAX_RESULTS).
 MAX_UNREPORTED = 65536
@@ -378,6 +380,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: Streamed requests (not captured: a streaming response carries no result), until
             #: they finish.
             self._streamed: set[str] = set()
+            # Requests not captured, with why (their ids are too long for a key).
+            self._uncaptured: dict[str, str] = {}
             #: Announcements (:func:`_tag`) whose copy the worker has not reported over yet
             #: (landed, failed or never begun: it reads their blocks no more), oldest first,
             #: with when they were announced (None once their result came: the worker sends a
@@ -483,7 +487,15 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             _reply_free(peer, row)
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(rid)
-            if req is None or rid in self._pending or rid in self._streamed:
+            if req is None or rid in self._pending or rid in self._streamed or rid in self._uncaptured:
+                continue
+            if len(rid.encode("utf-8", "surrogatepass")) > MAX_REQUEST_ID_BYTES:
+                # Never a key ({store_id}/{sample_id}/g{gen}/{name}, 1024 bytes at most), and a
+                # line on the result channel over its bound would cost the other requests on it.
+                self._uncaptured[rid] = (
+                    f"the request id is {len(rid.encode('utf-8', 'surrogatepass'))} bytes; a capture's keys hold at most "
+                    f"{MAX_REQUEST_ID_BYTES} (its objects are named by it): not captured; send a shorter request_id"
+                )
                 continue
             if _streamed(req):
                 # vLLM's server puts kv_transfer_params only in a whole response: a streamed
@@ -583,6 +595,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         rid = request.request_id
         self._requests.pop(rid, None)
         self._again.discard(rid)
+        uncaptured = self._uncaptured.pop(rid, None)
+        if uncaptured is not None:
+            return False, {"capture_arena": {"sample_id": rid, "error": uncaptured}, "handle": f"{ERROR_HANDLE}{rid}"}
         if rid in self._streamed:
             self._streamed.discard(rid)
             why = "a streaming response carries no kv_transfer_params (vLLM's server puts them in a whole response only): not captured; ask without stream"
