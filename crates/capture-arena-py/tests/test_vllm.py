@@ -2184,3 +2184,17 @@ def test_a_request_id_too_long_for_a_key_costs_only_its_own_request(pair: tuple[
     assert "error" not in params["capture_arena"], params
     release_all([params])
     assert wait_resident(worker, 0)["resident_objects"] == 0
+
+
+def test_a_request_vllm_failed_has_its_capture_freed(both: Proc) -> None:
+    """vLLM ends a request it failed (FINISHED_ERROR: an encoder input lost, a KV load failed)
+    through Scheduler.finish_requests, which drops what request_finished returns, as for an
+    abort: nobody ever gets its result. Its capture is freed (before: only FINISHED_ABORTED
+    was, so this one waited for its result and stayed resident for good)."""
+    p = both
+    before = p.ask({"stats": True})["resident_objects"]
+    p.ask({"save": p.ask({"announce": [["failing", 8]]})["meta"]})
+    got = p.ask({"finish": "failing", "status": "FINISHED_ERROR"})
+    assert "failed in vLLM (FINISHED_ERROR)" in got["params"]["capture_arena"]["error"], got
+    s = wait_stats(p, lambda s: s["resident_objects"] == before)
+    assert s["resident_objects"] == before, s

@@ -17,8 +17,9 @@ states and 8 of its id. Commands:
 - ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's bind_connector_metadata and wait_for_save;
 - ``{"bind": base64}`` (worker): only bind that step (its forward would run now); ``{"unsaved":
   1}``: end it without wait_for_save; ``{"get_finished": [rid, ...]}``: the worker's get_finished;
-- ``{"finish": rid, "gap": bool, "abort": bool}`` (scheduler) -> ``{"params": ..., "s":
-  seconds}``: request_finished (``abort``: of a request vLLM aborted); with ``gap`` (both in one process) the connector's condition is instrumented
+- ``{"finish": rid, "gap": bool, "abort": bool, "status": name}`` (scheduler) -> ``{"params": ...,
+  "s": seconds}``: request_finished (``abort``: of a request vLLM aborted; ``status``: its
+  RequestStatus by name); with ``gap`` (both in one process) the connector's condition is instrumented
   so that, once its timed wait ran out and it releases the lock, a result for that request is
   sent by the worker and read before request_finished goes on;
 - ``{"break_rows": why, "panic": bool}`` (worker): the copy's setup (``_Rows``) raises ``why``
@@ -253,6 +254,8 @@ for line in sys.stdin:
             req = requests.pop(cmd["finish"])
             if cmd.get("abort"):  # as vLLM finishes a request its client went away from
                 req.status = ns(name="FINISHED_ABORTED")
+            if cmd.get("status"):  # as vLLM finishes one it failed (FINISHED_ERROR)
+                req.status = ns(name=cmd["status"])
             t0 = time.monotonic()
             params = sched.request_finished(req, [])[1]
             answer = {"params": params, "s": time.monotonic() - t0}

@@ -605,7 +605,11 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         # An aborted request (a client that went away or timed out, a streaming-input session's
         # end): vLLM drops what this returns (Scheduler.finish_requests), so its capture is
         # freed here, and its result is not waited for (one that comes later is freed too).
-        aborted = getattr(getattr(request, "status", None), "name", None) == "FINISHED_ABORTED"
+        # A request vLLM failed (FINISHED_ERROR: a lost encoder input, a failed KV load) mostly
+        # goes the same way (Scheduler.finish_requests); its capture is freed alike.
+        status = getattr(getattr(request, "status", None), "name", None)
+        aborted = status in ("FINISHED_ABORTED", "FINISHED_ERROR")
+        ended = "failed in vLLM (FINISHED_ERROR)" if status == "FINISHED_ERROR" else "was aborted"
         # The requests that finish in one step (vLLM calls this for each in turn, on the engine
         # core's thread) wait for their results until one deadline, the bound after the first.
         now = time.monotonic()
@@ -629,7 +633,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 got = self._results.pop(rid, None)
                 row = got[0] if got is not None else None
                 if row is not None and aborted:
-                    dropped, row = got, {"sample_id": rid, "error": "the request was aborted; its capture was freed"}
+                    dropped, row = got, {"sample_id": rid, "error": f"the request {ended}; its capture was freed"}
                 elif row is not None:
                     self._handed[_tag(rid, self._pending[rid])] = None
                     while len(self._handed) > MAX_RESULTS:
@@ -640,7 +644,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if dropped is not None and "error" not in dropped[0]:
             _reply_free(dropped[1], dropped[0])
         if row is None and aborted:
-            row = {"sample_id": rid, "error": "the request was aborted before its capture was published"}
+            row = {"sample_id": rid, "error": f"the request {ended} before its capture was published"}
         if row is None:
             row = {
                 "sample_id": rid,
