@@ -2198,3 +2198,17 @@ def test_a_request_vllm_failed_has_its_capture_freed(both: Proc) -> None:
     assert "failed in vLLM (FINISHED_ERROR)" in got["params"]["capture_arena"]["error"], got
     s = wait_stats(p, lambda s: s["resident_objects"] == before)
     assert s["resident_objects"] == before, s
+
+
+def test_a_request_of_prompt_embeddings_is_told_why_it_was_not_captured(both: Proc) -> None:
+    """A request with no prompt token ids (prompt embeddings) is not captured; its params said
+    "the request ended before its prompt was computed", which named neither the cause nor what
+    to change. The other request of its step publishes."""
+    p = both
+    p.ask({"save": p.ask({"announce": [["embedded", 8], ["beside-embedded", 8]], "embeds": ["embedded"]})["meta"]})
+    got = p.ask({"finish": "embedded"})["params"]["capture_arena"]
+    assert "no prompt token ids (prompt embeddings)" in got["error"], got
+    params = p.ask({"finish": "beside-embedded"})["params"]
+    assert "error" not in params["capture_arena"], params
+    release_all([params])
+    assert wait_resident(p, 0)["resident_objects"] == 0

@@ -11,7 +11,8 @@ Usage: python vllm_halves.py ROLE ENGINE_ID ARENA_BYTES   (ROLE: scheduler, work
 
 The cache is ``[64 blocks, 2 layers, 16 slots, 64]`` bf16: a token is 256 bytes of hidden
 states and 8 of its id. Commands:
-- ``{"announce": [[rid, n_tokens], ...]}`` (scheduler) -> ``{"meta": base64, "seqs": {rid:
+- ``{"announce": [[rid, n_tokens], ...], "embeds": [rid, ...]}`` (scheduler; ``embeds``: those
+  requests have no prompt token ids, as prompt embeddings) -> ``{"meta": base64, "seqs": {rid:
   n}, "s": seconds}``: one step's metadata, pickled as vLLM sends it to the workers, each
   announcement's number, and the time build_connector_meta took;
 - ``{"save": base64}`` (worker) -> ``{"s": seconds}``: that step's bind_connector_metadata and wait_for_save;
@@ -229,7 +230,8 @@ for line in sys.stdin:
         if "announce" in cmd:
             num = {}
             for rid, n in cmd["announce"]:
-                req = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=n, prompt_token_ids=list(range(1, n + 1)))
+                ids = None if rid in cmd.get("embeds", ()) else list(range(1, n + 1))  # prompt embeddings: no ids
+                req = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=n, prompt_token_ids=ids)
                 requests[rid] = req
                 sched.on_new_request(req)
                 num[rid] = n

@@ -380,7 +380,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: Streamed requests (not captured: a streaming response carries no result), until
             #: they finish.
             self._streamed: set[str] = set()
-            # Requests not captured, with why (their ids are too long for a key).
+            # Requests not captured, with why (an id too long for a key, no token ids, blocks
+            # of a layout this connector does not know), until they finish.
             self._uncaptured: dict[str, str] = {}
             #: Announcements (:func:`_tag`) whose copy the worker has not reported over yet
             #: (landed, failed or never begun: it reads their blocks no more), oldest first,
@@ -513,8 +514,15 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             blocks = manager.get_block_ids(rid)[self._group]
             need = -(-n // self._block_size)
             ids = req.prompt_token_ids
-            if len(blocks) < need or ids is None:
-                continue  # not the layout this connector knows (prompt embeddings): no capture
+            if ids is None:
+                self._uncaptured[rid] = "the request has no prompt token ids (prompt embeddings): not captured"
+                continue
+            if len(blocks) < need:
+                self._uncaptured[rid] = (
+                    f"its prompt of {n} tokens has {len(blocks)} blocks of {self._block_size} tokens in the drafter's cache, not "
+                    f"{need}: a block layout this connector does not know; not captured (report it with vLLM's version)"
+                )
+                continue
             self._seq += 1
             self._again.discard(rid)
             # The blocks copied (vLLM appends to the list as the request grows); the token ids
