@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use capture_arena::{Config, Error, SampleResult, Writer};
+use capture_arena::{Config, Error, Published, SampleResult, Writer};
 use util::*;
 
 /// A client writing one line (the caller's) over and over, as fast as it can, until dropped.
@@ -241,15 +241,14 @@ fn unfinished_lines_are_bounded_in_memory_and_nothing_sent_is_lost() {
     );
 }
 
-#[test]
-fn a_connection_the_server_stops_reading_is_not_timed_out_for_anothers_stalled_line() {
-    // A trainer's free line is under way when two stalled peers' long lines take the pool (the
-    // second, first to run out, may go on to its line's limit); the trainer's next bytes find
-    // no room and wait, unread. Its line is older than theirs, but the wait is the server's:
-    // only the stallers are closed at the timeout, and the trainer's line then completes.
+/// A trainer whose free line is under way when two stalled peers' long lines take the pool
+/// (the second, first to run out, may go on to its line's limit); the trainer's next bytes
+/// find no room and wait, unread (the server marks it starved). The writer, a published
+/// result, the trainer's connection and the stallers'.
+fn a_starved_trainer(line_timeout: Duration) -> (Writer, Published, TcpStream, Vec<TcpStream>) {
     let c = Config {
         control_buffer_bytes: 2 << 20,
-        line_timeout: Duration::from_secs(1),
+        line_timeout,
         ..config(1 << 20, Duration::from_secs(1))
     };
     let w = Writer::start(&c).unwrap();
@@ -275,6 +274,14 @@ fn a_connection_the_server_stops_reading_is_not_timed_out_for_anothers_stalled_l
         stallers.push(staller);
     }
     trainer.write_all(&spaces(100 << 10)).unwrap(); // no room: waits, unread
+    (w, r, trainer, stallers)
+}
+
+#[test]
+fn a_connection_the_server_stops_reading_is_not_timed_out_for_anothers_stalled_line() {
+    // The trainer's line is older than the stallers', but its wait is the server's: only the
+    // stallers are closed at the timeout, and the trainer's line then completes.
+    let (w, r, mut trainer, stallers) = a_starved_trainer(Duration::from_secs(1));
     let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.timed_out_lines >= 1);
     assert!(ok, "{s:?}");
     trainer
@@ -289,6 +296,22 @@ fn a_connection_the_server_stops_reading_is_not_timed_out_for_anothers_stalled_l
         2,
         "only the stallers' lines timed out"
     );
+}
+
+#[test]
+fn a_line_timeout_too_long_to_double_is_a_long_wait_not_a_panic() {
+    // A starved connection's limit is twice the line timeout; the scan that looks at them runs
+    // every second. SGLANG_SPEC_CAPTURE_CONTROL_LINE_TIMEOUT_S=1e19 is accepted (a wait, as
+    // every huge timeout): doubling it panicked the writer thread at the scan, and every later
+    // submit failed (WriterStopped). Two scans' time: publication goes on.
+    let (w, _r, _trainer, _stallers) = a_starved_trainer(Duration::from_secs(u64::MAX / 2 + 1));
+    let t0 = Instant::now();
+    let mut i = 0;
+    while t0.elapsed() < Duration::from_millis(2500) {
+        publish_one(&w, &format!("after-scan-{i}"), &[10]);
+        i += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]

@@ -147,6 +147,9 @@ fn connect_to(
 ) -> std::io::Result<Conn> {
     let deadline = crate::limits::deadline_in(timeout);
     let mut last = std::io::Error::new(ErrorKind::AddrNotAvailable, "no address");
+    // The last failure other than a refusal: a refusal proves the producer gone (its frees
+    // are dropped) only when every address refused.
+    let mut other: Option<std::io::Error> = None;
     for (i, addr) in addrs.iter().enumerate() {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -177,10 +180,11 @@ fn connect_to(
                 s.set_write_timeout(Some(timeout))?;
                 return Ok(Conn { stream: s, stamps });
             }
-            Err(e) => last = e,
+            Err(e) if e.kind() == ErrorKind::ConnectionRefused => last = e,
+            Err(e) => other = Some(e),
         }
     }
-    Err(last)
+    Err(other.unwrap_or(last))
 }
 
 /// `keys` as free lines, each well under the server's line limit; with `stamps` (the server
@@ -447,5 +451,15 @@ mod tests {
         .unwrap();
         let live: std::net::SocketAddr = w.arena_ref().control.parse().unwrap();
         connect_to(&[addr, live], None, Duration::from_millis(500)).unwrap();
+        // One that does not answer and one that refuses: not a refusal (that would prove the
+        // producer gone and drop its frees; the first may be the live producer, loaded).
+        let closed = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        };
+        let e = connect_to(&[addr, closed], None, Duration::from_millis(500)).unwrap_err();
+        assert_ne!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+        let e = connect_to(&[closed, closed], None, Duration::from_millis(500)).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
     }
 }

@@ -345,14 +345,20 @@ impl FeatureStore {
     /// Resident samples and bytes, frees not yet sent or dropped, sessions open. Samples of
     /// producers that are gone no longer count as resident (their memory went with them).
     pub fn health(&self) -> Health {
+        // Each session is asked whether its producer is gone without the state's lock (an
+        // ask opens a file or connects a socket): reads and releases go on meanwhile.
+        let sessions: HashSet<String> = lock(&self.state)
+            .resident
+            .keys()
+            .map(|k| k.split('\n').next().unwrap_or_default().to_owned())
+            .collect();
+        let gone: HashSet<String> = sessions
+            .into_iter()
+            .filter(|s| self.reader.is_gone(s))
+            .collect();
         let mut st = lock(&self.state);
-        let mut gone: HashMap<String, bool> = HashMap::new();
-        st.resident.retain(|k, _| {
-            let session = k.split('\n').next().unwrap_or_default();
-            !*gone
-                .entry(session.to_owned())
-                .or_insert_with(|| self.reader.is_gone(session))
-        });
+        st.resident
+            .retain(|k, _| !gone.contains(k.split('\n').next().unwrap_or_default()));
         Health {
             resident_samples: st.resident.len() as u64,
             resident_bytes: st.resident.values().flat_map(|f| f.values()).sum(),

@@ -44,16 +44,20 @@ impl Cache {
 
     /// Forgets the transports of producers that are gone, so their memory goes back as soon as
     /// no view holds it: a trainer must not pin the arenas of every producer that ever
-    /// restarted.
-    fn sweep(&mut self) {
+    /// restarted. They are handed to `out`, for the caller to drop once the cache's lock is
+    /// let go (a transport's teardown unmaps, unregisters or calls NIXL: never under it).
+    fn sweep(&mut self, out: &mut Vec<Arc<dyn Transport>>) {
         self.last_sweep = Instant::now();
-        self.sessions.retain(|session, (t, _)| {
-            let live = t.is_live();
-            if !live {
-                tracing::debug!(%session, "dropping the mapping of a producer that is gone");
-            }
-            live
-        });
+        let gone: Vec<String> = self
+            .sessions
+            .iter()
+            .filter(|(_, (t, _))| !t.is_live())
+            .map(|(s, _)| s.clone())
+            .collect();
+        for session in gone {
+            tracing::debug!(%session, "dropping the mapping of a producer that is gone");
+            out.extend(self.sessions.remove(&session).map(|(t, _)| t));
+        }
     }
 }
 
@@ -119,6 +123,8 @@ impl Reader {
                 reason: format!("longer than {MAX_SESSION_BYTES} bytes"),
             });
         }
+        // Transports taken out of the cache: dropped after its lock is let go, at the return.
+        let mut dropped: Vec<Arc<dyn Transport>> = Vec::new();
         {
             let mut c = lock(&self.cache);
             if c.pid != std::process::id() {
@@ -129,7 +135,7 @@ impl Reader {
                 std::mem::forget(std::mem::replace(&mut *c, Cache::new()));
             }
             if c.last_sweep.elapsed() >= SWEEP_EVERY {
-                c.sweep();
+                c.sweep(&mut dropped);
             }
             c.tick += 1;
             let tick = c.tick;
@@ -138,24 +144,27 @@ impl Reader {
                     *used = tick;
                     return Ok(t.clone());
                 }
-                c.sessions.remove(session);
+                dropped.extend(c.sessions.remove(session).map(|(t, _)| t));
                 // Opened again below: the transport says whether the producer is still there
                 // (a NIXL session whose reader agent was retired reopens with a new one).
             }
             // A new session: often a producer restarted, so look for the ones that are gone now.
-            c.sweep();
+            c.sweep(&mut dropped);
         }
+        drop(dropped);
         // Open without holding the lock (mapping a large region takes a moment).
-        let t = transport::open(session)?;
+        let opened = transport::open(session)?;
+        let mut dropped: Vec<Arc<dyn Transport>> = Vec::new();
         let mut c = lock(&self.cache);
         c.tick += 1;
         let tick = c.tick;
-        let t = c
-            .sessions
-            .entry(session.to_owned())
-            .or_insert((t, tick))
-            .0
-            .clone();
+        let t = match c.sessions.entry(session.to_owned()) {
+            std::collections::hash_map::Entry::Occupied(e) => {
+                dropped.push(opened); // another thread opened it meanwhile: theirs is kept
+                e.get().0.clone()
+            }
+            std::collections::hash_map::Entry::Vacant(e) => e.insert((opened, tick)).0.clone(),
+        };
         while c.sessions.len() > self.max_sessions {
             let Some(oldest) = c
                 .sessions
@@ -171,8 +180,10 @@ impl Reader {
                 max_sessions = self.max_sessions,
                 "closing the session read least recently to open another"
             );
-            c.sessions.remove(&oldest);
+            dropped.extend(c.sessions.remove(&oldest).map(|(t, _)| t));
         }
+        drop(c);
+        drop(dropped);
         Ok(t)
     }
 
@@ -197,7 +208,8 @@ impl Reader {
 
     /// Forgets a cached session (its mapping is released once no view holds it).
     pub fn close(&self, session: &str) {
-        lock(&self.cache).sessions.remove(session);
+        let removed = lock(&self.cache).sessions.remove(session);
+        drop(removed); // after the lock: a transport's teardown never runs under it
     }
 
     /// The byte length of feature `name` of `result`, checked against the arena it claims to be

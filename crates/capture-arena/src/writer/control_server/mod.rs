@@ -231,7 +231,11 @@ impl ControlServer {
         // closed first): twice the time, then it is closed all the same, so peers that starve
         // each other cannot hold the pool for long.
         let late = |c: &Conn| {
-            let limit = if c.starved { timeout * 2 } else { timeout };
+            let limit = if c.starved {
+                timeout.saturating_mul(2)
+            } else {
+                timeout
+            };
             c.partial_since.is_some_and(|t| now - t >= limit)
         };
         let old: Vec<Token> = self
@@ -453,7 +457,7 @@ impl ControlServer {
         let mut max_held = if self.privileged == Some(token) {
             MAX_LINE_BYTES + 1
         } else {
-            (SMALL_LINE + pool_left).min(MAX_LINE_BYTES + 1)
+            SMALL_LINE.saturating_add(pool_left).min(MAX_LINE_BYTES + 1)
         };
         if !conn.authed {
             // Before the token, one short line at most, and no share of the pool.
