@@ -205,3 +205,33 @@ fn a_batch_may_not_mix_reserved_tensors_with_bytes_to_copy_nor_replace_an_object
     let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.failed_writes == 1);
     assert!(ok && s.resident_objects == 0, "{s:?}");
 }
+
+#[test]
+fn a_reserved_batch_that_replaces_counts_what_it_replaced() {
+    // The stats' rule: resident = published - freed - replaced - expired - failed writes'. A
+    // reserved batch with replace took the old objects out and counted none of them replaced
+    // (resident read 200 bytes by that rule, 100 in the arena).
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    let first = publish(&w, vec![reserved("r", 100)]).remove(0);
+    write(&first);
+    w.finish_writes(keys(std::slice::from_ref(&first)), true);
+    let (_, ok) = w.wait_for(BOUND, |s| s.written_objects == 1);
+    assert!(ok);
+    let again = publish(&w, vec![reserved("r", 100).with_replace(true)]).remove(0);
+    write(&again);
+    w.finish_writes(keys(&[again]), true);
+    let (s, ok) = w.wait_for(BOUND, |s| s.written_objects == 2);
+    assert!(ok, "{s:?}");
+    assert_eq!((s.replaced_objects, s.resident_objects), (1, 1), "{s:?}");
+    let objects = s.published_objects
+        - s.freed_objects
+        - s.replaced_objects
+        - s.expired_objects
+        - s.failed_writes;
+    let bytes = s.published_bytes
+        - s.freed_bytes
+        - s.replaced_bytes
+        - s.expired_bytes
+        - s.failed_write_bytes;
+    assert_eq!((objects, bytes), (1, 100), "{s:?}");
+}

@@ -275,9 +275,7 @@ impl Placer {
             Ok((_, Some(reservation))) if is_reserved(&job.samples) => {
                 // Its submitter writes the bytes: published now, its objects marked as being
                 // written (Arena::commit_reserved), nothing to copy here.
-                if waiting.is_some() {
-                    shared.stats.waiting_bytes.store(0, Release);
-                }
+                end_wait(waiting, Instant::now(), shared);
                 let p = arena.commit_reserved(reservation, &job.samples);
                 let stats = &shared.stats;
                 stats.set_report(&arena.report());
@@ -285,6 +283,8 @@ impl Placer {
                 bump(&stats.published_samples, p.published.len() as u64);
                 bump(&stats.published_objects, p.objects);
                 bump(&stats.published_bytes, p.bytes);
+                bump(&stats.replaced_objects, p.replaced);
+                bump(&stats.replaced_bytes, p.replaced_bytes);
                 let mut job = job;
                 drop(std::mem::take(&mut job.samples));
                 job.complete(Ok(p.published));
@@ -293,16 +293,7 @@ impl Placer {
             }
             Ok((_, Some(reservation))) => {
                 let t_copy = Instant::now();
-                let waited = match waiting {
-                    Some((since, ..)) => {
-                        shared.stats.waiting_bytes.store(0, Release);
-                        let w = t_copy - since;
-                        bump(&shared.stats.waits, 1);
-                        bump(&shared.stats.wait_ns, w.as_nanos() as u64);
-                        w
-                    }
-                    None => Duration::ZERO,
-                };
+                let waited = end_wait(waiting, t_copy, shared);
                 shared.stats.set_report(&arena.report());
                 let ops = Arena::copy_ops(&reservation, &job.samples);
                 let started = arena.region_mut().start(&ops);
@@ -396,6 +387,23 @@ impl Placer {
 /// True for a batch whose bytes its submitter writes ([`crate::tensor::TensorData::Reserved`]):
 /// all of its tensors are reserved ones (a batch mixing them with bytes to copy is refused
 /// before it is queued).
+/// Ends a batch's wait for space, if it waited (`waiting`: since when), as it is placed at
+/// `now`: counted in `waits` and `wait_ns`; returns how long it waited.
+fn end_wait(
+    waiting: Option<(Instant, Option<Instant>, u64)>,
+    now: Instant,
+    shared: &Shared,
+) -> Duration {
+    let Some((since, ..)) = waiting else {
+        return Duration::ZERO;
+    };
+    shared.stats.waiting_bytes.store(0, Release);
+    let w = now.saturating_duration_since(since);
+    bump(&shared.stats.waits, 1);
+    bump(&shared.stats.wait_ns, w.as_nanos() as u64);
+    w
+}
+
 fn is_reserved(samples: &[crate::sample::Sample]) -> bool {
     samples
         .iter()
