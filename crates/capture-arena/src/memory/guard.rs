@@ -21,8 +21,12 @@ use std::sync::OnceLock;
 
 use crate::page::{page_size, page_start};
 
-/// Ranges watched at once (a producer's arena, a trainer's cached sessions).
-pub const SLOTS: usize = 256;
+/// Ranges watched at once: a producer's arena, and a trainer's cached sessions (a reader keeps
+/// up to 1024, `client::MAX_SESSIONS`, and a trainer may have several readers).
+pub const SLOTS: usize = 4096;
+
+/// Set once the slots ran out (said once, as a warning).
+static RAN_OUT: AtomicBool = AtomicBool::new(false);
 
 /// A slot being claimed or released (its range is not to be matched yet).
 const BUSY: usize = usize::MAX;
@@ -81,10 +85,13 @@ impl Watch {
                 return Some(Watch { slot: i });
             }
         }
-        tracing::debug!(
-            slots = SLOTS,
-            "every SIGBUS watch slot is taken; mapping unwatched"
-        );
+        if !RAN_OUT.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                slots = SLOTS,
+                "every SIGBUS watch slot is taken: this and later mappings are unwatched (a \
+                 truncation under one kills the process); close readers you no longer use"
+            );
+        }
         None
     }
 
@@ -217,5 +224,23 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_readers_whole_session_cache_and_more_are_watched() {
+        // Before: 256 slots, while a reader caches 1024 sessions: the 257th mapping was made
+        // unwatched, and a truncation under it killed the trainer with SIGBUS.
+        let n = 1024 + 512; // a reader's whole cache (client::MAX_SESSIONS) and more
+        let page = page_size();
+        let watches: Vec<Option<Watch>> = (0..n)
+            .map(|i| Watch::new(0x7e00_0000_0000 + i * 4 * page, page))
+            .collect();
+        let watched = watches.iter().filter(|w| w.is_some()).count();
+        assert_eq!(watched, n, "{} of {n} ranges unwatched", n - watched);
     }
 }
