@@ -191,3 +191,27 @@ def test_a_forked_childs_exit_closes_none_of_its_parents_sinks() -> None:
     code, took = out.stdout.split()
     assert code == "0", f"the child ended {code} (-14: it hung at its exit until its 10 s alarm)"
     assert float(took) < 4.0, f"the child's exit took {took} s (it waited for its parent's call in flight)"
+
+
+def test_what_a_failed_read_kept_from_being_freed_is_let_go_once_its_time_is_up() -> None:
+    """The outputs of a timed-out or late-failed read are held from being freed while a
+    transfer may still write into them, for a time; they were let go only by the next hold, so
+    the last failed read's outputs (gigabytes maybe) were kept for the process's life."""
+    import gc
+    import time
+    import weakref
+
+    from capture_arena import _engine
+
+    class Outputs:
+        pass
+
+    out = Outputs()
+    gone = weakref.ref(out)
+    _engine.QUARANTINE.hold(out, seconds=0.2)
+    del out
+    deadline = time.monotonic() + 10
+    while gone() is not None:
+        assert time.monotonic() < deadline, "still held 10 s after its 0.2 s"
+        gc.collect()
+        time.sleep(0.05)

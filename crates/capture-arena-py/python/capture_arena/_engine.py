@@ -348,7 +348,9 @@ MOONCAKE_MIN_TIMEOUT_S = 5.0
 
 
 class _Quarantine:
-    """Outputs a transfer may still write into, held until they are safe to free."""
+    """Outputs a transfer may still write into, held until they are safe to free: for
+    ``seconds``, then let go by a timer (not only by the next hold: the last failed read's
+    outputs, gigabytes maybe, were otherwise kept for the process's life)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -359,8 +361,21 @@ class _Quarantine:
         with self._lock:
             self._held = [h for h in self._held if h[0] > now]
             self._held.append((now + seconds, what))
+        timer = threading.Timer(seconds, self.expire)
+        timer.daemon = True
+        try:
+            timer.start()
+        except RuntimeError:  # no thread to be had (interpreter exit): the next hold expires it
+            pass
+
+    def expire(self) -> None:
+        """Lets go of what was held long enough."""
+        now = time.monotonic()
+        with self._lock:
+            self._held = [h for h in self._held if h[0] > now]
 
     def __len__(self) -> int:
+        self.expire()
         with self._lock:
             return len(self._held)
 
