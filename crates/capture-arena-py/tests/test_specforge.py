@@ -642,3 +642,41 @@ def test_abort_at_the_optimizer_boundary_of_samples_released_already_sends_nothi
         for s in held:
             s.close()
         lst.close()
+
+
+def test_a_capture_retried_on_another_server_leaves_nothing_on_the_first(make_sink: Any) -> None:
+    """SpecForge retries a failed capture with the same generation (``replace``) on whichever
+    server takes the task; each capture-arena server has an arena of its own. A first attempt
+    whose response was recorded (then the batch failed) and one whose response was lost both
+    left their objects on the first server for good: the second result overwrote the first's
+    record, and the adopt of the retry forgot the attempt."""
+    a, b = make_sink(), make_sink()
+    store = SpecForgeArenaStore(store_id="retry")  # the servers' endpoints are learned from results
+    names = ["h"]
+
+    def attempt(sink: ca.ArenaSink, tag: str) -> dict[str, Any]:  # sample f"{tag}0"
+        store.track_external_attempt(f"{tag}0", generation=1, feature_names=names)
+        (row,) = _published(sink, "retry", 1, tag)
+        post = store.post_fn(lambda url, json_body, timeout: [{"meta_info": {"spec_capture": [row]}}])
+        post("http://server/generate", json_body={"spec_capture": [{"sample_id": row["sample_id"]}]}, timeout=1.0)
+        return row
+
+    attempt(a, "recorded")  # recorded, then the batch failed: never adopted
+    attempt(b, "recorded")
+    store.track_external_attempt("lost0", generation=1, feature_names=names)
+    _published(a, "retry", 1, "lost")  # published on a, its response lost: never recorded
+    attempt(b, "lost")
+    for sid in ("recorded0", "lost0"):
+        ref = SampleRef(
+            sample_id=sid, run_id="run", source_task_id=sid, feature_store_uri=f"mooncake://retry/{sid}",
+            feature_keys={"h": f"{sid}/h"}, feature_specs={}, strategy="eagle3", metadata={"generation": 1},
+        )  # fmt: skip
+        store.adopt(ref)
+        _, handle = store.get(ref)
+        store.release(handle)
+    store.drain_pending_removals(max_attempts=40, retry_interval_s=0.25)
+    for name, sink in (("a", a), ("b", b)):
+        deadline = time.monotonic() + 10
+        while sink.stats()["resident_objects"] != 0:
+            assert time.monotonic() < deadline, f"left on {name}: {sink.stats()['resident_objects']} objects"
+            time.sleep(0.01)

@@ -63,7 +63,7 @@ import threading
 import time
 import unicodedata
 import urllib.parse
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 try:
     from specforge.runtime.contracts import FeatureHandle, SampleRef  # type: ignore[import-not-found,import-untyped,unused-ignore]
@@ -435,6 +435,10 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         # Results post_fn saw, until adopt() takes them; attempts sent and not adopted yet.
         self._recorded: "collections.OrderedDict[Tuple[str, int], Dict[str, Any]]" = collections.OrderedDict()
         self._provisional: Dict[Tuple[str, int], List[str]] = {}
+        # Attempts sent more than once (SpecForge retries with the same generation).
+        self._retried: Set[Tuple[str, int]] = set()
+        # The control endpoints results named (as their servers name themselves), oldest first.
+        self._named: Dict[str, None] = {}
         self._prefixes = _Prefixes()
         # Samples freed here (sample_id -> generation), the latest max_tracked: SpecForge aborts
         # every sample at its optimizer boundary, most of them released already.
@@ -483,6 +487,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                     continue
                 seen += 1
                 with self._lock:
+                    self._supersede(self._recorded.get(ident), result)
                     self._recorded[ident] = dict(result)
                     self._learn_from(result)
                     while len(self._recorded) > MAX_RECORDED:
@@ -513,6 +518,10 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         if isinstance(arena, Mapping) and isinstance(arena.get("control"), str):
             token = arena.get("token")
             self._learn(arena["control"], token if isinstance(token, str) else None)
+            if arena["control"] in self._endpoints:
+                self._named[arena["control"]] = None
+                while len(self._named) > MAX_ENDPOINTS:
+                    self._named.pop(next(iter(self._named)))
 
     def adopt(self, sample_ref: SampleRef) -> None:
         """Takes charge of a sample the capture server wrote: its result (recorded by
@@ -536,8 +545,22 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                     self._recorded[(sid, gen)] = recorded
                 raise
             sample_ref.metadata[META_KEY] = result
+            self._supersede(recorded, result)
             self._track(sid, gen, result)
             self._provisional.pop((sid, gen), None)
+            if (sid, gen) in self._retried:
+                self._retried.discard((sid, gen))
+                # Sent more than once: an earlier attempt whose response was lost may have
+                # published on another server (a retry goes to any). Its keys there are freed
+                # by prefix at the endpoints results named (each server names itself one way;
+                # an endpoint given as `controls` may be another name of the adopted result's
+                # server, whose objects have the same keys): never at the adopted one's.
+                arena = result.get("arena")
+                mine = arena.get("control") if isinstance(arena, Mapping) else None
+                prefix = f"{escape_part(self.store_id)}/{escape_part(sid)}/g{gen}/"
+                for control, token in self._endpoints.items():
+                    if control != mine and control in self._named:
+                        self._prefixes.add(control, token, prefix)
 
     def record_result(self, record: Mapping[str, Any]) -> None:
         """Remembers a capture result that reached this process another way than a
@@ -554,6 +577,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             return
         result = {k: v for k, v in record.items() if k not in ("num_tokens", "origin")}
         with self._lock:
+            self._supersede(self._recorded.get(ident), result)
             self._recorded[ident] = result
             self._learn_from(result)
             while len(self._recorded) > MAX_RECORDED:
@@ -575,7 +599,10 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         if not names:
             raise ValueError("external capture attempt must name at least one feature")
         with self._lock:
-            self._provisional[(str(sample_id), int(generation))] = names
+            ident = (str(sample_id), int(generation))
+            if ident in self._provisional:
+                self._retried.add(ident)  # a retry: the attempt before may be on another server
+            self._provisional[ident] = names
 
     def discard_external_attempts(self, *, reason: str = "unadopted-external-capture") -> int:
         """Frees every attempt that was sent and never adopted: by its recorded result, else by
@@ -587,6 +614,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             for (sid, gen), names in list(self._provisional.items()):
                 if sid in self._generation and self._generation[sid] == gen:
                     self._provisional.pop((sid, gen), None)  # adopted meanwhile
+                    self._retried.discard((sid, gen))
                     continue
                 recorded = self._recorded.pop((sid, gen), None)
                 if recorded is not None:
@@ -595,6 +623,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                     stuck.append(f"{sid} g{gen}")
                     continue
                 self._provisional.pop((sid, gen), None)
+                self._retried.discard((sid, gen))
                 discarded += 1
         if stuck:
             raise RuntimeError(
@@ -786,6 +815,8 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         old = self._results.get(sid)
         if old is not None and self._generation.get(sid) != gen:
             self._free_result(old)  # a new generation supersedes the old one
+        elif old is not None:
+            self._supersede(old, result)
         self._results[sid] = dict(result)
         self._generation[sid] = gen
         self._put_time[sid] = self._clock()
@@ -887,6 +918,16 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._bytes.pop(sid, None)
         if result is not None:
             self._free_result(result)
+
+    def _supersede(self, old: Optional[Mapping[str, Any]], new: Mapping[str, Any]) -> None:
+        """Frees ``old``, a result of the same sample and generation as ``new``, when it is in
+        another arena (a retry published on another server: nothing else would free it). One in
+        the same arena was replaced by ``new`` already (``replace``), and is left alone."""
+        if old is None or old is new:
+            return
+        if old.get("arena") != new.get("arena") or is_store_result(old) != is_store_result(new):
+            if not is_store_result(old):  # store keys are global: the retry overwrote them
+                self._free_result(old)
 
     def _remember_freed(self, sid: str, gen: int) -> None:
         self._freed[sid] = gen
