@@ -388,8 +388,9 @@ def test_the_queue_holds_at_most_its_bytes_of_the_servers_tensors(live: Any) -> 
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
 
 
-def test_what_the_scheduler_hands_over_never_raises_and_bad_rows_are_dropped(live: Any) -> None:
+def test_what_the_scheduler_hands_over_never_raises_and_bad_rows_are_dropped(live: Any, caplog: pytest.LogCaptureFixture) -> None:
     sink = live.sink
+    caplog.set_level(logging.WARNING)
     spec = live.hook.maybe_live_spec("bad")
     sink.put_sample_live(spec, aux=torch.ones((4, K * H)), last_hidden=None, tokens=[1, 2, 3])  # rows != tokens
     sink.put_sample_live(spec, aux=None, last_hidden=None, tokens=[1, 2])
@@ -397,6 +398,13 @@ def test_what_the_scheduler_hands_over_never_raises_and_bad_rows_are_dropped(liv
     sink.put_sample_live(spec, aux=torch.ones((2, K * H)), last_hidden=None, tokens="ab")  # not token ids
     sink.put_sample_live("not a spec", aux=torch.ones((2, K * H)), last_hidden=None, tokens=[1, 2])
     wait_for(lambda: sink.stats()["live_dropped_bad_rows"] == 5, "5 bad captures dropped")
+    # Said in the log, with what was wrong (before: only counted, so a config that drops every
+    # capture showed nothing in the log).
+    assert "live capture: a capture dropped: 4 rows, 3 tokens" in caplog.text, caplog.text[-2000:]
+    # A request id whose sample id would be over 512 characters is not captured at all (before:
+    # every rank captured it, copying its hidden states, and the worker dropped it).
+    assert live.hook.maybe_live_spec("r" * 600) is None
+    assert sink.stats()["live_dropped_bad_rows"] == 6
 
     class Unprintable:
         def __str__(self) -> str:
@@ -794,3 +802,23 @@ def test_a_clients_own_live_spec_is_published_under_the_intakes_config_and_repla
     assert live.sink.stats()["live_captured"] == 1 and live.intake.counts["accepted"] == 1
     trainer_reads_and_releases(live, {"live-victim": (aux, last, req.origin_input_ids)})
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:8x", "http://127.0.0.1:0"])
+def test_an_intake_url_whose_port_is_not_one_is_a_config_error_naming_the_flag(url: str) -> None:
+    """A port out of range or not a number raised a bare ValueError from http.client's first
+    connect (naming neither the flag nor ConfigError); port 0 silently became 80."""
+    from capture_arena._live import LiveCapture
+
+    with pytest.raises(ca.ConfigError, match="--spec-capture-intake-url"):
+        LiveCapture(url, 1.0, lambda item: {}, lambda result: None)
+
+
+def test_a_proxy_whose_port_is_not_one_is_a_config_error_naming_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from capture_arena._live import LiveCapture
+
+    for var in ("no_proxy", "NO_PROXY", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("http_proxy", "http://proxy.example:31x")
+    with pytest.raises(ca.ConfigError, match="http_proxy='http://proxy.example:31x'"):
+        LiveCapture("http://10.9.8.7:8600", 1.0, lambda item: {}, lambda result: None)

@@ -411,6 +411,19 @@ def test_the_default_post_ends_at_its_timeout_however_slowly_the_server_answers(
     assert 1.0 <= took < 2.0, took
 
 
+def test_the_default_posts_failure_to_connect_says_why_in_its_message() -> None:
+    # SpecForge reports a failed post by str(exc): the reason it did not connect (refused,
+    # timed out, a name that does not resolve) was in __cause__ only, and the message said just
+    # "connecting to http://...".
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    post = SpecForgeArenaStore(store_id="run10").post_fn()
+    with pytest.raises(OSError, match="Connection refused"):
+        post(f"http://127.0.0.1:{port}/generate", json_body={"text": "x"}, timeout=2.0)
+
+
 def test_post_fn_never_raises_for_what_it_cannot_use_and_records_only_this_stores_results() -> None:
     """A response the store cannot use costs only the samples in it: post_fn hands it back
     unchanged, records nothing from it, and those samples' adopt() says what to do."""

@@ -136,9 +136,15 @@ def check_intake_url(url: Any) -> str:
         raise ConfigError(f"--spec-capture-intake-url must be an http:// URL, not {url!r:.80}")
     u = url.strip().rstrip("/")
     parts = urllib.parse.urlsplit(u)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        port = parts.port  # raises for a port that is not a number in [0, 65535]
+    except ValueError as e:
+        port, why = 0, f" ({e})"
+    else:
+        why = " (port 0)" if port == 0 else ""
+    if parts.scheme not in ("http", "https") or not parts.hostname or why:
         raise ConfigError(
-            f"--spec-capture-intake-url {u!r:.200}: expected http://host:port (SpecForge's capture intake), "
+            f"--spec-capture-intake-url {u!r:.200}{why}: expected http://host:port (SpecForge's capture intake), "
             "e.g. http://127.0.0.1:8600"
         )
     return u
@@ -311,7 +317,14 @@ class LiveCapture:
                 return None
             if not sampled(rid, self.sample_rate):
                 return None
-            return dict(cfg.spec(f"live-{rid}"), live=True)
+            sample_id = f"live-{rid}"
+            if len(sample_id) > MAX_SAMPLE_ID:  # the worker would drop it: not worth a capture
+                self._count("live_dropped_bad_rows")
+                self._warnings.warn(
+                    "long_id", "live capture: request id of %d characters not captured (a sample id is at most %d)", len(sample_id), MAX_SAMPLE_ID
+                )
+                return None
+            return dict(cfg.spec(sample_id), live=True)
         except Exception:  # a rid whose str() raises: not captured, never the scheduler's problem
             self._warnings.warn("spec", "live capture: cannot make a spec for request %r", rid, exc_info=True)
             return None
@@ -455,6 +468,11 @@ class LiveCapture:
         sample_id = spec.get("sample_id") if isinstance(spec, Mapping) else None
         if toks is None or rows != len(toks) or not cfg.min_tokens <= len(toks) <= cfg.max_tokens or not isinstance(sample_id, str) or len(sample_id) > MAX_SAMPLE_ID:
             self._count("live_dropped_bad_rows")
+            self._warnings.warn(
+                "bad_rows",
+                "live capture: a capture dropped: %s rows, %s tokens (the intake takes %d to %d), sample id %r",
+                rows, None if toks is None else len(toks), cfg.min_tokens, cfg.max_tokens, str(sample_id)[:80],
+            )
             return
         if time.monotonic() < self._down_until:  # the intake is down: not worth a publish, nor a connect
             self._count("live_dropped_intake_down")
@@ -627,9 +645,13 @@ class _Route:
         if proxy and not bypass(f"{self.host}:{self.port}", proxies):
             p = urllib.parse.urlsplit(proxy if "://" in proxy else "http://" + proxy)
             if p.hostname:
-                self.proxy = p
                 names = (f"{parts.scheme}_proxy", f"{parts.scheme.upper()}_PROXY", "all_proxy", "ALL_PROXY")
-                self.proxy_var = next((n for n in names if os.environ.get(n, "").strip() == proxy), names[0])
+                var = next((n for n in names if os.environ.get(n, "").strip() == proxy), names[0])
+                try:
+                    p.port  # raises for a port that is not a number in [0, 65535]
+                except ValueError as e:
+                    raise ConfigError(f"{var}={proxy!r:.200} ({e}): the proxy for the capture intake must be host:port") from None
+                self.proxy, self.proxy_var = p, var
 
     def describe(self) -> str:
         """Says how the intake is reached, and how to change it."""

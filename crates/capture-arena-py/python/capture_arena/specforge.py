@@ -74,7 +74,7 @@ except ImportError as e:  # pragma: no cover - exercised only without SpecForge
         f"dependencies pin torch and sglang, so `pip install --no-deps specforge` beside your own torch works): {e}"
     ) from e
 
-from ._live import _Route
+from ._live import _NotSent, _Route
 from ._reader import ArenaFeatureStore
 from ._capture_arena import _is_valid_token, _send_frees, _stats_query
 from ._store import is_store_result
@@ -120,7 +120,10 @@ def _default_post(url: str, json_body: Dict[str, Any], timeout: float) -> Any:
     ``requests`` does), all within ``timeout``: connect, and an answer however slowly it comes
     (``urlopen`` bounds each read only). An answer that is not 2xx raises, naming its status."""
     query = urllib.parse.urlsplit(url).query
-    status, body = _Route(url).request("POST", "?" + query if query else "", json.dumps(json_body).encode(), timeout, MAX_RESPONSE_BYTES + 1)
+    try:
+        status, body = _Route(url).request("POST", "?" + query if query else "", json.dumps(json_body).encode(), timeout, MAX_RESPONSE_BYTES + 1)
+    except _NotSent as e:  # SpecForge reports str(exc): the cause (refused, timed out, DNS) goes in it
+        raise OSError(f"{e}: {e.__cause__}") from e.__cause__
     if len(body) > MAX_RESPONSE_BYTES:
         raise RuntimeError(f"{url} answered more than {MAX_RESPONSE_BYTES} bytes")
     if not 200 <= status < 300:
