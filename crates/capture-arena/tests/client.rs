@@ -849,3 +849,63 @@ fn a_result_freed_through_another_reader_is_an_error_never_another_samples_bytes
     forged.features.get_mut("t0").unwrap().stamp = Some(0);
     assert!(b.get(&forged, None).is_err());
 }
+
+#[test]
+fn a_producer_that_reads_a_little_now_and_then_cannot_stretch_send_frees_past_its_timeout() {
+    // A socket's write timeout bounds each write, not a whole write_all: a producer that takes
+    // 64 KiB every 0.3 s (its pool full, say) kept send_frees of a few MB going for many times
+    // its timeout. The fake producer answers the connection's first sync, then trickles.
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let small: libc::c_int = 64 << 10;
+    // SAFETY: setsockopt on a socket this test owns, with a c_int of the right size; accepted
+    // connections inherit the small receive buffer.
+    let rc = unsafe {
+        libc::setsockopt(
+            listener.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUF,
+            (&small as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    let endpoint = listener.local_addr().unwrap().to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let halt = stop.clone();
+    let producer = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().unwrap();
+        let mut seen = Vec::new();
+        let mut byte = [0u8; 1];
+        while !String::from_utf8_lossy(&seen).contains("\"sync\": 0}") {
+            c.read_exact(&mut byte).unwrap();
+            seen.push(byte[0]);
+        }
+        c.write_all(&capture_arena::control::synced_line(0))
+            .unwrap();
+        let mut chunk = vec![0u8; 64 << 10];
+        c.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        while !halt.load(std::sync::atomic::Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(300));
+            if matches!(c.read(&mut chunk), Ok(0)) {
+                break;
+            }
+        }
+    });
+    let keys: Vec<Key> = (0..40_000)
+        .map(|i| Key::new("st", &format!("{i:0>200}"), 1, "hidden_states").unwrap())
+        .collect();
+    let t0 = Instant::now();
+    let e = capture_arena::client::send_frees(&endpoint, None, &keys, &[], Duration::from_secs(1))
+        .unwrap_err();
+    let took = t0.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        took < Duration::from_secs(2),
+        "send_frees with a 1 s timeout took {took:?}: {e}"
+    );
+    assert!(matches!(e, Error::FreeNotSent { .. }), "{e}");
+    producer.join().unwrap();
+}

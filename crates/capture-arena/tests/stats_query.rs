@@ -180,3 +180,44 @@ fn a_peer_that_asks_and_vanishes_costs_nothing() {
         .unwrap();
     assert_eq!(r.stats.control_connections, 201);
 }
+
+#[test]
+fn an_answer_trickled_a_byte_at_a_time_ends_at_the_timeout() {
+    // The socket's read timeout bounded each read, not the answer: a peer sending its answer a
+    // byte every 0.2 s held `capture-arena stats` for the whole line (minutes) with a 1 s
+    // timeout. The fake producer answers the connection's first sync, then trickles.
+    use std::io::Read;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = listener.local_addr().unwrap().to_string();
+    let peer = std::thread::spawn(move || {
+        let (mut c, _) = listener.accept().unwrap();
+        let mut seen = Vec::new();
+        let mut byte = [0u8; 1];
+        while !String::from_utf8_lossy(&seen).contains("\"sync\": 0}") {
+            c.read_exact(&mut byte).unwrap();
+            seen.push(byte[0]);
+        }
+        c.write_all(&capture_arena::control::synced_line(0))
+            .unwrap();
+        for b in format!("{{\"stats\":{}}}\n", " ".repeat(200)).bytes() {
+            std::thread::sleep(Duration::from_millis(200));
+            if c.write_all(&[b]).is_err() {
+                return;
+            }
+        }
+    });
+    let mut q = StatsQuery::connect(&endpoint, None, Duration::from_secs(1)).unwrap();
+    let t0 = std::time::Instant::now();
+    let e = q.ask().unwrap_err();
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "ask with a 1 s timeout took {took:?}: {e}"
+    );
+    assert!(
+        e.to_string().contains("no whole answer within the timeout"),
+        "{e}"
+    );
+    drop(q);
+    peer.join().unwrap();
+}

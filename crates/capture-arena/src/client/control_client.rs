@@ -51,7 +51,9 @@ use std::io::{ErrorKind, Write};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::control_conn::{alive, confirm, connect_conn, free_lines_synced, has_room, Conn};
+use super::control_conn::{
+    alive, confirm, connect_conn, free_lines_synced, has_room, write_within, Conn,
+};
 use super::lock;
 use crate::error::{Error, Result};
 use crate::key::Key;
@@ -1137,8 +1139,12 @@ impl Shared {
         };
         // Stamped where this server applies stamped frees (its answers say so).
         let buf = free_lines_synced(keys, conn.stamps, sync)?;
-        (&conn.stream).write_all(&buf)?;
-        confirm(&conn.stream, sync, self.timeout)?;
+        let deadline = crate::limits::deadline_in(self.timeout);
+        write_within(&conn.stream, &buf, deadline)?;
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        confirm(&conn.stream, sync, left)?;
         Ok(conn)
     }
 }

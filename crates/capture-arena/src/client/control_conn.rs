@@ -162,11 +162,7 @@ fn connect_to(
         // last): one that never answers leaves the next its turn.
         let share = left / u32::try_from(addrs.len() - i).unwrap_or(u32::MAX);
         match TcpStream::connect_timeout(addr, share.max(Duration::from_millis(1))) {
-            Ok(mut s) => {
-                let left = deadline
-                    .saturating_duration_since(Instant::now())
-                    .max(Duration::from_millis(1));
-                s.set_write_timeout(Some(left))?;
+            Ok(s) => {
                 s.set_nodelay(true)?;
                 let mut first = Vec::with_capacity(320);
                 if let Some(t) = token {
@@ -175,7 +171,10 @@ fn connect_to(
                 }
                 first.extend_from_slice(crate::control::sync_line(0).as_bytes());
                 first.push(b'\n');
-                s.write_all(&first)?;
+                write_within(&s, &first, deadline)?;
+                let left = deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
                 let stamps = confirm(&s, 0, left)?;
                 s.set_write_timeout(Some(timeout))?;
                 return Ok(Conn { stream: s, stamps });
@@ -269,6 +268,34 @@ pub(super) fn free_lines_synced(
 /// `PermissionDenied` with the server's reason when it closed the connection for the control
 /// token (nothing sent on it was applied); `UnexpectedEof` when it closed without answering;
 /// `TimedOut`; `InvalidData` for an answer longer than [`MAX_SYNC_ANSWER_BYTES`].
+/// Writes all of `buf` to `s` by `deadline`: a socket's write timeout bounds each `write`, not
+/// the whole (a peer that reads a little now and then would stretch a `write_all` without
+/// end), so each write gets what is left.
+pub(super) fn write_within(s: &TcpStream, buf: &[u8], deadline: Instant) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(
+                ErrorKind::TimedOut,
+                format!(
+                    "the control endpoint took {at} of {} bytes by the deadline (it reads too slowly)",
+                    buf.len()
+                ),
+            ));
+        }
+        s.set_write_timeout(Some(left))?;
+        match (&*s).write(&buf[at..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(k) => at += k,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 pub(super) fn confirm(s: &TcpStream, n: u64, timeout: Duration) -> std::io::Result<bool> {
     let deadline = crate::limits::deadline_in(timeout);
     let mut buf: Vec<u8> = Vec::with_capacity(64);
@@ -365,9 +392,8 @@ pub fn send_frees(
     buf.extend_from_slice(crate::control::sync_line(1).as_bytes());
     buf.push(b'\n');
     let deadline = crate::limits::deadline_in(timeout);
-    let mut stream = connect(endpoint, token, timeout).map_err(not_sent)?;
-    stream.write_all(&buf).map_err(not_sent)?;
-    stream.flush().map_err(not_sent)?;
+    let stream = connect(endpoint, token, timeout).map_err(not_sent)?;
+    write_within(&stream, &buf, deadline).map_err(not_sent)?;
     let left = deadline.saturating_duration_since(Instant::now());
     let confirmed = confirm(&stream, 1, left.max(Duration::from_millis(1)));
     let _ = stream.shutdown(std::net::Shutdown::Both);

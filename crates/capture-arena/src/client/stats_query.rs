@@ -1,10 +1,10 @@
 //! Asking a producer for its counters over its control endpoint (`capture-arena stats`, `top`).
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{BufRead, ErrorKind};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use super::control_conn::{check_token, connect};
+use super::control_conn::{check_token, connect, write_within};
 use crate::control::StatsReport;
 use crate::error::{Error, Result};
 
@@ -15,6 +15,8 @@ use crate::error::{Error, Result};
 pub struct StatsQuery {
     endpoint: String,
     stream: std::io::BufReader<TcpStream>,
+    /// How long one question and its answer may take.
+    timeout: Duration,
     /// An earlier ask failed: a late answer may still arrive, so this connection is not used
     /// again.
     broken: bool,
@@ -50,6 +52,7 @@ impl StatsQuery {
         Ok(StatsQuery {
             endpoint: endpoint.to_owned(),
             stream: std::io::BufReader::new(stream),
+            timeout,
             broken: false,
         })
     }
@@ -68,7 +71,6 @@ impl StatsQuery {
     }
 
     fn ask_once(&mut self) -> Result<StatsReport> {
-        use std::io::BufRead;
         let ctx = |what: &str| format!("{what} the stats of {}", self.endpoint);
         if self.broken {
             return Err(Error::io(
@@ -80,26 +82,52 @@ impl StatsQuery {
         }
         let mut line = crate::control::STATS_LINE.as_bytes().to_vec();
         line.push(b'\n');
-        self.stream
-            .get_mut()
-            .write_all(&line)
+        // One deadline for the question and its whole answer: a socket timeout bounds each
+        // read only, and an answer trickled a byte at a time would stretch it without end.
+        let deadline = crate::limits::deadline_in(self.timeout);
+        write_within(self.stream.get_ref(), &line, deadline)
             .map_err(|e| Error::io(ctx("asking for"), e))?;
         let mut answer = Vec::new();
-        let limit = crate::control::MAX_STATS_ANSWER_BYTES as u64;
-        (&mut self.stream)
-            .take(limit)
-            .read_until(b'\n', &mut answer)
-            .map_err(|e| match e.kind() {
-                ErrorKind::WouldBlock | ErrorKind::TimedOut => Error::io(
-                    ctx("reading"),
-                    std::io::Error::new(
-                        ErrorKind::TimedOut,
-                        "no answer within the timeout: asked again within 100 ms on this \
-                         connection, or a producer without stats (older than this client)",
-                    ),
+        let limit = crate::control::MAX_STATS_ANSWER_BYTES;
+        let timed_out = || {
+            Error::io(
+                ctx("reading"),
+                std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    "no whole answer within the timeout: asked again within 100 ms on this \
+                     connection, or a producer without stats (older than this client)",
                 ),
-                _ => Error::io(ctx("reading"), e),
-            })?;
+            )
+        };
+        while answer.last() != Some(&b'\n') && answer.len() < limit {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(timed_out());
+            }
+            self.stream
+                .get_ref()
+                .set_read_timeout(Some(left))
+                .map_err(|e| Error::io(ctx("reading"), e))?;
+            let got = match self.stream.fill_buf() {
+                Ok(b) => b,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    return Err(timed_out())
+                }
+                Err(e) => return Err(Error::io(ctx("reading"), e)),
+            };
+            if got.is_empty() {
+                break; // closed
+            }
+            let room = limit - answer.len();
+            let take = got
+                .iter()
+                .take(room)
+                .position(|&b| b == b'\n')
+                .map_or(got.len().min(room), |i| i + 1);
+            answer.extend_from_slice(&got[..take]);
+            self.stream.consume(take);
+        }
         if answer.last() != Some(&b'\n') {
             let why = if answer.is_empty() {
                 "the producer closed the connection without an answer: a wrong or missing \
