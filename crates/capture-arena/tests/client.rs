@@ -909,3 +909,36 @@ fn a_producer_that_reads_a_little_now_and_then_cannot_stretch_send_frees_past_it
     assert!(matches!(e, Error::FreeNotSent { .. }), "{e}");
     producer.join().unwrap();
 }
+
+#[test]
+fn a_reader_that_stopped_reading_lets_go_of_a_producer_that_is_gone() {
+    // A trainer whose producer died gets no new results and stops reading: its cache was swept
+    // only by its next open, so the dead arena stayed mapped, its pages charged to /dev/shm
+    // where the restarted producer needs them. Dropped within a few sweeps (1 s each) now.
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
+    let p = publish_one(&w, "mapped", &[1000]);
+    let reader = Reader::new();
+    let n = reader.checked_len(&p, "t0").unwrap() as usize;
+    reader.read(&p, "t0", &mut vec![0u8; n]).unwrap();
+    let name = p.arena.session["shm://".len()..]
+        .split('?')
+        .next()
+        .unwrap()
+        .to_owned();
+    let mapped = || {
+        std::fs::read_to_string("/proc/self/maps")
+            .unwrap()
+            .contains(&name)
+    };
+    assert!(mapped());
+    drop(w); // the producer removes its arena: gone
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while mapped() {
+        assert!(
+            Instant::now() < deadline,
+            "still mapped 10 s after its producer went"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(reader.open_sessions(), 0);
+}

@@ -64,7 +64,9 @@ impl Cache {
 /// Opens and caches sessions; reads features. See the module docs.
 #[derive(Debug)]
 pub struct Reader {
-    cache: Mutex<Cache>,
+    cache: Arc<Mutex<Cache>>,
+    /// The process whose sweeper thread watches this cache (0: none yet).
+    sweeper: std::sync::atomic::AtomicU32,
     ready_wait: Duration,
     max_sessions: usize,
 }
@@ -87,7 +89,8 @@ impl Reader {
     /// written (the readiness rule of docs/protocol.md).
     pub fn with_ready_wait(ready_wait: Duration) -> Reader {
         Reader {
-            cache: Mutex::new(Cache::new()),
+            cache: Arc::new(Mutex::new(Cache::new())),
+            sweeper: std::sync::atomic::AtomicU32::new(0),
             ready_wait,
             max_sessions: MAX_SESSIONS,
         }
@@ -123,6 +126,7 @@ impl Reader {
                 reason: format!("longer than {MAX_SESSION_BYTES} bytes"),
             });
         }
+        self.start_sweeper();
         // Transports taken out of the cache: dropped after its lock is let go, at the return.
         let mut dropped: Vec<Arc<dyn Transport>> = Vec::new();
         {
@@ -185,6 +189,43 @@ impl Reader {
         drop(c);
         drop(dropped);
         Ok(t)
+    }
+
+    /// Starts (once per process) the thread that drops the transports of producers that are
+    /// gone every [`SWEEP_EVERY`] while this reader lives, so that a trainer that stopped
+    /// reading (its producer died: no new results) does not keep the dead arena mapped, its
+    /// memory charged to `/dev/shm` where a restarted producer needs it. Without a thread to
+    /// be had, `open` still sweeps.
+    fn start_sweeper(&self) {
+        use std::sync::atomic::Ordering;
+        let pid = std::process::id();
+        if self.sweeper.swap(pid, Ordering::Relaxed) == pid {
+            return;
+        }
+        let cache = Arc::downgrade(&self.cache);
+        let spawned = std::thread::Builder::new()
+            .name("capture-arena-reader-sweep".into())
+            .spawn(move || loop {
+                std::thread::sleep(SWEEP_EVERY);
+                let Some(cache) = cache.upgrade() else {
+                    return; // the reader was dropped
+                };
+                let mut dropped = Vec::new();
+                {
+                    let mut c = lock(&cache);
+                    if c.pid != std::process::id() {
+                        continue; // a forked child's copy, until its next open starts afresh
+                    }
+                    if c.last_sweep.elapsed() >= SWEEP_EVERY {
+                        c.sweep(&mut dropped);
+                    }
+                }
+                drop(dropped); // after the lock
+            });
+        if let Err(e) = spawned {
+            tracing::debug!(error = %e, "no thread to sweep the reader's sessions; reads do");
+            self.sweeper.store(0, Ordering::Relaxed);
+        }
     }
 
     /// True when the producer of `session` is provably gone (from the open session if it is
