@@ -693,3 +693,35 @@ def test_a_capture_retried_on_another_server_leaves_nothing_on_the_first(make_si
         while sink.stats()["resident_objects"] != 0:
             assert time.monotonic() < deadline, f"left on {name}: {sink.stats()['resident_objects']} objects"
             time.sleep(0.01)
+
+
+def test_a_host_that_does_not_answer_holds_up_no_other_endpoints_prefix_frees(make_sink: Any) -> None:
+    """Prefix frees went out from one thread, one endpoint at a time in the order learned: a
+    host that does not answer (its connect hangs 5 s), learned first, held every other
+    endpoint's frees behind each of its tries, and a drain at every optimizer step tried it
+    again each time."""
+    lst = socket.socket()  # a full backlog: connections to it hang
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(0)
+    held = []
+    for _ in range(8):
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(lst.getsockname())
+        held.append(s)
+    try:
+        sink = make_sink()
+        rows = _published(sink, "hold", 2, "s")
+        dead = "%s:%d" % lst.getsockname()
+        store = SpecForgeArenaStore(store_id="hold", controls=[dead, sink.control])
+        t0 = time.monotonic()
+        for r in rows:
+            store.abort(r["sample_id"], reason="reconciled")  # never seen here: by prefix at both
+        while sink.stats()["resident_objects"] != 0:
+            assert time.monotonic() - t0 < 3.0, f"the live endpoint's frees waited behind the dead one's connect: {sink.stats()['resident_objects']} left"
+            time.sleep(0.01)
+        assert store.health()["release_pending"] == 2  # the dead host's, still trying
+    finally:
+        for s in held:
+            s.close()
+        lst.close()

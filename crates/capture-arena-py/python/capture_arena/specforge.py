@@ -59,6 +59,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import threading
 import time
 import unicodedata
@@ -187,7 +188,7 @@ class _Endpoint:
     """One control endpoint's prefix frees: what waits, with which token, when it is next tried
     and the back-off after that, and why its last try was refused (None: it was not)."""
 
-    __slots__ = ("prefixes", "token", "due", "backoff", "refused")
+    __slots__ = ("prefixes", "token", "due", "backoff", "refused", "busy")
 
     def __init__(self, token: Optional[str]) -> None:
         self.prefixes: "collections.OrderedDict[str, None]" = collections.OrderedDict()
@@ -195,6 +196,8 @@ class _Endpoint:
         self.due = 0.0
         self.backoff = PREFIX_BACKOFF_S
         self.refused: Optional[str] = None
+        #: A sender is trying this endpoint now (one at a time per endpoint).
+        self.busy = False
 
 
 #: A prefix free's back-off after a failed try: this, doubling to PREFIX_MAX_BACKOFF_S, per
@@ -203,11 +206,14 @@ PREFIX_BACKOFF_S = 0.1
 PREFIX_MAX_BACKOFF_S = 30.0
 #: Prefixes sent in one connection at most.
 PREFIXES_PER_SEND = 512
+#: Sender threads at most, each trying one endpoint at a time: an endpoint whose connect hangs
+#: (a host down) holds one of them, never the others' frees.
+PREFIX_SENDERS = 4
 
 
 class _Prefixes:
-    """Prefix frees, sent from a thread of their own, all of one control endpoint in one
-    connection; an endpoint that fails a try waits (100 ms doubling to 30 s, reset once one
+    """Prefix frees, sent from threads of their own (up to ``PREFIX_SENDERS``, one endpoint
+    each at a time), all of one control endpoint in one connection; an endpoint that fails a try waits (100 ms doubling to 30 s, reset once one
     goes through) whatever asks for its frees meanwhile, so a client the producer refuses
     connects at most 1 + log2(T / 0.1 s) times in T seconds. An endpoint that refuses the
     control token waits for a token (``set_token``) or its back-off; one that refuses
@@ -218,7 +224,9 @@ class _Prefixes:
         self._endpoints: Dict[str, _Endpoint] = {}
         self._count = 0
         self._sending = 0
-        self._thread: Optional[threading.Thread] = None
+        #: Sender threads running, in the process `_pid` (a forked child has none of them).
+        self._threads = 0
+        self._pid = os.getpid()
         self.dropped = 0
         #: Connections made to send prefix frees (each a try of one endpoint's).
         self.tries = 0
@@ -252,14 +260,23 @@ class _Prefixes:
             if prefix not in e.prefixes:
                 e.prefixes[prefix] = None
                 self._count += 1
-            while self._count > MAX_PREFIXES:  # the oldest endpoint's oldest prefix goes
-                oldest = next(c for c, x in self._endpoints.items() if x.prefixes)
-                self._endpoints[oldest].prefixes.popitem(last=False)
+            while self._count > MAX_PREFIXES:  # the oldest prefix of the endpoint holding most goes
+                most = max((x for x in self._endpoints.values() if x.prefixes), key=lambda x: len(x.prefixes))
+                most.prefixes.popitem(last=False)
                 self._count -= 1
                 self.dropped += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="capture-arena-prefix-frees", daemon=True)
-                self._thread.start()
+            if self._pid != os.getpid():  # a forked child: its parent's senders are not here
+                self._pid, self._threads = os.getpid(), 0
+                for x in self._endpoints.values():
+                    x.busy = False
+            waiting = sum(1 for x in self._endpoints.values() if x.prefixes and not x.busy)
+            if self._threads < PREFIX_SENDERS and self._threads < waiting + sum(x.busy for x in self._endpoints.values()):
+                thread = threading.Thread(target=self._run, name="capture-arena-prefix-frees", daemon=True)
+                try:
+                    thread.start()
+                    self._threads += 1
+                except RuntimeError:  # no thread to be had: a running sender, or the next add, takes them
+                    pass
             self._lock.notify_all()
 
     @property
@@ -271,10 +288,10 @@ class _Prefixes:
         """The next endpoint due and its prefixes (taken out), waiting for one; None when
         nothing waits at all (the thread ends). Under the lock."""
         while True:
-            waiting = {c: e for c, e in self._endpoints.items() if e.prefixes}
+            waiting = {c: e for c, e in self._endpoints.items() if e.prefixes and not e.busy}
             if not waiting:
-                self._endpoints = {c: e for c, e in self._endpoints.items() if e.prefixes or e.refused}
-                self._thread = None
+                self._endpoints = {c: e for c, e in self._endpoints.items() if e.prefixes or e.refused or e.busy}
+                self._threads -= 1
                 self._lock.notify_all()
                 return None
             now = time.monotonic()
@@ -283,6 +300,7 @@ class _Prefixes:
                 self._lock.wait(min(e.due for e in waiting.values()) - now)
                 continue
             control, e = due
+            e.busy = True
             batch: List[str] = []
             while e.prefixes and len(batch) < PREFIXES_PER_SEND:
                 batch.append(e.prefixes.popitem(last=False)[0])
@@ -296,55 +314,66 @@ class _Prefixes:
                 taken = self._take()
             if taken is None:
                 return
-            control, token, batch = taken
-            failed: Optional[str] = None  # why the endpoint backs off (None: it does not)
-            retry: List[str] = []
+            control = taken[0]
             try:
-                self.tries += 1
-                _send_frees(control, [], batch, token, 5.0)
-            except FreeRefusedError as e:
-                # Not applied: they wait (a token learned later gets them through), said once.
+                self._send(*taken)
+            finally:  # whatever happened, the endpoint is free for a sender again
                 with self._lock:
-                    first = self._endpoints[control].refused is None
-                    self._endpoints[control].refused = str(e)
-                if first:
-                    log.error("%d prefix frees to %s: %s", len(batch), control, e)
-                failed, retry = str(e), batch
-            except FreeNotSentError as e:
-                # ECONNREFUSED by its errno, never by a word an endpoint's own name may hold.
-                if "(os error 111)" in str(e):
-                    log.warning("control endpoint %s refuses connections (its producer is gone): %d prefix frees dropped", control, len(batch))
-                    with self._lock:
-                        self.dropped += len(batch)
-                else:
-                    failed, retry = "", batch
-            except Exception as e:  # a prefix, token or endpoint that is not one: never sendable
-                if len(batch) > 1:  # find which: each goes alone next
-                    with self._lock:
-                        self._sending -= len(batch)
-                    for prefix in batch:
-                        self._send_alone(control, token, prefix)
-                    continue
-                log.error("prefix free %s to %s dropped: %s", batch[0], control, e)
-                with self._lock:
-                    self.dropped += 1
+                    ep = self._endpoints.get(control)
+                    if ep is not None:
+                        ep.busy = False
+                    self._lock.notify_all()
+
+    def _send(self, control: str, token: Optional[str], batch: List[str]) -> None:
+        """One try of ``batch`` at ``control``; what failed waits with its endpoint."""
+        failed: Optional[str] = None  # why the endpoint backs off (None: it does not)
+        retry: List[str] = []
+        try:
+            self.tries += 1
+            _send_frees(control, [], batch, token, 5.0)
+        except FreeRefusedError as e:
+            # Not applied: they wait (a token learned later gets them through), said once.
             with self._lock:
-                self._sending -= len(batch)
-                ep = self._endpoints[control]
-                if failed is None:
-                    ep.backoff, ep.refused = PREFIX_BACKOFF_S, None
+                first = self._endpoints[control].refused is None
+                self._endpoints[control].refused = str(e)
+            if first:
+                log.error("%d prefix frees to %s: %s", len(batch), control, e)
+            failed, retry = str(e), batch
+        except FreeNotSentError as e:
+            # ECONNREFUSED by its errno, never by a word an endpoint's own name may hold.
+            if "(os error 111)" in str(e):
+                log.warning("control endpoint %s refuses connections (its producer is gone): %d prefix frees dropped", control, len(batch))
+                with self._lock:
+                    self.dropped += len(batch)
+            else:
+                failed, retry = "", batch
+        except Exception as e:  # a prefix, token or endpoint that is not one: never sendable
+            if len(batch) > 1:  # find which: each goes alone next
+                with self._lock:
+                    self._sending -= len(batch)
+                for prefix in batch:
+                    self._send_alone(control, token, prefix)
+                return
+            log.error("prefix free %s to %s dropped: %s", batch[0], control, e)
+            with self._lock:
+                self.dropped += 1
+        with self._lock:
+            self._sending -= len(batch)
+            ep = self._endpoints[control]
+            if failed is None:
+                ep.backoff, ep.refused = PREFIX_BACKOFF_S, None
+            else:
+                for prefix in reversed(retry):  # back in front, in order
+                    if prefix not in ep.prefixes:
+                        ep.prefixes[prefix] = None
+                        ep.prefixes.move_to_end(prefix, last=False)
+                        self._count += 1
+                if ep.token != token:  # a token learned meanwhile: at once
+                    ep.due = 0.0
                 else:
-                    for prefix in reversed(retry):  # back in front, in order
-                        if prefix not in ep.prefixes:
-                            ep.prefixes[prefix] = None
-                            ep.prefixes.move_to_end(prefix, last=False)
-                            self._count += 1
-                    if ep.token != token:  # a token learned meanwhile: at once
-                        ep.due = 0.0
-                    else:
-                        ep.due = time.monotonic() + ep.backoff
-                        ep.backoff = min(ep.backoff * 2, PREFIX_MAX_BACKOFF_S)
-                self._lock.notify_all()
+                    ep.due = time.monotonic() + ep.backoff
+                    ep.backoff = min(ep.backoff * 2, PREFIX_MAX_BACKOFF_S)
+            self._lock.notify_all()
 
     def _send_alone(self, control: str, token: Optional[str], prefix: str) -> None:
         """One prefix of a batch that was not sendable: sent alone, dropped if it is the bad one
