@@ -189,6 +189,8 @@ while time.monotonic() < deadline:
     if r["arena"]["session"] != first_session:
         break
     time.sleep(0.1)
+# What the sink says readers open follows (before: the first session, the dead agent's).
+assert sink.session == r["arena"]["session"] != first_session, (sink.session, r["arena"]["session"])
 print(json.dumps({"restarted": sorted(set(servers()) - set(first))}), flush=True)
 deadline = time.monotonic() + 60
 while sink.stats()["resident_objects"] and time.monotonic() < deadline:

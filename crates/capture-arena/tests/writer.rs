@@ -18,7 +18,7 @@ fn publishes_reads_back_and_frees_to_empty() {
         .wait()
         .unwrap();
     assert_eq!(results.len(), 2);
-    assert_eq!(results[0].arena, *w.arena_ref());
+    assert_eq!(results[0].arena, w.arena_ref());
     assert!(w.arena_ref().control.starts_with("127.0.0.1:"));
     for r in &results {
         verify(r);

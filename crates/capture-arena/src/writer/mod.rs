@@ -128,6 +128,7 @@ impl Writer {
         let shared = submitter.shared.clone();
         shared.stats.set_report(&arena.report());
         let arena_ref = arena.arena_ref().clone();
+        shared.note_session(&arena_ref.session);
         let capacity = arena.capacity();
         tracing::info!(
             session = %arena_ref.session,
@@ -365,9 +366,22 @@ impl Writer {
             .rows(Instant::now())
     }
 
-    /// The session and control endpoint results carry.
-    pub fn arena_ref(&self) -> &ArenaRef {
-        &self.arena_ref
+    /// The session and control endpoint results carry now (the session changes when a NIXL
+    /// server process of the producer's is replaced: the results committed after carry the new
+    /// one).
+    pub fn arena_ref(&self) -> ArenaRef {
+        let mut r = self.arena_ref.clone();
+        if let Some(s) = self
+            .submitter
+            .shared
+            .session
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            r.session.clone_from(s);
+        }
+        r
     }
 
     /// Resident objects per `store_id` (largest first) with the age of each store's oldest:

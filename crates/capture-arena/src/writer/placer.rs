@@ -190,6 +190,7 @@ impl Placer {
                 match progress {
                     Ok(Progress::Done) => {
                         let p = arena.commit(reservation, &job.samples);
+                        shared.note_session(&arena.arena_ref().session);
                         let stats = &shared.stats;
                         stats.set_report(&arena.report());
                         let copy = t_copy.elapsed();
@@ -277,6 +278,7 @@ impl Placer {
                 // written (Arena::commit_reserved), nothing to copy here.
                 end_wait(waiting, Instant::now(), shared);
                 let p = arena.commit_reserved(reservation, &job.samples);
+                shared.note_session(&arena.arena_ref().session);
                 let stats = &shared.stats;
                 stats.set_report(&arena.report());
                 bump(&stats.published_batches, 1);
@@ -384,9 +386,6 @@ impl Placer {
     }
 }
 
-/// True for a batch whose bytes its submitter writes ([`crate::tensor::TensorData::Reserved`]):
-/// all of its tensors are reserved ones (a batch mixing them with bytes to copy is refused
-/// before it is queued).
 /// Ends a batch's wait for space, if it waited (`waiting`: since when), as it is placed at
 /// `now`: counted in `waits` and `wait_ns`; returns how long it waited.
 fn end_wait(
@@ -404,6 +403,9 @@ fn end_wait(
     w
 }
 
+/// True for a batch whose bytes its submitter writes ([`crate::tensor::TensorData::Reserved`]):
+/// all of its tensors are reserved ones (a batch mixing them with bytes to copy is refused
+/// before it is queued).
 fn is_reserved(samples: &[crate::sample::Sample]) -> bool {
     samples
         .iter()

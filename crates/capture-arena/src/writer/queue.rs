@@ -214,6 +214,9 @@ pub(crate) struct Shared {
     pub usage_wanted: AtomicBool,
     /// The latest per-store usage table and its sequence number.
     pub usage: Mutex<(u64, Vec<crate::arena::StoreUsage>)>,
+    /// The session results carry now (set at the start; it changes when a NIXL server process
+    /// of the producer's is replaced, noted with the first batch committed after).
+    pub session: Mutex<Option<String>>,
     /// Peers whose control connections were closed for the token (the control server notes
     /// them; anyone may read them).
     pub unauthorized: Mutex<crate::report::UnauthorizedPeers>,
@@ -226,6 +229,15 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Notes the session results carry (after each batch entered: it changes only when a
+    /// NIXL server process was replaced).
+    pub fn note_session(&self, session: &str) {
+        let mut cur = self.session.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.as_deref() != Some(session) {
+            *cur = Some(session.to_owned());
+        }
+    }
+
     /// Wakes `wait_for` callers: counters moved.
     pub fn notify(&self) {
         let mut v = self.version.lock().unwrap_or_else(|p| p.into_inner());
