@@ -210,16 +210,35 @@ impl Reader {
                 let Some(cache) = cache.upgrade() else {
                     return; // the reader was dropped
                 };
+                // The lock is held only to copy the sessions out and to take the gone ones
+                // out: each liveness probe (a file lock, a socket) runs without it, so reads
+                // never wait for them, and a fork rarely finds the lock held (a child has no
+                // sweeper to let it go).
+                let cached: Vec<(String, Arc<dyn Transport>)> = {
+                    let c = lock(&cache);
+                    if c.pid != std::process::id() || c.last_sweep.elapsed() < SWEEP_EVERY {
+                        continue; // a forked child's copy (its next open starts afresh), or swept
+                    }
+                    c.sessions
+                        .iter()
+                        .map(|(s, (t, _))| (s.clone(), t.clone()))
+                        .collect()
+                };
+                let gone: Vec<(String, Arc<dyn Transport>)> =
+                    cached.into_iter().filter(|(_, t)| !t.is_live()).collect();
                 let mut dropped = Vec::new();
                 {
                     let mut c = lock(&cache);
-                    if c.pid != std::process::id() {
-                        continue; // a forked child's copy, until its next open starts afresh
-                    }
-                    if c.last_sweep.elapsed() >= SWEEP_EVERY {
-                        c.sweep(&mut dropped);
+                    c.last_sweep = Instant::now();
+                    for (session, t) in &gone {
+                        // Only the transport probed: one opened again meanwhile stays.
+                        if c.sessions.get(session).is_some_and(|(now, _)| Arc::ptr_eq(now, t)) {
+                            tracing::debug!(%session, "dropping the mapping of a producer that is gone");
+                            dropped.extend(c.sessions.remove(session).map(|(t, _)| t));
+                        }
                     }
                 }
+                drop(gone);
                 drop(dropped); // after the lock
             });
         if let Err(e) = spawned {
