@@ -876,14 +876,7 @@ fn a_producer_that_reads_a_little_now_and_then_cannot_stretch_send_frees_past_it
     let halt = stop.clone();
     let producer = std::thread::spawn(move || {
         let (mut c, _) = listener.accept().unwrap();
-        let mut seen = Vec::new();
-        let mut byte = [0u8; 1];
-        while !String::from_utf8_lossy(&seen).contains("\"sync\": 0}") {
-            c.read_exact(&mut byte).unwrap();
-            seen.push(byte[0]);
-        }
-        c.write_all(&capture_arena::control::synced_line(0))
-            .unwrap();
+        answer_first_sync(&mut c);
         let mut chunk = vec![0u8; 64 << 10];
         c.set_read_timeout(Some(Duration::from_millis(300)))
             .unwrap();
@@ -894,7 +887,8 @@ fn a_producer_that_reads_a_little_now_and_then_cannot_stretch_send_frees_past_it
             }
         }
     });
-    let keys: Vec<Key> = (0..40_000)
+    // 24 MB: more than a sender's socket buffers hold even where tcp_wmem's maximum is 16 MiB.
+    let keys: Vec<Key> = (0..100_000)
         .map(|i| Key::new("st", &format!("{i:0>200}"), 1, "hidden_states").unwrap())
         .collect();
     let t0 = Instant::now();

@@ -186,19 +186,11 @@ fn an_answer_trickled_a_byte_at_a_time_ends_at_the_timeout() {
     // The socket's read timeout bounded each read, not the answer: a peer sending its answer a
     // byte every 0.2 s held `capture-arena stats` for the whole line (minutes) with a 1 s
     // timeout. The fake producer answers the connection's first sync, then trickles.
-    use std::io::Read;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let endpoint = listener.local_addr().unwrap().to_string();
     let peer = std::thread::spawn(move || {
         let (mut c, _) = listener.accept().unwrap();
-        let mut seen = Vec::new();
-        let mut byte = [0u8; 1];
-        while !String::from_utf8_lossy(&seen).contains("\"sync\": 0}") {
-            c.read_exact(&mut byte).unwrap();
-            seen.push(byte[0]);
-        }
-        c.write_all(&capture_arena::control::synced_line(0))
-            .unwrap();
+        answer_first_sync(&mut c);
         for b in format!("{{\"stats\":{}}}\n", " ".repeat(200)).bytes() {
             std::thread::sleep(Duration::from_millis(200));
             if c.write_all(&[b]).is_err() {

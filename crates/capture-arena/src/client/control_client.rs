@@ -1129,6 +1129,13 @@ impl Shared {
         keys: &[(&Key, Option<u64>)],
         sync: u64,
     ) -> std::io::Result<Conn> {
+        // One deadline over the connect, the write and the confirmation.
+        let deadline = crate::limits::deadline_in(self.timeout);
+        let left = || {
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1))
+        };
         let conn = match conn {
             Some(c) if alive(&c.stream) => c,
             Some(_) => {
@@ -1139,12 +1146,10 @@ impl Shared {
         };
         // Stamped where this server applies stamped frees (its answers say so).
         let buf = free_lines_synced(keys, conn.stamps, sync)?;
-        let deadline = crate::limits::deadline_in(self.timeout);
         write_within(&conn.stream, &buf, deadline)?;
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        confirm(&conn.stream, sync, left)?;
+        confirm(&conn.stream, sync, left())?;
+        // The connection's own timeout again (write_within left what was left of the deadline).
+        conn.stream.set_write_timeout(Some(self.timeout))?;
         Ok(conn)
     }
 }

@@ -260,14 +260,6 @@ pub(super) fn free_lines_synced(
     Ok(buf)
 }
 
-/// Reads the server's answers on `s` until the one to sync line `n` (`{"synced": m}`, `m >= n`),
-/// within `timeout`: then every line written before it was applied. True when the answer says
-/// the server applies stamped frees.
-///
-/// # Errors
-/// `PermissionDenied` with the server's reason when it closed the connection for the control
-/// token (nothing sent on it was applied); `UnexpectedEof` when it closed without answering;
-/// `TimedOut`; `InvalidData` for an answer longer than [`MAX_SYNC_ANSWER_BYTES`].
 /// Writes all of `buf` to `s` by `deadline`: a socket's write timeout bounds each `write`, not
 /// the whole (a peer that reads a little now and then would stretch a `write_all` without
 /// end), so each write gets what is left.
@@ -296,6 +288,14 @@ pub(super) fn write_within(s: &TcpStream, buf: &[u8], deadline: Instant) -> std:
     Ok(())
 }
 
+/// Reads the server's answers on `s` until the one to sync line `n` (`{"synced": m}`, `m >= n`),
+/// within `timeout`: then every line written before it was applied. True when the answer says
+/// the server applies stamped frees.
+///
+/// # Errors
+/// `PermissionDenied` with the server's reason when it closed the connection for the control
+/// token (nothing sent on it was applied); `UnexpectedEof` when it closed without answering;
+/// `TimedOut`; `InvalidData` for an answer longer than [`MAX_SYNC_ANSWER_BYTES`].
 pub(super) fn confirm(s: &TcpStream, n: u64, timeout: Duration) -> std::io::Result<bool> {
     let deadline = crate::limits::deadline_in(timeout);
     let mut buf: Vec<u8> = Vec::with_capacity(64);

@@ -136,3 +136,18 @@ pub fn closed_by_server(s: &mut TcpStream, within: Duration) -> bool {
         }
     }
 }
+
+/// Plays a producer's part on a connection a client just made: reads up to its first sync line
+/// (`{"sync": 0}`, after its token if it has one) and confirms it, as every new connection of
+/// the control client asks. The caller plays the rest (a slow reader, a trickled answer).
+pub fn answer_first_sync(c: &mut TcpStream) {
+    use std::io::Read;
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    while !String::from_utf8_lossy(&seen).contains("\"sync\": 0}") {
+        c.read_exact(&mut byte).unwrap();
+        seen.push(byte[0]);
+    }
+    c.write_all(&capture_arena::control::synced_line(0))
+        .unwrap();
+}
