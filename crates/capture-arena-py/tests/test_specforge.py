@@ -332,8 +332,10 @@ def test_specforge_lifecycle_abort_gc_and_release_each_free_the_sample(producer:
     assert h["resident_samples"] == 0 and h["active_leases"] == 0 and h["force_freed_total"] == 2, h
 
 
-def test_specforge_drain_is_bounded_when_an_endpoint_does_not_answer(producer: Producer) -> None:
-    # A listener whose backlog is full: connections to it hang (SYN unanswered).
+@pytest.fixture
+def dead() -> Iterator[str]:
+    """A control endpoint that does not answer: a listener whose backlog is full, so connections
+    to it hang (SYN unanswered), as to a host that is down."""
     lst = socket.socket()
     lst.bind(("127.0.0.1", 0))
     lst.listen(0)
@@ -343,7 +345,13 @@ def test_specforge_drain_is_bounded_when_an_endpoint_does_not_answer(producer: P
         s.setblocking(False)
         s.connect_ex(lst.getsockname())
         held.append(s)
-    dead = "%s:%d" % lst.getsockname()
+    yield "%s:%d" % lst.getsockname()
+    for s in held:
+        s.close()
+    lst.close()
+
+
+def test_specforge_drain_is_bounded_when_an_endpoint_does_not_answer(producer: Producer, dead: str) -> None:
     store = SpecForgeArenaStore(store_id="run4", controls=[dead])
     t0 = time.monotonic()
     store.abort("run:never-seen", reason="test")  # queued: never waits on the network
@@ -353,9 +361,6 @@ def test_specforge_drain_is_bounded_when_an_endpoint_does_not_answer(producer: P
         store.drain_pending_removals(max_attempts=3, retry_interval_s=0.2)
     assert time.monotonic() - t0 < 20
     assert store.health()["release_pending"] == 1
-    for s in held:
-        s.close()
-    lst.close()
 
 
 def test_a_ref_without_a_capture_arena_result_is_refused_with_what_to_do() -> None:
@@ -621,40 +626,25 @@ def test_a_controllers_memory_forgets_samples_freed_elsewhere_and_stays_within_i
     ca.ArenaFeatureStore.reclaim(sink.control, prefixes=["mem/"])
 
 
-def test_abort_at_the_optimizer_boundary_of_samples_released_already_sends_nothing(producer: Producer) -> None:
+def test_abort_at_the_optimizer_boundary_of_samples_released_already_sends_nothing(producer: Producer, dead: str) -> None:
     """SpecForge's DP acknowledgement aborts every sample of an optimizer window, then drains
     them (``drain_feature_store_sample_removals``); most were released by the loader already.
     Before, each such abort went by prefix to every known endpoint: with one endpoint that does
     not answer, every drain raised, and SpecForge ends the run on it."""
     from specforge.runtime.data_plane.feature_store import drain_feature_store_sample_removals
 
-    lst = socket.socket()  # a full backlog: connections to it hang
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(0)
-    held = []
-    for _ in range(8):
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex(lst.getsockname())
-        held.append(s)
-    try:
-        dead = "%s:%d" % lst.getsockname()
-        store = SpecForgeArenaStore(store_id="run9", controls=[dead])
-        refs = adapter(producer, store).produce_refs(tasks(2, "ack"), capture=capture())
-        for ref in refs:
-            _, handle = store.get(ref)
-            store.release(handle)
-        ids = [r.sample_id for r in refs]
-        for sid in ids:
-            store.abort(sid, reason="optimizer-boundary-durable-ack")
-        drain_feature_store_sample_removals(store, ids, max_attempts=2, retry_interval_s=0.2)
-        stats = producer.wait_free()
-        assert stats["resident_objects"] == 0, stats
-        assert store.health()["release_pending"] == 0, store.health()
-    finally:
-        for s in held:
-            s.close()
-        lst.close()
+    store = SpecForgeArenaStore(store_id="run9", controls=[dead])
+    refs = adapter(producer, store).produce_refs(tasks(2, "ack"), capture=capture())
+    for ref in refs:
+        _, handle = store.get(ref)
+        store.release(handle)
+    ids = [r.sample_id for r in refs]
+    for sid in ids:
+        store.abort(sid, reason="optimizer-boundary-durable-ack")
+    drain_feature_store_sample_removals(store, ids)  # SpecForge's own bounds (8 x 0.25 s)
+    stats = producer.wait_free()
+    assert stats["resident_objects"] == 0, stats
+    assert store.health()["release_pending"] == 0, store.health()
 
 
 def test_a_capture_retried_on_another_server_leaves_nothing_on_the_first(make_sink: Any) -> None:
@@ -695,33 +685,18 @@ def test_a_capture_retried_on_another_server_leaves_nothing_on_the_first(make_si
             time.sleep(0.01)
 
 
-def test_a_host_that_does_not_answer_holds_up_no_other_endpoints_prefix_frees(make_sink: Any) -> None:
+def test_a_host_that_does_not_answer_holds_up_no_other_endpoints_prefix_frees(make_sink: Any, dead: str) -> None:
     """Prefix frees went out from one thread, one endpoint at a time in the order learned: a
     host that does not answer (its connect hangs 5 s), learned first, held every other
     endpoint's frees behind each of its tries, and a drain at every optimizer step tried it
     again each time."""
-    lst = socket.socket()  # a full backlog: connections to it hang
-    lst.bind(("127.0.0.1", 0))
-    lst.listen(0)
-    held = []
-    for _ in range(8):
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex(lst.getsockname())
-        held.append(s)
-    try:
-        sink = make_sink()
-        rows = _published(sink, "hold", 2, "s")
-        dead = "%s:%d" % lst.getsockname()
-        store = SpecForgeArenaStore(store_id="hold", controls=[dead, sink.control])
-        t0 = time.monotonic()
-        for r in rows:
-            store.abort(r["sample_id"], reason="reconciled")  # never seen here: by prefix at both
-        while sink.stats()["resident_objects"] != 0:
-            assert time.monotonic() - t0 < 3.0, f"the live endpoint's frees waited behind the dead one's connect: {sink.stats()['resident_objects']} left"
-            time.sleep(0.01)
-        assert store.health()["release_pending"] == 2  # the dead host's, still trying
-    finally:
-        for s in held:
-            s.close()
-        lst.close()
+    sink = make_sink()
+    rows = _published(sink, "hold", 2, "s")
+    store = SpecForgeArenaStore(store_id="hold", controls=[dead, sink.control])
+    t0 = time.monotonic()
+    for r in rows:
+        store.abort(r["sample_id"], reason="reconciled")  # never seen here: by prefix at both
+    while sink.stats()["resident_objects"] != 0:
+        assert time.monotonic() - t0 < 3.0, f"the live endpoint's frees waited behind the dead one's connect: {sink.stats()['resident_objects']} left"
+        time.sleep(0.01)
+    assert store.health()["release_pending"] == 2  # the dead host's, still trying

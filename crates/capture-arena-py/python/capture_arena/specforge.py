@@ -64,6 +64,7 @@ import threading
 import time
 import unicodedata
 import urllib.parse
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 try:
@@ -211,6 +212,18 @@ PREFIXES_PER_SEND = 512
 PREFIX_SENDERS = 4
 
 
+#: Every prefix sender set of this process (reset in a forked child).
+_ALL_PREFIXES: "weakref.WeakSet[_Prefixes]" = weakref.WeakSet()
+
+
+def _prefixes_after_fork() -> None:
+    for p in list(_ALL_PREFIXES):
+        p._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_prefixes_after_fork)
+
+
 class _Prefixes:
     """Prefix frees, sent from threads of their own (up to ``PREFIX_SENDERS``, one endpoint
     each at a time), all of one control endpoint in one connection; an endpoint that fails a try waits (100 ms doubling to 30 s, reset once one
@@ -224,12 +237,22 @@ class _Prefixes:
         self._endpoints: Dict[str, _Endpoint] = {}
         self._count = 0
         self._sending = 0
-        #: Sender threads running, in the process `_pid` (a forked child has none of them).
+        #: Sender threads running.
         self._threads = 0
-        self._pid = os.getpid()
         self.dropped = 0
         #: Connections made to send prefix frees (each a try of one endpoint's).
         self.tries = 0
+        _ALL_PREFIXES.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        """A forked child has none of its parent's senders (their lock may have been held at
+        the fork, and what they were sending is the parent's to send): it starts with a new
+        lock, no sender and nothing in flight; what waits goes from its own senders."""
+        self._lock = threading.Condition()
+        self._threads = 0
+        self._sending = 0
+        for e in self._endpoints.values():
+            e.busy = False
 
     @property
     def refused(self) -> int:
@@ -265,10 +288,6 @@ class _Prefixes:
                 most.prefixes.popitem(last=False)
                 self._count -= 1
                 self.dropped += 1
-            if self._pid != os.getpid():  # a forked child: its parent's senders are not here
-                self._pid, self._threads = os.getpid(), 0
-                for x in self._endpoints.values():
-                    x.busy = False
             waiting = sum(1 for x in self._endpoints.values() if x.prefixes and not x.busy)
             if self._threads < PREFIX_SENDERS and self._threads < waiting + sum(x.busy for x in self._endpoints.values()):
                 thread = threading.Thread(target=self._run, name="capture-arena-prefix-frees", daemon=True)
@@ -328,8 +347,9 @@ class _Prefixes:
         """One try of ``batch`` at ``control``; what failed waits with its endpoint."""
         failed: Optional[str] = None  # why the endpoint backs off (None: it does not)
         retry: List[str] = []
-        try:
+        with self._lock:
             self.tries += 1
+        try:
             _send_frees(control, [], batch, token, 5.0)
         except FreeRefusedError as e:
             # Not applied: they wait (a token learned later gets them through), said once.
@@ -347,7 +367,7 @@ class _Prefixes:
                     self.dropped += len(batch)
             else:
                 failed, retry = "", batch
-        except Exception as e:  # a prefix, token or endpoint that is not one: never sendable
+        except BaseException as e:  # a prefix, token or endpoint that is not one (or a panic): never sendable
             if len(batch) > 1:  # find which: each goes alone next
                 with self._lock:
                     self._sending -= len(batch)
@@ -378,8 +398,9 @@ class _Prefixes:
     def _send_alone(self, control: str, token: Optional[str], prefix: str) -> None:
         """One prefix of a batch that was not sendable: sent alone, dropped if it is the bad one
         (any other failure puts it back to wait with its endpoint)."""
-        try:
+        with self._lock:
             self.tries += 1
+        try:
             _send_frees(control, [], [prefix], token, 5.0)
         except Exception as e:  # a bad endpoint may raise anything (UnicodeEncodeError)
             if isinstance(e, FreeNotSentError):
@@ -955,11 +976,17 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         """Frees ``old``, a result of the same sample and generation as ``new``, when it is in
         another arena (a retry published on another server: nothing else would free it). One in
         the same arena was replaced by ``new`` already (``replace``), and is left alone."""
-        if old is None or old is new:
+        if old is None or old is new or is_store_result(old):  # store keys are global: the retry overwrote them
             return
-        if old.get("arena") != new.get("arena") or is_store_result(old) != is_store_result(new):
-            if not is_store_result(old):  # store keys are global: the retry overwrote them
-                self._free_result(old)
+
+        def control(r: Mapping[str, Any]) -> Any:
+            arena = r.get("arena")
+            return arena.get("control") if isinstance(arena, Mapping) else None
+
+        # The same server (its session may have changed: a NIXL server process replaced) keeps
+        # one arena, where the retry replaced the objects under the same keys.
+        if is_store_result(new) or control(old) != control(new):
+            self._free_result(old)
 
     def _remember_freed(self, sid: str, gen: int) -> None:
         self._freed[sid] = gen
