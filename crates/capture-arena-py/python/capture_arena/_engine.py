@@ -355,24 +355,32 @@ class _Quarantine:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: list[tuple[float, Any]] = []
+        #: When the one pending timer fires (None: none pending).
+        self._timer_at: Optional[float] = None
 
     def hold(self, what: Any, seconds: float = QUARANTINE_S) -> None:
         now = time.monotonic()
         with self._lock:
-            self._held = [h for h in self._held if h[0] > now]
             self._held.append((now + seconds, what))
-        timer = threading.Timer(seconds, self.expire)
-        timer.daemon = True
-        try:
-            timer.start()
-        except RuntimeError:  # no thread to be had (interpreter exit): the next hold expires it
-            pass
+        self.expire()
 
     def expire(self) -> None:
-        """Lets go of what was held long enough."""
+        """Lets go of what was held long enough (outside the lock: an output's destructor may
+        run), and has one timer pending for the next to go, whatever the number held."""
         now = time.monotonic()
         with self._lock:
+            gone = [h for h in self._held if h[0] <= now]
             self._held = [h for h in self._held if h[0] > now]
+            nxt = min((h[0] for h in self._held), default=None)
+            if nxt is not None and (self._timer_at is None or self._timer_at <= now or nxt < self._timer_at):
+                timer = threading.Timer(max(nxt - now, 0.0), self.expire)
+                timer.daemon = True
+                try:
+                    timer.start()
+                    self._timer_at = nxt
+                except RuntimeError:  # no thread to be had (interpreter exit): the next hold expires them
+                    pass
+        del gone
 
     def __len__(self) -> int:
         self.expire()
@@ -844,6 +852,7 @@ _READERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     QUARANTINE._lock = threading.Lock()  # the fork may have come while another thread held it
+    QUARANTINE._timer_at = None  # the parent's timer thread is not here
     for r in list(_READERS):
         r._after_fork_in_child()
 
