@@ -2027,7 +2027,7 @@ short = ns(method="extract_hidden_states", draft_model_config=ns(max_model_len=2
 for pc, sp in ((ns(data_parallel_rank=0, nnodes=2, distributed_executor_backend="mp", world_size=8), spec),
                (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="ray", world_size=2), spec),
                (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend=type("RayDistributedExecutor", (), {}), world_size=2), spec),
-               (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="external_launcher", world_size=2), spec),
+               (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend=type("ExecutorWithExternalLauncher", (), {}), world_size=2), spec),
                (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="mp", world_size=2, decode_context_parallel_size=2), spec),
                (one, short)):
     cfg = ns(kv_transfer_config=ns(engine_id="refuse", kv_connector_extra_config={}), parallel_config=pc, speculative_config=sp,

@@ -161,10 +161,14 @@ def settle(llm: Any, timeout_s: float = 30.0) -> bool:
     engine = getattr(llm, "llm_engine", llm)
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
-    if scheduler is None or not hasattr(scheduler, "has_finished_requests"):
+    if scheduler is None or not isinstance(getattr(scheduler, "requests", None), dict):
         return True  # the engine core runs in a process of its own
+
+    def holding() -> bool:  # finished requests vLLM keeps for their blocks (delay_free_blocks)
+        return any(r.is_finished() for r in list(scheduler.requests.values()))
+
     deadline = time.monotonic() + timeout_s
-    while scheduler.has_finished_requests():
+    while holding():
         if time.monotonic() >= deadline:
             return False
         engine.step()
@@ -302,7 +306,7 @@ def _check_one_host(vllm_config: Any) -> None:
     nnodes = getattr(pc, "nnodes", 1)
     backend = getattr(pc, "distributed_executor_backend", None)
     world = getattr(pc, "world_size", 1)
-    name = str(getattr(backend, "__name__", backend)).lower()  # a name, or an executor class
+    name = str(getattr(backend, "__name__", backend)).lower().replace("_", "")  # a name, or an executor class
     cp = {f: getattr(pc, f, 1) for f in ("decode_context_parallel_size", "prefill_context_parallel_size")}
     split = {f: n for f, n in cp.items() if isinstance(n, int) and n > 1}
     why = None
@@ -310,7 +314,7 @@ def _check_one_host(vllm_config: Any) -> None:
         why = f"it spans {nnodes} nodes (--nnodes)"
     elif name.startswith("ray") and isinstance(world, int) and world > 1:
         why = f"Ray may place its {world} workers on other hosts (--distributed-executor-backend ray)"
-    elif name.startswith("external_launcher") and isinstance(world, int) and world > 1:
+    elif "externallauncher" in name and isinstance(world, int) and world > 1:  # ExecutorWithExternalLauncher too
         # Each rank runs an engine core of its own with its worker in its process: only rank
         # 0's worker copies, so every other rank's scheduler would wait the bound for results
         # that never come and hold its requests' blocks for good, and the ranks' schedules part.
