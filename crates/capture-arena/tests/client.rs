@@ -855,7 +855,7 @@ fn a_producer_that_reads_a_little_now_and_then_cannot_stretch_send_frees_past_it
     // A socket's write timeout bounds each write, not a whole write_all: a producer that takes
     // 64 KiB every 0.3 s (its pool full, say) kept send_frees of a few MB going for many times
     // its timeout. The fake producer answers the connection's first sync, then trickles.
-    use std::io::{Read, Write};
+    use std::io::Read;
     use std::os::fd::AsRawFd;
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let small: libc::c_int = 64 << 10;
