@@ -2167,6 +2167,10 @@ def test_the_speculators_transfer_pickles_for_spawned_dataloader_workers(tmp_pat
     with pytest.raises(Exception, match="vLLM did not publish request 'r'"):
         copy.get_generated({"capture_arena": {"sample_id": "r", "error": "the arena was full"}, "handle": "capture-arena-error:r"})
     copy.delete("capture-arena-error:r")  # names no object: nothing to free, no error
+    # vLLM's reason is outside input (an id of any length in it): the message stays bounded.
+    with pytest.raises(Exception) as e:
+        copy.get_generated({"capture_arena": {"sample_id": "r" * 600_000, "error": "x" * 600_000}})
+    assert len(str(e.value)) < 2000, len(str(e.value))
 
 
 def test_a_request_id_too_long_for_a_key_costs_only_its_own_request(pair: tuple[Proc, Proc]) -> None:

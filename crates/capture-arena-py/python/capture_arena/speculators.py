@@ -154,7 +154,9 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
                 "\"kv_connector_module_path\": \"capture_arena.vllm\"}'"
             )
         if "error" in result:
-            raise CaptureArenaError(f"vLLM did not publish request {result.get('sample_id')!r}: {result['error']}")
+            # Outside input, logged by speculators at each retry: bounded (an error naming a
+            # request id carries the id, of any length).
+            raise CaptureArenaError(f"vLLM did not publish request {str(result.get('sample_id'))[:200]!r}: {str(result['error'])[:1000]}")
         self.setup()
         assert self._store is not None
         # What speculators' client took as the handle, and deletes: it must name this result's
