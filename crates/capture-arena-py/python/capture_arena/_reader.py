@@ -215,7 +215,9 @@ class ArenaFeatureStore(_Store):
     def health(self) -> dict[str, int]:
         """``{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",
         "open_sessions", "mooncake_clients", "stuck_clients"}``; frees count the store
-        placement's queued removals too. ``mooncake_clients``: the TransferEngines and store
+        placement's queued removals too. ``resident_*`` count samples read through shared
+        memory, CUDA handles and NIXL and not released; reads through a TransferEngine or the
+        Mooncake store are not counted there. ``mooncake_clients``: the TransferEngines and store
         clients this reader holds; ``stuck_clients``: those with a read stuck in them past its
         deadline (a partition; reads fail at once while there are
         ``SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS``, 8)."""
