@@ -700,3 +700,29 @@ def test_a_host_that_does_not_answer_holds_up_no_other_endpoints_prefix_frees(ma
         assert time.monotonic() - t0 < 3.0, f"the live endpoint's frees waited behind the dead one's connect: {sink.stats()['resident_objects']} left"
         time.sleep(0.01)
     assert store.health()["release_pending"] == 2  # the dead host's, still trying
+
+
+def test_a_panic_sending_one_prefix_costs_that_prefix_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A panic in native code reaches Python as a BaseException (pyo3's PanicException). One
+    while sending a batch of prefixes has each sent alone to find the bad one; before, a second
+    panic there killed the sender thread, the prefixes after it were lost without a count, the
+    sender stayed counted (after four, none started again) and drains waited for good."""
+    from capture_arena import specforge as sf
+
+    class Panic(BaseException):
+        pass
+
+    sent: list[str] = []
+
+    def send(control: str, keys: Any, prefixes: list[str], token: Any, timeout: float) -> None:
+        if any(p.startswith("st/bad") for p in prefixes):
+            raise Panic("a panic in native code")
+        sent.extend(prefixes)
+
+    monkeypatch.setattr(sf, "_send_frees", send)
+    prefixes = sf._Prefixes()
+    for round in range(6):  # more rounds than senders: each one must still be sent
+        for p in ("st/a/", f"st/bad{round}/", "st/b/"):
+            prefixes.add("127.0.0.1:9", None, p)
+        assert prefixes.wait(10.0), f"round {round}: {prefixes.pending} frees never went out"
+    assert prefixes.dropped == 6 and sent.count("st/a/") == 6 and sent.count("st/b/") == 6, (prefixes.dropped, sent)

@@ -2026,7 +2026,7 @@ one = ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="mp", worl
 short = ns(method="extract_hidden_states", draft_model_config=ns(max_model_len=256, hf_config=ns(eagle_aux_hidden_state_layer_ids=[1])))
 for pc, sp in ((ns(data_parallel_rank=0, nnodes=2, distributed_executor_backend="mp", world_size=8), spec),
                (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="ray", world_size=2), spec),
-               (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend=type("RayDistributedExecutor", (), {}), world_size=2), spec),
+               (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="vllm.v1.executor.ray_executor.RayDistributedExecutor", world_size=2), spec),
                (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend=type("ExecutorWithExternalLauncher", (), {}), world_size=2), spec),
                (ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="mp", world_size=2, decode_context_parallel_size=2), spec),
                (one, short)):

@@ -373,7 +373,7 @@ class _Quarantine:
             self._held = [h for h in self._held if h[0] > now]
             nxt = min((h[0] for h in self._held), default=None)
             if nxt is not None and (self._timer_at is None or self._timer_at <= now or nxt < self._timer_at):
-                timer = threading.Timer(max(nxt - now, 0.0), self.expire)
+                timer = threading.Timer(max(nxt - now, 0.0), self._fired)
                 timer.daemon = True
                 try:
                     timer.start()
@@ -381,6 +381,13 @@ class _Quarantine:
                 except RuntimeError:  # no thread to be had (interpreter exit): the next hold expires them
                     pass
         del gone
+
+    def _fired(self) -> None:
+        """The pending timer's end (a timed wait may end a little early: the next one is set
+        from here whatever the time)."""
+        with self._lock:
+            self._timer_at = None
+        self.expire()
 
     def __len__(self) -> int:
         self.expire()

@@ -336,6 +336,11 @@ class _Prefixes:
             control = taken[0]
             try:
                 self._send(*taken)
+            except BaseException:  # never expected (_send catches all): this sender ends, counted out
+                log.exception("a prefix free sender ended")
+                with self._lock:
+                    self._threads -= 1
+                raise
             finally:  # whatever happened, the endpoint is free for a sender again
                 with self._lock:
                     ep = self._endpoints.get(control)
@@ -368,9 +373,7 @@ class _Prefixes:
             else:
                 failed, retry = "", batch
         except BaseException as e:  # a prefix, token or endpoint that is not one (or a panic): never sendable
-            if len(batch) > 1:  # find which: each goes alone next
-                with self._lock:
-                    self._sending -= len(batch)
+            if len(batch) > 1:  # find which: each goes alone next (each counted in flight until tried)
                 for prefix in batch:
                     self._send_alone(control, token, prefix)
                 return
@@ -397,23 +400,27 @@ class _Prefixes:
 
     def _send_alone(self, control: str, token: Optional[str], prefix: str) -> None:
         """One prefix of a batch that was not sendable: sent alone, dropped if it is the bad one
-        (any other failure puts it back to wait with its endpoint)."""
+        (any other failure puts it back to wait with its endpoint). It counts as in flight
+        until this returns."""
         with self._lock:
             self.tries += 1
         try:
             _send_frees(control, [], [prefix], token, 5.0)
-        except Exception as e:  # a bad endpoint may raise anything (UnicodeEncodeError)
-            if isinstance(e, FreeNotSentError):
-                with self._lock:
+        except BaseException as e:  # a bad endpoint may raise anything (UnicodeEncodeError, a panic)
+            with self._lock:
+                self._sending -= 1
+                if isinstance(e, FreeNotSentError):
                     ep = self._endpoints[control]
                     if prefix not in ep.prefixes:
                         ep.prefixes[prefix] = None
                         self._count += 1
                         ep.due = max(ep.due, time.monotonic() + ep.backoff)
-                return
-            log.error("prefix free %s to %s dropped: %s", prefix, control, e)
-            with self._lock:
+                    return
                 self.dropped += 1
+            log.error("prefix free %s to %s dropped: %s", prefix, control, e)
+            return
+        with self._lock:
+            self._sending -= 1
 
     def wait(self, timeout_s: float) -> bool:
         """Waits up to ``timeout_s`` for every prefix to go out; True if none waits. An

@@ -157,7 +157,9 @@ def settle(llm: Any, timeout_s: float = 30.0) -> bool:
     last step's blocks stay held after it returns, and ``LLM.sleep`` (level 1 and up) and
     ``reset_prefix_cache`` fail on them ("Failed to reset KV cache"). Call this first. An
     engine core in a process of its own steps by itself (its sleep waits for the copies): True
-    at once. ``llm``: an ``LLM`` or its ``LLMEngine``."""
+    at once. ``llm``: an ``LLM`` or its ``LLMEngine``. (A vLLM whose engine skips a step when
+    nothing but held requests is left, which 0.32 does not, never gives them back this way:
+    False after ``timeout_s``.)"""
     engine = getattr(llm, "llm_engine", llm)
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
@@ -306,7 +308,10 @@ def _check_one_host(vllm_config: Any) -> None:
     nnodes = getattr(pc, "nnodes", 1)
     backend = getattr(pc, "distributed_executor_backend", None)
     world = getattr(pc, "world_size", 1)
-    name = str(getattr(backend, "__name__", backend)).lower().replace("_", "")  # a name, or an executor class
+    # A name, a qualified class name, or an executor class (its own name, or Ray's flag).
+    name = str(getattr(backend, "__name__", backend)).rsplit(".", 1)[-1].lower().replace("_", "")
+    if getattr(backend, "uses_ray", False) is True:
+        name = "ray"
     cp = {f: getattr(pc, f, 1) for f in ("decode_context_parallel_size", "prefill_context_parallel_size")}
     split = {f: n for f, n in cp.items() if isinstance(n, int) and n > 1}
     why = None

@@ -215,10 +215,11 @@ impl Reader {
                 // never wait for them, and a fork rarely finds the lock held (a child has no
                 // sweeper to let it go).
                 let cached: Vec<(String, Arc<dyn Transport>)> = {
-                    let c = lock(&cache);
+                    let mut c = lock(&cache);
                     if c.pid != std::process::id() || c.last_sweep.elapsed() < SWEEP_EVERY {
                         continue; // a forked child's copy (its next open starts afresh), or swept
                     }
+                    c.last_sweep = Instant::now(); // claimed: opens meanwhile do not sweep too
                     c.sessions
                         .iter()
                         .map(|(s, (t, _))| (s.clone(), t.clone()))
@@ -229,7 +230,6 @@ impl Reader {
                 let mut dropped = Vec::new();
                 {
                     let mut c = lock(&cache);
-                    c.last_sweep = Instant::now();
                     for (session, t) in &gone {
                         // Only the transport probed: one opened again meanwhile stays.
                         if c.sessions.get(session).is_some_and(|(now, _)| Arc::ptr_eq(now, t)) {
