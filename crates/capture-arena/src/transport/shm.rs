@@ -63,6 +63,17 @@ impl ShmTransport {
                 reason: format!("refusing to map {SHM_DIR}/{}: {why}", session.name),
             });
         }
+        // A producer holds a lock on its arena for its life, and hands out results only once
+        // it holds it: an object whose lock is free is a dead producer's (killed outright, so
+        // nobody removed it), never read again.
+        if shm::is_abandoned(&Path::new(SHM_DIR).join(&session.name)).unwrap_or(false) {
+            return Err(stale(
+                "its producer is gone (the lock it holds on its arena for its life is free: \
+                 killed outright); the object stays until a producer or `capture-arena clean` \
+                 removes it"
+                    .into(),
+            ));
+        }
         let (size, _) = shm::fstat(&fd).map_err(|e| Error::io(format!("fstat of {session}"), e))?;
         let want = session.len.saturating_add(HEADER_BYTES);
         if size != want {
