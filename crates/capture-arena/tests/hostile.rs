@@ -158,6 +158,11 @@ fn connections_above_the_limit_are_refused_and_counted() {
     for e in &mut extra {
         assert!(closed_by_server(e, Duration::from_secs(5)), "closed");
     }
+    // Remote peers holding every control slot do not stop a local reader's request on the
+    // reply path (before: one cap for both, so device readers could not import the arena).
+    let described =
+        capture_arena::reply::request(w.reply_endpoint(), "describe", Duration::from_secs(5));
+    assert!(described.is_ok(), "{described:?}");
     // Once a slot is free, a new connection is served.
     drop(held.pop());
     let (_, ok) = w.wait_for(Duration::from_secs(5), |s| s.open_connections == 7);

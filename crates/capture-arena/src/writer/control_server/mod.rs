@@ -7,8 +7,9 @@
 //!   have more to read (readiness is edge-triggered: no new event will come for bytes already
 //!   announced) waits at the back of `ready`, a FIFO rotation, so every readable connection gets
 //!   a turn before any gets a second; the writer loop gives the placer a step between turns.
-//! - **Connections.** At most `max_connections` are open (control and reply together); more are
-//!   accepted and closed at once, and counted. Out of descriptors (`EMFILE`), a spare descriptor
+//! - **Connections.** At most `max_connections` control connections are open, and as many
+//!   reply-path ones (counted apart: remote peers holding every control slot cannot stop a local
+//!   reader's request); more are accepted and closed at once, and counted. Out of descriptors (`EMFILE`), a spare descriptor
 //!   is given up to accept and close the waiting connections, and accepting is retried with a
 //!   back-off.
 //! - **Memory.** Every connection may hold an unfinished line of up to [`SMALL_LINE`] bytes
@@ -114,6 +115,9 @@ pub(crate) struct ControlServer {
     spare: Option<File>,
     /// Connections with an unfinished line.
     partials: usize,
+    /// Reply-path connections among `conns` (capped apart from the control connections, so
+    /// that remote peers holding every control slot cannot stop local readers' requests).
+    replies: usize,
     /// When `tick` next looks for unfinished lines that are too old.
     next_scan: Option<Instant>,
     warnings: Warnings,
@@ -145,6 +149,7 @@ impl ControlServer {
             reply,
             reply_endpoint,
             conns: HashMap::new(),
+            replies: 0,
             ready: VecDeque::new(),
             starved: VecDeque::new(),
             next_token: FIRST_CONN,
@@ -364,7 +369,11 @@ impl ControlServer {
     }
 
     fn admit(&mut self, mut stream: Stream, peer: String, registry: &Registry, stats: &Stats) {
-        if self.conns.len() >= self.limits.max_connections {
+        let of_kind = match stream {
+            Stream::Tcp(_) => self.conns.len() - self.replies,
+            Stream::Unix(_) => self.replies,
+        };
+        if of_kind >= self.limits.max_connections {
             bump(&stats.refused_connections, 1);
             let max = self.limits.max_connections;
             self.warnings.warn(Warn::Refused, |suppressed| {
@@ -405,7 +414,9 @@ impl ControlServer {
         if timed {
             self.partials += 1;
         }
-        if !reply {
+        if reply {
+            self.replies += 1;
+        } else {
             bump(&stats.control_connections, 1);
         }
         tracing::debug!(%peer, ?token, reply, "connection");
@@ -757,6 +768,9 @@ impl ControlServer {
         }
         if c.partial_since.is_some() {
             self.partials -= 1;
+        }
+        if matches!(c.stream, Stream::Unix(_)) {
+            self.replies -= 1;
         }
         // Reply connections' few request bytes are not counted in `buffered`.
         let held = match c.stream {
