@@ -41,24 +41,44 @@ impl Cache {
             last_sweep: Instant::now(),
         }
     }
+}
 
-    /// Forgets the transports of producers that are gone, so their memory goes back as soon as
-    /// no view holds it: a trainer must not pin the arenas of every producer that ever
-    /// restarted. They are handed to `out`, for the caller to drop once the cache's lock is
-    /// let go (a transport's teardown unmaps, unregisters or calls NIXL: never under it).
-    fn sweep(&mut self, out: &mut Vec<Arc<dyn Transport>>) {
-        self.last_sweep = Instant::now();
-        let gone: Vec<String> = self
-            .sessions
+/// Forgets the transports of producers that are gone (unless `force`, at most once every
+/// [`SWEEP_EVERY`]), so their memory goes back as soon as no view holds it: a trainer must not
+/// pin the arenas of every producer that ever restarted. The lock is held only to copy the
+/// sessions out and to take the gone ones out: each liveness probe (a file lock, a socket)
+/// runs without it, so reads never wait for them, and a fork rarely finds the lock held (a
+/// child has no thread to let it go); their teardown (unmap, unregister, NIXL) runs after it.
+fn sweep(cache: &Mutex<Cache>, force: bool) {
+    let cached: Vec<(String, Arc<dyn Transport>)> = {
+        let mut c = lock(cache);
+        if c.pid != std::process::id() || !force && c.last_sweep.elapsed() < SWEEP_EVERY {
+            return; // a forked child's copy (its next open starts afresh), or swept lately
+        }
+        c.last_sweep = Instant::now(); // claimed: others meanwhile do not sweep too
+        c.sessions
             .iter()
-            .filter(|(_, (t, _))| !t.is_live())
-            .map(|(s, _)| s.clone())
-            .collect();
-        for session in gone {
-            tracing::debug!(%session, "dropping the mapping of a producer that is gone");
-            out.extend(self.sessions.remove(&session).map(|(t, _)| t));
+            .map(|(s, (t, _))| (s.clone(), t.clone()))
+            .collect()
+    };
+    let gone: Vec<(String, Arc<dyn Transport>)> =
+        cached.into_iter().filter(|(_, t)| !t.is_live()).collect();
+    let mut dropped = Vec::new();
+    {
+        let mut c = lock(cache);
+        for (session, t) in &gone {
+            // Only the transport probed: one opened again meanwhile stays.
+            if c.sessions
+                .get(session)
+                .is_some_and(|(now, _)| Arc::ptr_eq(now, t))
+            {
+                tracing::debug!(%session, "dropping the mapping of a producer that is gone");
+                dropped.extend(c.sessions.remove(session).map(|(t, _)| t));
+            }
         }
     }
+    drop(gone);
+    drop(dropped); // after the lock
 }
 
 /// Opens and caches sessions; reads features. See the module docs.
@@ -127,9 +147,8 @@ impl Reader {
             });
         }
         self.start_sweeper();
-        // Transports taken out of the cache: dropped after its lock is let go, at the return.
-        let mut dropped: Vec<Arc<dyn Transport>> = Vec::new();
-        {
+        sweep(&self.cache, false);
+        let cached = {
             let mut c = lock(&self.cache);
             if c.pid != std::process::id() {
                 // A forked child: the parent's transports are not this process's to use or tear
@@ -138,24 +157,34 @@ impl Reader {
                 // cuda:// sessions then fail in this process with an error that says so.
                 std::mem::forget(std::mem::replace(&mut *c, Cache::new()));
             }
-            if c.last_sweep.elapsed() >= SWEEP_EVERY {
-                c.sweep(&mut dropped);
-            }
+            c.sessions.get(session).map(|(t, _)| t.clone())
+        };
+        if let Some(t) = cached {
+            // Probed without the lock (a file lock or a socket, once a second).
+            let live = t.is_live();
+            let mut c = lock(&self.cache);
             c.tick += 1;
             let tick = c.tick;
-            if let Some((t, used)) = c.sessions.get_mut(session) {
-                if t.is_live() {
+            let same = c
+                .sessions
+                .get_mut(session)
+                .filter(|(now, _)| Arc::ptr_eq(now, &t));
+            match same {
+                Some((_, used)) if live => {
                     *used = tick;
-                    return Ok(t.clone());
+                    return Ok(t);
                 }
-                dropped.extend(c.sessions.remove(session).map(|(t, _)| t));
-                // Opened again below: the transport says whether the producer is still there
-                // (a NIXL session whose reader agent was retired reopens with a new one).
+                // Gone: taken out, and opened again below (the transport says whether the
+                // producer is still there: a NIXL session whose reader agent was retired
+                // reopens with a new one).
+                Some(_) => drop(c.sessions.remove(session)),
+                None => {} // closed or replaced meanwhile: opened below
             }
-            // A new session: often a producer restarted, so look for the ones that are gone now.
-            c.sweep(&mut dropped);
+            drop(c);
+            drop(t); // after the lock
         }
-        drop(dropped);
+        // A new session: often a producer restarted, so look for the ones that are gone now.
+        sweep(&self.cache, true);
         // Open without holding the lock (mapping a large region takes a moment).
         let opened = transport::open(session)?;
         let mut dropped: Vec<Arc<dyn Transport>> = Vec::new();
@@ -210,36 +239,7 @@ impl Reader {
                 let Some(cache) = cache.upgrade() else {
                     return; // the reader was dropped
                 };
-                // The lock is held only to copy the sessions out and to take the gone ones
-                // out: each liveness probe (a file lock, a socket) runs without it, so reads
-                // never wait for them, and a fork rarely finds the lock held (a child has no
-                // sweeper to let it go).
-                let cached: Vec<(String, Arc<dyn Transport>)> = {
-                    let mut c = lock(&cache);
-                    if c.pid != std::process::id() || c.last_sweep.elapsed() < SWEEP_EVERY {
-                        continue; // a forked child's copy (its next open starts afresh), or swept
-                    }
-                    c.last_sweep = Instant::now(); // claimed: opens meanwhile do not sweep too
-                    c.sessions
-                        .iter()
-                        .map(|(s, (t, _))| (s.clone(), t.clone()))
-                        .collect()
-                };
-                let gone: Vec<(String, Arc<dyn Transport>)> =
-                    cached.into_iter().filter(|(_, t)| !t.is_live()).collect();
-                let mut dropped = Vec::new();
-                {
-                    let mut c = lock(&cache);
-                    for (session, t) in &gone {
-                        // Only the transport probed: one opened again meanwhile stays.
-                        if c.sessions.get(session).is_some_and(|(now, _)| Arc::ptr_eq(now, t)) {
-                            tracing::debug!(%session, "dropping the mapping of a producer that is gone");
-                            dropped.extend(c.sessions.remove(session).map(|(t, _)| t));
-                        }
-                    }
-                }
-                drop(gone);
-                drop(dropped); // after the lock
+                sweep(&cache, false);
             });
         if let Err(e) = spawned {
             tracing::debug!(error = %e, "no thread to sweep the reader's sessions; reads do");
