@@ -295,7 +295,7 @@ class ArenaSink(LiveSink, _ArenaSink):
                     self._starter = None
                     return
                 items, fut = self._early[0]
-            if not self.started and self._recently_failed():
+            if not self._started_or_closed() and self._recently_failed():
                 # A start failed a moment ago (the batches queued behind it among others): its
                 # reason at once, not another try (each can allocate and pre-fault the whole
                 # arena before what fails), as the synchronous calls have it; unless a
