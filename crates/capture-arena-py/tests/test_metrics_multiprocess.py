@@ -20,6 +20,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import struct
 import time
 from typing import Any
 
@@ -42,7 +43,17 @@ def scrape_like_sglang() -> Samples:
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)
-    text = generate_latest(registry).decode()
+    for tries in range(5):
+        try:
+            text = generate_latest(registry).decode()
+            break
+        except struct.error:
+            # prometheus_client's own race (mmap_dict.py): a process creating its .db file
+            # leaves it empty until it sizes it, and a scrape in between fails to unpack its
+            # header. SGLang's /metrics answers that scrape with an error; its next one reads.
+            if tries == 4:
+                raise
+            time.sleep(0.01)
     out: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
