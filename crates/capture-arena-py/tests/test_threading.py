@@ -215,3 +215,20 @@ def test_what_a_failed_read_kept_from_being_freed_is_let_go_once_its_time_is_up(
         assert time.monotonic() < deadline, "still held 10 s after its 0.2 s"
         gc.collect()
         time.sleep(0.05)
+
+
+def test_a_read_that_cannot_have_its_thread_fails_with_our_error_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mooncake read runs on a thread of its own (its deadline); where none can be started
+    (the process at its thread limit, or exiting) the read raised threading's bare
+    RuntimeError, no CaptureArenaError and nothing saying what to change."""
+    import threading
+
+    from capture_arena import _engine
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(ca.CaptureArenaError, match="thread limit") as e:
+        _engine.run_bounded("capture-arena-engine-read", lambda: None, None, 1.0, lambda: "timed out")
+    assert isinstance(e.value, ca.ArenaOSError)

@@ -444,7 +444,13 @@ def run_bounded(
                 except Exception:  # what it tidies stays as it was: never an error of ours here
                     logging.getLogger("capture_arena").exception("after a read that ended past its deadline")
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        threading.Thread(target=run, name=name, daemon=True).start()
+    except RuntimeError as e:  # no thread to be had: nothing started, nothing written
+        raise ArenaOSError(
+            f"cannot start a thread for a read ({e}): this process is at its thread limit (ulimit -u, the cgroup's "
+            "pids.max) or exiting; the read has a deadline only on a thread of its own"
+        ) from None
     if not done.wait(timeout):
         why = None
         with lock:  # the work ends now or after: ``late`` then comes after ``timed_out``
