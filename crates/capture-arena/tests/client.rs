@@ -361,7 +361,10 @@ fn a_dead_endpoints_keys_in_flight_never_cost_another_endpoint_its_frees() {
     // and the longest was the healthy endpoint's: its free was dropped at once, and its object
     // stayed resident. The dead endpoint pays, once its keys come back.
     let (dead, _held, _l) = unreachable_endpoint();
-    let c = ControlClient::with_limit(Duration::from_secs(5), 100);
+    // The dead endpoint's connect (its keys in flight) must outlast the healthy endpoint's
+    // whole free, a producer's start included: 15 s, so that a loaded runner (CI's background
+    // installs) cannot bring the keys back first (a clean clone once did at 5 s).
+    let c = ControlClient::with_limit(Duration::from_secs(15), 100);
     let _ = c.free(Some(&dead), (0..100).map(|i| key(&format!("s/a{i}/g1/x"))));
     let deadline = Instant::now() + Duration::from_secs(5);
     while !c
@@ -386,7 +389,7 @@ fn a_dead_endpoints_keys_in_flight_never_cost_another_endpoint_its_frees() {
     );
     // Back from the failed connect, the dead endpoint's keys wait again, all of them (the
     // healthy key is gone, so they are within the bound).
-    let e = c.flush_within(Duration::from_secs(10)).unwrap_err();
+    let e = c.flush_within(Duration::from_secs(18)).unwrap_err();
     assert!(matches!(e, Error::FreeNotSent { .. }), "{e}");
     assert_eq!((c.pending(), c.dropped()), (100, 0));
 }
