@@ -116,6 +116,12 @@ def escape_part(part: str) -> str:
     return "".join(out)
 
 
+def _control_of(result: Mapping[str, Any]) -> Any:
+    """A result's control endpoint (``arena.control``), or None."""
+    arena = result.get("arena")
+    return arena.get("control") if isinstance(arena, Mapping) else None
+
+
 def _default_post(url: str, json_body: Dict[str, Any], timeout: float) -> Any:
     """SpecForge's default post (``requests.post(...).json()``) without ``requests``: JSON in,
     JSON out, at most ``MAX_RESPONSE_BYTES`` read, through the proxy the environment names (as
@@ -615,8 +621,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                 # by prefix at the endpoints results named (each server names itself one way;
                 # an endpoint given as `controls` may be another name of the adopted result's
                 # server, whose objects have the same keys): never at the adopted one's.
-                arena = result.get("arena")
-                mine = arena.get("control") if isinstance(arena, Mapping) else None
+                mine = _control_of(result)
                 prefix = f"{escape_part(self.store_id)}/{escape_part(sid)}/g{gen}/"
                 for control, token in self._endpoints.items():
                     if control != mine and control in self._named:
@@ -986,13 +991,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         if old is None or old is new or is_store_result(old):  # store keys are global: the retry overwrote them
             return
 
-        def control(r: Mapping[str, Any]) -> Any:
-            arena = r.get("arena")
-            return arena.get("control") if isinstance(arena, Mapping) else None
-
         # The same server (its session may have changed: a NIXL server process replaced) keeps
         # one arena, where the retry replaced the objects under the same keys.
-        if is_store_result(new) or control(old) != control(new):
+        if is_store_result(new) or _control_of(old) != _control_of(new):
             self._free_result(old)
 
     def _remember_freed(self, sid: str, gen: int) -> None:
