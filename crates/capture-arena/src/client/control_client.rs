@@ -364,8 +364,17 @@ impl ControlClient {
             };
             let now = Instant::now();
             if now >= deadline {
+                // "still sending": its sender has the keys (connecting, writing or waiting
+                // for the confirmation); else they wait for a sender to take them.
                 let why = e.backoff.as_ref().map_or_else(
-                    || (ErrorKind::TimedOut, "still sending".to_owned()),
+                    || {
+                        let what = if e.sending || !e.unconfirmed.is_empty() {
+                            "still sending"
+                        } else {
+                            "waiting for a sender to take them"
+                        };
+                        (ErrorKind::TimedOut, what.to_owned())
+                    },
                     |(_, _, kind, why)| (*kind, why.clone()),
                 );
                 return Err(not_sent(
