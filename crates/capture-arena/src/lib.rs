@@ -73,6 +73,6 @@ pub use sample::{
 };
 pub use sink::Sink;
 pub use stats::StatsSnapshot;
-pub use tensor::{Dtype, Tensor, TensorData};
+pub use tensor::{Dtype, HostBytes, Tensor, TensorData};
 pub use transport::{Destination, DeviceSlice, ReadBuffer, ReadOp, Transport};
 pub use writer::{BatchHandle, Writer};

@@ -113,8 +113,8 @@ pub fn byte_len(shape: &[u64], dtype: Dtype) -> Option<u64> {
 #[non_exhaustive]
 pub enum TensorData {
     /// Host memory owned by the tensor: anything that can lend a byte slice (a `Vec<u8>`, an
-    /// `Arc<[u8]>`, a pooled buffer).
-    Host(Box<dyn AsRef<[u8]> + Send>),
+    /// `Arc<[u8]>`, a pooled buffer); see [`TensorData::host`].
+    Host(HostBytes),
     /// Host memory lent by address by its owner (a Python array), with a promise that nobody
     /// writes or frees it until the writer drops this value. See [`TensorData::lent`].
     Lent(Lent),
@@ -125,6 +125,44 @@ pub enum TensorData {
     /// of such tensors is published at once with its objects marked as being written, and
     /// finished with [`crate::Writer::finish_writes`] (see [`crate::arena`]).
     Reserved(u64),
+}
+
+/// Host bytes a tensor owns: the slice its owner lent once, when the tensor was made. Whatever
+/// the owner's `AsRef` would answer later, the bytes validated, placed and copied are that slice
+/// (an `AsRef` answering a longer slice at the copy than at the validation would otherwise have
+/// the copy write past its region).
+pub struct HostBytes {
+    ptr: *const u8,
+    len: usize,
+    /// Never borrowed again after the slice was taken, and never mutably.
+    _owner: Box<dyn AsRef<[u8]> + Send>,
+}
+
+// SAFETY: the pointer is into memory the owner (which is `Send`) keeps; it is only read, by
+// whichever thread holds the value, as the owner's own slice would be.
+unsafe impl Send for HostBytes {}
+
+impl HostBytes {
+    fn new(owner: Box<dyn AsRef<[u8]> + Send>) -> HostBytes {
+        let (ptr, len) = {
+            let s = (*owner).as_ref();
+            (s.as_ptr(), s.len())
+        };
+        HostBytes {
+            ptr,
+            len,
+            _owner: owner,
+        }
+    }
+}
+
+impl AsRef<[u8]> for HostBytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `ptr` and `len` are a slice the owner lent from a shared borrow of itself. The
+        // owner is boxed (its address never changes), kept as long as `self`, and never
+        // borrowed mutably, so that borrow may last as long as `self` does.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
 }
 
 /// Device bytes lent by address; see [`TensorData::device`].
@@ -194,8 +232,9 @@ unsafe impl Send for Lent {}
 
 impl TensorData {
     /// Wraps a host buffer the tensor owns.
+    /// Its slice is taken once, here: what is validated and copied is that slice.
     pub fn host(bytes: impl AsRef<[u8]> + Send + 'static) -> TensorData {
-        TensorData::Host(Box::new(bytes))
+        TensorData::Host(HostBytes::new(Box::new(bytes)))
     }
 
     /// Host memory lent by address: `len` bytes at `ptr`, kept alive by `owner`, which is
@@ -268,7 +307,7 @@ impl TensorData {
     /// Length in bytes.
     pub fn len(&self) -> u64 {
         match self {
-            TensorData::Host(b) => (**b).as_ref().len() as u64,
+            TensorData::Host(b) => b.len as u64,
             TensorData::Lent(l) => l.len as u64,
             #[cfg(feature = "cuda")]
             TensorData::Device(d) => d.len,
@@ -299,10 +338,7 @@ impl TensorData {
     /// `None` for device memory and reserved bytes.
     pub(crate) fn host_source(&self) -> Option<(*const u8, usize)> {
         match self {
-            TensorData::Host(b) => {
-                let s = (**b).as_ref();
-                Some((s.as_ptr(), s.len()))
-            }
+            TensorData::Host(b) => Some((b.ptr, b.len)),
             TensorData::Lent(l) => Some((l.ptr, l.len)),
             #[cfg(feature = "cuda")]
             TensorData::Device(_) => None,

@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use capture_arena::{Config, Error, Published, SampleResult, Writer};
+use capture_arena::{
+    Config, Dtype, Error, Published, Sample, SampleResult, Tensor, TensorData, Writer,
+};
 use util::*;
 
 /// A client writing one line (the caller's) over and over, as fast as it can, until dropped.
@@ -494,4 +496,42 @@ fn a_fifo_under_an_arenas_name_stalls_neither_producer_nor_trainer() {
     let (s, f) = (store.clone(), forged);
     within(bound, move || s.release(&f).unwrap()).expect("release (is_gone) waited on the FIFO");
     within(bound, move || store.health()).expect("health (is_gone) waited on the FIFO");
+}
+
+#[test]
+fn a_buffer_that_lends_another_slice_later_is_published_as_it_was_handed_over() {
+    // Safe code can lend a short slice when first asked and a long one after. What is
+    // validated, placed and copied is the slice lent when the tensor was made: before, later
+    // answers were asked again, and a copy sized by one answer could read or write by another
+    // (the host copy refused it; a device arena's copy had no such check).
+    struct Shifty {
+        asked: std::cell::Cell<u32>,
+        bytes: Vec<u8>,
+    }
+    impl AsRef<[u8]> for Shifty {
+        fn as_ref(&self) -> &[u8] {
+            let n = self.asked.get();
+            self.asked.set(n + 1);
+            if n == 0 {
+                &self.bytes[..16]
+            } else {
+                &self.bytes
+            }
+        }
+    }
+    let bytes: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let data = TensorData::host(Shifty {
+        asked: std::cell::Cell::new(0),
+        bytes: bytes.clone(),
+    });
+    let mut s = Sample::new("st", "shifty", 1).unwrap();
+    s.push(Tensor::new("t0", vec![16], Dtype::Uint8, data).unwrap())
+        .unwrap();
+    let w = Writer::start(&config(1 << 22, Duration::from_secs(2))).unwrap();
+    let p = w.submit(vec![s]).unwrap().wait().unwrap().remove(0);
+    let mut got = [0u8; 16];
+    capture_arena::Reader::new()
+        .read(&p, "t0", &mut got)
+        .unwrap();
+    assert_eq!(got, bytes[..16]);
 }

@@ -74,19 +74,11 @@ pub(crate) unsafe fn copy_to_host(op: &CopyOp<'_>, from: u64, n: u64, dst: *mut 
             ),
         });
     }
-    if let Some((src, len)) = op.data.host_source() {
-        if len as u64 != op.data.len() {
-            return Err(Error::InvalidTensor {
-                name: format!("{:?}", op.data),
-                reason: format!(
-                    "its bytes changed length after validation ({} != {len})",
-                    op.data.len()
-                ),
-            });
-        }
-        // SAFETY: the source is valid for reads of `len` bytes and unchanged while the batch is
-        // in flight (owned bytes; lent bytes by `TensorData::lent`'s contract), and
-        // [from, from + n) lies inside it (checked); the destination is the caller's promise.
+    if let Some((src, _)) = op.data.host_source() {
+        // SAFETY: the source is valid for reads of `op.data.len()` bytes (one slice taken when
+        // the tensor was made) and unchanged while the batch is in flight (owned bytes; lent
+        // bytes by `TensorData::lent`'s contract), and [from, from + n) lies inside it
+        // (checked); the destination is the caller's promise.
         unsafe { std::ptr::copy_nonoverlapping(src.add(from as usize), dst, n as usize) };
         return Ok(());
     }

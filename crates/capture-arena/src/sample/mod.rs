@@ -520,7 +520,7 @@ mod tests {
             panic!("passthrough lists become owned bytes")
         };
         assert_eq!(
-            &(**b).as_ref()[..16],
+            &b.as_ref()[..16],
             &[1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
         );
     }
