@@ -174,6 +174,65 @@ fn connections_above_the_limit_are_refused_and_counted() {
 }
 
 #[test]
+fn idle_peers_holding_every_slot_keep_no_trainer_out_for_longer_than_the_line_timeout() {
+    // Without a token nothing closed an idle connection: peers that reach the port held every
+    // slot for good, and a trainer's frees were refused for as long as they stayed.
+    let c = Config {
+        max_connections: 4,
+        line_timeout: Duration::from_millis(500),
+        ..config(1 << 20, Duration::from_secs(1))
+    };
+    let w = Writer::start(&c).unwrap();
+    let control = w.arena_ref().control;
+    let (a, b) = (publish_one(&w, "a", &[10]), publish_one(&w, "b", &[10]));
+    let idle: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(&control).unwrap())
+        .collect();
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.open_connections == 4);
+    assert!(ok, "{s:?}");
+    let trainer = capture_arena::ControlClient::new(Duration::from_secs(2));
+    trainer.free(Some(&control), a.keys().unwrap()).unwrap();
+    trainer.flush_within(Duration::from_secs(10)).unwrap();
+    wait_freed(&w, 1);
+    let s = w.stats();
+    assert_eq!((s.idle_closed, s.open_connections), (1, 4), "{s:?}");
+    // Refused until the first peer had been idle for the line timeout (the trainer retried).
+    let refused = s.refused_connections;
+    // The evicted one was the peer idle longest (the first), not a younger one.
+    let mut idle = idle.into_iter();
+    assert!(closed_by_server(
+        &mut idle.next().unwrap(),
+        Duration::from_secs(5)
+    ));
+    drop(idle);
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.open_connections == 1);
+    assert!(ok, "{s:?}");
+    // The trainer's own connection, idle longest now, makes way the same: its next free
+    // reconnects (itself closing a peer idle long enough) and is applied.
+    let others: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(&control).unwrap())
+        .collect();
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.open_connections == 4);
+    assert!(ok, "{s:?}");
+    // Time is the condition here: every one of them idle for longer than the line timeout.
+    std::thread::sleep(Duration::from_millis(600));
+    let _newcomer = TcpStream::connect(&control).unwrap();
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.idle_closed == 2);
+    assert!(ok, "{s:?}");
+    trainer.free(Some(&control), b.keys().unwrap()).unwrap();
+    trainer.flush_within(Duration::from_secs(10)).unwrap();
+    wait_freed(&w, 2);
+    let s = w.stats();
+    assert_eq!(
+        (s.idle_closed, s.refused_connections),
+        (3, refused),
+        "{s:?}"
+    );
+    drop(others);
+    assert_eq!(w.stats().resident_objects, 0);
+}
+
+#[test]
 fn unfinished_lines_are_bounded_in_memory_and_nothing_sent_is_lost() {
     // 4 MiB for unfinished lines in all; twelve clients each send 700 KiB of one long line.
     let c = Config {

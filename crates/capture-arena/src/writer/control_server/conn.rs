@@ -63,6 +63,8 @@ pub(super) struct Conn {
     pub(super) starved: bool,
     /// Presented the control token (or none is needed).
     pub(super) authed: bool,
+    /// When this connection was accepted or last sent bytes.
+    pub(super) last_read: Instant,
     /// When this connection's last stats request was answered.
     pub(super) last_stats: Option<Instant>,
 }
@@ -83,13 +85,14 @@ pub(super) enum Warn {
     Accept,
     Reply,
     Stats,
+    Idle,
 }
 
 /// One warning per kind per second; the rest are counted and reported with the next one.
 #[derive(Debug, Default)]
 pub(super) struct Warnings {
-    next: [Option<Instant>; 9],
-    suppressed: [u64; 9],
+    next: [Option<Instant>; 10],
+    suppressed: [u64; 10],
 }
 
 impl Warnings {

@@ -9,7 +9,11 @@
 //!   a turn before any gets a second; the writer loop gives the placer a step between turns.
 //! - **Connections.** At most `max_connections` control connections are open, and as many
 //!   reply-path ones (counted apart: remote peers holding every control slot cannot stop a local
-//!   reader's request); more are accepted and closed at once, and counted. Out of descriptors (`EMFILE`), a spare descriptor
+//!   reader's request). With every control slot taken, a new connection closes the one idle
+//!   longest (nothing unfinished, nothing sent for at least `line_timeout`: a client reconnects
+//!   when it next frees, and every line it sent was applied), else it is closed at once; each
+//!   counted. So idle peers hold a slot for `line_timeout` at most while others wait for one,
+//!   with or without a token. Out of descriptors (`EMFILE`), a spare descriptor
 //!   is given up to accept and close the waiting connections, and accepting is retried with a
 //!   back-off.
 //! - **Memory.** Every connection may hold an unfinished line of up to [`SMALL_LINE`] bytes
@@ -120,6 +124,11 @@ pub(crate) struct ControlServer {
     replies: usize,
     /// When `tick` next looks for unfinished lines that are too old.
     next_scan: Option<Instant>,
+    /// Control connections by the time they last sent bytes (or were accepted), oldest first:
+    /// `(token, last_read)` pushed whenever a connection is left with nothing unfinished. An
+    /// entry whose connection read since (its `last_read` differs), has an unfinished line or
+    /// is gone is stale, skipped and dropped.
+    idle: VecDeque<(Token, Instant)>,
     warnings: Warnings,
     /// The per-store table of the last stats answer.
     store_table: Option<StoreTable>,
@@ -164,6 +173,7 @@ impl ControlServer {
             spare: spare(),
             partials: 0,
             next_scan: None,
+            idle: VecDeque::new(),
             warnings: Warnings::default(),
             store_table: None,
             stats_answers: (Instant::now(), 0),
@@ -373,7 +383,8 @@ impl ControlServer {
             Stream::Tcp(_) => self.conns.len() - self.replies,
             Stream::Unix(_) => self.replies,
         };
-        if of_kind >= self.limits.max_connections {
+        let full = of_kind >= self.limits.max_connections;
+        if full && !(matches!(stream, Stream::Tcp(_)) && self.close_idle(registry, stats)) {
             bump(&stats.refused_connections, 1);
             let max = self.limits.max_connections;
             self.warnings.warn(Warn::Refused, |suppressed| {
@@ -411,6 +422,10 @@ impl ControlServer {
         // A reply connection must send its request promptly, and a control connection its
         // token when one is needed: time them from the start.
         let timed = reply || self.limits.token.is_some();
+        let now = Instant::now();
+        if !timed {
+            self.note_idle(token, now);
+        }
         if timed {
             self.partials += 1;
         }
@@ -426,10 +441,11 @@ impl ControlServer {
                 stream,
                 peer,
                 lines: LineBuffer::default(),
-                partial_since: timed.then(Instant::now),
+                partial_since: timed.then_some(now),
                 queued: true,
                 starved: false,
                 authed: self.limits.token.is_none(),
+                last_read: now,
                 last_stats: None,
             },
         );
@@ -572,6 +588,9 @@ impl ControlServer {
                 }
             }
         };
+        if turn < TURN_BYTES {
+            conn.last_read = Instant::now();
+        }
         if let Some(n) = synced.filter(|_| !matches!(outcome, Turn::Close)) {
             // After the turn's frees: every line before the sync was applied. One answer a
             // turn (the last sync), so a peer gets at most as many bytes as it sends.
@@ -643,6 +662,10 @@ impl ControlServer {
             }
             _ => {}
         }
+        // Sent something and left nothing unfinished: idle from now on, until it sends again.
+        let idle =
+            (matches!(outcome, Turn::Drained) && turn < TURN_BYTES && conn.partial_since.is_none())
+                .then_some(conn.last_read);
         match outcome {
             Turn::Drained => {}
             Turn::More => {
@@ -664,10 +687,66 @@ impl ControlServer {
             Turn::Eof => self.close(token, registry, stats, true),
             Turn::Close => self.close(token, registry, stats, false),
         }
+        if let Some(at) = idle {
+            self.note_idle(token, at);
+        }
         if held_after < held_before || unprivileged {
             self.unstarve();
         }
         Some(freed_any)
+    }
+
+    /// Notes that control connection `token` is idle since `at` (see `idle`).
+    fn note_idle(&mut self, token: Token, at: Instant) {
+        self.idle.push_back((token, at));
+        if self.idle.len() > 2 * self.conns.len() + 64 {
+            let conns = &self.conns;
+            self.idle
+                .retain(|(t, at)| conns.get(t).is_some_and(|c| c.last_read == *at));
+        }
+    }
+
+    /// With every control slot taken: closes the control connection idle longest, if it has
+    /// been idle (nothing unfinished, nothing sent, nothing waiting to be read) for at least
+    /// the line timeout. True if it closed one.
+    fn close_idle(&mut self, registry: &Registry, stats: &Stats) -> bool {
+        let now = Instant::now();
+        while let Some(&(t, at)) = self.idle.front() {
+            let idle = self
+                .conns
+                .get(&t)
+                .is_some_and(|c| c.last_read == at && c.partial_since.is_none() && !c.queued);
+            if !idle {
+                self.idle.pop_front(); // stale
+                continue;
+            }
+            let for_ = now.saturating_duration_since(at);
+            if for_ < self.limits.line_timeout {
+                return false; // the oldest is not idle long enough, so none is
+            }
+            self.idle.pop_front();
+            bump(&stats.idle_closed, 1);
+            let peer = self
+                .conns
+                .get(&t)
+                .map(|c| c.peer.clone())
+                .unwrap_or_default();
+            let max = self.limits.max_connections;
+            self.warnings.warn(Warn::Idle, |suppressed| {
+                tracing::warn!(
+                    %peer,
+                    idle_s = for_.as_secs_f64(),
+                    max,
+                    suppressed,
+                    "every control slot is taken: closed the connection idle longest to let a \
+                     new one in (its client reconnects when it next frees; raise \
+                     SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS if trainers need more)"
+                )
+            });
+            self.close(t, registry, stats, false);
+            return true;
+        }
+        false
     }
 
     /// Memory was given back: connections waiting for room get a turn again. The time they
