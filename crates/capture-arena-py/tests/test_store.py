@@ -75,6 +75,46 @@ def test_a_worker_forked_by_multiprocessing_frees_what_it_released_before_it_end
     assert s["resident_objects"] == 0, s
 
 
+class _TruncatedUnderTheWorker:
+    """A dataset whose worker reads a sample (mapping its arena), then truncates the arena under
+    that mapping and reads it again."""
+
+    def __init__(self, result: dict, path: str) -> None:
+        self.result, self.path, self.store = result, path, None
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> str:
+        if self.store is None:
+            self.store = ca.ArenaFeatureStore()
+        if i == 0:
+            self.store.get(self.result)
+            return "read"
+        os.truncate(self.path, 0)
+        try:
+            self.store.get(self.result)
+        except ca.StaleSessionError as e:
+            return f"stale: {e}"
+        return "read without an error"
+
+
+def test_a_dataloader_worker_survives_its_arena_truncated_under_it(make_sink):
+    """torch's DataLoader worker loop installs its own SIGBUS handler over ours, and that one
+    kills the worker. The worker's first mapping puts ours back in front: the truncation fails
+    the read as a stale session, and the worker lives (before: "DataLoader worker ... is killed
+    by signal: Bus error")."""
+    from torch.utils.data import DataLoader
+
+    sink = make_sink()
+    r = sink.put_sample(spec("truncated"), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+    name = r["arena"]["session"].removeprefix("shm://").split("?")[0]
+    loader = DataLoader(_TruncatedUnderTheWorker(r, f"/dev/shm/{name}"), batch_size=None, num_workers=1,
+                        multiprocessing_context="fork", timeout=60)
+    got = list(loader)
+    assert got[0] == "read" and got[1].startswith("stale: ") and "truncated" in got[1], got
+
+
 def test_get_after_release_raises_key_error(make_sink):
     sink = make_sink()
     r = sink.put_sample(spec("a"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

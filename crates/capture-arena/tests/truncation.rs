@@ -127,3 +127,191 @@ fn tempfile_in_shm() -> std::fs::File {
     std::fs::remove_file(&path).unwrap();
     f
 }
+
+/// The action a handler installed after ours replaced (for the faulthandler-like one).
+static mut REPLACED: Option<libc::sigaction> = None;
+/// Whether the faulthandler-like handler is still enabled (it disables itself when it fires).
+static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// As torch's DataLoader worker loop's (`torch/csrc/DataLoader.cpp`, `handler_SIGBUS`): says
+/// so, restores the default action and kills its own process with the signal.
+extern "C" fn like_torch(_: libc::c_int) {
+    let msg = b"like torch: unexpected bus error in worker\n";
+    // SAFETY: write, sigaction, kill and getpid are async-signal-safe.
+    unsafe {
+        libc::write(2, msg.as_ptr().cast(), msg.len());
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+        libc::kill(libc::getpid(), libc::SIGBUS);
+    }
+}
+
+/// As CPython's faulthandler (`Modules/faulthandler.c`, `faulthandler_fatal_error`): once
+/// disabled it returns at once; else it disables itself, says so, restores the action it
+/// replaced and raises the signal again.
+extern "C" fn like_faulthandler(sig: libc::c_int) {
+    if !ENABLED.swap(false, std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    let msg = b"like faulthandler: Fatal Python error: Bus error\n";
+    // SAFETY: write, sigaction and raise are async-signal-safe; REPLACED was set before this
+    // handler was installed and is not written after.
+    unsafe {
+        libc::write(2, msg.as_ptr().cast(), msg.len());
+        if let Some(a) = *std::ptr::addr_of!(REPLACED) {
+            libc::sigaction(libc::SIGBUS, &a, std::ptr::null_mut());
+        }
+        libc::raise(sig);
+    }
+}
+
+/// The range the guard-like handler looks after (set before it is installed).
+static GUARDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// As another library's guard of its own mappings (as ours): a fault in its page gets a
+/// private zero page there and the access goes on; it passes anything else to nobody (dies).
+extern "C" fn like_a_guard(_: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: the kernel passes a valid siginfo; mmap and the atomics are async-signal-safe.
+    unsafe {
+        let addr = (*info).si_addr() as usize;
+        let page = GUARDED.load(std::sync::atomic::Ordering::SeqCst);
+        if page != 0 && (page..page + 4096).contains(&addr) {
+            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED;
+            libc::mmap(
+                page as *mut libc::c_void,
+                4096,
+                libc::PROT_READ,
+                flags,
+                -1,
+                0,
+            );
+            let msg = b"like a guard: caught\n";
+            libc::write(2, msg.as_ptr().cast(), msg.len());
+            return;
+        }
+        libc::_exit(3);
+    }
+}
+
+/// A page of a shared mapping of an unlinked file in /dev/shm, which is then truncated: reading
+/// it raises SIGBUS. The file is returned with it (it must outlive the mapping's use).
+fn truncated_page() -> (*const u8, std::fs::File) {
+    let f = tempfile_in_shm();
+    f.set_len(4096).unwrap();
+    // SAFETY: a fresh shared mapping of our own file.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            4096,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            0,
+        )
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    f.set_len(0).unwrap();
+    (p.cast::<u8>().cast_const(), f)
+}
+
+/// Runs this test binary's test `name` as a child with `CAPTURE_ARENA_SIGBUS_CHILD=mode`; its
+/// status and stderr, or a panic if it has not ended within 20 s (a handler loop spins).
+fn child(name: &str, mode: &str) -> (std::process::ExitStatus, String) {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture"])
+        .env("CAPTURE_ARENA_SIGBUS_CHILD", mode)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(status) = c.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut c.stderr.take().unwrap(), &mut err).unwrap();
+            return (status, err);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("the child ({mode}) did not end within 20 s: a SIGBUS handler loops");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_handler_installed_after_ours_is_put_behind_it_at_the_next_mapping() {
+    // torch's DataLoader workers install their SIGBUS handler over ours: before, a truncation
+    // under a worker's arena mapping went to that handler, which kills the worker. Ours goes
+    // back in front at the next mapping and passes every other fault on to it.
+    const NAME: &str = "a_handler_installed_after_ours_is_put_behind_it_at_the_next_mapping";
+    if let Some(mode) = std::env::var_os("CAPTURE_ARENA_SIGBUS_CHILD") {
+        let w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
+        let r = publish_one(&w, "worker", &[8192]);
+        // The handler of a DataLoader worker, installed after ours (the producer's mapping).
+        // SAFETY: installs a handler that is async-signal-safe; REPLACED is written before.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = match mode.to_str() {
+                Some("torch") => like_torch as *const () as usize,
+                Some("guard") => like_a_guard as *const () as usize,
+                _ => like_faulthandler as *const () as usize,
+            };
+            if mode == "guard" {
+                action.sa_flags = libc::SA_SIGINFO;
+            }
+            libc::sigemptyset(&mut action.sa_mask);
+            let mut replaced: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(libc::SIGBUS, &action, &mut replaced), 0);
+            *std::ptr::addr_of_mut!(REPLACED) = Some(replaced);
+        }
+        // The worker's reader maps the arena, which is then truncated under it.
+        let reader = Reader::new();
+        let mut out = vec![0u8; 8192];
+        reader.read(&r, "t0", &mut out).unwrap();
+        truncate(&r.arena.session);
+        let e = reader.read(&r, "t0", &mut out).unwrap_err();
+        assert!(matches!(e, Error::StaleSession { .. }), "{e}");
+        eprintln!("the worker lives: {e}");
+        if mode == "guard" {
+            // A handler that handles its own faults and returns keeps getting them: twice.
+            for _ in 0..2 {
+                let (p, _f) = truncated_page();
+                GUARDED.store(p as usize, std::sync::atomic::Ordering::SeqCst);
+                // SAFETY: reading a truncated page: its SIGBUS is what this child is for.
+                let b = unsafe { std::ptr::read_volatile(p) };
+                assert_eq!(b, 0);
+            }
+            std::process::exit(0);
+        }
+        // A fault anywhere else still goes to the worker's handler, and kills it.
+        let (p, _f) = truncated_page();
+        // SAFETY: reading a truncated page: its SIGBUS is what this child is for.
+        let b = unsafe { std::ptr::read_volatile(p) };
+        eprintln!("read {b} past the end of a truncated file: SIGBUS was swallowed");
+        std::process::exit(0);
+    }
+    for (mode, said) in [
+        ("torch", "like torch: unexpected bus error"),
+        ("faulthandler", "like faulthandler: Fatal Python error"),
+    ] {
+        let (status, err) = child(NAME, mode);
+        assert!(
+            err.contains("the worker lives"),
+            "{mode}: {status:?}\n{err}"
+        );
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGBUS),
+            "{mode}: {status:?}\n{err}"
+        );
+        assert_eq!(err.matches(said).count(), 1, "{mode}: {err}");
+    }
+    // Another guard that handles its faults and returns is never dropped from the chain.
+    let (status, err) = child(NAME, "guard");
+    assert!(err.contains("the worker lives"), "{status:?}\n{err}");
+    assert_eq!(status.code(), Some(0), "{status:?}\n{err}");
+    assert_eq!(err.matches("like a guard: caught").count(), 2, "{err}");
+}

@@ -12,11 +12,18 @@
 //! fails the read as a stale session. A `SIGBUS` anywhere else goes to the handler that was
 //! installed before (or the default action: the process dies as it would have).
 //!
-//! Limits: at most [`SLOTS`] ranges are watched at once (more are mapped unwatched, logged); a
-//! handler installed after this one (Python's `faulthandler.enable()` called later, say) takes
-//! precedence.
+//! A handler installed after this one (torch's DataLoader workers install their own, Python's
+//! `faulthandler.enable()` does) is put behind it again at the next mapping: this one goes back
+//! in front and passes every fault outside its ranges on to that handler. One that hands the
+//! signal back (restores the handler it replaced, this one, and raises it again, as faulthandler
+//! does) is done: the signal goes on to the handler before it, so two handlers never pass a
+//! signal back and forth.
+//!
+//! Limits: at most [`SLOTS`] ranges are watched at once (more are mapped unwatched, logged);
+//! a handler installed after the last mapping takes precedence until the next one; at most
+//! [`RETAKES`] times in a process is the handler put back in front.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use crate::page::{page_size, page_start};
@@ -53,8 +60,40 @@ const EMPTY: Slot = Slot {
 };
 static WATCHED: [Slot; SLOTS] = [EMPTY; SLOTS];
 
-/// The `SIGBUS` action before ours (`None` until installed; installing failed: `Some(None)`).
-static PREVIOUS: OnceLock<Option<libc::sigaction>> = OnceLock::new();
+/// Whether the handler was installed (`false`: installing failed), once.
+static INSTALLED: OnceLock<bool> = OnceLock::new();
+
+/// An action ours passed faults outside its ranges on to, and the one before it.
+struct Passed {
+    action: libc::sigaction,
+    below: *mut Passed,
+}
+
+/// The action ours passes faults outside its ranges on to (null: none yet): the one it replaced
+/// when it was last put in front, above those it replaced before. Each is leaked, so the
+/// handler may read it at any time; at most [`RETAKES`] + 1 are made.
+static PREVIOUS: AtomicPtr<Passed> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Makes `action` the one ours passes faults on to, above the one it passed them to so far.
+fn pass_on_to(action: libc::sigaction) {
+    let below = PREVIOUS.load(Ordering::Acquire);
+    let top = Box::into_raw(Box::new(Passed { action, below }));
+    PREVIOUS.store(top, Ordering::Release);
+}
+
+/// Times a process puts the handler back in front of one installed after it, at most.
+pub const RETAKES: usize = 64;
+
+/// Times it did (a forked child counts on from its parent's).
+static RETAKEN: AtomicUsize = AtomicUsize::new(0);
+
+/// The process putting the handler in front now (0: none): one at a time, and a fork cannot
+/// leave it held (a child sees its parent's pid and takes over).
+static RETAKING: AtomicUsize = AtomicUsize::new(0);
+
+/// Set while the handler runs the one it replaced: entered again meanwhile, it does the
+/// default action instead of passing the signal on again.
+static PASSING_ON: AtomicBool = AtomicBool::new(false);
 
 /// A watched range: lost once a `SIGBUS` in it was caught. Unwatched on drop (before the range is
 /// unmapped, by the owner).
@@ -67,9 +106,10 @@ impl Watch {
     /// Watches `[start, start + len)`. `None` when every slot is taken or the handler could not
     /// be installed (the range is then mapped unwatched, as before).
     pub fn new(start: usize, len: usize) -> Option<Watch> {
-        if PREVIOUS.get_or_init(install).is_none() {
+        if !*INSTALLED.get_or_init(install) {
             return None;
         }
+        in_front();
         let end = start.checked_add(len)?;
         for (i, s) in WATCHED.iter().enumerate() {
             if s.start
@@ -112,26 +152,105 @@ impl Drop for Watch {
     }
 }
 
-/// Installs the handler; returns the action it replaced (`None` if installing failed).
-fn install() -> Option<libc::sigaction> {
-    // Read now, so the handler only loads it (its first call is not async-signal-safe).
-    page_size();
-    // SAFETY: sigaction with a fully initialised action; `previous` is written by the kernel.
+/// Our action.
+fn ours() -> libc::sigaction {
+    // SAFETY: a zeroed sigaction is a valid value to fill in; sigemptyset initialises the mask.
     unsafe {
         let mut action: libc::sigaction = std::mem::zeroed();
         action.sa_sigaction = on_sigbus as *const () as usize;
         action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
         libc::sigemptyset(&mut action.sa_mask);
-        let mut previous: libc::sigaction = std::mem::zeroed();
-        if libc::sigaction(libc::SIGBUS, &action, &mut previous) != 0 {
-            tracing::warn!(
-                error = %std::io::Error::last_os_error(),
-                "could not install the SIGBUS handler: a truncated arena will kill this process"
-            );
-            return None;
-        }
-        Some(previous)
+        action
     }
+}
+
+/// The action installed now.
+fn current() -> Option<libc::sigaction> {
+    // SAFETY: a query (no new action); `now` is written by the kernel.
+    unsafe {
+        let mut now: libc::sigaction = std::mem::zeroed();
+        (libc::sigaction(libc::SIGBUS, std::ptr::null(), &mut now) == 0).then_some(now)
+    }
+}
+
+/// Whether a `SIGBUS` is pending (raised while the handler runs, so blocked). Async-signal-safe.
+fn sigbus_pending() -> bool {
+    // SAFETY: sigpending writes the set, which sigemptyset initialised; both are
+    // async-signal-safe.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigpending(&mut set) == 0 && libc::sigismember(&set, libc::SIGBUS) == 1
+    }
+}
+
+/// Installs the handler, keeping the action it replaced; false if installing failed.
+fn install() -> bool {
+    // Read now, so the handler only loads it (its first call is not async-signal-safe).
+    page_size();
+    let Some(previous) = current() else {
+        tracing::warn!(
+            error = %std::io::Error::last_os_error(),
+            "could not read the SIGBUS action: a truncated arena will kill this process"
+        );
+        return false;
+    };
+    // Before ours is installed, so that it never passes a fault to a stale action.
+    pass_on_to(previous);
+    // SAFETY: sigaction with a fully initialised action.
+    if unsafe { libc::sigaction(libc::SIGBUS, &ours(), std::ptr::null_mut()) } != 0 {
+        tracing::warn!(
+            error = %std::io::Error::last_os_error(),
+            "could not install the SIGBUS handler: a truncated arena will kill this process"
+        );
+        return false;
+    }
+    true
+}
+
+/// Puts the handler back in front if another was installed after it (torch's DataLoader worker
+/// loop installs one): ours then passes the faults outside its ranges on to that one.
+fn in_front() {
+    let is_ours = |a: &libc::sigaction| a.sa_sigaction == on_sigbus as *const () as usize;
+    if current().is_none_or(|a| is_ours(&a)) {
+        return;
+    }
+    let me = std::process::id() as usize;
+    loop {
+        let holder = RETAKING.load(Ordering::Acquire);
+        if holder == me {
+            std::thread::yield_now(); // another thread of ours is at it
+            continue;
+        }
+        // Free, or held by the parent this process was forked from (its thread is not here).
+        if RETAKING
+            .compare_exchange(holder, me, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            break;
+        }
+    }
+    // Looked at again under the claim: another thread may have put it back meanwhile (taking
+    // ours as the one to pass faults on to would loop).
+    if let Some(theirs) = current().filter(|a| !is_ours(a)) {
+        if RETAKEN.fetch_add(1, Ordering::Relaxed) < RETAKES {
+            pass_on_to(theirs);
+            // SAFETY: sigaction with a fully initialised action.
+            if unsafe { libc::sigaction(libc::SIGBUS, &ours(), std::ptr::null_mut()) } == 0 {
+                tracing::info!(
+                    "another SIGBUS handler was installed after capture-arena's: ours is back \
+                     in front and passes faults outside arenas on to it"
+                );
+            }
+        } else if RETAKEN.load(Ordering::Relaxed) == RETAKES + 1 {
+            tracing::warn!(
+                retakes = RETAKES,
+                "another SIGBUS handler keeps replacing capture-arena's: mappings made from \
+                 now on are unwatched (a truncation under one kills the process)"
+            );
+        }
+    }
+    RETAKING.store(0, Ordering::Release);
 }
 
 /// The handler. Async-signal-safe: atomics, `mmap`, `sigaction`, `raise` only.
@@ -183,8 +302,13 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             }
         }
     }
-    // Not ours: what would have happened without us.
-    match PREVIOUS.get().copied().flatten() {
+    // Not ours: what would have happened without us. Entered again while passing a signal on
+    // (the one we passed it to restored us and raised it): the default action.
+    let top = PREVIOUS.load(Ordering::Acquire);
+    let passing = PASSING_ON.load(Ordering::Acquire);
+    // SAFETY: PREVIOUS is null or points to a leaked node that is never freed or written.
+    let previous = (!passing && !top.is_null()).then(|| unsafe { (*top).action });
+    match previous {
         // An ignored SIGBUS sent by a process stays ignored (a fault cannot be ignored).
         Some(prev) if prev.sa_sigaction == libc::SIG_IGN && code <= 0 => {}
         Some(prev) if prev.sa_sigaction != libc::SIG_DFL && prev.sa_sigaction != libc::SIG_IGN => {
@@ -198,6 +322,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                     libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
                 }
             }
+            PASSING_ON.store(true, Ordering::Release);
             if prev.sa_flags & libc::SA_SIGINFO != 0 {
                 // SAFETY: the previous handler was installed with SA_SIGINFO, so this is its type.
                 let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
@@ -208,6 +333,19 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                 let f: extern "C" fn(libc::c_int) =
                     unsafe { std::mem::transmute(prev.sa_sigaction) };
                 f(sig);
+            }
+            PASSING_ON.store(false, Ordering::Release);
+            // It handed the signal back to ours: it raised it again (pending until this returns)
+            // with ours installed (faulthandler restores the action it replaced, ours, then
+            // raises). It is done, and what it replaced ours had replaced before it: passing
+            // the signal to it again would loop. (One that handled the fault and returned, with
+            // nothing raised, is kept.)
+            if current().is_some_and(|a| a.sa_sigaction == on_sigbus as *const () as usize)
+                && sigbus_pending()
+            {
+                // SAFETY: `top` is a leaked node, never freed.
+                let below = unsafe { (*top).below };
+                let _ = PREVIOUS.compare_exchange(top, below, Ordering::AcqRel, Ordering::Acquire);
             }
         }
         _ => {
