@@ -106,8 +106,9 @@ pub struct DeviceBytes {
 }
 
 /// For a `capture_arena._tensors.CudaBytes` (exactly that class): the tensor's address, length
-/// and device, read from the CUDA tensor it holds (never taken from the caller); `None` for
-/// anything else.
+/// and device, read from the CUDA tensor it holds (never taken from the caller), and the stream
+/// `CudaBytes` read from torch when it was made (it cannot be set after); `None` for anything
+/// else.
 ///
 /// # Errors
 /// `InvalidSampleError` if the tensor is not a contiguous CUDA tensor or its numbers do not fit.

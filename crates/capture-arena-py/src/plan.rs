@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use capture_arena::{Error, Sample, TensorData};
 use pyo3::exceptions::PyRuntimeError;
@@ -90,17 +90,18 @@ impl PyBatch {
     }
 
     /// Waits (GIL released) until the device tensors' writers have finished: the work enqueued
-    /// on each tensor's stream before it was handed over, at most `timeout_s` for each.
+    /// on each tensor's stream before it was handed over, at most `timeout_s` in all.
     #[pyo3(signature = (timeout_s))]
     fn wait_ready(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
         let timeout = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::MAX);
+        let deadline = capture_arena::writer::deadline_in(timeout);
         let samples = &self.samples;
         crate::exit::detach(py, || {
             let samples = samples.lock().unwrap_or_else(|p| p.into_inner());
             for s in samples.iter() {
                 for (_, t) in s.tensors() {
                     if let TensorData::Device(d) = t.data() {
-                        d.wait_ready(timeout)?;
+                        d.wait_ready(deadline.saturating_duration_since(Instant::now()))?;
                     }
                 }
             }

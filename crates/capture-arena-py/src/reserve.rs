@@ -263,7 +263,19 @@ impl PyReserving {
         hold_gil_s: f64,
         dicts: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        let taken = self.state.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if state.as_ref().is_some_and(|r| r.sink.inherited()) {
+            // A forked child: the writer that would answer is the parent's.
+            return Err(named(
+                py,
+                "WriterStoppedError",
+                "these reservations belong to the process that forked this one (its writer \
+                 thread did not survive the fork); reserve in this process with a sink of its own"
+                    .into(),
+            ));
+        }
+        let taken = state.take();
+        drop(state);
         let r = taken
             .ok_or_else(|| PyRuntimeError::new_err("these reservations were collected already"))?;
         let hold = Duration::try_from_secs_f64(hold_gil_s.max(0.0)).unwrap_or(GIL_HELD_WAIT);
@@ -292,6 +304,11 @@ impl Drop for PyReserving {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
         if let Some(r) = state.take() {
+            if r.sink.inherited() {
+                // A forked child: the handles wait on the parent's writer, which is not here.
+                std::mem::forget(r);
+                return;
+            }
             r.abandon();
         }
     }

@@ -41,11 +41,17 @@ impl PyLanded {
         self.0.len()
     }
 
-    fn __getitem__(&self, i: usize) -> PyResult<bool> {
-        self.0
-            .get(i)
+    /// As a list's: a negative index counts from the end.
+    fn __getitem__(&self, i: isize) -> PyResult<bool> {
+        let n = self.0.len();
+        let at = if i < 0 {
+            n.checked_sub(i.unsigned_abs())
+        } else {
+            Some(i.unsigned_abs())
+        };
+        at.and_then(|at| self.0.get(at))
             .map(|f| f.load(Ordering::Acquire))
-            .ok_or_else(|| PyIndexError::new_err(format!("request {i} of {}", self.0.len())))
+            .ok_or_else(|| PyIndexError::new_err(format!("request {i} of {n}")))
     }
 }
 

@@ -8,15 +8,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use capture_arena::config::{self, parse_bytes};
+use capture_arena::sample::result::MAX_FEATURES;
 use capture_arena::sample::{
     batch_results, encode_ints, Captured, PassthroughSpec, SampleResult, SampleSpec, SpecFeatures,
 };
+use capture_arena::tensor::MAX_RANK;
 use capture_arena::writer::Outcome;
 use capture_arena::{Config, Dtype, Error, Sample, Sink, Tensor, TensorData};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
-use pythonize::{depythonize, pythonize};
+use pythonize::pythonize;
 
 use crate::array::bytes_of;
 use crate::error::{named, to_py, IntoPy};
@@ -253,6 +255,9 @@ fn captured(t: &Bound<'_, PyAny>, tx: Option<&Sender<Msg>>, what: &str) -> PyRes
     Ok(Captured { shape, dtype, data })
 }
 
+/// Passthrough entries of one spec read at most.
+const MAX_PASSTHROUGH_READ: usize = 16 * MAX_FEATURES;
+
 /// The spec of one sample, read field by field: a passthrough whose `data` is a list of
 /// integers for an integer (or bool) dtype takes the typed path into bytes (`bytes` gets it,
 /// its spec entry gets `data: null`) instead of a generic JSON value per element.
@@ -283,6 +288,14 @@ fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyRes
             .try_iter()
             .map_err(|_| bad("`passthrough` must be a list".into()))?
         {
+            // Read no further than this (an iterator may not end): past MAX_FEATURES the core
+            // refuses the sample, counting what it names.
+            if passthrough.len() == MAX_PASSTHROUGH_READ {
+                return Err(bad(format!(
+                    "more than {MAX_PASSTHROUGH_READ} passthrough tensors (a result names at \
+                     most {MAX_FEATURES} features)"
+                )));
+            }
             let p = p?;
             let p = p
                 .cast::<PyDict>()
@@ -297,22 +310,30 @@ fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyRes
             let dtype: String = field("dtype")?
                 .extract()
                 .map_err(|_| bad(format!("passthrough {name:?}: `dtype` must be a string")))?;
-            let shape: Vec<u64> = field("shape")?.extract().map_err(|_| {
+            // Read within bounds: pyo3's `Vec` extraction sizes its buffer by `len()`, which
+            // a list subclass may claim to be 2^40.
+            let shape: Vec<u64> = crate::value::from_py_within(&field("shape")?, 1, MAX_RANK + 1)
+                .map_err(|e| {
                 bad(format!(
-                    "passthrough {name:?}: `shape` must be a list of integers >= 0"
+                    "passthrough {name:?}: `shape` must be a list of at most {MAX_RANK} \
+                         integers >= 0 ({e})"
                 ))
             })?;
+            let elements = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
             let data = p.get_item("data")?;
             let typed = match (&data, Dtype::from_name(&dtype)) {
-                (Some(v), Some(dt)) if v.is_instance_of::<PyList>() && !dt.is_float() => {
-                    // A flat list of Python ints (bools are ints): one typed read per element.
-                    v.extract::<Vec<i64>>().ok().map(|ints| (ints, dt))
-                }
+                // A flat list of Python ints (bools are ints): one typed read per element. An
+                // exact list: its length is its own (a subclass's `len()` may say 2^40).
+                (Some(v), Some(dt)) if !dt.is_float() => v
+                    .cast_exact::<PyList>()
+                    .ok()
+                    .and_then(|l| l.extract::<Vec<i64>>().ok())
+                    .map(|ints| (ints, dt)),
                 _ => None,
             };
             let data = match typed {
                 Some((ints, dt)) => {
-                    let needed = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                    let needed = elements;
                     if needed != Some(ints.len() as u64) {
                         return Err(named(
                             py,
@@ -346,8 +367,16 @@ fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyRes
                     serde_json::Value::Null
                 }
                 None => match data {
-                    Some(v) if !v.is_none() => depythonize(&v)
-                        .map_err(|e| bad(format!("passthrough {name:?}: `data`: {e}")))?,
+                    // Nested as deep as the shape, holding its elements and their lists at
+                    // most (the core then checks them against the shape).
+                    Some(v) if !v.is_none() => {
+                        let values = elements
+                            .and_then(|n| n.checked_mul(shape.len() as u64 + 1))
+                            .and_then(|n| usize::try_from(n).ok())
+                            .map_or(usize::MAX, |n| n.saturating_add(1));
+                        crate::value::from_py_within(&v, shape.len() + 1, values)
+                            .map_err(|e| bad(format!("passthrough {name:?}: `data`: {e}")))?
+                    }
                     _ => serde_json::Value::Null,
                 },
             };
@@ -559,7 +588,7 @@ impl PySink {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-            .map(|s| Held(Some(s)))
+            .map(Held::new)
             .ok_or_else(|| named(py, "WriterStoppedError", "the ArenaSink is closed".into()))
     }
 
@@ -1265,6 +1294,16 @@ pub fn _bench_rust_put(
             &self.0
         }
     }
+    // A benchmark's sizes: within what one sink can take, or refused before anything is made.
+    let total = n_samples
+        .checked_mul(n_tensors)
+        .and_then(|n| n.checked_mul(tensor_bytes));
+    if total.is_none_or(|t| t > 1 << 40) || reps > 1 << 20 {
+        return Err(PyValueError::new_err(format!(
+            "{n_samples} samples x {n_tensors} tensors x {tensor_bytes} bytes, {reps} reps: at \
+             most 1 TiB in all and 2^20 reps"
+        )));
+    }
     let sink = sink.get().sink(py)?;
     crate::exit::detach(py, || -> capture_arena::Result<Vec<f64>> {
         let bufs: Vec<Shared> = (0..n_samples * n_tensors)
@@ -1294,5 +1333,8 @@ pub fn _bench_rust_put(
 /// A caller's bound in seconds as a duration: none below zero, and one too large (or not a
 /// number) as no bound.
 fn bound_of(seconds: f64) -> Duration {
+    if seconds.is_nan() {
+        return Duration::MAX;
+    }
     Duration::try_from_secs_f64(seconds.max(0.0)).unwrap_or(Duration::MAX)
 }

@@ -94,8 +94,11 @@ impl PyStore {
                         None if *len == 0 => Destination::Host(&mut []),
                         // SAFETY: (ptr, len) come from the array interface of a writable,
                         // C-contiguous uint8 array in `targets`, which this call keeps
-                        // referenced (so allocated and unmoved) until it returns; the ranges
-                        // were checked pairwise disjoint above, so no two slices alias.
+                        // referenced until it returns. A numpy array's own buffer stays put
+                        // while referenced; a view of another owner's storage (a torch CPU
+                        // tensor's `.numpy()`) stays put by `get`'s documented contract (no
+                        // thread resizes or frees an `out=` while it reads, docs/python.md).
+                        // The ranges were checked pairwise disjoint above: no two slices alias.
                         None => Destination::Host(unsafe {
                             std::slice::from_raw_parts_mut(*ptr as *mut u8, *len)
                         }),

@@ -621,3 +621,37 @@ def test_reservations_before_the_arena_exists_fail_with_the_reason(make_sink: An
     assert all("still being created" in r["error"] for r, _ in rows), rows
     ((keys, at, text),) = sink._reserve_each_keys([reservation("early2")], within_s=0)
     assert keys is None and at is None and "still being created" in json.loads(text)["error"], text
+
+
+def _wait_in_child(pending: Any, out: Any) -> None:
+    rows = pending.wait()
+    out.put([text.decode() for _, _, text in rows])
+    del pending
+    gc.collect()  # its hold on the parent's writer goes with it: forgotten, never dropped here
+
+
+def test_reservations_a_forked_child_inherited_fail_there_at_once(make_sink: Any) -> None:
+    """A reservation still being placed (the arena full, the writer waiting for frees) when the
+    process forked: in the child its wait blocked for good (the writer that would answer is the
+    parent's), and dropping it there would have stopped a writer the child does not have. Now the
+    child's wait says so at once; the parent's reservation goes on."""
+    import multiprocessing as mp
+
+    sink = make_sink(arena_bytes="1MiB")
+    ((first, at),) = sink.reserve_each([reservation("first", 8192)], within_s=5)
+    assert at is not None, first
+    pending = sink._reserve_each_begin([reservation("waits", 8192)], within_s=3)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_wait_in_child, args=(pending, out))
+    child.start()
+    child.join(30)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0, "the child's wait did not return"
+    (row,) = [json.loads(t) for t in out.get(timeout=5)]
+    assert "forked" in row["error"], row
+    # The parent's own wait is the parent's: the arena stays full, so it fails at its deadline.
+    ((keys, _, text),) = pending.wait()
+    assert keys is None and "waits" in text.decode()
+    sink.finish_writes([first], ok=False)

@@ -602,3 +602,42 @@ def test_exit_does_not_wait_out_a_starter_held_behind_a_full_arena() -> None:
     took = time.monotonic() - t0
     assert p.returncode == 0 and "FATAL" not in err, err[-3000:]
     assert took < _sink.STARTER_EXIT_WAIT_S + 5 + 3, (took, err[-3000:])
+
+
+class _Claims(list):
+    """A list whose ``len()`` claims 2^40 items."""
+
+    def __len__(self) -> int:
+        return 1 << 40
+
+
+def test_values_that_would_cost_the_process_are_refused_alone(make_sink):
+    """Each of these killed the process: a passthrough list nested 300,000 deep overflowed the
+    stack (read with pythonize, which has no depth bound), and so did a result's frozenset nested
+    100,000 deep; a list subclass claiming 2^40 items had 8 TiB allocated for it (pyo3 sizes a
+    Vec by ``len()``). Each now fails its own sample, or its own call."""
+    sink = make_sink()
+    nested: object = 0
+    for _ in range(300_000):
+        nested = [nested]
+    deep = spec("deep", aux=False, last=False)
+    deep["passthrough"] = [{"name": "p", "dtype": "float32", "shape": [1], "data": nested}]
+    claims = spec("claims", aux=False, last=False)
+    claims["passthrough"] = [{"name": "p", "dtype": "int64", "shape": [3], "data": _Claims([1, 2, 3])}]
+    # Its shape allows 2^40 items: room is made for the items as they come, not for its claim.
+    claims_big = spec("claims-big", aux=False, last=False)
+    claims_big["passthrough"] = [{"name": "p", "dtype": "int8", "shape": [1 << 40], "data": _Claims([1, 2, 3])}]
+    rows = sink.put_samples([(deep, None, None), (claims, None, None), (claims_big, None, None),
+                             (spec("fine"), hidden(8, 12), hidden(8, 4))])
+    refused(rows[0], "nested more than 2 levels deep", "deep")
+    refused(rows[1], "1099511627776 items, more than the 7 values", "claims")
+    refused(rows[2], "passthrough", "claims-big")
+    rows = rows[1:]
+    assert "error" not in rows[2], rows[2]
+    assert sink.stats()["resident_objects"] == len(rows[2]["features"])
+    inner: object = frozenset()
+    for _ in range(100_000):
+        inner = frozenset([inner])
+    forged = dict(rows[2], features={"x": dict(rows[2]["features"]["hidden_state"], shape=inner)})
+    with pytest.raises(ca.CaptureArenaError, match="nested more than 32 levels deep"):
+        ca.ArenaFeatureStore().release(forged)

@@ -371,8 +371,9 @@ class DeviceTensor:  # what the compiled module reads of a torch CUDA tensor
     def element_size(self): return 2
     def get_device(self): return 0
 
-cb = CudaBytes.__new__(CudaBytes)
-cb.tensor, cb.stream = DeviceTensor(), stream.value
+cb = CudaBytes.__new__(CudaBytes)  # as CudaBytes(tensor) makes it, with the fake's stream
+object.__setattr__(cb, "tensor", DeviceTensor())
+object.__setattr__(cb, "stream", stream.value)
 sink = ca.StoreSink(gpu_put=True)
 assert sink.device_publication
 spec = _samples._coerce_spec({"store_id": "gp", "sample_id": "s0", "features": {"aux": "hidden_state"},

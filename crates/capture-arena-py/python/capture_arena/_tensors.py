@@ -63,11 +63,18 @@ class CudaBytes:
     need not have finished."""
 
     __slots__ = ("tensor", "stream")
+    tensor: Any
+    stream: int
 
     def __init__(self, tensor: Any) -> None:
         torch = _torch()
-        self.tensor = tensor
-        self.stream = int(torch.cuda.current_stream(tensor.device).cuda_stream)
+        # Set once, here: the compiled module hands ``stream`` to the CUDA driver, which does not
+        # check a stream handle, so it must be one torch gave.
+        object.__setattr__(self, "tensor", tensor)
+        object.__setattr__(self, "stream", int(torch.cuda.current_stream(tensor.device).cuda_stream))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"CudaBytes is read-only: wrap another tensor instead of setting {name!r}")
 
 
 def _torch_bytes(t: Any, host: bool = False) -> HostBytes:

@@ -310,7 +310,10 @@ pub(crate) fn event_on(ordinal: i32, stream: u64) -> Result<Event> {
 fn stream_context(primary: &Arc<Context>, stream: cu::CUstream) -> Result<Arc<Context>> {
     let _current = primary.enter()?;
     let mut ctx = std::ptr::null_mut();
-    // SAFETY: the driver validates the stream handle; writes one context handle.
+    // SAFETY: `stream` is a live stream handle of this device: the driver does not check one,
+    // so callers pass only handles a framework gave (the Python package's `CudaBytes` reads
+    // torch's current stream when it is made, and cannot be changed after); writes one context
+    // handle.
     let rc = unsafe { api::cuStreamGetCtx(stream, &mut ctx) };
     check(rc, || {
         format!(
