@@ -822,3 +822,18 @@ def test_a_proxy_whose_port_is_not_one_is_a_config_error_naming_its_variable(mon
     monkeypatch.setenv("http_proxy", "http://proxy.example:31x")
     with pytest.raises(ca.ConfigError, match="http_proxy='http://proxy.example:31x'"):
         LiveCapture("http://10.9.8.7:8600", 1.0, lambda item: {}, lambda result: None)
+
+
+def test_the_live_queue_bytes_take_units_as_every_other_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES=4GiB`` was a ConfigError (read as a plain integer),
+    while the docs give its default as "2 GiB" and every other size takes units."""
+    from capture_arena._live import _queue_bytes
+
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES", "4GiB")
+    assert _queue_bytes() == 4 << 30
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES", "1048576")
+    assert _queue_bytes() == 1 << 20
+    for bad in ("0", "lots", "-1"):
+        monkeypatch.setenv("SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES", bad)
+        with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES"):
+            _queue_bytes()

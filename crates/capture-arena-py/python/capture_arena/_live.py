@@ -217,7 +217,16 @@ def _queue_size() -> int:
 
 
 def _queue_bytes() -> int:
-    return _int_env(QUEUE_BYTES_ENV, DEFAULT_QUEUE_BYTES, 1 << 50, "the bytes live captures may hold while queued")
+    """Sizes as every other ``*_BYTES`` variable (``2GiB``, ``512MiB`` or bytes)."""
+    raw = os.environ.get(QUEUE_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_QUEUE_BYTES
+    from ._capture_arena import _parse_bytes
+
+    n = int(_parse_bytes(QUEUE_BYTES_ENV, raw))
+    if not 1 <= n <= 1 << 50:
+        raise ConfigError(f"{QUEUE_BYTES_ENV}={raw!r}: the bytes live captures may hold while queued must be in [1, 2^50]")
+    return n
 
 
 class _Config:
