@@ -1,4 +1,5 @@
-//! `capture-arena`: the main job (`demo`), its two halves (`produce`, `consume`) and `bench`.
+//! `capture-arena`: the main job (`demo`), its two halves (`produce`, `consume`), `bench`, and the
+//! operator's tools (`soak`, `free`, `stats`, `top`, `clean`, `device-info`).
 //!
 //! `cargo run --release -p capture-arena-cli -- demo`
 //!

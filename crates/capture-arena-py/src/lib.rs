@@ -1,10 +1,12 @@
 //! `capture_arena._capture_arena`: the compiled half of the Python package. Thin by design:
-//! arguments are converted here (or, for tensors, in `capture_arena/__init__.py`) and everything
-//! else is the Rust core.
+//! arguments are converted here (or, for tensors, in `capture_arena/_samples.py` and
+//! `_tensors.py`) and everything else is the Rust core.
 //!
 //! Threads: the arena's writer thread never touches Python. Each sink owns one helper thread that
 //! attaches to the interpreter to complete futures and to release the Python buffers the writer
-//! has finished copying. Every wait and every copy runs with the GIL released.
+//! has finished copying. Waits and copies run with the GIL released, but for two short holds
+//! (`reserve.rs`: the first 2 ms of a reservation's wait; `rows.rs`: token ids read in bounded
+//! runs).
 
 mod array;
 mod error;

@@ -1,9 +1,10 @@
 //! capture-arena: the capture server's arena.
 //!
 //! An inference server captures hidden states per sample during prefill. A [`Sink`] hands each
-//! batch to a [`Writer`] thread, the only thread that touches the [`Arena`]: it places every
-//! tensor as an object in one region of memory (host shared memory today), copies the bytes, and
-//! returns per-sample results with every feature's address. Trainers read the bytes by
+//! batch to a [`Writer`] thread, the only thread that places or frees objects in the [`Arena`]:
+//! it places every tensor as an object in one region of memory (host shared memory, device
+//! memory, memory a transfer engine owns), copies the bytes (or leaves a reserved object's to
+//! its submitter), and returns per-sample results with every feature's address. Trainers read the bytes by
 //! (session, address) and free objects by writing JSON lists of keys to the control endpoint,
 //! which the same writer thread serves.
 //!

@@ -2,7 +2,8 @@
 //! writer (region and control listener included) on the first capture, so a server that never
 //! captures takes no memory and opens no port; or, with `eager`
 //! (`SGLANG_SPEC_CAPTURE_ARENA_EAGER=1`), when it is made, so the first capture does not pay
-//! for creating and pre-faulting the arena (about a second per GiB of host memory).
+//! for creating and pre-faulting the arena (about half a second per GiB of host memory,
+//! BENCHMARKS.md).
 
 use std::sync::{Mutex, OnceLock};
 

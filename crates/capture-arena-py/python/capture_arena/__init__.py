@@ -12,8 +12,9 @@ Everything runs in the Rust core; this module only re-exports. The package's sha
   :mod:`._store`), :mod:`.errors`, and :mod:`.metrics`;
 - the engine adapters over it, siblings that import the core and never each other:
   :mod:`.sglang` (SpecForge's SGLang hook module, with :mod:`._install` its installer and
-  :mod:`._live` its live capture), :mod:`.specforge` (SpecForge's trainer stack) and
-  :mod:`.vllm` (vLLM's hidden-states connector and speculators' backend).
+  :mod:`._live` its live capture), :mod:`.specforge` (SpecForge's trainer stack),
+  :mod:`.vllm` (vLLM's hidden-states connector) and :mod:`.speculators` (speculators'
+  backend).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@
 //! | `SGLANG_SPEC_CAPTURE_OBJECT_TTL_S` | `object_ttl` | unset: objects stay until freed |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_TOKEN` | `control_token` | unset: no token; `auto`: a random token per arena |
 //! | `SGLANG_SPEC_CAPTURE_TRANSPORT` | `transport` | `auto`: the region's own (`shm://`, `cuda://`); `nixl` registers it with a NIXL agent |
+//! | `SGLANG_SPEC_CAPTURE_NIXL_SERVER` ([`ENV_NIXL_SERVER`], [`nixl_server`]) | - | unset or `inline`: the producer's own NIXL agent serves a host arena (the CLI and the Python package set a server process of the producer's own when unset); a JSON array: that server's command |
 //!
 //! Read by trainers (readers), not part of [`Config`]:
 //!
@@ -33,6 +34,7 @@
 //! | `SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S` ([`read_timeout`]) | 60 s: a read through NIXL that takes longer fails as a stale session |
 //! | `SGLANG_SPEC_CAPTURE_NIXL_LIB` | unset: `libnixl_capi.so` from the library search path; else that file, or the directory holding it (producers and readers) |
 //! | `SGLANG_SPEC_CAPTURE_PIN_HOST` ([`ENV_PIN_HOST`]; producers too) | on: shared memory is pinned (`cuMemHostRegister`) for copies to and from GPUs; `0` leaves it pageable |
+//! | `SGLANG_SPEC_CAPTURE_READY_WAIT_S` | 30 s: how long a read waits for an object whose result was handed out before its bytes were written |
 
 use std::time::Duration;
 

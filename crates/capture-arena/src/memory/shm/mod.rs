@@ -351,7 +351,7 @@ impl ShmRegion {
     /// Creates, reserves and maps a region of `len` data bytes, after removing the arenas of
     /// producers that died without removing theirs. The memory is reserved in full
     /// (`fallocate`) and pre-faulted, so a full `/dev/shm` fails here with a clear error rather
-    /// than as a `SIGBUS` in the middle of a copy later. This takes about a second per GiB.
+    /// than as a `SIGBUS` in the middle of a copy later. This takes about half a second per GiB.
     ///
     /// # Errors
     /// [`Error::Io`] if the object cannot be created, locked, reserved or mapped;
