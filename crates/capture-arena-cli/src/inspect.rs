@@ -223,11 +223,12 @@ fn render(control: &str, r: &StatsReport, since: Option<(Duration, &StatsReport)
     );
     let _ = writeln!(
         o,
-        "peers     {} connections open, {} accepted, {} refused; bad lines {}, unknown frees {}, \
-         unauthorized {}, oversized {}, timed out {}",
+        "peers     {} connections open, {} accepted, {} refused, {} idle closed; bad lines {}, \
+         unknown frees {}, unauthorized {}, oversized {}, timed out {}",
         s.open_connections,
         s.control_connections,
         s.refused_connections,
+        s.idle_closed,
         s.bad_lines,
         s.unknown_frees,
         s.unauthorized_lines,

@@ -370,10 +370,16 @@ fn spec_of(d: &Bound<'_, PyAny>, bytes: &mut HashMap<String, Captured>) -> PyRes
                     // Nested as deep as the shape, holding its elements and their lists at
                     // most (the core then checks them against the shape).
                     Some(v) if !v.is_none() => {
-                        let values = elements
-                            .and_then(|n| n.checked_mul(shape.len() as u64 + 1))
-                            .and_then(|n| usize::try_from(n).ok())
-                            .map_or(usize::MAX, |n| n.saturating_add(1));
+                        // The lists and numbers of data nested as the shape says: 1 + d0 +
+                        // d0·d1 + ... (a zero dimension included: `[[]]` for `[1, 0]`).
+                        let values = shape
+                            .iter()
+                            .scan(1u64, |at, &d| {
+                                *at = at.saturating_mul(d);
+                                Some(*at)
+                            })
+                            .fold(1u64, u64::saturating_add);
+                        let values = usize::try_from(values).unwrap_or(usize::MAX);
                         crate::value::from_py_within(&v, shape.len() + 1, values)
                             .map_err(|e| bad(format!("passthrough {name:?}: `data`: {e}")))?
                     }

@@ -134,34 +134,40 @@ pub enum TensorData {
 pub struct HostBytes {
     ptr: *const u8,
     len: usize,
-    /// Never borrowed again after the slice was taken, and never mutably.
-    _owner: Box<dyn AsRef<[u8]> + Send>,
+    /// The owner, leaked from its box when the slice was taken (so that moving this value never
+    /// asserts unique access to bytes the slice points into) and boxed again only to be dropped.
+    owner: *mut (dyn AsRef<[u8]> + Send),
 }
 
-// SAFETY: the pointer is into memory the owner (which is `Send`) keeps; it is only read, by
-// whichever thread holds the value, as the owner's own slice would be.
+// SAFETY: the owner is `Send` and owned by this value alone; the pointer is into memory it
+// keeps, only read, by whichever thread holds the value, as the owner's own slice would be.
 unsafe impl Send for HostBytes {}
 
 impl HostBytes {
     fn new(owner: Box<dyn AsRef<[u8]> + Send>) -> HostBytes {
-        let (ptr, len) = {
-            let s = (*owner).as_ref();
-            (s.as_ptr(), s.len())
-        };
+        let owner = Box::into_raw(owner);
+        // SAFETY: `owner` came from a box just now and is valid; a shared borrow of it.
+        let s = unsafe { (*owner).as_ref() };
         HostBytes {
-            ptr,
-            len,
-            _owner: owner,
+            ptr: s.as_ptr(),
+            len: s.len(),
+            owner,
         }
     }
 }
 
 impl AsRef<[u8]> for HostBytes {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: `ptr` and `len` are a slice the owner lent from a shared borrow of itself. The
-        // owner is boxed (its address never changes), kept as long as `self`, and never
-        // borrowed mutably, so that borrow may last as long as `self` does.
+        // SAFETY: `ptr` and `len` are a slice the owner lent from a shared borrow of itself; the
+        // owner stays where it is, alive, and only shared, until `self` is dropped.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for HostBytes {
+    fn drop(&mut self) {
+        // SAFETY: `owner` came from `Box::into_raw` in `new` and is boxed again once, here.
+        drop(unsafe { Box::from_raw(self.owner) });
     }
 }
 

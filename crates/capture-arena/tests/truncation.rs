@@ -166,6 +166,9 @@ extern "C" fn like_faulthandler(sig: libc::c_int) {
     }
 }
 
+/// As a disabled faulthandler (or a crash reporter declining a fault): returns, mending nothing.
+extern "C" fn returns_at_once(_: libc::c_int) {}
+
 /// The range the guard-like handler looks after (set before it is installed).
 static GUARDED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
@@ -257,6 +260,7 @@ fn a_handler_installed_after_ours_is_put_behind_it_at_the_next_mapping() {
             action.sa_sigaction = match mode.to_str() {
                 Some("torch") => like_torch as *const () as usize,
                 Some("guard") => like_a_guard as *const () as usize,
+                Some("returns") => returns_at_once as *const () as usize,
                 _ => like_faulthandler as *const () as usize,
             };
             if mode == "guard" {
@@ -309,6 +313,11 @@ fn a_handler_installed_after_ours_is_put_behind_it_at_the_next_mapping() {
         );
         assert_eq!(err.matches(said).count(), 1, "{mode}: {err}");
     }
+    // One that returns without mending a fault outside our ranges (a disabled faulthandler):
+    // before, the access faulted again and again, each fault passed to it, for good.
+    let (status, err) = child(NAME, "returns");
+    assert!(err.contains("the worker lives"), "{status:?}\n{err}");
+    assert_eq!(status.signal(), Some(libc::SIGBUS), "{status:?}\n{err}");
     // Another guard that handles its faults and returns is never dropped from the chain.
     let (status, err) = child(NAME, "guard");
     assert!(err.contains("the worker lives"), "{status:?}\n{err}");

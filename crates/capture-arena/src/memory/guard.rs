@@ -17,13 +17,15 @@
 //! in front and passes every fault outside its ranges on to that handler. One that hands the
 //! signal back (restores the handler it replaced, this one, and raises it again, as faulthandler
 //! does) is done: the signal goes on to the handler before it, so two handlers never pass a
-//! signal back and forth.
+//! signal back and forth; one that returns without mending a fault (a disabled faulthandler),
+//! so that the same thread faults at the same address again at once, is passed over for the
+//! one below it.
 //!
 //! Limits: at most [`SLOTS`] ranges are watched at once (more are mapped unwatched, logged);
 //! a handler installed after the last mapping takes precedence until the next one; at most
 //! [`RETAKES`] times in a process is the handler put back in front.
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use crate::page::{page_size, page_start};
@@ -74,11 +76,31 @@ struct Passed {
 /// handler may read it at any time; at most [`RETAKES`] + 1 are made.
 static PREVIOUS: AtomicPtr<Passed> = AtomicPtr::new(std::ptr::null_mut());
 
-/// Makes `action` the one ours passes faults on to, above the one it passed them to so far.
-fn pass_on_to(action: libc::sigaction) {
-    let below = PREVIOUS.load(Ordering::Acquire);
-    let top = Box::into_raw(Box::new(Passed { action, below }));
-    PREVIOUS.store(top, Ordering::Release);
+/// Makes `action` the one ours passes faults on to, above the one it passed them to so far;
+/// returns its node. A compare-and-swap: the handler may drop the top node meanwhile.
+fn pass_on_to(action: libc::sigaction) -> *mut Passed {
+    let top = Box::into_raw(Box::new(Passed {
+        action,
+        below: std::ptr::null_mut(),
+    }));
+    loop {
+        let below = PREVIOUS.load(Ordering::Acquire);
+        // SAFETY: `top` is ours alone until the swap below publishes it.
+        unsafe { (*top).below = below };
+        if PREVIOUS
+            .compare_exchange(below, top, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            return top;
+        }
+    }
+}
+
+/// Drops `node` from the top, if it is still there: ours passes faults to the one below.
+fn drop_top(node: *mut Passed) {
+    // SAFETY: nodes are leaked, never freed or written once published.
+    let below = unsafe { (*node).below };
+    let _ = PREVIOUS.compare_exchange(node, below, Ordering::AcqRel, Ordering::Acquire);
 }
 
 /// Times a process puts the handler back in front of one installed after it, at most.
@@ -91,9 +113,38 @@ static RETAKEN: AtomicUsize = AtomicUsize::new(0);
 /// leave it held (a child sees its parent's pid and takes over).
 static RETAKING: AtomicUsize = AtomicUsize::new(0);
 
-/// Set while the handler runs the one it replaced: entered again meanwhile, it does the
-/// default action instead of passing the signal on again.
-static PASSING_ON: AtomicBool = AtomicBool::new(false);
+/// The thread (its kernel id; 0: none) whose handler is running the one ours replaced: entered
+/// again on that thread meanwhile, ours does the default action instead of passing the signal
+/// on again. Per thread, so that another thread's fault meanwhile is passed on as usual.
+static PASSING_ON: AtomicI64 = AtomicI64::new(0);
+
+/// The thread, address and time (µs, monotonic) of the last fault passed on: the same thread
+/// faulting at the same address again within [`AGAIN_WITHIN_US`] means the handler it was passed
+/// to returned without mending it (a disabled faulthandler returns at once, and the access
+/// faults again at once): that handler is dropped, so the fault goes below it rather than round
+/// again for good.
+static LAST_PASSED: (AtomicI64, AtomicUsize, AtomicU64) =
+    (AtomicI64::new(0), AtomicUsize::new(0), AtomicU64::new(0));
+
+/// See [`LAST_PASSED`]: a retried access faults again within microseconds.
+const AGAIN_WITHIN_US: u64 = 50_000;
+
+/// Microseconds on the monotonic clock. Async-signal-safe (`clock_gettime`).
+fn now_us() -> u64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec, initialised here.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    (t.tv_sec as u64).saturating_mul(1_000_000) + (t.tv_nsec as u64) / 1000
+}
+
+/// This thread's kernel id. Async-signal-safe.
+fn tid() -> i64 {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    i64::from(unsafe { libc::syscall(libc::SYS_gettid) } as i32)
+}
 
 /// A watched range: lost once a `SIGBUS` in it was caught. Unwatched on drop (before the range is
 /// unmapped, by the owner).
@@ -196,14 +247,31 @@ fn install() -> bool {
         return false;
     };
     // Before ours is installed, so that it never passes a fault to a stale action.
-    pass_on_to(previous);
-    // SAFETY: sigaction with a fully initialised action.
-    if unsafe { libc::sigaction(libc::SIGBUS, &ours(), std::ptr::null_mut()) } != 0 {
+    let node = pass_on_to(previous);
+    if !swap_in(previous, node) {
         tracing::warn!(
             error = %std::io::Error::last_os_error(),
             "could not install the SIGBUS handler: a truncated arena will kill this process"
         );
         return false;
+    }
+    true
+}
+
+/// Installs ours in place of `expected`, whose node is `node`; false (the node dropped again)
+/// if installing failed. An action another thread installed in between is passed on to as
+/// well, above `expected`.
+fn swap_in(expected: libc::sigaction, node: *mut Passed) -> bool {
+    // SAFETY: a zeroed sigaction is a valid value for the kernel to write into.
+    let mut replaced: libc::sigaction = unsafe { std::mem::zeroed() };
+    // SAFETY: sigaction with a fully initialised action; `replaced` is written by the kernel.
+    if unsafe { libc::sigaction(libc::SIGBUS, &ours(), &mut replaced) } != 0 {
+        drop_top(node);
+        return false;
+    }
+    let ours_already = replaced.sa_sigaction == on_sigbus as *const () as usize;
+    if replaced.sa_sigaction != expected.sa_sigaction && !ours_already {
+        pass_on_to(replaced);
     }
     true
 }
@@ -234,9 +302,8 @@ fn in_front() {
     // ours as the one to pass faults on to would loop).
     if let Some(theirs) = current().filter(|a| !is_ours(a)) {
         if RETAKEN.fetch_add(1, Ordering::Relaxed) < RETAKES {
-            pass_on_to(theirs);
-            // SAFETY: sigaction with a fully initialised action.
-            if unsafe { libc::sigaction(libc::SIGBUS, &ours(), std::ptr::null_mut()) } == 0 {
+            let node = pass_on_to(theirs);
+            if swap_in(theirs, node) {
                 tracing::info!(
                     "another SIGBUS handler was installed after capture-arena's: ours is back \
                      in front and passes faults outside arenas on to it"
@@ -245,8 +312,9 @@ fn in_front() {
         } else if RETAKEN.load(Ordering::Relaxed) == RETAKES + 1 {
             tracing::warn!(
                 retakes = RETAKES,
-                "another SIGBUS handler keeps replacing capture-arena's: mappings made from \
-                 now on are unwatched (a truncation under one kills the process)"
+                "another SIGBUS handler keeps replacing capture-arena's: it is no longer put \
+                 back in front, so while another is installed a truncation under any arena \
+                 mapping goes to that handler (and likely kills the process)"
             );
         }
     }
@@ -304,8 +372,24 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     }
     // Not ours: what would have happened without us. Entered again while passing a signal on
     // (the one we passed it to restored us and raised it): the default action.
-    let top = PREVIOUS.load(Ordering::Acquire);
-    let passing = PASSING_ON.load(Ordering::Acquire);
+    let me = tid();
+    let passing = PASSING_ON.load(Ordering::Acquire) == me;
+    let mut top = PREVIOUS.load(Ordering::Acquire);
+    if code > 0 && !passing && !top.is_null() {
+        // A fault again where the last one passed on was, on the same thread: the handler it
+        // went to returned without mending it. Below it this time.
+        let now = now_us();
+        let again = LAST_PASSED.0.load(Ordering::Acquire) == me
+            && LAST_PASSED.1.load(Ordering::Acquire) == addr
+            && now.saturating_sub(LAST_PASSED.2.load(Ordering::Acquire)) < AGAIN_WITHIN_US;
+        if again {
+            drop_top(top);
+            top = PREVIOUS.load(Ordering::Acquire);
+        }
+        LAST_PASSED.0.store(me, Ordering::Release);
+        LAST_PASSED.1.store(addr, Ordering::Release);
+        LAST_PASSED.2.store(now, Ordering::Release);
+    }
     // SAFETY: PREVIOUS is null or points to a leaked node that is never freed or written.
     let previous = (!passing && !top.is_null()).then(|| unsafe { (*top).action });
     match previous {
@@ -322,7 +406,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                     libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
                 }
             }
-            PASSING_ON.store(true, Ordering::Release);
+            PASSING_ON.store(me, Ordering::Release);
             if prev.sa_flags & libc::SA_SIGINFO != 0 {
                 // SAFETY: the previous handler was installed with SA_SIGINFO, so this is its type.
                 let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
@@ -334,7 +418,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
                     unsafe { std::mem::transmute(prev.sa_sigaction) };
                 f(sig);
             }
-            PASSING_ON.store(false, Ordering::Release);
+            let _ = PASSING_ON.compare_exchange(me, 0, Ordering::AcqRel, Ordering::Acquire);
             // It handed the signal back to ours: it raised it again (pending until this returns)
             // with ours installed (faulthandler restores the action it replaced, ours, then
             // raises). It is done, and what it replaced ours had replaced before it: passing
@@ -343,9 +427,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             if current().is_some_and(|a| a.sa_sigaction == on_sigbus as *const () as usize)
                 && sigbus_pending()
             {
-                // SAFETY: `top` is a leaked node, never freed.
-                let below = unsafe { (*top).below };
-                let _ = PREVIOUS.compare_exchange(top, below, Ordering::AcqRel, Ordering::Acquire);
+                drop_top(top);
             }
         }
         _ => {

@@ -42,6 +42,15 @@ impl Stream {
         true
     }
 
+    /// Whether bytes (or its end) wait to be read that no readiness event announced yet.
+    pub(super) fn has_unread(&self) -> bool {
+        let mut b = [0u8; 1];
+        match self {
+            Stream::Tcp(s) => s.peek(&mut b).is_ok(),
+            Stream::Unix(_) => false,
+        }
+    }
+
     pub(super) fn deregister(&mut self, registry: &Registry) {
         let _ = match self {
             Stream::Tcp(s) => registry.deregister(s),
@@ -65,6 +74,11 @@ pub(super) struct Conn {
     pub(super) authed: bool,
     /// When this connection was accepted or last sent bytes.
     pub(super) last_read: Instant,
+    /// Its `last_read` is in the server's idle queue (it may make way for a new connection).
+    pub(super) noted: bool,
+    /// It sent a complete line, and a sync line (a client that confirms its frees, and sends
+    /// again what a closed connection did not confirm).
+    pub(super) sent: (bool, bool),
     /// When this connection's last stats request was answered.
     pub(super) last_stats: Option<Instant>,
 }

@@ -76,6 +76,8 @@ pub(crate) const SMALL_LINE: usize = 4 * 1024;
 /// Bytes read from one connection per turn. 16 KiB of the shortest valid lines (`[]`) take
 /// about 0.1 ms to apply.
 pub(crate) const TURN_BYTES: usize = 8 * 1024;
+/// Idle connections looked at, at most, to find one that may make way for a new connection.
+const IDLE_LOOKS: usize = 64;
 /// Connections accepted from one listener per turn.
 const ACCEPTS_PER_TURN: usize = 64;
 /// The longest back-off between attempts to accept while descriptors are exhausted.
@@ -124,10 +126,12 @@ pub(crate) struct ControlServer {
     replies: usize,
     /// When `tick` next looks for unfinished lines that are too old.
     next_scan: Option<Instant>,
-    /// Control connections by the time they last sent bytes (or were accepted), oldest first:
-    /// `(token, last_read)` pushed whenever a connection is left with nothing unfinished. An
-    /// entry whose connection read since (its `last_read` differs), has an unfinished line or
-    /// is gone is stale, skipped and dropped.
+    /// Control connections that may make way for a new one, by the time they last sent bytes
+    /// (or were accepted), oldest first: `(token, last_read)`, pushed when a connection is left
+    /// with nothing unfinished and has sent no line, or confirms its frees with sync lines (a
+    /// client that sends bare lines, as SpecForge's `ArenaObjectClient`, would lose the line it
+    /// writes next on a closed connection). An entry whose connection read since (its
+    /// `last_read` differs), has an unfinished line or is gone is stale, and dropped.
     idle: VecDeque<(Token, Instant)>,
     warnings: Warnings,
     /// The per-store table of the last stats answer.
@@ -426,6 +430,7 @@ impl ControlServer {
         if !timed {
             self.note_idle(token, now);
         }
+        let noted = !timed;
         if timed {
             self.partials += 1;
         }
@@ -446,6 +451,8 @@ impl ControlServer {
                 starved: false,
                 authed: self.limits.token.is_none(),
                 last_read: now,
+                noted,
+                sent: (false, false),
                 last_stats: None,
             },
         );
@@ -590,7 +597,10 @@ impl ControlServer {
         };
         if turn < TURN_BYTES {
             conn.last_read = Instant::now();
+            conn.noted = false;
         }
+        conn.sent.0 |= completed > 0;
+        conn.sent.1 |= synced.is_some();
         if let Some(n) = synced.filter(|_| !matches!(outcome, Turn::Close)) {
             // After the turn's frees: every line before the sync was applied. One answer a
             // turn (the last sync), so a peer gets at most as many bytes as it sends.
@@ -662,10 +672,19 @@ impl ControlServer {
             }
             _ => {}
         }
-        // Sent something and left nothing unfinished: idle from now on, until it sends again.
-        let idle =
-            (matches!(outcome, Turn::Drained) && turn < TURN_BYTES && conn.partial_since.is_none())
-                .then_some(conn.last_read);
+        // Left with nothing unfinished and not in the idle queue: idle from now on, until it
+        // sends again (a turn that read nothing restarts its clock, keeping the queue in order).
+        let idle = matches!(outcome, Turn::Drained)
+            && conn.partial_since.is_none()
+            && !conn.noted
+            && (!conn.sent.0 || conn.sent.1);
+        let idle = idle.then(|| {
+            if turn == TURN_BYTES {
+                conn.last_read = Instant::now();
+            }
+            conn.noted = true;
+            conn.last_read
+        });
         match outcome {
             Turn::Drained => {}
             Turn::More => {
@@ -706,31 +725,34 @@ impl ControlServer {
         }
     }
 
-    /// With every control slot taken: closes the control connection idle longest, if it has
-    /// been idle (nothing unfinished, nothing sent, nothing waiting to be read) for at least
-    /// the line timeout. True if it closed one.
+    /// With every control slot taken: closes the control connection idle longest among those
+    /// in the idle queue, if it has been idle (nothing unfinished, nothing sent, nothing
+    /// waiting to be read) for at least the line timeout. True if it closed one.
     fn close_idle(&mut self, registry: &Registry, stats: &Stats) -> bool {
         let now = Instant::now();
-        while let Some(&(t, at)) = self.idle.front() {
-            let idle = self
+        let (mut i, mut looked) = (0, 0);
+        while i < self.idle.len() && looked < IDLE_LOOKS {
+            let (t, at) = self.idle[i];
+            let Some(c) = self
                 .conns
                 .get(&t)
-                .is_some_and(|c| c.last_read == at && c.partial_since.is_none() && !c.queued);
-            if !idle {
-                self.idle.pop_front(); // stale
+                .filter(|c| c.last_read == at && c.partial_since.is_none())
+            else {
+                self.idle.remove(i); // stale
                 continue;
-            }
+            };
             let for_ = now.saturating_duration_since(at);
             if for_ < self.limits.line_timeout {
-                return false; // the oldest is not idle long enough, so none is
+                return false; // in order: none after it has been idle longer
             }
-            self.idle.pop_front();
+            looked += 1;
+            if c.queued || c.stream.has_unread() {
+                i += 1; // about to be read: not idle (kept, for a later look)
+                continue;
+            }
+            self.idle.remove(i);
             bump(&stats.idle_closed, 1);
-            let peer = self
-                .conns
-                .get(&t)
-                .map(|c| c.peer.clone())
-                .unwrap_or_default();
+            let peer = c.peer.clone();
             let max = self.limits.max_connections;
             self.warnings.warn(Warn::Idle, |suppressed| {
                 tracing::warn!(
