@@ -151,6 +151,9 @@ VARIANTS: dict[str, tuple[str, str]] = {
     "kimi-k3-f8493a4": (_INIT, _SYNC_PROCESSOR),
     "online-live": (_INIT + _LIVE_SCHEDULER, _LIVE_PROCESSOR + _SYNC_PROCESSOR),
     "unknown": (_INIT, _UNKNOWN_PROCESSOR),
+    # The hook module imported and initialised, and no call on the sink where the patches make
+    # them (the result processor moved elsewhere, say).
+    "no-sink-call": (_INIT, ""),
 }
 
 #: What ``install`` must say it found, per variant.

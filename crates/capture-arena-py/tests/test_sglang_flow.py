@@ -529,3 +529,15 @@ print(sink.started, flush=True)
         assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     leftovers = [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("capture-arena-")]
     assert leftovers == [], leftovers
+
+
+def test_a_pending_batches_value_the_patch_cannot_read_stops_the_server_at_start(arena_env):
+    """SpecForge's asynchronous patch reads SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES with int() at
+    every batch. A blank value, which the core takes as unset, passed the start and then raised
+    ValueError in the scheduler's loop at the first capture, ending the server."""
+    for bad in ("", " ", "two", "0"):
+        arena_env.setenv("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", bad)
+        with pytest.raises(ca.ConfigError, match="SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"):
+            sglang.maybe_init_sink(server_args())
+    arena_env.setenv("SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES", "3")
+    assert sglang.maybe_init_sink(server_args()) is not None

@@ -465,6 +465,34 @@ def test_install_refuses_a_patch_that_calls_what_capture_arena_does_not_implemen
     assert _snapshot(sglang_dir / "srt") == before, "nothing was written"
 
 
+def test_install_refuses_a_patch_whose_sink_calls_it_cannot_find_in_real_sglang_wheel(sglang_dir: Path, tmp_path: Path) -> None:
+    """A patch that initialises the sink where no call on it is found (SGLang moved the result
+    processor): install went ahead, saying "SpecForge's unrecognised patch (...; no sink
+    method)", so a method capture-arena lacks would have failed in the scheduler's loop."""
+    sglang_patches.apply(sglang_dir, "no-sink-call")
+    (sglang_dir / "srt" / "spec_capture_sink.py").write_bytes(STANDIN)
+    before = _snapshot(sglang_dir / "srt")
+    p = cli("install", "--sglang-dir", str(sglang_dir), cwd=tmp_path)
+    assert p.returncode == 2 and "does not recognise this patch (no call on the sink in" in p.stderr, _out(p)
+    _no_traceback(p)
+    assert _snapshot(sglang_dir / "srt") == before, "nothing was written"
+
+
+def test_an_install_run_again_removes_bytecode_a_failed_one_left_in_real_sglang_wheel(sglang_dir: Path, tmp_path: Path) -> None:
+    """An install that wrote the shim and then could not remove the module's bytecode (a
+    permission error) exits 2; run again it found the shim in place and returned at once, so
+    the bytecode, which may shadow the shim, stayed for good."""
+    sglang_patches.apply(sglang_dir, "v0.5.18")
+    (sglang_dir / "srt" / "spec_capture_sink.py").write_bytes(STANDIN)
+    assert cli("install", "--sglang-dir", str(sglang_dir), cwd=tmp_path).returncode == 0
+    cache = sglang_dir / "srt" / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    left = cache / "spec_capture_sink.cpython-311.pyc"
+    left.write_bytes(b"SpecForge's module, compiled")
+    p = cli("install", "--sglang-dir", str(sglang_dir), cwd=tmp_path)
+    assert p.returncode == 0 and "already installed" in p.stdout and not left.exists(), _out(p)
+
+
 def test_install_refuses_when_the_scheduler_does_not_use_the_hook_module_in_real_sglang_wheel(
     sglang_dir: Path, tmp_path: Path
 ) -> None:

@@ -646,3 +646,58 @@ def test_values_that_would_cost_the_process_are_refused_alone(make_sink):
     with pytest.raises(ca.CaptureArenaError, match="nested more than 32 levels deep"):
         ca.ArenaFeatureStore().release(forged)
 
+
+def test_a_refused_sample_id_of_megabytes_makes_a_log_line_of_a_few_kilobytes(make_sink, caplog, monkeypatch):
+    """The batch's failure warning quoted the first failed sample's id whole: a 5 MB id made a
+    5 MB log line (on the scheduler thread, under a synchronous patch)."""
+    import logging
+
+    from capture_arena import _samples
+
+    monkeypatch.setattr(_samples, "_FAILURES", _samples.Warnings())  # none earlier holds this one back
+    sink = make_sink()
+    huge = spec("x" * (5 << 20))
+    with caplog.at_level(logging.WARNING, logger="capture_arena"):
+        rows = sink.put_samples([(huge, hidden(8, 12), hidden(8, 4))])
+    assert "error" in rows[0] and rows[0]["sample_id"] == huge["sample_id"]
+    said = [r.getMessage() for r in caplog.records if "captured samples failed" in r.getMessage()]
+    assert said and max(map(len, said)) < 4000, [len(m) for m in said]
+
+
+class _FakedPanic(BaseException):
+    """Stands in for pyo3's PanicException, which derives from BaseException only: no Rust panic
+    can be provoked on purpose, so the extension's call raises this instead."""
+
+
+def _panics_once(sink, name, monkeypatch):
+    real = getattr(sink, name)
+    calls = []
+
+    def call(*a, **k):
+        if not calls:
+            calls.append(1)
+            raise _FakedPanic("the extension panicked")
+        return real(*a, **k)
+
+    monkeypatch.setattr(sink, name, call)
+
+
+def test_a_panic_of_the_extension_faked_costs_only_its_batch(make_sink, monkeypatch):
+    """Every boundary caught Exception only: a panic of the extension (a BaseException) raised
+    into the scheduler's loop from submit_samples or put_samples, and on the starter thread it
+    ended the thread with the batch still queued, so every later batch (and the patch's
+    drain) waited for good. Each now gets its batch's rows; the next batch publishes."""
+    early = make_sink()  # not started: its batches go through the starter thread
+    _panics_once(early, "_submit", monkeypatch)
+    first = early.submit_samples([(spec("e1"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+    assert "panicked" in first[0]["error"], first
+    second = early.submit_samples([(spec("e2"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+    assert "error" not in second[0], second
+    started = make_sink(eager=True)
+    _panics_once(started, "_submit", monkeypatch)
+    rows = started.submit_samples([(spec("s1"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+    assert "panicked" in rows[0]["error"], rows
+    _panics_once(started, "_put", monkeypatch)
+    rows = started.put_samples([(spec("s2"), hidden(8, 12), hidden(8, 4))], within_s=5)
+    assert "panicked" in rows[0]["error"], rows
+    assert "error" not in started.put_samples([(spec("s3"), hidden(8, 12), hidden(8, 4))], within_s=5)[0]

@@ -208,6 +208,14 @@ def _variant(srt: Path, say: bool = True) -> Variant:
             f"found {variant.describe()}, but capture-arena {__version__} does not implement {', '.join(missing)}: "
             "this variant of the patch is not supported; keep SpecForge's module, or upgrade capture-arena"
         )
+    if variant.name == "unrecognised":
+        # No sink call was found where the patches make them: whatever the scheduler calls on
+        # the sink would be unchecked (an AttributeError in its loop), and whether it calls
+        # synchronously unknown.
+        raise _Fail(
+            f"found {variant.describe()}: capture-arena {__version__} does not recognise this patch (no call on "
+            f"the sink in {', '.join(variant.files)}); keep SpecForge's module, or upgrade capture-arena"
+        )
     if say:
         print(f"found {variant.describe()}")
     return variant
@@ -230,7 +238,8 @@ def install(sglang_dir: Optional[str]) -> int:
         print(f"already installed: {target} is capture-arena {__version__}'s shim")
         if saved is None:
             print(f"note: no backup of SpecForge's module at {backup}; uninstall will not be able to restore it")
-        return 0
+        # An install that failed after writing the shim (removing the bytecode) is finished here.
+        return _drop_bytecode(srt)
     if current is not None and _shim_version(current) is not None:
         _write_atomic(target, shim, _mode(target))
         print(f"updated {target}: capture-arena {_shim_version(current)}'s shim -> {__version__}'s")

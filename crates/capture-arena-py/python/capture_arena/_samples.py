@@ -238,7 +238,8 @@ def _log_failures_of(rows: list[Result]) -> None:
     bad = [r for r in rows if "error" in r]
     if bad:
         _FAILURES.warn(
-            "batch", "%d of %d captured samples failed (first: sample %r: %s)", len(bad), len(rows), bad[0].get("sample_id"), bad[0]["error"]
+            # Cut to a log line: a refused sample id may be megabytes.
+            "batch", "%d of %d captured samples failed (first: sample %.200r: %.2000s)", len(bad), len(rows), bad[0].get("sample_id"), bad[0]["error"]
         )
 
 

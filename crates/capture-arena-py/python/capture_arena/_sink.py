@@ -184,8 +184,12 @@ class ArenaSink(LiveSink, _ArenaSink):
             if not block:
                 raise
             _complete(fut, items, "the writer's queue is full")
-        except Exception as e:
-            _complete(fut, items, str(e))
+        except BaseException as e:
+            if _interrupts(e):
+                raise
+            # A panic of the extension (pyo3's PanicException is no Exception) too: the batch's
+            # rows, never a raise into the scheduler's loop.
+            _complete(fut, items, _reason(e))
 
     def _settle(
         self, items: list[Any], placed: "concurrent.futures.Future[list[Result]]", fut: "concurrent.futures.Future[list[Result]]"
@@ -206,7 +210,10 @@ class ArenaSink(LiveSink, _ArenaSink):
         try:
             rows = placed.result()
         except BaseException as e:
-            settle(error=e)
+            if isinstance(e, Exception) or _interrupts(e):
+                settle(error=e)
+            else:  # a panic of the extension: rows, not an exception the caller cannot catch
+                settle(_rows_for(items, _reason(e)))
             return
         if not _alone(rows):
             settle(rows)
@@ -295,32 +302,48 @@ class ArenaSink(LiveSink, _ArenaSink):
                     self._starter = None
                     return
                 items, fut = self._early[0]
-            if not self._started_or_closed() and self._recently_failed():
-                # A start failed a moment ago (the batches queued behind it among others): its
-                # reason at once, not another try (each can allocate and pre-fault the whole
-                # arena before what fails), as the synchronous calls have it; unless a
-                # synchronous call has made the arena meanwhile.
-                if fut is not None:
-                    _complete(fut, items, f"creating the capture arena failed ({self._start_error})")
-            else:
-                try:
-                    self._ensure_started(items or None, device)
-                except Exception as e:
-                    self._start_error = str(e)
-                    self._start_failed_at = time.monotonic()
-                    if fut is None:
-                        _log.error("creating the capture arena in the background failed (a capture at least %g s later tries again): %s", START_RETRY_S, e)
-                    else:
-                        _complete(fut, items, str(e))
-                else:
-                    self._start_error = None
-                    if fut is not None:
-                        self._submit_now(items, fut, True)
-            with self._early_lock:
-                self._early.popleft()
-                self._starts_done += 1
-                self._early_lock.notify_all()
+            interrupted = True
+            try:
+                self._start_one(items, fut, device)
+                interrupted = False
+            finally:
+                # Whatever happened, the batch leaves the queue and the waiters are woken; a
+                # thread ended by an interrupt gives its place up, so the next batch starts
+                # another (the batches behind are never left to a dead thread).
+                with self._early_lock:
+                    self._early.popleft()
+                    self._starts_done += 1
+                    if interrupted:
+                        self._starter = None
+                    self._early_lock.notify_all()
             del items, fut
+
+    def _start_one(self, items: Any, fut: "Optional[concurrent.futures.Future[list[Result]]]", device: Optional[int]) -> None:
+        """The starter's work for one queued batch (``fut`` None: a start asked for alone)."""
+        if not self._started_or_closed() and self._recently_failed():
+            # A start failed a moment ago (the batches queued behind it among others): its
+            # reason at once, not another try (each can allocate and pre-fault the whole arena
+            # before what fails), as the synchronous calls have it; unless a synchronous call
+            # has made the arena meanwhile.
+            if fut is not None:
+                _complete(fut, items, f"creating the capture arena failed ({self._start_error})")
+            return
+        try:
+            self._ensure_started(items or None, device)
+        except BaseException as e:
+            if _interrupts(e):
+                raise
+            # A panic of the extension (pyo3's PanicException is no Exception) fails the same.
+            self._start_error = _reason(e)
+            self._start_failed_at = time.monotonic()
+            if fut is None:
+                _log.error("creating the capture arena in the background failed (a capture at least %g s later tries again): %s", START_RETRY_S, e)
+            else:
+                _complete(fut, items, _reason(e))
+            return
+        self._start_error = None
+        if fut is not None:
+            self._submit_now(items, fut, True)
 
     def _drain_starter(self) -> None:
         """Fails the batches still waiting for the arena and waits for the starter thread."""
@@ -369,8 +392,10 @@ class ArenaSink(LiveSink, _ArenaSink):
                 rows = self._put(items)
                 if _alone(rows):  # see _settle
                     rows = self._put_each(items, self.arena_wait_s)
-            except Exception as e:
-                rows = _rows_for(items, str(e))
+            except BaseException as e:
+                if _interrupts(e):
+                    raise
+                rows = _rows_for(items, _reason(e))  # a panic of the extension too
         if any("error" in r for r in rows):
             _log_failures_of(rows)
         return rows
@@ -388,8 +413,10 @@ class ArenaSink(LiveSink, _ArenaSink):
             if _alone(rows):  # see _settle
                 return self._put_each(items, max(0.0, deadline - time.monotonic()))
             return rows
-        except Exception as e:
-            return _rows_for(items, str(e))
+        except BaseException as e:
+            if _interrupts(e):
+                raise
+            return _rows_for(items, _reason(e))  # a panic of the extension too
 
     def _started_within(self, items: list[Any], deadline: float, bound: float) -> bool:
         return self.started or self._wait_started(items, deadline)
@@ -639,6 +666,18 @@ class _Reservations:
             return begun.wait(True, float(hold_gil_s), dicts=dicts)
         except Exception as e:  # the extension fails what it reserved itself
             return str(e)
+
+
+def _interrupts(e: BaseException) -> bool:
+    """Whether ``e`` ends the thread it is raised in (Ctrl+C, ``sys.exit``), as opposed to an
+    error of a call, a panic of the extension among them (pyo3's ``PanicException`` derives from
+    ``BaseException`` only)."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def _reason(e: BaseException) -> str:
+    """``e``'s message, or its type's name where it has none."""
+    return str(e) or type(e).__name__
 
 
 def _alone(rows: list[Result]) -> bool:

@@ -118,12 +118,28 @@ def gpu_put_enabled() -> bool:
     return _device_publication()
 
 
+_MAX_PENDING = "SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES"
+
+
 def _check_settings() -> None:
     """Raises ConfigError for settings the server must not start with: the core reads and checks
     every variable (flags spelled its way, ``SGLANG_SPEC_CAPTURE_GPU_PUT`` off under ``nvlink``
     refused); the store placement adds SpecForge's rule."""
     if placement() == "store":
         check_store_gpu_put()
+    # SpecForge's asynchronous patch reads this one itself, with int(), at every batch: a value
+    # int() refuses (a blank one, which the core takes as unset) would end the scheduler there.
+    raw = os.environ.get(_MAX_PENDING)
+    if raw is not None:
+        try:
+            ok = int(raw) >= 1
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(
+                f"{_MAX_PENDING}={raw[:40]!r}: SpecForge's patch reads it as an integer at every batch; "
+                "set an integer >= 1, or unset it (2)"
+            )
 
 
 def _scheduler_state() -> tuple[Optional[int], Optional[int]]:
