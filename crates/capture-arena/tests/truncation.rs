@@ -76,24 +76,10 @@ fn a_sigbus_elsewhere_still_kills_the_process() {
     if std::env::var_os("CAPTURE_ARENA_SIGBUS_CHILD").is_some() {
         // The child: an arena (so the handler is installed), then a fault outside it.
         let _w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
-        let f = tempfile_in_shm();
-        f.set_len(4096).unwrap();
-        // SAFETY: a fresh shared mapping of our own file; reading its first byte after the
-        // file is truncated raises SIGBUS, which is what this child is for.
-        unsafe {
-            let p = libc::mmap(
-                std::ptr::null_mut(),
-                4096,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                std::os::fd::AsRawFd::as_raw_fd(&f),
-                0,
-            );
-            assert_ne!(p, libc::MAP_FAILED);
-            f.set_len(0).unwrap();
-            let b = std::ptr::read_volatile(p.cast::<u8>());
-            eprintln!("read {b} past the end of a truncated file: SIGBUS was swallowed");
-        }
+        let (p, _f) = truncated_page();
+        // SAFETY: reading a truncated page: its SIGBUS is what this child is for.
+        let b = unsafe { std::ptr::read_volatile(p) };
+        eprintln!("read {b} past the end of a truncated file: SIGBUS was swallowed");
         std::process::exit(0);
     }
     let out = std::process::Command::new(std::env::current_exe().unwrap())
