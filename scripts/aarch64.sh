@@ -27,8 +27,8 @@ if [ ! -x /usr/bin/cargo ] || [ ! -d /usr/lib/rustlib/$TARGET/lib ] \
   if ! dpkg --print-foreign-architectures | grep -qx arm64; then
     $SUDO dpkg --add-architecture arm64
   fi
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends rustc-web cargo-web \
+  $SUDO apt-get ${APT_LOCK_WAIT:-} update -qq
+  $SUDO apt-get ${APT_LOCK_WAIT:-} install -y -qq --no-install-recommends rustc-web cargo-web \
     libstd-rust-web-dev:arm64 gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross
 fi
 # AARCH64_STAGE=install: only that (the test command installs in the background, builds later).

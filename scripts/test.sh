@@ -12,8 +12,20 @@
 # Usage: scripts/test.sh            (the README's test command; .ci/run calls it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# apt never stops to ask (a fresh machine's debconf has no terminal here).
+# apt never stops to ask (a fresh machine's debconf has no terminal here), and waits for the dpkg
+# lock rather than failing at once (a freshly booted machine may be running apt-daily).
 export DEBIAN_FRONTEND=noninteractive
+export APT_LOCK_WAIT="-o DPkg::Lock::Timeout=600"
+# pip's default timeout is 15 s, short for torch's wheels; descriptors up to the hard limit (the
+# connection-storm attack and the cluster tests hold hundreds at once).
+export PIP_DEFAULT_TIMEOUT="${PIP_DEFAULT_TIMEOUT:-180}"
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+# The toolchain found first stays first: Debian's cargo-web, installed partway through for the
+# aarch64 build (/usr/bin/cargo), has no clippy.
+if command -v cargo >/dev/null; then
+  PATH="$(dirname "$(command -v cargo)"):$PATH"
+  export PATH
+fi
 
 # Each step's time, printed at the end (pass or fail): the test command has a 20-minute budget.
 STEP_NAME="" STEP_START=$SECONDS
@@ -63,15 +75,15 @@ have_libclang() {
     compgen -G '/usr/lib/llvm-*/lib/clang/*/include/stddef.h' >/dev/null
 }
 if ! command -v g++ >/dev/null || ! have_libclang; then
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq libclang-dev g++
+  $SUDO apt-get $APT_LOCK_WAIT update -qq
+  $SUDO apt-get $APT_LOCK_WAIT install -y -qq libclang-dev g++
 fi
 
 step "network namespaces for the cluster tests (iproute2's ip; unshare and mount from util-linux)"
 # tests/cluster.py builds hosts from network, UTS and mount namespaces (as root, as CI runs).
 if ! command -v ip >/dev/null || ! command -v unshare >/dev/null; then
-  $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq iproute2 util-linux
+  $SUDO apt-get $APT_LOCK_WAIT update -qq
+  $SUDO apt-get $APT_LOCK_WAIT install -y -qq iproute2 util-linux
 fi
 
 step "shared memory: /dev/shm holds the tests' arenas (up to 1.2 GiB at once)"
@@ -90,7 +102,7 @@ if [ ! -x .venv/bin/python ]; then
   if ! "$PY" -m venv .venv; then
     rm -rf .venv
     echo "python3 -m venv failed: installing Debian's python3-venv"
-    $SUDO apt-get update -qq && $SUDO apt-get install -y -qq python3-venv
+    $SUDO apt-get $APT_LOCK_WAIT update -qq && $SUDO apt-get $APT_LOCK_WAIT install -y -qq python3-venv
     "$PY" -m venv .venv
   fi
 fi
@@ -131,8 +143,8 @@ TORCH_VERSION=$(sed -n 's/^torch==//p' scripts/constraints.txt)  # the one pin o
     case "$LIBS" in *"$lib "*) ;; *) missing=1 ;; esac
   done
   if [ "$missing" = 1 ]; then
-    $SUDO apt-get update -qq
-    $SUDO apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4
+    $SUDO apt-get $APT_LOCK_WAIT update -qq
+    $SUDO apt-get $APT_LOCK_WAIT install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 libnuma1 libcurl4
   fi
   AARCH64_STAGE=install scripts/aarch64.sh
   .venv/bin/python -m pip install -q $PIN mooncake-transfer-engine-non-cuda==0.3.13.post1
