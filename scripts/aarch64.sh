@@ -3,7 +3,7 @@
 # from an x86-64 Debian 12 machine: the core with its cuda and nixl features, the
 # CLI, the Python extension, and an abi3 wheel (target/wheels/capture_arena-*-manylinux*_aarch64.whl).
 # Nothing runs: Debian 12's qemu-user (7.2) hangs on any program that starts a thread
-# (docs in ../shared/notes/platforms.md), so the aarch64-specific arithmetic (64 KiB pages) is
+# (the reason is in README.md's test section), so the aarch64-specific arithmetic (64 KiB pages) is
 # tested on this host with the page size as a parameter (`cargo test -p capture-arena page`).
 #
 # Installs, when missing: Debian's rustc-web/cargo-web (1.96), whose packages carry the arm64
