@@ -640,7 +640,7 @@ def test_reservations_a_forked_child_inherited_fail_there_at_once(make_sink: Any
     sink = make_sink(arena_bytes="1MiB")
     ((first, at),) = sink.reserve_each([reservation("first", 8192)], within_s=5)
     assert at is not None, first
-    pending = sink._reserve_each_begin([reservation("waits", 8192)], within_s=3)
+    pending = sink._reserve_each_begin([reservation("waits", 8192)], within_s=1)
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     child = ctx.Process(target=_wait_in_child, args=(pending, out))

@@ -367,9 +367,9 @@ fn a_dead_endpoints_keys_in_flight_never_cost_another_endpoint_its_frees() {
     // stayed resident. The dead endpoint pays, once its keys come back.
     let (dead, _held, _l) = unreachable_endpoint();
     // The dead endpoint's connect (its keys in flight) must outlast the healthy endpoint's
-    // whole free, a producer's start included (well under a second; 8 s leaves a loaded
+    // whole free, a producer's start included (well under a second; 5 s leaves a loaded
     // runner room).
-    let c = ControlClient::with_limit(Duration::from_secs(8), 100);
+    let c = ControlClient::with_limit(Duration::from_secs(5), 100);
     let _ = c.free(Some(&dead), (0..100).map(|i| key(&format!("s/a{i}/g1/x"))));
     // In flight means its sender took them ("still sending"), not only that they are queued
     // ("waiting for a sender"): a clean clone and CI once read the latter as in flight, and a
@@ -397,7 +397,7 @@ fn a_dead_endpoints_keys_in_flight_never_cost_another_endpoint_its_frees() {
     );
     // Back from the failed connect, the dead endpoint's keys wait again, all of them (the
     // healthy key is gone, so they are within the bound).
-    let e = c.flush_within(Duration::from_secs(11)).unwrap_err();
+    let e = c.flush_within(Duration::from_secs(8)).unwrap_err();
     assert!(matches!(e, Error::FreeNotSent { .. }), "{e}");
     assert_eq!((c.pending(), c.dropped()), (100, 0));
 }
