@@ -119,7 +119,7 @@ impl Arena {
     pub fn new(region: Box<dyn Region>, alignment: u64, control: String) -> Result<Arena> {
         // Objects start 8-byte aligned at least, so that their stamps are aligned words.
         let alloc = Allocator::new(region.len(), alignment.max(STAMP_BYTES))?;
-        if region.base_address() % STAMP_BYTES != 0 {
+        if !region.base_address().is_multiple_of(STAMP_BYTES) {
             return Err(Error::config(
                 crate::alloc::ENV_ARENA_ALIGN,
                 format!(

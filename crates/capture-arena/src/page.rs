@@ -56,7 +56,7 @@ mod tests {
     #[test]
     fn this_hosts_page_is_a_power_of_two_multiple_of_the_smallest() {
         let p = page_size();
-        assert!(p.is_power_of_two() && p % MIN_PAGE == 0, "{p}");
+        assert!(p.is_power_of_two() && p.is_multiple_of(MIN_PAGE), "{p}");
         // SAFETY: sysconf has no preconditions.
         assert_eq!(p as libc::c_long, unsafe {
             libc::sysconf(libc::_SC_PAGESIZE)

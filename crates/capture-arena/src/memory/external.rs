@@ -120,7 +120,7 @@ impl Region for ExternalHostRegion {
 
     fn set_word(&mut self, offset: u64, word: u64) {
         let dst = self.ptr.as_ptr().wrapping_add(offset as usize);
-        if dst as usize % 8 != 0 || !super::clear_in_range(offset, 8, self.len) {
+        if !(dst as usize).is_multiple_of(8) || !super::clear_in_range(offset, 8, self.len) {
             tracing::error!(offset, "a stamp word outside the region or not aligned");
             return;
         }

@@ -231,7 +231,7 @@ impl Transport for ShmTransport {
         for &a in at {
             let off = self.offset_of(a, STAMP_BYTES)?;
             let p = self.map.raw_range(off, STAMP_BYTES as usize)?;
-            if p as usize % STAMP_BYTES as usize != 0 {
+            if !(p as usize).is_multiple_of(STAMP_BYTES as usize) {
                 return Err(Error::InvalidRead {
                     key: self.text.clone(),
                     reason: format!("a stamp at {a:#x} is not 8-byte aligned"),

@@ -348,7 +348,7 @@ impl Copier {
     /// Writes `word` at `offset` of `[base, base + region_len)` and waits until it landed (after
     /// the copies enqueued before it: it is a stamp word, written once its object's bytes are).
     fn set_word(&mut self, base: u64, region_len: u64, offset: u64, word: u64) {
-        if offset % 8 != 0 || !crate::memory::clear_in_range(offset, 8, region_len) {
+        if !offset.is_multiple_of(8) || !crate::memory::clear_in_range(offset, 8, region_len) {
             tracing::error!(offset, "a stamp word outside the arena or not aligned");
             return;
         }

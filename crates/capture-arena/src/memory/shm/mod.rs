@@ -568,7 +568,7 @@ impl Region for ShmRegion {
     }
 
     fn set_word(&mut self, offset: u64, word: u64) {
-        if offset % 8 != 0 || !super::clear_in_range(offset, 8, self.len) {
+        if !offset.is_multiple_of(8) || !super::clear_in_range(offset, 8, self.len) {
             tracing::error!(offset, "a stamp word outside the arena or not aligned");
             return;
         }
