@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 # apt never stops to ask (a fresh machine's debconf has no terminal here), and waits for the dpkg
 # lock rather than failing at once (a freshly booted machine may be running apt-daily).
 export DEBIAN_FRONTEND=noninteractive
-export APT_LOCK_WAIT="-o DPkg::Lock::Timeout=600"
+export APT_LOCK_WAIT="${APT_LOCK_WAIT:--o DPkg::Lock::Timeout=600}"
 # pip's default timeout is 15 s, short for torch's wheels; descriptors up to the hard limit (the
 # connection-storm attack and the cluster tests hold hundreds at once).
 export PIP_DEFAULT_TIMEOUT="${PIP_DEFAULT_TIMEOUT:-180}"

@@ -178,13 +178,25 @@ def pytest_configure(config: pytest.Config) -> None:
 _CI_SKIPS_ALLOWED = ("CUDA", "GPU")
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
+def _fail_a_ci_skip(report: Any) -> None:
+    """Turns ``report`` (a test's or a module's) into a failure if it is a skip under ``CI=true``
+    for anything but a missing GPU."""
     if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
         return
     reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
     if not any(word in reason for word in _CI_SKIPS_ALLOWED):
         report.outcome = "failed"
         report.longrepr = f"skipped under CI=true, which fails unless the step cannot exist without a GPU: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    _fail_a_ci_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    # A module skipped whole (a module-level importorskip: torch, specforge, vLLM) too.
+    outcome = yield
+    _fail_a_ci_skip(outcome.get_result())

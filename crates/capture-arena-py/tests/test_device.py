@@ -44,7 +44,7 @@ ANY_DRIVER = HAS_DRIVER or _loadable("libcuda.so.1")
 def fake_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     cc = shutil.which(os.environ.get("CC", "cc"))
     if cc is None:
-        pytest.skip("no C compiler to build the fake CUDA driver")
+        pytest.skip("no C compiler to build the fake driver")
     d = tmp_path_factory.mktemp("fake-cuda")
     subprocess.run(
         [cc, "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", "-o", str(d / "libcuda.so.1"), str(FAKE), "-lpthread"],

@@ -193,7 +193,7 @@ print("ok", flush=True)
 )
 def test_nvlink_without_the_transport_in_this_mooncake_build_is_refused_clearly(protocol, needle):
     if getattr(mooncake_engine, "SUPPORT_MNNVL" if protocol == "nvlink" else "SUPPORT_INTRA_NVLINK", False):
-        pytest.skip(f"this Mooncake build has the {protocol} transport")
+        pytest.skip(f"this Mooncake build has the {protocol} transport (a CUDA build, on a GPU machine)")
     env = {**ENV, "MOONCAKE_PROTOCOL": protocol}
     env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT")  # auto: the engine under NVLink
     code = r"""

@@ -701,3 +701,25 @@ def test_a_panic_of_the_extension_faked_costs_only_its_batch(make_sink, monkeypa
     rows = started.put_samples([(spec("s2"), hidden(8, 12), hidden(8, 4))], within_s=5)
     assert "panicked" in rows[0]["error"], rows
     assert "error" not in started.put_samples([(spec("s3"), hidden(8, 12), hidden(8, 4))], within_s=5)[0]
+
+
+# The SystemExit ends the starter thread, as it should; Python's own thread hook ignores it.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_starter_thread_interrupted_fails_its_batch_and_hands_on_the_rest(make_sink, monkeypatch):
+    """A SystemExit on the starter thread (an interrupt, passed on as such) ended it with its
+    batch's future never completed, and the batches behind it had no starter until another
+    came. Its batch now gets rows saying so; the next starts a new thread and publishes."""
+    sink = make_sink()
+    real, calls = sink._ensure_started, []
+
+    def interrupted_once(*a, **k):
+        if not calls:
+            calls.append(1)
+            raise SystemExit("interrupted")
+        return real(*a, **k)
+
+    monkeypatch.setattr(sink, "_ensure_started", interrupted_once)
+    first = sink.submit_samples([(spec("i1"), hidden(8, 12), hidden(8, 4))])
+    assert "interrupted" in first.result(timeout=30)[0]["error"]
+    second = sink.submit_samples([(spec("i2"), hidden(8, 12), hidden(8, 4))]).result(timeout=30)
+    assert "error" not in second[0], second

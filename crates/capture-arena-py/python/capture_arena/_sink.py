@@ -308,14 +308,24 @@ class ArenaSink(LiveSink, _ArenaSink):
                 interrupted = False
             finally:
                 # Whatever happened, the batch leaves the queue and the waiters are woken; a
-                # thread ended by an interrupt gives its place up, so the next batch starts
-                # another (the batches behind are never left to a dead thread).
+                # thread ended by an interrupt fails its batch and hands the ones behind to a new
+                # starter (they are never left to a dead thread).
+                stranded: list[Any] = []
                 with self._early_lock:
                     self._early.popleft()
                     self._starts_done += 1
                     if interrupted:
                         self._starter = None
+                        if self._early and not self._start_starter(device):
+                            stranded, why = list(self._early), f"creating the capture arena failed ({self._start_error})"
+                            self._early.clear()
                     self._early_lock.notify_all()
+                # Completed outside the lock (a future's callbacks run here).
+                if interrupted and fut is not None:
+                    _complete(fut, items, "the thread creating the capture arena was interrupted")
+                for left_items, left_fut in stranded:
+                    if left_fut is not None:
+                        _complete(left_fut, left_items, why)
             del items, fut
 
     def _start_one(self, items: Any, fut: "Optional[concurrent.futures.Future[list[Result]]]", device: Optional[int]) -> None:
