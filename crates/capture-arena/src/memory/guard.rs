@@ -215,6 +215,11 @@ fn ours() -> libc::sigaction {
     }
 }
 
+/// Whether `action` is ours.
+fn is_ours(action: &libc::sigaction) -> bool {
+    action.sa_sigaction == on_sigbus as *const () as usize
+}
+
 /// The action installed now.
 fn current() -> Option<libc::sigaction> {
     // SAFETY: a query (no new action); `now` is written by the kernel.
@@ -269,7 +274,7 @@ fn swap_in(expected: libc::sigaction, node: *mut Passed) -> bool {
         drop_top(node);
         return false;
     }
-    let ours_already = replaced.sa_sigaction == on_sigbus as *const () as usize;
+    let ours_already = is_ours(&replaced);
     if replaced.sa_sigaction != expected.sa_sigaction && !ours_already {
         pass_on_to(replaced);
     }
@@ -279,7 +284,6 @@ fn swap_in(expected: libc::sigaction, node: *mut Passed) -> bool {
 /// Puts the handler back in front if another was installed after it (torch's DataLoader worker
 /// loop installs one): ours then passes the faults outside its ranges on to that one.
 fn in_front() {
-    let is_ours = |a: &libc::sigaction| a.sa_sigaction == on_sigbus as *const () as usize;
     if current().is_none_or(|a| is_ours(&a)) {
         return;
     }
@@ -424,9 +428,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             // raises). It is done, and what it replaced ours had replaced before it: passing
             // the signal to it again would loop. (One that handled the fault and returned, with
             // nothing raised, is kept.)
-            if current().is_some_and(|a| a.sa_sigaction == on_sigbus as *const () as usize)
-                && sigbus_pending()
-            {
+            if current().is_some_and(|a| is_ours(&a)) && sigbus_pending() {
                 drop_top(top);
             }
         }
