@@ -19,6 +19,7 @@ path these tests take.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -518,17 +519,19 @@ def test_a_controller_without_the_producers_token_is_told_its_frees_were_refused
     assert token == controller._endpoints[sink.control]
 
 
-def test_a_bad_endpoint_token_or_gen_in_a_result_costs_only_its_own_frees(make_sink: Any) -> None:
-    """Results are outside input: one naming an endpoint no socket can take (a lone surrogate), one
-    with a token that is not one for a real producer's endpoint, one with an infinite gen. The
-    prefix sender drops the bad endpoint's frees alone and lives on; the real endpoint keeps its
-    token; the record is ignored."""
+def test_a_bad_endpoint_token_or_gen_in_a_result_costs_only_its_own_frees(make_sink: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Results are outside input: one naming an endpoint no socket can take (a lone surrogate and
+    a line of its own), one with a token that is not one for a real producer's endpoint, one with
+    an infinite gen. The prefix sender drops the bad endpoint's frees alone and lives on; the real
+    endpoint keeps its token; the record is ignored. The log names the bad endpoint escaped: a
+    UTF-8 handler can write it, and it forges no line."""
+    caplog.set_level(logging.DEBUG, logger="capture_arena")
     sink = make_sink(control_token="auto")
     rows = _published(sink, "bad", 3, "s")
     controller = SpecForgeArenaStore(store_id="bad", controls=[sink.control])
     controller.record_result(rows[0])  # the producer's token, learned
     forged = {**rows[0], "sample_id": "forged"}
-    controller.record_result({**forged, "arena": {**rows[0]["arena"], "control": "\ud800:1"}})
+    controller.record_result({**forged, "arena": {**rows[0]["arena"], "control": "\ud800\nforged line:1"}})
     controller.record_result({**forged, "sample_id": "f2", "arena": {**rows[0]["arena"], "token": "x"}})
     controller.record_result({**forged, "sample_id": "f3", "gen": float("inf")})  # ignored, never raised
     controller.abort("s1", reason="reconciled")  # never recorded: by prefix, at both endpoints
@@ -542,6 +545,11 @@ def test_a_bad_endpoint_token_or_gen_in_a_result_costs_only_its_own_frees(make_s
         assert time.monotonic() < deadline, sink.stats()
         time.sleep(0.01)
     assert sink.stats()["unauthorized_lines"] == 0
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("capture_arena")]
+    assert any("\\ud800\\nforged line:1" in m for m in said), said
+    for m in said:
+        m.encode("utf-8")  # a lone surrogate would raise here, as in a UTF-8 file handler
+        assert "\n" not in m, m
 
 
 def test_a_controller_without_the_token_connects_at_the_rate_its_back_off_allows_through_specforges_drains(make_sink: Any) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
-import logging
 import os
 import platform
 import threading
@@ -32,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from . import _logs
 from . import _pool
 from .errors import (
     ArenaOSError,
@@ -176,7 +176,7 @@ def new_engine(protocol: str) -> tuple[Any, str]:
         # Mooncake installs RDMA on any host with an RDMA device unless MC_FORCE_TCP is set (any
         # value): "tcp" means TCP (MC_FORCE_TCP set by the user stands).
         os.environ.setdefault("MC_FORCE_TCP", "1")
-    logging.getLogger("capture_arena").info("TransferEngine: %s", transport_of(protocol, has_rdma_device()))
+    _logs.get("capture_arena").info("TransferEngine: %s", transport_of(protocol, has_rdma_device()))
     host = os.environ.get("MOONCAKE_LOCAL_HOSTNAME", "").strip() or "127.0.0.1"
     # P2PHANDSHAKE names each engine `<host>:<rpc_port>`, which is the session results carry.
     # MOONCAKE_METADATA_SERVER (the store's) is not used: with it every engine on a host
@@ -233,7 +233,7 @@ class EngineArena:
             wanted = self.nbytes
             self.nbytes = managed_bytes(wanted)
             if self.nbytes != wanted:
-                logging.getLogger("capture_arena").info(
+                _logs.get("capture_arena").info(
                     "engine arena: %d bytes asked for, %d allocated (Mooncake serves buffers of up to "
                     "256 MiB from a 2 GiB pool it reserves whole; a larger one gets exactly its size)",
                     wanted,
@@ -442,7 +442,7 @@ def run_bounded(
                 try:
                     late()
                 except Exception:  # what it tidies stays as it was: never an error of ours here
-                    logging.getLogger("capture_arena").exception("after a read that ended past its deadline")
+                    _logs.get("capture_arena").exception("after a read that ended past its deadline")
 
     try:
         threading.Thread(target=run, name=name, daemon=True).start()
@@ -667,7 +667,7 @@ class EngineReader:
         def timed_out() -> str:
             self._engines.set_aside(te)
             self._mark(session, backoff)
-            logging.getLogger("capture_arena").warning(
+            _logs.get("capture_arena").warning(
                 "TransferEngine read from %s timed out after %.1f s; later reads use a new engine", session, timeout
             )
             return (

@@ -55,7 +55,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import logging
 import os
 import queue
 import socket
@@ -68,12 +67,13 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from . import _logs
 from ._samples import Warnings
 from .errors import ConfigError
 
 __all__ = ["LiveCapture", "LiveSink", "CONFIG_PATH", "RECORDS_PATH", "sampled", "QUEUE_ENV", "INTAKE_WAIT_ENV", "intake_wait_s", "sync_wait_s"]
 
-_log = logging.getLogger("capture_arena")
+_log = _logs.get("capture_arena")
 
 #: The intake's endpoints (SpecForge's ``CaptureIntakeServer``).
 CONFIG_PATH = "/v1/spec-capture/config"

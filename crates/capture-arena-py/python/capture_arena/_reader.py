@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import importlib
-import logging
 import multiprocessing.util
 import os
 import threading
@@ -16,6 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import _logs
 from ._capture_arena import _send_frees, _Store
 from . import _pool
 from ._store import StoreReader, is_store_result, same_sizes
@@ -323,7 +323,7 @@ def _exit_flush_s() -> float:
     if 0.0 <= v <= 3600.0:
         return v
     # Read at exit: a bad value must not cost the frees, so it is named and the default used.
-    logging.getLogger("capture_arena").warning(
+    _logs.get("capture_arena").warning(
         "SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S=%r is not a number of seconds in [0, 3600]; using 5", raw
     )
     return 5.0
@@ -334,7 +334,7 @@ def _flush_quietly(store: "ArenaFeatureStore", timeout_s: float) -> None:
     try:
         store.flush(timeout_s)
     except Exception as e:  # an exit path: say what is left, never raise
-        logging.getLogger("capture_arena").warning("frees not sent before exit: %s", e)
+        _logs.get("capture_arena").warning("frees not sent before exit: %s", e)
 
 
 def _flush_stores_at_exit() -> None:

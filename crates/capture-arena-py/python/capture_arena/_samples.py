@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
-import logging
 import os
 import threading
 import time
@@ -16,6 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import _logs
 from . import _tensors
 from ._tensors import CudaBytes, HostBytes, host_bytes
 from .errors import InvalidSampleError
@@ -29,7 +29,7 @@ Sample = tuple[Mapping[str, Any], Any, Any]
 """``(spec, aux, last_hidden)`` exactly as the existing sink receives them."""
 
 
-_log = logging.getLogger("capture_arena")
+_log = _logs.get("capture_arena")
 
 
 def _torch_module() -> Any:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
-import logging
 import os
 import socket
 import threading
@@ -45,6 +44,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from . import _logs
 from . import _capture_arena
 from ._live import LiveSink, sync_wait_s
 from ._samples import Warnings
@@ -66,7 +66,7 @@ NOT_FOUND = -704
 #: How long the store worker waits for device tensors to be written before it puts them.
 READY_TIMEOUT_S = 60.0
 
-_log = logging.getLogger("capture_arena")
+_log = _logs.get("capture_arena")
 #: Dropped store removals: a warning at most once a second.
 _DROPPED = Warnings()
 
@@ -700,7 +700,7 @@ class StoreReader:
             with guard:
                 if used:
                     self._clients.set_aside(used[0])
-            logging.getLogger("capture_arena").warning("a Mooncake store read timed out after %.1f s; later reads use a new client", timeout)
+            _logs.get("capture_arena").warning("a Mooncake store read timed out after %.1f s; later reads use a new client", timeout)
             return (
                 f"the Mooncake store read of {len(wanted)} objects ({sum(n for _, n, _ in wanted)} bytes) did not finish in "
                 f"{timeout:.1f} s: the master or the objects' segment is unreachable from here (a partition, a host down); "
@@ -815,7 +815,7 @@ def _remove_for(ref: "weakref.ref[StoreReader]") -> None:
     then waits for more. It holds the reader only while removals wait, so a reader nobody holds
     any more is collected (its clients with it) and the thread ends within ``IDLE_LOOK_S``."""
     backoff = 0.1
-    log = logging.getLogger("capture_arena")
+    log = _logs.get("capture_arena")
     while True:
         reader = ref()
         if reader is None:

@@ -44,7 +44,6 @@ fork), so registering again in the child works.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import threading
@@ -52,6 +51,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+from . import _logs
 from .errors import WriterStoppedError
 
 __all__ = [
@@ -65,7 +65,7 @@ __all__ = [
     "after_fork_in_child",
 ]
 
-_log = logging.getLogger("capture_arena")
+_log = _logs.get("capture_arena")
 
 #: The sink's stats that are levels, not running totals.
 GAUGES = frozenset(

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import collections
 import json
-import logging
 import os
 import threading
 import time
@@ -76,13 +75,14 @@ except ImportError as e:  # pragma: no cover - exercised only without SpecForge
         f"dependencies pin torch and sglang, so `pip install --no-deps specforge` beside your own torch works): {e}"
     ) from e
 
+from . import _logs
 from ._live import _NotSent, _Route
 from ._reader import ArenaFeatureStore
 from ._capture_arena import _is_valid_token, _send_frees, _stats_query
 from ._store import is_store_result
 from .errors import CaptureArenaError, FreeNotSentError, FreeRefusedError, ReleasedError
 
-log = logging.getLogger("capture_arena.specforge")
+log = _logs.get("capture_arena.specforge")
 
 #: Where a ref carries its capture-arena result.
 META_KEY = "capture_arena"

@@ -38,7 +38,6 @@ import atexit
 import collections
 import functools
 import importlib
-import logging
 import multiprocessing.util
 import os
 import signal
@@ -52,6 +51,7 @@ import torch
 from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 from hs_connectors.transfer import FileTransfer
 
+from . import _logs
 from ._reader import ArenaFeatureStore, key_prefix
 from .errors import CaptureArenaError
 
@@ -63,7 +63,7 @@ NAME = "capture-arena"
 #: oldest are freed.
 MAX_UNDELETED = 4096
 
-log = logging.getLogger(__name__)
+log = _logs.get(__name__)
 #: The transfers of this process, for the exit hook.
 _TRANSFERS: "weakref.WeakSet[CaptureArenaTransfer]" = weakref.WeakSet()
 

@@ -107,7 +107,6 @@ import collections
 import dataclasses
 import ctypes
 import json
-import logging
 import math
 import os
 import queue
@@ -127,6 +126,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from . import _logs
 from ._capture_arena import _DeviceRows, _Landed, _result_keys
 from ._live import sync_wait_s
 from ._reader import key_prefix
@@ -134,7 +134,7 @@ from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
 __all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID", "settle"]
 
-log = logging.getLogger("capture_arena.vllm")
+log = _logs.get("capture_arena.vllm")
 
 #: The arena's size when neither ``arena_bytes`` nor ``SGLANG_SPEC_CAPTURE_ARENA_BYTES`` is set.
 DEFAULT_ARENA_BYTES = 1 << 30

@@ -41,12 +41,12 @@ What differs from the module it replaces, and why:
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from .. import _logs
 from .. import _patches, metrics
 from .._capture_arena import _env_flag, placement
 from .._sink import ArenaSink, new_sink
@@ -63,7 +63,7 @@ __all__ = [
     "SpecCaptureSink",
 ]
 
-logger = logging.getLogger(__name__)
+logger = _logs.get(__name__)
 
 _SINK: Optional["ArenaSink | StoreSink"] = None
 _METRICS: Any = None
