@@ -110,7 +110,7 @@ fi
 # registry after it cannot change what is tested.
 PIN="-c scripts/constraints.txt"
 .venv/bin/python -m pip install -q pip==26.3
-.venv/bin/python -m pip install -q $PIN maturin numpy ml_dtypes pytest mypy typing_extensions prometheus_client
+.venv/bin/python -m pip install -q $PIN maturin numpy ml_dtypes pytest pytest-xdist mypy typing_extensions prometheus_client
 
 # What only downloads and unpacks, in the background while the Rust steps below compile (waited
 # for in "background installs" before the Python steps):
@@ -208,11 +208,20 @@ rm -f target/wheels/capture_arena-*x86_64.whl
   -m crates/capture-arena-py/Cargo.toml --out target/wheels
 .venv/bin/python -m pip install -q --force-reinstall --no-deps target/wheels/capture_arena-*x86_64.whl
 
-step "scripts/gpu-check.sh, dry run against the fake driver (every step runs, small, inside its deadline)"
-# 36-44 s as a rule on 2 cores; a clean clone once needed 61 s and once over 85 s (its Python
-# suite step: the step now prints its slowest tests). 150 s leaves room; a step that hangs
-# still fails it.
+step "scripts/gpu-check.sh, dry run against the fake driver (every step runs, small, inside its deadline), beside the type checks (mypy.stubtest, mypy --strict)"
+# Side by side: each is mostly one busy thread (57 s and 43 s alone on 2 cores). The dry run:
+# 36-44 s as a rule, once over 85 s (its Python suite step: the step prints its slowest tests);
+# 150 s leaves room beside mypy; a step that hangs still fails it.
+(cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
+  && ../../.venv/bin/python -m mypy --strict -p capture_arena) > .cache/mypy.log 2>&1 &
+MYPY=$!
 GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 150
+if ! wait "$MYPY"; then
+  cat .cache/mypy.log
+  echo "the type checks failed (mypy.stubtest, then mypy --strict)" >&2
+  exit 1
+fi
+tail -n 3 .cache/mypy.log
 
 step "builds started in the background, at the lowest CPU priority, while the Python suites run"
 # The Python suites wait on sockets, processes and deadlines much of the time: these builds take
@@ -244,12 +253,13 @@ setsid -w nice -n 19 bash -ec '
 BUILDS=$!
 echo "logging to $BUILD_LOG"
 
-step "python: type stubs (mypy.stubtest) and types (mypy --strict)"
-(cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
-  && ../../.venv/bin/python -m mypy --strict -p capture_arena)
-
-step "python: pytest"
-.venv/bin/python -m pytest crates/capture-arena-py/tests -q -rs --durations=15
+step "python: pytest, two workers (pytest-xdist; PYTEST_WORKERS), each test file on one of them"
+# The suites wait on sockets, processes and deadlines much of the time: one worker kept about
+# 0.8 of 2 cores busy (pytest 657 s; two workers: 399 s). Each file stays on one worker
+# (--dist loadfile), so a module's engine is started once; tests that look at /dev/shm or
+# processes count only their own (another file's tests run beside them).
+.venv/bin/python -m pytest crates/capture-arena-py/tests -q -rs --durations=15 \
+  -n "${PYTEST_WORKERS:-2}" --dist loadfile
 
 step "attacks: the abuse corpus against a live producer (attacks/README.md)"
 .venv/bin/python -m pytest attacks -q -rs

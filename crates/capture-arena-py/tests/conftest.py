@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterator
@@ -34,22 +36,36 @@ def sglang_wheel_of(version: str) -> Path:
     if found:
         return found[0]
     cache.mkdir(parents=True, exist_ok=True)
+    # One download at a time (pytest-xdist's workers share the cache), into a directory of its
+    # own and then renamed into place: a wheel in the cache is always whole.
+    with open(cache / ".download.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = sorted(cache.glob(f"sglang-{version}-*.whl"))
+        if found:
+            return found[0]
+        with tempfile.TemporaryDirectory(dir=cache) as part:
+            whl = _download(version, Path(part))
+            whl.rename(cache / whl.name)
+        return cache / whl.name
+
+
+def _download(version: str, into: Path) -> Path:
     # One fixed file whatever this machine is (the tests only unzip it): pure-Python sources
     # plus a few extension modules that are never loaded.
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
         "--only-binary=:all:", "--implementation", "cp", "--python-version", "3.11", "--abi", "cp311",
-        "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(cache),
+        "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(into),
     ]  # fmt: skip
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.fail(f"could not download the sglang wheel ({' '.join(cmd)}): {e}", pytrace=False)
-    found = sorted(cache.glob(f"sglang-{version}-*.whl"))
+    found = sorted(into.glob(f"sglang-{version}-*.whl"))
     if p.returncode != 0 or not found:
         pytest.fail(
             f"could not download the sglang {version} wheel from PyPI (these tests need it; "
-            f"put it in {cache} or set CAPTURE_ARENA_CACHE to a directory holding it):\n"
+            f"put it in {_wheel_cache()} or set CAPTURE_ARENA_CACHE to a directory holding it):\n"
             f"$ {' '.join(cmd)}\n{p.stdout[-2000:]}{p.stderr[-2000:]}",
             pytrace=False,
         )
