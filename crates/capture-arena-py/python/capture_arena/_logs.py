@@ -12,8 +12,12 @@ of captured logs).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import numbers
 import re
+import reprlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 #: The characters of one string argument shown, at most.
@@ -31,6 +35,30 @@ def shown(text: str, limit: int = MAX_ARG_CHARS) -> str:
     return f"{text}... ({more} more characters)" if more > 0 else text
 
 
+def _text(v: object, how: Callable[[object], str]) -> str:
+    """``how(v)`` (``str`` or ``repr``) bounded and escaped: a string is cut before it is
+    rendered (``repr`` of 100 MB would first make 100 MB more), and an object whose ``str`` or
+    ``repr`` raises is named by its type (a log call never raises for its arguments)."""
+    try:
+        if isinstance(v, str) and len(v) > MAX_ARG_CHARS:
+            return f"{shown(how(v[:MAX_ARG_CHARS]))}... ({len(v) - MAX_ARG_CHARS} more characters)"
+        if isinstance(v, (bytes, bytearray)) and len(v) > MAX_ARG_CHARS:
+            return f"{shown(how(bytes(v[:MAX_ARG_CHARS])))}... ({len(v) - MAX_ARG_CHARS} more bytes)"
+        if isinstance(v, (dict, list, tuple, set, frozenset)):
+            return shown(_REPR.repr(v))  # bounded in items and depth before it is rendered
+        return shown(how(v))
+    except RecursionError:
+        return f"<{type(v).__name__} nested too deeply to show>"
+    except Exception:  # noqa: BLE001 - any fault of the argument's own
+        return f"<{type(v).__name__} that cannot be shown>"
+
+
+_REPR = reprlib.Repr()  # its bounds set one by one: Python 3.10 and 3.11 take no arguments
+_REPR.maxlevel = 4
+_REPR.maxdict = _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = 32
+_REPR.maxstring = _REPR.maxother = MAX_ARG_CHARS
+
+
 class _Shown:
     """An argument other than a number (a string, an exception, a dict from a result), shown
     bounded and escaped by ``%s`` and ``%r`` alike."""
@@ -41,15 +69,15 @@ class _Shown:
         self._v = v
 
     def __str__(self) -> str:
-        return shown(str(self._v))
+        return _text(self._v, str)
 
     def __repr__(self) -> str:
-        return shown(repr(self._v))
+        return _text(self._v, repr)
 
 
 def _safe(arg: Any) -> Any:
-    if arg is None or isinstance(arg, (int, float)):  # %d, %g and %x need the number
-        return arg
+    if arg is None or (isinstance(arg, numbers.Number) and not isinstance(arg, complex)):
+        return arg  # %d, %g and %x need the number (numpy's and torch's scalars too)
     return _Shown(arg)
 
 
@@ -58,11 +86,26 @@ class _SafeArgs(logging.Filter):
         try:
             if isinstance(record.args, tuple):
                 record.args = tuple(_safe(a) for a in record.args)
-            elif isinstance(record.args, dict):
-                record.args = {k: _safe(v) for k, v in record.args.items()}
+            elif isinstance(record.args, Mapping):  # log("%(name)s", {...}): its values by name
+                named = itertools.islice(record.args.items(), 256)
+                record.args = _Named({_text(k, str): _safe(v) for k, v in named}, record.args)
         except Exception:  # a record is never lost to its arguments
             pass
         return True
+
+
+class _Named(dict):  # type: ignore[type-arg]
+    """A mapping's values by name, bounded and escaped; ``%s`` of the mapping itself (its only
+    use besides names) shows the original bounded."""
+
+    def __init__(self, values: dict[str, Any], original: Mapping[Any, Any]) -> None:
+        super().__init__(values)
+        self._original = original
+
+    def __str__(self) -> str:
+        return _text(self._original, repr)
+
+    __repr__ = __str__
 
 
 _FILTER = _SafeArgs()
