@@ -664,6 +664,39 @@ def test_a_refused_sample_id_of_megabytes_makes_a_log_line_of_a_few_kilobytes(ma
     assert said and max(map(len, said)) < 4000, [len(m) for m in said]
 
 
+def test_log_arguments_are_cut_before_they_are_rendered_and_never_lose_their_record(caplog):
+    """capture_arena's loggers (capture_arena._logs): a 10 MB string quoted with %r costs a few
+    kilobytes, not the string again several times over (escaped whole, then cut); an argument
+    whose repr raises or recurses is named, the record kept; numpy's scalars stay numbers for
+    %d."""
+    import logging
+    import tracemalloc
+
+    from capture_arena import _logs
+
+    class Unshowable:
+        def __repr__(self) -> str:
+            raise ValueError("no")
+
+    class Recursing:
+        def __repr__(self) -> str:
+            return repr(self)
+
+    log = _logs.get("capture_arena.test")
+    big = "\x00" * 10_000_000
+    with caplog.at_level(logging.DEBUG, logger="capture_arena"):
+        tracemalloc.start()
+        try:
+            log.warning("big %r", big)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        log.warning("odd %r %r, count %d", Unshowable(), Recursing(), np.int64(7))
+    big_line, odd = (r.getMessage() for r in caplog.records if r.name == "capture_arena.test")
+    assert peak < 1 << 20 and len(big_line) < 10_000 and big_line.endswith("(9998000 more characters)"), (peak, big_line[-60:])
+    assert odd == "odd <Unshowable that cannot be shown> <Recursing nested too deeply to show>, count 7", odd
+
+
 class _FakedPanic(BaseException):
     """Stands in for pyo3's PanicException, which derives from BaseException only: no Rust panic
     can be provoked on purpose, so the extension's call raises this instead."""
