@@ -9,15 +9,18 @@ use pythonize::pythonize;
 
 use crate::array::{bytes_of, device_of, disjoint};
 use crate::error::{to_py, IntoPy};
+use crate::value::{excerpt, MAX_ERROR_CHARS};
 
 /// A published result from its dict; a failed one (`{"sample_id", "error"}`) is refused with its
 /// error.
 fn published(result: &Bound<'_, PyAny>) -> PyResult<Published> {
     if let Ok(err) = result.get_item("error") {
+        // Both from the result: quoted within bounds.
         let id = result
             .get_item("sample_id")
-            .map(|v| v.to_string())
+            .map(|v| excerpt(&v.to_string(), 200))
             .unwrap_or_default();
+        let err = excerpt(&err.to_string(), MAX_ERROR_CHARS);
         return Err(to_py(Error::InvalidRead {
             key: id,
             reason: format!("this sample failed to publish: {err}"),

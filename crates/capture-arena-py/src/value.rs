@@ -48,7 +48,23 @@ pub(crate) fn from_py_within<T: DeserializeOwned>(
         max_values: values,
         budget: values,
     };
-    serde_json::from_value(r.value(obj, 0)?).map_err(|e| e.to_string())
+    // serde quotes a value of the wrong type whole ("invalid type: string \"...\""): bounded, so
+    // that a 100 MB id makes an error of a few hundred bytes.
+    serde_json::from_value(r.value(obj, 0)?).map_err(|e| excerpt(&e.to_string(), MAX_ERROR_CHARS))
+}
+
+/// The characters of outside input an error message quotes, at most.
+pub(crate) const MAX_ERROR_CHARS: usize = 500;
+
+/// `text` as an error message may quote it: at most `max` characters, the rest counted.
+pub(crate) fn excerpt(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        None => text.to_owned(),
+        Some((cut, _)) => {
+            let rest = text[cut..].chars().count();
+            format!("{}... ({rest} more characters)", &text[..cut])
+        }
+    }
 }
 
 /// The bounds of one reading, and the values left.
@@ -232,5 +248,23 @@ impl Reading {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::excerpt;
+
+    #[test]
+    fn an_excerpt_keeps_what_fits_and_counts_the_rest_by_characters() {
+        assert_eq!(excerpt("abc", 3), "abc");
+        assert_eq!(excerpt("abcd", 3), "abc... (1 more characters)");
+        // Multi-byte characters are never cut in half.
+        assert_eq!(excerpt("ééé", 2), "éé... (1 more characters)");
+        let big = "x".repeat(10_000_000);
+        assert_eq!(
+            excerpt(&big, 500).len(),
+            500 + "... (9999500 more characters)".len()
+        );
     }
 }

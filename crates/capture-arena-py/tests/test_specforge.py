@@ -386,12 +386,13 @@ def test_a_ref_without_a_capture_arena_result_is_refused_with_what_to_do() -> No
 
 
 @pytest.mark.parametrize(
-    "shape", [[2**63 - 1] * 52000, [2**62, 4], ["9" * 5000], [1.5, 2], None, [-1]], ids=["52000_huge_dims", "overflowing", "string", "float", "none", "negative"]
+    "shape", [[2**63 - 1] * 40000, [2**62, 4], ["9" * 5000], [1.5, 2], None, [-1]], ids=["40000_huge_dims", "overflowing", "string", "float", "none", "negative"]
 )
 def test_a_record_whose_feature_shape_is_not_one_is_refused_at_adopt_before_any_arithmetic(shape: Any) -> None:
     # A record's shapes were multiplied out before anything checked them, under the store's
     # lock: 52,000 dimensions of 2**63 - 1 (1 MiB of record) held it 7 s, and a string or
     # None raised out of adopt with the sample half tracked. Now such a result is refused.
+    # (40,000: a record over MAX_RESULT_BYTES, 1 MiB as JSON, is not even recorded.)
     store = SpecForgeArenaStore(store_id="run9")
     result = {"store_id": "run9", "sample_id": "run:s", "gen": 1, "features": {"target": {"shape": shape, "dtype": "bfloat16", "address": 0}}}
     store.record_result(result)
@@ -402,6 +403,35 @@ def test_a_record_whose_feature_shape_is_not_one_is_refused_at_adopt_before_any_
     with pytest.raises(KeyError, match="has no shape of at most 8 dimensions"):
         store.adopt(ref)
     assert store.health()["resident_samples"] == 0
+
+
+def test_what_results_may_cost_a_store_is_bounded_before_they_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results are outside input (a /generate response, a live record). A 2 MB sample id, a
+    result of 2 MiB, a control endpoint longer than the core takes (300 bytes) and a token of a
+    lone surrogate cost only themselves: the first two are not recorded, the endpoint is not
+    learned, the token is not taken, and no call raises. What is recorded is bounded in bytes in
+    all (MAX_RECORDED_BYTES, 3 MiB here): the oldest go beyond it. Before: all recorded whole
+    (65,536 results of any size), the endpoint learned, and the token raised UnicodeEncodeError
+    out of record_result."""
+    from capture_arena import specforge as sf
+
+    monkeypatch.setattr(sf, "MAX_RECORDED_BYTES", 3 << 20)
+    store = SpecForgeArenaStore(store_id="run11")
+
+    def result(sid: str, control: str = "127.0.0.1:9", **more: Any) -> dict[str, Any]:
+        return {"store_id": "run11", "sample_id": sid, "gen": 1, "arena": {"session": "shm://x", "control": control},
+                "features": {"target": {"shape": [1, 2], "dtype": "int64", "address": 4096, "stamp": 7}}, **more}  # fmt: skip
+
+    store.record_result(result("x" * (2 << 20)))
+    store.record_result(result("padded", padding="p" * (2 << 20)))
+    store.record_result(result("long-endpoint", "h" * 300 + ":1"))
+    store.record_result({**result("bad-token"), "arena": {"session": "shm://x", "control": "127.0.0.1:10", "token": "\ud800"}})
+    h = store.health()
+    assert h["tracked_results"] == 2 and h["control_endpoints"] == 1, h  # long-endpoint and bad-token; :10 alone
+    assert store._endpoints["127.0.0.1:10"] is None  # learned, its token not
+    for i in range(6):  # 900 KB each: three fit in 3 MiB
+        store.record_result(result(f"big{i}", padding="p" * 900_000))
+    assert store._recorded.bytes <= 3 << 20 and list(store._recorded) == [(f"big{i}", 1) for i in (3, 4, 5)], (store._recorded.bytes, list(store._recorded))
 
 
 def test_the_default_post_ends_at_its_timeout_however_slowly_the_server_answers() -> None:

@@ -77,6 +77,22 @@ def test_a_handle_that_does_not_name_its_result_is_refused_and_the_result_freed(
         wait_resident(sink, 0)
 
 
+def test_a_refused_result_with_an_id_of_megabytes_makes_an_error_of_a_few_hundred_bytes(sink: ca.ArenaSink) -> None:
+    """speculators logs the error at each retry: a result whose handle does not name it, with a
+    10 MB sample id (before: the message quoted the id whole, twice over with the core's
+    error from freeing it)."""
+    t = CaptureArenaTransfer()
+    row = publish(sink, "r-long")
+    forged = {**row, "sample_id": "x" * 10_000_000}
+    with pytest.raises(ca.CaptureArenaError, match="does not name its result") as e:
+        t.get_generated(params(forged, "vllm/someone-else/g1/"))
+    assert len(str(e.value)) < 2000, len(str(e.value))
+    t.get_generated(params(row))  # the real one, read and freed as speculators does
+    t.delete(params(row)["handle"])
+    t.flush(10)
+    wait_resident(sink, 0)
+
+
 def test_a_remembered_result_that_cannot_be_freed_costs_neither_other_reads_nor_their_frees(
     sink: ca.ArenaSink, monkeypatch: pytest.MonkeyPatch
 ) -> None:

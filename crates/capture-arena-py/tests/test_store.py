@@ -115,6 +115,20 @@ def test_a_dataloader_worker_survives_its_arena_truncated_under_it(make_sink):
     assert got[0] == "read" and got[1].startswith("stale: ") and "truncated" in got[1], got
 
 
+@pytest.mark.parametrize("bad", ["failed", "mistyped"])
+def test_a_result_of_megabytes_refused_by_the_core_makes_an_error_of_a_few_hundred_bytes(bad):
+    # A failed sample's row quoted its id and error whole, and serde quoted a mistyped value
+    # whole (before: 20 MB and 10 MB messages, raised per read and logged by callers).
+    big = "x" * 10_000_000
+    if bad == "failed":
+        result = {"sample_id": big, "error": big}
+    else:
+        result = {"store_id": "s", "sample_id": "a", "gen": 1, "features": {"f": {}}, "arena": big}
+    with pytest.raises(ca.CaptureArenaError) as e:
+        ca.ArenaFeatureStore().get(result)
+    assert len(str(e.value)) < 2000, len(str(e.value))
+
+
 def test_get_after_release_raises_key_error(make_sink):
     sink = make_sink()
     r = sink.put_sample(spec("a"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

@@ -88,6 +88,17 @@ log = _logs.get("capture_arena.specforge")
 META_KEY = "capture_arena"
 #: Results recorded by ``post_fn`` and not adopted yet, at most (the oldest is freed beyond it).
 MAX_RECORDED = 65536
+#: The bytes the results recorded and not adopted yet hold (as JSON), at most (the oldest is
+#: freed beyond it).
+MAX_RECORDED_BYTES = 256 << 20
+#: The bytes one result may hold (as JSON): a larger one is not recorded, nor adopted.
+MAX_RESULT_BYTES = 1 << 20
+#: The longest sample id (UTF-8 bytes) a recorded result may carry: the core's key bound.
+MAX_ID_BYTES = 1024
+#: The longest control endpoint (UTF-8 bytes) learned from a result: the core's bound.
+MAX_CONTROL_BYTES = 256
+#: Features a result may have, at most: the core's bound.
+MAX_FEATURES = 256
 #: Known control endpoints, at most.
 MAX_ENDPOINTS = 4096
 #: Prefix frees waiting, at most (the oldest is dropped and counted beyond it).
@@ -159,8 +170,89 @@ MAX_DIMS = 8
 
 
 def _is_token(token: str) -> bool:
-    """Whether ``token`` is a control token, by the core's own rule."""
-    return isinstance(token, str) and _is_valid_token(token)
+    """Whether ``token`` is a control token, by the core's own rule (a string the core cannot
+    take, a lone surrogate, is not one)."""
+    try:
+        return isinstance(token, str) and _is_valid_token(token)
+    except Exception:  # noqa: BLE001 - UnicodeEncodeError from the binding
+        return False
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _json_bytes(result: Any) -> Optional[int]:
+    """The bytes of ``result`` as JSON; None if it is not JSON (a cycle, a key that is not a
+    string or a number, nesting too deep)."""
+    try:
+        return len(json.dumps(result, default=str))
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def _recordable(result: Any, store_id: str) -> Optional[Tuple[str, int]]:
+    """The ``(sample_id, gen)`` of a result of ``store_id`` that may be recorded: a published
+    result (no error, features) whose id, feature count and size are within the core's bounds;
+    None for anything else (never recorded, so it costs nothing past this call)."""
+    if not isinstance(result, Mapping) or result.get("error"):
+        return None
+    features = result.get("features")
+    if not isinstance(features, Mapping) or len(features) > MAX_FEATURES:
+        return None
+    if str(result.get("store_id")) != store_id:  # checked before anything else is converted
+        return None
+    sid = result.get("sample_id")
+    if not isinstance(sid, (str, int)) or isinstance(sid, bool):
+        return None
+    sid = str(sid)
+    if _utf8_len(sid) > MAX_ID_BYTES:
+        return None
+    try:
+        gen = int(result["gen"])
+    except (KeyError, TypeError, ValueError, OverflowError):  # gen: 1e999
+        return None
+    size = _json_bytes(result)
+    if size is None or size > MAX_RESULT_BYTES:
+        return None
+    return sid, gen
+
+
+class _Recorded(collections.OrderedDict[Tuple[str, int], Dict[str, Any]]):
+    """Results recorded before their adoption, by ``(sample_id, gen)``, and the bytes they hold
+    (as JSON): bounded in count and in bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self._sizes: Dict[Tuple[str, int], int] = {}
+
+    def __setitem__(self, ident: Tuple[str, int], result: Dict[str, Any]) -> None:
+        size = _json_bytes(result) or 0
+        super().__setitem__(ident, result)
+        self.bytes += size - self._sizes.get(ident, 0)
+        self._sizes[ident] = size
+
+    def __delitem__(self, ident: Tuple[str, int]) -> None:
+        super().__delitem__(ident)
+        self.bytes -= self._sizes.pop(ident, 0)
+
+    def pop(self, ident: Tuple[str, int], *default: Any) -> Any:
+        self.bytes -= self._sizes.pop(ident, 0)
+        return super().pop(ident, *default)
+
+    def popitem(self, last: bool = True) -> Tuple[Tuple[str, int], Dict[str, Any]]:
+        ident, result = super().popitem(last)
+        self.bytes -= self._sizes.pop(ident, 0)
+        return ident, result
+
+    def over(self) -> bool:
+        return len(self) > MAX_RECORDED or self.bytes > MAX_RECORDED_BYTES
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``value`` as an error message shows it: bounded and escaped (ids come from results)."""
+    return _logs.shown(str(value), limit)
 
 
 def _shape_ok(shape: Any) -> bool:
@@ -499,7 +591,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._leases: Dict[str, Any] = {}
         self._counter = 0
         # Results post_fn saw, until adopt() takes them; attempts sent and not adopted yet.
-        self._recorded: "collections.OrderedDict[Tuple[str, int], Dict[str, Any]]" = collections.OrderedDict()
+        self._recorded = _Recorded()
         self._provisional: Dict[Tuple[str, int], List[str]] = {}
         # Attempts sent more than once (SpecForge retries with the same generation).
         self._retried: Set[Tuple[str, int]] = set()
@@ -543,22 +635,17 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             for result in _flatten(meta.get("spec_capture")):
                 if seen >= most:
                     return  # more results than the request asked for: not ours to keep
-                if not isinstance(result, Mapping) or result.get("error") or not isinstance(result.get("features"), Mapping):
-                    continue
-                try:
-                    ident = (str(result["sample_id"]), int(result["gen"]))
-                except (KeyError, TypeError, ValueError, OverflowError):  # gen: 1e999
-                    continue
-                if str(result.get("store_id")) != self.store_id:
+                ident = _recordable(result, self.store_id)
+                if ident is None:
                     continue
                 seen += 1
                 with self._lock:
                     self._supersede(self._recorded.get(ident), result)
                     self._recorded[ident] = dict(result)
                     self._learn_from(result)
-                    while len(self._recorded) > MAX_RECORDED:
+                    while self._recorded.over():
                         (sid, gen), old = self._recorded.popitem(last=False)
-                        log.warning("%d capture results were never adopted: freeing the oldest, %s g%d", MAX_RECORDED, sid, gen)
+                        log.warning("capture results never adopted hold more than %d results or %d bytes: freeing the oldest, %s g%d", MAX_RECORDED, MAX_RECORDED_BYTES, sid, gen)
                         self._free_result(old)
 
     def _learn(self, control: str, token: Optional[str]) -> None:
@@ -581,11 +668,15 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             self._store_placement = True
             return
         arena = result.get("arena")
-        if isinstance(arena, Mapping) and isinstance(arena.get("control"), str):
+        if not isinstance(arena, Mapping):
+            return
+        control = arena.get("control")
+        # Within the core's bound: a longer one names no endpoint a client would send to.
+        if isinstance(control, str) and 0 < _utf8_len(control) <= MAX_CONTROL_BYTES:
             token = arena.get("token")
-            self._learn(arena["control"], token if isinstance(token, str) else None)
-            if arena["control"] in self._endpoints:
-                self._named[arena["control"]] = None
+            self._learn(control, token if isinstance(token, str) else None)
+            if control in self._endpoints:
+                self._named[control] = None
                 while len(self._named) > MAX_ENDPOINTS:
                     self._named.pop(next(iter(self._named)))
 
@@ -601,7 +692,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                 result = recorded
             if result is None:
                 raise ValueError(
-                    f"cannot adopt {sid} g{gen}: no capture-arena result recorded for it, nor carried in its ref "
+                    f"cannot adopt {_short(sid)} g{gen}: no capture-arena result recorded for it, nor carried in its ref "
                     "(give the adapter post_fn=store.post_fn())"
                 )
             try:
@@ -632,22 +723,17 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         ``/generate`` response: a live capture's record (the sink's result plus ``num_tokens``),
         as SpecForge's intake hands it to its ref source. The ``adopt`` of its ref then finds
         it. Results of other stores, and rows with an error, are ignored."""
-        if not isinstance(record, Mapping) or record.get("error") or not isinstance(record.get("features"), Mapping):
-            return
-        if str(record.get("store_id")) != self.store_id:
-            return
-        try:
-            ident = (str(record["sample_id"]), int(record["gen"]))
-        except (KeyError, TypeError, ValueError, OverflowError):  # gen: 1e999
+        ident = _recordable(record, self.store_id)
+        if ident is None:
             return
         result = {k: v for k, v in record.items() if k not in ("num_tokens", "origin")}
         with self._lock:
             self._supersede(self._recorded.get(ident), result)
             self._recorded[ident] = result
             self._learn_from(result)
-            while len(self._recorded) > MAX_RECORDED:
+            while self._recorded.over():
                 (sid, gen), old = self._recorded.popitem(last=False)
-                log.warning("%d capture results were never adopted: freeing the oldest, %s g%d", MAX_RECORDED, sid, gen)
+                log.warning("capture results never adopted hold more than %d results or %d bytes: freeing the oldest, %s g%d", MAX_RECORDED, MAX_RECORDED_BYTES, sid, gen)
                 self._free_result(old)
 
     def live_ref_source(self, ref_source: Any) -> Any:
@@ -719,7 +805,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             if result is None and self._generation.get(sid) == gen:
                 result = self._results.get(sid)
         if result is None:
-            raise KeyError(f"sample {sid} g{gen}: its ref carries no capture-arena result (was it adopted by a SpecForgeArenaStore?)")
+            raise KeyError(f"sample {_short(sid)} g{gen}: its ref carries no capture-arena result (was it adopted by a SpecForgeArenaStore?)")
         self._check_result(sample_ref, result, gen)
         wanted = list(names) if names else list(sample_ref.feature_keys)
         dev = str(device)
@@ -855,24 +941,28 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
     def _ident(self, ref: SampleRef) -> Tuple[str, int]:
         gen = ref.metadata.get("generation")
         if gen is None:
-            raise KeyError(f"sample {ref.sample_id}: its ref carries no generation")
+            raise KeyError(f"sample {_short(ref.sample_id)}: its ref carries no generation")
         return str(ref.sample_id), int(gen)
 
     def _check_result(self, ref: SampleRef, result: Any, gen: int) -> None:
         """The result must be the ref's sample: ids, generation, every feature of the ref."""
+        sid = _short(ref.sample_id)
         if not isinstance(result, Mapping) or not isinstance(result.get("features"), Mapping):
-            raise KeyError(f"sample {ref.sample_id}: its capture-arena result is not a result")
+            raise KeyError(f"sample {sid}: its capture-arena result is not a result")
         ident = (str(result.get("store_id")), str(result.get("sample_id")), result.get("gen"))
         if ident != (self.store_id, str(ref.sample_id), gen):
-            raise KeyError(f"sample {ref.sample_id} g{gen} of store {self.store_id}: its ref carries the result of {ident}")
+            raise KeyError(f"sample {sid} g{gen} of store {_short(self.store_id)}: its ref carries the result of {_short(ident)}")
         missing = [n for n in ref.feature_keys if n not in result["features"]]
         if missing:
-            raise KeyError(f"sample {ref.sample_id}: its capture-arena result lacks features {missing}")
+            raise KeyError(f"sample {sid}: its capture-arena result lacks features {_short(missing)}")
+        size = _json_bytes(result)
+        if size is None or size > MAX_RESULT_BYTES:
+            raise KeyError(f"sample {sid}: its capture-arena result is {size or 'not'} JSON bytes, over the {MAX_RESULT_BYTES} a result may hold")
         for name, f in result["features"].items():
             if not isinstance(f, Mapping) or not _shape_ok(f.get("shape")):
                 shape = f.get("shape") if isinstance(f, Mapping) else f
                 raise KeyError(
-                    f"sample {ref.sample_id}: its feature {str(name)[:80]!r} has no shape of at most {MAX_DIMS} "
+                    f"sample {sid}: its feature {_short(name, 80)!r} has no shape of at most {MAX_DIMS} "
                     f"dimensions in [0, 2**63): {str(shape)[:120]}"
                 )
 

@@ -168,9 +168,9 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
                 self._store.release(result)
                 freed = "the result was freed"
             except Exception as e:
-                freed = f"freeing the result failed too ({e})"
+                freed = f"freeing the result failed too ({_logs.shown(str(e), 500)})"
             raise CaptureArenaError(
-                f"request {result.get('sample_id')!r}: its handle {str(handle)[:200]!r} does not name its result "
+                f"request {_logs.shown(str(result.get('sample_id')), 200)!r}: its handle {str(handle)[:200]!r} does not name its result "
                 f"({expected[:200]!r}), so deleting it would free nothing; {freed}"
             )
         # Remembered before the read: speculators deletes the handle when this raises, and that
@@ -182,7 +182,7 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         n = int(tokens.numel())
         if k < 1 or hs.dim() != 3 or hs.shape[0] != 1 or hs.shape[1] != n or hs.shape[2] % k or tokens.dtype != torch.int64:
             raise CaptureArenaError(
-                f"request {result.get('sample_id')!r}: hidden_states {tuple(hs.shape)} and token_ids {tuple(tokens.shape)} "
+                f"request {_logs.shown(str(result.get('sample_id')), 200)!r}: hidden_states {tuple(hs.shape)} and token_ids {tuple(tokens.shape)} "
                 f"{tokens.dtype} are not [1, {n}, k*H] with k={k} and [1, {n}] int64"
             )
         return {"hidden_states": hs.view(n, k, hs.shape[2] // k), "token_ids": tokens.view(n)}
