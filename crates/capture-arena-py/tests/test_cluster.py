@@ -442,7 +442,7 @@ def test_engine_reads_time_out_across_a_partition_on_one_engine_and_a_killed_pro
             # after the whole timeout: before, each held a reading thread and the engine every
             # producer's reads share (Mooncake's lock) for it.
             got = trainer.send({**results[2], "_keep": True})
-            assert got["error"] == "StaleSessionError" and "fail at once" in got["why"] and got["read_s"] < 0.5, got
+            assert got["error"] == "StaleSessionError" and "fail at once" in got["why"] and got["read_s"] < 1.0, got
             # The engine is set aside while Mooncake still holds the transfer, and destroyed
             # once Mooncake's own timeout ends it: its threads (the read's, and the engine's)
             # end. Before: kept for good, one more engine for each read that timed out, with
@@ -454,15 +454,15 @@ def test_engine_reads_time_out_across_a_partition_on_one_engine_and_a_killed_pro
         # A trainer whose deadline is far shorter than Mooncake holds a stuck read (seconds):
         # two engines stuck at once (its bound), then reads fail at once instead of making more.
         hasty_env = env_on(
-            c, "t1", **engine, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="0.3", SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS="2", SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S="0"
+            c, "t1", **engine, SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="1.0", SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS="2", SGLANG_SPEC_CAPTURE_UNREACHABLE_BACKOFF_S="0"
         )
         hasty = Proc(c, "t1", TRAINER, [], hasty_env)
         for _ in range(2):
             got = hasty.send({**results[1], "_keep": True})
-            assert got["error"] == "StaleSessionError" and got["read_s"] >= 0.3, got
+            assert got["error"] == "StaleSessionError" and got["read_s"] >= 1.0, got
         got = hasty.send({**results[1], "_keep": True})
         assert got["error"] == "StaleSessionError" and "2 TransferEngines of this process have reads stuck" in got["why"], got
-        assert got["read_s"] < 0.3, got
+        assert got["read_s"] < 0.5, got  # not its 1 s timeout
         h = hasty.send({"_health": True})
         assert h["mooncake_clients"] == h["stuck_clients"] == 2, h
         hasty.p.kill()
@@ -720,6 +720,6 @@ def test_a_name_server_that_never_answers_costs_a_trainer_call_its_deadline_only
             shutil.rmtree(etc, ignore_errors=True)
     got = json.loads(stdout.strip().splitlines()[-1])
     assert "resolving producer.capture-arena.test:7000 took longer" in got["reclaim"], got
-    assert got["reclaim_s"] < 1.0 + 0.5, got
+    assert got["reclaim_s"] < 1.0 + 1.5, got  # not 5 s per query
     assert "did not give it within 1 s" in got["live"] and "resolving intake.capture-arena.test" in got["live"], got
-    assert got["live_s"] < 1.0 + 0.5, got
+    assert got["live_s"] < 1.0 + 1.5, got

@@ -727,7 +727,7 @@ def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout
         filler.close()
         srv.close()
     assert isinstance(err.value.__cause__, TimeoutError), err.value.__cause__
-    assert 1.0 <= took < 1.5, f"a 1 s request took {took:.2f} s over two addresses"
+    assert 1.0 <= took < 1.8, f"a 1 s request took {took:.2f} s over two addresses"  # not 2 s
 
 
 def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_slow_connect_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -762,7 +762,7 @@ def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_
         srv.close()
         for c in accepted:
             c.close()
-    assert 1.0 <= took < 1.4, f"a 1 s request took {took:.2f} s in a TLS handshake ({err.value!r})"
+    assert 1.0 <= took < 1.6, f"a 1 s request took {took:.2f} s in a TLS handshake ({err.value!r})"
 
 
 def test_an_address_this_host_cannot_make_a_socket_for_is_tried_past_with_a_stand_in_resolver(monkeypatch: pytest.MonkeyPatch) -> None:

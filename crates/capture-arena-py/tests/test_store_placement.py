@@ -683,7 +683,7 @@ def test_a_stopped_master_fails_a_connect_within_the_probe_and_never_holds_the_g
         stop.set()
         ticker.join(5)
         gap = max(b - a for a, b in zip(ticks, ticks[1:]))
-        assert took < _store.PROBE_TIMEOUT_S + _store.PROBE_ANSWER_S + 1 and gap < 0.5, (took, gap)
+        assert took < _store.PROBE_TIMEOUT_S + _store.PROBE_ANSWER_S + 1 and gap < 1.0, (took, gap)
     finally:
         os.kill(p.pid, signal.SIGCONT)
         mooncake_master.stop(p)

@@ -1399,7 +1399,7 @@ def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_unti
         assert worker.ask({"get_finished": ["unread"]}) == {"done": ["unread"]}
         assert sched.ask({"finished_sending": ["unread"]}) == {"ok": True}
         done = sched.ask({"reset": True})
-        assert done["ok"] is True and done["s"] < 0.1, done
+        assert done["ok"] is True and done["s"] < 0.5, done  # not the bound + grace (1.5 s)
     finally:
         assert worker.ask({"gate_copies": False}) == {"ok": True}
         assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
@@ -1522,7 +1522,7 @@ def test_an_aborted_requests_free_never_waits_on_vllms_thread_for_another_send(p
             time.sleep(0.01)
         got = sched.ask({"finish": "aborting", "abort": True})
         assert "aborted" in got["params"]["capture_arena"]["error"], got
-        assert got["s"] < 0.25, f"vLLM's thread waited {got['s']:.2f} s for another send"
+        assert got["s"] < 0.75, f"vLLM's thread waited {got['s']:.2f} s for another send"
     finally:
         assert worker.ask({"hold_answers": False}) == {"ok": True}
         assert sched.ask({"send_timeout": 0.5}) == {"ok": True}
