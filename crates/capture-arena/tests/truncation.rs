@@ -309,3 +309,44 @@ fn a_handler_installed_after_ours_is_put_behind_it_at_the_next_mapping() {
     assert_eq!(status.code(), Some(0), "{status:?}\n{err}");
     assert_eq!(err.matches("like a guard: caught").count(), 2, "{err}");
 }
+
+/// As a handler that fails a system call (and so sets `errno`) and returns.
+extern "C" fn sets_errno(_: libc::c_int) {
+    // SAFETY: __errno_location is this thread's errno.
+    unsafe { *libc::__errno_location() = libc::EAGAIN };
+}
+
+#[test]
+fn the_interrupted_code_finds_errno_as_it_left_it_after_ours_passed_a_signal_on() {
+    if std::env::var_os("CAPTURE_ARENA_SIGBUS_CHILD").is_some() {
+        // A handler installed before ours, which ours passes a SIGBUS outside its ranges to.
+        // SAFETY: a plain handler of our own, installed before any thread of ours runs one.
+        unsafe {
+            let mut a: libc::sigaction = std::mem::zeroed();
+            a.sa_sigaction = sets_errno as *const () as usize;
+            libc::sigemptyset(&mut a.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGBUS, &a, std::ptr::null_mut()), 0);
+        }
+        let _w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
+        // SAFETY: errno is this thread's; raise sends this thread a SIGBUS, which ours hands
+        // on to the handler above (it is outside every arena) and returns.
+        let after = unsafe {
+            *libc::__errno_location() = libc::EINTR;
+            assert_eq!(libc::raise(libc::SIGBUS), 0);
+            *libc::__errno_location()
+        };
+        if after != libc::EINTR {
+            eprintln!(
+                "errno was {} before the signal and {after} after it",
+                libc::EINTR
+            );
+            std::process::exit(1);
+        }
+        std::process::exit(0);
+    }
+    let (status, err) = child(
+        "the_interrupted_code_finds_errno_as_it_left_it_after_ours_passed_a_signal_on",
+        "errno",
+    );
+    assert!(status.success(), "{status:?}\n{err}");
+}

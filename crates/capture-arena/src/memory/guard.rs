@@ -325,28 +325,20 @@ fn in_front() {
     RETAKING.store(0, Ordering::Release);
 }
 
-/// `errno` as the interrupted code left it, put back when the handler returns: `mmap`,
-/// `sigaction` and a handler passed the signal on to may change it, and the interrupted code
-/// (a `read` that just failed, say) reads it next.
-struct KeepErrno(libc::c_int);
-
-impl KeepErrno {
-    fn now() -> Self {
-        // SAFETY: __errno_location returns this thread's errno, valid for the thread's life.
-        KeepErrno(unsafe { *libc::__errno_location() })
-    }
-}
-
-impl Drop for KeepErrno {
-    fn drop(&mut self) {
-        // SAFETY: as in `now`.
-        unsafe { *libc::__errno_location() = self.0 };
-    }
-}
-
-/// The handler. Async-signal-safe: atomics, `mmap`, `sigaction`, `raise` only.
+/// The handler: `errno` as the interrupted code left it is put back when it returns (`mmap`,
+/// `sigaction` and a handler the signal is passed on to may change it, and the interrupted code,
+/// a `read` that just failed say, reads it next). Saved and restored here, around the work, with
+/// no destructor: a handler passed the signal on to may `siglongjmp` out of it.
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    let _errno = KeepErrno::now();
+    // SAFETY: __errno_location returns this thread's errno, valid for the thread's life.
+    let errno = unsafe { *libc::__errno_location() };
+    handle_sigbus(sig, info, ctx);
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+/// The work of [`on_sigbus`]. Async-signal-safe: atomics, `mmap`, `sigaction`, `raise` only.
+fn handle_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
     // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
     let (addr, code) = unsafe { ((*info).si_addr() as usize, (*info).si_code) };
     // A fault (not a signal sent by a process: those have si_code <= 0).
