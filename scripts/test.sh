@@ -49,6 +49,7 @@ on_exit() {
   # The background builds are only compilers: stopped with the run (their own process group).
   if [ -n "${BUILDS:-}" ]; then kill -- -"$BUILDS" 2>/dev/null || true; fi
   if [ -n "${FUZZ_BUILD:-}" ]; then kill -- -"$FUZZ_BUILD" 2>/dev/null || true; fi
+  if [ -n "${MYPY:-}" ]; then kill -- -"$MYPY" 2>/dev/null || true; fi
   times_per_step
 }
 trap on_exit EXIT
@@ -224,15 +225,18 @@ step "scripts/gpu-check.sh, dry run against the fake driver (every step runs, sm
 # Side by side: each is mostly one busy thread (57 s and 43 s alone on 2 cores). The dry run:
 # 36-44 s as a rule, once over 85 s (its Python suite step: the step prints its slowest tests);
 # 150 s leaves room beside mypy; a step that hangs still fails it.
-(cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
-  && ../../.venv/bin/python -m mypy --strict -p capture_arena) > .cache/mypy.log 2>&1 &
+# Its own session: a failed dry run stops it as a group (on_exit).
+setsid -w bash -c 'cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
+  && ../../.venv/bin/python -m mypy --strict -p capture_arena' > .cache/mypy.log 2>&1 &
 MYPY=$!
 GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 150
 if ! wait "$MYPY"; then
+  MYPY=
   cat .cache/mypy.log
   echo "the type checks failed (mypy.stubtest, then mypy --strict)" >&2
   exit 1
 fi
+MYPY=
 tail -n 3 .cache/mypy.log
 
 step "builds started in the background, at the lowest CPU priority, while the Python suites run"

@@ -527,7 +527,12 @@ print(sink.started, flush=True)
     for _ in range(3):
         child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         pids.add(child.pid)
-        _, err = child.communicate(timeout=120)
+        try:
+            _, err = child.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            child.kill()  # not left holding its 1 GiB arena beside the next test file
+            child.communicate()
+            raise
         assert child.returncode == 0, (child.returncode, err[-2000:])
     # Theirs only (an arena's name starts with its creator's pid): other tests may run beside.
     leftovers = [n for n in os.listdir("/dev/shm") if any(n.startswith(f"capture-arena-{pid}-") for pid in pids)]

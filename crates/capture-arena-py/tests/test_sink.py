@@ -668,7 +668,7 @@ def test_log_arguments_are_cut_before_they_are_rendered_and_never_lose_their_rec
     """capture_arena's loggers (capture_arena._logs): a 10 MB string quoted with %r costs a few
     kilobytes, not the string again several times over (escaped whole, then cut); an argument
     whose repr raises or recurses is named, the record kept; numpy's scalars stay numbers for
-    %d."""
+    %d; a traceback's exception line stays one line, escaped."""
     import logging
     import tracemalloc
 
@@ -692,9 +692,17 @@ def test_log_arguments_are_cut_before_they_are_rendered_and_never_lose_their_rec
         finally:
             tracemalloc.stop()
         log.warning("odd %r %r, count %d", Unshowable(), Recursing(), np.int64(7))
-    big_line, odd = (r.getMessage() for r in caplog.records if r.name == "capture_arena.test")
+        try:
+            raise ValueError("bad\nforged line \ud800")
+        except ValueError:
+            log.warning("failed", exc_info=True)
+    big_line, odd, failed = (r for r in caplog.records if r.name == "capture_arena.test")
+    big_line, odd = big_line.getMessage(), odd.getMessage()
     assert peak < 1 << 20 and len(big_line) < 10_000 and big_line.endswith("(9998000 more characters)"), (peak, big_line[-60:])
     assert odd == "odd <Unshowable that cannot be shown> <Recursing nested too deeply to show>, count 7", odd
+    # The traceback's exception line: one line, escaped, writable as UTF-8.
+    assert failed.exc_text is not None and failed.exc_text.endswith("ValueError: bad\\nforged line \\ud800"), failed.exc_text
+    failed.exc_text.encode("utf-8")
 
 
 class _FakedPanic(BaseException):

@@ -405,29 +405,35 @@ def test_a_record_whose_feature_shape_is_not_one_is_refused_at_adopt_before_any_
     assert store.health()["resident_samples"] == 0
 
 
-def test_what_results_may_cost_a_store_is_bounded_before_they_are_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_results_may_cost_a_store_is_bounded_before_they_are_recorded(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Results are outside input (a /generate response, a live record). A 2 MB sample id, a
-    result of 2 MiB, a control endpoint longer than the core takes (300 bytes) and a token of a
-    lone surrogate cost only themselves: the first two are not recorded, the endpoint is not
-    learned, the token is not taken, and no call raises. What is recorded is bounded in bytes in
-    all (MAX_RECORDED_BYTES, 3 MiB here): the oldest go beyond it. Before: all recorded whole
-    (65,536 results of any size), the endpoint learned, and the token raised UnicodeEncodeError
-    out of record_result."""
+    result of 2 MiB, an id of 1025 bytes, 257 features, a control endpoint longer than the core
+    takes (300 bytes) and a token of a lone surrogate cost only themselves: the first four are
+    not recorded (the log says why, and their endpoint is learned so that abort frees them by
+    prefix), the long endpoint is not learned, the token is not taken, and no call raises. What
+    is recorded is bounded in bytes in all (MAX_RECORDED_BYTES, 3 MiB here): the oldest go
+    beyond it. Before: all recorded whole (65,536 results of any size), the endpoint learned,
+    and the token raised UnicodeEncodeError out of record_result."""
     from capture_arena import specforge as sf
 
     monkeypatch.setattr(sf, "MAX_RECORDED_BYTES", 3 << 20)
+    monkeypatch.setattr(sf, "_REFUSED", sf.Warnings())  # none earlier holds this one back
     store = SpecForgeArenaStore(store_id="run11")
 
     def result(sid: str, control: str = "127.0.0.1:9", **more: Any) -> dict[str, Any]:
         return {"store_id": "run11", "sample_id": sid, "gen": 1, "arena": {"session": "shm://x", "control": control},
                 "features": {"target": {"shape": [1, 2], "dtype": "int64", "address": 4096, "stamp": 7}}, **more}  # fmt: skip
 
-    store.record_result(result("x" * (2 << 20)))
+    with caplog.at_level(logging.WARNING, logger="capture_arena"):
+        store.record_result(result("x" * (2 << 20)))
+    assert any("was not recorded (its sample_id is 2097152 bytes, over the 1024" in r.getMessage() for r in caplog.records), caplog.text[-2000:]
     store.record_result(result("padded", padding="p" * (2 << 20)))
+    store.record_result(result("y" * 1025))
+    store.record_result({**result("wide"), "features": {f"f{i}": {} for i in range(257)}})
     store.record_result(result("long-endpoint", "h" * 300 + ":1"))
     store.record_result({**result("bad-token"), "arena": {"session": "shm://x", "control": "127.0.0.1:10", "token": "\ud800"}})
     h = store.health()
-    assert h["tracked_results"] == 2 and h["control_endpoints"] == 1, h  # long-endpoint and bad-token; :10 alone
+    assert h["tracked_results"] == 2 and h["control_endpoints"] == 2, h  # long-endpoint and bad-token; :9 and :10
     assert store._endpoints["127.0.0.1:10"] is None  # learned, its token not
     for i in range(6):  # 900 KB each: three fit in 3 MiB
         store.record_result(result(f"big{i}", padding="p" * 900_000))

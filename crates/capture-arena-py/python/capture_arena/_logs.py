@@ -53,10 +53,16 @@ def _text(v: object, how: Callable[[object], str]) -> str:
         return f"<{type(v).__name__} that cannot be shown>"
 
 
-_REPR = reprlib.Repr()  # its bounds set one by one: Python 3.10 and 3.11 take no arguments
-_REPR.maxlevel = 4
+# A container argument: two levels of 32 items, each string or other item 200 characters, at
+# most (about 200 KB rendered before the cut). Its bounds are set one by one: Python 3.10 and
+# 3.11 take no arguments.
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 2
 _REPR.maxdict = _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = 32
-_REPR.maxstring = _REPR.maxother = MAX_ARG_CHARS
+_REPR.maxstring = _REPR.maxother = 200
+
+#: The characters of a record's traceback shown, at most (its end: the exception is there).
+MAX_TRACEBACK_CHARS = 20000
 
 
 class _Shown:
@@ -89,9 +95,26 @@ class _SafeArgs(logging.Filter):
             elif isinstance(record.args, Mapping):  # log("%(name)s", {...}): its values by name
                 named = itertools.islice(record.args.items(), 256)
                 record.args = _Named({_text(k, str): _safe(v) for k, v in named}, record.args)
+            if record.exc_info and not record.exc_text:
+                record.exc_text = _traceback(record.exc_info)
         except Exception:  # a record is never lost to its arguments
             pass
         return True
+
+
+def _traceback(exc_info: Any) -> str:
+    """A record's traceback as handlers show it (``exc_text``), its exception's text held to the
+    rule of arguments: after the last frame, one escaped line (a newline in an id cannot forge
+    a line), no lone surrogate anywhere, at most MAX_TRACEBACK_CHARS (the end kept)."""
+    lines = logging.Formatter().formatException(exc_info).split("\n")
+    # The last frame: its "  File ..." line, then its source and marker lines (indented).
+    end = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=0) + 1
+    while end < len(lines) and lines[end].startswith("    "):
+        end += 1
+    text = "\n".join([*lines[:end], shown("\n".join(lines[end:]), MAX_TRACEBACK_CHARS // 2)])
+    if len(text) > MAX_TRACEBACK_CHARS:
+        text = f"... ({len(text) - MAX_TRACEBACK_CHARS} characters before)\n{text[-MAX_TRACEBACK_CHARS:]}"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class _Named(dict):  # type: ignore[type-arg]

@@ -78,6 +78,7 @@ except ImportError as e:  # pragma: no cover - exercised only without SpecForge
 from . import _logs
 from ._live import _NotSent, _Route
 from ._reader import ArenaFeatureStore
+from ._samples import Warnings
 from ._capture_arena import _is_valid_token, _send_frees, _stats_query
 from ._store import is_store_result
 from .errors import CaptureArenaError, FreeNotSentError, FreeRefusedError, ReleasedError
@@ -191,31 +192,38 @@ def _json_bytes(result: Any) -> Optional[int]:
         return None
 
 
-def _recordable(result: Any, store_id: str) -> Optional[Tuple[str, int]]:
-    """The ``(sample_id, gen)`` of a result of ``store_id`` that may be recorded: a published
-    result (no error, features) whose id, feature count and size are within the core's bounds;
-    None for anything else (never recorded, so it costs nothing past this call)."""
+def _recordable(result: Any, store_id: str) -> Tuple[Optional[Tuple[str, int]], str]:
+    """``((sample_id, gen), "")`` for a result of ``store_id`` that may be recorded: a
+    published result (no error, features) whose id, feature count and size are within the
+    core's bounds. ``(None, why)`` for one of this store that may not (never recorded, so it
+    costs nothing past this call); ``(None, "")`` for anything else."""
     if not isinstance(result, Mapping) or result.get("error"):
-        return None
+        return None, ""
     features = result.get("features")
-    if not isinstance(features, Mapping) or len(features) > MAX_FEATURES:
-        return None
-    if str(result.get("store_id")) != store_id:  # checked before anything else is converted
-        return None
+    if not isinstance(features, Mapping) or str(result.get("store_id")) != store_id:
+        return None, ""
+    if len(features) > MAX_FEATURES:
+        return None, f"{len(features)} features, over the {MAX_FEATURES} a result may have"
     sid = result.get("sample_id")
     if not isinstance(sid, (str, int)) or isinstance(sid, bool):
-        return None
+        return None, f"its sample_id is a {type(sid).__name__}, not a string"
     sid = str(sid)
     if _utf8_len(sid) > MAX_ID_BYTES:
-        return None
+        return None, f"its sample_id is {_utf8_len(sid)} bytes, over the {MAX_ID_BYTES} a key part may be"
     try:
         gen = int(result["gen"])
     except (KeyError, TypeError, ValueError, OverflowError):  # gen: 1e999
-        return None
+        return None, "it has no integer gen"
     size = _json_bytes(result)
-    if size is None or size > MAX_RESULT_BYTES:
-        return None
-    return sid, gen
+    if size is None:
+        return None, "it is not JSON"
+    if size > MAX_RESULT_BYTES:
+        return None, f"it is {size} bytes as JSON, over the {MAX_RESULT_BYTES} a result may hold"
+    return (sid, gen), ""
+
+
+#: Results of this store that were not recorded: said at most once a second.
+_REFUSED = Warnings()
 
 
 class _Recorded(collections.OrderedDict[Tuple[str, int], Dict[str, Any]]):
@@ -245,6 +253,11 @@ class _Recorded(collections.OrderedDict[Tuple[str, int], Dict[str, Any]]):
         ident, result = super().popitem(last)
         self.bytes -= self._sizes.pop(ident, 0)
         return ident, result
+
+    def clear(self) -> None:
+        super().clear()
+        self.bytes = 0
+        self._sizes.clear()
 
     def over(self) -> bool:
         return len(self) > MAX_RECORDED or self.bytes > MAX_RECORDED_BYTES
@@ -635,8 +648,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             for result in _flatten(meta.get("spec_capture")):
                 if seen >= most:
                     return  # more results than the request asked for: not ours to keep
-                ident = _recordable(result, self.store_id)
+                ident, why = _recordable(result, self.store_id)
                 if ident is None:
+                    self._refused(result, why)
                     continue
                 seen += 1
                 with self._lock:
@@ -647,6 +661,20 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                         (sid, gen), old = self._recorded.popitem(last=False)
                         log.warning("capture results never adopted hold more than %d results or %d bytes: freeing the oldest, %s g%d", MAX_RECORDED, MAX_RECORDED_BYTES, sid, gen)
                         self._free_result(old)
+
+    def _refused(self, result: Any, why: str) -> None:
+        """A result of this store that is not recorded: said, and its endpoint learned (within
+        its bound), so that abort frees its objects there by prefix."""
+        if not why:
+            return
+        _REFUSED.warn(
+            "refused",
+            "a capture result of store %s was not recorded (%s): its adopt fails, and abort or discard frees its objects by prefix",
+            self.store_id,
+            why,
+        )
+        with self._lock:
+            self._learn_from(result)
 
     def _learn(self, control: str, token: Optional[str]) -> None:
         if token is not None and not _is_token(token):
@@ -693,7 +721,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             if result is None:
                 raise ValueError(
                     f"cannot adopt {_short(sid)} g{gen}: no capture-arena result recorded for it, nor carried in its ref "
-                    "(give the adapter post_fn=store.post_fn())"
+                    "(give the adapter post_fn=store.post_fn(); a result over the store's bounds is not recorded, and the log says why)"
                 )
             try:
                 self._check_result(sample_ref, result, gen)
@@ -723,8 +751,9 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         ``/generate`` response: a live capture's record (the sink's result plus ``num_tokens``),
         as SpecForge's intake hands it to its ref source. The ``adopt`` of its ref then finds
         it. Results of other stores, and rows with an error, are ignored."""
-        ident = _recordable(record, self.store_id)
+        ident, why = _recordable(record, self.store_id)
         if ident is None:
+            self._refused(record, why)
             return
         result = {k: v for k, v in record.items() if k not in ("num_tokens", "origin")}
         with self._lock:
@@ -957,7 +986,8 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             raise KeyError(f"sample {sid}: its capture-arena result lacks features {_short(missing)}")
         size = _json_bytes(result)
         if size is None or size > MAX_RESULT_BYTES:
-            raise KeyError(f"sample {sid}: its capture-arena result is {size or 'not'} JSON bytes, over the {MAX_RESULT_BYTES} a result may hold")
+            held = "is not JSON" if size is None else f"is {size} bytes as JSON, over the {MAX_RESULT_BYTES} a result may hold"
+            raise KeyError(f"sample {sid}: its capture-arena result {held}")
         for name, f in result["features"].items():
             if not isinstance(f, Mapping) or not _shape_ok(f.get("shape")):
                 shape = f.get("shape") if isinstance(f, Mapping) else f
