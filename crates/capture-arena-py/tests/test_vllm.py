@@ -619,31 +619,42 @@ def test_vllm_serve_returns_the_result_in_the_http_response_and_speculators_trai
     import time
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cpus = sorted(os.sched_getaffinity(0))
     tp = 2 if len(cpus) >= 2 else 1  # one CPU: one worker, and the rank check says nothing
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(c) for c in cpus[:tp])}
     env.pop("SGLANG_SPEC_CAPTURE_PLACEMENT", None)
     before = set(glob.glob("/dev/shm/capture-arena-*"))
     vllm_shm = set(glob.glob("/dev/shm/vllm_dist_*"))
-    args = [
-        # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the version of a
-        # distribution named "vllm" (this one is "vllm-cpu") and exits before serving.
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "512",
-        "--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp",
-        "--speculative-config", json.dumps({"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}}),
-        "--kv-transfer-config", json.dumps({"kv_connector": "CaptureArenaConnector", "kv_role": "kv_producer",
-                                            "kv_connector_module_path": "capture_arena.vllm",
-                                            "kv_connector_extra_config": {"arena_bytes": "256KiB"}}),
-    ]
-    server = Proc(args, env)
+
+    def serve() -> tuple[Proc, int]:
+        """vllm serve on a port free a moment ago."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        args = [
+            # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the version of
+            # a distribution named "vllm" (this one is "vllm-cpu") and exits before serving.
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "512",
+            "--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp",
+            "--speculative-config", json.dumps({"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": LAYERS}}}),
+            "--kv-transfer-config", json.dumps({"kv_connector": "CaptureArenaConnector", "kv_role": "kv_producer",
+                                                "kv_connector_module_path": "capture_arena.vllm",
+                                                "kv_connector_extra_config": {"arena_bytes": "256KiB"}}),
+        ]  # fmt: skip
+        return Proc(args, env), port
+
+    server, port = serve()
+    tries = 1
     try:
         deadline = time.monotonic() + 600
         while True:  # until the server answers /health (or exits, or the deadline)
+            if server.p.poll() is not None and "Address already in use" in server.log_tail() and tries == 1:
+                # Another process (a test file running beside) took the port before vllm bound it.
+                server.close()
+                server, port = serve()
+                tries += 1
             assert server.p.poll() is None, f"vllm serve exited: {server.stderr()}"
             assert time.monotonic() < deadline, f"vllm serve not up in 600 s: {server.stderr()}"
             try:
