@@ -335,15 +335,25 @@ def test_vllm_will_not_discard_the_cache_under_the_copy_of_a_running_request(eng
     finally:
         assert engine.ask({"preempt_grace": 30.0}) == {"ok": True}
         assert engine.ask({"gate": "open"}) == {"ok": True}
-    if copy == "lands_during_the_reset":
-        assert got.get("slept") and got["over_at_discard"] == [True], got
-        assert 0.3 <= got["s"] < bound + grace, got
-    else:
-        assert "Failed to reset the KV connector cache" in got.get("error", "") and got["over_at_discard"] == [], got
-        assert bound + grace <= got["s"] < bound + grace + 2.0, got
     kv = got["params"]
-    assert "error" not in kv["capture_arena"], kv
-    assert trainer.ask({"read": kv, "prompt": p}, timeout=60).get("ok")
+    try:
+        if copy == "lands_during_the_reset":
+            assert got.get("slept") and got["over_at_discard"] == [True], got
+            assert 0.3 <= got["s"] < bound + grace, got
+        else:
+            assert "Failed to reset the KV connector cache" in got.get("error", "") and got["over_at_discard"] == [], got
+            assert bound + grace <= got["s"] < bound + grace + 2.0, got
+        assert "error" not in kv["capture_arena"], kv
+        assert trainer.ask({"read": kv, "prompt": p}, timeout=60).get("ok")
+    except BaseException:
+        # Its capture freed all the same (the trainer frees only what it read): the module's
+        # later tests count the engine's objects.
+        import capture_arena as ca
+
+        reader = ca.ArenaFeatureStore()
+        reader.release(kv["capture_arena"])
+        reader.flush(10)
+        raise
     assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
     assert trainer.ask({"flush": True}) == {"ok": True}
     assert resident(kv)["resident_objects"] == 0, got

@@ -290,9 +290,9 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         step()  # a decode step: the prompt's own step has surely run its wait_for_save
         assert not ours().is_finished(), "the request must still run when the engine sleeps"
         over_at_discard.clear()
+        t0 = time.monotonic()  # before the timer's start: the gate opens open_after after t0 at the soonest
         if cmd.get("open_after") is not None:
             threading.Timer(float(cmd["open_after"]), gate.set).start()
-        t0 = time.monotonic()
         try:
             llm.sleep(level=1, mode="keep")
             answer = {"slept": True}
