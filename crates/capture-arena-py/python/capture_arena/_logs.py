@@ -2,9 +2,10 @@
 
 Log arguments are often outside input: a sample id from a request, a control endpoint or a
 store id from a result, a vLLM request id a client chose, an error naming any of them. Every
-logger here renders each string (and exception) argument bounded and escaped: at most
-``MAX_ARG_CHARS`` characters (the rest counted, not shown), and control characters, line
-separators and lone surrogates written as escapes. So no input can write a log line of
+logger here renders each argument other than a number (strings, exceptions, containers, any
+object) bounded and escaped: at most ``MAX_ARG_CHARS`` characters (the rest counted, not shown),
+and control characters, line separators and lone surrogates written as escapes; a record's
+traceback ends in its exception's text on one escaped line. So no input can write a log line of
 megabytes, forge a line of its own (a newline in a request id), or make a record a handler
 cannot encode (a lone surrogate raises in a UTF-8 file handler, and in pytest-xdist's report
 of captured logs).
