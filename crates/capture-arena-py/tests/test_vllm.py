@@ -964,6 +964,18 @@ def wait_resident(p: Proc, n: int, timeout: float = 20.0) -> dict[str, Any]:
     return wait_stats(p, lambda s: s["resident_objects"] == n, timeout)
 
 
+def wait_finished(p: Proc, rid: str, timeout: float = 20.0) -> None:
+    """Waits until the worker's get_finished reports request ``rid``'s copy done (vLLM asks at
+    every step). Its flag is set just after its write is finished, so the writer may count the
+    write (``written_objects``) a moment before get_finished can report it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (got := p.ask({"get_finished": [rid]})) != {"done": [rid]}:
+        assert got == {"done": []} and time.monotonic() < deadline, f"{rid}: get_finished said {got}; the log: {p.log_tail()}"
+        time.sleep(0.01)
+
+
 def wait_stats(p: Proc, pred: Any, timeout: float = 20.0) -> dict[str, Any]:
     """Waits until the worker's stats satisfy `pred` (or the timeout); its stats."""
     import time
@@ -1071,7 +1083,7 @@ def test_a_step_whose_copy_cannot_be_set_up_fails_its_objects_and_gives_its_bloc
         s = wait_stats(p, lambda s: s["failed_writes"] >= before["failed_writes"] + 2 and s["resident_objects"] == before["resident_objects"])
         why = f"before {before}\nafter {s}\nits log: {p.log_tail()}"
         assert s["failed_writes"] - before["failed_writes"] == 2 and s["resident_objects"] == before["resident_objects"], why
-        assert p.ask({"get_finished": ["unset"]}) == {"done": ["unset"]}
+        wait_finished(p, "unset")
         assert "no staging buffers (the test's fault)" in p.log_tail()
     finally:
         assert p.ask({"break_rows": None}) == {"ok": True}
@@ -1095,19 +1107,18 @@ def test_a_panic_while_failing_a_steps_objects_does_not_end_the_copy_thread(both
     try:
         p.ask({"save": p.ask({"announce": [["twice", 8]]})["meta"]})
         p.ask({"finish": "twice"})
-        deadline = time.monotonic() + 20
-        while p.ask({"get_finished": ["twice"]}) != {"done": ["twice"]}:
-            assert time.monotonic() < deadline, f"the panicking step's blocks never went back; its log: {p.log_tail()}"
-            time.sleep(0.02)
+        wait_finished(p, "twice")  # the panicking step's blocks go back
     finally:
         assert p.ask({"break_rows": None}) == {"ok": True}
     p.ask({"save": p.ask({"announce": [["after", 8]]})["meta"]})
     got = p.ask({"finish": "after"})["params"]
-    s = wait_stats(p, lambda s: s["written_objects"] == before["written_objects"] + 2)
-    assert s["written_objects"] == before["written_objects"] + 2, f"the next step was not copied: {s}; its log: {p.log_tail()}"
-    assert p.ask({"get_finished": ["after"]}) == {"done": ["after"]}
-    assert "failing the step's objects panicked" in p.log_tail()
-    release_all([got])
+    try:  # released whatever happens: the module's later tests count the arena's objects
+        s = wait_stats(p, lambda s: s["written_objects"] == before["written_objects"] + 2)
+        assert s["written_objects"] == before["written_objects"] + 2, f"the next step was not copied: {s}; its log: {p.log_tail()}"
+        wait_finished(p, "after")
+        assert "failing the step's objects panicked" in p.log_tail()
+    finally:
+        release_all([got])
     assert wait_resident(p, before["resident_objects"])["resident_objects"] == before["resident_objects"]
 
 
@@ -1198,10 +1209,12 @@ def test_a_copy_thread_that_cannot_start_fails_only_its_step(both: Proc) -> None
     assert p.ask({"get_finished": ["no-thread"]}) == {"done": ["no-thread"]}
     p.ask({"save": p.ask({"announce": [["thread-again", 8]]})["meta"]})
     got = p.ask({"finish": "thread-again"})["params"]
-    s = wait_stats(p, lambda s: s["written_objects"] == before["written_objects"] + 2)
-    assert s["written_objects"] == before["written_objects"] + 2 and s["failed_writes"] == before["failed_writes"] + 2, s
-    assert p.ask({"get_finished": ["thread-again"]}) == {"done": ["thread-again"]}
-    release_all([failed, got])
+    try:  # released whatever happens: the module's later tests count the arena's objects
+        s = wait_stats(p, lambda s: s["written_objects"] == before["written_objects"] + 2)
+        assert s["written_objects"] == before["written_objects"] + 2 and s["failed_writes"] == before["failed_writes"] + 2, s
+        wait_finished(p, "thread-again")
+    finally:
+        release_all([failed, got])
     assert wait_resident(p, before["resident_objects"])["resident_objects"] == before["resident_objects"]
 
 
