@@ -728,7 +728,7 @@ class _Route:
                 raise _NotSent(f"sending to {self.origin} {self.describe()}") from (late if cut.is_set() else e)
             try:
                 resp = conn.getresponse()
-                answer = _read_within(resp, limit, deadline)
+                answer = _read_within(resp, limit, deadline, late)
             except (OSError, http.client.HTTPException) as e:
                 if cut.is_set():
                     raise late from e
@@ -850,13 +850,14 @@ def _connect_by(deadline: float, held: list[socket.socket], cut: threading.Event
     return create
 
 
-def _read_within(resp: Any, limit: int, deadline: float) -> bytes:
+def _read_within(resp: Any, limit: int, deadline: float, late: TimeoutError) -> bytes:
     """At most ``limit`` bytes of an answer, by ``deadline`` (an intake that drips its answer
-    does not hold the worker past it)."""
+    does not hold the worker past it); past it, raises ``late``: the same error whichever of
+    this look and the request's watchdog comes first."""
     out = bytearray()  # appended in place: a bytes += copied it all per chunk (minutes at 256 MiB)
     while len(out) < limit:
         if time.monotonic() > deadline:
-            raise TimeoutError("the intake's answer did not come in time")
+            raise late
         chunk = resp.read1(min(65536, limit - len(out))) if hasattr(resp, "read1") else resp.read(limit - len(out))
         if not chunk:
             break
