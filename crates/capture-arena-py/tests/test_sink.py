@@ -699,6 +699,7 @@ def test_log_arguments_are_cut_before_they_are_rendered_and_never_lose_their_rec
     big_line, odd, failed = (r for r in caplog.records if r.name == "capture_arena.test")
     big_line, odd = big_line.getMessage(), odd.getMessage()
     assert peak < 1 << 20 and len(big_line) < 10_000 and big_line.endswith("(9998000 more characters)"), (peak, big_line[-60:])
+    assert big_line.count("more characters") == 1, big_line[-60:]  # its rendering is not cut (and counted) again
     assert odd == "odd <Unshowable that cannot be shown> <Recursing nested too deeply to show>, count 7", odd
     # The traceback's exception line: one line, escaped, writable as UTF-8.
     assert failed.exc_text is not None and failed.exc_text.endswith("ValueError: bad\\nforged line \\ud800"), failed.exc_text

@@ -24,6 +24,9 @@ from typing import Any
 #: The characters of one string argument shown, at most.
 MAX_ARG_CHARS = 2000
 
+#: The most characters the ``repr`` of a string cut to MAX_ARG_CHARS renders to.
+_RENDERED_CUT = 10 * MAX_ARG_CHARS + 2
+
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 
 
@@ -41,10 +44,12 @@ def _text(v: object, how: Callable[[object], str]) -> str:
     rendered (``repr`` of 100 MB would first make 100 MB more), and an object whose ``str`` or
     ``repr`` raises is named by its type (a log call never raises for its arguments)."""
     try:
+        # What is left once cut is shown whole: its repr escapes a character in at most 10
+        # (``\U000e0001``), and cutting it again would add a second, wrong count.
         if isinstance(v, str) and len(v) > MAX_ARG_CHARS:
-            return f"{shown(how(v[:MAX_ARG_CHARS]))}... ({len(v) - MAX_ARG_CHARS} more characters)"
+            return f"{shown(how(v[:MAX_ARG_CHARS]), _RENDERED_CUT)}... ({len(v) - MAX_ARG_CHARS} more characters)"
         if isinstance(v, (bytes, bytearray)) and len(v) > MAX_ARG_CHARS:
-            return f"{shown(how(bytes(v[:MAX_ARG_CHARS])))}... ({len(v) - MAX_ARG_CHARS} more bytes)"
+            return f"{shown(how(bytes(v[:MAX_ARG_CHARS])), _RENDERED_CUT)}... ({len(v) - MAX_ARG_CHARS} more bytes)"
         if isinstance(v, (dict, list, tuple, set, frozenset)):
             return shown(_REPR.repr(v))  # bounded in items and depth before it is rendered
         return shown(how(v))
