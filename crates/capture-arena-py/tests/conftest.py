@@ -208,7 +208,9 @@ def _fail_a_ci_skip(report: Any) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
-    _fail_a_ci_skip(outcome.get_result())
+    report = outcome.get_result()
+    _fail_a_ci_skip(report)
+    setattr(item, f"rep_{report.when}", report)  # what a fixture's teardown asks: did the test fail?
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -159,10 +159,9 @@ def _lifecycle(out: Any) -> None:
             child_sink.put_sample(spec("child"), aux=hidden(8, 12), last_hidden=hidden(8, 4))  # started: it has levels
             h = metrics.register(child_sink)
             ok = ok and h is not None and h is not h2 and h.thread.is_alive()
-            time.sleep(2 * INTERVAL_S)
             # The child's values go to its own file (prometheus_client's files are per pid).
             mine = os.path.join(os.environ["PROMETHEUS_MULTIPROC_DIR"], f"gauge_mostrecent_{os.getpid()}.db")
-            ok = ok and os.path.exists(mine)
+            ok = ok and _wait(lambda: os.path.exists(mine), 10 * INTERVAL_S)
             metrics.unregister(h2)
             metrics.unregister(h)
             child_sink.close()
@@ -186,7 +185,6 @@ def _lifecycle(out: Any) -> None:
     # More stores than the label bound: the rest are summed into "_other".
     fake = FakeSink()
     h4 = metrics.register(fake)
-    time.sleep(2 * INTERVAL_S)
     out.put(got)
     out.get(timeout=30)  # the parent has scraped
     metrics.unregister(h4)
@@ -207,7 +205,8 @@ def test_a_spawned_scheduler_shows_its_sink_on_sglangs_metrics(multiproc_env):
     p = _spawn(_scheduler, out, release, done)
     try:
         assert out.get(timeout=30) == ("published", "MultiprocessExporter", 3)
-        got = scrape_like_sglang()
+        # The exporter thread writes each interval: scraped until its values are there.
+        got = poll(lambda s: s.get(("capture_arena_store_resident_objects", (("store_id", "st"),))) == 12)
         assert got[("capture_arena_published_samples_total", ())] == 3
         assert got[("capture_arena_resident_objects", ())] == 12
         assert got[("capture_arena_capacity", ())] == 16 << 20
@@ -279,7 +278,8 @@ def test_register_unregister_lifecycle_and_the_store_label_bound(multiproc_env):
             "stopped_on_close": True,
             "stopped_on_gc": True,
         }
-        samples = scrape_like_sglang()
+        # The fake sink's exporter writes within an interval: scraped until its values are there.
+        samples = poll(lambda s: store_bytes(s, "_other") is not None)
         labels = {dict(k[1])["store_id"] for k in samples if k[0] == "capture_arena_store_resident_bytes"}
         big = {x for x in labels if x.startswith("big-")}
         assert len(big) == metrics.MAX_STORE_LABELS and "_other" in labels

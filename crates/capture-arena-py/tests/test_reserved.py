@@ -225,7 +225,9 @@ def test_a_trainer_that_reads_before_the_bytes_waits_for_them_and_gets_exactly_t
     got = answer()
     assert "error" not in got, got
     assert bytes.fromhex(got["h"]) == data and got["ids"] == ids
-    s = sink.stats()
+    deadline = time.monotonic() + 10  # the writer counts the writes just after it stamps them
+    while (s := sink.stats())["written_objects"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert s["written_objects"] == 2 and s["failed_writes"] == 0, s
     reader_store = ca.ArenaFeatureStore()
     reader_store.release(r)
