@@ -362,6 +362,19 @@ def serve_behind_a_held_intake(live: Any, prefix: str, n: int, seed: int) -> dic
     return expected
 
 
+def test_a_view_counts_against_the_queues_bytes_as_all_it_keeps_alive() -> None:
+    """A queued capture keeps its tensors' memory alive, a view's whole base with it: a numpy
+    view of a 1 MB batch counted 800 bytes before (its own), so views of big batches passed
+    SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES as if small. A torch view counts its whole storage."""
+    from capture_arena import _live
+
+    batch = np.zeros((1000, 125), dtype=np.float64)  # 1,000,000 bytes
+    assert _live._held_bytes(batch[:1]) == _live._held_bytes(batch[:1][:, :5]) == 1_000_000
+    assert _live._held_bytes(torch.zeros(1000, 125, dtype=torch.float64)[:1]) == 1_000_000
+    assert _live._held_bytes(np.frombuffer(bytes(64), dtype=np.uint8)) == 64  # a base that is not an array
+    assert _live._held_bytes(None) == 0
+
+
 @pytest.mark.queue(1)
 def test_a_full_queue_drops_captures_and_counts_them(live: Any) -> None:
     expected = serve_behind_a_held_intake(live, "q", 5, seed=10)
@@ -739,6 +752,43 @@ def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout
     assert 1.0 <= took < 1.8, f"a 1 s request took {took:.2f} s over two addresses"  # not 2 s
 
 
+def test_a_name_whose_first_address_drops_connects_reaches_its_second_with_a_stand_in_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An intake's name resolves to an address that drops connects (a firewalled IPv6 one, a
+    stale record) and then to the live intake. Each address gets an equal share of what is left
+    of the request's time: the request reaches the intake. Before, the first took all that was
+    left, and the live one was never tried (the config fetch failed every time: live capture
+    never started). The dead address is a real socket whose accept queue is full; only the
+    resolver is a stand-in."""
+    from capture_arena import _live
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    dead = srv.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", dead), timeout=5)  # the accept queue is full
+    intake = Intake(config_payload("st"), lambda record: ("accepted", None))
+    live = int(intake.url.rsplit(":", 1)[1])
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host: Any, *a: Any, **k: Any) -> Any:
+        if host == "intake.test":
+            (first,) = real("127.0.0.1", dead, socket.AF_INET, socket.SOCK_STREAM)
+            (second,) = real("127.0.0.1", live, socket.AF_INET, socket.SOCK_STREAM)
+            return [first, second]
+        return real(host, *a, **k)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    try:
+        status, body = _live._Route(f"http://intake.test:{live}").request("GET", _live.CONFIG_PATH, None, 2.0, 1 << 20)
+    finally:
+        filler.close()
+        srv.close()
+        intake.stop()
+    assert status == 200 and json.loads(body)["store_id"] == "st", (status, body)
+
+
 def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_slow_connect_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     """An https intake that accepts and never answers the TLS handshake, reached by a connect
     that took 0.8 s (a stand-in delay after the real connect). The handshake runs on a socket
@@ -821,6 +871,17 @@ def test_an_intake_url_whose_port_is_not_one_is_a_config_error_naming_the_flag(u
 
     with pytest.raises(ca.ConfigError, match="--spec-capture-intake-url"):
         LiveCapture(url, 1.0, lambda item: {}, lambda result: None)
+
+
+def test_an_intake_url_with_credentials_is_a_config_error_that_does_not_show_them() -> None:
+    """``http://user:secret@host:port`` was taken: the credentials were never sent (the intake
+    answered 401 to every record, each capture published and freed for nothing) and the
+    password was in the start-up line and every network error."""
+    from capture_arena._live import LiveCapture
+
+    with pytest.raises(ca.ConfigError, match="credentials") as e:
+        LiveCapture("http://trainer:s3cret@127.0.0.1:8600", 1.0, lambda item: {}, lambda result: None)
+    assert "s3cret" not in str(e.value) and "trainer" not in str(e.value) and "127.0.0.1:8600" in str(e.value), e.value
 
 
 def test_a_proxy_whose_port_is_not_one_is_a_config_error_naming_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:

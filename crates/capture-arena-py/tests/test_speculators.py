@@ -174,6 +174,28 @@ class _ReadThenHang(torch.utils.data.Dataset):  # type: ignore[misc]
         time.sleep(600)
 
 
+def _sigterm_action(out: Any) -> None:
+    import signal
+
+    out.put("default" if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else repr(signal.getsignal(signal.SIGTERM)))
+
+
+def test_a_multiprocessing_child_that_reads_nothing_keeps_sigterms_default_action() -> None:
+    """multiprocessing runs its after-fork hooks in every child it forks (a pool's workers):
+    SIGTERM's handler went into each, so a ``Pool.terminate()`` of workers that read nothing
+    waited for them to get back to Python and flush. It is the processes that read
+    (``setup()``, a spawned worker's transfer) that get it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_sigterm_action, args=(out,))
+    p.start()
+    got = out.get(timeout=120)
+    p.join(60)
+    assert got == "default", got
+
+
 @pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_a_worker_terminated_by_its_dataloader_frees_what_it_read(sink: ca.ArenaSink, start: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's DataLoader (speculators' own: spawned workers) terminates (SIGTERM) a worker that

@@ -142,6 +142,12 @@ def check_intake_url(url: Any) -> str:
         port, why = 0, f" ({e})"
     else:
         why = " (port 0)" if port == 0 else ""
+    if "@" in parts.netloc:  # never sent (the intake takes none), and logged in every line
+        hidden = urllib.parse.urlunsplit(parts._replace(netloc="...@" + parts.netloc.rsplit("@", 1)[1]))
+        raise ConfigError(
+            f"--spec-capture-intake-url {hidden!r:.200}: credentials (user:password@) in the intake's URL are never "
+            "sent (SpecForge's capture intake takes none), and would show in every log line; remove them"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname or why:
         raise ConfigError(
             f"--spec-capture-intake-url {u!r:.200}{why}: expected http://host:port (SpecForge's capture intake), "
@@ -188,12 +194,14 @@ def _seconds_env(name: str, default: float, most: float) -> float:
 
 def _held_bytes(x: Any) -> int:
     """The memory ``x`` keeps alive: a tensor's whole storage (a view of a batch's tensor keeps
-    all of it), an array's bytes."""
+    all of it), an array's whole base array (a view of one keeps it too)."""
     if x is None:
         return 0
     storage = getattr(x, "untyped_storage", None)
     if storage is not None:
         return int(storage().nbytes())
+    while isinstance(x, np.ndarray) and isinstance(x.base, np.ndarray):
+        x = x.base
     return int(getattr(x, "nbytes", 0))
 
 
@@ -810,22 +818,25 @@ def _resolve_by(host: str, port: int, deadline: float) -> list[Any]:
 
 def _connect_by(deadline: float, held: list[socket.socket], cut: threading.Event) -> Callable[..., socket.socket]:
     """``socket.create_connection`` (as http.client calls it) with one deadline over the name's
-    resolution (:func:`_resolve_by`) and every address the name resolves to: each attempt gets what is left of it, not the whole timeout
-    again. Past the deadline it raises TimeoutError (the last attempt's error its cause). The
+    resolution (:func:`_resolve_by`) and every address the name resolves to: each attempt gets
+    an equal share of what is left of it (not the whole timeout again, nor all that is left: an
+    address that drops connects, a firewalled IPv6 one, would leave none to the live one after
+    it). Past the deadline it raises TimeoutError (the last attempt's error its cause). The
     connected socket's duplicate goes in ``held`` (for the watchdog to shut the connection
     through), shut at once if ``cut`` is set (the deadline passed as it connected)."""
 
     def create(address: tuple[str, int], timeout: Any = None, source_address: Any = None, *_: Any, **__: Any) -> socket.socket:
         host, port = address[0], address[1]
         last: Optional[OSError] = None
-        for family, kind, proto, _name, addr in _resolve_by(host, port, deadline):
+        addresses = _resolve_by(host, port, deadline)
+        for i, (family, kind, proto, _name, addr) in enumerate(addresses):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             sock: Optional[socket.socket] = None
             try:  # a family this host cannot make sockets of (IPv6 turned off) is tried past
                 sock = socket.socket(family, kind, proto)
-                sock.settimeout(left)
+                sock.settimeout(left / (len(addresses) - i))
                 if source_address:
                     sock.bind(source_address)
                 sock.connect(addr)

@@ -260,7 +260,10 @@ atexit.register(_release_at_exit)
 
 def _after_fork_in_child() -> None:
     """A forked process starts with nothing read: what its parent read is the parent's to
-    free (the child's exit would free it under the parent)."""
+    free (the child's exit would free it under the parent); and with locks of its own (the
+    fork may have come while another thread held one)."""
+    global _REFUSED_LOCK
+    _REFUSED_LOCK = threading.Lock()
     for t in list(_TRANSFERS):
         t._lock = threading.Lock()
         t._read = collections.OrderedDict()
@@ -271,9 +274,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 def _in_forked_worker(_: object) -> None:
     """A dataloader worker multiprocessing forked ends in ``os._exit``, where atexit never
-    runs: multiprocessing's finalizers do. Priority 20: before the reader's flush (10)."""
+    runs: multiprocessing's finalizers do. Priority 20: before the reader's flush (10). (Every
+    forked multiprocessing child runs this, a pool's workers too: SIGTERM's handler is left to
+    the processes that read, :meth:`CaptureArenaTransfer.setup`, and a spawned worker's
+    unpickled transfer; put here, it delayed a ``Pool.terminate()`` of workers that read
+    nothing.)"""
     multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=20)
-    _free_on_sigterm()
 
 
 def _free_on_sigterm() -> None:
