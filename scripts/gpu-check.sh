@@ -26,7 +26,7 @@ if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
   # The slowest tests, and a test stuck past 30 s dumps its threads' stacks: a clean clone's
   # dry run once took this step past its share of the deadline (59 s, 11 s elsewhere).
   SUITE_ARGS=(-k test_device --durations=5 -o faulthandler_timeout=30)
-  VLLM_ARGS=(--hidden 256 --requests 8 --blocks 512 --load 1x64,4x100 --long 512)
+  VLLM_ARGS=(--hidden 256 --requests 8 --blocks 512 --load 1x64,4x100 --slot-load 4x100 --long 512 --budget-s 100)
   # torch and Mooncake's CUDA checks would find the fake libcuda.so.1 and fail slowly there:
   # without a visible device they fail at once, as they must without a GPU.
   NO_GPU=(CUDA_VISIBLE_DEVICES=)
@@ -34,7 +34,7 @@ else
   DEMO_ARGS=()
   BENCH_DEVICE_SIZES=16MiB,100MiB,1GiB BENCH_HOST_SIZES=16MiB,100MiB BENCH_REPS=7
   SUITE_ARGS=()
-  VLLM_ARGS=(--require-cuda --load 1x2048,8x2048,32x2048,4x16000 --long 131072)
+  VLLM_ARGS=(--require-cuda --load 1x2048,8x2048,32x2048,4x16000 --slot-load 32x2048 --long 131072 --budget-s 290)
   NO_GPU=()
 fi
 case $DEADLINE_S in '' | *[!0-9]*)
@@ -95,7 +95,7 @@ done
 step python-torch 120 env PYTHONPATH="$py" "${NO_GPU[@]}" "$PY" "$A/gpu_torch_check.py"
 # vLLM's connector with its cache on the GPU (vLLM's classes stubbed: its CUDA build cannot be
 # carried), a host and a device arena, read by speculators' backend in another process.
-step python-vllm-stubbed 240 env PYTHONPATH="$py" "${NO_GPU[@]}" "$PY" "$A/gpu_vllm_check.py" "${VLLM_ARGS[@]}"
+step python-vllm-stubbed 300 env PYTHONPATH="$py" "${NO_GPU[@]}" "$PY" "$A/gpu_vllm_check.py" "${VLLM_ARGS[@]}"
 
 # The core's device tests against the real driver (the fake driver's knob tests skip).
 step rust-device-tests 90 env CAPTURE_ARENA_TEST_REAL_GPU=1 "$A/device-tests" --test-threads=1

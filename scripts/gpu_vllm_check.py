@@ -9,8 +9,8 @@ the arena and the trainer's reader are the real ones. It drives both halves of t
 vLLM 0.32's order within a step (measured on the CPU, see ``capture_arena.vllm``):
 ``build_connector_meta`` (scheduler), the drafter writing this step's rows into the cache-only
 layer (here: seeded bf16 rows written at each request's slots of a CUDA tensor
-``[blocks, k, block_size, H]``, allocated as ``[blocks, block_size, k, H]`` and permuted, one of
-the two orderings of vLLM's view), ``wait_for_save`` (worker), ``request_finished``
+``[blocks, k, block_size, H]``, on a CUDA stream of the engine's own as vLLM's, not the legacy
+default one), ``wait_for_save`` (worker), ``request_finished``
 (scheduler). The scheduler and worker halves share a process here, as in vLLM's engine core
 with tensor parallelism 1 (UniProcExecutor): the results are handed over in memory, not over the
 connector's socket (which a worker in a process of its own uses).
@@ -27,9 +27,18 @@ one JSON line each:
   and no step is held past ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s) plus what its requests'
   copies take.
 
-Runs twice, in a fresh engine process each: a host arena (vLLM's default for this connector:
-rows copied device-to-host) and a device arena (``SGLANG_SPEC_CAPTURE_GPU_PUT=1``).
-Exit status 0 only if every check passed. Without CUDA (the dry run against the fake driver) it
+- ``ordered_after_drafter`` (GPU): the drafter's writes queued behind a kernel that spins about
+  0.1 s: the copies wait for them. Every block vLLM gets back is zeroed at once on the engine's
+  stream, as its next forward would write it: a copy reported done before it landed reads zeros.
+
+Each arena (a host arena, vLLM's default for this connector: rows copied device-to-host; a
+device arena, ``SGLANG_SPEC_CAPTURE_GPU_PUT=1``) runs in fresh engine processes, in this order
+(``--budget-s`` bounds them all; a run cut short says so, and every load repetition prints its
+own ``load_rep`` line as it ends): from a cache laid out ``[blocks, k, block_size, H]`` with
+blocks handed out scattered (``--layout layer --shuffle``: 2-D copies, a strip per block and
+layer, as an engine that has served a while), then from one laid out ``[blocks, block_size, k,
+H]`` (a view permuted to vLLM's shape) with blocks in order (``--layout slot``: a request's rows
+one run), at ``--slot-load``. Exit status 0 only if every check passed. Without CUDA (the dry run against the fake driver) it
 runs the same flow with the cache in host memory and says so, unless ``--require-cuda``.
 
 With ``--load NxLEN,...`` (#37) it also times steps of N requests of LEN tokens, five each, for
@@ -38,14 +47,16 @@ logic on the same cache (its engine-thread time and when its copies are done), t
 the step's results (as vLLM hands them to its clients) until a trainer in another process holds
 every request's tensors (it reads while the copies run, each read stamped as it returns, before
 the check compares anything), and the extra device memory of one ``--long``-token request beside
-that logic's gather (``load`` and ``long`` lines).
+that logic's gather (``load`` and ``long`` lines): what torch allocated, and the driver's free
+memory, from after the drafter wrote its rows (their temporaries freed) until its copies landed.
 
 A device cache's rows are copied by the connector's native path (2-D copies on a stream of its
 own, the GIL released, no staging buffer): every line says which (``copy``). ``--copy staging``
 forces its fallback (torch's gather through two staging buffers), and with CUDA the host arena's
 load runs once more that way at 32 x 2048, for the two side by side.
 
-Usage: python gpu_vllm_check.py [--require-cuda] [--hidden H] [--requests N] [--load NxLEN,...] [--long TOKENS] [--copy native|staging]
+Usage: python gpu_vllm_check.py [--require-cuda] [--hidden H] [--requests N] [--load NxLEN,...] [--slot-load NxLEN]
+       [--long TOKENS] [--copy native|staging] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ import enum
 import gc
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -190,13 +202,33 @@ class Engine:
         self.blocks = a.blocks
         self.hidden = a.hidden
         self.device = device
-        # One of vLLM's two orderings: the memory is [blocks, block_size, k, H], the view the
-        # layer is handed is [blocks, k, block_size, H].
-        self.kv = torch.zeros(a.blocks, BLOCK, K, a.hidden, dtype=torch.bfloat16, device=device).permute(0, 2, 1, 3)
+        self.layout = getattr(a, "layout", "slot")
+        self.shuffle = bool(getattr(a, "shuffle", False))
+        if self.layout == "slot":
+            # The memory is [blocks, block_size, k, H], the view the layer is handed [blocks, k,
+            # block_size, H]: a slot's k rows lie side by side, and a block's rows are one run.
+            self.kv = torch.zeros(a.blocks, BLOCK, K, a.hidden, dtype=torch.bfloat16, device=device).permute(0, 2, 1, 3)
+        else:
+            # [blocks, k, block_size, H] in memory too: each block's layer is a run of its own,
+            # so a request's rows go as 2-D copies (one per block and layer).
+            self.kv = torch.zeros(a.blocks, K, BLOCK, a.hidden, dtype=torch.bfloat16, device=device)
         self.table: dict[str, list[int]] = {}
-        # Handed out in ascending order, as a fresh vLLM engine's free queue does: a request's
-        # blocks then lie next to one another, and its rows go as one run.
+        # A fresh engine's free queue hands blocks out in ascending order (a request's blocks lie
+        # next to one another: its rows go as one run per layer); one that has served a while
+        # hands them out scattered (--shuffle: a seeded permutation, given back to the front).
         self.free_blocks = list(range(a.blocks))[::-1]
+        if self.shuffle:
+            import random
+
+            random.Random(37).shuffle(self.free_blocks)
+        # vLLM runs its forward and its hooks on a stream of its own, not the legacy default one
+        # (vllm.utils.torch_utils.current_stream): the connector's copies must order after it.
+        self.stream = None
+        #: Freed blocks are zeroed on the engine's stream (off while device memory is measured).
+        self.scrub = True
+        if device != "cpu":
+            self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            torch.cuda.set_stream(self.stream)
         #: Each hook's time on vLLM's threads, summed over the steps since it was last cleared.
         self.hooks: dict[str, float] = {}
         self.sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, kv_cfg)
@@ -209,7 +241,31 @@ class Engine:
         gc.collect()
         gc.freeze()
 
-    def step(self, reqs: list[tuple[str, int, int]], answered: Any = None) -> tuple[list[dict[str, Any]], float]:
+    def write(self, reqs: list[tuple[str, int, int]], delay_cycles: int = 0) -> None:
+        """The drafter's writes of this step's rows (position i at block table[i // B], slot
+        i % B), given their blocks first; ``delay_cycles``: a kernel that spins that long runs
+        before them on the engine's stream (a slow forward: copies that did not wait for it
+        would read the blocks before the rows are there)."""
+        self.assign(reqs)
+        if delay_cycles and self.device != "cpu":
+            torch.cuda._sleep(delay_cycles)
+        for rid, seed, n in reqs:
+            rows = rows_of(seed, n, self.hidden, self.device)
+            pos = torch.arange(n, device=self.device)
+            blocks = torch.tensor(self.table[rid], dtype=torch.long, device=self.device)[pos // BLOCK]
+            self.kv[blocks, :, pos % BLOCK] = rows
+
+    def assign(self, reqs: list[tuple[str, int, int]]) -> None:
+        """Blocks for each request that has none yet."""
+        for rid, _, n in reqs:
+            if rid in self.table:
+                continue
+            need = -(-n // BLOCK)
+            if need > len(self.free_blocks):
+                raise RuntimeError(f"the check's cache has {len(self.free_blocks)} free blocks, {rid} needs {need}")
+            self.table[rid] = [self.free_blocks.pop() for _ in range(need)]
+
+    def step(self, reqs: list[tuple[str, int, int]], answered: Any = None, prewritten: bool = False, delay_cycles: int = 0) -> tuple[list[dict[str, Any]], float]:
         """One step that computes the whole prompt of each ``(req_id, seed, n)``, its hooks in
         vLLM's order (the drafter's writes standing for the forward between the bind and
         ``wait_for_save``); returns each request's ``kv_transfer_params`` and how long the
@@ -217,13 +273,11 @@ class Engine:
         ``bind_connector_metadata``, ``wait_for_save``, each ``request_finished``, and the step's
         ``get_finished``), each hook's share added to ``self.hooks``. ``answered(params)`` is
         called as soon as every request has its result (as vLLM answers its clients), while the
-        engine still steps on waiting for the copies."""
+        engine still steps on waiting for the copies. ``prewritten``: the rows were written
+        before (:meth:`write`), so that what the hooks allocate can be told from the drafter's."""
         objs = []
+        self.assign(reqs)
         for rid, seed, n in reqs:
-            need = -(-n // BLOCK)
-            if need > len(self.free_blocks):
-                raise RuntimeError(f"the check's cache has {len(self.free_blocks)} free blocks, {rid} needs {need}")
-            self.table[rid] = [self.free_blocks.pop() for _ in range(need)]
             r = ns(request_id=rid, num_computed_tokens=0, num_prompt_tokens=n, prompt_token_ids=tokens_of(seed, n))
             self.sched.on_new_request(r)
             objs.append(r)
@@ -241,13 +295,8 @@ class Engine:
         t0 = time.perf_counter()
         self.worker.bind_connector_metadata(meta)  # before the forward, as vLLM binds
         timed("bind_connector_metadata", t0)
-        # The forward: the drafter writes this step's rows (position i at block table[i // B],
-        # slot i % B).
-        for rid, seed, n in reqs:
-            rows = rows_of(seed, n, self.hidden, self.device)
-            pos = torch.arange(n, device=self.device)
-            blocks = torch.tensor(self.table[rid], dtype=torch.long, device=self.device)[pos // BLOCK]
-            self.kv[blocks, :, pos % BLOCK] = rows
+        if not prewritten:  # the forward
+            self.write(reqs, delay_cycles)
         t0 = time.perf_counter()
         self.worker.wait_for_save()
         timed("wait_for_save", t0)
@@ -284,9 +333,14 @@ class Engine:
         return out, held
 
     def give_back(self, blocks: list[int]) -> None:
-        """Blocks back to the free list, the lowest handed out first."""
+        """Blocks back to the free list (the lowest handed out first; with --shuffle, these
+        first), and on a GPU written at once on the engine's stream, as the next step's forward
+        would: a copy reported done before it landed would read zeros."""
+        if self.device != "cpu" and self.scrub:
+            self.kv[torch.tensor(blocks, dtype=torch.long, device=self.device)] = 0
         self.free_blocks.extend(blocks)
-        self.free_blocks.sort(reverse=True)
+        if not self.shuffle:
+            self.free_blocks.sort(reverse=True)
 
     def resident(self) -> dict[str, Any]:
         sink = self.worker._sink
@@ -312,7 +366,7 @@ def engine(a: argparse.Namespace) -> int:
     def check(name: str, ok: bool, **kw: Any) -> None:
         nonlocal failures
         failures += not ok
-        say(check=name, ok=bool(ok), placement=a.placement, cache=device, **kw)
+        say(check=name, ok=bool(ok), placement=a.placement, cache=device, layout=eng.layout, shuffled=eng.shuffle, **kw)
 
     def read(params: dict[str, Any], seed: int, n: int, delete: bool = True) -> dict[str, Any]:
         assert trainer.stdin and trainer.stdout
@@ -334,6 +388,16 @@ def engine(a: argparse.Namespace) -> int:
                 bad.append({"req": rid, "n": n, **ans})
     check("rows", not bad, requests=len(reqs), lengths=lengths, hidden=a.hidden, bad=bad[:3], held_max_ms=round(held_max * 1e3, 2), read_to=where,
           copy=copy_path(eng.worker._rows))
+
+    # A slow forward: a kernel spinning about 0.1 s on the engine's stream before the drafter's
+    # writes. The copies wait for the event wait_for_save records after them; copies that did
+    # not would read the blocks before the rows are there (zeros: every freed block is zeroed).
+    if device != "cpu":
+        batch = [("slow-a", 41, 1024), ("slow-b", 42, 2047)]
+        params, held = eng.step(batch, delay_cycles=200_000_000)
+        answers = [read(p, seed, n) for (_, seed, n), p in zip(batch, params)]
+        check("ordered_after_drafter", all(x["ok"] for x in answers), held_ms=round(held * 1e3, 2),
+              bad=[x for x in answers if not x["ok"]][:2])
 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and eng.resident()["resident_objects"]:
@@ -425,7 +489,9 @@ def copy_rate(eng: Engine, n: int, tries: int = 3) -> tuple[float, float]:
     for i in range(tries):
         # A key of its own each try: the previous try's free is applied at the writer's next
         # turn, which this reservation may come before.
-        sv = _Save(f"rate{i}", list(range(-(-n // BLOCK))), tokens_of(3, n), n, 1)
+        need = -(-n // BLOCK)
+        blocks = random.Random(100 + i).sample(range(eng.blocks), need) if eng.shuffle else list(range(need))
+        sv = _Save(f"rate{i}", blocks, tokens_of(3, n), n, 1)
         ((keys, at, row),) = sink._reserve_rows_begin("rate", "bfloat16", K * eng.hidden, [(sv.req_id, 1, n)], within_s=10).wait_dicts()
         if keys is None or at is None:
             raise RuntimeError(f"the copy-rate request did not fit: {row}")
@@ -499,7 +565,7 @@ def load(a: argparse.Namespace) -> int:
     params, warmup = eng.step(warm, to_trainer(warm, first))
     got = json.loads(trainer.stdout.readline())
     ok = bool(got["ok"])
-    say(check="first_step", ok=ok, placement=a.placement, cache=device, engine_thread_ms=round(warmup * 1e3, 3),
+    say(check="first_step", ok=ok, placement=a.placement, cache=device, layout=eng.layout, shuffled=eng.shuffle, engine_thread_ms=round(warmup * 1e3, 3),
         trainer_holds_ms=round((got.get("held_at", first[0]) - first[0]) * 1e3, 2), error=got.get("error"))
     for reqs, n in loads:
         held, file_held, file_done, hold = [], [], [], []
@@ -513,13 +579,23 @@ def load(a: argparse.Namespace) -> int:
             answers = [json.loads(trainer.stdout.readline()) for _ in batch]
             ok = ok and all(x["ok"] for x in answers)
             hold.append(max(x.get("held_at", end) for x in answers) - end)
+            fe = fd = None
             if device != "cpu":  # the file connector's logic on the same cache, for comparison
-                table = {f"f{i}": list(range(i * -(-n // BLOCK), (i + 1) * -(-n // BLOCK))) for i in range(reqs)}
+                need = -(-n // BLOCK)
+                order = list(range(eng.blocks))
+                if eng.shuffle:
+                    random.Random(rep).shuffle(order)
+                table = {f"f{i}": order[i * need : (i + 1) * need] for i in range(reqs)}
                 fe, fd = file_logic(eng.kv, table, {f"f{i}": n for i in range(reqs)})
                 file_held.append(fe)
                 file_done.append(fd)
+            # Each repetition as it ends: a run cut short by its deadline keeps what it measured.
+            say(check="load_rep", ok=all(x["ok"] for x in answers), placement=a.placement, layout=eng.layout, requests=reqs, tokens=n, rep=rep,
+                engine_thread_ms=round(h * 1e3, 3), trainer_holds_ms=round(hold[-1] * 1e3, 2),
+                file_engine_thread_ms=None if fe is None else round(fe * 1e3, 3), file_copies_done_ms=None if fd is None else round(fd * 1e3, 3),
+                bad=[x for x in answers if not x["ok"]][:1])
         held.sort()
-        say(check="load", ok=ok, placement=a.placement, cache=device, copy=copy_path(eng.worker._rows), requests=reqs, tokens=n,
+        say(check="load", ok=ok, placement=a.placement, cache=device, layout=eng.layout, shuffled=eng.shuffle, copy=copy_path(eng.worker._rows), requests=reqs, tokens=n,
             step_mb=round(reqs * per(n) / 1e6, 1),
             engine_thread_ms_median=round(held[len(held) // 2] * 1e3, 3), engine_thread_ms_max=round(held[-1] * 1e3, 3),
             hooks_ms_mean={h: round(t / 5 * 1e3, 3) for h, t in eng.hooks.items()},
@@ -530,7 +606,7 @@ def load(a: argparse.Namespace) -> int:
     n = min(a.long, 32768)
     gbps, torch_gbps = copy_rate(eng, n)
     rows = eng.worker._rows
-    say(check="copy_rate", ok=True, placement=a.placement, cache=device, tokens=n, bytes=n * K * a.hidden * 2,
+    say(check="copy_rate", ok=True, placement=a.placement, cache=device, layout=eng.layout, shuffled=eng.shuffle, tokens=n, bytes=n * K * a.hidden * 2,
         connector_gb_s=round(gbps, 2), torch_gb_s=round(torch_gbps, 2), ratio=round(gbps / torch_gbps, 3),
         host_arena_registered=rows is not None and rows.registered is not None,
         torch_copy="host to host" if device == "cpu" else "device to device" if rows is not None and rows.device_arena else "device to pinned host")
@@ -545,24 +621,32 @@ def load(a: argparse.Namespace) -> int:
     bound = 0 if rows is None or rows.stage is None else staging_bound(K, BLOCK, a.hidden, 2)
     long_ok = True
     if device != "cpu":
+        # The drafter's rows first (their own temporaries are gigabytes at this length: not the
+        # connector's), then, from a settled allocator, only the hooks and the copies.
+        eng.write([("long", 7, a.long)])
+        eng.scrub = False
         torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         free_before = torch.cuda.mem_get_info()[0]
-        params, _ = eng.step([("long", 7, a.long)])
+        params, _ = eng.step([("long", 7, a.long)], prewritten=True)  # returns once the copies landed
+        torch.cuda.synchronize()
+        # Before the trainer reads (it regenerates the rows on this GPU to compare them).
+        driver_extra = free_before - torch.cuda.mem_get_info()[0]
+        extra = torch.cuda.max_memory_allocated() - base + (rows.extra_device_bytes if rows is not None else 0)
         trainer.stdin.write(json.dumps({"params": params[0], "seed": 7, "n": a.long, "delete": True}) + "\n")
         trainer.stdin.flush()
         long_ok = bool(json.loads(trainer.stdout.readline())["ok"])
-        torch.cuda.synchronize()
-        driver_extra = free_before - torch.cuda.mem_get_info()[0]
-        extra = torch.cuda.max_memory_allocated() - base + (rows.extra_device_bytes if rows is not None else 0)
         long_ok = long_ok and extra <= bound
+        eng.scrub = True
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         file_logic(eng.kv, {"f": list(range(-(-a.long // BLOCK)))}, {"f": a.long})
         file_extra = torch.cuda.max_memory_allocated() - base
     ok = ok and long_ok
-    say(check="long", ok=long_ok, placement=a.placement, tokens=a.long, extra_device_bytes=extra, bound_bytes=bound,
+    say(check="long", ok=long_ok, placement=a.placement, layout=eng.layout, tokens=a.long, extra_device_bytes=extra, bound_bytes=bound,
         driver_used_delta_bytes=driver_extra, file_gather_extra_device_bytes=file_extra, copy=copy_path(rows),
         staging_bytes=rows.extra_device_bytes if rows is not None else 0)
     trainer.stdin.close()
@@ -633,6 +717,11 @@ def main() -> int:
     ap.add_argument("--load", default="", help="steps of NxLEN requests (e.g. 1x2048,8x2048,32x2048,4x16000): the load check")
     ap.add_argument("--long", type=int, default=131072, help="the long request of the load check, in tokens")
     ap.add_argument("--copy", choices=["native", "staging"], default="native", help="staging: force the device copies' torch fallback")
+    ap.add_argument("--layout", choices=["layer", "slot"], default="slot",
+                    help="the cache's memory: [blocks, k, block_size, H] (a run per block and layer) or [blocks, block_size, k, H] (a run per block)")
+    ap.add_argument("--shuffle", action="store_true", help="blocks handed out scattered (a seeded permutation), as after a while of serving")
+    ap.add_argument("--slot-load", default="32x2048", help="the load run again from a slot-major cache with blocks in order")
+    ap.add_argument("--budget-s", type=float, default=290.0, help="the whole check's time: a run that would pass it is stopped or skipped")
     a = ap.parse_args()
     if a.role == "engine":
         return engine(a)
@@ -645,23 +734,42 @@ def main() -> int:
         say(check="cuda", ok=not a.require_cuda, reason=f"torch {torch.__version__} sees no CUDA device: the flow runs with the cache in host memory")
         if a.require_cuda:
             return 1
-    rc = 0
-    for placement, env in (("host", {}), ("device", {"SGLANG_SPEC_CAPTURE_GPU_PUT": "1"})):
-        if placement == "device" and not cuda:
-            say(check="device_arena", ok=True, skipped="no CUDA device")
-            continue
-        flags = ["--placement", placement, "--hidden", str(a.hidden), "--requests", str(a.requests), "--blocks", str(a.blocks), "--copy", a.copy]
-        p = subprocess.run([sys.executable, __file__, "--role", "engine", *flags], env={**os.environ, **env}, timeout=300)
-        rc = rc or p.returncode
+    # The most wanted first (a run cut by the deadline loses what comes last): each arena's
+    # checks and loads from a cache laid out layer by layer, its blocks scattered (2-D copies, as
+    # an engine that has served a while); then a slot-major cache with blocks in order (one run
+    # per request), then the staging fallback.
+    end = time.monotonic() + a.budget_s
+    placements = [("host", {})] + ([("device", {"SGLANG_SPEC_CAPTURE_GPU_PUT": "1"})] if cuda else [])
+    if not cuda:
+        say(check="device_arena", ok=True, skipped="no CUDA device")
+    common = ["--hidden", str(a.hidden), "--requests", str(a.requests), "--blocks", str(a.blocks)]
+    runs: list[tuple[str, dict[str, str], list[str]]] = []
+    for placement, env in placements:
+        flags = ["--placement", placement, *common, "--copy", a.copy, "--layout", "layer", "--shuffle"]
+        runs.append((f"engine {placement} layer", env, ["--role", "engine", *flags]))
         if a.load:
-            p = subprocess.run([sys.executable, __file__, "--role", "load", *flags, "--load", a.load, "--long", str(a.long)],
-                               env={**os.environ, **env}, timeout=300)
+            runs.append((f"load {placement} layer", env, ["--role", "load", *flags, "--load", a.load, "--long", str(a.long)]))
+    for placement, env in placements:
+        flags = ["--placement", placement, *common, "--copy", a.copy, "--layout", "slot"]
+        runs.append((f"engine {placement} slot", env, ["--role", "engine", *flags]))
+        if a.load:
+            runs.append((f"load {placement} slot", env, ["--role", "load", *flags, "--load", a.slot_load, "--long", str(min(a.long, 2048))]))
+    if a.load and cuda and a.copy == "native":  # the fallback, side by side
+        flags = ["--placement", "host", *common, "--copy", "staging", "--layout", "layer", "--shuffle"]
+        runs.append(("load host staging", {}, ["--role", "load", *flags, "--load", "32x2048", "--long", "2048"]))
+    rc = 0
+    for name, env, args in runs:
+        left = end - time.monotonic()
+        if left < 15:
+            say(check="run", ok=False, run=name, skipped=f"{left:.0f} s of --budget-s left")
+            rc = 1
+            continue
+        try:
+            p = subprocess.run([sys.executable, __file__, *args], env={**os.environ, **env}, timeout=left)
             rc = rc or p.returncode
-            if cuda and placement == "host" and a.copy == "native":  # the fallback, side by side
-                staging = [*flags[:-1], "staging"]
-                p = subprocess.run([sys.executable, __file__, "--role", "load", *staging, "--load", "32x2048", "--long", "2048"],
-                                   env={**os.environ, **env}, timeout=300)
-                rc = rc or p.returncode
+        except subprocess.TimeoutExpired:
+            say(check="run", ok=False, run=name, reason=f"still running at --budget-s ({a.budget_s:g} s): stopped")
+            rc = 1
     say(check="all", ok=rc == 0)
     return rc
 

@@ -212,14 +212,15 @@ rm -f target/wheels/capture_arena-*x86_64.whl
 .venv/bin/python -m pip install -q --force-reinstall --no-deps target/wheels/capture_arena-*x86_64.whl
 
 step "scripts/gpu-check.sh, dry run against the fake driver (every step runs, small, inside its deadline), beside the type checks (mypy.stubtest, mypy --strict)"
-# Side by side: each is mostly one busy thread (57 s and 43 s alone on 2 cores). The dry run:
-# 36-44 s as a rule, once over 85 s (its Python suite step: the step prints its slowest tests);
-# 150 s leaves room beside mypy; a step that hangs still fails it.
+# Side by side: each is mostly one busy thread (mypy 57 s alone on 2 cores). The dry run: 74-90 s
+# beside mypy before the vLLM check ran from both cache layouts, 92 s alone since (2026-12-07; its
+# vLLM step 45 s, its Python suite step 31 s, which prints its slowest tests); 180 s leaves room
+# beside mypy; a step that hangs still fails it.
 # Its own session: a failed dry run stops it as a group (on_exit).
 setsid -w bash -c 'cd crates/capture-arena-py && ../../.venv/bin/python -m mypy.stubtest capture_arena._capture_arena \
   && ../../.venv/bin/python -m mypy --strict -p capture_arena' > .cache/mypy.log 2>&1 &
 MYPY=$!
-GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 150
+GPU_DRY_FEATURES="$NIXL_FEATURES" scripts/gpu-check-dry.sh 180
 if ! wait "$MYPY"; then
   MYPY=
   cat .cache/mypy.log
