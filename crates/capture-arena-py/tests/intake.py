@@ -225,12 +225,16 @@ class ForwardProxy(_Served):
     absolute URLs, forwards them, and counts them by method and path (``seen``); answers 502
     when the upstream refuses the connection, as nginx and squid do."""
 
-    def __init__(self) -> None:
+    def __init__(self, credentials: Optional[str] = None) -> None:
+        """``credentials`` (``user:password``): the proxy answers 407 to a request without them
+        in its ``Proxy-Authorization`` header (Basic), counted as ``refused``."""
+        import base64
         import http.client
         import urllib.parse
 
         self.seen = collections.Counter[str]()
         proxy = self
+        wanted = None if credentials is None else "Basic " + base64.b64encode(credentials.encode()).decode()
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *a: Any) -> None:
@@ -238,6 +242,13 @@ class ForwardProxy(_Served):
 
             def _forward(self) -> None:
                 url = urllib.parse.urlsplit(self.path)
+                if wanted is not None and self.headers.get("Proxy-Authorization") != wanted:
+                    proxy.seen["refused"] += 1
+                    self.send_response(407)
+                    self.send_header("Proxy-Authenticate", 'Basic realm="test"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 proxy.seen[f"{self.command} {url.path}"] += 1
                 length = int(self.headers.get("Content-Length") or "0")
                 body = self.rfile.read(length) if length else None

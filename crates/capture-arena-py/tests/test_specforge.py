@@ -672,6 +672,27 @@ def test_a_controllers_memory_forgets_samples_freed_elsewhere_and_stays_within_i
     ca.ArenaFeatureStore.reclaim(sink.control, prefixes=["mem/"])
 
 
+def test_a_controller_forgets_results_older_than_forget_after_s_and_frees_nothing(make_sink: Any) -> None:
+    """``forget_after_s`` (24 h by default, never less than ``max_hold_age_s``): a tracked result
+    older than it is forgotten, not freed, and one just younger is kept. Documented in the
+    module and docs/specforge.md, and held by no test before (HARDENING's list)."""
+    sink = make_sink()
+    assert SpecForgeArenaStore(store_id="x").forget_after_s == 24 * 3600
+    assert SpecForgeArenaStore(store_id="x", forget_after_s=10, max_hold_age_s=100).forget_after_s == 100
+    clock = [1000.0]
+    store = SpecForgeArenaStore(store_id="age", clock=lambda: clock[0], forget_after_s=60)
+    _adopted(store, _published(sink, "age", 2, "old"))
+    clock[0] += 30
+    _adopted(store, _published(sink, "age", 1, "young"))
+    store.gc(now=1000.0 + 60)  # the old ones are exactly 60 s old: kept
+    assert store.health()["tracked_results"] == 3, store.health()
+    store.gc(now=1000.0 + 60.5)
+    h = store.health()
+    assert h["tracked_results"] == 1 and h["forgotten_total"] == 2, h
+    assert sink.stats()["resident_objects"] == 3, "forgetting frees nothing"
+    ca.ArenaFeatureStore.reclaim(sink.control, prefixes=["age/"])
+
+
 def test_abort_at_the_optimizer_boundary_of_samples_released_already_sends_nothing(producer: Producer, dead: str) -> None:
     """SpecForge's DP acknowledgement aborts every sample of an optimizer window, then drains
     them (``drain_feature_store_sample_removals``); most were released by the loader already.
