@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use capture_arena::paged::{DeviceCopies, Paged, Request};
+use capture_arena::paged::{DeviceCopies, HostPin, Paged, Request};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -176,17 +176,53 @@ fn first_ints(list: &Bound<'_, PyList>, n: usize) -> PyResult<Vec<i64>> {
 }
 
 /// A stream of its own on the cache's GPU, for a connector's copies from a device cache
-/// (`_DeviceRows(ordinal)`; made on the copy thread, never vLLM's).
+/// (`_DeviceRows(ordinal)`; made on the copy thread, never vLLM's), and the host arena it copies
+/// into, pinned while it is (`_ArenaSink._pin_host_arena`).
 #[pyclass(name = "_DeviceRows", module = "capture_arena._capture_arena", frozen)]
-pub struct PyDeviceRows(pub(crate) DeviceCopies);
+pub struct PyDeviceRows(
+    pub(crate) DeviceCopies,
+    i32,
+    std::sync::Mutex<Option<HostPin>>,
+);
+
+impl PyDeviceRows {
+    /// Starts pinning a host arena for these copies (what `_ArenaSink._pin_host_arena` found
+    /// it to be); false if one is pinned already.
+    ///
+    /// # Safety
+    /// `[address, address + len)` stays mapped until [`PyDeviceRows::unpin_host`] or drop.
+    pub(crate) unsafe fn pin(&self, address: u64, len: u64) -> bool {
+        let mut slot = self.2.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return false;
+        }
+        // SAFETY: the caller's promise.
+        *slot = Some(unsafe { HostPin::start(self.1, address, len) });
+        true
+    }
+}
 
 #[pymethods]
 impl PyDeviceRows {
     #[new]
     fn new(py: Python<'_>, ordinal: i32) -> PyResult<Self> {
         crate::exit::detach(py, || DeviceCopies::new(ordinal))
-            .map(PyDeviceRows)
+            .map(|c| PyDeviceRows(c, ordinal, std::sync::Mutex::new(None)))
             .map_err(crate::error::to_py)
+    }
+
+    /// Whether the host arena is pinned now (false while it is being registered, and where
+    /// pinning is off, refused or never asked for).
+    fn host_pinned(&self) -> bool {
+        let slot = self.2.lock().unwrap_or_else(|p| p.into_inner());
+        slot.as_ref().is_some_and(HostPin::pinned)
+    }
+
+    /// Unpins the host arena (waiting for a registration still running): before the arena is
+    /// unmapped. Nothing if none is pinned.
+    fn unpin_host(&self, py: Python<'_>) {
+        let pin = self.2.lock().unwrap_or_else(|p| p.into_inner()).take();
+        crate::exit::detach(py, || drop(pin));
     }
 
     /// Waits until every copy enqueued on the stream has finished (before their objects are

@@ -1002,6 +1002,35 @@ impl PySink {
         Ok(why)
     }
 
+    /// Starts pinning this sink's host arena for `rows`' device-to-host copies into it: on a
+    /// thread of its own, in chunks, while copies go on pageable (`rows.host_pinned()` says when
+    /// it is done; `rows.unpin_host()` undoes it, before the arena goes). False if `rows` has
+    /// one pinned already. Never on vLLM's thread: made when the copy thread first copies.
+    fn _pin_host_arena(
+        &self,
+        py: Python<'_>,
+        rows: &Bound<'_, crate::rows::PyDeviceRows>,
+    ) -> PyResult<bool> {
+        let sink = self.sink(py)?;
+        if sink.config().device_publication() {
+            return Err(named(
+                py,
+                "InvalidReadError",
+                "pinning the host arena: this sink's arena is in device memory".into(),
+            ));
+        }
+        let (address, len) = sink.local_region().ok_or_else(|| {
+            named(
+                py,
+                "WriterStoppedError",
+                "the arena does not exist yet".into(),
+            )
+        })?;
+        // SAFETY: exactly this sink's own host mapping, which stays mapped until the sink closes;
+        // capture_arena.vllm unpins it first (its close hook stops the copy thread, then unpins).
+        Ok(unsafe { rows.get().pin(address, len) })
+    }
+
     /// `_copy_requests_rows` from a cache in device memory (its addresses device pointers),
     /// through `rows`' stream, after `after` (a raw event recorded on the stream that wrote the
     /// cache, `torch.cuda.Event.cuda_event`; 0 for none): straight from the cache's blocks into

@@ -9,6 +9,7 @@ GPU and run in ``scripts/gpu-check.sh``.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -388,3 +389,78 @@ def test_fake_gpu_a_connectors_rows_go_straight_from_a_device_caches_blocks_into
     The requests' ids are read (with the GIL) in holds, each hold's requests added to the step
     (the GIL released) before the next is read."""
     produce_then_train([DEVICE_ROWS_PRODUCER, arena], DEVICE_ROWS_TRAINER, fake_gpu, lines=2)
+
+
+PIN_HOST_ARENA = r'''
+import ctypes, json, sys, time
+import numpy as np
+import capture_arena as ca
+from capture_arena._capture_arena import _DeviceRows, _Landed
+
+cu = ctypes.CDLL("libcuda.so.1")
+cu.fake_cuda_pinned_bytes.restype = cu.fake_cuda_host_copies.restype = ctypes.c_long
+ctx, ptr = ctypes.c_void_p(), ctypes.c_uint64()
+assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0 and cu.cuCtxSetCurrent(ctx) == 0
+# A cache [4 blocks, 2 layers, 4 slots, 16] bf16 laid out layer by layer: a 2-D copy per block
+# and layer.
+BLOCKS, K, BS, H = 4, 2, 4, 16
+cache = np.arange(BLOCKS * K * BS * H, dtype=np.uint16)
+assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cache.nbytes)) == 0
+ctypes.memmove(ptr.value, cache.ctypes.data, cache.nbytes)
+layout = (ptr.value, cache.nbytes, (K * BS * H * 2, BS * H * 2, H * 2), BS, K, H * 2)
+sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2)
+sink._start(None)
+base, size = sink.local_region
+
+def step(tag):
+    rows = sink._reserve_rows_begin("st", "bfloat16", K * H, [(tag, 1, 8)], within_s=2).wait_dicts()
+    (keys, at, row), = rows
+    landed = _Landed(1)
+    why = sink._copy_requests_rows_device(dr, layout, [(keys, at["token_ids"], list(range(8)), 8, at["hidden_states"], 8 * K * H * 2, [3, 1])], landed, 0)
+    assert why == [None] and landed[0], why
+    sink._drop_published(row)
+
+dr = _DeviceRows(0)
+out = {"before": dr.host_pinned()}
+pageable = cu.fake_cuda_host_copies(0)
+step("pageable")
+out["pageable_copies"] = cu.fake_cuda_host_copies(0) - pageable
+out["started"] = sink._pin_host_arena(dr)
+out["again"] = sink._pin_host_arena(dr)  # one pin a stream
+deadline = time.monotonic() + 20
+while not dr.host_pinned() and time.monotonic() < deadline:
+    time.sleep(0.01)
+out["pinned"] = dr.host_pinned()
+out["pinned_bytes"] = cu.fake_cuda_pinned_bytes() >= size
+pinned = cu.fake_cuda_host_copies(1)
+step("pinned")
+out["pinned_copies"] = cu.fake_cuda_host_copies(1) - pinned
+dr.unpin_host()
+out["after"] = dr.host_pinned()
+out["left_pinned"] = cu.fake_cuda_pinned_bytes()
+try:
+    ca.ArenaSink(arena_bytes=1 << 20, gpu_put=True)._pin_host_arena(dr)
+except ca.InvalidReadError as e:
+    out["device_arena"] = str(e)
+sink.close()
+print(json.dumps(out))
+'''
+
+
+@pytest.mark.parametrize("pin", ["on", "off"])
+def test_the_vllm_connectors_host_arena_is_pinned_in_the_background_and_unpinned_fake_driver(fake_gpu: dict[str, str], pin: str) -> None:
+    """The native device path's host arena (vLLM's connector): pinned by the core's lazy pin on
+    a thread of its own (copies before that are pageable, and correct), the 2-D copies after it
+    into pinned pages, unpinned before the arena goes; once per stream; refused for a device
+    arena; off under SGLANG_SPEC_CAPTURE_PIN_HOST=0. Before: torch's cudaHostRegister, one call
+    for the whole arena on the copy thread, which the first step's copies waited for. The fake
+    driver counts the host ends of copies by whether they were pinned."""
+    env = {**fake_gpu, "SGLANG_SPEC_CAPTURE_PIN_HOST": "1" if pin == "on" else "0"}
+    got = json.loads(run(PIN_HOST_ARENA, env).strip().splitlines()[-1])
+    assert got["before"] is False and got["pageable_copies"] > 0 and got["after"] is False and got["left_pinned"] == 0, got
+    assert got["started"] is True and got["again"] is False, got
+    assert "arena is in device memory" in got["device_arena"], got
+    if pin == "on":
+        assert got["pinned"] and got["pinned_bytes"] and got["pinned_copies"] > 0, got
+    else:
+        assert not got["pinned"] and got["pinned_copies"] == 0, got

@@ -290,7 +290,7 @@ pub unsafe fn copy_requests(
 }
 
 #[cfg(feature = "cuda")]
-pub use device::{copy_requests_device, DeviceCopies, DeviceStep, Landing};
+pub use device::{copy_requests_device, DeviceCopies, DeviceStep, HostPin, Landing};
 
 #[cfg(feature = "cuda")]
 mod device {
@@ -305,6 +305,42 @@ mod device {
         /// The largest pitch a 2-D copy takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`: 2^31 - 1 on
         /// an H100): a strip with a larger one goes row by row.
         max_pitch: u64,
+    }
+
+    /// A host arena pinned for the device-to-host copies into it: registered with the driver on
+    /// a thread of its own, in chunks and in relaxed capture mode (the lazy pin every mapping of
+    /// ours uses), while copies go on pageable, slower and correct; unpinned when dropped, after
+    /// a registration still running. Nothing where `SGLANG_SPEC_CAPTURE_PIN_HOST` is `0`.
+    pub struct HostPin {
+        pin: Option<crate::driver::LazyPin>,
+        ordinal: i32,
+    }
+
+    impl HostPin {
+        /// Starts pinning `[address, address + len)` of this process's memory, in device
+        /// `ordinal`'s context (portable: for every GPU).
+        ///
+        /// # Safety
+        /// The range stays mapped until the value is dropped.
+        pub unsafe fn start(ordinal: i32, address: u64, len: u64) -> HostPin {
+            let off =
+                std::env::var(crate::memory::mapping::ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0");
+            let pin = (!off).then(|| {
+                // SAFETY: the caller keeps the range mapped while this lives.
+                unsafe { crate::driver::LazyPin::new(address as *mut u8, len as usize, false) }
+            });
+            let p = HostPin { pin, ordinal };
+            p.pinned();
+            p
+        }
+
+        /// Whether the range is pinned now: false while it is being registered, and where it
+        /// is off or the driver refused (both logged).
+        pub fn pinned(&self) -> bool {
+            self.pin
+                .as_ref()
+                .is_some_and(|p| p.pinned(self.ordinal, "the host arena"))
+        }
     }
 
     /// The point a stream's copies had reached when [`DeviceCopies::mark`] was called.

@@ -53,6 +53,10 @@ class _DeviceRows:
     def __new__(cls, ordinal: int) -> "_DeviceRows": ...
     def synchronize(self) -> Optional[str]:
         """Waits until every copy enqueued on the stream has finished; why one failed, or None."""
+    def host_pinned(self) -> bool:
+        """Whether the host arena (`_ArenaSink._pin_host_arena`) is pinned now."""
+    def unpin_host(self) -> None:
+        """Unpins the host arena, after a registration in progress: before the arena goes."""
 
 @final
 class _Reserving:
@@ -118,6 +122,9 @@ class _ArenaSink:
         first: int = 0,
         ids_per_hold: int = ...,
     ) -> list[Optional[str]]: ...
+    def _pin_host_arena(self, rows: _DeviceRows) -> bool:
+        """Starts pinning this sink's host arena for `rows`' copies, in the background; False
+        if `rows` has one pinned already."""
     def _copy_requests_rows_device(
         self,
         rows: _DeviceRows,

@@ -1014,9 +1014,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         copier.join(self._bound + PREEMPT_GRACE_S)
         if copier.is_alive():
             return False
-        if self._rows is not None and self._rows.registered is not None:
-            _unregister_host_arena(self._rows.registered)
-            self._rows.registered = None
+        if self._rows is not None:  # before the arena goes
+            self._rows.unpin()
         return True
 
     def _copy_loop(self) -> None:
@@ -1475,8 +1474,9 @@ class _Rows:
       k layers side by side (and one for a run of blocks next to one another in memory);
     - device cache: the same pieces as 2-D copies (``cuMemcpy2DAsync``) on a stream of its own
       (``_DeviceRows``, made on the copy thread) that first waits for the step's event (the
-      drafter's writes), device-to-host into a host arena (registered with the CUDA driver, on
-      the copy thread, when the first step is copied) or device-to-device into a device arena;
+      drafter's writes), device-to-host into a host arena (pinned: registered with the CUDA
+      driver in the background from the first step's copy, in chunks, the copies pageable until
+      then; ``_ArenaSink._pin_host_arena``) or device-to-device into a device arena;
       each request's write is finished once an event recorded after its copies has passed. No
       staging buffer: no extra device memory, whatever the prompt length.
 
@@ -1503,7 +1503,8 @@ class _Rows:
         self.stage: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         #: The native copies' stream (a device cache), or None: torch's path through staging.
         self.native: Optional[_DeviceRows] = None
-        #: The host arena's address, while it is registered with CUDA.
+        #: The host arena's address, while torch's path has it registered with CUDA (the native
+        #: path's pin is ``native``'s: :attr:`host_pinned`).
         self.registered: Optional[int] = None
         if kv.is_cuda:
             try:
@@ -1523,7 +1524,34 @@ class _Rows:
                 with torch.cuda.stream(self.stream):  # allocated on the stream that uses them
                     self._staging()
             if not self.device_arena:
-                self.registered = _register_host_arena(sink)
+                self._pin_host()
+
+    def _pin_host(self) -> None:
+        """Pins the host arena for the device-to-host copies: natively in the background (the
+        copies go on pageable until it is done), else through torch at once; a failure is
+        logged, and the copies stay pageable."""
+        if self.native is None:
+            self.registered = _register_host_arena(self.sink)
+            return
+        try:
+            self.sink._pin_host_arena(self.native)
+        except Exception as e:  # the sink closed meanwhile: nothing to pin
+            log.warning("capture_arena.vllm: pinning the host arena failed: %s; copies into it run at pageable speed", e)
+
+    @property
+    def host_pinned(self) -> bool:
+        """Whether the host arena is pinned now."""
+        if self.native is not None:
+            return self.native.host_pinned()
+        return self.registered is not None
+
+    def unpin(self) -> None:
+        """Unpins the host arena (waiting for a registration in progress): before it goes."""
+        if self.native is not None:
+            self.native.unpin_host()
+        if self.registered is not None:
+            _unregister_host_arena(self.registered)
+            self.registered = None
 
     def _staging(self, chunk: Optional[int] = None) -> None:
         """Allocates the fallback's staging buffers on the cache's device: ``chunk`` blocks each
