@@ -545,6 +545,12 @@ def test_a_producer_restarted_on_the_same_port_never_applies_its_predecessors_fr
         old, old_results = producer(c, "p1", 2, **same)
         trainer = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
         assert trainer.send(old_results[0])["ok"]
+        # Its free delivered before the kill (else it may be retried into the new producer or
+        # dropped at its refused connect, by timing): only the old sample's below is at stake.
+        deadline = time.monotonic() + 10
+        while trainer.send({"_health": True})["pending_frees"]:
+            assert time.monotonic() < deadline, "the trainer's free never reached the old producer"
+            time.sleep(0.01)
         c.killed(old.p)
         new, new_results = producer(c, "p1", 2, **same)
         assert new_results[0]["arena"]["control"] == old_results[0]["arena"]["control"]
@@ -556,9 +562,12 @@ def test_a_producer_restarted_on_the_same_port_never_applies_its_predecessors_fr
         health = trainer.finish()
         assert health["pending_frees"] == 0, health
         st = ends_free(new)
-        # The old sample's frees carried the old token: refused before any was applied.
+        # None of the old sample's frees was applied: dropped by the trainer, which learned from
+        # its read that the old session is gone, or, sent before it knew, refused by the new
+        # producer for the old token. (Before 2026-12-07 this asserted the refusal alone, which
+        # happened only when the first sample's free was still being retried at the restart.)
         assert st["unknown_frees"] == 0 and st["freed_objects"] == st["published_objects"], st
-        assert st["unauthorized_lines"] >= 1, st
+        assert st["unauthorized_lines"] >= 1 or health["dropped_frees"] >= 1, (st, health)
 
 
 @needs_nixl
