@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use capture_arena::paged::{DeviceCopies, HostPin, Paged, Request};
+
+use crate::held::Held;
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -182,22 +184,26 @@ fn first_ints(list: &Bound<'_, PyList>, n: usize) -> PyResult<Vec<i64>> {
 pub struct PyDeviceRows(
     pub(crate) DeviceCopies,
     i32,
-    std::sync::Mutex<Option<HostPin>>,
+    /// The pin, and a hold on the sink whose arena it pins: the arena stays mapped while the
+    /// hold lives, and the pin drops first (a tuple drops its fields in order).
+    std::sync::Mutex<Option<(HostPin, Held)>>,
 );
 
 impl PyDeviceRows {
-    /// Starts pinning a host arena for these copies (what `_ArenaSink._pin_host_arena` found
-    /// it to be); false if one is pinned already.
+    /// Starts pinning `sink`'s host arena, `[address, address + len)` as this process maps it,
+    /// for these copies; false if one is pinned already. The pin keeps a hold on the sink, so
+    /// the arena outlives it however the sink is closed or collected.
     ///
     /// # Safety
-    /// `[address, address + len)` stays mapped until [`PyDeviceRows::unpin_host`] or drop.
-    pub(crate) unsafe fn pin(&self, address: u64, len: u64) -> bool {
+    /// `[address, address + len)` is `sink`'s own host mapping.
+    pub(crate) unsafe fn pin(&self, sink: Held, address: u64, len: u64) -> bool {
         let mut slot = self.2.lock().unwrap_or_else(|p| p.into_inner());
         if slot.is_some() {
             return false;
         }
-        // SAFETY: the caller's promise.
-        *slot = Some(unsafe { HostPin::start(self.1, address, len) });
+        // SAFETY: the sink's own mapping, which stays mapped while `sink` (kept beside the pin,
+        // and dropped after it) holds its writer.
+        *slot = Some((unsafe { HostPin::start(self.1, address, len) }, sink));
         true
     }
 }
@@ -215,7 +221,7 @@ impl PyDeviceRows {
     /// pinning is off, refused or never asked for).
     fn host_pinned(&self) -> bool {
         let slot = self.2.lock().unwrap_or_else(|p| p.into_inner());
-        slot.as_ref().is_some_and(HostPin::pinned)
+        slot.as_ref().is_some_and(|(pin, _)| pin.pinned())
     }
 
     /// Unpins the host arena (waiting for a registration still running): before the arena is

@@ -1026,9 +1026,9 @@ impl PySink {
                 "the arena does not exist yet".into(),
             )
         })?;
-        // SAFETY: exactly this sink's own host mapping, which stays mapped until the sink closes;
-        // capture_arena.vllm unpins it first (its close hook stops the copy thread, then unpins).
-        Ok(unsafe { rows.get().pin(address, len) })
+        // SAFETY: exactly this sink's own host mapping; the pin keeps `sink`, a hold on its
+        // writer, which keeps the mapping until the pin is dropped.
+        Ok(unsafe { rows.get().pin(sink, address, len) })
     }
 
     /// `_copy_requests_rows` from a cache in device memory (its addresses device pointers),

@@ -431,7 +431,7 @@ deadline = time.monotonic() + 20
 while not dr.host_pinned() and time.monotonic() < deadline:
     time.sleep(0.01)
 out["pinned"] = dr.host_pinned()
-out["pinned_bytes"] = cu.fake_cuda_pinned_bytes() >= size
+out["pinned_bytes"] = cu.fake_cuda_pinned_bytes() == size  # the arena, exactly (nothing else pins here)
 pinned = cu.fake_cuda_host_copies(1)
 step("pinned")
 out["pinned_copies"] = cu.fake_cuda_host_copies(1) - pinned

@@ -364,7 +364,7 @@ def serve_behind_a_held_intake(live: Any, prefix: str, n: int, seed: int) -> dic
 
 def test_a_view_counts_against_the_queues_bytes_as_all_it_keeps_alive() -> None:
     """A queued capture keeps its tensors' memory alive, a view's whole base with it: a numpy
-    view of a 1 MB batch counted 800 bytes before (its own), so views of big batches passed
+    view of a 1 MB batch counted 1,000 bytes before (its own), so views of big batches passed
     SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES as if small. A torch view counts its whole storage."""
     from capture_arena import _live
 

@@ -334,8 +334,8 @@ mod device {
             p
         }
 
-        /// Whether the range is pinned now: false while it is being registered, and where it
-        /// is off or the driver refused (both logged).
+        /// Whether the range is pinned now: false while it is being registered, where
+        /// `SGLANG_SPEC_CAPTURE_PIN_HOST` is `0`, and where the driver refused (logged).
         pub fn pinned(&self) -> bool {
             self.pin
                 .as_ref()

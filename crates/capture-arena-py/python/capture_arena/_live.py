@@ -142,8 +142,9 @@ def check_intake_url(url: Any) -> str:
         port, why = 0, f" ({e})"
     else:
         why = " (port 0)" if port == 0 else ""
-    if "@" in parts.netloc:  # never sent (the intake takes none), and logged in every line
-        hidden = urllib.parse.urlunsplit(parts._replace(netloc="...@" + parts.netloc.rsplit("@", 1)[1]))
+    if "@" in u:  # credentials: never sent (the intake takes none), and logged in every line
+        # Shown without them, wherever a '#', '/' or '?' in a password moved them in the URL.
+        hidden = f"{u.split('://', 1)[0]}://...@{u.rsplit('@', 1)[1]}"
         raise ConfigError(
             f"--spec-capture-intake-url {hidden!r:.200}: credentials (user:password@) in the intake's URL are never "
             "sent (SpecForge's capture intake takes none), and would show in every log line; remove them"
@@ -738,7 +739,7 @@ class _Route:
                 resp = conn.getresponse()
                 answer = _read_within(resp, limit, deadline, late)
             except (OSError, http.client.HTTPException) as e:
-                if cut.is_set():
+                if cut.is_set() and e is not late:
                     raise late from e
                 raise
             if cut.is_set():  # the shutdown ended the answer early: not a whole one

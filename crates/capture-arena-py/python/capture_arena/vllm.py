@@ -1157,8 +1157,6 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _copy_step(self, saves: list[_Save], reserved: Sequence["_Placed"], copies: list["_Copy"], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
-        if self._rows is None:  # here, not on vLLM's thread: it may register the arena with CUDA
-            self._rows = _Rows(self._kv, self._sink)
         todo = []
         for sv, (keys, at, _), c in zip(saves, reserved, copies):
             if keys is None or at is None:
@@ -1172,6 +1170,10 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             todo.append((sv, keys, at, c))
         if not todo:
             return
+        if self._rows is None:
+            # Here, not on vLLM's thread (it starts pinning a host arena), and once a request
+            # was reserved: the arena exists, so the pin is not tried before it does.
+            self._rows = _Rows(self._kv, self._sink)
         # Set in native code as each request lands (a host cache with contiguous rows; else as
         # each is reported done): get_finished gives vLLM its blocks back without waiting for
         # the step's later requests, or for this thread's GIL.
