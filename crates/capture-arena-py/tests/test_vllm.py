@@ -1159,6 +1159,23 @@ def test_a_panic_while_failing_a_steps_objects_does_not_end_the_copy_thread(both
     assert wait_resident(p, before["resident_objects"])["resident_objects"] == before["resident_objects"]
 
 
+def test_the_copy_thread_stopping_unpins_the_host_arena_once_it_has_stopped(both: Proc) -> None:
+    """The sink's close stops the copy thread, then unpins the host arena its rows pinned (a
+    device cache's, registered with CUDA in the background), before the arena goes. The
+    pinning itself runs only with a CUDA cache (test_device.py -k pinned_in_the_background, against the fake driver); this
+    holds the connector's call to it."""
+    p = both
+    got = p.ask({"save": p.ask({"announce": [["pinned", 8]]})["meta"]})  # a step copied: rows made
+    release_all([p.ask({"finish": "pinned"})["params"]])
+    wait_finished(p, "pinned")
+    before = p.ask({"unpins": True})["unpins"]
+    try:
+        assert p.ask({"stop_copier": True}) == {"stopped": True, "stopping": True}, got
+        assert p.ask({"unpins": True})["unpins"] == before + 1
+    finally:
+        assert p.ask({"restart_copier": True}) == {"ok": True}
+
+
 @pytest.mark.parametrize("thread", ["running", "not_started_yet"])
 def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc, thread: str) -> None:
     # The sink is closing (vLLM's shutdown) and has stopped the copy thread, and vLLM saves one

@@ -40,6 +40,8 @@ states and 8 of its id. Commands:
   marked started) until the gate opens (false); ``{"preempt_grace": s}`` (worker):
   ``PREEMPT_GRACE_S``; ``{"handle_preemptions": base64}`` (worker) -> ``{"s": seconds}``: that
   step's handle_preemptions;
+- ``{"unpins": true}`` (worker) -> ``{"unpins": n}``: how many times the copy's rows unpinned
+  the host arena (``_Rows.unpin``: a device cache's; a no-op for this host cache);
 - ``{"threads": true}`` -> ``{"threads": {name: stack}}``: the end of each thread's stack;
 - ``{"reset": true}`` (scheduler) -> ``{"ok": bool, "s": seconds, "at": monotonic}``: the
   connector's reset_cache (as vLLM's reset of its caches calls it before discarding the cache),
@@ -124,6 +126,16 @@ if role in ("worker", "both"):
 
     fail_sends = []  # how the worker's next sends fail: "half" or "none" each
     fail_reports = [0]  # how many of the worker's next reports of copies over fail
+
+    # How many times the copy's rows were unpinned (a device cache's host arena; a no-op here).
+    unpins = [0]
+    _real_unpin = capture_arena.vllm._Rows.unpin
+
+    def _counted_unpin(self):
+        unpins[0] += 1
+        return _real_unpin(self)
+
+    capture_arena.vllm._Rows.unpin = _counted_unpin
 
     def _queued(sock):
         import fcntl
@@ -351,6 +363,8 @@ for line in sys.stdin:
 
                 worker._publish = _publish
             answer = {"ok": True}
+        elif "unpins" in cmd:
+            answer = {"unpins": unpins[0]}
         elif "stop_copier" in cmd:
             if cmd["stop_copier"] != "none_yet":  # else as a close before any step started one
                 worker._start_copier()  # (if none was started yet)
