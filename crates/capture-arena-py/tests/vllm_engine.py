@@ -109,10 +109,17 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             return real_preemptions(self, meta)
         preempting.set()
         events["preempting"] = time.monotonic()
+        # The preempted requests' copies as handle_preemptions finds them (it takes them out).
+        copies = [c for c in (self._copies.get(rid) for rid in meta.preempted) if c is not None]
         try:
             return real_preemptions(self, meta)
         finally:
             events["preempted"] = time.monotonic()
+            # Whether every copy under way had landed when vLLM got its blocks back: the landed
+            # flag, set in native code as the bytes land ("copied" is stamped later, once the
+            # copy call is back in Python, which under load can be after this).
+            events["under_way"] = sum(1 for c in copies if c.started and not c.cancelled)
+            events["landed_by_then"] = all(c.done for c in copies if c.started and not c.cancelled)
 
     connector.CaptureArenaConnector.handle_preemptions = handle_preemptions
 
