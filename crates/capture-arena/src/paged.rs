@@ -323,9 +323,7 @@ mod device {
         /// # Safety
         /// The range stays mapped until the value is dropped.
         pub unsafe fn start(ordinal: i32, address: u64, len: u64) -> HostPin {
-            let off =
-                std::env::var(crate::memory::mapping::ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0");
-            let pin = (!off).then(|| {
+            let pin = crate::memory::mapping::pinning_on().then(|| {
                 // SAFETY: the caller keeps the range mapped while this lives.
                 unsafe { crate::driver::LazyPin::new(address as *mut u8, len as usize, false) }
             });

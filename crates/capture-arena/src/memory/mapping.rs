@@ -59,6 +59,12 @@ pub struct Mapping {
 /// (synchronous, staged by the driver through its own buffers). Default on.
 pub const ENV_PIN_HOST: &str = "SGLANG_SPEC_CAPTURE_PIN_HOST";
 
+/// Whether host memory is pinned for device copies ([`ENV_PIN_HOST`] is not `0`).
+#[cfg(feature = "cuda")]
+pub(crate) fn pinning_on() -> bool {
+    !std::env::var(ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0")
+}
+
 /// `(size, link count)` of an open descriptor.
 pub(crate) fn fstat(fd: &OwnedFd) -> io::Result<(u64, u64)> {
     // SAFETY: fstat fills a zeroed stat struct for a descriptor we own.
@@ -129,7 +135,7 @@ impl Mapping {
             watch: super::guard::Watch::new(ptr.as_ptr() as usize, len),
             shrunk: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "cuda")]
-            pin: (!std::env::var(ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0")).then(|| {
+            pin: pinning_on().then(|| {
                 // SAFETY: exactly the range just mapped; the pin is dropped before it is
                 // unmapped (Drop below).
                 unsafe {
