@@ -289,14 +289,20 @@ pub unsafe fn copy_requests(
     out
 }
 
+/// The most bytes one device copy of a flat run moves (`DeviceCopies`): a longer run is several
+/// copies, between which the copy engine can take the engine's own (vLLM's small copies of a
+/// step's inputs and outputs) instead of waiting behind the whole run.
+pub const COPY_PIECE: u64 = 64 << 20;
+
 #[cfg(feature = "cuda")]
 pub use device::{copy_requests_device, DeviceCopies, DeviceStep, HostPin, Landing};
 
 #[cfg(feature = "cuda")]
 mod device {
-    use super::{Paged, Request, Strip};
+    use super::{Paged, Request, Strip, COPY_PIECE};
     use crate::driver::{context, Event, Stream};
     use crate::error::Result;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     /// Copies from a device cache on a stream of their own (non-blocking: it never waits for
     /// the legacy default stream), enqueued from any thread without Python.
@@ -305,6 +311,9 @@ mod device {
         /// The largest pitch a 2-D copy takes (`CU_DEVICE_ATTRIBUTE_MAX_PITCH`: 2^31 - 1 on
         /// an H100): a strip with a larger one goes row by row.
         max_pitch: u64,
+        /// Set once the driver refused a device-to-device 2-D copy whose rows then went
+        /// through: later ones go row by row at once.
+        d2d_rows: AtomicBool,
     }
 
     /// A host arena pinned for the device-to-host copies into it: registered with the driver on
@@ -377,6 +386,7 @@ mod device {
                 } else {
                     i32::MAX as u64
                 },
+                d2d_rows: AtomicBool::new(false),
             })
         }
 
@@ -394,9 +404,15 @@ mod device {
         }
 
         /// Enqueues `strips` from the cache at device address `src_base` into the object at
-        /// `dst_base`: host memory (pinned or not) when `dst_host`, else device memory. A flat
-        /// strip (one row: a run of blocks, which may pass 2 GiB) is a plain copy, which has no
-        /// pitch to limit it; a 2-D one whose pitch passes the device's limit goes row by row.
+        /// `dst_base`: host memory (pinned or not) when `dst_host`, else device memory.
+        /// - A flat strip (one row: a run of blocks, which may pass 2 GiB) is plain copies of at
+        ///   most [`COPY_PIECE`] bytes each, so that no copy of ours holds the copy engine for
+        ///   long in front of the engine's own (a 3.2 GB run at 50 GB/s is 64 ms).
+        /// - A 2-D strip whose pitch passes the device's limit goes row by row.
+        /// - So does a device-to-device 2-D strip the driver refuses: it documents that
+        ///   intra-device 2-D copies "may fail for pitches not computed by cuMemAllocPitch". Once
+        ///   rows went through where the 2-D copy did not, every later device-to-device strip of
+        ///   this stream goes row by row (logged once).
         ///
         /// # Safety
         /// Every strip lies inside the cache and the object ([`super::Paged::plan`]); both stay
@@ -414,10 +430,13 @@ mod device {
         ) -> Result<()> {
             for s in strips {
                 let (src, dst) = (src_base + s.src, dst_base + s.dst);
-                if s.height > 1 && s.src_pitch.max(s.dst_pitch) <= self.max_pitch {
+                let two_d = s.height > 1
+                    && s.src_pitch.max(s.dst_pitch) <= self.max_pitch
+                    && (dst_host || !self.d2d_rows.load(Ordering::Relaxed));
+                if two_d {
                     // SAFETY: the caller's promise; both pitches are at least the width (the
                     // plan's strips) and within the device's limit.
-                    unsafe {
+                    let refused = match unsafe {
                         self.stream.copy_2d(
                             src,
                             s.src_pitch,
@@ -426,22 +445,50 @@ mod device {
                             dst_host,
                             s.width,
                             s.height,
-                        )?
+                        )
+                    } {
+                        Ok(()) => continue,
+                        Err(e) if dst_host => return Err(e),
+                        Err(e) => e,
                     };
+                    // SAFETY: as above (a refused copy enqueued nothing).
+                    unsafe { self.row_by_row(src, dst, dst_host, s)? };
+                    if !self.d2d_rows.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            error = %refused,
+                            pitches = ?(s.src_pitch, s.dst_pitch),
+                            "the driver refused a device-to-device 2-D copy that row by row \
+                             copies took: this stream copies such strips row by row from now on"
+                        );
+                    }
                     continue;
                 }
-                for r in 0..s.height {
-                    let (src, dst) = (src + r * s.src_pitch, dst + r * s.dst_pitch);
+                // SAFETY: the caller's promise.
+                unsafe { self.row_by_row(src, dst, dst_host, s)? };
+            }
+            Ok(())
+        }
+
+        /// Enqueues `s`'s rows one by one (a flat strip's one row in pieces of at most
+        /// [`COPY_PIECE`] bytes), from device address `src` to `dst`.
+        ///
+        /// # Safety
+        /// As [`DeviceCopies::rows`], for `s` at `src` and `dst`.
+        unsafe fn row_by_row(&self, src: u64, dst: u64, dst_host: bool, s: &Strip) -> Result<()> {
+            for r in 0..s.height {
+                let (src, dst) = (src + r * s.src_pitch, dst + r * s.dst_pitch);
+                let mut done = 0;
+                while done < s.width {
+                    let n = (s.width - done).min(COPY_PIECE);
+                    let (src, dst) = (src + done, dst + done);
                     if dst_host {
                         // SAFETY: the caller's promise (each row lies inside both).
-                        unsafe {
-                            self.stream
-                                .copy_dtoh(dst as usize as *mut u8, src, s.width)?
-                        };
+                        unsafe { self.stream.copy_dtoh(dst as usize as *mut u8, src, n)? };
                     } else {
                         // SAFETY: as above.
-                        unsafe { self.stream.copy_dtod(dst, src, s.width)? };
+                        unsafe { self.stream.copy_dtod(dst, src, n)? };
                     }
+                    done += n;
                 }
             }
             Ok(())

@@ -45,6 +45,9 @@ fn setup() -> MutexGuard<'static, ()> {
             ("odd_error", 0),
             ("host_register", 1),
             ("capturing", 0),
+            ("register_us", 0),
+            ("d2d_pitch_align", 1),
+            ("max_pitch", i32::MAX as i64),
         ] {
             fake_cuda::knob(k, v);
         }
@@ -1047,6 +1050,200 @@ fn fake_gpu_a_2d_copy_past_the_devices_pitch_limit_goes_row_by_row() {
     fake_cuda::knob("max_pitch", i32::MAX as i64);
     landed.unwrap();
     assert_eq!(host, rows_of(&bytes, &src, &blocks, n));
+}
+
+#[test]
+fn fake_gpu_a_device_to_device_2d_copy_the_driver_refuses_goes_row_by_row() {
+    use capture_arena::paged::DeviceCopies;
+    let Some(_g) = setup_fake("fake_gpu_a_device_to_device_2d_copy_the_driver_refuses") else {
+        return;
+    };
+    // A driver that takes intra-device 2-D copies only at pitches cuMemAllocPitch would give
+    // (multiples of 512 here): the strips' 48-byte object pitch is refused device-to-device,
+    // and those rows go one by one, now and for every later request of the stream; copies into
+    // host memory stay 2-D (the restriction is documented for intra-device copies only).
+    fake_cuda::knob("d2d_pitch_align", 512);
+    let copies = DeviceCopies::new(0).unwrap();
+    let (_cache, bytes, src) = device_cache(6, 3, 4, 16, false);
+    let (blocks, n) = ([2u64, 0, 5], 10u64);
+    let len = n * 48;
+    let strips = src.plan(len, &blocks, n).unwrap();
+    let want = rows_of(&bytes, &src, &blocks, n);
+    for request in 0..2 {
+        let device = DeviceBuffer::new(0, len).unwrap();
+        let mut host = vec![0u8; len as usize];
+        let before = fake_cuda::copies_2d();
+        // SAFETY: the plan is checked against both lengths; the buffers live until the mark
+        // is waited for.
+        let enqueued = unsafe {
+            copies
+                .rows(src.base, device.ptr(), false, &strips)
+                .and_then(|()| copies.rows(src.base, host.as_mut_ptr() as u64, true, &strips))
+        };
+        let landed = enqueued.and_then(|()| copies.mark()).and_then(|m| m.wait());
+        let two_d = fake_cuda::copies_2d() - before;
+        if request == 1 {
+            fake_cuda::knob("d2d_pitch_align", 1);
+        }
+        landed.unwrap();
+        let mut back = vec![0u8; len as usize];
+        device.download(0, &mut back).unwrap();
+        assert_eq!(back, want, "device-to-device, request {request}");
+        assert_eq!(host, want, "device-to-host, request {request}");
+        assert_eq!(
+            two_d, 9,
+            "only the 9 device-to-host strips went 2-D (request {request})"
+        );
+    }
+}
+
+#[test]
+fn fake_gpu_a_flat_run_of_blocks_is_copied_in_pieces() {
+    use capture_arena::paged::{DeviceCopies, COPY_PIECE};
+    let Some(_g) = setup_fake("fake_gpu_a_flat_run_of_blocks_is_copied_in_pieces") else {
+        return;
+    };
+    // Slots holding their layer side by side, blocks in order: the request is one flat run of
+    // 80 MiB, copied as pieces of at most COPY_PIECE bytes (64 MiB: 2 copies), not as one.
+    let (blocks, bs, row) = (20u64, 1024u64, 4096u64);
+    let (_cache, bytes, src) = device_cache(blocks, 1, bs, row, true);
+    let ids: Vec<u64> = (0..blocks).collect();
+    let n = blocks * bs;
+    let len = n * row;
+    let strips = src.plan(len, &ids, n).unwrap();
+    assert_eq!(strips.len(), 1, "one flat run");
+    let copies = DeviceCopies::new(0).unwrap();
+    let mut host = vec![0u8; len as usize];
+    let device = DeviceBuffer::new(0, len).unwrap();
+    let before = fake_cuda::copies_begun();
+    // SAFETY: the plan is checked against both lengths; both live until the mark is waited for.
+    unsafe {
+        copies
+            .rows(src.base, host.as_mut_ptr() as u64, true, &strips)
+            .unwrap();
+        copies.rows(src.base, device.ptr(), false, &strips).unwrap();
+    }
+    copies.mark().unwrap().wait().unwrap();
+    assert_eq!(
+        fake_cuda::copies_begun() - before,
+        2 * len.div_ceil(COPY_PIECE) as i64
+    );
+    assert!(host == bytes, "device-to-host rows differ");
+    let mut back = vec![0u8; len as usize];
+    device.download(0, &mut back).unwrap();
+    assert!(back == bytes, "device-to-device rows differ");
+}
+
+/// A writable reservation of `len` bytes of address space that costs no memory until touched
+/// (`MAP_NORESERVE`): a range as large as a production host arena, for the fake to register.
+struct Reservation(*mut libc::c_void, usize);
+
+impl Reservation {
+    fn new(len: usize) -> Reservation {
+        // SAFETY: a fresh anonymous mapping at an address the kernel picks.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(
+            p,
+            libc::MAP_FAILED,
+            "reserving {len} bytes of address space"
+        );
+        Reservation(p, len)
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: exactly the mapping made in `new`.
+        unsafe { libc::munmap(self.0, self.1) };
+    }
+}
+
+#[test]
+fn fake_gpu_a_host_pin_dropped_while_registering_waits_only_for_the_chunk_under_way() {
+    use capture_arena::paged::HostPin;
+    let Some(_g) = setup_fake("fake_gpu_a_host_pin_dropped_while_registering") else {
+        return;
+    };
+    // 130 GiB: three registrations (64, 64 and 2 GiB), 0.4 s each here (a real 64 GiB one:
+    // about 6 s). Dropped during the first, the pin waits for it and starts no other: before,
+    // it waited for all three.
+    fake_cuda::knob("register_us", 400_000);
+    let r = Reservation::new(130 << 30);
+    let before = fake_cuda::registrations();
+    // SAFETY: the reservation outlives the pin.
+    let pin = unsafe { HostPin::start(0, r.0 as u64, r.1 as u64) };
+    assert!(fake_cuda::wait_above(fake_cuda::registrations, before));
+    let at_drop = fake_cuda::registrations() - before;
+    drop(pin);
+    let made = fake_cuda::registrations() - before;
+    fake_cuda::knob("register_us", 0);
+    assert!(
+        made <= at_drop + 1 && made < 3,
+        "{made} registrations made, {at_drop} begun when the pin was dropped"
+    );
+    assert_eq!(fake_cuda::pinned_bytes(), 0, "what was pinned is unpinned");
+}
+
+#[test]
+fn fake_gpu_a_forked_child_drops_a_registering_host_pin_cleanly() {
+    use capture_arena::paged::HostPin;
+    let Some(_g) = setup_fake("fake_gpu_a_forked_child_drops_a_registering_host_pin") else {
+        return;
+    };
+    // The child has no registering thread. A drop that joined it (before) found the thread
+    // marked gone by glibc's fork handler and then panicked in std's join: its result never
+    // came (in a Python child: a panic inside the object's deallocation).
+    fake_cuda::knob("register_us", 3_000_000);
+    let mut arena = vec![0u8; 1 << 20];
+    let before = fake_cuda::registrations();
+    // SAFETY: the vector outlives the pin.
+    let pin = unsafe { HostPin::start(0, arena.as_mut_ptr() as u64, arena.len() as u64) };
+    assert!(fake_cuda::wait_above(fake_cuda::registrations, before));
+    // SAFETY: the child only drops the pin and exits, touching no lock another thread may hold
+    // (the panic a broken drop raises allocates: glibc's malloc is safe after fork).
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork failed");
+    if child == 0 {
+        let dropped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(pin)));
+        // SAFETY: leaves at once, running nothing of the parent's.
+        unsafe { libc::_exit(if dropped.is_ok() { 7 } else { 8 }) };
+    }
+    // It exits well before the parent's registration ends (3 s).
+    let until = std::time::Instant::now() + Duration::from_millis(2500);
+    let mut status = 0;
+    let exited = loop {
+        // SAFETY: waits for our own child without blocking.
+        let rc = unsafe { libc::waitpid(child, &mut status, libc::WNOHANG) };
+        if rc == child || std::time::Instant::now() > until {
+            break rc == child;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    if !exited {
+        // SAFETY: our own child, which is hung.
+        unsafe {
+            libc::kill(child, libc::SIGKILL);
+            libc::waitpid(child, &mut status, 0);
+        }
+    }
+    drop(pin);
+    fake_cuda::knob("register_us", 0);
+    assert!(exited, "the forked child hung dropping the pin");
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 7,
+        "the forked child did not drop the pin cleanly: status {status:#x} (8: it panicked)"
+    );
+    assert_eq!(fake_cuda::pinned_bytes(), 0);
+    drop(arena);
 }
 
 #[test]

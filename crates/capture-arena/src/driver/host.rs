@@ -13,8 +13,15 @@
 //! Registration is a call CUDA graph capture forbids in its default (global) mode, from any
 //! thread while another captures: the registering thread sets its own capture mode to relaxed
 //! around it, as NCCL does, so an inference server capturing graphs is never disturbed.
+//!
+//! Dropping a [`LazyPin`] while it registers stops it before its next chunk and waits only for
+//! the one under way (at most [`MAX_CHUNK`], about 6 s), not the whole range (a 1 TiB arena:
+//! about 100 s). A forked child that drops one leaves the registering thread alone: it is the
+//! parent's, and joining it in the child panics (glibc's fork handler marks it gone, and the
+//! result std's join expects never comes).
 
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys as cu;
@@ -119,6 +126,13 @@ pub(crate) struct LazyPin {
     ptr: usize,
     len: usize,
     read_only: bool,
+    /// The most bytes one registration covers ([`MAX_CHUNK`]; less in tests).
+    max_chunk: usize,
+    /// Set when dropped: the registering thread stops before its next chunk.
+    stop: Arc<AtomicBool>,
+    /// The process that made it: a forked child has neither the registering thread nor the
+    /// registrations.
+    pid: u32,
     state: Mutex<State>,
 }
 
@@ -133,6 +147,9 @@ impl LazyPin {
             ptr: ptr as usize,
             len,
             read_only,
+            max_chunk: MAX_CHUNK,
+            stop: Arc::new(AtomicBool::new(false)),
+            pid: std::process::id(),
             state: Mutex::new(State::Unasked),
         }
     }
@@ -156,12 +173,22 @@ impl LazyPin {
             };
             return matches!(*state, State::Pinned { .. });
         }
-        let (ptr, len, read_only, what) = (self.ptr, self.len, self.read_only, what.to_owned());
+        if self.pid != std::process::id() {
+            *state = State::Pageable; // a forked child: CUDA does not survive fork
+            return false;
+        }
+        let range = Range {
+            ptr: self.ptr,
+            len: self.len,
+            read_only: self.read_only,
+            max_chunk: self.max_chunk,
+        };
+        let (stop, what) = (self.stop.clone(), what.to_owned());
         let started = std::thread::Builder::new()
             .name("capture-arena-pin".into())
             // SAFETY: the range stays mapped until this value is dropped, and Drop joins this
             // thread first.
-            .spawn(move || unsafe { pin_all(ordinal, ptr, len, read_only, &what) });
+            .spawn(move || unsafe { pin_all(ordinal, range, &stop, &what) });
         *state = match started {
             Ok(h) => State::Pinning(h),
             Err(e) => {
@@ -177,26 +204,37 @@ impl Drop for LazyPin {
     fn drop(&mut self) {
         let state = std::mem::take(self.state.get_mut().unwrap_or_else(|p| p.into_inner()));
         if let State::Pinning(h) = state {
+            if self.pid != std::process::id() {
+                // A forked child: the thread is the parent's. Joining it here would panic
+                // (glibc marks it gone in the child, and its result never comes).
+                std::mem::forget(h);
+                return;
+            }
+            self.stop.store(true, Ordering::Relaxed);
             drop(h.join());
         }
     }
 }
 
-/// Registers `[ptr, ptr + len)` in chunks, logging the outcome; `None` where the device cannot
-/// or will not.
-///
-/// # Safety
-/// The range stays mapped until the pins are dropped.
-/// `[ptr, ptr + len)` cut into registrations of at most [`MAX_CHUNK`] bytes, each cut on a
+/// What a registering thread pins.
+#[derive(Debug, Clone, Copy)]
+struct Range {
+    ptr: usize,
+    len: usize,
+    read_only: bool,
+    max_chunk: usize,
+}
+
+/// `[ptr, ptr + len)` cut into registrations of at most `max_chunk` bytes, each cut on a
 /// boundary of `page` (this host's page size): two registrations never share a page, which the
 /// driver refuses (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`), whatever the page size (64 KiB
 /// on Grace) and even if `ptr` were not page-aligned.
-fn chunks(ptr: usize, len: usize, page: usize) -> Vec<(usize, usize)> {
+fn chunks(ptr: usize, len: usize, page: usize, max_chunk: usize) -> Vec<(usize, usize)> {
     let end = ptr.saturating_add(len);
-    let mut out = Vec::with_capacity(len.div_ceil(MAX_CHUNK));
+    let mut out = Vec::with_capacity(len.div_ceil(max_chunk.max(1)));
     let mut at = ptr;
     while at < end {
-        let cut = crate::page::page_start(at.saturating_add(MAX_CHUNK), page);
+        let cut = crate::page::page_start(at.saturating_add(max_chunk), page);
         let next = if cut > at && cut < end { cut } else { end };
         out.push((at, next - at));
         at = next;
@@ -204,13 +242,23 @@ fn chunks(ptr: usize, len: usize, page: usize) -> Vec<(usize, usize)> {
     out
 }
 
+/// Registers `range` chunk by chunk, logging the outcome; `None` where the device cannot or will
+/// not, and when `stop` was set before the last chunk (the range is going).
+///
+/// # Safety
+/// The range stays mapped until the pins are dropped.
 unsafe fn pin_all(
     ordinal: i32,
-    ptr: usize,
-    len: usize,
-    read_only: bool,
+    range: Range,
+    stop: &AtomicBool,
     what: &str,
 ) -> Option<Vec<HostPin>> {
+    let Range {
+        ptr,
+        len,
+        read_only,
+        max_chunk,
+    } = range;
     use cu::CUdevice_attribute as A;
     let started = std::time::Instant::now();
     let ctx = match context(ordinal) {
@@ -234,9 +282,17 @@ unsafe fn pin_all(
         );
         return None;
     }
-    let ranges = chunks(ptr, len, crate::page::page_size());
+    let ranges = chunks(ptr, len, crate::page::page_size(), max_chunk);
     let mut pins = Vec::with_capacity(ranges.len());
     for (at, n) in ranges {
+        if stop.load(Ordering::Relaxed) {
+            tracing::info!(
+                what,
+                pinned = pins.len(),
+                "pinning stopped: the range is going"
+            );
+            return None; // the chunks pinned so far are unpinned as `pins` drops
+        }
         // SAFETY: a sub-range of the caller's, mapped as long as the pins live.
         match unsafe { HostPin::new(&ctx, at, n, read_only) } {
             Ok(p) => pins.push(p),
@@ -277,7 +333,7 @@ mod tests {
                 (1 << 40, 1),
                 (1 << 40, 0),
             ] {
-                let c = chunks(ptr, len, page);
+                let c = chunks(ptr, len, page, MAX_CHUNK);
                 assert_eq!(c.iter().map(|&(_, n)| n).sum::<usize>(), len);
                 assert!(c.iter().all(|&(_, n)| n > 0 && n <= MAX_CHUNK), "{c:?}");
                 for w in c.windows(2) {

@@ -12,7 +12,7 @@
  * real driver should be found: tests load it by path.
  *
  * Knobs: environment variables give the defaults; a test in the same process changes them with
- * fake_cuda_knob("copy_us" | "fail_copies_after" | "fabric_attr" | "imex" | "gdr_attr", value):
+ * fake_cuda_knob("copy_us" | "fail_copies_after" | "fabric_attr" | "imex" | "gdr_attr" | ..., value):
  *   FAKE_CUDA_DEVICES=N        devices visible (default 1)
  *   FAKE_CUDA_FABRIC_ATTR=1    report fabric handle support
  *   FAKE_CUDA_IMEX=1           let fabric allocations, exports and imports succeed (else
@@ -24,6 +24,11 @@
  *   FAKE_CUDA_FAIL_COPIES_AFTER=N  copies after the N-th fail to enqueue (INVALID_VALUE)
  *   FAKE_CUDA_MAX_PITCH=N      the largest pitch a 2-D copy takes (attribute 11; default 2^31 - 1, an H100's)
  *   FAKE_CUDA_HOST_REGISTER=0  report no cuMemHostRegister support (attribute 99; default 1)
+ *   FAKE_CUDA_REGISTER_US=N    every cuMemHostRegister takes N microseconds (a real one: about 0.1 s
+ *                              per GB, as it pins every page)
+ *   FAKE_CUDA_D2D_PITCH_ALIGN=N  a device-to-device 2-D copy refuses pitches that are not multiples
+ *                              of N (INVALID_VALUE): the driver documents that intra-device 2-D
+ *                              copies "may fail for pitches not computed by cuMemAllocPitch"
  *   FAKE_CUDA_CAPTURING=1      another thread is capturing a CUDA graph in global mode: calls
  *                              capture forbids (cuMemHostRegister, cuMemHostUnregister) fail with
  *                              CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED unless the calling thread's
@@ -73,7 +78,8 @@ static int devices(void) {
 
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
 static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2,
-  knob_fault = -2, knob_host_register = -2, knob_capturing = -2, knob_max_pitch = -2;
+  knob_fault = -2, knob_host_register = -2, knob_capturing = -2, knob_max_pitch = -2, knob_register_us = -2,
+  knob_d2d_pitch_align = -2;
 static long copies;
 /* A context error (FAKE_CUDA_FAULT / the "fault" knob, set when a stream next runs an op): sticky,
  * as on a real GPU after an illegal address. */
@@ -92,6 +98,8 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "host_register") ? &knob_host_register
           : !strcmp(name, "capturing") ? &knob_capturing
           : !strcmp(name, "max_pitch") ? &knob_max_pitch
+          : !strcmp(name, "register_us") ? &knob_register_us
+          : !strcmp(name, "d2d_pitch_align") ? &knob_d2d_pitch_align
           : !strcmp(name, "devices") ? &knob_devices
           : !strcmp(name, "odd_error") ? &knob_odd_error : NULL;
   if (!k) return -3;
@@ -109,11 +117,12 @@ CUresult cuDeviceGet(CUdevice *d, int ordinal) {
   *d = ordinal;
   return OK;
 }
-/* Events a test waits for instead of sleeping: copies begun on a stream, and questions whether
- * the device can pin host memory (what a pinning thread asks first). */
-static long copies_begun, register_asks;
-long fake_cuda_events(int asks) {
-  return __atomic_load_n(asks ? &register_asks : &copies_begun, __ATOMIC_SEQ_CST);
+/* Events a test waits for instead of sleeping: copies begun on a stream (0), questions whether
+ * the device can pin host memory (1: what a pinning thread asks first), and registrations begun
+ * (2: calls of cuMemHostRegister that passed its checks). */
+static long copies_begun, register_asks, registrations;
+long fake_cuda_events(int which) {
+  return __atomic_load_n(which == 2 ? &registrations : which ? &register_asks : &copies_begun, __ATOMIC_SEQ_CST);
 }
 CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
   (void)d;
@@ -640,6 +649,9 @@ CUresult cuMemHostRegister_v2(void *p, size_t n, unsigned flags) {
   if (!p || !n) return INVALID_VALUE;
   if (!knob(&knob_host_register, "FAKE_CUDA_HOST_REGISTER", 1)) return NOT_SUPPORTED;
   if (!(flags & HOST_REGISTER_READ_ONLY) && !writable((uintptr_t)p, n)) return INVALID_VALUE;
+  __atomic_add_fetch(&registrations, 1, __ATOMIC_SEQ_CST);
+  long us = knob(&knob_register_us, "FAKE_CUDA_REGISTER_US", 0);
+  if (us > 0) usleep((useconds_t)us);
   uintptr_t a = (uintptr_t)p;
   CUresult rc = OUT_OF_MEMORY;
   pthread_mutex_lock(&ranges_mu);
@@ -717,6 +729,10 @@ CUresult cuMemcpy2DAsync_v2(const Memcpy2D *c, Stream *s) {
   if (c->srcPitch < c->WidthInBytes || c->dstPitch < c->WidthInBytes) return INVALID_VALUE;
   long max_pitch = knob(&knob_max_pitch, "FAKE_CUDA_MAX_PITCH", 2147483647);
   if ((long)c->srcPitch > max_pitch || (long)c->dstPitch > max_pitch) return INVALID_VALUE; /* CU_DEVICE_ATTRIBUTE_MAX_PITCH */
+  long align = knob(&knob_d2d_pitch_align, "FAKE_CUDA_D2D_PITCH_ALIGN", 1);
+  if (c->srcMemoryType == 2 && c->dstMemoryType == 2 && c->Height > 1 && align > 1 &&
+      (c->srcPitch % (size_t)align || c->dstPitch % (size_t)align))
+    return INVALID_VALUE;
   if (!c->WidthInBytes || !c->Height) return OK;
   const char *src = c->srcMemoryType == 1 ? (const char *)c->srcHost : (const char *)(uintptr_t)c->srcDevice;
   char *dst = c->dstMemoryType == 1 ? (char *)c->dstHost : (char *)(uintptr_t)c->dstDevice;

@@ -104,11 +104,11 @@ pub fn current() -> usize {
 }
 
 /// Calls the fake's counter `name`, which takes one int.
-fn count(name: &str, which: bool) -> i64 {
+fn count(name: &str, which: impl Into<std::ffi::c_int>) -> i64 {
     // SAFETY: the fake's counters have this signature (fake_cuda.c).
     let f: extern "C" fn(std::ffi::c_int) -> std::ffi::c_long =
         unsafe { std::mem::transmute(sym(name)) };
-    f(std::ffi::c_int::from(which)) as i64
+    f(which.into()) as i64
 }
 
 /// How many allocations the fake made with `gpuDirectRDMACapable` set (`rdma`), or without.
@@ -135,6 +135,11 @@ pub fn copies_begun() -> i64 {
 /// Times anyone asked whether the device can pin host memory: a pinning thread's first step.
 pub fn host_register_asks() -> i64 {
     count("fake_cuda_events", true)
+}
+
+/// Registrations (`cuMemHostRegister`) begun: each takes `register_us`.
+pub fn registrations() -> i64 {
+    count("fake_cuda_events", 2)
 }
 
 /// Waits up to 5 s for `what` to exceed `than`; false if it never did.
