@@ -223,7 +223,8 @@ class Producer:
 class ForwardProxy(_Served):
     """An HTTP forward proxy on 127.0.0.1 (what ``http_proxy`` names): takes requests for
     absolute URLs, forwards them, and counts them by method and path (``seen``); answers 502
-    when the upstream refuses the connection, as nginx and squid do."""
+    when the upstream refuses the connection or closes it without an answer, as nginx and squid
+    do."""
 
     def __init__(self, credentials: Optional[str] = None) -> None:
         """``credentials`` (``user:password``): the proxy answers 407 to a request without them
@@ -258,6 +259,10 @@ class ForwardProxy(_Served):
                     resp = conn.getresponse()
                     status, data = resp.status, resp.read()
                 except ConnectionRefusedError as e:  # as nginx and squid answer when the upstream is down
+                    status, data = 502, f"Bad Gateway: {e}".encode()
+                except (http.client.RemoteDisconnected, ConnectionResetError) as e:
+                    # nginx: "upstream prematurely closed connection while reading response
+                    # header", answered 502 (the upstream may have taken the request).
                     status, data = 502, f"Bad Gateway: {e}".encode()
                 finally:
                     conn.close()

@@ -33,7 +33,9 @@ What is added:
   included) is a refusal. A ``duplicate`` answer means the rid was captured before and that
   sample was given to a trainer: this one never will be, so it is freed. It means success only
   when an earlier attempt of this record was sent and its answer lost (then the intake has this
-  one); an earlier attempt that never connected proves nothing;
+  one), or was answered 502 by the proxy, which nginx and squid also answer for an intake that
+  closed the connection after taking the request; an earlier attempt that never connected
+  proves nothing;
 - a record no attempt got an answer for (each attempt ends ``POST_TIMEOUT_S``, 10 s, after it
   began, whatever the intake sends meanwhile; so at most about 20 s after it was first sent) is
   freed too, and counted in
@@ -68,7 +70,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from . import _logs
-from ._samples import Warnings
+from ._samples import Warnings, _interrupts
 from .errors import ConfigError
 
 __all__ = ["LiveCapture", "LiveSink", "CONFIG_PATH", "RECORDS_PATH", "sampled", "QUEUE_ENV", "INTAKE_WAIT_ENV", "intake_wait_s", "sync_wait_s"]
@@ -465,7 +467,11 @@ class LiveCapture:
             del item  # the capture's tensors are held by `capture` alone, let go once published
             try:
                 self._write(capture)
-            except Exception:  # never ends the worker: the next capture goes on
+            except BaseException as e:  # never ends the worker: the next capture goes on
+                if _interrupts(e):
+                    raise
+                # A panic of the extension (pyo3's PanicException is no Exception) too: before,
+                # it ended the worker, and every later capture was dropped as queue_full.
                 self._warnings.warn("capture", "live capture: a capture failed", exc_info=True)
             finally:
                 del capture
@@ -573,7 +579,7 @@ class LiveCapture:
                 "size", "live capture: the record of %s is %d bytes, over the intake's %d", record.get("sample_id"), len(body), MAX_RECORD_BYTES
             )
             return "rejected"
-        last, sent = "", False
+        last, sent, maybe_sent = "", False, False
         for attempt in range(POST_ATTEMPTS):
             try:
                 status, answer = self._route.request("POST", RECORDS_PATH, body, POST_TIMEOUT_S, MAX_ANSWER_BYTES)
@@ -584,12 +590,18 @@ class LiveCapture:
                 last, sent = str(e) or type(e).__name__, True
                 continue
             if self._route.proxy is not None and status in (502, 503, 504):
-                # The proxy's answer, not the intake's: it could not reach it (502, 503: the
-                # record never got there) or got no answer from it (504: it may have).
+                # The proxy's answer, not the intake's: it could not reach it (503, and 502 for
+                # a refused connect: the record never got there) or got no whole answer from it
+                # (504, and 502 too: nginx and squid answer 502 for an intake that closed the
+                # connection after taking the request). After a 504 the record counts as sent;
+                # after a 502 only a later "duplicate" is read as this record's own (before: the
+                # capture a trainer had taken was freed as a repeated request's). Answered 502
+                # alone, the intake is down (backed off).
                 last = f"HTTP {status} from the proxy {self._route.describe()}: {answer[:200].decode('utf-8', 'replace')!r}"
                 sent = sent or status == 504
+                maybe_sent = maybe_sent or status == 502
                 continue
-            sent_before, sent = sent, True
+            sent_before, sent = sent or maybe_sent, True
             self._down_for = 0.0  # an answer: the intake is up
             if status == 429:
                 return "shed"

@@ -261,3 +261,9 @@ def _cuda_device(x: Any) -> Optional[int]:
         return int(x[0].tensor.get_device())
     return None
 
+
+def _interrupts(e: BaseException) -> bool:
+    """Whether ``e`` ends the thread it is raised in (Ctrl+C, ``sys.exit``), as opposed to an
+    error of a call, a panic of the extension among them (pyo3's ``PanicException`` derives from
+    ``BaseException`` only)."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))

@@ -18,7 +18,7 @@ from ._capture_arena import _ArenaSink, _exiting, _forked_child, _result_keys, p
 from ._live import LiveSink
 from ._store import StoreSink
 from .errors import ConfigError, InvalidSampleError, QueueFullError
-from ._samples import Result, Sample, _complete, _convert, _cuda_device, _log, _log_failures, _log_failures_of, _rows_for
+from ._samples import Result, Sample, _complete, _convert, _cuda_device, _interrupts, _log, _log_failures, _log_failures_of, _rows_for
 
 _T = TypeVar("_T")
 
@@ -676,13 +676,6 @@ class _Reservations:
             return begun.wait(True, float(hold_gil_s), dicts=dicts)
         except Exception as e:  # the extension fails what it reserved itself
             return str(e)
-
-
-def _interrupts(e: BaseException) -> bool:
-    """Whether ``e`` ends the thread it is raised in (Ctrl+C, ``sys.exit``), as opposed to an
-    error of a call, a panic of the extension among them (pyo3's ``PanicException`` derives from
-    ``BaseException`` only)."""
-    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
 
 
 def _reason(e: BaseException) -> str:
