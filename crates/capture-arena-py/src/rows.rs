@@ -89,7 +89,9 @@ pub(crate) fn paged((base, len, strides, block_size, k, row_bytes): PagedArgs) -
 /// copied (or added to the device step) with the GIL released. One hold for a step of 32
 /// prompts of 2048 tokens (65,536 ids), a few for the largest: never a whole long step's ids at
 /// once, which vLLM's thread would wait for, nor a hold a request, whose taking back the GIL
-/// may each wait for vLLM's thread (up to Python's 5 ms switch interval).
+/// may each wait for vLLM's thread (up to Python's 5 ms switch interval). A request longer than
+/// this is read in holds of this many of its ids, the GIL let go between them (a prompt of a
+/// million tokens held it about 5 to 9 ms at once before).
 pub(crate) const IDS_PER_HOLD: usize = 1 << 17;
 
 /// A request read ([`request`]): its index in the step, and the request or why not.
@@ -107,7 +109,7 @@ pub(crate) fn next_hold<'py>(
         .next_if(|(_, a)| hold.is_empty() || ids.saturating_add(a.3.min(a.2.len())) <= ids_per_hold)
     {
         ids = ids.saturating_add(args.3.min(args.2.len()));
-        hold.push((j, request(args)));
+        hold.push((j, request(args, ids_per_hold)));
     }
     hold
 }
@@ -115,10 +117,13 @@ pub(crate) fn next_hold<'py>(
 /// The request Python describes, its ids read out of their lists (with the GIL, on the copy
 /// thread: each microsecond of it is one vLLM's thread may wait for); where they cannot be
 /// read, its objects' keys and why.
+/// `ids_per_hold`: how many of its token ids are read in one hold of the GIL (it is let go
+/// between them).
 pub(crate) fn request(
     (keys, ids_dst, ids, n, rows_dst, rows_len, block_ids): RequestArgs<'_>,
+    ids_per_hold: usize,
 ) -> Result<Request, (Vec<String>, String)> {
-    let blocks = first_ints(&block_ids, block_ids.len()).and_then(|b| {
+    let blocks = first_ints(&block_ids, block_ids.len(), usize::MAX).and_then(|b| {
         b.into_iter()
             .map(|b| {
                 u64::try_from(b)
@@ -126,7 +131,7 @@ pub(crate) fn request(
             })
             .collect::<PyResult<Vec<u64>>>()
     });
-    match (first_ints(&ids, n), blocks) {
+    match (first_ints(&ids, n, ids_per_hold), blocks) {
         (Ok(ids), Ok(block_ids)) => Ok(Request {
             keys,
             ids_dst,
@@ -143,12 +148,18 @@ pub(crate) fn request(
 /// The first `n` items of `list` as int64 (all of them if it holds fewer: the request's plan
 /// then finds too few rows and fails it alone), read in place as cheaply as the C API allows:
 /// about 5 ns an id, against 15 for a sequence's generic extraction (a step of 32 prompts of
-/// 2048 tokens held the GIL 1 ms for its ids).
-fn first_ints(list: &Bound<'_, PyList>, n: usize) -> PyResult<Vec<i64>> {
+/// 2048 tokens held the GIL 1 ms for its ids). The GIL is let go after each `per_hold` of them
+/// (vLLM only ever extends a prompt's list, so an item read after that is the one it was; a
+/// list cut meanwhile fails the read with an IndexError).
+fn first_ints(list: &Bound<'_, PyList>, n: usize, per_hold: usize) -> PyResult<Vec<i64>> {
     let py = list.py();
     let n = n.min(list.len());
+    let per_hold = per_hold.max(1);
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
+        if i > 0 && i % per_hold == 0 {
+            crate::exit::detach(py, || ());
+        }
         // SAFETY: `list` is a list this call holds a reference to, with the GIL held; the index
         // is checked (NULL and an IndexError past the end). The item is borrowed: it lives while
         // no Python code runs, and none runs before it is read (an exact int converts without

@@ -541,6 +541,34 @@ def test_a_failed_start_is_tried_again_only_after_the_retry_interval(make_sink, 
     assert "error" not in rows[0] and len(tries) == 2, (tries, rows)
 
 
+def test_a_start_tried_again_by_a_caller_with_no_tensor_makes_the_arena_on_the_gpu_first_asked_for(make_sink):
+    # vLLM's connector starts the arena on the cache's GPU (start_in_background(index)), and a
+    # try after a failed start comes from a reservation of rows, which carries no tensor. Before:
+    # that try asked for no GPU, so a device arena went to GPU 0 (another worker's), and the
+    # connector copied into it as if it were on the cache's GPU.
+    sink = make_sink()
+    asked = []
+    ensure = sink._ensure_started
+
+    def first_fails(items: object = None, device: object = None) -> None:
+        asked.append(device)
+        if len(asked) == 1:
+            raise RuntimeError("out of memory (the first try)")
+        ensure(items, None)  # this machine has no GPU: the host arena the test can make
+
+    sink._ensure_started = first_fails
+    sink.start_in_background(3)
+    wait = time.monotonic() + 30
+    while sink._start_error is None:
+        assert time.monotonic() < wait, "the first start never failed"
+        time.sleep(0.01)
+    sink._start_failed_at -= 60  # START_RETRY_S has passed
+    rows = sink._reserve_rows_begin("st", "bfloat16", 8, [("r", 1, 4)], within_s=20).wait_dicts()
+    assert rows[0][0] is not None and sink.started, rows
+    assert asked == [3, 3], asked
+    sink.finish_writes([rows[0][2]], ok=False)  # never written: its space goes back
+
+
 def test_an_unsupported_torch_dtype_is_refused_before_any_copy_and_a_memmap_is_published(make_sink, monkeypatch, tmp_path):
     # Before: a non-contiguous (or, for a host placement, CUDA) tensor of an unsupported dtype
     # was copied whole (.contiguous(), .cpu()) on the caller's thread before its dtype was

@@ -1219,21 +1219,29 @@ def test_a_step_saved_after_the_copy_thread_stopped_fails_at_once(both: Proc, th
         assert p.ask({"restart_copier": True}) == {"ok": True}
 
 
-@pytest.mark.parametrize("when", ["before_collecting", "collected"])
-def test_a_hand_over_that_raises_fails_its_step_and_gives_the_blocks_back(both: Proc, when: str) -> None:
+@pytest.mark.parametrize(
+    "when,panic",
+    [("before_collecting", False), ("collected", False), ("before_collecting", True), ("collected", True), ("reserving", True)],
+    ids=["before_collecting", "collected", "before_collecting_panic", "collected_panic", "reserving_panic"],
+)
+def test_a_hand_over_that_raises_fails_its_step_and_gives_the_blocks_back(both: Proc, when: str, panic: bool) -> None:
     # wait_for_save's hand-over raises (torch.cuda.Event() or its record in a failed CUDA
     # context, simulated; or handing the results over, once the reservations were collected):
     # the step's captures fail, its space is freed and vLLM gets its blocks back at once.
     # Before: the exception went into vLLM's loop, and no copy was ever registered for the step,
     # so get_finished never reported it: its blocks held for good. (Failed after collecting, a
-    # collect again found nothing: the space stayed reserved.)
+    # collect again found nothing: the space stayed reserved.) The same for a panic of the
+    # extension (pyo3's PanicException is no Exception), raised there or where bind begins the
+    # step's reservations: until 2026-12-07 it went into vLLM's loop.
     p = both
     before = p.ask({"stats": True})
-    assert p.ask({"break_publish": [1, when]}) == {"ok": True}
+    assert p.ask({"break_publish": [1, when, panic]}) == {"ok": True}
     meta = p.ask({"announce": [["cuda-error", 8]]})["meta"]
-    assert "error" not in p.ask({"save": meta}), "wait_for_save raised into vLLM's loop"
+    saved = p.ask({"save": meta})
+    assert "error" not in saved, f"the step's hooks raised into vLLM's loop: {saved}"
     got = p.ask({"finish": "cuda-error"})["params"]
-    assert "handing the step to the copy thread failed" in got["capture_arena"].get("error", ""), got
+    why = "panicked" if when == "reserving" else "handing the step to the copy thread failed"
+    assert why in got["capture_arena"].get("error", ""), got
     assert p.ask({"get_finished": ["cuda-error"]}) == {"done": ["cuda-error"]}  # at once
     s = wait_resident(p, before["resident_objects"])
     assert s["resident_objects"] == before["resident_objects"] and s["free_bytes"] == before["free_bytes"], s
@@ -1264,6 +1272,55 @@ def test_a_close_in_the_midst_of_a_save_still_gives_the_steps_blocks_back(both: 
         assert s["resident_objects"] == before["resident_objects"], s
     finally:
         assert p.ask({"restart_copier": True}) == {"ok": True}
+
+
+def test_a_copy_thread_that_ended_is_started_again_by_the_next_step(both: Proc) -> None:
+    # The copy thread ends (an error where it marks a step's copies over, after marking them):
+    # the next step starts it again, and is copied and reported. Before: every later step was
+    # queued to the thread that was gone, and vLLM held their blocks for good.
+    import time
+
+    p = both
+    before = p.ask({"stats": True})
+    got = []
+    try:
+        assert p.ask({"break_mark_done": 1}) == {"ok": True}
+        assert "error" not in p.ask({"save": p.ask({"announce": [["ends-thread", 8]]})["meta"]})
+        got.append(p.ask({"finish": "ends-thread"})["params"])
+        wait_finished(p, "ends-thread")
+        deadline = time.monotonic() + 20
+        while "capture-arena-vllm-copy" in p.ask({"threads": True})["threads"]:
+            assert time.monotonic() < deadline, "the copy thread did not end"
+            time.sleep(0.01)
+        assert "error" not in p.ask({"save": p.ask({"announce": [["after-end", 8]]})["meta"]})
+        got.append(p.ask({"finish": "after-end"})["params"])
+        assert all(g is not None and "error" not in g["capture_arena"] for g in got), got
+        wait_finished(p, "after-end")
+        release_all(got)
+        s = wait_resident(p, before["resident_objects"])
+        assert s["resident_objects"] == before["resident_objects"], s
+    finally:
+        # The thread started again is stopped, so the next test's stop meets no other.
+        assert p.ask({"stop_copier": True})["stopped"] is True
+        assert p.ask({"restart_copier": True}) == {"ok": True}
+
+
+def test_a_step_while_the_arena_is_tried_again_after_a_failed_start_fails_at_once_on_vllms_thread(both: Proc) -> None:
+    # The arena's first start failed (out of memory, say); a step that finishes a prompt asks
+    # for a new try and does not wait for it on vLLM's thread: its captures fail at once, saying
+    # why. Before: bind waited for the try up to the bound (10 s here) in every such step, then
+    # failed the step all the same. (The first creation, from register_kv_caches on, is still
+    # waited for, at most the bound: an engine used at once loses no capture to start-up.)
+    p = both
+    assert p.ask({"creating_arena": True}) == {"ok": True}
+    try:
+        took = p.ask({"save": p.ask({"announce": [["early", 8]]})["meta"]})["s"]
+        got = p.ask({"finish": "early"})["params"]
+        assert "creating the capture arena failed" in got["capture_arena"].get("error", "") and "vLLM's thread does not wait" in got["capture_arena"]["error"], got
+        assert took < 5.0, f"the step's hooks took {took:.1f} s: vLLM's thread waited for the arena (bound 10 s)"
+        wait_finished(p, "early")
+    finally:
+        assert p.ask({"creating_arena": False}) == {"ok": True}
 
 
 def test_a_copy_thread_that_cannot_start_fails_only_its_step(both: Proc) -> None:
@@ -1514,6 +1571,67 @@ def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_unti
         release_all([got])
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, s
+
+
+def test_a_lost_report_of_a_request_preempted_then_aborted_holds_resets_only_for_the_bound_after_its_preemption(
+    pair: tuple[Proc, Proc],
+) -> None:
+    """The same lost report; then the request is preempted (the worker waits for its copy
+    before vLLM gets the blocks back) and aborted while it waits, so vLLM never reports its
+    copy done. A reset waits for it at most the bound plus the grace from the preemption, and
+    then goes through (before: resets refused until 65,536 later announcements pushed it
+    out)."""
+    import time
+
+    sched, worker = pair
+    grace = 0.5
+    before = worker.ask({"reports_sent": True})["n"]
+    delayed = sched.ask({"delayed": True})["delayed"]
+    assert sched.ask({"preempt_grace": grace}) == {"ok": True}
+    assert worker.ask({"gate_copies": True}) == {"ok": True}
+    try:
+        assert sched.ask({"delay_delivery": 1.0}) == {"ok": True}
+        worker.ask({"save": sched.ask({"announce": [["preempted-unread", 8]]})["meta"]})
+        assert worker.ask({"gate_copies": False}) == {"ok": True}
+        deadline = time.monotonic() + 20
+        while worker.ask({"reports_sent": True})["n"] == before:
+            assert time.monotonic() < deadline, "the copy's report never went out"
+            time.sleep(0.01)
+        assert worker.ask({"reconnect": True}) == {"ok": True}  # given up, the report unread
+        while sched.ask({"delayed": True})["delayed"] == delayed:
+            assert time.monotonic() < deadline, "the held result line was never delivered"
+            time.sleep(0.01)
+        meta = sched.ask({"announce": [], "preempt": ["preempted-unread"]})["meta"]
+        worker.ask({"handle_preemptions": meta})
+        got = sched.ask({"finish": "preempted-unread", "abort": True})["params"]
+        assert "error" in got["capture_arena"], got
+        first = sched.ask({"reset": True})
+        assert first["ok"] is True and first["s"] < HALF_BOUND + grace + 0.5, first
+        again = sched.ask({"reset": True})
+        assert again["ok"] is True and again["s"] < 0.5, again
+    finally:
+        assert worker.ask({"gate_copies": False}) == {"ok": True}
+        assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
+    s = wait_resident(worker, 0)
+    assert s["resident_objects"] == 0, s
+
+
+def test_a_request_id_that_is_not_utf8_costs_only_its_own_capture(both: Proc) -> None:
+    # An in-process engine takes any str as a request id, a lone surrogate too (the
+    # multiprocess engine's msgspec refuses it first). Before: the step's reservation raised
+    # UnicodeEncodeError for all of its requests, so the other one failed with it.
+    p = both
+    before = p.ask({"stats": True})
+    meta = p.ask({"announce": [["fine-id", 8], ["lone-\ud800", 8]]})["meta"]
+    assert "error" not in p.ask({"save": meta})
+    good = p.ask({"finish": "fine-id"})["params"]
+    bad = p.ask({"finish": "lone-\ud800"})["params"]
+    assert "error" not in good["capture_arena"], good
+    assert "not valid UTF-8" in bad["capture_arena"]["error"], bad
+    wait_finished(p, "fine-id")
+    release_all([good])
+    s = wait_resident(p, before["resident_objects"])
+    assert s["resident_objects"] == before["resident_objects"], s
 
 
 def test_a_malformed_result_line_costs_only_its_connection(pair: tuple[Proc, Proc]) -> None:
@@ -2289,6 +2407,73 @@ def test_a_steps_copy_reads_ids_in_bounded_holds_of_the_gil_and_ids_it_cannot_re
                     store.get(rows[2][2])
         s = sink.stats()
         assert s["failed_writes"] == 4 and s["written_objects"] == 8, s
+    finally:
+        sink.close()
+
+
+def test_a_request_longer_than_a_hold_of_the_gil_lets_it_go_between_its_holds() -> None:
+    """One request of more ids than a hold (a prompt of over 2^17 tokens; 2^20 ids and holds of
+    2^19 here) is read in holds of its ids, the GIL let go between them, so vLLM's thread never
+    waits for more than a hold. Before, it was read in one hold whatever its length (a million
+    tokens: about 5 to 9 ms).
+
+    Seen from the ids: the last id of the first hold and the first of the second are one
+    object whose value is its length (``list.__len__``: C, so no Python code runs while the
+    extension reads it, and no thread switch can happen there), and a thread appends to it
+    whenever it has the GIL. That thread wants the GIL all along, so CPython makes the reader
+    hand it over when it lets it go (forced switching, after one switch interval): the two ids
+    differ only if the GIL was let go between them."""
+    import sys
+    import threading
+
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena._capture_arena import _Landed
+
+    class Grows(list):  # type: ignore[type-arg]
+        __index__ = list.__len__
+
+    hold, n = 1 << 19, 1 << 20
+    k, bs, h = 1, 1024, 1
+    blocks = n // bs
+    kv = torch.randn(blocks, k, bs, h, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, k, h * 2)
+    sink = ca.ArenaSink(arena_bytes=32 << 20, wait_s=2)
+    sink._start(None)
+    grows, stop = Grows([0]), threading.Event()
+
+    def wants_the_gil() -> None:  # vLLM's thread
+        while True:
+            grows.append(0)
+            if stop.is_set():
+                return
+
+    interval = sys.getswitchinterval()
+    try:
+        ((keys, at, row),) = sink._reserve_rows_begin("st", "bfloat16", k * h, [("long", 1, n)], within_s=2).wait_dicts()
+        ids: list[object] = list(range(n))
+        ids[hold - 1] = ids[hold] = grows
+        req = (keys, at["token_ids"], ids, n, at["hidden_states"], n * k * h * 2, list(range(blocks)))
+        t = threading.Thread(target=wants_the_gil, daemon=True)
+        sys.setswitchinterval(0.0002)
+        t.start()
+        try:
+            why = sink._copy_requests_rows(cache, [req], _Landed(1), 0, hold)
+        finally:
+            sys.setswitchinterval(interval)
+            stop.set()
+            t.join(10)
+        assert why == [None], why
+        with ca.ArenaFeatureStore() as store:
+            got = store.get(row)
+            tokens = got["token_ids"][0]
+            assert tokens[hold] > tokens[hold - 1], f"the GIL was held through the request's ids: {tokens[hold - 1]}, {tokens[hold]}"
+            assert tokens[: hold - 1].tolist() == list(range(hold - 1)) and tokens[hold + 1 :].tolist() == list(range(hold + 1, n))
+            want = kv.reshape(n, k * h)
+            assert np.array_equal(got["hidden_states"].reshape(n, k * h).view(np.uint16), want.view(torch.int16).numpy().view(np.uint16))
+            store.release(row)
     finally:
         sink.close()
 

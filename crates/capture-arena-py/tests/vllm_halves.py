@@ -89,6 +89,10 @@ from capture_arena.vllm import CaptureArenaConnector
 
 
 
+#: What ``creating_arena`` swapped out: the worker's sink and bound, the one swapped in, its gate.
+SWAPPED: list = []
+
+
 class SimulatedPanic(BaseException):
     """Raised where native code would panic (PyO3's PanicException is a BaseException)."""
 
@@ -340,28 +344,79 @@ for line in sys.stdin:
             answer = {"ok": True}
         elif "break_publish" in cmd:  # the next hand-over raises: before its reservations are collected
             # (as torch.cuda.Event() in a failed CUDA context would), or after ("collected")
-            n, when = cmd["break_publish"]
+            n, when, *panic = cmd["break_publish"]
             left = [int(n)]
-            if when == "collected":
+            raised = SimulatedPanic if panic and panic[0] else RuntimeError
+            if when == "reserving":  # the reservations' begin at bind, as a panic of the extension would
+                sink = worker._sink
+                real_begin = type(sink)._begin_reserving_rows
+
+                def _begin_rows(*a, real=real_begin, sink=sink, left=left, raised=raised):
+                    if left[0] > 0:
+                        left[0] -= 1
+                        raise raised("simulated: reserving the step's rows panicked")
+                    return real(sink, *a)
+
+                sink._begin_reserving_rows = _begin_rows
+            elif when == "collected":
                 real_hand = worker._hand_in_process
 
-                def _hand(sched, saves, reserved, real=real_hand, left=left):
+                def _hand(sched, saves, reserved, real=real_hand, left=left, raised=raised):
                     if left[0] > 0 and reserved and reserved[0][0] is not None:
                         left[0] -= 1
-                        raise RuntimeError("simulated: handing the results over failed")
+                        raise raised("simulated: handing the results over failed")
                     return real(sched, saves, reserved)
 
                 worker._hand_in_process = _hand
             else:
                 real_publish = worker._publish
 
-                def _publish(saves, reservations, *a, real=real_publish, left=left):
+                def _publish(saves, reservations, *a, real=real_publish, left=left, raised=raised):
                     if left[0] > 0 and not isinstance(reservations, str):
                         left[0] -= 1
-                        raise RuntimeError("simulated: CUDA error: an illegal memory access was encountered")
+                        raise raised("simulated: CUDA error: an illegal memory access was encountered")
                     return real(saves, reservations, *a)
 
                 worker._publish = _publish
+            answer = {"ok": True}
+        elif "break_mark_done" in cmd:  # the copy thread's next n marks of a step's copies over raise once done (the thread ends)
+            left, real_mark = [int(cmd["break_mark_done"])], worker._mark_done
+
+            def _mark(copies, report=True, real=real_mark, left=left):
+                real(copies, report=report)
+                # The step's end (report=True, in the loop's finally), not a request's own mark.
+                if left[0] > 0 and report and threading.current_thread().name == "capture-arena-vllm-copy":
+                    left[0] -= 1
+                    raise SimulatedPanic("simulated: marking a step's copies over failed")
+
+            worker._mark_done = _mark
+            answer = {"ok": True}
+        elif "creating_arena" in cmd:  # the worker's sink swapped for one whose first start failed and whose next try runs (until false); its bound made 10 s
+            if cmd["creating_arena"]:
+                from capture_arena import ArenaSink
+
+                gate, tries = threading.Event(), []
+                creating = ArenaSink(arena_bytes=1 << 20)
+
+                def _start(*a, gate=gate, tries=tries, **k):
+                    tries.append(1)
+                    if len(tries) == 1:
+                        raise RuntimeError("simulated: out of memory")
+                    gate.wait(60)  # under way until the gate opens
+
+                creating._ensure_started = _start
+                creating.start_in_background()
+                deadline = time.monotonic() + 20
+                while creating._start_error is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                creating._start_failed_at -= 60  # START_RETRY_S has passed: the next capture tries again
+                SWAPPED[:] = [worker._sink, worker._bound, creating, gate]
+                worker._sink, worker._bound = creating, 10.0
+            else:
+                sink, bound, creating, gate = SWAPPED
+                worker._sink, worker._bound = sink, bound
+                gate.set()
+                creating.close()
             answer = {"ok": True}
         elif "unpins" in cmd:
             answer = {"unpins": unpins[0]}
@@ -503,6 +558,8 @@ for line in sys.stdin:
             answer = {"delayed": delayed["done"]}
         else:
             answer = {"error": f"unknown command {cmd}"}
-    except Exception as e:
+    except BaseException as e:  # a SimulatedPanic that escaped into vLLM's loop, too
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
         answer = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(answer), file=answers, flush=True)

@@ -90,6 +90,10 @@ class ArenaSink(LiveSink, _ArenaSink):
         self._start_error: Optional[str] = None
         self._start_failed_at = -START_RETRY_S
         self._starts_done = 0
+        #: The GPU the first start that named one asked for: a later try after a failed start
+        #: (asked by a caller with no tensor, as vLLM's connector reserving rows) makes the arena
+        #: there too, not on GPU 0.
+        self._start_device: Optional[int] = None
         #: Threads that write reserved objects into the arena, stopped before it goes.
         self._stops: list[Callable[[], bool]] = []
         self._writers_stopped = True
@@ -264,6 +268,10 @@ class ArenaSink(LiveSink, _ArenaSink):
         """Queues ``entry`` for the starter thread, starting it if none runs (``_early_lock``
         held); False, nothing queued, where no arena exists and a start failed moments ago (its
         reason at once, no thread for another try) or no thread can be had."""
+        if device is None:
+            device = self._start_device
+        else:
+            self._start_device = device
         if self._starter is not None:
             self._early.append(entry)
             return True
@@ -431,17 +439,22 @@ class ArenaSink(LiveSink, _ArenaSink):
     def _started_within(self, items: list[Any], deadline: float, bound: float) -> bool:
         return self.started or self._wait_started(items, deadline)
 
-    def _not_started(self, bound: float) -> str:
-        """Why a bounded caller got no arena."""
+    def _not_started(self, bound: Optional[float]) -> str:
+        """Why a bounded caller got no arena (``bound`` None: one that does not wait for it)."""
         if self._start_error is not None:
             return (
                 f"not captured: creating the capture arena failed ({self._start_error}); tried again at a capture "
                 f"at least {START_RETRY_S:g} s after the last try"
+                + ("" if bound is not None else ", which vLLM's thread does not wait for")
             )
+        waits = (
+            "this caller does not wait for it"
+            if bound is None
+            else f"a synchronous caller waits at most {bound:g} s (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S)"
+        )
         return (
             f"not captured: the capture arena is still being created, off this thread (about half a second per "
-            f"GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES), and a synchronous caller waits at most {bound:g} s "
-            "(SGLANG_SPEC_CAPTURE_SYNC_WAIT_S); later captures go in once it exists"
+            f"GiB of SGLANG_SPEC_CAPTURE_ARENA_BYTES), and {waits}; later captures go in once it exists"
         )
 
     def put_each(self, samples: Sequence[Sample], *, within_s: float) -> list[Result]:
@@ -525,24 +538,34 @@ class ArenaSink(LiveSink, _ArenaSink):
         return _Reservations(items, begun)
 
     def _reserve_rows_begin(
-        self, store_id: str, dtype: str, width: int, requests: list[tuple[str, int, int]], *, within_s: float
+        self, store_id: str, dtype: str, width: int, requests: list[tuple[str, int, int]], *, within_s: float, wait_for_retry: bool = True
     ) -> "_Reservations":
         """:meth:`_reserve_each_begin` for requests of rows, with no spec to build or read: each
         ``(sample_id, gen, n)`` is ``hidden_states`` ``[1, n, width]`` of ``dtype`` and
-        ``token_ids`` ``[1, n]`` int64 (vLLM's connector: a step's finished prompts)."""
-        begun = self._reserved(within_s, lambda left: self._begin_reserving_rows(store_id, dtype, width, requests, left))
+        ``token_ids`` ``[1, n]`` int64 (vLLM's connector: a step's finished prompts). Without
+        ``wait_for_retry``, a new try to create the arena after a failed one is asked for and
+        never waited for: the requests fail at once (vLLM's thread; the first creation is
+        waited for, at most ``within_s``, so that the first captures are not lost to start-up)."""
+        begun = self._reserved(
+            within_s, lambda left: self._begin_reserving_rows(store_id, dtype, width, requests, left), wait_for_retry=wait_for_retry
+        )
         return _Reservations(requests, begun)
 
-    def _reserved(self, within_s: float, reserve: "Callable[[float], _T]") -> "_T | str":
-        """``reserve(seconds left)`` once the arena exists, waiting for it at most ``within_s``;
-        the reason instead when it does not, or the reservation raised (never raises)."""
-        deadline = time.monotonic() + max(0.0, float(within_s))
+    def _reserved(self, within_s: float, reserve: "Callable[[float], _T]", wait_for_retry: bool = True) -> "_T | str":
+        """``reserve(seconds left)`` once the arena exists, waiting for it at most ``within_s``
+        (for a try after a failed start, not at all without ``wait_for_retry``); the reason
+        instead when it does not, or the reservation raised (never raises)."""
+        now = time.monotonic()
+        deadline = now + max(0.0, float(within_s))
+        wait = wait_for_retry or self._start_error is None
         try:
-            if not self._started_within([], deadline, float(within_s)):
-                return self._not_started(float(within_s))
+            if not self._started_within([], deadline if wait else now, float(within_s)):
+                return self._not_started(float(within_s) if wait else None)
             return reserve(max(0.0, deadline - time.monotonic()))
-        except Exception as e:
-            return str(e)
+        except BaseException as e:  # a panic of the extension too: the caller's rows, never a raise
+            if _interrupts(e):
+                raise
+            return _reason(e)
 
     @property
     def local_region(self) -> Optional[tuple[int, int]]:
@@ -674,8 +697,10 @@ class _Reservations:
             if hold_gil_s is None:
                 return begun.wait(True, dicts=dicts)
             return begun.wait(True, float(hold_gil_s), dicts=dicts)
-        except Exception as e:  # the extension fails what it reserved itself
-            return str(e)
+        except BaseException as e:  # the extension fails what it reserved itself (a panic too)
+            if _interrupts(e):
+                raise
+            return _reason(e)
 
 
 def _reason(e: BaseException) -> str:

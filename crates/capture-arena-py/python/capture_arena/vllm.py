@@ -130,6 +130,7 @@ from . import _logs
 from ._capture_arena import _DeviceRows, _Landed, _result_keys
 from ._live import sync_wait_s
 from ._reader import key_prefix
+from ._samples import _interrupts
 from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
 __all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID", "settle"]
@@ -486,7 +487,18 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         gone = []
         with self._cond:
             for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
-                if self._pending.pop(rid, None) is not None:
+                seq = self._pending.pop(rid, None)
+                if seq is not None:
+                    tag = _tag(rid, seq)
+                    if tag in self._copying and self._copying[tag] is None:
+                        # Its copy was queued, and only its report or vLLM's finished_sending
+                        # ended the wait of a reset for it. A preempted request is never held,
+                        # so vLLM will not report it: should its report be lost, a reset waits
+                        # for it from now on as for an announcement (the bound plus
+                        # PREEMPT_GRACE_S), as long as the worker's handle_preemptions waits
+                        # for the copy before the blocks go (before: resets refused until
+                        # 65,536 later announcements pushed it out).
+                        self._copying[tag] = time.monotonic()
                     meta.preempted.append(rid)
                     self._again.add(rid)
                     got = self._results.pop(rid, None)
@@ -499,11 +511,19 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             req = self._requests.get(rid)
             if req is None or rid in self._pending or rid in self._streamed or rid in self._uncaptured:
                 continue
-            if len(rid.encode("utf-8", "surrogatepass")) > MAX_REQUEST_ID_BYTES:
+            try:
+                rid.encode("utf-8")
+            except UnicodeEncodeError as e:
+                # A lone surrogate (an id a caller of an in-process engine chose): no key can
+                # hold it, and passed on it would fail the reservation of every request of the
+                # step (before: it did).
+                self._uncaptured[rid] = f"the request id is not valid UTF-8 ({e.reason} at {e.start}): not captured; send an id of text"
+                continue
+            if len(rid.encode("utf-8")) > MAX_REQUEST_ID_BYTES:
                 # Never a key ({store_id}/{sample_id}/g{gen}/{name}, 1024 bytes at most), and a
                 # line on the result channel over its bound would cost the other requests on it.
                 self._uncaptured[rid] = (
-                    f"the request id is {len(rid.encode('utf-8', 'surrogatepass'))} bytes; a capture's keys hold at most "
+                    f"the request id is {len(rid.encode('utf-8'))} bytes; a capture's keys hold at most "
                     f"{MAX_REQUEST_ID_BYTES} (its objects are named by it): not captured; send a shorter request_id"
                 )
                 continue
@@ -865,10 +885,16 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             # keys, which may still be resident.
             width = int(self._kv.shape[1]) * int(self._kv.shape[3])
             requests = [(sv.req_id, _gen(sv.seq), sv.n) for sv in saves]
-            return saves, self._sink._reserve_rows_begin(self._store_id, self._dtype, width, requests, within_s=self._bound)
-        except Exception as e:  # a bug of ours: the step's requests fail, never vLLM
+            # The first creation of the arena (from register_kv_caches on, about 0.5 s a GiB) is
+            # waited for, at most the bound, so that an engine used at once loses no capture to
+            # start-up; a try after a failed one never is: while it runs the step's captures
+            # fail at once (before: each such step waited the bound first, then failed).
+            return saves, self._sink._reserve_rows_begin(self._store_id, self._dtype, width, requests, within_s=self._bound, wait_for_retry=False)
+        except BaseException as e:  # a bug of ours, or a panic of the extension: the step's requests fail, never vLLM
+            if _interrupts(e):
+                raise
             log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
-            return saves, f"publish failed: {e}"
+            return saves, f"publish failed: {e or type(e).__name__}"
 
     def wait_for_save(self) -> None:
         """Collects the reservations of the requests whose prompt finished in this step (begun
@@ -893,7 +919,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(torch.cuda.current_stream(self._kv.device))
             reserved = self._publish(saves, reservations, collected)
-        except Exception as e:  # (a CUDA error, say): the step's captures fail, never vLLM's loop
+        except BaseException as e:  # (a CUDA error, a panic of the extension): the step's captures fail, never vLLM's loop
+            if _interrupts(e):
+                raise
             self._begun = begun
             why = f"handing the step to the copy thread failed ({type(e).__name__}: {e})"
             self._abandon(why, collected=collected[0] if collected else None)
@@ -940,7 +968,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         self._report_soon([_tag(sv.req_id, sv.seq) for sv in saves])
         try:
             self._publish(saves, f"not captured: {why}")
-        except Exception as e:  # the requests get the bound's error instead
+        except BaseException as e:  # the requests get the bound's error instead
+            if _interrupts(e):
+                raise
             log.error("capture_arena.vllm: telling the scheduler why failed too: %s", e)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
@@ -990,7 +1020,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _start_copier(self) -> bool:
         """Whether the copy thread runs (started now if it was not): False when no thread can
-        be had (a process at its limit), which fails only this step."""
+        be had (a process at its limit), which fails only this step. A copy thread that ended
+        (an error where it marks a step's copies over: it never ends otherwise) is started
+        again: the steps queued to it are copied by the new one (before: they and every later
+        step waited for a thread that was gone, and vLLM held their blocks for good)."""
+        if self._copier is not None and not self._copier.is_alive():
+            log.error("capture_arena.vllm: the copy thread had ended (see the error above); starting it again")
+            self._copier = None
         if self._copier is None:
             copier = threading.Thread(target=self._copy_loop, name="capture-arena-vllm-copy", daemon=True)
             try:
