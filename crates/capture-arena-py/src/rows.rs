@@ -90,9 +90,15 @@ pub(crate) fn paged((base, len, strides, block_size, k, row_bytes): PagedArgs) -
 /// prompts of 2048 tokens (65,536 ids), a few for the largest: never a whole long step's ids at
 /// once, which vLLM's thread would wait for, nor a hold a request, whose taking back the GIL
 /// may each wait for vLLM's thread (up to Python's 5 ms switch interval). A request longer than
-/// this is read in holds of this many of its ids, the GIL let go between them (a prompt of a
-/// million tokens held it about 5 to 9 ms at once before).
+/// this is read in holds of this many of its ids, the GIL let go for [`YIELD`] between them (a
+/// prompt of a million tokens held it about 5 to 9 ms at once before).
 pub(crate) const IDS_PER_HOLD: usize = 1 << 17;
+
+/// How long the GIL is let go between two holds of one request's ids: long enough for a thread
+/// that waits for it (vLLM's, woken as it is let go) to take it. Let go and taken straight back,
+/// the waiter would lose the race, and each wake restarts its count towards asking for the GIL
+/// (Python's switch interval, 5 ms), so it would wait for the whole request all the same.
+const YIELD: std::time::Duration = std::time::Duration::from_micros(100);
 
 /// A request read ([`request`]): its index in the step, and the request or why not.
 pub(crate) type Read = (usize, Result<Request, (Vec<String>, String)>);
@@ -148,9 +154,9 @@ pub(crate) fn request(
 /// The first `n` items of `list` as int64 (all of them if it holds fewer: the request's plan
 /// then finds too few rows and fails it alone), read in place as cheaply as the C API allows:
 /// about 5 ns an id, against 15 for a sequence's generic extraction (a step of 32 prompts of
-/// 2048 tokens held the GIL 1 ms for its ids). The GIL is let go after each `per_hold` of them
-/// (vLLM only ever extends a prompt's list, so an item read after that is the one it was; a
-/// list cut meanwhile fails the read with an IndexError).
+/// 2048 tokens held the GIL 1 ms for its ids). The GIL is let go for [`YIELD`] after each
+/// `per_hold` of them (vLLM only ever extends a prompt's list, so an item read after that is the
+/// one it was; a list cut meanwhile fails the read with an IndexError).
 fn first_ints(list: &Bound<'_, PyList>, n: usize, per_hold: usize) -> PyResult<Vec<i64>> {
     let py = list.py();
     let n = n.min(list.len());
@@ -158,7 +164,7 @@ fn first_ints(list: &Bound<'_, PyList>, n: usize, per_hold: usize) -> PyResult<V
     let mut out = Vec::with_capacity(n);
     for i in 0..n {
         if i > 0 && i % per_hold == 0 {
-            crate::exit::detach(py, || ());
+            crate::exit::detach(py, || std::thread::sleep(YIELD));
         }
         // SAFETY: `list` is a list this call holds a reference to, with the GIL held; the index
         // is checked (NULL and an IndexError past the end). The item is borrowed: it lives while

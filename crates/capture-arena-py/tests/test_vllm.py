@@ -1573,37 +1573,48 @@ def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_unti
     assert s["resident_objects"] == 0, s
 
 
+@pytest.mark.parametrize("order", ["result_first", "preemption_first"])
 def test_a_lost_report_of_a_request_preempted_then_aborted_holds_resets_only_for_the_bound_after_its_preemption(
-    pair: tuple[Proc, Proc],
+    pair: tuple[Proc, Proc], order: str
 ) -> None:
-    """The same lost report; then the request is preempted (the worker waits for its copy
-    before vLLM gets the blocks back) and aborted while it waits, so vLLM never reports its
-    copy done. A reset waits for it at most the bound plus the grace from the preemption, and
-    then goes through (before: resets refused until 65,536 later announcements pushed it
-    out)."""
+    """The same lost report; the request is preempted (the worker waits for its copy before
+    vLLM gets the blocks back), before or after its result reached the scheduler process (under
+    async scheduling the next step is built before the last one's results arrive), and aborted
+    while it waits, so vLLM never reports its copy done. A reset waits for it at most the bound
+    plus the grace from the preemption, then goes through (before: resets refused until 65,536
+    later announcements pushed it out; in the second order, until 2026-12-07's review, too)."""
     import time
 
     sched, worker = pair
     grace = 0.5
+    rid = f"preempted-unread-{order}"
     before = worker.ask({"reports_sent": True})["n"]
     delayed = sched.ask({"delayed": True})["delayed"]
     assert sched.ask({"preempt_grace": grace}) == {"ok": True}
     assert worker.ask({"gate_copies": True}) == {"ok": True}
     try:
-        assert sched.ask({"delay_delivery": 1.0}) == {"ok": True}
-        worker.ask({"save": sched.ask({"announce": [["preempted-unread", 8]]})["meta"]})
+        assert sched.ask({"delay_delivery": 1.0 if order == "result_first" else 5.0}) == {"ok": True}
+        worker.ask({"save": sched.ask({"announce": [[rid, 8]]})["meta"]})
         assert worker.ask({"gate_copies": False}) == {"ok": True}
         deadline = time.monotonic() + 20
         while worker.ask({"reports_sent": True})["n"] == before:
             assert time.monotonic() < deadline, "the copy's report never went out"
             time.sleep(0.01)
         assert worker.ask({"reconnect": True}) == {"ok": True}  # given up, the report unread
-        while sched.ask({"delayed": True})["delayed"] == delayed:
-            assert time.monotonic() < deadline, "the held result line was never delivered"
-            time.sleep(0.01)
-        meta = sched.ask({"announce": [], "preempt": ["preempted-unread"]})["meta"]
+
+        def delivered() -> None:
+            while sched.ask({"delayed": True})["delayed"] == delayed:
+                assert time.monotonic() < deadline, "the held result line was never delivered"
+                time.sleep(0.01)
+
+        if order == "result_first":
+            delivered()
+        meta = sched.ask({"announce": [], "preempt": [rid]})["meta"]
+        if order == "preemption_first":
+            assert sched.ask({"delayed": True})["delayed"] == delayed, "the result came before the preemption: the order is not tested"
+            delivered()
         worker.ask({"handle_preemptions": meta})
-        got = sched.ask({"finish": "preempted-unread", "abort": True})["params"]
+        got = sched.ask({"finish": rid, "abort": True})["params"]
         assert "error" in got["capture_arena"], got
         first = sched.ask({"reset": True})
         assert first["ok"] is True and first["s"] < HALF_BOUND + grace + 0.5, first
@@ -2412,18 +2423,17 @@ def test_a_steps_copy_reads_ids_in_bounded_holds_of_the_gil_and_ids_it_cannot_re
 
 
 def test_a_request_longer_than_a_hold_of_the_gil_lets_it_go_between_its_holds() -> None:
-    """One request of more ids than a hold (a prompt of over 2^17 tokens; 2^20 ids and holds of
-    2^19 here) is read in holds of its ids, the GIL let go between them, so vLLM's thread never
-    waits for more than a hold. Before, it was read in one hold whatever its length (a million
-    tokens: about 5 to 9 ms).
+    """One request of more ids than a hold (a prompt of over 2^17 tokens; 2^21 ids and holds of
+    2^20 here) is read in holds of its ids, the GIL let go between them long enough for a thread
+    waiting for it to take it, so vLLM's thread waits for a hold at most. Before, it was read in
+    one hold whatever its length (a million tokens: about 5 to 9 ms).
 
-    Seen from the ids: the last id of the first hold and the first of the second are one
-    object whose value is its length (``list.__len__``: C, so no Python code runs while the
-    extension reads it, and no thread switch can happen there), and a thread appends to it
-    whenever it has the GIL. That thread wants the GIL all along, so CPython makes the reader
-    hand it over when it lets it go (forced switching, after one switch interval): the two ids
-    differ only if the GIL was let go between them."""
-    import sys
+    Seen from the ids, at Python's own switch interval (5 ms): the last id of the first hold and
+    the first of the second are one object whose value is its length (``list.__len__``: C, so no
+    Python code runs while the extension reads it, and no thread switch can happen there), and a
+    thread appends to it whenever it has the GIL. That thread waits for the GIL through the first
+    hold (longer than the interval), so it takes it when it is let go: the two ids differ only if
+    the GIL was let go between them."""
     import threading
 
     import numpy as np
@@ -2435,12 +2445,12 @@ def test_a_request_longer_than_a_hold_of_the_gil_lets_it_go_between_its_holds() 
     class Grows(list):  # type: ignore[type-arg]
         __index__ = list.__len__
 
-    hold, n = 1 << 19, 1 << 20
+    hold, n = 1 << 20, 1 << 21
     k, bs, h = 1, 1024, 1
     blocks = n // bs
     kv = torch.randn(blocks, k, bs, h, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, k, h * 2)
-    sink = ca.ArenaSink(arena_bytes=32 << 20, wait_s=2)
+    sink = ca.ArenaSink(arena_bytes=64 << 20, wait_s=2)
     sink._start(None)
     grows, stop = Grows([0]), threading.Event()
 
@@ -2450,19 +2460,16 @@ def test_a_request_longer_than_a_hold_of_the_gil_lets_it_go_between_its_holds() 
             if stop.is_set():
                 return
 
-    interval = sys.getswitchinterval()
     try:
         ((keys, at, row),) = sink._reserve_rows_begin("st", "bfloat16", k * h, [("long", 1, n)], within_s=2).wait_dicts()
         ids: list[object] = list(range(n))
         ids[hold - 1] = ids[hold] = grows
         req = (keys, at["token_ids"], ids, n, at["hidden_states"], n * k * h * 2, list(range(blocks)))
         t = threading.Thread(target=wants_the_gil, daemon=True)
-        sys.setswitchinterval(0.0002)
         t.start()
         try:
             why = sink._copy_requests_rows(cache, [req], _Landed(1), 0, hold)
         finally:
-            sys.setswitchinterval(interval)
             stop.set()
             t.join(10)
         assert why == [None], why

@@ -407,8 +407,8 @@ for line in sys.stdin:
                 creating._ensure_started = _start
                 creating.start_in_background()
                 deadline = time.monotonic() + 20
-                while creating._start_error is None and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                while (creating._start_error is None or creating._starter is not None) and time.monotonic() < deadline:
+                    time.sleep(0.01)  # failed, and its thread done with it
                 creating._start_failed_at -= 60  # START_RETRY_S has passed: the next capture tries again
                 SWAPPED[:] = [worker._sink, worker._bound, creating, gate]
                 worker._sink, worker._bound = creating, 10.0

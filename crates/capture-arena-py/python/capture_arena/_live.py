@@ -24,8 +24,8 @@ What is added:
   (every 5 s until it succeeds, and again when records are rejected: the producer may have
   restarted with a new ``store_id``); requests that arrive before it are not captured;
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
-- while the intake is down (no attempt of a record connected, or the proxy answered 502 or
-  503: it could not reach the intake), captures are dropped before
+- while the intake is down (no attempt of a record connected, or the proxy answered every
+  attempt 502 or 503: taken as not reaching the intake), captures are dropped before
   they are published (``live_dropped_intake_down``): for 0.5 s, doubling up to 8 s while it
   stays down; the first capture after that tries again, and any HTTP answer ends the back-off;
 - a full queue, a failed publish or a refused record drops that capture alone, and its objects
@@ -33,9 +33,12 @@ What is added:
   included) is a refusal. A ``duplicate`` answer means the rid was captured before and that
   sample was given to a trainer: this one never will be, so it is freed. It means success only
   when an earlier attempt of this record was sent and its answer lost (then the intake has this
-  one), or was answered 502 by the proxy, which nginx and squid also answer for an intake that
-  closed the connection after taking the request; an earlier attempt that never connected
-  proves nothing;
+  one), or was answered 502 or 504 by the proxy, which nginx and squid also answer for an
+  intake that took the request and then closed the connection or did not answer; an earlier
+  attempt that never connected proves nothing. (The price: a client that repeats a request id
+  just as a proxy's 502 meant a refused connect gets a capture kept that no trainer reads,
+  freed only by ``SGLANG_SPEC_CAPTURE_OBJECT_TTL_S``; the other way, the capture a trainer had
+  taken was freed under it.)
 - a record no attempt got an answer for (each attempt ends ``POST_TIMEOUT_S``, 10 s, after it
   began, whatever the intake sends meanwhile; so at most about 20 s after it was first sent) is
   freed too, and counted in

@@ -267,3 +267,8 @@ def _interrupts(e: BaseException) -> bool:
     error of a call, a panic of the extension among them (pyo3's ``PanicException`` derives from
     ``BaseException`` only)."""
     return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+def _reason(e: BaseException) -> str:
+    """``e``'s message, or its type's name where it has none."""
+    return str(e) or type(e).__name__

@@ -18,7 +18,7 @@ from ._capture_arena import _ArenaSink, _exiting, _forked_child, _result_keys, p
 from ._live import LiveSink
 from ._store import StoreSink
 from .errors import ConfigError, InvalidSampleError, QueueFullError
-from ._samples import Result, Sample, _complete, _convert, _cuda_device, _interrupts, _log, _log_failures, _log_failures_of, _rows_for
+from ._samples import Result, Sample, _complete, _convert, _cuda_device, _interrupts, _log, _log_failures, _log_failures_of, _reason, _rows_for
 
 _T = TypeVar("_T")
 
@@ -90,7 +90,7 @@ class ArenaSink(LiveSink, _ArenaSink):
         self._start_error: Optional[str] = None
         self._start_failed_at = -START_RETRY_S
         self._starts_done = 0
-        #: The GPU the first start that named one asked for: a later try after a failed start
+        #: The GPU the last start that named one asked for: a later try after a failed start
         #: (asked by a caller with no tensor, as vLLM's connector reserving rows) makes the arena
         #: there too, not on GPU 0.
         self._start_device: Optional[int] = None
@@ -702,10 +702,6 @@ class _Reservations:
                 raise
             return _reason(e)
 
-
-def _reason(e: BaseException) -> str:
-    """``e``'s message, or its type's name where it has none."""
-    return str(e) or type(e).__name__
 
 
 def _alone(rows: list[Result]) -> bool:

@@ -130,7 +130,7 @@ from . import _logs
 from ._capture_arena import _DeviceRows, _Landed, _result_keys
 from ._live import sync_wait_s
 from ._reader import key_prefix
-from ._samples import _interrupts
+from ._samples import _interrupts, _reason
 from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
 __all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID", "settle"]
@@ -401,6 +401,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: (preempted, finished, aborted). One with no result past the bound plus
             #: PREEMPT_GRACE_S never reached the worker (or its result was lost): not waited for.
             self._copying: collections.OrderedDict[str, Optional[float]] = collections.OrderedDict()
+            #: Announcements given up at a preemption, oldest first (at most MAX_RESULTS): their
+            #: entry in ``_copying`` keeps the preemption's time, whenever their result comes.
+            self._preempted_tags: collections.OrderedDict[str, None] = collections.OrderedDict()
             #: Finished requests whose blocks vLLM holds for their copy (until the worker
             #: reports it done, through ``update_connector_output``), oldest first: request id
             #: -> when its hold began (monotonic).
@@ -490,15 +493,18 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 seq = self._pending.pop(rid, None)
                 if seq is not None:
                     tag = _tag(rid, seq)
-                    if tag in self._copying and self._copying[tag] is None:
-                        # Its copy was queued, and only its report or vLLM's finished_sending
-                        # ended the wait of a reset for it. A preempted request is never held,
-                        # so vLLM will not report it: should its report be lost, a reset waits
-                        # for it from now on as for an announcement (the bound plus
-                        # PREEMPT_GRACE_S), as long as the worker's handle_preemptions waits
-                        # for the copy before the blocks go (before: resets refused until
-                        # 65,536 later announcements pushed it out).
+                    if tag in self._copying:
+                        # A preempted request is never held, so vLLM never reports its copy
+                        # done: should the worker's report be lost, only this clock ends a
+                        # reset's wait for it. From now on a reset waits for it at most the
+                        # bound plus PREEMPT_GRACE_S, as the worker's handle_preemptions waits
+                        # for the copy before the blocks go; a result that comes later leaves
+                        # the clock running (before: its result stopped it, and resets refused
+                        # until 65,536 later announcements pushed it out).
                         self._copying[tag] = time.monotonic()
+                        self._preempted_tags[tag] = None
+                        while len(self._preempted_tags) > MAX_RESULTS:
+                            self._preempted_tags.popitem(last=False)
                     meta.preempted.append(rid)
                     self._again.add(rid)
                     got = self._results.pop(rid, None)
@@ -594,7 +600,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         with self._cond:
             for i, (req_id, seq, row) in enumerate(results):
                 tag = _tag(req_id, seq)
-                if tag in self._copying:  # its copy is queued from now on
+                if tag in self._copying and tag not in self._preempted_tags:  # its copy is queued from now on
                     self._copying[tag] = None
                 pending = self._pending.get(req_id) == seq
                 # One the worker sent again (its connection failed before our answer reached
@@ -894,7 +900,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if _interrupts(e):
                 raise
             log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
-            return saves, f"publish failed: {e or type(e).__name__}"
+            return saves, f"publish failed: {_reason(e)}"
 
     def wait_for_save(self) -> None:
         """Collects the reservations of the requests whose prompt finished in this step (begun
@@ -1193,6 +1199,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _copy_step(self, saves: list[_Save], reserved: Sequence["_Placed"], copies: list["_Copy"], event: Any) -> None:
         assert self._sink is not None and self._kv is not None
+        if self._rows is None and any(keys is not None and at is not None for keys, at, _ in reserved):
+            # Here, not on vLLM's thread (it starts pinning a host arena), once a request was
+            # reserved (the arena exists, so the pin is not tried before it does), and before
+            # any copy counts as begun: torch's fallback registers the whole host arena here
+            # (about 0.1 s a GB), which a preemption must not wait for as if it were a copy.
+            self._rows = _Rows(self._kv, self._sink)
         todo = []
         for sv, (keys, at, _), c in zip(saves, reserved, copies):
             if keys is None or at is None:
@@ -1206,9 +1218,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             todo.append((sv, keys, at, c))
         if not todo:
             return
-        if self._rows is None:
-            # Here, not on vLLM's thread (it starts pinning a host arena), and once a request
-            # was reserved: the arena exists, so the pin is not tried before it does.
+        if self._rows is None:  # made above (a request reserved); never left without one
             self._rows = _Rows(self._kv, self._sink)
         # Set in native code as each request lands (a host cache with contiguous rows; else as
         # each is reported done): get_finished gives vLLM its blocks back without waiting for

@@ -126,8 +126,6 @@ pub(crate) struct LazyPin {
     ptr: usize,
     len: usize,
     read_only: bool,
-    /// The most bytes one registration covers ([`MAX_CHUNK`]; less in tests).
-    max_chunk: usize,
     /// Set when dropped: the registering thread stops before its next chunk.
     stop: Arc<AtomicBool>,
     /// The process that made it: a forked child has neither the registering thread nor the
@@ -147,7 +145,6 @@ impl LazyPin {
             ptr: ptr as usize,
             len,
             read_only,
-            max_chunk: MAX_CHUNK,
             stop: Arc::new(AtomicBool::new(false)),
             pid: std::process::id(),
             state: Mutex::new(State::Unasked),
@@ -159,6 +156,9 @@ impl LazyPin {
     /// the calls until that is done: copies meanwhile are pageable, and correct. `what` names
     /// the range in the logs.
     pub fn pinned(&self, ordinal: i32, what: &str) -> bool {
+        if self.pid != std::process::id() {
+            return false; // a forked child: CUDA does not survive fork, nor the parent's thread
+        }
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         match &*state {
             State::Pinned { .. } => return true,
@@ -173,15 +173,10 @@ impl LazyPin {
             };
             return matches!(*state, State::Pinned { .. });
         }
-        if self.pid != std::process::id() {
-            *state = State::Pageable; // a forked child: CUDA does not survive fork
-            return false;
-        }
         let range = Range {
             ptr: self.ptr,
             len: self.len,
             read_only: self.read_only,
-            max_chunk: self.max_chunk,
         };
         let (stop, what) = (self.stop.clone(), what.to_owned());
         let started = std::thread::Builder::new()
@@ -222,19 +217,18 @@ struct Range {
     ptr: usize,
     len: usize,
     read_only: bool,
-    max_chunk: usize,
 }
 
-/// `[ptr, ptr + len)` cut into registrations of at most `max_chunk` bytes, each cut on a
+/// `[ptr, ptr + len)` cut into registrations of at most [`MAX_CHUNK`] bytes, each cut on a
 /// boundary of `page` (this host's page size): two registrations never share a page, which the
 /// driver refuses (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`), whatever the page size (64 KiB
 /// on Grace) and even if `ptr` were not page-aligned.
-fn chunks(ptr: usize, len: usize, page: usize, max_chunk: usize) -> Vec<(usize, usize)> {
+fn chunks(ptr: usize, len: usize, page: usize) -> Vec<(usize, usize)> {
     let end = ptr.saturating_add(len);
-    let mut out = Vec::with_capacity(len.div_ceil(max_chunk.max(1)));
+    let mut out = Vec::with_capacity(len.div_ceil(MAX_CHUNK));
     let mut at = ptr;
     while at < end {
-        let cut = crate::page::page_start(at.saturating_add(max_chunk), page);
+        let cut = crate::page::page_start(at.saturating_add(MAX_CHUNK), page);
         let next = if cut > at && cut < end { cut } else { end };
         out.push((at, next - at));
         at = next;
@@ -257,7 +251,6 @@ unsafe fn pin_all(
         ptr,
         len,
         read_only,
-        max_chunk,
     } = range;
     use cu::CUdevice_attribute as A;
     let started = std::time::Instant::now();
@@ -282,7 +275,7 @@ unsafe fn pin_all(
         );
         return None;
     }
-    let ranges = chunks(ptr, len, crate::page::page_size(), max_chunk);
+    let ranges = chunks(ptr, len, crate::page::page_size());
     let mut pins = Vec::with_capacity(ranges.len());
     for (at, n) in ranges {
         if stop.load(Ordering::Relaxed) {
@@ -333,7 +326,7 @@ mod tests {
                 (1 << 40, 1),
                 (1 << 40, 0),
             ] {
-                let c = chunks(ptr, len, page, MAX_CHUNK);
+                let c = chunks(ptr, len, page);
                 assert_eq!(c.iter().map(|&(_, n)| n).sum::<usize>(), len);
                 assert!(c.iter().all(|&(_, n)| n > 0 && n <= MAX_CHUNK), "{c:?}");
                 for w in c.windows(2) {
