@@ -1040,16 +1040,30 @@ fn fake_gpu_a_2d_copy_past_the_devices_pitch_limit_goes_row_by_row() {
     // goes row by row.
     fake_cuda::knob("max_pitch", 32);
     let copies = DeviceCopies::new(0).unwrap();
-    let (_cache, bytes, src) = device_cache(6, 3, 4, 16, false);
-    let (blocks, n) = ([2u64, 0, 5], 10u64);
-    let strips = src.plan(n * 48, &blocks, n).unwrap();
-    let mut host = vec![0u8; (n * 48) as usize];
+    let (_cache, src, strips, want) = scattered_request();
+    let mut host = vec![0u8; want.len()];
     // SAFETY: the plan is checked against both lengths; both live until the mark is waited for.
     let enqueued = unsafe { copies.rows(src.base, host.as_mut_ptr() as u64, true, &strips) };
     let landed = enqueued.and_then(|()| copies.mark()).and_then(|m| m.wait());
     fake_cuda::knob("max_pitch", i32::MAX as i64);
     landed.unwrap();
-    assert_eq!(host, rows_of(&bytes, &src, &blocks, n));
+    assert_eq!(host, want);
+}
+
+/// The request the pitch tests copy: blocks 2, 0 and 5 of a layer-major cache `[6, 3, 4, 16]`,
+/// 10 tokens (a 2-D copy per block and layer, 48-byte rows in the object): the cache, its
+/// layout, the plan's strips and the object's bytes they must make.
+fn scattered_request() -> (
+    DeviceBuffer,
+    capture_arena::paged::Paged,
+    Vec<capture_arena::paged::Strip>,
+    Vec<u8>,
+) {
+    let (cache, bytes, src) = device_cache(6, 3, 4, 16, false);
+    let (blocks, n) = ([2u64, 0, 5], 10u64);
+    let strips = src.plan(n * 48, &blocks, n).unwrap();
+    let want = rows_of(&bytes, &src, &blocks, n);
+    (cache, src, strips, want)
 }
 
 #[test]
@@ -1065,11 +1079,8 @@ fn fake_gpu_a_device_to_device_2d_copy_the_driver_refuses_goes_row_by_row() {
     // memory stay 2-D (the restriction is documented for intra-device copies only).
     fake_cuda::knob("d2d_pitch_align", 512);
     let copies = DeviceCopies::new(0).unwrap();
-    let (_cache, bytes, src) = device_cache(6, 3, 4, 16, false);
-    let (blocks, n) = ([2u64, 0, 5], 10u64);
-    let len = n * 48;
-    let strips = src.plan(len, &blocks, n).unwrap();
-    let want = rows_of(&bytes, &src, &blocks, n);
+    let (_cache, src, strips, want) = scattered_request();
+    let len = want.len() as u64;
     for request in 0..2 {
         let device = DeviceBuffer::new(0, len).unwrap();
         let mut host = vec![0u8; len as usize];
