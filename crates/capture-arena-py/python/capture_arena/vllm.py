@@ -518,18 +518,18 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             if req is None or rid in self._pending or rid in self._streamed or rid in self._uncaptured:
                 continue
             try:
-                rid.encode("utf-8")
+                rid_bytes = len(rid.encode("utf-8"))
             except UnicodeEncodeError as e:
                 # A lone surrogate (an id a caller of an in-process engine chose): no key can
                 # hold it, and passed on it would fail the reservation of every request of the
                 # step (before: it did).
                 self._uncaptured[rid] = f"the request id is not valid UTF-8 ({e.reason} at {e.start}): not captured; send an id of text"
                 continue
-            if len(rid.encode("utf-8")) > MAX_REQUEST_ID_BYTES:
+            if rid_bytes > MAX_REQUEST_ID_BYTES:
                 # Never a key ({store_id}/{sample_id}/g{gen}/{name}, 1024 bytes at most), and a
                 # line on the result channel over its bound would cost the other requests on it.
                 self._uncaptured[rid] = (
-                    f"the request id is {len(rid.encode('utf-8'))} bytes; a capture's keys hold at most "
+                    f"the request id is {rid_bytes} bytes; a capture's keys hold at most "
                     f"{MAX_REQUEST_ID_BYTES} (its objects are named by it): not captured; send a shorter request_id"
                 )
                 continue
@@ -1218,8 +1218,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             todo.append((sv, keys, at, c))
         if not todo:
             return
-        if self._rows is None:  # made above (a request reserved); never left without one
-            self._rows = _Rows(self._kv, self._sink)
+        assert self._rows is not None  # made above: todo holds reserved requests
         # Set in native code as each request lands (a host cache with contiguous rows; else as
         # each is reported done): get_finished gives vLLM its blocks back without waiting for
         # the step's later requests, or for this thread's GIL.

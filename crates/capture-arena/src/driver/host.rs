@@ -173,17 +173,13 @@ impl LazyPin {
             };
             return matches!(*state, State::Pinned { .. });
         }
-        let range = Range {
-            ptr: self.ptr,
-            len: self.len,
-            read_only: self.read_only,
-        };
+        let (ptr, len, read_only) = (self.ptr, self.len, self.read_only);
         let (stop, what) = (self.stop.clone(), what.to_owned());
         let started = std::thread::Builder::new()
             .name("capture-arena-pin".into())
             // SAFETY: the range stays mapped until this value is dropped, and Drop joins this
             // thread first.
-            .spawn(move || unsafe { pin_all(ordinal, range, &stop, &what) });
+            .spawn(move || unsafe { pin_all(ordinal, ptr, len, read_only, &stop, &what) });
         *state = match started {
             Ok(h) => State::Pinning(h),
             Err(e) => {
@@ -211,14 +207,6 @@ impl Drop for LazyPin {
     }
 }
 
-/// What a registering thread pins.
-#[derive(Debug, Clone, Copy)]
-struct Range {
-    ptr: usize,
-    len: usize,
-    read_only: bool,
-}
-
 /// `[ptr, ptr + len)` cut into registrations of at most [`MAX_CHUNK`] bytes, each cut on a
 /// boundary of `page` (this host's page size): two registrations never share a page, which the
 /// driver refuses (`CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`), whatever the page size (64 KiB
@@ -236,22 +224,19 @@ fn chunks(ptr: usize, len: usize, page: usize) -> Vec<(usize, usize)> {
     out
 }
 
-/// Registers `range` chunk by chunk, logging the outcome; `None` where the device cannot or will
+/// Registers `[ptr, ptr + len)` chunk by chunk, logging the outcome; `None` where the device cannot or will
 /// not, and when `stop` was set before the last chunk (the range is going).
 ///
 /// # Safety
 /// The range stays mapped until the pins are dropped.
 unsafe fn pin_all(
     ordinal: i32,
-    range: Range,
+    ptr: usize,
+    len: usize,
+    read_only: bool,
     stop: &AtomicBool,
     what: &str,
 ) -> Option<Vec<HostPin>> {
-    let Range {
-        ptr,
-        len,
-        read_only,
-    } = range;
     use cu::CUdevice_attribute as A;
     let started = std::time::Instant::now();
     let ctx = match context(ordinal) {
