@@ -249,7 +249,8 @@ fn connect_within(endpoint: &str, within: Option<Duration>) -> io::Result<UnixSt
 }
 
 /// Asks the producer behind `endpoint` (`@capture-arena-reply-...`) for `what` and returns its
-/// answer: bytes and descriptors. Gives up after `timeout`.
+/// answer: bytes and descriptors. Gives up after `timeout`, in all (a producer that trickles its
+/// answer does not stretch it).
 ///
 /// # Errors
 /// [`Error::Io`] if the endpoint cannot be reached or answers out of protocol;
@@ -277,6 +278,19 @@ pub fn request_from(
             "request too long or multi-line",
         )));
     }
+    let deadline = crate::limits::deadline_in(timeout);
+    // What is left of the deadline, for the next read or write: never zero (no timeout at all
+    // to the socket), an error once it has passed.
+    let left = || {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no whole answer within {timeout:?}"),
+            ));
+        }
+        Ok(left)
+    };
     let mut s = connect_within(endpoint, Some(timeout)).map_err(io_err)?;
     let (uid, peer) = peer_cred(s.as_raw_fd()).map_err(io_err)?;
     if uid != my_uid() || pid.is_some_and(|p| p != peer) {
@@ -288,14 +302,16 @@ pub fn request_from(
             ),
         )));
     }
-    s.set_read_timeout(Some(timeout)).map_err(io_err)?;
-    s.set_write_timeout(Some(timeout)).map_err(io_err)?;
+    s.set_write_timeout(Some(left().map_err(io_err)?))
+        .map_err(io_err)?;
     std::io::Write::write_all(&mut s, format!("{what}\n").as_bytes()).map_err(io_err)?;
     // The header line, with the descriptors riding on it.
     let mut fds = Vec::new();
     let mut got = Vec::new();
     let mut buf = [0u8; 4096];
     let newline = loop {
+        s.set_read_timeout(Some(left().map_err(io_err)?))
+            .map_err(io_err)?;
         let n = recv_with_fds(s.as_raw_fd(), &mut buf, &mut fds).map_err(io_err)?;
         if n == 0 {
             return Err(io_err(io::Error::from(io::ErrorKind::UnexpectedEof)));
@@ -329,7 +345,17 @@ pub fn request_from(
         return Err(io_err(io::Error::other("answer longer than announced")));
     }
     let mut rest = vec![0u8; len - bytes.len()];
-    s.read_exact(&mut rest).map_err(io_err)?;
+    let mut filled = 0;
+    while filled < rest.len() {
+        s.set_read_timeout(Some(left().map_err(io_err)?))
+            .map_err(io_err)?;
+        match s.read(&mut rest[filled..]) {
+            Ok(0) => return Err(io_err(io::Error::from(io::ErrorKind::UnexpectedEof))),
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(io_err(e)),
+        }
+    }
     bytes.extend_from_slice(&rest);
     Ok(Reply { bytes, fds })
 }

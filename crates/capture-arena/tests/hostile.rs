@@ -437,6 +437,221 @@ fn the_reply_path_refuses_garbage_and_long_requests() {
     assert!(matches!(r[0], SampleResult::Published(_)));
 }
 
+/// The abstract socket address of a reply endpoint (`@name`), as `connect` and `bind` take it.
+fn abstract_addr(endpoint: &str) -> (libc::sockaddr_un, libc::socklen_t) {
+    let name = endpoint.strip_prefix('@').unwrap().as_bytes();
+    // SAFETY: a zeroed sockaddr_un is a valid value; it is filled within its size below.
+    let mut sa: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    sa.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    assert!(name.len() < sa.sun_path.len());
+    for (slot, &b) in sa.sun_path[1..].iter_mut().zip(name) {
+        *slot = b as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + 1 + name.len();
+    (sa, len as libc::socklen_t)
+}
+
+/// True if this test may give a process away to another user (root), false if it is to be
+/// skipped; under `CI=true` a test that cannot run fails instead (CI runs as root).
+fn may_change_user(what: &str) -> bool {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{what} needs root (to run a process as another user), and CI=true runs as root"
+    );
+    println!("skipping {what}: running a process as another user needs root");
+    false
+}
+
+/// Forks a child that becomes user and group 65534 (`nobody`) and ends with `body`'s value as
+/// its exit status. The parent has other threads, so the child makes system calls only: no
+/// allocation, no lock, no panic; `setresuid` by its raw system call, which changes this one
+/// thread (glibc's wrapper would signal the parent's threads, which the child does not have).
+fn as_nobody(body: impl FnOnce() -> i32) -> libc::pid_t {
+    // SAFETY: fork is FFI; the child runs only async-signal-safe system calls and `_exit`.
+    unsafe {
+        let pid = libc::fork();
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            let nobody = 65534 as libc::c_long;
+            let became = libc::syscall(libc::SYS_setresgid, nobody, nobody, nobody) == 0
+                && libc::syscall(libc::SYS_setresuid, nobody, nobody, nobody) == 0;
+            libc::_exit(if became { body() } else { 99 });
+        }
+        pid
+    }
+}
+
+/// The exit status of the child `pid`, waited for at most 20 s (then killed, and a panic).
+fn exit_status(pid: libc::pid_t) -> i32 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid on our own child, writing into a local.
+        let got = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if got == pid {
+            assert!(
+                libc::WIFEXITED(status),
+                "the child was ended by a signal: {status}"
+            );
+            return libc::WEXITSTATUS(status);
+        }
+        if Instant::now() > deadline {
+            // SAFETY: kill and reap our own child.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+                libc::waitpid(pid, &mut status, 0);
+            }
+            panic!("the child did not end within 20 s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn the_reply_path_answers_only_its_own_user() {
+    if !may_change_user("the reply path's user check") {
+        return;
+    }
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
+    let (sa, len) = abstract_addr(w.reply_endpoint());
+    // Another user asks for the arena's descriptor: 0 if the server closed on it without a
+    // byte (an end or a reset), 1 if it answered, 2 if the connect failed, 3 if the read failed
+    // otherwise (5 s at most).
+    let child = as_nobody(|| {
+        // SAFETY: socket calls on a descriptor of the child's own, over a local buffer; the
+        // address was made before the fork.
+        unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if fd < 0 || libc::connect(fd, (&sa as *const libc::sockaddr_un).cast(), len) != 0 {
+                return 2;
+            }
+            let tv = libc::timeval {
+                tv_sec: 5,
+                tv_usec: 0,
+            };
+            let tv_len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&tv as *const libc::timeval).cast(),
+                tv_len,
+            );
+            let request = b"fd\n";
+            libc::write(fd, request.as_ptr().cast(), request.len());
+            let mut buf = [0u8; 64];
+            match libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) {
+                0 => 0,
+                n if n > 0 => 1,
+                // Closed with our request unread: a reset, as good as an end.
+                _ if *libc::__errno_location() == libc::ECONNRESET => 0,
+                _ => 3,
+            }
+        }
+    });
+    assert_eq!(exit_status(child), 0, "closed on without an answer");
+    let (st, ok) = w.wait_for(Duration::from_secs(5), |s| s.reply_refused == 1);
+    assert!(ok, "{st:?}");
+    // Our own user is answered, but not when the caller names another process as the producer.
+    let described =
+        capture_arena::reply::request(w.reply_endpoint(), "describe", Duration::from_secs(5));
+    assert!(described.is_ok(), "{described:?}");
+    let e = capture_arena::reply::request_from(
+        w.reply_endpoint(),
+        "describe",
+        Duration::from_secs(5),
+        Some(1),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("not by the producer (pid 1)"), "{e}");
+}
+
+#[test]
+fn a_reader_refuses_a_reply_endpoint_another_user_serves() {
+    if !may_change_user("the reader's check of the reply path's user") {
+        return;
+    }
+    // Abstract socket names carry no permissions: another user binds a producer's name and
+    // answers every request with an empty success.
+    let endpoint = format!("@capture-arena-reply-{}-test-nobody", std::process::id());
+    let (sa, len) = abstract_addr(&endpoint);
+    let child = as_nobody(|| {
+        // SAFETY: socket calls on descriptors of the child's own; the address was made before
+        // the fork. The child serves until it is killed.
+        unsafe {
+            let fd = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            if fd < 0
+                || libc::bind(fd, (&sa as *const libc::sockaddr_un).cast(), len) != 0
+                || libc::listen(fd, 16) != 0
+            {
+                return 2;
+            }
+            let answer = b"{\"ok\":true,\"len\":0,\"fds\":0}\n";
+            loop {
+                let c = libc::accept(fd, std::ptr::null_mut(), std::ptr::null_mut());
+                if c >= 0 {
+                    libc::write(c, answer.as_ptr().cast(), answer.len());
+                    libc::close(c);
+                }
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !capture_arena::reply::is_listening(&endpoint) {
+        assert!(
+            Instant::now() < deadline,
+            "the other user's endpoint never listened"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let got = capture_arena::reply::request(&endpoint, "fd", Duration::from_secs(5));
+    // SAFETY: kill our own child, reaped below.
+    unsafe { libc::kill(child, libc::SIGKILL) };
+    let mut status = 0;
+    // SAFETY: reap our own child, writing into a local.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    let e = got.unwrap_err();
+    assert!(
+        e.to_string().contains("of uid 65534, not by the producer"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_reply_trickled_a_byte_at_a_time_ends_at_the_callers_deadline() {
+    // A process of our own user on a reply endpoint (a stuck or hostile producer) that answers
+    // a header announcing 100 bytes and then sends one every 100 ms. Before: the timeout held
+    // for each read alone, so the request lasted 10 s and succeeded; with 1 MiB announced, a
+    // day.
+    use std::os::linux::net::SocketAddrExt;
+    let endpoint = format!("@capture-arena-reply-{}-test-trickle", std::process::id());
+    let addr =
+        std::os::unix::net::SocketAddr::from_abstract_name(&endpoint.as_bytes()[1..]).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind_addr(&addr).unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut request = [0u8; 64];
+        let _ = s.read(&mut request);
+        let _ = s.write_all(b"{\"ok\":true,\"len\":100,\"fds\":0}\n");
+        for _ in 0..100 {
+            std::thread::sleep(Duration::from_millis(100));
+            if s.write_all(b"x").is_err() {
+                return; // the reader gave up
+            }
+        }
+    });
+    let t0 = Instant::now();
+    let got = capture_arena::reply::request(&endpoint, "describe", Duration::from_secs(1));
+    let took = t0.elapsed();
+    assert!(got.is_err(), "a whole answer after {took:?}");
+    assert!(took < Duration::from_millis(1500), "{took:?}: {got:?}");
+    server.join().unwrap();
+}
+
 #[test]
 fn a_connection_streaming_lines_is_never_idle() {
     // Lines complete all the time, but every write ends mid-line: the connection always holds
