@@ -219,15 +219,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         // Device buffer allocation and the copy back for the check are not the read.
         let mut extra = Duration::ZERO;
         let names: Vec<&str> = p.features.keys().map(String::as_str).collect();
-        // Validated, and every feature checked against the arena, before sizing a buffer; then
-        // one request for all of them.
+        // Validated, every feature checked against the arena and all of them against its size,
+        // before sizing a buffer; then one request for all of them.
         let read = store
-            .check(&p)
-            .and_then(|()| {
-                names
-                    .iter()
-                    .map(|n| {
-                        let len = store.reader().checked_len(&p, n)?;
+            .checked_lens(&p, &names)
+            .and_then(|lens| {
+                lens.into_iter()
+                    .zip(&names)
+                    .map(|(len, n)| {
                         usize::try_from(len).map_err(|_| capture_arena::Error::InvalidRead {
                             key: (*n).to_owned(),
                             reason: format!("{len} bytes do not fit in memory"),

@@ -148,6 +148,21 @@ fn human(b: u64) -> String {
     }
 }
 
+/// `text` from the server as the terminal gets it: control characters escaped (`\u{1b}`), so a
+/// server's string cannot move the cursor or recolour the operator's terminal (a real one never
+/// sends them: keys escape control characters).
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// One frame: `since` is the time since the previous report and that report, for rates.
 fn render(control: &str, r: &StatsReport, since: Option<(Duration, &StatsReport)>) -> String {
     let s = &r.stats;
@@ -178,7 +193,7 @@ fn render(control: &str, r: &StatsReport, since: Option<(Duration, &StatsReport)
         s.free_extents,
         if s.free_extents == 1 { "" } else { "s" },
         human(s.largest_free),
-        if s.free_bytes > 0 && s.largest_free * 2 < s.free_bytes {
+        if s.free_bytes > 0 && s.largest_free.saturating_mul(2) < s.free_bytes {
             " (fragmented: less than half the free bytes in one piece)"
         } else {
             ""
@@ -247,8 +262,9 @@ fn render(control: &str, r: &StatsReport, since: Option<(Duration, &StatsReport)
         } else {
             0.0
         };
-        let mut id: String = u.store_id.chars().take(32).collect();
-        if id.len() < u.store_id.len() {
+        let store_id = printable(&u.store_id);
+        let mut id: String = store_id.chars().take(32).collect();
+        if id.len() < store_id.len() {
             id.pop();
             id.push('~');
         }
@@ -287,7 +303,10 @@ fn render(control: &str, r: &StatsReport, since: Option<(Duration, &StatsReport)
             let _ = writeln!(
                 o,
                 "{:<40} {:>11} {:<14} {:>7.1}s",
-                p.peer, p.connections, p.reason, p.last_age_s
+                printable(&p.peer),
+                p.connections,
+                printable(&p.reason),
+                p.last_age_s
             );
         }
     }
@@ -297,6 +316,39 @@ fn render(control: &str, r: &StatsReport, since: Option<(Duration, &StatsReport)
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_servers_numbers_and_strings_cannot_break_the_frame_or_the_terminal() {
+        use capture_arena::report::{StoreUsage, UnauthorizedPeer};
+        let report = StatsReport {
+            stats: capture_arena::stats::StatsSnapshot {
+                capacity: 100,
+                free_bytes: 50,
+                largest_free: u64::MAX,
+                ..Default::default()
+            },
+            stores: vec![StoreUsage {
+                store_id: "st\u{1b}[2J".into(),
+                objects: 1,
+                bytes: 1,
+                oldest_age_s: 1.0,
+            }],
+            stores_total: 1,
+            pid: 7,
+            unauthorized_peers: vec![UnauthorizedPeer {
+                peer: "\u{9b}31m".into(),
+                connections: 1,
+                reason: "x\u{7}".into(),
+                last_age_s: 0.0,
+            }],
+        };
+        let frame = render("127.0.0.1:1", &report, None);
+        assert!(
+            !frame.chars().any(|c| c.is_control() && c != '\n'),
+            "{frame:?}"
+        );
+        assert!(frame.contains("st\\u{1b}[2J"), "{frame}");
+    }
 
     #[test]
     fn bytes_read_as_people_write_them() {

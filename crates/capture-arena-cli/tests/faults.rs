@@ -291,6 +291,75 @@ fn consume_refuses_forged_results_without_allocating_or_crashing() {
     );
 }
 
+#[test]
+fn consume_refuses_features_that_add_up_to_more_than_their_arena() {
+    // A live arena, and a result naming the whole of it 256 times: each feature lies inside the
+    // arena, together they are 256 arenas (before: consume sized its buffers by them, 16 GiB
+    // here). Its address space is capped at 4 GiB, so sizing them fails rather than the host.
+    use capture_arena::{Dtype, Sample, SampleResult, Tensor, TensorData};
+    let config = capture_arena::Config {
+        arena_bytes: Some(64 << 20),
+        ..Default::default()
+    };
+    let w = capture_arena::Writer::start(&config).unwrap();
+    let mut sample = Sample::new("st", "real", 1).unwrap();
+    let t = Tensor::new("t0", vec![16], Dtype::Uint8, TensorData::host(vec![1; 16])).unwrap();
+    sample.push(t).unwrap();
+    let results = w.submit(vec![sample]).unwrap().wait_results();
+    let SampleResult::Published(p) = &results[0] else {
+        panic!("{results:?}")
+    };
+    let session: capture_arena::memory::ShmSession = p.arena.session.parse().unwrap();
+    let mut forged = serde_json::to_value(p).unwrap();
+    forged["sample_id"] = "forged".into();
+    forged["features"] = (0..256)
+        .map(|i| {
+            let whole = serde_json::json!({"shape": [session.len], "dtype": "uint8",
+                "address": session.base});
+            (format!("f{i}"), whole)
+        })
+        .collect::<serde_json::Map<String, Value>>()
+        .into();
+    let mut cmd = Command::new(EXE);
+    cmd.args(["consume", "--quiet"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: setrlimit is async-signal-safe; it only lowers the child's own limit.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 4 << 30,
+                rlim_max: 4 << 30,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut c = cmd.spawn().unwrap();
+    let mut input = c.stdin.take().unwrap();
+    writeln!(input, "{forged}").unwrap();
+    drop(input);
+    let out = c.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.lines().last().unwrap_or("{}")).unwrap();
+    let s = &v["summary"];
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a clean failure, not an abort: {s} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        s["first_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("add up to 17179869184 bytes, more than the 67108864")),
+        "{s}"
+    );
+}
+
 /// A test-only role for this test binary: a producer that creates an arena, forks a child that
 /// outlives it, prints `<session> <child pid>` and waits to be killed.
 #[test]

@@ -164,6 +164,44 @@ impl FeatureStore {
         Ok(())
     }
 
+    /// The bytes of each of `names` in `result`, each feature checked against its arena and all
+    /// of them together no more than the arena holds (a real result's objects are disjoint):
+    /// what to size buffers by, so that a forged result cannot make its reader allocate more
+    /// than one arena's worth. `result` is validated first ([`FeatureStore::check`]).
+    ///
+    /// # Errors
+    /// As [`FeatureStore::check`]; [`Error::UnknownFeature`]; [`Error::InvalidRead`] for a
+    /// feature outside the arena, or features that add up to more than it holds.
+    pub fn checked_lens(&self, result: &Published, names: &[&str]) -> Result<Vec<u64>> {
+        self.check(result)?;
+        self.lens_in_arena(result, names)
+    }
+
+    /// [`FeatureStore::checked_lens`] of a result already checked.
+    fn lens_in_arena(&self, result: &Published, names: &[&str]) -> Result<Vec<u64>> {
+        let transport = self.reader.open(&result.arena.session)?;
+        let mut total = 0u64;
+        let mut lens = Vec::with_capacity(names.len());
+        for &name in names {
+            let f = feature(result, name)?;
+            let len = byte_len(result, name, f)?;
+            transport.check(f.address, len)?;
+            total = total.saturating_add(len);
+            lens.push(len);
+        }
+        let capacity = transport.capacity();
+        if total > capacity {
+            return Err(Error::InvalidRead {
+                key: result.sample_path(),
+                reason: format!(
+                    "its features add up to {total} bytes, more than the {capacity}-byte arena \
+                     holds"
+                ),
+            });
+        }
+        Ok(lens)
+    }
+
     /// Copies every feature of `result` (or those in `names`) out of the arena, each checked
     /// against the arena before its buffer is allocated.
     ///
@@ -182,29 +220,7 @@ impl FeatureStore {
         };
         wanted.sort_unstable();
         wanted.dedup();
-        // Every feature is checked against the arena, and together they must fit in it (a
-        // real result's objects are disjoint): a forged result cannot make this allocate more
-        // than one arena's worth.
-        let transport = self.reader.open(&result.arena.session)?;
-        let mut total = 0u64;
-        let mut lens = Vec::with_capacity(wanted.len());
-        for &name in &wanted {
-            let f = feature(result, name)?;
-            let len = byte_len(result, name, f)?;
-            transport.check(f.address, len)?;
-            total = total.saturating_add(len);
-            lens.push(len);
-        }
-        let capacity = transport.capacity();
-        if total > capacity {
-            return Err(Error::InvalidRead {
-                key: result.sample_path(),
-                reason: format!(
-                    "its features add up to {total} bytes, more than the {capacity}-byte arena \
-                     holds"
-                ),
-            });
-        }
+        let lens = self.lens_in_arena(result, &wanted)?;
         let mut bufs = Vec::with_capacity(wanted.len());
         for (&name, len) in wanted.iter().zip(lens) {
             let cannot = |why: String| Error::InvalidRead {

@@ -124,8 +124,19 @@ impl Sample {
     /// Adds a tensor.
     ///
     /// # Errors
-    /// [`Error::InvalidKey`] for a bad name, [`Error::InvalidSample`] for a duplicate name.
+    /// [`Error::InvalidKey`] for a bad name, [`Error::InvalidSample`] for a duplicate name or
+    /// one tensor more than a result may name ([`MAX_FEATURES`]: every reader refuses a result
+    /// with more, so its objects could never be read or released).
     pub fn push(&mut self, tensor: Tensor) -> Result<()> {
+        if self.tensors.len() >= MAX_FEATURES {
+            return Err(Error::sample(
+                &self.sample_id,
+                format!(
+                    "more than {MAX_FEATURES} tensors (a result names at most {MAX_FEATURES} \
+                     features; readers refuse more): publish fewer passthrough tensors"
+                ),
+            ));
+        }
         let key = Key::new(&self.store_id, &self.sample_id, self.gen, &tensor.name)?;
         if self.tensors.iter().any(|(k, _)| k == &key) {
             return Err(Error::sample(
@@ -523,6 +534,29 @@ mod tests {
             &b.as_ref()[..16],
             &[1, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0]
         );
+    }
+
+    #[test]
+    fn a_sample_takes_at_most_as_many_tensors_as_a_result_may_name() {
+        let mut s = Sample::new("st", "s", 1).unwrap();
+        let tensor = |i: usize| {
+            Tensor::new(
+                format!("t{i}"),
+                vec![1],
+                Dtype::Uint8,
+                TensorData::host(vec![0u8]),
+            )
+            .unwrap()
+        };
+        for i in 0..MAX_FEATURES {
+            s.push(tensor(i)).unwrap();
+        }
+        let e = s.push(tensor(MAX_FEATURES)).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidSample { .. }) && e.to_string().contains("more than 256"),
+            "{e}"
+        );
+        assert_eq!(s.tensors.len(), MAX_FEATURES);
     }
 
     #[test]
