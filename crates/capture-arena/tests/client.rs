@@ -496,6 +496,33 @@ fn more_unreachable_endpoints_than_senders_cost_no_cpu_while_they_back_off() {
 }
 
 #[test]
+fn an_endpoint_whose_frees_were_all_dropped_is_forgotten_once_its_back_off_ends() {
+    // Names without a port fail at once. "gone-b" goes into its back-off with one key; a key
+    // for "gone-a" then passes the bound of one, and of two equally long queues the later name's
+    // loses its key. Before, "gone-b", with nothing left to send, stayed known for good while it
+    // had a back-off: one entry for every endpoint results ever named.
+    let c = ControlClient::with_limit(Duration::from_secs(1), 1);
+    let _ = c.free(Some("gone-b"), [key("x/y/g1/z")]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !matches!(c.flush(), Err(Error::FreeNotSent { .. })) {
+        assert!(Instant::now() < deadline, "never in its back-off");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = c.free(Some("gone-a"), [key("x/y/g1/z")]);
+    assert_eq!(c.dropped(), 1);
+    while c.endpoints() != ["gone-a"] {
+        assert!(
+            Instant::now() < deadline,
+            "still known after 10 s: {:?}",
+            c.endpoints()
+        );
+        let _ = c.flush(); // prunes (at most once a second)
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(c.pending(), 1);
+}
+
+#[test]
 fn waiting_frees_are_bounded_and_drops_are_counted() {
     let (dead, _held, _l) = unreachable_endpoint();
     let c = ControlClient::with_limit(Duration::from_millis(200), 100);

@@ -495,8 +495,10 @@ impl Shared {
         }
     }
 
-    /// Forgets endpoints with nothing waiting whose server closed the connection (at most once
-    /// a second).
+    /// Forgets endpoints with nothing waiting whose server closed the connection, or whose
+    /// back-off has ended (at most once a second): an unreachable endpoint whose keys were all
+    /// dropped past the bound was otherwise kept for good, one entry for every endpoint results
+    /// ever named.
     fn prune(&self, s: &mut State) {
         let now = Instant::now();
         if now - s.last_prune < PRUNE_EVERY {
@@ -507,7 +509,7 @@ impl Shared {
             let keep = e.sending
                 || e.sender
                 || !e.pending.is_empty()
-                || e.backoff.is_some()
+                || e.backoff.as_ref().is_some_and(|(until, ..)| *until > now)
                 || !e.unconfirmed.is_empty()
                 || e.conn.as_ref().is_some_and(|c| alive(&c.stream));
             if !keep {

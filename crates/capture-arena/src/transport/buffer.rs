@@ -147,6 +147,12 @@ impl fmt::Debug for ReadBuffer {
 /// registration of that whole buffer, made by `register(start, len)` the first time. Returns
 /// false (and registers nothing) when the range is in no read buffer.
 ///
+/// `register` runs outside the registry's lock: registering a slab takes tens of milliseconds
+/// (NIXL pins it), and a process forked meanwhile (a DataLoader's worker) would inherit the lock
+/// held, and hang at its first read buffer made or dropped. The caller reads into the buffer, so
+/// it outlives the call; an owner (an agent) is leased to one thread at a time, so no other
+/// thread registers the same pair meanwhile (if one did, the second registration is let go).
+///
 /// # Errors
 /// What `register` returns.
 #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
@@ -156,21 +162,36 @@ pub(crate) fn ensure_registered(
     owner: u64,
     register: impl FnOnce(u64, u64) -> Result<Box<dyn Any + Send>>,
 ) -> Result<bool> {
-    let mut r = registry();
     let pid = std::process::id();
-    let Some(e) = r.iter_mut().find(|e| {
-        e.pid == pid
-            && addr >= e.start
-            && addr
-                .checked_add(len)
-                .is_some_and(|end| end <= e.start + e.len)
-    }) else {
-        return Ok(false);
+    let (id, start, buf_len) = {
+        let r = registry();
+        let Some(e) = r.iter().find(|e| {
+            e.pid == pid
+                && addr >= e.start
+                && addr
+                    .checked_add(len)
+                    .is_some_and(|end| end <= e.start + e.len)
+        }) else {
+            return Ok(false);
+        };
+        if e.registrations.iter().any(|(o, _)| *o == owner) {
+            return Ok(true);
+        }
+        (e.id, e.start, e.len)
     };
-    if !e.registrations.iter().any(|(o, _)| *o == owner) {
-        let reg = register(e.start, e.len)?;
-        e.registrations.push((owner, reg));
-    }
+    let reg = register(start, buf_len)?;
+    let extra = {
+        let mut r = registry();
+        match r.iter_mut().find(|e| e.id == id) {
+            Some(e) if !e.registrations.iter().any(|(o, _)| *o == owner) => {
+                e.registrations.push((owner, reg));
+                None
+            }
+            _ => Some(reg),
+        }
+    };
+    // Deregistered outside the lock, as a buffer's drop does.
+    drop(extra);
     Ok(true)
 }
 
@@ -218,6 +239,23 @@ mod tests {
         }
         assert_eq!(calls, 1);
         assert_eq!(b.registrations(), 1);
+        // The registry is not locked while a registration is made (a fork then would leave
+        // the child's registry locked for good).
+        let other = ReadBuffer::new(100).unwrap();
+        let covered = ensure_registered(other.as_ptr() as u64, 100, 1, |_, _| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                drop(registry());
+                let _ = tx.send(());
+            });
+            let took = rx.recv_timeout(std::time::Duration::from_secs(10));
+            assert!(took.is_ok(), "registered under the registry's lock");
+            Ok(Box::new(()))
+        })
+        .unwrap();
+        assert!(covered);
+        assert_eq!(other.registrations(), 1);
+        drop(other);
         assert!(!ensure_registered(start + 9_999, 2, 1, |_, _| unreachable!()).unwrap());
         assert!(!ensure_registered(start.wrapping_sub(1), 1, 1, |_, _| unreachable!()).unwrap());
         release_owner(1);
