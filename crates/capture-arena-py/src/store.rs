@@ -170,7 +170,7 @@ impl PyStore {
         let p = published(result)?;
         crate::exit::detach(py, || {
             self.store.check(&p)?;
-            names
+            let lens = names
                 .iter()
                 .map(|n| {
                     let f = p.features.get(n).ok_or_else(|| Error::UnknownFeature {
@@ -182,7 +182,9 @@ impl PyStore {
                         reason: format!("shape {:?} overflows", f.shape),
                     })
                 })
-                .collect::<capture_arena::Result<Vec<u64>>>()
+                .collect::<capture_arena::Result<Vec<u64>>>()?;
+            objects_disjoint(&p, &names, &lens)?;
+            Ok(lens)
         })
         .py_err()
     }
@@ -362,4 +364,32 @@ pub fn _send_frees(
         capture_arena::client::send_frees(&control, token.as_deref(), &keys, &prefixes, timeout)
     })
     .py_err()
+}
+
+/// Refuses a result whose features `names` (of `lens` bytes) overlap: real objects are
+/// disjoint, and a session that carries no length (a TransferEngine's) bounds nothing else, so
+/// one object named many times would be allocated for, registered and copied as many times.
+fn objects_disjoint(p: &Published, names: &[String], lens: &[u64]) -> capture_arena::Result<()> {
+    let mut spans: std::collections::BTreeMap<&str, (u64, u64)> = std::collections::BTreeMap::new();
+    for (name, &len) in names.iter().zip(lens) {
+        if let Some(f) = p.features.get(name).filter(|_| len > 0) {
+            spans.insert(name, (f.address, len));
+        }
+    }
+    let mut by_address: Vec<(u64, u64, &str)> =
+        spans.into_iter().map(|(n, (a, l))| (a, l, n)).collect();
+    by_address.sort_unstable();
+    for w in by_address.windows(2) {
+        let ((a, l, first), (b, _, second)) = (w[0], w[1]);
+        if a.saturating_add(l) > b {
+            return Err(Error::InvalidRead {
+                key: second.to_owned(),
+                reason: format!(
+                    "its bytes at {b:#x} overlap those of {first:?} ({a:#x}, {l} bytes): a result's \
+                     objects are disjoint, so this result is not one a producer made"
+                ),
+            });
+        }
+    }
+    Ok(())
 }

@@ -111,7 +111,9 @@ impl Reading {
                 .ok_or_else(|| format!("{f} is not a finite number"));
         }
         if let Ok(d) = obj.cast_exact::<PyDict>() {
-            let mut map = serde_json::Map::with_capacity(d.len());
+            // Counted before the snapshot below is made of it.
+            self.check_len(d.len())?;
+            let mut map = serde_json::Map::new();
             // A snapshot of the items: reading a value may run code (a dataclass's property, a
             // number's `__float__`) that changes the dict, which pyo3's iterator would panic on.
             let items = d.items();

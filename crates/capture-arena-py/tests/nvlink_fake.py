@@ -11,6 +11,10 @@ import types
 from typing import Any, Callable
 
 
+#: The memory of the faked GPU (an H100's 80 GiB).
+FAKE_GPU_BYTES = 80 << 30
+
+
 def fake_nvlink(patch: Callable[[Any, str, Any], None]) -> list[str]:
     """Patches the reader's NVLink path in with ``patch(owner, name, value)``; returns the list the
     device of every output made from then on is appended to."""
@@ -36,4 +40,5 @@ def fake_nvlink(patch: Callable[[Any, str, Any], None]) -> list[str]:
     patch(engine.EngineReader, "__init__", nvlink_reader)
     patch(store_module, "new_array", device_array)
     patch(torch.cuda, "current_stream", lambda device=None: types.SimpleNamespace(synchronize=lambda: None))
+    patch(torch.cuda, "mem_get_info", lambda device=None: (FAKE_GPU_BYTES, FAKE_GPU_BYTES))
     return on

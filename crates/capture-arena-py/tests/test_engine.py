@@ -415,3 +415,44 @@ def test_a_multi_node_nvlink_read_registers_no_output_so_memory_read_into_twice_
         reader.read("127.0.0.1:4242", [(8, int(out.ctypes.data), 16)], keep=out)
         assert out.tolist() == [7] * 16
     assert reader._engines.get().reserved == []
+
+
+class _StandInTcpEngine(_StandInIntraEngine):
+    """A stand-in TransferEngine over TCP whose object (16 bytes at 0, its stamp word at 16) is
+    still being written at the first look, and records what is registered."""
+
+    registered: list[int] = []
+    looks = 0
+
+    def register_memory(self, addr: int, n: int) -> int:
+        _StandInTcpEngine.registered.append(n)
+        return 0
+
+    def transfer_sync_read(self, session: str, local: int, remote: int, n: int) -> int:
+        import ctypes
+
+        if (remote, n) == (16, 8):
+            _StandInTcpEngine.looks += 1
+            word = 5 | (1 << 63) if _StandInTcpEngine.looks == 1 else 5
+            ctypes.memmove(local, word.to_bytes(8, "little"), 8)
+            return 0
+        return super().transfer_sync_read(session, local, remote, n)
+
+
+def test_a_read_registers_its_outputs_only_once_the_first_look_found_its_objects_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result handed out before its bytes (vLLM's connector) is looked at again until they are
+    there: each look registered (pinned, over RDMA) and unregistered every output, and a result
+    whose stamps are not its objects' pinned them all before it was refused. The outputs are
+    registered once the first look found every object written. A stand-in mooncake.engine
+    module."""
+    import numpy as np
+
+    monkeypatch.setenv("MC_FORCE_TCP", "")  # recorded, so what new_engine sets is undone after the test
+    monkeypatch.delenv("MC_FORCE_TCP")
+    _StandInTcpEngine.registered, _StandInTcpEngine.looks = [], 0
+    reader = _stand_in_reader(monkeypatch, _StandInTcpEngine, "tcp")
+    out = np.zeros(16, dtype=np.uint8)
+    reader.read("127.0.0.1:4242", [(0, int(out.ctypes.data), 16)], keep=out, stamps=[("st/s/g1/x", 16, 5)])
+    assert out.tolist() == [7] * 16
+    assert _StandInTcpEngine.looks == 3, _StandInTcpEngine.looks  # pending; there; there after the copy
+    assert _StandInTcpEngine.registered == [8, 8, 16], _StandInTcpEngine.registered  # the words twice, the output once

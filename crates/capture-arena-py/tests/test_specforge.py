@@ -22,8 +22,10 @@ import json
 import logging
 import os
 import socket
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Iterator
 
@@ -797,3 +799,45 @@ def test_a_panic_sending_one_prefix_costs_that_prefix_alone(monkeypatch: pytest.
             prefixes.add("127.0.0.1:9", None, p)
         assert prefixes.wait(10.0), f"round {round}: {prefixes.pending} frees never went out"
     assert prefixes.dropped == 6 and sent.count("st/a/") == 6 and sent.count("st/b/") == 6, (prefixes.dropped, sent)
+
+
+def test_a_forked_child_gets_the_stores_lock_anew_and_none_of_its_parents_prefix_frees(dead: str) -> None:
+    """A DataLoader's worker forked while another thread held the store's lock (the residency
+    pass holds it over up to 65,536 samples) inherited it held for good: its first get, release
+    or abort hung. It also kept the parent's queued prefix frees, which its own first sender
+    sent again, maybe much later: an abort's prefix covers every generation, so a late copy can
+    free a newer capture of the sample."""
+    store = SpecForgeArenaStore(store_id="fork", controls=[dead])
+    store.abort("a", reason="test")  # by prefix at the dead endpoint: its sender hangs in connect
+    t0 = time.monotonic()
+    while store._prefixes._sending != 1:
+        assert time.monotonic() - t0 < 5.0, store.health()
+        time.sleep(0.01)
+    store.abort("b", reason="test")  # queued behind it
+    assert store._prefixes.pending == 2
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store._lock:
+            held.set()
+            done.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # the child: 0 if it took the lock and has nothing queued
+        code = 5
+        try:
+            signal.alarm(10)  # a lock held for good ends the child by SIGALRM
+            with store._lock:
+                code = 0 if store._prefixes.pending == 0 else 3
+            store.abort("c", reason="test")  # takes the lock again, queues anew
+            code = code or (0 if store._prefixes.pending == 1 else 4)
+        finally:
+            os._exit(code)
+    done.set()
+    t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"the child hung on the store's lock (status {status})"
+    assert os.WEXITSTATUS(status) == 0, "the child kept its parent's prefix frees" if os.WEXITSTATUS(status) == 3 else status

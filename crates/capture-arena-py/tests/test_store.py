@@ -244,6 +244,51 @@ def test_forged_results_cost_at_most_an_arena_and_objects_that_lie_about_their_s
     store.flush(10)
 
 
+def test_forged_engine_results_and_feature_names_are_refused_before_anything_is_made() -> None:
+    """A TransferEngine session carries no length, so the bound above (features add up to at
+    most the arena) cannot hold there: one object named eight times was allocated for,
+    registered and copied eight times. Overlapping features are refused, before an engine is
+    made. Names: more than 256 features, an endless ``names`` iterable, or a name that is not a
+    string (a Python dict may hold one) built lists of any length, or raised pyo3's TypeError."""
+    import itertools
+
+    def feat(address: int, stamp: int) -> dict[str, object]:
+        return {"shape": [1, 64], "dtype": "bfloat16", "address": address, "stamp": stamp}
+
+    def result(features: dict[object, object]) -> dict[str, object]:
+        return {"sample_id": "s", "store_id": "st", "gen": 1, "aux_layer_ids": None, "features": features,
+                "arena": {"session": "127.0.0.1:1", "control": "127.0.0.1:9"}}
+
+    store = ca.ArenaFeatureStore()
+    with pytest.raises(ca.InvalidReadError, match=r'cannot read x1: its bytes at 0x100000 overlap those of "x0"'):
+        store.get(result({f"x{i}": feat(1 << 20, i + 1) for i in range(8)}))
+    with pytest.raises(ca.InvalidReadError, match=r"overlap"):  # by 8 bytes
+        store.get(result({"a": feat(1 << 20, 1), "b": feat((1 << 20) + 120, 2)}))
+    assert store._engine_reader is None, "an engine was made for a result refused"
+    apart = result({f"x{i}": feat((1 << 20) + 256 * i, i + 1) for i in range(257)})
+    with pytest.raises(ca.InvalidReadError, match="at most 256 names, not 257 of them"):
+        store.get(apart)
+    with pytest.raises(ca.InvalidReadError, match="more than 256 feature names asked for"):
+        store.get(result({"a": feat(1 << 20, 1)}), itertools.count())
+    with pytest.raises(ca.InvalidReadError, match="strings, not int"):
+        store.get(result({1: feat(1 << 20, 1)}))
+    assert store._engine_reader is None
+
+
+def test_a_forged_result_larger_than_the_gpu_is_refused_before_its_outputs_are_allocated_over_nvlink_faked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over NVLink a TransferEngine result is read into fresh CUDA tensors: one claiming 120 GiB
+    raised torch's OutOfMemoryError, no error of ours, or took the GPU's memory from training.
+    The NVLink reader faked on the CPU (tests/nvlink_fake.py: an 80 GiB GPU)."""
+    from nvlink_fake import fake_nvlink
+
+    fake_nvlink(monkeypatch.setattr)
+    huge = {"sample_id": "s", "store_id": "st", "gen": 1, "aux_layer_ids": None,
+            "features": {"h": {"shape": [1, 60 << 30], "dtype": "bfloat16", "address": 1 << 20, "stamp": 1}},
+            "arena": {"session": "127.0.0.1:1", "control": "127.0.0.1:9"}}
+    with pytest.raises(ca.InvalidReadError, match=r"need 128849018880 bytes, more than cuda:0's 85899345920"):
+        ca.ArenaFeatureStore().get(huge, device="cuda:0")
+
+
 def test_a_late_release_of_a_sample_published_again_frees_nothing_of_the_new_one(make_sink):
     # A retried capture publishes the sample again under the same keys (replace=True) while a
     # trainer still holds the first result: releasing that frees nothing of the new one.

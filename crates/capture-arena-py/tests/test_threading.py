@@ -241,3 +241,85 @@ def test_a_read_that_cannot_have_its_thread_fails_with_our_error_saying_why(monk
     with pytest.raises(ca.CaptureArenaError, match="thread limit") as e:
         _engine.run_bounded("capture-arena-engine-read", lambda: None, None, 1.0, lambda: "timed out")
     assert isinstance(e.value, ca.ArenaOSError)
+
+
+class _Outputs:
+    """Stands for a read's outputs (what the quarantine holds), seen through a weak reference."""
+
+
+def _let_go_within(ref: Any, seconds: float, what: str) -> None:
+    import gc
+
+    deadline = time.monotonic() + seconds
+    while ref() is not None:
+        assert time.monotonic() < deadline, what
+        gc.collect()
+        time.sleep(0.02)
+
+
+def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Making a TransferEngine (it may wait on a metadata server) ran on the caller's thread
+    before the read's deadline began: a trainer's read waited as long as Mooncake did. And the
+    outputs of a read given up on while its engine was made (no transfer began, none will) were
+    held from being freed for 180 s all the same; now they are let go once the making ends."""
+    import weakref
+
+    from capture_arena import _engine
+
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "0.5")
+    answer = threading.Event()
+
+    def slow_engine(protocol: str) -> Any:
+        answer.wait(30)
+        raise ca.ArenaOSError("the metadata server did not answer")
+
+    monkeypatch.setattr(_engine, "new_engine", slow_engine)
+    reader = _engine.EngineReader()
+    out = _Outputs()
+    gone = weakref.ref(out)
+    t0 = time.monotonic()
+    with pytest.raises(ca.StaleSessionError, match="making this process's TransferEngine did not finish within the read's 0.5 s"):
+        reader.read("127.0.0.1:1", [(1 << 20, 1 << 20, 64)], keep=out)
+    took = time.monotonic() - t0
+    assert took < 1.5, f"the read took {took:.1f} s: its engine was made outside its deadline"
+    del out
+    answer.set()
+    _let_go_within(gone, 10.0, "the outputs of a read that began no transfer are still held")
+
+
+def test_a_read_that_failed_before_any_transfer_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that fails after Mooncake's own timeout has its outputs held (the transfer was not
+    cancelled). One whose connect failed that late (a Mooncake store read's probes take 7 s
+    against a stopped master) began no transfer: its outputs were held 120 s all the same."""
+    import weakref
+
+    from capture_arena import _engine
+
+    monkeypatch.setattr(_engine, "MOONCAKE_MIN_TIMEOUT_S", 0.0)  # every failure counts as that late
+
+    def no_engine(protocol: str) -> Any:
+        raise ca.ArenaOSError("the metadata server did not answer")
+
+    monkeypatch.setattr(_engine, "new_engine", no_engine)
+    out = _Outputs()
+    gone = weakref.ref(out)
+    with pytest.raises(ca.ArenaOSError, match="did not answer"):
+        _engine.EngineReader().read("127.0.0.1:1", [(1 << 20, 1 << 20, 64)], keep=out)
+    del out
+    _let_go_within(gone, 2.0, "the outputs of a read whose engine could not be made are held")
+    # Held still once a transfer began (the guarded case).
+    held = _Outputs()
+    kept = weakref.ref(held)
+
+    def transfer_fails() -> None:
+        began.set()
+        raise ca.StaleSessionError("the transfer failed")
+
+    began = threading.Event()
+    with pytest.raises(ca.StaleSessionError):
+        _engine.run_bounded("capture-arena-engine-read", transfer_fails, held, 5.0, lambda: "timed out", began=began)
+    del held
+    import gc
+
+    gc.collect()
+    assert kept() is not None, "outputs a transfer may still write were let go"

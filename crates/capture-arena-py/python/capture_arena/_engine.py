@@ -389,6 +389,13 @@ class _Quarantine:
             self._timer_at = None
         self.expire()
 
+    def let_go(self, what: Any) -> None:
+        """Lets go of ``what`` now: the read that wrote into it ended without a transfer begun."""
+        with self._lock:
+            gone = [h for h in self._held if h[1] is what]
+            self._held = [h for h in self._held if h[1] is not what]
+        del gone  # outside the lock: an output's destructor may run
+
     def __len__(self) -> int:
         self.expire()
         with self._lock:
@@ -406,6 +413,7 @@ def run_bounded(
     timed_out: Callable[[], str],
     gone: Optional[threading.Event] = None,
     late: Optional[Callable[[], None]] = None,
+    began: Optional[threading.Event] = None,
 ) -> None:
     """Runs ``work`` on a thread of its own (named ``name``) and waits at most ``timeout``
     seconds: what a Mooncake read does under the read deadline. ``keep`` owns the memory the
@@ -414,7 +422,10 @@ def run_bounded(
     nothing more) and ``timed_out()`` (which sets aside what the work holds) says why, raised
     as :class:`StaleSessionError`; the work's own error is raised as it is. ``late()`` is
     called on the work's thread when work the caller gave up on ends after all (never before
-    ``timed_out()`` has returned)."""
+    ``timed_out()`` has returned). ``began``, where given, is set by the work (after it saw
+    ``gone`` clear, under the same lock) before its first transfer: work that ended without it
+    (a connect that failed, or was given up on before any transfer) wrote nothing, and ``keep``
+    is not held for it (before: 120 s after a slow failed connect, 180 s after a timeout)."""
     done = threading.Event()
     outcome: list[BaseException] = []
     t0 = time.monotonic()
@@ -426,7 +437,7 @@ def run_bounded(
             work()
         except BaseException as e:  # handed to the caller
             outcome.append(e)
-            if time.monotonic() - t0 >= MOONCAKE_MIN_TIMEOUT_S:
+            if time.monotonic() - t0 >= MOONCAKE_MIN_TIMEOUT_S and (began is None or began.is_set()):
                 # Mooncake's own timeout ended it: the transfer was not cancelled.
                 QUARANTINE.hold(keep)
         finally:
@@ -434,6 +445,8 @@ def run_bounded(
                 state["ended"] = True
                 given_up = state["given_up"]
             done.set()
+            if given_up and began is not None and not began.is_set():
+                QUARANTINE.let_go(keep)  # given up on before any transfer began: none will
             if given_up:
                 # Nobody reads it: its traceback (which holds this frame, and so the list) would
                 # keep the work's objects, a Mooncake client among them, until a full collection.
@@ -662,9 +675,21 @@ class EngineReader:
             return
         backoff = unreachable_backoff_s()  # read before anything: a bad value fails this call alone
         self._check_reachable(session)
-        te = self._engines.get()
+        # The engine, got (or made: it may reach a metadata server) on the work's thread, under
+        # the read's deadline; kept for every look of this read.
+        used: list[Any] = []
+        guard = threading.Lock()
+        began = threading.Event()
 
         def timed_out() -> str:
+            with guard:
+                te = used[0] if used else None
+            if te is None:  # still making the engine: no fault of the producer's
+                return (
+                    f"making this process's TransferEngine did not finish within the read's {timeout:.1f} s (Mooncake "
+                    "waits on its metadata server, MOONCAKE_TE_METADATA_SERVER); raise SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S "
+                    "if it is only slow"
+                )
             self._engines.set_aside(te)
             self._mark(session, backoff)
             _logs.get("capture_arena").warning(
@@ -689,8 +714,22 @@ class EngineReader:
         pending: list[Optional[str]] = [None]
 
         def work() -> None:
+            with guard:
+                te = used[0] if used else None
+            if te is None:
+                te = self._engines.get()
+            with guard:
+                if gone.is_set():  # given up on while the engine was made: nothing is read
+                    return
+                if not used:
+                    used.append(te)
+                began.set()
             with _on_device(device) if cuda else contextlib.nullcontext():
                 pending[0] = self._read_in(te, session, targets, checks, words, gone)
+
+        def late() -> None:
+            if used:
+                self._returned(used[0])
 
         # Each look and copy is bounded by the read's deadline; an object still being written
         # (its stamp word pending) is looked at again, and copied once it is there, for at most
@@ -701,9 +740,9 @@ class EngineReader:
             pending[0] = None
             t0 = time.monotonic()
             try:
-                run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone, lambda: self._returned(te))
+                run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone, late, began)
             except StaleSessionError:
-                if time.monotonic() - t0 >= min(timeout, MOONCAKE_MIN_TIMEOUT_S):  # Mooncake's own timeout, or ours
+                if began.is_set() and time.monotonic() - t0 >= min(timeout, MOONCAKE_MIN_TIMEOUT_S):  # Mooncake's own timeout, or ours
                     self._mark(session, backoff)
                 raise
             self._mark(session, 0.0)
@@ -738,11 +777,9 @@ class EngineReader:
                 raise StaleSessionError("the read was given up at its deadline")
             self._transfer(te, session, what)
 
-        registered = []
-        try:
-            regions = [(local, n) for _, local, n in targets]
-            if checks:
-                regions.append((words.address, words.nbytes))
+        registered: list[int] = []
+
+        def register(regions: list[tuple[int, int]]) -> None:
             if self.nvlink:
                 # Mooncake's NVLink transports copy (cudaMemcpyAsync on a stream of their own)
                 # from the producer's mapped buffer straight into the local address, which they
@@ -756,7 +793,7 @@ class EngineReader:
                 # for cudaMalloc memory it records nothing, so the unregister fails, the range
                 # stays reserved in the engine, and the next read into the same memory (the
                 # caching allocator hands it out again) fails as an overlapping registration.
-                regions = []
+                return
             for local, n in regions:
                 slab = _pool.POOL.slab_of(local, n)
                 if slab is not None:
@@ -773,20 +810,26 @@ class EngineReader:
                 if rc != 0:
                     raise ArenaOSError(f"TransferEngine.register_memory of a {n}-byte output returned {rc}")
                 registered.append(local)
-            if not checks:
-                transfer(targets)
-                return None
+
+        try:
             # The words before the copy, then after it (the readiness rule of docs/protocol.md).
             # Before: a copy counts only if every object was there when it began (a word still
             # pending may turn ready while, or just after, the copy reads unwritten bytes, and a
             # look after alone would take those bytes for the written ones). After: the object
-            # was not freed or replaced meanwhile (a word never turns pending again).
+            # was not freed or replaced meanwhile (a word never turns pending again). The outputs
+            # are registered only once the first look found every object there: an object still
+            # being written, or a result whose stamps are not its objects', pins nothing.
             looks = [(at, words.address + 8 * i, 8) for i, (_, at, _) in enumerate(checks)]
-            transfer(looks)
-            pending = _check_words(checks, words.values())
-            if pending is not None:
-                return pending
+            if checks:
+                register([(words.address, words.nbytes)])
+                transfer(looks)
+                pending = _check_words(checks, words.values())
+                if pending is not None:
+                    return pending
+            register([(local, n) for _, local, n in targets])
             transfer(targets)
+            if not checks:
+                return None
             transfer(looks)
             pending = _check_words(checks, words.values())
             if pending is not None:

@@ -20,15 +20,44 @@ from ._capture_arena import _send_frees, _Store
 from . import _pool
 from ._store import StoreReader, is_store_result, same_sizes
 from ._tensors import new_array, out_bytes
-from ._samples import _torch_module
-from .errors import InvalidReadError
+from ._samples import _torch_module, feature_names
+from .errors import ArenaOSError, InvalidReadError
 
 
-def key_prefix(result: Mapping[str, Any]) -> str:
-    """The key prefix of a result's objects, ``{store_id}/{sample_id}/g{gen}/`` (vLLM's
-    connector hands it out as a request's handle)."""
+def handle_of(result: Mapping[str, Any]) -> str:
+    """``{store_id}/{sample_id}/g{gen}/`` with the ids as they are: what vLLM's connector hands
+    out as a request's handle, and what errors name an object by. The prefix of the result's
+    keys only where no id holds ``%``, ``/`` or a control character (keys escape those): free by
+    the result, never by this as a prefix."""
     return f"{result.get('store_id')}/{result.get('sample_id')}/g{result.get('gen')}/"
 
+
+
+def _memory_limit() -> tuple[int, str]:
+    """The most memory this process may use, and whose limit it is: the host's, or its cgroup's
+    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) where that is lower."""
+    limit, of = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host"
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read(65536).splitlines()
+    except OSError:
+        return limit, of
+    for line in lines:
+        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hid == "0" and controllers == "":
+            candidate = f"/sys/fs/cgroup{path}/memory.max"
+        elif "memory" in controllers.split(","):
+            candidate = f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            with open(candidate) as f:
+                raw = f.read(64).strip()
+        except OSError:
+            continue
+        if raw.isdigit() and int(raw) < limit:
+            limit, of = int(raw), "this process's cgroup"
+    return limit, of
 
 
 def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
@@ -50,7 +79,7 @@ def _stamps(result: Mapping[str, Any], wanted: list[str], lens: list[int]) -> li
     for name, n in zip(wanted, lens):
         stamp = feats[name].get("stamp")
         if stamp is not None:
-            key = key_prefix(result) + name
+            key = handle_of(result) + name
             out.append((key, int(feats[name]["address"]) + (n + 7) // 8 * 8, int(stamp)))
     return out
 
@@ -102,8 +131,7 @@ class ArenaFeatureStore(_Store):
         """
         if "features" not in result:
             self._check(result)  # raises: a failed sample's result, or not a result at all
-        feats = result["features"]
-        wanted = list(feats) if names is None else list(dict.fromkeys(names))
+        wanted = feature_names(result["features"], names)
         if is_store_result(result):
             return self._get_from_store(result, wanted, out, torch, device)
         if _is_engine_session(result):
@@ -148,10 +176,11 @@ class ArenaFeatureStore(_Store):
         self, result: Mapping[str, Any], wanted: list[str], lens: list[int], out: Optional[Mapping[str, Any]], torch: bool
     ) -> tuple[dict[str, Any], list[Any]]:
         """Host output arrays (fresh, or the caller's ``out=``) for placements read into host
-        memory, after the sizes were validated; at most this host's memory in all."""
-        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        memory, after the sizes were validated; at most this process's memory in all (the host's,
+        or its cgroup's limit where lower: a container's trainer is killed past it)."""
+        limit, of = _memory_limit()
         if sum(lens) > limit:
-            raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than this host's {limit} bytes of memory")
+            raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than {of}'s {limit} bytes of memory")
         arrays, views = self._outputs(result, wanted, out, torch, None, _is_engine_session(result))
         if any(not isinstance(v, np.ndarray) for v in views):
             raise InvalidReadError("this placement is read into host memory: pass CPU out= tensors")
@@ -246,7 +275,8 @@ class ArenaFeatureStore(_Store):
         ``"{store_id}/{sample_id}/"`` or ``"{store_id}/{sample_id}/g{gen}/"``) at the control
         endpoint ``control`` (a result's ``arena.control``), presenting ``token`` (a result's
         ``arena.token``) when the producer has one: what a restarted trainer or an operator does
-        with the samples a dead trainer held. One-way: the producer's stats show what was freed.
+        with the samples a dead trainer held. Returns once the producer confirmed the lines (a sync)
+        or raises; its stats show what was freed.
         A bad prefix or token raises before anything is sent."""
         _send_frees(control, list(keys), list(prefixes), token, timeout_s)
 
@@ -266,7 +296,14 @@ class ArenaFeatureStore(_Store):
             t = _torch_module()
             to_host = out is None and (device is None or t.device(device).type == "cpu")
             gpu = device if device is not None and not to_host else f"cuda:{t.cuda.current_device()}"
-            arrays, views = self._outputs(result, wanted, out, True, gpu)
+            if out is None:
+                total = t.cuda.mem_get_info(gpu)[1]
+                if sum(lens) > total:
+                    raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than {gpu}'s {total} bytes of memory")
+            try:
+                arrays, views = self._outputs(result, wanted, out, True, gpu)
+            except RuntimeError as e:  # torch.OutOfMemoryError among them
+                raise ArenaOSError(f"allocating {sum(lens)} bytes on {gpu} for the result's features failed: {e}") from None
             targets = []
             for name, n, view in zip(wanted, lens, views):
                 if isinstance(view, np.ndarray):

@@ -18,7 +18,7 @@ import numpy as np
 from . import _logs
 from . import _tensors
 from ._tensors import CudaBytes, HostBytes, host_bytes
-from .errors import InvalidSampleError
+from .errors import InvalidReadError, InvalidSampleError
 
 
 Result = dict[str, Any]
@@ -39,6 +39,25 @@ def _torch_module() -> Any:
 _MAX_TEXT = 1024
 #: The most features a result may name (readers refuse more: the core's ``MAX_FEATURES``).
 MAX_FEATURES = 256
+
+
+def feature_names(features: Any, names: Optional[Iterable[Any]] = None) -> list[str]:
+    """The names of a result's ``features`` to read (all, or ``names`` once each), checked before
+    anything is built from them: a mapping of at most :data:`MAX_FEATURES` string names, and at
+    most that many asked for (an endless iterable is read no further), else
+    :class:`InvalidReadError`."""
+    if not isinstance(features, Mapping) or len(features) > MAX_FEATURES:
+        what = f"{len(features)} of them" if isinstance(features, Mapping) else type(features).__name__
+        raise InvalidReadError(f"a result's features are a mapping of at most {MAX_FEATURES} names, not {what}")
+    wanted: dict[Any, None] = {}
+    for n in features if names is None else names:
+        wanted[n] = None
+        if len(wanted) > MAX_FEATURES:
+            raise InvalidReadError(f"more than {MAX_FEATURES} feature names asked for (a result names at most {MAX_FEATURES})")
+    bad = next((n for n in wanted if not isinstance(n, str)), None)
+    if bad is not None:
+        raise InvalidReadError(f"feature names are strings, not {type(bad).__name__} ({_logs.shown(repr(bad), 100)})")
+    return list(wanted)
 #: The highest rank a tensor may have (the core's ``MAX_RANK``).
 MAX_DIMS = 8
 

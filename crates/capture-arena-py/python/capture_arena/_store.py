@@ -47,7 +47,7 @@ import numpy as np
 from . import _logs
 from . import _capture_arena
 from ._live import LiveSink, sync_wait_s
-from ._samples import Warnings
+from ._samples import Warnings, feature_names
 from .errors import (
     ArenaOSError,
     ConfigError,
@@ -668,6 +668,8 @@ class StoreReader:
         # holds no client for timed_out or late to count.
         gone = threading.Event()
         guard = threading.Lock()
+        # Set once a transfer may begin: a connect that failed or was given up on wrote nothing.
+        began = threading.Event()
 
         def work() -> None:
             store = self._client()
@@ -675,6 +677,7 @@ class StoreReader:
                 if gone.is_set():
                     return
                 used.append(store)
+                began.set()
             ptrs = [int(v.ctypes.data) for _, _, v in wanted]
             registered = _Registered(store, [(p, n, -1) for p, (_, n, _) in zip(ptrs, wanted)])
             try:
@@ -711,13 +714,13 @@ class StoreReader:
             if used:
                 self._clients.returned(used[0])
 
-        run_bounded("capture-arena-store-read", work, views, timeout, timed_out, gone, late=late)
+        run_bounded("capture-arena-store-read", work, views, timeout, timed_out, gone, late=late, began=began)
 
     def release(self, result: Mapping[str, Any]) -> None:
         """Marks ``result`` released (later reads raise ReleasedError) and queues the removal of
         its objects from the store (force: a reader's lease does not hold it back); returns without
         waiting on the network."""
-        names = list(result["features"])
+        names = feature_names(result.get("features"))
         keys = [k for k, _ in self.check(result, names)]
         with self._lock:
             ident = self.ident(result)

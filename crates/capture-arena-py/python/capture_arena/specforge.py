@@ -334,6 +334,20 @@ def _prefixes_after_fork() -> None:
 
 os.register_at_fork(after_in_child=_prefixes_after_fork)
 
+_ALL_STORES: "weakref.WeakSet[SpecForgeArenaStore]" = weakref.WeakSet()
+
+
+def _stores_after_fork() -> None:
+    """A forked child (a DataLoader's worker) gets each store's lock anew: the fork may have
+    come while another thread held it (the residency pass holds it over up to ``max_tracked``
+    samples), and nobody would release it in the child."""
+    for store in list(_ALL_STORES):
+        store._lock = threading.RLock()
+        store._residency = None
+
+
+os.register_at_fork(after_in_child=_stores_after_fork)
+
 
 class _Prefixes:
     """Prefix frees, sent from threads of their own (up to ``PREFIX_SENDERS``, one endpoint
@@ -357,13 +371,15 @@ class _Prefixes:
 
     def _after_fork_in_child(self) -> None:
         """A forked child has none of its parent's senders (their lock may have been held at
-        the fork, and what they were sending is the parent's to send): it starts with a new
-        lock, no sender and nothing in flight; what waits goes from its own senders."""
+        the fork) and sends none of its parent's prefixes: the parent sends them, and a copy
+        sent again later by the child's first sender could free a newer capture of the sample
+        (an abort's prefix covers every generation). It starts with a new lock and nothing
+        queued or in flight."""
         self._lock = threading.Condition()
         self._threads = 0
         self._sending = 0
-        for e in self._endpoints.values():
-            e.busy = False
+        self._endpoints = {}
+        self._count = 0
 
     @property
     def refused(self) -> int:
@@ -591,6 +607,7 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._reader = reader or ArenaFeatureStore()
         self._clock = clock
         self._lock = threading.RLock()
+        _ALL_STORES.add(self)
         self._endpoints: "collections.OrderedDict[str, Optional[str]]" = collections.OrderedDict()
         for c in controls:
             self._learn(str(c), (tokens or {}).get(str(c)))
@@ -1053,8 +1070,12 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             endpoints = list(self._endpoints.items())
             if not endpoints or not self._results:
                 return
-            self._residency = threading.Thread(target=self._residency_pass, args=(endpoints,), name="capture-arena-residency", daemon=True)
-            self._residency.start()
+            residency = threading.Thread(target=self._residency_pass, args=(endpoints,), name="capture-arena-residency", daemon=True)
+            try:
+                residency.start()
+            except RuntimeError:  # no thread to be had (a thread limit, the interpreter's exit): next time
+                return
+            self._residency = residency
 
     def _residency_pass(self, endpoints: List[Tuple[str, Optional[str]]]) -> None:
         """Samples published before the oldest object a producer still holds for this store

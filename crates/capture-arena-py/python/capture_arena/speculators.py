@@ -52,7 +52,7 @@ from hs_connectors import HiddenStatesBackend, HiddenStatesTransfer
 from hs_connectors.transfer import FileTransfer
 
 from . import _logs
-from ._reader import ArenaFeatureStore, key_prefix
+from ._reader import ArenaFeatureStore, handle_of
 from .errors import CaptureArenaError
 
 __all__ = ["CaptureArenaBackend", "CaptureArenaTransfer", "NAME"]
@@ -162,7 +162,7 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         # What speculators' client took as the handle, and deletes: it must name this result's
         # objects, else that delete would free nothing (or another request's).
         handle = hs_transfer_params.get("hidden_states_path") or hs_transfer_params.get("handle")
-        expected = key_prefix(result)
+        expected = handle_of(result)
         if handle != expected:
             try:  # nobody could free it by that handle: freed here
                 self._store.release(result)

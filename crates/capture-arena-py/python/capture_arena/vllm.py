@@ -40,10 +40,11 @@ How a request travels (vLLM 0.32's order within a step, measured on the CPU):
   the request's blocks (``delay_free_blocks``) until the worker reports its copy done in
   ``get_finished``, so nothing is copied from a block vLLM reused.
 
-Per request, ``kv_transfer_params`` is ``{"capture_arena": result, "handle": key_prefix}``:
+Per request, ``kv_transfer_params`` is ``{"capture_arena": result, "handle": handle}``:
 ``result`` is the wire contract's (``features.hidden_states``: ``[1, n, k*H]`` in the model's
 dtype; ``features.token_ids``: ``[1, n]`` int64, a passthrough; ``aux_layer_ids``: the layers in
-the order stored, ascending) or, for a request that could not be published, ``{"sample_id",
+the order stored, ascending) and ``handle`` its ``{store_id}/{sample_id}/g{gen}/``, the ids as
+they are (``_reader.handle_of``); or, for a request that could not be published, ``{"sample_id",
 "error"}`` with the handle ``capture-arena-error:{request id}``, which names no object (so
 speculators' client hands the error to its backend, which raises with the reason).
 
@@ -129,7 +130,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import _logs
 from ._capture_arena import _DeviceRows, _Landed, _result_keys
 from ._live import sync_wait_s
-from ._reader import key_prefix
+from ._reader import handle_of
 from ._samples import _interrupts, _reason
 from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
 
@@ -700,7 +701,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             # on to the backend only if there is one.
             params["handle"] = f"{ERROR_HANDLE}{rid}"
         else:
-            params["handle"] = key_prefix(row)
+            params["handle"] = handle_of(row)
         return held, params
 
     def update_connector_output(self, connector_output: Any) -> None:
