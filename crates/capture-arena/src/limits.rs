@@ -1,7 +1,8 @@
 //! Bounds every input is checked against before it costs memory, shared by the modules that
 //! parse (the control protocol, results, settings) so none imports another for them.
 
-/// The longest line accepted; a longer one closes its connection. One MiB holds ~15k keys.
+/// The longest line accepted; a longer one closes its connection. One MiB holds 25,574 keys of
+/// 41 bytes (`free_latency`'s).
 pub const MAX_LINE_BYTES: usize = 1 << 20;
 
 /// The shortest and longest token accepted.
