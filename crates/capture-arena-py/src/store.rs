@@ -88,12 +88,12 @@ impl PyStore {
                     let into = match device {
                         // SAFETY: (ptr, len, device) were read from a contiguous CUDA tensor in
                         // `targets`, which this call keeps referenced until it returns; the
-                        // copy waits for the work already queued on the tensor's stream, and
-                        // the read synchronises its copies before returning.
-                        Some((d, stream)) => Destination::Device(
-                            unsafe { DeviceSlice::new(*ptr as u64, *len as u64, *d) }
-                                .after(*stream),
-                        ),
+                        // copy waits for the work already queued on the tensor's stream (torch's
+                        // current stream of its device, read with it: a live stream of this
+                        // process), and the read synchronises its copies before returning.
+                        Some((d, stream)) => Destination::Device(unsafe {
+                            DeviceSlice::new(*ptr as u64, *len as u64, *d).after(*stream)
+                        }),
                         None if *len == 0 => Destination::Host(&mut []),
                         // SAFETY: (ptr, len) come from the array interface of a writable,
                         // C-contiguous uint8 array in `targets`, which this call keeps

@@ -568,7 +568,10 @@ impl Arena {
             return Ok(None);
         };
         let ops = Arena::copy_ops(&r, samples);
-        let copied = self.region.start(&ops).and_then(|()| loop {
+        // SAFETY: `samples`, which the ops' data point into, outlive this call, and the loop
+        // below runs the copy until it is done or failed (nothing in flight then) before it
+        // returns.
+        let copied = unsafe { self.region.start(&ops) }.and_then(|()| loop {
             match self.region.progress(&ops, u64::MAX)? {
                 Progress::Done => break Ok(()),
                 Progress::Again => {}

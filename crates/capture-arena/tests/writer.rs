@@ -439,7 +439,7 @@ mod fake_device {
             let mut b = self.bytes.lock().unwrap();
             b[offset as usize..offset as usize + 8].copy_from_slice(&word.to_le_bytes());
         }
-        fn start(&mut self, ops: &[CopyOp<'_>]) -> capture_arena::Result<()> {
+        unsafe fn start(&mut self, ops: &[CopyOp<'_>]) -> capture_arena::Result<()> {
             // "Complete" on another thread, once the gate opens.
             let mut staged = Vec::new();
             for op in ops {

@@ -257,7 +257,9 @@ impl Event {
     /// the event's device).
     pub fn record_raw(&self, stream: cu::CUstream) -> Result<()> {
         let _current = self.ctx.enter()?;
-        // SAFETY: the stream handle is passed to the driver, which validates it.
+        // SAFETY: `stream` is a live CUstream of this process on this device: one of ours, or a
+        // caller's given through the unsafe `DeviceSlice::after` or the device copies' `after`,
+        // whose contracts say so (the driver does not check a handle).
         let rc = unsafe { api::cuEventRecord(self.raw, stream) };
         check(rc, || "recording an event on the caller's stream".into())
     }

@@ -82,7 +82,7 @@ impl Region for ExternalHostRegion {
         &self.session
     }
 
-    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+    unsafe fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
         self.copier.start(self.base_address(), self.len, ops)
     }
 
@@ -150,7 +150,8 @@ mod tests {
             offset: 100,
             data: &data,
         }];
-        r.start(&ops).unwrap();
+        // SAFETY: `data` outlives the loop below, which runs the copy to its end.
+        unsafe { r.start(&ops) }.unwrap();
         let mut steps = 0;
         while r.progress(&ops, 256).unwrap() == Progress::Again {
             steps += 1;
@@ -160,7 +161,11 @@ mod tests {
             offset: 3500,
             data: &data,
         }];
-        assert!(matches!(r.start(&bad), Err(Error::OutOfRange { .. })));
+        // SAFETY: refused before any copy starts; `bad`'s data outlives the call.
+        assert!(matches!(
+            unsafe { r.start(&bad) },
+            Err(Error::OutOfRange { .. })
+        ));
         drop(r);
         assert!(mem[100..1100].iter().all(|&b| b == 7));
         assert!(mem[..100].iter().chain(&mem[1100..]).all(|&b| b == 0));

@@ -175,10 +175,15 @@ pub trait Region: Send + fmt::Debug {
     /// Starts copying one batch. At most one batch is in flight: the writer calls
     /// [`Region::progress`] with the same `ops` until it returns `Ready`.
     ///
+    /// # Safety
+    /// The memory each op's data names must stay valid and unchanged until
+    /// [`Region::progress`] has returned `Done` or an error, or [`Region::abandon`] has
+    /// returned: a device region copies from it asynchronously, after this call returns.
+    ///
     /// # Errors
     /// If a copy cannot even be started (its data's kind cannot be copied into this region, a
     /// range outside the region); nothing is in flight then.
-    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()>;
+    unsafe fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()>;
 
     /// Advances the batch in flight by about `budget` bytes of work (host copies) or checks
     /// whether it finished (device copies).

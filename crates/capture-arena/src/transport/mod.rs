@@ -75,7 +75,12 @@ impl DeviceSlice {
     /// raw `CUstream` of this process on the destination's device (`0`: the legacy default
     /// stream): a kernel still using the buffer (or writing it, such as a `zero_()`) finishes
     /// first. The read itself is complete when it returns, whatever the stream.
-    pub fn after(mut self, stream: u64) -> DeviceSlice {
+    ///
+    /// # Safety
+    /// `stream` must be `0` or a live `CUstream` of this process on the destination's device,
+    /// alive until the read that writes this destination has returned: the driver dereferences
+    /// the handle without checking it.
+    pub unsafe fn after(mut self, stream: u64) -> DeviceSlice {
         self.after = Some(stream);
         self
     }

@@ -298,7 +298,10 @@ impl Placer {
                 let waited = end_wait(waiting, t_copy, shared);
                 shared.stats.set_report(&arena.report());
                 let ops = Arena::copy_ops(&reservation, &job.samples);
-                let started = arena.region_mut().start(&ops);
+                // SAFETY: the job owns the samples the ops' data point into, and stays in the
+                // copying state until the region reports the copy done or failed, or until
+                // `Placer::abandon` has abandoned it.
+                let started = unsafe { arena.region_mut().start(&ops) };
                 drop(ops);
                 if let Err(e) = started {
                     // The objects it replaced are gone all the same: counted as replaced.

@@ -549,7 +549,7 @@ impl Region for DeviceRegion {
         self.text = self.session.to_string();
     }
 
-    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+    unsafe fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
         self.copier.start(self.mapped.ptr, self.len, ops)
     }
 
@@ -696,7 +696,7 @@ impl Region for ExternalDeviceRegion {
         self.copier.notifier = Some(Box::new(notifier));
     }
 
-    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+    unsafe fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
         self.copier.start(self.ptr, self.len, ops)
     }
 

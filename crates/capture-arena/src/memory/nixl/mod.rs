@@ -236,7 +236,7 @@ impl Region for NixlRegion {
         self.inner.set_reply_endpoint(endpoint);
     }
 
-    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+    unsafe fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
         self.inner.start(ops)
     }
 

@@ -537,7 +537,7 @@ impl Region for ShmRegion {
         &self.session
     }
 
-    fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
+    unsafe fn start(&mut self, ops: &[CopyOp<'_>]) -> Result<()> {
         self.copier.start(self.base_address(), self.len, ops)
     }
 
@@ -685,7 +685,8 @@ mod tests {
 
     fn write(r: &mut ShmRegion, offset: u64, data: &TensorData) -> Result<()> {
         let ops = [CopyOp { offset, data }];
-        r.start(&ops)?;
+        // SAFETY: `data` outlives the loop, which runs the copy to its end.
+        unsafe { r.start(&ops) }?;
         while r.progress(&ops, 7)? != Progress::Done {}
         Ok(())
     }
