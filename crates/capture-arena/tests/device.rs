@@ -1257,6 +1257,48 @@ fn fake_gpu_a_forked_child_drops_a_registering_host_pin_cleanly() {
 }
 
 #[test]
+fn fake_gpu_a_forked_child_drops_its_parents_reader_without_calling_the_driver() {
+    let _g = setup();
+    // A trainer that read through CUDA handles forks (a DataLoader's worker), and the child
+    // drops the reader it inherited. Before, its cached transports were torn down there: the
+    // parent's mappings unmapped and their handles released through a driver that does not
+    // survive fork (open, not drop, knew to leak them).
+    let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();
+    let p = publish(&w, device_sample("f", &[4096], false, false));
+    let reader = capture_arena::client::Reader::new();
+    let mut out = vec![0u8; 4096];
+    reader.read(&p, "t0", &mut out).unwrap();
+    assert_eq!(out, bytes_of("f", "t0", 4096));
+    // SAFETY: the child drops the reader and leaves: it frees memory (glibc's malloc is safe
+    // after fork) and takes no lock another thread may hold.
+    let child = unsafe { libc::fork() };
+    assert!(child >= 0, "fork failed");
+    if child == 0 {
+        let before = fake_cuda::releases();
+        drop(reader);
+        let released = fake_cuda::releases() != before;
+        // SAFETY: leaves at once, running nothing of the parent's.
+        unsafe { libc::_exit(if released { 8 } else { 7 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child, which ends at once.
+    unsafe { libc::waitpid(child, &mut status, 0) };
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 7,
+        "the forked child tore down its parent's transports: status {status:#x} (8: it released handles)"
+    );
+    // The parent's reader reads on, and lets go of its handles when dropped.
+    reader.read(&p, "t0", &mut out).unwrap();
+    let before = fake_cuda::releases();
+    drop(reader);
+    assert!(
+        fake_cuda::releases() > before,
+        "the parent released nothing"
+    );
+    drop(w);
+}
+
+#[test]
 fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_enqueued_land() {
     use capture_arena::paged::{copy_requests_device, DeviceCopies, Request};
     let Some(_g) = setup_fake("fake_gpu_a_request_whose_copies_fail_midway") else {

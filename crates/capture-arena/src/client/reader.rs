@@ -32,6 +32,16 @@ struct Cache {
     last_sweep: Instant,
 }
 
+impl Drop for Cache {
+    /// In a forked child the transports are the parent's: leaked, never torn down (a device
+    /// mapping's teardown calls a driver that does not survive fork), as `open` does.
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
+            std::mem::forget(std::mem::take(&mut self.sessions));
+        }
+    }
+}
+
 impl Cache {
     fn new() -> Cache {
         Cache {

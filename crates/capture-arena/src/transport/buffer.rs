@@ -195,25 +195,36 @@ pub(crate) fn ensure_registered(
     Ok(true)
 }
 
+/// Forgets every registration `owner` holds, without releasing any: its agent is stuck in a call
+/// that holds the lock a release takes. The registrations stay for the process's life.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+pub(crate) fn forget_owner(owner: u64) {
+    let forgotten = take_owners(owner);
+    std::mem::forget(forgotten);
+}
+
+/// Every registration `owner` holds, out of the registry.
+fn take_owners(owner: u64) -> Vec<Box<dyn Any + Send>> {
+    let mut r = registry();
+    let mut out = Vec::new();
+    for e in r.iter_mut() {
+        let mut i = 0;
+        while i < e.registrations.len() {
+            if e.registrations[i].0 == owner {
+                out.push(e.registrations.swap_remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
 /// Releases every registration `owner` holds (its agent is going away).
 #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
 pub(crate) fn release_owner(owner: u64) {
-    let released: Vec<Box<dyn Any + Send>> = {
-        let mut r = registry();
-        let mut out = Vec::new();
-        for e in r.iter_mut() {
-            let mut i = 0;
-            while i < e.registrations.len() {
-                if e.registrations[i].0 == owner {
-                    out.push(e.registrations.swap_remove(i).1);
-                } else {
-                    i += 1;
-                }
-            }
-        }
-        out
-    };
-    drop(released);
+    // Released outside the registry's lock (take_owners has let it go).
+    drop(take_owners(owner));
 }
 
 #[cfg(test)]
@@ -260,6 +271,21 @@ mod tests {
         assert!(!ensure_registered(start.wrapping_sub(1), 1, 1, |_, _| unreachable!()).unwrap());
         release_owner(1);
         assert_eq!(b.registrations(), 0);
+        // A stuck owner's registrations are forgotten, never released (a release would wait
+        // for the stuck call).
+        struct Counted(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Counted {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let released = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let r = released.clone();
+        ensure_registered(start, 1, 2, |_, _| Ok(Box::new(Counted(r)))).unwrap();
+        assert_eq!(b.registrations(), 1);
+        forget_owner(2);
+        assert_eq!(b.registrations(), 0);
+        assert_eq!(released.load(Ordering::SeqCst), 0);
         drop(b);
         assert!(!ensure_registered(start, 1, 1, |_, _| unreachable!()).unwrap());
         assert!(ReadBuffer::new(0).is_err());

@@ -674,6 +674,11 @@ fn load_bounded(
         Ok(r) => r,
         Err(_) => {
             retire_agent(agent, "loading a producer's metadata timed out");
+            // The stuck load holds the agent's lock (nixl-sys takes it for the whole call), and
+            // releasing a registration takes it too: a read buffer dropped later would wait for
+            // the load (minutes in a partition). No request of this agent is in flight (it was
+            // leased for the load), so its registrations are let go of without a release.
+            buffer::forget_owner(agent.id);
             Err(Error::StaleSession {
                 session: session.to_string(),
                 reason: format!(

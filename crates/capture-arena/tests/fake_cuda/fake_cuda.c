@@ -120,9 +120,9 @@ CUresult cuDeviceGet(CUdevice *d, int ordinal) {
 /* Events a test waits for instead of sleeping: copies begun on a stream (0), questions whether
  * the device can pin host memory (1: what a pinning thread asks first), and registrations begun
  * (2: calls of cuMemHostRegister that passed its checks). */
-static long copies_begun, register_asks, registrations;
+static long copies_begun, register_asks, registrations, releases;
 long fake_cuda_events(int which) {
-  return __atomic_load_n(which == 2 ? &registrations : which ? &register_asks : &copies_begun, __ATOMIC_SEQ_CST);
+  return __atomic_load_n(which == 3 ? &releases : which == 2 ? &registrations : which ? &register_asks : &copies_begun, __ATOMIC_SEQ_CST);
 }
 CUresult cuDeviceGetAttribute(int *v, int attr, CUdevice d) {
   (void)d;
@@ -302,7 +302,11 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p
   *h = (CUmemGenericAllocationHandle)fd + 1;
   return OK;
 }
-CUresult cuMemRelease(CUmemGenericAllocationHandle h) { return close((int)h - 1) == 0 ? OK : INVALID_HANDLE; }
+/* Counted (fake_cuda_events(3)): a forked child must release none of its parent's handles. */
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+  __atomic_add_fetch(&releases, 1, __ATOMIC_SEQ_CST);
+  return close((int)h - 1) == 0 ? OK : INVALID_HANDLE;
+}
 
 typedef struct { char magic[8]; int pid; int fd; char pad[48]; } FabricHandle;
 CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {

@@ -142,6 +142,11 @@ pub fn registrations() -> i64 {
     count("fake_cuda_events", 2)
 }
 
+/// Allocation handles released (`cuMemRelease`).
+pub fn releases() -> i64 {
+    count("fake_cuda_events", 3)
+}
+
 /// Waits up to 5 s for `what` to exceed `than`; false if it never did.
 pub fn wait_above(what: fn() -> i64, than: i64) -> bool {
     let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
