@@ -428,7 +428,7 @@ out["pageable_copies"] = cu.fake_cuda_host_copies(0) - pageable
 out["started"] = sink._pin_host_arena(dr)
 out["again"] = sink._pin_host_arena(dr)  # one pin a stream
 deadline = time.monotonic() + 20
-while os.environ["SGLANG_SPEC_CAPTURE_PIN_HOST"] != "0" and not dr.host_pinned() and time.monotonic() < deadline:
+while os.environ["SGLANG_SPEC_CAPTURE_PIN_HOST"] == "1" and not dr.host_pinned() and time.monotonic() < deadline:
     time.sleep(0.01)  # registering in the background (off: nothing to wait for)
 out["pinned"] = dr.host_pinned()
 out["pinned_bytes"] = cu.fake_cuda_pinned_bytes() == size  # the arena, exactly (nothing else pins here)
@@ -447,20 +447,21 @@ print(json.dumps(out))
 '''
 
 
-@pytest.mark.parametrize("pin", ["on", "off"])
+@pytest.mark.parametrize("pin", ["1", "0", "off"])
 def test_the_vllm_connectors_host_arena_is_pinned_in_the_background_and_unpinned_fake_driver(fake_gpu: dict[str, str], pin: str) -> None:
     """The native device path's host arena (vLLM's connector): pinned by the core's lazy pin on
     a thread of its own (copies before that are pageable, and correct), the 2-D copies after it
     into pinned pages, unpinned before the arena goes; once per stream; refused for a device
-    arena; off under SGLANG_SPEC_CAPTURE_PIN_HOST=0. Before: torch's cudaHostRegister, one call
+    arena; off under SGLANG_SPEC_CAPTURE_PIN_HOST=0, and =off as every flag is spelled (before:
+    only 0 turned it off). Before: torch's cudaHostRegister, one call
     for the whole arena on the copy thread, which the first step's copies waited for. The fake
     driver counts the host ends of copies by whether they were pinned."""
-    env = {**fake_gpu, "SGLANG_SPEC_CAPTURE_PIN_HOST": "1" if pin == "on" else "0"}
+    env = {**fake_gpu, "SGLANG_SPEC_CAPTURE_PIN_HOST": pin}
     got = json.loads(run(PIN_HOST_ARENA, env).strip().splitlines()[-1])
     assert got["before"] is False and got["pageable_copies"] > 0 and got["after"] is False and got["left_pinned"] == 0, got
     assert got["started"] is True and got["again"] is False, got
     assert "arena is in device memory" in got["device_arena"], got
-    if pin == "on":
+    if pin == "1":
         assert got["pinned"] and got["pinned_bytes"] and got["pinned_copies"] > 0, got
     else:
         assert not got["pinned"] and got["pinned_copies"] == 0, got

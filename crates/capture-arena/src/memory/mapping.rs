@@ -55,14 +55,21 @@ pub struct Mapping {
     pin: Option<crate::driver::LazyPin>,
 }
 
-/// `0` turns pinning off: copies between shared memory and device memory then stay pageable
+/// `0` (or `false`, `no`, `off`) turns pinning off: copies between shared memory and device memory then stay pageable
 /// (synchronous, staged by the driver through its own buffers). Default on.
 pub const ENV_PIN_HOST: &str = "SGLANG_SPEC_CAPTURE_PIN_HOST";
 
-/// Whether host memory is pinned for device copies ([`ENV_PIN_HOST`] is not `0`).
+/// Whether host memory is pinned for device copies ([`ENV_PIN_HOST`] is not off: `0`, `false`,
+/// `no` or `off`, as every other flag is spelled; `config::parse_flag`, which this module cannot
+/// import).
 #[cfg(feature = "cuda")]
 pub(crate) fn pinning_on() -> bool {
-    !std::env::var(ENV_PIN_HOST).is_ok_and(|v| v.trim() == "0")
+    !std::env::var(ENV_PIN_HOST).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "false" | "no" | "off"
+        )
+    })
 }
 
 /// `(size, link count)` of an open descriptor.
