@@ -242,7 +242,7 @@ class ArenaFeatureStore(_Store):
             self._store_reader.flush(max(0.0, timeout_s - (time.monotonic() - t0)))
 
     def health(self) -> dict[str, int]:
-        """``{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees",
+        """``{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees", "refused_frees",
         "open_sessions", "mooncake_clients", "stuck_clients"}``; frees count the store
         placement's queued removals too. ``resident_*`` count samples read through shared
         memory, CUDA handles and NIXL and not released; reads through a TransferEngine or the
