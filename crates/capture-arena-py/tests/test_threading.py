@@ -259,17 +259,21 @@ def _let_go_within(ref: Any, seconds: float, what: str) -> None:
 
 def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Making a TransferEngine (it may wait on a metadata server) ran on the caller's thread
-    before the read's deadline began: a trainer's read waited as long as Mooncake did. And the
-    outputs of a read given up on while its engine was made (no transfer began, none will) were
-    held from being freed for 180 s all the same; now they are let go once the making ends."""
+    before the read's deadline began: a trainer's read waited as long as Mooncake did. Reads
+    meanwhile wait for that one make rather than each making an engine (a thread each, and an
+    engine each once the server answers). And the outputs of a read given up on while its
+    engine was made (no transfer began, none will) are let go once the making ends, not held
+    180 s."""
     import weakref
 
     from capture_arena import _engine
 
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "0.5")
     answer = threading.Event()
+    makes: list[str] = []
 
     def slow_engine(protocol: str) -> Any:
+        makes.append(protocol)
         answer.wait(30)
         raise ca.ArenaOSError("the metadata server did not answer")
 
@@ -277,11 +281,24 @@ def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyP
     reader = _engine.EngineReader()
     out = _Outputs()
     gone = weakref.ref(out)
-    t0 = time.monotonic()
-    with pytest.raises(ca.StaleSessionError, match="making this process's TransferEngine did not finish within the read's 0.5 s"):
-        reader.read("127.0.0.1:1", [(1 << 20, 1 << 20, 64)], keep=out)
-    took = time.monotonic() - t0
-    assert took < 1.5, f"the read took {took:.1f} s: its engine was made outside its deadline"
+    errors: list[str] = []
+
+    def read(keep: Any) -> None:
+        t0 = time.monotonic()
+        try:
+            reader.read("127.0.0.1:1", [(1 << 20, 1 << 20, 64)], keep=keep)
+        except ca.StaleSessionError as e:
+            errors.append(f"{time.monotonic() - t0:.2f} s: {e}")
+
+    readers = [threading.Thread(target=read, args=(k,)) for k in (out, _Outputs(), _Outputs())]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert len(errors) == 3, errors
+    assert all(float(e.split(" s:")[0]) < 1.5 for e in errors), f"a read waited past its deadline: {errors}"
+    assert sum("making this process's TransferEngine did not finish within the read's 0.5 s" in e for e in errors) >= 1, errors
+    assert len(makes) == 1, f"{len(makes)} engines were being made at once"
     del out
     answer.set()
     _let_go_within(gone, 10.0, "the outputs of a read that began no transfer are still held")
@@ -289,24 +306,26 @@ def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyP
 
 def test_a_read_that_failed_before_any_transfer_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A read that fails after Mooncake's own timeout has its outputs held (the transfer was not
-    cancelled). One whose connect failed that late (a Mooncake store read's probes take 7 s
+    cancelled). A Mooncake store read whose connect failed that late (its probes take 7 s
     against a stopped master) began no transfer: its outputs were held 120 s all the same."""
     import weakref
 
-    from capture_arena import _engine
+    import numpy as np
+
+    from capture_arena import _engine, _store
 
     monkeypatch.setattr(_engine, "MOONCAKE_MIN_TIMEOUT_S", 0.0)  # every failure counts as that late
 
-    def no_engine(protocol: str) -> Any:
-        raise ca.ArenaOSError("the metadata server did not answer")
+    def no_master(self: Any) -> Any:
+        raise ca.ArenaOSError("the Mooncake master does not answer")
 
-    monkeypatch.setattr(_engine, "new_engine", no_engine)
-    out = _Outputs()
-    gone = weakref.ref(out)
-    with pytest.raises(ca.ArenaOSError, match="did not answer"):
-        _engine.EngineReader().read("127.0.0.1:1", [(1 << 20, 1 << 20, 64)], keep=out)
-    del out
-    _let_go_within(gone, 2.0, "the outputs of a read whose engine could not be made are held")
+    monkeypatch.setattr(_store.StoreReader, "_client", no_master)
+    view = np.zeros(64, dtype=np.uint8)
+    gone = weakref.ref(view)
+    with pytest.raises(ca.ArenaOSError, match="does not answer"):
+        _store.StoreReader().read([("st/s/g1/x", 64)], [view])
+    del view
+    _let_go_within(gone, 2.0, "the outputs of a store read whose connect failed are held")
     # Held still once a transfer began (the guarded case).
     held = _Outputs()
     kept = weakref.ref(held)

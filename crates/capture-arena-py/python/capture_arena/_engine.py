@@ -516,28 +516,52 @@ class _Clients:
         self._stuck: dict[int, tuple[Any, int]] = {}
         #: Clients made by threads that raced to make the first: used next.
         self._spare: list[Any] = []
+        #: Set while one thread makes a client: the others wait for it rather than make more
+        #: (a make that hangs, a metadata server that does not answer, would otherwise cost a
+        #: thread and, once it answers, a client for every read tried meanwhile).
+        self._making: Optional[threading.Event] = None
 
-    def get(self) -> Any:
+    def get(self, gone: Optional[threading.Event] = None) -> Any:
+        """The client reads use now, made if there is none (one thread makes it; the others
+        wait for that, each until ``gone`` is set: its read was given up on)."""
+        while True:
+            with self._lock:
+                if self._current is None and self._spare:
+                    self._current = self._spare.pop()
+                if self._current is not None:
+                    return self._current
+                cap = max_stuck_clients()
+                if len(self._stuck) >= cap:
+                    raise StaleSessionError(
+                        f"{len(self._stuck)} {self._what}s of this process have reads stuck in them past their deadline (the "
+                        "network to their peers is down, or Mooncake hangs): no new one is made until one of those reads "
+                        f"returns (SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS={cap}); read again later, or raise "
+                        "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S towards Mooncake's own MC_TRANSFER_TIMEOUT (30 s)"
+                    )
+                making = self._making
+                if making is None:
+                    made_here = self._making = threading.Event()
+            if making is None:
+                break
+            while not making.wait(0.05):  # another thread makes one
+                if gone is not None and gone.is_set():
+                    raise StaleSessionError(f"given up on while another thread made this process's {self._what}")
+        try:
+            made = self._make()  # outside the lock: it may connect over the network
+        except BaseException:
+            with self._lock:
+                self._making = None
+            made_here.set()  # a waiter makes one itself now
+            raise
         with self._lock:
-            if self._current is None and self._spare:
-                self._current = self._spare.pop()
-            if self._current is not None:
-                return self._current
-            cap = max_stuck_clients()
-            if len(self._stuck) >= cap:
-                raise StaleSessionError(
-                    f"{len(self._stuck)} {self._what}s of this process have reads stuck in them past their deadline (the "
-                    "network to their peers is down, or Mooncake hangs): no new one is made until one of those reads "
-                    f"returns (SGLANG_SPEC_CAPTURE_MAX_STUCK_CLIENTS={cap}); read again later, or raise "
-                    "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S towards Mooncake's own MC_TRANSFER_TIMEOUT (30 s)"
-                )
-        made = self._make()  # outside the lock: it may connect over the network
-        with self._lock:
+            self._making = None
             if self._current is None:
                 self._current = made
-            else:  # another thread made one first: kept for later
+            else:  # set since (after a fork, say): kept for later
                 self._spare.append(made)
-            return self._current
+            current = self._current
+        made_here.set()
+        return current
 
     def set_aside(self, client: Any) -> None:
         """A read in ``client`` ran past its deadline: later reads use another."""
@@ -570,7 +594,7 @@ class _Clients:
         leftovers.extend(c for c in [self._current, *self._spare] if c is not None)
         leftovers.extend(c for c, _ in self._stuck.values())
         self._lock = threading.Lock()
-        self._current, self._stuck, self._spare = None, {}, []
+        self._current, self._stuck, self._spare, self._making = None, {}, [], None
 
 
 class EngineReader:
@@ -680,6 +704,16 @@ class EngineReader:
         used: list[Any] = []
         guard = threading.Lock()
         began = threading.Event()
+        #: When the first transfer could begin: time spent making the engine is no fault of the
+        #: producer's, and never backs it off.
+        began_at: list[Optional[float]] = [None]
+        attempt = [0.0]  # when the current look or copy was started
+
+        def transfer_ran(at_least: float) -> bool:
+            """Whether this attempt's transfers have run ``at_least`` seconds."""
+            with guard:
+                at = began_at[0]
+            return at is not None and time.monotonic() - max(at, attempt[0]) >= at_least
 
         def timed_out() -> str:
             with guard:
@@ -691,7 +725,8 @@ class EngineReader:
                     "if it is only slow"
                 )
             self._engines.set_aside(te)
-            self._mark(session, backoff)
+            if transfer_ran(min(timeout, MOONCAKE_MIN_TIMEOUT_S)):
+                self._mark(session, backoff)
             _logs.get("capture_arena").warning(
                 "TransferEngine read from %s timed out after %.1f s; later reads use a new engine", session, timeout
             )
@@ -714,17 +749,18 @@ class EngineReader:
         pending: list[Optional[str]] = [None]
 
         def work() -> None:
-            with guard:
-                te = used[0] if used else None
-            if te is None:
-                te = self._engines.get()
-            with guard:
-                if gone.is_set():  # given up on while the engine was made: nothing is read
-                    return
-                if not used:
-                    used.append(te)
-                began.set()
             with _on_device(device) if cuda else contextlib.nullcontext():
+                with guard:
+                    te = used[0] if used else None
+                if te is None:
+                    te = self._engines.get(gone)
+                with guard:
+                    if gone.is_set():  # given up on while the engine was made: nothing is read
+                        return
+                    if not used:
+                        used.append(te)
+                    began.set()
+                    began_at[0] = time.monotonic()
                 pending[0] = self._read_in(te, session, targets, checks, words, gone)
 
         def late() -> None:
@@ -738,11 +774,11 @@ class EngineReader:
         since, pause = time.monotonic(), 50e-6
         while True:
             pending[0] = None
-            t0 = time.monotonic()
+            attempt[0] = time.monotonic()
             try:
                 run_bounded("capture-arena-engine-read", work, (keep, words), timeout, timed_out, gone, late, began)
             except StaleSessionError:
-                if began.is_set() and time.monotonic() - t0 >= min(timeout, MOONCAKE_MIN_TIMEOUT_S):  # Mooncake's own timeout, or ours
+                if transfer_ran(min(timeout, MOONCAKE_MIN_TIMEOUT_S)):  # Mooncake's own timeout, or ours
                     self._mark(session, backoff)
                 raise
             self._mark(session, 0.0)

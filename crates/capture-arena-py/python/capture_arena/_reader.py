@@ -4,6 +4,7 @@ transport its session names, then releases them; queued frees are flushed at exi
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib
 import multiprocessing.util
 import os
@@ -33,23 +34,27 @@ def handle_of(result: Mapping[str, Any]) -> str:
 
 
 
+@functools.lru_cache(maxsize=1)
 def _memory_limit() -> tuple[int, str]:
     """The most memory this process may use, and whose limit it is: the host's, or its cgroup's
-    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) where that is lower."""
+    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) where that is lower. The cgroup's files
+    are looked for under the path ``/proc/self/cgroup`` names and, where that is not mounted (a
+    container without its own cgroup namespace), at the root of the mount. Read once."""
     limit, of = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host"
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read(65536).splitlines()
     except OSError:
-        return limit, of
+        lines = []
+    candidates = []
     for line in lines:
         hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hid == "0" and controllers == "":
-            candidate = f"/sys/fs/cgroup{path}/memory.max"
+            candidates.append(f"/sys/fs/cgroup{path}/memory.max")
         elif "memory" in controllers.split(","):
-            candidate = f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"
-        else:
-            continue
+            candidates.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+    candidates += ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+    for candidate in candidates:
         try:
             with open(candidate) as f:
                 raw = f.read(64).strip()
@@ -300,9 +305,10 @@ class ArenaFeatureStore(_Store):
                 total = t.cuda.mem_get_info(gpu)[1]
                 if sum(lens) > total:
                     raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than {gpu}'s {total} bytes of memory")
+            oom = getattr(t, "OutOfMemoryError", None) or t.cuda.OutOfMemoryError
             try:
                 arrays, views = self._outputs(result, wanted, out, True, gpu)
-            except RuntimeError as e:  # torch.OutOfMemoryError among them
+            except oom as e:
                 raise ArenaOSError(f"allocating {sum(lens)} bytes on {gpu} for the result's features failed: {e}") from None
             targets = []
             for name, n, view in zip(wanted, lens, views):

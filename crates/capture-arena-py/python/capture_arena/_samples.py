@@ -44,15 +44,15 @@ MAX_FEATURES = 256
 def feature_names(features: Any, names: Optional[Iterable[Any]] = None) -> list[str]:
     """The names of a result's ``features`` to read (all, or ``names`` once each), checked before
     anything is built from them: a mapping of at most :data:`MAX_FEATURES` string names, and at
-    most that many asked for (an endless iterable is read no further), else
-    :class:`InvalidReadError`."""
+    most that many asked for, in at most 16 times as many items (an endless iterable is read no
+    further), else :class:`InvalidReadError`."""
     if not isinstance(features, Mapping) or len(features) > MAX_FEATURES:
         what = f"{len(features)} of them" if isinstance(features, Mapping) else type(features).__name__
         raise InvalidReadError(f"a result's features are a mapping of at most {MAX_FEATURES} names, not {what}")
     wanted: dict[Any, None] = {}
-    for n in features if names is None else names:
+    for i, n in enumerate(features if names is None else names):
         wanted[n] = None
-        if len(wanted) > MAX_FEATURES:
+        if len(wanted) > MAX_FEATURES or i >= 16 * MAX_FEATURES:
             raise InvalidReadError(f"more than {MAX_FEATURES} feature names asked for (a result names at most {MAX_FEATURES})")
     bad = next((n for n in wanted if not isinstance(n, str)), None)
     if bad is not None:
