@@ -161,8 +161,8 @@ mod tests {
             offset: 3500,
             data: &data,
         }];
-        // SAFETY: refused before any copy starts; `bad`'s data outlives the call.
         assert!(matches!(
+            // SAFETY: refused before any copy starts; `bad`'s data outlives the call.
             unsafe { r.start(&bad) },
             Err(Error::OutOfRange { .. })
         ));

@@ -10,7 +10,9 @@
 //! The buffers alive in this process are listed in a registry by address. A transport asks it
 //! whether a destination lies inside one ([`ensure_registered`]); a buffer leaves the registry,
 //! and its registrations are released, before its memory is freed, so no registration outlives
-//! the memory it names.
+//! the memory it names; but for an agent stuck in a call that holds the lock a release takes
+//! ([`forget_owner`]: a NIXL metadata load in a partition), whose registrations are forgotten,
+//! never released: over RDMA their pages stay pinned for the process's life.
 
 use std::alloc::{self, Layout};
 use std::any::Any;
