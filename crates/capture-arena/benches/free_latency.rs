@@ -1,7 +1,9 @@
 //! Time from a client's free line leaving its socket to the space being allocatable again, while
 //! the writer is idle (issue target: within 1 ms). Prints p50/p99/max over many frees. Then what
 //! one turn of the control server costs publication when its line frees many objects: a
-//! `free_prefix` line of 10,000 and 100,000 objects beside a line of keys of 1 MiB.
+//! `free_prefix` line of 10,000 and 100,000 objects beside a line of keys of 1 MiB; and what the
+//! cheapest line to send costs, 1 MiB of keys that name nothing (`""`, 3 bytes each), plain and
+//! stamped.
 //!
 //! `cargo bench -p capture-arena --bench free_latency`
 
@@ -66,6 +68,23 @@ fn main() {
     );
     let s = w.stats();
     assert_eq!((s.resident_objects, s.free_extents), (0, 1));
+    // Keys that name nothing, as many as a line of 1 MiB holds: the most work per byte a peer
+    // can ask of one turn (each key is parsed and looked up).
+    let (w_empty, _) = many_objects(if quick { 10 } else { 10_000 });
+    let n = ((1usize << 20) - 3) / 3;
+    let empty = format!("[{}\"\"]\n", "\"\",".repeat(n - 1));
+    let took_empty = time_unknown(&w_empty, &empty, n);
+    let m = ((1usize << 20) - 20) / 7;
+    let pairs: Vec<(&str, u64)> = vec![("", 1); m];
+    let stamped_empty = format!("{}\n", capture_arena::control::stamped_free_line(&pairs));
+    let took_stamped_empty = time_unknown(&w_empty, &stamped_empty, m);
+    println!(
+        "one turn: a line of {} bytes of {n} keys that name nothing {:.1} ms; a free_stamped line of {} bytes of {m} such keys {:.1} ms",
+        empty.len(),
+        took_empty.as_secs_f64() * 1e3,
+        stamped_empty.len(),
+        took_stamped_empty.as_secs_f64() * 1e3
+    );
     let sizes: &[usize] = if quick { &[1000] } else { &[10_000, 100_000] };
     for &n in sizes {
         let (w, stamped) = many_objects(n);
@@ -104,6 +123,23 @@ fn main() {
             took_stamped.as_secs_f64() * 1e3
         );
     }
+}
+
+/// From writing `line` to its `n` keys being counted unknown (they name no object).
+fn time_unknown(w: &Writer, line: &str, n: usize) -> Duration {
+    let before = w.stats().unknown_frees;
+    let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
+    c.set_nodelay(true).unwrap();
+    let t0 = Instant::now();
+    c.write_all(line.as_bytes()).unwrap();
+    while w.stats().unknown_frees < before + n as u64 {
+        std::thread::yield_now();
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "frees never counted"
+        );
+    }
+    t0.elapsed()
 }
 
 /// A writer holding `n` objects of 8 bytes (one a sample), and their keys with their stamps.
