@@ -63,7 +63,7 @@ mod readme {}
 #[doc = include_str!("../../../docs/rust.md")]
 mod rust_guide {}
 
-pub use arena::{Arena, StoreUsage};
+pub use arena::{Arena, Freed, StoreUsage};
 pub use client::{ControlClient, FeatureStore, Reader};
 pub use config::{arena_enabled, Config, Placement};
 pub use error::{Error, Result};

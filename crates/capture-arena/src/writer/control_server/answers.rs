@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use super::conn::{Warn, Warnings};
-use crate::arena::Arena;
+use crate::arena::{Arena, Freed};
 use crate::control;
 use crate::stats::{bump, Stats};
 
@@ -102,18 +102,13 @@ fn free_keys<'a>(
 ) -> bool {
     let (mut objects, mut bytes, mut unknown, mut stale) = (0, 0, 0, 0);
     for (key, stamp) in keys {
-        if let Some(want) = stamp {
-            if arena.stamp_of(key).is_some_and(|s| s != want) {
-                stale += 1;
-                continue;
-            }
-        }
-        match arena.free(key) {
-            Some(b) => {
+        match arena.free_stamped(key, stamp) {
+            Freed::Bytes(b) => {
                 objects += 1;
                 bytes += b;
             }
-            None => unknown += 1,
+            Freed::Unknown => unknown += 1,
+            Freed::Stale => stale += 1,
         }
     }
     if objects > 0 {
