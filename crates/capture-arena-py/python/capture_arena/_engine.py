@@ -514,8 +514,6 @@ class _Clients:
         self._current: Optional[Any] = None
         #: Set-aside clients with reads stuck in them: id -> (client, reads).
         self._stuck: dict[int, tuple[Any, int]] = {}
-        #: Clients made by threads that raced to make the first: used next.
-        self._spare: list[Any] = []
         #: Set while one thread makes a client: the others wait for it rather than make more
         #: (a make that hangs, a metadata server that does not answer, would otherwise cost a
         #: thread and, once it answers, a client for every read tried meanwhile).
@@ -526,8 +524,6 @@ class _Clients:
         wait for that, each until ``gone`` is set: its read was given up on)."""
         while True:
             with self._lock:
-                if self._current is None and self._spare:
-                    self._current = self._spare.pop()
                 if self._current is not None:
                     return self._current
                 cap = max_stuck_clients()
@@ -554,21 +550,17 @@ class _Clients:
             made_here.set()  # a waiter makes one itself now
             raise
         with self._lock:
+            # No other thread made one meanwhile: they waited for this make.
             self._making = None
-            if self._current is None:
-                self._current = made
-            else:  # set since (after a fork, say): kept for later
-                self._spare.append(made)
-            current = self._current
+            self._current = made
         made_here.set()
-        return current
+        return made
 
     def set_aside(self, client: Any) -> None:
         """A read in ``client`` ran past its deadline: later reads use another."""
         with self._lock:
             if self._current is client:
                 self._current = None
-            self._spare = [c for c in self._spare if c is not client]
             held, n = self._stuck.get(id(client), (client, 0))
             self._stuck[id(client)] = (held, n + 1)
 
@@ -586,15 +578,16 @@ class _Clients:
     def counts(self) -> tuple[int, int]:
         """How many clients there are, and how many of them have reads stuck in them."""
         with self._lock:
-            return (self._current is not None) + len(self._spare) + len(self._stuck), len(self._stuck)
+            return (self._current is not None) + len(self._stuck), len(self._stuck)
 
     def after_fork_in_child(self, leftovers: list[Any]) -> None:
         """The parent's clients go to ``leftovers`` (never destroyed: their destructors would
         act on the parent's connections and threads); the child starts afresh."""
-        leftovers.extend(c for c in [self._current, *self._spare] if c is not None)
+        if self._current is not None:
+            leftovers.append(self._current)
         leftovers.extend(c for c, _ in self._stuck.values())
         self._lock = threading.Lock()
-        self._current, self._stuck, self._spare, self._making = None, {}, [], None
+        self._current, self._stuck, self._making = None, {}, None
 
 
 class EngineReader:
