@@ -290,6 +290,75 @@ def test_a_forged_result_larger_than_the_gpu_is_refused_before_its_outputs_are_a
         ca.ArenaFeatureStore().get(huge, device="cuda:0")
 
 
+def _memory_cgroup(limit: int) -> tuple[str, str]:
+    """A memory cgroup of its own limited to ``limit`` bytes (v1's memory hierarchy where it is
+    mounted, else v2's): its directory and the file that limits it. Skipped, saying why, where
+    no cgroup can be made (not root, or cgroupfs mounted read-only: no limited cgroup exists
+    there to test)."""
+    name = f"capture-arena-test-{os.getpid()}"
+    if os.path.exists("/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        where, knob = f"/sys/fs/cgroup/memory/{name}", "memory.limit_in_bytes"
+    else:
+        try:
+            with open("/sys/fs/cgroup/cgroup.subtree_control") as f:
+                controllers = f.read().split()
+        except OSError:
+            controllers = []
+        if "memory" not in controllers:
+            pytest.skip("no memory cgroup controller is mounted on this machine (neither v1's nor v2's)")
+        where, knob = f"/sys/fs/cgroup/{name}", "memory.max"
+    try:
+        os.mkdir(where)
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    with open(os.path.join(where, knob), "w") as f:
+        f.write(str(limit))
+    return where, knob
+
+
+_IN_CGROUP = """
+import json, os, sys
+with open(sys.argv[1], "w") as f:  # into the limited cgroup before capture_arena reads its limit
+    f.write(str(os.getpid()))
+import numpy as np
+import capture_arena as ca
+results, out = json.loads(sys.stdin.read()), {}
+store = ca.ArenaFeatureStore()
+for r in results:
+    try:
+        got = store.get(r)
+        out[r["sample_id"]] = {n: np.ascontiguousarray(a).view(np.uint8).tobytes().hex() for n, a in got.items()}
+    except ca.InvalidReadError as e:
+        out[r["sample_id"]] = str(e)
+    store.release(r)
+store.flush(10)
+print(json.dumps(out))
+"""
+
+
+def test_a_host_read_in_a_limited_cgroup_is_refused_past_the_cgroups_limit_not_the_hosts(make_sink):
+    """A trainer in a container is killed past its cgroup's memory limit, not the host's: a read
+    whose outputs need more than the cgroup's limit is refused with an error naming it (a real
+    cgroup of 128 MiB, a reader process moved into it); one within it reads exact bytes."""
+    limit = 128 << 20
+    sink = make_sink(arena_bytes="256MiB")
+    big, small = hidden(4096, 20480, 1), hidden(64, 512, 2)  # 160 MiB and 64 KiB of bf16
+    results = sink.put_samples([(spec("big", 4096, last=False), big, None), (spec("small", 64, last=False), small, None)])
+    need = sum(int(np.prod(f["shape"])) * (2 if f["dtype"] == "bfloat16" else 8) for f in results[0]["features"].values())
+    where, _ = _memory_cgroup(limit)
+    try:
+        child = subprocess.run([sys.executable, "-c", _IN_CGROUP, os.path.join(where, "cgroup.procs")],
+                               input=json.dumps(results), capture_output=True, text=True, timeout=120)
+    finally:
+        os.rmdir(where)
+    assert child.returncode == 0, (child.returncode, child.stderr[-2000:])
+    got = json.loads(child.stdout)
+    assert got["big"] == (f"the result's features need {need} bytes, more than this process's cgroup's {limit} bytes of memory: "
+                          "read fewer of them (names=), into arrays of your own (out=), or give the process more memory")
+    assert bytes.fromhex(got["small"]["hidden_state"]) == small.view(np.uint8).tobytes()
+    wait_stats(sink, lambda s: s["resident_objects"] == 0)
+
+
 def test_a_late_release_of_a_sample_published_again_frees_nothing_of_the_new_one(make_sink):
     # A retried capture publishes the sample again under the same keys (replace=True) while a
     # trainer still holds the first result: releasing that frees nothing of the new one.

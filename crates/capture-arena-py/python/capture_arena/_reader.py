@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import functools
 import importlib
+import math
 import multiprocessing.util
 import os
 import threading
@@ -20,7 +21,7 @@ from . import _logs
 from ._capture_arena import _send_frees, _Store
 from . import _pool
 from ._store import StoreReader, is_store_result, same_sizes
-from ._tensors import new_array, out_bytes
+from ._tensors import new_array, numpy_dtype, out_bytes
 from ._samples import _torch_module, feature_names
 from .errors import ArenaOSError, InvalidReadError
 
@@ -63,6 +64,24 @@ def _memory_limit() -> tuple[int, str]:
         if raw.isdigit() and int(raw) < limit:
             limit, of = int(raw), "this process's cgroup"
     return limit, of
+
+
+def _nbytes(feature: Mapping[str, Any]) -> int:
+    """A validated feature's size: its shape's product times its dtype's."""
+    return math.prod(int(d) for d in feature["shape"]) * numpy_dtype(str(feature["dtype"])).itemsize
+
+
+def _fits_in_memory(wanted: list[str], lens: list[int], out: Optional[Mapping[str, Any]]) -> None:
+    """Refuses a read whose fresh host outputs (the features ``out=`` does not supply) need more
+    than this process may use at all (:func:`_memory_limit`): a container's trainer is killed
+    past its cgroup's limit, where an error costs only this read."""
+    need = sum(n for name, n in zip(wanted, lens) if out is None or name not in out)
+    limit, of = _memory_limit()
+    if need > limit:
+        raise InvalidReadError(
+            f"the result's features need {need} bytes, more than {of}'s {limit} bytes of memory: "
+            "read fewer of them (names=), into arrays of your own (out=), or give the process more memory"
+        )
 
 
 def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
@@ -143,6 +162,9 @@ class ArenaFeatureStore(_Store):
             return self._get_through_engine(result, wanted, out, torch, device)
         # Released? Known names, shapes and addresses inside the arena? Before allocating.
         self._check(result, wanted)
+        if device is None or str(device).startswith("cpu"):
+            feats = result["features"]
+            _fits_in_memory(wanted, [_nbytes(feats[n]) for n in wanted], out)
         pooled = device is None and str(result["arena"].get("session", "")).startswith("nixl://")
         arrays, views = self._outputs(result, wanted, out, torch, device, pooled)
         self._read_into(result, list(zip(wanted, views)))
@@ -183,9 +205,7 @@ class ArenaFeatureStore(_Store):
         """Host output arrays (fresh, or the caller's ``out=``) for placements read into host
         memory, after the sizes were validated; at most this process's memory in all (the host's,
         or its cgroup's limit where lower: a container's trainer is killed past it)."""
-        limit, of = _memory_limit()
-        if sum(lens) > limit:
-            raise InvalidReadError(f"the result's features need {sum(lens)} bytes, more than {of}'s {limit} bytes of memory")
+        _fits_in_memory(wanted, lens, out)
         arrays, views = self._outputs(result, wanted, out, torch, None, _is_engine_session(result))
         if any(not isinstance(v, np.ndarray) for v in views):
             raise InvalidReadError("this placement is read into host memory: pass CPU out= tensors")
