@@ -3,13 +3,16 @@
 
 use capture_arena::client::FeatureStore;
 use capture_arena::{Destination, DeviceSlice, Error, Published};
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pythonize::pythonize;
 
 use crate::array::{bytes_of, device_of, disjoint};
 use crate::error::{to_py, IntoPy};
 use crate::value::{excerpt, MAX_ERROR_CHARS};
+
+/// Sample ids one `flush_samples` call takes, at most (an optimizer window is far fewer).
+const MAX_FLUSH_SAMPLES: usize = 1 << 20;
 
 /// A published result from its dict; a failed one (`{"sample_id", "error"}`) is refused with its
 /// error.
@@ -205,6 +208,34 @@ impl PyStore {
             } else {
                 self.store.flush_within(timeout)
             }
+        })
+        .py_err()
+    }
+
+    /// As `flush`, for the frees of `sample_ids` of `store_id` only: frees of other samples
+    /// (at an endpoint that does not answer, say) wait on without raising here.
+    #[pyo3(signature = (store_id, sample_ids, timeout_s))]
+    fn flush_samples(
+        &self,
+        py: Python<'_>,
+        store_id: &str,
+        sample_ids: Vec<String>,
+        timeout_s: f64,
+    ) -> PyResult<()> {
+        if sample_ids.len() > MAX_FLUSH_SAMPLES {
+            return Err(PyValueError::new_err(format!(
+                "flush_samples: {} sample ids, more than the {MAX_FLUSH_SAMPLES} one call takes: flush in parts",
+                sample_ids.len()
+            )));
+        }
+        let timeout = if timeout_s.is_finite() && timeout_s > 0.0 {
+            std::time::Duration::from_secs_f64(timeout_s.min(3600.0))
+        } else {
+            std::time::Duration::ZERO
+        };
+        let ids: Vec<&str> = sample_ids.iter().map(String::as_str).collect();
+        crate::exit::detach(py, || {
+            self.store.flush_samples_within(store_id, &ids, timeout)
         })
         .py_err()
     }

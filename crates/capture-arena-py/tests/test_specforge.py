@@ -717,6 +717,31 @@ def test_abort_at_the_optimizer_boundary_of_samples_released_already_sends_nothi
     assert store.health()["release_pending"] == 0, store.health()
 
 
+def test_a_windows_drain_waits_for_its_own_samples_frees_never_for_a_dead_hosts(producer: Producer, dead: str) -> None:
+    """SpecForge drains an optimizer window's samples (``drain_feature_store_sample_removals``),
+    as its Mooncake store does: the named samples alone. Ours drained every free: a host down
+    for good (its connect hangs) holding an older sample's prefix frees made every window's
+    drain raise, and SpecForge ends the run on it. The window's own frees are still waited for
+    (released just before the drain: applied when it returns), and a drain of a sample whose
+    frees wait at the dead host still raises, naming it."""
+    from specforge.runtime.data_plane.feature_store import drain_feature_store_sample_removals
+
+    store = SpecForgeArenaStore(store_id="run10", controls=[dead])
+    store.abort("run:gone", reason="reconciled")  # never seen here: by prefix at the dead host
+    refs = adapter(producer, store).produce_refs(tasks(3, "win"), capture=capture())
+    ids = [r.sample_id for r in refs]
+    for ref in refs:
+        _, handle = store.get(ref)
+        store.release(handle)
+        store.abort(ref.sample_id, reason="optimizer-boundary-durable-ack")
+    assert drain_feature_store_sample_removals(store, ids)["removed"] == 3  # SpecForge's bounds: 8 x 0.25 s
+    assert producer.get()["stats"]["resident_objects"] == 0
+    with pytest.raises(RuntimeError, match=rf"could not deliver the frees of 1 samples \(first: run:gone\) after 2 attempts: their prefix frees wait for {dead} \(1 in all\)"):
+        drain_feature_store_sample_removals(store, ["run:gone"], max_attempts=2, retry_interval_s=0.1)
+    with pytest.raises(RuntimeError, match="could not deliver 1 frees"):
+        store.drain_pending_removals(max_attempts=2, retry_interval_s=0.1)
+
+
 def test_a_capture_retried_on_another_server_leaves_nothing_on_the_first(make_sink: Any) -> None:
     """SpecForge retries a failed capture with the same generation (``replace``) on whichever
     server takes the task; each capture-arena server has an arena of its own. A first attempt

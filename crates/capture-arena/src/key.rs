@@ -93,6 +93,12 @@ impl Key {
         &self.text[self.cut(0) + 1..self.cut(1)]
     }
 
+    /// `{store_id}/{sample_id}/` as the key carries it (encoded): what every object of the
+    /// sample's generations starts with.
+    pub fn sample_prefix(&self) -> &str {
+        &self.text[..=self.cut(1)]
+    }
+
     /// The generation (server capture always uses 1).
     pub fn gen(&self) -> u64 {
         self.gen

@@ -360,6 +360,59 @@ fn an_unreachable_endpoint_never_delays_frees_to_another() {
 }
 
 #[test]
+fn a_flush_of_some_samples_waits_for_their_keys_not_for_a_dead_endpoints() {
+    // SpecForge drains an optimizer window's samples (`drain_sample_removals`): a host that
+    // does not answer, holding keys of older samples, made every such drain fail.
+    let (dead, _held, _l) = unreachable_endpoint();
+    let store = FeatureStore::new();
+    store
+        .control()
+        .free(Some(&dead), [key("st/old/g1/x"), key("st/old/g1/y")])
+        .unwrap();
+    // While its sender holds them (connecting), they still count for their sample.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !store
+        .control()
+        .flush_within(Duration::ZERO)
+        .is_err_and(|e| e.to_string().contains("still sending"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the dead endpoint's sender never took its keys"
+        );
+        std::thread::yield_now();
+    }
+    let e = store
+        .flush_samples_within("st", &["a", "old"], Duration::ZERO)
+        .unwrap_err();
+    assert!(matches!(e, Error::FreeNotSent { pending: 1, .. }), "{e}");
+    let w = writer();
+    let rs = w
+        .submit(vec![sample("a", &[10, 20]), sample("b", &[10])])
+        .unwrap()
+        .wait()
+        .unwrap();
+    for r in &rs {
+        store.release(r).unwrap();
+    }
+    store
+        .flush_samples_within("st", &["a", "b"], Duration::from_secs(5))
+        .unwrap();
+    assert_eq!(
+        w.stats().freed_objects,
+        3,
+        "flushed before the producer applied them"
+    );
+    // The dead endpoint's keys: in its back-off now, or still connecting.
+    let e = store
+        .flush_samples_within("st", &["old"], Duration::from_millis(200))
+        .unwrap_err();
+    assert!(matches!(e, Error::FreeNotSent { .. }), "{e}");
+    assert!(store.flush_within(Duration::from_millis(200)).is_err());
+    assert_eq!(store.health().pending_frees, 2);
+}
+
+#[test]
 fn a_dead_endpoints_keys_in_flight_never_cost_another_endpoint_its_frees() {
     // The bound on waiting frees dropped from the longest queue. The dead endpoint's keys had
     // gone to its sender (in flight, connecting for up to the timeout), so its queue was empty

@@ -197,6 +197,8 @@ class _Store:
         network); later reads of it raise ReleasedError."""
     def flush(self, timeout_s: float = 0.0) -> None:
         """Has the free senders send what waits, then waits up to `timeout_s` for it to go out."""
+    def flush_samples(self, store_id: str, sample_ids: list[str], timeout_s: float) -> None:
+        """As `flush`, for the frees of `sample_ids` of `store_id` only."""
     def health(self) -> dict[str, int]:
         """{"resident_samples", "resident_bytes", "pending_frees", "refused_frees", "dropped_frees", "open_sessions"}."""
 

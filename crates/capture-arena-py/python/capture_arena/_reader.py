@@ -266,6 +266,15 @@ class ArenaFeatureStore(_Store):
         if self._store_reader is not None and timeout_s > 0:
             self._store_reader.flush(max(0.0, timeout_s - (time.monotonic() - t0)))
 
+    def flush_samples(self, store_id: str, sample_ids: list[str], timeout_s: float) -> None:
+        """As :meth:`flush`, for the frees of ``sample_ids`` (of ``store_id``) only: frees of
+        other samples, waiting for a control endpoint that does not answer say, do not make it
+        raise. Removals from the Mooncake store (one master for all) are waited for whole."""
+        t0 = time.monotonic()
+        super().flush_samples(store_id, sample_ids, timeout_s)
+        if self._store_reader is not None and timeout_s > 0:
+            self._store_reader.flush(max(0.0, timeout_s - (time.monotonic() - t0)))
+
     def health(self) -> dict[str, int]:
         """``{"resident_samples", "resident_bytes", "pending_frees", "dropped_frees", "refused_frees",
         "open_sessions", "mooncake_clients", "stuck_clients"}``; frees count the store

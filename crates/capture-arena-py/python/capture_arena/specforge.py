@@ -300,7 +300,7 @@ class _Endpoint:
     """One control endpoint's prefix frees: what waits, with which token, when it is next tried
     and the back-off after that, and why its last try was refused (None: it was not)."""
 
-    __slots__ = ("prefixes", "token", "due", "backoff", "refused", "busy")
+    __slots__ = ("prefixes", "token", "due", "backoff", "refused", "busy", "sending")
 
     def __init__(self, token: Optional[str]) -> None:
         self.prefixes: "collections.OrderedDict[str, None]" = collections.OrderedDict()
@@ -310,6 +310,18 @@ class _Endpoint:
         self.refused: Optional[str] = None
         #: A sender is trying this endpoint now (one at a time per endpoint).
         self.busy = False
+        #: The prefixes that sender took.
+        self.sending: List[str] = []
+
+
+def _covers(prefix: str, samples: Set[str], stores: Set[str]) -> bool:
+    """Whether a prefix free reaches one of ``samples`` (each ``{store}/{sample}/``, encoded) of
+    ``stores`` (each ``{store}/``): a sample's own prefix (any generation), or its store's."""
+    head, _, rest = prefix.partition("/")
+    sample, slash, _ = rest.partition("/")
+    if not slash:
+        return prefix in stores
+    return f"{head}/{sample}/" in samples
 
 
 #: A prefix free's back-off after a failed try: this, doubling to PREFIX_MAX_BACKOFF_S, per
@@ -450,6 +462,7 @@ class _Prefixes:
             batch: List[str] = []
             while e.prefixes and len(batch) < PREFIXES_PER_SEND:
                 batch.append(e.prefixes.popitem(last=False)[0])
+            e.sending = batch
             self._count -= len(batch)
             self._sending += len(batch)
             return control, e.token, batch
@@ -472,7 +485,7 @@ class _Prefixes:
                 with self._lock:
                     ep = self._endpoints.get(control)
                     if ep is not None:
-                        ep.busy = False
+                        ep.busy, ep.sending = False, []
                     self._lock.notify_all()
 
     def _send(self, control: str, token: Optional[str], batch: List[str]) -> None:
@@ -549,23 +562,48 @@ class _Prefixes:
         with self._lock:
             self._sending -= 1
 
-    def wait(self, timeout_s: float) -> bool:
-        """Waits up to ``timeout_s`` for every prefix to go out; True if none waits. An
-        endpoint in its back-off is tried once now, unless it refused the control token (only a
-        token, or its back-off, changes that): a drain that waits in many short calls must not
-        turn the back-off into a retry loop."""
+    def wait(self, timeout_s: float, samples: Optional[Set[str]] = None, stores: Optional[Set[str]] = None) -> bool:
+        """Waits up to ``timeout_s`` for every prefix to go out (with ``samples`` and
+        ``stores``: every one that reaches those samples, see :func:`_covers`); True if none
+        waits. An endpoint in its back-off holding such prefixes is tried once now, unless it
+        refused the control token (only a token, or its back-off, changes that): a drain that
+        waits in many short calls must not turn the back-off into a retry loop."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             for e in self._endpoints.values():
-                if e.prefixes and e.refused is None:
+                if e.refused is None and any(self._matters(p, samples, stores) for p in e.prefixes):
                     e.due = 0.0
             self._lock.notify_all()
-            while self._count or self._sending:
+            while self._waiting(samples, stores)[0]:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._lock.wait(left)
             return True
+
+    @staticmethod
+    def _matters(prefix: str, samples: Optional[Set[str]], stores: Optional[Set[str]]) -> bool:
+        return samples is None or _covers(prefix, samples, stores or set())
+
+    def _waiting(self, samples: Optional[Set[str]], stores: Optional[Set[str]]) -> Tuple[int, str]:
+        """Prefixes waiting or in flight (those that reach ``samples``, if given), and the first
+        endpoint holding one. Under the lock."""
+        if samples is None:
+            first = next((c for c, e in self._endpoints.items() if e.prefixes or e.sending), "")
+            return self._count + self._sending, first
+        n, first = 0, ""
+        for c, e in self._endpoints.items():
+            k = sum(1 for p in e.prefixes if self._matters(p, samples, stores))
+            k += sum(1 for p in e.sending if self._matters(p, samples, stores))
+            if k and not first:
+                first = c
+            n += k
+        return n, first
+
+    def waiting(self, samples: Optional[Set[str]] = None, stores: Optional[Set[str]] = None) -> Tuple[int, str]:
+        """See :meth:`_waiting`."""
+        with self._lock:
+            return self._waiting(samples, stores)
 
 
 class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
@@ -977,11 +1015,40 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
     def drain_sample_removals(
         self, sample_ids: List[str], *, max_attempts: int = 8, retry_interval_s: float = 0.25, sleep: Callable[[float], None] = time.sleep
     ) -> Dict[str, int]:
-        """As :meth:`drain_pending_removals`: frees go out as soon as they are decided, so what
-        waits for these samples waits with the rest."""
-        if not list(sample_ids):
+        """As :meth:`drain_pending_removals`, for the frees of ``sample_ids`` only (by key or by
+        prefix; removals from the Mooncake store, one master for all, are waited for whole), as
+        SpecForge's own Mooncake store drains them: SpecForge drains an optimizer window's
+        samples here, and frees of other samples (waiting for a host that does not answer, say)
+        must not end the run. ``removed``: the samples drained (all of them); raises
+        ``RuntimeError`` saying which endpoint still holds some of their frees."""
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        if retry_interval_s < 0:
+            raise ValueError("retry_interval_s must be >= 0")
+        ids = list(dict.fromkeys(str(s) for s in sample_ids))
+        if not ids:
             return {"removed": 0, "removed_bytes": 0, "release_pending": 0}
-        return self.drain_pending_removals(max_attempts=max_attempts, retry_interval_s=retry_interval_s, sleep=sleep)
+        store = escape_part(self.store_id)
+        samples, stores = {f"{store}/{escape_part(sid)}/" for sid in ids}, {f"{store}/"}
+        last = ""
+        for attempt in range(max_attempts):
+            wait = max(retry_interval_s, 0.1)
+            t0 = time.monotonic()
+            try:
+                self._reader.flush_samples(self.store_id, ids, wait)
+                keys_out, last = True, ""
+            except FreeNotSentError as e:
+                keys_out, last = False, str(e)
+            prefixes_out = self._prefixes.wait(max(0.0, wait - (time.monotonic() - t0)), samples, stores)
+            if keys_out and prefixes_out:
+                return {"removed": len(ids), "removed_bytes": 0, "release_pending": self._pending(), "attempts": attempt + 1}
+        left, at = self._prefixes.waiting(samples, stores)
+        if not last and left:
+            last = self._prefixes.last_refusal() or f"their prefix frees wait for {at} ({left} in all)"
+        raise RuntimeError(
+            f"SpecForgeArenaStore {self.store_id} could not deliver the frees of {len(ids)} samples (first: {_short(ids[0])}) "
+            f"after {max_attempts} attempts" + (f": {last}" if last else "") + "; they stay queued and keep being retried"
+        )
 
     # -- internals ----------------------------------------------------------------------------
     def _ident(self, ref: SampleRef) -> Tuple[str, int]:

@@ -115,6 +115,8 @@ struct Endpoint {
     /// Keys a sender took out of `pending` and is writing (still counted in
     /// [`State::pending`] until they are written or dropped).
     in_flight: usize,
+    /// The samples (`{store_id}/{sample_id}/`) of those keys, for a flush of some samples.
+    in_flight_samples: Vec<Box<str>>,
     /// After a failure: not before `.0`; the next failure waits twice `.1`; the error.
     backoff: Option<(Instant, Duration, ErrorKind, String)>,
     /// Keys written on `conn` (by a free, inline) whose confirmation the sender has not read
@@ -140,7 +142,32 @@ impl Endpoint {
         self.sending = true;
         let waiting: Vec<Waiting> = self.pending.drain(..).collect();
         self.in_flight = waiting.len();
+        self.in_flight_samples.clear();
+        self.add_in_flight(&waiting);
         waiting
+    }
+
+    /// Notes the samples of `keys`, now in flight (one entry per run of keys of one sample).
+    fn add_in_flight(&mut self, keys: &[Waiting]) {
+        for (key, _) in keys {
+            let sample = key.sample_prefix();
+            if self.in_flight_samples.last().map(|s| &**s) != Some(sample) {
+                self.in_flight_samples.push(sample.into());
+            }
+        }
+    }
+
+    /// Keys of `samples` (`{store_id}/{sample_id}/`) waiting here: queued, written and not
+    /// confirmed, or in flight (those counted a sample at a time: a sender holds them).
+    fn waiting_of(&self, samples: &std::collections::HashSet<String>) -> usize {
+        let of = |w: &Waiting| samples.contains(w.0.sample_prefix());
+        self.pending.iter().filter(|w| of(w)).count()
+            + self.unconfirmed.iter().filter(|w| of(w)).count()
+            + self
+                .in_flight_samples
+                .iter()
+                .filter(|s| samples.contains(&***s))
+                .count()
     }
 
     /// Ends a write: `unsent` goes back in front of anything queued meanwhile.
@@ -148,6 +175,7 @@ impl Endpoint {
         debug_assert!(self.unconfirmed.is_empty() || !self.sending);
         self.sending = false;
         self.in_flight = 0;
+        self.in_flight_samples.clear();
         for w in unsent.into_iter().rev() {
             self.pending.push_front(w);
         }
@@ -351,15 +379,46 @@ impl ControlClient {
     /// # Errors
     /// [`Error::FreeNotSent`] for an endpoint that still has keys waiting after `timeout`.
     pub fn flush_within(&self, timeout: Duration) -> Result<()> {
+        self.flush_where(timeout, |e| {
+            let n = e.pending.len() + e.in_flight + e.unconfirmed.len();
+            (n > 0 || e.sending).then_some(n)
+        })
+    }
+
+    /// As [`ControlClient::flush_within`], for the keys of `samples` only (each
+    /// `{store_id}/{sample_id}/`, encoded as keys carry them): keys of other samples, at an
+    /// endpoint that does not answer say, wait on without failing this flush.
+    ///
+    /// # Errors
+    /// [`Error::FreeNotSent`] for an endpoint that still has keys of `samples` waiting after
+    /// `timeout` (the count is of keys, those a sender holds counted a sample at a time).
+    pub fn flush_samples_within(
+        &self,
+        samples: &std::collections::HashSet<String>,
+        timeout: Duration,
+    ) -> Result<()> {
+        self.flush_where(timeout, |e| {
+            let n = e.waiting_of(samples);
+            (n > 0).then_some(n)
+        })
+    }
+
+    /// Kicks every sender, then waits up to `timeout` until `waiting` (how many keys an
+    /// endpoint still has that matter, `None` for none) is `None` at every endpoint.
+    fn flush_where(
+        &self,
+        timeout: Duration,
+        waiting: impl Fn(&Endpoint) -> Option<usize>,
+    ) -> Result<()> {
         let _ = self.flush();
         let deadline = crate::limits::deadline_in(timeout);
         let mut s = self.shared.state();
         loop {
-            let waiting = s
+            let left = s
                 .endpoints
                 .iter()
-                .find(|(_, e)| !e.pending.is_empty() || e.sending || !e.unconfirmed.is_empty());
-            let Some((endpoint, e)) = waiting else {
+                .find_map(|(endpoint, e)| waiting(e).map(|n| (endpoint, e, n)));
+            let Some((endpoint, e, n)) = left else {
                 return Ok(());
             };
             let now = Instant::now();
@@ -379,7 +438,7 @@ impl ControlClient {
                 );
                 return Err(not_sent(
                     endpoint,
-                    e.pending.len() + e.in_flight + e.unconfirmed.len(),
+                    n,
                     why.0,
                     &why.1,
                     &format!(
@@ -954,6 +1013,7 @@ impl Shared {
                 let unconfirmed = std::mem::take(&mut e.unconfirmed);
                 let waiting = e.take();
                 e.in_flight += unconfirmed.len();
+                e.add_in_flight(&unconfirmed);
                 (waiting, unconfirmed, e.conn.take(), e.token.clone(), e.sync)
             };
             let taken = waiting.len() + unconfirmed.len();

@@ -350,6 +350,25 @@ impl FeatureStore {
         self.control.flush()
     }
 
+    /// As [`ControlClient::flush_samples_within`], for `sample_ids` of `store_id` (as given:
+    /// encoded here).
+    ///
+    /// # Errors
+    /// As [`ControlClient::flush_samples_within`].
+    pub fn flush_samples_within(
+        &self,
+        store_id: &str,
+        sample_ids: &[&str],
+        timeout: Duration,
+    ) -> Result<()> {
+        let store = crate::key::escape_part(store_id);
+        let samples = sample_ids
+            .iter()
+            .map(|id| format!("{store}/{}/", crate::key::escape_part(id)))
+            .collect();
+        self.control.flush_samples_within(&samples, timeout)
+    }
+
     /// Waits up to `timeout` for every free to go out (what a trainer does before it exits).
     ///
     /// # Errors
