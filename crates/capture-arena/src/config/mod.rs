@@ -7,7 +7,7 @@
 //! | `SGLANG_SPEC_CAPTURE_ARENA_BYTES` | `arena_bytes` | none: required when the arena is used |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_ALIGN` | `alignment` | 256 |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S` | `arena_wait` | 30 s |
-//! | `SGLANG_SPEC_CAPTURE_SYNC_WAIT_S` | `sync_wait` | 1 s: how long a synchronous caller (the scheduler thread of a patch that calls `put_sample`) waits for its batch to start |
+//! | `SGLANG_SPEC_CAPTURE_SYNC_WAIT_S` | `sync_wait` | 1 s: how long a synchronous caller (the scheduler thread of a patch that calls `put_sample`) waits for its batch to start; at most 86400 |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_HOST`, else `MOONCAKE_LOCAL_HOSTNAME` | `control_host` | 127.0.0.1 |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_PORT` | `control_port` | 0 (ephemeral) |
 //! | `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES` | `max_pending_batches` | 2 |
@@ -68,6 +68,8 @@ pub const ENV_SYNC_WAIT_S: &str = "SGLANG_SPEC_CAPTURE_SYNC_WAIT_S";
 /// The default of [`ENV_SYNC_WAIT_S`]: a synchronous caller is SGLang's scheduler thread, and
 /// every second it waits is a second no request is served.
 pub const DEFAULT_SYNC_WAIT: Duration = Duration::from_secs(1);
+/// The longest [`ENV_SYNC_WAIT_S`]: a day, as the Python package's readers of it bound it.
+pub const MAX_SYNC_WAIT: Duration = Duration::from_secs(86_400);
 /// `SGLANG_SPEC_CAPTURE_CONTROL_HOST`: the host the control endpoint binds and advertises.
 pub const ENV_CONTROL_HOST: &str = "SGLANG_SPEC_CAPTURE_CONTROL_HOST";
 /// `MOONCAKE_LOCAL_HOSTNAME`: the fallback for the control host.
@@ -493,6 +495,18 @@ impl Config {
                 ),
             ));
         }
+        if self.sync_wait > MAX_SYNC_WAIT {
+            return Err(Error::config(
+                ENV_SYNC_WAIT_S,
+                format!(
+                    "{} s: a synchronous caller (SGLang's scheduler thread) would wait that long \
+                     for one batch; at most {} (default {})",
+                    self.sync_wait.as_secs_f64(),
+                    MAX_SYNC_WAIT.as_secs(),
+                    DEFAULT_SYNC_WAIT.as_secs()
+                ),
+            ));
+        }
         if self.max_connections < 1 {
             return Err(Error::config(
                 ENV_MAX_CONNS,
@@ -648,6 +662,8 @@ mod tests {
             (ENV_EAGER, "2"),
             (ENV_DEVICE_SPIN_S, "-0.001"),
             (ENV_DEVICE_SPIN_S, "0.011"),
+            (ENV_SYNC_WAIT_S, "86400.001"),
+            (ENV_SYNC_WAIT_S, "1e9"),
         ] {
             let e = cfg(&[(k, v)]).unwrap_err();
             assert!(e.to_string().contains(k), "{e} should name {k}");
@@ -657,6 +673,9 @@ mod tests {
             let c = cfg(&[(ENV_DEVICE_SPIN_S, v)]).unwrap();
             assert_eq!(c.device_spin, Duration::from_micros(want));
         }
+        // A synchronous caller waits a day at most, as the Python package reads the variable.
+        let c = cfg(&[(ENV_SYNC_WAIT_S, "86400")]).unwrap();
+        assert_eq!(c.sync_wait, MAX_SYNC_WAIT);
     }
 
     #[test]
