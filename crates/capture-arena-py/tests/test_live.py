@@ -602,8 +602,11 @@ def test_an_intake_that_refuses_every_record_costs_the_log_a_line_a_second(live:
         # it connects, and its connection breaks before the request is written (simulated: an
         # intake that accepted and closed, EPIPE)
         ("send", BrokenPipeError(32, "Broken pipe")),
+        # no thread for its name's resolution (simulated: the process at its thread limit);
+        # before, any error but OSError and HTTPException counted the attempt as sent
+        ("connect", RuntimeError("can't start new thread")),
     ],
-    ids=["never_connected", "cut_before_its_request_was_written"],
+    ids=["never_connected", "cut_before_its_request_was_written", "no_thread_to_connect"],
 )
 def test_a_duplicate_answer_after_an_attempt_that_never_reached_the_intake_is_not_a_success(
     live: Any, monkeypatch: pytest.MonkeyPatch, cut: tuple[str, OSError]
@@ -906,10 +909,14 @@ def test_a_clients_own_live_spec_is_published_under_the_intakes_config_and_repla
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:8x", "http://127.0.0.1:0"])
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:99999", "http://127.0.0.1:8x", "http://127.0.0.1:0", "http://127.0.0.1:8600/prüfen", "http://127.0.0.1:8600/a b"]
+)
 def test_an_intake_url_whose_port_is_not_one_is_a_config_error_naming_the_flag(url: str) -> None:
     """A port out of range or not a number raised a bare ValueError from http.client's first
-    connect (naming neither the flag nor ConfigError); port 0 silently became 80."""
+    connect (naming neither the flag nor ConfigError); port 0 silently became 80. A path that
+    is not ASCII, or holds a space, was taken and failed every post (UnicodeEncodeError,
+    InvalidURL): each capture published and freed for nothing."""
     from capture_arena._live import LiveCapture
 
     with pytest.raises(ca.ConfigError, match="--spec-capture-intake-url"):

@@ -147,6 +147,13 @@ def check_intake_url(url: Any) -> str:
         port, why = 0, f" ({e})"
     else:
         why = " (port 0)" if port == 0 else ""
+    if not u.isascii() or any(c.isspace() or not c.isprintable() for c in u):
+        # http.client writes the request line and Host in ASCII: a capture would be published,
+        # fail to post (UnicodeEncodeError) and be freed, every one.
+        raise ConfigError(
+            f"--spec-capture-intake-url {u!r:.200}: a URL is ASCII without spaces or control characters; "
+            "percent-encode its path (urllib.parse.quote) and give the host as an address or in punycode"
+        )
     if "@" in u:  # credentials: never sent (the intake takes none), and logged in every line
         # Shown without them, wherever a '#', '/' or '?' in a password moved them in the URL.
         hidden = f"{u.split('://', 1)[0]}://...@{u.rsplit('@', 1)[1]}"
@@ -731,12 +738,18 @@ class _Route:
 
         watchdog = threading.Timer(timeout, at_deadline)
         watchdog.daemon = True
-        watchdog.start()
+        try:
+            watchdog.start()
+        except RuntimeError as e:  # no thread to be had: nothing was sent
+            raise _NotSent(
+                f"timing a request to {self.origin} {self.describe()} (no thread could be started: the process is at its "
+                "thread limit, ulimit -u or the cgroup's pids.max)"
+            ) from e
         late = TimeoutError(f"no whole answer from {self.origin} {self.describe()} within {timeout:g} s")
         try:
             try:
                 conn.connect()
-            except (OSError, http.client.HTTPException) as e:  # a proxy's CONNECT answer included
+            except Exception as e:  # a proxy's CONNECT answer, a resolver thread not started, included
                 # A resolution cut at the deadline says so itself, whichever of it and the
                 # watchdog came first.
                 honest = isinstance(e, ResolveTimeout) or not cut.is_set()
@@ -748,7 +761,7 @@ class _Route:
                 headers.update(self._proxy_auth())
             try:
                 conn.request(method, target, body=body, headers=headers)
-            except (OSError, http.client.HTTPException) as e:  # not written whole: never taken
+            except Exception as e:  # not written whole (whatever failed first): never taken
                 raise _NotSent(f"sending to {self.origin} {self.describe()}") from (late if cut.is_set() else e)
             try:
                 resp = conn.getresponse()
