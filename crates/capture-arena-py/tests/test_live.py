@@ -909,6 +909,50 @@ def test_a_clients_own_live_spec_is_published_under_the_intakes_config_and_repla
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
 
 
+def test_a_long_prompts_ids_are_converted_in_pieces_and_a_thread_waiting_for_the_gil_runs_between_them() -> None:
+    """The live worker converted a capture's token ids in one call (``np.asarray(list(ids))``):
+    the GIL held from SGLang's scheduler thread about 30 to 60 ms a million ids, and at the
+    16M-token cap most of a second, for every capture (an intake down included). They are now
+    converted in pieces of ``TOKENS_PER_PIECE``, between which a thread waiting for the GIL
+    takes it: seen as the waiting thread's count moving between the pieces' slices (before: no
+    slice was taken, the list was copied whole in C)."""
+    import sys
+    import threading
+
+    from capture_arena._live import TOKENS_PER_PIECE, LiveCapture
+
+    ticks, seen = [0], []
+
+    class Ids(list):  # type: ignore[type-arg]
+        def __getitem__(self, i: Any) -> Any:
+            if isinstance(i, slice):
+                seen.append(ticks[0])
+            return list.__getitem__(self, i)
+
+    n = 32 * TOKENS_PER_PIECE
+    ids, stop = Ids(range(n)), threading.Event()
+
+    def wants_the_gil() -> None:  # the scheduler thread
+        while not stop.is_set():
+            ticks[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    t = threading.Thread(target=wants_the_gil, daemon=True)
+    t.start()
+    try:
+        got = LiveCapture._tokens(ids)
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+    assert got is not None and got.dtype == np.int64 and np.array_equal(got, np.arange(n))
+    assert len(seen) == 32, f"{len(seen)} pieces"
+    assert len(set(seen)) > 1, "the waiting thread never ran between the pieces"
+    # Not ints, in a later piece: refused as before.
+    assert LiveCapture._tokens([1] * TOKENS_PER_PIECE + [1.5]) is None
+
+
 @pytest.mark.parametrize(
     "url", ["http://127.0.0.1:99999", "http://127.0.0.1:8x", "http://127.0.0.1:0", "http://127.0.0.1:8600/prüfen", "http://127.0.0.1:8600/a b"]
 )

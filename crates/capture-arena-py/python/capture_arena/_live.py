@@ -107,6 +107,8 @@ MAX_RECORD_BYTES = 1 << 20
 MAX_ANSWER_BYTES = 64 << 10
 #: The longest prompt a live capture takes, whatever the config says (tokens are ints).
 MAX_TOKENS = 1 << 24
+#: Token ids converted in one piece (one hold of the GIL), at most: about 2 to 4 ms.
+TOKENS_PER_PIECE = 1 << 16
 
 #: Counters, all present from the start (zero), in the order ``stats()`` lists them.
 COUNTERS = (
@@ -167,6 +169,17 @@ def check_intake_url(url: Any) -> str:
             "e.g. http://127.0.0.1:8600"
         )
     return u
+
+
+def _length(tokens: Any) -> Optional[int]:
+    """How many token ids ``tokens`` holds (a sequence's or a 1-D array's length), None if it
+    is neither: read without converting them."""
+    try:
+        if isinstance(tokens, np.ndarray):
+            return int(tokens.shape[0]) if tokens.ndim == 1 else None
+        return len(tokens) if isinstance(tokens, Sequence) else None
+    except Exception:
+        return None
 
 
 def check_sample_rate(rate: Any) -> float:
@@ -492,7 +505,6 @@ class LiveCapture:
         let go (the list emptied) once published, not held through the post."""
         spec, tokens = capture[0], capture[3]
         cfg = self._config
-        toks = self._tokens(tokens)
         aux = capture[1]
         rows = int(aux.shape[0]) if aux is not None and len(getattr(aux, "shape", ())) > 0 else -1
         del aux
@@ -500,17 +512,30 @@ class LiveCapture:
             self._count("live_not_ready")
             return
         sample_id = spec.get("sample_id") if isinstance(spec, Mapping) else None
-        if toks is None or rows != len(toks) or not cfg.min_tokens <= len(toks) <= cfg.max_tokens or not isinstance(sample_id, str) or len(sample_id) > MAX_SAMPLE_ID:
-            self._count("live_dropped_bad_rows")
-            self._warnings.warn(
-                "bad_rows",
-                "live capture: a capture dropped: %s rows, %s tokens (the intake takes %d to %d), sample id %r",
-                rows, None if toks is None else len(toks), cfg.min_tokens, cfg.max_tokens, str(sample_id)[:80],
-            )
+
+        def fits(n: Optional[int]) -> bool:
+            ok = n is not None and rows == n and cfg.min_tokens <= n <= cfg.max_tokens
+            if not ok or not isinstance(sample_id, str) or len(sample_id) > MAX_SAMPLE_ID:
+                self._count("live_dropped_bad_rows")
+                self._warnings.warn(
+                    "bad_rows",
+                    "live capture: a capture dropped: %s rows, %s tokens (the intake takes %d to %d), sample id %r",
+                    rows, n, cfg.min_tokens, cfg.max_tokens, str(sample_id)[:80],
+                )
+                return False
+            return True
+
+        # Counted before the ids are converted (their cost grows with the prompt): a capture
+        # dropped for its length, or while the intake is down, costs nothing more.
+        if not fits(_length(tokens)):
             return
         if time.monotonic() < self._down_until:  # the intake is down: not worth a publish, nor a connect
             self._count("live_dropped_intake_down")
             return
+        toks = self._tokens(tokens)
+        if not fits(None if toks is None else len(toks)):  # not ints, or changed meanwhile
+            return
+        assert toks is not None
         # The patch passes a request's own spec_capture when it has one, so a client can send a
         # "live" spec: only its sample id is kept. The store, generation, features and no
         # replace are the intake's config's, as maybe_live_spec makes them: a client never
@@ -563,14 +588,20 @@ class LiveCapture:
 
     @staticmethod
     def _tokens(tokens: Any) -> Optional[np.ndarray[Any, Any]]:
-        """The token ids as ``[1, L]`` int64 (None if they are not a sequence of ints)."""
+        """The token ids as 1-D int64 (None if they are not a sequence of ints)."""
         try:
             if isinstance(tokens, np.ndarray):
                 t = tokens
             else:
                 if not isinstance(tokens, Sequence) or len(tokens) > MAX_TOKENS:
                     return None
-                t = np.asarray(list(tokens))
+                # In pieces: one conversion of a long list holds the GIL, which SGLang's
+                # scheduler thread waits for, about 30 to 60 ms a million ids; between pieces
+                # the interpreter hands it over at its switch interval.
+                pieces = [np.asarray(tokens[i : i + TOKENS_PER_PIECE]) for i in range(0, len(tokens), TOKENS_PER_PIECE)]
+                if not all(p.ndim == 1 and np.issubdtype(p.dtype, np.integer) for p in pieces):
+                    return None
+                t = np.concatenate([p.astype(np.int64, copy=False) for p in pieces]) if pieces else np.empty(0, dtype=np.int64)
             if t.ndim != 1 or len(t) > MAX_TOKENS or not np.issubdtype(t.dtype, np.integer):
                 return None
             out: np.ndarray[Any, Any] = t.astype(np.int64, copy=False)
