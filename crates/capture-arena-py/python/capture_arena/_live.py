@@ -535,7 +535,7 @@ class LiveCapture:
         toks = self._tokens(tokens)
         if not fits(None if toks is None else len(toks)):  # not ints, or changed meanwhile
             return
-        assert toks is not None
+        assert toks is not None and isinstance(sample_id, str)  # fits() says so
         # The patch passes a request's own spec_capture when it has one, so a client can send a
         # "live" spec: only its sample id is kept. The store, generation, features and no
         # replace are the intake's config's, as maybe_live_spec makes them: a client never
