@@ -137,6 +137,9 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         if self._store is None:
             self._store = ArenaFeatureStore()
             _TRANSFERS.add(self)
+            # A transfer let go (its dataset dropped) with results read and never deleted frees
+            # them then; at exit the exit hook does (before the reader's flush).
+            weakref.finalize(self, _free_left, self._store, self._read, self._lock).atexit = False
         if multiprocessing.parent_process() is not None or torch.utils.data.get_worker_info() is not None:
             _free_on_sigterm()
 
@@ -180,7 +183,7 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         hs, tokens = got["hidden_states"], got["token_ids"]
         k = len(result.get("aux_layer_ids") or ())
         n = int(tokens.numel())
-        if k < 1 or hs.dim() != 3 or hs.shape[0] != 1 or hs.shape[1] != n or hs.shape[2] % k or tokens.dtype != torch.int64:
+        if k < 1 or hs.dim() != 3 or hs.shape[0] != 1 or hs.shape[1] != n or hs.shape[2] % k or tuple(tokens.shape) != (1, n) or tokens.dtype != torch.int64:
             raise CaptureArenaError(
                 f"request {_logs.shown(str(result.get('sample_id')), 200)!r}: hidden_states {tuple(hs.shape)} and token_ids {tuple(tokens.shape)} "
                 f"{tokens.dtype} are not [1, {n}, k*H] with k={k} and [1, {n}] int64"
@@ -225,6 +228,8 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         """Frees the request's objects, read or not (queued; never waits on the network).
         Unknown or already deleted handles, and those of requests vLLM could not publish, are
         ignored."""
+        if not isinstance(handle, str):  # vLLM's params carried a list or a dict: refused at read, never remembered
+            return
         with self._lock:
             result = self._read.pop(handle, None)
         if result is not None and self._store is not None:
@@ -243,9 +248,26 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             _free_on_sigterm()
 
     def flush(self, timeout_s: float = 5.0) -> None:
-        """Waits until every free has been delivered (``FreeNotSentError`` past ``timeout_s``)."""
-        if self._store is not None:
-            self._store.flush(timeout_s)
+        """Waits until every free has been delivered, those of responses speculators' client
+        refused included (``FreeNotSentError`` past ``timeout_s``)."""
+        end = time.monotonic() + timeout_s
+        for store in (self._store, _REFUSED):
+            if store is not None:
+                store.flush(max(0.0, end - time.monotonic()))
+
+
+def _free_left(store: ArenaFeatureStore, read: "collections.OrderedDict[str, dict[str, Any]]", lock: Any) -> None:
+    """What a transfer collected had read and never deleted, freed (never raises)."""
+    with lock:
+        left = list(read.values())
+        read.clear()
+    for r in left:
+        try:
+            store.release(r)
+        except Exception as e:
+            log.warning("capture_arena.speculators: could not free %r (its transfer was let go): %s", r.get("sample_id"), e)
+    if left:
+        log.warning("capture_arena.speculators: freed %d results read and never deleted, as their transfer was let go", len(left))
 
 
 def _release_at_exit(lock_wait: float = -1) -> None:
@@ -282,6 +304,27 @@ def _in_forked_worker(_: object) -> None:
     multiprocessing.util.Finalize(None, _release_at_exit, exitpriority=20)
 
 
+#: How long SIGTERM's handler waits for the frees of what its worker read to go out, at most.
+SIGTERM_WORK_S = 3.0
+
+
+def _free_and_flush() -> None:
+    """SIGTERM's work: frees what this process read and never deleted, then flushes every free
+    (at most 2 s); never raises."""
+    try:
+        _release_at_exit(lock_wait=0.5)
+        end = time.monotonic() + 2.0
+        for store in [t._store for t in list(_TRANSFERS)] + [_REFUSED]:
+            if store is None:
+                continue
+            try:
+                store.flush(max(0.0, end - time.monotonic()))
+            except Exception as e:  # what is not out by then is lost with the process
+                log.warning("capture_arena.speculators: frees not sent before SIGTERM ended the worker: %s", e)
+    except BaseException:  # never into the thread's default hook, nor the handler
+        log.exception("capture_arena.speculators: freeing what this worker read at SIGTERM failed")
+
+
 def _free_on_sigterm() -> None:
     """In a worker process (torch's DataLoader terminates a worker that does not stop in time
     with SIGTERM, whose default action, like torch's own worker handler, skips every exit hook):
@@ -301,16 +344,22 @@ def _free_on_sigterm() -> None:
         signal.signal(signum, signal.SIG_DFL)
         in_loader = torch.utils.data.get_worker_info() is not None
         try:
-            _release_at_exit(lock_wait=0.5)
-            end = time.monotonic() + 2.0
-            stores = [t._store for t in list(_TRANSFERS)] + [_REFUSED]
-            for store in stores:
-                if store is None:
-                    continue
-                try:
-                    store.flush(max(0.0, end - time.monotonic()))
-                except Exception as e:  # what is not out by then is lost with the process
-                    log.warning("capture_arena.speculators: frees not sent before SIGTERM ended the worker: %s", e)
+            # On a thread of its own, waited for a bounded time: the code this handler
+            # interrupted, on this very thread, may hold a lock the frees need (a store reader's,
+            # the one store readers are made under), which this thread would wait for forever.
+            work = threading.Thread(target=_free_and_flush, name="capture-arena-sigterm", daemon=True)
+            try:
+                work.start()
+            except RuntimeError:  # no thread to be had: here, as before
+                _free_and_flush()
+            else:
+                work.join(SIGTERM_WORK_S)
+                if work.is_alive():
+                    log.warning(
+                        "capture_arena.speculators: freeing what this worker read did not end within %g s of SIGTERM "
+                        "(a lock held by the code it interrupted?); what was not sent is lost with the process",
+                        SIGTERM_WORK_S,
+                    )
         finally:
             if in_loader:
                 os._exit(0)
