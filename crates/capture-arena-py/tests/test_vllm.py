@@ -326,6 +326,28 @@ def test_vllm_will_not_sleep_and_discard_the_cache_under_a_copy(engine: Proc, tr
     assert resident(kv)["resident_objects"] == 0
 
 
+def test_settle_refuses_to_step_an_engine_whose_requests_still_run(engine: Proc, trainer: Proc) -> None:
+    """``settle`` steps the engine until no finished request's blocks are held. With a request
+    of the caller's still running, those steps took its output: vLLM hands a finished request's
+    output to whoever steps, so the caller never saw it or its capture, which stayed resident
+    with nobody to free it. It now refuses, saying why; the caller's own steps get the output."""
+    p0, p = prompt(150, 42), prompt(150, 43)
+    (first,) = engine.ask([p0])  # its blocks held after generate() returned
+    assert "error" not in first["capture_arena"], first
+    got = engine.ask({"settle_running": {"prompt": p, "max_tokens": 1}})  # done at its first step, as speculators asks
+    assert "requests are still running" in got["settle"].get("error", ""), got
+    kv = got["params"]
+    assert kv is not None and "error" not in kv["capture_arena"], got
+    for params, ids in ((first, p0), (kv, p)):
+        trainer.send({"read": params, "prompt": ids})
+        assert trainer.answer(60).get("ok")
+    for params in (first, kv):
+        assert trainer.ask({"delete": params["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    assert engine.ask({"settle": 30}) == {"settled": True, "held": {}}
+    assert resident(kv)["resident_objects"] == 0
+
+
 @pytest.mark.parametrize("copy", ["lands_during_the_reset", "never_lands"])
 def test_vllm_will_not_discard_the_cache_under_the_copy_of_a_running_request(engine: Proc, trainer: Proc, copy: str) -> None:
     """Sleep with ``mode="keep"`` resets vLLM's caches with the request still running: vLLM

@@ -36,6 +36,10 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   preemption, and a reset of the caches, waits for a copy under way);
 - ``{"settle": seconds}``: ``capture_arena.vllm.settle(llm, seconds)``, and what the engine still
   holds;
+- ``{"settle_running": {"prompt": [...], "max_tokens": n}}``: adds a request and calls
+  ``settle(llm, 30)`` while it runs, then steps the engine itself (at most 2,000 steps) until
+  the request finishes: answers ``settle`` (its result, or its error) and the request's
+  ``params`` (None when the caller's steps never saw it finish);
 - ``{"drain": seconds}``: steps the engine until it holds no finished request's blocks (what a
   serving engine does by itself) or for that long, and says how many steps it took and what it
   still holds.
@@ -276,6 +280,23 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         engine.abort_request(["aborted"])
         return {"steps": steps + 1, "running_at_abort": still, "left": ours() is not None and not ours().is_finished()}
 
+    def settle_running(cmd):
+        from capture_arena.vllm import settle
+
+        engine, p = llm.llm_engine, cmd["prompt"]
+        engine.add_request("settling", {"prompt_token_ids": p}, SamplingParams(max_tokens=int(cmd["max_tokens"]), ignore_eos=True, detokenize=False))
+        try:
+            settled = {"settled": settle(llm, 30.0)}
+        except Exception as e:
+            settled = {"error": f"{type(e).__name__}: {e}"}
+        params, steps = None, 0
+        while engine.has_unfinished_requests() and steps < 2000:
+            for o in engine.step():
+                if o.finished and o.request_id.startswith("settling"):
+                    params = o.kv_transfer_params
+            steps += 1
+        return {"settle": settled, "params": params}
+
     def sleep_running(cmd):
         engine, p = llm.llm_engine, cmd["prompt"]
         engine.add_request("sleeping", {"prompt_token_ids": p}, SamplingParams(max_tokens=int(cmd["max_tokens"]), ignore_eos=True, detokenize=False))
@@ -374,6 +395,8 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             answer = preempt(cmd["preempt"])
         elif "abort" in cmd:
             answer = abort(cmd["abort"])
+        elif "settle_running" in cmd:
+            answer = settle_running(cmd["settle_running"])
         elif "sleep_running" in cmd:
             answer = sleep_running(cmd["sleep_running"])
         elif "preempt_grace" in cmd:

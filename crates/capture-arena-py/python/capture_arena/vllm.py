@@ -79,8 +79,10 @@ Bounds, all from ``SGLANG_SPEC_CAPTURE_SYNC_WAIT_S`` (1 s; the arena's own wait 
 - a finished request's blocks are held until its copy is done (milliseconds), and while they
   are, vLLM's scheduler waits for them rather than preempt a running request
   (:meth:`~CaptureArenaConnector.has_pending_block_frees`): for at most the bound plus
-  ``HOLD_GRACE_S`` (30 s) after the oldest was held. A copy that has not landed by then is taken
-  as stuck (logged), and vLLM preempts as it would without a connector;
+  ``HOLD_GRACE_S`` (30 s) after the oldest was held, twice that where its copy was over by then
+  (an idle engine: only the report waits for a step; the hold's clock starts again once). A
+  copy that has not landed by then is taken as stuck (logged), and vLLM preempts as it would
+  without a connector;
 - vLLM's reset of its caches (sleep at level 1 and up, ``release_kv_cache_memory``: it preempts
   running requests, then discards the cache) waits in :meth:`~CaptureArenaConnector.reset_cache`
   until the worker reported every announced request's copy over, at most the bound plus
@@ -133,6 +135,7 @@ from ._live import sync_wait_s
 from ._reader import handle_of
 from ._samples import _interrupts, _reason
 from ._sink import ArenaSink, _Reservations, _Reserved, _ReservedRow
+from .errors import CaptureArenaError
 
 __all__ = ["CaptureArenaConnector", "DEFAULT_ARENA_BYTES", "STORE_ID", "settle"]
 
@@ -161,7 +164,8 @@ def settle(llm: Any, timeout_s: float = 30.0) -> bool:
     engine core in a process of its own steps by itself (its sleep waits for the copies): True
     at once. ``llm``: an ``LLM`` or its ``LLMEngine``. (A vLLM whose engine skips a step when
     nothing but held requests is left, which 0.32 does not, never gives them back this way:
-    False after ``timeout_s``.)"""
+    False after ``timeout_s``.) Raises :class:`CaptureArenaError` while requests of the caller
+    still run: their outputs would go to its steps, not to the caller."""
     engine = getattr(llm, "llm_engine", llm)
     core = getattr(getattr(engine, "engine_core", None), "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
@@ -169,7 +173,16 @@ def settle(llm: Any, timeout_s: float = 30.0) -> bool:
         return True  # the engine core runs in a process of its own
 
     def holding() -> bool:  # finished requests vLLM keeps for their blocks (delay_free_blocks)
-        return any(r.is_finished() for r in list(scheduler.requests.values()))
+        requests = list(scheduler.requests.values())
+        running = sum(1 for r in requests if not r.is_finished())
+        if running:
+            # vLLM hands a finished request's output to whoever steps: stepping now would take
+            # the outputs (and the captures) of requests that finish meanwhile from the caller.
+            raise CaptureArenaError(
+                f"settle: {running} requests are still running in this engine, and stepping it would take their outputs "
+                "from you; call it once generate() returned (or step the engine yourself until they finish)"
+            )
+        return len(requests) > 0
 
     deadline = time.monotonic() + timeout_s
     while holding():
