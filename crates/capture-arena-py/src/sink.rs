@@ -1264,9 +1264,11 @@ impl PySink {
         Ok(self.sink(py)?.config().protocol.clone())
     }
 
-    /// Stops the writer and removes the arena once calls in flight in other threads return.
-    /// Idempotent; the GIL is released while the writer stops.
-    fn close(&self, py: Python<'_>) {
+    /// Stops the writer and removes the arena once calls in flight in other threads return
+    /// (`at_exit`: a shared-memory arena's name is removed at once even so, see
+    /// [`remove_name_now`]). Idempotent; the GIL is released while the writer stops.
+    #[pyo3(signature = (at_exit=false))]
+    fn close(&self, py: Python<'_>, at_exit: bool) {
         if self.pid != std::process::id() {
             return;
         }
@@ -1274,10 +1276,35 @@ impl PySink {
         if let Some(s) = s {
             // If a call in another thread still holds the sink, the writer stops when that
             // call's hold goes (see `Held`); else here, without the GIL.
-            if let Some(last) = Arc::into_inner(s) {
-                py.detach(move || drop(last));
+            let memory = s.started().map(|w| w.memory_session().to_owned());
+            match Arc::into_inner(s) {
+                Some(last) => py.detach(move || drop(last)),
+                None if at_exit => remove_name_now(memory.as_deref()),
+                None => {}
             }
         }
+    }
+}
+
+/// A shared-memory arena closed at interpreter exit while a call in another thread still holds
+/// the sink: its name is removed now, since that call never lets go (one that comes back during
+/// the exit parks for good), and the name would outlive the process in /dev/shm. Its mapping
+/// stays valid for the holder, and the memory goes with the process; readers opening the
+/// session afterwards get a stale-session error, as after any close (and trainers drop frees
+/// for it). Not on an ordinary close: the call in flight may still publish, and its objects be
+/// freed. Device and engine memory goes with the process.
+fn remove_name_now(memory_session: Option<&str>) {
+    let Some(session) =
+        memory_session.and_then(|m| m.parse::<capture_arena::memory::ShmSession>().ok())
+    else {
+        return;
+    };
+    match capture_arena::memory::shm::remove(&session) {
+        Ok(()) => tracing::info!(
+            arena = %session.name,
+            "closing the sink while another thread's call holds it: the arena's name is removed now, its memory goes when that call lets go or the process ends"
+        ),
+        Err(e) => tracing::warn!(arena = %session.name, "removing the arena's name at close: {e}"),
     }
 }
 

@@ -603,11 +603,14 @@ class ArenaSink(LiveSink, _ArenaSink):
         """Stops live capture, the threads writing reserved objects (:meth:`on_close`), the
         writer, and removes the arena. Idempotent. If a thread writing into the arena does not
         stop, the arena is left mapped (removed at exit) rather than pulled from under it."""
+        self._close(at_exit=False)
+
+    def _close(self, at_exit: bool) -> None:
         self._stop_live()
         if not self._stop_writers():
             _log.error("a thread still writes into the capture arena: it is left in place until the process exits")
             return
-        super().close()
+        super().close(at_exit)
 
     def _stop_writers(self) -> bool:
         """Calls the :meth:`on_close` callbacks (once); whether every writing thread stopped."""
@@ -787,8 +790,10 @@ def _close_sinks_at_exit() -> None:
     back after the exit hook)."""
     sinks = list(_LIVE_SINKS)
     for sink in sinks:
-        # Threads that write reserved objects (vLLM's copies) stop before calls into the
-        # extension park (below) and before any arena is removed.
+        # Live capture takes no more captures, and threads that write reserved objects (vLLM's
+        # copies) stop, before calls into the extension park (below) and before any arena is
+        # removed.
+        sink._stop_live()
         sink._stop_writers()
     for sink in sinks:
         sink._drain_starter()
@@ -799,5 +804,6 @@ def _close_sinks_at_exit() -> None:
     if left:
         _log.warning("exiting with %d capture_arena calls still running in other threads", left)
     for sink in sinks:
-        sink.close()
+        # A call that parks holds its sink for good: a shared-memory arena's name goes even so.
+        sink._close(at_exit=True)
 
