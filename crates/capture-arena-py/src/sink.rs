@@ -1264,11 +1264,21 @@ impl PySink {
         Ok(self.sink(py)?.config().protocol.clone())
     }
 
-    /// Stops the writer and removes the arena once calls in flight in other threads return
-    /// (`at_exit`: a shared-memory arena's name is removed at once even so, see
-    /// [`remove_name_now`]). Idempotent; the GIL is released while the writer stops.
-    #[pyo3(signature = (at_exit=false))]
-    fn close(&self, py: Python<'_>, at_exit: bool) {
+    /// Stops the writer and removes the arena once calls in flight in other threads return.
+    /// Idempotent; the GIL is released while the writer stops.
+    fn close(&self, py: Python<'_>) {
+        self.close_sink(py, false);
+    }
+
+    /// As `close`, at interpreter exit: a shared-memory arena's name is removed at once even
+    /// while a call in flight holds the sink (see [`remove_name_now`]).
+    fn _close_at_exit(&self, py: Python<'_>) {
+        self.close_sink(py, true);
+    }
+}
+
+impl PySink {
+    fn close_sink(&self, py: Python<'_>, at_exit: bool) {
         if self.pid != std::process::id() {
             return;
         }

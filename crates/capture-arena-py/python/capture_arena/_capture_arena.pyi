@@ -170,8 +170,10 @@ class _ArenaSink:
     @property
     def protocol(self) -> Optional[str]: ...
     def _start_with_region(self, ptr: int, length: int, session: str, owner: Any, device: Optional[int] = None) -> None: ...
-    def close(self, at_exit: bool = False) -> None:
-        """Stops the writer and removes the arena (at once under a call in flight, ``at_exit``). Idempotent."""
+    def close(self) -> None:
+        """Stops the writer and removes the arena. Idempotent."""
+    def _close_at_exit(self) -> None:
+        """As ``close``; a shared-memory arena's name goes at once even under a call in flight."""
 
 @final
 class ReadBuffer:

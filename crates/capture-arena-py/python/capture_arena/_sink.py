@@ -610,7 +610,10 @@ class ArenaSink(LiveSink, _ArenaSink):
         if not self._stop_writers():
             _log.error("a thread still writes into the capture arena: it is left in place until the process exits")
             return
-        super().close(at_exit)
+        if at_exit:
+            self._close_at_exit()
+        else:
+            super().close()
 
     def _stop_writers(self) -> bool:
         """Calls the :meth:`on_close` callbacks (once); whether every writing thread stopped."""
