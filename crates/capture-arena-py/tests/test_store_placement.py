@@ -504,6 +504,57 @@ sink.close()
         mooncake_master.stop(p)
 
 
+STALLED_SINK_AT_EXIT = r"""
+import atexit, json, os, signal, sys, threading, time, numpy as np
+futs = []
+# Registered before capture_arena's exit hook, so it runs after it: the rows as exit left them.
+atexit.register(lambda: print(json.dumps([f.result(timeout=0)[0] if f.done() else None for f in futs]), flush=True))
+import capture_arena as ca
+sink = ca.StoreSink(max_pending_batches=4)
+def sample(i):
+    return ({"store_id": "exit", "sample_id": f"s{i}", "features": {"aux": "h"}}, np.full((64, 32), i, np.float32), None)
+assert "error" not in sink.put_samples([sample(0)])[0], "connected"
+master = int(sys.argv[1])
+os.kill(master, signal.SIGSTOP)
+futs += [sink.submit_samples([sample(i)], block=False) for i in range(1, 5)]  # behind a stalled master
+def resume_once_closing():  # the master answers again once the exit hook stopped the sink
+    while not sink._closed:
+        time.sleep(0.01)
+    os.kill(master, signal.SIGCONT)
+threading.Thread(target=resume_once_closing, daemon=True).start()
+"""
+
+
+def test_exit_with_batches_queued_behind_a_stalled_master_makes_only_the_one_in_flight() -> None:
+    """The store sink's worker was a one-thread ThreadPoolExecutor, whose thread interpreter
+    exit joins after everything queued ran: with the master stalled (SIGSTOP), each queued
+    publish waits out Mooncake's RPC timeout (30 s; four here), to be dropped with the process's
+    client anyway. Now the exit stops the sink: the batch in flight is waited for (at most
+    CLOSE_WAIT_S), those behind it are not made and say so. (The master answers again once the
+    exit began, so that the one in flight ends at once.)"""
+    import signal
+
+    import mooncake_master
+
+    p, env = mooncake_master.start()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", STALLED_SINK_AT_EXIT, str(p.pid)],
+            env={**os.environ, **env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"},
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = json.loads(out.stdout.strip().splitlines()[-1])
+        assert rows[0] is not None, rows  # the one in flight ended (published, or failed, by the master's answer)
+        assert all(r is not None and "store sink closed before this batch could start" in r.get("error", "") for r in rows[1:]), rows
+    finally:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except OSError:
+            pass
+        mooncake_master.stop(p)
+
+
 def test_removals_dropped_past_the_bound_are_logged_with_the_count(monkeypatch, caplog) -> None:
     # Store objects have no lease: a removal dropped past MAX_PENDING_KEYS (the master unreachable
     # meanwhile) leaves its object until the producer's client closes. Before: only counted, in

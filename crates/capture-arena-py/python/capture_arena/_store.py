@@ -31,16 +31,18 @@ the capture contract has it; a reader contributes none) and ``MOONCAKE_LOCAL_BUF
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import importlib
 import os
+import queue
 import socket
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -287,6 +289,12 @@ class _Ticket:
 _SINK_BOUND: Any = object()
 
 
+#: How long a store sink's close (and interpreter exit) waits, at most, for the store call its
+#: worker is in: longer than Mooncake's own RPC timeout (30 s), after which the call comes back
+#: by itself. Batches and removals queued behind it are not made once the sink closes.
+CLOSE_WAIT_S = 60.0
+
+
 class StoreSink(LiveSink):
     """The sink of the store placement. See the module docs."""
 
@@ -310,10 +318,11 @@ class StoreSink(LiveSink):
         self.sync_wait_s = sync_wait_s()
         self.sync_bound: Optional[float] = None
         self._slots = threading.BoundedSemaphore(pending)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-arena-store")
+        self._pool = _Worker("capture-arena-store")
         self._lock = threading.Lock()
         self._store: Optional[Any] = None
         _CLIENTS.add(self)
+        _SINKS.add(self)
         self._stats = dict.fromkeys(
             ("published_batches", "published_samples", "published_objects", "published_bytes", "failed_batches", "replaced_objects"), 0
         )
@@ -337,6 +346,8 @@ class StoreSink(LiveSink):
         is logged; the first capture tries again)."""
 
         def connect_now() -> None:
+            if self._closed:
+                return
             try:
                 with self._lock:
                     self._client()
@@ -356,6 +367,8 @@ class StoreSink(LiveSink):
         self._store = None
         self._closed = True
         self._lock = threading.Lock()
+        self._pool = _Worker("capture-arena-store")  # the parent's thread is not here
+        self._pool.shutdown(0)
 
     def _config(self) -> Any:
         return replicate_config(importlib.import_module("mooncake.store"))
@@ -380,6 +393,8 @@ class StoreSink(LiveSink):
         caller's batch starts only if its caller still waits."""
         if not batch.samples():
             return []
+        if self._closed:  # queued when the sink closed: not made, so its close waits for none
+            return self._fail(batch, "not captured: the store sink closed before this batch could start (never written)")
         with self._lock:
             if ticket is not None and ticket.abandoned:
                 return self._fail(batch, "its synchronous caller stopped waiting before it could start (never written)")
@@ -547,9 +562,11 @@ class StoreSink(LiveSink):
     def _remove_quietly(self, keys: list[str]) -> None:
         with self._lock:
             store = self._store
-            if store is None:
-                return
-            bad = [(k, rc) for k, rc in zip(keys, store.batch_remove(keys, True)) if rc not in (0, NOT_FOUND)]
+        if store is None or self._closed:  # closing: the client's close drops its keys anyway
+            return
+        # Not under the lock: stats() and a publish never wait on a removal's call (the store
+        # client is closed only once this worker has ended).
+        bad = [(k, rc) for k, rc in zip(keys, store.batch_remove(keys, True)) if rc not in (0, NOT_FOUND)]
         if bad:
             _log.warning("removing %d objects of a dropped capture from the Mooncake store failed (first: %s: %s)", len(bad), *bad[0])
 
@@ -558,23 +575,41 @@ class StoreSink(LiveSink):
         return self.put_samples([(spec, aux, last_hidden)])[0]
 
     def stats(self) -> dict[str, int]:
-        """Counters of this sink, and live capture's (``live_*``) when it is on."""
-        with self._lock:
-            d = dict(self._stats)
+        """Counters of this sink, and live capture's (``live_*``) when it is on. Never waits
+        for the store (only the worker thread writes the counters: a copy of them is whole)."""
+        d = dict(self._stats)
         d.update(self._live_stats())
         return d
 
-    def close(self) -> None:
-        """Waits for pending batches and closes the store client (its objects stay in the store
-        only while a client holds them: Mooncake drops the keys of a closed client). Idempotent."""
+    def close(self, timeout_s: Optional[float] = None) -> None:
+        """Waits for the batch being published, at most ``timeout_s`` (``CLOSE_WAIT_S``), and
+        closes the store client (its objects stay in the store only while a client holds them:
+        Mooncake drops the keys of a closed client). Batches queued behind it get error rows,
+        and queued removals are dropped (the client's close removes its keys). A worker still in
+        a store call after the bound is left to it, and the client open: closing it under that
+        call would crash the process; its objects go when the process ends. Idempotent."""
         if self._closed:
             return
-        self._stop_live()
-        self._closed = True
-        self._pool.shutdown(wait=True)
+        if not self._stop(timeout_s):
+            return
         with self._lock:
             if self._store is not None:
                 self._store.close()
+
+    def _stop(self, timeout_s: Optional[float]) -> bool:
+        """Takes no more batches, fails those queued, and waits for the one in flight (at most
+        ``timeout_s``, ``CLOSE_WAIT_S``); whether the worker ended."""
+        self._stop_live()
+        self._closed = True
+        bound = CLOSE_WAIT_S if timeout_s is None else timeout_s
+        if self._pool.shutdown(bound):
+            return True
+        _log.error(
+            "closing the store sink: its worker is still in a Mooncake store call after %g s (the master stalled?); "
+            "the store client is left open, and what it holds goes when this process ends",
+            bound,
+        )
+        return False
 
     def __enter__(self) -> "StoreSink":
         return self
@@ -585,6 +620,59 @@ class StoreSink(LiveSink):
 
 # Mooncake's status for a size mismatch (a result whose shapes are not the stored object's).
 SIZE_MISMATCH = -600
+
+
+class _Worker:
+    """Runs submitted calls in order on one daemon thread (started by the first). A one-thread
+    ``ThreadPoolExecutor`` did this, but its thread is not a daemon: interpreter exit joins it
+    without a bound after it ran everything queued, and with the master stalled each queued
+    publish or removal waits out Mooncake's own timeout, for good if it has none."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: "queue.SimpleQueue[Optional[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> "concurrent.futures.Future[Any]":
+        """Queues ``fn(*args)``; RuntimeError once shut down, or where no thread can be had."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the store sink's worker is shut down")
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                thread.start()  # RuntimeError where no thread can be had: nothing queued
+                self._thread = thread
+            self._queue.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # the caller's future carries it
+                fut.set_exception(e)
+
+    def shutdown(self, timeout_s: float) -> bool:
+        """Takes no more calls and waits up to ``timeout_s`` for those queued; whether the
+        thread ended (none is left in a call)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
+            thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        thread.join(max(0.0, timeout_s))
+        return not thread.is_alive()
 
 
 class StoreReader:
@@ -862,6 +950,22 @@ def is_store_result(result: Mapping[str, Any]) -> bool:
 # Store clients a forked child must not destroy: the parent's.
 _FORKED_LEFTOVERS: list[Any] = []
 _CLIENTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_SINKS: "weakref.WeakSet[StoreSink]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_sinks_at_exit() -> None:
+    """Stops every store sink at interpreter exit: the batch in flight is waited for (at most
+    ``CLOSE_WAIT_S``: its worker is a daemon thread, which the exit would not wait for), those
+    queued behind it are not made. The store client is left to the process's end, as before
+    (Mooncake drops its keys then; closing it against a master that does not answer takes its
+    RPC timeouts over again)."""
+    for sink in list(_SINKS):
+        try:
+            if not sink._closed:
+                sink._stop(None)
+        except Exception:  # never an exit's error
+            _log.exception("stopping a store sink at exit")
 
 
 def _after_fork_in_child() -> None:
