@@ -1111,6 +1111,35 @@ def test_a_step_waits_for_space_at_most_its_bound_however_many_requests_finish_i
     assert s["resident_objects"] == 0 and s["free_bytes"] == s["capacity"], s
 
 
+def test_once_a_step_waited_out_its_bound_for_room_the_next_do_not_wait_until_the_arena_lets_go(both: Proc) -> None:
+    """A trainer that stopped freeing keeps the arena full: every step in which a prompt
+    finished waited the whole bound for room before its captures failed, so the engine ran a
+    step per bound for as long as it lasted (speculators asks max_tokens=1: every step finishes
+    prompts). Once a step has waited out its bound for room, the next do not wait (those that
+    fit still publish) until the arena lets objects go; then they wait again."""
+    p = both
+    p.ask({"save": p.ask({"announce": [["held", 200]]})["meta"]})  # fills the arena but for ~11 KiB
+    held = p.ask({"finish": "held"})["params"]
+    assert "error" not in held["capture_arena"], held
+    waited = p.ask({"save": p.ask({"announce": [["big0", 100]]})["meta"]})["s"]
+    first = p.ask({"finish": "big0"})["params"]
+    assert "full" in first["capture_arena"]["error"] and waited >= HALF_BOUND - 0.05, (waited, first)
+    waited = p.ask({"save": p.ask({"announce": [["big1", 100], ["small", 8]]})["meta"]})["s"]
+    big1, small = (p.ask({"finish": rid})["params"] for rid in ("big1", "small"))
+    assert waited < HALF_BOUND / 2, f"the step waited {waited:.2f} s for room though nothing was freed since the last one waited its bound"
+    assert "error" in big1["capture_arena"] and "error" not in small["capture_arena"], (big1, small)  # what fits still publishes
+    release_all([held, small])
+    wait_resident(p, 0)
+    # Objects were let go: a step waits for room again (the arena full again, its bound).
+    p.ask({"save": p.ask({"announce": [["held2", 200]]})["meta"]})
+    held2 = p.ask({"finish": "held2"})["params"]
+    waited = p.ask({"save": p.ask({"announce": [["big2", 100]]})["meta"]})["s"]
+    big2 = p.ask({"finish": "big2"})["params"]
+    assert "full" in big2["capture_arena"]["error"] and waited >= HALF_BOUND - 0.05, (waited, big2)
+    release_all([held2])
+    wait_resident(p, 0)
+
+
 def test_a_steps_objects_are_placed_while_it_runs_and_an_unsaved_step_frees_them(both: Proc) -> None:
     """The writer places a step's objects once the step is bound, before its forward ends
     (wait_for_save then only collects them). A step vLLM ends without wait_for_save (nothing
@@ -1977,6 +2006,42 @@ def test_a_result_read_before_the_listener_stalls_is_judged_fresh_after_the_stal
     params = sched.ask({"finish": "stalled"})["params"]
     assert "error" in params["capture_arena"], f"handed out a result its worker freed: {params}"
     assert wait_resident(worker, 0)["resident_objects"] == 0
+
+
+def test_a_closed_listener_shuts_the_connections_it_reads_and_their_threads_end() -> None:
+    """The scheduler connector's shutdown closed only the listening socket: connections it had
+    accepted stayed open, their reading threads alive and holding the connector, until each
+    worker hung up (found by an outside review)."""
+    import socket
+    import threading
+    import time
+
+    from capture_arena.vllm import _Listener
+
+    def readers() -> int:
+        return sum(t.name == "capture-arena-vllm-read" and t.is_alive() for t in threading.enumerate())
+
+    before = readers()
+    name = f"\0capture-arena-test-listener-{os.getpid()}"
+    listener = _Listener(name, lambda *a: None, 30.0, "st", lambda tags: None)
+    worker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        worker.connect(name)
+        worker.sendall(b'{"over":[]}\n')  # a line: the connection is being read
+        deadline = time.monotonic() + 10
+        while readers() == before:
+            assert time.monotonic() < deadline, "the connection was never read"
+            time.sleep(0.01)
+        listener.close()
+        worker.settimeout(5)
+        assert worker.recv(1) == b"", "the worker's connection is still open"
+        deadline = time.monotonic() + 10
+        while readers() != before:
+            assert time.monotonic() < deadline, "its reading thread lives on"
+            time.sleep(0.01)
+    finally:
+        worker.close()
+        listener.close()
 
 
 def test_the_result_listener_survives_a_failed_accept(pair: tuple[Proc, Proc]) -> None:

@@ -59,13 +59,20 @@ def reference(prompt, by_token=False):
     return torch.stack(rows, dim=1)
 
 
+waiters = {}
+
+
 def waiting(s):
     """A transfer of its own whose reader waits ``s`` seconds for bytes still being written (the
-    variable is read when the reader is made)."""
+    variable is read when the reader is made), kept as a trainer keeps its transfer: one let go
+    frees what it read and never deleted."""
+    if s in waiters:
+        return waiters[s]
     os.environ["SGLANG_SPEC_CAPTURE_READY_WAIT_S"] = str(s)
     try:
         t = backend.from_train_args(parser.parse_args([]), "/nonexistent")
         t.setup()
+        waiters[s] = t
         return t
     finally:
         del os.environ["SGLANG_SPEC_CAPTURE_READY_WAIT_S"]

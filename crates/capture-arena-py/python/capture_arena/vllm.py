@@ -118,7 +118,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -472,6 +472,13 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: The bound step's requests and their reservations, begun when the step was bound
             #: (or why they could not be), collected by its wait_for_save.
             self._begun: Optional[tuple[list[_Save], "_Reservations | str"]] = None
+            #: When the bound step was bound (its wait for room ends the bound after it).
+            self._bound_at = 0.0
+            #: Set when a step waited out its whole bound for room and some of its requests
+            #: failed: the arena's count of objects let go then (:func:`_let_go`). Until it
+            #: grows, steps do not wait for room (their requests that do not fit fail at once):
+            #: a trainer that stopped freeing would otherwise cost every step the bound.
+            self._full_at: Optional[int] = None
             #: How the scheduler in this process (if it is here) answers this worker.
             self._in_process = _InProcess(self)
             #: Copies over whose report could not be sent (:meth:`_report_over`), oldest first.
@@ -909,12 +916,48 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             # waited for, at most the bound, so that an engine used at once loses no capture to
             # start-up; a try after a failed one never is: while it runs the step's captures
             # fail at once (before: each such step waited the bound first, then failed).
-            return saves, self._sink._reserve_rows_begin(self._store_id, self._dtype, width, requests, within_s=self._bound, wait_for_retry=False)
+            self._bound_at = time.monotonic()
+            within = self._room_wait()
+            return saves, self._sink._reserve_rows_begin(self._store_id, self._dtype, width, requests, within_s=within, wait_for_retry=False)
         except BaseException as e:  # a bug of ours, or a panic of the extension: the step's requests fail, never vLLM
             if _interrupts(e):
                 raise
             log.exception("capture_arena.vllm: reserving %d requests failed", len(saves))
             return saves, f"publish failed: {_reason(e)}"
+
+    def _room_wait(self) -> float:
+        """How long this step's requests wait for room: the bound, or nothing while the arena
+        has let nothing go since a step waited out its bound for room (the arena stayed full:
+        the trainer stopped freeing, say). Asks the arena only in that state."""
+        if self._full_at is None or self._sink is None:
+            return self._bound
+        try:
+            now = _let_go(self._sink.stats())
+        except Exception:  # closed meanwhile: the reservation says so
+            return self._bound
+        if now > self._full_at:
+            self._full_at = None
+            log.info("capture_arena.vllm: the arena let objects go again; steps wait for room again (at most %g s)", self._bound)
+            return self._bound
+        return 0.0
+
+    def _note_room(self, reserved: Sequence["_Placed"]) -> None:
+        """After a step's hand-over: one that waited out its whole bound with requests failed
+        (no room came) stops the next steps' waits until the arena lets something go."""
+        if self._full_at is not None or self._sink is None or not any(keys is None or at is None for keys, at, _ in reserved):
+            return
+        if time.monotonic() < self._bound_at + self._bound:
+            return  # failed at once (too long, not valid, a failed start): not for want of room
+        try:
+            self._full_at = _let_go(self._sink.stats())
+        except Exception:
+            return
+        log.warning(
+            "capture_arena.vllm: a step waited its whole bound (%g s) for room in the arena and some of its captures failed; "
+            "until the arena lets objects go (trainers free them, leases end), captures that do not fit fail at once "
+            "rather than hold every step (check that trainers free what they read, or raise SGLANG_SPEC_CAPTURE_ARENA_BYTES)",
+            self._bound,
+        )
 
     def wait_for_save(self) -> None:
         """Collects the reservations of the requests whose prompt finished in this step (begun
@@ -946,6 +989,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             why = f"handing the step to the copy thread failed ({type(e).__name__}: {e})"
             self._abandon(why, collected=collected[0] if collected else None)
             return
+        self._note_room(reserved)
         copies = [_Copy(_tag(sv.req_id, sv.seq)) for sv in saves]
         for sv, c in zip(saves, copies):
             self._copies[sv.req_id] = c
@@ -1187,7 +1231,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def _retry_report(self) -> None:
         with self._report_lock:
             self._retrying = False
-        self._report_over([])
+        if not getattr(self, "_shut", False):
+            self._report_over([])
 
     def _send_whole(self, data: bytes) -> Optional[OSError]:
         """Sends ``data`` (whole lines) on the connection to the scheduler process, once more on
@@ -1486,6 +1531,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if getattr(self, "_sink", None) is not None:
             self._sink.close()  # type: ignore[union-attr]
+        if getattr(self, "_conn_lock", None) is not None:  # a worker's: its result channel goes too
+            self._shut = True  # no report is tried again
+            self._drop_conn()  # its answers' reader wakes, reads what is left and closes it
         if getattr(self, "_listener", None) is not None:
             with _SCHEDULERS_LOCK:
                 if _SCHEDULERS.get(self._channel, (0, None))[1] is self:
@@ -1791,6 +1839,12 @@ def _kernel_blocks(saves: list[_Save], block_size: int, kernel_block_size: int) 
         )
     r = block_size // kernel_block_size
     return [dataclasses.replace(sv, block_ids=[b * r + i for b in sv.block_ids for i in range(r)]) for sv in saves]
+
+
+def _let_go(stats: Mapping[str, int]) -> int:
+    """Objects an arena let go of so far, whatever let them go (frees, replaces, leases, failed
+    writes): it grows whenever room comes back."""
+    return sum(int(stats.get(k, 0)) for k in ("freed_objects", "replaced_objects", "expired_objects", "failed_writes"))
 
 
 def _collect(saves: list[_Save], reservations: "_Reservations | str") -> list[_Reserved]:
@@ -2187,6 +2241,8 @@ class _Listener:
         #: Connections refused (another user's, over MAX_WORKERS or MAX_CONNECTIONS_PER_PROCESS)
         #: or closed for sending no line within FIRST_LINE_S.
         self.refused = 0
+        #: Accepted connections being read (each ends with its reading thread): shut at close.
+        self._conns: set[socket.socket] = set()
         threading.Thread(target=self._accept, name="capture-arena-vllm", daemon=True).start()
 
     def _accept(self) -> None:
@@ -2234,6 +2290,14 @@ class _Listener:
                 self._closed.wait(0.01)
 
     def _read(self, conn: socket.socket, pid: int = 0) -> None:
+        with self._lock:
+            closed = self._closed.is_set()
+            if not closed:
+                self._conns.add(conn)
+        if closed:  # accepted as the listener closed
+            self._closed_one(pid)
+            conn.close()
+            return
         peer = _Peer(conn, pid, self._latest, self._deferred)
         silent_until = [time.monotonic() + FIRST_LINE_S]  # emptied once a line came
 
@@ -2294,6 +2358,8 @@ class _Listener:
             log.error("capture_arena.vllm: closed a result connection: %s: %s", type(e).__name__, e)
         finally:
             self._closed_one(pid, peer)
+            with self._lock:
+                self._conns.discard(conn)
             with peer._lock:  # not under an answer or a free being sent on it
                 conn.close()
 
@@ -2319,10 +2385,18 @@ class _Listener:
 
     def close(self) -> None:
         """Stops listening: the name is free again and the accepting thread ends (closing alone
-        would leave both while that thread waits in accept)."""
-        self._closed.set()
+        would leave both while that thread waits in accept); the connections being read are shut,
+        so their threads end and let go of the connector."""
+        with self._lock:
+            self._closed.set()
+            conns = list(self._conns)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
