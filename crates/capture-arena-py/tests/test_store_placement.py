@@ -456,6 +456,17 @@ def test_a_client_without_hard_pins_gets_soft_pins_as_specforges_patches_fall_ba
     assert hasattr(ReplicateConfig(), "with_hard_pin")
 
 
+def small_store_env(master_env: dict[str, str]) -> dict[str, str]:
+    """This environment with a master's variables, and a client's store segment and buffer
+    small enough for two cores."""
+    return {**os.environ, **master_env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"}
+
+
+def run_beside(code: str, master_pid: int, master_env: dict[str, str]) -> "subprocess.CompletedProcess[str]":
+    """``code`` run in a process of its own (argv[1]: the master's pid), its output captured."""
+    return subprocess.run([sys.executable, "-c", code, str(master_pid)], env=small_store_env(master_env), capture_output=True, text=True, timeout=300)
+
+
 def test_a_stalled_master_costs_a_synchronous_caller_its_bound_and_leaves_nothing_behind() -> None:
     """The scheduler thread's put_sample under a synchronous patch, against a mooncake_master
     that stops answering (SIGSTOP) mid-run: the call returns at its bound with error rows, and
@@ -487,11 +498,7 @@ print(json.dumps({"exists": exists, "stats": sink.stats()}), flush=True)
 sink.close()
 """
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", code, str(p.pid)],
-            env={**os.environ, **env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"},
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        out = run_beside(code, p.pid, env)
         assert out.returncode == 0, out.stdout + out.stderr
         got = json.loads(out.stdout.strip().splitlines()[-1])
         assert got["exists"] == [0], got
@@ -529,20 +536,17 @@ def test_exit_with_batches_queued_behind_a_stalled_master_makes_only_the_one_in_
     """The store sink's worker was a one-thread ThreadPoolExecutor, whose thread interpreter
     exit joins after everything queued ran: with the master stalled (SIGSTOP), each queued
     publish waits out Mooncake's RPC timeout (30 s; four here), to be dropped with the process's
-    client anyway. Now the exit stops the sink: the batch in flight is waited for (at most
-    CLOSE_WAIT_S), those behind it are not made and say so. (The master answers again once the
-    exit began, so that the one in flight ends at once.)"""
+    client anyway. Now the exit stops the sink: what is queued runs for QUEUE_WAIT_S (5 s), then
+    the batches not begun fail and say so, and the one in flight is waited for (at most
+    CLOSE_WAIT_S). (The master answers again once those fail, so that the one in flight ends
+    at once.)"""
     import signal
 
     import mooncake_master
 
     p, env = mooncake_master.start()
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", STALLED_SINK_AT_EXIT, str(p.pid)],
-            env={**os.environ, **env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"},
-            capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
+        out = run_beside(STALLED_SINK_AT_EXIT, p.pid, env)
         assert out.returncode == 0, out.stderr[-3000:]
         rows = json.loads(out.stdout.strip().splitlines()[-1])
         assert rows[0] is not None, rows  # the one in flight ended (published, or failed, by the master's answer)
@@ -651,7 +655,7 @@ def test_a_release_at_exit_under_a_stalled_master_ends_within_the_exit_flush() -
     import mooncake_master
 
     p, env = mooncake_master.start()
-    env = {**os.environ, **env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"}
+    env = small_store_env(env)
     prod = Proc(PRODUCER, env)
     try:
         (r,) = prod.ask({"samples": [{"id": "stalled", "L": 16, "seed": 1}]})

@@ -289,9 +289,12 @@ class _Ticket:
 _SINK_BOUND: Any = object()
 
 
+#: How long a store sink's close (and interpreter exit) lets its worker run the batches and
+#: removals queued; those not begun by then fail (batches get error rows) without a store call.
+QUEUE_WAIT_S = 5.0
 #: How long a store sink's close (and interpreter exit) waits, at most, for the store call its
 #: worker is in: longer than Mooncake's own RPC timeout (30 s), after which the call comes back
-#: by itself. Batches and removals queued behind it are not made once the sink closes.
+#: by itself.
 CLOSE_WAIT_S = 60.0
 
 
@@ -582,12 +585,13 @@ class StoreSink(LiveSink):
         return d
 
     def close(self, timeout_s: Optional[float] = None) -> None:
-        """Waits for the batch being published, at most ``timeout_s`` (``CLOSE_WAIT_S``), and
-        closes the store client (its objects stay in the store only while a client holds them:
-        Mooncake drops the keys of a closed client). Batches queued behind it get error rows,
-        and queued removals are dropped (the client's close removes its keys). A worker still in
-        a store call after the bound is left to it, and the client open: closing it under that
-        call would crash the process; its objects go when the process ends. Idempotent."""
+        """Lets the worker run the batches queued for ``QUEUE_WAIT_S`` (5 s); then those not
+        begun get error rows (never written) and the removals queued are dropped (the client's
+        close removes its keys), the call in flight is waited for at most ``timeout_s``
+        (``CLOSE_WAIT_S``, 60 s), and the store client is closed (its objects stay in the store
+        only while a client holds them: Mooncake drops the keys of a closed client). A worker
+        still in a store call after that is left to it, and the client open: closing it under
+        that call would crash the process; its objects go when the process ends. Idempotent."""
         if self._closed:
             return
         if not self._stop(timeout_s):
@@ -597,12 +601,14 @@ class StoreSink(LiveSink):
                 self._store.close()
 
     def _stop(self, timeout_s: Optional[float]) -> bool:
-        """Takes no more batches, fails those queued, and waits for the one in flight (at most
-        ``timeout_s``, ``CLOSE_WAIT_S``); whether the worker ended."""
+        """Takes no more batches and lets the worker run those queued for ``QUEUE_WAIT_S``; then
+        fails those not begun and waits for the one in flight (at most ``timeout_s``,
+        ``CLOSE_WAIT_S``); whether the worker ended."""
         self._stop_live()
-        self._closed = True
         bound = CLOSE_WAIT_S if timeout_s is None else timeout_s
-        if self._pool.shutdown(bound):
+        ran = self._pool.shutdown(min(QUEUE_WAIT_S, bound))
+        self._closed = True  # what is still queued fails at once
+        if ran or self._pool.shutdown(bound):
             return True
         _log.error(
             "closing the store sink: its worker is still in a Mooncake store call after %g s (the master stalled?); "
@@ -955,11 +961,12 @@ _SINKS: "weakref.WeakSet[StoreSink]" = weakref.WeakSet()
 
 @atexit.register
 def _stop_sinks_at_exit() -> None:
-    """Stops every store sink at interpreter exit: the batch in flight is waited for (at most
-    ``CLOSE_WAIT_S``: its worker is a daemon thread, which the exit would not wait for), those
-    queued behind it are not made. The store client is left to the process's end, as before
-    (Mooncake drops its keys then; closing it against a master that does not answer takes its
-    RPC timeouts over again)."""
+    """Stops every store sink at interpreter exit, as :meth:`StoreSink.close` waits (its worker
+    is a daemon thread, which the exit would not wait for): queued batches run for
+    ``QUEUE_WAIT_S``, those not begun then fail, the call in flight is waited for at most
+    ``CLOSE_WAIT_S``. The store client is left to the process's end, as before (Mooncake drops
+    its keys then; closing it against a master that does not answer takes its RPC timeouts over
+    again)."""
     for sink in list(_SINKS):
         try:
             if not sink._closed:
