@@ -93,6 +93,37 @@ def test_a_transfer_let_go_with_results_it_read_and_never_deleted_frees_them(sin
     wait_resident(sink, 0)
 
 
+def test_a_forked_child_that_lets_its_transfer_go_frees_nothing_its_parent_read(sink: ca.ArenaSink) -> None:
+    """A forked process starts with nothing read (what its parent read is the parent's to free).
+    The transfer's finalizer held the dict of reads the fork inherited: a child letting its copy
+    of the transfer go freed the parent's reads under it."""
+    import gc
+    import os
+
+    t = CaptureArenaTransfer()
+    row = publish(sink, "r-parent")
+    t.get_generated(params(row))
+    wait_resident(sink, 2)
+    pid = os.fork()
+    if pid == 0:  # the child: lets its transfer go, and sends whatever that freed
+        code = 1
+        try:
+            store = t._store
+            del t
+            gc.collect()
+            assert store is not None
+            store.flush(5)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert sink.stats()["resident_objects"] == 2, "the child freed what its parent read"
+    t.delete(params(row)["handle"])
+    t.flush(10)
+    wait_resident(sink, 0)
+
+
 def test_token_ids_not_shaped_one_by_n_are_refused_as_the_error_says(sink: ca.ArenaSink) -> None:
     """``token_ids`` of ``[n]`` or ``[n, 1]`` passed: only their count was checked, though the
     error and docs/vllm.md say ``[1, n]``."""

@@ -139,7 +139,7 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
             _TRANSFERS.add(self)
             # A transfer let go (its dataset dropped) with results read and never deleted frees
             # them then; at exit the exit hook does (before the reader's flush).
-            weakref.finalize(self, _free_left, self._store, self._read, self._lock).atexit = False
+            weakref.finalize(self, _free_left, self._store, self._read).atexit = False
         if multiprocessing.parent_process() is not None or torch.utils.data.get_worker_info() is not None:
             _free_on_sigterm()
 
@@ -256,11 +256,11 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
                 store.flush(max(0.0, end - time.monotonic()))
 
 
-def _free_left(store: ArenaFeatureStore, read: "collections.OrderedDict[str, dict[str, Any]]", lock: Any) -> None:
-    """What a transfer collected had read and never deleted, freed (never raises)."""
-    with lock:
-        left = list(read.values())
-        read.clear()
+def _free_left(store: ArenaFeatureStore, read: "collections.OrderedDict[str, dict[str, Any]]") -> None:
+    """What a transfer collected had read and never deleted, freed (never raises). No lock: the
+    transfer is gone, so nothing else uses ``read``."""
+    left = list(read.values())
+    read.clear()
     for r in left:
         try:
             store.release(r)
@@ -288,7 +288,9 @@ def _after_fork_in_child() -> None:
     _REFUSED_LOCK = threading.Lock()
     for t in list(_TRANSFERS):
         t._lock = threading.Lock()
-        t._read = collections.OrderedDict()
+        # Emptied, not replaced: the transfer's finalizer frees what this dict holds when the
+        # transfer is let go, and in this process that must never be its parent's reads.
+        t._read.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
