@@ -462,6 +462,19 @@ def small_store_env(master_env: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **master_env, "MOONCAKE_GLOBAL_SEGMENT_SIZE": "16MiB", "MOONCAKE_LOCAL_BUFFER_SIZE": "16MiB", "GLOG_minloglevel": "2"}
 
 
+def resume_and_stop(master: "subprocess.Popen[bytes]") -> None:
+    """A master a test stopped (SIGSTOP) made to answer again, then stopped for good."""
+    import signal
+
+    import mooncake_master
+
+    try:
+        os.kill(master.pid, signal.SIGCONT)
+    except OSError:
+        pass
+    mooncake_master.stop(master)
+
+
 def run_beside(code: str, master_pid: int, master_env: dict[str, str]) -> "subprocess.CompletedProcess[str]":
     """``code`` run in a process of its own (argv[1]: the master's pid), its output captured."""
     return subprocess.run([sys.executable, "-c", code, str(master_pid)], env=small_store_env(master_env), capture_output=True, text=True, timeout=300)
@@ -471,8 +484,6 @@ def test_a_stalled_master_costs_a_synchronous_caller_its_bound_and_leaves_nothin
     """The scheduler thread's put_sample under a synchronous patch, against a mooncake_master
     that stops answering (SIGSTOP) mid-run: the call returns at its bound with error rows, and
     what the worker publishes once the master answers again is removed (never half-kept)."""
-    import signal
-
     import mooncake_master
 
     p, env = mooncake_master.start()
@@ -504,11 +515,7 @@ sink.close()
         assert got["exists"] == [0], got
         assert got["stats"]["published_samples"] == 1, got
     finally:
-        try:
-            os.kill(p.pid, signal.SIGCONT)
-        except OSError:
-            pass
-        mooncake_master.stop(p)
+        resume_and_stop(p)
 
 
 STALLED_SINK_AT_EXIT = r"""
@@ -540,8 +547,6 @@ def test_exit_with_batches_queued_behind_a_stalled_master_makes_only_the_one_in_
     the batches not begun fail and say so, and the one in flight is waited for (at most
     CLOSE_WAIT_S). (The master answers again once those fail, so that the one in flight ends
     at once.)"""
-    import signal
-
     import mooncake_master
 
     p, env = mooncake_master.start()
@@ -552,11 +557,7 @@ def test_exit_with_batches_queued_behind_a_stalled_master_makes_only_the_one_in_
         assert rows[0] is not None, rows  # the one in flight ended (published, or failed, by the master's answer)
         assert all(r is not None and "store sink closed before this batch could start" in r.get("error", "") for r in rows[1:]), rows
     finally:
-        try:
-            os.kill(p.pid, signal.SIGCONT)
-        except OSError:
-            pass
-        mooncake_master.stop(p)
+        resume_and_stop(p)
 
 
 def test_removals_dropped_past_the_bound_are_logged_with_the_count(monkeypatch, caplog) -> None:

@@ -359,6 +359,22 @@ fn an_unreachable_endpoint_never_delays_frees_to_another() {
     );
 }
 
+/// Waits until the sender of an endpoint that does not answer has taken its keys (it is
+/// connecting: "still sending"), not only queued them ("waiting for a sender").
+fn until_in_flight(c: &ControlClient) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !c
+        .flush_within(Duration::ZERO)
+        .is_err_and(|e| e.to_string().contains("still sending"))
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the dead endpoint's sender never took its keys"
+        );
+        std::thread::yield_now();
+    }
+}
+
 #[test]
 fn a_flush_of_some_samples_waits_for_their_keys_not_for_a_dead_endpoints() {
     // SpecForge drains an optimizer window's samples (`drain_sample_removals`): a host that
@@ -370,18 +386,7 @@ fn a_flush_of_some_samples_waits_for_their_keys_not_for_a_dead_endpoints() {
         .free(Some(&dead), [key("st/old/g1/x"), key("st/old/g1/y")])
         .unwrap();
     // While its sender holds them (connecting), they still count for their sample.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !store
-        .control()
-        .flush_within(Duration::ZERO)
-        .is_err_and(|e| e.to_string().contains("still sending"))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the dead endpoint's sender never took its keys"
-        );
-        std::thread::yield_now();
-    }
+    until_in_flight(store.control());
     let e = store
         .flush_samples_within("st", &["a", "old"], Duration::ZERO)
         .unwrap_err();
@@ -427,17 +432,7 @@ fn a_dead_endpoints_keys_in_flight_never_cost_another_endpoint_its_frees() {
     // In flight means its sender took them ("still sending"), not only that they are queued
     // ("waiting for a sender"): a clean clone and CI once read the latter as in flight, and a
     // sender not yet at work by the healthy free had the dead endpoint's queue pay one key.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !c
-        .flush_within(Duration::ZERO)
-        .is_err_and(|e| e.to_string().contains("still sending"))
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the dead endpoint's sender never took its keys"
-        );
-        std::thread::yield_now();
-    }
+    until_in_flight(&c);
     let w = writer();
     let r = publish_one(&w, "healthy", &[10]);
     c.free(Some(&w.arena_ref().control), r.keys().unwrap())
