@@ -1140,6 +1140,21 @@ def test_once_a_step_waited_out_its_bound_for_room_the_next_do_not_wait_until_th
     wait_resident(p, 0)
 
 
+def test_only_a_request_that_found_no_room_stops_the_next_steps_waits() -> None:
+    """The next steps stop waiting for room after one whose request waited it out, never after
+    one whose request failed otherwise (longer than the arena, say: a step whose forward
+    outlasts the bound ends past it too), whatever the request's id says."""
+    from capture_arena.vllm import _for_want_of_room
+
+    full = "arena full: batch needs 9 bytes, 0 of 8 bytes are free"
+    assert _for_want_of_room(json.dumps({"sample_id": "r", "error": full}).encode())
+    assert _for_want_of_room({"sample_id": "r", "error": full})
+    too_long = "batch needs 9 bytes but the whole arena holds 8 bytes"
+    assert not _for_want_of_room(json.dumps({"sample_id": "fullness", "error": too_long}).encode())
+    assert not _for_want_of_room({"sample_id": "r", "features": {}})
+    assert not _for_want_of_room(b"not json")
+
+
 def test_a_steps_objects_are_placed_while_it_runs_and_an_unsaved_step_frees_them(both: Proc) -> None:
     """The writer places a step's objects once the step is bound, before its forward ends
     (wait_for_save then only collects them). A step vLLM ends without wait_for_save (nothing

@@ -944,10 +944,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def _note_room(self, reserved: Sequence["_Placed"]) -> None:
         """After a step's hand-over: one that waited out its whole bound with requests failed
         (no room came) stops the next steps' waits until the arena lets something go."""
-        if self._full_at is not None or self._sink is None or not any(keys is None or at is None for keys, at, _ in reserved):
+        if self._full_at is not None or self._sink is None:
             return
+        if not any((keys is None or at is None) and _for_want_of_room(row) for keys, at, row in reserved):
+            return  # none failed, or not for room (too long for the arena, not valid, a failed start)
         if time.monotonic() < self._bound_at + self._bound:
-            return  # failed at once (too long, not valid, a failed start): not for want of room
+            return  # room was still being waited for: never waited out
         try:
             self._full_at = _let_go(self._sink.stats())
         except Exception:
@@ -1839,6 +1841,19 @@ def _kernel_blocks(saves: list[_Save], block_size: int, kernel_block_size: int) 
         )
     r = block_size // kernel_block_size
     return [dataclasses.replace(sv, block_ids=[b * r + i for b in sv.block_ids for i in range(r)]) for sv in saves]
+
+
+def _for_want_of_room(row: Any) -> bool:
+    """Whether a failed reservation's row says it found no room (an arena full, or fragmented,
+    for as long as it waited), as the core's errors say it: ``arena full``, or a bounded wait
+    that gave up on it."""
+    if isinstance(row, (bytes, str)):
+        try:
+            row = json.loads(row)
+        except ValueError:
+            return False
+    error = row.get("error") if isinstance(row, dict) else None
+    return isinstance(error, str) and "full" in error
 
 
 def _let_go(stats: Mapping[str, int]) -> int:
