@@ -200,14 +200,8 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
         self._free_each(old, "read long ago and never deleted")  # freed rather than held
 
     def _free_each(self, results: list[dict[str, Any]], why: str) -> None:
-        """Frees each result alone (never raises): one that cannot be freed (malformed) is
-        logged, and costs neither the others nor the caller."""
-        for r in results:
-            try:
-                assert self._store is not None
-                self._store.release(r)
-            except Exception as e:
-                log.warning("capture_arena.speculators: could not free %r (%s): %s", r.get("sample_id"), why, e)
+        if self._store is not None:
+            _free_each(self._store, results, why)
 
     def _release_all(self, lock_wait: float = -1) -> None:
         """Frees every result read and not deleted (at exit; never raises). ``lock_wait``: how
@@ -256,16 +250,22 @@ class CaptureArenaTransfer(HiddenStatesTransfer):
                 store.flush(max(0.0, end - time.monotonic()))
 
 
+def _free_each(store: ArenaFeatureStore, results: list[dict[str, Any]], why: str) -> None:
+    """Frees each result alone (never raises): one that cannot be freed (malformed) is logged,
+    and costs neither the others nor the caller."""
+    for r in results:
+        try:
+            store.release(r)
+        except Exception as e:
+            log.warning("capture_arena.speculators: could not free %r (%s): %s", r.get("sample_id"), why, e)
+
+
 def _free_left(store: ArenaFeatureStore, read: "collections.OrderedDict[str, dict[str, Any]]") -> None:
     """What a transfer collected had read and never deleted, freed (never raises). No lock: the
     transfer is gone, so nothing else uses ``read``."""
     left = list(read.values())
     read.clear()
-    for r in left:
-        try:
-            store.release(r)
-        except Exception as e:
-            log.warning("capture_arena.speculators: could not free %r (its transfer was let go): %s", r.get("sample_id"), e)
+    _free_each(store, left, "its transfer was let go")
     if left:
         log.warning("capture_arena.speculators: freed %d results read and never deleted, as their transfer was let go", len(left))
 
