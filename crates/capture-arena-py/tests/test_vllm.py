@@ -12,6 +12,7 @@ failure (the test command installs it).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -994,6 +995,20 @@ def goes_through(sched: Proc, worker: Proc, rid: str) -> dict[str, Any]:
     return params
 
 
+def wait_held(sched: Proc, read: int) -> None:
+    """Waits until the listener read a line to hold (``delay_delivery``), ``read`` being how
+    many such lines it had read before. Whatever the worker sends from then on
+    comes in a later read: without this wait, a listener thread slow to read (a loaded CI
+    machine, stop 54) took the result line and the report after it in one read, and heard the
+    report the test meant to be lost."""
+    import time
+
+    deadline = time.monotonic() + 20
+    while sched.ask({"delayed": True})["read"] == read:
+        assert time.monotonic() < deadline, "the listener never read the step's result line"
+        time.sleep(0.01)
+
+
 def wait_gated(worker: Proc) -> None:
     """Waits until the worker's copy thread is held at the copy gate (``gate_copies``)."""
     import time
@@ -1041,7 +1056,7 @@ def _a_failed_test_frees_its_captures(request: pytest.FixtureRequest) -> Iterato
     ``finish`` answers published is freed (a capture it did release is freed again: a no-op);
     the real engine's copy gate is opened (a test that failed with it closed would hold every
     later test's copies), and what is left in its arena is freed by prefix (a clean clone on 2026-12-07: one
-    failure there became four)."""
+    failure there became four); a failed test of ``pair`` leaves the next one a new pair."""
     procs: list[Proc] = []
     for name in ("both", "pair"):
         if name in request.fixturenames:
@@ -1056,6 +1071,14 @@ def _a_failed_test_frees_its_captures(request: pytest.FixtureRequest) -> Iterato
     left = [params for p in procs for params in p.published]
     if left:
         release_all(left)
+    if "pair" in request.fixturenames:
+        # A failed test of the pair may leave what no free reaches: a request announced and
+        # never finished holds the scheduler's resets, a copy its worker's arena (stop 54's CI:
+        # one failure became 17). The next test gets a new pair.
+        box = request.getfixturevalue("_pair_box")
+        for p in box[0]:
+            p.close()
+        box[0] = new_pair()
     if "engine" in request.fixturenames:
         import capture_arena as ca
 
@@ -1480,15 +1503,31 @@ def stop(pid: int) -> None:
         time.sleep(0.001)
 
 
+def new_pair() -> tuple[Proc, Proc]:
+    """The engine core's half and the worker's, each in a process of its own (a fresh engine
+    id each time: a replaced pair's listener name is never reused)."""
+    eid = f"pair-{os.getpid()}-{next(_PAIRS)}"
+    return halves("scheduler", eid), halves("worker", eid)
+
+
+_PAIRS = itertools.count()
+
+
 @pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[Proc, Proc]]:
-    """The engine core's half and the worker's, each in a process of its own, shared by the
-    tests that leave the worker's arena empty and both processes running."""
-    eid = f"pair-{os.getpid()}"
-    sched, worker = halves("scheduler", eid), halves("worker", eid)
-    yield sched, worker
-    sched.close()
-    worker.close()
+def _pair_box() -> Iterator[list[tuple[Proc, Proc]]]:
+    """The pair the module's tests share, in a box: a test that fails replaces it
+    (:func:`_a_failed_test_frees_its_captures`)."""
+    box = [new_pair()]
+    yield box
+    for p in box[0]:
+        p.close()
+
+
+@pytest.fixture
+def pair(_pair_box: list[tuple[Proc, Proc]]) -> tuple[Proc, Proc]:
+    """The engine core's half and the worker's, shared by the tests that leave the worker's
+    arena empty, no request announced and both processes running."""
+    return _pair_box[0]
 
 
 def test_the_requests_that_finish_in_one_step_wait_for_their_results_within_one_bound(pair: tuple[Proc, Proc]) -> None:
@@ -1618,12 +1657,14 @@ def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_unti
     sched, worker = pair
     grace = 0.5
     before = worker.ask({"reports_sent": True})["n"]
-    delayed = sched.ask({"delayed": True})["delayed"]
+    counts = sched.ask({"delayed": True})
+    delayed, read = counts["delayed"], counts["read"]
     assert sched.ask({"preempt_grace": grace}) == {"ok": True}
     assert worker.ask({"gate_copies": True}) == {"ok": True}
     try:
         assert sched.ask({"delay_delivery": 1.0}) == {"ok": True}  # the result line is read, then held
         worker.ask({"save": sched.ask({"announce": [["unread", 8]]})["meta"]})
+        wait_held(sched, read)  # read alone: the report comes after it
         assert worker.ask({"gate_copies": False}) == {"ok": True}  # the copy lands: its report goes out
         deadline = time.monotonic() + 20
         while worker.ask({"reports_sent": True})["n"] == before:
@@ -1665,12 +1706,14 @@ def test_a_lost_report_of_a_request_preempted_then_aborted_holds_resets_only_for
     grace = 0.5
     rid = f"preempted-unread-{order}"
     before = worker.ask({"reports_sent": True})["n"]
-    delayed = sched.ask({"delayed": True})["delayed"]
+    counts = sched.ask({"delayed": True})
+    delayed, read = counts["delayed"], counts["read"]
     assert sched.ask({"preempt_grace": grace}) == {"ok": True}
     assert worker.ask({"gate_copies": True}) == {"ok": True}
     try:
         assert sched.ask({"delay_delivery": 1.0 if order == "result_first" else 5.0}) == {"ok": True}
         worker.ask({"save": sched.ask({"announce": [[rid, 8]]})["meta"]})
+        wait_held(sched, read)
         assert worker.ask({"gate_copies": False}) == {"ok": True}
         deadline = time.monotonic() + 20
         while worker.ask({"reports_sent": True})["n"] == before:

@@ -66,7 +66,8 @@ states and 8 of its id. Commands:
   ``{"first_line_s": s}`` (scheduler): ``FIRST_LINE_S`` for the connections it accepts from now
   on; ``{"delay_delivery": s}`` (scheduler): the next line the listener reads waits s between
   its read and its delivery (a listener thread held up), ``{"delayed": true}``: how many such
-  lines were delivered so far; ``{"defer": [pid, n]}`` (scheduler): n made-up keys wait among
+  lines were delivered so far (``"delayed"``) and how many were read, to be held (``"read"``);
+  ``{"defer": [pid, n]}`` (scheduler): n made-up keys wait among
   the frees for that worker process's next connection; ``{"stall_idle": s}`` (worker): the
   answers reader of its next connection is held up s once, after a read that timed out.
 """
@@ -114,7 +115,7 @@ cfg = ns(
     speculative_config=ns(method="extract_hidden_states", draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))),
 )
 sched = worker = None
-delayed = {"s": 0.0, "done": 0}
+delayed = {"s": 0.0, "done": 0, "read": 0}
 requests = {}
 if role in ("scheduler", "both"):
     sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=SLOTS))]))
@@ -530,6 +531,7 @@ for line in sys.stdin:
 
             def _late(*a, real=real_deliver, **k):
                 sched._listener._deliver = real
+                delayed["read"] += 1
                 time.sleep(delayed["s"])  # the instrumented stall (a listener thread held up)
                 try:
                     return real(*a, **k)
@@ -555,7 +557,7 @@ for line in sys.stdin:
             worker._free_expired = _stalled  # read by the reader of the next connection
             answer = {"ok": True}
         elif "delayed" in cmd:  # lines delivered after such a delay so far
-            answer = {"delayed": delayed["done"]}
+            answer = {"delayed": delayed["done"], "read": delayed["read"]}
         else:
             answer = {"error": f"unknown command {cmd}"}
     except BaseException as e:  # a SimulatedPanic that escaped into vLLM's loop, too
