@@ -263,8 +263,7 @@ class ArenaFeatureStore(_Store):
         ``SGLANG_SPEC_CAPTURE_EXIT_FLUSH_S``, 5 s)."""
         t0 = time.monotonic()
         super().flush(timeout_s)
-        if self._store_reader is not None and timeout_s > 0:
-            self._store_reader.flush(max(0.0, timeout_s - (time.monotonic() - t0)))
+        self._flush_store_removals(timeout_s, t0)
 
     def flush_samples(self, store_id: str, sample_ids: list[str], timeout_s: float) -> None:
         """As :meth:`flush`, for the frees of ``sample_ids`` (of ``store_id``) only: frees of
@@ -272,6 +271,12 @@ class ArenaFeatureStore(_Store):
         raise. Removals from the Mooncake store (one master for all) are waited for whole."""
         t0 = time.monotonic()
         super().flush_samples(store_id, sample_ids, timeout_s)
+        self._flush_store_removals(timeout_s, t0)
+
+    def _flush_store_removals(self, timeout_s: float, t0: float) -> None:
+        """The tail of a flush of ``timeout_s`` begun at ``t0``: waits what is left of it for the
+        removals queued for the Mooncake store (raising if they still wait, none left included);
+        a flush of 0 does not wait for them."""
         if self._store_reader is not None and timeout_s > 0:
             self._store_reader.flush(max(0.0, timeout_s - (time.monotonic() - t0)))
 
