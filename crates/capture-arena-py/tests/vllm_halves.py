@@ -64,12 +64,14 @@ states and 8 of its id. Commands:
   announced requests holds n; ``{"send_timeout": s}`` (scheduler): the connections it accepts
   from now on wait up to s for room in a send (``ACK_GRACE_S / 4``; 0.5 unless set);
   ``{"first_line_s": s}`` (scheduler): ``FIRST_LINE_S`` for the connections it accepts from now
-  on; ``{"delay_delivery": s}`` (scheduler): the next line the listener reads waits s between
-  its read and its delivery (a listener thread held up), ``{"delayed": true}``: how many such
-  lines were delivered so far (``"delayed"``) and how many were read, to be held (``"read"``);
+  on; ``{"hold_delivery": bool}`` (scheduler): every line the listener reads from now on waits
+  between its read and its delivery (a listener thread held up) until released (false);
+  ``{"delayed": true}``: how many such lines were delivered so far (``"delayed"``) and how many
+  were read, to be held (``"read"``);
   ``{"defer": [pid, n]}`` (scheduler): n made-up keys wait among
   the frees for that worker process's next connection; ``{"stall_idle": s}`` (worker): the
-  answers reader of its next connection is held up s once, after a read that timed out.
+  answers reader of its next connection is held up s once, after a read that timed out;
+  ``{"shutdown": true}`` (worker): vLLM's shutdown of the worker's connector.
 """
 
 import base64
@@ -115,7 +117,10 @@ cfg = ns(
     speculative_config=ns(method="extract_hidden_states", draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1, 2]))),
 )
 sched = worker = None
-delayed = {"s": 0.0, "done": 0, "read": 0}
+delayed = {"done": 0, "read": 0}
+delivery_gate = threading.Event()  # cleared by hold_delivery: read lines wait to be delivered
+delivery_gate.set()
+held_deliver = []  # the listener's delivery, while hold_delivery holds it
 requests = {}
 if role in ("scheduler", "both"):
     sched = CaptureArenaConnector(cfg, KVConnectorRole.SCHEDULER, ns(kv_cache_groups=[ns(kv_cache_spec=ns(block_size=SLOTS))]))
@@ -219,6 +224,7 @@ class GapCondition(threading.Condition):
         self.meta_b64 = meta_b64
         self.timed_out = False
         self.delivered = threading.Event()
+        self.saver = None  # the thread it starts to hand the result over
 
     def wait(self, timeout=None):
         got = super().wait(timeout)
@@ -229,11 +235,12 @@ class GapCondition(threading.Condition):
     def __exit__(self, *exc):
         me = threading.current_thread()
         r = super().__exit__(*exc)
-        if me is not main:
+        if me is self.saver:  # not another thread's (a copy thread reporting copies over)
             self.delivered.set()  # the hand-over (or its refusal) is done
-        elif self.timed_out and self.meta_b64 is not None:
+        elif me is main and self.timed_out and self.meta_b64 is not None:
             meta, self.meta_b64 = self.meta_b64, None
-            threading.Thread(target=save, args=(meta,), daemon=True).start()
+            self.saver = threading.Thread(target=save, args=(meta,), daemon=True)
+            self.saver.start()
             self.delivered.wait(10)
         return r
 
@@ -504,6 +511,9 @@ for line in sys.stdin:
         elif "fail_reports" in cmd:
             fail_reports[0] = int(cmd["fail_reports"])
             answer = {"ok": True}
+        elif "shutdown" in cmd:  # vLLM's shutdown of the worker's connector (the process goes on)
+            worker.shutdown()
+            answer = {"ok": True}
         elif "reconnect" in cmd:  # the next step's results go over a new connection
             worker._drop_conn()
             answer = {"ok": True}
@@ -526,19 +536,25 @@ for line in sys.stdin:
 
             capture_arena.vllm.FIRST_LINE_S = float(cmd["first_line_s"])
             answer = {"ok": True}
-        elif "delay_delivery" in cmd:  # the listener's next line waits so long between its read and its delivery
-            real_deliver, delayed["s"] = sched._listener._deliver, float(cmd["delay_delivery"])
+        elif "hold_delivery" in cmd:  # every line the listener reads waits after its read until released
+            if cmd["hold_delivery"]:
+                delivery_gate.clear()
+                held_deliver.append(sched._listener._deliver)
 
-            def _late(*a, real=real_deliver, **k):
-                sched._listener._deliver = real
-                delayed["read"] += 1
-                time.sleep(delayed["s"])  # the instrumented stall (a listener thread held up)
-                try:
-                    return real(*a, **k)
-                finally:
-                    delayed["done"] += 1
+                def _held(*a, real=held_deliver[-1], **k):
+                    delayed["read"] += 1
+                    delivery_gate.wait(60)  # the instrumented hold (a listener thread held up)
+                    try:
+                        return real(*a, **k)
+                    finally:
+                        delayed["done"] += 1
 
-            sched._listener._deliver = _late
+                sched._listener._deliver = _held
+            else:
+                if held_deliver:
+                    sched._listener._deliver = held_deliver[0]
+                    held_deliver.clear()
+                delivery_gate.set()
             answer = {"ok": True}
         elif "defer" in cmd:  # n made-up keys wait among the listener's frees for worker pid's next connection
             pid, n = int(cmd["defer"][0]), int(cmd["defer"][1])

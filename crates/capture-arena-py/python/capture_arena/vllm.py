@@ -1206,6 +1206,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     local._copies_over(tags)
                 return
             with self._report_lock:  # one report at a time, so none overtakes what failed before
+                if getattr(self, "_shut", False):  # a copy that outlived shutdown: nobody to tell
+                    log.debug("capture_arena.vllm: shut down; %d copies over not reported", len(self._unreported) + len(tags))
+                    return
                 todo, self._unreported = self._unreported + tags, []
                 if not todo:
                     return
@@ -1420,6 +1423,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         with self._conn_lock:
             if self._conn is not None:
                 return self._conn
+            if getattr(self, "_shut", False):
+                raise OSError("the connector is shut down (vLLM's shutdown): it opens no result connection")
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 # Sends to a scheduler process that reads nothing fail within this; the answers
@@ -1531,10 +1536,15 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._sink._drop_keys(keys)
 
     def shutdown(self) -> None:
+        """vLLM's shutdown of the connector. A worker's copy thread finishes the step it copies
+        (waited for up to the bound plus PREEMPT_GRACE_S; its reports of copies over still go
+        out), then its arena goes; the worker gives up its result channel and opens none again
+        (a copy that outlived that wait reports to nobody, a retry sends nothing). The
+        scheduler's listener stops and shuts the connections it reads."""
         if getattr(self, "_sink", None) is not None:
             self._sink.close()  # type: ignore[union-attr]
         if getattr(self, "_conn_lock", None) is not None:  # a worker's: its result channel goes too
-            self._shut = True  # no report is tried again
+            self._shut = True  # no connection is made again, no report tried
             self._drop_conn()  # its answers' reader wakes, reads what is left and closes it
         if getattr(self, "_listener", None) is not None:
             with _SCHEDULERS_LOCK:
