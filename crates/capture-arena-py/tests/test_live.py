@@ -759,7 +759,7 @@ def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_wh
     port, stop = stalling_server(pattern)
     err, took = call_within(lambda: _live._Route(f"http://127.0.0.1:{port}").request("POST", "/records", b"{}", 1.0, 1 << 20), 10, stop)
     assert isinstance(err, TimeoutError) and "within 1 s" in str(err), err
-    assert 1.0 <= took < 2.0, took
+    assert 1.0 <= took < 5.0, took  # never ended before: room for a loaded machine's late wake-ups
 
 
 def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout_once_with_a_stand_in_resolver(
@@ -767,7 +767,7 @@ def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout
 ) -> None:
     """An intake's name that resolves to several addresses (IPv6 and IPv4, or several hosts),
     none answering a connect: http.client gives each address the whole timeout in turn, so a
-    1 s request took 2 s here, and n s at n addresses. Now one deadline covers them all. The
+    1 s request took 3 s here, and n s at n addresses. Now one deadline covers them all. The
     addresses are real sockets whose accept queue is full (the kernel drops their SYNs); only
     the resolver is a stand-in (this machine's names resolve to one address each)."""
     from capture_arena import _live
@@ -782,7 +782,7 @@ def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout
     def getaddrinfo(host: Any, *a: Any, **k: Any) -> Any:
         if host == "intake.test":
             (one,) = real("127.0.0.1", port, socket.AF_INET, socket.SOCK_STREAM)
-            return [one, one]
+            return [one, one, one]
         return real(host, *a, **k)
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
@@ -795,7 +795,7 @@ def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout
         filler.close()
         srv.close()
     assert isinstance(err.value.__cause__, TimeoutError), err.value.__cause__
-    assert 1.0 <= took < 1.8, f"a 1 s request took {took:.2f} s over two addresses"  # not 2 s
+    assert 1.0 <= took < 2.2, f"a 1 s request took {took:.2f} s over three addresses"  # not 3 s
 
 
 def test_a_name_whose_first_address_drops_connects_reaches_its_second_with_a_stand_in_resolver(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -827,7 +827,7 @@ def test_a_name_whose_first_address_drops_connects_reaches_its_second_with_a_sta
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
     try:
-        status, body = _live._Route(f"http://intake.test:{live}").request("GET", _live.CONFIG_PATH, None, 2.0, 1 << 20)
+        status, body = _live._Route(f"http://intake.test:{live}").request("GET", _live.CONFIG_PATH, None, 4.0, 1 << 20)
     finally:
         filler.close()
         srv.close()
@@ -837,9 +837,9 @@ def test_a_name_whose_first_address_drops_connects_reaches_its_second_with_a_sta
 
 def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_slow_connect_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     """An https intake that accepts and never answers the TLS handshake, reached by a connect
-    that took 0.8 s (a stand-in delay after the real connect). The handshake runs on a socket
+    that took 1.6 s (a stand-in delay after the real connect). The handshake runs on a socket
     detached into an SSLSocket, which the deadline's shutdown did not reach: it ran its own
-    whole timeout from its start, 1.8 s for a 1 s request. Now it is cut at 1 s."""
+    whole timeout from its start, 3.6 s for a 2 s request. Now it is cut at 2 s."""
     from capture_arena import _live
 
     srv = socket.create_server(("127.0.0.1", 0))
@@ -852,7 +852,7 @@ def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_
 
         def connect(*b: Any, **k: Any) -> Any:
             sock = create(*b, **k)
-            time.sleep(0.8)  # the stand-in: a connect that took this long
+            time.sleep(1.6)  # the stand-in: a connect that took this long
             return sock
 
         return connect
@@ -861,13 +861,13 @@ def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_
     t0 = time.monotonic()
     try:
         with pytest.raises(Exception) as err:
-            _live._Route(f"https://127.0.0.1:{srv.getsockname()[1]}").request("POST", "/records", b"{}", 1.0, 1 << 20)
+            _live._Route(f"https://127.0.0.1:{srv.getsockname()[1]}").request("POST", "/records", b"{}", 2.0, 1 << 20)
         took = time.monotonic() - t0
     finally:
         srv.close()
         for c in accepted:
             c.close()
-    assert 1.0 <= took < 1.6, f"a 1 s request took {took:.2f} s in a TLS handshake ({err.value!r})"
+    assert 2.0 <= took < 3.0, f"a 2 s request took {took:.2f} s in a TLS handshake ({err.value!r})"
 
 
 def test_an_address_this_host_cannot_make_a_socket_for_is_tried_past_with_a_stand_in_resolver(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -452,7 +452,7 @@ def test_the_default_post_ends_at_its_timeout_however_slowly_the_server_answers(
     post = SpecForgeArenaStore(store_id="run10").post_fn()
     err, took = call_within(lambda: post(f"http://127.0.0.1:{port}/generate", json_body={"text": "x"}, timeout=1.0), 10, stop)
     assert isinstance(err, TimeoutError) and "within 1 s" in str(err), err
-    assert 1.0 <= took < 2.0, took
+    assert 1.0 <= took < 5.0, took  # never ended before: room for a loaded machine's late wake-ups
 
 
 def test_the_default_posts_failure_to_connect_says_why_in_its_message() -> None:
@@ -538,10 +538,14 @@ def test_a_controller_without_the_producers_token_is_told_its_frees_were_refused
     controller = SpecForgeArenaStore(store_id="tok", controls=[sink.control])  # no token
     for r in rows:
         controller.abort(r["sample_id"], reason="reconciled")
+    # The first try came back refused (refused ones count as such between their back-off's
+    # tries): the drain's error can say why whatever its few short waits (3 x 0.2 s) cover.
+    deadline = time.monotonic() + 10
+    while (h := controller.health())["refused_frees"] != 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     with pytest.raises(RuntimeError, match="missing token") as e:
         controller.drain_pending_removals(max_attempts=3, retry_interval_s=0.2)
     assert "could not deliver 3 frees" in str(e.value)
-    deadline = time.monotonic() + 10  # refused ones count as such between their back-off's tries
     while (h := controller.health())["refused_frees"] != 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert h["release_pending"] == 3 and h["refused_frees"] == 3 and h["dropped_frees"] == 0, h
@@ -610,6 +614,10 @@ def test_a_controller_without_the_token_connects_at_the_rate_its_back_off_allows
     ids = [r["sample_id"] for r in rows]
     for sid in ids:
         controller.abort(sid, reason="reconciled")
+    deadline = time.monotonic() + 10  # refused once (the back-off, not this wait, paces the tries)
+    while controller.health()["refused_frees"] == 0:
+        assert time.monotonic() < deadline, "the producer never refused the frees"
+        time.sleep(0.01)
     with pytest.raises(RuntimeError, match="missing token"):
         drain_feature_store_sample_removals(controller, ids)  # SpecForge's 8 x 0.25 s
     with pytest.raises(RuntimeError, match="missing token"):

@@ -681,7 +681,7 @@ def test_a_release_at_exit_under_a_stalled_master_ends_within_the_exit_flush() -
                 break
         took = time.monotonic() - t0
         assert "still wait after 1.0 s" in seen, seen[-3000:]
-        assert took < 1 + 2, (took, seen[-3000:])
+        assert took < 1 + 5, (took, seen[-3000:])  # 30 s before
         trainer.stderr.read()
         assert trainer.wait(timeout=60) == 0
     finally:

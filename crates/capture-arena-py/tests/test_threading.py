@@ -19,12 +19,11 @@ from conftest import hidden, spec
 def test_the_gil_is_released_while_a_batch_waits_for_frees(make_sink):
     sink = make_sink(arena_bytes="1MiB", wait_s=20.0)
     first = sink.put_sample(spec("a", 16), aux=hidden(16, 24576), last_hidden=hidden(16, 4))
-    took: list[float] = []
+    done_at: list[float] = []
 
     def put() -> None:
-        t0 = time.monotonic()
         r = sink.put_sample(spec("b", 16), aux=hidden(16, 24576), last_hidden=hidden(16, 4))
-        took.append(time.monotonic() - t0)
+        done_at.append(time.monotonic())
         assert "error" not in r
 
     t = threading.Thread(target=put)
@@ -35,9 +34,10 @@ def test_the_gil_is_released_while_a_batch_waits_for_frees(make_sink):
         count += 1
     assert count > 10_000, count
     assert t.is_alive(), "still waiting for a free"
+    released = time.monotonic()
     ca.ArenaFeatureStore().release(first)
     t.join(timeout=20)
-    assert took and took[0] >= 0.3
+    assert done_at and done_at[0] >= released, "published before the free it waited for"
 
 
 def test_many_python_threads_submit_concurrently(make_sink):
@@ -296,7 +296,8 @@ def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyP
     for t in readers:
         t.join()
     assert len(errors) == 3, errors
-    assert all(float(e.split(" s:")[0]) < 1.5 for e in errors), f"a read waited past its deadline: {errors}"
+    # Past the deadline only by a loaded machine's wake-ups; before, until the make ended (30 s).
+    assert all(float(e.split(" s:")[0]) < 5.0 for e in errors), f"a read waited past its deadline: {errors}"
     assert sum("making this process's TransferEngine did not finish within the read's 0.5 s" in e for e in errors) >= 1, errors
     assert len(makes) == 1, f"{len(makes)} engines were being made at once"
     del out
