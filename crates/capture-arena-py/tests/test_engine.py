@@ -456,3 +456,95 @@ def test_a_read_registers_its_outputs_only_once_the_first_look_found_its_objects
     assert out.tolist() == [7] * 16
     assert _StandInTcpEngine.looks == 3, _StandInTcpEngine.looks  # pending; there; there after the copy
     assert _StandInTcpEngine.registered == [8, 8, 16], _StandInTcpEngine.registered  # the words twice, the output once
+
+
+# A producer that publishes sample "r", then (at "go") publishes it again under the same keys
+# (replace=True, other bytes), which frees the first objects and places the new ones in their
+# space; then it waits for every free.
+REPLACING_PRODUCER = r"""
+import json, sys, time, numpy as np, ml_dtypes
+import capture_arena as ca
+
+sink = ca.ArenaSink()
+assert sink.placement == "engine", sink.placement
+
+def put(seed, replace):
+    rng = np.random.default_rng(seed)
+    spec = {"store_id": "st", "sample_id": "r", "gen": 1, "replace": replace,
+            "features": {"aux": "hidden_state", "last_hidden": "target"},
+            "passthrough": [{"name": "input_ids", "data": list(range(64)), "shape": [1, 64], "dtype": "int64"}]}
+    aux = rng.standard_normal((64, 768), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    last = rng.standard_normal((64, 256), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return sink.put_sample(spec, aux=aux, last_hidden=last)
+
+print(json.dumps(put(0, False)), flush=True)
+sys.stdin.readline()
+print(json.dumps(put(1, True)), flush=True)
+deadline = time.time() + 60
+while time.time() < deadline and sink.stats()["resident_objects"]:
+    time.sleep(0.05)
+st = sink.stats()
+print(json.dumps({"stats": st}), flush=True)
+sys.exit(0 if st["resident_objects"] == 0 and st["free_bytes"] == st["capacity"] else 1)
+"""
+
+# The trainer: reads the first result, then (given the second) the first again and the second.
+REPLACED_READER = r"""
+import json, sys
+import numpy as np
+import capture_arena as ca
+
+store = ca.ArenaFeatureStore()
+first = json.loads(sys.stdin.readline())
+before = store.get(first)
+print("read", flush=True)
+again = json.loads(sys.stdin.readline())
+outcome = {}
+try:
+    got = store.get(first)
+    outcome["first"] = "returned " + ("the new bytes" if not np.array_equal(got["hidden_state"].view(np.uint16), before["hidden_state"].view(np.uint16)) else "its own bytes")
+except KeyError as e:
+    outcome["first"] = f"{type(e).__name__}: {e}"
+new = store.get(again)
+outcome["again_differs"] = not np.array_equal(new["hidden_state"].view(np.uint16), before["hidden_state"].view(np.uint16))
+store.release(first)  # a stale free: frees nothing of the new sample
+store.release(again)
+store.flush(10)
+print(json.dumps(outcome), flush=True)
+"""
+
+
+@needs_mooncake
+def test_a_read_through_a_transfer_engine_of_an_object_whose_space_holds_another_now_fails_with_object_changed() -> None:
+    """A trainer holds a result; its producer publishes the sample again under the same keys
+    (a retried capture), so the first objects are freed and the new ones placed in their space.
+    Reading the first result through the TransferEngine raises ObjectChangedError, naming the
+    key, rather than returning the new sample's bytes (docs/protocol.md's stamp rule; until
+    2026-12-07 tested over shared memory only); the new result reads, and the first result's
+    late release frees nothing of it."""
+    p = subprocess.Popen([sys.executable, "-c", REPLACING_PRODUCER], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    t = subprocess.Popen([sys.executable, "-c", REPLACED_READER], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdin is not None and p.stdout is not None and t.stdin is not None and t.stdout is not None
+        (first,) = _results(p, 1)
+        t.stdin.write(first)
+        t.stdin.flush()
+        assert t.stdout.readline() == "read\n"
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        (again,) = _results(p, 1)
+        t.stdin.write(again)
+        t.stdin.flush()
+        line = t.stdout.readline()
+        assert line, t.stderr.read() if t.stderr is not None else ""
+        outcome = json.loads(line)
+        assert outcome["first"].startswith("ObjectChangedError: st/r/g1/") and "holds another object now" in outcome["first"], outcome
+        assert outcome["again_differs"] is True, outcome
+        assert t.wait(timeout=60) == 0
+        final = json.loads(p.stdout.readline())
+        assert p.wait(timeout=60) == 0, final
+        keys = len(json.loads(first)["features"])  # hidden_state, target, input_ids
+        assert final["stats"]["stale_frees"] == keys == 3, final  # the first result's keys: nothing of the new one
+    finally:
+        p.kill()
+        t.kill()
