@@ -762,7 +762,7 @@ def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_wh
     assert 1.0 <= took < 5.0, took  # never ended before: room for a loaded machine's late wake-ups
 
 
-def test_a_name_with_two_addresses_that_never_answer_costs_a_request_its_timeout_once_with_a_stand_in_resolver(
+def test_a_name_with_three_addresses_that_never_answer_costs_a_request_its_timeout_once_with_a_stand_in_resolver(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An intake's name that resolves to several addresses (IPv6 and IPv4, or several hosts),
