@@ -618,3 +618,22 @@ fn the_engine_placement_needs_memory_from_its_engine() {
     let sink = Sink::new(Config { eager: true, ..c }).unwrap();
     assert!(sink.started().is_none());
 }
+
+#[test]
+fn a_restarted_producer_does_not_repeat_its_predecessors_stamps() {
+    // docs/placements.md, "Stamps": a producer's stamps start at random, so a trainer holding a
+    // result of a producer restarted over the same memory (an engine or device arena may come
+    // back at the same addresses) never finds that result's stamp on the new producer's objects.
+    // Two producers in turn publish the same sample into arenas of the same size.
+    let first_stamp = || {
+        let w = Writer::start(&config(1 << 20, Duration::from_secs(1))).unwrap();
+        let r = w.submit(vec![sample("a", &[100])]).unwrap().wait().unwrap();
+        r[0].features["t0"].stamp.unwrap()
+    };
+    let (before, after) = (first_stamp(), first_stamp());
+    assert_ne!(
+        before, after,
+        "the restarted producer's first stamp is its predecessor's"
+    );
+    assert!(before >= 1 && after >= 1);
+}
