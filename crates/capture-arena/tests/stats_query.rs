@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use capture_arena::client::StatsQuery;
 use capture_arena::control::{
-    StatsReport, STATS_INTERVAL, STATS_LINE, STATS_STORES, STATS_TABLE_INTERVAL,
+    StatsReport, STATS_ANSWERS_PER_SECOND, STATS_INTERVAL, STATS_LINE, STATS_STORES,
+    STATS_TABLE_INTERVAL,
 };
 use capture_arena::{Config, Writer};
 use util::*;
@@ -212,4 +213,56 @@ fn an_answer_trickled_a_byte_at_a_time_ends_at_the_timeout() {
     );
     drop(q);
     peer.join().unwrap();
+}
+
+#[test]
+fn stats_are_answered_at_most_1000_times_a_second_over_all_connections() {
+    // docs/protocol.md: a stats request is answered at most once per STATS_INTERVAL on its
+    // connection and STATS_ANSWERS_PER_SECOND (1000) times a second in all; the others count as
+    // bad lines. 150 connections ask every 105 ms, 8 times: 1,200 requests, each due on its
+    // connection, inside one second. At most 1,000 are answered. A window of the server's begins
+    // with the first request a second or more after the last began; a run that this machine
+    // made outlast the second (its requests would fall in two windows) is tried again, three
+    // times at most.
+    const CONNS: usize = 150;
+    const ROUNDS: usize = 8;
+    const ROUND_GAP: Duration = Duration::from_millis(105);
+    let mut took = Vec::new();
+    for _ in 0..3 {
+        let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+        let control = w.arena_ref().control.clone();
+        let mut conns: Vec<TcpStream> = (0..CONNS)
+            .map(|_| TcpStream::connect(&control).unwrap())
+            .collect();
+        // The window that began with the server is over once a second has passed.
+        std::thread::sleep(Duration::from_millis(1100));
+        let t0 = std::time::Instant::now();
+        StatsQuery::connect(&control, None, T)
+            .unwrap()
+            .ask()
+            .unwrap(); // begins a window, at t0 or later
+        for round in 0..ROUNDS {
+            for c in &mut conns {
+                writeln!(c, "{STATS_LINE}").unwrap();
+            }
+            if round + 1 < ROUNDS {
+                std::thread::sleep(ROUND_GAP);
+            }
+        }
+        let asked = (CONNS * ROUNDS) as u64 + 1;
+        let (s, ok) = w.wait_for(T, |s| s.stats_requests + s.bad_lines == asked);
+        assert!(ok, "{s:?}");
+        if t0.elapsed() < Duration::from_secs(1) {
+            // Every request was taken within the window that the first one began.
+            assert!(
+                s.stats_requests <= u64::from(STATS_ANSWERS_PER_SECOND),
+                "{} of {asked} stats requests answered within one second",
+                s.stats_requests
+            );
+            assert_eq!(STATS_ANSWERS_PER_SECOND, 1000);
+            return;
+        }
+        took.push(t0.elapsed());
+    }
+    panic!("each run outlasted the one-second window (took {took:?}): the bound was not shown");
 }
