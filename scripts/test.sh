@@ -82,11 +82,12 @@ if ! command -v g++ >/dev/null || ! have_libclang; then
   $SUDO apt-get $APT_LOCK_WAIT install -y -qq libclang-dev g++
 fi
 
-step "network namespaces for the cluster tests (iproute2's ip; unshare and mount from util-linux)"
-# tests/cluster.py builds hosts from network, UTS and mount namespaces (as root, as CI runs).
-if ! command -v ip >/dev/null || ! command -v unshare >/dev/null; then
+step "network namespaces for the cluster tests (iproute2's ip; unshare and mount from util-linux); openssl for an https intake's certificate"
+# tests/cluster.py builds hosts from network, UTS and mount namespaces (as root, as CI runs);
+# test_live.py makes a certificate for an https intake with the openssl command.
+if ! command -v ip >/dev/null || ! command -v unshare >/dev/null || ! command -v openssl >/dev/null; then
   $SUDO apt-get $APT_LOCK_WAIT update -qq
-  $SUDO apt-get $APT_LOCK_WAIT install -y -qq iproute2 util-linux
+  $SUDO apt-get $APT_LOCK_WAIT install -y -qq iproute2 util-linux openssl
 fi
 
 step "shared memory: /dev/shm holds the tests' arenas (up to 1.2 GiB at once in one test file, 2.4 GiB in the two that run side by side)"

@@ -39,10 +39,11 @@ class _Served:
     """A test HTTP server on 127.0.0.1 (``_server``): its URL, and stopping it."""
 
     _server: ThreadingHTTPServer
+    _scheme = "http"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"{self._scheme}://127.0.0.1:{self._server.server_address[1]}"
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -53,7 +54,10 @@ class Intake(_Served):
     """The intake server on 127.0.0.1 (see the module docs), on ``port`` if given (an intake
     started again where a stopped one was). ``on_record`` may be replaced while it runs."""
 
-    def __init__(self, config: Mapping[str, Any], on_record: OnRecord, dedup_capacity: int = 65536, port: int = 0) -> None:
+    def __init__(
+        self, config: Mapping[str, Any], on_record: OnRecord, dedup_capacity: int = 65536, port: int = 0, tls: Optional[tuple[str, str]] = None
+    ) -> None:
+        """``tls`` (a certificate file and its key file): the intake speaks https."""
         self.config = dict(config)
         self.on_record = on_record
         self.counts = collections.Counter[str]()
@@ -112,6 +116,13 @@ class Intake(_Served):
 
         self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
+        if tls is not None:  # each accepted connection's handshake runs on its handler's thread
+            import ssl
+
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*tls)
+            self._server.socket = ctx.wrap_socket(self._server.socket, server_side=True, do_handshake_on_connect=False)
+            self._scheme = "https"
         self._thread = threading.Thread(target=self._server.serve_forever, name="test-intake", daemon=True)
         self._thread.start()
 
@@ -224,7 +235,8 @@ class ForwardProxy(_Served):
     """An HTTP forward proxy on 127.0.0.1 (what ``http_proxy`` names): takes requests for
     absolute URLs, forwards them, and counts them by method and path (``seen``); answers 502
     when the upstream refuses the connection or closes it without an answer, as nginx and squid
-    do."""
+    do. A ``CONNECT host:port`` (https through the proxy) is answered 200 and tunnelled: bytes
+    go both ways until either side closes (counted as ``CONNECT host:port``)."""
 
     def __init__(self, credentials: Optional[str] = None) -> None:
         """``credentials`` (``user:password``): the proxy answers 407 to a request without them
@@ -241,14 +253,53 @@ class ForwardProxy(_Served):
             def log_message(self, *a: Any) -> None:
                 pass
 
+            def _refused(self) -> bool:
+                if wanted is None or self.headers.get("Proxy-Authorization") == wanted:
+                    return False
+                proxy.seen["refused"] += 1
+                self.send_response(407)
+                self.send_header("Proxy-Authenticate", 'Basic realm="test"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
+
+            def do_CONNECT(self) -> None:
+                if self._refused():
+                    return
+                proxy.seen[f"CONNECT {self.path}"] += 1
+                host, port = self.path.rsplit(":", 1)
+                try:
+                    upstream = socket.create_connection((host, int(port)), timeout=30)
+                except OSError as e:
+                    self.send_error(502, f"Bad Gateway: {e}")
+                    return
+                self.send_response(200, "Connection established")
+                self.end_headers()
+                self.wfile.flush()
+                self.close_connection = True
+
+                def pipe(src: socket.socket, dst: socket.socket) -> None:
+                    try:
+                        while data := src.recv(65536):
+                            dst.sendall(data)
+                    except OSError:
+                        pass
+                    finally:
+                        for sock in (src, dst):
+                            try:
+                                sock.shutdown(socket.SHUT_RDWR)
+                            except OSError:
+                                pass
+
+                back = threading.Thread(target=pipe, args=(upstream, self.connection), daemon=True)
+                back.start()
+                pipe(self.connection, upstream)
+                back.join(30)
+                upstream.close()
+
             def _forward(self) -> None:
                 url = urllib.parse.urlsplit(self.path)
-                if wanted is not None and self.headers.get("Proxy-Authorization") != wanted:
-                    proxy.seen["refused"] += 1
-                    self.send_response(407)
-                    self.send_header("Proxy-Authenticate", 'Basic realm="test"')
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                if self._refused():
                     return
                 proxy.seen[f"{self.command} {url.path}"] += 1
                 length = int(self.headers.get("Content-Length") or "0")

@@ -1006,6 +1006,54 @@ def test_a_proxy_that_needs_credentials_gets_those_its_variable_names(monkeypatc
         assert proxy.seen == {f"GET {_live.CONFIG_PATH}": 1}, proxy.seen
 
 
+@pytest.mark.parametrize("password", ["p%40ss", "wrong"])
+def test_an_https_intake_is_reached_through_the_proxys_tunnel_with_its_variables_credentials(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, password: str
+) -> None:
+    """``https_proxy`` names a proxy for an https intake: the request goes through a CONNECT
+    tunnel (the proxy sees only that), carrying the variable's credentials to the proxy, and
+    the intake's certificate is checked as for a direct request (a certificate made for the
+    test, trusted through SSL_CERT_FILE). Wrong credentials get the proxy's 407 to the CONNECT:
+    nothing reaches the intake, and the request counts as not sent. Documented in
+    docs/sglang.md, and held by no test before (HARDENING's list)."""
+    import subprocess
+
+    from capture_arena import _live
+
+    cert, key = tmp_path / "intake.pem", tmp_path / "intake.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    intake = Intake(config_payload("st"), lambda record: ("accepted", None), tls=(str(cert), str(key)))
+    proxy = ForwardProxy(credentials="trainer:p@ss")
+    port = intake.url.rsplit(":", 1)[1]
+    err, status, body = None, 0, b""
+    try:
+        monkeypatch.setenv("https_proxy", f"http://trainer:{password}@127.0.0.1:{proxy.url.rsplit(':', 1)[1]}")
+        route = _live._Route(intake.url)
+        try:
+            status, body = route.request("GET", _live.CONFIG_PATH, None, 5.0, 1 << 20)
+        except _live._NotSent as e:
+            err = e
+        shown = route.describe()
+    finally:
+        proxy.stop()
+        intake.stop()
+    assert intake.url.startswith("https://") and "from https_proxy" in shown, shown
+    assert "trainer" not in shown and password not in shown and "p@ss" not in shown, shown
+    if password == "wrong":
+        assert err is not None and "407" in str(err.__cause__), err
+        assert proxy.seen == {"refused": 1} and intake.counts["config"] == 0, (proxy.seen, intake.counts)
+    else:
+        assert err is None and status == 200 and json.loads(body)["store_id"] == "st", (err, status, body)
+        assert proxy.seen == {f"CONNECT 127.0.0.1:{port}": 1} and intake.counts["config"] == 1, (proxy.seen, intake.counts)
+
+
 def test_an_intake_that_redirects_a_record_has_it_refused_after_one_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any non-2xx answer is a refusal and redirects are not followed (docs/sglang.md): an intake
     answering 307 to a record gets one attempt, counted as rejected, and the redirect's target
