@@ -35,7 +35,7 @@ def step(sink: Any, reqs: int, n: int, sliced: bool) -> float:
     """One step's GIL-held part: slicing (the build before) and reading its requests."""
     ids = [[(i * 7919 + j) % 150000 for j in range(n)] for i in range(reqs)]  # vLLM's lists of ints
     blocks = [list(range(i * -(-n // BLOCK), (i + 1) * -(-n // BLOCK))) for i in range(reqs)]
-    cache = (4096, 4096, (0, 0, 0), BLOCK, 3, 32)  # never read: every request is refused first
+    cache = (4096, 4096, (0, 0, 0), BLOCK, 3, 32, 1)  # never read: every request is refused first
     t = time.perf_counter()
     if sliced:  # (keys, ids_at, token_ids[:n], rows_at, rows_len, block_ids)
         todo: list[Any] = [([], 0, x[:n], 0, 0, b) for x, b in zip(ids, blocks)]

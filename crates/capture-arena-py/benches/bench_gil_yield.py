@@ -43,7 +43,7 @@ def main() -> None:
     bs, n, hold = 1024, a.ids, a.hold
     blocks = -(-n // bs)
     kv = torch.zeros(blocks, 1, bs, 1, dtype=torch.bfloat16)
-    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, 1, 2)
+    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, 1, 2, kv.shape[0])
     sink = ca.ArenaSink(arena_bytes=max(64 << 20, 16 * n), wait_s=2)
     sink._start(None)
     try:

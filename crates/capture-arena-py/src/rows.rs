@@ -69,14 +69,16 @@ pub(crate) type RequestArgs<'py> = (
     Bound<'py, PyList>,
 );
 
-/// A paged cache as Python passes it: `(base, bytes, strides, block_size, k, row_bytes)`.
-pub(crate) type PagedArgs = (u64, u64, (u64, u64, u64), u64, u64, u64);
+/// A paged cache as Python passes it: `(base, bytes, strides, block_size, k, row_bytes,
+/// blocks)`.
+pub(crate) type PagedArgs = (u64, u64, (u64, u64, u64), u64, u64, u64, u64);
 
 /// The cache Python describes.
-pub(crate) fn paged((base, len, strides, block_size, k, row_bytes): PagedArgs) -> Paged {
+pub(crate) fn paged((base, len, strides, block_size, k, row_bytes, blocks): PagedArgs) -> Paged {
     Paged {
         base,
         len,
+        blocks,
         strides,
         block_size,
         k,

@@ -936,8 +936,9 @@ impl PySink {
     }
 
     /// Copies a step's requests from a paged cache (`cache`: `(base, bytes, strides, block_size,
-    /// k, row_bytes)`; each `(block, layer, slot)` row `row_bytes` contiguous at `base + block *
-    /// strides[0] + layer * strides[1] + slot * strides[2]`) into their reserved objects, one
+    /// k, row_bytes, blocks)`; each `(block, layer, slot)` row `row_bytes` contiguous at `base +
+    /// block * strides[0] + layer * strides[1] + slot * strides[2]`, for a block below `blocks`,
+    /// all within the `bytes` from `base`) into their reserved objects, one
     /// after another, the GIL held only to read their ids (in holds of at most `ids_per_hold`
     /// ids, each hold's requests then copied without it), and finishes each one's writes as
     /// soon as its bytes have landed, then sets its flag in `landed` (request `j` is flag

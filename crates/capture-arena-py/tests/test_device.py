@@ -321,7 +321,7 @@ assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) =
 cache = np.random.default_rng(3).integers(0, 1 << 16, size=BLOCKS * BS * K * H, dtype=np.uint16)
 assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cache.nbytes)) == 0
 ctypes.memmove(ptr.value, cache.ctypes.data, cache.nbytes)
-layout = (ptr.value, cache.nbytes, (BS * K * H * 2, H * 2, K * H * 2), BS, K, H * 2)
+layout = (ptr.value, cache.nbytes, (BS * K * H * 2, H * 2, K * H * 2), BS, K, H * 2, BLOCKS)
 
 device_arena = sys.argv[1] == "device"
 sink = ca.ArenaSink(arena_bytes=1 << 20, gpu_put=device_arena, wait_s=2, aux_layer_ids=[1, 2, 3])
@@ -344,7 +344,7 @@ copies = [(keys, at["token_ids"], ids[i], n, at["hidden_states"], n * K * H * 2,
           for (keys, at, _), (i, _, n, blocks) in zip(rows, requests)]
 # Holds of 4 ids: "a" (10) read alone, then "b" with "far".
 why = sink._copy_requests_rows_device(_DeviceRows(0), layout, copies, landed, 0, 0, 4)
-assert why[0] is None and why[1] is None and "(block 9) lie outside the cache" in why[2], why
+assert why[0] is None and why[1] is None and "block 9 is not in the cache, which has 8 blocks" in why[2], why
 assert "reading its token ids" in why[3] and seen == [True], (why, seen)
 assert [landed[i] for i in range(4)] == [True, True, True, True]
 for (_, _, row), (_, _, _, blocks) in zip(rows[:2], requests):
@@ -407,7 +407,7 @@ BLOCKS, K, BS, H = 4, 2, 4, 16
 cache = np.arange(BLOCKS * K * BS * H, dtype=np.uint16)
 assert cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(cache.nbytes)) == 0
 ctypes.memmove(ptr.value, cache.ctypes.data, cache.nbytes)
-layout = (ptr.value, cache.nbytes, (K * BS * H * 2, BS * H * 2, H * 2), BS, K, H * 2)
+layout = (ptr.value, cache.nbytes, (K * BS * H * 2, BS * H * 2, H * 2), BS, K, H * 2, BLOCKS)
 sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2)
 sink._start(None)
 base, size = sink.local_region

@@ -2589,6 +2589,51 @@ def test_the_torch_fallback_copies_exact_rows_through_fixed_staging_buffers_on_c
         sink.close()
 
 
+def test_a_block_id_past_the_caches_own_blocks_fails_its_request_though_the_buffer_under_it_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's layer caches are views into buffers that other layers share, so a block id at or
+    past the cache's own blocks may still lie inside the storage under it. Such a request fails
+    alone, naming the block and the cache's count, and its readers fail; the step's other
+    request is copied exactly (before: the bound was the storage's bytes, and the request got
+    the other layer's bytes as its rows, reported as a good copy)."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena._capture_arena import _Landed
+    from capture_arena.vllm import _Rows
+
+    k, bs, h, blocks = 2, 4, 8, 4
+    buf = torch.randn(2 * blocks, k, bs, h, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    kv = buf[:blocks]  # this layer's cache; buf[blocks:] another layer's
+    sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2)
+    sink._start(None)
+    try:
+        steps = [("good", [3, 1]), ("past", [blocks, 1])]
+        reserved = sink._reserve_rows_begin("st", "bfloat16", k * h, [(rid, 1, 8) for rid, _ in steps], within_s=2).wait_dicts()
+        todo = [
+            (SimpleNamespace(req_id=rid, n=8, token_ids=list(range(8)), block_ids=b), keys, at)
+            for (rid, b), (keys, at, _) in zip(steps, reserved)
+        ]
+        with caplog.at_level(logging.ERROR, logger="capture_arena"):
+            copied = _Rows(kv, sink)._copy_native(todo, _Landed(2))
+        assert copied == [True, False], (copied, caplog.text)
+        assert f"block {blocks} is not in the cache, which has {blocks} blocks" in caplog.text, caplog.text
+        with ca.ArenaFeatureStore() as store:
+            good, past = (row for _, _, row in reserved)
+            got = store.get(good)["hidden_states"].reshape(8, k * h)
+            want = torch.cat([kv[b].permute(1, 0, 2).reshape(bs, k * h) for b in (3, 1)])
+            assert np.array_equal(got.view(np.uint16), want.view(torch.int16).numpy().view(np.uint16))
+            with pytest.raises(ca.WriteFailedError):
+                store.get(past)
+            store.release(good)
+            store.release(past)
+    finally:
+        sink.close()
+
+
 def test_a_steps_copy_reads_ids_in_bounded_holds_of_the_gil_and_ids_it_cannot_read_fail_their_request_alone() -> None:
     """The copy thread reads the requests' token ids (vLLM's lists, with the GIL) in holds of at
     most ``ids_per_hold`` ids (default 2^17, about 0.7 ms), each hold's requests copied with the
@@ -2604,7 +2649,7 @@ def test_a_steps_copy_reads_ids_in_bounded_holds_of_the_gil_and_ids_it_cannot_re
 
     blocks, k, bs, h, n = 8, 3, 4, 16, 6
     kv = torch.randn(blocks, k, bs, h, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, k, h * 2)
+    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, k, h * 2, kv.shape[0])
     sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2, aux_layer_ids=[1, 2, 3])
     sink._start(None)
     try:
@@ -2665,7 +2710,7 @@ def test_a_request_longer_than_a_hold_of_the_gil_lets_it_go_between_its_holds() 
     k, bs, h = 1, 1024, 1
     blocks = n // bs
     kv = torch.randn(blocks, k, bs, h, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, k, h * 2)
+    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, k, h * 2, kv.shape[0])
     sink = ca.ArenaSink(arena_bytes=64 << 20, wait_s=2)
     sink._start(None)
     grows, stop = Grows([0]), threading.Event()

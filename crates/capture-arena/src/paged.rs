@@ -14,13 +14,16 @@
 /// Where a request's rows are in a paged cache `[blocks, k, block_size, row]` (in bytes, through
 /// its strides): each `(block, layer, slot)` row is `row_bytes` contiguous bytes at
 /// `base + block * strides.0 + layer * strides.1 + slot * strides.2`, all inside
-/// `[base, base + len)`.
+/// `[base, base + len)`, for `block < blocks`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Paged {
     /// The cache's first byte (an address in this process: host or device memory).
     pub base: u64,
-    /// The cache's bytes from `base`.
+    /// The cache's bytes from `base` (the tensor's own extent, not the storage it views: vLLM's
+    /// caches are views into buffers other layers share).
     pub len: u64,
+    /// The cache's blocks: a block id is below it.
+    pub blocks: u64,
     /// The strides of blocks, layers and slots, in bytes.
     pub strides: (u64, u64, u64),
     /// Slots (tokens) per block.
@@ -73,17 +76,23 @@ impl Paged {
     /// Why not, naming the numbers: sizes that do not match, too few blocks, a row outside the
     /// cache.
     pub fn plan(&self, dst_len: u64, block_ids: &[u64], n: u64) -> Result<Vec<Strip>, String> {
-        let kr = self
-            .k
-            .checked_mul(self.row_bytes)
-            .ok_or_else(|| "the rows' size overflows".to_owned())?;
+        self.check()?;
+        let kr = self.k.checked_mul(self.row_bytes).ok_or_else(|| {
+            format!(
+                "the rows' size overflows ({} layers of {} bytes)",
+                self.k, self.row_bytes
+            )
+        })?;
         let want = n
             .checked_mul(kr)
-            .ok_or_else(|| "the rows' size overflows".to_owned())?;
+            .ok_or_else(|| format!("the rows' size overflows ({n} rows of {kr} bytes)"))?;
         if want != dst_len {
             return Err(format!(
-                "{n} rows of {} x {} bytes do not fill the {dst_len}-byte object",
-                self.k, self.row_bytes
+                "{n} rows of {} x {} bytes (one per token id read) do not fill the {dst_len}-byte \
+                 object of {} rows",
+                self.k,
+                self.row_bytes,
+                dst_len / kr
             ));
         }
         if self.block_size == 0 || n > (block_ids.len() as u64).saturating_mul(self.block_size) {
@@ -100,6 +109,12 @@ impl Paged {
             let first = j as u64 * self.block_size;
             if first >= n {
                 break;
+            }
+            if block >= self.blocks {
+                return Err(format!(
+                    "block {block} is not in the cache, which has {} blocks",
+                    self.blocks
+                ));
             }
             let height = self.block_size.min(n - first);
             for layer in 0..if slot_whole { 1 } else { self.k } {
@@ -118,14 +133,41 @@ impl Paged {
                 let inside = s.ends().is_some_and(|(a, b)| a <= self.len && b <= dst_len);
                 if !inside {
                     return Err(format!(
-                        "rows {first}..{} of layer {layer} (block {block}) lie outside the cache",
-                        first + height
+                        "rows {first}..{} of layer {layer} (block {block}) lie outside the cache \
+                         ({} bytes, strides {:?})",
+                        first + height,
+                        self.len,
+                        self.strides
                     ));
                 }
                 push_strip(&mut strips, s);
             }
         }
         Ok(strips)
+    }
+
+    /// Whether the description can be planned from at all: a cache at an address, whose range
+    /// does not wrap, with blocks, layers and rows of some size.
+    fn check(&self) -> Result<(), String> {
+        let end = self.base.checked_add(self.len);
+        if self.base == 0
+            || end.is_none()
+            || self.block_size == 0
+            || self.k == 0
+            || self.row_bytes == 0
+        {
+            return Err(format!(
+                "the cache is not one to copy from (base {:#x}, {} bytes, {} blocks of {} slots, \
+                 {} layers of {} bytes)",
+                self.base, self.len, self.blocks, self.block_size, self.k, self.row_bytes
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether the cache's bytes and `[at, at + size)` share any.
+    fn overlaps(&self, (at, size): (u64, u64)) -> bool {
+        at < self.base.saturating_add(self.len) && self.base < at.saturating_add(size)
     }
 }
 
@@ -218,8 +260,14 @@ impl Request {
         let ids_len = (self.ids.len() as u64) * 8;
         if !inside(arena, self.ids_dst, ids_len) || !inside(arena, self.rows_dst, self.rows_len) {
             return Err(format!(
-                "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's arena",
-                self.ids_dst, self.rows_dst, self.rows_len
+                "[{:#x}, +{ids_len}) or [{:#x}, +{}) is not in this sink's arena [{:#x}, +{})",
+                self.ids_dst, self.rows_dst, self.rows_len, arena.0, arena.1
+            ));
+        }
+        if src.overlaps(arena) {
+            return Err(format!(
+                "the cache [{:#x}, +{}) and this sink's arena [{:#x}, +{}) overlap",
+                src.base, src.len, arena.0, arena.1
             ));
         }
         src.plan(self.rows_len, &self.block_ids, self.ids.len() as u64)
@@ -721,6 +769,7 @@ mod tests {
         let src = Paged {
             base: bytes.as_ptr() as u64,
             len,
+            blocks,
             strides,
             block_size: bs,
             k,
@@ -810,11 +859,40 @@ mod tests {
         assert!(src
             .plan(6 * 2 * 8, &[1, 9], 6)
             .unwrap_err()
-            .contains("(block 9) lie outside the cache"));
+            .contains("block 9 is not in the cache, which has 2 blocks"));
         assert!(src
             .plan(2 * 2 * 8, &[u64::MAX], 2)
             .unwrap_err()
-            .contains("outside the cache"));
+            .contains("not in the cache"));
+        // A block id below the count whose rows still lie past the bytes given (a cache
+        // described with fewer bytes than its blocks span).
+        let short = Paged { len: 100, ..src };
+        assert!(short
+            .plan(6 * 2 * 8, &[0, 1], 6)
+            .unwrap_err()
+            .contains("(block 1) lie outside the cache (100 bytes"));
+        // Descriptions nothing can be copied from.
+        for bad in [
+            Paged { base: 0, ..src },
+            Paged {
+                base: u64::MAX - 8,
+                ..src
+            },
+            Paged { k: 0, ..src },
+            Paged {
+                row_bytes: 0,
+                ..src
+            },
+            Paged {
+                block_size: 0,
+                ..src
+            },
+        ] {
+            assert!(bad
+                .plan(0, &[0], 0)
+                .unwrap_err()
+                .contains("the cache is not one to copy from"));
+        }
     }
 
     #[test]
@@ -825,6 +903,7 @@ mod tests {
         let src = Paged {
             base: bytes.as_ptr() as u64,
             len: 64,
+            blocks: 2,
             strides: (32, 16, 0),
             block_size: 4,
             k: 2,
@@ -887,7 +966,7 @@ mod tests {
             why[2]
                 .as_deref()
                 .unwrap()
-                .contains("(block 9) lie outside the cache"),
+                .contains("block 9 is not in the cache, which has 4 blocks"),
             "{why:?}"
         );
         for at in [0usize, 3072] {
@@ -912,5 +991,35 @@ mod tests {
         assert!(
             arena[1024..2048].iter().all(|&b| b == 0) && arena[2048..3072].iter().all(|&b| b == 0)
         );
+    }
+
+    #[test]
+    fn a_cache_that_overlaps_the_arena_copies_nothing() {
+        // An arena never lies in a cache (the copy's memcpy assumes it): described so, every
+        // request fails before any byte is written.
+        let (k, bs, row) = (2u64, 4u64, 8u64);
+        let (mut bytes, src) = cache(4, k, bs, row, false);
+        let before = bytes.clone();
+        let base = bytes.as_mut_ptr() as u64;
+        // The cache is 256 bytes; the "arena" its second half and past it, the request's
+        // destinations in the cache's own bytes (were they written, `bytes` would change).
+        let request = Request {
+            keys: vec!["a".into()],
+            ids_dst: base + 128,
+            ids: vec![1, 2],
+            rows_dst: base + 160,
+            rows_len: 2 * k * row,
+            block_ids: vec![0],
+        };
+        let mut finished = Vec::new();
+        // SAFETY: every destination lies in `bytes`, which lives for the call.
+        let why = unsafe {
+            copy_requests(&src, (base + 128, 256), vec![request], |i, _, ok| {
+                finished.push((i, ok))
+            })
+        };
+        assert_eq!(finished, [(0, false)]);
+        assert!(why[0].as_deref().unwrap().contains("overlap"), "{why:?}");
+        assert_eq!(bytes, before);
     }
 }

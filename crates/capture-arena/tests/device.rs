@@ -878,6 +878,7 @@ fn device_cache(
     let paged = capture_arena::paged::Paged {
         base: cache.ptr(),
         len,
+        blocks,
         strides,
         block_size: bs,
         k,
@@ -1010,7 +1011,7 @@ fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_
         why[1]
             .as_deref()
             .unwrap()
-            .contains("(block 9) lie outside the cache"),
+            .contains("block 9 is not in the cache"),
         "{why:?}"
     );
     for (at, blocks) in [(0usize, [3u64, 1]), (512, [0, 2])] {

@@ -116,7 +116,7 @@ class _ArenaSink:
     def _local_region(self) -> Optional[tuple[int, int]]: ...
     def _copy_requests_rows(
         self,
-        cache: tuple[int, int, tuple[int, int, int], int, int, int],
+        cache: tuple[int, int, tuple[int, int, int], int, int, int, int],
         requests: list[tuple[list[str], int, list[int], int, int, int, list[int]]],
         landed: _Landed,
         first: int = 0,
@@ -128,7 +128,7 @@ class _ArenaSink:
     def _copy_requests_rows_device(
         self,
         rows: _DeviceRows,
-        cache: tuple[int, int, tuple[int, int, int], int, int, int],
+        cache: tuple[int, int, tuple[int, int, int], int, int, int, int],
         requests: list[tuple[list[str], int, list[int], int, int, int, list[int]]],
         landed: _Landed,
         after: int,

@@ -1773,9 +1773,10 @@ class _Rows:
         copies on the connector's own stream after ``event`` (the drafter's writes), straight
         into the arena with no staging buffer."""
         kv, isz = self.kv, self.kv.element_size()
-        storage = kv.untyped_storage()
-        start = kv.data_ptr() - storage.data_ptr()
-        cache = (kv.data_ptr(), storage.nbytes() - start, (kv.stride(0) * isz, kv.stride(1) * isz, kv.stride(2) * isz), self.bs, self.k, self.h * isz)
+        # The tensor's own bytes, not its storage's: vLLM's caches are views into buffers that
+        # other layers share, whose bytes a block id past the cache's would read as rows.
+        extent = isz * (1 + sum((d - 1) * st for d, st in zip(kv.shape, kv.stride()))) if kv.numel() else 0
+        cache = (kv.data_ptr(), extent, (kv.stride(0) * isz, kv.stride(1) * isz, kv.stride(2) * isz), self.bs, self.k, self.h * isz, kv.shape[0])
         rows = self.k * self.h * isz
         try:
             # vLLM's lists as they are: the extension reads each one's first n ids (a slice here
