@@ -1086,11 +1086,12 @@ def _a_failed_test_frees_its_captures(request: pytest.FixtureRequest) -> Iterato
     left = [params for p in procs for params in p.published]
     if left:
         release_all(left)
-    if "pair" in request.fixturenames:
-        # A failed test of the pair may leave what no free reaches: a request announced and
-        # never finished holds the scheduler's resets, a copy its worker's arena (stop 54's CI:
-        # one failure became 17). The next test gets a new pair.
-        spend_pair(request.getfixturevalue("_pair_box"))
+    for name in ("both", "pair"):
+        if name in request.fixturenames:
+            # A failed test of the shared halves may leave what no free reaches: a request
+            # announced and never finished holds the scheduler's resets, a copy its worker's
+            # arena (stop 54's CI: one failure became 17). The next test gets new ones.
+            spend(request.getfixturevalue(f"_{name}_box"))
     if "engine" in request.fixturenames:
         import capture_arena as ca
 
@@ -1107,13 +1108,34 @@ def _a_failed_test_frees_its_captures(request: pytest.FixtureRequest) -> Iterato
             print(f"freeing what the failed test left in the engine: {e}")
 
 
+#: Numbers the shared halves' engine ids, so that one made again never reuses a name.
+_PAIRS = itertools.count()
+
+
+def spend(box: list[Any]) -> None:
+    """Closes the process (or pair) in ``box``, if any: the next test that needs it makes a new
+    one."""
+    got, box[0] = box[0], None
+    for p in got if isinstance(got, tuple) else [got] if got is not None else []:
+        p.close()
+
+
 @pytest.fixture(scope="module")
-def both() -> Iterator[Proc]:
+def _both_box() -> Iterator[list[Optional[Proc]]]:
+    """The ``both`` process the module's tests share, in a box that a failed test empties
+    (:func:`spend`): the next test that needs it makes one."""
+    box: list[Optional[Proc]] = [None]
+    yield box
+    spend(box)
+
+
+@pytest.fixture
+def both(_both_box: list[Optional[Proc]]) -> Proc:
     """Both halves in one process (a vLLM import costs each start ~10 s), shared by the tests
-    that leave its arena empty."""
-    p = halves("both", f"both-{os.getpid()}")
-    yield p
-    p.close()
+    that leave its arena empty and no request announced."""
+    if _both_box[0] is None:
+        _both_box[0] = halves("both", f"both-{os.getpid()}-{next(_PAIRS)}")
+    return _both_box[0]
 
 
 def test_a_step_waits_for_space_at_most_its_bound_however_many_requests_finish_in_it(both: Proc) -> None:
@@ -1525,23 +1547,13 @@ def new_pair() -> tuple[Proc, Proc]:
     return sched, halves("worker", eid)
 
 
-_PAIRS = itertools.count()
-
-
 @pytest.fixture(scope="module")
 def _pair_box() -> Iterator[list[Optional[tuple[Proc, Proc]]]]:
     """The pair the module's tests share, in a box: a test that fails, or one that shuts the
-    pair down, empties it (:func:`spend_pair`) and the next test that needs a pair makes one."""
+    pair down, empties it (:func:`spend`) and the next test that needs a pair makes one."""
     box: list[Optional[tuple[Proc, Proc]]] = [None]
     yield box
-    spend_pair(box)
-
-
-def spend_pair(box: list[Optional[tuple[Proc, Proc]]]) -> None:
-    """Closes the pair in ``box``, if any: the next test of the pair gets a new one."""
-    procs, box[0] = box[0], None
-    for p in procs or ():
-        p.close()
+    spend(box)
 
 
 @pytest.fixture
@@ -2844,4 +2856,4 @@ def test_a_worker_shut_down_lets_go_of_its_result_channel_and_opens_none_again(
         assert worker.ask({"reports_sent": True})["n"] == sent, "a report went out after the shutdown"
         assert sched.ask({"peers": True})["peers"] == [], "the shut-down worker connected again"
     finally:
-        spend_pair(_pair_box)
+        spend(_pair_box)
