@@ -2646,6 +2646,51 @@ def test_a_block_id_past_the_caches_own_blocks_fails_its_request_though_the_buff
         sink.close()
 
 
+def test_torchs_path_fails_a_request_whose_block_id_is_outside_the_cache(caplog: pytest.LogCaptureFixture) -> None:
+    """A cache whose rows are not contiguous is copied by torch, a block at a time, indexing the
+    cache by the request's block ids. One outside the cache fails its request alone, named
+    (before: -1 read the last block as the request's rows, a good copy; on a GPU, a block past
+    the end would assert on the device and end vLLM's context). The other request is exact."""
+    import logging
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena.vllm import _Rows
+
+    k, bs, h, blocks = 2, 4, 8, 4
+    kv = torch.randn(blocks, k, bs, 2 * h, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)[..., ::2]
+    assert kv.stride(3) == 2  # not contiguous: torch's path
+    sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2)
+    sink._start(None)
+    try:
+        steps = [("good", [3, 1]), ("negative", [-1, 1]), ("past", [blocks, 1])]
+        reserved = sink._reserve_rows_begin("st", "bfloat16", k * h, [(rid, 1, 8) for rid, _ in steps], within_s=2).wait_dicts()
+        todo = [
+            (SimpleNamespace(req_id=rid, n=8, token_ids=list(range(8)), block_ids=b), keys, at)
+            for (rid, b), (keys, at, _) in zip(steps, reserved)
+        ]
+        with caplog.at_level(logging.ERROR, logger="capture_arena"):
+            copied = _Rows(kv, sink).copy(todo, None)
+        assert copied == [True, False, False], (copied, caplog.text)
+        assert "block -1 is not in the cache, which has 4 blocks" in caplog.text, caplog.text
+        assert "block 4 is not in the cache, which has 4 blocks" in caplog.text, caplog.text
+        with ca.ArenaFeatureStore() as store:
+            rows = [row for _, _, row in reserved]
+            got = store.get(rows[0])["hidden_states"].reshape(8, k * h)
+            want = torch.cat([kv[b].permute(1, 0, 2).reshape(bs, k * h) for b in (3, 1)])
+            assert np.array_equal(got.view(np.uint16), want.view(torch.int16).numpy().view(np.uint16))
+            for row in rows[1:]:
+                with pytest.raises(ca.WriteFailedError):
+                    store.get(row)
+            for row in rows:
+                store.release(row)
+    finally:
+        sink.close()
+
+
 def test_a_steps_copy_reads_ids_in_bounded_holds_of_the_gil_and_ids_it_cannot_read_fail_their_request_alone() -> None:
     """The copy thread reads the requests' token ids (vLLM's lists, with the GIL) in holds of at
     most ``ids_per_hold`` ids (default 2^17, about 0.7 ms), each hold's requests copied with the

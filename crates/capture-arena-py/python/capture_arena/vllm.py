@@ -1797,8 +1797,19 @@ class _Rows:
                 log.error("capture_arena.vllm: copying the rows of request %s failed; its readers fail: %s", sv.req_id, w)
         return [w is None for w in why]
 
+    def _check_blocks(self, sv: _Save) -> None:
+        """Torch's paths index the cache by the request's block ids: one outside it fails the
+        request here. (Negative, torch would read a block from the end; on a GPU, one past the
+        end asserts on the device, a sticky error that ends the context, vLLM's own work with it.
+        The native path checks the same in ``Paged::plan``.)"""
+        blocks = int(self.kv.shape[0])
+        if sv.block_ids and not (0 <= min(sv.block_ids) and max(sv.block_ids) < blocks):
+            bad = next(b for b in sv.block_ids if not 0 <= b < blocks)
+            raise ValueError(f"block {bad} is not in the cache, which has {blocks} blocks")
+
     def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
         """A cache whose rows are not contiguous: a strided torch copy per block."""
+        self._check_blocks(sv)
         n = sv.n
         ids = np.asarray(_prompt_ids(sv), dtype=np.int64)
         ctypes.memmove(at["token_ids"], ids.ctypes.data, ids.nbytes)
@@ -1812,6 +1823,7 @@ class _Rows:
 
     def _copy_device(self, sv: _Save, at: dict[str, int]) -> None:
         assert self.stage is not None
+        self._check_blocks(sv)
         n = sv.n
         hs, ids = self._objects(sv, at, self.arena_device if self.device_arena else None)
         ids.copy_(torch.tensor(_prompt_ids(sv), dtype=torch.int64), non_blocking=True)
