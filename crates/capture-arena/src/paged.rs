@@ -95,7 +95,7 @@ impl Paged {
                 dst_len / kr
             ));
         }
-        if self.block_size == 0 || n > (block_ids.len() as u64).saturating_mul(self.block_size) {
+        if n > (block_ids.len() as u64).saturating_mul(self.block_size) {
             return Err(format!(
                 "{n} rows need more than {} blocks of {}",
                 block_ids.len(),

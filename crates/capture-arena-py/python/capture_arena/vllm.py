@@ -486,6 +486,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             #: A retry of those is waiting (:meth:`_retry_report`).
             self._retrying = False
             self._report_lock = threading.Lock()
+            #: Shut down (:meth:`shutdown`): no result connection is made again, no report sent.
+            self._shut = False
 
     # -- scheduler side -------------------------------------------------------------------
 
@@ -1206,7 +1208,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     local._copies_over(tags)
                 return
             with self._report_lock:  # one report at a time, so none overtakes what failed before
-                if getattr(self, "_shut", False):  # a copy that outlived shutdown: nobody to tell
+                if self._shut:  # a copy that outlived shutdown, or a retry: nobody to tell
                     log.debug("capture_arena.vllm: shut down; %d copies over not reported", len(self._unreported) + len(tags))
                     return
                 todo, self._unreported = self._unreported + tags, []
@@ -1236,8 +1238,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     def _retry_report(self) -> None:
         with self._report_lock:
             self._retrying = False
-        if not getattr(self, "_shut", False):
-            self._report_over([])
+        self._report_over([])
 
     def _send_whole(self, data: bytes) -> Optional[OSError]:
         """Sends ``data`` (whole lines) on the connection to the scheduler process, once more on
@@ -1423,7 +1424,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         with self._conn_lock:
             if self._conn is not None:
                 return self._conn
-            if getattr(self, "_shut", False):
+            if self._shut:
                 raise OSError("the connector is shut down (vLLM's shutdown): it opens no result connection")
             c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -1544,7 +1545,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         if getattr(self, "_sink", None) is not None:
             self._sink.close()  # type: ignore[union-attr]
         if getattr(self, "_conn_lock", None) is not None:  # a worker's: its result channel goes too
-            self._shut = True  # no connection is made again, no report tried
+            self._shut = True
             self._drop_conn()  # its answers' reader wakes, reads what is left and closes it
         if getattr(self, "_listener", None) is not None:
             with _SCHEDULERS_LOCK:
