@@ -12,6 +12,7 @@ failure (the test command installs it).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
@@ -1683,6 +1684,44 @@ def test_a_report_of_copies_over_that_could_not_be_sent_is_sent_again(pair: tupl
     assert s["resident_objects"] == 0, s
 
 
+@contextlib.contextmanager
+def a_lost_report(sched: Proc, worker: Proc, rid: str, grace: float) -> Iterator[tuple[Callable[[], None], int]]:
+    """Saves a step of request ``rid`` (8 tokens) whose report of copies over is lost: the
+    listener reads the step's result line and holds it (``hold_delivery``); the copy lands and
+    its report reaches the same connection unread; the worker gives that connection up, so the
+    listener's answer to the held line fails and the report is never read. Yields ``deliver``,
+    which lets the held line go and waits until it was delivered, and how many held lines had
+    been delivered before. Resets the grace, the copy gate and the hold whatever happens."""
+    import time
+
+    before = worker.ask({"reports_sent": True})["n"]
+    counts = sched.ask({"delayed": True})
+    assert sched.ask({"preempt_grace": grace}) == {"ok": True}
+    assert worker.ask({"gate_copies": True}) == {"ok": True}
+    try:
+        assert sched.ask({"hold_delivery": True}) == {"ok": True}  # every result line, until released
+        worker.ask({"save": sched.ask({"announce": [[rid, 8]]})["meta"]})
+        wait_held(sched, counts["read"])  # read alone: the report comes after it
+        assert worker.ask({"gate_copies": False}) == {"ok": True}  # the copy lands: its report goes out
+        deadline = time.monotonic() + 20
+        while worker.ask({"reports_sent": True})["n"] == before:
+            assert time.monotonic() < deadline, "the copy's report never went out"
+            time.sleep(0.01)
+        assert worker.ask({"reconnect": True}) == {"ok": True}  # given up, the report unread
+
+        def deliver() -> None:
+            assert sched.ask({"hold_delivery": False}) == {"ok": True}
+            while sched.ask({"delayed": True})["delayed"] == counts["delayed"]:
+                assert time.monotonic() < deadline, "the held result line was never delivered"
+                time.sleep(0.01)
+
+        yield deliver, counts["delayed"]
+    finally:
+        assert sched.ask({"hold_delivery": False}) == {"ok": True}
+        assert worker.ask({"gate_copies": False}) == {"ok": True}
+        assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
+
+
 def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_until_its_request_finishes(pair: tuple[Proc, Proc]) -> None:
     """A worker's report reached the scheduler process's end of a connection that its
     listener, held up on the step's result line, had not read yet; then the worker gave that
@@ -1690,29 +1729,10 @@ def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_unti
     report is lost. Resets refuse while its request runs (its copy cannot be told over); once
     vLLM reports the request's copy done (finished_sending), they go through (before: they
     refused for as long as 65,536 announcements had not pushed it out)."""
-    import time
-
     sched, worker = pair
     grace = 0.5
-    before = worker.ask({"reports_sent": True})["n"]
-    counts = sched.ask({"delayed": True})
-    delayed, read = counts["delayed"], counts["read"]
-    assert sched.ask({"preempt_grace": grace}) == {"ok": True}
-    assert worker.ask({"gate_copies": True}) == {"ok": True}
-    try:
-        assert sched.ask({"hold_delivery": True}) == {"ok": True}  # the result line is read, then held
-        worker.ask({"save": sched.ask({"announce": [["unread", 8]]})["meta"]})
-        wait_held(sched, read)  # read alone: the report comes after it
-        assert worker.ask({"gate_copies": False}) == {"ok": True}  # the copy lands: its report goes out
-        deadline = time.monotonic() + 20
-        while worker.ask({"reports_sent": True})["n"] == before:
-            assert time.monotonic() < deadline, "the copy's report never went out"
-            time.sleep(0.01)
-        assert worker.ask({"reconnect": True}) == {"ok": True}  # given up, the report unread
-        assert sched.ask({"hold_delivery": False}) == {"ok": True}  # delivered: its answer fails
-        while sched.ask({"delayed": True})["delayed"] == delayed:
-            assert time.monotonic() < deadline, "the held result line was never delivered"
-            time.sleep(0.01)
+    with a_lost_report(sched, worker, "unread", grace) as (deliver, _):
+        deliver()  # its answer fails on the given-up connection
         refused = sched.ask({"reset": True})
         assert refused["ok"] is False and HALF_BOUND + grace <= refused["s"] < HALF_BOUND + grace + 0.5, refused
         got = sched.ask({"finish": "unread"})["params"]
@@ -1720,10 +1740,6 @@ def test_a_report_of_copies_over_lost_with_its_connection_holds_resets_only_unti
         assert sched.ask({"finished_sending": ["unread"]}) == {"ok": True}
         done = sched.ask({"reset": True})
         assert done["ok"] is True and done["s"] < 0.5, done  # not the bound + grace (1.5 s)
-    finally:
-        assert sched.ask({"hold_delivery": False}) == {"ok": True}
-        assert worker.ask({"gate_copies": False}) == {"ok": True}
-        assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
     if "error" not in got["capture_arena"]:
         release_all([got])
     s = wait_resident(worker, 0)
@@ -1740,39 +1756,16 @@ def test_a_lost_report_of_a_request_preempted_then_aborted_holds_resets_only_for
     while it waits, so vLLM never reports its copy done. A reset waits for it at most the bound
     plus the grace from the preemption, then goes through (before: resets refused until 65,536
     later announcements pushed it out; in the second order, until 2026-12-07's review, too)."""
-    import time
-
     sched, worker = pair
     grace = 0.5
     rid = f"preempted-unread-{order}"
-    before = worker.ask({"reports_sent": True})["n"]
-    counts = sched.ask({"delayed": True})
-    delayed, read = counts["delayed"], counts["read"]
-    assert sched.ask({"preempt_grace": grace}) == {"ok": True}
-    assert worker.ask({"gate_copies": True}) == {"ok": True}
-    try:
-        assert sched.ask({"hold_delivery": True}) == {"ok": True}  # every result line, until released
-        worker.ask({"save": sched.ask({"announce": [[rid, 8]]})["meta"]})
-        wait_held(sched, read)
-        assert worker.ask({"gate_copies": False}) == {"ok": True}
-        deadline = time.monotonic() + 20
-        while worker.ask({"reports_sent": True})["n"] == before:
-            assert time.monotonic() < deadline, "the copy's report never went out"
-            time.sleep(0.01)
-        assert worker.ask({"reconnect": True}) == {"ok": True}  # given up, the report unread
-
-        def delivered() -> None:
-            assert sched.ask({"hold_delivery": False}) == {"ok": True}
-            while sched.ask({"delayed": True})["delayed"] == delayed:
-                assert time.monotonic() < deadline, "the held result line was never delivered"
-                time.sleep(0.01)
-
+    with a_lost_report(sched, worker, rid, grace) as (deliver, delayed):
         if order == "result_first":
-            delivered()
+            deliver()
         meta = sched.ask({"announce": [], "preempt": [rid]})["meta"]
         if order == "preemption_first":
             assert sched.ask({"delayed": True})["delayed"] == delayed, "the result came before the preemption: the order is not tested"
-            delivered()
+            deliver()
         worker.ask({"handle_preemptions": meta})
         got = sched.ask({"finish": rid, "abort": True})["params"]
         assert "error" in got["capture_arena"], got
@@ -1780,10 +1773,6 @@ def test_a_lost_report_of_a_request_preempted_then_aborted_holds_resets_only_for
         assert first["ok"] is True and first["s"] < HALF_BOUND + grace + 0.5, first
         again = sched.ask({"reset": True})
         assert again["ok"] is True and again["s"] < 0.5, again
-    finally:
-        assert sched.ask({"hold_delivery": False}) == {"ok": True}
-        assert worker.ask({"gate_copies": False}) == {"ok": True}
-        assert sched.ask({"preempt_grace": 30.0}) == {"ok": True}
     s = wait_resident(worker, 0)
     assert s["resident_objects"] == 0, s
 
