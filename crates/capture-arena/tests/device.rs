@@ -742,6 +742,42 @@ fn fake_gpu_an_external_region_of_host_memory_is_refused_before_any_copy() {
 }
 
 #[test]
+fn fake_gpu_an_external_region_is_checked_allocation_by_allocation() {
+    let Some(_g) = setup_fake("fake_gpu_an_external_region_is_checked_allocation_by_allocation")
+    else {
+        return;
+    };
+    const PIECE: u64 = 2 << 20;
+    let region = |pieces: &[Option<i32>], len: u64| {
+        let base = fake_cuda::vmm_pieces(pieces);
+        // SAFETY: GPU 0's memory where accepted (then never written: dropped at once); refused
+        // before use otherwise.
+        unsafe { ExternalDeviceRegion::new(base, len, 0, "engine-host:1".into(), ()) }
+            .map(drop)
+            .map_err(|e| e.to_string())
+    };
+    // One range mapped from several allocations, one after another (as a pool maps its
+    // granules): accepted, and so is a range that ends inside its last one.
+    region(&[Some(0), Some(0), Some(0)], 3 * PIECE).unwrap();
+    region(&[Some(0), Some(0)], PIECE + 1).unwrap();
+    // A hole between two allocations of GPU 0: its first and last byte are GPU 0's, the hole is
+    // not device memory (before: accepted, and a copy there would fault on the GPU).
+    let e = region(&[Some(0), None, Some(0)], 3 * PIECE).unwrap_err();
+    assert!(e.contains("not device memory"), "{e}");
+    // An allocation of GPU 1 between two of GPU 0.
+    let e = region(&[Some(0), Some(1), Some(0)], 3 * PIECE).unwrap_err();
+    assert!(e.contains("memory of GPU 1, not of GPU 0"), "{e}");
+    // A driver that does not say where allocations begin and end: the first and last byte
+    // alone, as before.
+    let before = fake_cuda::knob("range_attrs", 0);
+    let accepted = region(&[Some(0), None, Some(0)], 3 * PIECE);
+    let refused = region(&[Some(0), Some(0), None], 3 * PIECE);
+    fake_cuda::knob("range_attrs", before);
+    accepted.unwrap();
+    assert!(refused.unwrap_err().contains("not device memory"));
+}
+
+#[test]
 fn fake_gpu_an_fd_arena_on_a_gpu_this_process_does_not_see_says_what_to_change() {
     let _g = setup();
     let w = Writer::start(&device_config(2 << 20, Duration::from_secs(1))).unwrap();

@@ -10,12 +10,20 @@ use cudarc::driver::sys as cu;
 use super::{api, check, describe, Context};
 use crate::error::{Error, Result};
 
-/// Checks that `[ptr, ptr + len)` is device memory of device `ordinal` as the driver sees it
-/// (its first and last byte: memory type and device), before anything is copied there.
+/// The most allocations [`check_device_range`] walks through in one range (2 TiB in 2 MiB
+/// mappings): a range of more is refused.
+const MAX_PIECES: usize = 1 << 20;
+
+/// Checks that `[ptr, ptr + len)` is device memory of device `ordinal` as the driver sees it,
+/// before anything is copied there: every allocation (or mapping) the range spans, one after
+/// another, each beginning where the one before ends (no hole between them), of that device.
+/// Where the driver does not say where an allocation begins and ends
+/// (`CU_POINTER_ATTRIBUTE_RANGE_START_ADDR` and `RANGE_SIZE`), the range's last byte is checked
+/// as its first was, and nothing between them.
 ///
 /// # Errors
 /// [`Error::Device`] saying what the memory is instead (host memory, another device's, or
-/// memory CUDA does not know).
+/// memory CUDA does not know: a hole between two allocations).
 pub(crate) fn check_device_range(ptr: u64, len: u64, ordinal: i32) -> Result<()> {
     let what = || format!("checking {len} bytes at {ptr:#x} are memory of GPU {ordinal}");
     let last = ptr.checked_add(len.max(1) - 1).ok_or_else(|| {
@@ -24,48 +32,95 @@ pub(crate) fn check_device_range(ptr: u64, len: u64, ordinal: i32) -> Result<()>
             "the range wraps around the address space".to_string(),
         )
     })?;
-    for at in [ptr, last] {
-        let mut kind: u32 = 0;
-        // SAFETY: MEMORY_TYPE writes one unsigned int; the driver validates the pointer.
-        let rc = unsafe {
-            api::cuPointerGetAttribute(
-                (&mut kind as *mut u32).cast(),
-                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-                at,
-            )
+    let mut at = ptr;
+    for _ in 0..MAX_PIECES {
+        check_device_byte(at, ordinal, &what)?;
+        let Some(end) = allocation_end(at) else {
+            return check_device_byte(last, ordinal, &what);
         };
-        if rc != api::SUCCESS {
-            return Err(Error::device(
-                what(),
-                format!(
-                    "CUDA does not know the address {at:#x} ({}): it is plain host memory, not \
-                     device memory",
-                    describe(rc)
-                ),
-            ));
+        if end > last {
+            return Ok(());
         }
-        if kind != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
-            return Err(Error::device(
-                what(),
-                format!("the address {at:#x} is host memory (CUDA memory type {kind}), not device memory"),
-            ));
-        }
-        let mut device: c_int = -1;
-        // SAFETY: DEVICE_ORDINAL writes one int.
-        let rc = unsafe {
+        at = end; // the next allocation's first byte, or a hole
+    }
+    Err(Error::device(
+        what(),
+        format!(
+            "the range spans more than {MAX_PIECES} allocations; give the arena one range of \
+             device memory"
+        ),
+    ))
+}
+
+/// One past the last byte of the allocation (or mapping) `at` lies in, as the driver says;
+/// `None` where it does not, or says something that does not hold `at`.
+fn allocation_end(at: u64) -> Option<u64> {
+    let mut start: u64 = 0;
+    let mut size: usize = 0;
+    // SAFETY: RANGE_START_ADDR writes one CUdeviceptr (a u64), RANGE_SIZE one size_t; the
+    // driver validates the pointer.
+    let (a, b) = unsafe {
+        (
             api::cuPointerGetAttribute(
-                (&mut device as *mut c_int).cast(),
-                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                (&mut start as *mut u64).cast(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
                 at,
-            )
-        };
-        check(rc, what)?;
-        if device != ordinal {
-            return Err(Error::device(
-                what(),
-                format!("the address {at:#x} is memory of GPU {device}, not of GPU {ordinal}"),
-            ));
-        }
+            ),
+            api::cuPointerGetAttribute(
+                (&mut size as *mut usize).cast(),
+                cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                at,
+            ),
+        )
+    };
+    let end = start.checked_add(size as u64)?;
+    (a == api::SUCCESS && b == api::SUCCESS && start <= at && at < end).then_some(end)
+}
+
+/// Checks that the byte at `at` is device memory of device `ordinal`.
+fn check_device_byte(at: u64, ordinal: i32, what: &dyn Fn() -> String) -> Result<()> {
+    let mut kind: u32 = 0;
+    // SAFETY: MEMORY_TYPE writes one unsigned int; the driver validates the pointer.
+    let rc = unsafe {
+        api::cuPointerGetAttribute(
+            (&mut kind as *mut u32).cast(),
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            at,
+        )
+    };
+    if rc != api::SUCCESS {
+        return Err(Error::device(
+            what(),
+            format!(
+                "CUDA does not know the address {at:#x} ({}): it is plain host memory, not \
+                 device memory",
+                describe(rc)
+            ),
+        ));
+    }
+    if kind != cu::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        return Err(Error::device(
+            what(),
+            format!(
+                "the address {at:#x} is host memory (CUDA memory type {kind}), not device memory"
+            ),
+        ));
+    }
+    let mut device: c_int = -1;
+    // SAFETY: DEVICE_ORDINAL writes one int.
+    let rc = unsafe {
+        api::cuPointerGetAttribute(
+            (&mut device as *mut c_int).cast(),
+            cu::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            at,
+        )
+    };
+    check(rc, what)?;
+    if device != ordinal {
+        return Err(Error::device(
+            what(),
+            format!("the address {at:#x} is memory of GPU {device}, not of GPU {ordinal}"),
+        ));
     }
     Ok(())
 }

@@ -79,7 +79,7 @@ static int devices(void) {
 /* Knobs: -2 = not set by fake_cuda_knob, use the environment. */
 static long knob_copy_us = -2, knob_fail_after = -2, knob_fabric_attr = -2, knob_imex = -2, knob_gdr_attr = -2,
   knob_fault = -2, knob_host_register = -2, knob_capturing = -2, knob_max_pitch = -2, knob_register_us = -2,
-  knob_d2d_pitch_align = -2;
+  knob_d2d_pitch_align = -2, knob_range_attrs = -2;
 static long copies;
 /* A context error (FAKE_CUDA_FAULT / the "fault" knob, set when a stream next runs an op): sticky,
  * as on a real GPU after an illegal address. */
@@ -100,6 +100,7 @@ long fake_cuda_knob(const char *name, long value) {
           : !strcmp(name, "max_pitch") ? &knob_max_pitch
           : !strcmp(name, "register_us") ? &knob_register_us
           : !strcmp(name, "d2d_pitch_align") ? &knob_d2d_pitch_align
+          : !strcmp(name, "range_attrs") ? &knob_range_attrs /* RANGE_START_ADDR and RANGE_SIZE answered */
           : !strcmp(name, "devices") ? &knob_devices
           : !strcmp(name, "odd_error") ? &knob_odd_error : NULL;
   if (!k) return -3;
@@ -276,12 +277,26 @@ static int range_device(uintptr_t p) {
 }
 static int current_device(void) { return current ? (int)(((intptr_t)current - 1) & 0xffff) : 0; }
 CUresult cuCtxGetDevice(CUdevice *d) { NEED_CONTEXT(); *d = current_device(); return OK; }
-enum { MEMORYTYPE_DEVICE = 2, ATTR_MEMORY_TYPE = 2, ATTR_DEVICE_ORDINAL = 9 };
+enum { MEMORYTYPE_DEVICE = 2, ATTR_MEMORY_TYPE = 2, ATTR_DEVICE_ORDINAL = 9, ATTR_RANGE_START_ADDR = 11, ATTR_RANGE_SIZE = 12 };
 CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr ptr) {
   int dev = range_device((uintptr_t)ptr);
   if (dev < 0) return INVALID_VALUE; /* memory CUDA does not know (plain host memory) */
   if (attr == ATTR_MEMORY_TYPE) { *(unsigned *)data = MEMORYTYPE_DEVICE; return OK; }
   if (attr == ATTR_DEVICE_ORDINAL) { *(int *)data = dev; return OK; }
+  if ((attr == ATTR_RANGE_START_ADDR || attr == ATTR_RANGE_SIZE) && knob(&knob_range_attrs, "FAKE_CUDA_RANGE_ATTRS", 1)) {
+    /* The allocation (cuMemAlloc) or mapping (cuMemMap) the address lies in. */
+    CUresult rc = INVALID_VALUE;
+    pthread_mutex_lock(&ranges_mu);
+    for (int i = 0; i < MAX_RANGES; i++)
+      if (ranges[i].size && (uintptr_t)ptr >= ranges[i].start && (uintptr_t)ptr - ranges[i].start < ranges[i].size) {
+        if (attr == ATTR_RANGE_START_ADDR) *(CUdeviceptr *)data = (CUdeviceptr)ranges[i].start;
+        else *(size_t *)data = ranges[i].size;
+        rc = OK;
+        break;
+      }
+    pthread_mutex_unlock(&ranges_mu);
+    return rc;
+  }
   return NOT_SUPPORTED;
 }
 CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const Prop *p, unsigned long long flags) {

@@ -188,6 +188,67 @@ pub fn foreign_stream(device: i32) -> u64 {
     }
 }
 
+/// One reserved range of 2 MiB pieces, each `Some(device)` mapped from an allocation of its own
+/// on that device (access granted to it), each `None` left unmapped: a hole. Returns the range's
+/// address (never freed: a test's lifetime).
+pub fn vmm_pieces(pieces: &[Option<i32>]) -> u64 {
+    #[repr(C)]
+    struct Prop {
+        type_: i32,
+        handle_types: i32,
+        loc_type: i32,
+        loc_id: i32,
+        win32: *mut std::ffi::c_void,
+        flags: [u8; 8],
+    }
+    #[repr(C)]
+    struct Access {
+        loc_type: i32,
+        loc_id: i32,
+        flags: i32,
+    }
+    type SetCurrent = extern "C" fn(*mut std::ffi::c_void) -> i32;
+    type Create = extern "C" fn(*mut u64, usize, *const Prop, u64) -> i32;
+    type Reserve = extern "C" fn(*mut u64, usize, usize, u64, u64) -> i32;
+    type Map = extern "C" fn(u64, usize, usize, u64, u64) -> i32;
+    type SetAccess = extern "C" fn(u64, usize, *const Access, usize) -> i32;
+    const PIECE: usize = 2 << 20;
+    // SAFETY: the fake's functions have these signatures (fake_cuda.c).
+    unsafe {
+        let set: SetCurrent = std::mem::transmute(sym("cuCtxSetCurrent"));
+        let create: Create = std::mem::transmute(sym("cuMemCreate"));
+        let reserve: Reserve = std::mem::transmute(sym("cuMemAddressReserve"));
+        let map: Map = std::mem::transmute(sym("cuMemMap"));
+        let access: SetAccess = std::mem::transmute(sym("cuMemSetAccess"));
+        let mut base = 0;
+        assert_eq!(reserve(&mut base, PIECE * pieces.len(), 0, 0, 0), 0);
+        for (i, device) in pieces.iter().enumerate() {
+            let Some(device) = *device else { continue };
+            assert_eq!(set((device as isize + 1) as *mut std::ffi::c_void), 0);
+            let prop = Prop {
+                type_: 1,
+                handle_types: 1,
+                loc_type: 1,
+                loc_id: device,
+                win32: std::ptr::null_mut(),
+                flags: [0; 8],
+            };
+            let mut h = 0;
+            assert_eq!(create(&mut h, PIECE, &prop, 0), 0);
+            let at = base + (i * PIECE) as u64;
+            assert_eq!(map(at, PIECE, 0, h, 0), 0);
+            let grant = Access {
+                loc_type: 1,
+                loc_id: device,
+                flags: 3,
+            };
+            assert_eq!(access(at, PIECE, &grant, 1), 0);
+        }
+        assert_eq!(set(std::ptr::null_mut()), 0);
+        base
+    }
+}
+
 /// Device memory of GPU `device` made as a VMM pool makes it (torch's expandable segments,
 /// cudaMallocAsync): `cuMemCreate` + map, with access granted to `device` alone; `bytes` copied
 /// in. Returns its address (never freed: a test's lifetime).
