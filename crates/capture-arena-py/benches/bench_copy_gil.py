@@ -37,10 +37,10 @@ def step(sink: Any, reqs: int, n: int, sliced: bool) -> float:
     blocks = [list(range(i * -(-n // BLOCK), (i + 1) * -(-n // BLOCK))) for i in range(reqs)]
     cache = (4096, 4096, (0, 0, 0), BLOCK, 3, 32, 1)  # never read: every request is refused first
     t = time.perf_counter()
-    if sliced:  # (keys, ids_at, token_ids[:n], rows_at, rows_len, block_ids)
-        todo: list[Any] = [([], 0, x[:n], 0, 0, b) for x, b in zip(ids, blocks)]
-    else:  # (keys, ids_at, token_ids, n, rows_at, rows_len, block_ids)
-        todo = [([], 0, x, n, 0, 0, b) for x, b in zip(ids, blocks)]
+    if sliced:  # (keys, (ids_at, stamp), token_ids[:n], n, (rows_at, stamp), rows_len, block_ids)
+        todo: list[Any] = [([], (0, 0), x[:n], n, (0, 0), 0, b) for x, b in zip(ids, blocks)]
+    else:  # (keys, (ids_at, stamp), token_ids, n, (rows_at, stamp), rows_len, block_ids)
+        todo = [([], (0, 0), x, n, (0, 0), 0, b) for x, b in zip(ids, blocks)]
     why = sink._copy_requests_rows(cache, todo, _Landed(reqs), 0)
     dt = time.perf_counter() - t
     assert all(w is not None and "is not in this sink's" in w for w in why), why[:1]

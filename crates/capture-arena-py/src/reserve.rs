@@ -252,9 +252,10 @@ impl RowsSpec {
 impl PyReserving {
     /// Each spec's reservation, in order, waiting for the writer (with the GIL held for at most
     /// `hold_gil_s`, without it beyond) until the space is there or the deadline passed:
-    /// `(row, writable)`, or with `keys` `(keys, writable, json)` (the objects' keys, None for a
-    /// row with an error, and the row's JSON text; with `dicts` too, the row as a dict instead of
-    /// its text). Once only.
+    /// `(row, writable)` (`writable`: `{name: address}` where this process writes each object),
+    /// or with `keys` `(keys, writable, json)` (the objects' keys, None for a row with an error,
+    /// `writable` as `{name: (address, stamp)}`, and the row's JSON text; with `dicts` too, the
+    /// row as a dict instead of its text). Once only.
     #[pyo3(signature = (keys = false, hold_gil_s = GIL_HELD_WAIT.as_secs_f64(), dicts = false))]
     pub(crate) fn wait<'py>(
         &self,
@@ -504,7 +505,13 @@ fn rows_out<'py>(
                 Some(w) => {
                     let d = PyDict::new(py);
                     for (name, at) in w {
-                        d.set_item(name, at)?;
+                        if form == Form::Rows {
+                            d.set_item(name, at)?;
+                        } else {
+                            // The internal forms: with the object's stamp, which the native
+                            // row copy checks against the object's stamp word before it writes.
+                            d.set_item(name, (at, stamp_of(r, name)))?;
+                        }
                     }
                     d.into_any().unbind()
                 }
@@ -530,6 +537,14 @@ fn rows_out<'py>(
         out.append(item)?;
     }
     Ok(out)
+}
+
+/// The stamp of a published result's feature `name` (0 where it has none).
+fn stamp_of(r: &SampleResult, name: &str) -> u64 {
+    match r {
+        SampleResult::Published(p) => p.features.get(name).and_then(|f| f.stamp).unwrap_or(0),
+        SampleResult::Failed(_) => 0,
+    }
 }
 
 /// A reserved sample's object keys (None for a failed one) and its row's JSON text. A row that

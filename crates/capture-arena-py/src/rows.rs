@@ -57,14 +57,17 @@ impl PyLanded {
     }
 }
 
-/// A request as Python passes it: `(keys, ids_at, token_ids, n, rows_at, rows_len, block_ids)`,
-/// its token ids the first `n` of `token_ids` (vLLM's own list, not sliced in Python).
+/// A request as Python passes it: `(keys, (ids_at, ids_stamp), token_ids, n, (rows_at,
+/// rows_stamp), rows_len, block_ids)`, its token ids the first `n` of `token_ids` (vLLM's own
+/// list, not sliced in Python), each destination its reserved object's address and the stamp
+/// its reservation's result gives it. Read one request at a time ([`next_hold`]): a request that
+/// is not this fails alone.
 pub(crate) type RequestArgs<'py> = (
     Vec<String>,
-    u64,
+    (u64, u64),
     Bound<'py, PyList>,
     usize,
-    u64,
+    (u64, u64),
     u64,
     Bound<'py, PyList>,
 );
@@ -108,29 +111,54 @@ pub(crate) type Read = (usize, Result<Request, (Vec<String>, String)>);
 /// The next requests of a step read in one hold of the GIL: at least one, then as many as keep
 /// the hold within `ids_per_hold` token ids.
 pub(crate) fn next_hold<'py>(
-    requests: &mut std::iter::Peekable<impl Iterator<Item = (usize, RequestArgs<'py>)>>,
+    requests: &mut std::iter::Peekable<impl Iterator<Item = (usize, Bound<'py, PyAny>)>>,
     ids_per_hold: usize,
 ) -> Vec<Read> {
     let mut hold = Vec::new();
     let mut ids = 0usize;
-    while let Some((j, args)) = requests
-        .next_if(|(_, a)| hold.is_empty() || ids.saturating_add(a.3.min(a.2.len())) <= ids_per_hold)
+    while let Some((j, item)) =
+        requests.next_if(|(_, a)| hold.is_empty() || ids.saturating_add(ids_of(a)) <= ids_per_hold)
     {
-        ids = ids.saturating_add(args.3.min(args.2.len()));
-        hold.push((j, request(args, ids_per_hold)));
+        ids = ids.saturating_add(ids_of(&item));
+        hold.push((j, request(&item, ids_per_hold)));
     }
     hold
 }
 
+/// How many token ids a request passed as `item` asks to be read (0 if it is not a request).
+fn ids_of(item: &Bound<'_, PyAny>) -> usize {
+    let n = item.get_item(3).and_then(|n| n.extract::<usize>());
+    let ids = item.get_item(2).and_then(|l| l.len());
+    match (n, ids) {
+        (Ok(n), Ok(len)) => n.min(len),
+        _ => 0,
+    }
+}
+
 /// The request Python describes, its ids read out of their lists (with the GIL, on the copy
-/// thread: each microsecond of it is one vLLM's thread may wait for); where they cannot be
-/// read, its objects' keys and why.
+/// thread: each microsecond of it is one vLLM's thread may wait for); where it is not a request
+/// or its ids cannot be read, its objects' keys (none if even they cannot be read: nothing can
+/// then finish them) and why.
 /// `ids_per_hold`: how many of its token ids are read in one hold of the GIL (it is let go
 /// between them).
 pub(crate) fn request(
-    (keys, ids_dst, ids, n, rows_dst, rows_len, block_ids): RequestArgs<'_>,
+    item: &Bound<'_, PyAny>,
     ids_per_hold: usize,
 ) -> Result<Request, (Vec<String>, String)> {
+    let (keys, (ids_dst, ids_stamp), ids, n, (rows_dst, rows_stamp), rows_len, block_ids) =
+        match item.extract::<RequestArgs<'_>>() {
+            Ok(args) => args,
+            Err(e) => {
+                let keys = item.get_item(0).and_then(|k| k.extract::<Vec<String>>());
+                return Err((
+                    keys.unwrap_or_default(),
+                    format!(
+                        "a request is (keys, (ids_at, ids_stamp), token_ids, n, (rows_at, \
+                         rows_stamp), rows_len, block_ids), not this: {e}"
+                    ),
+                ));
+            }
+        };
     let blocks = first_ints(&block_ids, block_ids.len(), usize::MAX).and_then(|b| {
         b.into_iter()
             .map(|b| {
@@ -143,8 +171,10 @@ pub(crate) fn request(
         (Ok(ids), Ok(block_ids)) => Ok(Request {
             keys,
             ids_dst,
+            ids_stamp,
             ids,
             rows_dst,
+            rows_stamp,
             rows_len,
             block_ids,
         }),

@@ -942,18 +942,20 @@ impl PySink {
     /// after another, the GIL held only to read their ids (in holds of at most `ids_per_hold`
     /// ids, each hold's requests then copied without it), and finishes each one's writes as
     /// soon as its bytes have landed, then sets its flag in `landed` (request `j` is flag
-    /// `first + j`). Each request is `(keys, ids_at, token_ids, n, rows_at, rows_len,
-    /// block_ids)`: the first `n` of its token ids go to `ids_at` as int64, its rows `0..n`
-    /// (token `i` in block `block_ids[i / block_size]`) to `rows_at`, laid out `[n, k, row]`;
-    /// both must lie in this sink's host arena. Returns, per request, None or why it was not
-    /// copied (its readers fail and its space is freed). The caller vouches that the cache's
+    /// `first + j`). Each request is `(keys, (ids_at, ids_stamp), token_ids, n, (rows_at,
+    /// rows_stamp), rows_len, block_ids)`: the first `n` of its token ids go to `ids_at` as
+    /// int64, its rows `0..n` (token `i` in block `block_ids[i / block_size]`) to `rows_at`,
+    /// laid out `[n, k, row]`; each destination must be the object reserved in this sink's
+    /// host arena with that stamp, still being written (its stamp word says so). Returns, per
+    /// request, None or why it was not copied (its readers fail and its space is freed; a
+    /// request that is not such a tuple fails alone). The caller vouches that the cache's
     /// bytes stay valid meanwhile.
     #[pyo3(signature = (cache, requests, landed, first=0, ids_per_hold=crate::rows::IDS_PER_HOLD))]
     fn _copy_requests_rows(
         &self,
         py: Python<'_>,
         cache: crate::rows::PagedArgs,
-        requests: Vec<crate::rows::RequestArgs<'_>>,
+        requests: Vec<Bound<'_, PyAny>>,
         landed: &Bound<'_, crate::rows::PyLanded>,
         first: usize,
         ids_per_hold: usize,
@@ -986,8 +988,9 @@ impl PySink {
             }
             let (at, ready): (Vec<usize>, Vec<_>) = ready.into_iter().unzip();
             let copied = crate::exit::detach(py, || {
-                // SAFETY: the destinations are checked to lie in this sink's own host mapping,
-                // which only the caller of reserve_each writes for a reserved object; the cache
+                // SAFETY: the destinations are checked to lie in this sink's own host mapping and
+                // to be reserved objects still being written (their stamp words), which only
+                // the caller of reserve_each writes; the cache
                 // range is the caller's promise (a tensor it holds); an arena never lies inside
                 // a cache.
                 unsafe {
@@ -1037,7 +1040,8 @@ impl PySink {
     /// cache, `torch.cuda.Event.cuda_event`; 0 for none): straight from the cache's blocks into
     /// a host arena (device-to-host) or a device arena (device-to-device), no staging buffer,
     /// the GIL held only to read the requests' ids, as there. Each request's flag is set as its
-    /// write is finished, once its copies have landed. The caller vouches that the cache and the
+    /// write is finished, once its copies have landed. A device arena's stamp words are in
+    /// device memory: there the destinations are checked to lie in the arena only. The caller vouches that the cache and the
     /// event stay valid meanwhile.
     #[pyo3(signature = (
         rows, cache, requests, landed, after, first=0, ids_per_hold=crate::rows::IDS_PER_HOLD
@@ -1048,7 +1052,7 @@ impl PySink {
         py: Python<'_>,
         rows: &Bound<'_, crate::rows::PyDeviceRows>,
         cache: crate::rows::PagedArgs,
-        requests: Vec<crate::rows::RequestArgs<'_>>,
+        requests: Vec<Bound<'_, PyAny>>,
         landed: &Bound<'_, crate::rows::PyLanded>,
         after: u64,
         first: usize,

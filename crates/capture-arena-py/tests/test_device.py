@@ -335,7 +335,7 @@ class Id:  # read through __index__ (Python code) as the extension reads "b"'s i
     def __index__(self):
         # "a" was added by then, in the hold before: its ids written into a host arena. A
         # device arena's are enqueued: not looked at.
-        a = rows[0][1]["token_ids"]
+        a = rows[0][1]["token_ids"][0]  # (address, stamp)
         seen.append(device_arena or np.frombuffer(ctypes.string_at(a, 80), dtype=np.int64).tolist() == list(range(100, 110)))
         return 100
 

@@ -2639,7 +2639,9 @@ def test_torchs_path_fails_a_request_whose_block_id_is_outside_the_cache(caplog:
     """A cache whose rows are not contiguous is copied by torch, a block at a time, indexing the
     cache by the request's block ids. One outside the cache fails its request alone, named
     (before: -1 read the last block as the request's rows, a good copy; on a GPU, a block past
-    the end would assert on the device and end vLLM's context). The other request is exact."""
+    the end would assert on the device and end vLLM's context). A request whose rows
+    destination is another request's object fails alone too, before a byte is written (its
+    stamp word is checked as the native path checks it). The other request is exact."""
     import logging
     from types import SimpleNamespace
 
@@ -2655,15 +2657,18 @@ def test_torchs_path_fails_a_request_whose_block_id_is_outside_the_cache(caplog:
     sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2)
     sink._start(None)
     try:
-        steps = [("good", [3, 1]), ("negative", [-1, 1]), ("past", [blocks, 1])]
+        steps = [("good", [3, 1]), ("negative", [-1, 1]), ("past", [blocks, 1]), ("elsewhere", [0, 2])]
         reserved = sink._reserve_rows_begin("st", "bfloat16", k * h, [(rid, 1, 8) for rid, _ in steps], within_s=2).wait_dicts()
         todo = [
             (SimpleNamespace(req_id=rid, n=8, token_ids=list(range(8)), block_ids=b), keys, at)
             for (rid, b), (keys, at, _) in zip(steps, reserved)
         ]
+        sv, keys, at = todo[3]
+        todo[3] = (sv, keys, {**at, "hidden_states": (todo[0][2]["hidden_states"][0], at["hidden_states"][1])})  # good's rows object
         with caplog.at_level(logging.ERROR, logger="capture_arena"):
             copied = _Rows(kv, sink).copy(todo, None)
-        assert copied == [True, False, False], (copied, caplog.text)
+        assert copied == [True, False, False, False], (copied, caplog.text)
+        assert "hidden_states at" in caplog.text and "is not the object reserved with stamp" in caplog.text, caplog.text
         assert "block -1 is not in the cache, which has 4 blocks" in caplog.text, caplog.text
         assert "block 4 is not in the cache, which has 4 blocks" in caplog.text, caplog.text
         with ca.ArenaFeatureStore() as store:
@@ -2725,6 +2730,59 @@ def test_a_steps_copy_reads_ids_in_bounded_holds_of_the_gil_and_ids_it_cannot_re
                     store.get(rows[2][2])
         s = sink.stats()
         assert s["failed_writes"] == 4 and s["written_objects"] == 8, s
+    finally:
+        sink.close()
+
+
+def test_a_request_whose_destination_is_not_its_reservation_or_that_is_no_request_fails_alone() -> None:
+    """The native copy takes a request's destinations from the caller (our own Python) as
+    ``(address, stamp)`` pairs, and checks each against its reservation before a byte is
+    written: in a host arena, the stamp word after the object must be that stamp, still pending.
+    A request pointed at another request's rows object fails alone, and that object's bytes stay
+    untouched (with the check removed, its rows land there and the request reports a good copy).
+    A request that is not the tuple the call takes fails alone too, its objects failed by the
+    keys it carries (before: the whole step raised at the call's argument conversion)."""
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena._capture_arena import _Landed
+
+    blocks, k, bs, h, n = 8, 3, 4, 16, 6
+    kv = torch.randn(blocks, k, bs, h, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    cache = (kv.data_ptr(), kv.numel() * 2, tuple(x * 2 for x in kv.stride()[:3]), bs, k, h * 2, kv.shape[0])
+    rows_len = n * k * h * 2
+    sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2, aux_layer_ids=[1, 2, 3])
+    sink._start(None)
+    try:
+        rows = sink._reserve_rows_begin("st", "bfloat16", k * h, [(f"r{i}", 1, n) for i in range(4)], within_s=2).wait_dicts()
+        block_ids = [[5, 2], [7, 0], [3, 1], [6, 4]]
+
+        def req(i: int, rows_of: int) -> tuple[object, ...]:
+            keys, at, _ = rows[i]
+            # Request i's own stamp for its rows object, whichever object the address is.
+            rows_at = (rows[rows_of][1]["hidden_states"][0], at["hidden_states"][1])
+            return (keys, at["token_ids"], list(range(100, 100 + n)), n, rows_at, rows_len, block_ids[i])
+
+        wrong = req(1, 2)  # request 1, its rows pointed at request 2's object
+        not_a_request = (rows[2][0], "not an address", [], n)  # its keys, then nothing it should be
+        why = sink._copy_requests_rows(cache, [req(0, 0), wrong, not_a_request, req(3, 3)], _Landed(4), 0)
+        assert why[0] is None and why[3] is None, why
+        assert "is not the object reserved with stamp" in (why[1] or ""), why
+        assert "a request is (keys, (ids_at, ids_stamp)" in (why[2] or ""), why
+        untouched = ctypes.string_at(rows[2][1]["hidden_states"][0], rows_len)
+        assert untouched == bytes(rows_len), "request 1's rows were written into request 2's object"
+        with ca.ArenaFeatureStore() as store:
+            for i in (0, 3):
+                got = store.get(rows[i][2])
+                want = kv[block_ids[i]].transpose(1, 2).reshape(2 * bs, k * h)[:n]
+                assert np.array_equal(got["hidden_states"].reshape(n, k * h).view(np.uint16), want.view(torch.int16).numpy().view(np.uint16))
+                store.release(rows[i][2])
+            for i in (1, 2):
+                with pytest.raises(ca.WriteFailedError):
+                    store.get(rows[i][2])
     finally:
         sink.close()
 

@@ -11,6 +11,10 @@
 //! blocks into a host arena (device-to-host) or a device arena (device-to-device): no staging
 //! buffer, and no Python.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::sample::{stamp_offset, PENDING_BIT, STAMP_BYTES};
+
 /// Where a request's rows are in a paged cache `[blocks, k, block_size, row]` (in bytes, through
 /// its strides): each `(block, layer, slot)` row is `row_bytes` contiguous bytes at
 /// `base + block * strides.0 + layer * strides.1 + slot * strides.2`, all inside
@@ -243,10 +247,14 @@ pub struct Request {
     pub keys: Vec<String>,
     /// Where its token ids go (`[n]` int64).
     pub ids_dst: u64,
+    /// The stamp of the object at `ids_dst`, as its reservation's result gives it.
+    pub ids_stamp: u64,
     /// Its token ids: `n` of them.
     pub ids: Vec<i64>,
     /// Where its rows go (`[n, k, row]`).
     pub rows_dst: u64,
+    /// The stamp of the object at `rows_dst`.
+    pub rows_stamp: u64,
     /// The rows' bytes.
     pub rows_len: u64,
     /// Its blocks in the cache, in token order.
@@ -255,8 +263,9 @@ pub struct Request {
 
 impl Request {
     /// Its rows' strips ([`Paged::plan`]), once both its destinations are checked to lie in
-    /// `arena` (`(address, bytes)` as this process maps it).
-    fn plan(&self, src: &Paged, arena: (u64, u64)) -> Result<Vec<Strip>, String> {
+    /// `arena` (`(address, bytes)` as this process maps it) and, in a host arena (`host`), to
+    /// be the objects reserved with its stamps, still being written ([`reserved_at`]).
+    fn plan(&self, src: &Paged, arena: (u64, u64), host: bool) -> Result<Vec<Strip>, String> {
         let ids_len = (self.ids.len() as u64) * 8;
         if !inside(arena, self.ids_dst, ids_len) || !inside(arena, self.rows_dst, self.rows_len) {
             return Err(format!(
@@ -270,7 +279,16 @@ impl Request {
                 src.base, src.len, arena.0, arena.1
             ));
         }
-        src.plan(self.rows_len, &self.block_ids, self.ids.len() as u64)
+        let strips = src.plan(self.rows_len, &self.block_ids, self.ids.len() as u64)?;
+        if host {
+            // SAFETY: a host arena is this process's own mapping, valid for reads (the
+            // callers' promise).
+            unsafe {
+                reserved_at(arena, self.ids_dst, ids_len, self.ids_stamp)?;
+                reserved_at(arena, self.rows_dst, self.rows_len, self.rows_stamp)?;
+            }
+        }
+        Ok(strips)
     }
 
     /// Writes its token ids where they go, in host memory.
@@ -288,6 +306,41 @@ impl Request {
             )
         };
     }
+}
+
+/// Checks that the `len` bytes at `at`, in a host arena, are the object reserved with `stamp`
+/// and not yet finished: its stamp word (the 8 bytes at `at` plus `len` rounded up to 8) is
+/// `stamp | PENDING_BIT`, as the writer set it when it placed the reservation. A destination
+/// that is not that object (another request's, a freed one's, a size that does not match, a
+/// stamp that is not this reservation's) is refused before a byte is written: the addresses and
+/// stamps come from the caller, whose bookkeeping this does not take on trust.
+///
+/// # Safety
+/// `arena` is host memory of this process, valid for reads.
+unsafe fn reserved_at(arena: (u64, u64), at: u64, len: u64, stamp: u64) -> Result<(), String> {
+    let word_at = at
+        .checked_add(stamp_offset(len))
+        .filter(|&w| w.is_multiple_of(STAMP_BYTES) && inside(arena, w, STAMP_BYTES));
+    let Some(word_at) = word_at else {
+        return Err(format!(
+            "the object [{at:#x}, +{len}) has no aligned stamp word in this sink's arena \
+             [{:#x}, +{})",
+            arena.0, arena.1
+        ));
+    };
+    // SAFETY: an aligned word inside the arena (checked), which the caller vouched is readable;
+    // the writer stores such words whole (`store_word`), so an atomic load sees one or the other.
+    let word = unsafe { AtomicU64::from_ptr(word_at as usize as *mut u64) }.load(Ordering::Acquire);
+    let word = u64::from_le(word);
+    if word != stamp | PENDING_BIT {
+        return Err(format!(
+            "[{at:#x}, +{len}) is not the object reserved with stamp {stamp} and still being \
+             written: its stamp word is {word:#x}, not {:#x} (a destination or stamp that is not \
+             this request's reservation)",
+            stamp | PENDING_BIT
+        ));
+    }
+    Ok(())
 }
 
 /// Whether `[at, at + len)` lies inside `[base, base + size)`.
@@ -315,7 +368,7 @@ pub unsafe fn copy_requests(
 ) -> Vec<Option<String>> {
     let mut out = Vec::with_capacity(requests.len());
     for (i, r) in requests.into_iter().enumerate() {
-        let checked = r.plan(src, arena);
+        let checked = r.plan(src, arena, true);
         match checked {
             Ok(strips) => {
                 // SAFETY: the destinations lie inside the arena and the rows inside the cache
@@ -661,7 +714,7 @@ mod device {
         pub unsafe fn add(&mut self, r: Request) {
             let i = self.added;
             self.added += 1;
-            let checked = r.plan(self.src, self.arena);
+            let checked = r.plan(self.src, self.arena, self.dst_host);
             let ids = checked.and_then(|strips| {
                 // SAFETY: the destination lies in the arena (checked above), which the caller
                 // vouched for; a host arena is this process's own mapping.
@@ -921,15 +974,23 @@ mod tests {
     fn each_request_is_copied_and_finished_in_order_and_a_bad_one_costs_only_itself() {
         let (k, bs, row) = (2u64, 4u64, 8u64);
         let (bytes, src) = cache(4, k, bs, row, false);
-        let mut arena = vec![0u8; 4096];
-        let base = arena.as_mut_ptr() as u64;
+        let mut words = vec![0u64; 512]; // the arena: 4096 bytes, its stamp words aligned
+        let base = words.as_mut_ptr() as u64;
         let n = 6u64; // blocks [2, 0]: rows 0..4 from block 2, 4..6 from block 0
         let rows_len = n * k * row;
+        // Each request's two objects reserved as the writer does: stamp words pending.
+        for (i, at) in [0u64, 1024, 2048, 3072].into_iter().enumerate() {
+            let stamp = 10 + i as u64;
+            words[(at + n * 8) as usize / 8] = stamp | PENDING_BIT;
+            words[(at + 64 + rows_len) as usize / 8] = stamp | PENDING_BIT;
+        }
         let good = |at: u64, keys: &str| Request {
             keys: vec![keys.into()],
             ids_dst: base + at,
+            ids_stamp: 10 + at / 1024,
             ids: (0..n as i64).map(|i| 100 + i).collect(),
             rows_dst: base + at + 64,
+            rows_stamp: 10 + at / 1024,
             rows_len,
             block_ids: vec![2, 0],
         };
@@ -945,6 +1006,7 @@ mod tests {
                 finished.push((i, keys[0].clone(), ok))
             })
         };
+        let arena: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
         assert_eq!(
             finished,
             [
@@ -988,9 +1050,97 @@ mod tests {
                 }
             }
         }
-        assert!(
-            arena[1024..2048].iter().all(|&b| b == 0) && arena[2048..3072].iter().all(|&b| b == 0)
+        let untouched = |at: usize| {
+            let stamps = [at + 48, at + 64 + rows_len as usize];
+            (at..at + 1024)
+                .filter(|i| !stamps.iter().any(|s| (*s..*s + 8).contains(i)))
+                .all(|i| arena[i] == 0)
+        };
+        assert!(untouched(1024) && untouched(2048));
+    }
+
+    #[test]
+    fn a_destination_that_is_not_the_requests_own_reservation_is_refused_before_any_byte() {
+        // The caller's addresses and stamps are checked against the stamp words the writer set
+        // when it placed the reservations: another request's object, one whose write is
+        // finished, a stamp not the reservation's, or a length that does not end at its stamp
+        // word each fail the request alone, and nothing of it is written.
+        let (k, bs, row) = (2u64, 4u64, 8u64);
+        let (_, src) = cache(4, k, bs, row, false);
+        let mut words = vec![0u64; 512];
+        let base = words.as_mut_ptr() as u64;
+        let n = 4u64;
+        let rows_len = n * k * row; // 64 bytes
+                                    // Objects at 0 (stamp 7) and 512 (stamp 8), pending; at 1024 (stamp 9), finished.
+        for (at, word) in [(0u64, 7 | PENDING_BIT), (512, 8 | PENDING_BIT), (1024, 9)] {
+            words[(at + n * 8) as usize / 8] = word;
+            words[(at + 64 + rows_len) as usize / 8] = word;
+        }
+        let at = |at: u64, stamp: u64| Request {
+            keys: vec![format!("{at}")],
+            ids_dst: base + at,
+            ids_stamp: stamp,
+            ids: (0..n as i64).collect(),
+            rows_dst: base + at + 64,
+            rows_stamp: stamp,
+            rows_len,
+            block_ids: vec![1],
+        };
+        let mut other_rows = at(0, 7);
+        other_rows.rows_dst = base + 512 + 64; // the other request's rows object
+        let mut short = at(0, 7);
+        short.rows_len -= k * row; // one row fewer: neither object ends at its stamp word
+        short.ids.pop();
+        let requests = vec![
+            at(512, 7),  // another reservation's objects, this request's stamp
+            other_rows,  // its ids right, its rows another's
+            at(1024, 9), // finished already
+            at(0, 8),    // a stamp that is not this reservation's
+            short,       // sizes that do not end at the stamp words
+            at(0, 7),    // its own
+        ];
+        let mut finished = Vec::new();
+        // SAFETY: both buffers live until the call returns and do not overlap.
+        let why = unsafe {
+            copy_requests(&src, (base, 4096), requests, |i, _, ok| {
+                finished.push((i, ok))
+            })
+        };
+        assert_eq!(
+            finished,
+            [
+                (0, false),
+                (1, false),
+                (2, false),
+                (3, false),
+                (4, false),
+                (5, true)
+            ],
+            "{why:?}"
         );
+        for w in &why[..5] {
+            assert!(
+                w.as_deref()
+                    .unwrap()
+                    .contains("not the object reserved with stamp")
+                    || w.as_deref().unwrap().contains("has no aligned stamp word"),
+                "{why:?}"
+            );
+        }
+        assert!(
+            why[3].as_deref().unwrap().contains("stamp 8"),
+            "{:?}",
+            why[3]
+        );
+        // Only request 5's bytes were written: objects 512 and 1024 hold nothing but their words.
+        let arena: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        for at in [512usize, 1024] {
+            let stamps = [at + 32, at + 64 + rows_len as usize];
+            assert!((at..at + 512)
+                .filter(|i| !stamps.iter().any(|s| (*s..*s + 8).contains(i)))
+                .all(|i| arena[i] == 0));
+        }
+        assert_ne!(arena[64..64 + rows_len as usize], [0u8; 64]);
     }
 
     #[test]
@@ -1006,8 +1156,10 @@ mod tests {
         let request = Request {
             keys: vec!["a".into()],
             ids_dst: base + 128,
+            ids_stamp: 1,
             ids: vec![1, 2],
             rows_dst: base + 160,
+            rows_stamp: 1,
             rows_len: 2 * k * row,
             block_ids: vec![0],
         };

@@ -1005,13 +1005,15 @@ fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_
     let copies = DeviceCopies::new(0).unwrap();
     let n = 6u64;
     let rows_len = n * 2 * 8;
-    let mut arena = vec![0u8; 1024];
-    let base = arena.as_mut_ptr() as u64;
+    let mut words = reserved_arena(1024, &[0, 512], n, rows_len);
+    let base = words.as_mut_ptr() as u64;
     let request = |at: u64, keys: &str, blocks: Vec<u64>| Request {
         keys: vec![keys.into()],
         ids_dst: base + at,
+        ids_stamp: 1 + at,
         ids: (0..n as i64).map(|i| 100 + i).collect(),
         rows_dst: base + at + 64,
+        rows_stamp: 1 + at,
         rows_len,
         block_ids: blocks,
     };
@@ -1035,6 +1037,7 @@ fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_
         )
     };
     fake_cuda::knob("copy_us", 0);
+    let arena = arena_bytes(&words);
     // The bad request fails alone, and at once (before the good ones land, in order).
     assert_eq!(
         finished,
@@ -1087,6 +1090,25 @@ fn fake_gpu_a_2d_copy_past_the_devices_pitch_limit_goes_row_by_row() {
     fake_cuda::knob("max_pitch", i32::MAX as i64);
     landed.unwrap();
     assert_eq!(host, want);
+}
+
+/// A host arena of `bytes` for the row copies, 8-byte aligned, with a request's two objects
+/// reserved at each of `at` as the writer places them: its `n` token ids there (stamp `1 + at`)
+/// and its `rows_len` bytes of rows 64 bytes on (the same stamp), their stamp words pending.
+fn reserved_arena(bytes: usize, at: &[u64], n: u64, rows_len: u64) -> Vec<u64> {
+    use capture_arena::sample::{stamp_offset, PENDING_BIT};
+    let mut words = vec![0u64; bytes / 8];
+    for &at in at {
+        for word in [at + stamp_offset(n * 8), at + 64 + stamp_offset(rows_len)] {
+            words[word as usize / 8] = (1 + at) | PENDING_BIT;
+        }
+    }
+    words
+}
+
+/// An arena's bytes, as [`reserved_arena`] holds them.
+fn arena_bytes(words: &[u64]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_ne_bytes()).collect()
 }
 
 /// The request the pitch tests copy: blocks 2, 0 and 5 of a layer-major cache `[6, 3, 4, 16]`,
@@ -1353,13 +1375,15 @@ fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_en
     let (_cache, _bytes, src) = device_cache(4, 2, 4, 8, false);
     let n = 6u64;
     let rows_len = n * 2 * 8;
-    let mut arena = vec![0u8; 1024];
-    let base = arena.as_mut_ptr() as u64;
+    let mut words = reserved_arena(1024, &[0, 256, 512], n, rows_len);
+    let base = words.as_mut_ptr() as u64;
     let request = |at: u64, keys: &str| Request {
         keys: vec![keys.into()],
         ids_dst: base + at,
+        ids_stamp: 1 + at,
         ids: (0..n as i64).collect(),
         rows_dst: base + at + 64,
+        rows_stamp: 1 + at,
         rows_len,
         block_ids: vec![3, 1],
     };
@@ -1391,6 +1415,7 @@ fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_en
     fake_cuda::knob("fail_copies_after", -1);
     fake_cuda::knob("copy_us", 0);
     copies.synchronize().unwrap();
+    let arena = arena_bytes(&words);
     assert_eq!(
         finished,
         [

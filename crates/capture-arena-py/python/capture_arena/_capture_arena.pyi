@@ -71,11 +71,11 @@ class _Reserving:
     @overload
     def wait(
         self, keys: Literal[True], hold_gil_s: float = ..., dicts: Literal[False] = False
-    ) -> list[tuple[Optional[list[str]], Optional[dict[str, int]], bytes]]: ...
+    ) -> list[tuple[Optional[list[str]], Optional[dict[str, tuple[int, int]]], bytes]]: ...
     @overload
     def wait(
         self, keys: Literal[True], hold_gil_s: float = ..., *, dicts: Literal[True]
-    ) -> list[tuple[Optional[list[str]], Optional[dict[str, int]], dict[str, Any]]]: ...
+    ) -> list[tuple[Optional[list[str]], Optional[dict[str, tuple[int, int]]], dict[str, Any]]]: ...
 
 @disjoint_base
 class _ArenaSink:
@@ -108,7 +108,7 @@ class _ArenaSink:
     @overload
     def _reserve_each(
         self, specs: Any, within_s: float, keys: Literal[True], hold_gil_s: float = ...
-    ) -> list[tuple[Optional[list[str]], Optional[dict[str, int]], bytes]]: ...
+    ) -> list[tuple[Optional[list[str]], Optional[dict[str, tuple[int, int]]], bytes]]: ...
     def _begin_reserving(self, specs: Any, within_s: float) -> "_Reserving": ...
     def _begin_reserving_rows(
         self, store_id: str, dtype: str, width: int, requests: list[tuple[str, int, int]], within_s: float
@@ -117,7 +117,7 @@ class _ArenaSink:
     def _copy_requests_rows(
         self,
         cache: tuple[int, int, tuple[int, int, int], int, int, int, int],
-        requests: list[tuple[list[str], int, list[int], int, int, int, list[int]]],
+        requests: list[tuple[list[str], tuple[int, int], list[int], int, tuple[int, int], int, list[int]]],
         landed: _Landed,
         first: int = 0,
         ids_per_hold: int = ...,
@@ -129,7 +129,7 @@ class _ArenaSink:
         self,
         rows: _DeviceRows,
         cache: tuple[int, int, tuple[int, int, int], int, int, int, int],
-        requests: list[tuple[list[str], int, list[int], int, int, int, list[int]]],
+        requests: list[tuple[list[str], tuple[int, int], list[int], int, tuple[int, int], int, list[int]]],
         landed: _Landed,
         after: int,
         first: int = 0,

@@ -531,8 +531,9 @@ class ArenaSink(LiveSink, _ArenaSink):
         and collects after the forward, so vLLM's thread never waits for the writer to place
         them. The space is waited for at most ``within_s`` from now. Each spec's reservation is
         ``(keys, writable, json)``: the objects' keys for :meth:`_finish_keys` and
-        :meth:`_drop_keys` (None for an error row), where this process writes each feature, and
-        the row's compact JSON text, both made by the extension (no dict of the row)."""
+        :meth:`_drop_keys` (None for an error row), where this process writes each feature and
+        the object's stamp (``{name: (address, stamp)}``), and the row's compact JSON text, both
+        made by the extension (no dict of the row)."""
         items: list[Any] = list(specs)
         begun = self._reserved(within_s, lambda left: self._begin_reserving(items, left))
         return _Reservations(items, begun)
@@ -654,10 +655,12 @@ class ArenaSink(LiveSink, _ArenaSink):
 
 
 #: A reservation as :meth:`ArenaSink._reserve_each_keys` returns it: the objects' keys (None:
-#: not published), where this process writes each feature, and the result's JSON text.
-_Reserved = tuple[Optional[list[str]], Optional[dict[str, int]], bytes]
+#: not published), where this process writes each feature with the object's stamp
+#: (``{name: (address, stamp)}``: vLLM's native row copy checks the stamp word before it
+#: writes), and the result's JSON text.
+_Reserved = tuple[Optional[list[str]], Optional[dict[str, tuple[int, int]]], bytes]
 #: A reservation as :meth:`_Reservations.wait_dicts` returns it: its result as a dict.
-_ReservedRow = tuple[Optional[list[str]], Optional[dict[str, int]], dict[str, Any]]
+_ReservedRow = tuple[Optional[list[str]], Optional[dict[str, tuple[int, int]]], dict[str, Any]]
 
 
 class _Reservations:

@@ -1691,9 +1691,11 @@ class _Rows:
         """The device memory this copier holds: its staging buffers (none on the native path)."""
         return sum(t.numel() * t.element_size() for t in self.stage) if self.stage is not None else 0
 
-    def copy(self, todo: list[tuple[_Save, list[str], dict[str, int]]], event: Any, done: Any = None, landed: Optional[_Landed] = None) -> list[bool]:
-        """Copies each request's rows and token ids into its objects (``{name: address}`` where
-        this process writes them) and finishes their writes (its keys) as soon as its bytes have
+    def copy(self, todo: list["_Todo"], event: Any, done: Any = None, landed: Optional[_Landed] = None) -> list[bool]:
+        """Copies each request's rows and token ids into its objects (``{name: (address,
+        stamp)}``: where this process writes them, and their reservation's stamps; a destination
+        in a host arena that is not the object reserved with that stamp fails its request) and
+        finishes their writes (its keys) as soon as its bytes have
         landed and are visible to other processes (not only once the whole step's have), so its
         readers need not wait for the step's later requests; whether each worked. On a host
         cache whose rows are contiguous, ``landed[i]`` is set in native code as request i's
@@ -1757,13 +1759,13 @@ class _Rows:
             log.exception("capture_arena.vllm: copying the rows of request %s failed; its readers fail", sv.req_id)
             return False
 
-    def _objects(self, sv: _Save, at: dict[str, int], device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def _objects(self, sv: _Save, at: "_Writable", device: Any) -> tuple[torch.Tensor, torch.Tensor]:
         n = sv.n
-        hs = _arena_tensor(at["hidden_states"], n * self.k * self.h, self.kv.dtype, device).view(n, self.k, self.h)
-        ids = _arena_tensor(at["token_ids"], n, torch.int64, device)
+        hs = _arena_tensor(at["hidden_states"][0], n * self.k * self.h, self.kv.dtype, device).view(n, self.k, self.h)
+        ids = _arena_tensor(at["token_ids"][0], n, torch.int64, device)
         return hs, ids
 
-    def _copy_native(self, todo: list[tuple[_Save, list[str], dict[str, int]]], landed: _Landed, event: Any = None, first: int = 0) -> list[bool]:
+    def _copy_native(self, todo: list["_Todo"], landed: _Landed, event: Any = None, first: int = 0) -> list[bool]:
         """The step's requests (``landed[first + i]`` is request i's flag) in one native call,
         which holds the GIL only to read their token ids out of vLLM's lists (5 ns an id: 0.32 ms
         for 32 prompts of 2048 tokens), in holds of at most 2^17 ids, each hold's requests
@@ -1808,12 +1810,33 @@ class _Rows:
             bad = next(b for b in sv.block_ids if not 0 <= b < blocks)
             raise ValueError(f"block {bad} is not in the cache, which has {blocks} blocks")
 
-    def _copy_host(self, sv: _Save, at: dict[str, int]) -> None:
+    def _check_reserved(self, sv: _Save, at: "_Writable") -> None:
+        """Torch's paths into a host arena: each destination must be the object reserved with
+        its stamp, still being written (its stamp word, after its bytes, says so), as the native
+        path checks in ``Request::plan``; else the request fails here, before a byte is written.
+        (A device arena's stamp words are in device memory: not read here.)"""
+        if self.device_arena:
+            return
+        region = self.sink.local_region
+        isz = self.kv.element_size()
+        for name, size in (("token_ids", sv.n * 8), ("hidden_states", sv.n * self.k * self.h * isz)):
+            address, stamp = at[name]
+            word_at = address + (size + 7) // 8 * 8
+            inside = region is not None and region[0] <= address and word_at + 8 <= region[0] + region[1] and word_at % 8 == 0
+            word = int.from_bytes(ctypes.string_at(word_at, 8), "little") if inside else None
+            if word != stamp | _PENDING_BIT:
+                raise ValueError(
+                    f"{name} at {address:#x} (+{size}) is not the object reserved with stamp {stamp} and still being written "
+                    f"(its stamp word is {word if word is None else hex(word)}): a destination or stamp not this request's reservation"
+                )
+
+    def _copy_host(self, sv: _Save, at: "_Writable") -> None:
         """A cache whose rows are not contiguous: a strided torch copy per block."""
         self._check_blocks(sv)
+        self._check_reserved(sv, at)
         n = sv.n
         ids = np.asarray(_prompt_ids(sv), dtype=np.int64)
-        ctypes.memmove(at["token_ids"], ids.ctypes.data, ids.nbytes)
+        ctypes.memmove(at["token_ids"][0], ids.ctypes.data, ids.nbytes)
         hs, _ = self._objects(sv, at, None)
         for j, b in enumerate(sv.block_ids):
             r0 = j * self.bs
@@ -1822,9 +1845,10 @@ class _Rows:
                 break
             hs[r0 : r0 + m].copy_(self.kv[b, :, :m].transpose(0, 1))
 
-    def _copy_device(self, sv: _Save, at: dict[str, int]) -> None:
+    def _copy_device(self, sv: _Save, at: "_Writable") -> None:
         assert self.stage is not None
         self._check_blocks(sv)
+        self._check_reserved(sv, at)
         n = sv.n
         hs, ids = self._objects(sv, at, self.arena_device if self.device_arena else None)
         ids.copy_(torch.tensor(_prompt_ids(sv), dtype=torch.int64), non_blocking=True)
@@ -1903,7 +1927,14 @@ def _collect_dicts(saves: list[_Save], reservations: "_Reservations | str") -> l
 
 #: A request's reservation as the copy thread takes it: its objects' keys (None: not
 #: published), where this process writes each feature, and its result (text or dict).
-_Placed = tuple[Optional[list[str]], Optional[dict[str, int]], Any]
+_Placed = tuple[Optional[list[str]], Optional["_Writable"], Any]
+#: Where this process writes each of a reservation's objects, and the object's stamp:
+#: ``{name: (address, stamp)}``.
+_Writable = dict[str, tuple[int, int]]
+#: A request the copy thread copies: its save, its objects' keys, and where they are.
+_Todo = tuple[_Save, list[str], _Writable]
+#: Set in a reserved object's stamp word, with its stamp, until its write is finished.
+_PENDING_BIT = 1 << 63
 
 
 def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:
