@@ -22,6 +22,27 @@ import capture_arena as ca
 REPO = Path(__file__).resolve().parents[3]
 
 
+def _scratch_tmp() -> None:
+    """Everything the suites' processes put in the temporary directory goes into one of this
+    run's own, removed when the run ends: vLLM leaves an ipc socket per engine process
+    (``VLLM_RPC_BASE_PATH``) and a ``vllm_dist_*`` file per engine in it (11 files a run in
+    /tmp before, never removed), torch's compile caches, pytest's own tmp_path directories.
+    pytest-xdist's workers inherit the directory from the run's main process, which removes it.
+    ``CAPTURE_ARENA_TEST_TMP`` names it for the processes the tests start."""
+    if os.environ.get("CAPTURE_ARENA_TEST_TMP"):
+        return  # a worker of this run: the main process made it, and removes it
+    import atexit
+    import shutil
+
+    d = tempfile.mkdtemp(prefix="ca-tests-", dir=os.environ.get("TMPDIR") or "/tmp")
+    os.environ["CAPTURE_ARENA_TEST_TMP"] = os.environ["TMPDIR"] = d
+    tempfile.tempdir = d
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+
+
+_scratch_tmp()
+
+
 def _wheel_cache() -> Path:
     env = os.environ.get("CAPTURE_ARENA_CACHE")
     return Path(env) if env else REPO / ".cache" / "sglang-wheel"
