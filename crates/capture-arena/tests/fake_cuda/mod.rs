@@ -192,6 +192,26 @@ pub fn foreign_stream(device: i32) -> u64 {
 /// on that device (access granted to it), each `None` left unmapped: a hole. Returns the range's
 /// address (never freed: a test's lifetime).
 pub fn vmm_pieces(pieces: &[Option<i32>]) -> u64 {
+    let sized: Vec<(Option<i32>, usize)> = pieces.iter().map(|&d| (d, 2 << 20)).collect();
+    vmm_range(&sized)
+}
+
+/// Device memory of GPU `device` made as a VMM pool makes it (torch's expandable segments,
+/// cudaMallocAsync): `cuMemCreate` + map, with access granted to `device` alone; `bytes` copied
+/// in. Returns its address (never freed: a test's lifetime).
+pub fn vmm_buffer(device: i32, bytes: &[u8]) -> u64 {
+    let size = bytes.len().div_ceil(2 << 20).max(1) * (2 << 20);
+    let ptr = vmm_range(&[(Some(device), size)]);
+    // SAFETY: the mapping is host memory of `size` bytes once access is granted (the fake's),
+    // so the bytes are written directly.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr as *mut u8, bytes.len()) };
+    ptr
+}
+
+/// One reserved range of pieces `(device, bytes)` (bytes a multiple of 2 MiB), one after
+/// another: each `Some(device)` `cuMemCreate`d on that device and mapped, access granted to it
+/// alone; each `None` left unmapped. Returns the range's address.
+fn vmm_range(pieces: &[(Option<i32>, usize)]) -> u64 {
     #[repr(C)]
     struct Prop {
         type_: i32,
@@ -212,7 +232,6 @@ pub fn vmm_pieces(pieces: &[Option<i32>]) -> u64 {
     type Reserve = extern "C" fn(*mut u64, usize, usize, u64, u64) -> i32;
     type Map = extern "C" fn(u64, usize, usize, u64, u64) -> i32;
     type SetAccess = extern "C" fn(u64, usize, *const Access, usize) -> i32;
-    const PIECE: usize = 2 << 20;
     // SAFETY: the fake's functions have these signatures (fake_cuda.c).
     unsafe {
         let set: SetCurrent = std::mem::transmute(sym("cuCtxSetCurrent"));
@@ -221,89 +240,33 @@ pub fn vmm_pieces(pieces: &[Option<i32>]) -> u64 {
         let map: Map = std::mem::transmute(sym("cuMemMap"));
         let access: SetAccess = std::mem::transmute(sym("cuMemSetAccess"));
         let mut base = 0;
-        assert_eq!(reserve(&mut base, PIECE * pieces.len(), 0, 0, 0), 0);
-        for (i, device) in pieces.iter().enumerate() {
-            let Some(device) = *device else { continue };
-            assert_eq!(set((device as isize + 1) as *mut std::ffi::c_void), 0);
-            let prop = Prop {
-                type_: 1,
-                handle_types: 1,
-                loc_type: 1,
-                loc_id: device,
-                win32: std::ptr::null_mut(),
-                flags: [0; 8],
-            };
-            let mut h = 0;
-            assert_eq!(create(&mut h, PIECE, &prop, 0), 0);
-            let at = base + (i * PIECE) as u64;
-            assert_eq!(map(at, PIECE, 0, h, 0), 0);
-            let grant = Access {
-                loc_type: 1,
-                loc_id: device,
-                flags: 3,
-            };
-            assert_eq!(access(at, PIECE, &grant, 1), 0);
+        let total = pieces.iter().map(|p| p.1).sum();
+        assert_eq!(reserve(&mut base, total, 0, 0, 0), 0);
+        let mut at = base;
+        for &(device, size) in pieces {
+            if let Some(device) = device {
+                assert_eq!(set((device as isize + 1) as *mut std::ffi::c_void), 0);
+                let prop = Prop {
+                    type_: 1,
+                    handle_types: 1,
+                    loc_type: 1,
+                    loc_id: device,
+                    win32: std::ptr::null_mut(),
+                    flags: [0; 8],
+                };
+                let mut h = 0;
+                assert_eq!(create(&mut h, size, &prop, 0), 0);
+                assert_eq!(map(at, size, 0, h, 0), 0);
+                let grant = Access {
+                    loc_type: 1,
+                    loc_id: device,
+                    flags: 3,
+                };
+                assert_eq!(access(at, size, &grant, 1), 0);
+            }
+            at += size as u64;
         }
         assert_eq!(set(std::ptr::null_mut()), 0);
         base
-    }
-}
-
-/// Device memory of GPU `device` made as a VMM pool makes it (torch's expandable segments,
-/// cudaMallocAsync): `cuMemCreate` + map, with access granted to `device` alone; `bytes` copied
-/// in. Returns its address (never freed: a test's lifetime).
-pub fn vmm_buffer(device: i32, bytes: &[u8]) -> u64 {
-    #[repr(C)]
-    struct Prop {
-        type_: i32,
-        handle_types: i32,
-        loc_type: i32,
-        loc_id: i32,
-        win32: *mut std::ffi::c_void,
-        flags: [u8; 8],
-    }
-    #[repr(C)]
-    struct Access {
-        loc_type: i32,
-        loc_id: i32,
-        flags: i32,
-    }
-    type SetCurrent = extern "C" fn(*mut std::ffi::c_void) -> i32;
-    type Create = extern "C" fn(*mut u64, usize, *const Prop, u64) -> i32;
-    type Reserve = extern "C" fn(*mut u64, usize, usize, u64, u64) -> i32;
-    type Map = extern "C" fn(u64, usize, usize, u64, u64) -> i32;
-    type SetAccess = extern "C" fn(u64, usize, *const Access, usize) -> i32;
-    let size = bytes.len().div_ceil(2 << 20).max(1) * (2 << 20);
-    // SAFETY: the fake's functions have these signatures (fake_cuda.c); the mapping is host
-    // memory of `size` bytes once access is granted, so the bytes are written directly.
-    unsafe {
-        let set: SetCurrent = std::mem::transmute(sym("cuCtxSetCurrent"));
-        let create: Create = std::mem::transmute(sym("cuMemCreate"));
-        let reserve: Reserve = std::mem::transmute(sym("cuMemAddressReserve"));
-        let map: Map = std::mem::transmute(sym("cuMemMap"));
-        let access: SetAccess = std::mem::transmute(sym("cuMemSetAccess"));
-        assert_eq!(set((device as isize + 1) as *mut std::ffi::c_void), 0);
-        let prop = Prop {
-            type_: 1,
-            handle_types: 1,
-            loc_type: 1,
-            loc_id: device,
-            win32: std::ptr::null_mut(),
-            flags: [0; 8],
-        };
-        let mut h = 0;
-        assert_eq!(create(&mut h, size, &prop, 0), 0);
-        let mut ptr = 0;
-        assert_eq!(reserve(&mut ptr, size, 0, 0, 0), 0);
-        assert_eq!(map(ptr, size, 0, h, 0), 0);
-        let grant = Access {
-            loc_type: 1,
-            loc_id: device,
-            flags: 3,
-        };
-        assert_eq!(access(ptr, size, &grant, 1), 0);
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr as *mut u8, bytes.len());
-        assert_eq!(set(std::ptr::null_mut()), 0);
-        ptr
     }
 }
