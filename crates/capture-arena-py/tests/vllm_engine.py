@@ -147,7 +147,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
                 release.wait()
             if failing[0] > 0:  # a real failed copy: the native copy refuses its destination
                 failing[0] -= 1
-                at = {**at, "hidden_states": 8}
+                at = {**at, "hidden_states": (8, at["hidden_states"][1])}  # (address, stamp): address 8
             ok += real_copy_native(self, [(sv, keys, at)], landed, event, first + i)
         return ok
 
