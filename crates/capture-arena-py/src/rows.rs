@@ -116,10 +116,15 @@ pub(crate) fn next_hold<'py>(
 ) -> Vec<Read> {
     let mut hold = Vec::new();
     let mut ids = 0usize;
-    while let Some((j, item)) =
-        requests.next_if(|(_, a)| hold.is_empty() || ids.saturating_add(ids_of(a)) <= ids_per_hold)
-    {
-        ids = ids.saturating_add(ids_of(&item));
+    while let Some((_, item)) = requests.peek() {
+        let more = ids_of(item);
+        if !hold.is_empty() && ids.saturating_add(more) > ids_per_hold {
+            break;
+        }
+        let Some((j, item)) = requests.next() else {
+            break;
+        };
+        ids = ids.saturating_add(more);
         hold.push((j, request(&item, ids_per_hold)));
     }
     hold

@@ -13,7 +13,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::sample::{stamp_offset, PENDING_BIT, STAMP_BYTES};
+use crate::sample::{stamp_offset, StampWord, PENDING_BIT, STAMP_BYTES};
 
 /// Where a request's rows are in a paged cache `[blocks, k, block_size, row]` (in bytes, through
 /// its strides): each `(block, layer, slot)` row is `row_bytes` contiguous bytes at
@@ -332,7 +332,7 @@ unsafe fn reserved_at(arena: (u64, u64), at: u64, len: u64, stamp: u64) -> Resul
     // the writer stores such words whole (`store_word`), so an atomic load sees one or the other.
     let word = unsafe { AtomicU64::from_ptr(word_at as usize as *mut u64) }.load(Ordering::Acquire);
     let word = u64::from_le(word);
-    if word != stamp | PENDING_BIT {
+    if StampWord::of(word, stamp) != StampWord::Pending {
         return Err(format!(
             "[{at:#x}, +{len}) is not the object reserved with stamp {stamp} and still being \
              written: its stamp word is {word:#x}, not {:#x} (a destination or stamp that is not \

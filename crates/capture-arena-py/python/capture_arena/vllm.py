@@ -130,6 +130,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import _logs
+from ._engine import PENDING_BIT
 from ._capture_arena import _DeviceRows, _Landed, _result_keys
 from ._live import sync_wait_s
 from ._reader import handle_of
@@ -1824,7 +1825,7 @@ class _Rows:
             word_at = address + (size + 7) // 8 * 8
             inside = region is not None and region[0] <= address and word_at + 8 <= region[0] + region[1] and word_at % 8 == 0
             word = int.from_bytes(ctypes.string_at(word_at, 8), "little") if inside else None
-            if word != stamp | _PENDING_BIT:
+            if word != stamp | PENDING_BIT:
                 raise ValueError(
                     f"{name} at {address:#x} (+{size}) is not the object reserved with stamp {stamp} and still being written "
                     f"(its stamp word is {word if word is None else hex(word)}): a destination or stamp not this request's reservation"
@@ -1933,8 +1934,6 @@ _Placed = tuple[Optional[list[str]], Optional["_Writable"], Any]
 _Writable = dict[str, tuple[int, int]]
 #: A request the copy thread copies: its save, its objects' keys, and where they are.
 _Todo = tuple[_Save, list[str], _Writable]
-#: Set in a reserved object's stamp word, with its stamp, until its write is finished.
-_PENDING_BIT = 1 << 63
 
 
 def _result_lines(results: list[tuple[_Save, bytes]], sent: float) -> bytes:
