@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use capture_arena::config::{self, parse_bytes};
+use capture_arena::paged::Landed;
 use capture_arena::sample::result::MAX_FEATURES;
 use capture_arena::sample::{
     batch_results, encode_ints, Captured, PassthroughSpec, SampleResult, SampleSpec, SpecFeatures,
@@ -534,15 +535,20 @@ fn opt_bytes(v: Option<Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
 /// A step's landed flags ([`crate::rows::PyLanded`]).
 type Flags = std::sync::Arc<[std::sync::atomic::AtomicBool]>;
 
-/// What a step's copy does as request `j` is over: its writes finished (`ok` or failed), then
-/// its flag in the step's `landed` set (request `j` is flag `first + j`).
+/// What a step's copy does as request `j` is over: its writes finished or failed (its objects
+/// by name, or its keys where no table vouched for the names: [`Landed`]), then its flag in the
+/// step's `landed` set (request `j` is flag `first + j`).
 fn landing<'a>(
     sink: &'a capture_arena::Sink,
     flags: &'a Flags,
     first: usize,
-) -> impl Fn(usize, Vec<String>, bool) + Sync + 'a {
-    move |j, keys, ok| {
-        sink.finish_writes(keys, ok);
+) -> impl Fn(usize, Landed) + Sync + 'a {
+    move |j, landed| {
+        match landed {
+            Landed::Written(objects) => sink.finish_written(objects, true),
+            Landed::Failed(objects) => sink.finish_written(objects, false),
+            Landed::FailedKeys(keys) => sink.finish_writes(keys, false),
+        }
         flags[first + j].store(true, std::sync::atomic::Ordering::Release);
     }
 }
@@ -935,6 +941,44 @@ impl PySink {
         Ok(())
     }
 
+    /// Finishes (`ok`) or fails the objects this process wrote, each `(stamp, address, bytes)`
+    /// as it checked them before writing (the address in this process's mapping): so it
+    /// finishes or fails exactly what it wrote, whatever keys its bookkeeping holds (with `ok`,
+    /// an object that does not lie there is failed; without, left to its own writer). Applied
+    /// at the writer's next turn.
+    fn _finish_written(
+        &self,
+        py: Python<'_>,
+        objects: Vec<(u64, u64, u64)>,
+        ok: bool,
+    ) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        let objects = objects
+            .into_iter()
+            .map(|(stamp, at, len)| capture_arena::sample::Written { stamp, at, len });
+        sink.finish_written(objects, ok);
+        Ok(())
+    }
+
+    /// Why these destinations, each `(stamp, address, bytes)` (the address in this process's
+    /// mapping), are not all objects being written, as the writer's table of them says; `None`
+    /// if they are. For a device arena, whose stamp words this process cannot read.
+    fn _check_reserved_objects(
+        &self,
+        py: Python<'_>,
+        objects: Vec<(u64, u64, u64)>,
+    ) -> PyResult<Option<String>> {
+        let sink = self.sink(py)?;
+        let Some(w) = sink.started() else {
+            return Ok(Some("the arena does not exist yet".into()));
+        };
+        let reserved = w.reserved_objects();
+        Ok(objects
+            .into_iter()
+            .map(|(stamp, at, len)| capture_arena::sample::Written { stamp, at, len })
+            .find_map(|o| reserved.check(&o).err()))
+    }
+
     /// Copies a step's requests from a paged cache (`cache`: `(base, bytes, strides, block_size,
     /// k, row_bytes, blocks)`; each `(block, layer, slot)` row `row_bytes` contiguous at `base +
     /// block * strides[0] + layer * strides[1] + slot * strides[2]`, for a block below `blocks`,
@@ -969,6 +1013,7 @@ impl PySink {
             ));
         }
         let src = crate::rows::paged(cache);
+        let reserved = sink.started().map(capture_arena::Writer::reserved_objects);
         let finish = landing(&sink, &flags, first);
         let mut why = vec![None; requests.len()];
         let mut requests = requests.into_iter().enumerate().peekable();
@@ -981,7 +1026,7 @@ impl PySink {
                 match read {
                     Ok(r) => ready.push((j, r)),
                     Err((keys, e)) => {
-                        finish(j, keys, false);
+                        finish(j, Landed::FailedKeys(keys));
                         why[j] = Some(format!("copying cache rows: {e}"));
                     }
                 }
@@ -989,13 +1034,12 @@ impl PySink {
             let (at, ready): (Vec<usize>, Vec<_>) = ready.into_iter().unzip();
             let copied = crate::exit::detach(py, || {
                 // SAFETY: the destinations are checked to lie in this sink's own host mapping and
-                // to be reserved objects still being written (their stamp words), which only
-                // the caller of reserve_each writes; the cache
-                // range is the caller's promise (a tensor it holds); an arena never lies inside
-                // a cache.
+                // to be reserved objects still being written (their stamp words and the writer's
+                // table), which only the caller of reserve_each writes; the cache range is the
+                // caller's promise (a tensor it holds); an arena never lies inside a cache.
                 unsafe {
-                    capture_arena::paged::copy_requests(&src, arena, ready, |i, keys, ok| {
-                        finish(at[i], keys, ok)
+                    capture_arena::paged::copy_requests(&src, arena, reserved, ready, |i, l| {
+                        finish(at[i], l)
                     })
                 }
             });
@@ -1041,8 +1085,9 @@ impl PySink {
     /// a host arena (device-to-host) or a device arena (device-to-device), no staging buffer,
     /// the GIL held only to read the requests' ids, as there. Each request's flag is set as its
     /// write is finished, once its copies have landed. A device arena's stamp words are in
-    /// device memory: there the destinations are checked to lie in the arena only. The caller vouches that the cache and the
-    /// event stay valid meanwhile.
+    /// device memory: there each destination is checked against the writer's table of the
+    /// objects being written instead. The caller vouches that the cache and the event stay
+    /// valid meanwhile.
     #[pyo3(signature = (
         rows, cache, requests, landed, after, first=0, ids_per_hold=crate::rows::IDS_PER_HOLD
     ))]
@@ -1062,7 +1107,9 @@ impl PySink {
         let dst_host = !sink.config().device_publication();
         let src = crate::rows::paged(cache);
         let (held, copies) = (&*sink, &rows.get().0);
-        let mut step = capture_arena::paged::DeviceStep::new(copies, &src, arena, dst_host);
+        let reserved = held.started().map(capture_arena::Writer::reserved_objects);
+        let mut step =
+            capture_arena::paged::DeviceStep::new(copies, &src, arena, dst_host, reserved);
         let finish = landing(held, &flags, first);
         let mut requests = requests.into_iter().enumerate().peekable();
         // The requests' ids read with the GIL, a hold of them at a time; that hold's requests

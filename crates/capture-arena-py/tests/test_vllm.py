@@ -2685,6 +2685,49 @@ def test_torchs_path_fails_a_request_whose_block_id_is_outside_the_cache(caplog:
         sink.close()
 
 
+def test_torchs_path_checks_a_device_arenas_destinations_in_the_writers_table_host_arena_standing_in() -> None:
+    """A device arena's stamp words are device memory, which torch's path does not read: there
+    each destination is checked against the writer's table of the objects being written, as the
+    native device copy checks it. With no GPU here, a host arena stands in for the device arena
+    (the copier told it is one): a request pointed at another's rows object, or carrying a stamp
+    of nothing, fails alone before a byte is written; before, nothing was checked there."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena.vllm import _Rows
+
+    k, bs, h, n = 2, 4, 8, 8
+    kv = torch.randn(4, k, bs, 2 * h, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)[..., ::2]
+    sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2)
+    sink._start(None)
+    try:
+        reserved = sink._reserve_rows_begin("st", "bfloat16", k * h, [(rid, 1, n) for rid in ("good", "elsewhere", "nothing")], within_s=2).wait_dicts()
+        blocks = [[3, 1], [0, 2], [2, 0]]
+        todo = [(SimpleNamespace(req_id=f"r{i}", n=n, token_ids=list(range(n)), block_ids=blocks[i]), keys, at) for i, (keys, at, _) in enumerate(reserved)]
+        good_rows = todo[0][2]["hidden_states"][0]
+        todo[1][2]["hidden_states"] = (good_rows, todo[1][2]["hidden_states"][1])
+        todo[2][2]["token_ids"] = (todo[2][2]["token_ids"][0], 1 << 40)
+        rows_len = n * k * h * 2
+        why = sink._check_reserved_objects([(todo[1][2]["hidden_states"][1], good_rows, rows_len)])
+        assert why is not None and "is not the object reserved with stamp" in why, why
+        why = sink._check_reserved_objects([(1 << 40, good_rows, rows_len)])
+        assert why is not None and "no object reserved with stamp 1099511627776" in why, why
+        assert sink._check_reserved_objects([(reserved[0][1]["hidden_states"][1], good_rows, rows_len)]) is None
+        copier = _Rows(kv, sink)
+        copier.device_arena = True  # the stand-in: its destinations are checked as a device arena's
+        assert copier.copy(todo, None) == [True, False, False]  # type: ignore[arg-type]
+        with ca.ArenaFeatureStore() as store:
+            got = store.get(reserved[0][2])["hidden_states"].reshape(n, k * h)
+            want = torch.cat([kv[b].permute(1, 0, 2).reshape(bs, k * h) for b in blocks[0]])
+            assert np.array_equal(got.view(np.uint16), want.contiguous().view(torch.int16).numpy().view(np.uint16)), "another request's rows"
+            store.release(reserved[0][2])
+    finally:
+        sink.close()
+
+
 def test_a_steps_copy_reads_ids_in_bounded_holds_of_the_gil_and_ids_it_cannot_read_fail_their_request_alone() -> None:
     """The copy thread reads the requests' token ids (vLLM's lists, with the GIL) in holds of at
     most ``ids_per_hold`` ids (default 2^17, about 0.7 ms), each hold's requests copied with the
@@ -2783,6 +2826,79 @@ def test_a_request_whose_destination_is_not_its_reservation_or_that_is_no_reques
             for i in (1, 2):
                 with pytest.raises(ca.WriteFailedError):
                     store.get(rows[i][2])
+    finally:
+        sink.close()
+
+
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_a_request_given_another_requests_keys_finishes_only_the_objects_it_wrote(path: str) -> None:
+    """The connector's copy finishes what it wrote, named by the stamps and addresses it checked
+    before writing, not by the keys our bookkeeping hands it: natively (rows contiguous) and on
+    torch's path alike. A request given another request's keys (with its own destinations)
+    finishes its own objects, and the other's stay being written until their own copy: their
+    readers never see them before their bytes. Before, the copy finished the keys it was given:
+    request 1's objects, empty, while request 0's stayed pending for good. A request given
+    another's keys that fails (a block outside the cache) fails its own objects, named as the
+    writer's table vouches for them; the other's stay pending for their own copy (before: they
+    were failed while still to be written)."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena._engine import FAILED_BIT, PENDING_BIT
+    from capture_arena.vllm import _Rows
+
+    blocks, k, bs, h, n = 8, 3, 4, 16, 6
+    kv = torch.randn(blocks, k, bs, 2 * h, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    kv = kv[..., :h] if path == "native" else kv[..., ::2]
+    kv = kv.contiguous() if path == "native" else kv
+    assert (kv.stride(3) == 1) == (path == "native")
+    rows_len = n * k * h * 2
+    sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2, aux_layer_ids=[1, 2, 3])
+    sink._start(None)
+    try:
+        rows = sink._reserve_rows_begin("st", "bfloat16", k * h, [(f"r{i}", 1, n) for i in range(4)], within_s=2).wait_dicts()
+        block_ids = [[5, 2], [7, 0], [99, 0], [1, 3]]  # block 99 is not in the cache
+        copier = _Rows(kv, sink)
+
+        def todo(i: int, keys_of: int) -> list[tuple[object, ...]]:
+            sv = SimpleNamespace(req_id=f"r{i}", n=n, token_ids=list(range(100, 100 + n)), block_ids=block_ids[i])
+            return [(sv, rows[keys_of][0], rows[i][1])]
+
+        def words(i: int) -> list[int]:
+            """The stamp words of request i's objects (token ids, rows), as a reader sees them."""
+            at = rows[i][1]
+            return [
+                int.from_bytes(ctypes.string_at(at[name][0] + (size + 7) // 8 * 8, 8), "little")
+                for name, size in (("token_ids", n * 8), ("hidden_states", rows_len))
+            ]
+
+        stamps = [[rows[i][1][name][1] for name in ("token_ids", "hidden_states")] for i in range(4)]
+        assert copier.copy(todo(0, 1), None) == [True]  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while sink.stats()["written_objects"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert words(0) == stamps[0], "request 0's objects were not finished by what it wrote"
+        assert words(1) == [s | PENDING_BIT for s in stamps[1]], "request 1's objects were finished before their bytes"
+        assert copier.copy(todo(1, 1), None) == [True]  # type: ignore[arg-type]
+        assert copier.copy(todo(2, 3), None) == [False]  # type: ignore[arg-type]
+        while sink.stats()["failed_writes"] < 2 and time.monotonic() < deadline + 10:
+            time.sleep(0.001)
+        assert words(2) == [s | FAILED_BIT for s in stamps[2]], "request 2's objects were not failed by name"
+        assert words(3) == [s | PENDING_BIT for s in stamps[3]], "request 3's objects were failed while still to be written"
+        assert copier.copy(todo(3, 3), None) == [True]  # type: ignore[arg-type]
+        with ca.ArenaFeatureStore() as store:
+            with pytest.raises(ca.WriteFailedError):
+                store.get(rows[2][2])
+            for i in (0, 1, 3):
+                got = store.get(rows[i][2])
+                want = torch.cat([kv[b].permute(1, 0, 2).reshape(bs, k * h) for b in block_ids[i]])[:n]
+                assert np.array_equal(got["hidden_states"].reshape(n, k * h).view(np.uint16), want.contiguous().view(torch.int16).numpy().view(np.uint16))
+                assert got["token_ids"].reshape(-1).tolist() == list(range(100, 100 + n))
+                store.release(rows[i][2])
     finally:
         sink.close()
 

@@ -24,6 +24,7 @@
 //! placed again.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::alloc::{Allocator, Extent};
@@ -32,8 +33,8 @@ use crate::key::Key;
 use crate::memory::{CopyOp, Progress, Region};
 pub use crate::report::{ArenaReport, StoreUsage};
 use crate::sample::{
-    check_unique, stamp_offset, ArenaRef, Feature, Published, Sample, FAILED_BIT, MAX_STAMP,
-    PENDING_BIT, STAMP_BYTES,
+    check_unique, stamp_offset, ArenaRef, Feature, Published, ReservedObjects, Sample, Written,
+    FAILED_BIT, MAX_STAMP, PENDING_BIT, STAMP_BYTES,
 };
 use crate::tensor::Dtype;
 use crate::tensor::TensorData;
@@ -117,6 +118,9 @@ pub struct Arena {
     /// The next object's stamp, in `[1, MAX_STAMP]`; it starts at random, so a producer
     /// restarted over the same memory does not repeat its predecessor's stamps.
     next_stamp: u64,
+    /// The objects being written ([`Arena::commit_reserved`]), by stamp: what
+    /// [`Arena::finish_written`] finishes. Stamps are unique among resident objects.
+    writing: Arc<ReservedObjects>,
 }
 
 impl Arena {
@@ -153,6 +157,7 @@ impl Arena {
             ttl: None,
             ages: VecDeque::new(),
             next_stamp,
+            writing: Arc::default(),
         })
     }
 
@@ -160,6 +165,12 @@ impl Arena {
         let s = self.next_stamp;
         self.next_stamp = if s >= MAX_STAMP { 1 } else { s + 1 };
         s
+    }
+
+    /// The objects being written, as the threads that write them check their destinations
+    /// against it ([`ReservedObjects::check`]); kept up to date by this arena.
+    pub fn reserved_objects(&self) -> Arc<ReservedObjects> {
+        self.writing.clone()
     }
 
     /// Usable bytes.
@@ -465,6 +476,7 @@ impl Arena {
     pub fn finish_write(&mut self, key: &str, ok: bool) -> Option<u64> {
         let o = self.objects.get_mut(key).filter(|o| o.writing)?;
         o.writing = false;
+        self.writing.lock().remove(&o.stamp);
         let (at, stamp, pending) = (
             o.extent.offset + stamp_offset(o.len),
             o.stamp,
@@ -485,6 +497,31 @@ impl Arena {
         debug_assert!(freed, "a resident object's extent is live");
         // A free asked for meanwhile was counted then: these bytes are not counted twice.
         Some(if pending { 0 } else { o.len })
+    }
+
+    /// As [`Arena::finish_write`], for the object that `w` names by its stamp, so that a caller
+    /// finishes exactly the objects it wrote (or failed to), whatever keys its bookkeeping
+    /// holds. With `ok`: finished if it lies where the bytes went (`w.at` in this process's
+    /// mapping, `w.len` bytes), failed with an error logged if not (its bytes went elsewhere,
+    /// so they never will be there). Without: failed if it lies there, else left as it is with
+    /// a warning (the name is not its writer's: another's object, whose own writer finishes
+    /// it). `None` for a stamp of no object being written, or a failure left alone; else
+    /// whether it was finished, and the bytes a failure freed.
+    pub fn finish_written(&mut self, w: Written, ok: bool) -> Option<(bool, u64)> {
+        let key = self.writing.lock().get(&w.stamp)?.0.clone();
+        let checked = self.writing.check(&w);
+        match (&checked, ok) {
+            (Err(why), true) => {
+                tracing::error!(key = %key, "{why}: it is failed, as its bytes are not there")
+            }
+            (Err(why), false) => {
+                tracing::warn!(key = %key, "{why}: a failure that names it is not its writer's, and is ignored");
+                return None;
+            }
+            (Ok(()), _) => {}
+        }
+        let ok = ok && checked.is_ok();
+        self.finish_write(key.as_str(), ok).map(|freed| (ok, freed))
     }
 
     fn enter(&mut self, r: Reservation, samples: &[Sample], writing: bool) -> Publication {
@@ -535,6 +572,11 @@ impl Arena {
                     free_pending: false,
                 },
             );
+            if writing {
+                let entry = (key.clone(), local + extent.offset, t.byte_len());
+                let before = self.writing.lock().insert(stamp, entry);
+                debug_assert!(before.is_none(), "stamps are unique among resident objects");
+            }
             if self.ttl.is_some() {
                 self.ages.push_back((now, key.clone()));
             }
@@ -671,6 +713,14 @@ impl Arena {
     pub fn check_invariants(&self) {
         let live: Vec<Extent> = self.objects.values().map(|o| o.extent).collect();
         self.alloc.check(&live);
+        let writing = self.objects.iter().filter(|(_, o)| o.writing);
+        let index = self.writing.lock();
+        assert_eq!(writing.clone().count(), index.len());
+        let local = self.region.local_base();
+        for (k, o) in writing {
+            let entry = (k.clone(), local + o.extent.offset, o.len);
+            assert_eq!(index.get(&o.stamp), Some(&entry), "the index of {k}");
+        }
     }
 }
 
@@ -763,6 +813,105 @@ mod tests {
             a.expire(Instant::now() + Duration::from_secs(3601), 100),
             (1, 10)
         );
+    }
+
+    /// A sample of `n`-byte objects (`t0`, `t1`, ...) whose bytes its submitter writes.
+    fn reserved(id: &str, sizes: &[u64]) -> Sample {
+        let mut s = Sample::new("st", id, 1).unwrap();
+        for (i, &n) in sizes.iter().enumerate() {
+            let t = Tensor::new(
+                format!("t{i}"),
+                vec![n],
+                Dtype::Uint8,
+                TensorData::Reserved(n),
+            )
+            .unwrap();
+            s.push(t).unwrap();
+        }
+        s
+    }
+
+    #[test]
+    fn a_write_finished_by_stamp_finishes_only_the_object_written_there() {
+        // Two requests' objects reserved; request a's writer finishes what it wrote, named by
+        // stamp and address, not by key: a mix-up of keys cannot finish b's objects, and an
+        // address that is not the stamp's object fails that object (its bytes are elsewhere).
+        let mut a = arena(1 << 20);
+        let samples = [
+            reserved("a", &[24, 100]),
+            reserved("b", &[24, 100]),
+            reserved("c", &[8]),
+        ];
+        let r = a.reserve(&samples).unwrap().unwrap();
+        let p = a.commit_reserved(r, &samples);
+        let local = a.region().local_base();
+        let written = |p: &Published, name: &str| {
+            let f = &p.features[name];
+            Written {
+                stamp: f.stamp.unwrap(),
+                at: p.writable.as_ref().unwrap()[name],
+                len: f.shape[0],
+            }
+        };
+        let (a0, a1) = (
+            written(&p.published[0], "t0"),
+            written(&p.published[0], "t1"),
+        );
+        let b0 = written(&p.published[1], "t0");
+        assert_eq!(a0.at, local + a.object("st/a/g1/t0").unwrap().extent.offset);
+        a.check_invariants();
+
+        // The table the writing threads check their destinations against holds each object
+        // being written, where it lies and its length.
+        let reserved = a.reserved_objects();
+        assert_eq!(reserved.len(), 5);
+        assert_eq!(reserved.check(&a0), Ok(()));
+        assert!(reserved.check(&Written { at: b0.at, ..a0 }).is_err());
+        assert!(reserved.check(&Written { len: 23, ..a0 }).is_err());
+
+        // a's objects, finished by what was written: finished, stamps readable, b untouched.
+        assert_eq!(a.finish_written(a0, true), Some((true, 0)));
+        assert_eq!(a.finish_written(a1, true), Some((true, 0)));
+        for k in ["st/a/g1/t0", "st/a/g1/t1"] {
+            let o = a.object(k).unwrap();
+            assert!(!o.writing);
+            assert_eq!(
+                stamp(&a, a.address(k).unwrap() + stamp_offset(o.len)),
+                o.stamp
+            );
+        }
+        assert!(a.object("st/b/g1/t0").unwrap().writing);
+        // Finished once: its stamp names no object being written any more.
+        assert_eq!(a.finish_written(a0, true), None);
+        assert!(reserved.check(&a0).is_err());
+        a.check_invariants();
+
+        // b's t0 named by its stamp, but written at a's address: failed and freed.
+        let wrong = Written { at: a0.at, ..b0 };
+        assert_eq!(a.finish_written(wrong, true), Some((false, 24)));
+        assert!(a.object("st/b/g1/t0").is_none());
+        assert!(a.object("st/b/g1/t1").unwrap().writing);
+        // A failure that names b's t1 elsewhere is not its writer's: left as it is. A stamp of
+        // nothing is ignored (stamps start at 1).
+        let b1 = written(&p.published[1], "t1");
+        let elsewhere = Written { at: a1.at, ..b1 };
+        assert_eq!(a.finish_written(elsewhere, false), None);
+        assert!(a.object("st/b/g1/t1").unwrap().writing);
+        assert_eq!(a.finish_written(Written { stamp: 0, ..b1 }, true), None);
+        assert_eq!(a.finish_written(Written { stamp: 0, ..b1 }, false), None);
+        a.check_invariants();
+        // A length that is not the object's fails a finished write too.
+        assert_eq!(
+            a.finish_written(Written { len: 99, ..b1 }, true),
+            Some((false, 100))
+        );
+        // A failure by name that lies there fails the object.
+        let c0 = written(&p.published[2], "t0");
+        assert_eq!(a.finish_written(c0, false), Some((false, 8)));
+        assert!(a.object("st/c/g1/t0").is_none());
+        assert!(reserved.is_empty());
+        assert_eq!(a.report().resident_objects, 2);
+        a.check_invariants();
     }
 
     #[test]

@@ -22,7 +22,7 @@
 //! |---|---|---|
 //! | base | [`error`](Error), `random`, [`page`] | errors; random bits for names, tokens and stamps; this host's page size and page arithmetic |
 //! | device | `driver` (feature `cuda`) | the CUDA driver: contexts, streams, events, VMM allocations, pinned host ranges; NVML's fabric state (it knows errors only) |
-//! | data | [`key`], [`tensor`], [`sample`], [`limits`], [`report`], [`stats`] | object keys; tensors (a device tensor holds its readiness event); requests and results (the wire); bounds every input is checked against; what the writer reports, and its counters |
+//! | data | [`key`], [`tensor`], [`sample`], [`limits`], [`report`], [`stats`] | object keys; tensors (a device tensor holds its readiness event); requests and results (the wire), and the table of objects their submitters are writing; bounds every input is checked against; what the writer reports, and its counters |
 //! | memory | [`alloc`], [`memory`], [`paged`] | extent allocator over `[0, capacity)`; regions (batch copies that may complete later), the one mapping type; a paged cache's rows and their copy into an object (host, or device through the driver) |
 //! | arena | [`arena`] | region + allocator + object table; atomic batches, reserve → copy → commit |
 //! | protocol | [`control`], [`reply`] | the free protocol (line buffer, parser); the local reply path |

@@ -13,7 +13,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::sample::{stamp_offset, StampWord, PENDING_BIT, STAMP_BYTES};
+use crate::sample::{stamp_offset, ReservedObjects, StampWord, Written, PENDING_BIT, STAMP_BYTES};
 
 /// Where a request's rows are in a paged cache `[blocks, k, block_size, row]` (in bytes, through
 /// its strides): each `(block, layer, slot)` row is `row_bytes` contiguous bytes at
@@ -241,7 +241,7 @@ pub unsafe fn copy_host(src_base: u64, dst_base: u64, strips: &[Strip]) {
 }
 
 /// One request's copy ([`copy_requests`]): its token ids and rows, where they go, and its
-/// objects' keys (finished when it is done).
+/// objects' keys (failed by them if it fails).
 pub struct Request {
     /// Its objects' keys.
     pub keys: Vec<String>,
@@ -261,11 +261,64 @@ pub struct Request {
     pub block_ids: Vec<u64>,
 }
 
+/// How a request's copy ended (what [`copy_requests`] hands its `finished`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Landed {
+    /// Every byte is in place: its two objects (token ids, rows), each named by its stamp and
+    /// where its bytes went, as checked before they were written. A caller finishes these
+    /// ([`crate::Writer::finish_written`]), not the request's keys, so a request given another's
+    /// keys cannot finish that other's objects before their bytes.
+    Written([Written; 2]),
+    /// Its bytes never will be: its two objects, named as for [`Landed::Written`], which the
+    /// writer's table vouched for (each the object being written with its stamp, where it
+    /// says, of its length). A caller fails these, not the request's keys, so a request given
+    /// another's keys cannot fail that other's objects while their own copy writes them.
+    Failed([Written; 2]),
+    /// Its bytes never will be, and no table vouched for its objects' names (none was given,
+    /// or they are not its reservation's): its keys, to fail.
+    FailedKeys(Vec<String>),
+}
+
 impl Request {
+    /// The objects it writes, as [`Landed::Written`] names them.
+    fn written(&self) -> [Written; 2] {
+        [
+            Written {
+                stamp: self.ids_stamp,
+                at: self.ids_dst,
+                len: (self.ids.len() as u64) * 8,
+            },
+            Written {
+                stamp: self.rows_stamp,
+                at: self.rows_dst,
+                len: self.rows_len,
+            },
+        ]
+    }
+
+    /// What its failure fails: its objects by name where `reserved` (the writer's table)
+    /// vouches for both, else its keys.
+    fn failure(self, reserved: Option<&ReservedObjects>) -> Landed {
+        let written = self.written();
+        match reserved {
+            Some(t) if written.iter().all(|w| t.check(w).is_ok()) => Landed::Failed(written),
+            _ => Landed::FailedKeys(self.keys),
+        }
+    }
+
     /// Its rows' strips ([`Paged::plan`]), once both its destinations are checked to lie in
-    /// `arena` (`(address, bytes)` as this process maps it) and, in a host arena (`host`), to
-    /// be the objects reserved with its stamps, still being written ([`reserved_at`]).
-    fn plan(&self, src: &Paged, arena: (u64, u64), host: bool) -> Result<Vec<Strip>, String> {
+    /// `arena` (`(address, bytes)` as this process maps it) and to be the objects reserved with
+    /// its stamps, still being written: in a host arena (`host`) by their stamp words
+    /// ([`reserved_at`]), and by the writer's table of them where given (`reserved`,
+    /// [`ReservedObjects::check`]: each object exactly, where and how long it is), which is
+    /// all a device arena has (its words are device memory).
+    fn plan(
+        &self,
+        src: &Paged,
+        arena: (u64, u64),
+        host: bool,
+        reserved: Option<&ReservedObjects>,
+    ) -> Result<Vec<Strip>, String> {
         let ids_len = (self.ids.len() as u64) * 8;
         if !inside(arena, self.ids_dst, ids_len) || !inside(arena, self.rows_dst, self.rows_len) {
             return Err(format!(
@@ -286,6 +339,11 @@ impl Request {
             unsafe {
                 reserved_at(arena, self.ids_dst, ids_len, self.ids_stamp)?;
                 reserved_at(arena, self.rows_dst, self.rows_len, self.rows_stamp)?;
+            }
+        }
+        if let Some(reserved) = reserved {
+            for w in &self.written() {
+                reserved.check(w)?;
             }
         }
         Ok(strips)
@@ -349,9 +407,10 @@ fn inside((base, size): (u64, u64), at: u64, len: u64) -> bool {
 }
 
 /// Copies each request's token ids and rows into its reserved objects, which must lie in
-/// `arena` (`(address, bytes)` as this process maps it), and calls `finished(i, keys, ok)` as
-/// soon as request `i`'s bytes have landed (or never will): its readers need not wait for the
-/// others.
+/// `arena` (`(address, bytes)` as this process maps it) and be the objects being written with
+/// the request's stamps (their stamp words, and `reserved`, the writer's table of them, where
+/// given), and calls `finished(i, landed)` as soon as request `i`'s bytes have landed (or never
+/// will): its readers need not wait for the others.
 /// Returns, per request, `None` or why it was not copied (checked before any of its bytes are:
 /// a destination outside the arena, rows outside the cache, sizes that do not match). Nothing
 /// here needs Python: a caller from Python releases the GIL for it.
@@ -363,12 +422,13 @@ fn inside((base, size): (u64, u64), at: u64, len: u64) -> bool {
 pub unsafe fn copy_requests(
     src: &Paged,
     arena: (u64, u64),
+    reserved: Option<&ReservedObjects>,
     requests: Vec<Request>,
-    mut finished: impl FnMut(usize, Vec<String>, bool),
+    mut finished: impl FnMut(usize, Landed),
 ) -> Vec<Option<String>> {
     let mut out = Vec::with_capacity(requests.len());
     for (i, r) in requests.into_iter().enumerate() {
-        let checked = r.plan(src, arena, true);
+        let checked = r.plan(src, arena, true, reserved);
         match checked {
             Ok(strips) => {
                 // SAFETY: the destinations lie inside the arena and the rows inside the cache
@@ -378,11 +438,11 @@ pub unsafe fn copy_requests(
                     r.write_ids();
                     copy_host(src.base, r.rows_dst, &strips);
                 }
-                finished(i, r.keys, true);
+                finished(i, Landed::Written(r.written()));
                 out.push(None);
             }
             Err(why) => {
-                finished(i, r.keys, false);
+                finished(i, r.failure(reserved));
                 out.push(Some(format!("copying cache rows: {why}")));
             }
         }
@@ -400,7 +460,7 @@ pub use device::{copy_requests_device, DeviceCopies, DeviceStep, HostPin, Landin
 
 #[cfg(feature = "cuda")]
 mod device {
-    use super::{Paged, Request, Strip, COPY_PIECE};
+    use super::{Landed, Paged, Request, ReservedObjects, Strip, Written, COPY_PIECE};
     use crate::driver::{context, Event, Stream};
     use crate::error::Result;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -640,11 +700,14 @@ mod device {
     /// 2. the stream waits for `after`, a raw event recorded where the cache was written (0: none);
     /// 3. each request's rows are enqueued, and a mark after them;
     /// 4. each mark is waited for in order, and its request's write finished
-    ///    (`finished(i, keys, ok)`) as soon as it has landed.
+    ///    (`finished(i, landed)`) as soon as it has landed.
     ///
     /// A request that fails before its copies fails first; one whose copies could not all be
     /// enqueued, once the stream has drained (nothing lands in its space after it is given back).
-    /// [`DeviceStep`] does the same a request at a time.
+    /// Each destination is checked against `reserved` (the writer's [`ReservedObjects`]) where
+    /// given, all a device arena has (its stamp words are device memory), and a request it
+    /// vouched for fails by its objects' names, not its keys. [`DeviceStep`] does the same a
+    /// request at a time.
     ///
     /// # Safety
     /// The cache's range must stay valid device memory until this returns; `arena` is this
@@ -657,10 +720,11 @@ mod device {
         src: &Paged,
         arena: (u64, u64),
         dst_host: bool,
+        reserved: Option<&ReservedObjects>,
         requests: Vec<Request>,
-        finished: impl FnMut(usize, Vec<String>, bool),
+        finished: impl FnMut(usize, Landed),
     ) -> Vec<Option<String>> {
-        let mut step = DeviceStep::new(copies, src, arena, dst_host);
+        let mut step = DeviceStep::new(copies, src, arena, dst_host, reserved);
         for r in requests {
             // SAFETY: the caller's promise, which run's below extends to.
             unsafe { step.add(r) };
@@ -678,27 +742,40 @@ mod device {
         src: &'a Paged,
         arena: (u64, u64),
         dst_host: bool,
+        reserved: Option<&'a ReservedObjects>,
         /// Requests added (or refused) so far: the next one's index.
         added: usize,
-        /// `(index, keys, rows_dst, strips)` of each request planned, its ids on their way.
-        planned: Vec<(usize, Vec<String>, u64, Vec<Strip>)>,
-        /// `(index, keys, why)` of each request that failed before its copies.
-        failed: Vec<(usize, Vec<String>, String)>,
+        /// Each request planned, its ids on their way.
+        planned: Vec<Planned>,
+        /// `(index, what it fails, why)` of each request that failed before its copies.
+        failed: Vec<(usize, Landed, String)>,
+    }
+
+    /// A request of a [`DeviceStep`] planned: its index, the objects it writes, what it fails
+    /// if it fails ([`Request::failure`]) and its rows' strips.
+    struct Planned {
+        i: usize,
+        written: [Written; 2],
+        failure: Landed,
+        strips: Vec<Strip>,
     }
 
     impl<'a> DeviceStep<'a> {
-        /// A step with no request yet, into `arena` (host memory when `dst_host`).
+        /// A step with no request yet, into `arena` (host memory when `dst_host`; a device
+        /// arena's destinations are checked against `reserved`, the writer's table, if given).
         pub fn new(
             copies: &'a DeviceCopies,
             src: &'a Paged,
             arena: (u64, u64),
             dst_host: bool,
+            reserved: Option<&'a ReservedObjects>,
         ) -> DeviceStep<'a> {
             DeviceStep {
                 copies,
                 src,
                 arena,
                 dst_host,
+                reserved,
                 added: 0,
                 planned: Vec::new(),
                 failed: Vec::new(),
@@ -714,7 +791,7 @@ mod device {
         pub unsafe fn add(&mut self, r: Request) {
             let i = self.added;
             self.added += 1;
-            let checked = r.plan(self.src, self.arena, self.dst_host);
+            let checked = r.plan(self.src, self.arena, self.dst_host, self.reserved);
             let ids = checked.and_then(|strips| {
                 // SAFETY: the destination lies in the arena (checked above), which the caller
                 // vouched for; a host arena is this process's own mapping.
@@ -732,19 +809,33 @@ mod device {
                 Ok(strips)
             });
             match ids {
-                Ok(strips) => self.planned.push((i, r.keys, r.rows_dst, strips)),
-                Err(why) => self.failed.push((i, r.keys, why)),
+                Ok(strips) => {
+                    let written = r.written();
+                    // Planned against the table, where given: it vouched for the names.
+                    let failure = match self.reserved {
+                        Some(_) => Landed::Failed(written),
+                        None => Landed::FailedKeys(r.keys),
+                    };
+                    self.planned.push(Planned {
+                        i,
+                        written,
+                        failure,
+                        strips,
+                    });
+                }
+                Err(why) => self.failed.push((i, r.failure(self.reserved), why)),
             }
         }
 
         /// The next request failed before it could be added (its objects' keys, and why).
         pub fn refuse(&mut self, keys: Vec<String>, why: String) {
-            self.failed.push((self.added, keys, why));
+            self.failed
+                .push((self.added, Landed::FailedKeys(keys), why));
             self.added += 1;
         }
 
         /// Steps 2 to 4 of [`copy_requests_device`] for the requests added so far (the step is
-        /// empty after): `finished(i, keys, ok)` for each (those that failed before their copies
+        /// empty after): `finished(i, landed)` for each (those that failed before their copies
         /// first), and per request `None` or why it was not copied.
         ///
         /// # Safety
@@ -752,22 +843,22 @@ mod device {
         pub unsafe fn run(
             &mut self,
             after: u64,
-            mut finished: impl FnMut(usize, Vec<String>, bool),
+            mut finished: impl FnMut(usize, Landed),
         ) -> Vec<Option<String>> {
             let (copies, src, dst_host) = (self.copies, self.src, self.dst_host);
             let added = std::mem::take(&mut self.added);
             let planned = std::mem::take(&mut self.planned);
             let failed = std::mem::take(&mut self.failed);
             let mut out: Vec<Option<String>> = vec![None; added];
-            // Request i's write is over: landed, or failed with why.
-            let mut land = |i: usize, keys: Vec<String>, landed: Result<(), String>| {
-                if let Err(why) = &landed {
+            // Request i's write is over: landed, or failed (with why).
+            let mut land = |i: usize, landed: Landed, why: Option<String>| {
+                if let Some(why) = why {
                     out[i] = Some(format!("copying cache rows: {why}"));
                 }
-                finished(i, keys, landed.is_ok());
+                finished(i, landed);
             };
-            for (i, keys, why) in failed {
-                land(i, keys, Err(why));
+            for (i, failure, why) in failed {
+                land(i, failure, Some(why));
             }
             let waited = if after == 0 {
                 Ok(())
@@ -777,28 +868,31 @@ mod device {
             };
             if let Err(e) = waited {
                 let _ = copies.synchronize(); // their token ids may be on their way
-                for (i, keys, _, _) in planned {
-                    land(i, keys, Err(e.to_string()));
+                for p in planned {
+                    land(p.i, p.failure, Some(e.to_string()));
                 }
                 return out;
             }
-            let mut landing: Vec<(usize, Vec<String>, Landing)> = Vec::with_capacity(planned.len());
-            for (i, keys, rows_dst, strips) in planned {
+            let mut landing: Vec<(Planned, Landing)> = Vec::with_capacity(planned.len());
+            for p in planned {
                 // SAFETY: the rows lie in the cache and the object (the plan), the object in the
                 // arena (checked when added); the caller vouched for both ranges.
-                let marked = unsafe { copies.rows(src.base, rows_dst, dst_host, &strips) }
+                let marked = unsafe { copies.rows(src.base, p.written[1].at, dst_host, &p.strips) }
                     .and_then(|()| copies.mark());
                 match marked {
-                    Ok(mark) => landing.push((i, keys, mark)),
+                    Ok(mark) => landing.push((p, mark)),
                     Err(e) => {
                         // Some of its copies may be enqueued: they land before its space goes back.
                         let _ = copies.synchronize();
-                        land(i, keys, Err(e.to_string()));
+                        land(p.i, p.failure, Some(e.to_string()));
                     }
                 }
             }
-            for (i, keys, mark) in landing {
-                land(i, keys, mark.wait().map_err(|e| e.to_string()));
+            for (p, mark) in landing {
+                match mark.wait() {
+                    Ok(()) => land(p.i, Landed::Written(p.written), None),
+                    Err(e) => land(p.i, p.failure, Some(e.to_string())),
+                }
             }
             out
         }
@@ -998,22 +1092,40 @@ mod tests {
         outside.rows_dst = base + 4096 - 8; // past the arena's end
         let mut beyond = good(2048, "beyond");
         beyond.block_ids = vec![2, 9]; // block 9 is not in the cache
+        let (written_a, written_b) = (good(0, "a").written(), good(3072, "b").written());
         let requests = vec![good(0, "a"), outside, beyond, good(3072, "b")];
         let mut finished = Vec::new();
         // SAFETY: both buffers live until the call returns and do not overlap.
         let why = unsafe {
-            copy_requests(&src, (base, 4096), requests, |i, keys, ok| {
-                finished.push((i, keys[0].clone(), ok))
+            copy_requests(&src, (base, 4096), None, requests, |i, landed| {
+                finished.push((i, landed))
             })
         };
         let arena: Vec<u8> = words.iter().flat_map(|w| w.to_ne_bytes()).collect();
+        // A copied request names the objects it wrote (their stamps and where), a failed one
+        // the keys it was given.
         assert_eq!(
             finished,
             [
-                (0, "a".into(), true),
-                (1, "outside".into(), false),
-                (2, "beyond".into(), false),
-                (3, "b".into(), true)
+                (0, Landed::Written(written_a)),
+                (1, Landed::FailedKeys(vec!["outside".into()])),
+                (2, Landed::FailedKeys(vec!["beyond".into()])),
+                (3, Landed::Written(written_b))
+            ]
+        );
+        assert_eq!(
+            written_a,
+            [
+                Written {
+                    stamp: 10,
+                    at: base,
+                    len: n * 8
+                },
+                Written {
+                    stamp: 10,
+                    at: base + 64,
+                    len: rows_len
+                }
             ]
         );
         assert!(why[0].is_none() && why[3].is_none());
@@ -1102,8 +1214,8 @@ mod tests {
         let mut finished = Vec::new();
         // SAFETY: both buffers live until the call returns and do not overlap.
         let why = unsafe {
-            copy_requests(&src, (base, 4096), requests, |i, _, ok| {
-                finished.push((i, ok))
+            copy_requests(&src, (base, 4096), None, requests, |i, landed| {
+                finished.push((i, matches!(landed, Landed::Written(_))))
             })
         };
         assert_eq!(
@@ -1166,8 +1278,8 @@ mod tests {
         let mut finished = Vec::new();
         // SAFETY: every destination lies in `bytes`, which lives for the call.
         let why = unsafe {
-            copy_requests(&src, (base + 128, 256), vec![request], |i, _, ok| {
-                finished.push((i, ok))
+            copy_requests(&src, (base + 128, 256), None, vec![request], |i, landed| {
+                finished.push((i, matches!(landed, Landed::Written(_))))
             })
         };
         assert_eq!(finished, [(0, false)]);

@@ -248,6 +248,18 @@ impl Sink {
         }
     }
 
+    /// Finishes (`ok`) or fails the objects their submitter wrote, named by what it checked
+    /// ([`Writer::finish_written`]); nothing before the writer has started.
+    pub fn finish_written(
+        &self,
+        objects: impl IntoIterator<Item = crate::sample::Written>,
+        ok: bool,
+    ) {
+        if let Some(w) = self.started() {
+            w.finish_written(objects, ok);
+        }
+    }
+
     /// Peers refused for the control token ([`Writer::unauthorized_peers`]).
     pub fn unauthorized_peers(&self) -> Vec<crate::report::UnauthorizedPeer> {
         self.started()

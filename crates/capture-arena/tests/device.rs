@@ -20,6 +20,9 @@ use capture_arena::{
 };
 use util::pattern;
 
+/// How long a test waits for the writer to place a batch.
+const BOUND: Duration = Duration::from_secs(5);
+
 /// The fake's knobs are process-wide: tests that use the driver run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -981,7 +984,7 @@ fn fake_gpu_a_requests_rows_go_straight_from_the_cache_blocks_into_host_and_devi
 
 #[test]
 fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_alone() {
-    use capture_arena::paged::{copy_requests_device, DeviceCopies, Request};
+    use capture_arena::paged::{copy_requests_device, DeviceCopies, Landed, Request};
     let Some(_g) = setup_fake("fake_gpu_rows_are_copied_only_after_the_writers_event") else {
         return;
     };
@@ -1032,19 +1035,21 @@ fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_
             &src,
             (base, 1024),
             true,
+            None,
             requests,
-            |i, keys, ok| finished.push((i, keys[0].clone(), ok)),
+            |i, landed| finished.push((i, landed)),
         )
     };
     fake_cuda::knob("copy_us", 0);
     let arena = arena_bytes(&words);
-    // The bad request fails alone, and at once (before the good ones land, in order).
+    // The bad request fails alone (by its keys), and at once; the good ones land in order, each
+    // naming the objects it wrote.
     assert_eq!(
         finished,
         [
-            (1, "outside".into(), false),
-            (0, "a".into(), true),
-            (2, "b".into(), true)
+            (1, Landed::FailedKeys(vec!["outside".into()])),
+            (0, Landed::Written(written_at(base, 0, n, rows_len))),
+            (2, Landed::Written(written_at(base, 512, n, rows_len)))
         ]
     );
     assert!(why[0].is_none() && why[2].is_none(), "{why:?}");
@@ -1069,6 +1074,166 @@ fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_
         );
     }
     assert!(arena[256..512].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn fake_gpu_a_device_arenas_destinations_are_checked_against_the_writers_reservations() {
+    // A device arena's stamp words are device memory, which the copy does not read: its
+    // destinations are checked against the writer's table of the objects being written. A
+    // request pointed at another request's rows object (with its own stamp), or carrying a
+    // stamp of nothing, fails alone before a byte of it is enqueued; the other request's object
+    // holds its own rows. (Without the table, b's rows land in a's object after a's own.) Each
+    // copied request finishes the objects it wrote, by stamp and address; one that fails with
+    // names the table vouched for fails those, not the keys it carries (e, given c's keys and
+    // a block outside the cache, fails its own objects; c lands).
+    use capture_arena::paged::{copy_requests_device, DeviceCopies, Landed, Request};
+    let Some(_g) = setup_fake("fake_gpu_a_device_arenas_destinations_are_checked") else {
+        return;
+    };
+    let w = Writer::start(&device_config(1 << 20, Duration::from_secs(2))).unwrap();
+    let (_cache, bytes, src) = device_cache(4, 2, 4, 8, false);
+    let n = 6u64;
+    let rows_len = n * 2 * 8;
+    let sample = |id: &str| {
+        let mut s = Sample::new("st", id, 1).unwrap();
+        for (name, dtype, shape, len) in [
+            ("token_ids", Dtype::Int64, vec![n], n * 8),
+            ("hidden_states", Dtype::Uint8, vec![rows_len], rows_len),
+        ] {
+            let t = Tensor::new(name, shape, dtype, TensorData::Reserved(len)).unwrap();
+            s.push(t).unwrap();
+        }
+        s
+    };
+    let ids = ["a", "b", "c", "d", "e"];
+    let published: Vec<Published> = w
+        .submit_each_within(ids.iter().map(|id| sample(id)).collect(), BOUND)
+        .unwrap()
+        .into_iter()
+        .map(|o| o.unwrap().remove(0))
+        .collect();
+    assert_eq!(w.reserved_objects().len(), 10);
+    let dst = |p: &Published, name: &str| {
+        let at = p.writable.as_ref().unwrap()[name];
+        (at, p.features[name].stamp.unwrap())
+    };
+    let keys_of = |i: usize| -> Vec<String> {
+        let names = published[i].features.keys();
+        names
+            .map(|name| format!("st/{}/g1/{name}", ids[i]))
+            .collect()
+    };
+    let request = |i: usize, rows: (u64, u64), blocks: Vec<u64>| {
+        let (ids_dst, ids_stamp) = dst(&published[i], "token_ids");
+        Request {
+            keys: keys_of(i),
+            ids_dst,
+            ids_stamp,
+            ids: (0..n as i64).map(|j| 100 * i as i64 + j).collect(),
+            rows_dst: rows.0,
+            rows_stamp: rows.1,
+            rows_len,
+            block_ids: blocks,
+        }
+    };
+    let own = |i: usize| dst(&published[i], "hidden_states");
+    let requests = vec![
+        request(0, own(0), vec![3, 1]),
+        request(1, (own(0).0, own(1).1), vec![0, 2]), // a's rows object, b's own stamp
+        request(2, own(2), vec![2, 3]),
+        request(3, (own(3).0, 0), vec![1, 0]), // a stamp of nothing (stamps start at 1)
+        Request {
+            keys: keys_of(2),                 // c's keys
+            ..request(4, own(4), vec![9, 0])  // block 9 is not in the cache
+        },
+    ];
+    let copies = DeviceCopies::new(0).unwrap();
+    let mut finished = Vec::new();
+    // SAFETY: the cache lives until the end; the arena is the writer's device arena, whose
+    // reserved objects nothing else writes.
+    let why = unsafe {
+        copy_requests_device(
+            &copies,
+            0,
+            &src,
+            w.local_region(),
+            false,
+            Some(w.reserved_objects()),
+            requests,
+            |i, landed| {
+                match &landed {
+                    Landed::Written(objects) => w.finish_written(*objects, true),
+                    Landed::Failed(objects) => w.finish_written(*objects, false),
+                    Landed::FailedKeys(keys) => w.finish_writes(keys.clone(), false),
+                }
+                let how = match landed {
+                    Landed::Written(_) => "written",
+                    Landed::Failed(_) => "failed by name",
+                    Landed::FailedKeys(_) => "failed by keys",
+                };
+                finished.push((i, how));
+            },
+        )
+    };
+    assert_eq!(
+        finished,
+        [
+            (1, "failed by keys"),
+            (3, "failed by keys"),
+            (4, "failed by name"),
+            (0, "written"),
+            (2, "written")
+        ]
+    );
+    assert!(
+        why[1]
+            .as_deref()
+            .unwrap()
+            .contains("is not the object reserved with stamp"),
+        "{why:?}"
+    );
+    assert!(
+        why[3]
+            .as_deref()
+            .unwrap()
+            .contains("no object reserved with stamp 0"),
+        "{why:?}"
+    );
+    assert!(why[4].as_deref().unwrap().contains("block 9"), "{why:?}");
+    let (s, ok) = w.wait_for(Duration::from_secs(10), |s| {
+        s.written_objects == 4 && s.failed_writes == 6
+    });
+    assert!(ok, "{s:?}");
+    assert!(w.reserved_objects().is_empty());
+    let store = FeatureStore::new();
+    for (i, blocks) in [(0usize, [3u64, 1]), (2, [2, 3])] {
+        let (mut got_ids, mut got_rows) = (vec![0u8; n as usize * 8], vec![0u8; rows_len as usize]);
+        store
+            .get_many_into(
+                &published[i],
+                &mut [
+                    ("token_ids", &mut got_ids[..]),
+                    ("hidden_states", &mut got_rows[..]),
+                ],
+            )
+            .unwrap();
+        let want_ids: Vec<u8> = (0..n as i64)
+            .flat_map(|j| (100 * i as i64 + j).to_ne_bytes())
+            .collect();
+        assert_eq!(got_ids, want_ids);
+        assert_eq!(
+            got_rows,
+            rows_of(&bytes, &src, &blocks, n),
+            "request {i}'s rows"
+        );
+    }
+    for i in [1, 3, 4] {
+        let mut out = vec![0u8; n as usize * 8];
+        let e = store
+            .get_many_into(&published[i], &mut [("token_ids", &mut out[..])])
+            .unwrap_err();
+        assert!(e.to_string().contains("never"), "{e}");
+    }
 }
 
 #[test]
@@ -1104,6 +1269,24 @@ fn reserved_arena(bytes: usize, at: &[u64], n: u64, rows_len: u64) -> Vec<u64> {
         }
     }
     words
+}
+
+/// The objects a request copied into [`reserved_arena`] at `at` names as written: its token
+/// ids and its rows, with their stamp (`1 + at`).
+fn written_at(base: u64, at: u64, n: u64, rows_len: u64) -> [capture_arena::sample::Written; 2] {
+    use capture_arena::sample::Written;
+    [
+        Written {
+            stamp: 1 + at,
+            at: base + at,
+            len: n * 8,
+        },
+        Written {
+            stamp: 1 + at,
+            at: base + at + 64,
+            len: rows_len,
+        },
+    ]
 }
 
 /// An arena's bytes, as [`reserved_arena`] holds them.
@@ -1364,7 +1547,7 @@ fn fake_gpu_a_forked_child_drops_its_parents_reader_without_calling_the_driver()
 
 #[test]
 fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_enqueued_land() {
-    use capture_arena::paged::{copy_requests_device, DeviceCopies, Request};
+    use capture_arena::paged::{copy_requests_device, DeviceCopies, Landed, Request};
     let Some(_g) = setup_fake("fake_gpu_a_request_whose_copies_fail_midway") else {
         return;
     };
@@ -1401,14 +1584,15 @@ fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_en
             &src,
             (base, 1024),
             true,
+            None,
             vec![request(0, "a"), request(256, "b"), request(512, "c")],
-            |i, keys, ok| {
-                if keys[0] == "b" {
+            |i, landed| {
+                if matches!(&landed, Landed::FailedKeys(keys) if keys[0] == "b") {
                     // SAFETY: the arena's bytes, read as they are when b is given back.
                     let now = std::slice::from_raw_parts(b_rows as *const u8, rows_len as usize);
                     at_failure.borrow_mut().extend_from_slice(now);
                 }
-                finished.push((i, keys[0].clone(), ok));
+                finished.push((i, landed));
             },
         )
     };
@@ -1419,9 +1603,9 @@ fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_en
     assert_eq!(
         finished,
         [
-            (1, "b".into(), false),
-            (2, "c".into(), false),
-            (0, "a".into(), true)
+            (1, Landed::FailedKeys(vec!["b".into()])),
+            (2, Landed::FailedKeys(vec!["c".into()])),
+            (0, Landed::Written(written_at(base, 0, n, rows_len)))
         ]
     );
     assert!(

@@ -593,6 +593,19 @@ class ArenaSink(LiveSink, _ArenaSink):
         except Exception as e:  # closed meanwhile: its arena went with it
             _log.debug("finishing writes: %s", e)
 
+    def _finish_written_objects(self, objects: list[tuple[int, int, int]], ok: bool = True) -> None:
+        """Finishes (``ok``) or fails the objects this process wrote, each named by what it
+        checked before writing: ``(stamp, address, bytes)``, the address in this process's
+        mapping. So a writer finishes or fails exactly what it wrote, whatever keys its
+        bookkeeping holds (with ``ok``, an object that does not lie there is failed; without,
+        left to its own writer). Never raises (as :meth:`_finish_keys`)."""
+        if not objects:
+            return
+        try:
+            self._finish_written(objects, ok)
+        except Exception as e:  # closed meanwhile: its arena went with it
+            _log.debug("finishing writes: %s", e)
+
     def stats(self) -> dict[str, int]:
         """The writer's counters (all zero before the first capture), and live capture's
         (``live_*``) when it is on."""

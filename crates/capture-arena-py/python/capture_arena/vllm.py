@@ -1695,8 +1695,9 @@ class _Rows:
     def copy(self, todo: list["_Todo"], event: Any, done: Any = None, landed: Optional[_Landed] = None) -> list[bool]:
         """Copies each request's rows and token ids into its objects (``{name: (address,
         stamp)}``: where this process writes them, and their reservation's stamps; a destination
-        in a host arena that is not the object reserved with that stamp fails its request) and
-        finishes their writes (its keys) as soon as its bytes have
+        that is not the object being written with that stamp, by its stamp word in a host arena
+        and by the writer's table, fails its request) and finishes their writes (the objects
+        written, by stamp and address) as soon as its bytes have
         landed and are visible to other processes (not only once the whole step's have), so its
         readers need not wait for the step's later requests; whether each worked. On a host
         cache whose rows are contiguous, ``landed[i]`` is set in native code as request i's
@@ -1713,7 +1714,7 @@ class _Rows:
         if self.stream is None:
             for i, (sv, keys, at) in enumerate(todo):
                 ok.append(self._guarded(sv, lambda: self._copy_host(sv, at)))
-                self.sink._finish_keys(keys, ok=ok[-1])
+                self._finish(sv, keys, at, ok[-1])
                 report(i, ok[-1])
             return ok
         events = []
@@ -1734,9 +1735,28 @@ class _Rows:
                     log.exception("capture_arena.vllm: the copies of %d requests failed on the device", len(todo) - i)
                     broken = True
             ok[i] = ok[i] and not broken
-            self.sink._finish_keys(todo[i][1], ok=ok[i])
+            self._finish(*todo[i], ok[i])
             report(i, ok[i])
         return ok
+
+    def _finish(self, sv: _Save, keys: list[str], at: "_Writable", ok: bool) -> None:
+        """A request's write is over: its objects are finished (``ok``) or failed, named by their
+        stamps and where their bytes went (as the native copy names them), so keys mixed up in
+        our bookkeeping can neither finish another request's objects before their bytes nor fail
+        them while their own copy writes them. A failed request whose names the writer's table
+        does not vouch for (its destinations were not its reservation's) is failed by its keys.
+        Never raises."""
+        sizes = (("token_ids", sv.n * 8), ("hidden_states", sv.n * self.k * self.h * self.kv.element_size()))
+        names = [(at[name][1], at[name][0], size) for name, size in sizes]
+        if not ok:
+            try:
+                vouched = self.sink._check_reserved_objects(names) is None
+            except Exception:  # the sink closed meanwhile: nothing is left to fail
+                return
+            if not vouched:
+                self.sink._finish_keys(keys, ok=False)
+                return
+        self.sink._finish_written_objects(names, ok=ok)
 
     def quiesce(self) -> None:
         """Waits for every copy enqueued on the side stream (before their objects are failed and
@@ -1812,15 +1832,20 @@ class _Rows:
             raise ValueError(f"block {bad} is not in the cache, which has {blocks} blocks")
 
     def _check_reserved(self, sv: _Save, at: "_Writable") -> None:
-        """Torch's paths into a host arena: each destination must be the object reserved with
-        its stamp, still being written (its stamp word, after its bytes, says so), as the native
-        path checks in ``Request::plan``; else the request fails here, before a byte is written.
-        (A device arena's stamp words are in device memory: not read here.)"""
+        """Torch's paths: each destination must be the object reserved with its stamp, still
+        being written, as the native path checks in ``Request::plan``; else the request fails
+        here, before a byte is written. In a host arena its stamp word, after its bytes, says
+        so; a device arena's words are device memory, so there the writer's table of the objects
+        being written is asked."""
+        isz = self.kv.element_size()
+        sizes = (("token_ids", sv.n * 8), ("hidden_states", sv.n * self.k * self.h * isz))
         if self.device_arena:
+            why = self.sink._check_reserved_objects([(at[name][1], at[name][0], size) for name, size in sizes])
+            if why is not None:
+                raise ValueError(why)
             return
         region = self.sink.local_region
-        isz = self.kv.element_size()
-        for name, size in (("token_ids", sv.n * 8), ("hidden_states", sv.n * self.k * self.h * isz)):
+        for name, size in sizes:
             address, stamp = at[name]
             word_at = address + (size + 7) // 8 * 8
             inside = region is not None and region[0] <= address and word_at + 8 <= region[0] + region[1] and word_at % 8 == 0

@@ -1,6 +1,7 @@
 //! Samples in and results out: the capture contract's request (`spec`) and the validated
-//! [`Sample`] the writer publishes (here), and the per-sample result JSON ([`result`], whose
-//! types are re-exported here).
+//! [`Sample`] the writer publishes (here), the per-sample result JSON ([`result`], whose
+//! types are re-exported here), and the objects whose submitters write their bytes themselves
+//! ([`reserved`]).
 
 use std::collections::{HashMap, HashSet};
 
@@ -11,8 +12,10 @@ use crate::error::{Error, Result};
 use crate::key::{self, Key};
 use crate::tensor::{byte_len, Dtype, Tensor, TensorData};
 
+pub mod reserved;
 pub mod result;
 
+pub use reserved::{ReservedObjects, Written};
 pub use result::{
     batch_results, stamp_offset, ArenaRef, Failed, Feature, Published, SampleResult, StampWord,
     FAILED_BIT, MAX_ENDPOINT_BYTES, MAX_FEATURES, MAX_SESSION_BYTES, MAX_STAMP, PENDING_BIT,

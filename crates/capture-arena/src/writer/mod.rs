@@ -37,11 +37,11 @@ use crate::config::Config;
 use crate::control;
 use crate::error::{Error, Result};
 use crate::memory::{Notifier, Region, ShmRegion};
-use crate::sample::{ArenaRef, Sample};
+use crate::sample::{ArenaRef, ReservedObjects, Sample, Written};
 use crate::stats::StatsSnapshot;
 use control_server::{ControlServer, Limits, WAKER};
 use placer::{Placer, Step};
-use queue::{Block, Queue, Submitter, Ticket, TicketState, SPIN};
+use queue::{Block, Finished, Queue, Submitter, Ticket, TicketState, SPIN};
 
 /// The log target of the per-batch timing line (`SGLANG_SPEC_CAPTURE_TIMING=1`); log filters
 /// that show warnings only should still let it through (the CLI's and the Python module's do).
@@ -58,6 +58,7 @@ pub struct Writer {
     reply_endpoint: String,
     capacity: u64,
     local_base: u64,
+    reserved: Arc<ReservedObjects>,
 }
 
 impl Writer {
@@ -130,6 +131,7 @@ impl Writer {
         let arena_ref = arena.arena_ref().clone();
         shared.note_session(&arena_ref.session);
         let capacity = arena.capacity();
+        let reserved = arena.reserved_objects();
         tracing::info!(
             session = %arena_ref.session,
             control = %arena_ref.control,
@@ -157,7 +159,16 @@ impl Writer {
             reply_endpoint,
             capacity,
             local_base,
+            reserved,
         })
+    }
+
+    /// The objects being written by their submitters
+    /// ([`TensorData::Reserved`](crate::tensor::TensorData::Reserved)), by stamp: where each
+    /// lies in this process and its length, kept up to date by the writer. A submitter checks each destination against it
+    /// before it writes a byte ([`ReservedObjects::check`]).
+    pub fn reserved_objects(&self) -> &ReservedObjects {
+        &self.reserved
     }
 
     /// The arena's memory in this process: its address here and its usable bytes (host memory,
@@ -340,6 +351,21 @@ impl Writer {
     /// written is applied now. Applied at the writer's next turn, counted in `written_objects`
     /// and `failed_writes`; keys not being written are ignored.
     pub fn finish_writes(&self, keys: impl IntoIterator<Item = String>, ok: bool) {
+        self.finished(keys.into_iter().map(|k| Finished::Key(k, ok)));
+    }
+
+    /// [`Writer::finish_writes`] for objects named by what their submitter checked before
+    /// writing ([`Arena::finish_written`]): each one's stamp, where its bytes went and how many.
+    /// So a submitter finishes (`ok`) or fails exactly the objects it wrote, whatever keys its
+    /// bookkeeping holds: with `ok`, an object that does not lie where its bytes went is failed;
+    /// without, one that does not lie there is left to its own writer. Applied at the writer's
+    /// next turn, counted as [`Writer::finish_writes`]; stamps of no object being written are
+    /// ignored.
+    pub fn finish_written(&self, objects: impl IntoIterator<Item = Written>, ok: bool) {
+        self.finished(objects.into_iter().map(|w| Finished::Written(w, ok)));
+    }
+
+    fn finished(&self, done: impl Iterator<Item = Finished>) {
         let mut q = self
             .submitter
             .shared
@@ -347,7 +373,7 @@ impl Writer {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let before = q.len();
-        q.extend(keys.into_iter().map(|k| (k, ok)));
+        q.extend(done);
         let added = q.len() > before;
         drop(q);
         if added {
@@ -679,14 +705,18 @@ impl Loop {
             return false;
         }
         let (mut written, mut failed, mut failed_bytes) = (0, 0, 0);
-        for (k, ok) in &done {
-            if let Some(freed) = self.arena.finish_write(k, *ok) {
-                if *ok {
-                    written += 1;
-                } else {
+        for d in done {
+            let finished = match d {
+                Finished::Key(k, ok) => self.arena.finish_write(&k, ok).map(|freed| (ok, freed)),
+                Finished::Written(w, ok) => self.arena.finish_written(w, ok),
+            };
+            match finished {
+                Some((true, _)) => written += 1,
+                Some((false, freed)) => {
                     failed += 1;
                     failed_bytes += freed;
                 }
+                None => {}
             }
         }
         let stats = &self.shared.stats;

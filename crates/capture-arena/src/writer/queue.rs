@@ -223,9 +223,19 @@ pub(crate) struct Shared {
     /// Keys this process frees itself ([`crate::Writer::free_local`]), applied at the writer's
     /// next turn.
     pub local_frees: Mutex<Vec<String>>,
-    /// Keys of objects whose submitter finished writing them, and whether it succeeded
-    /// ([`crate::Writer::finish_writes`]), applied at the writer's next turn.
-    pub finished_writes: Mutex<Vec<(String, bool)>>,
+    /// Objects whose submitter finished writing them ([`crate::Writer::finish_writes`],
+    /// [`crate::Writer::finish_written`]), applied at the writer's next turn.
+    pub finished_writes: Mutex<Vec<Finished>>,
+}
+
+/// An object whose submitter finished writing it ([`Shared::finished_writes`]).
+#[derive(Debug)]
+pub enum Finished {
+    /// Named by its key: written (`true`) or never will be.
+    Key(String, bool),
+    /// Named by what its writer checked ([`crate::Arena::finish_written`]): written (`true`)
+    /// or never will be.
+    Written(crate::sample::Written, bool),
 }
 
 impl Shared {
