@@ -832,6 +832,43 @@ mod tests {
     }
 
     #[test]
+    fn an_object_freed_or_expired_while_written_stays_in_the_table_until_its_write_is_finished() {
+        // A free (or a lease's end) while the object is written waits for the write: the table
+        // the writing threads check keeps the object until then, and the finish by name applies
+        // the free.
+        let mut a = arena(1 << 20);
+        a.set_ttl(Some(Duration::from_secs(1)));
+        let samples = [reserved("a", &[24]), reserved("b", &[40])];
+        let r = a.reserve(&samples).unwrap().unwrap();
+        let p = a.commit_reserved(r, &samples);
+        let name = |i: usize| {
+            let (pb, f) = (&p.published[i], &p.published[i].features["t0"]);
+            let at = pb.writable.as_ref().unwrap()["t0"];
+            Written {
+                stamp: f.stamp.unwrap(),
+                at,
+                len: f.shape[0],
+            }
+        };
+        let reserved = a.reserved_objects();
+        assert_eq!(a.free("st/a/g1/t0"), Some(24));
+        assert_eq!(
+            a.expire(Instant::now() + Duration::from_secs(2), 10),
+            (1, 40)
+        );
+        assert_eq!(reserved.len(), 2);
+        assert_eq!(reserved.check(&name(0)), Ok(()));
+        a.check_invariants();
+        // Finished: the free asked for meanwhile is applied, and counted once.
+        assert_eq!(a.finish_written(name(0), true), Some((true, 0)));
+        assert!(a.object("st/a/g1/t0").is_none());
+        assert_eq!(a.finish_written(name(1), false), Some((false, 0)));
+        assert!(reserved.is_empty());
+        assert_eq!(a.report().resident_objects, 0);
+        a.check_invariants();
+    }
+
+    #[test]
     fn a_write_finished_by_stamp_finishes_only_the_object_written_there() {
         // Two requests' objects reserved; request a's writer finishes what it wrote, named by
         // stamp and address, not by key: a mix-up of keys cannot finish b's objects, and an
