@@ -10,6 +10,7 @@
 # Usage: scripts/fuzz.sh [SECONDS per target, default 12] [TARGET ...]
 #   FUZZ_FEATURES=nixl  also fuzz the NIXL session parser (needs libclang and g++)
 #   FUZZ_STAGE=build|run  only build the targets, or only run what was built
+#   FUZZ_JOBS=N  targets run at a time (default: the machine's cores)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SECONDS_EACH=${1:-12}
@@ -55,7 +56,9 @@ if [ "$STAGE" != run ]; then
     --config 'profile.release.debug="line-tables-only"' "${FEATURES[@]}" --bins
 fi
 [ "$STAGE" != build ] || exit 0
-for t in "${TARGETS[@]}"; do
+# One target: its log in corpus/<t>.log, its summary (or its failure) on stdout.
+run_target() {
+  local t=$1
   mkdir -p "corpus/$t" "artifacts/$t"
   # corpus/<t> gathers what this machine found (ignored by git); seeds/<t> is only read.
   if ! "target/$TRIPLE/release/$t" -artifact_prefix="artifacts/$t/" "corpus/$t" "seeds/$t" \
@@ -63,9 +66,25 @@ for t in "${TARGETS[@]}"; do
       >"corpus/$t.log" 2>&1; then
     tail -n 40 "corpus/$t.log"
     echo "fuzz target $t FAILED: the input is in fuzz/artifacts/$t/" >&2
-    exit 1
+    return 1
   fi
+  local runs cov
   runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "corpus/$t.log" | grep -o '[0-9]*$' || echo '?')
   cov=$(grep -o 'cov: [0-9]*' "corpus/$t.log" | tail -n 1 || true)
   echo "$t: $runs inputs, no crash ($cov, corpus $(ls "corpus/$t" | wc -l))"
+}
+# FUZZ_JOBS targets at a time (default: one per core; libFuzzer runs one thread per target), so
+# each still gets its SECONDS; their summaries print in the targets' order once all are done.
+jobs_max=${FUZZ_JOBS:-$(nproc)}
+declare -A pid=()
+for t in "${TARGETS[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
+  run_target "$t" >"corpus/$t.out" 2>&1 &
+  pid[$t]=$!
 done
+failed=()
+for t in "${TARGETS[@]}"; do
+  wait "${pid[$t]}" || failed+=("$t")
+  cat "corpus/$t.out"
+done
+[ ${#failed[@]} = 0 ] || { echo "fuzz targets failed: ${failed[*]}" >&2; exit 1; }
