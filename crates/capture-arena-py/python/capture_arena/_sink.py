@@ -586,12 +586,7 @@ class ArenaSink(LiveSink, _ArenaSink):
 
     def _finish_keys(self, keys: list[str], ok: bool = True) -> None:
         """:meth:`finish_writes` by the objects' keys (:meth:`_reserve_each_keys`)."""
-        if not keys:
-            return
-        try:
-            self._finish_writes(keys, ok)
-        except Exception as e:  # closed meanwhile: its arena went with it
-            _log.debug("finishing writes: %s", e)
+        self._finishing(self._finish_writes, keys, ok)
 
     def _finish_written_objects(self, objects: list[tuple[int, int, int]], ok: bool = True) -> None:
         """Finishes (``ok``) or fails the objects this process wrote, each named by what it
@@ -599,10 +594,15 @@ class ArenaSink(LiveSink, _ArenaSink):
         mapping. So a writer finishes or fails exactly what it wrote, whatever keys its
         bookkeeping holds (with ``ok``, an object that does not lie there is failed; without,
         left to its own writer). Never raises (as :meth:`_finish_keys`)."""
+        self._finishing(self._finish_written, objects, ok)
+
+    @staticmethod
+    def _finishing(finish: Callable[[Any, bool], None], objects: Sequence[Any], ok: bool) -> None:
+        """Hands finished (or failed) writes to the writer; never raises."""
         if not objects:
             return
         try:
-            self._finish_written(objects, ok)
+            finish(objects, ok)
         except Exception as e:  # closed meanwhile: its arena went with it
             _log.debug("finishing writes: %s", e)
 
