@@ -265,11 +265,9 @@ step "python: pytest, two workers (pytest-xdist; PYTEST_WORKERS), each test file
 # The suites wait on sockets, processes and deadlines much of the time: one worker kept about
 # 0.8 of 2 cores busy (pytest 657 s; two workers: 399 s). Each file stays on one worker
 # (--dist loadfile), so a module's engine is started once; tests that look at /dev/shm or
-# processes count only their own (another file's tests run beside them). The longest files go
-# first, in conftest's order (--no-loadscope-reorder: not xdist's, by number of tests), so that
-# the two workers end together.
+# processes count only their own (another file's tests run beside them).
 .venv/bin/python -m pytest crates/capture-arena-py/tests -q -rs --durations=15 \
-  -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
+  -n "${PYTEST_WORKERS:-2}" --dist loadfile
 
 step "attacks: the abuse corpus against a live producer (attacks/README.md)"
 .venv/bin/python -m pytest attacks -q -rs

@@ -216,34 +216,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "proxy: the test's live server reaches its intake through a forward proxy (http_proxy)")
 
 
-#: The test files that take longest, longest first, as two workers ran them on 2 cores
-#: (``pytest -n 2 --dist loadfile``, 2026-12-07: test_vllm 298 s, test_cluster 106, then 61, 46,
-#: 41, 41, 37, 32, 29, 22 and 18; every other file under 12 s). The test command runs the files in
-#: this order (``--no-loadscope-reorder``: xdist's own order, by number of tests, started
-#: test_cluster's 106 s last, on a worker the other had waited 46 s for), so that each worker
-#: takes the longest file left, and both end within seconds of each other: 420 s by xdist's
-#: order, 397 s in this one in a simulation of those figures. Files not listed follow, in their
-#: own order; the order changes nothing but when each file runs.
-_LONGEST_FIRST = (
-    "test_vllm.py",
-    "test_cluster.py",
-    "test_store_placement.py",
-    "test_live.py",
-    "test_sglang_install.py",
-    "test_specforge.py",
-    "test_sglang_flow.py",
-    "test_speculators.py",
-    "test_nixl.py",
-    "test_exit_paths.py",
-    "test_reserved.py",
-)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's own order
-
-
 #: What a skip under ``CI=true`` may be for: a step that cannot exist on a machine without a GPU
 #: (or that needs the GPU machine's own driver). Any other skip there is a failure: a package
 #: that did not install must not pass as dozens of quietly skipped tests.
