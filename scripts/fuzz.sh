@@ -76,6 +76,7 @@ run_target() {
 # FUZZ_JOBS targets at a time (default: one per core; libFuzzer runs one thread per target), so
 # each still gets its SECONDS; their summaries print in the targets' order once all are done.
 jobs_max=${FUZZ_JOBS:-$(nproc)}
+mkdir -p corpus  # each target's summary goes there before the target makes its own folder
 declare -A pid=()
 for t in "${TARGETS[@]}"; do
   while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n || true; done
