@@ -16,14 +16,21 @@ Faults, each undone by its pair:
   host loses its carrier (a cable pulled);
 - a process killed with :meth:`kill`.
 
+And one condition, to act in the middle of a transfer rather than after a guessed sleep:
+:meth:`shape` caps what the switch sends a host (a token bucket on its port, lifted by
+:meth:`unshape`) so that a large read lasts long enough, and :meth:`wait_received` waits until a
+host has received so many bytes (its read is under way).
+
 Everything is torn down on exit, even after a failure: processes first (their whole process
 group), then the namespaces (which takes their veths with them). Traffic only crosses interfaces
-the cluster made. Needs root and ``ip`` (iproute2); :func:`unavailable` says why not.
+the cluster made. Needs root and ``ip`` (iproute2); :func:`unavailable` says why not. :meth:`shape`
+also needs ``tc`` (iproute2) and the kernel's ``tbf`` queueing discipline.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
@@ -162,3 +169,32 @@ class Cluster:
     def plug_cable(self, host: str) -> None:
         _ip("-n", self.switch, "link", "set", self.port[host], "up")
         time.sleep(0.1)
+
+    def shape(self, host: str, mbit: int) -> None:
+        """Caps what the switch sends to ``host`` at ``mbit`` Mbit/s (a token bucket on its switch
+        port): a read by ``host`` of N bytes then takes at least N * 8 / (mbit * 1e6) seconds."""
+        tbf = ["tbf", "rate", f"{mbit}mbit", "burst", "256kb", "latency", "100ms"]
+        r = subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "replace", "dev", self.port[host], "root", *tbf], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(
+                f"tc qdisc replace ... {' '.join(tbf)}: {r.stderr.strip()} (exit {r.returncode}); the tests that cut a "
+                "read in the middle need tc (Debian's iproute2) and the kernel's tbf qdisc (CONFIG_NET_SCH_TBF)"
+            )
+
+    def unshape(self, host: str) -> None:
+        subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "del", "dev", self.port[host], "root"], capture_output=True)
+
+    def received(self, host: str) -> int:
+        """The bytes ``host``'s interface has received so far."""
+        out = subprocess.run(["ip", "-n", self.ns[host], "-j", "-s", "link", "show", "eth0"], capture_output=True, text=True, check=True).stdout
+        return int(json.loads(out)[0]["stats64"]["rx"]["bytes"])
+
+    def wait_received(self, host: str, since: int, at_least: int, timeout: float = 30.0) -> int:
+        """Waits until ``host`` has received ``at_least`` bytes more than ``since`` (a
+        :meth:`received` taken before); returns how many more."""
+        deadline = time.monotonic() + timeout
+        while (got := self.received(host) - since) < at_least:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{host} received {got} bytes in {timeout} s, not the {at_least} awaited")
+            time.sleep(0.005)
+        return got

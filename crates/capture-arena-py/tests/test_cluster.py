@@ -572,7 +572,25 @@ def test_a_producer_restarted_on_the_same_port_never_applies_its_predecessors_fr
 
 @needs_nixl
 def test_the_producer_lives_and_publishes_through_every_trainer_fault() -> None:
-    big = "4096x4096"  # 128 MiB: a read takes long enough (~60 ms) to be cut in the middle
+    big = "4096x4096"  # 128 MiB a sample
+    sample = 4096 * 4096 * 4 * 2
+    # A read cut in the middle: what the switch sends t1 is capped at CUT_MBIT, so that a read
+    # of one sample takes about 1.8 s (within the trainer's deadline), and the fault comes once
+    # t1 has received CUT_AFTER bytes of it. (Before 2026-12-07 the faults came 10 ms after the
+    # request, by the clock: under load the read had ended by then, and the test failed.)
+    cut_mbit, cut_after = 600, 4 << 20
+
+    def cut_in_the_middle(c: Cluster, a: Proc, r: dict[str, Any], fault: Any) -> None:
+        c.shape("t1", cut_mbit)
+        before = c.received("t1")
+        assert a.p.stdin is not None
+        a.p.stdin.write(json.dumps(r) + "\n")
+        a.p.stdin.flush()
+        c.wait_received("t1", before, cut_after)
+        fault()
+        got = c.received("t1") - before
+        assert got < sample, f"the read had ended ({got} bytes received) before the fault"
+
     with Cluster(["p1", "t1", "t2"]) as c:
         p = Publisher(c, "p1", PUBLISHER, [], env_on(c, "p1", SGLANG_SPEC_CAPTURE_ARENA_BYTES="1200MiB"))
         a = Proc(c, "t1", TRAINER, [], env_on(c, "t1"))
@@ -586,15 +604,12 @@ def test_the_producer_lives_and_publishes_through_every_trainer_fault() -> None:
         r = published(2)
         assert a.send(r[0])["ok"]
         # A partition in the middle of a read, with publishing during it.
-        assert a.p.stdin is not None
-        a.p.stdin.write(json.dumps(r[1]) + "\n")
-        a.p.stdin.flush()
-        time.sleep(0.01)
-        c.partition("p1")
+        cut_in_the_middle(c, a, r[1], lambda: c.partition("p1"))
         left += published(2)
-        got = a.line()  # cut in the middle (or, rarely, done just before the cut)
-        assert got["ok"] or got["error"] == "StaleSessionError", got
+        got = a.line()
+        assert got["error"] == "StaleSessionError" and got["read_s"] < READ_TIMEOUT_S + 3, got
         c.heal("p1")
+        c.unshape("t1")
         # The trainer's carrier flaps.
         c.pull_cable("t1")
         left += published(1)
@@ -604,10 +619,7 @@ def test_the_producer_lives_and_publishes_through_every_trainer_fault() -> None:
         assert got["ok"], got
         # The trainer is killed in the middle of a read.
         killed = left.pop(0)
-        a.p.stdin.write(json.dumps(killed) + "\n")
-        a.p.stdin.flush()
-        time.sleep(0.01)
-        c.kill(a.p)
+        cut_in_the_middle(c, a, killed, lambda: c.kill(a.p))
         a.p.wait(timeout=10)
         left += published(2)
         assert p.alive(), "the producer died"
