@@ -508,8 +508,7 @@ impl Arena {
     /// it). `None` for a stamp of no object being written, or a failure left alone; else
     /// whether it was finished, and the bytes a failure freed.
     pub fn finish_written(&mut self, w: Written, ok: bool) -> Option<(bool, u64)> {
-        let key = self.writing.lock().get(&w.stamp)?.0.clone();
-        let checked = self.writing.check(&w);
+        let (key, checked) = self.writing.key_of(&w)?;
         match (&checked, ok) {
             (Err(why), true) => {
                 tracing::error!(key = %key, "{why}: it is failed, as its bytes are not there")
@@ -544,6 +543,7 @@ impl Arena {
             })
             .collect();
         let mut bytes = 0;
+        let mut entries = Vec::with_capacity(if writing { r.placed.len() } else { 0 });
         for &((si, ti), extent, stamp) in &r.placed {
             let (key, t) = &samples[si].tensors[ti];
             bytes += t.byte_len();
@@ -573,12 +573,18 @@ impl Arena {
                 },
             );
             if writing {
-                let entry = (key.clone(), local + extent.offset, t.byte_len());
-                let before = self.writing.lock().insert(stamp, entry);
-                debug_assert!(before.is_none(), "stamps are unique among resident objects");
+                entries.push((stamp, (key.clone(), local + extent.offset, t.byte_len())));
             }
             if self.ttl.is_some() {
                 self.ages.push_back((now, key.clone()));
+            }
+        }
+        if !entries.is_empty() {
+            // One lock a batch: the copy threads check their destinations under it.
+            let mut table = self.writing.lock();
+            for (stamp, entry) in entries {
+                let before = table.insert(stamp, entry);
+                debug_assert!(before.is_none(), "stamps are unique among resident objects");
             }
         }
         self.compact_ages();

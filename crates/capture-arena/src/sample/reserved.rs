@@ -44,18 +44,18 @@ impl ReservedObjects {
     /// object that lies elsewhere or has another length.
     pub fn check(&self, w: &Written) -> std::result::Result<(), String> {
         match self.lock().get(&w.stamp) {
-            Some((_, at, len)) if *at == w.at && *len == w.len => Ok(()),
-            Some((_, at, len)) => Err(format!(
-                "[{:#x}, +{}) is not the object reserved with stamp {}, which lies at \
-                 [{at:#x}, +{len}) (a destination that is not this request's reservation)",
-                w.at, w.len, w.stamp
-            )),
-            None => Err(format!(
-                "no object reserved with stamp {} is being written (a stamp that is not this \
-                 request's reservation, or one finished already); its destination [{:#x}, +{})",
-                w.stamp, w.at, w.len
-            )),
+            Some(entry) => check_entry(w, entry),
+            None => Err(not_reserved(w)),
         }
+    }
+
+    /// The key of the object of `w`'s stamp and whether `w` lies where it does
+    /// ([`ReservedObjects::check`]), under one lock; `None` for a stamp of no object being
+    /// written.
+    pub(crate) fn key_of(&self, w: &Written) -> Option<(Key, std::result::Result<(), String>)> {
+        let table = self.lock();
+        let entry = table.get(&w.stamp)?;
+        Some((entry.0.clone(), check_entry(w, entry)))
     }
 
     /// How many objects are being written.
@@ -67,4 +67,23 @@ impl ReservedObjects {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+fn check_entry(w: &Written, (_, at, len): &(Key, u64, u64)) -> std::result::Result<(), String> {
+    if *at == w.at && *len == w.len {
+        return Ok(());
+    }
+    Err(format!(
+        "[{:#x}, +{}) is not the object reserved with stamp {}, which lies at [{at:#x}, +{len}) \
+         (a destination that is not this request's reservation)",
+        w.at, w.len, w.stamp
+    ))
+}
+
+fn not_reserved(w: &Written) -> String {
+    format!(
+        "no object reserved with stamp {} is being written (a stamp that is not this request's \
+         reservation, or one finished already); its destination [{:#x}, +{})",
+        w.stamp, w.at, w.len
+    )
 }
