@@ -1739,6 +1739,14 @@ class _Rows:
             report(i, ok[i])
         return ok
 
+    def _sizes(self, sv: _Save) -> tuple[tuple[str, int], tuple[str, int]]:
+        """A request's two objects and their bytes: its prompt's ids (int64) and its rows."""
+        return (("token_ids", sv.n * 8), ("hidden_states", sv.n * self.k * self.h * self.kv.element_size()))
+
+    def _names(self, sv: _Save, at: "_Writable") -> list[tuple[int, int, int]]:
+        """A request's objects as the writer names what was written: (stamp, address, bytes)."""
+        return [(at[name][1], at[name][0], size) for name, size in self._sizes(sv)]
+
     def _finish(self, sv: _Save, keys: list[str], at: "_Writable", ok: bool) -> None:
         """A request's write is over: its objects are finished (``ok``) or failed, named by their
         stamps and where their bytes went (as the native copy names them), so keys mixed up in
@@ -1746,8 +1754,7 @@ class _Rows:
         them while their own copy writes them. A failed request whose names the writer's table
         does not vouch for (its destinations were not its reservation's) is failed by its keys.
         Never raises."""
-        sizes = (("token_ids", sv.n * 8), ("hidden_states", sv.n * self.k * self.h * self.kv.element_size()))
-        names = [(at[name][1], at[name][0], size) for name, size in sizes]
+        names = self._names(sv, at)
         if not ok:
             try:
                 vouched = self.sink._check_reserved_objects(names) is None
@@ -1837,15 +1844,13 @@ class _Rows:
         here, before a byte is written. In a host arena its stamp word, after its bytes, says
         so; a device arena's words are device memory, so there the writer's table of the objects
         being written is asked."""
-        isz = self.kv.element_size()
-        sizes = (("token_ids", sv.n * 8), ("hidden_states", sv.n * self.k * self.h * isz))
         if self.device_arena:
-            why = self.sink._check_reserved_objects([(at[name][1], at[name][0], size) for name, size in sizes])
+            why = self.sink._check_reserved_objects(self._names(sv, at))
             if why is not None:
                 raise ValueError(why)
             return
         region = self.sink.local_region
-        for name, size in sizes:
+        for name, size in self._sizes(sv):
             address, stamp = at[name]
             word_at = address + (size + 7) // 8 * 8
             inside = region is not None and region[0] <= address and word_at + 8 <= region[0] + region[1] and word_at % 8 == 0
