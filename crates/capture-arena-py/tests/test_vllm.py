@@ -538,6 +538,41 @@ def test_a_request_preempted_after_its_capture_is_captured_again_and_no_copy_rea
     assert s["resident_objects"] == 0 and s["free_bytes"] == s["capacity"], f"the first capture stayed: {s}"
 
 
+@pytest.mark.parametrize("under_way", [False, True], ids=["not_begun", "under_way"])
+def test_a_request_preempted_outside_the_schedule_then_aborted_is_copied_from_no_reused_block(
+    engine: Proc, trainer: Proc, under_way: bool
+) -> None:
+    """vLLM resets its prefix cache with its running requests (``reset_prefix_cache(
+    reset_running_requests=True)``, outside its schedule), preempting a request whose copy is
+    queued (gated), and the request is aborted before the next step; a new request then gets its
+    blocks. The worker settles the copy before that step's forward writes them: given up if not
+    begun, waited for if under way. vLLM still holds the finished request until the copy is
+    reported, which it is (before: the worker was never told, and the copy read the blocks after
+    the forward had written them: a known limit in docs/vllm.md)."""
+    before = resident_of(engine)
+    assert engine.ask({"gate": "close"}) == {"ok": True}
+    try:
+        reuse = prompt(40, 54)
+        got = engine.ask({"reset_abort": {"prompt": prompt(100, 53), "max_tokens": 20, "reuse": reuse, "open_gate": under_way}}, timeout=300)
+    finally:
+        assert engine.ask({"gate": "open"}) == {"ok": True}
+    ev = got["events"]
+    assert got["reused"] >= 1, f"the next request did not get the preempted blocks: {got}"
+    assert ev.get("given_back") == 1, f"the worker was not told before the forward that wrote the blocks: {got}"
+    if under_way:
+        assert ev["under_way"] == 1 and ev["landed_by_then"] and ev["given_up"] == 0, got
+    else:
+        assert ev["under_way"] == 0 and ev["given_up"] == 1, got
+    assert got["held"] == {}, f"vLLM still holds the aborted request for a report that never came: {got}"
+    kv = got["params"]
+    assert trainer.ask({"read": kv, "prompt": reuse}, timeout=60).get("ok")
+    assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}
+    assert trainer.ask({"flush": True}) == {"ok": True}
+    s = resident(kv)
+    assert s["resident_objects"] == 0 and s["free_bytes"] == s["capacity"], f"the aborted request's capture stayed: {s}"
+    assert s["failed_writes"] - before["failed_writes"] == (0 if under_way else 2), s
+
+
 def test_blocks_held_for_a_copy_come_back_without_preempting_a_running_request(engine: Proc, trainer: Proc) -> None:
     """vLLM runs out of blocks while a finished request's blocks wait for its copy (gated): its
     scheduler waits for them (has_pending_block_frees) instead of preempting the running request

@@ -32,6 +32,17 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   as docs/vllm.md tells a caller to, in vLLM's default mode (``abort``: the request, preempted
   by the first, is aborted now): answers ``again`` (``slept`` or ``error``, ``s``,
   ``over_at_discard``), and no ``params`` (the aborted request's capture is freed);
+- ``{"reset_abort": {"prompt": [...], "max_tokens": n, "reuse": [...], "open_gate": bool}}``: a
+  request is served until its prompt's step is done. With ``open_gate``, its copy begins and
+  waits at the gate (closed by the test before), which opens as the worker starts handling the
+  preemption (a copy under way); without, the copy thread takes no step until the end (the copy
+  does not begin). The request is then
+  preempted outside vLLM's schedule (``reset_prefix_cache(reset_running_requests=True)``, its
+  blocks back to a pool otherwise emptied) and aborted; a request of ``reuse`` tokens then gets
+  those blocks, and is stepped to its end. Answers its ``params``, how many of the first
+  request's blocks it was given (``reused``), the worker's preemption ``events`` (as for
+  ``preempt``, and how many copies it gave up, ``given_up``), and the blocks vLLM still ``held``
+  after a ``drain`` of 30 s;
 - ``{"preempt_grace": s}``: the connector's ``PREEMPT_GRACE_S`` (how long past the bound a
   preemption, and a reset of the caches, waits for a copy under way);
 - ``{"settle": seconds}``: ``capture_arena.vllm.settle(llm, seconds)``, and what the engine still
@@ -119,12 +130,14 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             events.setdefault("copied", time.monotonic())  # the first copy since events were cleared
 
     def handle_preemptions(self, meta):
-        if not getattr(meta, "preempted", None):
+        ids = [*(getattr(meta, "preempted", None) or ()), *(getattr(meta, "given_back", None) or ())]
+        if not ids:
             return real_preemptions(self, meta)
         preempting.set()
         events["preempting"] = time.monotonic()
+        events["given_back"] = len(getattr(meta, "given_back", None) or ())
         # The preempted requests' copies as handle_preemptions finds them (it takes them out).
-        copies = [c for c in (self._copies.get(rid) for rid in meta.preempted) if c is not None]
+        copies = [c for c in (self._copies.get(rid) for rid in ids) if c is not None]
         try:
             return real_preemptions(self, meta)
         finally:
@@ -134,6 +147,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             # copy call is back in Python, which under load can be after this).
             events["under_way"] = sum(1 for c in copies if c.started and not c.cancelled)
             events["landed_by_then"] = all(c.done for c in copies if c.started and not c.cancelled)
+            events["given_up"] = sum(1 for c in copies if c.cancelled)
 
     connector.CaptureArenaConnector.handle_preemptions = handle_preemptions
 
@@ -162,6 +176,17 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         return ok
 
     connector._Rows.copy = gated_copy
+
+    # Holds the copy thread before it takes a step (reset_abort): that step's copies not begun.
+    step_gate = threading.Event()
+    step_gate.set()
+    real_copy_step = connector.CaptureArenaConnector._copy_step
+
+    def gated_copy_step(self, *args, **kwargs):
+        step_gate.wait()
+        return real_copy_step(self, *args, **kwargs)
+
+    connector.CaptureArenaConnector._copy_step = gated_copy_step
     connector._Rows._copy_native = instrumented_copy_native
 
     # Where a GPU worker's sleep discards the cache (on the CPU it does nothing): whether every
@@ -290,6 +315,53 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         engine.abort_request(["aborted"])
         return {"steps": steps + 1, "running_at_abort": still, "left": ours() is not None and not ours().is_finished()}
 
+    def reset_abort(cmd):
+        engine, pool, p = llm.llm_engine, scheduler.kv_cache_manager.block_pool, cmd["prompt"]
+        outs, steps = {}, 0
+
+        def step():
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id.split("-")[0]] = o.kv_transfer_params
+
+        def ours(name):  # vLLM adds a suffix to a request's id
+            return next((k for k in scheduler.requests if k.startswith(name)), None)
+
+        if not cmd.get("open_gate"):
+            step_gate.clear()  # the copy thread takes no step: the request's copy does not begin
+        engine.add_request("resetting", {"prompt_token_ids": p}, SamplingParams(max_tokens=int(cmd["max_tokens"]), ignore_eos=True, detokenize=False))
+        while scheduler.requests[ours("resetting")].num_computed_tokens < len(p):
+            engine.step()
+            steps += 1
+            assert steps < 2000, "the engine did not get there"
+        engine.step()  # a decode step: the prompt's own step has surely run its wait_for_save
+        blocks = set(scheduler.kv_cache_manager.get_block_ids(ours("resetting"))[0])
+        events.clear()
+        preempting.clear()
+        if cmd.get("open_gate"):
+            threading.Thread(target=lambda: preempting.wait(120) and gate.set(), daemon=True).start()
+        scheduler.reset_prefix_cache(reset_running_requests=True)
+        # Every other free block out of the pool: the request's are the only ones the next
+        # request can get.
+        hoard = pool.get_new_blocks(pool.get_num_free_blocks())
+        pool.free_blocks([b for b in hoard if b.block_id in blocks])
+        hoard = [b for b in hoard if b.block_id not in blocks]
+        assert scheduler.requests[ours("resetting")].status.name == "PREEMPTED"
+        engine.abort_request(["resetting"])
+        engine.add_request("reusing", {"prompt_token_ids": cmd["reuse"]}, SamplingParams(max_tokens=1, detokenize=False))
+        reused = set()
+        while "reusing" not in outs:
+            step()
+            if ours("reusing") is not None:  # its blocks (held for its copy once it finished)
+                reused |= set(scheduler.kv_cache_manager.get_block_ids(ours("reusing"))[0])
+            steps += 1
+            assert steps < 4000, "the request did not end"
+        pool.free_blocks(hoard)
+        gate.set()
+        step_gate.set()
+        _, still = drain(30.0)
+        return {"params": outs["reusing"], "reused": len(blocks & reused), "events": dict(events), "held": still}
+
     def settle_running(cmd):
         from capture_arena.vllm import settle
 
@@ -405,6 +477,8 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
             answer = preempt(cmd["preempt"])
         elif "abort" in cmd:
             answer = abort(cmd["abort"])
+        elif "reset_abort" in cmd:
+            answer = reset_abort(cmd["reset_abort"])
         elif "settle_running" in cmd:
             answer = settle_running(cmd["settle_running"])
         elif "sleep_running" in cmd:

@@ -279,6 +279,12 @@ class CaptureArenaMetadata(KVConnectorMetadata):
     #: Announced requests vLLM preempted in this step: their blocks go back before the forward,
     #: so the worker gives up their copies (or, under way, finishes them) first.
     preempted: list[str] = field(default_factory=list)
+    #: Announced requests vLLM preempted outside its schedule (a reset of its prefix cache with
+    #: its running requests) and then finished (aborted) before this step: their blocks went
+    #: back at the preemption, and vLLM still waits for their copy's report, so the worker
+    #: gives up their copies (or, under way, finishes them) before the forward and reports
+    #: them as usual.
+    given_back: list[str] = field(default_factory=list)
 
 
 def _channel(vllm_config: Any) -> str:
@@ -402,6 +408,12 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
             self._pending: dict[str, int] = {}
             #: Requests preempted after their announcement, to be announced again.
             self._again: set[str] = set()
+            #: Announced requests finished since the last step was built, whose blocks vLLM
+            #: holds for their copy: request id -> announcement. The next step's preempted
+            #: requests among them were preempted outside vLLM's schedule before they finished
+            #: (their blocks went back then): see ``CaptureArenaMetadata.given_back``. Emptied
+            #: by each step (so at most the requests one step finishes).
+            self._finished_since: dict[str, int] = {}
             #: Streamed requests (not captured: a streaming response carries no result), until
             #: they finish.
             self._streamed: set[str] = set()
@@ -513,7 +525,16 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         # its prompt is computed again, with a new number (so new keys).
         gone = []
         with self._cond:
+            finished_since, self._finished_since = self._finished_since, {}
             for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                seq = finished_since.get(rid)
+                if seq is not None and rid not in self._pending:
+                    # Preempted outside vLLM's schedule (reset_prefix_cache with its running
+                    # requests), then aborted before this step: its blocks went back at the
+                    # preemption, and this step's forward may write them. The worker settles
+                    # its copy first (vLLM still holds the finished request for its report).
+                    meta.given_back.append(rid)
+                    continue
                 seq = self._pending.pop(rid, None)
                 if seq is not None:
                     tag = _tag(rid, seq)
@@ -707,7 +728,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                         self._handed.popitem(last=False)
                 # Given up in the same hold of the lock as the last look: a result that comes
                 # from now on finds its request gone, and its worker frees it.
-                del self._pending[rid]
+                self._finished_since[rid] = self._pending.pop(rid)
         if dropped is not None and "error" not in dropped[0]:
             _reply_free(dropped[1], dropped[0])
         if row is None and aborted:
@@ -1048,13 +1069,22 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
         freed), one under way is waited for (all of them together at most the bound plus
         PREEMPT_GRACE_S, on vLLM's thread: preemption is rare, and a copy takes milliseconds).
         The scheduler process frees the result and announces the request again when its prompt
-        is recomputed."""
+        is recomputed. The same for requests preempted outside vLLM's schedule and aborted
+        before this step (``given_back``), which stay tracked: vLLM waits for their report."""
         # One deadline for the step's preempted requests (their copies run together: one stuck
         # copy would otherwise cost vLLM the bound again for each).
         deadline = time.monotonic() + self._bound + PREEMPT_GRACE_S
-        for rid in getattr(kv_connector_metadata, "preempted", None) or ():
-            c = self._copies.pop(rid, None)
-            self._finished.discard(rid)
+        preempted = getattr(kv_connector_metadata, "preempted", None) or ()
+        given_back = getattr(kv_connector_metadata, "given_back", None) or ()
+        back = set(given_back)
+        for rid in (*preempted, *given_back):
+            if rid in back:
+                # Finished since its preemption: vLLM holds the request until its copy is
+                # reported over (get_finished), so the copy stays tracked.
+                c = self._copies.get(rid)
+            else:
+                c = self._copies.pop(rid, None)
+                self._finished.discard(rid)
             if c is None:
                 continue
             with self._copy_cond:
