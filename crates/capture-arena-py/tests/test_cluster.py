@@ -294,6 +294,78 @@ def test_a_partition_fails_a_nixl_read_at_its_deadline_and_nothing_is_lost() -> 
         ends_free(prod)
 
 
+# Reads one result n times ({"r": result, "n": n}); prints how each ended and what the process
+# holds then: threads and open file descriptors. {"release": [results]} releases them; at EOF
+# it waits for its frees and prints its health.
+REPEATED_READS = (
+    COMMON
+    + r"""
+import json, os, sys, time
+import capture_arena as ca
+store = ca.ArenaFeatureStore()
+for line in sys.stdin:
+    cmd = json.loads(line)
+    if "release" in cmd:
+        for r in cmd["release"]:
+            store.release(r)
+        print(json.dumps({"released": len(cmd["release"])}), flush=True)
+        continue
+    ended = {}
+    t0 = time.monotonic()
+    for _ in range(cmd["n"]):
+        try:
+            store.get(cmd["r"])
+            ended["ok"] = ended.get("ok", 0) + 1
+        except ca.CaptureArenaError as e:
+            ended[type(e).__name__] = ended.get(type(e).__name__, 0) + 1
+            ended["why"] = str(e)[-300:]  # the reason (after the session's long text)
+    print(json.dumps({"ended": ended, "s": time.monotonic() - t0, "threads": len(os.listdir("/proc/self/task")),
+                      "fds": len(os.listdir("/proc/self/fd"))}), flush=True)
+"""
+    + TRAINER_END
+)
+
+# capture_arena::transport::nixl::MAX_STUCK_LOADS: loads of one producer's metadata stuck past
+# their read timeout at once (each a thread, a reader agent and its sockets).
+MAX_STUCK_LOADS = 4
+
+
+@needs_nixl
+def test_reads_tried_through_a_partition_cost_the_trainer_a_bounded_number_of_threads_and_sockets() -> None:
+    """Every read of a partitioned producer loads its metadata into a new reader agent, in a
+    thread blocked in connect() for as long as the network says. Those stuck past their read
+    timeout are at most MAX_STUCK_LOADS at once, and each is let go when its connect ends; past
+    the bound reads fail at once (before 2026-12-07: each read left its thread, its agent and 7
+    sockets behind for good, 140 file descriptors a 20 reads)."""
+    with Cluster(["p1", "t1"]) as c:
+        prod, results = producer(c, "p1", 2)
+        trainer = Proc(c, "t1", REPEATED_READS, [], env_on(c, "t1", SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S="0.5"))
+        first = trainer.send({"r": results[0], "n": 3})
+        assert first["ended"].get("ok") == 3, first
+        c.partition("p1")
+        got = trainer.send({"r": results[1], "n": 20})
+        assert got["ended"].get("StaleSessionError") == 20, got
+        assert got["threads"] <= first["threads"] + MAX_STUCK_LOADS, (first, got)
+        more = trainer.send({"r": results[1], "n": 100})
+        assert more["ended"].get("StaleSessionError") == 100, more
+        assert "still stuck" in more["ended"]["why"], more
+        # No thread more, and less than one reader agent's descriptors more (UCX over TCP gives
+        # each 7): no agent was made for these reads.
+        assert more["threads"] <= got["threads"] and more["fds"] - got["fds"] < 7, (got, more)
+        assert more["s"] < 5, f"reads past the bound must fail at once: {more}"
+        c.heal("p1")
+        # A stuck connect ends at its next SYN once the network is back (at most seconds).
+        deadline = time.monotonic() + 60
+        while (again := trainer.send({"r": results[1], "n": 1}))["ended"].get("ok") != 1:
+            assert time.monotonic() < deadline, f"no read went through within 60 s of the heal: {again}"
+        assert again["threads"] <= first["threads"] + MAX_STUCK_LOADS, (first, again)
+        assert trainer.send({"release": results})["released"] == 2
+        health = trainer.finish()
+        assert health["pending_frees"] == 0 and health["dropped_frees"] == 0, health
+        assert prod.alive(), "the producer died"
+        ends_free(prod)
+
+
 @needs_nixl
 def test_a_blackholed_control_host_costs_releases_nothing_and_gets_its_frees_later() -> None:
     with Cluster(["p1", "p2", "t1"]) as c:

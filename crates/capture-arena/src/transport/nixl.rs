@@ -34,7 +34,10 @@
 //! Loading a producer's metadata connects to it, which blocks as long as the network says
 //! (minutes in a partition): it runs on a thread of its own and the caller waits at most what is
 //! left of its read timeout, after which that agent is retired the same way (the load holds the
-//! agent's NIXL lock meanwhile; no other thread uses a leased agent). UCX opens its TCP devices
+//! agent's NIXL lock meanwhile; no other thread uses a leased agent) until the load ends, when
+//! it is destroyed (it holds no request). At most [`MAX_STUCK_LOADS`] such loads per producer
+//! at once: past them, reads from it fail at once until one ends, so a partition costs a
+//! bounded number of threads, agents and sockets however many reads are tried meanwhile. UCX opens its TCP devices
 //! when an agent is made: an agent made while a NIC had no carrier never uses that NIC, so when
 //! an interface comes up that was not usable then (looked at once a second, when an agent is
 //! leased), the agent is retired and a new one made. A failed or timed-out read never says the
@@ -81,8 +84,20 @@ struct ReaderAgent {
 static GONE: Mutex<std::collections::VecDeque<String>> =
     Mutex::new(std::collections::VecDeque::new());
 /// Reader agents retired after a timed-out read, kept forever: destroying one could complete
-/// the abandoned request into memory its caller has reused.
+/// the abandoned request into memory its caller has reused. Those retired while a load of
+/// metadata ran in them hold no request, and are let go once that load ends ([`STUCK_LOADS`]).
 static RETIRED: Mutex<Vec<Arc<ReaderAgent>>> = Mutex::new(Vec::new());
+
+/// Loads of a producer's metadata that outlived their caller's read timeout (blocked in
+/// `connect()`: a partition, a host down), as (producer agent, the id of the retired agent the
+/// load runs in). At most [`MAX_STUCK_LOADS`] per producer: past it, its loads fail at once
+/// until one of them ends. Each such agent is let go (destroyed) once its load ends: it was
+/// leased for the load alone, so it has no request in flight.
+static STUCK_LOADS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+/// The most loads of one producer's metadata stuck past their read timeout (blocked in
+/// `connect()`) at once; past it, reads from that producer fail at once until one ends. Each
+/// costs a thread, its reader agent and the agent's UCX sockets until its connect ends.
+pub const MAX_STUCK_LOADS: usize = AGENTS_PER_HOST;
 
 /// One producer's metadata loaded into the reader agent.
 #[derive(Debug)]
@@ -651,12 +666,38 @@ fn load_bounded(
     until: Option<Instant>,
     timeout: Duration,
 ) -> Result<u64> {
+    let stuck = lock_stuck()
+        .iter()
+        .filter(|(producer, _)| *producer == session.agent)
+        .count();
+    if stuck >= MAX_STUCK_LOADS {
+        return Err(Error::StaleSession {
+            session: session.to_string(),
+            reason: format!(
+                "{stuck} earlier connections to the producer's NIXL agent are still stuck past \
+                 their read timeout (a partition, a host down): it is unreachable from here \
+                 now, and reads from it fail at once until one of them ends"
+            ),
+        });
+    }
     let (tx, rx) = std::sync::mpsc::channel();
     let (a, sess) = (agent.clone(), session.clone());
+    let finished = Arc::new(AtomicBool::new(false));
+    let done = finished.clone();
     let spawned = std::thread::Builder::new()
         .name("capture-arena-nixl-load".into())
         .spawn(move || {
             let _ = tx.send(load_metadata(&a, &sess));
+            // Under the table's lock, so that a caller timing out now either finds the load
+            // over or leaves its entry for this thread to take.
+            let mut stuck = lock_stuck();
+            done.store(true, Ordering::SeqCst);
+            let before = stuck.len();
+            stuck.retain(|(_, id)| *id != a.id);
+            if stuck.len() != before {
+                drop(stuck);
+                let_go(&a, "its stuck load of a producer's metadata ended");
+            }
         });
     if let Err(e) = spawned {
         return Err(Error::transport(
@@ -679,6 +720,16 @@ fn load_bounded(
             // the load (minutes in a partition). No request of this agent is in flight (it was
             // leased for the load), so its registrations are let go of without a release.
             buffer::forget_owner(agent.id);
+            let mut stuck = lock_stuck();
+            if finished.load(Ordering::SeqCst) {
+                drop(stuck);
+                let_go(
+                    agent,
+                    "its load of a producer's metadata ended just past the timeout",
+                );
+            } else {
+                stuck.push((session.agent.clone(), agent.id));
+            }
             Err(Error::StaleSession {
                 session: session.to_string(),
                 reason: format!(
@@ -690,6 +741,20 @@ fn load_bounded(
             })
         }
     }
+}
+
+fn lock_stuck() -> std::sync::MutexGuard<'static, Vec<(String, u64)>> {
+    STUCK_LOADS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Takes `agent`, retired while a load of metadata ran in it and with no request in flight,
+/// out of the agents kept for good: it is destroyed with its last reference.
+fn let_go(agent: &Arc<ReaderAgent>, why: &str) {
+    RETIRED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|r| !Arc::ptr_eq(r, agent));
+    tracing::info!(agent = %agent.name, why, "retired NIXL reader agent let go");
 }
 
 /// Loads `session`'s metadata into `agent` unless it is loaded; counts one more transport in
