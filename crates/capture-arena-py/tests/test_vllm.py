@@ -564,6 +564,8 @@ def test_a_request_preempted_outside_the_schedule_then_aborted_is_copied_from_no
     else:
         assert ev["under_way"] == 0 and ev["given_up"] == 1, got
     assert got["held"] == {}, f"vLLM still holds the aborted request for a report that never came: {got}"
+    # Its blocks went back at the preemption: vLLM's allocator is not told to wait for them.
+    assert got["held_for_copy"] == [], got
     kv = got["params"]
     assert trainer.ask({"read": kv, "prompt": reuse}, timeout=60).get("ok")
     assert trainer.ask({"delete": kv["handle"]}) == {"ok": True}

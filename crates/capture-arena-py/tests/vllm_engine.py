@@ -33,16 +33,16 @@ test can also look at vLLM's scheduler and hold the connector's copies:
   by the first, is aborted now): answers ``again`` (``slept`` or ``error``, ``s``,
   ``over_at_discard``), and no ``params`` (the aborted request's capture is freed);
 - ``{"reset_abort": {"prompt": [...], "max_tokens": n, "reuse": [...], "open_gate": bool}}``: a
-  request is served until its prompt's step is done. With ``open_gate``, its copy begins and
-  waits at the gate (closed by the test before), which opens as the worker starts handling the
-  preemption (a copy under way); without, the copy thread takes no step until the end (the copy
-  does not begin). The request is then
-  preempted outside vLLM's schedule (``reset_prefix_cache(reset_running_requests=True)``, its
-  blocks back to a pool otherwise emptied) and aborted; a request of ``reuse`` tokens then gets
-  those blocks, and is stepped to its end. Answers its ``params``, how many of the first
-  request's blocks it was given (``reused``), the worker's preemption ``events`` (as for
-  ``preempt``, and how many copies it gave up, ``given_up``), and the blocks vLLM still ``held``
-  after a ``drain`` of 30 s;
+  request is served until its prompt's step is done. With ``open_gate``, its copy begins and waits
+  at the gate (closed by the test before), which opens as the worker starts handling the preemption
+  (a copy under way); without, the copy thread takes no step until the end (the copy does not
+  begin). The request is then preempted outside vLLM's schedule
+  (``reset_prefix_cache(reset_running_requests=True)``, its blocks back to a pool otherwise emptied)
+  and aborted; a request of ``reuse`` tokens then gets those blocks, and is stepped to its end.
+  Answers its ``params``, how many of the first request's blocks it was given (``reused``), whether
+  the connector still counted the aborted request's blocks as held for its copy after the next step
+  (``held_for_copy``), the worker's preemption ``events`` (as for ``preempt``, and how many copies
+  it gave up, ``given_up``), and the blocks vLLM still ``held`` after a ``drain`` of 30 s;
 - ``{"preempt_grace": s}``: the connector's ``PREEMPT_GRACE_S`` (how long past the bound a
   preemption, and a reset of the caches, waits for a copy under way);
 - ``{"settle": seconds}``: ``capture_arena.vllm.settle(llm, seconds)``, and what the engine still
@@ -349,9 +349,11 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         assert scheduler.requests[ours("resetting")].status.name == "PREEMPTED"
         engine.abort_request(["resetting"])
         engine.add_request("reusing", {"prompt_token_ids": cmd["reuse"]}, SamplingParams(max_tokens=1, detokenize=False))
-        reused = set()
+        reused, held_for_copy = set(), None
         while "reusing" not in outs:
             step()
+            if held_for_copy is None:  # the step that reported the preemption: what waits for a copy
+                held_for_copy = [r for r in scheduler.connector._held if r.startswith("resetting")]
             if ours("reusing") is not None:  # its blocks (held for its copy once it finished)
                 reused |= set(scheduler.kv_cache_manager.get_block_ids(ours("reusing"))[0])
             steps += 1
@@ -360,7 +362,7 @@ if __name__ == "__main__":  # vLLM's worker is spawned: it imports this file as 
         gate.set()
         step_gate.set()
         _, still = drain(30.0)
-        return {"params": outs["reusing"], "reused": len(blocks & reused), "events": dict(events), "held": still}
+        return {"params": outs["reusing"], "held_for_copy": held_for_copy, "reused": len(blocks & reused), "events": dict(events), "held": still}
 
     def settle_running(cmd):
         from capture_arena.vllm import settle

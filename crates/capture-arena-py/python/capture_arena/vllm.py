@@ -534,6 +534,9 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                     # preemption, and this step's forward may write them. The worker settles
                     # its copy first (vLLM still holds the finished request for its report).
                     meta.given_back.append(rid)
+                    # Its blocks are no longer held for the copy: vLLM's allocator must not
+                    # wait for them (has_pending_block_frees).
+                    self._held.pop(rid, None)
                     continue
                 seq = self._pending.pop(rid, None)
                 if seq is not None:
@@ -557,7 +560,8 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                         gone.append(got)
         for row, peer in gone:
             log.info("capture_arena.vllm: request %s was preempted; its capture is freed and made again when its prompt is recomputed", row.get("sample_id"))
-            _reply_free(peer, row)
+            if "error" not in row:  # an error result names no objects
+                _reply_free(peer, row)
         for rid, scheduled in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(rid)
             if req is None or rid in self._pending or rid in self._streamed or rid in self._uncaptured:
