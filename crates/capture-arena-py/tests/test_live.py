@@ -1101,6 +1101,81 @@ def test_an_intake_that_redirects_a_record_has_it_refused_after_one_attempt(monk
     assert target.counts["accepted"] == 0 and sum(target.counts.values()) == 0, target.counts
 
 
+def test_a_live_capture_whose_worker_cannot_start_leaves_no_config_thread_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The process at its thread limit as the live worker starts (simulated: its start raises,
+    as CPython's does): the error reaches the caller, and the config thread, started just
+    before, ends (before: it polled the intake every 5 s for good, holding the capture and its
+    closed sink; found by an outside reading)."""
+    from capture_arena._live import LiveCapture
+
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    intake = Intake(config_payload("st"), lambda record: ("accepted", None))
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "capture-arena-live":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            LiveCapture(intake.url, 1.0, lambda item: {}, lambda result: None)
+        wait_for(lambda: not [t for t in threading.enumerate() if t.name == "capture-arena-live-config"], "the config thread's end", 15)
+    finally:
+        intake.stop()
+
+
+@pytest.mark.parametrize("interim", [1, 9], ids=["early_hints_then_accepted", "more_interim_answers_than_the_bound"])
+def test_an_interim_answer_before_the_intakes_final_one_is_read_past(monkeypatch: pytest.MonkeyPatch, interim: int) -> None:
+    """An intake, or a proxy in front of it, may send interim answers (102 Processing, 103 Early
+    Hints) before its final one. http.client skips "100 Continue" only: a 103 was taken for the
+    answer, so a record the intake accepted was counted rejected and its capture freed (found by
+    an outside reading). Interim answers are read past, at most MAX_INTERIM (8) of them: past
+    that the attempt has no answer."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from capture_arena._live import MAX_INTERIM, LiveCapture
+
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+    class Hinting(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            data = json.dumps(config_payload("st")).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or "0"))
+            for i in range(interim):
+                hint = b"HTTP/1.1 102 Processing\r\n\r\n" if i % 2 else b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+                self.wfile.write(hint)
+            data = json.dumps({"status": "accepted"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Hinting)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    live = LiveCapture(f"http://127.0.0.1:{srv.server_address[1]}", 1.0, lambda item: {}, lambda result: None)
+    try:
+        got = live._post({"sample_id": "live-hinted", "num_tokens": 4})
+    finally:
+        live.close()
+        srv.shutdown()
+        srv.server_close()
+    assert got == ("accepted" if interim <= MAX_INTERIM else "unknown"), got
+
+
 def test_a_proxy_whose_port_is_not_one_is_a_config_error_naming_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     from capture_arena._live import LiveCapture
 

@@ -21,8 +21,9 @@ What is added:
 - the queue is bounded by the memory its captures' tensors hold too
   (``SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES``, 2 GiB; a capture over it only into an empty queue);
 - the scheduler thread never waits on the network: the config is fetched by a thread of its own
-  (every 5 s until it succeeds, and again when records are rejected: the producer may have
-  restarted with a new ``store_id``); requests that arrive before it are not captured;
+  (every 5 s until it succeeds, and again when a record is refused with 404 or 422: the
+  producer may have restarted with a new ``store_id``); requests that arrive before it are not
+  captured;
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
 - while the intake is down (no attempt of a record connected, or the proxy answered every
   attempt 502 or 503: taken as not reaching the intake), captures are dropped before
@@ -105,6 +106,8 @@ POST_ATTEMPTS = 2
 #: The intake refuses records over 1 MiB; a config or an answer is read up to this much.
 MAX_RECORD_BYTES = 1 << 20
 MAX_ANSWER_BYTES = 64 << 10
+#: The most interim answers (HTTP 1xx but 101) read before a request's final one.
+MAX_INTERIM = 8
 #: The longest prompt a live capture takes, whatever the config says (tokens are ints).
 MAX_TOKENS = 1 << 24
 #: Token ids converted in one piece (one hold of the GIL), at most: about 2 to 4 ms.
@@ -348,7 +351,13 @@ class LiveCapture:
         self._fetcher = threading.Thread(target=self._fetch_loop, name="capture-arena-live-config", daemon=True)
         self._worker = threading.Thread(target=self._work, name="capture-arena-live", daemon=True)
         self._fetcher.start()
-        self._worker.start()
+        try:
+            self._worker.start()
+        except BaseException:
+            # No worker (the process at its thread limit): the config thread must not poll the
+            # intake for good, holding this capture and its sink.
+            self.close()
+            raise
 
     # -- what the scheduler calls (never raises, never waits) ---------------------------------
     def maybe_live_spec(self, rid: Any) -> Optional[dict[str, Any]]:
@@ -441,8 +450,8 @@ class LiveCapture:
             self._await_refetch()
 
     def _await_refetch(self) -> None:
-        """Until records are rejected (a producer restarted with a new store_id), then at
-        least CONFIG_RETRY_S more. Once known, the config is replaced, never taken away."""
+        """Until a record is refused with 404 or 422 (a producer restarted with a new
+        store_id), then at least CONFIG_RETRY_S more. Once known, the config is replaced, never taken away."""
         self._refetch.wait()
         self._refetch.clear()
         self._closed.wait(CONFIG_RETRY_S)
@@ -796,6 +805,16 @@ class _Route:
                 raise _NotSent(f"sending to {self.origin} {self.describe()}") from (late if cut.is_set() else e)
             try:
                 resp = conn.getresponse()
+                # http.client skips "100 Continue" only: another interim answer (102
+                # Processing, 103 Early Hints from a proxy) comes before the final one on the
+                # same connection, and would be taken for it (a 103 read as a refusal, while the
+                # intake goes on to accept the record).
+                interim = 0
+                while 100 <= resp.status < 200 and resp.status != 101:
+                    interim += 1
+                    if interim > MAX_INTERIM:
+                        raise http.client.HTTPException(f"over {MAX_INTERIM} interim answers (HTTP 1xx) from {self.origin} {self.describe()}")
+                    resp = _after_interim(conn, resp, method)
                 answer = _read_within(resp, limit, deadline, late)
             except (OSError, http.client.HTTPException) as e:
                 if cut.is_set() and e is not late:
@@ -934,6 +953,17 @@ def _read_within(resp: Any, limit: int, deadline: float, late: TimeoutError) -> 
             break
         out += chunk
     return bytes(out)
+
+
+def _after_interim(conn: http.client.HTTPConnection, interim: http.client.HTTPResponse, method: str) -> http.client.HTTPResponse:
+    """The answer after an interim one (HTTP 1xx, whose headers ``begin`` read), from the same
+    buffered stream: what the stream holds already is the next answer's start."""
+    nxt = http.client.HTTPResponse(conn.sock, method=method)
+    own, nxt.fp = nxt.fp, interim.fp
+    interim.fp = None  # type: ignore[assignment]  # the interim's close must not close the stream
+    own.close()
+    nxt.begin()
+    return nxt
 
 
 def _status_of(answer: bytes) -> Optional[str]:
