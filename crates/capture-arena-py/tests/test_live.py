@@ -1054,6 +1054,70 @@ def test_an_https_intake_is_reached_through_the_proxys_tunnel_with_its_variables
         assert proxy.seen == {f"CONNECT 127.0.0.1:{port}": 1} and intake.counts["config"] == 1, (proxy.seen, intake.counts)
 
 
+def test_a_503_from_an_https_intake_through_the_proxys_tunnel_is_the_intakes_refusal(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Through a CONNECT tunnel the proxy's part ends with its answer to the CONNECT: a 502, 503
+    or 504 inside comes from the intake (or its own reverse proxy), end to end, and is a refusal
+    as without a proxy: counted rejected after one attempt, and logged with its words (before:
+    taken for the forward proxy's, so the intake counted as down and backed off, with no
+    refusal logged; found by an outside reading)."""
+    import ssl
+    import subprocess
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from capture_arena._live import LiveCapture
+
+    cert, key = tmp_path / "intake.pem", tmp_path / "intake.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    posts: list[str] = []
+
+    class Unavailable(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            data = json.dumps(config_payload("st")).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            posts.append(self.path)
+            self.rfile.read(int(self.headers.get("Content-Length") or "0"))
+            data = b"intake overloaded"
+            self.send_response(503)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
+    srv.daemon_threads = True
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(str(cert), str(key))
+    srv.socket = tls.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    proxy = ForwardProxy()
+    monkeypatch.setenv("https_proxy", proxy.url)
+    live = LiveCapture(f"https://127.0.0.1:{srv.server_address[1]}", 1.0, lambda item: {}, lambda result: None)
+    try:
+        got = live._post({"sample_id": "live-refused", "num_tokens": 4})
+        down = live._down_for
+    finally:
+        live.close()
+        srv.shutdown()
+        srv.server_close()
+        proxy.stop()
+    assert got == "rejected" and len(posts) == 1 and down == 0.0, (got, posts, down)
+    assert set(proxy.seen) == {f"CONNECT 127.0.0.1:{srv.server_address[1]}"}, proxy.seen  # through the tunnel
+
+
 def test_an_intake_that_redirects_a_record_has_it_refused_after_one_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any non-2xx answer is a refusal and redirects are not followed (docs/sglang.md): an intake
     answering 307 to a record gets one attempt, counted as rejected, and the redirect's target

@@ -639,7 +639,9 @@ class LiveCapture:
             except Exception as e:  # sent, no answer: try again once (the intake dedups ids)
                 last, sent = str(e) or type(e).__name__, True
                 continue
-            if self._route.proxy is not None and status in (502, 503, 504):
+            if self._route.proxy is not None and not self._route.https and status in (502, 503, 504):
+                # (Through an https tunnel the proxy's part ended with its CONNECT: what comes in
+                # the tunnel is the intake's, end to end, a refusal as any other.)
                 # The proxy's answer, not the intake's: it could not reach it (503, and 502 for
                 # a refused connect: the record never got there) or got no whole answer from it
                 # (504, and 502 too: nginx and squid answer 502 for an intake that closed the
