@@ -2540,6 +2540,30 @@ def test_the_scheduler_process_forgets_past_its_bound_and_frees_what_it_forgot(b
         p.ask({"max_pending": 65536})
 
 
+DELIVERY = r"""
+from types import SimpleNamespace as ns
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from capture_arena.vllm import CaptureArenaConnector
+spec = ns(method="extract_hidden_states", draft_model_config=ns(hf_config=ns(eagle_aux_hidden_state_layer_ids=[1])))
+one = ns(data_parallel_rank=0, nnodes=1, distributed_executor_backend="mp", world_size=1)
+for role in ("kv_producer", "kv_both", "kv_consumer"):
+    kv = ns(engine_id="delivery", kv_connector_extra_config={}, kv_role=role, is_kv_producer=role != "kv_consumer")
+    cfg = ns(kv_transfer_config=kv, parallel_config=one, speculative_config=spec, model_config=ns(max_model_len=1024))
+    c = CaptureArenaConnector(cfg, KVConnectorRole.WORKER, None)
+    print("@@", role, c.requires_kv_delivery)
+"""
+
+
+def test_the_connector_asks_vllm_to_recompute_a_preempted_request_whatever_its_kv_role() -> None:
+    # vLLM's scheduler preempts with drop_stale_output=requires_kv_delivery, which vLLM defaults
+    # to the producer role: as kv_consumer, a request preempted in the schedule (its capture
+    # given up) could finish from its token in flight under asynchronous scheduling, answering
+    # "no hidden states" (found by an outside reading of vLLM 0.32's scheduler).
+    out = subprocess.run([sys.executable, "-c", DELIVERY], capture_output=True, text=True, timeout=300)
+    lines = [line[3:] for line in out.stdout.splitlines() if line.startswith("@@ ")]
+    assert lines == ["kv_producer True", "kv_both True", "kv_consumer True"], out.stdout[-3000:] + out.stderr[-3000:]
+
+
 REFUSE = r"""
 import sys
 from types import SimpleNamespace as ns

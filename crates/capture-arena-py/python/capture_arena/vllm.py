@@ -825,6 +825,14 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
                 soonest = min(soonest, since + limit - now)
         return soonest
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Always: every announced request's rows must be copied, whatever ``kv_role`` says
+        (vLLM defaults this to the producer role). vLLM then recomputes a request preempted in
+        its schedule instead of letting it finish from a token in flight, whose capture the
+        preemption gave up (it would answer "no hidden states")."""
+        return True
+
     def has_pending_block_frees(self) -> bool:
         """Whether finished requests' blocks wait only for their copies (milliseconds): vLLM's
         scheduler then waits for them instead of preempting a running request. For at most the
