@@ -762,6 +762,40 @@ def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_wh
     assert 1.0 <= took < 5.0, took  # never ended before: room for a loaded machine's late wake-ups
 
 
+def test_a_request_never_closes_a_socket_its_deadline_is_still_shutting_down(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A silent intake: the request's own read times out just as its deadline's watchdog fires.
+    The watchdog's shutdown is made slow here (a stand-in for its thread losing the CPU between
+    looking at a socket and shutting it). The request's clean-up waits for the watchdog before
+    it closes the sockets (before: it closed them under it, and the shutdown then ran on a
+    closed socket: in real life on its number, which another thread's new socket may have taken;
+    found by an outside reading)."""
+    from capture_arena import _live
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(srv.accept()[0]), daemon=True).start()
+    real_shutdown = socket.socket.shutdown
+    requester = threading.current_thread()
+    at_shutdown: list[int] = []
+
+    def slow_shutdown(self: socket.socket, how: int) -> None:
+        if threading.current_thread() is not requester:  # the watchdog's
+            time.sleep(0.5)
+            at_shutdown.append(self.fileno())  # -1 once closed
+        real_shutdown(self, how)
+
+    monkeypatch.setattr(socket.socket, "shutdown", slow_shutdown)
+    try:
+        with pytest.raises(TimeoutError):
+            _live._Route(f"http://127.0.0.1:{srv.getsockname()[1]}").request("POST", "/records", b"{}", 0.5, 1 << 20)
+    finally:
+        srv.close()
+        for c in accepted:
+            c.close()
+    # The request returned only once its watchdog was done, every socket shut while still open.
+    assert at_shutdown and all(fd >= 0 for fd in at_shutdown), f"returned with its watchdog still shutting its sockets down (or closed one under it): {at_shutdown}"
+
+
 def test_a_name_with_three_addresses_that_never_answer_costs_a_request_its_timeout_once_with_a_stand_in_resolver(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

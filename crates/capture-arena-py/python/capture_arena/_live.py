@@ -827,6 +827,9 @@ class _Route:
             return resp.status, answer
         finally:
             watchdog.cancel()
+            # A deadline that fired is shutting the duplicates down: closed under it, a
+            # duplicate's number could be another socket's by the time its shutdown runs.
+            watchdog.join()
             conn.close()
             for sock in held:
                 sock.close()
