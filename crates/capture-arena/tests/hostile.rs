@@ -10,8 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use capture_arena::client::ControlClient;
 use capture_arena::{
-    Config, Dtype, Error, Published, Sample, SampleResult, Tensor, TensorData, Writer,
+    Config, Dtype, Error, Key, Published, Sample, SampleResult, Tensor, TensorData, Writer,
 };
 use util::*;
 
@@ -371,6 +372,93 @@ fn a_connection_the_server_stops_reading_is_not_timed_out_for_anothers_stalled_l
         2,
         "only the stallers' lines timed out"
     );
+}
+
+#[test]
+fn a_peer_that_always_starts_a_new_line_cannot_keep_a_trainers_frees_waiting_for_ever() {
+    // A peer P ran out of the pool (1 MiB, most of it held by a stalled line) and got the
+    // privilege of finishing its line; it finishes it and starts another. Twenty-four stallers
+    // with lines of 1000 KiB use the pool up, and wait, unread; a trainer's control client, freeing
+    // 300 objects (lines of about 64 KiB), waits behind them. P completes a line and starts another every 0.8 s, its memory going down and up.
+    // Before: P kept the privilege for good (it ended only with nothing unfinished), and each
+    // drop of its memory restarted every waiting connection's clock, so no staller was ever
+    // timed out and the trainer's frees never went through (found by an outside reading). Now
+    // the privilege ends with the line that earned it, and a waiting line's clock restarts only
+    // when it is read: waiting connections are closed within twice the timeout of their last
+    // read, and the client, reconnecting as it does, gets its frees applied.
+    let c = Config {
+        control_buffer_bytes: 1 << 20,
+        line_timeout: Duration::from_secs(1),
+        ..config(4 << 20, Duration::from_secs(1))
+    };
+    let w = Writer::start(&c).unwrap();
+    let id = |i: usize| format!("{i:0>200}");
+    let rs = w
+        .submit((0..300).map(|i| sample(&id(i), &[10])).collect())
+        .unwrap()
+        .wait()
+        .unwrap();
+    let control = w.arena_ref().control.clone();
+    let line_of = |n: usize| {
+        let mut l = b"[".to_vec();
+        l.extend(vec![b' '; n]);
+        l
+    };
+    let buffered = |at_least: usize| {
+        let (s, ok) = w.wait_for(Duration::from_secs(5), |s| {
+            s.control_buffered_bytes >= at_least as u64
+        });
+        assert!(ok, "{s:?}");
+    };
+    let mut held = TcpStream::connect(&control).unwrap();
+    held.write_all(&line_of(600 << 10)).unwrap();
+    buffered(600 << 10);
+    let mut p = TcpStream::connect(&control).unwrap();
+    p.write_all(&line_of(900 << 10)).unwrap(); // past the pool: P's privilege
+    buffered(1500 << 10);
+    p.write_all(b"\n[").unwrap(); // that line done (a bad line), another begun
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.bad_lines >= 1);
+    assert!(ok, "{s:?}");
+    let stallers: Vec<TcpStream> = (0..24)
+        .map(|_| {
+            let mut st = TcpStream::connect(&control).unwrap();
+            st.set_write_timeout(Some(Duration::from_millis(50)))
+                .unwrap();
+            let _ = st.write_all(&line_of(1000 << 10)); // what the socket takes
+            st
+        })
+        .collect();
+    buffered((1 << 20) + 24 * 4096); // the pool used up
+    let stop = Arc::new(AtomicBool::new(false));
+    let pacer = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut big = true;
+            while !stop.load(Ordering::Relaxed) {
+                let mut l = b"\n[".to_vec();
+                if big {
+                    l.extend(vec![b' '; 5 << 10]);
+                }
+                if p.write_all(&l).is_err() {
+                    break;
+                }
+                big = !big;
+                std::thread::sleep(Duration::from_millis(800)); // the peer's pace
+            }
+        })
+    };
+    let client = ControlClient::new(Duration::from_secs(5));
+    let freed: Vec<Key> = rs.iter().flat_map(|p| p.keys().unwrap()).collect();
+    client.free(Some(&control), freed).unwrap();
+    let flushed = client.flush_within(Duration::from_secs(20));
+    stop.store(true, Ordering::Relaxed);
+    pacer.join().unwrap();
+    let s = w.stats();
+    assert!(
+        flushed.is_ok() && s.freed_objects == 300,
+        "the trainer's frees did not go through: {flushed:?} {s:?}"
+    );
+    drop((held, stallers));
 }
 
 #[test]

@@ -20,10 +20,12 @@
 //!   whatever the others hold (so short lines always flow); longer ones draw on a pool of
 //!   `control_buffer_bytes` shared by all; when the pool is used up, one connection at a time
 //!   (the first to run out) may still grow its line to [`MAX_LINE_BYTES`], so some line can
-//!   always be completed. A line longer than that closes its connection. A connection that may
+//!   always be completed; its privilege ends with that line, and passes to the connection that
+//!   has waited longest. A line longer than that closes its connection. A connection that may
 //!   not buffer more waits in `starved`, unread (TCP pushes back on its sender), until memory is
 //!   given back: nothing it sent is dropped. In all, unfinished lines hold at most
-//!   `control_buffer_bytes + max_connections × SMALL_LINE + MAX_LINE_BYTES` bytes.
+//!   `control_buffer_bytes + max_connections × TURN_BYTES + MAX_LINE_BYTES` bytes (a
+//!   connection whose privilege ended keeps what its last turn read of its next line).
 //! - **Time.** A connection whose unfinished line has been unfinished for longer than
 //!   `line_timeout` is closed (and counted): a peer cannot hold memory or a slot by never
 //!   finishing a line. The clock of a line starts when it starts (a connection streaming many
@@ -250,7 +252,7 @@ impl ControlServer {
         // closed first): twice the time, then it is closed all the same, so peers that starve
         // each other cannot hold the pool for long.
         let late = |c: &Conn| {
-            let limit = if c.starved {
+            let limit = if c.starved || c.waited {
                 timeout.saturating_mul(2)
             } else {
                 timeout
@@ -449,6 +451,7 @@ impl ControlServer {
                 partial_since: timed.then_some(now),
                 queued: true,
                 starved: false,
+                waited: false,
                 authed: self.limits.token.is_none(),
                 last_read: now,
                 noted,
@@ -598,6 +601,10 @@ impl ControlServer {
         if turn < TURN_BYTES {
             conn.last_read = Instant::now();
             conn.noted = false;
+            if std::mem::take(&mut conn.waited) && had_partial {
+                // Read again after a wait that was the server's: its line's clock restarts.
+                conn.partial_since = Some(conn.last_read);
+            }
         }
         conn.sent.0 |= completed > 0;
         conn.sent.1 |= synced.is_some();
@@ -652,7 +659,10 @@ impl ControlServer {
         let pending = conn.lines.pending();
         self.buffered = self.buffered - held_before + held_after;
         self.pooled = self.pooled - excess_before + held_after.saturating_sub(SMALL_LINE);
-        let unprivileged = pending == 0 && self.privileged == Some(token);
+        // Privilege is for the line that ran out of room: it ends with that line (a peer that
+        // always starts another line before its last ends would otherwise keep it for good,
+        // and every other line over the pool's share would wait for ever).
+        let unprivileged = (pending == 0 || completed > 0) && self.privileged == Some(token);
         if unprivileged {
             self.privileged = None;
         }
@@ -691,7 +701,8 @@ impl ControlServer {
                 conn.queued = true;
                 self.ready.push_back(token);
             }
-            Turn::Starved if self.privileged.is_none() && conn.authed => {
+            // (Not the one whose privilege just ended: it waits behind those already waiting.)
+            Turn::Starved if self.privileged.is_none() && conn.authed && !unprivileged => {
                 // The pool ran out during this turn: this one may still finish its line, so
                 // some line can always complete.
                 self.privileged = Some(token);
@@ -701,6 +712,7 @@ impl ControlServer {
             Turn::Starved => {
                 conn.queued = true;
                 conn.starved = true;
+                conn.waited = true;
                 self.starved.push_back(token);
             }
             Turn::Eof => self.close(token, registry, stats, true),
@@ -771,16 +783,12 @@ impl ControlServer {
         false
     }
 
-    /// Memory was given back: connections waiting for room get a turn again. The time they
-    /// waited was the server's doing, so their lines' clocks restart.
+    /// Memory was given back: connections waiting for room get a turn again, the longest
+    /// waiting first. Their lines' clocks restart once they are read (`Conn::waited`).
     fn unstarve(&mut self) {
-        let now = Instant::now();
         for t in &self.starved {
             if let Some(c) = self.conns.get_mut(t) {
                 c.starved = false;
-                if c.partial_since.is_some() {
-                    c.partial_since = Some(now);
-                }
             }
         }
         self.ready.extend(self.starved.drain(..));
