@@ -548,3 +548,70 @@ def test_a_read_through_a_transfer_engine_of_an_object_whose_space_holds_another
     finally:
         p.kill()
         t.kill()
+
+
+# Reads a result once, then again once told the producer is stopped, interrupted (SIGINT) 0.5 s
+# into that read; says how the read ended and what the reader holds, and once told the producer
+# runs again, whether the engine the interrupted read was stuck in was let go.
+INTERRUPTED_READER = r"""
+import json, os, signal, sys, threading, time
+import capture_arena as ca
+
+store = ca.ArenaFeatureStore()
+r = json.loads(sys.stdin.readline())
+store.get(r)
+print("read", flush=True)
+sys.stdin.readline()
+threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+t0 = time.monotonic()
+try:
+    store.get(r)
+    outcome = {"got": "returned"}
+except KeyboardInterrupt:
+    outcome = {"got": "interrupted"}
+except Exception as e:
+    outcome = {"got": f"{type(e).__name__}: {e}"[:300]}
+outcome["s"] = time.monotonic() - t0
+h = store.health()
+outcome.update(stuck_clients=h["stuck_clients"], mooncake_clients=h["mooncake_clients"])
+print(json.dumps(outcome), flush=True)
+sys.stdin.readline()
+deadline = time.monotonic() + 60
+while store.health()["stuck_clients"] and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"stuck_clients": store.health()["stuck_clients"]}), flush=True)
+"""
+
+
+@needs_mooncake
+def test_a_read_interrupted_while_its_transfer_is_stuck_sets_its_engine_aside_as_at_its_deadline() -> None:
+    """Ctrl+C (SIGINT) in a trainer while its TransferEngine read waits on a stopped producer:
+    the KeyboardInterrupt reaches the caller, and the read is given up as at its deadline: its
+    engine set aside while the transfer is stuck in it, so the next read uses a new one, and let
+    go once the producer answers again (before: the interrupted read's engine stayed the
+    reader's current one, its transfer uncounted, and the next read waited behind it; found by
+    an outside reading)."""
+    import signal
+
+    p = _producer()
+    t = subprocess.Popen([sys.executable, "-c", INTERRUPTED_READER], env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert t.stdin is not None and t.stdout is not None
+        first = _results(p, 3)[0]
+        t.stdin.write(first)
+        t.stdin.flush()
+        assert t.stdout.readline() == "read\n", t.stderr.read() if t.stderr is not None else ""
+        p.send_signal(signal.SIGSTOP)
+        t.stdin.write("stopped\n")
+        t.stdin.flush()
+        outcome = json.loads(t.stdout.readline())
+        assert outcome["got"] == "interrupted" and outcome["s"] < 5, outcome
+        assert outcome["stuck_clients"] == 1 and outcome["mooncake_clients"] == 1, outcome
+        p.send_signal(signal.SIGCONT)
+        t.stdin.write("running\n")
+        t.stdin.flush()
+        assert json.loads(t.stdout.readline()) == {"stuck_clients": 0}
+    finally:
+        p.send_signal(signal.SIGCONT)
+        p.kill()
+        t.kill()

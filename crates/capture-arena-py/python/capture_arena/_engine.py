@@ -464,15 +464,29 @@ def run_bounded(
             f"cannot start a thread for a read ({e}): this process is at its thread limit (ulimit -u, the cgroup's "
             "pids.max) or exiting; the read has a deadline only on a thread of its own"
         ) from None
-    if not done.wait(timeout):
-        why = None
+    def give_up() -> Optional[str]:
         with lock:  # the work ends now or after: ``late`` then comes after ``timed_out``
-            if not state["ended"]:
-                state["given_up"] = True
-                if gone is not None:
-                    gone.set()
-                QUARANTINE.hold(keep, QUARANTINE_S + timeout)
-                why = timed_out()
+            if state["ended"]:
+                return None
+            state["given_up"] = True
+            if gone is not None:
+                gone.set()
+            QUARANTINE.hold(keep, QUARANTINE_S + timeout)
+            return timed_out()
+
+    try:
+        in_time = done.wait(timeout)
+    except BaseException:
+        # Interrupted while waiting (KeyboardInterrupt, a signal handler's exception): the
+        # work goes on without a caller, so it is given up as at the deadline (its client set
+        # aside if it stays stuck, its outputs held), then the interruption goes on up.
+        try:
+            give_up()
+        except Exception:
+            _logs.get("capture_arena").exception("giving up a read that was interrupted")
+        raise
+    if not in_time:
+        why = give_up()
         if why is not None:
             raise StaleSessionError(why)
         done.wait()  # it ended just as the deadline came: as if in time
