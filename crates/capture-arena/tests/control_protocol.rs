@@ -83,6 +83,37 @@ fn a_partial_last_line_on_a_closed_connection_is_discarded_and_counted() {
 }
 
 #[test]
+fn a_partial_last_line_on_a_reset_connection_is_counted_too() {
+    // The peer's end by a reset (a killed process, SO_LINGER 0) rather than a FIN: the
+    // unfinished line is counted as for a clean close (before: the read error closed the
+    // connection uncounted; found by an outside reading).
+    let (w, keys) = writer_with(1, 100);
+    let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();
+    c.write_all(&line(&keys)[..8]).unwrap();
+    let (s, ok) = w.wait_for(Duration::from_secs(10), |s| s.control_buffered_bytes >= 8);
+    assert!(ok, "{s:?}");
+    let reset = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt on the stream's own open descriptor, with a linger struct and its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            std::os::fd::AsRawFd::as_raw_fd(&c),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            std::ptr::from_ref(&reset).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0);
+    drop(c); // a reset, not a FIN
+    let (s, ok) = w.wait_for(Duration::from_secs(10), |s| s.partial_lines == 1);
+    assert!(ok, "{s:?}");
+    assert_eq!((s.freed_objects, s.resident_objects), (0, 1));
+}
+
+#[test]
 fn bad_lines_are_counted_and_disturb_nothing_else() {
     let (w, keys) = writer_with(3, 100);
     let mut c = TcpStream::connect(&w.arena_ref().control).unwrap();

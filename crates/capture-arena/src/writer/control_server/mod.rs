@@ -592,6 +592,9 @@ impl ControlServer {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break Turn::Drained,
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                // The peer's end, abrupt (a reset: a killed process, SO_LINGER 0): as an end of
+                // the stream, so an unfinished last line is counted (partial_lines).
+                Err(e) if e.kind() == ErrorKind::ConnectionReset => break Turn::Eof,
                 Err(e) => {
                     tracing::debug!(%peer, error = %e, "control connection error");
                     break Turn::Close;
