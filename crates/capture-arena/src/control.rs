@@ -224,13 +224,25 @@ pub fn parse_object_line(line: &[u8]) -> Option<ObjectLine> {
     if !line.starts_with(b"{") {
         return None;
     }
+    // A field given as null is not absent: `{"sync": 1, "stats": null}` has two fields, a bad
+    // line like any other with more than one.
+    fn given<'de, D: serde::Deserializer<'de>, T: serde::Deserialize<'de>>(
+        d: D,
+    ) -> std::result::Result<Option<T>, D::Error> {
+        T::deserialize(d).map(Some)
+    }
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Fields {
+        #[serde(default, deserialize_with = "given")]
         token: Option<String>,
+        #[serde(default, deserialize_with = "given")]
         free_prefix: Option<String>,
+        #[serde(default, deserialize_with = "given")]
         stats: Option<bool>,
+        #[serde(default, deserialize_with = "given")]
         sync: Option<u64>,
+        #[serde(default, deserialize_with = "given")]
         free_stamped: Option<Vec<(String, u64)>>,
     }
     let f = serde_json::from_slice::<Fields>(line).ok()?;
@@ -492,6 +504,9 @@ mod tests {
             br#"{"free_stamped": [["st/a/g1/x"]]}"#,
             br#"{"free_stamped": [["st/a/g1/x", -1]]}"#,
             br#"{"free_stamped": ["st/a/g1/x"]}"#,
+            br#"{"sync": 1, "stats": null}"#,
+            br#"{"free_stamped": [["st/a/g1/x", 1]], "token": null}"#,
+            br#"{"token": null}"#,
             br#"{}"#,
             br#"["st/a/g1/x"]"#,
             b"{",
