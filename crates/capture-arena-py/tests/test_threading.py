@@ -257,6 +257,56 @@ def _let_go_within(ref: Any, seconds: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def test_store_reads_waiting_for_another_threads_connect_give_up_at_their_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three store reads (deadline 0.5 s) while the master does not answer the first one's
+    connect: the two waiting for that connect stop waiting at their deadline, as the
+    TransferEngine's reads do, and none becomes the next connector for nobody once the connect
+    fails (before: their threads waited for it, and then each connected in turn, 2-7 s of
+    probes each; found by an outside reading). Mooncake's connect is a stand-in here."""
+    import numpy as np
+
+    from capture_arena import _store
+
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "0.5")
+    answer = threading.Event()
+    connects: list[bool] = []
+
+    def slow_connect(contribute: bool) -> Any:
+        connects.append(contribute)
+        answer.wait(30)
+        raise ca.ArenaOSError("the master did not answer")
+
+    monkeypatch.setattr(_store, "connect", slow_connect)
+    reader = _store.StoreReader()
+    errors: list[str] = []
+
+    def read() -> None:
+        try:
+            reader.read([("st/s/g1/x", 64)], [np.zeros(64, dtype=np.uint8)])
+        except ca.StaleSessionError as e:
+            errors.append(str(e))
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+    assert len(errors) == 3, errors
+
+    def working() -> int:
+        return sum(t.name == "capture-arena-store-read" for t in threading.enumerate())
+
+    deadline = time.monotonic() + 10
+    while working() > 1:  # the given-up waiters' threads end; the connecting one waits on
+        assert time.monotonic() < deadline, f"{working()} store-read threads still wait for another's connect"
+        time.sleep(0.01)
+    answer.set()
+    while working():
+        assert time.monotonic() < deadline, "the connecting read's thread never ended"
+        time.sleep(0.01)
+    assert len(connects) == 1, f"{len(connects)} connects for reads all given up on"
+
+
 def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Making a TransferEngine (it may wait on a metadata server) ran on the caller's thread
     before the read's deadline began: a trainer's read waited as long as Mooncake did. Reads

@@ -711,8 +711,10 @@ class StoreReader:
         self._remover: Optional[threading.Thread] = None
         self.dropped = 0
 
-    def _client(self) -> Any:
-        return self._clients.get()
+    def _client(self, gone: Optional[threading.Event] = None) -> Any:
+        """The store client (see :meth:`_Clients.get`: a read waiting for another thread's
+        connect gives up once ``gone`` is set)."""
+        return self._clients.get(gone)
 
     def clients(self) -> tuple[int, int]:
         """How many store clients this reader holds, and how many have reads stuck in them."""
@@ -766,7 +768,9 @@ class StoreReader:
         began = threading.Event()
 
         def work() -> None:
-            store = self._client()
+            # A read given up on while another thread connects stops waiting (before: it waited
+            # for that connect, and became the next connector for nobody when it failed).
+            store = self._client(gone)
             with guard:
                 if gone.is_set():
                     return
