@@ -367,7 +367,7 @@ def test_a_read_that_failed_before_any_transfer_holds_nothing(monkeypatch: pytes
 
     monkeypatch.setattr(_engine, "MOONCAKE_MIN_TIMEOUT_S", 0.0)  # every failure counts as that late
 
-    def no_master(self: Any) -> Any:
+    def no_master(self: Any, gone: Any = None) -> Any:
         raise ca.ArenaOSError("the Mooncake master does not answer")
 
     monkeypatch.setattr(_store.StoreReader, "_client", no_master)
