@@ -68,8 +68,6 @@ pub(super) struct Conn {
     pub(super) partial_since: Option<Instant>,
     /// In `ready` or `starved` (so never twice in either).
     pub(super) queued: bool,
-    /// In `starved`: waiting for the server to read it.
-    pub(super) starved: bool,
     /// The server stopped reading it for want of memory and has not read it since: its line
     /// has twice the timeout, and its clock restarts when the server reads it again (not when
     /// memory comes back: others may take that memory before its turn, again and again).

@@ -252,7 +252,7 @@ impl ControlServer {
         // closed first): twice the time, then it is closed all the same, so peers that starve
         // each other cannot hold the pool for long.
         let late = |c: &Conn| {
-            let limit = if c.starved || c.waited {
+            let limit = if c.waited {
                 timeout.saturating_mul(2)
             } else {
                 timeout
@@ -450,7 +450,6 @@ impl ControlServer {
                 lines: LineBuffer::default(),
                 partial_since: timed.then_some(now),
                 queued: true,
-                starved: false,
                 waited: false,
                 authed: self.limits.token.is_none(),
                 last_read: now,
@@ -714,7 +713,6 @@ impl ControlServer {
             }
             Turn::Starved => {
                 conn.queued = true;
-                conn.starved = true;
                 conn.waited = true;
                 self.starved.push_back(token);
             }
@@ -789,11 +787,6 @@ impl ControlServer {
     /// Memory was given back: connections waiting for room get a turn again, the longest
     /// waiting first. Their lines' clocks restart once they are read (`Conn::waited`).
     fn unstarve(&mut self) {
-        for t in &self.starved {
-            if let Some(c) = self.conns.get_mut(t) {
-                c.starved = false;
-            }
-        }
         self.ready.extend(self.starved.drain(..));
     }
 
