@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -257,6 +257,32 @@ def _let_go_within(ref: Any, seconds: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _stalled(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, why: str) -> tuple[threading.Event, list[Any]]:
+    """Replaces ``module.name`` (what makes a Mooncake client) with a stand-in that records its
+    argument, waits for the returned event (at most 30 s), then fails with ``why``; the list
+    holds each call's argument."""
+    answer = threading.Event()
+    calls: list[Any] = []
+
+    def stalled(arg: Any) -> Any:
+        calls.append(arg)
+        answer.wait(30)
+        raise ca.ArenaOSError(why)
+
+    monkeypatch.setattr(module, name, stalled)
+    return answer, calls
+
+
+def _all_at_once(read: Callable[..., None], args: list[tuple[Any, ...]]) -> None:
+    """Runs ``read(*a)`` for each of ``args`` on a thread of its own, all at once; returns when
+    every one has."""
+    readers = [threading.Thread(target=read, args=a) for a in args]
+    for t in readers:
+        t.start()
+    for t in readers:
+        t.join()
+
+
 def test_store_reads_waiting_for_another_threads_connect_give_up_at_their_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Three store reads (deadline 0.5 s) while the master does not answer the first one's
     connect: the two waiting for that connect stop waiting at their deadline, as the
@@ -268,15 +294,7 @@ def test_store_reads_waiting_for_another_threads_connect_give_up_at_their_deadli
     from capture_arena import _store
 
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "0.5")
-    answer = threading.Event()
-    connects: list[bool] = []
-
-    def slow_connect(contribute: bool) -> Any:
-        connects.append(contribute)
-        answer.wait(30)
-        raise ca.ArenaOSError("the master did not answer")
-
-    monkeypatch.setattr(_store, "connect", slow_connect)
+    answer, connects = _stalled(monkeypatch, _store, "connect", "the master did not answer")
     reader = _store.StoreReader()
     errors: list[str] = []
 
@@ -286,11 +304,7 @@ def test_store_reads_waiting_for_another_threads_connect_give_up_at_their_deadli
         except ca.StaleSessionError as e:
             errors.append(str(e))
 
-    readers = [threading.Thread(target=read) for _ in range(3)]
-    for t in readers:
-        t.start()
-    for t in readers:
-        t.join()
+    _all_at_once(read, [(), (), ()])
     assert len(errors) == 3, errors
 
     def working() -> int:
@@ -319,15 +333,7 @@ def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyP
     from capture_arena import _engine
 
     monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S", "0.5")
-    answer = threading.Event()
-    makes: list[str] = []
-
-    def slow_engine(protocol: str) -> Any:
-        makes.append(protocol)
-        answer.wait(30)
-        raise ca.ArenaOSError("the metadata server did not answer")
-
-    monkeypatch.setattr(_engine, "new_engine", slow_engine)
+    answer, makes = _stalled(monkeypatch, _engine, "new_engine", "the metadata server did not answer")
     reader = _engine.EngineReader()
     out = _Outputs()
     gone = weakref.ref(out)
@@ -340,11 +346,7 @@ def test_a_read_makes_its_engine_within_its_deadline(monkeypatch: pytest.MonkeyP
         except ca.StaleSessionError as e:
             errors.append(f"{time.monotonic() - t0:.2f} s: {e}")
 
-    readers = [threading.Thread(target=read, args=(k,)) for k in (out, _Outputs(), _Outputs())]
-    for t in readers:
-        t.start()
-    for t in readers:
-        t.join()
+    _all_at_once(read, [(out,), (_Outputs(),), (_Outputs(),)])
     assert len(errors) == 3, errors
     # Past the deadline only by a loaded machine's wake-ups; before, until the make ended (30 s).
     assert all(float(e.split(" s:")[0]) < 5.0 for e in errors), f"a read waited past its deadline: {errors}"
