@@ -88,15 +88,16 @@ static GONE: Mutex<std::collections::VecDeque<String>> =
 /// metadata ran in them hold no request, and are let go once that load ends ([`STUCK_LOADS`]).
 static RETIRED: Mutex<Vec<Arc<ReaderAgent>>> = Mutex::new(Vec::new());
 
-/// Loads of a producer's metadata that outlived their caller's read timeout (blocked in
-/// `connect()`: a partition, a host down), as (producer agent, the id of the retired agent the
-/// load runs in). At most [`MAX_STUCK_LOADS`] per producer: past it, its loads fail at once
-/// until one of them ends. Each such agent is let go (destroyed) once its load ends: it was
-/// leased for the load alone, so it has no request in flight.
+/// Loads of a producer's metadata under way, or stuck past their caller's read timeout (blocked
+/// in `connect()`: a partition, a host down), as (producer agent, the id of the agent the load
+/// runs in). At most [`MAX_STUCK_LOADS`] per producer: past it, its loads fail at once until
+/// one of them ends. An agent whose load outlived its caller is retired, and let go (destroyed)
+/// once the load ends: it was leased for the load alone, so it has no request in flight.
 static STUCK_LOADS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
-/// The most loads of one producer's metadata stuck past their read timeout (blocked in
-/// `connect()`) at once; past it, reads from that producer fail at once until one ends. Each
-/// costs a thread, its reader agent and the agent's UCX sockets until its connect ends.
+/// The most loads of one producer's metadata at once, under way or stuck past their read
+/// timeout (blocked in `connect()`); past it, reads from that producer fail at once until one
+/// ends. Each costs a thread, its reader agent and the agent's UCX sockets until its connect
+/// ends. (Under way, they are at most [`AGENTS_PER_HOST`] anyway: one per agent.)
 pub const MAX_STUCK_LOADS: usize = AGENTS_PER_HOST;
 
 /// One producer's metadata loaded into the reader agent.
@@ -666,40 +667,46 @@ fn load_bounded(
     until: Option<Instant>,
     timeout: Duration,
 ) -> Result<u64> {
-    let stuck = lock_stuck()
-        .iter()
-        .filter(|(producer, _)| *producer == session.agent)
-        .count();
-    if stuck >= MAX_STUCK_LOADS {
-        return Err(Error::StaleSession {
-            session: session.to_string(),
-            reason: format!(
-                "{stuck} earlier connections to the producer's NIXL agent are still stuck past \
-                 their read timeout (a partition, a host down): it is unreachable from here \
-                 now, and reads from it fail at once until one of them ends"
-            ),
-        });
+    {
+        // Counted and entered under one lock: concurrent reads cannot pass the bound together.
+        let mut loads = lock_stuck();
+        let n = loads
+            .iter()
+            .filter(|(producer, _)| *producer == session.agent)
+            .count();
+        if n >= MAX_STUCK_LOADS {
+            return Err(Error::StaleSession {
+                session: session.to_string(),
+                reason: format!(
+                    "{n} connections to the producer's NIXL agent are under way or still stuck past \
+                     their read timeout (a partition, a host down): it is unreachable from here \
+                     now, and reads from it fail at once until one of them ends"
+                ),
+            });
+        }
+        loads.push((session.agent.clone(), agent.id));
     }
     let (tx, rx) = std::sync::mpsc::channel();
     let (a, sess) = (agent.clone(), session.clone());
+    // The load's end and its caller's timeout each set their flag under the table's lock and
+    // then read the other's: whichever comes second lets the retired agent go.
     let finished = Arc::new(AtomicBool::new(false));
-    let done = finished.clone();
+    let abandoned = Arc::new(AtomicBool::new(false));
+    let (done, left) = (finished.clone(), abandoned.clone());
     let spawned = std::thread::Builder::new()
         .name("capture-arena-nixl-load".into())
         .spawn(move || {
             let _ = tx.send(load_metadata(&a, &sess));
-            // Under the table's lock, so that a caller timing out now either finds the load
-            // over or leaves its entry for this thread to take.
-            let mut stuck = lock_stuck();
+            let mut loads = lock_stuck();
             done.store(true, Ordering::SeqCst);
-            let before = stuck.len();
-            stuck.retain(|(_, id)| *id != a.id);
-            if stuck.len() != before {
-                drop(stuck);
+            loads.retain(|(_, id)| *id != a.id);
+            drop(loads);
+            if left.load(Ordering::SeqCst) {
                 let_go(&a, "its stuck load of a producer's metadata ended");
             }
         });
     if let Err(e) = spawned {
+        lock_stuck().retain(|(_, id)| *id != agent.id);
         return Err(Error::transport(
             "starting a thread to load a producer's NIXL metadata",
             e.to_string(),
@@ -720,15 +727,15 @@ fn load_bounded(
             // the load (minutes in a partition). No request of this agent is in flight (it was
             // leased for the load), so its registrations are let go of without a release.
             buffer::forget_owner(agent.id);
-            let mut stuck = lock_stuck();
-            if finished.load(Ordering::SeqCst) {
-                drop(stuck);
+            let loads = lock_stuck();
+            abandoned.store(true, Ordering::SeqCst);
+            let over = finished.load(Ordering::SeqCst);
+            drop(loads);
+            if over {
                 let_go(
                     agent,
                     "its load of a producer's metadata ended just past the timeout",
                 );
-            } else {
-                stuck.push((session.agent.clone(), agent.id));
             }
             Err(Error::StaleSession {
                 session: session.to_string(),
