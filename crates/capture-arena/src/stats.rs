@@ -78,8 +78,9 @@ stats! {
     refused_connections,
     /// Connections closed because an unfinished line waited longer than `line_timeout`.
     timed_out_lines,
-    /// Control connections closed to let a new one in while every slot was taken: each the one
-    /// idle longest (nothing unfinished, nothing sent for at least `line_timeout`).
+    /// Control connections closed to let a new one in while every slot was taken: each the
+    /// oldest that had not presented the control token (with one set), or the one idle longest
+    /// (nothing unfinished, nothing sent for at least `line_timeout`).
     idle_closed,
     /// `accept` failures (out of descriptors, ...); the listener is retried with a back-off.
     accept_errors,

@@ -185,11 +185,13 @@ fn idle_peers_holding_every_slot_keep_no_trainer_out_for_longer_than_the_line_ti
     };
     let w = Writer::start(&c).unwrap();
     let control = w.arena_ref().control;
-    let [a, b, bare] = ["a", "b", "bare"].map(|id| publish_one(&w, id, &[10]));
-    // A client writing bare free lines (as SpecForge's ArenaObjectClient: no sync, so a line
-    // written on a connection the server closed is lost) is never made to give way.
+    let [a, b, bare0, bare] = ["a", "b", "bare0", "bare"].map(|id| publish_one(&w, id, &[10]));
+    // A client freeing with bare free lines (as SpecForge's ArenaObjectClient: no sync, so a
+    // line written on a connection the server closed is lost) is never made to give way.
     let mut bare_lines = TcpStream::connect(&control).unwrap();
-    bare_lines.write_all(b"[]\n").unwrap();
+    let line = format!("{}\n", serde_json::to_string(&keys(&[bare0])).unwrap());
+    bare_lines.write_all(line.as_bytes()).unwrap();
+    wait_freed(&w, 1);
     let idle: Vec<TcpStream> = (0..3)
         .map(|_| TcpStream::connect(&control).unwrap())
         .collect();
@@ -198,7 +200,7 @@ fn idle_peers_holding_every_slot_keep_no_trainer_out_for_longer_than_the_line_ti
     let trainer = capture_arena::ControlClient::new(Duration::from_secs(2));
     trainer.free(Some(&control), a.keys().unwrap()).unwrap();
     trainer.flush_within(Duration::from_secs(10)).unwrap();
-    wait_freed(&w, 1);
+    wait_freed(&w, 2);
     let s = w.stats();
     assert_eq!((s.idle_closed, s.open_connections), (1, 4), "{s:?}");
     // Refused until the first peer had been idle for the line timeout (the trainer retried).
@@ -226,7 +228,7 @@ fn idle_peers_holding_every_slot_keep_no_trainer_out_for_longer_than_the_line_ti
     assert!(ok, "{s:?}");
     trainer.free(Some(&control), b.keys().unwrap()).unwrap();
     trainer.flush_within(Duration::from_secs(10)).unwrap();
-    wait_freed(&w, 2);
+    wait_freed(&w, 3);
     let s = w.stats();
     assert_eq!(
         (s.idle_closed, s.refused_connections),
@@ -237,9 +239,44 @@ fn idle_peers_holding_every_slot_keep_no_trainer_out_for_longer_than_the_line_ti
     // is applied.
     let line = format!("{}\n", serde_json::to_string(&keys(&[bare])).unwrap());
     bare_lines.write_all(line.as_bytes()).unwrap();
-    wait_freed(&w, 3);
+    wait_freed(&w, 4);
     drop(others);
     assert_eq!(w.stats().resident_objects, 0);
+}
+
+#[test]
+fn blank_bad_or_empty_lines_earn_no_slot_that_a_trainer_cannot_take() {
+    // A connection that sent a complete line, any line, was never closed to make room (as a
+    // client of bare free lines, whose next line would be lost): peers sending one blank line
+    // each held every slot for good, and a trainer's frees were refused. Only a line that
+    // freed objects earns that now.
+    let c = Config {
+        max_connections: 3,
+        line_timeout: Duration::from_millis(300),
+        ..config(1 << 20, Duration::from_secs(1))
+    };
+    let w = Writer::start(&c).unwrap();
+    let control = w.arena_ref().control;
+    let a = publish_one(&w, "a", &[10]);
+    let peers: Vec<TcpStream> = [&b"\n"[..], b"[]\n", b"not json\n"]
+        .iter()
+        .map(|line| {
+            let mut p = TcpStream::connect(&control).unwrap();
+            p.write_all(line).unwrap();
+            p
+        })
+        .collect();
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| {
+        s.open_connections == 3 && s.bad_lines == 1
+    });
+    assert!(ok, "{s:?}");
+    let trainer = capture_arena::ControlClient::new(Duration::from_secs(2));
+    trainer.free(Some(&control), a.keys().unwrap()).ok();
+    trainer.flush_within(Duration::from_secs(10)).unwrap();
+    wait_freed(&w, 1);
+    let s = w.stats();
+    assert!(s.idle_closed >= 1, "{s:?}");
+    drop(peers);
 }
 
 #[test]

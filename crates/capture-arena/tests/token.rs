@@ -469,3 +469,60 @@ fn a_token_given_again_by_hand_is_tried_at_once_even_after_it_was_refused() {
         t0.elapsed()
     );
 }
+
+#[test]
+fn peers_without_the_token_cannot_keep_a_trainer_out_however_fast_they_connect() {
+    // Before: with every slot held by connections that had not presented the token, a new one
+    // was closed at once until one of them timed out (the line timeout, 30 s here), so a peer
+    // connecting faster than that kept every trainer out. Now the oldest of them makes way.
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use capture_arena::ControlClient;
+    let w = Writer::start(&Config {
+        control_token: Some(TOKEN.into()),
+        max_connections: 8,
+        line_timeout: Duration::from_secs(30),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let r = publish_one(&w, "a", &[100, 50]);
+    let control = w.arena_ref().control.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let (stop, control) = (stop.clone(), control.clone());
+        // Connects as fast as it can and holds every connection the server keeps open.
+        std::thread::spawn(move || {
+            let mut held: Vec<TcpStream> = Vec::new();
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(c) = TcpStream::connect(&control) {
+                    c.set_nonblocking(true).unwrap();
+                    held.push(c);
+                    n += 1;
+                }
+                let mut b = [0u8; 1];
+                held.retain(|c| {
+                    matches!(c.peek(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                });
+            }
+            n
+        })
+    };
+    wait_stats(&w, |s| {
+        s.open_connections == 8 && s.control_connections + s.refused_connections > 20
+    });
+    let client = ControlClient::new(Duration::from_secs(2));
+    client.set_token(&control, Some(TOKEN));
+    client.free(Some(&control), r.keys().unwrap()).ok();
+    let flushed = client.flush_within(Duration::from_secs(10));
+    stop.store(true, Ordering::Relaxed);
+    let n = flood.join().unwrap();
+    flushed.unwrap();
+    wait_freed(&w, 2);
+    let s = w.stats();
+    assert!(
+        s.idle_closed > 0 && s.timed_out_lines == 0,
+        "{n} connects: {s:?}"
+    );
+}

@@ -78,8 +78,8 @@ pub(super) struct Conn {
     pub(super) last_read: Instant,
     /// Its `last_read` is in the server's idle queue (it may make way for a new connection).
     pub(super) noted: bool,
-    /// It sent a complete line, and a sync line (a client that confirms its frees, and sends
-    /// again what a closed connection did not confirm).
+    /// It sent a line that freed objects, and a sync line (a client that confirms its frees,
+    /// and sends again what a closed connection did not confirm).
     pub(super) sent: (bool, bool),
     /// When this connection's last stats request was answered.
     pub(super) last_stats: Option<Instant>,

@@ -9,11 +9,13 @@
 //!   a turn before any gets a second; the writer loop gives the placer a step between turns.
 //! - **Connections.** At most `max_connections` control connections are open, and as many
 //!   reply-path ones (counted apart: remote peers holding every control slot cannot stop a local
-//!   reader's request). With every control slot taken, a new connection closes the one idle
-//!   longest (nothing unfinished, nothing sent for at least `line_timeout`: a client reconnects
-//!   when it next frees, and every line it sent was applied), else it is closed at once; each
-//!   counted. So idle peers hold a slot for `line_timeout` at most while others wait for one,
-//!   with or without a token. Out of descriptors (`EMFILE`), a spare descriptor
+//!   reader's request). With every control slot taken, a new connection closes the oldest that
+//!   has not presented the token (with one set), else the one idle longest (nothing
+//!   unfinished, nothing sent for at least `line_timeout`, and either no object freed or its
+//!   frees confirmed by sync lines: a client reconnects when it next frees, and every line it
+//!   sent was applied), else it is closed at once; each counted. So idle peers hold a slot for
+//!   `line_timeout` at most while others wait for one; with a token, peers without it hold
+//!   none a new connection needs. Out of descriptors (`EMFILE`), a spare descriptor
 //!   is given up to accept and close the waiting connections, and accepting is retried with a
 //!   back-off.
 //! - **Memory.** Every connection may hold an unfinished line of up to [`SMALL_LINE`] bytes
@@ -130,11 +132,15 @@ pub(crate) struct ControlServer {
     next_scan: Option<Instant>,
     /// Control connections that may make way for a new one, by the time they last sent bytes
     /// (or were accepted), oldest first: `(token, last_read)`, pushed when a connection is left
-    /// with nothing unfinished and has sent no line, or confirms its frees with sync lines (a
-    /// client that sends bare lines, as SpecForge's `ArenaObjectClient`, would lose the line it
-    /// writes next on a closed connection). An entry whose connection read since (its
+    /// with nothing unfinished and has freed nothing, or confirms its frees with sync lines (a
+    /// client that frees with bare lines, as SpecForge's `ArenaObjectClient`, would lose the
+    /// line it writes next on a closed connection; blank or bad lines earn no such exemption). An entry whose connection read since (its
     /// `last_read` differs), has an unfinished line or is gone is stale, and dropped.
     idle: VecDeque<(Token, Instant)>,
+    /// With a token: control connections in the order they were accepted, to make way for a
+    /// new one (the oldest first) while they have not presented it. An entry whose connection
+    /// presented it or is gone is stale, and dropped.
+    unauthed: VecDeque<Token>,
     warnings: Warnings,
     /// The per-store table of the last stats answer.
     store_table: Option<StoreTable>,
@@ -180,6 +186,7 @@ impl ControlServer {
             partials: 0,
             next_scan: None,
             idle: VecDeque::new(),
+            unauthed: VecDeque::new(),
             warnings: Warnings::default(),
             store_table: None,
             stats_answers: (Instant::now(), 0),
@@ -390,7 +397,7 @@ impl ControlServer {
             Stream::Unix(_) => self.replies,
         };
         let full = of_kind >= self.limits.max_connections;
-        if full && !(matches!(stream, Stream::Tcp(_)) && self.close_idle(registry, stats)) {
+        if full && !(matches!(stream, Stream::Tcp(_)) && self.make_room(registry, stats)) {
             bump(&stats.refused_connections, 1);
             let max = self.limits.max_connections;
             self.warnings.warn(Warn::Refused, |suppressed| {
@@ -440,6 +447,14 @@ impl ControlServer {
             self.replies += 1;
         } else {
             bump(&stats.control_connections, 1);
+            if self.limits.token.is_some() {
+                self.unauthed.push_back(token);
+                if self.unauthed.len() > 2 * self.conns.len() + 64 {
+                    let conns = &self.conns;
+                    self.unauthed
+                        .retain(|t| *t == token || conns.get(t).is_some_and(|c| !c.authed));
+                }
+            }
         }
         tracing::debug!(%peer, ?token, reply, "connection");
         self.conns.insert(
@@ -608,7 +623,7 @@ impl ControlServer {
                 conn.partial_since = Some(conn.last_read);
             }
         }
-        conn.sent.0 |= completed > 0;
+        conn.sent.0 |= freed_any;
         conn.sent.1 |= synced.is_some();
         if let Some(n) = synced.filter(|_| !matches!(outcome, Turn::Close)) {
             // After the turn's frees: every line before the sync was applied. One answer a
@@ -736,6 +751,49 @@ impl ControlServer {
             self.idle
                 .retain(|(t, at)| conns.get(t).is_some_and(|c| c.last_read == *at));
         }
+    }
+
+    /// With every control slot taken: makes room for a new control connection by closing the
+    /// oldest that has not presented the token (with one set: it has sent nothing that counts,
+    /// and a client that presents it next sends again what a closed connection did not
+    /// confirm), else the one idle longest (`close_idle`). True if it closed one.
+    fn make_room(&mut self, registry: &Registry, stats: &Stats) -> bool {
+        self.close_unauthed(registry, stats) || self.close_idle(registry, stats)
+    }
+
+    /// Closes the oldest control connection that has not presented the token, unless bytes
+    /// wait to be read from it (its token, maybe). True if it closed one.
+    fn close_unauthed(&mut self, registry: &Registry, stats: &Stats) -> bool {
+        let (mut i, mut looked) = (0, 0);
+        while i < self.unauthed.len() && looked < IDLE_LOOKS {
+            let t = self.unauthed[i];
+            let Some(c) = self.conns.get(&t).filter(|c| !c.authed) else {
+                self.unauthed.remove(i); // stale
+                continue;
+            };
+            looked += 1;
+            if c.queued || c.stream.has_unread() {
+                i += 1; // about to be read: its token may be there (kept, for a later look)
+                continue;
+            }
+            self.unauthed.remove(i);
+            bump(&stats.idle_closed, 1);
+            let peer = c.peer.clone();
+            let max = self.limits.max_connections;
+            self.warnings.warn(Warn::Idle, |suppressed| {
+                tracing::warn!(
+                    %peer,
+                    max,
+                    suppressed,
+                    "every control slot is taken: closed the oldest connection that has not \
+                     presented the control token to let a new one in (counted in idle_closed; \
+                     raise SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS if trainers need more)"
+                )
+            });
+            self.close(t, registry, stats, false);
+            return true;
+        }
+        false
     }
 
     /// With every control slot taken: closes the control connection idle longest among those
