@@ -22,6 +22,7 @@ import json
 import logging
 import queue
 import socket
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -35,6 +36,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed (scripts/tes
 pytest.importorskip("specforge", reason="specforge is not installed (scripts/test.sh installs specforge==0.2.0)")
 
 import capture_arena as ca  # noqa: E402
+from capture_arena import _live  # noqa: E402
 from capture_arena.specforge import SpecForgeArenaStore  # noqa: E402
 from intake import ForwardProxy, Intake, Producer, call_within, config_payload, ref_from_record, stalling_server  # noqa: E402
 
@@ -324,7 +326,6 @@ def test_while_the_intake_is_down_captures_are_dropped_before_they_are_published
     # Before, every capture was published (its tensors copied into the arena), posted twice to
     # an intake that refused both connects, then freed. Now, after a record that reached no
     # intake, captures are dropped before they are published for a back-off (30 s here).
-    from capture_arena import _live
 
     monkeypatch.setattr(_live, "DOWN_BACKOFF_S", 30.0)
     monkeypatch.setattr(_live, "DOWN_BACKOFF_MAX_S", 30.0)
@@ -347,7 +348,6 @@ def test_an_intake_down_behind_a_proxy_that_answers_502_is_backed_off_too(live: 
     # Through http_proxy, a down intake is the proxy's 502 (Bad Gateway), not a refused
     # connect: that is no answer of the intake's, so it is down as well (before: a refusal,
     # each capture published and posted, then freed, and no back-off).
-    from capture_arena import _live
 
     monkeypatch.setattr(_live, "DOWN_BACKOFF_S", 30.0)
     monkeypatch.setattr(_live, "DOWN_BACKOFF_MAX_S", 30.0)
@@ -362,7 +362,6 @@ def test_an_intake_down_behind_a_proxy_that_answers_502_is_backed_off_too(live: 
 
 
 def test_the_intake_back_ends_the_back_off_at_its_next_try(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from capture_arena import _live
 
     monkeypatch.setattr(_live, "DOWN_BACKOFF_S", 0.3)
     monkeypatch.setattr(_live, "DOWN_BACKOFF_MAX_S", 0.3)
@@ -409,13 +408,17 @@ def test_a_view_counts_against_the_queues_bytes_as_all_it_keeps_alive() -> None:
     """A queued capture keeps its tensors' memory alive, a view's whole base with it: a numpy
     view of a 1 MB batch counted 1,000 bytes before (its own), so views of big batches passed
     SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES as if small. A torch view counts its whole storage."""
-    from capture_arena import _live
 
     batch = np.zeros((1000, 125), dtype=np.float64)  # 1,000,000 bytes
     assert _live._held_bytes(batch[:1]) == _live._held_bytes(batch[:1][:, :5]) == 1_000_000
     assert _live._held_bytes(torch.zeros(1000, 125, dtype=torch.float64)[:1]) == 1_000_000
     assert _live._held_bytes(np.frombuffer(bytes(64), dtype=np.uint8)) == 64  # a base that is not an array
     assert _live._held_bytes(None) == 0
+    # Token ids: a list its own size and an int object an id, an array its storage.
+    ids = list(range(1000, 2000))
+    assert _live._tokens_bytes(ids) == sys.getsizeof(ids) + 28 * 1000 and sys.getsizeof(ids[-1]) == 28
+    assert _live._tokens_bytes(np.arange(1000, dtype=np.int64)[10:]) == 8000
+    assert _live._tokens_bytes(None) == 0
 
 
 @pytest.mark.queue(1)
@@ -435,11 +438,14 @@ def test_the_queue_holds_at_most_its_bytes_of_the_servers_tensors(live: Any) -> 
     """A queued capture keeps the server's tensors (device memory under SGLang) until the worker
     publishes it: the queue is bounded by the memory they hold too, not only in captures. A
     capture over the bound is still taken into an empty queue (else it never would be). Each
-    here holds 2,048 bytes (aux [8, 96] and last [8, 32], bf16). Before: all 8 would wait."""
+    here holds 2,048 bytes (aux [8, 96] and last [8, 32], bf16) and its list of 8 token ids.
+    Before: all 8 would wait; and then the token lists were not counted (a list of a million
+    ids holds about 36 MB)."""
     expected = serve_behind_a_held_intake(live, "b", 4, seed=40)
     # One at the intake, one in the (then empty) queue though over the bound, two dropped.
     assert live.sink.stats()["live_dropped_queue_full"] == 2
-    assert live.sink._live._queued_bytes == 2048
+    tokens = list(expected["live-b1"][2])  # the list the patch hands over with the queued one
+    assert live.sink._live._queued_bytes == 2048 + sys.getsizeof(tokens) + 28 * len(tokens)
     live.producer.gate.set()
     wait_for(lambda: live.sink.stats()["live_captured"] == 2, "the two kept")
     assert live.sink._live._queued_bytes == 0
@@ -487,6 +493,12 @@ def test_the_scheduler_thread_never_waits_for_the_config(scheduler_module: Any, 
     # The fetch is in progress: a request is not captured and the call returns at once.
     assert hook.maybe_live_spec("r0") is None
     assert sink.stats()["live_not_ready"] == 1
+    # Counted are the captures missed: sampled requests alone (before: every request).
+    sink._live.sample_rate = 0.5
+    rids = [f"r{i}" for i in range(1, 41)]
+    assert all(hook.maybe_live_spec(rid) is None for rid in rids)
+    missed = sum(_live.sampled(rid, 0.5) for rid in rids)
+    assert 0 < missed < 40 and sink.stats()["live_not_ready"] == 1 + missed
     silent.close()
 
 
@@ -551,7 +563,6 @@ def test_a_client_sent_live_spec_without_an_intake_is_dropped_and_counted(make_s
 
 
 def test_records_no_attempt_got_an_answer_for_are_freed_after_the_retry_and_counted(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from capture_arena import _live
 
     # A hung intake: it takes each record and never answers either attempt. The captures must
     # not stay resident for ever (before: left to the trainer, 8 objects still held 30 s later):
@@ -658,7 +669,6 @@ def test_a_proxy_that_cannot_reach_the_intake_is_named_in_the_error(
 ) -> None:
     import logging
 
-    from capture_arena import _live
 
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -688,7 +698,6 @@ def test_a_proxy_that_cannot_reach_the_intake_is_named_in_the_error(
 
 @pytest.mark.queue(1)
 def test_close_stops_the_worker_even_when_a_capture_is_queued_as_it_drains(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from capture_arena import _live
 
     lc = live.sink._live
     monkeypatch.setattr(_live, "POST_TIMEOUT_S", 0.5)
@@ -751,7 +760,6 @@ def test_an_intake_that_never_finishes_its_answer_costs_a_request_its_timeout_wh
     whichever of the body's read loop and the request's watchdog sees the deadline first (the
     watchdog made late here: before, the read loop's own error named neither the intake nor the
     bound, as CI's 2 busy cores once made it)."""
-    from capture_arena import _live
 
     if pattern == "body_read_sees_the_deadline_first":
         pattern, timer = "body", threading.Timer
@@ -769,7 +777,6 @@ def test_a_request_never_closes_a_socket_its_deadline_is_still_shutting_down(mon
     it closes the sockets (before: it closed them under it, and the shutdown then ran on a
     closed socket: in real life on its number, which another thread's new socket may have taken;
     found by an outside reading)."""
-    from capture_arena import _live
 
     srv = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
@@ -804,7 +811,6 @@ def test_a_name_with_three_addresses_that_never_answer_costs_a_request_its_timeo
     1 s request took 3 s here, and n s at n addresses. Now one deadline covers them all. The
     addresses are real sockets whose accept queue is full (the kernel drops their SYNs); only
     the resolver is a stand-in (this machine's names resolve to one address each)."""
-    from capture_arena import _live
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -839,7 +845,6 @@ def test_a_name_whose_first_address_drops_connects_reaches_its_second_with_a_sta
     left, and the live one was never tried (the config fetch failed every time: live capture
     never started). The dead address is a real socket whose accept queue is full; only the
     resolver is a stand-in."""
-    from capture_arena import _live
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -874,7 +879,6 @@ def test_a_tls_handshake_that_never_ends_is_cut_at_the_requests_deadline_with_a_
     that took 1.6 s (a stand-in delay after the real connect). The handshake runs on a socket
     detached into an SSLSocket, which the deadline's shutdown did not reach: it ran its own
     whole timeout from its start, 3.6 s for a 2 s request. Now it is cut at 2 s."""
-    from capture_arena import _live
 
     srv = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
@@ -908,7 +912,6 @@ def test_an_address_this_host_cannot_make_a_socket_for_is_tried_past_with_a_stan
     """The intake's name gives first an address of a family this host cannot make sockets of
     (IPv6 turned off, a sandbox), then one that works: the request goes to the second (before:
     the first's error ended the connect, and live capture took the intake as down)."""
-    from capture_arena import _live
 
     port, stop = stalling_server("body")
     real = socket.getaddrinfo
@@ -1018,7 +1021,6 @@ def test_a_proxy_that_needs_credentials_gets_those_its_variable_names(monkeypatc
     to the intake carries them to the proxy (Basic); wrong ones get the proxy's 407, which is a
     refusal, and neither shows them in how the route is described (logs, errors). Documented in
     docs/sglang.md, and held by no test before (HARDENING's list)."""
-    from capture_arena import _live
 
     for var in PROXY_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -1103,7 +1105,6 @@ def test_an_https_intake_is_reached_through_the_proxys_tunnel_with_its_variables
     test, trusted through SSL_CERT_FILE). Wrong credentials get the proxy's 407 to the CONNECT:
     nothing reaches the intake, and the request counts as not sent. Documented in
     docs/sglang.md, and held by no test before (HARDENING's list)."""
-    from capture_arena import _live
 
     cert, key = self_signed(tmp_path)
     for var in PROXY_VARS:

@@ -18,7 +18,7 @@ default 64).
 
 What is added:
 
-- the queue is bounded by the memory its captures' tensors hold too
+- the queue is bounded by the memory its captures hold too, their tensors and token ids
   (``SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES``, 2 GiB; a capture over it only into an empty queue);
 - the scheduler thread never waits on the network: the config is fetched by a thread of its own
   (every 5 s until it succeeds, and again when a record is refused with 404 or 422: the
@@ -64,6 +64,7 @@ import json
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import urllib.parse
@@ -110,6 +111,8 @@ MAX_ANSWER_BYTES = 64 << 10
 MAX_INTERIM = 8
 #: The longest prompt a live capture takes, whatever the config says (tokens are ints).
 MAX_TOKENS = 1 << 24
+#: What one token id of a list holds: a Python int object (``sys.getsizeof(2**20)``).
+INT_BYTES = 28
 #: Token ids converted in one piece (one hold of the GIL), at most: about 2 to 4 ms.
 TOKENS_PER_PIECE = 1 << 16
 
@@ -234,6 +237,15 @@ def _held_bytes(x: Any) -> int:
     return int(getattr(x, "nbytes", 0))
 
 
+def _tokens_bytes(tokens: Any) -> int:
+    """The memory a capture's token ids keep alive: an array's or a tensor's as ``_held_bytes``
+    says; a list's (or a tuple's) own size plus ``INT_BYTES`` per id (a Python int past 256 is
+    an object of its own, and the patch hands over a list it made for the capture)."""
+    if isinstance(tokens, (list, tuple)):
+        return sys.getsizeof(tokens) + INT_BYTES * len(tokens)
+    return _held_bytes(tokens)
+
+
 def _int_env(name: str, default: int, most: int, what: str) -> int:
     """An integer in [1, most] from the variable ``name`` (``default`` when unset), or
     ConfigError naming it and ``what`` it sets."""
@@ -326,8 +338,8 @@ class LiveCapture:
         self._publish = publish
         self._drop = drop
         self._queue: "queue.Queue[Optional[tuple[Any, Any, Any, Any, int]]]" = queue.Queue(maxsize=_queue_size())
-        #: The bytes the queued captures' tensors hold, and the most they may (a capture over it
-        #: is taken only into an empty queue).
+        #: The bytes the queued captures hold (tensors and token ids), and the most they may (a
+        #: capture over it is taken only into an empty queue).
         self._queued_bytes = 0
         self._max_queued_bytes = _queue_bytes()
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -363,11 +375,11 @@ class LiveCapture:
     def maybe_live_spec(self, rid: Any) -> Optional[dict[str, Any]]:
         """The spec of a sampled request, None for the others and until the config is known."""
         try:
-            cfg = self._config
-            if cfg is None:
-                self._count("live_not_ready")
-                return None
             if not sampled(rid, self.sample_rate):
+                return None
+            cfg = self._config
+            if cfg is None:  # a capture missed: counted as such (the others were never to be)
+                self._count("live_not_ready")
                 return None
             sample_id = f"live-{rid}"
             if len(sample_id) > MAX_SAMPLE_ID:  # the worker would drop it: not worth a capture
@@ -385,7 +397,7 @@ class LiveCapture:
         """Queues a finished request's capture for the worker; a full queue (in captures, or in
         the bytes their tensors hold) drops it."""
         try:
-            held = _held_bytes(aux) + _held_bytes(last_hidden)
+            held = _held_bytes(aux) + _held_bytes(last_hidden) + _tokens_bytes(tokens)
         except Exception:
             self._count("live_dropped_bad_rows")
             return
