@@ -770,3 +770,86 @@ def test_a_stopped_master_fails_a_connect_within_the_probe_and_never_holds_the_g
     finally:
         os.kill(p.pid, signal.SIGCONT)
         mooncake_master.stop(p)
+
+
+class _FlakyRemovals:
+    """A store client whose next ``fail`` removals raise, as Mooncake's do while the master is
+    unreachable (a stand-in for that outage, in this process), and whose puts refuse the last
+    key while ``refuse_last`` holds; the rest is the real client's."""
+
+    def __init__(self, real: object, fail: int) -> None:
+        self.real, self.fail, self.refuse_last = real, fail, False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.real, name)
+
+    def batch_remove(self, keys: list[str], force: bool) -> object:
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("the master cannot be reached (a stand-in)")
+        return self.real.batch_remove(keys, force)  # type: ignore[attr-defined]
+
+    def batch_put_from(self, keys: list[str], *args: object) -> list[int]:
+        rcs = list(self.real.batch_put_from(keys, *args))  # type: ignore[attr-defined]
+        return rcs[:-1] + [-1] if self.refuse_last else rcs
+
+
+def test_the_sinks_own_removals_that_fail_are_retried_and_never_remove_a_newer_object(master, monkeypatch) -> None:
+    """The store sink removes its own objects when a batch fails after its put, and when a live
+    capture is dropped. A removal that failed (the master unreachable) left them in the store
+    until the sink's client closed: a leak per outage for the life of the server. They are now
+    retried after a back-off; and a batch that writes one of their keys again removes it first,
+    so no retry removes the newer object."""
+    import threading
+    import time
+
+    from capture_arena import _store
+
+    for k, v in master.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(_store, "LEFTOVER_BACKOFF_S", (0.05, 0.05), raising=False)
+    sink = ca.StoreSink(aux_layer_ids=[1])
+
+    def wait(pred: object, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not pred():  # type: ignore[operator]
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {sink.stats()}"
+            time.sleep(0.01)
+
+    def sample(sid: str, fill: int) -> tuple[dict[str, object], object, object]:
+        spec = {"store_id": "left", "sample_id": sid, "features": {"aux": "hidden_state", "last_hidden": "last"}}
+        return spec, np.full((16, 32), fill, np.float32), np.full((16, 8), fill, np.float32)
+
+    try:
+        (row,) = sink.put_samples([sample("a", 1)])
+        assert "error" not in row, row
+        real = sink._store
+        exists = lambda k: real.is_exist(k) == 1  # noqa: E731
+        # A dropped live capture whose removal fails twice: removed at the third try.
+        sink._store = _FlakyRemovals(real, fail=2)
+        sink._drop_published(row)
+        wait(lambda: sink._store.fail == 0, "two failed tries")
+        wait(lambda: not exists("left/a/g1/hidden_state") and not exists("left/a/g1/last"), "the retried removal")
+        wait(lambda: sink.stats()["leftover_objects"] == 0, "nothing left to retry")
+
+        # A batch refused after its put, whose cleanup fails: both objects left over; the same
+        # sample published again at once is published (its keys removed first), and a retry
+        # that comes later removes nothing of it.
+        monkeypatch.setattr(_store, "LEFTOVER_BACKOFF_S", (0.5, 0.5), raising=False)
+        sink._store.fail, sink._store.refuse_last = 1, True
+        (row,) = sink.put_samples([sample("b", 2)])
+        assert "could not be removed yet" in row["error"] and "retried" in row["error"], row
+        assert sink.stats()["leftover_objects"] == 2 and exists("left/b/g1/hidden_state")
+        timer = sink._leftover_timer
+        assert isinstance(timer, threading.Timer)
+        sink._store.refuse_last = False
+        (again,) = sink.put_samples([sample("b", 3)])
+        assert "error" not in again, again
+        assert sink.stats()["leftover_objects"] == 0
+        timer.join(5)
+        sink._pool.submit(lambda: None).result(timeout=30)  # the retry it queued, if any, ran
+        with ca.ArenaFeatureStore() as store:
+            got = store.get(again)
+            assert (got["hidden_state"] == 3).all() and (got["last"] == 3).all()
+    finally:
+        sink.close()

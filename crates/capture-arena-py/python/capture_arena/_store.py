@@ -292,6 +292,13 @@ _SINK_BOUND: Any = object()
 #: How long a store sink's close (and interpreter exit) lets its worker run the batches and
 #: removals queued; those not begun by then fail (batches get error rows) without a store call.
 QUEUE_WAIT_S = 5.0
+#: A store sink's own removals that failed (the cleanup of a failed or abandoned batch, a dropped
+#: live capture's objects: the master unreachable, a status not 0): retried on its worker, after
+#: 0.1 s doubling to 30 s while they fail, and first whenever a batch writes one of their keys.
+#: At most this many keys wait (past it the oldest are dropped, logged: they stay in the store
+#: until the sink's client closes).
+MAX_LEFTOVER_KEYS = 262144
+LEFTOVER_BACKOFF_S = (0.1, 30.0)
 #: How long a store sink's close (and interpreter exit) waits, at most, for the store call its
 #: worker is in: longer than Mooncake's own RPC timeout (30 s), after which the call comes back
 #: by itself.
@@ -330,6 +337,10 @@ class StoreSink(LiveSink):
             ("published_batches", "published_samples", "published_objects", "published_bytes", "failed_batches", "replaced_objects"), 0
         )
         self._closed = False
+        #: This sink's keys whose removal failed, to be retried (an ordered set; the worker's).
+        self._leftover: dict[str, None] = {}
+        self._leftover_backoff = 0.0
+        self._leftover_timer: Optional[threading.Timer] = None
 
     placement = "store"
     session = None
@@ -369,6 +380,8 @@ class StoreSink(LiveSink):
             _FORKED_LEFTOVERS.append(self._store)
         self._store = None
         self._closed = True
+        self._leftover = {}  # the parent's to remove
+        self._leftover_timer = None
         self._lock = threading.Lock()
         self._pool = _Worker("capture-arena-store")  # the parent's thread is not here
         self._pool.shutdown(0)
@@ -407,6 +420,11 @@ class StoreSink(LiveSink):
                 return self._fail(batch, str(e))
             samples = batch.samples()
             tensors = [t for t in batch.tensors() if t[6] > 0]  # Mooncake cannot store 0 bytes
+            if self._leftover:
+                # Keys this sink failed to remove before, written again now: removed first (they
+                # were never handed out), never by a retry after this batch made them anew.
+                mine = [k for _, _, keys in samples for k in keys if self._leftover.pop(k, 0) is None]
+                self._remove(store, mine)
             if any(t[7] >= 0 for t in tensors):
                 # The capture kernels that wrote them, enqueued before the hand-over, finish first.
                 batch.wait_ready(READY_TIMEOUT_S)
@@ -457,18 +475,86 @@ class StoreSink(LiveSink):
                 why = f"the Mooncake store refused {len(failed)} of {len(keys)} objects (first: {k}: status {rc})"
             if why:
                 # Every key of the batch is this batch's (checked absent or removed above).
-                left = [k for k, rc in zip(keys, store.batch_remove(keys, True) if keys else []) if rc not in (0, NOT_FOUND)]
-                kept = f"; {len(left)} could not be removed (first: {left[0]})" if left else "; none kept"
+                left = self._remove(store, keys)
+                kept = f"; {len(left)} could not be removed yet (first: {left[0][0]}: {left[0][1]}; retried)" if left else "; none kept"
                 return self._fail(batch, why + kept)
             if ticket is not None and not ticket.finish():
                 # Its caller gave up meanwhile and told its request so: never to be read.
-                left = [k for k, rc in zip(keys, store.batch_remove(keys, True)) if rc not in (0, NOT_FOUND)]
-                return self._fail(batch, "its synchronous caller stopped waiting; removed again" + (f" ({len(left)} could not be)" if left else ""))
+                left = self._remove(store, keys)
+                return self._fail(batch, "its synchronous caller stopped waiting; removed again" + (f" ({len(left)} could not be yet; retried)" if left else ""))
             self._stats["published_batches"] += 1
             self._stats["published_samples"] += len(samples)
             self._stats["published_objects"] += len(keys)
             self._stats["published_bytes"] += total
             return list(batch.results())
+
+    def _remove(self, store: Any, keys: list[str]) -> list[tuple[str, Any]]:
+        """Removes this sink's ``keys`` (force; on its worker). Those that could not be are kept
+        and retried (``MAX_LEFTOVER_KEYS``): returned, each with why."""
+        if not keys:
+            return []
+        try:
+            rcs = list(store.batch_remove(keys, True))
+            bad = [(k, rc) for k, rc in zip(keys, rcs) if rc not in (0, NOT_FOUND)]
+            bad += [(k, "no status answered") for k in keys[len(rcs) :]]
+        except Exception as e:  # the master unreachable
+            bad = [(k, str(e)) for k in keys]
+        if bad:
+            self._keep([k for k, _ in bad])
+        return bad
+
+    def _keep(self, keys: list[str]) -> None:
+        """Keeps keys whose removal failed, and has them retried after the back-off."""
+        for k in keys:
+            self._leftover[k] = None
+        lost = []
+        while len(self._leftover) > MAX_LEFTOVER_KEYS:
+            k = next(iter(self._leftover))
+            del self._leftover[k]
+            lost.append(k)
+        if lost:
+            _DROPPED.warn(
+                "dropped_leftovers",
+                "the store sink gave up removing %d of its objects (more than %d failed removals waited: the master has "
+                "been unreachable); they stay in the store until this sink's client closes (first: %s)",
+                len(lost), MAX_LEFTOVER_KEYS, lost[0],
+            )
+        lo, hi = LEFTOVER_BACKOFF_S
+        self._leftover_backoff = min(hi, max(lo, 2 * self._leftover_backoff))
+        if self._leftover_timer is not None and self._leftover_timer.is_alive():
+            return
+        timer = threading.Timer(self._leftover_backoff, self._queue_retry)
+        timer.daemon = True
+        try:
+            timer.start()
+            self._leftover_timer = timer
+        except RuntimeError:  # no thread to be had: the next batch with one of these keys retries them
+            self._leftover_timer = None
+
+    def _queue_retry(self) -> None:
+        try:
+            self._pool.submit(self._retry_removals)
+        except RuntimeError:  # closed: the client's close drops its keys
+            pass
+
+    def _retry_removals(self) -> None:
+        """On the worker: one more try at the removals that failed."""
+        with self._lock:
+            store = self._store
+            if store is None or self._closed or not self._leftover:
+                return
+            keys = list(self._leftover)
+            self._leftover.clear()
+            self._leftover_timer = None
+            left = self._remove(store, keys)
+        if left:
+            _log.warning(
+                "the store sink still cannot remove %d of its objects (first: %s: %s); retried in %g s",
+                len(left), left[0][0], left[0][1], self._leftover_backoff,
+            )
+        else:
+            self._leftover_backoff = 0.0
+            _log.info("the store sink removed %d of its objects whose removal had failed", len(keys))
 
     def _fail(self, batch: Any, why: str) -> list[dict[str, Any]]:
         self._stats["failed_batches"] += 1
@@ -569,9 +655,9 @@ class StoreSink(LiveSink):
             return
         # Not under the lock: stats() and a publish never wait on a removal's call (the store
         # client is closed only once this worker has ended).
-        bad = [(k, rc) for k, rc in zip(keys, store.batch_remove(keys, True)) if rc not in (0, NOT_FOUND)]
+        bad = self._remove(store, keys)
         if bad:
-            _log.warning("removing %d objects of a dropped capture from the Mooncake store failed (first: %s: %s)", len(bad), *bad[0])
+            _log.warning("removing %d objects of a dropped capture from the Mooncake store failed (first: %s: %s); retried", len(bad), *bad[0])
 
     def put_sample(self, spec: Mapping[str, Any], *, aux: Any = None, last_hidden: Any = None) -> dict[str, Any]:
         """Publishes one sample and returns its result."""
@@ -581,6 +667,7 @@ class StoreSink(LiveSink):
         """Counters of this sink, and live capture's (``live_*``) when it is on. Never waits
         for the store (only the worker thread writes the counters: a copy of them is whole)."""
         d = dict(self._stats)
+        d["leftover_objects"] = len(self._leftover)  # removals that failed, being retried
         d.update(self._live_stats())
         return d
 
