@@ -2587,10 +2587,21 @@ for pc, sp in ((ns(data_parallel_rank=0, nnodes=2, distributed_executor_backend=
             print("@@", e)
         else:
             print("@@ accepted")
+# An older vLLM (faked: this one has every hook): its preemptions came as a set of ids, and it
+# had no cache manager to bind.
+import capture_arena.vllm as cv
+class Older:
+    def handle_preemptions(self, preempted_req_ids): pass
+    def reset_cache(self): pass
+for base in (Older, type("Oldest", (), {})):
+    try:
+        cv._check_vllm_hooks(base)
+    except ValueError as e:
+        print("@@", e)
 """
 
 
-def test_an_engine_whose_workers_may_run_on_another_host_or_whose_drafter_is_shorter_is_refused_at_start_up() -> None:
+def test_an_engine_whose_workers_may_run_on_another_host_or_whose_drafter_is_shorter_or_an_older_vllm_is_refused_at_start_up() -> None:
     # Results cross an abstract Unix socket: a worker on another host could never hand one over,
     # and every request would wait its bound. Ray's executor given as a class; the external
     # launcher's ranks each with an engine core of their own (only rank 0 captures: the others
@@ -2599,11 +2610,19 @@ def test_an_engine_whose_workers_may_run_on_another_host_or_whose_drafter_is_sho
     # leaving their prompts' rows unwritten. Refused before serving, saying what to change.
     out = subprocess.run([sys.executable, "-c", REFUSE], capture_output=True, text=True, timeout=300)
     lines = [line[3:] for line in out.stdout.splitlines() if line.startswith("@@ ")]
-    assert len(lines) == 12, out.stdout[-3000:] + out.stderr[-3000:]
+    assert len(lines) == 14, out.stdout[-3000:] + out.stderr[-3000:]
     assert all("--distributed-executor-backend mp on one node" in line for line in lines[:10]), lines
     assert "spans 2 nodes (--nnodes)" in lines[0] and "Ray may place its 2 workers" in lines[2] and "Ray may place" in lines[4], lines
     assert "only rank 0 captures" in lines[6] and "--decode-context-parallel-size 2" in lines[8], lines
-    assert all("drafter's max_model_len (256) is below the engine's (1024)" in line and "--speculative-config" in line for line in lines[10:]), lines
+    assert all("drafter's max_model_len (256) is below the engine's (1024)" in line and "--speculative-config" in line for line in lines[10:12]), lines
+    # A vLLM older than 0.32 (faked), whose connector interface lacks hooks: refused by name
+    # (before: the scheduler raised AttributeError at its first prompt, or a preempted request's
+    # report killed the engine; found by an outside reading).
+    assert lines[12].startswith("capture_arena.vllm needs vLLM 0.32 or later: this vLLM (0.32.0") and (
+        "lacks bind_kv_cache_manager, has_pending_block_frees, requires_kv_delivery, handle_preemptions(kv_connector_metadata) "
+        "(this vLLM's takes ['preempted_req_ids'])" in lines[12]
+    ), lines
+    assert "lacks bind_kv_cache_manager, handle_preemptions, has_pending_block_frees, reset_cache, requires_kv_delivery in" in lines[13], lines
 
 
 @pytest.mark.parametrize("layout", ["slots_then_layers", "layers_then_slots"])

@@ -1,4 +1,4 @@
-"""capture-arena as vLLM's hidden-states connector (vLLM >= 0.18, the v1 engine).
+"""capture-arena as vLLM's hidden-states connector (vLLM >= 0.32, the v1 engine).
 
 Started with vLLM's ``extract_hidden_states`` method, it publishes each request's prompt hidden
 states into an arena the worker owns, and returns the arena result in the request's
@@ -322,6 +322,38 @@ def _aux_layer_ids(vllm_config: Any) -> list[int]:
     return sorted({int(i) for i in ids or ()})
 
 
+#: The hooks of vLLM's connector interface this connector needs (vLLM 0.32 has them all): the
+#: scheduler's cache manager (a request's blocks), preemptions handed to the worker with the
+#: step's metadata, blocks held for copies (``has_pending_block_frees``), a cache reset that
+#: waits for copies, and recomputing a preempted request whatever its role.
+NEEDED_HOOKS = ("bind_kv_cache_manager", "handle_preemptions", "has_pending_block_frees", "reset_cache", "requires_kv_delivery")
+
+
+def _check_vllm_hooks(base: type) -> None:
+    """Refuses, at start-up, a vLLM whose connector interface lacks a hook this connector needs
+    (an older vLLM): without them the scheduler raises at the first prompt it announces, or a
+    preempted request's copy reads blocks vLLM gave to another, and its report kills the
+    engine."""
+    import inspect
+
+    missing = [h for h in NEEDED_HOOKS if not hasattr(base, h)]
+    if hasattr(base, "handle_preemptions"):
+        params = list(inspect.signature(base.handle_preemptions).parameters)
+        if params[1:2] != ["kv_connector_metadata"]:
+            missing.append(f"handle_preemptions(kv_connector_metadata) (this vLLM's takes {params[1:]})")
+    if missing:
+        try:
+            import vllm
+
+            version = str(getattr(vllm, "__version__", "unknown"))
+        except Exception:
+            version = "unknown"
+        raise ValueError(
+            f"capture_arena.vllm needs vLLM 0.32 or later: this vLLM ({version}) lacks {', '.join(missing)} "
+            "in its KV connector interface; upgrade vLLM (pip install -U vllm)"
+        )
+
+
 def _check_one_host(vllm_config: Any) -> None:
     """Refuses, at start-up, an engine whose workers may run on another host than its engine
     core: results travel over an abstract Unix socket, which only that host (and network
@@ -382,6 +414,7 @@ class CaptureArenaConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's KV connector for capture-arena (see the module's description)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        _check_vllm_hooks(KVConnectorBase_V1)
         super().__init__(vllm_config, role, kv_cache_config)
         if getattr(vllm_config, "speculative_config", None) is None or vllm_config.speculative_config.method != "extract_hidden_states":
             raise ValueError(
