@@ -1327,6 +1327,21 @@ impl PySink {
     fn _close_at_exit(&self, py: Python<'_>) {
         self.close_sink(py, true);
     }
+
+    /// At interpreter exit, with a thread still writing into the arena (so it is neither
+    /// stopped nor unmapped): a shared-memory arena's name is removed (see [`remove_name_now`]),
+    /// the sink left as it is.
+    fn _remove_name_at_exit(&self) {
+        if self.pid != std::process::id() {
+            return;
+        }
+        let guard = self.sink.lock().unwrap_or_else(|p| p.into_inner());
+        let memory = guard
+            .as_ref()
+            .and_then(|s| s.started().map(|w| w.memory_session().to_owned()));
+        drop(guard);
+        remove_name_now(memory.as_deref());
+    }
 }
 
 impl PySink {
@@ -1349,9 +1364,10 @@ impl PySink {
 }
 
 /// A shared-memory arena closed at interpreter exit while a call in another thread still holds
-/// the sink: its name is removed now, since that call never lets go (one that comes back during
-/// the exit parks for good), and the name would outlive the process in /dev/shm. Its mapping
-/// stays valid for the holder, and the memory goes with the process; readers opening the
+/// the sink (or a thread still writes into it): its name is removed now, since that call never
+/// lets go (one that comes back during the exit parks for good), and the name would outlive the
+/// process in /dev/shm. Its mapping stays valid for the holder, and the memory goes with the
+/// process; readers opening the
 /// session afterwards get a stale-session error, as after any close (and trainers drop frees
 /// for it). Not on an ordinary close: the call in flight may still publish, and its objects be
 /// freed. Device and engine memory goes with the process.
@@ -1364,7 +1380,7 @@ fn remove_name_now(memory_session: Option<&str>) {
     match capture_arena::memory::shm::remove(&session) {
         Ok(()) => tracing::info!(
             arena = %session.name,
-            "closing the sink while another thread's call holds it: the arena's name is removed now, its memory goes when that call lets go or the process ends"
+            "exiting while another thread's call holds the sink or writes into its arena: the arena's name is removed now, its memory goes when that call lets go or the process ends"
         ),
         Err(e) => tracing::warn!(arena = %session.name, "removing the arena's name at close: {e}"),
     }

@@ -522,6 +522,27 @@ def test_reservation_specs_are_read_as_their_json_would_be(make_sink: Any) -> No
     sink.finish_writes([row], ok=False)
 
 
+def test_finish_writes_finishes_each_result_whatever_else_it_is_handed(make_sink: Any) -> None:
+    """A thing among the results that is not one of this sink's (a reserve_each pair as it came)
+    made finish_writes raise before it finished any: the other results' readers waited their
+    deadline and failed, their objects reserved for good (found by an outside reading). Each is
+    finished alone now, and the stranger logged."""
+    sink = make_sink()
+    ((r, at),) = sink.reserve_each([reservation("fw")], within_s=FIRST_WAIT_S)
+    assert "error" not in r, r
+    data, ids = write(r, at, seed=7)
+    sink.finish_writes([(r, at), r])
+    deadline = time.monotonic() + 10
+    while (s := sink.stats())["written_objects"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert s["written_objects"] == 2 and s["failed_writes"] == 0, s
+    store = ca.ArenaFeatureStore()
+    got = store.get(r)
+    assert got["h"].tobytes() == data and got["ids"].tolist() == ids
+    store.release(r)
+    store.flush(10)
+
+
 FREER = r"""
 import json, sys, time
 import capture_arena as ca

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -636,6 +637,83 @@ def test_exit_does_not_wait_out_a_starter_held_behind_a_full_arena() -> None:
     assert took < _sink.STARTER_EXIT_WAIT_S + 5 + 3, (took, err[-3000:])
     # The parked call holds the sink for good: the arena's name went at close even so (before:
     # left in /dev/shm until another producer's start swept it).
+    leftover = os.path.exists(name)
+    if leftover:
+        os.unlink(name)
+    assert not leftover, name
+
+
+def test_a_start_asked_for_alone_takes_no_batchs_place_while_the_arena_is_made() -> None:
+    """SGLANG_SPEC_CAPTURE_ARENA_EAGER=1 starts the arena in the background so that the
+    scheduler pays nothing; but the start itself counted against max_pending_batches while the
+    arena was made (about 0.5 s a GiB), so the scheduler's first batch blocked on it (with 1),
+    or was refused without blocking (found by an outside reading). The arena's making is held
+    here by a stand-in for its slowness."""
+    sink = ca.ArenaSink(arena_bytes="64KiB", max_pending_batches=1)
+    making, go = threading.Event(), threading.Event()
+    real = sink._start_one
+
+    def slow_start(items: Any, fut: Any, device: Any) -> None:
+        if fut is None:
+            making.set()
+            go.wait(30)
+        real(items, fut, device)
+
+    sink._start_one = slow_start  # type: ignore[method-assign]
+    try:
+        sink.start_in_background()
+        assert making.wait(10), "the starter began"
+        fut = sink.submit_samples([(spec("early", 4, aux=False), None, hidden(4, 4))], block=False)
+        go.set()
+        (row,) = fut.result(timeout=30)
+        assert "error" not in row, row
+    finally:
+        go.set()
+        sink.close()
+
+
+def test_a_sink_closed_by_another_thread_during_a_submit_gives_its_rows_never_a_raise() -> None:
+    """Another thread's close() between submit_samples' look at the sink and its hand-over to
+    the starter made the hand-over's getters raise WriterStoppedError into the caller (found by
+    an outside reading); the batch gets its rows instead. The close's moment is a stand-in: the
+    hand-over raises as those getters do then."""
+    sink = ca.ArenaSink(arena_bytes="64KiB")
+
+    def closed_meanwhile(entry: Any, device: Any) -> bool:
+        raise ca.WriterStoppedError("the ArenaSink is closed")
+
+    sink._hand_to_starter = closed_meanwhile  # type: ignore[method-assign]
+    try:
+        (row,) = sink.submit_samples([(spec("late", 4, aux=False), None, hidden(4, 4))]).result(timeout=10)
+        assert "closed" in row["error"], row
+    finally:
+        sink.close()
+
+
+EXIT_UNDER_A_WRITE = r"""
+import sys, threading, numpy as np
+import capture_arena as ca
+sink = ca.ArenaSink(arena_bytes="64KiB")
+row = sink.put_sample({"store_id": "st", "sample_id": "s", "features": {"last_hidden": "target"}}, last_hidden=np.ones((4, 8), np.float32))
+assert "error" not in row, row
+# A thread writing into the arena that does not stop (vLLM's copier, stuck): it holds the sink.
+stuck = threading.Event()
+threading.Thread(target=lambda held=sink: stuck.wait(), daemon=True).start()
+sink.on_close(lambda: False)
+print(sink.session, flush=True)
+sys.exit(0)
+"""
+
+
+def test_an_arena_left_mapped_under_a_write_that_did_not_stop_loses_its_name_at_exit() -> None:
+    # Before: once a writing thread's stop failed, the exit hook returned before anything else,
+    # and the arena's name stayed in /dev/shm after the process, holding all its memory (found
+    # by an outside reading).
+    out = subprocess.run([sys.executable, "-c", EXIT_UNDER_A_WRITE], capture_output=True, text=True, timeout=120)
+    session = out.stdout.strip()
+    assert out.returncode == 0 and session.startswith("shm://"), out.stdout + out.stderr[-3000:]
+    assert "a thread still writes into the capture arena" in out.stderr, out.stderr[-3000:]
+    name = "/dev/shm/" + session.removeprefix("shm://").split("?")[0]
     leftover = os.path.exists(name)
     if leftover:
         os.unlink(name)

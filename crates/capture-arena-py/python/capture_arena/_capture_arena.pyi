@@ -176,6 +176,9 @@ class _ArenaSink:
         """Stops the writer and removes the arena. Idempotent."""
     def _close_at_exit(self) -> None:
         """As ``close``; a shared-memory arena's name goes at once even under a call in flight."""
+    def _remove_name_at_exit(self) -> None:
+        """At exit, with a thread still writing into the arena: its shared-memory name goes,
+        the sink is left as it is."""
 
 @final
 class ReadBuffer:

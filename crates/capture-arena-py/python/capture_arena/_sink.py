@@ -173,7 +173,12 @@ class ArenaSink(LiveSink, _ArenaSink):
             _complete(fut, items, str(e))
             return fut
         if early:
-            self._enqueue(items, fut, block)
+            try:
+                self._enqueue(items, fut, block)
+            except QueueFullError:
+                raise
+            except Exception as e:  # closed meanwhile (by another thread): the batch's rows
+                _complete(fut, items, str(e))
         else:
             self._submit_now(items, fut, block)
         return fut
@@ -238,12 +243,14 @@ class ArenaSink(LiveSink, _ArenaSink):
     def _enqueue(
         self, items: list[Any], fut: "Optional[concurrent.futures.Future[list[Result]]]", block: bool, device: Optional[int] = None
     ) -> None:
-        """Hands a batch that arrived before the writer started to the starter thread."""
+        """Hands a batch that arrived before the writer started to the starter thread. The
+        batches waiting there count against ``max_pending_batches``; a start asked for alone
+        (:meth:`start_in_background`) does not."""
         limit = max(1, self.max_pending_batches)
         with self._early_lock:
-            while fut is not None and len(self._early) >= limit:
+            while fut is not None and (waiting := sum(f is not None for _, f in self._early)) >= limit:
                 if not block:
-                    raise QueueFullError(f"{len(self._early)} batches already wait for the arena to be created")
+                    raise QueueFullError(f"{waiting} batches already wait for the arena to be created")
                 self._early_lock.wait(1.0)
             started = self._hand_to_starter((items, fut), device)
             why = f"creating the capture arena failed ({self._start_error})"
@@ -581,8 +588,16 @@ class ArenaSink(LiveSink, _ArenaSink):
         are visible to other processes (a device copy has completed): readers may read them. With
         ``ok=False`` they never will be: their readers fail, and their space is freed. A free
         asked for meanwhile is applied now. Never raises for a result (a closed sink has no
-        arena left to finish)."""
-        self._finish_keys([k for r in results if "error" not in r for k in _result_keys(r)], ok)
+        arena left to finish): one that names no object of this sink's is logged and costs the
+        others nothing."""
+        keys: list[str] = []
+        for r in results:
+            try:
+                if "error" not in r:
+                    keys += _result_keys(r)
+            except Exception as e:  # not a result (a reserve_each pair, a forged one): its own loss
+                _log.warning("finish_writes: skipped what is not a result of this sink's: %.300s", e)
+        self._finish_keys(keys, ok)
 
     def _finish_keys(self, keys: list[str], ok: bool = True) -> None:
         """:meth:`finish_writes` by the objects' keys (:meth:`_reserve_each_keys`)."""
@@ -622,6 +637,9 @@ class ArenaSink(LiveSink, _ArenaSink):
     def _close(self, at_exit: bool) -> None:
         self._stop_live()
         if not self._stop_writers():
+            if at_exit:
+                # Left mapped under the write; its name must not outlive the process in /dev/shm.
+                self._remove_name_at_exit()
             _log.error("a thread still writes into the capture arena: it is left in place until the process exits")
             return
         if at_exit:
