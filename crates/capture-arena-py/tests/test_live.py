@@ -453,6 +453,44 @@ def test_the_queue_holds_at_most_its_bytes_of_the_servers_tensors(live: Any) -> 
     wait_for(lambda: live.sink.stats()["resident_objects"] == 0, "the trainer's frees")
 
 
+def test_a_cuda_capture_is_published_after_what_the_scheduler_enqueued_before_handing_it_over_faked_cuda(live: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker converts and publishes a capture on its own thread, whose current stream is
+    not the scheduler's: the writer's copies waited on the worker's stream, ordered after none of
+    the kernels that wrote the capture (found by an outside reading). The hand-over now records
+    an event on the scheduler's stream, and the worker's stream waits for it before the publish.
+    No GPU here: torch's CUDA streams and events are stand-ins, as is the tensor."""
+    calls: list[tuple[str, str, Any]] = []
+
+    class Event:
+        def record(self, stream: Any) -> None:
+            calls.append(("record", threading.current_thread().name, (self, stream.device)))
+
+    class Stream:
+        def __init__(self, device: Any) -> None:
+            self.device = device
+
+        def wait_event(self, event: Any) -> None:
+            calls.append(("wait", threading.current_thread().name, (event, self.device)))
+
+    class CudaTensor:
+        is_cuda = True
+        device = "cuda:3"
+        shape = (8, K * H)
+
+        def untyped_storage(self) -> Any:
+            return SimpleNamespace(nbytes=lambda: 8 * K * H * 2)
+
+    monkeypatch.setattr(_live, "_torch", lambda: SimpleNamespace(cuda=SimpleNamespace(Event=Event, current_stream=Stream)), raising=False)
+    monkeypatch.setattr(live.sink._live, "_publish", lambda item: (calls.append(("publish", threading.current_thread().name, None)), {"error": "not published: a stand-in"})[1])
+    spec = live.hook.maybe_live_spec("cuda0")
+    live.sink.put_sample_live(spec, aux=CudaTensor(), last_hidden=None, tokens=list(range(8)))
+    wait_for(lambda: live.sink.stats()["live_dropped_publish"] == 1, "the publish")
+    (rec, *rest) = calls
+    assert rec[:2] == ("record", threading.current_thread().name) and rec[2][1] == "cuda:3", calls
+    assert [c[:2] for c in rest] == [("wait", "capture-arena-live"), ("publish", "capture-arena-live")], calls
+    assert rest[0][2] == rec[2], "the worker's stream of the same device waits for the hand-over's event"
+
+
 def test_what_the_scheduler_hands_over_never_raises_and_bad_rows_are_dropped(live: Any, caplog: pytest.LogCaptureFixture) -> None:
     sink = live.sink
     caplog.set_level(logging.WARNING)

@@ -25,6 +25,8 @@ What is added:
   producer may have restarted with a new ``store_id``); requests that arrive before it are not
   captured;
 - ``maybe_live_spec`` and ``put_sample_live`` never raise;
+- CUDA tensors are published after the kernels the scheduler enqueued before handing them
+  over (an event on its stream, which the worker's stream waits for);
 - while the intake is down (no attempt of a record connected, or the proxy answered every
   attempt 502 or 503: taken as not reaching the intake), captures are dropped before
   they are published (``live_dropped_intake_down``): for 0.5 s, doubling up to 8 s while it
@@ -237,6 +239,35 @@ def _held_bytes(x: Any) -> int:
     return int(getattr(x, "nbytes", 0))
 
 
+def _handed_over(*tensors: Any) -> Optional[Any]:
+    """For CUDA tensors: an event recorded on the handing thread's current stream of their
+    device (the scheduler's, where the kernels that wrote them were enqueued), which the worker
+    makes its own stream wait for before it touches them; None for host tensors. The worker's
+    current stream is another (the default one): without this, its copies (and a
+    ``.contiguous()``) were ordered after nothing the scheduler enqueued."""
+    for t in tensors:
+        if t is not None and getattr(t, "is_cuda", False) is True:
+            torch = _torch()
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(t.device))
+            return (t.device, event)
+    return None
+
+
+def _wait_handed_over(ready: Optional[Any]) -> None:
+    """On the worker: its current stream of the tensors' device waits for the hand-over's event
+    (no host wait: the writer's copies are enqueued after it)."""
+    if ready is not None:
+        device, event = ready
+        _torch().cuda.current_stream(device).wait_event(event)
+
+
+def _torch() -> Any:
+    import importlib
+
+    return importlib.import_module("torch")
+
+
 def _tokens_bytes(tokens: Any) -> int:
     """The memory a capture's token ids keep alive: an array's or a tensor's as ``_held_bytes``
     says; a list's (or a tuple's) own size plus ``INT_BYTES`` per id (a Python int past 256 is
@@ -337,7 +368,7 @@ class LiveCapture:
         _log.info("live capture: the intake %s is reached %s", self.intake_url, self._route.describe())
         self._publish = publish
         self._drop = drop
-        self._queue: "queue.Queue[Optional[tuple[Any, Any, Any, Any, int]]]" = queue.Queue(maxsize=_queue_size())
+        self._queue: "queue.Queue[Optional[tuple[Any, Any, Any, Any, int, Any]]]" = queue.Queue(maxsize=_queue_size())
         #: The bytes the queued captures hold (tensors and token ids), and the most they may (a
         #: capture over it is taken only into an empty queue).
         self._queued_bytes = 0
@@ -398,6 +429,7 @@ class LiveCapture:
         the bytes their tensors hold) drops it."""
         try:
             held = _held_bytes(aux) + _held_bytes(last_hidden) + _tokens_bytes(tokens)
+            ready = _handed_over(aux, last_hidden)
         except Exception:
             self._count("live_dropped_bad_rows")
             return
@@ -409,7 +441,7 @@ class LiveCapture:
                 self._count("live_dropped_queue_full")
                 return
             try:
-                self._queue.put_nowait((spec, aux, last_hidden, tokens, held))
+                self._queue.put_nowait((spec, aux, last_hidden, tokens, held, ready))
             except queue.Full:
                 self._count("live_dropped_queue_full")
                 return
@@ -507,7 +539,7 @@ class LiveCapture:
             held = item[4]
             with self._put_lock:  # out of the queue: its tensors are the worker's to let go
                 self._queued_bytes -= held
-            capture = list(item[:4])
+            capture = list(item[:4]) + [item[5]]
             del item  # the capture's tensors are held by `capture` alone, let go once published
             try:
                 self._write(capture)
@@ -522,8 +554,8 @@ class LiveCapture:
                 self._log_stats()
 
     def _write(self, capture: list[Any]) -> None:
-        """Publishes ``[spec, aux, last_hidden, tokens]`` and posts its record; the tensors are
-        let go (the list emptied) once published, not held through the post."""
+        """Publishes ``[spec, aux, last_hidden, tokens, ready]`` and posts its record; the
+        tensors are let go (the list emptied) once published, not held through the post."""
         spec, tokens = capture[0], capture[3]
         cfg = self._config
         aux = capture[1]
@@ -573,6 +605,7 @@ class LiveCapture:
                 data = ones
             passthrough.append({"name": name, "data": data, "shape": [1, n], "dtype": "int64"})
         item = (dict(spec, passthrough=passthrough), capture[1], capture[2])
+        _wait_handed_over(capture[4])  # before the publish reads the stream its copies follow
         capture.clear()  # from here the item alone holds the tensors, and the publish takes it
         row = self._publish(item)
         del item
