@@ -213,6 +213,7 @@ def scheduler_module(sglang_tree: Callable[[str], Path], tmp_path: Path, monkeyp
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "queue(n): the live capture queue's size (SPEC_CAPTURE_LIVE_QUEUE) for the test's server")
     config.addinivalue_line("markers", "queue_bytes(n): the bytes the live capture queue may hold (SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES)")
+    config.addinivalue_line("markers", "sync_wait(s): a synchronous caller's bound (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S)")
     config.addinivalue_line("markers", "proxy: the test's live server reaches its intake through a forward proxy (http_proxy)")
 
 

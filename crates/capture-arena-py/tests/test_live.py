@@ -117,6 +117,9 @@ def live(scheduler_module: Any, monkeypatch: pytest.MonkeyPatch, request: pytest
     marker = request.node.get_closest_marker("queue_bytes")
     if marker is not None:
         monkeypatch.setenv("SGLANG_SPEC_CAPTURE_LIVE_QUEUE_BYTES", str(marker.args[0]))
+    marker = request.node.get_closest_marker("sync_wait")
+    if marker is not None:
+        monkeypatch.setenv("SGLANG_SPEC_CAPTURE_SYNC_WAIT_S", str(marker.args[0]))
     store = SpecForgeArenaStore(store_id=store_id)
     producer = Producer(store, store.live_ref_source(_RefSource(store_id)))
     intake = Intake(config_payload(store_id), producer.on_record)
@@ -489,6 +492,34 @@ def test_a_cuda_capture_is_published_after_what_the_scheduler_enqueued_before_ha
     assert rec[:2] == ("record", threading.current_thread().name) and rec[2][1] == "cuda:3", calls
     assert [c[:2] for c in rest] == [("wait", "capture-arena-live"), ("publish", "capture-arena-live")], calls
     assert rest[0][2] == rec[2], "the worker's stream of the same device waits for the hand-over's event"
+
+
+@pytest.mark.sync_wait(0.2)
+def test_a_live_capture_waits_for_frees_in_a_full_arena_as_any_batch_not_the_schedulers_bound(live: Any) -> None:
+    """The worker publishes on its own thread, yet a full arena failed each capture after the
+    scheduler thread's bound (SGLANG_SPEC_CAPTURE_SYNC_WAIT_S, 1 s), dropping every capture of
+    a pause in the trainer's frees a little longer than that (found by an outside reading). It
+    waits as any batch does now (SGLANG_SPEC_CAPTURE_ARENA_WAIT_S, 30 s)."""
+    # The arena filled up to less than the capture needs (2,048 bytes of tensors, 64 of ids).
+    free = live.sink.stats()["largest_free"]
+    for n in range(free - 256, free - 4096, -256):
+        filler = {"store_id": live.store_id, "sample_id": "filler", "features": {"last_hidden": "h"}}
+        (big,) = live.sink.put_samples([(filler, None, np.zeros((1, n), np.uint8))], within_s=None)
+        if "error" not in big:
+            break
+    assert "error" not in big and live.sink.stats()["largest_free"] < 2048, (big, live.sink.stats())
+    freer = ca.ArenaFeatureStore()
+    try:
+        req, aux, last = live.server.serve("late", seed=3)
+        wait_for(lambda: live.sink.stats()["waiting_bytes"] > 0, "the live capture waiting for room")
+        t0 = time.monotonic()
+        wait_for(lambda: time.monotonic() - t0 > 0.6, "longer than the scheduler's bound")  # the property under test
+        assert live.sink.stats()["live_dropped_publish"] == 0 and live.sink.stats()["waiting_bytes"] > 0
+    finally:
+        freer.release(big)
+        freer.flush(10)
+    wait_for(lambda: live.sink.stats()["live_captured"] == 1, "the capture, once there was room")
+    trainer_reads_and_releases(live, {"live-late": (aux, last, req.origin_input_ids)})
 
 
 def test_what_the_scheduler_hands_over_never_raises_and_bad_rows_are_dropped(live: Any, caplog: pytest.LogCaptureFixture) -> None:

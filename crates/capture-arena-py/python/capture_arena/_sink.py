@@ -660,7 +660,13 @@ class ArenaSink(LiveSink, _ArenaSink):
         self._stops.append(stop)
 
     def _publish_live(self, item: Any) -> Result:
-        return self.put_samples([item], within_s=self.sync_wait_s)[0]
+        # On live capture's worker, not the scheduler's thread: a full arena is waited for as by
+        # any batch (SGLANG_SPEC_CAPTURE_ARENA_WAIT_S), not for the scheduler's bound alone.
+        try:
+            bound = max(self.sync_wait_s, self.arena_wait_s)
+        except Exception:  # closed: the batch's own row says so
+            bound = 0.0
+        return self.put_samples([item], within_s=bound)[0]
 
     def _drop_published(self, result: Mapping[str, Any]) -> None:
         """Frees a result this process published and will never hand out, at once."""
