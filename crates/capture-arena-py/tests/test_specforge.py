@@ -442,6 +442,23 @@ def test_what_results_may_cost_a_store_is_bounded_before_they_are_recorded(monke
     assert store._recorded.bytes <= 3 << 20 and list(store._recorded) == [(f"big{i}", 1) for i in (3, 4, 5)], (store._recorded.bytes, list(store._recorded))
 
 
+def test_a_response_of_refused_results_neither_goes_past_its_request_nor_evicts_the_endpoints_a_caller_named() -> None:
+    """A response's refused results (this store's, not recordable) each taught the store their
+    endpoint with no bound: one response of 5,000 named as many endpoints and pushed out the
+    oldest 4,096 known, the ones given as controls= first, so that aborts and discards went to
+    junk endpoints (found by an outside reading). Now a response counts as many results as its
+    request asked for, refused ones too, and named endpoints are never pushed out."""
+    from capture_arena import specforge as sf
+
+    store = SpecForgeArenaStore(store_id="run12", controls=["10.9.9.9:7000"])
+    junk = [{"store_id": "run12", "sample_id": f"s{i}", "arena": {"control": f"10.0.{i // 250}.{i % 250}:1"}, "features": {}} for i in range(5000)]
+    store._record([{"meta_info": {"spec_capture": junk}}], {"spec_capture": [{"sample_id": "s0"}]})
+    assert list(store._endpoints) == ["10.9.9.9:7000", "10.0.0.0:1"], list(store._endpoints)[:4]
+    for i in range(sf.MAX_ENDPOINTS + 10):
+        store._learn(f"10.1.{i // 250}.{i % 250}:1", None)
+    assert len(store._endpoints) == sf.MAX_ENDPOINTS and "10.9.9.9:7000" in store._endpoints
+
+
 def test_the_default_post_ends_at_its_timeout_however_slowly_the_server_answers() -> None:
     # SpecForge's post to the capture server (/generate), made by post_fn when it is given no
     # post of its own. urlopen bounds each read, not the call: a server sending its answer a
@@ -526,6 +543,37 @@ def _adopted(store: SpecForgeArenaStore, rows: list[dict[str, Any]]) -> list[Sam
         store.adopt(ref)
         refs.append(ref)
     return refs
+
+
+def test_a_reader_that_reads_a_newer_generation_of_a_sample_it_tracks_frees_both(make_sink: Any) -> None:
+    """A trainer's store (it adopts nothing: it tracks what it reads) that read g1 of a sample,
+    then g2 of it (re-captured), tracked g1 alone: releasing g2 freed nothing, and g2's objects
+    stayed resident for good (found by an outside reading). The newer generation supersedes the
+    one tracked now, as an adopt's does."""
+    import numpy as np
+
+    sink = make_sink()
+    rows = sink.put_samples(
+        [({"store_id": "gens", "sample_id": "s", "gen": g, "features": {"aux": "h"}}, np.full((4, 8), g, np.float32), None) for g in (1, 2)]
+    )
+    assert all("error" not in r for r in rows), rows
+    trainer = SpecForgeArenaStore(store_id="gens")
+    handles = []
+    for r in rows:
+        ref = SampleRef(
+            sample_id="s", run_id="run", source_task_id="s", feature_store_uri="mooncake://gens/s",
+            feature_keys={"h": "s/h"}, feature_specs={}, strategy="eagle3", metadata={"generation": r["gen"], "capture_arena": r},
+        )  # fmt: skip
+        got, handle = trainer.get(ref)
+        assert float(got["h"][0, 0, 0]) == r["gen"]
+        handles.append(handle)
+    for handle in reversed(handles):
+        trainer.release(handle)
+    trainer.drain_pending_removals(max_attempts=40)
+    deadline = time.monotonic() + 10
+    while sink.stats()["resident_objects"] != 0:
+        assert time.monotonic() < deadline, sink.stats()
+        time.sleep(0.01)
 
 
 def test_a_controller_without_the_producers_token_is_told_its_frees_were_refused(make_sink: Any) -> None:

@@ -647,6 +647,8 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
         self._lock = threading.RLock()
         _ALL_STORES.add(self)
         self._endpoints: "collections.OrderedDict[str, Optional[str]]" = collections.OrderedDict()
+        controls = [str(c) for c in controls]
+        self._configured = frozenset(controls)
         for c in controls:
             self._learn(str(c), (tokens or {}).get(str(c)))
         self._store_placement = False
@@ -703,11 +705,11 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             for result in _flatten(meta.get("spec_capture")):
                 if seen >= most:
                     return  # more results than the request asked for: not ours to keep
+                seen += 1  # refused ones too: each may name an endpoint to learn
                 ident, why = _recordable(result, self.store_id)
                 if ident is None:
                     self._refused(result, why)
                     continue
-                seen += 1
                 with self._lock:
                     self._supersede(self._recorded.get(ident), result)
                     self._recorded[ident] = dict(result)
@@ -744,7 +746,11 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
             return
         self._endpoints[control] = token
         while len(self._endpoints) > MAX_ENDPOINTS:
-            self._endpoints.popitem(last=False)
+            # The oldest learned goes; those the caller named (controls=) never do.
+            oldest = next((c for c in self._endpoints if c not in self._configured), None)
+            if oldest is None:
+                break
+            del self._endpoints[oldest]
 
     def _learn_from(self, result: Mapping[str, Any]) -> None:
         if is_store_result(result):
@@ -903,7 +909,8 @@ class SpecForgeArenaStore(FeatureStore):  # type: ignore[misc,unused-ignore]
                     self._remember_freed(sid, gen)
             raise
         with self._lock:
-            if sid not in self._generation:
+            cur = self._generation.get(sid)
+            if cur is None or gen > cur:  # a newer generation supersedes (frees) the one tracked
                 self._track(sid, gen, result)
             self._counter += 1
             handle = FeatureHandle(sample_id=sid, generation=gen, lease_token=f"{sid}:{gen}:{self._counter}")
