@@ -129,6 +129,34 @@ def test_a_result_of_megabytes_refused_by_the_core_makes_an_error_of_a_few_hundr
     assert len(str(e.value)) < 2000, len(str(e.value))
 
 
+def test_a_device_out_of_memory_is_an_arena_os_error_saying_how_much_faked_cuda(make_sink, monkeypatch):
+    """Every read error is a CaptureArenaError, yet a device out of memory while its outputs
+    were made (or while host outputs were moved there, for store and TransferEngine reads)
+    escaped as torch's OutOfMemoryError, which callers catching CaptureArenaError or KeyError
+    miss (found by an outside reading). No GPU here: torch's error is raised by stand-ins for the
+    allocation and the move."""
+    import torch
+
+    from capture_arena import _reader
+
+    sink = make_sink()
+    r = sink.put_sample(spec("oom", 8), aux=hidden(8, 12), last_hidden=hidden(8, 4))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (a stand-in)")
+
+    monkeypatch.setattr(_reader, "new_array", out_of_memory)
+    with pytest.raises(ca.ArenaOSError, match=r"allocating \w+ on cuda:0 \(\d+ bytes\) failed, out of memory: CUDA out of memory"):
+        ca.ArenaFeatureStore().get(r, device="cuda:0")
+
+    class HostTensor:
+        nbytes = 4096
+        to = staticmethod(out_of_memory)
+
+    with pytest.raises(ca.ArenaOSError, match=r"moving the result's features to cuda:1 \(4096 bytes\) failed, out of memory"):
+        _reader._to_device({"h": HostTensor()}, "cuda:1")
+
+
 def test_get_after_release_raises_key_error(make_sink):
     sink = make_sink()
     r = sink.put_sample(spec("a"), aux=hidden(8, 12), last_hidden=hidden(8, 4))

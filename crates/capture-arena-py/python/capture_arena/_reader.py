@@ -4,6 +4,7 @@ transport its session names, then releases them; queued frees are flushed at exi
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib
 import math
@@ -12,7 +13,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Optional
 
 import numpy as np
@@ -91,7 +92,20 @@ def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
         return arrays
     if any(isinstance(a, np.ndarray) for a in arrays.values()):
         raise InvalidReadError("device= needs torch outputs: pass torch out= tensors, or no out=")
-    return {n: a.to(device) for n, a in arrays.items()}
+    with _no_memory_as_error(f"moving the result's features to {device}", sum(int(a.nbytes) for a in arrays.values())):
+        return {n: a.to(device) for n, a in arrays.items()}
+
+
+@contextlib.contextmanager
+def _no_memory_as_error(what: str, nbytes: int) -> Iterator[None]:
+    """A device (or the host) out of memory: ArenaOSError saying what and how much, as every
+    read error is a CaptureArenaError (torch's OutOfMemoryError is none)."""
+    try:
+        yield
+    except Exception as e:
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+            raise ArenaOSError(f"{what} ({nbytes} bytes) failed, out of memory: {e}") from None
+        raise
 
 
 def _stamps(result: Mapping[str, Any], wanted: list[str], lens: list[int]) -> list[tuple[str, int, int]]:
@@ -234,7 +248,8 @@ class ArenaFeatureStore(_Store):
             elif pooled and device is None and (made := _pool.fresh(list(f["shape"]), f["dtype"], torch)) is not None:
                 arr, view = made
             else:
-                arr, view = new_array(list(f["shape"]), f["dtype"], torch, device)
+                with _no_memory_as_error(f"allocating {name} on {device or 'the host'}", _nbytes(f)):
+                    arr, view = new_array(list(f["shape"]), f["dtype"], torch, device)
             arrays[name] = arr
             views.append(view)
         return arrays, views
