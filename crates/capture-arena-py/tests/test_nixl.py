@@ -391,7 +391,7 @@ import capture_arena as ca
 stuck_result = json.loads(sys.argv[1])
 results = [json.loads(line) for line in sys.stdin if '"features"' in line]
 store = ca.ArenaFeatureStore()
-for r in results:  # the live producer's session opened before the other one stops
+for r in results + [stuck_result]:  # both producers' sessions opened before one stops
     store.get(r)
 print("ready", flush=True)
 while open(f"/proc/{sys.argv[2]}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
@@ -410,6 +410,8 @@ def stuck():
     except ca.StaleSessionError as e:
         out["stuck"] = f"stale after {time.monotonic() - span['t0']:.1f} s"
         out["stuck_error"] = str(e)
+        from capture_arena._engine import QUARANTINE
+        out["held"] = len(QUARANTINE)  # its outputs, which a NIC may still write over RDMA
     span["t1"] = time.monotonic()
     done.set()
 def reader(k):
@@ -477,6 +479,9 @@ def test_reads_from_one_host_run_side_by_side_and_a_hung_one_holds_up_no_other()
         assert got["stuck"].startswith("stale after"), got
         # The error names what to change.
         assert "SGLANG_SPEC_CAPTURE_READ_TIMEOUT_S" in got["stuck_error"], got
+        # Its outputs (a range of the pool the next read would get) are held, as a timed-out
+        # Mooncake read's are (before: back in the pool at once; found by an outside reading).
+        assert got["held"] == 1, got["stuck_error"]
         # Reads kept completing while the hung one waited: it held up only its own agent.
         assert got["reads_while_hung"] >= 4, got
     finally:

@@ -24,7 +24,7 @@ from . import _pool
 from ._store import StoreReader, is_store_result, same_sizes
 from ._tensors import new_array, numpy_dtype, out_bytes
 from ._samples import _torch_module, feature_names
-from .errors import ArenaOSError, InvalidReadError
+from .errors import ArenaOSError, InvalidReadError, StaleSessionError
 
 
 def handle_of(result: Mapping[str, Any]) -> str:
@@ -83,6 +83,11 @@ def _fits_in_memory(wanted: list[str], lens: list[int], out: Optional[Mapping[st
             f"the result's features need {need} bytes, more than {of}'s {limit} bytes of memory: "
             "read fewer of them (names=), into arrays of your own (out=), or give the process more memory"
         )
+
+
+#: What the NIXL reader's error says of a read that timed out with its request in flight
+#: (crates/capture-arena/src/transport/nixl.rs, ``Waited::TimedOut``).
+NIXL_TIMED_OUT = "did not complete in"
 
 
 def _to_device(arrays: dict[str, Any], device: Optional[str]) -> dict[str, Any]:
@@ -179,9 +184,18 @@ class ArenaFeatureStore(_Store):
         if device is None or str(device).startswith("cpu"):
             feats = result["features"]
             _fits_in_memory(wanted, [_nbytes(feats[n]) for n in wanted], out)
-        pooled = device is None and str(result["arena"].get("session", "")).startswith("nixl://")
-        arrays, views = self._outputs(result, wanted, out, torch, device, pooled)
-        self._read_into(result, list(zip(wanted, views)))
+        nixl = str(result["arena"].get("session", "")).startswith("nixl://")
+        arrays, views = self._outputs(result, wanted, out, torch, device, nixl and device is None)
+        try:
+            self._read_into(result, list(zip(wanted, views)))
+        except StaleSessionError as e:
+            if nixl and NIXL_TIMED_OUT in str(e):
+                # Over RDMA a NIC may still complete the abandoned READ into these outputs (a
+                # pooled range would go to the next read): held as a Mooncake read's are.
+                from ._engine import QUARANTINE
+
+                QUARANTINE.hold((arrays, views))
+            raise
         return arrays
 
     _engine_reader: Optional[Any] = None
