@@ -8,7 +8,7 @@
 //! | `SGLANG_SPEC_CAPTURE_ARENA_ALIGN` | `alignment` | 256 |
 //! | `SGLANG_SPEC_CAPTURE_ARENA_WAIT_S` | `arena_wait` | 30 s |
 //! | `SGLANG_SPEC_CAPTURE_SYNC_WAIT_S` | `sync_wait` | 1 s: how long a synchronous caller (the scheduler thread of a patch that calls `put_sample`) waits for its batch to start; at most 86400 |
-//! | `SGLANG_SPEC_CAPTURE_CONTROL_HOST`, else `MOONCAKE_LOCAL_HOSTNAME` | `control_host` | 127.0.0.1 |
+//! | `SGLANG_SPEC_CAPTURE_CONTROL_HOST`, else `MOONCAKE_LOCAL_HOSTNAME`'s host (without a port) | `control_host` | 127.0.0.1 |
 //! | `SGLANG_SPEC_CAPTURE_CONTROL_PORT` | `control_port` | 0 (ephemeral) |
 //! | `SGLANG_SPEC_CAPTURE_MAX_PENDING_BATCHES` | `max_pending_batches` | 2 |
 //! | `SGLANG_SPEC_CAPTURE_TIMING` | `timing` | off |
@@ -113,6 +113,39 @@ pub const DEFAULT_MAX_PENDING_BATCHES: usize = 2;
 /// The control host must be one address trainers can reach, never all interfaces: a producer
 /// advertises where it listens, and `0.0.0.0:port` is no place to connect to (it would also
 /// expose the port on every network of the host).
+/// The host a control host variable names: an IPv6 address without its brackets; for
+/// `MOONCAKE_LOCAL_HOSTNAME`, which may carry Mooncake's own port (`host:port`, `[v6]:port`),
+/// without it. A port in `SGLANG_SPEC_CAPTURE_CONTROL_HOST` is an error naming the port's own
+/// variable.
+fn host_part<'a>(var: &'static str, h: &'a str) -> Result<&'a str> {
+    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+    let (host, port) = if let Some(rest) = h.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((inner, "")) => (inner, None),
+            Some((inner, tail)) => match tail.strip_prefix(':') {
+                Some(p) if digits(p) => (inner, Some(p)),
+                _ => return Err(Error::config(var, format!("{h:?} is not a host"))),
+            },
+            None => return Err(Error::config(var, format!("{h:?} is not a host"))),
+        }
+    } else {
+        match h.split_once(':') {
+            Some((host, p)) if !p.contains(':') && digits(p) => (host, Some(p)),
+            _ => (h, None),
+        }
+    };
+    if let Some(p) = port.filter(|_| var != ENV_LOCAL_HOSTNAME) {
+        return Err(Error::config(
+            var,
+            format!(
+                "{h:?} is a host and a port: name the host alone, and the port with \
+                 {ENV_CONTROL_PORT}={p}"
+            ),
+        ));
+    }
+    Ok(host)
+}
+
 fn check_control_host(var: &'static str, host: &str) -> Result<()> {
     if host.is_empty() {
         return Err(Error::config(var, "empty host"));
@@ -349,7 +382,7 @@ impl Config {
         if let Some((var, h)) =
             named.or_else(|| get(ENV_LOCAL_HOSTNAME).map(|h| (ENV_LOCAL_HOSTNAME, h)))
         {
-            c.control_host = h.trim().to_owned();
+            c.control_host = host_part(var, h.trim())?.to_owned();
             check_control_host(var, &c.control_host)?;
         }
         if let Some(v) = get(ENV_CONTROL_PORT) {
@@ -623,6 +656,31 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.control_host, "127.0.0.2", "the explicit host wins");
+        // Mooncake's hostname may carry its own port: the control host is its host part (before:
+        // "10.1.2.3:17812" was taken whole, and binding failed resolving it); an IPv6 address
+        // loses its brackets, which binding does not take.
+        for (var, given, host) in [
+            (ENV_LOCAL_HOSTNAME, "10.1.2.3:17812", "10.1.2.3"),
+            (ENV_LOCAL_HOSTNAME, "[fd00::7]:17812", "fd00::7"),
+            (ENV_LOCAL_HOSTNAME, "fd00::7", "fd00::7"),
+            (ENV_LOCAL_HOSTNAME, "node-3.cluster", "node-3.cluster"),
+            (ENV_CONTROL_HOST, "[fd00::7]", "fd00::7"),
+        ] {
+            assert_eq!(
+                cfg(&[(var, given)]).unwrap().control_host,
+                host,
+                "{var}={given}"
+            );
+        }
+        // Its own variable takes no port: said, with the port's variable.
+        let e = cfg(&[(ENV_CONTROL_HOST, "10.1.2.3:5555")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("SGLANG_SPEC_CAPTURE_CONTROL_PORT=5555"), "{e}");
+        for bad in ["[fd00::7", "[fd00::7]x"] {
+            let e = cfg(&[(ENV_CONTROL_HOST, bad)]).unwrap_err().to_string();
+            assert!(e.contains("is not a host"), "{e}");
+        }
         // Never all interfaces, whichever variable names it.
         for (var, host) in [
             (ENV_LOCAL_HOSTNAME, "0.0.0.0"),
