@@ -141,7 +141,7 @@ TORCH_VERSION=$(sed -n 's/^torch==//p' scripts/constraints.txt)  # the one pin o
   set -e
   # Every library Mooncake's engine and store load (readelf -d), not only the first two: a
   # machine with some of them would otherwise skip every Mooncake test.
-  LIBS=$(ldconfig -p)
+  LIBS=$(/sbin/ldconfig -p)  # /sbin: not on a user's PATH on Debian
   missing=0
   for lib in libibverbs.so.1 libnl-3.so.200 libnl-route-3.so.200 libnuma.so.1 libcurl.so.4; do
     case "$LIBS" in *"$lib "*) ;; *) missing=1 ;; esac
