@@ -72,7 +72,7 @@ import sys
 import time
 import types
 from abc import ABC
-from typing import Any
+from typing import Any, Optional
 
 T0 = time.monotonic()  # --budget-s counts from here, torch's import included
 
@@ -125,6 +125,21 @@ def install_vllm_stubs() -> None:
         def bind_kv_cache_manager(self, manager: Any) -> None:
             self._kv_cache_manager = manager
 
+        # The rest of vLLM 0.32's hooks the connector needs (it refuses a vLLM without them),
+        # with the base class's defaults.
+        def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+            return None
+
+        def has_pending_block_frees(self) -> bool:
+            return False
+
+        def reset_cache(self) -> Optional[bool]:
+            return None
+
+        @property
+        def requires_kv_delivery(self) -> bool:
+            return False
+
     class HiddenStateCacheSpec:
         def __init__(self, block_size: int) -> None:
             self.block_size = block_size
@@ -136,7 +151,7 @@ def install_vllm_stubs() -> None:
         return {n: CacheOnlyAttentionLayer() for n in names if "cache_only" in n}
 
     mods = {
-        "vllm": {},
+        "vllm": {"__version__": "0.32.0 (stubbed by scripts/gpu_vllm_check.py)"},
         "vllm.distributed": {},
         "vllm.distributed.kv_transfer": {},
         "vllm.distributed.kv_transfer.kv_connector": {},
