@@ -345,7 +345,9 @@ def test_reads_tried_through_a_partition_cost_the_trainer_a_bounded_number_of_th
         c.partition("p1")
         got = trainer.send({"r": results[1], "n": 20})
         assert got["ended"].get("StaleSessionError") == 20, got
-        assert got["threads"] <= first["threads"] + MAX_STUCK_LOADS, (first, got)
+        # (+1: the first read, of a loaded session, timed out with its request in flight, and
+        # its outputs are held for two minutes by a timer thread of the quarantine's.)
+        assert got["threads"] <= first["threads"] + MAX_STUCK_LOADS + 1, (first, got)
         more = trainer.send({"r": results[1], "n": 100})
         assert more["ended"].get("StaleSessionError") == 100, more
         assert "still stuck" in more["ended"]["why"], more
@@ -358,7 +360,7 @@ def test_reads_tried_through_a_partition_cost_the_trainer_a_bounded_number_of_th
         deadline = time.monotonic() + 60
         while (again := trainer.send({"r": results[1], "n": 1}))["ended"].get("ok") != 1:
             assert time.monotonic() < deadline, f"no read went through within 60 s of the heal: {again}"
-        assert again["threads"] <= first["threads"] + MAX_STUCK_LOADS, (first, again)
+        assert again["threads"] <= first["threads"] + MAX_STUCK_LOADS + 1, (first, again)
         assert trainer.send({"release": results})["released"] == 2
         health = trainer.finish()
         assert health["pending_frees"] == 0 and health["dropped_frees"] == 0, health

@@ -79,10 +79,15 @@ struct ReaderAgent {
     busy: AtomicBool,
 }
 
-/// Producer agents found gone (the latest [`MAX_GONE`]): their sessions are refused at once
-/// instead of each failing on its own.
-static GONE: Mutex<std::collections::VecDeque<String>> =
+/// Producer agents found gone (the latest [`MAX_GONE`]), with when: for [`GONE_FOR`] their
+/// sessions are refused at once instead of each failing on its own.
+static GONE: Mutex<std::collections::VecDeque<(String, Instant)>> =
     Mutex::new(std::collections::VecDeque::new());
+/// How long a producer agent found gone is refused without a try. A failed transfer looks the
+/// same whether the producer exited or its connection broke (a reset, a partition UCX reported
+/// as an error): past this, the next open tries it again, so a live producer is read again
+/// once the network is back, and a gone one fails again at once (refused).
+pub const GONE_FOR: Duration = Duration::from_secs(10);
 /// Reader agents retired after a timed-out read, kept forever: destroying one could complete
 /// the abandoned request into memory its caller has reused. Those retired while a load of
 /// metadata ran in them hold no request, and are let go once that load ends ([`STUCK_LOADS`]).
@@ -93,7 +98,18 @@ static RETIRED: Mutex<Vec<Arc<ReaderAgent>>> = Mutex::new(Vec::new());
 /// runs in). At most [`MAX_STUCK_LOADS`] per producer: past it, its loads fail at once until
 /// one of them ends. An agent whose load outlived its caller is retired, and let go (destroyed)
 /// once the load ends: it was leased for the load alone, so it has no request in flight.
-static STUCK_LOADS: Mutex<Vec<(String, u64)>> = Mutex::new(Vec::new());
+static STUCK_LOADS: Mutex<StuckLoads> = Mutex::new(StuckLoads {
+    pid: 0,
+    loads: Vec::new(),
+});
+
+/// [`STUCK_LOADS`]' table, of the process `pid`: a forked child starts with none (the loads
+/// are its parent's, whose threads it does not have, so none of them would ever end there).
+#[derive(Debug)]
+struct StuckLoads {
+    pid: u32,
+    loads: Vec<(String, u64)>,
+}
 /// The most loads of one producer's metadata at once, under way or stuck past their read
 /// timeout (blocked in `connect()`); past it, reads from that producer fail at once until one
 /// ends. Each costs a thread, its reader agent and the agent's UCX sockets until its connect
@@ -321,6 +337,9 @@ pub struct NixlTransport {
     dead: AtomicBool,
     /// Buffers stamps are read to, registered once each, one per thread reading stamps at once.
     stamp_words: Mutex<Vec<super::ReadBuffer>>,
+    /// Requests of this session left in flight in a retired agent (reads that timed out): a
+    /// buffer one may still be aimed at is never used again.
+    abandoned: std::sync::atomic::AtomicU64,
 }
 
 /// Stamps one read of [`NixlTransport::stamps`] takes in its registered buffer.
@@ -348,11 +367,7 @@ impl NixlTransport {
     /// [`Error::StaleSession`] when NIXL refuses the metadata or cannot reach the producer.
     pub fn open(session: &NixlSession) -> Result<NixlTransport> {
         let timeout = crate::config::read_timeout()?;
-        if GONE
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&session.agent)
-        {
+        if found_gone(&session.agent, Instant::now()) {
             return Err(Error::StaleSession {
                 session: session.to_string(),
                 reason: "an earlier read found this producer gone (exited, restarted or \
@@ -367,6 +382,7 @@ impl NixlTransport {
             loads: Mutex::new(Vec::new()),
             dead: AtomicBool::new(false),
             stamp_words: Mutex::new(Vec::new()),
+            abandoned: std::sync::atomic::AtomicU64::new(0),
         };
         let until = Instant::now().checked_add(timeout);
         let agent = lease(&session.host, &[], until)?;
@@ -574,6 +590,7 @@ impl NixlTransport {
                 Waited::TimedOut(reason) => {
                     // Not remembered as gone: a producer that was only slow or stopped for a
                     // while is read again, through another agent.
+                    self.abandoned.fetch_add(1, Ordering::SeqCst);
                     retire_agent(agent, "a read timed out");
                     std::mem::forget(req);
                     self.dead.store(true, Ordering::SeqCst);
@@ -750,8 +767,27 @@ fn load_bounded(
     }
 }
 
-fn lock_stuck() -> std::sync::MutexGuard<'static, Vec<(String, u64)>> {
-    STUCK_LOADS.lock().unwrap_or_else(|p| p.into_inner())
+fn lock_stuck() -> std::sync::MutexGuard<'static, StuckLoads> {
+    let mut table = STUCK_LOADS.lock().unwrap_or_else(|p| p.into_inner());
+    let pid = std::process::id();
+    if table.pid != pid {
+        table.pid = pid;
+        table.loads.clear();
+    }
+    table
+}
+
+impl std::ops::Deref for StuckLoads {
+    type Target = Vec<(String, u64)>;
+    fn deref(&self) -> &Self::Target {
+        &self.loads
+    }
+}
+
+impl std::ops::DerefMut for StuckLoads {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.loads
+    }
 }
 
 /// Takes `agent`, retired while a load of metadata ran in it and with no request in flight,
@@ -842,15 +878,21 @@ enum Waited {
     TimedOut(String),
 }
 
-/// Remembers that producer agent `name` is gone (the latest [`MAX_GONE`] are kept).
+/// Remembers that producer agent `name` was found gone now (the latest [`MAX_GONE`] are kept).
 fn remember_gone(name: &str) {
     let mut gone = GONE.lock().unwrap_or_else(|p| p.into_inner());
-    if !gone.iter().any(|g| g == name) {
-        if gone.len() >= MAX_GONE {
-            gone.pop_front();
-        }
-        gone.push_back(name.to_owned());
+    gone.retain(|(g, _)| g != name);
+    if gone.len() >= MAX_GONE {
+        gone.pop_front();
     }
+    gone.push_back((name.to_owned(), Instant::now()));
+}
+
+/// Whether producer agent `name` was found gone less than [`GONE_FOR`] before `now`.
+fn found_gone(name: &str, now: Instant) -> bool {
+    let gone = GONE.lock().unwrap_or_else(|p| p.into_inner());
+    gone.iter()
+        .any(|(g, at)| g == name && now.saturating_duration_since(*at) < GONE_FOR)
 }
 
 /// Waits for the caller's stream of a device destination (NIXL's copy is outside CUDA streams).
@@ -937,21 +979,21 @@ impl Transport for NixlTransport {
             Some(w) => w,
             None => super::ReadBuffer::new(STAMP_WORDS * W)?,
         };
-        match super::read_words(self, at, &mut words[..at.len() * W]) {
-            Ok(stamps) => {
-                self.stamp_words
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(words);
-                Ok(stamps)
-            }
-            Err(e) => {
-                // A timed-out read may have left a request aimed at this buffer in a retired
-                // agent: it is never used, freed or deregistered again.
-                std::mem::forget(words);
-                Err(e)
-            }
+        let abandoned = self.abandoned.load(Ordering::SeqCst);
+        let read = super::read_words(self, at, &mut words[..at.len() * W]);
+        if read.is_err() && self.abandoned.load(Ordering::SeqCst) != abandoned {
+            // A read that timed out meanwhile (this one, maybe) may have left a request aimed at
+            // this buffer in a retired agent: it is never used, freed or deregistered again.
+            std::mem::forget(words);
+        } else {
+            // Done with, or failed with nothing left in flight (the session dead already, no
+            // request made): used again.
+            self.stamp_words
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(words);
         }
+        read
     }
 
     fn read(&self, reads: &mut [ReadOp<'_>]) -> Result<()> {
@@ -1019,5 +1061,41 @@ impl Transport for NixlTransport {
         // Only now, with the request released, may the temporary registrations go.
         drop(temps);
         r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_producer_found_gone_is_refused_for_a_while_then_tried_again() {
+        // Before: remembered for good, so a live producer whose connection broke once (a reset,
+        // a partition UCX reported as an error) was never read again.
+        let name = "capture-arena-0-found-gone-in-a-test";
+        remember_gone(name);
+        let now = Instant::now();
+        assert!(found_gone(name, now));
+        assert!(found_gone(name, now + GONE_FOR - Duration::from_millis(10)));
+        assert!(!found_gone(
+            name,
+            now + GONE_FOR + Duration::from_millis(10)
+        ));
+        assert!(!found_gone("capture-arena-0-never-gone", now));
+    }
+
+    #[test]
+    fn a_forked_child_counts_none_of_its_parents_stuck_loads() {
+        // Before: a child forked while loads were stuck (a DataLoader's worker, during a
+        // partition) counted its parent's, whose threads it has not, so they never ended there,
+        // and it failed every read of that producer as "still stuck" for its life.
+        let me = std::process::id();
+        lock_stuck().push(("capture-arena-0-partitioned".into(), u64::MAX));
+        STUCK_LOADS.lock().unwrap_or_else(|p| p.into_inner()).pid = me.wrapping_add(1); // as the child sees it
+        assert!(lock_stuck().iter().all(|(_, id)| *id != u64::MAX));
+        assert_eq!(
+            STUCK_LOADS.lock().unwrap_or_else(|p| p.into_inner()).pid,
+            me
+        );
     }
 }
