@@ -941,6 +941,19 @@ impl PySink {
         Ok(())
     }
 
+    /// As `_finish_writes`, each object named by its key and the stamp its result gives: only
+    /// the object under that key with that stamp is finished (or failed).
+    fn _finish_writes_stamped(
+        &self,
+        py: Python<'_>,
+        objects: Vec<(String, u64)>,
+        ok: bool,
+    ) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        sink.finish_writes_stamped(objects, ok);
+        Ok(())
+    }
+
     /// Finishes (`ok`) or fails the objects this process wrote, each `(stamp, address, bytes)`
     /// as it checked them before writing (the address in this process's mapping): so it
     /// finishes or fails exactly what it wrote, whatever keys its bookkeeping holds (with `ok`,

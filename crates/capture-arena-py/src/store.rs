@@ -269,6 +269,9 @@ struct StoreResult {
 struct StoreFeature {
     shape: Vec<u64>,
     dtype: capture_arena::Dtype,
+    /// An arena result's: the stamp its object was published with.
+    #[serde(default)]
+    stamp: Option<u64>,
 }
 
 /// `(key, bytes)` of each of `names` in a store-placement result, validated first: ids (as key
@@ -309,6 +312,24 @@ pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Ve
             Ok((key, n))
         })
         .collect()
+}
+
+/// The object keys of a result's features, each with its stamp where the result gives one
+/// (arena results do), validated as by [`_result_keys`].
+#[pyfunction]
+pub fn _result_stamped_keys(result: &Bound<'_, PyAny>) -> PyResult<Vec<(String, Option<u64>)>> {
+    let keys = _result_keys(result, false)?;
+    let r: StoreResult = crate::value::from_py(result).map_err(|e| {
+        to_py(Error::InvalidRead {
+            key: "result".into(),
+            reason: format!("not a result: {e}"),
+        })
+    })?;
+    // Keys come in the features' (sorted) order, as the map holds them.
+    Ok(keys
+        .into_iter()
+        .zip(r.features.values().map(|f| f.stamp))
+        .collect())
 }
 
 /// The object keys of a result's features (`{store_id}/{sample_id}/g{gen}/{name}`, parts

@@ -23,6 +23,7 @@ import pytest
 
 import capture_arena as ca
 
+from conftest import wait_stats
 from mooncake_master import MISSING as MOONCAKE_MISSING
 
 READER = r"""
@@ -540,6 +541,37 @@ def test_finish_writes_finishes_each_result_whatever_else_it_is_handed(make_sink
     got = store.get(r)
     assert got["h"].tobytes() == data and got["ids"].tolist() == ids
     store.release(r)
+    store.flush(10)
+
+
+def test_a_late_finish_of_a_result_never_finishes_or_fails_a_newer_object_under_its_key(make_sink: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """finish_writes named objects by key alone: a repeated or late finish of a result whose
+    objects were read, freed and reserved again under the same keys finished the newer ones
+    before their bytes (their readers got what lay there), or failed them while their writer
+    copied (found by an outside reading). It names them by key and stamp now."""
+    monkeypatch.setenv("SGLANG_SPEC_CAPTURE_READY_WAIT_S", "1")
+    sink = make_sink()
+    ((r1, at1),) = sink.reserve_each([reservation("again")], within_s=FIRST_WAIT_S)
+    write(r1, at1, seed=1)
+    sink.finish_writes([r1])
+    store = ca.ArenaFeatureStore()
+    store.get(r1)
+    store.release(r1)
+    store.flush(10)
+    wait_stats(sink, lambda s: s["resident_objects"] == 0)
+    ((r2, at2),) = sink.reserve_each([reservation("again")], within_s=FIRST_WAIT_S)
+    assert "error" not in r2 and r2["features"]["h"]["stamp"] != r1["features"]["h"]["stamp"], r2
+    sink.finish_writes([r1])  # repeated, late
+    sink.finish_writes([r1], ok=False)  # and a late failure
+    with pytest.raises(ca.NotReadyError):
+        store.get(r2)  # still being written: neither finished nor failed by them
+    s = sink.stats()
+    assert s["written_objects"] == 2 and s["failed_writes"] == 0 and s["resident_objects"] == 2, s
+    data, ids = write(r2, at2, seed=2)
+    sink.finish_writes([r2])
+    got = store.get(r2)
+    assert got["h"].tobytes() == data and got["ids"].tolist() == ids
+    store.release(r2)
     store.flush(10)
 
 

@@ -474,7 +474,17 @@ impl Arena {
     /// asked for meanwhile is applied now. `None` for a key that is not being written; else the
     /// tensor bytes a failed write freed (0 for a finished one).
     pub fn finish_write(&mut self, key: &str, ok: bool) -> Option<u64> {
-        let o = self.objects.get_mut(key).filter(|o| o.writing)?;
+        self.finish_write_if(key, None, ok)
+    }
+
+    /// As [`Arena::finish_write`], for the object under `key` only if its stamp is `stamp`
+    /// (where given): a late or repeated finish of a result never finishes, nor fails, a newer
+    /// object published under the same key since (its write may be under way).
+    pub fn finish_write_if(&mut self, key: &str, stamp: Option<u64>, ok: bool) -> Option<u64> {
+        let o = self
+            .objects
+            .get_mut(key)
+            .filter(|o| o.writing && stamp.is_none_or(|s| s == o.stamp))?;
         o.writing = false;
         self.writing.lock().remove(&o.stamp);
         let (at, stamp, pending) = (

@@ -248,6 +248,17 @@ impl Sink {
         }
     }
 
+    /// [`Writer::finish_writes_stamped`]; nothing before the writer has started.
+    pub fn finish_writes_stamped(
+        &self,
+        objects: impl IntoIterator<Item = (String, u64)>,
+        ok: bool,
+    ) {
+        if let Some(w) = self.started() {
+            w.finish_writes_stamped(objects, ok);
+        }
+    }
+
     /// Finishes (`ok`) or fails the objects their submitter wrote, named by what it checked
     /// ([`Writer::finish_written`]); nothing before the writer has started.
     pub fn finish_written(

@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar
 
-from ._capture_arena import _ArenaSink, _exiting, _forked_child, _result_keys, placement
+from ._capture_arena import _ArenaSink, _exiting, _forked_child, _result_keys, _result_stamped_keys, placement
 from ._live import LiveSink
 from ._store import StoreSink
 from .errors import ConfigError, InvalidSampleError, QueueFullError
@@ -591,12 +591,20 @@ class ArenaSink(LiveSink, _ArenaSink):
         arena left to finish): one that names no object of this sink's is logged and costs the
         others nothing."""
         keys: list[str] = []
+        stamped: list[tuple[str, int]] = []
         for r in results:
             try:
                 if "error" not in r:
-                    keys += _result_keys(r)
+                    for key, stamp in _result_stamped_keys(r):
+                        if stamp is None:
+                            keys.append(key)
+                        else:
+                            stamped.append((key, stamp))
             except Exception as e:  # not a result (a reserve_each pair, a forged one): its own loss
                 _log.warning("finish_writes: skipped what is not a result of this sink's: %.300s", e)
+        # By stamp where the result gives one: a late or repeated finish of a result never
+        # finishes (or fails) a newer object published under its key since.
+        self._finishing(self._finish_writes_stamped, stamped, ok)
         self._finish_keys(keys, ok)
 
     def _finish_keys(self, keys: list[str], ok: bool = True) -> None:

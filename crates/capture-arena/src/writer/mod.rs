@@ -351,7 +351,22 @@ impl Writer {
     /// written is applied now. Applied at the writer's next turn, counted in `written_objects`
     /// and `failed_writes`; keys not being written are ignored.
     pub fn finish_writes(&self, keys: impl IntoIterator<Item = String>, ok: bool) {
-        self.finished(keys.into_iter().map(|k| Finished::Key(k, ok)));
+        self.finished(keys.into_iter().map(|k| Finished::Key(k, None, ok)));
+    }
+
+    /// [`Writer::finish_writes`] for objects named by their key and the stamp their result
+    /// gives: each acts only on the object under its key with that stamp, so a late or repeated
+    /// finish of a result never finishes (or fails) a newer object published under its key.
+    pub fn finish_writes_stamped(
+        &self,
+        objects: impl IntoIterator<Item = (String, u64)>,
+        ok: bool,
+    ) {
+        self.finished(
+            objects
+                .into_iter()
+                .map(|(k, stamp)| Finished::Key(k, Some(stamp), ok)),
+        );
     }
 
     /// [`Writer::finish_writes`] for objects named by what their submitter checked before
@@ -707,7 +722,10 @@ impl Loop {
         let (mut written, mut failed, mut failed_bytes) = (0, 0, 0);
         for d in done {
             let finished = match d {
-                Finished::Key(k, ok) => self.arena.finish_write(&k, ok).map(|freed| (ok, freed)),
+                Finished::Key(k, stamp, ok) => self
+                    .arena
+                    .finish_write_if(&k, stamp, ok)
+                    .map(|freed| (ok, freed)),
                 Finished::Written(w, ok) => self.arena.finish_written(w, ok),
             };
             match finished {

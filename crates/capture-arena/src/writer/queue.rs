@@ -231,8 +231,9 @@ pub(crate) struct Shared {
 /// An object whose submitter finished writing it ([`Shared::finished_writes`]).
 #[derive(Debug)]
 pub enum Finished {
-    /// Named by its key: written (`true`) or never will be.
-    Key(String, bool),
+    /// Named by its key, and its stamp where known (then only the object with that stamp):
+    /// written (`true`) or never will be.
+    Key(String, Option<u64>, bool),
     /// Named by what its writer checked ([`crate::Arena::finish_written`]): written (`true`)
     /// or never will be.
     Written(crate::sample::Written, bool),
