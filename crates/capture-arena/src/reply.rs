@@ -157,13 +157,18 @@ fn recv_with_fds(sock: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Res
     }
 }
 
-/// False once nobody listens on `endpoint` any more: the producer's writer stopped or its
-/// process is gone (abstract sockets vanish with their process). One `connect`, answered by
-/// the writer as an empty request; never a wait: a producer that accepts nothing (stopped,
-/// its queue of connections full) still listens.
-pub fn is_listening(endpoint: &str) -> bool {
+/// False once the producer `pid` (where given) no longer listens on `endpoint`: its writer
+/// stopped or its process is gone (abstract sockets vanish with their process). One `connect`,
+/// answered by the writer as an empty request; never a wait: a producer that accepts nothing
+/// (stopped, its queue of connections full) still listens. A listener of another user (the
+/// name is free to bind once its process is gone), or one that was `pid`'s and outlived it (a
+/// child it forked holds the socket: credentials are the listener's), is not the producer.
+pub fn is_listening(endpoint: &str, pid: Option<u32>) -> bool {
     match connect_within(endpoint, None) {
-        Ok(_) => true,
+        Ok(s) => match peer_cred(s.as_raw_fd()) {
+            Ok((uid, peer)) => uid == my_uid() && pid.is_none_or(|p| p == peer && alive(p)),
+            Err(_) => true, // cannot be told: as listening
+        },
         Err(e) => !matches!(
             e.kind(),
             io::ErrorKind::ConnectionRefused
@@ -171,6 +176,16 @@ pub fn is_listening(endpoint: &str) -> bool {
                 | io::ErrorKind::InvalidInput
         ),
     }
+}
+
+/// Whether process `pid` exists (a signal could be sent to it, or it is another user's).
+fn alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 sends nothing; it only checks that the process exists.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 /// Connects to the abstract socket `endpoint` (`@...`) without waiting past `within` (`None`:
@@ -378,5 +393,40 @@ pub(crate) fn encode(answer: &Result<Reply>) -> Vec<u8> {
             out.push(b'\n');
             out
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn listener() -> (std::os::unix::net::UnixListener, String) {
+        let name = format!(
+            "capture-arena-reply-test-{}-{:x}",
+            std::process::id(),
+            crate::random::nonce().unwrap()
+        );
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+        (
+            std::os::unix::net::UnixListener::bind_addr(&addr).unwrap(),
+            format!("@{name}"),
+        )
+    }
+
+    #[test]
+    fn a_listener_is_the_producers_only_if_it_is_the_producer_and_alive() {
+        let (l, endpoint) = listener();
+        let me = std::process::id();
+        assert!(is_listening(&endpoint, None));
+        assert!(is_listening(&endpoint, Some(me)));
+        // Before: any listener on the name counted, so a producer whose socket outlived it (a
+        // forked child holds it) or a name bound again stayed live for good, and its device
+        // memory imported. Here the name is this process's, not the producer's.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        assert!(!is_listening(&endpoint, Some(gone)));
+        drop(l);
+        assert!(!is_listening(&endpoint, Some(me)) && !is_listening(&endpoint, None));
     }
 }

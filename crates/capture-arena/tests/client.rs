@@ -481,7 +481,7 @@ fn a_producer_that_accepts_nothing_holds_up_no_liveness_probe_or_request() {
     let probe = endpoint.clone();
     std::thread::spawn(move || {
         for _ in 0..4 {
-            let _ = tx.send(capture_arena::reply::is_listening(&probe));
+            let _ = tx.send(capture_arena::reply::is_listening(&probe, None));
         }
         let t0 = Instant::now();
         let asked = capture_arena::reply::request(&probe, "describe", Duration::from_millis(300));

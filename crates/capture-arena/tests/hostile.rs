@@ -728,7 +728,7 @@ fn a_reader_refuses_a_reply_endpoint_another_user_serves() {
     });
     let deadline = Instant::now() + Duration::from_secs(10);
     // (No assertion here: the child is killed below whatever happens.)
-    while !capture_arena::reply::is_listening(&endpoint) && Instant::now() < deadline {
+    while !capture_arena::reply::is_listening(&endpoint, None) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(10));
     }
     let got = capture_arena::reply::request(&endpoint, "fd", Duration::from_secs(5));

@@ -49,7 +49,8 @@ pub struct CudaTransport {
 /// True when the producer of a device session on this host is gone (its reply endpoint is no
 /// longer bound); `false` for another host's session (cannot be told).
 pub(crate) fn is_gone(session: &CudaSession) -> bool {
-    session.host == crate::memory::this_host() && !crate::reply::is_listening(&session.reply)
+    session.host == crate::memory::this_host()
+        && !crate::reply::is_listening(&session.reply, Some(session.pid))
 }
 
 impl CudaTransport {
@@ -211,7 +212,7 @@ impl Transport for CudaTransport {
         if live.1 && live.0.elapsed() >= LIVENESS_EVERY {
             *live = (
                 Instant::now(),
-                crate::reply::is_listening(&self.session.reply),
+                crate::reply::is_listening(&self.session.reply, Some(self.session.pid)),
             );
         }
         live.1
