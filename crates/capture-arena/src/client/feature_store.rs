@@ -221,6 +221,19 @@ impl FeatureStore {
         wanted.sort_unstable();
         wanted.dedup();
         let lens = self.lens_in_arena(result, &wanted)?;
+        let need = lens.iter().fold(0u64, |a, &n| a.saturating_add(n));
+        let (limit, of) = crate::limits::memory_limit();
+        if need > limit {
+            // Allocated and zeroed, they would have the kernel kill this process (overcommit
+            // lets the reservation through): refused, at the cost of this read alone.
+            return Err(Error::InvalidRead {
+                key: result.sample_path(),
+                reason: format!(
+                    "its features need {need} bytes, more than {of}'s {limit} bytes of memory: \
+                     read fewer of them, or give the process more memory"
+                ),
+            });
+        }
         let mut bufs = Vec::with_capacity(wanted.len());
         for (&name, len) in wanted.iter().zip(lens) {
             let cannot = |why: String| Error::InvalidRead {
