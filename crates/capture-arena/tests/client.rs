@@ -983,7 +983,7 @@ fn a_producer_that_reads_a_little_now_and_then_cannot_stretch_send_frees_past_it
     let took = t0.elapsed();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(
-        took < Duration::from_secs(3), // its 1 s, plus making 24 MB of lines before it
+        took < Duration::from_secs(3), // its 1 s, making the 24 MB of lines within it
         "send_frees with a 1 s timeout took {took:?}: {e}"
     );
     assert!(matches!(e, Error::FreeNotSent { .. }), "{e}");

@@ -362,6 +362,9 @@ pub fn send_frees(
     prefixes: &[String],
     timeout: Duration,
 ) -> Result<()> {
+    // From the call on: making the lines of many keys (seconds for millions, on a busy host)
+    // is part of the call its caller bounded.
+    let deadline = crate::limits::deadline_in(timeout);
     for p in prefixes {
         crate::key::check_prefix(p)?;
     }
@@ -391,8 +394,8 @@ pub fn send_frees(
     }
     buf.extend_from_slice(crate::control::sync_line(1).as_bytes());
     buf.push(b'\n');
-    let deadline = crate::limits::deadline_in(timeout);
-    let stream = connect(endpoint, token, timeout).map_err(not_sent)?;
+    let left = deadline.saturating_duration_since(Instant::now());
+    let stream = connect(endpoint, token, left.max(Duration::from_millis(1))).map_err(not_sent)?;
     write_within(&stream, &buf, deadline).map_err(not_sent)?;
     let left = deadline.saturating_duration_since(Instant::now());
     let confirmed = confirm(&stream, 1, left.max(Duration::from_millis(1)));
