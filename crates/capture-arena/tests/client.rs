@@ -604,6 +604,59 @@ fn unlocated_keys_reach_endpoints_learned_later() {
     }
 }
 
+#[test]
+fn unlocated_keys_go_once_to_an_endpoint_forgotten_and_learned_again() {
+    // Before: an endpoint the client forgot (its connection closed) and learned again was sent
+    // every unlocated key of the last 10 minutes again, without stamps: here the key was queued
+    // again, to free the object published under it since.
+    let a = Writer::start(&capture_arena::Config {
+        max_connections: 1,
+        line_timeout: Duration::from_millis(200),
+        ..config(1 << 20, Duration::from_secs(2))
+    })
+    .unwrap();
+    let control = a.arena_ref().control.clone();
+    let first = a.submit(vec![sample("k", &[10])]).unwrap().wait().unwrap();
+    let c = ControlClient::default();
+    c.learn(&control);
+    c.free(None, keyed(keys(&first))).unwrap();
+    c.flush().unwrap();
+    wait_freed(&a, 1);
+    let again = a.submit(vec![sample("k", &[10])]).unwrap().wait().unwrap();
+    assert_eq!(keys(&again).len(), 1);
+    // The client's connection, idle and its frees confirmed, makes way for another one; the
+    // client forgets the endpoint once it sees it closed.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut others = Vec::new();
+    while a.stats().idle_closed == 0 {
+        assert!(Instant::now() < deadline, "{:?}", a.stats());
+        others.push(std::net::TcpStream::connect(&control).unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    while c.endpoints().contains(&control) {
+        assert!(
+            Instant::now() < deadline,
+            "the client never forgot the endpoint"
+        );
+        c.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(others);
+    while a.stats().open_connections > 0 {
+        assert!(Instant::now() < deadline, "{:?}", a.stats());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    c.learn(&control);
+    assert_eq!(
+        c.pending(),
+        0,
+        "the key was queued again for the endpoint learned again"
+    );
+    c.flush_within(Duration::from_secs(10)).unwrap();
+    let s = a.stats();
+    assert_eq!((s.resident_objects, s.freed_objects), (1, 1), "{s:?}");
+}
+
 /// The mappings of this process whose path names `name`.
 fn mappings(name: &str) -> usize {
     std::fs::read_to_string("/proc/self/maps")

@@ -62,6 +62,8 @@ use crate::key::Key;
 pub const DEFAULT_MAX_PENDING_KEYS: usize = 1 << 18;
 /// How long a key with no known endpoint is given to endpoints learned later.
 pub const UNLOCATED_TTL: Duration = Duration::from_secs(600);
+/// The most forgotten endpoints remembered at once (`State::forgotten`).
+const MAX_FORGOTTEN: usize = 4096;
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// How long a sender goes on sending keys queued while it was sending before it looks at the
@@ -188,6 +190,10 @@ struct State {
     endpoints: BTreeMap<String, Endpoint>,
     /// Keys with no known endpoint, for endpoints learned later (bounded, oldest first).
     unlocated: VecDeque<(Key, Instant)>,
+    /// Endpoints forgotten (`prune`) within [`UNLOCATED_TTL`], with when: one learned again is
+    /// sent only the unlocated keys that came after (it had the others already: a second send,
+    /// without stamps, could free a replacement published under a key since).
+    forgotten: BTreeMap<String, Instant>,
     /// Keys waiting across endpoints.
     pending: usize,
     dropped: u64,
@@ -246,6 +252,7 @@ impl ControlClient {
                 pid: std::process::id(),
                 endpoints: BTreeMap::new(),
                 unlocated: VecDeque::new(),
+                forgotten: BTreeMap::new(),
                 pending: 0,
                 dropped: 0,
                 warned_drop: None,
@@ -466,6 +473,7 @@ impl Shared {
             s.pid = std::process::id();
             s.endpoints.clear();
             s.unlocated.clear();
+            s.forgotten.clear();
             s.pending = 0;
             s.senders = 0;
             s.unserved.clear();
@@ -486,7 +494,13 @@ impl Shared {
         {
             s.unlocated.pop_front();
         }
-        let keys: Vec<Waiting> = s.unlocated.iter().map(|(k, _)| (k.clone(), None)).collect();
+        let since = s.forgotten.remove(endpoint);
+        let keys: Vec<Waiting> = s
+            .unlocated
+            .iter()
+            .filter(|(_, t)| since.is_none_or(|f| *t > f))
+            .map(|(k, _)| (k.clone(), None))
+            .collect();
         s.endpoints.insert(endpoint.to_owned(), Endpoint::default());
         self.queue(s, endpoint, keys);
     }
@@ -564,6 +578,8 @@ impl Shared {
             return;
         }
         s.last_prune = now;
+        s.forgotten.retain(|_, at| now - *at <= UNLOCATED_TTL);
+        let mut forgotten = Vec::new();
         s.endpoints.retain(|endpoint, e| {
             let keep = e.sending
                 || e.sender
@@ -573,9 +589,21 @@ impl Shared {
                 || e.conn.as_ref().is_some_and(|c| alive(&c.stream));
             if !keep {
                 tracing::debug!(%endpoint, "forgetting a control endpoint that closed on us");
+                forgotten.push(endpoint.clone());
             }
             keep
         });
+        for endpoint in forgotten {
+            s.forgotten.insert(endpoint, now);
+        }
+        while s.forgotten.len() > MAX_FORGOTTEN {
+            let oldest = s
+                .forgotten
+                .iter()
+                .min_by_key(|(_, at)| **at)
+                .map(|(e, _)| e.clone());
+            oldest.map(|e| s.forgotten.remove(&e));
+        }
     }
 
     fn pending(&self) -> usize {
