@@ -777,20 +777,7 @@ impl ControlServer {
                 continue;
             }
             self.unauthed.remove(i);
-            bump(&stats.idle_closed, 1);
-            let peer = c.peer.clone();
-            let max = self.limits.max_connections;
-            self.warnings.warn(Warn::Idle, |suppressed| {
-                tracing::warn!(
-                    %peer,
-                    max,
-                    suppressed,
-                    "every control slot is taken: closed the oldest connection that has not \
-                     presented the control token to let a new one in (counted in idle_closed; \
-                     raise SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS if trainers need more)"
-                )
-            });
-            self.close(t, registry, stats, false);
+            self.make_way(t, None, registry, stats);
             return true;
         }
         false
@@ -822,24 +809,48 @@ impl ControlServer {
                 continue;
             }
             self.idle.remove(i);
-            bump(&stats.idle_closed, 1);
-            let peer = c.peer.clone();
-            let max = self.limits.max_connections;
-            self.warnings.warn(Warn::Idle, |suppressed| {
-                tracing::warn!(
-                    %peer,
-                    idle_s = for_.as_secs_f64(),
-                    max,
-                    suppressed,
-                    "every control slot is taken: closed the connection idle longest to let a \
-                     new one in (its client reconnects when it next frees; raise \
-                     SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS if trainers need more)"
-                )
-            });
-            self.close(t, registry, stats, false);
+            self.make_way(t, Some(for_), registry, stats);
             return true;
         }
         false
+    }
+
+    /// Closes control connection `t` to let a new one in (counted in `idle_closed`): one idle
+    /// for `idle_for`, or (`None`) one that has not presented the token.
+    fn make_way(
+        &mut self,
+        t: Token,
+        idle_for: Option<Duration>,
+        registry: &Registry,
+        stats: &Stats,
+    ) {
+        bump(&stats.idle_closed, 1);
+        let peer = self
+            .conns
+            .get(&t)
+            .map(|c| c.peer.clone())
+            .unwrap_or_default();
+        let max = self.limits.max_connections;
+        self.warnings.warn(Warn::Idle, |suppressed| match idle_for {
+            Some(idle) => tracing::warn!(
+                %peer,
+                idle_s = idle.as_secs_f64(),
+                max,
+                suppressed,
+                "every control slot is taken: closed the connection idle longest to let a new \
+                 one in (its client reconnects when it next frees; raise \
+                 SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS if trainers need more)"
+            ),
+            None => tracing::warn!(
+                %peer,
+                max,
+                suppressed,
+                "every control slot is taken: closed the oldest connection that has not presented \
+                 the control token to let a new one in (counted in idle_closed; raise \
+                 SGLANG_SPEC_CAPTURE_CONTROL_MAX_CONNS if trainers need more)"
+            ),
+        });
+        self.close(t, registry, stats, false);
     }
 
     /// Memory was given back: connections waiting for room get a turn again, the longest
