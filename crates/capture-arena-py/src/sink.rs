@@ -547,7 +547,10 @@ fn landing<'a>(
         match landed {
             Landed::Written(objects) => sink.finish_written(objects, true),
             Landed::Failed(objects) => sink.finish_written(objects, false),
-            Landed::FailedKeys(keys) => sink.finish_writes(keys, false),
+            Landed::FailedKeys(keys, stamps) if stamps.is_empty() => {
+                sink.finish_writes(keys, false)
+            }
+            Landed::FailedKeys(keys, stamps) => sink.fail_writes_of(keys, stamps),
         }
         flags[first + j].store(true, std::sync::atomic::Ordering::Release);
     }
@@ -941,6 +944,15 @@ impl PySink {
         Ok(())
     }
 
+    /// Fails a request's objects that never will be written, named by its keys and the stamps
+    /// it was given: all of them if one of the keys holds an object being written with one of
+    /// the stamps, else none (another request's keys). Applied at the writer's next turn.
+    fn _fail_writes_of(&self, py: Python<'_>, keys: Vec<String>, stamps: Vec<u64>) -> PyResult<()> {
+        let sink = self.sink(py)?;
+        sink.fail_writes_of(keys, stamps);
+        Ok(())
+    }
+
     /// As `_finish_writes`, each object named by its key and the stamp its result gives: only
     /// the object under that key with that stamp is finished (or failed).
     fn _finish_writes_stamped(
@@ -1039,7 +1051,7 @@ impl PySink {
                 match read {
                     Ok(r) => ready.push((j, r)),
                     Err((keys, e)) => {
-                        finish(j, Landed::FailedKeys(keys));
+                        finish(j, Landed::FailedKeys(keys, Vec::new()));
                         why[j] = Some(format!("copying cache rows: {e}"));
                     }
                 }

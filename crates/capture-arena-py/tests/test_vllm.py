@@ -2983,6 +2983,67 @@ def test_a_request_given_another_requests_keys_finishes_only_the_objects_it_wrot
         sink.close()
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+def test_a_request_given_another_requests_keys_and_stale_destinations_fails_nothing_of_the_others(path: str) -> None:
+    """A request whose destinations the writer's table does not vouch for (here: objects already
+    written and finished) is failed by its keys; those were another request's, still to be
+    written, and its objects were failed under their own copy (found by an outside reading).
+    Under each key only an object with one of the request's own stamps is failed now."""
+    import ctypes
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    import capture_arena as ca
+    from capture_arena._engine import PENDING_BIT
+    from capture_arena.vllm import _Rows
+
+    blocks, k, bs, h, n = 8, 3, 4, 16, 6
+    kv = torch.randn(blocks, k, bs, 2 * h, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    kv = kv[..., :h].contiguous() if path == "native" else kv[..., ::2]
+    rows_len = n * k * h * 2
+    sink = ca.ArenaSink(arena_bytes=1 << 20, wait_s=2, aux_layer_ids=[1, 2, 3])
+    sink._start(None)
+    try:
+        rows = sink._reserve_rows_begin("st", "bfloat16", k * h, [(f"s{i}", 1, n) for i in range(2)], within_s=2).wait_dicts()
+        block_ids = [[5, 2], [7, 0]]
+        copier = _Rows(kv, sink)
+
+        def todo(i: int, keys_of: int, at_of: int) -> list[tuple[object, ...]]:
+            sv = SimpleNamespace(req_id=f"s{i}", n=n, token_ids=list(range(100, 100 + n)), block_ids=block_ids[i])
+            return [(sv, rows[keys_of][0], rows[at_of][1])]
+
+        def words(i: int) -> list[int]:
+            at = rows[i][1]
+            return [
+                int.from_bytes(ctypes.string_at(at[name][0] + (size + 7) // 8 * 8, 8), "little")
+                for name, size in (("token_ids", n * 8), ("hidden_states", rows_len))
+            ]
+
+        stamps = [[rows[i][1][name][1] for name in ("token_ids", "hidden_states")] for i in range(2)]
+        assert copier.copy(todo(0, 0, 0), None) == [True]  # type: ignore[arg-type]
+        deadline = time.monotonic() + 10
+        while sink.stats()["written_objects"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        # Request 1's keys, request 0's destinations (finished: the table vouches for nothing).
+        assert copier.copy(todo(1, 1, 0), None) == [False]  # type: ignore[arg-type]
+        assert copier.copy(todo(1, 1, 1), None) == [True]  # type: ignore[arg-type]
+        while sink.stats()["written_objects"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        s = sink.stats()
+        assert s["written_objects"] == 4 and s["failed_writes"] == 0, s
+        assert words(1) == stamps[1] and all(not w & PENDING_BIT for w in words(1)), "request 1's objects"
+        with ca.ArenaFeatureStore() as store:
+            for i in (0, 1):
+                got = store.get(rows[i][2])
+                want = torch.cat([kv[b].permute(1, 0, 2).reshape(bs, k * h) for b in block_ids[i]])[:n]
+                assert np.array_equal(got["hidden_states"].reshape(n, k * h).view(np.uint16), want.contiguous().view(torch.int16).numpy().view(np.uint16))
+                store.release(rows[i][2])
+    finally:
+        sink.close()
+
+
 def test_a_request_longer_than_a_hold_of_the_gil_lets_it_go_between_its_holds() -> None:
     """One request of more ids than a hold (a prompt of over 2^17 tokens; 2^21 ids and holds of
     2^20 here) is read in holds of its ids, the GIL let go between them long enough for a thread

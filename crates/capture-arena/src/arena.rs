@@ -477,6 +477,11 @@ impl Arena {
         self.finish_write_if(key, None, ok)
     }
 
+    /// The stamp of the object under `key` if it is being written.
+    pub fn writing_stamp(&self, key: &str) -> Option<u64> {
+        self.objects.get(key).filter(|o| o.writing).map(|o| o.stamp)
+    }
+
     /// As [`Arena::finish_write`], for the object under `key` only if its stamp is `stamp`
     /// (where given): a late or repeated finish of a result never finishes, nor fails, a newer
     /// object published under the same key since (its write may be under way).

@@ -275,8 +275,12 @@ pub enum Landed {
     /// another's keys cannot fail that other's objects while their own copy writes them.
     Failed([Written; 2]),
     /// Its bytes never will be, and no table vouched for its objects' names (none was given,
-    /// or they are not its reservation's): its keys, to fail.
-    FailedKeys(Vec<String>),
+    /// or they are not its reservation's): its keys, to fail, and the stamps it was given (none
+    /// for a request that could not be read). A caller fails them only if one of its keys holds
+    /// an object being written with one of the stamps ([`crate::Writer::fail_writes_of`]; by
+    /// the keys alone where there is none), so a request given another's keys cannot fail that
+    /// other's objects either.
+    FailedKeys(Vec<String>, Vec<u64>),
 }
 
 impl Request {
@@ -302,7 +306,7 @@ impl Request {
         let written = self.written();
         match reserved {
             Some(t) if written.iter().all(|w| t.check(w).is_ok()) => Landed::Failed(written),
-            _ => Landed::FailedKeys(self.keys),
+            _ => Landed::FailedKeys(self.keys, vec![self.ids_stamp, self.rows_stamp]),
         }
     }
 
@@ -814,7 +818,7 @@ mod device {
                     // Planned against the table, where given: it vouched for the names.
                     let failure = match self.reserved {
                         Some(_) => Landed::Failed(written),
-                        None => Landed::FailedKeys(r.keys),
+                        None => Landed::FailedKeys(r.keys, vec![r.ids_stamp, r.rows_stamp]),
                     };
                     self.planned.push(Planned {
                         i,
@@ -830,7 +834,7 @@ mod device {
         /// The next request failed before it could be added (its objects' keys, and why).
         pub fn refuse(&mut self, keys: Vec<String>, why: String) {
             self.failed
-                .push((self.added, Landed::FailedKeys(keys), why));
+                .push((self.added, Landed::FailedKeys(keys, Vec::new()), why));
             self.added += 1;
         }
 
@@ -1108,8 +1112,8 @@ mod tests {
             finished,
             [
                 (0, Landed::Written(written_a)),
-                (1, Landed::FailedKeys(vec!["outside".into()])),
-                (2, Landed::FailedKeys(vec!["beyond".into()])),
+                (1, Landed::FailedKeys(vec!["outside".into()], vec![11, 11])),
+                (2, Landed::FailedKeys(vec!["beyond".into()], vec![12, 12])),
                 (3, Landed::Written(written_b))
             ]
         );

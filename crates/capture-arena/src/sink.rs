@@ -248,6 +248,13 @@ impl Sink {
         }
     }
 
+    /// [`Writer::fail_writes_of`]; nothing before the writer has started.
+    pub fn fail_writes_of(&self, keys: Vec<String>, stamps: Vec<u64>) {
+        if let Some(w) = self.started() {
+            w.fail_writes_of(keys, stamps);
+        }
+    }
+
     /// [`Writer::finish_writes_stamped`]; nothing before the writer has started.
     pub fn finish_writes_stamped(
         &self,

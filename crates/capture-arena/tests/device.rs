@@ -1047,7 +1047,10 @@ fn fake_gpu_rows_are_copied_only_after_the_writers_event_and_each_request_lands_
     assert_eq!(
         finished,
         [
-            (1, Landed::FailedKeys(vec!["outside".into()])),
+            (
+                1,
+                Landed::FailedKeys(vec!["outside".into()], vec![257, 257])
+            ),
             (0, Landed::Written(written_at(base, 0, n, rows_len))),
             (2, Landed::Written(written_at(base, 512, n, rows_len)))
         ]
@@ -1164,12 +1167,14 @@ fn fake_gpu_a_device_arenas_destinations_are_checked_against_the_writers_reserva
                 match &landed {
                     Landed::Written(objects) => w.finish_written(*objects, true),
                     Landed::Failed(objects) => w.finish_written(*objects, false),
-                    Landed::FailedKeys(keys) => w.finish_writes(keys.clone(), false),
+                    Landed::FailedKeys(keys, stamps) => {
+                        w.fail_writes_of(keys.clone(), stamps.clone())
+                    }
                 }
                 let how = match landed {
                     Landed::Written(_) => "written",
                     Landed::Failed(_) => "failed by name",
-                    Landed::FailedKeys(_) => "failed by keys",
+                    Landed::FailedKeys(..) => "failed by keys",
                 };
                 finished.push((i, how));
             },
@@ -1587,7 +1592,7 @@ fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_en
             None,
             vec![request(0, "a"), request(256, "b"), request(512, "c")],
             |i, landed| {
-                if matches!(&landed, Landed::FailedKeys(keys) if keys[0] == "b") {
+                if matches!(&landed, Landed::FailedKeys(keys, _) if keys[0] == "b") {
                     // SAFETY: the arena's bytes, read as they are when b is given back.
                     let now = std::slice::from_raw_parts(b_rows as *const u8, rows_len as usize);
                     at_failure.borrow_mut().extend_from_slice(now);
@@ -1603,8 +1608,8 @@ fn fake_gpu_a_request_whose_copies_fail_midway_is_given_back_only_after_those_en
     assert_eq!(
         finished,
         [
-            (1, Landed::FailedKeys(vec!["b".into()])),
-            (2, Landed::FailedKeys(vec!["c".into()])),
+            (1, Landed::FailedKeys(vec!["b".into()], vec![257, 257])),
+            (2, Landed::FailedKeys(vec!["c".into()], vec![513, 513])),
             (0, Landed::Written(written_at(base, 0, n, rows_len)))
         ]
     );

@@ -1827,8 +1827,9 @@ class _Rows:
         stamps and where their bytes went (as the native copy names them), so keys mixed up in
         our bookkeeping can neither finish another request's objects before their bytes nor fail
         them while their own copy writes them. A failed request whose names the writer's table
-        does not vouch for (its destinations were not its reservation's) is failed by its keys.
-        Never raises."""
+        does not vouch for (its destinations were not its reservation's) is failed by its keys,
+        if one of them holds an object being written with one of the request's stamps (they are
+        its own, not another's). Never raises."""
         names = self._names(sv, at)
         if not ok:
             try:
@@ -1836,7 +1837,10 @@ class _Rows:
             except Exception:  # the sink closed meanwhile: nothing is left to fail
                 return
             if not vouched:
-                self.sink._finish_keys(keys, ok=False)
+                try:
+                    self.sink._fail_writes_of(keys, [stamp for stamp, _, _ in names])
+                except Exception:  # the sink closed meanwhile: nothing is left to fail
+                    pass
                 return
         self.sink._finish_written_objects(names, ok=ok)
 

@@ -354,6 +354,15 @@ impl Writer {
         self.finished(keys.into_iter().map(|k| Finished::Key(k, None, ok)));
     }
 
+    /// Fails a request's objects that never will be written, named by its `keys` and the
+    /// `stamps` it was given: all of them if under one of the keys lies an object being written
+    /// with one of the stamps (the keys are the request's own), else none (keys mixed up with
+    /// another request's: its objects stay for their own copy). Applied at the writer's next
+    /// turn, counted in `failed_writes`.
+    pub fn fail_writes_of(&self, keys: Vec<String>, stamps: Vec<u64>) {
+        self.finished(std::iter::once(Finished::KeysOf(keys, stamps)));
+    }
+
     /// [`Writer::finish_writes`] for objects named by their key and the stamp their result
     /// gives: each acts only on the object under its key with that stamp, so a late or repeated
     /// finish of a result never finishes (or fails) a newer object published under its key.
@@ -722,19 +731,36 @@ impl Loop {
         let (mut written, mut failed, mut failed_bytes) = (0, 0, 0);
         for d in done {
             let finished = match d {
-                Finished::Key(k, stamp, ok) => self
+                Finished::Key(k, stamp, ok) => vec![self
                     .arena
                     .finish_write_if(&k, stamp, ok)
-                    .map(|freed| (ok, freed)),
-                Finished::Written(w, ok) => self.arena.finish_written(w, ok),
-            };
-            match finished {
-                Some((true, _)) => written += 1,
-                Some((false, freed)) => {
-                    failed += 1;
-                    failed_bytes += freed;
+                    .map(|freed| (ok, freed))],
+                Finished::Written(w, ok) => vec![self.arena.finish_written(w, ok)],
+                Finished::KeysOf(keys, stamps) => {
+                    let own = keys.iter().any(|k| {
+                        self.arena
+                            .writing_stamp(k)
+                            .is_some_and(|s| stamps.contains(&s))
+                    });
+                    keys.iter()
+                        .filter(|_| own)
+                        .map(|k| {
+                            self.arena
+                                .finish_write(k, false)
+                                .map(|freed| (false, freed))
+                        })
+                        .collect()
                 }
-                None => {}
+            };
+            for f in finished {
+                match f {
+                    Some((true, _)) => written += 1,
+                    Some((false, freed)) => {
+                        failed += 1;
+                        failed_bytes += freed;
+                    }
+                    None => {}
+                }
             }
         }
         let stats = &self.shared.stats;

@@ -237,6 +237,10 @@ pub enum Finished {
     /// Named by what its writer checked ([`crate::Arena::finish_written`]): written (`true`)
     /// or never will be.
     Written(crate::sample::Written, bool),
+    /// A request's objects that never will be written, named by its keys and the stamps it was
+    /// given: failed, all of them, if under one of the keys lies an object being written with
+    /// one of the stamps (the keys are the request's own); else none (another's keys).
+    KeysOf(Vec<String>, Vec<u64>),
 }
 
 impl Shared {
