@@ -241,7 +241,9 @@ step "builds started in the background, at the lowest CPU priority, while the Py
 #   benches ran once with the features above; they have no cfg of their own);
 # - the fuzz targets (scripts/fuzz.sh), in fuzz/target;
 # - aarch64 (Grace): the core with cuda and nixl, the CLI and an abi3 wheel, cross-built
-#   (scripts/aarch64.sh), in target/aarch64.
+#   (scripts/aarch64.sh), in target/aarch64;
+# - the CLI as README.md's first command builds it (release, default features), which the last
+#   step runs as written.
 BUILD_LOG=.cache/background-builds.log
 # Its own session (so a failed run stops it as a group), whose autogroup (Linux's per-session
 # scheduling group) gets nice 19 too: with autogroups on, a new session's group would otherwise
@@ -257,6 +259,8 @@ setsid -w nice -n 19 bash -ec '
   FUZZ_FEATURES=nixl FUZZ_STAGE=build scripts/fuzz.sh
   echo "== aarch64"
   AARCH64_PROFILE=dev scripts/aarch64.sh
+  echo "== the README'"'"'s main command, built as it says (release, default features)"
+  cargo build -q --release -p capture-arena-cli
 ' >"$BUILD_LOG" 2>&1 &
 BUILDS=$!
 echo "logging to $BUILD_LOG"
@@ -272,7 +276,7 @@ step "python: pytest, two workers (pytest-xdist; PYTEST_WORKERS), each test file
 step "attacks: the abuse corpus against a live producer (attacks/README.md)"
 .venv/bin/python -m pytest attacks -q -rs
 
-step "background builds: waiting for them (default builds, fuzz targets, aarch64)"
+step "background builds: waiting for them (default builds, fuzz targets, aarch64, the release CLI)"
 if ! wait "$BUILDS"; then
   BUILDS=
   tail -n 60 "$BUILD_LOG"
@@ -287,3 +291,8 @@ cargo test -p capture-arena --lib --tests
 
 step "fuzz: every target briefly, from the committed seeds (scripts/fuzz.sh; HARDENING.md)"
 FUZZ_FEATURES=nixl FUZZ_STAGE=run scripts/fuzz.sh 8
+
+step "the README's main command, as written: capture -> read -> free, 8.7 GiB through a 2 GiB arena"
+# Exactly the first of README.md's two commands (built above, in the background): what a reader
+# of the README runs first. About 6 s on 2 cores (its release build about 80 s, unloaded).
+cargo run -q --release -p capture-arena-cli -- demo
