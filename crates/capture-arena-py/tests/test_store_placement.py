@@ -816,8 +816,8 @@ def test_the_sinks_own_removals_that_fail_are_retried_and_never_remove_a_newer_o
             assert time.monotonic() < deadline, f"timed out waiting for {what}: {sink.stats()}"
             time.sleep(0.01)
 
-    def sample(sid: str, fill: int) -> tuple[dict[str, object], object, object]:
-        spec = {"store_id": "left", "sample_id": sid, "features": {"aux": "hidden_state", "last_hidden": "last"}}
+    def sample(sid: str, fill: int, replace: bool = False) -> tuple[dict[str, object], object, object]:
+        spec = {"store_id": "left", "sample_id": sid, "replace": replace, "features": {"aux": "hidden_state", "last_hidden": "last"}}
         return spec, np.full((16, 32), fill, np.float32), np.full((16, 8), fill, np.float32)
 
     try:
@@ -851,5 +851,23 @@ def test_the_sinks_own_removals_that_fail_are_retried_and_never_remove_a_newer_o
         with ca.ArenaFeatureStore() as store:
             got = store.get(again)
             assert (got["hidden_state"] == 3).all() and (got["last"] == 3).all()
+
+        # Left over again; then published with replace while the removal of them first fails
+        # (the batch's own replace removes them): published, and never removed by a retry
+        # after (before: kept for the retry, which removed the new objects).
+        sink._store.fail, sink._store.refuse_last = 1, True
+        (row,) = sink.put_samples([sample("c", 4)])
+        assert "retried" in row["error"] and sink.stats()["leftover_objects"] == 2, row
+        sink._store.fail, sink._store.refuse_last = 1, False
+        (again,) = sink.put_samples([sample("c", 5, replace=True)])
+        assert "error" not in again and sink._store.fail == 0, again
+        assert sink.stats()["leftover_objects"] == 0
+        timer = sink._leftover_timer
+        if timer is not None:
+            timer.join(5)
+        sink._pool.submit(lambda: None).result(timeout=30)
+        assert exists("left/c/g1/hidden_state") and exists("left/c/g1/last")
+        with ca.ArenaFeatureStore() as store:
+            assert (store.get(again)["hidden_state"] == 5).all()
     finally:
         sink.close()

@@ -482,6 +482,8 @@ class StoreSink(LiveSink):
                 # Its caller gave up meanwhile and told its request so: never to be read.
                 left = self._remove(store, keys)
                 return self._fail(batch, "its synchronous caller stopped waiting; removed again" + (f" ({len(left)} could not be yet; retried)" if left else ""))
+            for k in keys:  # published now: a removal kept from before must never reach them
+                self._leftover.pop(k, None)
             self._stats["published_batches"] += 1
             self._stats["published_samples"] += len(samples)
             self._stats["published_objects"] += len(keys)
