@@ -276,10 +276,10 @@ pub enum Landed {
     Failed([Written; 2]),
     /// Its bytes never will be, and no table vouched for its objects' names (none was given,
     /// or they are not its reservation's): its keys, to fail, and the stamps it was given (none
-    /// for a request that could not be read). A caller fails them only if one of its keys holds
-    /// an object being written with one of the stamps ([`crate::Writer::fail_writes_of`]; by
-    /// the keys alone where there is none), so a request given another's keys cannot fail that
-    /// other's objects either.
+    /// for a request that could not be read). A caller fails those of a sample with an object
+    /// being written with one of the stamps ([`crate::Writer::fail_writes_of`]; by the keys
+    /// alone where there is none), so a request given another's keys cannot fail that other's
+    /// objects either.
     FailedKeys(Vec<String>, Vec<u64>),
 }
 

@@ -235,3 +235,59 @@ fn a_reserved_batch_that_replaces_counts_what_it_replaced() {
         - s.failed_write_bytes;
     assert_eq!((objects, bytes), (1, 100), "{s:?}");
 }
+
+#[test]
+fn a_request_failed_by_its_keys_fails_only_the_samples_its_stamps_name() {
+    // A paged copy failed by its keys (the table did not vouch for its destinations) fails the
+    // objects of the samples it names with one of its own stamps, all of them (one of its
+    // stamps may be wrong), and nothing of another sample whose key it was handed (before:
+    // every key it held, once one matched: here c's object, under its own copy).
+    let w = Writer::start(&config(1 << 20, Duration::from_secs(2))).unwrap();
+    let two = |id: &str| {
+        let mut s = Sample::new("st", id, 1).unwrap();
+        for name in ["t0", "t1"] {
+            s.push(Tensor::new(name, vec![64], Dtype::Uint8, TensorData::Reserved(64)).unwrap())
+                .unwrap();
+        }
+        s
+    };
+    let got = publish(&w, vec![two("c"), two("d")]);
+    let (c, d) = (&got[0], &got[1]);
+    let key = |p: &Published, name: &str| format!("st/{}/g1/{name}", p.sample_id);
+    let stamp = |p: &Published, name: &str| p.features[name].stamp.unwrap();
+    // d's two keys and c's t1, with d's t0 stamp and a wrong one.
+    w.fail_writes_of(
+        vec![key(d, "t0"), key(d, "t1"), key(c, "t1")],
+        vec![stamp(d, "t0"), 1],
+    );
+    // Another's keys with stamps of nothing being written: nothing is failed.
+    w.fail_writes_of(vec![key(c, "t0")], vec![stamp(d, "t1") + 1_000_000]);
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.failed_writes == 2);
+    assert!(ok, "{s:?}");
+    let words = |p: &Published| {
+        ["t0", "t1"].map(|name| {
+            let f = &p.features[name];
+            let at = f.address + f.byte_len().unwrap().div_ceil(8) * 8;
+            // SAFETY: the object's aligned stamp word, inside this process's mapping.
+            u64::from_le(unsafe { std::ptr::read_volatile(at as *const u64) })
+        })
+    };
+    assert!(
+        words(d).iter().all(|w| w & FAILED_BIT != 0),
+        "{:?}",
+        words(d)
+    );
+    assert_eq!(
+        words(c),
+        [stamp(c, "t0") | PENDING_BIT, stamp(c, "t1") | PENDING_BIT]
+    );
+    w.finish_writes_stamped(
+        vec![
+            (key(c, "t0"), stamp(c, "t0")),
+            (key(c, "t1"), stamp(c, "t1")),
+        ],
+        true,
+    );
+    let (s, ok) = w.wait_for(Duration::from_secs(5), |s| s.written_objects == 2);
+    assert!(ok && s.failed_writes == 2, "{s:?}");
+}

@@ -1828,8 +1828,8 @@ class _Rows:
         our bookkeeping can neither finish another request's objects before their bytes nor fail
         them while their own copy writes them. A failed request whose names the writer's table
         does not vouch for (its destinations were not its reservation's) is failed by its keys,
-        if one of them holds an object being written with one of the request's stamps (they are
-        its own, not another's). Never raises."""
+        those of a sample that holds an object being written with one of the request's stamps
+        (its own, not another's). Never raises."""
         names = self._names(sv, at)
         if not ok:
             try:

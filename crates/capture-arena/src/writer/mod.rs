@@ -355,10 +355,10 @@ impl Writer {
     }
 
     /// Fails a request's objects that never will be written, named by its `keys` and the
-    /// `stamps` it was given: all of them if under one of the keys lies an object being written
-    /// with one of the stamps (the keys are the request's own), else none (keys mixed up with
-    /// another request's: its objects stay for their own copy). Applied at the writer's next
-    /// turn, counted in `failed_writes`.
+    /// `stamps` it was given: those of every sample under whose key lies an object being
+    /// written with one of the stamps (the request's own, even where another of its stamps is
+    /// wrong); none of another sample (keys mixed up with another request's: its objects stay
+    /// for their own copy). Applied at the writer's next turn, counted in `failed_writes`.
     pub fn fail_writes_of(&self, keys: Vec<String>, stamps: Vec<u64>) {
         self.finished(std::iter::once(Finished::KeysOf(keys, stamps)));
     }
@@ -737,13 +737,20 @@ impl Loop {
                     .map(|freed| (ok, freed))],
                 Finished::Written(w, ok) => vec![self.arena.finish_written(w, ok)],
                 Finished::KeysOf(keys, stamps) => {
-                    let own = keys.iter().any(|k| {
-                        self.arena
-                            .writing_stamp(k)
-                            .is_some_and(|s| stamps.contains(&s))
-                    });
+                    // The samples whose objects the request names with its own stamps: its
+                    // keys of those samples are its own (one of its stamps may be wrong), any
+                    // other key another request's.
+                    let own: Vec<&str> = keys
+                        .iter()
+                        .filter(|k| {
+                            self.arena
+                                .writing_stamp(k)
+                                .is_some_and(|s| stamps.contains(&s))
+                        })
+                        .map(|k| sample_of(k))
+                        .collect();
                     keys.iter()
-                        .filter(|_| own)
+                        .filter(|k| own.contains(&sample_of(k)))
                         .map(|k| {
                             self.arena
                                 .finish_write(k, false)
@@ -838,6 +845,11 @@ impl Loop {
 }
 
 pub use crate::limits::deadline_in;
+
+/// The sample part of an object key (`{store_id}/{sample_id}/g{gen}`): all but its name.
+fn sample_of(key: &str) -> &str {
+    key.rsplit_once('/').map_or(key, |(sample, _)| sample)
+}
 
 #[cfg(test)]
 mod tests {

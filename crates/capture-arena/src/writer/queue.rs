@@ -238,8 +238,8 @@ pub enum Finished {
     /// or never will be.
     Written(crate::sample::Written, bool),
     /// A request's objects that never will be written, named by its keys and the stamps it was
-    /// given: failed, all of them, if under one of the keys lies an object being written with
-    /// one of the stamps (the keys are the request's own); else none (another's keys).
+    /// given: failed where their sample has an object being written with one of the stamps
+    /// (see [`crate::Writer::fail_writes_of`]).
     KeysOf(Vec<String>, Vec<u64>),
 }
 
