@@ -110,9 +110,6 @@ pub const MAX_ALIGNMENT: u64 = crate::page::MIN_PAGE as u64;
 pub const DEFAULT_ARENA_WAIT: Duration = Duration::from_secs(30);
 /// Default writer queue capacity.
 pub const DEFAULT_MAX_PENDING_BATCHES: usize = 2;
-/// The control host must be one address trainers can reach, never all interfaces: a producer
-/// advertises where it listens, and `0.0.0.0:port` is no place to connect to (it would also
-/// expose the port on every network of the host).
 /// The host a control host variable names: an IPv6 address without its brackets; for
 /// `MOONCAKE_LOCAL_HOSTNAME`, which may carry Mooncake's own port (`host:port`, `[v6]:port`),
 /// without it. A port in `SGLANG_SPEC_CAPTURE_CONTROL_HOST` is an error naming the port's own
@@ -146,6 +143,9 @@ fn host_part<'a>(var: &'static str, h: &'a str) -> Result<&'a str> {
     Ok(host)
 }
 
+/// The control host must be one address trainers can reach, never all interfaces: a producer
+/// advertises where it listens, and `0.0.0.0:port` is no place to connect to (it would also
+/// expose the port on every network of the host).
 fn check_control_host(var: &'static str, host: &str) -> Result<()> {
     if host.is_empty() {
         return Err(Error::config(var, "empty host"));
