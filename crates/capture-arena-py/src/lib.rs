@@ -121,6 +121,7 @@ fn _capture_arena(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(store::_is_valid_token, m)?)?;
     m.add_function(wrap_pyfunction!(store::_result_keys, m)?)?;
     m.add_function(wrap_pyfunction!(store::_result_stamped_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(store::_memory_limit, m)?)?;
     m.add_function(wrap_pyfunction!(store::_stats_query, m)?)?;
     m.add_function(wrap_pyfunction!(arena_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(placement, m)?)?;

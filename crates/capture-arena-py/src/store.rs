@@ -318,15 +318,9 @@ pub fn _store_keys(result: &Bound<'_, PyAny>, names: Vec<String>) -> PyResult<Ve
 /// (arena results do), validated as by [`_result_keys`].
 #[pyfunction]
 pub fn _result_stamped_keys(result: &Bound<'_, PyAny>) -> PyResult<Vec<(String, Option<u64>)>> {
-    let keys = _result_keys(result, false)?;
-    let r: StoreResult = crate::value::from_py(result).map_err(|e| {
-        to_py(Error::InvalidRead {
-            key: "result".into(),
-            reason: format!("not a result: {e}"),
-        })
-    })?;
+    let r = result_of(result)?;
     // Keys come in the features' (sorted) order, as the map holds them.
-    Ok(keys
+    Ok(keys_of(&r, false)?
         .into_iter()
         .zip(r.features.values().map(|f| f.stamp))
         .collect())
@@ -337,6 +331,11 @@ pub fn _result_stamped_keys(result: &Bound<'_, PyAny>) -> PyResult<Vec<(String, 
 #[pyfunction]
 #[pyo3(signature = (result, store=false))]
 pub fn _result_keys(result: &Bound<'_, PyAny>, store: bool) -> PyResult<Vec<String>> {
+    keys_of(&result_of(result)?, store)
+}
+
+/// A result read from Python, with at most `MAX_FEATURES` features.
+fn result_of(result: &Bound<'_, PyAny>) -> PyResult<StoreResult> {
     let r: StoreResult = crate::value::from_py(result).map_err(|e| {
         to_py(Error::InvalidRead {
             key: "result".into(),
@@ -349,6 +348,11 @@ pub fn _result_keys(result: &Bound<'_, PyAny>, store: bool) -> PyResult<Vec<Stri
             reason: format!("{} features, more than a result may have", r.features.len()),
         }));
     }
+    Ok(r)
+}
+
+/// The keys of `r`'s features, validated as key parts (the store's keys with `store`).
+fn keys_of(r: &StoreResult, store: bool) -> PyResult<Vec<String>> {
     r.features
         .keys()
         .map(|name| {
@@ -361,6 +365,13 @@ pub fn _result_keys(result: &Bound<'_, PyAny>, store: bool) -> PyResult<Vec<Stri
             }
         })
         .collect()
+}
+
+/// The most memory this process may use, and whose limit it is (the core's
+/// `limits::memory_limit`: the host's, or its cgroup's where lower; read once).
+#[pyfunction]
+pub fn _memory_limit() -> (u64, &'static str) {
+    capture_arena::limits::memory_limit()
 }
 
 /// Asks a control endpoint for its stats answer once (the Rust core's `client::StatsQuery`),

@@ -25,8 +25,8 @@ pub fn deadline_in(within: std::time::Duration) -> std::time::Instant {
 }
 
 /// The most memory this process may use, and whose limit it is: the host's, or its cgroup's
-/// (v2 `memory.max`, v1 `memory.limit_in_bytes`) where that is lower, as Python's
-/// `_reader._memory_limit` reads it. A read whose fresh outputs need more is refused: past a
+/// (v2 `memory.max`, v1 `memory.limit_in_bytes`) where that is lower (Python's readers ask it
+/// too: `_reader._memory_limit`). A read whose fresh outputs need more is refused: past a
 /// cgroup's limit the kernel kills the process, where an error costs only that read. Read once.
 pub fn memory_limit() -> (u64, &'static str) {
     static LIMIT: std::sync::OnceLock<(u64, &'static str)> = std::sync::OnceLock::new();

@@ -4,7 +4,7 @@ from typing import Any, Literal, Optional, final, overload
 
 from typing_extensions import disjoint_base
 
-__all__ = ["_ArenaSink", "_Landed", "_DeviceRows", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_env_flag", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_result_stamped_keys", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_is_valid_token", "_exiting", "_forked_child", "_nixl_serve", "_BUILD"]
+__all__ = ["_ArenaSink", "_Landed", "_DeviceRows", "_Reserving", "_Store", "_Batch", "arena_enabled", "placement", "_parse_bytes", "_env_flag", "_max_pending_batches", "_plan_batch", "_store_keys", "_result_keys", "_result_stamped_keys", "_memory_limit", "_stats_query", "_bench_rust_put", "__version__", "FEATURES", "UCX_TCP_SEG_SIZE", "ReadBuffer", "_send_frees", "_is_valid_token", "_exiting", "_forked_child", "_nixl_serve", "_BUILD"]
 
 __version__: str
 #: UCX's TCP segment size the package and the CLI set when unset (``UCX_TCP_TX_SEG_SIZE``, ``UCX_TCP_RX_SEG_SIZE``).
@@ -219,6 +219,7 @@ def _plan_batch(samples: Any, aux_layer_ids: Optional[list[int]] = None) -> tupl
 def _store_keys(result: Any, names: list[str]) -> list[tuple[str, int]]: ...
 def _result_keys(result: Any, store: bool = False) -> list[str]: ...
 def _result_stamped_keys(result: Any) -> list[tuple[str, Optional[int]]]: ...
+def _memory_limit() -> tuple[int, str]: ...
 def _stats_query(control: str, token: Optional[str] = None, timeout_s: float = 2.0) -> dict[str, Any]: ...
 
 @final

@@ -78,6 +78,7 @@ import numpy as np
 
 from . import _logs
 from ._samples import Warnings, _interrupts
+from ._samples import _torch_module as _torch
 from .errors import ConfigError
 
 __all__ = ["LiveCapture", "LiveSink", "CONFIG_PATH", "RECORDS_PATH", "sampled", "QUEUE_ENV", "INTAKE_WAIT_ENV", "intake_wait_s", "sync_wait_s"]
@@ -260,12 +261,6 @@ def _wait_handed_over(ready: Optional[Any]) -> None:
     if ready is not None:
         device, event = ready
         _torch().cuda.current_stream(device).wait_event(event)
-
-
-def _torch() -> Any:
-    import importlib
-
-    return importlib.import_module("torch")
 
 
 def _tokens_bytes(tokens: Any) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import importlib
 import math
 import multiprocessing.util
@@ -19,6 +18,7 @@ from typing import Any, Optional
 import numpy as np
 
 from . import _logs
+from . import _capture_arena
 from ._capture_arena import _send_frees, _Store
 from . import _pool
 from ._store import StoreReader, is_store_result, same_sizes
@@ -36,35 +36,11 @@ def handle_of(result: Mapping[str, Any]) -> str:
 
 
 
-@functools.lru_cache(maxsize=1)
 def _memory_limit() -> tuple[int, str]:
     """The most memory this process may use, and whose limit it is: the host's, or its cgroup's
-    (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) where that is lower. The cgroup's files
-    are looked for under the path ``/proc/self/cgroup`` names and, where that is not mounted (a
-    container without its own cgroup namespace), at the root of the mount. Read once."""
-    limit, of = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host"
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read(65536).splitlines()
-    except OSError:
-        lines = []
-    candidates = []
-    for line in lines:
-        hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if hid == "0" and controllers == "":
-            candidates.append(f"/sys/fs/cgroup{path}/memory.max")
-        elif "memory" in controllers.split(","):
-            candidates.append(f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
-    candidates += ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
-    for candidate in candidates:
-        try:
-            with open(candidate) as f:
-                raw = f.read(64).strip()
-        except OSError:
-            continue
-        if raw.isdigit() and int(raw) < limit:
-            limit, of = int(raw), "this process's cgroup"
-    return limit, of
+    where that is lower (the core's ``limits::memory_limit``, read once)."""
+    limit, of = _capture_arena._memory_limit()
+    return int(limit), str(of)
 
 
 def _nbytes(feature: Mapping[str, Any]) -> int:
